@@ -1,0 +1,43 @@
+"""The NumPy backend: the reference, and the default on machines without a GPU."""
+
+from __future__ import annotations
+
+from gqakv.backend import Backend
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+    priority = 10
+    array_library = "numpy"
+    device_kind = "cpu"
+    dtypes = ("float32", "float64", "float16", "bfloat16")
+    head_dims = None
+    features = frozenset({"array_api", "bfloat16 via ml_dtypes", "float16/bfloat16 computed in float32"})
+
+    def namespace(self):
+        import array_api_compat.numpy as xp
+
+        return xp
+
+    def dtype(self, name: str):
+        from gqakv.dtypes import canonical_name
+
+        name = canonical_name(name)
+        if name == "bfloat16":
+            import ml_dtypes
+
+            return ml_dtypes.bfloat16
+        return getattr(self.namespace(), name)
+
+    def owns(self, x) -> bool:
+        import numpy as np
+
+        return isinstance(x, np.ndarray)
+
+    def device_of(self, x):
+        return "cpu"
+
+    def from_host_ints(self, a, device=None):
+        view = a.view()
+        view.flags.writeable = False
+        return view

@@ -1,0 +1,36 @@
+"""gqakv: grouped-query attention over a preallocated, in-place KV cache.
+
+    cache = gqakv.KVCache(batch=B, kv_heads=Hkv, max_len=S, head_dim=d)
+    cache.append(k_new, v_new, n_new)           # [B, Hkv, T, d] written at lens[b]
+    out = gqakv.gqa_attention(q, cache, n_new)  # q, out: [B, Hq, T, d]
+
+Importing gqakv imports no optional backend (CuPy, torch): plugins load on first use.
+"""
+
+from .attention import gqa_attention
+from .backend import Backend
+from .cache import KVCache
+from .registry import (
+    BackendError,
+    describe_backends,
+    get_backend,
+    list_backends,
+    register_backend,
+    unregister_backend,
+    use_backend,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "KVCache",
+    "describe_backends",
+    "get_backend",
+    "gqa_attention",
+    "list_backends",
+    "register_backend",
+    "unregister_backend",
+    "use_backend",
+]

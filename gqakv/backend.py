@@ -1,0 +1,132 @@
+"""What a backend is: a capability table plus the few operations gqakv needs.
+
+A backend owns where cache buffers live (array library and device) and how the two
+hot operations run: writing new K/V in place (``write_kv``) and grouped-query
+attention over the live part of the cache (``attention``). The defaults here are the
+generic array-API implementations, so a backend for a new array library only has to
+say how to allocate; a backend with fused kernels overrides the hot operations.
+
+Capabilities are plain data (``dtypes``, ``head_dims``, ``features``) and
+``not_supported_reasons`` turns them into sentences, so the dispatcher and
+``gqakv info`` can explain every rejection.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+
+from . import dtypes as _dtypes
+
+
+class Backend:
+    """Base class for gqakv backends; subclasses set the class attributes below."""
+
+    #: Name used with ``backend=...``, ``use_backend(...)`` and ``GQAKV_BACKEND``.
+    name: ClassVar[str] = "?"
+    #: 'auto' picks the runnable backend with the highest priority.
+    priority: ClassVar[int] = 0
+    #: Array library the buffers belong to, and the kind of device.
+    array_library: ClassVar[str] = "?"
+    device_kind: ClassVar[str] = "cpu"
+    #: Cache dtypes this backend stores and computes with.
+    dtypes: ClassVar[tuple[str, ...]] = ("float32", "float64")
+    #: Head dims supported; None means any positive head dim.
+    head_dims: ClassVar[tuple[int, ...] | None] = None
+    #: Free-form feature names shown by ``gqakv info`` (e.g. "fused_decode").
+    features: ClassVar[frozenset[str]] = frozenset()
+
+    # -- availability and capabilities ---------------------------------------------------
+
+    def unavailable_reason(self) -> str | None:
+        """None when this backend can run here, else a sentence saying why not."""
+        return None
+
+    def not_supported_reasons(self, *, dtype=None, head_dim: int | None = None) -> list[str]:
+        """Why this backend cannot hold a cache of ``dtype`` and ``head_dim`` (empty: it can)."""
+        reasons = []
+        why = self.unavailable_reason()
+        if why:
+            reasons.append(why)
+        if dtype is not None:
+            try:
+                name = _dtypes.canonical_name(dtype)
+            except TypeError as exc:
+                reasons.append(str(exc))
+            else:
+                if name not in self.dtypes:
+                    reasons.append(f"dtype={name} (supported: {', '.join(self.dtypes)})")
+        if head_dim is not None and self.head_dims is not None and head_dim not in self.head_dims:
+            dims = ", ".join(str(h) for h in self.head_dims)
+            reasons.append(f"head_dim={head_dim} (supported: {dims})")
+        return reasons
+
+    # -- arrays ----------------------------------------------------------------------------
+
+    def namespace(self):
+        """The array-API namespace of this backend's arrays."""
+        raise NotImplementedError
+
+    def dtype(self, name: str):
+        """This library's dtype object for a gqakv dtype name."""
+        return getattr(self.namespace(), _dtypes.canonical_name(name))
+
+    def empty(self, shape: tuple[int, ...], dtype: str):
+        """Uninitialized buffer of ``shape``; raises MemoryError when it cannot fit."""
+        xp = self.namespace()
+        return xp.empty(shape, dtype=self.dtype(dtype))
+
+    def owns(self, x) -> bool:
+        """True when ``x`` is an array of this backend's library."""
+        from array_api_compat import array_namespace
+
+        try:
+            return array_namespace(x) is self.namespace()
+        except TypeError:
+            return False
+
+    def device_of(self, x) -> Any:
+        from array_api_compat import device
+
+        return device(x)
+
+    def from_numpy(self, a: np.ndarray, dtype=None):
+        """A copy of the NumPy array ``a`` in this backend's library (optionally cast to ``dtype``)."""
+        xp = self.namespace()
+        if dtype is None:
+            return xp.asarray(a)
+        return xp.asarray(np.asarray(a), dtype=self.dtype(dtype))
+
+    def to_numpy(self, x) -> np.ndarray:
+        """A NumPy array holding the values of ``x`` (a host copy for device arrays)."""
+        if isinstance(x, np.ndarray):
+            return x
+        return np.from_dlpack(x)
+
+    def from_host_ints(self, a: np.ndarray, device=None):
+        """An int64 array of this backend holding the host values ``a``."""
+        xp = self.namespace()
+        return xp.asarray(a, dtype=xp.int64, device=device)
+
+    # -- hot operations (generic array-API defaults) -------------------------------------------
+
+    def write_kv(self, k_buf, v_buf, k_new, v_new, rows, starts, n_new) -> None:
+        """Write ``k_new[i, :, :n_new[i]]`` into ``k_buf[rows[i], :, starts[i]:...]`` (same for V).
+
+        Inputs are already validated; ``rows``, ``starts``, ``n_new`` are host int arrays.
+        """
+        from .cache_ops import write_kv_array_api
+
+        write_kv_array_api(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
+
+    def attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
+        """Grouped-query attention of ``q`` over the live cache; see ``gqakv.gqa_attention``."""
+        from .attention import attention_array_api
+
+        return attention_array_api(
+            q, k_buf, v_buf, rows, lens, n_new, scale=scale, return_lse=return_lse
+        )
+
+    def __repr__(self) -> str:
+        return f"<gqakv backend {self.name!r}>"

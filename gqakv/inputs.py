@@ -1,0 +1,177 @@
+"""Validate once, then trust: every check on append and attention inputs lives here.
+
+Validation runs completely before anything is written, so a rejected call leaves
+every row's data and length as it was. Errors name the argument, the row and the
+numbers involved. Backends receive only validated inputs (host int arrays for the
+per-row bookkeeping) and do not check again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import dtypes as _dtypes
+
+
+def _to_numpy(x) -> np.ndarray:
+    """Host copy of a small integer array from any library (list, NumPy, DLPack, CuPy)."""
+    if isinstance(x, (np.ndarray, list, tuple, int, np.integer)):
+        return np.asarray(x)
+    if hasattr(x, "get") and type(x).__module__.startswith("cupy"):
+        return x.get()
+    try:
+        return np.from_dlpack(x)
+    except Exception:
+        return np.asarray(x)
+
+
+def host_ints(x, what: str, length: int) -> np.ndarray:
+    """``x`` as a host int64 array of shape [length]; TypeError/ValueError otherwise."""
+    if isinstance(x, bool) or x is None:
+        raise TypeError(f"{what} must be integers of shape [{length}], got {x!r}")
+    a = _to_numpy(x)
+    if a.dtype.kind not in "iu" or a.dtype == np.bool_:
+        if a.size == 0 and a.dtype.kind == "f":  # [] from an empty list is float64
+            a = a.astype(np.int64)
+        else:
+            raise TypeError(f"{what} must have an integer dtype, got {a.dtype}")
+    if a.shape != (length,):
+        raise ValueError(f"{what} must have shape [{length}] (one per batch row), got {list(a.shape)}")
+    return a.astype(np.int64, copy=True)
+
+
+def _check_same_library(cache, x, what: str) -> None:
+    backend = cache.backend
+    if not backend.owns(x):
+        raise TypeError(
+            f"{what} is a {type(x).__module__}.{type(x).__name__}, but the cache's backend "
+            f"{backend.name!r} holds {backend.array_library} arrays"
+        )
+    dev, want = backend.device_of(x), backend.device_of(cache.k)
+    if dev != want:
+        raise ValueError(f"{what} is on device {dev}, the cache is on {want}")
+
+
+def _check_dtype(cache, x, what: str) -> None:
+    got = _dtypes.canonical_name(x.dtype) if _is_float(x.dtype) else str(x.dtype)
+    if got != cache.dtype:
+        raise TypeError(
+            f"{what} has dtype {got}, the cache holds {cache.dtype}; convert it explicitly "
+            "(gqakv never casts the cache or its inputs silently)"
+        )
+
+
+def _is_float(dt) -> bool:
+    try:
+        _dtypes.canonical_name(dt)
+        return True
+    except TypeError:
+        return False
+
+
+def _rows(cache, rows, batch: int, *, distinct: bool) -> np.ndarray:
+    """Cache row of each batch entry: ``arange(cache.batch)`` or the given indirection."""
+    if rows is None:
+        if batch != cache.batch:
+            raise ValueError(
+                f"batch size {batch} does not match the cache's {cache.batch} rows "
+                "(pass rows= to address a subset of rows)"
+            )
+        return np.arange(cache.batch, dtype=np.int64)
+    r = host_ints(rows, "rows", batch)
+    bad = np.flatnonzero((r < 0) | (r >= cache.batch))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"rows[{i}]={int(r[i])} is out of range for a cache of {cache.batch} rows")
+    if distinct and np.unique(r).size != r.size:
+        vals, counts = np.unique(r, return_counts=True)
+        raise ValueError(f"rows must be distinct for append; row {int(vals[counts > 1][0])} repeats")
+    return r
+
+
+@dataclass(frozen=True)
+class AppendInputs:
+    """Validated append: batch entry i writes n_new[i] tokens to cache row rows[i] at starts[i]."""
+
+    rows: np.ndarray  # [B] int64, distinct cache rows
+    starts: np.ndarray  # [B] int64, the rows' lengths before the append
+    n_new: np.ndarray  # [B] int64, 0 <= n_new <= T
+
+
+def validate_append(cache, k_new, v_new, n_new, rows=None) -> AppendInputs:
+    for what, x in (("k_new", k_new), ("v_new", v_new)):
+        _check_same_library(cache, x, what)
+        if x.ndim != 4:
+            raise ValueError(f"{what} must be [B, Hkv, T, d], got {x.ndim} dims {list(x.shape)}")
+    if tuple(k_new.shape) != tuple(v_new.shape):
+        raise ValueError(f"k_new {list(k_new.shape)} and v_new {list(v_new.shape)} differ in shape")
+    B, hkv, T, d = (int(s) for s in k_new.shape)
+    if (hkv, d) != (cache.kv_heads, cache.head_dim):
+        raise ValueError(
+            f"k_new/v_new are [B={B}, Hkv={hkv}, T={T}, d={d}], the cache has "
+            f"Hkv={cache.kv_heads}, d={cache.head_dim}"
+        )
+    _check_dtype(cache, k_new, "k_new")
+    _check_dtype(cache, v_new, "v_new")
+    r = _rows(cache, rows, B, distinct=True)
+    n = host_ints(n_new, "n_new", B)
+    for i in range(B):
+        if not 0 <= n[i] <= T:
+            raise ValueError(f"n_new[{i}]={int(n[i])} is outside 0..T={T} for row {int(r[i])}")
+    starts = cache.host_lens[r]
+    for i in range(B):
+        if starts[i] + n[i] > cache.max_len:
+            raise ValueError(
+                f"row {int(r[i])} holds {int(starts[i])} tokens; appending n_new[{i}]={int(n[i])} "
+                f"would make {int(starts[i] + n[i])} > max_len={cache.max_len}"
+            )
+    return AppendInputs(rows=r, starts=starts.copy(), n_new=n)
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Validated attention call: batch entry i reads cache row rows[i] of length lens[i]."""
+
+    rows: np.ndarray  # [B] int64
+    lens: np.ndarray  # [B] int64, live tokens of each row (after the append)
+    n_new: np.ndarray  # [B] int64, queries of entry i are the last n_new[i] tokens of its row
+    group: int  # G = Hq // Hkv
+    scale: float
+
+
+def validate_attention(cache, q, n_new, rows=None, scale=None) -> AttentionInputs:
+    _check_same_library(cache, q, "q")
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, Hq, T, d], got {q.ndim} dims {list(q.shape)}")
+    B, hq, T, d = (int(s) for s in q.shape)
+    if d != cache.head_dim:
+        raise ValueError(f"q has head dim d={d}, the cache has d={cache.head_dim}")
+    if hq % cache.kv_heads:
+        raise ValueError(
+            f"query heads Hq={hq} must be a multiple of the cache's KV heads Hkv={cache.kv_heads}"
+        )
+    if hq == 0:
+        raise ValueError("q has no heads (Hq=0)")
+    _check_dtype(cache, q, "q")
+    r = _rows(cache, rows, B, distinct=False)
+    n = host_ints(n_new, "n_new", B)
+    lens = cache.host_lens[r]
+    for i in range(B):
+        if not 0 <= n[i] <= T:
+            raise ValueError(f"n_new[{i}]={int(n[i])} is outside 0..T={T}")
+        if n[i] > lens[i]:
+            raise ValueError(
+                f"n_new[{i}]={int(n[i])} but row {int(r[i])} holds only {int(lens[i])} tokens "
+                "(attention takes the lengths after the append)"
+            )
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite Python float, got {scale!r}")
+    # A Python float keeps the computation in the cache's dtype (a NumPy float64 scalar
+    # would promote a float32 step to a float64 copy of every block it touches).
+    return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, group=hq // cache.kv_heads,
+                           scale=float(scale))
