@@ -1,0 +1,219 @@
+"""Parity of gqa_attention with the independent float64 reference, on every backend.
+
+Randomized chunked, ragged trials: each trial builds a cache, feeds rows in chunks of
+1..8 tokens (some rows get none in some calls), and after every append compares the
+attention of the chunk's queries with tests/reference.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gqakv
+from gqakv import attention as attention_module
+
+from .reference import reference_attention
+
+# float32: inputs are O(1), so outputs are O(1) convex combinations of V; a correct
+# float32 computation is within a few ulps x log(L) of float64. 2e-5 is ~170 ulps.
+TOL = {"float64": 1e-10, "float32": 2e-5}
+
+
+@st.composite
+def trials(draw):
+    """A cache shape and a schedule of chunked appends (some rows skip some calls)."""
+    hkv = draw(st.sampled_from([1, 2, 4]))
+    group = draw(st.integers(1, 8))
+    batch = draw(st.integers(1, 3))
+    d = draw(st.sampled_from([1, 4, 8, 16]))
+    final = draw(st.lists(st.integers(0, 40), min_size=batch, max_size=batch))
+    schedule = []  # list of n_new arrays
+    fed = [0] * batch
+    while fed != final:
+        n = []
+        for b in range(batch):
+            left = final[b] - fed[b]
+            skip = draw(st.booleans()) and draw(st.booleans())  # ~1/4 of calls give no tokens
+            n.append(0 if (left == 0 or skip) else draw(st.integers(1, min(8, left))))
+        if sum(n) == 0:
+            continue
+        fed = [f + k for f, k in zip(fed, n)]
+        schedule.append(n)
+    seed = draw(st.integers(0, 2**32 - 1))
+    return dict(hkv=hkv, group=group, batch=batch, d=d, final=final, schedule=schedule, seed=seed)
+
+
+def run_trial(backend, arrays, trial, dtype):
+    rng = np.random.default_rng(trial["seed"])
+    B, hkv, d = trial["batch"], trial["hkv"], trial["d"]
+    hq = hkv * trial["group"]
+    max_len = max(trial["final"]) + rng.integers(0, 5)
+    cache = gqakv.KVCache(B, hkv, int(max_len), d, dtype=dtype, backend=backend)
+    cache.k[...] = math.nan  # nothing at or past lens may ever leak into a result
+    cache.v[...] = math.nan
+    hist_k = [np.zeros((hkv, 0, d)) for _ in range(B)]
+    hist_v = [np.zeros((hkv, 0, d)) for _ in range(B)]
+    for n_new in trial["schedule"]:
+        T = max(n_new) + int(rng.integers(0, 2))  # sometimes a padded slot more than needed
+        k = rng.standard_normal((B, hkv, T, d))
+        v = rng.standard_normal((B, hkv, T, d))
+        q = rng.standard_normal((B, hq, T, d))
+        cache.append(arrays.asarray(k, dtype), arrays.asarray(v, dtype), n_new)
+        for b in range(B):
+            hist_k[b] = np.concatenate([hist_k[b], k[b, :, : n_new[b]]], axis=1)  # test-side history
+            hist_v[b] = np.concatenate([hist_v[b], v[b, :, : n_new[b]]], axis=1)
+        # What the backend sees is the input rounded to its dtype; compare on those values.
+        q_in = arrays.asarray(q, dtype)
+        k_hist = [arrays.to_numpy(arrays.asarray(h, dtype)) for h in hist_k]
+        v_hist = [arrays.to_numpy(arrays.asarray(h, dtype)) for h in hist_v]
+        out, lse = gqakv.gqa_attention(q_in, cache, n_new, return_lse=True)
+        want, want_lse = reference_attention(arrays.to_numpy(q_in), k_hist, v_hist, n_new)
+        got, got_lse = arrays.to_numpy(out), arrays.to_numpy(lse)
+        assert not np.isnan(got).any()
+        np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype])
+        finite = np.isfinite(want_lse)
+        np.testing.assert_array_equal(np.isfinite(got_lse), finite)
+        np.testing.assert_allclose(got_lse[finite], want_lse[finite], rtol=0, atol=TOL[dtype])
+        for b in range(B):  # padded query slots are exactly zero
+            assert (got[b, :, n_new[b]:] == 0).all()
+    np.testing.assert_array_equal(cache.host_lens, trial["final"])
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(trial=trials())
+def test_randomized_chunked_ragged_parity(backend, arrays, dtype, trial):
+    if dtype not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no {dtype}")
+    run_trial(backend, arrays, trial, dtype)
+
+
+def _filled_cache(backend, arrays, lens, hkv=2, d=8, max_len=None, dtype="float32", seed=0):
+    rng = np.random.default_rng(seed)
+    B = len(lens)
+    cache = gqakv.KVCache(B, hkv, max_len or max(lens) + 3, d, dtype=dtype, backend=backend)
+    T = max(lens)
+    k = rng.standard_normal((B, hkv, T, d))
+    v = rng.standard_normal((B, hkv, T, d))
+    cache.append(arrays.asarray(k, dtype), arrays.asarray(v, dtype), lens)
+    return cache, k, v
+
+
+def test_head_mapping_is_contiguous_groups(backend, arrays):
+    """Query head h reads KV head h // G: V is constant per KV head, so out[h] == h // G."""
+    hkv, G, d, L = 4, 3, 8, 5
+    cache = gqakv.KVCache(1, hkv, L, d, backend=backend)
+    k = np.random.default_rng(1).standard_normal((1, hkv, L, d))
+    v = np.broadcast_to(np.arange(hkv, dtype=float)[None, :, None, None], (1, hkv, L, d))
+    cache.append(arrays.asarray(k, "float32"), arrays.asarray(v, "float32"), [L])
+    q = arrays.asarray(np.random.default_rng(2).standard_normal((1, hkv * G, 1, d)), "float32")
+    out = arrays.to_numpy(gqakv.gqa_attention(q, cache, [1]))
+    for h in range(hkv * G):
+        np.testing.assert_allclose(out[0, h, 0], h // G, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["decode", "prefill", "chunk"])
+def test_offset_causal_mask_cases(backend, arrays, case):
+    """T = 1 (decode), T = S (prefill), 1 < T < S (chunk: a T x T triangle would be wrong)."""
+    S = 9
+    T = {"decode": 1, "prefill": S, "chunk": 4}[case]
+    cache, k, v = _filled_cache(backend, arrays, [S], hkv=1, d=4)
+    q = np.random.default_rng(3).standard_normal((1, 2, T, 4))
+    out = arrays.to_numpy(gqakv.gqa_attention(arrays.asarray(q, "float32"), cache, [T]))
+    want, _ = reference_attention(q.astype(np.float32), [k[0].astype(np.float32)],
+                                  [v[0].astype(np.float32)], [T])
+    np.testing.assert_allclose(out, want, atol=TOL["float32"])
+    if case == "chunk":  # the plain T x T lower triangle gives a different (wrong) answer
+        wrong, _ = reference_attention(q, [k[0, :, :T]], [v[0, :, :T]], [T])
+        assert np.abs(out - wrong).max() > 1e-3
+
+
+def test_empty_rows_padded_queries_and_nan_tail(backend, arrays):
+    lens = [0, 3, 6]
+    cache = gqakv.KVCache(3, 2, 8, 4, backend=backend)
+    cache.k[...] = math.nan
+    cache.v[...] = math.inf
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((3, 2, 6, 4))
+    cache.append(arrays.asarray(k, "float32"), arrays.asarray(k, "float32"), lens)
+    q = rng.standard_normal((3, 4, 6, 4))
+    n_new = [0, 2, 6]
+    q[1, :, 2:] = math.nan  # padded query slots may hold anything
+    out, lse = gqakv.gqa_attention(arrays.asarray(q, "float32"), cache, n_new, return_lse=True)
+    out, lse = arrays.to_numpy(out), arrays.to_numpy(lse)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert (out[0] == 0).all() and (lse[0] == -math.inf).all()  # empty row
+    assert (out[1, :, 2:] == 0).all() and (lse[1, :, 2:] == -math.inf).all()  # padding
+    assert np.isfinite(out[1, :, :2]).all() and np.isfinite(out[2]).all()
+
+
+def test_all_empty_cache_and_zero_length_chunk(backend, arrays):
+    cache = gqakv.KVCache(2, 1, 4, 4, backend=backend)
+    z = arrays.asarray(np.zeros((2, 1, 0, 4)), "float32")
+    cache.append(z, z, [0, 0])  # T = 0
+    out = gqakv.gqa_attention(arrays.asarray(np.zeros((2, 2, 0, 4)), "float32"), cache, [0, 0])
+    assert tuple(out.shape) == (2, 2, 0, 4)
+    q = arrays.asarray(np.ones((2, 2, 1, 4)), "float32")
+    out, lse = gqakv.gqa_attention(q, cache, [0, 0], return_lse=True)
+    assert (arrays.to_numpy(out) == 0).all() and (arrays.to_numpy(lse) == -math.inf).all()
+
+
+def test_empty_batch(backend, arrays):
+    cache = gqakv.KVCache(0, 2, 4, 4, backend=backend)
+    z = arrays.asarray(np.zeros((0, 2, 1, 4)), "float32")
+    cache.append(z, z, np.zeros(0, dtype=np.int64))
+    out = gqakv.gqa_attention(arrays.asarray(np.zeros((0, 4, 1, 4)), "float32"), cache, [])
+    assert tuple(out.shape) == (0, 4, 1, 4)
+
+
+def test_scale_argument_and_default(backend, arrays):
+    cache, k, v = _filled_cache(backend, arrays, [5], hkv=1, d=4)
+    q = np.random.default_rng(5).standard_normal((1, 1, 1, 4))
+    qa = arrays.asarray(q, "float32")
+    for scale in (None, 0.3, np.float64(0.3)):  # a NumPy float64 scale must not promote
+        out = gqakv.gqa_attention(qa, cache, [1], scale=scale)
+        assert out.dtype == qa.dtype
+        want, _ = reference_attention(q.astype(np.float32), [k[0].astype(np.float32)],
+                                      [v[0].astype(np.float32)], [1],
+                                      scale=None if scale is None else float(scale))
+        np.testing.assert_allclose(arrays.to_numpy(out), want, atol=TOL["float32"])
+
+
+def test_blocked_online_softmax_matches_single_block(backend, arrays, monkeypatch):
+    """Tiny blocks force many query and key blocks; the answer must not change."""
+    lens = [23, 7]
+    cache, k, v = _filled_cache(backend, arrays, lens, hkv=2, d=4, dtype="float64")
+    q = np.random.default_rng(6).standard_normal((2, 6, 9, 4))
+    n_new = [9, 5]
+    want, want_lse = reference_attention(q, [k[0, :, :23], k[1, :, :7]],
+                                         [v[0, :, :23], v[1, :, :7]], n_new)
+    monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", 7)
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 2)
+    out, lse = gqakv.gqa_attention(arrays.asarray(q, "float64"), cache, n_new, return_lse=True)
+    np.testing.assert_allclose(arrays.to_numpy(out), want, atol=1e-10)
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(arrays.to_numpy(lse)[finite], want_lse[finite], atol=1e-10)
+
+
+def test_lse_merges_partial_results(backend, arrays):
+    """Attention over keys split into two caches, merged with the LSEs, equals the whole."""
+    rng = np.random.default_rng(7)
+    d, hkv, G, L1, L2 = 4, 1, 2, 6, 5
+    k, v = rng.standard_normal((2, 1, hkv, L1 + L2, d))
+    q = rng.standard_normal((1, hkv * G, 1, d))
+    whole, _ = reference_attention(q, [k[0]], [v[0]], [1])
+    parts = []
+    for lo, hi in ((0, L1), (L1, L1 + L2)):
+        cache = gqakv.KVCache(1, hkv, hi - lo, d, dtype="float64", backend=backend)
+        cache.append(arrays.asarray(k[:, :, lo:hi], "float64"), arrays.asarray(v[:, :, lo:hi], "float64"), [hi - lo])
+        o, s = gqakv.gqa_attention(arrays.asarray(q, "float64"), cache, [1], return_lse=True)
+        parts.append((arrays.to_numpy(o), arrays.to_numpy(s)))
+    (o1, s1), (o2, s2) = parts
+    s = np.logaddexp(s1, s2)
+    merged = o1 * np.exp(s1 - s)[..., None] + o2 * np.exp(s2 - s)[..., None]
+    np.testing.assert_allclose(merged, whole, atol=1e-10)
