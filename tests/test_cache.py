@@ -1,0 +1,243 @@
+"""KVCache: in-place appends, validation before any write, views not copies, bounded memory."""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import gqakv
+from gqakv import attention as attention_module
+
+
+def _snapshot(arrays, cache):
+    return (arrays.to_numpy(cache.k).copy(), arrays.to_numpy(cache.v).copy(), cache.host_lens.copy())
+
+
+def _assert_unchanged(arrays, cache, before):
+    k, v, lens = _snapshot(arrays, cache)
+    np.testing.assert_array_equal(lens, before[2])
+    np.testing.assert_array_equal(k, before[0])  # live data and the tail, bit for bit (NaN == NaN)
+    np.testing.assert_array_equal(v, before[1])
+
+
+@pytest.fixture
+def cache_and_data(backend, arrays):
+    """A 3-row cache, Hkv=2, max_len=6, d=4, holding [2, 5, 0] tokens; tail filled with 0."""
+    cache = gqakv.KVCache(3, 2, 6, 4, backend=backend)
+    cache.k[...] = 0.0
+    cache.v[...] = 0.0
+    rng = np.random.default_rng(0)
+    k = arrays.asarray(rng.standard_normal((3, 2, 5, 4)), "float32")
+    cache.append(k, k, [2, 5, 0])
+    return cache, rng
+
+
+def _new(arrays, shape, dtype="float32", rng=None):
+    rng = rng or np.random.default_rng(1)
+    return arrays.asarray(rng.standard_normal(shape), dtype)
+
+
+BAD_APPENDS = {
+    # name: (k shape, v shape, n_new, rows, expected error, words the message must contain)
+    "k_ndim": ((3, 2, 4), (3, 2, 4), [1, 1, 1], None, ValueError, ["k_new", "3 dims"]),
+    "k_v_shapes_differ": ((3, 2, 2, 4), (3, 2, 3, 4), [1, 1, 1], None, ValueError, ["differ"]),
+    "kv_heads": ((3, 3, 2, 4), (3, 3, 2, 4), [1, 1, 1], None, ValueError, ["Hkv=3", "Hkv=2"]),
+    "head_dim": ((3, 2, 2, 5), (3, 2, 2, 5), [1, 1, 1], None, ValueError, ["d=5", "d=4"]),
+    "batch": ((2, 2, 2, 4), (2, 2, 2, 4), [1, 1], None, ValueError, ["batch size 2", "3 rows"]),
+    "n_new_shape": ((3, 2, 2, 4), (3, 2, 2, 4), [1, 1], None, ValueError, ["n_new", "[3]"]),
+    "n_new_float": ((3, 2, 2, 4), (3, 2, 2, 4), [1.0, 1.0, 1.0], None, TypeError, ["integer"]),
+    "n_new_negative": ((3, 2, 2, 4), (3, 2, 2, 4), [1, -1, 1], None, ValueError, ["n_new[1]=-1"]),
+    "n_new_over_T": ((3, 2, 2, 4), (3, 2, 2, 4), [1, 1, 3], None, ValueError, ["n_new[2]=3", "T=2"]),
+    # row 0 fits; row 1 (holding 5 of 6) overflows: row 0 must not be written either
+    "overflow": ((3, 2, 2, 4), (3, 2, 2, 4), [2, 2, 0], None, ValueError,
+                 ["row 1", "holds 5", "7 > max_len=6"]),
+    "rows_out_of_range": ((2, 2, 1, 4), (2, 2, 1, 4), [1, 1], [0, 3], ValueError, ["rows[1]=3"]),
+    "rows_repeat": ((2, 2, 1, 4), (2, 2, 1, 4), [1, 1], [2, 2], ValueError, ["row 2 repeats"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_APPENDS))
+def test_bad_append_raises_and_changes_nothing(arrays, cache_and_data, case):
+    cache, rng = cache_and_data
+    kshape, vshape, n_new, rows, error, words = BAD_APPENDS[case]
+    before = _snapshot(arrays, cache)
+    with pytest.raises(error) as info:
+        cache.append(_new(arrays, kshape, rng=rng), _new(arrays, vshape, rng=rng), n_new, rows=rows)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    _assert_unchanged(arrays, cache, before)
+
+
+def test_wrong_dtype_and_library_rejected(backend, arrays, cache_and_data):
+    cache, _ = cache_and_data
+    before = _snapshot(arrays, cache)
+    with pytest.raises(TypeError, match="dtype float64, the cache holds float32"):
+        x = _new(arrays, (3, 2, 1, 4), "float64")
+        cache.append(x, x, [1, 1, 1])
+    if backend.name != "numpy":
+        with pytest.raises(TypeError, match="holds"):
+            x = np.zeros((3, 2, 1, 4), np.float32)
+            cache.append(x, x, [1, 1, 1])
+    else:
+        import array_api_strict as xs
+
+        x = xs.zeros((3, 2, 1, 4), dtype=xs.float32)
+        with pytest.raises(TypeError, match="numpy arrays"):
+            cache.append(x, x, [1, 1, 1])
+    _assert_unchanged(arrays, cache, before)
+
+
+def test_append_writes_in_place_at_each_rows_length(backend, arrays):
+    cache = gqakv.KVCache(2, 1, 10, 2, dtype="float64", backend=backend)
+    k_buf, v_buf = cache.k, cache.v
+    ptr = k_buf.__array_interface__["data"][0] if isinstance(k_buf, np.ndarray) else None
+    want = [[], []]
+    rng = np.random.default_rng(2)
+    for step in range(12):
+        n_new = [int(rng.integers(0, 2)), int(rng.integers(0, 2))]
+        if any(len(want[b]) + n_new[b] > 10 for b in range(2)):
+            break
+        k = rng.standard_normal((2, 1, 2, 2))
+        cache.append(arrays.asarray(k, "float64"), arrays.asarray(-k, "float64"), n_new)
+        for b in range(2):
+            want[b].extend(k[b, 0, : n_new[b]])
+    assert cache.k is k_buf and cache.v is v_buf  # never reallocated
+    if ptr is not None:
+        assert cache.k.__array_interface__["data"][0] == ptr
+    np.testing.assert_array_equal(cache.host_lens, [len(w) for w in want])
+    np.testing.assert_array_equal(arrays.to_numpy(cache.lens), [len(w) for w in want])
+    for b in range(2):
+        live_k, live_v = cache.live_kv(b)
+        np.testing.assert_array_equal(arrays.to_numpy(live_k)[0], np.reshape(want[b], (-1, 2)))
+        np.testing.assert_array_equal(arrays.to_numpy(live_v)[0], -np.reshape(want[b], (-1, 2)))
+
+
+def test_padding_slots_are_not_written(backend, arrays):
+    cache = gqakv.KVCache(1, 1, 4, 2, backend=backend)
+    cache.k[...] = 7.0
+    cache.append(_new(arrays, (1, 1, 3, 2)), _new(arrays, (1, 1, 3, 2)), [1])
+    assert (arrays.to_numpy(cache.k)[0, 0, 1:] == 7.0).all()
+
+
+def test_rows_indirection_append(backend, arrays):
+    cache = gqakv.KVCache(4, 1, 4, 2, dtype="float64", backend=backend)
+    k = np.arange(2 * 1 * 1 * 2, dtype=float).reshape(2, 1, 1, 2) + 1
+    cache.append(arrays.asarray(k, "float64"), arrays.asarray(k, "float64"), [1, 1], rows=[3, 1])
+    np.testing.assert_array_equal(cache.host_lens, [0, 1, 0, 1])
+    np.testing.assert_array_equal(arrays.to_numpy(cache.k)[3, 0, 0], k[0, 0, 0])
+    np.testing.assert_array_equal(arrays.to_numpy(cache.k)[1, 0, 0], k[1, 0, 0])
+
+
+def test_lens_are_read_only(backend):
+    cache = gqakv.KVCache(2, 1, 4, 2, backend=backend)
+    with pytest.raises(ValueError):
+        cache.host_lens[0] = 3
+    assert list(cache.host_lens) == [0, 0]
+
+
+BAD_ATTENTION = {
+    "q_ndim": ((3, 4, 4), [1, 1, 0], ValueError, ["q must be", "3 dims"]),
+    "head_dim": ((3, 4, 1, 5), [1, 1, 0], ValueError, ["d=5", "d=4"]),
+    "hq_not_multiple": ((3, 3, 1, 4), [1, 1, 0], ValueError, ["Hq=3", "Hkv=2"]),
+    "n_new_over_lens": ((3, 4, 3, 4), [3, 1, 0], ValueError, ["n_new[0]=3", "holds only 2"]),
+    "n_new_over_T": ((3, 4, 1, 4), [1, 2, 0], ValueError, ["n_new[1]=2", "T=1"]),
+    "n_new_shape": ((3, 4, 1, 4), [1, 1], ValueError, ["n_new", "[3]"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ATTENTION))
+def test_bad_attention_inputs(arrays, cache_and_data, case):
+    cache, rng = cache_and_data
+    shape, n_new, error, words = BAD_ATTENTION[case]
+    with pytest.raises(error) as info:
+        gqakv.gqa_attention(_new(arrays, shape, rng=rng), cache, n_new)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_bad_scale_and_dtype(arrays, cache_and_data):
+    cache, rng = cache_and_data
+    q = _new(arrays, (3, 4, 1, 4), rng=rng)
+    with pytest.raises(TypeError, match="scale"):
+        gqakv.gqa_attention(q, cache, [1, 1, 0], scale=math.nan)
+    with pytest.raises(TypeError, match="dtype float64"):
+        gqakv.gqa_attention(_new(arrays, (3, 4, 1, 4), "float64"), cache, [1, 1, 0])
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(batch=-1), ValueError, ["batch", ">= 0"]),
+    (dict(kv_heads=0), ValueError, ["kv_heads", ">= 1"]),
+    (dict(head_dim=2.5), TypeError, ["head_dim", "int"]),
+    (dict(dtype="int8"), TypeError, ["int8", "supported"]),
+    (dict(backend="no-such-backend"), gqakv.BackendError, ["unknown backend", "numpy"]),
+])
+def test_bad_construction(kwargs, error, words):
+    args = dict(batch=1, kv_heads=1, max_len=4, head_dim=4) | kwargs
+    with pytest.raises(error) as info:
+        gqakv.KVCache(**args)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_size_is_known_before_allocating_and_failure_names_it():
+    n = gqakv.KVCache.nbytes_for(4, 8, 4096, 128, "bfloat16")
+    assert n == 2 * 4 * 8 * 4096 * 128 * 2
+    assert gqakv.KVCache(2, 2, 8, 4, dtype="float16").nbytes == 2 * 2 * 2 * 8 * 4 * 2
+    huge = gqakv.KVCache.nbytes_for(1 << 20, 1024, 1 << 20, 1024, "float32")
+    with pytest.raises(MemoryError) as info:
+        gqakv.KVCache(1 << 20, 1024, 1 << 20, 1024, backend="numpy")
+    assert f"{huge:,} bytes" in str(info.value)
+
+
+def test_attention_reads_views_of_live_length(backend, arrays, monkeypatch):
+    """K/V handed to the computation are views of the buffers sliced to lens, never Hq-repeated."""
+    cache = gqakv.KVCache(2, 2, 1000, 4, backend=backend)
+    k = _new(arrays, (2, 2, 7, 4))
+    cache.append(k, k, [7, 3])
+    seen = []
+    real = attention_module._attend_row
+
+    def spy(xp, q_row, k_row, v_row, **kw):
+        seen.append((tuple(k_row.shape), tuple(v_row.shape)))
+        if isinstance(k_row, np.ndarray):
+            assert k_row.base is not None and np.shares_memory(k_row, cache.k)
+            assert np.shares_memory(v_row, cache.v)
+        return real(xp, q_row, k_row, v_row, **kw)
+
+    monkeypatch.setattr(attention_module, "_attend_row", spy)
+    if type(backend).attention is not gqakv.Backend.attention:
+        pytest.skip(f"{backend.name} runs its own attention kernels")
+    gqakv.gqa_attention(_new(arrays, (2, 8, 2, 4)), cache, [2, 1])
+    assert seen == [((2, 7, 4), (2, 7, 4)), ((2, 3, 4), (2, 3, 4))]
+
+
+def test_memory_follows_live_length_and_is_bounded():
+    """NumPy: a decode step allocates nothing cache-sized (no copy, no float64 promotion),
+    and a long chunk's scores never exist whole."""
+    Hkv, G, d, L = 2, 4, 64, 20_000
+    cache = gqakv.KVCache(1, Hkv, 4 * L, d, backend="numpy")  # capacity 4x the live length
+    rng = np.random.default_rng(3)
+    T = 256
+    for start in range(0, L, T):
+        kv = rng.standard_normal((1, Hkv, T, d), dtype=np.float32)
+        cache.append(kv, kv, [min(T, L - start)])
+    live_bytes = Hkv * L * d * 4
+    q1 = rng.standard_normal((1, Hkv * G, 1, d), dtype=np.float32)
+    tracemalloc.start()
+    gqakv.gqa_attention(q1, cache, [1], scale=np.float64(0.125))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    # Scores and their exp are each G/d = 1/16 of K's live bytes; any copy of the live
+    # K (or a float64 promotion of it) would be >= live_bytes.
+    assert peak < live_bytes / 4, (peak, live_bytes)
+    qT = rng.standard_normal((1, Hkv * G, T, d), dtype=np.float32)
+    full_scores = Hkv * G * T * L * 4
+    tracemalloc.start()
+    gqakv.gqa_attention(qT, cache, [T])
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < full_scores / 2, (peak, full_scores)
+    assert peak <= 4 * attention_module.SCORE_BLOCK_ELEMENTS * 4 + 8 * T * Hkv * G * d * 4
