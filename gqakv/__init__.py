@@ -10,6 +10,8 @@ Importing gqakv imports no optional backend (CuPy, torch): plugins load on first
 from .attention import gqa_attention
 from .backend import Backend
 from .cache import KVCache
+from .model_cache import ModelKVCache, Step
+from .merge import merge_attention
 from .registry import (
     BackendError,
     describe_backends,
@@ -26,10 +28,13 @@ __all__ = [
     "Backend",
     "BackendError",
     "KVCache",
+    "ModelKVCache",
+    "Step",
     "describe_backends",
     "get_backend",
     "gqa_attention",
     "list_backends",
+    "merge_attention",
     "register_backend",
     "unregister_backend",
     "use_backend",

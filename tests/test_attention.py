@@ -200,20 +200,25 @@ def test_blocked_online_softmax_matches_single_block(backend, arrays, monkeypatc
     np.testing.assert_allclose(arrays.to_numpy(lse)[finite], want_lse[finite], atol=1e-10)
 
 
-def test_lse_merges_partial_results(backend, arrays):
-    """Attention over keys split into two caches, merged with the LSEs, equals the whole."""
-    rng = np.random.default_rng(7)
-    d, hkv, G, L1, L2 = 4, 1, 2, 6, 5
+def test_merge_attention_combines_disjoint_key_sets(backend, arrays):
+    """gqakv.merge_attention over a split cache equals attention over the whole, and a
+    part with no keys (lse = -inf) contributes nothing and produces no NaN."""
+    rng = np.random.default_rng(8)
+    d, hkv, G, L1, L2 = 4, 2, 2, 5, 7
     k, v = rng.standard_normal((2, 1, hkv, L1 + L2, d))
     q = rng.standard_normal((1, hkv * G, 1, d))
-    whole, _ = reference_attention(q, [k[0]], [v[0]], [1])
+    whole, whole_lse = reference_attention(q, [k[0]], [v[0]], [1])
     parts = []
     for lo, hi in ((0, L1), (L1, L1 + L2)):
         cache = gqakv.KVCache(1, hkv, hi - lo, d, dtype="float64", backend=backend)
         cache.append(arrays.asarray(k[:, :, lo:hi], "float64"), arrays.asarray(v[:, :, lo:hi], "float64"), [hi - lo])
-        o, s = gqakv.gqa_attention(arrays.asarray(q, "float64"), cache, [1], return_lse=True)
-        parts.append((arrays.to_numpy(o), arrays.to_numpy(s)))
-    (o1, s1), (o2, s2) = parts
-    s = np.logaddexp(s1, s2)
-    merged = o1 * np.exp(s1 - s)[..., None] + o2 * np.exp(s2 - s)[..., None]
-    np.testing.assert_allclose(merged, whole, atol=1e-10)
+        parts.append(gqakv.gqa_attention(arrays.asarray(q, "float64"), cache, [1], return_lse=True))
+    out, lse = gqakv.merge_attention(*parts[0], *parts[1])
+    np.testing.assert_allclose(arrays.to_numpy(out), whole, atol=1e-10)
+    np.testing.assert_allclose(arrays.to_numpy(lse), whole_lse, atol=1e-10)
+    empty = gqakv.KVCache(1, hkv, 4, d, dtype="float64", backend=backend)
+    none = gqakv.gqa_attention(arrays.asarray(q, "float64"), empty, [0], return_lse=True)
+    out, lse = gqakv.merge_attention(*parts[0], *none)
+    np.testing.assert_array_equal(arrays.to_numpy(out), arrays.to_numpy(parts[0][0]))
+    out, lse = gqakv.merge_attention(*none, *none)
+    assert (arrays.to_numpy(out) == 0).all() and (arrays.to_numpy(lse) == -math.inf).all()
