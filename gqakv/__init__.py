@@ -11,6 +11,7 @@ from .attention import gqa_attention
 from .backend import Backend
 from .cache import KVCache
 from .model_cache import ModelKVCache, Step
+from .model_cache import ModelKVCache, Step
 from .merge import merge_attention
 from .registry import (
     BackendError,
@@ -28,6 +29,8 @@ __all__ = [
     "Backend",
     "BackendError",
     "KVCache",
+    "ModelKVCache",
+    "Step",
     "ModelKVCache",
     "Step",
     "describe_backends",

@@ -120,6 +120,18 @@ class Backend:
 
         write_kv_array_api(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
 
+    def copy_tokens(self, dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens) -> None:
+        """Copy ``src[:, src_rows[i], :, :n_tokens[i]]`` to ``dst[:, dst_rows[i], :, :n_tokens[i]]``.
+
+        K and V buffers are ``[layers, rows, Hkv, max_len, d]`` (dst and src may be the
+        same buffers). The copies of one call are independent: no destination is read by
+        another copy of the call, so a backend may run them all in one launch. Inputs are
+        validated and ordered by ``gqakv.row_ops``; the index arrays are host ints.
+        """
+        from .row_ops import copy_tokens_array_api
+
+        copy_tokens_array_api(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens)
+
     def attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
         """Grouped-query attention of ``q`` over the live cache; see ``gqakv.gqa_attention``."""
         from .attention import attention_array_api

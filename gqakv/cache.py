@@ -3,6 +3,12 @@
 Layout (gpt-fast style): ``k`` and ``v`` are each ``[B, Hkv, max_len, d]``; row b's
 live tokens are ``k[b, :, :lens[b], :]``. Appends write at ``lens[b]`` and then
 advance it; nothing is ever concatenated, stacked, repeated or reallocated.
+
+A KVCache is either *standalone* (it allocated its own buffers) or a *layer view* of
+a ``gqakv.ModelKVCache``: then ``k`` and ``v`` are views ``k[layer]`` of the model's
+``[layers, B, Hkv, max_len, d]`` buffers and the lengths are shared with every other
+layer. A layer view reads (attention, ``live_kv``) like any cache, but it cannot
+append or move rows on its own: lengths advance once per model step, for all layers.
 """
 
 from __future__ import annotations
@@ -20,6 +26,50 @@ def _check_dim(name: str, value, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+class Lengths:
+    """Live tokens per row, shared by every view of the same buffers.
+
+    The host int64 copy is the source of truth: validation reads it without a device
+    round trip. The backend's array of it is made on demand and cached until a change.
+    """
+
+    def __init__(self, batch: int):
+        self.host = np.zeros(batch, dtype=np.int64)
+        self._device = None
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> "Lengths":
+        lengths = cls(len(values))
+        lengths.host[:] = values
+        return lengths
+
+    def set(self, rows: np.ndarray, values: np.ndarray) -> None:
+        self.host[rows] = values
+        self._device = None
+
+    def read_only(self) -> np.ndarray:
+        view = self.host.view()
+        view.flags.writeable = False
+        return view
+
+    def device(self, backend, like):
+        if self._device is None:
+            self._device = backend.from_host_ints(self.host, device=backend.device_of(like))
+        return self._device
+
+
+def allocate(backend, shape: tuple[int, ...], dtype: str, what: str):
+    """Two buffers (K and V) of ``shape``; a MemoryError names the bytes asked for."""
+    nbytes = 2 * int(np.prod(shape, dtype=np.int64)) * _dtypes.itemsize(dtype)
+    try:
+        return backend.empty(shape, dtype), backend.empty(shape, dtype)
+    except MemoryError as exc:
+        raise MemoryError(
+            f"cannot allocate a {what} of {nbytes:,} bytes ({human_bytes(nbytes)}; K and V "
+            f"each {list(shape)} {dtype}) on backend {backend.name!r}: {exc}"
+        ) from None
 
 
 class KVCache:
@@ -48,19 +98,23 @@ class KVCache:
         self.dtype = _dtypes.canonical_name(dtype)
         self.backend = get_backend(backend, dtype=self.dtype, head_dim=self.head_dim)
         shape = (self.batch, self.kv_heads, self.max_len, self.head_dim)
-        nbytes = self.nbytes_for(self.batch, self.kv_heads, self.max_len, self.head_dim, self.dtype)
-        try:
-            self.k = self.backend.empty(shape, self.dtype)
-            self.v = self.backend.empty(shape, self.dtype)
-        except MemoryError as exc:
-            raise MemoryError(
-                f"cannot allocate a KV cache of {nbytes:,} bytes ({_human(nbytes)}; K and V "
-                f"each {list(shape)} {self.dtype}) on backend {self.backend.name!r}: {exc}"
-            ) from None
-        # Host copy of the lengths is the source of truth: validation reads it without a
-        # device round trip. The backend's array view of it is made on demand.
-        self._lens = np.zeros(self.batch, dtype=np.int64)
-        self._lens_device = None
+        self.k, self.v = allocate(self.backend, shape, self.dtype, "KV cache")
+        self._lengths = Lengths(self.batch)
+        self._frozen = None  # why this cache cannot change its own lengths (layer views)
+
+    @classmethod
+    def view_of(cls, k, v, lengths: Lengths, *, backend, dtype: str, frozen: str) -> "KVCache":
+        """A cache over existing buffers ``k``, ``v`` (``[B, Hkv, max_len, d]`` views) with
+        shared ``lengths``; it reads like any cache, and ``append`` and the row
+        operations raise RuntimeError(``frozen``). Used for ModelKVCache's layer views."""
+        self = cls.__new__(cls)
+        self.batch, self.kv_heads, self.max_len, self.head_dim = (int(s) for s in k.shape)
+        self.dtype = _dtypes.canonical_name(dtype)
+        self.backend = backend
+        self.k, self.v = k, v
+        self._lengths = lengths
+        self._frozen = frozen
+        return self
 
     # -- sizing ----------------------------------------------------------------------------
 
@@ -78,21 +132,19 @@ class KVCache:
     @property
     def host_lens(self) -> np.ndarray:
         """Live tokens per row as a read-only NumPy int64 array (no device round trip)."""
-        view = self._lens.view()
-        view.flags.writeable = False
-        return view
+        return self._lengths.read_only()
 
     @property
     def lens(self):
         """Live tokens per row, ``[B]`` int64, as an array of the cache's backend."""
-        if self._lens_device is None:
-            self._lens_device = self.backend.from_host_ints(
-                self._lens, device=self.backend.device_of(self.k))
-        return self._lens_device
+        return self._lengths.device(self.backend, self.k)
 
     def _set_lens(self, rows: np.ndarray, values: np.ndarray) -> None:
-        self._lens[rows] = values
-        self._lens_device = None
+        self._lengths.set(rows, values)
+
+    def _check_mutable(self, what: str) -> None:
+        if self._frozen is not None:
+            raise RuntimeError(f"cannot {what} through this cache: {self._frozen}")
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -109,24 +161,66 @@ class KVCache:
         Everything is validated before anything is written: on error (TypeError or
         ValueError naming the row and the numbers) no row's data or length changes.
         """
+        self._check_mutable("append")
         inputs = validate_append(self, k_new, v_new, n_new, rows)
         self.backend.write_kv(self.k, self.v, k_new, v_new, inputs.rows, inputs.starts, inputs.n_new)
         self._set_lens(inputs.rows, inputs.starts + inputs.n_new)
 
+    # -- row operations (see gqakv.row_ops; same semantics as on ModelKVCache) ----------------
+
+    def _stacked(self):
+        """The buffers as ``[1, B, Hkv, max_len, d]`` views, the row operations' layout."""
+        xp = self.backend.namespace()
+        return xp.expand_dims(self.k, axis=0), xp.expand_dims(self.v, axis=0)
+
+    def reorder(self, src_rows) -> None:
+        """Row b takes the contents and length of row ``src_rows[b]``; see ``row_ops.reorder``."""
+        from . import row_ops
+
+        self._check_mutable("reorder rows")
+        row_ops.reorder(self.backend, *self._stacked(), self._lengths, src_rows)
+
+    def fork(self, src: int, dst_rows) -> None:
+        """Copy row ``src``'s live tokens and length into each of ``dst_rows``."""
+        from . import row_ops
+
+        self._check_mutable("fork rows")
+        row_ops.fork(self.backend, *self._stacked(), self._lengths, src, dst_rows)
+
+    def truncate(self, rows, new_lens) -> None:
+        """Shorten ``rows[i]`` to ``new_lens[i]`` tokens (O(1), no data moves)."""
+        from . import row_ops
+
+        self._check_mutable("truncate rows")
+        row_ops.truncate(self._lengths, rows, new_lens)
+
+    def reset(self, rows=None) -> None:
+        """Empty ``rows`` (default: every row) for reuse."""
+        from . import row_ops
+
+        self._check_mutable("reset rows")
+        row_ops.reset(self._lengths, rows)
+
+    # -- reading ---------------------------------------------------------------------------
+
     def live_kv(self, row: int):
         """Views ``k[row, :, :lens[row]]`` and ``v[row, :, :lens[row]]``, ``[Hkv, L, d]`` each."""
-        n = int(self._lens[row])
+        n = int(self._lengths.host[row])
         return self.k[row, :, :n, :], self.v[row, :, :n, :]
 
     def __repr__(self) -> str:
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, max_len={self.max_len}, "
                 f"head_dim={self.head_dim}, dtype={self.dtype!r}, backend={self.backend.name!r}, "
-                f"{_human(self.nbytes)})")
+                f"{human_bytes(self.nbytes)})")
 
 
-def _human(nbytes: int) -> str:
+def human_bytes(nbytes: int) -> str:
+    """``536870912`` -> ``'512.0 MiB'`` (binary units)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
         if nbytes < 1024 or unit == "EiB":
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     raise AssertionError
+
+
+_human = human_bytes  # old private name

@@ -1,0 +1,309 @@
+"""A model-wide KV cache: every layer in one allocation, lengths shared by all layers.
+
+``k`` and ``v`` are each ``[layers, B, Hkv, max_len, d]``; ``cache.layer(l)`` is a
+KVCache whose buffers are the views ``k[l]``, ``v[l]`` and whose lengths are the
+model's, so attention and the row indirection run through the same code as a
+single-layer cache. A forward pass is one *step*::
+
+    with cache.step(n_new) as step:              # validates lengths and capacity once
+        for l, block in enumerate(model.layers):
+            q, k_new, v_new = block.qkv(x, positions=step.starts)   # [B, H, T, d]
+            x = block.finish(step.attend(l, q, k_new, v_new))
+    # here, and only here, every row's length advanced by n_new[b]
+
+Inside the step each layer's K/V is written at the rows' current lengths, i.e. past
+the live tokens, where no reader of the cache looks; attention inside the step sees
+them. The lengths advance once, when the block exits normally and every layer was
+written exactly once. If anything raises inside the block, nothing advances, so no
+live token and no length has changed (only dead slots past the lengths were written).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import dtypes as _dtypes
+from . import row_ops
+from .cache import KVCache, Lengths, _check_dim, allocate, human_bytes
+from .inputs import _rows, host_ints, validate_append, validate_attention
+from .registry import get_backend
+
+_LAYER_VIEW = ("it is one layer of a ModelKVCache, whose lengths are shared by all layers; "
+               "write through ModelKVCache.step(...) and move rows with the ModelKVCache's "
+               "reorder/fork/truncate/reset")
+
+
+class ModelKVCache:
+    """K/V for every layer of a model, allocated once, with lengths shared by all layers.
+
+    Args:
+        layers: number of attention layers.
+        batch: B, number of rows (sequences or request slots).
+        kv_heads: Hkv; max_len: capacity in tokens of every row; head_dim: d.
+        dtype: "float32" (default), "float16", "bfloat16", "float64" or a dtype object.
+        backend: a backend name, a Backend, "auto" or None (see ``gqakv.get_backend``).
+
+    Attributes:
+        k, v: ``[layers, B, Hkv, max_len, d]`` each, allocated once, written in place.
+        lens / host_lens: ``[B]`` int64 live tokens per row (backend array / NumPy, read-only).
+        backend: the Backend holding the buffers.
+    """
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype="float32", backend=None):
+        self.layers = _check_dim("layers", layers, 1)
+        self.batch = _check_dim("batch", batch, 0)
+        self.kv_heads = _check_dim("kv_heads", kv_heads, 1)
+        self.max_len = _check_dim("max_len", max_len, 0)
+        self.head_dim = _check_dim("head_dim", head_dim, 1)
+        self.dtype = _dtypes.canonical_name(dtype)
+        self.backend = get_backend(backend, dtype=self.dtype, head_dim=self.head_dim)
+        shape = (self.layers, self.batch, self.kv_heads, self.max_len, self.head_dim)
+        self.k, self.v = allocate(self.backend, shape, self.dtype, "model KV cache")
+        self._lengths = Lengths(self.batch)
+        self._views = [KVCache.view_of(self.k[l, ...], self.v[l, ...], self._lengths,
+                                       backend=self.backend, dtype=self.dtype, frozen=_LAYER_VIEW)
+                       for l in range(self.layers)]
+        self._open_step = None
+
+    @classmethod
+    def for_model(cls, model, *, batch: int, max_len: int, dtype="bfloat16", backend=None):
+        """A cache shaped for ``model``: a preset name (``gqakv size --list``) or a
+        ``gqakv.sizing.ModelConfig``."""
+        from .sizing import resolve_model
+
+        cfg = resolve_model(model)
+        return cls(cfg.layers, batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, backend)
+
+    # -- sizing ----------------------------------------------------------------------------
+
+    @staticmethod
+    def nbytes_for(layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                   dtype="float32") -> int:
+        """Bytes of K and V for all layers, computed before allocating:
+        ``2 * layers * batch * kv_heads * max_len * head_dim * itemsize``."""
+        return layers * KVCache.nbytes_for(batch, kv_heads, max_len, head_dim, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.nbytes_for(self.layers, self.batch, self.kv_heads, self.max_len,
+                               self.head_dim, self.dtype)
+
+    # -- lengths and views -----------------------------------------------------------------
+
+    @property
+    def host_lens(self) -> np.ndarray:
+        """Live tokens per row, read-only NumPy int64 ``[B]`` (no device round trip)."""
+        return self._lengths.read_only()
+
+    @property
+    def lens(self):
+        """Live tokens per row, ``[B]`` int64, as an array of the cache's backend."""
+        return self._lengths.device(self.backend, self.k)
+
+    def layer(self, layer: int) -> KVCache:
+        """Layer ``layer`` as a KVCache over views of the shared buffers (read side:
+        ``gqa_attention(q, cache.layer(l), n_new, rows=...)``, ``live_kv``)."""
+        return self._views[self._layer_index(layer)]
+
+    def _layer_index(self, layer) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer must be an int, got {layer!r}")
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"layer={int(layer)} is out of range for a cache of {self.layers} layers")
+        return int(layer)
+
+    def live_kv(self, layer: int, row: int):
+        """Views of layer ``layer``, row ``row``'s live K and V, ``[Hkv, L, d]`` each."""
+        return self.layer(layer).live_kv(row)
+
+    # -- the forward step ------------------------------------------------------------------
+
+    def step(self, n_new, *, rows=None) -> "Step":
+        """Begin a forward step that appends ``n_new[i]`` tokens to cache row ``rows[i]``.
+
+        Args:
+            n_new: ``[B']`` ints >= 0 (the first n_new[i] of entry i's T slots are real).
+            rows: ``[B']`` distinct cache rows (default ``0..B-1``, then ``B' = B``).
+
+        Validated here, before any layer runs: shapes, row indices, and
+        ``lens[rows[i]] + n_new[i] <= max_len`` for every entry. Use it as a context
+        manager (commit on normal exit, abort on exception), or call ``commit()`` /
+        ``abort()``. While a step is open, other writes and row operations raise.
+        """
+        self._check_idle("begin a step")
+        n = np.asarray(n_new) if isinstance(n_new, (list, tuple)) else n_new
+        count = self.batch if rows is None else len(rows)
+        r = _rows(self, rows, count, distinct=True)
+        n = host_ints(n, "n_new", count)
+        starts = self._lengths.host[r].copy()
+        for i in range(count):
+            if n[i] < 0:
+                raise ValueError(f"n_new[{i}]={int(n[i])} is negative (row {int(r[i])})")
+            if starts[i] + n[i] > self.max_len:
+                raise ValueError(
+                    f"row {int(r[i])} holds {int(starts[i])} tokens; appending n_new[{i}]={int(n[i])} "
+                    f"would make {int(starts[i] + n[i])} > max_len={self.max_len}"
+                )
+        step = Step(self, r, starts, n)
+        self._open_step = step
+        return step
+
+    def _check_idle(self, what: str) -> None:
+        if self._open_step is not None:
+            raise RuntimeError(f"cannot {what}: a step is open on this cache (commit or abort it first)")
+
+    # -- row operations ----------------------------------------------------------------------
+
+    def reorder(self, src_rows) -> None:
+        """Row b takes the contents and length of row ``src_rows[b]`` ([B] ints; duplicates
+        allowed: beam search). In place, all layers at once; copies only live tokens,
+        ordered so no row is overwritten before it is read (a one-row temporary breaks
+        permutation cycles)."""
+        self._check_idle("reorder rows")
+        row_ops.reorder(self.backend, self.k, self.v, self._lengths, src_rows)
+
+    def fork(self, src: int, dst_rows) -> None:
+        """Copy row ``src``'s live tokens and length into each of ``dst_rows`` (distinct)."""
+        self._check_idle("fork rows")
+        row_ops.fork(self.backend, self.k, self.v, self._lengths, src, dst_rows)
+
+    def truncate(self, rows, new_lens) -> None:
+        """Shorten ``rows[i]`` to ``new_lens[i] <= lens[rows[i]]`` tokens: O(1), no data moves."""
+        self._check_idle("truncate rows")
+        row_ops.truncate(self._lengths, rows, new_lens)
+
+    def reset(self, rows=None) -> None:
+        """Empty ``rows`` (distinct; default every row) for new requests."""
+        self._check_idle("reset rows")
+        row_ops.reset(self._lengths, rows)
+
+    def __repr__(self) -> str:
+        return (f"ModelKVCache(layers={self.layers}, batch={self.batch}, kv_heads={self.kv_heads}, "
+                f"max_len={self.max_len}, head_dim={self.head_dim}, dtype={self.dtype!r}, "
+                f"backend={self.backend.name!r}, {human_bytes(self.nbytes)})")
+
+
+class Step:
+    """One forward step of a ModelKVCache (made by ``ModelKVCache.step``).
+
+    Attributes:
+        rows: ``[B']`` cache row of each batch entry (host int64).
+        starts: ``[B']`` each row's length before the step: entry i's token t sits at
+            absolute position ``starts[i] + t`` (the positions for rotary embeddings).
+        n_new: ``[B']`` real tokens per entry.
+        lens: ``[B']`` each row's length after the step (``starts + n_new``).
+    """
+
+    def __init__(self, cache: ModelKVCache, rows, starts, n_new):
+        self.cache = cache
+        self.rows, self.starts, self.n_new = rows, starts, n_new
+        self.lens = starts + n_new
+        pending = cache._lengths.host.copy()
+        pending[rows] = self.lens
+        self._pending = Lengths.of(pending)
+        self._written = np.zeros(cache.layers, dtype=bool)
+        self._state = "open"
+        for a in (self.rows, self.starts, self.n_new, self.lens):
+            a.flags.writeable = False
+
+    # -- per layer -------------------------------------------------------------------------
+
+    def layer(self, layer: int) -> KVCache:
+        """Layer ``layer`` as the step sees it: lengths include this step's tokens (once the
+        layer is written). For ``gqa_attention(q, step.layer(l), step.n_new, rows=step.rows)``."""
+        self._check_open()
+        c = self.cache
+        l = c._layer_index(layer)
+        return KVCache.view_of(c.k[l, ...], c.v[l, ...], self._pending, backend=c.backend,
+                               dtype=c.dtype, frozen="it is a step's view of one layer")
+
+    def write(self, layer: int, k_new, v_new) -> None:
+        """Write layer ``layer``'s new K and V (``[B', Hkv, T, d]``, ``n_new[i] <= T``) at the
+        rows' current lengths, past the live tokens. Each layer is written exactly once."""
+        self._check_open()
+        l = self.cache._layer_index(layer)
+        inputs = self._validate_write(l, k_new, v_new)
+        self._write(l, k_new, v_new, inputs)
+
+    def attend(self, layer: int, q, k_new, v_new, *, scale: float | None = None,
+               return_lse: bool = False):
+        """Write layer ``layer``'s new K/V, then grouped-query attention of ``q`` over the
+        row's live tokens plus this step's (bottom-right causal; see ``gqa_attention``).
+
+        Args:
+            q: ``[B', Hq, T, d]``, same B' and T as ``k_new``; ``Hq`` a multiple of ``Hkv``.
+            k_new, v_new: ``[B', Hkv, T, d]``; entry i's first ``n_new[i]`` slots are real.
+
+        Returns ``out`` ``[B', Hq, T, d]`` (padded query slots exactly 0), or
+        ``(out, lse)`` with ``return_lse``. Everything is validated before the write.
+        """
+        self._check_open()
+        c = self.cache
+        l = c._layer_index(layer)
+        inputs = self._validate_write(l, k_new, v_new)
+        view = self.layer(l)
+        att = validate_attention(view, q, self.n_new, self.rows, scale)
+        if tuple(q.shape[::2]) != tuple(k_new.shape[::2]):
+            raise ValueError(f"q {list(q.shape)} and k_new {list(k_new.shape)} must have the same "
+                             "batch B' (dim 0) and tokens T (dim 2)")
+        self._write(l, k_new, v_new, inputs)
+        return c.backend.attention(q, view.k, view.v, att.rows, att.lens, att.n_new,
+                                   scale=att.scale, return_lse=return_lse)
+
+    def _validate_write(self, l: int, k_new, v_new):
+        if self._written[l]:
+            raise ValueError(f"layer {l} was already written in this step (each layer exactly once)")
+        return validate_append(self.cache.layer(l), k_new, v_new, self.n_new, self.rows)
+
+    def _write(self, l: int, k_new, v_new, inputs) -> None:
+        c = self.cache
+        c.backend.write_kv(c.k[l, ...], c.v[l, ...], k_new, v_new, inputs.rows, inputs.starts,
+                           inputs.n_new)
+        self._written[l] = True
+
+    # -- ending ----------------------------------------------------------------------------
+
+    def commit(self) -> None:
+        """Advance the lengths of the step's rows by ``n_new``, for all layers at once.
+
+        Every layer must have been written; otherwise RuntimeError and the step is
+        aborted (nothing advances)."""
+        self._check_open()
+        missing = np.flatnonzero(~self._written)
+        if missing.size:
+            self.abort()
+            shown = ", ".join(str(int(m)) for m in missing[:8]) + (" ..." if missing.size > 8 else "")
+            raise RuntimeError(
+                f"step not committed: {missing.size} of {self.cache.layers} layers were never "
+                f"written (layers {shown}); lengths are unchanged"
+            )
+        self.cache._lengths.set(self.rows, self.lens)
+        self._close("committed")
+
+    def abort(self) -> None:
+        """End the step without advancing any length (the written slots stay dead)."""
+        if self._state == "open":
+            self._close("aborted")
+
+    def _close(self, state: str) -> None:
+        self._state = state
+        self.cache._open_step = None
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"this step is already {self._state}")
+
+    def __enter__(self) -> "Step":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            self.abort()
+        elif self._state == "open":
+            self.commit()
+        return False
+
+    def __repr__(self) -> str:
+        return (f"<Step {self._state}: rows={self.rows.tolist()} n_new={self.n_new.tolist()} "
+                f"layers written {int(self._written.sum())}/{self.cache.layers}>")

@@ -1,0 +1,224 @@
+"""Row operations of a serving loop: reorder (beam search), fork (parallel sampling),
+truncate (speculative-decoding rollback) and reset (row reuse).
+
+They act on buffers laid out ``[layers, B, Hkv, max_len, d]`` (a standalone KVCache
+passes its buffers with a leading axis of 1) and on the shared ``Lengths``. Every
+operation validates all of its arguments before it touches anything, so a rejected
+call changes nothing. Only live tokens move: row ``b``'s copy costs ``lens[b]``
+tokens per layer, never ``max_len``; truncate and reset move no data at all.
+
+Copies go through ``Backend.copy_tokens`` in *waves*: the copies of one wave are
+independent (no destination of a wave is read by the same wave), so a backend can run
+a wave as a single kernel launch. ``plan_reorder`` orders them so no row is
+overwritten before every row that reads it has been written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .inputs import host_ints
+
+#: Row index meaning "the one-row temporary" in a reorder plan.
+TEMP = -1
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+def _row_list(rows, what: str, batch: int, *, distinct: bool) -> np.ndarray:
+    """``rows`` as host int64 [n] with every entry in 0..batch-1 (and distinct if asked)."""
+    if isinstance(rows, (int, np.integer)) and not isinstance(rows, bool):
+        rows = [rows]
+    a = np.asarray(rows) if isinstance(rows, (list, tuple)) else rows
+    n = len(a) if hasattr(a, "__len__") else -1
+    r = host_ints(a, what, max(n, 0))
+    bad = np.flatnonzero((r < 0) | (r >= batch))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{what}[{i}]={int(r[i])} is out of range for a cache of {batch} rows")
+    if distinct and np.unique(r).size != r.size:
+        vals, counts = np.unique(r, return_counts=True)
+        raise ValueError(f"{what} must be distinct; row {int(vals[counts > 1][0])} repeats")
+    return r
+
+
+def _row(x, what: str, batch: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{what} must be an int row index, got {x!r}")
+    if not 0 <= x < batch:
+        raise ValueError(f"{what}={int(x)} is out of range for a cache of {batch} rows")
+    return int(x)
+
+
+# -- planning (host only) -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Wave:
+    """Independent copies: ``dst_rows[i]`` takes the first ``n_tokens[i]`` tokens of
+    ``src_rows[i]``. ``TEMP`` in either list means the one-row temporary buffer (a wave
+    touching it holds only that copy)."""
+
+    dst_rows: np.ndarray
+    src_rows: np.ndarray
+    n_tokens: np.ndarray
+
+
+def plan_reorder(src_rows: np.ndarray, lens: np.ndarray) -> list[Wave]:
+    """Copies that make row b hold what row ``src_rows[b]`` holds, in a safe order.
+
+    Row b must be written only after every row that reads b has been written. Rows no
+    one still reads are written first, in waves; what remains are cycles
+    (b1 <- b2 <- ... <- bk <- b1), each broken by saving its shortest row to the
+    temporary. Token counts are the live lengths of the source rows before the call;
+    rows with ``src_rows[b] == b`` cost nothing.
+    """
+    src = [int(s) for s in src_rows]
+    pending = {b for b, s in enumerate(src) if s != b}  # rows still to be written
+    readers = {}  # row -> number of pending rows that still read it
+    for b in pending:
+        readers[src[b]] = readers.get(src[b], 0) + 1
+    waves: list[Wave] = []
+
+    def wave(dst, srcs, n):
+        waves.append(Wave(np.asarray(dst, dtype=np.int64), np.asarray(srcs, dtype=np.int64),
+                          np.asarray(n, dtype=np.int64)))
+
+    ready = sorted(b for b in pending if readers.get(b, 0) == 0)
+    while pending:
+        while ready:
+            wave(ready, [src[b] for b in ready], [lens[src[b]] for b in ready])
+            nxt = []
+            for b in ready:
+                pending.discard(b)
+                s = src[b]
+                readers[s] -= 1
+                if readers[s] == 0 and s in pending:
+                    nxt.append(s)
+            ready = sorted(nxt)
+        if not pending:
+            break
+        # Only cycles remain: every pending row is read by exactly one pending row.
+        start = min(pending, key=lambda b: (lens[b], b))
+        cycle = [start]
+        while src[cycle[-1]] != start:
+            cycle.append(src[cycle[-1]])
+        wave([TEMP], [start], [lens[start]])
+        for b in cycle[:-1]:  # b takes its source, which is read by no one else now
+            wave([b], [src[b]], [lens[src[b]]])
+        wave([cycle[-1]], [TEMP], [lens[start]])
+        pending.difference_update(cycle)
+        for b in cycle:
+            readers[src[b]] -= 1
+    return waves
+
+
+# -- generic copy (Backend.copy_tokens default) ------------------------------------------------
+
+
+def copy_tokens_array_api(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens) -> None:
+    """``dst[:, dst_rows[i], :, :n] = src[:, src_rows[i], :, :n]`` for K and V, n = n_tokens[i].
+
+    Buffers are ``[layers, rows, Hkv, max_len, d]``; one slice assignment per row covers
+    every layer. The copies are independent (a wave), so their order does not matter.
+    """
+    for i in range(len(dst_rows)):
+        n = int(n_tokens[i])
+        if n == 0:
+            continue
+        d, s = int(dst_rows[i]), int(src_rows[i])
+        dst_k[:, d, :, :n, :] = src_k[:, s, :, :n, :]
+        dst_v[:, d, :, :n, :] = src_v[:, s, :, :n, :]
+
+
+def run_waves(backend, k, v, waves: list[Wave]) -> int:
+    """Run a plan on buffers ``k``, ``v`` ``[layers, B, Hkv, max_len, d]``; returns tokens
+    copied per layer. The temporary is one row ``[layers, 1, Hkv, n, d]``, allocated
+    only when a cycle needs it."""
+    temp = None
+    copied = 0
+    for w in waves:
+        copied += int(w.n_tokens.sum())
+        if w.dst_rows[0] == TEMP:
+            n = int(w.n_tokens[0])
+            layers, _, hkv, _, d = (int(s) for s in k.shape)
+            dtype = _dtype_name(k)
+            if temp is None or int(temp[0].shape[3]) < n:
+                temp = (backend.empty((layers, 1, hkv, max(n, 1), d), dtype),
+                        backend.empty((layers, 1, hkv, max(n, 1), d), dtype))
+            backend.copy_tokens(temp[0], temp[1], [0], k, v, w.src_rows, w.n_tokens)
+        elif w.src_rows[0] == TEMP:
+            backend.copy_tokens(k, v, w.dst_rows, temp[0], temp[1], [0], w.n_tokens)
+        else:
+            backend.copy_tokens(k, v, w.dst_rows, k, v, w.src_rows, w.n_tokens)
+    return copied
+
+
+def _dtype_name(x) -> str:
+    from . import dtypes
+
+    return dtypes.canonical_name(x.dtype)
+
+
+# -- the operations --------------------------------------------------------------------------
+
+
+def reorder(backend, k, v, lengths, src_rows) -> int:
+    """Row b takes the contents and length of row ``src_rows[b]`` (duplicates allowed).
+
+    In place in the preallocated buffers; copies ``lens[src_rows[b]]`` tokens for each
+    row with ``src_rows[b] != b`` (plus the shortest row of each permutation cycle once
+    more, through a one-row temporary). Returns tokens copied per layer.
+    """
+    batch = len(lengths.host)
+    src = _row_list(src_rows, "src_rows", batch, distinct=False)
+    if src.size != batch:
+        raise ValueError(f"src_rows must have one entry per cache row ({batch}), got {src.size}")
+    old = lengths.host.copy()
+    copied = run_waves(backend, k, v, plan_reorder(src, old))
+    lengths.set(np.arange(batch), old[src])
+    return copied
+
+
+def fork(backend, k, v, lengths, src: int, dst_rows) -> int:
+    """Copy row ``src``'s live tokens into each row of ``dst_rows`` (distinct; ``src``
+    itself is skipped if listed), which then hold ``lens[src]`` tokens. Returns tokens
+    copied per layer."""
+    batch = len(lengths.host)
+    s = _row(src, "src", batch)
+    dst = _row_list(dst_rows, "dst_rows", batch, distinct=True)
+    dst = dst[dst != s]
+    n = int(lengths.host[s])
+    backend.copy_tokens(k, v, dst, k, v, np.full(dst.size, s), np.full(dst.size, n))
+    lengths.set(dst, np.full(dst.size, n))
+    return n * int(dst.size)
+
+
+def truncate(lengths, rows, new_lens) -> None:
+    """Shorten row ``rows[i]`` to ``new_lens[i]`` tokens: O(1), no data moves.
+
+    ``0 <= new_lens[i] <= lens[rows[i]]``; the dropped tokens stay in the buffer but are
+    no longer live, and the next append overwrites them.
+    """
+    batch = len(lengths.host)
+    r = _row_list(rows, "rows", batch, distinct=True)
+    n = host_ints(np.asarray(new_lens) if isinstance(new_lens, (list, tuple)) else new_lens,
+                  "new_lens", r.size)
+    for i in range(r.size):
+        have = int(lengths.host[r[i]])
+        if not 0 <= n[i] <= have:
+            raise ValueError(
+                f"new_lens[{i}]={int(n[i])} is outside 0..{have} for row {int(r[i])}, which "
+                f"holds {have} tokens (truncate only shortens rows)"
+            )
+    lengths.set(r, n)
+
+
+def reset(lengths, rows=None) -> None:
+    """Empty ``rows`` (distinct; default every row) so new requests can reuse them."""
+    batch = len(lengths.host)
+    r = np.arange(batch) if rows is None else _row_list(rows, "rows", batch, distinct=True)
+    lengths.set(r, np.zeros(r.size, dtype=np.int64))

@@ -1,0 +1,207 @@
+"""How much memory a KV cache takes, and how much cache fits a budget (``gqakv size``).
+
+Per token, a model's cache holds K and V for every layer and KV head:
+
+    bytes_per_token = 2 x layers x kv_heads x head_dim x bytes_per_element
+
+Llama 3.1 8B in bfloat16: 2 x 32 x 8 x 128 x 2 = 131,072 bytes (128 KiB), so a
+4,096-token row takes 512 MiB. A cache of ``batch`` rows of ``max_len`` tokens takes
+``batch x max_len x bytes_per_token`` (what ``ModelKVCache.nbytes_for`` computes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import dtypes as _dtypes
+from .cache import human_bytes
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The attention shapes of a model that size its KV cache."""
+
+    name: str
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    max_position: int  # context length the model's config declares
+    source: str = ""  # where the numbers come from (a Hugging Face repo's config.json)
+
+    def bytes_per_token(self, dtype="bfloat16") -> int:
+        """K + V bytes of one token over all layers."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * _dtypes.itemsize(dtype)
+
+
+# From each model's published config.json (num_hidden_layers, num_attention_heads,
+# num_key_value_heads, hidden_size / num_attention_heads, max_position_embeddings).
+PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
+    ModelConfig("gpt2", 12, 12, 12, 64, 1024, "openai-community/gpt2 (n_layer, n_head, n_embd=768)"),
+    ModelConfig("llama-2-7b", 32, 32, 32, 128, 4096, "meta-llama/Llama-2-7b-hf"),
+    ModelConfig("llama-2-70b", 80, 64, 8, 128, 4096, "meta-llama/Llama-2-70b-hf"),
+    ModelConfig("llama-3.1-8b", 32, 32, 8, 128, 131072, "meta-llama/Llama-3.1-8B"),
+    ModelConfig("llama-3.1-70b", 80, 64, 8, 128, 131072, "meta-llama/Llama-3.1-70B"),
+    ModelConfig("llama-3.1-405b", 126, 128, 8, 128, 131072, "meta-llama/Llama-3.1-405B"),
+    ModelConfig("llama-3.2-1b", 16, 32, 8, 64, 131072, "meta-llama/Llama-3.2-1B"),
+    ModelConfig("llama-3.2-3b", 28, 24, 8, 128, 131072, "meta-llama/Llama-3.2-3B"),
+    ModelConfig("mistral-7b", 32, 32, 8, 128, 32768, "mistralai/Mistral-7B-v0.1"),
+    ModelConfig("mixtral-8x7b", 32, 32, 8, 128, 32768, "mistralai/Mixtral-8x7B-v0.1"),
+    ModelConfig("qwen2.5-7b", 28, 28, 4, 128, 32768, "Qwen/Qwen2.5-7B"),
+    ModelConfig("qwen2.5-72b", 80, 64, 8, 128, 32768, "Qwen/Qwen2.5-72B"),
+]}
+
+_ALIASES = {"gpt2-small": "gpt2", "gpt-2": "gpt2", "gpt-2-small": "gpt2"}
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[\s_]+", "-", name.strip().lower()).removeprefix("meta-")
+
+
+def get_preset(name: str) -> ModelConfig:
+    """A preset by name (case, '_' and '-' do not matter: 'Llama_3.1_8B' works)."""
+    key = _key(name)
+    key = _ALIASES.get(key, key)
+    if key not in PRESETS:
+        raise ValueError(f"unknown model {name!r} (presets: {', '.join(PRESETS)}; or pass a "
+                         "config.json with --config)")
+    return PRESETS[key]
+
+
+def config_from_hf(config, name: str | None = None) -> ModelConfig:
+    """A ModelConfig from a Hugging Face ``config.json`` (a dict or a path).
+
+    Reads Llama/Mistral/Qwen-style keys (``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads`` defaulting to the query heads, ``head_dim`` defaulting to
+    ``hidden_size // num_attention_heads``) and GPT-2's (``n_layer``, ``n_head``, ``n_embd``).
+    """
+    if not isinstance(config, dict):
+        path = Path(config)
+        config = json.loads(path.read_text())
+        name = name or path.parent.name or path.stem
+    config = config.get("text_config", config)  # multimodal wrappers nest the LM's config
+
+    def first(*keys, default=None):
+        for k in keys:
+            if config.get(k) is not None:
+                return config[k]
+        if default is None:
+            raise ValueError(f"config has none of {', '.join(keys)}")
+        return default
+
+    layers = int(first("num_hidden_layers", "n_layer"))
+    q_heads = int(first("num_attention_heads", "n_head"))
+    kv_heads = int(first("num_key_value_heads", "multi_query_group_num", default=q_heads))
+    hidden = first("hidden_size", "n_embd", default=0)
+    head_dim = int(first("head_dim", default=hidden // q_heads if hidden else 0))
+    if head_dim <= 0:
+        raise ValueError("config gives neither head_dim nor hidden_size")
+    max_pos = int(first("max_position_embeddings", "n_positions", "n_ctx", default=0))
+    return ModelConfig(name or config.get("model_type", "model"), layers, q_heads, kv_heads,
+                       head_dim, max_pos, "config.json")
+
+
+def resolve_model(model) -> ModelConfig:
+    """A ModelConfig, a preset name, or a path to a config.json."""
+    if isinstance(model, ModelConfig):
+        return model
+    if isinstance(model, str) and (model.endswith(".json") or Path(model).is_dir()):
+        path = Path(model)
+        return config_from_hf(path / "config.json" if path.is_dir() else path)
+    if isinstance(model, str):
+        return get_preset(model)
+    raise TypeError(f"model must be a preset name, a config.json path or a ModelConfig, got {model!r}")
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def cache_bytes(model, *, max_len: int, batch: int = 1, dtype="bfloat16") -> int:
+    """Bytes of K and V for ``batch`` rows of ``max_len`` tokens over all layers."""
+    cfg = resolve_model(model)
+    return _positive("batch", batch) * _positive("max_len", max_len) * cfg.bytes_per_token(dtype)
+
+
+def max_batch(model, *, max_len: int, budget: int, dtype="bfloat16") -> int:
+    """Largest batch of ``max_len``-token rows whose cache fits in ``budget`` bytes."""
+    per_row = cache_bytes(model, max_len=max_len, batch=1, dtype=dtype)
+    return _positive("budget", parse_bytes(budget)) // per_row if per_row else 0
+
+
+def max_len_for(model, *, batch: int, budget: int, dtype="bfloat16") -> int:
+    """Largest per-row capacity in tokens for ``batch`` rows within ``budget`` bytes."""
+    per_token = cache_bytes(model, max_len=1, batch=batch, dtype=dtype)
+    return _positive("budget", parse_bytes(budget)) // per_token if per_token else 0
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_bytes(text) -> int:
+    """``'80GiB'`` -> 85899345920; ``'1.5GB'`` -> 1500000000; ints pass through."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read a byte count from {text!r} (examples: 80GiB, 24GB, 512MiB, "
+                         "1e9)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", nargs="?", default="llama-3.1-8b",
+                        help="preset name (see --list) or a config.json path (default: llama-3.1-8b)")
+    parser.add_argument("--max-len", type=int, default=4096, help="tokens per row (default 4096)")
+    parser.add_argument("--batch", type=int, default=1, help="rows (default 1)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(_dtypes.ITEMSIZE),
+                        help="cache dtype (default bfloat16)")
+    parser.add_argument("--budget", help="memory for the cache (e.g. 40GiB): print the largest "
+                        "batch at --max-len and the largest max-len at --batch that fit")
+    parser.add_argument("--list", action="store_true", help="list the presets and their per-token size")
+
+
+def run(args) -> int:
+    if args.list:
+        print(f"{'model':16} {'layers':>6} {'Hq':>4} {'Hkv':>4} {'d':>4} {'context':>8} "
+              f"{'bytes/token':>12}  {'4,096 tokens':>12}  ({args.dtype})")
+        for c in PRESETS.values():
+            per = c.bytes_per_token(args.dtype)
+            print(f"{c.name:16} {c.layers:6d} {c.q_heads:4d} {c.kv_heads:4d} {c.head_dim:4d} "
+                  f"{c.max_position:8d} {per:12,d}  {human_bytes(per * 4096):>12}")
+        return 0
+    try:
+        cfg = resolve_model(args.model)
+        total = cache_bytes(cfg, max_len=args.max_len, batch=args.batch, dtype=args.dtype)
+        budget = parse_bytes(args.budget) if args.budget is not None else None
+    except (ValueError, OSError) as exc:
+        print(f"gqakv size: {exc}")
+        return 2
+    item = _dtypes.itemsize(args.dtype)
+    per = cfg.bytes_per_token(args.dtype)
+    print(f"{cfg.name}: {cfg.layers} layers, {cfg.q_heads} query heads, {cfg.kv_heads} KV heads, "
+          f"head dim {cfg.head_dim}, {args.dtype}" + (f"  [{cfg.source}]" if cfg.source else ""))
+    print(f"  per token : {per:,} bytes ({human_bytes(per)}) = 2 x {cfg.layers} layers x "
+          f"{cfg.kv_heads} KV heads x {cfg.head_dim} x {item} bytes")
+    print(f"  cache     : {total:,} bytes ({human_bytes(total)}) for batch {args.batch} x "
+          f"max_len {args.max_len:,}")
+    if cfg.max_position and args.max_len > cfg.max_position:
+        print(f"  note      : max_len {args.max_len:,} exceeds the model's context "
+              f"{cfg.max_position:,}")
+    if budget is not None:
+        b = max_batch(cfg, max_len=args.max_len, budget=budget, dtype=args.dtype)
+        n = max_len_for(cfg, batch=args.batch, budget=budget, dtype=args.dtype)
+        print(f"  budget    : {budget:,} bytes ({human_bytes(budget)})")
+        print(f"    largest batch at max_len {args.max_len:,}: {b:,}")
+        print(f"    largest max_len at batch {args.batch}: {n:,} tokens")
+    return 0
