@@ -11,7 +11,6 @@ from .attention import gqa_attention
 from .backend import Backend
 from .cache import KVCache
 from .model_cache import ModelKVCache, Step
-from .model_cache import ModelKVCache, Step
 from .merge import merge_attention
 from .registry import (
     BackendError,
@@ -29,8 +28,6 @@ __all__ = [
     "Backend",
     "BackendError",
     "KVCache",
-    "ModelKVCache",
-    "Step",
     "ModelKVCache",
     "Step",
     "describe_backends",
