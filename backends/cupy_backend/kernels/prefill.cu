@@ -1,0 +1,183 @@
+// Chunked prefill attention (T > small): FlashAttention-style tiles with online softmax.
+//
+// One CTA per (entry b, KV head, group chunk, query block). Its ROWS query rows are
+// (group head g, token t) pairs: GC heads of the group times BQ tokens (GC * BQ <= ROWS),
+// so a K/V tile in shared memory serves every head of the group. Query t of entry b sits
+// at absolute position L - n + t (bottom-right causal) and sees keys 0..L - n + t; key
+// tiles past the block's last visible key are skipped and nothing at or past L is read.
+// Padded rows (t >= n, g >= G) are computed as fully masked and never written.
+//
+// Threads: 8 row groups x 16 column lanes (tid = tr * 16 + tc); thread (tr, tc) owns rows
+// tr * RPT .. + RPT, score columns tc + 16 * jj, output columns tc + 16 * cc. Row max and
+// sum reduce over the 16 lanes of a half warp with full-mask xor shuffles.
+//
+// Launch: grid (B * Hkv * n_gchunks, n_tblocks), block 128.
+#include "common.cuh"
+
+template <class T, int D>
+struct PrefillShape {
+    static constexpr int ROWS = D <= 64 ? 64 : (D <= 128 ? 32 : 16);  // query rows per CTA
+    static constexpr int BK = D <= 128 ? 32 : 16;                      // keys per tile
+    static constexpr int TR = 8, TC = 16;
+    static constexpr int RPT = ROWS / TR;          // rows per thread
+    static constexpr int SPT = BK / TC;            // score columns per thread
+    static constexpr int CPT = (D + TC - 1) / TC;  // output columns per thread
+    static constexpr int KSTR = D + 1;             // padded K/V row: conflict-free columns
+    static constexpr int VEC = VecWidth<T, D>::value;
+    static constexpr int NCH = D / VEC;
+};
+
+template <class T, int D>
+__device__ __forceinline__ void load_tile(float* __restrict__ tile, const T* __restrict__ src,
+                                          i64 row0, i64 row_end, i64 stride, int nrows, int tstride) {
+    typedef PrefillShape<T, D> S;
+    for (int idx = threadIdx.x; idx < nrows * S::NCH; idx += blockDim.x) {
+        const int r = idx / S::NCH, ch = idx % S::NCH;
+        float* dst = tile + r * tstride + ch * S::VEC;
+        if (row0 + r < row_end) {
+            load_vec<T, S::VEC>(src + (row0 + r) * stride + ch * S::VEC, dst);
+        } else {
+#pragma unroll
+            for (int e = 0; e < S::VEC; ++e) dst[e] = 0.f;
+        }
+    }
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(128, 1) gqakv_prefill(
+    const T* __restrict__ q, const T* __restrict__ k_buf, const T* __restrict__ v_buf,
+    const i64* __restrict__ rows, const i64* __restrict__ lens, const i64* __restrict__ n_new,
+    T* __restrict__ out, float* __restrict__ lse,
+    int Hkv, int G, int Tq, int GC, int BQ, int n_gchunks, float scale,
+    i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
+    i64 o_sb, i64 o_sh, i64 o_st) {
+    typedef PrefillShape<T, D> S;
+    const int gc = blockIdx.x % n_gchunks;
+    const int kvh = (blockIdx.x / n_gchunks) % Hkv;
+    const int b = blockIdx.x / (n_gchunks * Hkv);
+    const int t0 = blockIdx.y * BQ;
+    const i64 L = lens[b];
+    const i64 n = n_new[b];
+    if (t0 >= n) return;  // uniform over the CTA
+    const i64 start = L - n;  // position of token 0 of this chunk
+    const i64 k_end = start + (t0 + BQ < n ? t0 + BQ : n);  // past the block's last visible key
+
+    __shared__ float sQ[S::ROWS][D];
+    __shared__ float sKV[S::BK * S::KSTR];
+    __shared__ float sP[S::ROWS][S::BK];
+
+    // Load the query rows, scaled; padded rows are zero (and fully masked below).
+    for (int idx = threadIdx.x; idx < S::ROWS * S::NCH; idx += blockDim.x) {
+        const int r = idx / S::NCH, ch = idx % S::NCH;
+        const int gi = r / BQ, t = t0 + r % BQ, g = gc * GC + gi;
+        float* dst = &sQ[r][ch * S::VEC];
+        if (gi < GC && g < G && t < n) {
+            load_vec<T, S::VEC>(q + (i64)b * q_sb + (i64)(kvh * G + g) * q_sh + (i64)t * q_st +
+                                    ch * S::VEC, dst);
+#pragma unroll
+            for (int e = 0; e < S::VEC; ++e) dst[e] *= scale;
+        } else {
+#pragma unroll
+            for (int e = 0; e < S::VEC; ++e) dst[e] = 0.f;
+        }
+    }
+
+    const int tr = threadIdx.x / S::TC, tc = threadIdx.x % S::TC;
+    i64 pos[S::RPT];  // absolute position of each owned row; -1 for padding
+    float m[S::RPT], l[S::RPT], acc[S::RPT][S::CPT];
+#pragma unroll
+    for (int i = 0; i < S::RPT; ++i) {
+        const int r = tr * S::RPT + i;
+        const int gi = r / BQ, t = t0 + r % BQ, g = gc * GC + gi;
+        pos[i] = (gi < GC && g < G && t < n) ? start + t : -1;
+        m[i] = GQAKV_NEG_INF;
+        l[i] = 0.f;
+#pragma unroll
+        for (int cc = 0; cc < S::CPT; ++cc) acc[i][cc] = 0.f;
+    }
+
+    const i64 head_off = rows[b] * buf_sb + (i64)kvh * buf_sh;
+    for (i64 j0 = 0; j0 < k_end; j0 += S::BK) {
+        __syncthreads();  // previous tile's readers are done with sKV and sP
+        load_tile<T, D>(sKV, k_buf + head_off, j0, k_end, buf_st, S::BK, S::KSTR);
+        __syncthreads();
+
+        float s[S::RPT][S::SPT];
+#pragma unroll
+        for (int i = 0; i < S::RPT; ++i)
+#pragma unroll
+            for (int jj = 0; jj < S::SPT; ++jj) s[i][jj] = 0.f;
+#pragma unroll 2
+        for (int d = 0; d < D; ++d) {
+            float kv[S::SPT];
+#pragma unroll
+            for (int jj = 0; jj < S::SPT; ++jj) kv[jj] = sKV[(tc + S::TC * jj) * S::KSTR + d];
+#pragma unroll
+            for (int i = 0; i < S::RPT; ++i) {
+                const float qv = sQ[tr * S::RPT + i][d];
+#pragma unroll
+                for (int jj = 0; jj < S::SPT; ++jj) s[i][jj] += qv * kv[jj];
+            }
+        }
+
+#pragma unroll
+        for (int i = 0; i < S::RPT; ++i) {
+            float row_max = GQAKV_NEG_INF;
+#pragma unroll
+            for (int jj = 0; jj < S::SPT; ++jj) {
+                const i64 j = j0 + tc + S::TC * jj;
+                if (j > pos[i]) s[i][jj] = GQAKV_NEG_INF;  // causal mask; padded rows mask all
+                row_max = fmaxf(row_max, s[i][jj]);
+            }
+            row_max = group_max<S::TC>(row_max);
+            const float m_new = fmaxf(m[i], row_max);
+            // A row that has seen no visible key keeps the empty state (no -inf - -inf).
+            const float corr = m_new == GQAKV_NEG_INF ? 1.f : expf(m[i] - m_new);
+            float p_sum = 0.f;
+#pragma unroll
+            for (int jj = 0; jj < S::SPT; ++jj) {
+                const float p = m_new == GQAKV_NEG_INF ? 0.f : expf(s[i][jj] - m_new);
+                sP[tr * S::RPT + i][tc + S::TC * jj] = p;
+                p_sum += p;
+            }
+            p_sum = group_sum<S::TC>(p_sum);
+            l[i] = l[i] * corr + p_sum;
+            m[i] = m_new;
+#pragma unroll
+            for (int cc = 0; cc < S::CPT; ++cc) acc[i][cc] *= corr;
+        }
+
+        __syncthreads();  // everyone is done reading K
+        load_tile<T, D>(sKV, v_buf + head_off, j0, k_end, buf_st, S::BK, S::KSTR);
+        __syncthreads();
+
+#pragma unroll 4
+        for (int kk = 0; kk < S::BK; ++kk) {
+#pragma unroll
+            for (int i = 0; i < S::RPT; ++i) {
+                const float p = sP[tr * S::RPT + i][kk];
+#pragma unroll
+                for (int cc = 0; cc < S::CPT; ++cc) {
+                    const int col = tc + S::TC * cc;
+                    if (col < D) acc[i][cc] += p * sKV[kk * S::KSTR + col];
+                }
+            }
+        }
+    }
+
+    const int Hq = Hkv * G;
+#pragma unroll
+    for (int i = 0; i < S::RPT; ++i) {
+        if (pos[i] < 0) continue;
+        const int r = tr * S::RPT + i;
+        const int g = gc * GC + r / BQ, t = t0 + r % BQ, h = kvh * G + g;
+        const float inv = 1.f / l[i];  // l > 0: every real query sees key 0
+        T* o = out + (i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st;
+#pragma unroll
+        for (int cc = 0; cc < S::CPT; ++cc) {
+            const int col = tc + S::TC * cc;
+            if (col < D) o[col] = from_float<T>(acc[i][cc] * inv);
+        }
+        if (tc == 0) lse[((i64)b * Hq + h) * Tq + t] = m[i] + logf(l[i]);
+    }
+}

@@ -1,0 +1,73 @@
+"""The CUDA sources of the cupy backend: where they are, how they are named and compiled.
+
+Kernel sources ship as package data (``kernels/*.cu``, ``kernels/*.cuh``) and are read
+with importlib.resources. ``compose_source`` inlines the local ``#include "x.cuh"`` lines,
+so NVRTC needs no include path and the text compiled is exactly one string. The cupy
+backend (``modules.py``) and the NVRTC compile test (``nvrtc.py``) both compile
+``compose_source(kernel)`` with ``COMPILE_OPTIONS`` and the template instantiation named by
+``name_expression``; the CPU emulation harness compiles the same files with g++.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from importlib import resources
+
+#: Kernel name -> source file. Each kernel is a template ``<T, D>`` over the storage type
+#: and the head dim.
+KERNEL_FILES = {
+    "gqakv_write_kv": "write_kv.cu",
+    "gqakv_decode": "decode.cu",
+    "gqakv_merge": "merge.cu",
+    "gqakv_prefill": "prefill.cu",
+}
+
+#: gqakv dtype name -> C++ storage type in the kernels (16-bit types are raw bits).
+CTYPES = {"float32": "float", "float16": "gqakv_half", "bfloat16": "gqakv_bf16"}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+#: Largest head dim the fused kernels are instantiated for (any d <= this works).
+MAX_FUSED_HEAD_DIM = 256
+
+#: Options for every compile (the GPU architecture is added by the caller).
+COMPILE_OPTIONS = ("-std=c++17",)
+
+_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def read_kernel_file(filename: str) -> str:
+    """Text of a file under ``kernels/`` (package data)."""
+    return resources.files(__package__).joinpath("kernels", filename).read_text(encoding="utf-8")
+
+
+@functools.cache
+def compose_source(kernel: str) -> str:
+    """Full source text of ``kernel``'s file with local includes inlined (each once)."""
+    seen: set[str] = set()
+
+    def expand(filename: str) -> str:
+        if filename in seen:
+            return ""
+        seen.add(filename)
+        text = read_kernel_file(filename).replace("#pragma once", "")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(KERNEL_FILES[kernel])
+
+
+def name_expression(kernel: str, dtype: str, head_dim: int) -> str:
+    """The template instantiation, e.g. ``gqakv_decode<gqakv_bf16, 128>``."""
+    if kernel not in KERNEL_FILES:
+        raise KeyError(f"unknown kernel {kernel!r} (known: {', '.join(KERNEL_FILES)})")
+    if dtype not in CTYPES:
+        raise KeyError(f"no fused kernels for dtype {dtype!r} (fused: {', '.join(CTYPES)})")
+    if not 1 <= head_dim <= MAX_FUSED_HEAD_DIM:
+        raise KeyError(f"no fused kernels for head_dim={head_dim} (fused: 1..{MAX_FUSED_HEAD_DIM})")
+    return f"{kernel}<{CTYPES[dtype]}, {int(head_dim)}>"
+
+
+def vec_width(dtype: str, head_dim: int) -> int:
+    """Elements per vector access; mirrors ``VecWidth`` in common.cuh."""
+    size = ITEMSIZE[dtype]
+    return 16 // size if (head_dim * size) % 16 == 0 else 1
