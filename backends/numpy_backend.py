@@ -41,3 +41,10 @@ class NumpyBackend(Backend):
         view = a.view()
         view.flags.writeable = False
         return view
+
+    def attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
+        """BLAS matmuls on live views, shared among threads (see ``numpy_attention``)."""
+        from .numpy_attention import attention_numpy
+
+        return attention_numpy(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
+                               return_lse=return_lse)

@@ -1,0 +1,301 @@
+"""NumPy attention: BLAS matmuls on views of the live cache, spread over the cores.
+
+The generic array-API code (``gqakv.attention.attention_array_api``) is correct on
+NumPy but runs one row after another through NumPy's stacked matmul, which lets
+OpenBLAS thread each small product on its own: a decode step is a handful of
+``[G, d] @ [d, L]`` products, too thin for BLAS threading to pay, so the step ran
+near one core's speed. Here the same blocked online softmax is cut into independent
+*items*, each ``(batch entry i, KV heads h0:h1, queries t0:t1, keys j0:j1)``, and
+the items are shared among a few threads, with BLAS held to one thread meanwhile
+so the two levels of threading never fight over the cores. NumPy's matmul and
+ufuncs release the GIL, so the threads run in parallel.
+
+Work and memory:
+- every item reads views ``k_buf[r, h0:h1, j0:j1]`` of the live cache (never past
+  the row's length, never a copy), so work follows the sum of live lengths;
+- a row with more work than its share is split over its KV heads, then, if still
+  too big (one long row with few KV heads), over its keys; key pieces are merged
+  afterwards through their log-sum-exp;
+- inside an item, keys are walked in blocks so that one block of scores
+  ``[heads, G * nq, keys]`` holds at most ``score_block_elements`` values (1 MiB of
+  float32 by default, sized to stay in a core's L2 cache). Peak temporary memory is
+  therefore about ``workers x 3 x score_block_elements`` compute-dtype values (the
+  scores, the cast K/V block for float16/bfloat16 caches) plus the queries and the
+  output, independent of the cache length;
+- float16 and bfloat16 caches are computed in float32: each K/V block is cast on the
+  fly (NumPy has no fast half-precision matmul), and the result is cast back.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+# One block of scores [heads, G * nq, keys], in elements (1 MiB of float32).
+SCORE_BLOCK_ELEMENTS = 1 << 18
+# Queries of one item (per row): 256 queries x G heads share each K/V block read.
+QUERY_BLOCK = 256
+# A row's keys are split across threads only into pieces at least this long.
+MIN_KEY_SPLIT = 1024
+# Below this much work (query-key-head products) threads cost more than they save.
+PARALLEL_MIN_WORK = 1 << 18
+# Items per worker the planner aims for, so uneven items still balance.
+ITEMS_PER_WORKER = 4
+
+ENV_THREADS = "GQAKV_NUM_THREADS"
+
+
+# -- threads -------------------------------------------------------------------------------
+
+class _Threads:
+    """A shared worker pool and a guard that holds BLAS to one thread while it works."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+        self._blas = None  # threadpoolctl controller of the BLAS libraries, False if absent
+        self._depth = 0  # calls currently holding BLAS to one thread
+        self._saved: list[int] = []
+
+    def _blas_controller(self):
+        if self._blas is None:
+            try:
+                from threadpoolctl import ThreadpoolController
+            except ImportError:
+                self._blas = False
+            else:
+                self._blas = ThreadpoolController().select(user_api="blas")
+        return self._blas
+
+    def default_workers(self) -> int:
+        """GQAKV_NUM_THREADS if set, else as many threads as BLAS would use (1 without threadpoolctl)."""
+        env = os.environ.get(ENV_THREADS)
+        if env:
+            try:
+                n = int(env)
+            except ValueError:
+                raise ValueError(f"{ENV_THREADS}={env!r} is not an integer") from None
+            if n < 1:
+                raise ValueError(f"{ENV_THREADS}={n} must be >= 1")
+            return n
+        blas = self._blas_controller()
+        if not blas or not blas.lib_controllers:
+            return 1  # without threadpoolctl BLAS cannot be held to one thread: let it thread
+        with self._lock:
+            if self._depth:
+                return max(self._saved)
+            return max(1, max(c.num_threads for c in blas.lib_controllers))
+
+    def pool(self, workers: int) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._pool_size < workers:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)
+                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="gqakv")
+                self._pool_size = workers
+            return self._pool
+
+    def __enter__(self):
+        blas = self._blas_controller()
+        if blas:
+            with self._lock:
+                if self._depth == 0:
+                    self._saved = [c.num_threads for c in blas.lib_controllers]
+                    for c in blas.lib_controllers:
+                        c.set_num_threads(1)
+                self._depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        blas = self._blas_controller()
+        if blas:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    for c, n in zip(blas.lib_controllers, self._saved):
+                        c.set_num_threads(n)
+        return False
+
+
+_threads = _Threads()
+
+
+# -- planning ------------------------------------------------------------------------------
+
+def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key_split: int):
+    """Cut the call into items ``(i, h0, h1, t0, t1, j0, j1)``.
+
+    Keys of every piece but the last end at or before the block's first query
+    position, and every piece starts at a key all of the block's queries see, so each
+    piece's running maximum is finite from its first key block on.
+    """
+    tasks = []  # (i, t0, t1, start, visible_end, cost)
+    for i in range(len(n_new)):
+        n, L = int(n_new[i]), int(lens[i])
+        start = L - n
+        for t0 in range(0, n, query_block):
+            t1 = min(n, t0 + query_block)
+            tasks.append((i, t0, t1, start, start + t1, Hkv * G * (t1 - t0) * (start + t1)))
+    total = sum(t[-1] for t in tasks)
+    target = total / (workers * ITEMS_PER_WORKER) if workers > 1 else math.inf
+    items = []
+    for i, t0, t1, start, visible_end, cost in tasks:
+        head_parts = min(Hkv, max(1, math.ceil(cost / target)))
+        part_cost = cost / head_parts
+        # Keys may be cut only inside 0..start+t0 (seen by every query of the block).
+        key_parts = max(1, min(math.ceil(part_cost / target), (start + t0 + 1) // min_key_split))
+        bounds = [0] + [(start + t0 + 1) * p // key_parts for p in range(1, key_parts)] + [visible_end]
+        for hp in range(head_parts):
+            h0, h1 = Hkv * hp // head_parts, Hkv * (hp + 1) // head_parts
+            for kp in range(key_parts):
+                items.append((i, h0, h1, t0, t1, bounds[kp], bounds[kp + 1],
+                              (h1 - h0) * G * (t1 - t0) * (bounds[kp + 1] - bounds[kp])))
+    return items, total
+
+
+def _share(items, workers: int):
+    """Split the item list into ``workers`` consecutive runs of about equal cost."""
+    total = sum(it[-1] for it in items)
+    runs, run, acc = [], [], 0.0
+    for it in items:
+        run.append(it)
+        acc += it[-1]
+        if acc >= total * (len(runs) + 1) / workers and len(runs) < workers - 1:
+            runs.append(run)
+            run = []
+    runs.append(run)
+    return [r for r in runs if r]
+
+
+# -- the kernel ----------------------------------------------------------------------------
+
+def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, scale, acc, score_block_elements):
+    """Online softmax of one item; returns (o, m, l) with o unnormalized.
+
+    o: [hh, G * nq, d]; m, l: [hh, G * nq, 1] (running max and sum of exp), in ``acc``.
+    """
+    i, h0, h1, t0, t1, j0, j1, _ = item
+    Hq, d = q.shape[1], q.shape[3]
+    G = Hq // k_buf.shape[1]
+    hh, nq = h1 - h0, t1 - t0
+    r, L, n = int(rows[i]), int(lens[i]), int(n_new[i])
+    start = L - n  # query t sits at absolute position start + t
+    # [hh*G, nq, d] -> [hh, G*nq, d]: query head h0*G + kv*G + g reads KV head h0 + kv.
+    qb = q[i, h0 * G:h1 * G, t0:t1, :].astype(acc)
+    qb *= scale  # a Python float: no promotion
+    qb = qb.reshape(hh, G * nq, d)
+    k_rows, v_rows = k_buf[r, h0:h1], v_buf[r, h0:h1]  # [hh, max_len, d] views
+    kb_len = max(16, score_block_elements // (hh * G * nq))
+    m = l = o = None
+    for js in range(j0, j1, kb_len):
+        je = min(j1, js + kb_len)
+        kb, vb = k_rows[:, js:je, :], v_rows[:, js:je, :]
+        if kb.dtype != acc:  # float16/bfloat16: compute this block in float32
+            kb, vb = kb.astype(acc), vb.astype(acc)
+        s = np.matmul(qb, kb.swapaxes(-1, -2))  # [hh, G*nq, je-js]
+        if je - 1 > start + t0:  # the block reaches past the first query's position
+            visible = np.arange(js, je)[None, :] <= np.arange(start + t0, start + t1)[:, None]
+            np.copyto(s.reshape(hh, G, nq, je - js), -np.inf, where=~visible)
+        s_max = s.max(axis=-1, keepdims=True)
+        if m is None:
+            m = s_max  # finite: the first key of a piece is seen by every query
+        else:
+            m_new = np.maximum(m, s_max)
+            alpha = np.exp(m - m_new)
+            m = m_new
+        s -= m
+        np.exp(s, out=s)
+        l_blk = s.sum(axis=-1, keepdims=True)
+        o_blk = np.matmul(s, vb)  # [hh, G*nq, d]
+        if o is None:
+            l, o = l_blk, o_blk
+        else:
+            l *= alpha
+            l += l_blk
+            o *= alpha
+            o += o_blk
+    return o, m, l
+
+
+def _finish(out, lse, item, o, m, l, G):
+    """Normalize and store one item's (merged) result into out [B, Hq, T, d] and lse."""
+    i, h0, h1, t0, t1 = item[:5]
+    hh, nq, d = h1 - h0, t1 - t0, o.shape[-1]
+    o /= l
+    out[i, h0 * G:h1 * G, t0:t1, :] = o.reshape(hh * G, nq, d)
+    if lse is not None:
+        lse[i, h0 * G:h1 * G, t0:t1] = (m + np.log(l)).reshape(hh * G, nq)
+
+
+def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool,
+                    workers: int | None = None,
+                    score_block_elements: int = SCORE_BLOCK_ELEMENTS,
+                    query_block: int = QUERY_BLOCK,
+                    min_key_split: int = MIN_KEY_SPLIT,
+                    parallel_min_work: int = PARALLEL_MIN_WORK):
+    """NumPy attention over validated inputs; see ``gqakv.gqa_attention`` for the semantics.
+
+    q: [B, Hq, T, d]; k_buf, v_buf: [rows_total, Hkv, max_len, d]; rows, lens, n_new:
+    host int arrays [B]. ``workers`` threads (default: GQAKV_NUM_THREADS, else the
+    BLAS thread count) share the items; the remaining keywords expose the blocking
+    so tests can drive every split on small shapes.
+    """
+    B, Hq, T, d = q.shape
+    Hkv = k_buf.shape[1]
+    G = Hq // Hkv
+    acc = np.float64 if q.dtype == np.float64 else np.float32
+    out = np.zeros((B, Hq, T, d), dtype=q.dtype)
+    lse = np.full((B, Hq, T), -np.inf, dtype=acc) if return_lse else None
+    if workers is None:
+        workers = _threads.default_workers()
+    items, total = _plan(lens, n_new, Hkv, G, workers, query_block, min_key_split)
+    if not items:
+        return (out, lse) if return_lse else out
+    if total < parallel_min_work:
+        workers = 1
+
+    def run(batch):
+        """Compute a run of items; finish whole ones, hand back key pieces for merging."""
+        pieces = []
+        for item in batch:
+            o, m, l = _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, scale=scale, acc=acc,
+                                   score_block_elements=score_block_elements)
+            i, t0 = item[0], item[3]
+            whole_row = item[5] == 0 and item[6] == int(lens[i]) - int(n_new[i]) + item[4]
+            if whole_row:
+                _finish(out, lse, item, o, m, l, G)  # items write disjoint parts of out
+            else:
+                pieces.append((item, o, m, l))
+        return pieces
+
+    if workers == 1 or len(items) == 1:
+        pieces = run(items)
+    else:
+        with _threads:
+            futures = [_threads.pool(workers).submit(run, batch) for batch in _share(items, workers)]
+            pieces = [p for f in futures for p in f.result()]
+    _merge(out, lse, pieces, G)
+    return (out, lse) if return_lse else out
+
+
+def _merge(out, lse, pieces, G):
+    """Combine the key pieces of split items through their running max and sum of exp."""
+    groups: dict[tuple, list] = {}
+    for item, o, m, l in pieces:
+        groups.setdefault(item[:5], []).append((o, m, l))
+    for key, parts in groups.items():
+        m = parts[0][1]
+        for _, mp, _ in parts[1:]:
+            m = np.maximum(m, mp)
+        o = np.zeros_like(parts[0][0])
+        l = np.zeros_like(parts[0][2])
+        for op, mp, lp in parts:
+            w = np.exp(mp - m)
+            o += w * op
+            l += w * lp
+        _finish(out, lse, key, o, m, l, G)

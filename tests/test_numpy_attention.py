@@ -1,0 +1,165 @@
+"""The NumPy backend's threaded attention: every split it can make, against the reference.
+
+Tiny blocks, several workers and no size thresholds force the planner to cut rows
+over KV heads, keys and queries on small shapes, so each merge path is checked
+against tests/reference.py. Also: float16/bfloat16 computed in float32, bounded
+temporaries (tracemalloc), work that follows live lengths, and BLAS threads restored.
+"""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import gqakv
+from gqakv_backends import numpy_attention as na
+
+from .reference import reference_attention
+
+SPLIT_EVERYTHING = dict(workers=3, score_block_elements=24, query_block=3, min_key_split=2,
+                        parallel_min_work=0)
+
+
+def _case(rng, lens, n_new, hkv, G, d, dtype=np.float64, nan_tail=True):
+    """Buffers [B, Hkv, max_len, d] with NaN past each row's length, and queries."""
+    B, max_len = len(lens), max(lens) + 3
+    k = np.full((B, hkv, max_len, d), np.nan) if nan_tail else np.zeros((B, hkv, max_len, d))
+    v = k.copy()
+    for b, L in enumerate(lens):
+        k[b, :, :L] = rng.standard_normal((hkv, L, d))
+        v[b, :, :L] = rng.standard_normal((hkv, L, d))
+    q = rng.standard_normal((B, hkv * G, max(n_new) if len(n_new) else 0, d))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def _run(q, k, v, lens, n_new, **kw):
+    B = len(lens)
+    return na.attention_numpy(q, k, v, np.arange(B), np.asarray(lens), np.asarray(n_new),
+                              scale=1.0 / math.sqrt(q.shape[-1]), return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("knobs", [SPLIT_EVERYTHING,
+                                   dict(workers=2, min_key_split=4, parallel_min_work=0),
+                                   dict(workers=1, score_block_elements=5, query_block=2)],
+                         ids=["split-everything", "two-workers", "serial-tiny-blocks"])
+def test_all_splits_match_reference(seed, knobs):
+    rng = np.random.default_rng(seed)
+    hkv, G, d = int(rng.choice([1, 2, 4])), int(rng.integers(1, 5)), int(rng.choice([1, 4, 8]))
+    B = int(rng.integers(1, 4))
+    lens = [int(x) for x in rng.integers(0, 40, B)]
+    n_new = [int(rng.integers(0, L + 1)) if L else 0 for L in lens]
+    q, k, v = _case(rng, lens, n_new, hkv, G, d)
+    out, lse = _run(q, k, v, lens, n_new, **knobs)
+    want, want_lse = reference_attention(q, [k[b, :, :L] for b, L in enumerate(lens)],
+                                         [v[b, :, :L] for b, L in enumerate(lens)], n_new)
+    np.testing.assert_allclose(out, want, atol=1e-10)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], atol=1e-10)
+    for b, n in enumerate(n_new):
+        assert not out[b, :, n:].any()  # padded queries are exactly 0
+
+
+def test_long_row_split_over_keys_and_decode_batch():
+    """One long MQA row (only keys can be split) and a ragged decode batch."""
+    rng = np.random.default_rng(1)
+    for lens, n_new, hkv in (([300], [1], 1), ([300], [40], 1), ([5, 200, 0, 77], [1, 1, 0, 1], 2)):
+        q, k, v = _case(rng, lens, n_new, hkv, 3, 8)
+        out, lse = _run(q, k, v, lens, n_new, workers=2, min_key_split=16, parallel_min_work=0,
+                        score_block_elements=64)
+        want, _ = reference_attention(q, [k[b, :, :L] for b, L in enumerate(lens)],
+                                      [v[b, :, :L] for b, L in enumerate(lens)], n_new)
+        np.testing.assert_allclose(out, want, atol=1e-10)
+
+
+def test_planner_splits_keys_only_where_every_query_sees_the_piece_start():
+    items, _ = na._plan(np.array([3000]), np.array([512]), 1, 4, workers=2, query_block=256,
+                        min_key_split=64)
+    for i, h0, h1, t0, t1, j0, j1, _ in items:
+        assert j0 <= 3000 - 512 + t0  # the first query of the block sees key j0
+    # pieces of each (row, heads, query block) tile its visible keys exactly once
+    for t0 in (0, 256):
+        pieces = sorted((it[5], it[6]) for it in items if it[3] == t0)
+        assert pieces[0][0] == 0 and pieces[-1][1] == 3000 - 512 + t0 + 256
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+
+
+def test_work_follows_live_lengths():
+    """A 100-token row beside a 16k-token row costs their sum, not 2 x 16k."""
+    items, total = na._plan(np.array([100, 16000]), np.array([1, 1]), 8, 4, workers=2,
+                            query_block=256, min_key_split=1024)
+    assert total == 8 * 4 * (100 + 16000)
+    assert sum(it[-1] for it in items) == total
+    runs = na._share(items, 2)
+    costs = [sum(it[-1] for it in r) for r in runs]
+    assert len(runs) == 2 and max(costs) <= 0.6 * total
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_computed_in_float32(dtype):
+    """Same result as the float32 computation of the rounded inputs, returned in dtype."""
+    backend = gqakv.get_backend("numpy")
+    np_dtype = backend.dtype(dtype)
+    rng = np.random.default_rng(3)
+    lens, n_new = [50, 9], [7, 1]
+    q, k, v = _case(rng, lens, n_new, 2, 4, 16, dtype=np.float32)
+    q, k, v = q.astype(np_dtype), k.astype(np_dtype), v.astype(np_dtype)
+    out, lse = _run(q, k, v, lens, n_new, **SPLIT_EVERYTHING)
+    assert out.dtype == np_dtype and lse.dtype == np.float32
+    want, _ = reference_attention(q.astype(np.float64), [k[b, :, :L].astype(np.float64) for b, L in enumerate(lens)],
+                                  [v[b, :, :L].astype(np.float64) for b, L in enumerate(lens)], n_new)
+    # float32 accumulation, then one rounding to dtype: within one ulp of dtype at |out| <= ~4.
+    ulp = {"float16": 2.0**-10, "bfloat16": 2.0**-7}[dtype]
+    np.testing.assert_allclose(out.astype(np.float64), want, atol=4 * ulp, rtol=0)
+
+
+def test_peak_temporaries_bounded_for_long_prefill_chunk():
+    """A 512-token chunk over a 20k-token row never holds its [Hq, T, L] scores at once."""
+    hkv, G, d, L, T = 2, 4, 32, 20000, 512
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((1, hkv, L, d), dtype=np.float32)
+    v = rng.standard_normal((1, hkv, L, d), dtype=np.float32)
+    q = rng.standard_normal((1, hkv * G, T, d), dtype=np.float32)
+    full_scores = hkv * G * T * L * 4  # 328 MB if materialized
+    tracemalloc.start()
+    try:
+        _run(q, k, v, [L], [T], workers=2, parallel_min_work=0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # the output (and the key pieces' partial outputs), plus per worker a few score blocks
+    # (the block, the mask, the queries of an item): see the module docstring.
+    bound = 2 * q.nbytes + 2 * 4 * na.SCORE_BLOCK_ELEMENTS * 4
+    assert peak < bound < full_scores / 30
+
+
+def test_blas_threads_restored():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    before = [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+    rng = np.random.default_rng(5)
+    q, k, v = _case(rng, [64, 64], [1, 1], 2, 2, 8, dtype=np.float32)
+    _run(q, k, v, [64, 64], [1, 1], workers=2, parallel_min_work=0)
+    after = [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+    assert after == before
+
+
+def test_backend_uses_threaded_path_through_public_api(monkeypatch):
+    """gqa_attention on the numpy backend goes through attention_numpy with the cache's views."""
+    seen = []
+    real = na.attention_numpy
+
+    def spy(q, k_buf, *args, **kw):
+        seen.append(k_buf)
+        return real(q, k_buf, *args, **kw)
+
+    monkeypatch.setattr(na, "attention_numpy", spy)
+    cache = gqakv.KVCache(1, 2, 8, 4, dtype="float64", backend="numpy")
+    x = np.ones((1, 2, 3, 4))
+    cache.append(x, x, [3])
+    out = gqakv.gqa_attention(np.ones((1, 4, 3, 4)), cache, [3])
+    assert seen and seen[0] is cache.k
+    np.testing.assert_allclose(out, 1.0)
