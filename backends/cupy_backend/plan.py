@@ -1,0 +1,187 @@
+"""Launch planning for the fused kernels: grids, blocks and exact argument lists.
+
+Pure Python and NumPy: a plan names its array arguments symbolically (``Buf``) and
+types every scalar explicitly (``np.int32``, ``np.int64``, ``np.float32``), so the cupy
+backend and the CPU emulation harness (tests/cuda_emu) execute the very same launches;
+only the executor that turns ``Buf`` names into pointers differs.
+
+Buffers a plan refers to:
+  write_kv:  k_new, v_new ``[B, Hkv, Tn, d]``; k_buf, v_buf ``[R, Hkv, S, d]``;
+             rows, starts, n_new ``[B]`` int64 (device copies of the host values).
+  attention: q ``[B, Hq, T, d]``; k_buf, v_buf; rows, lens, n_new ``[B]`` int64;
+             out ``[B, Hq, T, d]`` (pre-filled with 0); lse ``[B, Hq, T]`` fp32
+             (pre-filled with -inf); workspace part_o ``[B, Hq, T, splits, d]`` and
+             part_lse ``[B, Hq, T, splits]`` fp32 when split-KV is used; dummy (1 fp32).
+Strides are in elements; the head-dim stride is 1 and row strides keep vector alignment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import sources
+
+BLOCK = (128, 1, 1)
+MAX_GRID_Y = 65535
+#: Query tokens per row up to which attention uses the decode kernel.
+DECODE_MAX_T = 4
+#: Queries (group heads x tokens) per decode CTA; mirrors DecodeShape::QB.
+DECODE_QUERY_TILE = 8
+#: Fewest keys a split-KV chunk holds (below that the merge costs more than it saves).
+MIN_KEYS_PER_SPLIT = 256
+
+
+@dataclass(frozen=True)
+class Buf:
+    """A named array argument, resolved to a device pointer by the executor."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str  # key of sources.KERNEL_FILES
+    name: str  # template instantiation, e.g. "gqakv_decode<gqakv_bf16, 128>"
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    args: tuple
+
+
+@dataclass
+class Plan:
+    launches: list[Launch] = field(default_factory=list)
+    #: workspace buffers to allocate: name -> shape (fp32)
+    workspace: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    num_splits: int = 1
+    keys_per_split: int = 0
+
+
+def prefill_rows(head_dim: int) -> int:
+    """Query rows per prefill CTA; mirrors PrefillShape::ROWS."""
+    return 64 if head_dim <= 64 else (32 if head_dim <= 128 else 16)
+
+
+def _i64(*xs):
+    return tuple(np.int64(x) for x in xs)
+
+
+def plan_write_kv(dtype: str, head_dim: int, n_new: np.ndarray, kv_heads: int, t_new: int,
+                  new_strides, buf_strides) -> Plan:
+    """One launch writing every entry's first n_new[b] tokens (nothing when all are 0).
+
+    new_strides, buf_strides: element strides (batch, head, token) of k_new and k_buf.
+    """
+    plan = Plan()
+    B = int(n_new.shape[0])
+    max_n = int(n_new.max()) if B else 0
+    if max_n == 0:
+        return plan
+    vectors = max_n * (head_dim // sources.vec_width(dtype, head_dim))
+    grid_y = min(MAX_GRID_Y, -(-vectors // BLOCK[0]))
+    args = (Buf("k_new"), Buf("v_new"), Buf("k_buf"), Buf("v_buf"), Buf("rows"), Buf("starts"),
+            Buf("n_new"), np.int32(kv_heads), np.int32(t_new), *_i64(*new_strides),
+            *_i64(*buf_strides))
+    name = sources.name_expression("gqakv_write_kv", dtype, head_dim)
+    plan.launches.append(Launch("gqakv_write_kv", name, (B * kv_heads, grid_y, 1), BLOCK, args))
+    return plan
+
+
+def choose_splits(ctas: int, max_len: int, sm_count: int,
+                  min_keys_per_split: int = MIN_KEYS_PER_SPLIT) -> tuple[int, int]:
+    """(num_splits, keys_per_split) for the decode kernel.
+
+    Driven by the live lengths (max_len is the longest *live* row, never the cache's
+    capacity) and the SM count: when the CTAs of the batch cannot fill the GPU twice
+    over, each row is cut into chunks of at least ``min_keys_per_split`` keys.
+    """
+    max_len = max(1, int(max_len))
+    if ctas >= sm_count or max_len <= min_keys_per_split:
+        return 1, max_len
+    wanted = -(-2 * sm_count // max(1, ctas))
+    keys = max(min_keys_per_split, -(-max_len // wanted))
+    splits = -(-max_len // keys)
+    return (1, max_len) if splits == 1 else (splits, keys)
+
+
+def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, group: int,
+                   t_q: int, lens: np.ndarray, n_new: np.ndarray, scale: float,
+                   q_strides, buf_strides, out_strides, sm_count: int,
+                   min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
+                   force_splits: int | None = None) -> Plan:
+    """Launches computing attention of q over the cache into out and lse.
+
+    lens, n_new: host int arrays [B] (lens are post-append lengths of each entry's row).
+    Decode kernel for t_q <= DECODE_MAX_T (with split-KV + merge when the batch is too
+    small to fill the GPU), chunked-prefill kernel otherwise. Entries with n_new = 0
+    need no work: out and lse are pre-filled by the caller.
+    """
+    plan = Plan()
+    live = n_new > 0
+    if batch == 0 or t_q == 0 or not live.any():
+        return plan
+    max_len = int(lens[live].max())
+    max_n = int(n_new.max())
+    strides = (*_i64(*q_strides), *_i64(*buf_strides), *_i64(*out_strides))
+    bufs = (Buf("q"), Buf("k_buf"), Buf("v_buf"), Buf("rows"), Buf("lens"), Buf("n_new"),
+            Buf("out"), Buf("lse"))
+    if t_q <= DECODE_MAX_T:
+        n_qchunks = -(-group * t_q // DECODE_QUERY_TILE)
+        ctas = batch * kv_heads * n_qchunks
+        if force_splits:
+            keys = -(-max_len // force_splits)
+            splits = -(-max_len // keys)
+        else:
+            splits, keys = choose_splits(ctas, max_len, sm_count, min_keys_per_split)
+        if splits == 1:
+            keys = max_len
+            part = (Buf("dummy"), Buf("dummy"))
+        else:
+            hq = kv_heads * group
+            plan.workspace["part_o"] = (batch, hq, t_q, splits, head_dim)
+            plan.workspace["part_lse"] = (batch, hq, t_q, splits)
+            part = (Buf("part_o"), Buf("part_lse"))
+        plan.num_splits, plan.keys_per_split = splits, keys
+        args = (*bufs, *part, np.int32(kv_heads), np.int32(group), np.int32(t_q),
+                np.int32(n_qchunks), np.int32(splits), np.int64(keys), np.float32(scale), *strides)
+        plan.launches.append(Launch("gqakv_decode",
+                                    sources.name_expression("gqakv_decode", dtype, head_dim),
+                                    (ctas, splits, 1), BLOCK, args))
+        if splits > 1:
+            margs = (Buf("part_o"), Buf("part_lse"), Buf("lens"), Buf("n_new"), Buf("out"),
+                     Buf("lse"), np.int32(kv_heads * group), np.int32(t_q), np.int32(splits),
+                     np.int64(keys), *_i64(*out_strides))
+            plan.launches.append(Launch("gqakv_merge",
+                                        sources.name_expression("gqakv_merge", dtype, head_dim),
+                                        (batch * kv_heads * group * t_q, 1, 1), BLOCK, margs))
+        return plan
+    rows_per_cta = prefill_rows(head_dim)
+    gc = min(group, rows_per_cta)
+    bq = max(1, rows_per_cta // gc)
+    n_gchunks = -(-group // gc)
+    n_tblocks = -(-max_n // bq)
+    if n_tblocks > MAX_GRID_Y:
+        raise NotImplementedError(
+            f"a chunk of {max_n} tokens needs {n_tblocks} query blocks (grid limit {MAX_GRID_Y})")
+    args = (*bufs, np.int32(kv_heads), np.int32(group), np.int32(t_q), np.int32(gc), np.int32(bq),
+            np.int32(n_gchunks), np.float32(scale), *strides)
+    plan.launches.append(Launch("gqakv_prefill",
+                                sources.name_expression("gqakv_prefill", dtype, head_dim),
+                                (batch * kv_heads * n_gchunks, n_tblocks, 1), BLOCK, args))
+    return plan
+
+
+def element_strides(shape, byte_strides, itemsize: int) -> tuple[int, ...]:
+    return tuple(s // itemsize for s in byte_strides)
+
+
+def aligned_for_vectors(ptr: int, strides_el: tuple[int, ...], dtype: str, head_dim: int) -> bool:
+    """True when every row start is aligned for the kernels' vector loads."""
+    vec = sources.vec_width(dtype, head_dim)
+    nbytes = vec * sources.ITEMSIZE[dtype]
+    return strides_el[-1] == 1 and ptr % nbytes == 0 and all(s % vec == 0 for s in strides_el[:-1])
+
+
+__all__ = ["Buf", "Launch", "Plan", "plan_write_kv", "plan_attention", "choose_splits",
+           "prefill_rows", "aligned_for_vectors", "element_strides"]

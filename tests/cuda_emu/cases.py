@@ -1,0 +1,197 @@
+"""Scenarios that drive the emulated kernels exactly as the cupy backend would, and
+check every result against the float64 loop reference (tests/reference.py).
+
+A scenario is a cache (``cache_rows`` rows of ``max_len`` tokens, NaN everywhere it has
+not been written) and a list of steps; each step appends ``n_new`` tokens per batch entry
+(through the write_kv plan) and then runs attention for those tokens (decode plan for
+T <= 4, chunked-prefill plan above; split-KV + merge when the plan chooses it). Padding
+slots of k_new, v_new and q hold NaN; with ``poison=True`` (AddressSanitizer build) every
+byte a kernel must not touch is poisoned: dead cache tails, rows no entry uses, padding
+slots of the inputs, and for the append everything outside the slots being written.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from gqakv_backends.cupy_backend import plan as planmod
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from reference import reference_attention  # noqa: E402  (tests/reference.py)
+
+STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+           "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+#: fp32 accumulation error allowed on top of the output's rounding (outputs are O(1)).
+ACC_ATOL = 2e-6
+#: fp32 error allowed in the natural-log LSE (values O(1..10)).
+LSE_ATOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    dtype: str
+    head_dim: int
+    kv_heads: int
+    group: int
+    steps: tuple[tuple[int, ...], ...]  # n_new per batch entry, per step
+    max_len: int = 48
+    cache_rows: int | None = None  # default: batch size
+    rows: tuple[int, ...] | None = None  # entry -> cache row
+    pad: int = 1  # padding slots beyond the longest n_new of a step
+    sm_count: int = 132
+    min_keys_per_split: int = planmod.MIN_KEYS_PER_SPLIT
+    expect_splits: bool = False  # some decode step must use split-KV + merge
+    seed: int = 0
+
+
+def _element_strides(a: np.ndarray) -> tuple[int, ...]:
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def _token_ranges(a: np.ndarray, row: int, head: int, t0: int, t1: int) -> tuple[int, int]:
+    """Byte range of a[row, head, t0:t1, :] in the contiguous array a [R, H, S, d]."""
+    off = ((row * a.shape[1] + head) * a.shape[2] + t0) * a.shape[3] * a.itemsize
+    return off, (t1 - t0) * a.shape[3] * a.itemsize
+
+
+def _check_out(case, step, out, lse, ref_out, ref_lse, n_new, stats):
+    st = STORAGE[case.dtype]
+    T = out.shape[2]
+    pad = np.arange(T)[None, :] >= n_new[:, None]  # [B, T]
+    pad_out = np.broadcast_to(pad[:, None, :, None], out.shape)
+    pad_lse = np.broadcast_to(pad[:, None, :], lse.shape)
+    out64 = out.astype(np.float64)
+    assert not np.isnan(out64).any(), f"{case.name} step {step}: NaN in the output"
+    assert np.all(out64[pad_out] == 0.0), f"{case.name} step {step}: padded queries are not 0"
+    assert np.all(np.isneginf(lse[pad_lse])), f"{case.name} step {step}: padded lse is not -inf"
+    if (~pad).any():
+        rounding = np.abs(ref_out.astype(st).astype(np.float64) - ref_out).max()
+        err = np.abs(out64 - ref_out)[~pad_out].max()
+        tol = 2 * rounding + ACC_ATOL
+        assert err <= tol, f"{case.name} step {step}: out error {err:.3g} > {tol:.3g}"
+        lerr = np.abs(lse.astype(np.float64)[~pad_lse] - ref_lse[~pad_lse]).max()
+        assert lerr <= LSE_ATOL, f"{case.name} step {step}: lse error {lerr:.3g} > {LSE_ATOL}"
+        stats["max_out_err"] = max(stats["max_out_err"], float(err))
+        stats["max_out_tol"] = max(stats["max_out_tol"], float(tol))
+        stats["max_lse_err"] = max(stats["max_lse_err"], float(lerr))
+
+
+def run_case(emu, case: Case, poison: bool = False) -> dict:
+    """Run the scenario on the emulator; AssertionError on any mismatch. Returns stats."""
+    rng = np.random.default_rng(case.seed)
+    st = STORAGE[case.dtype]
+    D, Hkv, G = case.head_dim, case.kv_heads, case.group
+    Hq = Hkv * G
+    B = len(case.steps[0])
+    R = case.cache_rows or B
+    rows = np.array(case.rows if case.rows is not None else range(B), dtype=np.int64)
+    k_buf = np.full((R, Hkv, case.max_len, D), np.nan, dtype=st)
+    v_buf = np.full_like(k_buf, np.nan)
+    lens_rows = np.zeros(R, dtype=np.int64)
+    stats = {"steps": 0, "splits": 0, "kernels": set(), "max_out_err": 0.0, "max_out_tol": 0.0,
+             "max_lse_err": 0.0}
+    for step, n in enumerate(case.steps):
+        n_new = np.array(n, dtype=np.int64)
+        T = int(n_new.max()) + case.pad
+        starts = lens_rows[rows].copy()
+        k_new = rng.standard_normal((B, Hkv, T, D)).astype(st)
+        v_new = rng.standard_normal((B, Hkv, T, D)).astype(st)
+        for b in range(B):
+            k_new[b, :, n_new[b]:] = np.nan
+            v_new[b, :, n_new[b]:] = np.nan
+        k_exp, v_exp = k_buf.copy(), v_buf.copy()
+        for b in range(B):
+            s, m = int(starts[b]), int(n_new[b])
+            k_exp[rows[b], :, s:s + m] = k_new[b, :, :m]
+            v_exp[rows[b], :, s:s + m] = v_new[b, :, :m]
+        wplan = planmod.plan_write_kv(case.dtype, D, n_new, Hkv, T, _element_strides(k_new)[:3],
+                                      _element_strides(k_buf)[:3])
+        bufs = {"k_new": k_new, "v_new": v_new, "k_buf": k_buf, "v_buf": v_buf, "rows": rows,
+                "starts": starts, "n_new": n_new}
+        wpoison = None
+        if poison:
+            # Writes touch only [starts, starts + n) of each written row; inputs only t < n.
+            targets = {int(rows[b]): (int(starts[b]), int(starts[b] + n_new[b])) for b in range(B)}
+            buf_ranges = []
+            for r in range(R):
+                s, e = targets.get(r, (0, 0))
+                for h in range(Hkv):
+                    buf_ranges += [_token_ranges(k_buf, r, h, 0, s), _token_ranges(k_buf, r, h, e, case.max_len)]
+            new_ranges = [_token_ranges(k_new, b, h, int(n_new[b]), T) for b in range(B) for h in range(Hkv)]
+            wpoison = {"k_buf": buf_ranges, "v_buf": buf_ranges, "k_new": new_ranges, "v_new": new_ranges}
+        emu.run(wplan, bufs, poison=wpoison)
+        assert k_buf.tobytes() == k_exp.tobytes(), f"{case.name} step {step}: K cache differs after append"
+        assert v_buf.tobytes() == v_exp.tobytes(), f"{case.name} step {step}: V cache differs after append"
+        stats["kernels"].update(l.name for l in wplan.launches)
+        lens_rows[rows] = starts + n_new
+
+        lens = lens_rows[rows]
+        q = rng.standard_normal((B, Hq, T, D)).astype(st)
+        for b in range(B):
+            q[b, :, n_new[b]:] = np.nan
+        out = np.zeros((B, Hq, T, D), dtype=st)
+        lse = np.full((B, Hq, T), -np.inf, dtype=np.float32)
+        scale = 1.0 / math.sqrt(D)
+        aplan = planmod.plan_attention(
+            case.dtype, D, batch=B, kv_heads=Hkv, group=G, t_q=T, lens=lens, n_new=n_new,
+            scale=scale, q_strides=_element_strides(q)[:3], buf_strides=_element_strides(k_buf)[:3],
+            out_strides=_element_strides(out)[:3], sm_count=case.sm_count,
+            min_keys_per_split=case.min_keys_per_split)
+        apoison = None
+        if poison:
+            live = {int(rows[b]): int(lens[b]) for b in range(B)}
+            buf_ranges = [_token_ranges(k_buf, r, h, live.get(r, 0), case.max_len)
+                          for r in range(R) for h in range(Hkv)]
+            q_ranges = [_token_ranges(q, b, h, int(n_new[b]), T) for b in range(B) for h in range(Hq)]
+            apoison = {"k_buf": buf_ranges, "v_buf": buf_ranges, "q": q_ranges, "out": q_ranges}
+        emu.run(aplan, {"q": q, "k_buf": k_buf, "v_buf": v_buf, "rows": rows, "lens": lens,
+                        "n_new": n_new, "out": out, "lse": lse}, poison=apoison)
+        stats["kernels"].update(l.name for l in aplan.launches)
+        stats["splits"] = max(stats["splits"], aplan.num_splits)
+        k_rows = [k_buf[rows[b], :, :lens[b]] for b in range(B)]
+        v_rows = [v_buf[rows[b], :, :lens[b]] for b in range(B)]
+        ref_out, ref_lse = reference_attention(q.astype(np.float64), k_rows, v_rows, n_new, scale)
+        _check_out(case, step, out, lse, ref_out, ref_lse, n_new, stats)
+        stats["steps"] += 1
+    if case.expect_splits:
+        assert stats["splits"] > 1, f"{case.name}: no step used split-KV"
+    return stats
+
+
+def all_cases() -> list[Case]:
+    """The emulated parity grid: kernels x dtypes x group sizes x head dims, small shapes."""
+    cases = []
+    # Prefill chunk (with padding), decode, decode with an idle entry, small-T decode.
+    base = ((5, 0, 9), (1, 1, 1), (0, 1, 1), (3, 2, 0), (1, 1, 1))
+    for dtype in ("float32", "float16", "bfloat16"):
+        for group in (1, 3, 4, 8):
+            cases.append(Case(f"mixed-{dtype}-G{group}-d64", dtype, 64, 2, group, base,
+                              seed=group))
+    for dtype in ("float32", "float16", "bfloat16"):
+        # d = 20: not a multiple of 8, so f16/bf16 take the scalar-load path.
+        cases.append(Case(f"mixed-{dtype}-G3-d20", dtype, 20, 2, 3, base, seed=7))
+        # Split-KV + merge: long rows against a pretend 4-SM device.
+        cases.append(Case(f"splitkv-{dtype}-G4-d64", dtype, 64, 1, 4,
+                          ((30, 17), (1, 1), (2, 1), (1, 0)), sm_count=4, min_keys_per_split=8,
+                          expect_splits=True, seed=11))
+    for dtype in ("float16", "bfloat16"):
+        cases.append(Case(f"mixed-{dtype}-G4-d128", dtype, 128, 1, 4, ((6, 3), (1, 1)), seed=5))
+    # Rows indirection over a larger cache (continuous batching); rows 0 and 2 never touched.
+    cases.append(Case("rows-bfloat16-G3-d20", "bfloat16", 20, 2, 3, ((4, 7), (1, 1), (2, 0)),
+                      cache_rows=4, rows=(3, 1), seed=3))
+    # Several query blocks and key tiles per prefill CTA (BQ = 64 at G = 1, 8 at G = 8).
+    cases.append(Case("longchunk-float32-G1-d20", "float32", 20, 1, 1, ((70, 0), (10, 75)),
+                      max_len=96, pad=0, seed=9))
+    cases.append(Case("longchunk-bfloat16-G8-d64", "bfloat16", 64, 1, 8, ((20, 3), (19, 25)),
+                      max_len=64, seed=10))
+    # More query heads than a decode tile holds (G = 12 > 8): several query chunks per KV head.
+    cases.append(Case("widegroup-float16-G12-d20", "float16", 20, 1, 12, ((3, 2), (1, 1), (2, 2)),
+                      seed=12))
+    return cases

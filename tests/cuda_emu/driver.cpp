@@ -1,0 +1,132 @@
+// Emulation driver: the gqakv kernels compiled for the CPU, launched by name with CUDA's
+// kernelParams convention (an array of pointers to the argument values), from Python via
+// ctypes (tests/cuda_emu/harness.py). Built with g++ -include cuda_emu.h, optionally with
+// -fsanitize=address; then emu_poison marks bytes a kernel must never touch.
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "write_kv.cu"
+#include "decode.cu"
+#include "merge.cu"
+#include "prefill.cu"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
+
+thread_local dim3 threadIdx;
+thread_local dim3 blockIdx;
+dim3 blockDim;
+dim3 gridDim;
+
+namespace gqakv_emu {
+Block g_block;
+thread_local unsigned g_tid;
+void fail(const char* what) {
+    std::fprintf(stderr, "cuda_emu: %s\n", what);
+    std::abort();
+}
+
+struct Entry {
+    std::vector<size_t> arg_sizes;
+    std::function<void(void**)> call;
+};
+
+template <class... A, size_t... I>
+void call_with(void (*k)(A...), void** args, std::index_sequence<I...>) {
+    k(*static_cast<A*>(args[I])...);
+}
+
+template <class... A>
+Entry make_entry(void (*k)(A...)) {
+    return Entry{{sizeof(A)...}, [k](void** args) { call_with(k, args, std::index_sequence_for<A...>{}); }};
+}
+
+std::map<std::string, Entry>& registry() {
+    static std::map<std::string, Entry> r;
+    return r;
+}
+
+#define GQAKV_REG(K, T, D) registry()[#K "<" #T ", " #D ">"] = make_entry(&K<T, D>);
+#define GQAKV_REG_ALL(T, D)                \
+    GQAKV_REG(gqakv_write_kv, T, D)        \
+    GQAKV_REG(gqakv_decode, T, D)          \
+    GQAKV_REG(gqakv_merge, T, D)           \
+    GQAKV_REG(gqakv_prefill, T, D)
+#define GQAKV_REG_DIM(D) GQAKV_REG_ALL(float, D) GQAKV_REG_ALL(gqakv_half, D) GQAKV_REG_ALL(gqakv_bf16, D)
+
+struct Init {
+    Init() { GQAKV_EMU_HEAD_DIMS }
+} init;
+}  // namespace gqakv_emu
+
+extern "C" {
+
+// 0 ok; 1 unknown kernel; 2 argument count/size mismatch; 3 bad launch shape.
+int emu_launch(const char* name, const unsigned* grid, const unsigned* block, void** args,
+               const size_t* arg_sizes, int nargs) {
+    using namespace gqakv_emu;
+    auto it = registry().find(name);
+    if (it == registry().end()) return 1;
+    const Entry& e = it->second;
+    if ((size_t)nargs != e.arg_sizes.size()) return 2;
+    for (int i = 0; i < nargs; ++i)
+        if (arg_sizes[i] != e.arg_sizes[i]) return 2;
+    const unsigned nthreads = block[0] * block[1] * block[2];
+    if (nthreads == 0 || nthreads % 32 || nthreads > 1024 || grid[1] > 65535 || grid[2] > 65535) return 3;
+    gridDim = dim3{grid[0], grid[1], grid[2]};
+    blockDim = dim3{block[0], block[1], block[2]};
+    std::barrier<> block_bar(nthreads);
+    std::vector<std::unique_ptr<std::barrier<>>> warp_bars;
+    std::vector<Warp> warps(nthreads / 32);
+    for (auto& w : warps) {
+        warp_bars.emplace_back(new std::barrier<>(32));
+        w.bar = warp_bars.back().get();
+    }
+    g_block = Block{&block_bar, warps.data()};
+    std::vector<std::thread> threads;
+    for (unsigned tid = 0; tid < nthreads; ++tid) {
+        threads.emplace_back([&, tid] {
+            g_tid = tid;
+            threadIdx = dim3{tid % block[0], (tid / block[0]) % block[1], tid / (block[0] * block[1])};
+            for (unsigned z = 0; z < grid[2]; ++z)
+                for (unsigned y = 0; y < grid[1]; ++y)
+                    for (unsigned x = 0; x < grid[0]; ++x) {
+                        blockIdx = dim3{x, y, z};
+                        e.call(args);
+                        block_bar.arrive_and_wait();  // the next block starts when all are done
+                    }
+        });
+    }
+    for (auto& t : threads) t.join();
+    return 0;
+}
+
+int emu_has_kernel(const char* name) { return gqakv_emu::registry().count(name) ? 1 : 0; }
+
+void* emu_alloc(size_t nbytes) { return std::malloc(nbytes ? nbytes : 1); }
+void emu_free(void* p) { std::free(p); }
+
+// Mark [p, p + n) as never to be read or written (AddressSanitizer builds only).
+int emu_poison(void* p, size_t n) {
+#if defined(__SANITIZE_ADDRESS__)
+    ASAN_POISON_MEMORY_REGION(p, n);
+    return 1;
+#else
+    (void)p; (void)n;
+    return 0;
+#endif
+}
+void emu_unpoison(void* p, size_t n) {
+#if defined(__SANITIZE_ADDRESS__)
+    ASAN_UNPOISON_MEMORY_REGION(p, n);
+#else
+    (void)p; (void)n;
+#endif
+}
+}

@@ -1,0 +1,158 @@
+"""Build the CUDA kernels for the CPU and run cupy-backend launch plans on them.
+
+``build(asan=False)`` compiles driver.cpp (which includes the backend's .cu files
+unchanged) with g++ and the cuda_emu.h shim into a shared library, cached under the
+temp directory by a hash of the sources and flags. ``Emulator.run(plan, arrays)`` copies
+NumPy arrays into exactly-sized malloc'd buffers, optionally poisons byte ranges (under
+AddressSanitizer any access there aborts with a report), performs every launch of a
+``gqakv_backends.cupy_backend.plan.Plan`` with the plan's own grid, block and typed
+arguments, and copies the buffers back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from gqakv_backends.cupy_backend import plan as planmod
+from gqakv_backends.cupy_backend import sources
+
+HERE = Path(__file__).resolve().parent
+#: Head dims instantiated in the emulation library (tests pick among these).
+HEAD_DIMS = (20, 64, 128)
+
+
+def kernel_dir() -> Path:
+    return Path(str(sources.resources.files(sources.__package__).joinpath("kernels")))
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def asan_runtime() -> str | None:
+    """Path of libasan for LD_PRELOAD (a plain Python must load it first)."""
+    cxx = compiler()
+    if cxx is None:
+        return None
+    out = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True)
+    path = out.stdout.strip()
+    return path if out.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
+
+
+def _flags(asan: bool) -> list[str]:
+    dims = " ".join(f"GQAKV_REG_DIM({d})" for d in HEAD_DIMS)
+    flags = ["-std=c++20", "-g", "-pthread", "-shared", "-fPIC", f"-I{kernel_dir()}",
+             f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={dims}"]
+    if asan:
+        flags += ["-O1", "-fsanitize=address", "-fno-omit-frame-pointer"]
+    else:
+        flags += ["-O2"]
+    return flags
+
+
+def library_path(asan: bool) -> Path:
+    digest = hashlib.sha256()
+    for p in sorted(kernel_dir().glob("*.cu*")) + [HERE / "cuda_emu.h", HERE / "driver.cpp"]:
+        digest.update(p.name.encode() + p.read_bytes())
+    digest.update(" ".join(_flags(asan)).encode())
+    tag = "asan" if asan else "opt"
+    return Path(tempfile.gettempdir()) / "gqakv_cuda_emu" / f"libgqakv_emu_{tag}_{digest.hexdigest()[:16]}.so"
+
+
+def build(asan: bool = False) -> Path:
+    """Compile (once per source version) and return the library path."""
+    out = library_path(asan)
+    if out.exists():
+        return out
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++) found")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [cxx, *_flags(asan), str(HERE / "driver.cpp"), "-o", str(tmp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{proc.stderr}")
+    os.replace(tmp, out)
+    return out
+
+
+class Emulator:
+    def __init__(self, path: Path):
+        self.lib = ctypes.CDLL(str(path))
+        c = ctypes
+        self.lib.emu_launch.argtypes = [c.c_char_p, c.POINTER(c.c_uint), c.POINTER(c.c_uint),
+                                        c.POINTER(c.c_void_p), c.POINTER(c.c_size_t), c.c_int]
+        self.lib.emu_alloc.restype = c.c_void_p
+        self.lib.emu_alloc.argtypes = [c.c_size_t]
+        self.lib.emu_free.argtypes = [c.c_void_p]
+        self.lib.emu_poison.argtypes = [c.c_void_p, c.c_size_t]
+        self.lib.emu_unpoison.argtypes = [c.c_void_p, c.c_size_t]
+        self.launches = 0
+
+    def run(self, plan: planmod.Plan, arrays: dict[str, np.ndarray],
+            poison: dict[str, list[tuple[int, int]]] | None = None) -> None:
+        """Run every launch of ``plan`` on ``arrays`` (updated in place).
+
+        poison: array name -> (byte offset, byte count) ranges no kernel may touch.
+        """
+        arrays = dict(arrays)
+        for name, shape in plan.workspace.items():
+            arrays[name] = np.full(shape, np.nan, dtype=np.float32)  # garbage, like cupy.empty
+        arrays.setdefault("dummy", np.full(1, np.nan, dtype=np.float32))
+        ptrs: dict[str, int] = {}
+        poisoned: list[tuple[int, int]] = []
+        try:
+            for name, a in arrays.items():
+                a = np.ascontiguousarray(a)
+                p = self.lib.emu_alloc(a.nbytes)
+                ptrs[name] = p
+                ctypes.memmove(p, a.ctypes.data, a.nbytes)
+            for name, ranges in (poison or {}).items():
+                for off, n in ranges:
+                    if n > 0:
+                        self.lib.emu_poison(ptrs[name] + off, n)
+                        poisoned.append((ptrs[name] + off, n))
+            for launch in plan.launches:
+                self._launch(launch, ptrs)
+        finally:
+            for p, n in poisoned:
+                self.lib.emu_unpoison(p, n)
+        for name, a in arrays.items():
+            ctypes.memmove(a.ctypes.data, ptrs[name], a.nbytes)
+            self.lib.emu_free(ptrs[name])
+
+    def _launch(self, launch: planmod.Launch, ptrs: dict[str, int]) -> None:
+        c = ctypes
+        holders = []
+        for a in launch.args:
+            if isinstance(a, planmod.Buf):
+                holders.append(c.c_void_p(ptrs[a.name]))
+            elif isinstance(a, np.int32):
+                holders.append(c.c_int32(int(a)))
+            elif isinstance(a, np.int64):
+                holders.append(c.c_int64(int(a)))
+            elif isinstance(a, np.float32):
+                holders.append(c.c_float(float(a)))
+            else:
+                raise TypeError(f"{launch.name}: argument {a!r} has no explicit CUDA type")
+        argv = (c.c_void_p * len(holders))(*[c.cast(c.pointer(h), c.c_void_p) for h in holders])
+        sizes = (c.c_size_t * len(holders))(*[c.sizeof(h) for h in holders])
+        grid = (c.c_uint * 3)(*launch.grid)
+        block = (c.c_uint * 3)(*launch.block)
+        rc = self.lib.emu_launch(launch.name.encode(), grid, block, argv, sizes, len(holders))
+        if rc == 1:
+            raise KeyError(f"{launch.name} is not instantiated in the emulation library")
+        if rc == 2:
+            raise TypeError(f"{launch.name}: argument count or sizes do not match the kernel")
+        if rc == 3:
+            raise ValueError(f"{launch.name}: bad launch shape grid={launch.grid} block={launch.block}")
+        self.launches += 1
