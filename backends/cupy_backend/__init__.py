@@ -1,0 +1,249 @@
+"""The cupy backend: the cache on a CUDA device, fused CUDA kernels for the hot paths.
+
+* ``write_kv`` (append) is one kernel launch for all rows, ragged ``n_new`` included.
+* ``attention`` runs the decode kernel for T <= 4 (the G query heads of a KV head folded
+  into one CTA's query tile, so live K/V are read once per KV head), split-KV plus a
+  merge kernel when the batch is too small to fill the GPU, and the chunked-prefill
+  kernel (FlashAttention-style tiles, bottom-right causal mask) for longer chunks.
+* Fused kernels exist for float32, float16 and bfloat16 and any head dim up to 256; float64
+  and larger head dims use the generic array-API code on CuPy arrays (still correct, not fused).
+
+bfloat16: CuPy versions with ``ml_dtypes`` support (CuPy 14+) hold the cache as
+``ml_dtypes.bfloat16`` arrays; older CuPy versions hold raw bfloat16 bits as ``uint16``
+(see ``CupyBackend.dtype``). Host exchange goes through ``ml_dtypes.bfloat16`` NumPy arrays
+(``from_numpy`` / ``to_numpy``); the kernels read the 16-bit storage directly either way.
+
+CuPy is never imported when this module is imported; only inside methods.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gqakv.backend import Backend
+
+from . import plan as _plan
+from . import sources
+
+
+class CupyBackend(Backend):
+    name = "cupy"
+    priority = 100
+    array_library = "cupy"
+    device_kind = "cuda"
+    dtypes = ("float32", "float16", "bfloat16", "float64")
+    head_dims = None  # fused for d <= 256, generic array-API above
+    features = frozenset({
+        "fused_append", "fused_decode", "split_kv", "fused_chunked_prefill",
+        "fp32 accumulation", "float64 and head_dim > 256 via array API",
+    })
+
+    def __init__(self):
+        self._reason: str | None | bool = False  # False: not checked yet
+        self._sm_count: dict[int, int] = {}
+
+    # -- availability --------------------------------------------------------------------
+
+    def unavailable_reason(self) -> str | None:
+        if self._reason is False:
+            self._reason = _probe()
+        return self._reason
+
+    # -- arrays --------------------------------------------------------------------------
+
+    def namespace(self):
+        import array_api_compat.cupy as xp
+
+        return xp
+
+    def dtype(self, name: str):
+        """CuPy dtype for a gqakv dtype; bfloat16 is ml_dtypes.bfloat16 where CuPy supports
+        it, else uint16 holding the raw bits."""
+        from gqakv.dtypes import canonical_name
+
+        name = canonical_name(name)
+        if name == "bfloat16":
+            return _bf16_dtype()
+        import cupy
+
+        return getattr(cupy, name)
+
+    def owns(self, x) -> bool:
+        import cupy
+
+        return isinstance(x, cupy.ndarray)
+
+    def device_of(self, x):
+        return x.device.id
+
+    def from_numpy(self, a: np.ndarray, dtype=None):
+        import cupy
+
+        a = np.asarray(a)
+        if dtype is not None:
+            from gqakv.dtypes import canonical_name
+
+            if canonical_name(dtype) == "bfloat16":
+                import ml_dtypes
+
+                host = a.astype(ml_dtypes.bfloat16)
+                target = _bf16_dtype()
+                if target == np.uint16:
+                    return cupy.asarray(host.view(np.uint16))
+                return cupy.asarray(host)
+            return cupy.asarray(a, dtype=self.dtype(dtype))
+        if a.dtype.name == "bfloat16" and _bf16_dtype() == np.uint16:
+            return cupy.asarray(a.view(np.uint16))
+        return cupy.asarray(a)
+
+    def to_numpy(self, x) -> np.ndarray:
+        """Host copy; a uint16 bfloat16 buffer of this backend comes back as raw uint16 bits
+        (view it with ``.view(ml_dtypes.bfloat16)``)."""
+        if isinstance(x, np.ndarray):
+            return x
+        return x.get()
+
+    def from_host_ints(self, a, device=None):
+        import cupy
+
+        if device is None:
+            return cupy.asarray(a, dtype=cupy.int64)
+        with cupy.cuda.Device(device):
+            return cupy.asarray(a, dtype=cupy.int64)
+
+    # -- hot operations ------------------------------------------------------------------
+
+    def write_kv(self, k_buf, v_buf, k_new, v_new, rows, starts, n_new) -> None:
+        """One launch for all rows; see ``Backend.write_kv``. k/v_new are [B, Hkv, T, d]."""
+        dtype = _kernel_dtype(k_buf)
+        d = int(k_buf.shape[-1])
+        if dtype is None or d > sources.MAX_FUSED_HEAD_DIM:
+            return super().write_kv(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
+        import cupy
+
+        k_new, v_new = _aligned(k_new, dtype, d), _aligned(v_new, dtype, d)
+        if not (_is_aligned(k_buf, dtype, d) and _is_aligned(v_buf, dtype, d)
+                and k_buf.strides == v_buf.strides and k_new.strides == v_new.strides):
+            return super().write_kv(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
+        n_new = np.asarray(n_new, dtype=np.int64)
+        plan = _plan.plan_write_kv(dtype, d, n_new, int(k_buf.shape[1]), int(k_new.shape[2]),
+                                   _strides(k_new)[:3], _strides(k_buf)[:3])
+        if not plan.launches:
+            return
+        from .modules import run_plan
+
+        run_plan(plan, {"k_new": k_new, "v_new": v_new, "k_buf": k_buf, "v_buf": v_buf,
+                        "rows": cupy.asarray(rows, dtype=cupy.int64),
+                        "starts": cupy.asarray(starts, dtype=cupy.int64),
+                        "n_new": cupy.asarray(n_new, dtype=cupy.int64)}, dtype, d)
+
+    def attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
+        """Fused GQA attention; see ``gqakv.gqa_attention``. q, out: [B, Hq, T, d]."""
+        dtype = _kernel_dtype(k_buf)
+        d = int(k_buf.shape[-1])
+        if (dtype is None or d > sources.MAX_FUSED_HEAD_DIM or not _is_aligned(k_buf, dtype, d)
+                or k_buf.strides != v_buf.strides):
+            return super().attention(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
+                                     return_lse=return_lse)
+        import cupy
+
+        q = _aligned(q, dtype, d)
+        B, Hq, T, _ = (int(s) for s in q.shape)
+        Hkv = int(k_buf.shape[1])
+        out = cupy.zeros((B, Hq, T, d), dtype=q.dtype)
+        lse = cupy.full((B, Hq, T), -math.inf, dtype=cupy.float32)
+        lens = np.asarray(lens, dtype=np.int64)
+        n_new = np.asarray(n_new, dtype=np.int64)
+        try:
+            plan = _plan.plan_attention(
+                dtype, d, batch=B, kv_heads=Hkv, group=Hq // Hkv, t_q=T, lens=lens,
+                n_new=n_new, scale=scale, q_strides=_strides(q)[:3],
+                buf_strides=_strides(k_buf)[:3], out_strides=_strides(out)[:3],
+                sm_count=self._sms())
+        except NotImplementedError:  # beyond the grid limits of the fused kernels
+            return super().attention(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
+                                     return_lse=return_lse)
+        if plan.launches:
+            from .modules import run_plan
+
+            run_plan(plan, {"q": q, "k_buf": k_buf, "v_buf": v_buf,
+                            "rows": cupy.asarray(rows, dtype=cupy.int64),
+                            "lens": cupy.asarray(lens), "n_new": cupy.asarray(n_new),
+                            "out": out, "lse": lse}, dtype, d)
+        return (out, lse) if return_lse else out
+
+    def _sms(self) -> int:
+        import cupy
+
+        dev = cupy.cuda.Device()
+        if dev.id not in self._sm_count:
+            self._sm_count[dev.id] = int(dev.attributes["MultiProcessorCount"])
+        return self._sm_count[dev.id]
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+def _probe() -> str | None:
+    """Why CuPy cannot run kernels here, or None."""
+    try:
+        import cupy
+    except ImportError:
+        return "cupy: not installed (pip install 'gqakv[cupy]')"
+    except Exception as exc:  # a broken install (e.g. a CUDA library mismatch)
+        return f"cupy: failed to import ({type(exc).__name__}: {exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return f"cupy: no CUDA driver found ({exc})"
+    if count == 0:
+        return "cupy: no CUDA device"
+    try:
+        cupy.cuda.nvrtc.getVersion()
+    except Exception as exc:
+        return f"cupy: NVRTC is not available ({exc})"
+    return None
+
+
+_BF16 = None
+
+
+def _bf16_dtype():
+    """ml_dtypes.bfloat16 when this CuPy can hold it, else numpy.uint16 (raw bits)."""
+    global _BF16
+    if _BF16 is None:
+        import cupy
+        import ml_dtypes
+
+        try:
+            cupy.empty(1, dtype=ml_dtypes.bfloat16)
+            _BF16 = np.dtype(ml_dtypes.bfloat16)
+        except Exception:
+            _BF16 = np.dtype(np.uint16)
+    return _BF16
+
+
+def _kernel_dtype(x) -> str | None:
+    """gqakv dtype name of a buffer if the fused kernels handle it, else None."""
+    name = np.dtype(x.dtype).name
+    if name == "uint16" or name == "bfloat16":
+        return "bfloat16"
+    return name if name in sources.CTYPES else None
+
+
+def _strides(x) -> tuple[int, ...]:
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def _is_aligned(x, dtype: str, d: int) -> bool:
+    return _plan.aligned_for_vectors(x.data.ptr, _strides(x), dtype, d)
+
+
+def _aligned(x, dtype: str, d: int):
+    """x itself when the kernels can read it in place, else a contiguous copy (inputs only)."""
+    if _is_aligned(x, dtype, d):
+        return x
+    import cupy
+
+    return cupy.ascontiguousarray(x)

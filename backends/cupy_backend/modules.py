@@ -1,0 +1,57 @@
+"""Compiled kernels on the current CUDA device, built once and kept.
+
+``get_function(kernel, dtype, head_dim)`` compiles ``sources.compose_source(kernel)``
+with ``cupy.RawModule(code=..., name_expressions=[...], options=COMPILE_OPTIONS)`` the
+first time a (device, kernel, dtype, head dim) is asked for and returns the cached
+``RawKernel`` afterwards (CuPy also keeps the CUBIN in its on-disk cache). CuPy is
+imported here only, inside functions.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from . import sources
+
+_lock = threading.Lock()
+_functions: dict[tuple[int, str, str, int], object] = {}
+
+
+def get_function(kernel: str, dtype: str, head_dim: int):
+    import cupy
+
+    device = cupy.cuda.Device().id
+    key = (device, kernel, dtype, int(head_dim))
+    fn = _functions.get(key)
+    if fn is None:
+        with _lock:
+            fn = _functions.get(key)
+            if fn is None:
+                name = sources.name_expression(kernel, dtype, head_dim)
+                module = cupy.RawModule(code=sources.compose_source(kernel),
+                                        options=sources.COMPILE_OPTIONS,
+                                        name_expressions=[name])
+                fn = module.get_function(name)
+                _functions[key] = fn
+    return fn
+
+
+def run_plan(plan, arrays: dict, dtype: str, head_dim: int) -> None:
+    """Launch every kernel of ``plan`` with ``Buf`` names resolved from ``arrays``.
+
+    Workspace buffers named by the plan are allocated here (uninitialized: the kernels
+    write every element that is read).
+    """
+    import cupy
+
+    from .plan import Buf
+
+    arrays = dict(arrays)
+    for name, shape in plan.workspace.items():
+        arrays[name] = cupy.empty(shape, dtype=cupy.float32)
+    if "dummy" not in arrays:
+        arrays["dummy"] = cupy.empty(1, dtype=cupy.float32)
+    for launch in plan.launches:
+        fn = get_function(launch.kernel, dtype, head_dim)
+        args = tuple(arrays[a.name] if isinstance(a, Buf) else a for a in launch.args)
+        fn(launch.grid, launch.block, args)
