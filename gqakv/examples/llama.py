@@ -1,0 +1,420 @@
+"""A Llama-architecture decoder whose attention runs through gqakv.
+
+Written once against the array API (``xp``), so it runs on any gqakv backend
+(numpy, torch, array_api_strict): token embedding, per layer RMSNorm -> GQA
+attention with RoPE -> residual -> RMSNorm -> SwiGLU MLP -> residual, final RMSNorm,
+and a tied or untied output head. Weights are drawn from a fixed seed (no checkpoint
+is needed or loaded).
+
+Two forward passes share every weight and op except attention:
+
+- ``forward`` (cached): the new tokens of each row are appended to the KV cache at
+  the row's length, and RoPE positions continue from that length, so a prompt can be
+  prefilled in any chunks and rows of different lengths decode in one batch.
+- ``forward_uncached``: the whole sequence at once with plain causal attention
+  written directly here (no gqakv), the reference the cached path must reproduce and
+  the "re-run the full prefix every step" baseline of ``gqakv generate``.
+
+Shapes: B rows, T new tokens per call (entry b's first ``n_new[b]`` are real, the rest
+padding), S full sequence length, D hidden size, Hq query heads, Hkv KV heads,
+G = Hq // Hkv, d head dim, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+import gqakv
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int  # V
+    hidden_size: int  # D
+    n_layers: int
+    n_heads: int  # Hq
+    n_kv_heads: int  # Hkv
+    head_dim: int  # d
+    intermediate_size: int  # F
+    rope_theta: float = 500_000.0
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    def replace(self, **changes) -> "LlamaConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def n_params(self) -> int:
+        D, F, V, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        attn = D * d * (self.n_heads * 2 + self.n_kv_heads * 2)
+        per_layer = attn + 3 * D * F + 2 * D
+        return V * D * (1 if self.tie_embeddings else 2) + self.n_layers * per_layer + D
+
+
+#: A few-thousand-parameter model for tests: 8 query heads over 2 KV heads (G = 4).
+TINY = LlamaConfig(vocab_size=97, hidden_size=32, n_layers=2, n_heads=8, n_kv_heads=2,
+                   head_dim=8, intermediate_size=64, rope_theta=10_000.0, tie_embeddings=False)
+
+#: Llama-3.1-8B's layer shapes (32 query heads, 8 KV heads, head dim 128, hidden 4096,
+#: MLP 14336, RoPE theta 500000, untied head) with 2 of its 32 layers and a 32k
+#: vocabulary instead of 128,256 so it fits and runs on a laptop CPU. The Llama 3.1
+#: long-context RoPE frequency rescaling is not modelled (plain RoPE).
+LLAMA31_8B_SHAPED = LlamaConfig(vocab_size=32_768, hidden_size=4096, n_layers=2, n_heads=32,
+                                n_kv_heads=8, head_dim=128, intermediate_size=14_336,
+                                rope_theta=500_000.0, rms_eps=1e-5, tie_embeddings=False)
+
+CONFIGS = {"tiny": TINY, "llama3-8b-shaped": LLAMA31_8B_SHAPED}
+
+
+class LayerCaches:
+    """The model's KV cache: one ``gqakv.KVCache`` per layer, all rows in step.
+
+    This is the seam for the model-wide (all layers) cache: the model only calls
+    ``host_lens``, ``append`` and ``attention``, so swapping the storage is local here.
+    """
+
+    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype="float32", backend=None):
+        self.layers = [gqakv.KVCache(batch, kv_heads, max_len, head_dim, dtype=dtype, backend=backend)
+                       for _ in range(n_layers)]
+
+    @property
+    def host_lens(self) -> np.ndarray:
+        """Tokens held per row ``[B]`` (every layer holds the same)."""
+        return self.layers[0].host_lens
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.layers)
+
+    def append(self, layer: int, k, v, n_new) -> None:
+        """k, v ``[B, Hkv, T, d]``: write the first n_new[b] tokens of each row in place."""
+        self.layers[layer].append(k, v, n_new)
+
+    def attention(self, layer: int, q, n_new):
+        """q ``[B, Hq, T, d]`` of the tokens just appended -> ``[B, Hq, T, d]``."""
+        return gqakv.gqa_attention(q, self.layers[layer], n_new)
+
+
+def causal_attention(xp, q, k, v, scale: float):
+    """Plain causal GQA attention over a whole sequence, no cache (the reference path).
+
+    q ``[B, Hq, S, d]``, k, v ``[B, Hkv, S, d]`` -> ``[B, Hq, S, d]``. Query head h reads
+    KV head h // G; query i sees keys 0..i. Right-padded rows are fine: a real query
+    never sees a key after it.
+    """
+    B, Hq, S, d = (int(s) for s in q.shape)
+    Hkv = int(k.shape[1])
+    G = Hq // Hkv
+    q5 = xp.reshape(q, (B, Hkv, G, S, d))
+    k5 = xp.expand_dims(k, axis=2)  # [B, Hkv, 1, S, d] broadcasts over the G query heads
+    v5 = xp.expand_dims(v, axis=2)
+    scores = (q5 @ xp.matrix_transpose(k5)) * scale  # [B, Hkv, G, S, S]
+    pos = xp.arange(S, device=getattr(q, "device", None))
+    visible = pos[None, :] <= pos[:, None]  # [S query, S key]
+    neg_inf = xp.asarray(-math.inf, dtype=scores.dtype, device=getattr(q, "device", None))
+    scores = xp.where(visible, scores, neg_inf)
+    scores = scores - xp.max(scores, axis=-1, keepdims=True)  # key 0 is always visible
+    p = xp.exp(scores)
+    p = p / xp.sum(p, axis=-1, keepdims=True)
+    return xp.reshape(p @ v5, (B, Hq, S, d))
+
+
+class LlamaModel:
+    """Llama decoder with weights drawn from ``seed``, on a gqakv backend.
+
+    Args:
+        config: a LlamaConfig (``TINY``, ``LLAMA31_8B_SHAPED`` or your own).
+        seed: weights are a deterministic function of (config, seed).
+        dtype: "float32" or "float64".
+        backend: a gqakv backend (name or instance); None uses gqakv's choice.
+    """
+
+    def __init__(self, config: LlamaConfig, *, seed: int = 0, dtype="float32", backend=None):
+        if dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype={dtype!r}: the example model runs in float32 or float64")
+        self.config = c = config
+        self.dtype = dtype
+        self.backend = gqakv.get_backend(backend, dtype=dtype, head_dim=c.head_dim)
+        self.xp = self.backend.namespace()
+        rng = np.random.default_rng(seed)
+
+        def uniform(shape, std):  # uniform is ~3x faster to draw than normal at 8B shapes
+            w = rng.random(shape, dtype=np.float32)
+            w -= np.float32(0.5)
+            w *= np.float32(std * math.sqrt(12.0))
+            return self.backend.from_numpy(w, dtype)
+
+        def dense(fan_in, fan_out):  # [in, out], unit-variance outputs for unit inputs
+            return uniform((fan_in, fan_out), 1.0 / math.sqrt(fan_in))
+
+        def norm_weight():
+            return self.backend.from_numpy(1.0 + 0.1 * rng.standard_normal(c.hidden_size), dtype)
+
+        D, d = c.hidden_size, c.head_dim
+        # Embedding rows of norm ~1, so a tied head gives logits of unit scale too.
+        self.embed = uniform((c.vocab_size, D), 1.0 / math.sqrt(D))
+        self.layers = []
+        for _ in range(c.n_layers):
+            self.layers.append({
+                "attn_norm": norm_weight(),
+                "wq": dense(D, c.n_heads * d),
+                "wk": dense(D, c.n_kv_heads * d),
+                "wv": dense(D, c.n_kv_heads * d),
+                "wo": dense(c.n_heads * d, D),
+                "mlp_norm": norm_weight(),
+                "w_gate": dense(D, c.intermediate_size),
+                "w_up": dense(D, c.intermediate_size),
+                "w_down": dense(c.intermediate_size, D),
+            })
+        self.final_norm = norm_weight()
+        # Tied: the head is the embedding's transpose (a view, no second copy).
+        self.head = self.xp.matrix_transpose(self.embed) if c.tie_embeddings else dense(D, c.vocab_size)
+        self.inv_freq = c.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)  # [d/2]
+        self.scale = 1.0 / math.sqrt(d)
+
+    # -- cache ------------------------------------------------------------------------------
+
+    def new_cache(self, batch: int, max_len: int) -> LayerCaches:
+        c = self.config
+        return LayerCaches(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim,
+                           dtype=self.dtype, backend=self.backend)
+
+    # -- building blocks --------------------------------------------------------------------
+
+    def _rmsnorm(self, x, w):
+        xp = self.xp
+        ms = xp.mean(x * x, axis=-1, keepdims=True)
+        return x * (1.0 / xp.sqrt(ms + self.config.rms_eps)) * w
+
+    def _rope_tables(self, positions: np.ndarray):
+        """positions ``[B, T]`` host ints -> cos, sin ``[B, 1, T, d/2]`` in the model dtype."""
+        angles = positions[:, None, :, None].astype(np.float64) * self.inv_freq  # [B, 1, T, d/2]
+        return (self.backend.from_numpy(np.cos(angles), self.dtype),
+                self.backend.from_numpy(np.sin(angles), self.dtype))
+
+    def _rope(self, x, cos, sin):
+        """Rotate halves (Llama/HF layout): x ``[B, H, T, d]`` -> same shape, new array."""
+        half = int(x.shape[-1]) // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        out = self.xp.empty_like(x)
+        out[..., :half] = x1 * cos - x2 * sin
+        out[..., half:] = x2 * cos + x1 * sin
+        return out
+
+    def _heads(self, y, B, T, H):
+        """``[B, T, H*d]`` -> ``[B, H, T, d]`` (a view where the library allows)."""
+        return self.xp.permute_dims(self.xp.reshape(y, (B, T, H, self.config.head_dim)), (0, 2, 1, 3))
+
+    def _embed(self, tokens: np.ndarray):
+        B, T = tokens.shape
+        ids = self.backend.from_host_ints(np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1),
+                                          device=self.backend.device_of(self.embed))
+        return self.xp.reshape(self.xp.take(self.embed, ids, axis=0), (B, T, self.config.hidden_size))
+
+    def _decoder(self, tokens: np.ndarray, positions: np.ndarray, attend):
+        """Shared trunk: tokens ``[B, T]`` -> final hidden states ``[B, T, D]``.
+
+        ``attend(layer, q, k, v)`` maps q ``[B, Hq, T, d]``, k, v ``[B, Hkv, T, d]`` (RoPE
+        applied) to the attention output ``[B, Hq, T, d]``.
+        """
+        xp, c = self.xp, self.config
+        B, T = tokens.shape
+        cos, sin = self._rope_tables(positions)
+        x = self._embed(tokens)
+        for i, w in enumerate(self.layers):
+            h = self._rmsnorm(x, w["attn_norm"])
+            q = self._rope(self._heads(h @ w["wq"], B, T, c.n_heads), cos, sin)
+            k = self._rope(self._heads(h @ w["wk"], B, T, c.n_kv_heads), cos, sin)
+            v = self._heads(h @ w["wv"], B, T, c.n_kv_heads)
+            o = attend(i, q, k, v)  # [B, Hq, T, d]
+            o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, T, c.n_heads * c.head_dim))
+            x = x + o @ w["wo"]
+            h = self._rmsnorm(x, w["mlp_norm"])
+            gate = h @ w["w_gate"]
+            x = x + ((gate / (1.0 + xp.exp(-gate))) * (h @ w["w_up"])) @ w["w_down"]  # SwiGLU
+        return self._rmsnorm(x, self.final_norm)
+
+    def _logits(self, x, last: np.ndarray | None):
+        """x ``[B, T, D]`` -> logits ``[B, T, V]``, or ``[B, V]`` at index ``last[b]`` of each row."""
+        xp = self.xp
+        if last is not None:
+            B, T, D = (int(s) for s in x.shape)
+            idx = self.backend.from_host_ints(np.arange(B) * T + last, device=self.backend.device_of(x))
+            x = xp.take(xp.reshape(x, (B * T, D)), idx, axis=0)  # [B, D]
+        return self.backend.to_numpy(x @ self.head)
+
+    # -- forward passes ---------------------------------------------------------------------
+
+    def forward(self, tokens, n_new, cache: LayerCaches, *, last_only: bool = False) -> np.ndarray:
+        """Cached forward of the next tokens of each row; returns host (NumPy) logits.
+
+        Args:
+            tokens: ``[B, T]`` host ints; row b's first ``n_new[b]`` are real, the rest padding.
+            n_new: ``[B]`` ints, ``0 <= n_new[b] <= T``.
+            cache: from ``new_cache``; row b holds L_b tokens before the call and
+                L_b + n_new[b] after. Token t of row b gets RoPE position L_b + t.
+            last_only: return only each row's last real token's logits, ``[B, V]``
+                (rows with n_new[b] = 0 give meaningless values).
+
+        Returns:
+            ``[B, T, V]`` logits (padded slots meaningless), or ``[B, V]`` with last_only.
+        """
+        tokens = np.asarray(tokens)
+        n_new = np.asarray(n_new, dtype=np.int64)
+        B, T = tokens.shape
+        positions = cache.host_lens[:, None] + np.arange(T)  # continue from each row's length
+
+        def attend(i, q, k, v):
+            cache.append(i, k, v, n_new)
+            return cache.attention(i, q, n_new)
+
+        x = self._decoder(tokens, positions, attend)
+        return self._logits(x, np.maximum(n_new - 1, 0) if last_only else None)
+
+    def forward_uncached(self, tokens, lengths=None, *, last_only: bool = False) -> np.ndarray:
+        """Whole sequences at once, plain causal attention, no cache.
+
+        tokens ``[B, S]`` host ints, row b's first ``lengths[b]`` real (right padding).
+        Returns ``[B, S, V]`` logits, or ``[B, V]`` at each row's last real token.
+        """
+        tokens = np.asarray(tokens)
+        B, S = tokens.shape
+        lengths = np.full(B, S) if lengths is None else np.asarray(lengths, dtype=np.int64)
+        positions = np.broadcast_to(np.arange(S), (B, S))
+        x = self._decoder(tokens, positions,
+                          lambda i, q, k, v: causal_attention(self.xp, q, k, v, self.scale))
+        return self._logits(x, lengths - 1 if last_only else None)
+
+
+# -- generation -------------------------------------------------------------------------------
+
+
+@dataclass
+class Generation:
+    """Greedy generation result for B rows."""
+
+    tokens: np.ndarray  # [B, n_new_tokens] generated token ids
+    logits: np.ndarray  # [n_new_tokens, B, V] logits each generated token was chosen from
+    time_to_first_token: float  # seconds from start to every row's first token
+    decode_seconds: float  # seconds for the remaining n_new_tokens - 1 steps
+    cache_nbytes: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        B, n = self.tokens.shape
+        return B * (n - 1) / self.decode_seconds if n > 1 and self.decode_seconds > 0 else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.time_to_first_token + self.decode_seconds
+        return self.tokens.size / total if total > 0 else float("nan")
+
+
+def _chunk_schedule(chunks, prompt_lens: np.ndarray):
+    """Chunk sizes to feed: None -> the longest prompt at once; int -> that size
+    repeated; a sequence -> those sizes, the last one repeated."""
+    if chunks is None:
+        return lambda step: int(prompt_lens.max())
+    if isinstance(chunks, (int, np.integer)):
+        sizes = [int(chunks)]
+    else:
+        sizes = [int(s) for s in chunks]
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"chunk sizes must be >= 1, got {chunks!r}")
+    return lambda step: sizes[min(step, len(sizes) - 1)]
+
+
+def _check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
+    rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    for b, p in enumerate(rows):
+        if p.size == 0:
+            raise ValueError(f"prompt {b} is empty; every row needs at least one token")
+        if p.min() < 0 or p.max() >= vocab_size:
+            raise ValueError(f"prompt {b} has token ids outside 0..{vocab_size - 1}")
+    return rows
+
+
+def generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             chunks=None, pad_id: int = 0) -> Generation:
+    """Greedy generation through the KV cache: chunked prefill, then batched ragged decode.
+
+    Prefill feeds every row its next ``chunk`` prompt tokens per call (rows whose prompt
+    is consumed get n_new = 0 and are padding), so rows of different prompt lengths
+    share each call. A row's first token comes from its last prompt token's logits;
+    then every row decodes one token per step, each at its own position.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    rows = _check_prompts(prompts, model.config.vocab_size)
+    B = len(rows)
+    lens = np.array([p.size for p in rows], dtype=np.int64)
+    chunk_of = _chunk_schedule(chunks, lens)
+    V = model.config.vocab_size
+    out_tokens = np.empty((B, max_new_tokens), dtype=np.int64)
+    out_logits = np.empty((max_new_tokens, B, V), dtype=np.float64)
+
+    t0 = time.perf_counter()
+    cache = model.new_cache(B, int(lens.max()) + max_new_tokens)
+    fed = np.zeros(B, dtype=np.int64)
+    step = 0
+    while (fed < lens).any():
+        n_new = np.minimum(chunk_of(step), lens - fed)
+        tokens = np.full((B, int(n_new.max())), pad_id, dtype=np.int64)
+        for b in range(B):
+            tokens[b, : n_new[b]] = rows[b][fed[b] : fed[b] + n_new[b]]
+        logits = model.forward(tokens, n_new, cache, last_only=True)  # [B, V]
+        done_now = (n_new > 0) & (fed + n_new == lens)
+        out_logits[0, done_now] = logits[done_now]
+        fed += n_new
+        step += 1
+    out_tokens[:, 0] = np.argmax(out_logits[0], axis=-1)
+    t1 = time.perf_counter()
+
+    ones = np.ones(B, dtype=np.int64)
+    for i in range(1, max_new_tokens):
+        logits = model.forward(out_tokens[:, i - 1 : i], ones, cache, last_only=True)
+        out_logits[i] = logits
+        out_tokens[:, i] = np.argmax(logits, axis=-1)
+    t2 = time.perf_counter()
+    return Generation(out_tokens, out_logits, t1 - t0, t2 - t1, cache.nbytes)
+
+
+def generate_uncached(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      *, pad_id: int = 0) -> Generation:
+    """Greedy generation that re-runs the full prefix every step (no KV cache)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    rows = _check_prompts(prompts, model.config.vocab_size)
+    B = len(rows)
+    lens = np.array([p.size for p in rows], dtype=np.int64)
+    S = int(lens.max()) + max_new_tokens
+    seqs = np.full((B, S), pad_id, dtype=np.int64)
+    for b in range(B):
+        seqs[b, : lens[b]] = rows[b]
+    out_tokens = np.empty((B, max_new_tokens), dtype=np.int64)
+    out_logits = np.empty((max_new_tokens, B, model.config.vocab_size), dtype=np.float64)
+    t0 = time.perf_counter()
+    t1 = t0
+    for i in range(max_new_tokens):
+        cur = lens + i
+        logits = model.forward_uncached(seqs[:, : int(cur.max())], cur, last_only=True)
+        out_logits[i] = logits
+        out_tokens[:, i] = np.argmax(logits, axis=-1)
+        seqs[np.arange(B), cur] = out_tokens[:, i]
+        if i == 0:
+            t1 = time.perf_counter()
+    t2 = time.perf_counter()
+    return Generation(out_tokens, out_logits, t1 - t0, t2 - t1)
