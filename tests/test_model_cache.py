@@ -278,3 +278,10 @@ def test_random_serving_loop_matches_direct_model(seed, backend, arrays):
         assert_matches(cache, direct, arrays)  # no drift, after every operation
     assert counts.get("step", 0) > 30 and all(counts.get(o, 0) > 5 for o in
                                              ("reorder", "fork", "truncate", "reset", "bad"))
+
+
+def test_allocation_that_cannot_fit_names_its_size():
+    layers, B, hkv, S, d = 80, 4096, 8, 131072, 128  # 2.5 PiB of float32
+    want = gqakv.ModelKVCache.nbytes_for(layers, B, hkv, S, d)
+    with pytest.raises(MemoryError, match=f"model KV cache of {want:,} bytes"):
+        gqakv.ModelKVCache(layers, B, hkv, S, d, backend="numpy")
