@@ -29,12 +29,9 @@ TEMP = -1
 
 
 def _row_list(rows, what: str, batch: int, *, distinct: bool) -> np.ndarray:
-    """``rows`` as host int64 [n] with every entry in 0..batch-1 (and distinct if asked)."""
-    if isinstance(rows, (int, np.integer)) and not isinstance(rows, bool):
-        rows = [rows]
-    a = np.asarray(rows) if isinstance(rows, (list, tuple)) else rows
-    n = len(a) if hasattr(a, "__len__") else -1
-    r = host_ints(a, what, max(n, 0))
+    """``rows`` (an int, a sequence or a 1-D int array) as host int64 [n], every entry in
+    0..batch-1 (and distinct if asked)."""
+    r = _ints_1d(rows, what)
     bad = np.flatnonzero((r < 0) | (r >= batch))
     if bad.size:
         i = int(bad[0])
@@ -43,6 +40,17 @@ def _row_list(rows, what: str, batch: int, *, distinct: bool) -> np.ndarray:
         vals, counts = np.unique(r, return_counts=True)
         raise ValueError(f"{what} must be distinct; row {int(vals[counts > 1][0])} repeats")
     return r
+
+
+def _ints_1d(x, what: str) -> np.ndarray:
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        x = [x]
+    if isinstance(x, (list, tuple, range)):
+        x = np.asarray(list(x))
+    shape = tuple(getattr(x, "shape", ()))
+    if len(shape) != 1:
+        raise ValueError(f"{what} must be a 1-D list of integers, got {x!r}")
+    return host_ints(x, what, int(shape[0]))
 
 
 def _row(x, what: str, batch: int) -> int:
@@ -205,8 +213,9 @@ def truncate(lengths, rows, new_lens) -> None:
     """
     batch = len(lengths.host)
     r = _row_list(rows, "rows", batch, distinct=True)
-    n = host_ints(np.asarray(new_lens) if isinstance(new_lens, (list, tuple)) else new_lens,
-                  "new_lens", r.size)
+    n = _ints_1d(new_lens, "new_lens")
+    if n.size != r.size:
+        raise ValueError(f"new_lens must have shape [{r.size}] (one per row), got [{n.size}]")
     for i in range(r.size):
         have = int(lengths.host[r[i]])
         if not 0 <= n[i] <= have:
