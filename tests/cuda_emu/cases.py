@@ -22,8 +22,11 @@ import numpy as np
 
 from gqakv_backends.cupy_backend import plan as planmod
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from reference import reference_attention  # noqa: E402  (tests/reference.py)
+try:
+    from ..reference import reference_attention  # imported as tests.cuda_emu.cases
+except ImportError:  # run_cases.py: tests/ itself is on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from reference import reference_attention  # noqa: E402
 
 STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
            "bfloat16": np.dtype(ml_dtypes.bfloat16)}

@@ -1,0 +1,74 @@
+"""Every fused-kernel instantiation compiles with NVRTC for sm_80 and sm_90, no GPU needed.
+
+Compiles the same composed sources with the same options as the cupy backend
+(``gqakv_backends.cupy_backend.sources``) straight to CUBIN with ``ptxas -v``, prints
+registers / spills / shared memory per kernel (see ``pytest -s`` or the summary at the
+end of the module) and fails on any local-memory spill in the fast paths: every kernel at
+head dims 64, 128 and 256 in every dtype. NVRTC comes from the nvidia-cuda-nvrtc-cu12
+wheel (the ``test`` extra); without it the module skips with that reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gqakv_backends.cupy_backend import sources
+
+nvrtc_mod = pytest.importorskip("gqakv_backends.cupy_backend.nvrtc")
+
+try:
+    NVRTC = nvrtc_mod.Nvrtc()
+    NVRTC.version()
+except (nvrtc_mod.NvrtcError, OSError) as exc:  # pragma: no cover - depends on the install
+    pytest.skip(f"NVRTC not available: {exc}", allow_module_level=True)
+
+ARCHS = ("sm_80", "sm_90")
+FAST_HEAD_DIMS = (64, 128, 256)
+#: Odd head dims the fused path also serves (scalar loads); compiled, spills reported only.
+OTHER_HEAD_DIMS = (20, 72, 100)
+REPORT: list[str] = []
+
+
+def _params():
+    for kernel in sources.KERNEL_FILES:
+        for dtype in sources.CTYPES:
+            for d in FAST_HEAD_DIMS + OTHER_HEAD_DIMS:
+                yield pytest.param(kernel, dtype, d, id=f"{kernel}-{dtype}-d{d}")
+
+
+@pytest.mark.parametrize("kernel,dtype,head_dim", list(_params()))
+def test_kernel_compiles_without_spills(kernel, dtype, head_dim):
+    for arch in ARCHS:
+        r = NVRTC.compile(kernel, dtype, head_dim, arch)
+        line = (f"{r.name:34s} {arch}: {r.registers:3d} regs, {r.spill_stores}/{r.spill_loads} B "
+                f"spill st/ld, {r.stack_bytes} B stack, {r.shared_bytes} B smem, {r.cubin_bytes} B cubin")
+        REPORT.append(line)
+        print(line)
+        assert r.cubin_bytes > 0
+        assert r.registers <= 255
+        # Static shared memory must fit the 48 KiB a kernel gets without opting in.
+        assert r.shared_bytes <= 48 * 1024, line
+        if head_dim in FAST_HEAD_DIMS:
+            assert r.spill_stores == 0 and r.spill_loads == 0, f"local-memory spills: {line}"
+
+
+def test_ptxas_report_parsing_sees_spills():
+    """The spill check can fail: a kernel forced into local memory reports its spills."""
+    log = ("ptxas info    : Compiling entry function '_Z1kv' for 'sm_90'\n"
+           "ptxas info    : Function properties for _Z1kv\n"
+           "ptxas         .     24 bytes stack frame, 16 bytes spill stores, 48 bytes spill loads\n"
+           "ptxas info    : Used 96 registers, used 1 barriers, 36992 bytes smem\n")
+    r = nvrtc_mod._parse("k", "_Z1kv", "sm_90", 1, log)
+    assert (r.registers, r.spill_stores, r.spill_loads, r.shared_bytes) == (96, 16, 48, 36992)
+
+
+def test_name_expressions_reject_unsupported():
+    with pytest.raises(KeyError, match="head_dim=300"):
+        sources.name_expression("gqakv_decode", "float16", 300)
+    with pytest.raises(KeyError, match="float64"):
+        sources.name_expression("gqakv_decode", "float64", 64)
+
+
+def teardown_module(module):
+    if REPORT:
+        print("\nptxas report (registers, spills) per kernel:\n" + "\n".join(REPORT))
