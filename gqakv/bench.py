@@ -1,0 +1,454 @@
+"""``gqakv bench``: the main job, a Llama-3.1-8B-shaped prefill + decode workload.
+
+One attention layer of Llama-3.1-8B (32 query heads, 8 KV heads, head dim 128) on
+the chosen backend: a batch of ragged prompts is prefilled in chunks, then every row
+decodes token by token. The report gives the time of each phase, the decode step's
+achieved bandwidth (bytes of live K/V read per step / time) against the machine's
+measured read bandwidth, the cache's memory, and how many bytes a cache grown by
+concatenation would have copied for the same run. ``--compare torch`` times torch's
+``scaled_dot_product_attention(enable_gqa=True)`` over the same live views.
+
+The measuring helpers here (``read_bandwidth``, ``concat_bytes``, ``torch_sdpa``,
+``synchronize``) are shared with the asv benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from . import dtypes as _dtypes
+
+LLAMA_8B = dict(heads=32, kv_heads=8, head_dim=128, layers=32)
+
+
+# -- shared measuring helpers ----------------------------------------------------------------
+
+def synchronize(backend) -> None:
+    """Wait for queued device work (a no-op on the CPU), so wall-clock times are honest."""
+    sync = getattr(backend, "synchronize", None)
+    if callable(sync):
+        sync()
+        return
+    lib = getattr(backend, "array_library", "")
+    if lib == "cupy":
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+    elif lib == "torch":
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+
+def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> dict[str, float]:
+    """The machine's streaming read bandwidth in bytes/s, measured two ways.
+
+    ``numpy_sum_1thread``: NumPy's sum over a ``nbytes`` float32 array (one core).
+    ``numpy_sum_threads``: the same array summed in parts by one thread per BLAS
+    thread (NumPy's reductions release the GIL), the figure a multi-threaded reader
+    such as gqakv's NumPy backend can reach. ``best`` is the larger of the two.
+    """
+    from gqakv_backends.numpy_attention import _threads
+
+    a = np.ones(nbytes // 4, dtype=np.float32)
+    workers = _threads.default_workers()
+    parts = np.array_split(a, workers)
+
+    def best_time(fn):
+        fn()
+        return min(_timed(fn) for _ in range(repeats))
+
+    out = {"numpy_sum_1thread": a.nbytes / best_time(a.sum)}
+    if workers > 1:
+        with ThreadPoolExecutor(workers) as pool:
+            out["numpy_sum_threads"] = a.nbytes / best_time(lambda: list(pool.map(np.sum, parts)))
+    out["best"] = max(out.values())
+    return out
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def token_bytes(kv_heads: int, head_dim: int, dtype) -> int:
+    """Bytes of K plus V for one token of one layer."""
+    return 2 * kv_heads * head_dim * _dtypes.itemsize(dtype)
+
+
+def concat_bytes(lens_before, n_new, tok_bytes: int) -> int:
+    """Bytes a concatenation-grown cache copies for one append: every row that grows
+    is rebuilt, copying all the tokens it already held (K and V)."""
+    return int(sum(int(L) for L, n in zip(lens_before, n_new) if n > 0)) * tok_bytes
+
+
+def torch_sdpa(q, k_buf, v_buf, lens, n_new):
+    """torch's SDPA (enable_gqa=True) over views of the same buffers, sliced to each row's
+    live length, with the bottom-right causal mask for chunks. Returns a callable.
+
+    Rows of equal length and chunk size go in one batched call; ragged rows one call
+    each (torch has no ragged lengths). Raises ImportError without torch.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    Q, K, V = (_as_torch(x) for x in (q, k_buf, v_buf))
+    lens, n_new = [int(x) for x in lens], [int(x) for x in n_new]
+
+    def mask(n, L):
+        return None if n == 1 else torch.ones(n, L, dtype=torch.bool, device=K.device).tril(L - n)
+
+    if len(set(lens)) == 1 and len(set(n_new)) == 1:
+        L, n = lens[0], n_new[0]
+        m = mask(n, L)
+        return lambda: F.scaled_dot_product_attention(
+            Q[:, :, :n], K[:, :, :L], V[:, :, :L], attn_mask=m, enable_gqa=True)
+    calls = [(b, n, L, mask(n, L)) for b, (n, L) in enumerate(zip(n_new, lens)) if n > 0]
+
+    def run():
+        for b, n, L, m in calls:
+            F.scaled_dot_product_attention(Q[b:b + 1, :, :n], K[b:b + 1, :, :L], V[b:b + 1, :, :L],
+                                           attn_mask=m, enable_gqa=True)
+    return run
+
+
+def _as_torch(x):
+    """A torch tensor sharing x's memory (NumPy via from_numpy; others via DLPack)."""
+    import torch
+
+    if isinstance(x, np.ndarray):
+        if x.dtype.name == "bfloat16":  # ml_dtypes bfloat16 has torch.bfloat16's bits
+            return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(x)
+    return torch.from_dlpack(x)
+
+
+def median_time(fn, backend, repeats: int = 5) -> float:
+    """Median wall time of ``fn()`` after one warm-up call, synchronizing the backend."""
+    fn()
+    synchronize(backend)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        synchronize(backend)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+# -- the workload --------------------------------------------------------------------------
+
+@dataclass
+class Config:
+    batch: int = 4
+    prompt_lens: tuple[int, ...] = (4096, 3072, 2048, 1024)
+    chunk: int = 512
+    steps: int = 256
+    heads: int = LLAMA_8B["heads"]
+    kv_heads: int = LLAMA_8B["kv_heads"]
+    head_dim: int = LLAMA_8B["head_dim"]
+    dtype: str = "float32"
+    backend: str | None = None
+    seed: int = 0
+
+    def row_prompts(self) -> list[int]:
+        """Prompt length of each row: the given lengths, cycled over the batch."""
+        return [self.prompt_lens[b % len(self.prompt_lens)] for b in range(self.batch)]
+
+
+@dataclass
+class Phase:
+    calls: int = 0
+    append_s: float = 0.0
+    attention_s: float = 0.0
+    tokens: int = 0
+    kv_bytes_read: int = 0  # live K/V bytes the attention calls read
+    flops: float = 0.0  # 4 * Hq * d per visible query-key pair
+    concat_bytes: int = 0  # what a concatenation-grown cache would have copied
+
+
+@dataclass
+class Result:
+    config: dict
+    backend: str
+    threads: str
+    cache_bytes: int
+    live_bytes: int
+    prefill: Phase = field(default_factory=Phase)
+    decode: Phase = field(default_factory=Phase)
+    wall_s: float = 0.0
+
+
+class _Progress:
+    """One updating line on a terminal, a few plain lines otherwise; nothing when quiet."""
+
+    def __init__(self, enabled: bool, stream=None):
+        self.enabled, self.stream = enabled, stream or sys.stderr
+        self.tty = enabled and self.stream.isatty()
+        self._last = {}
+
+    def __call__(self, phase: str, i: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            self.stream.write(f"\r  {phase}: {i}/{total}")
+            if i == total:
+                self.stream.write("\n")
+            self.stream.flush()
+        else:
+            quarter = (4 * i) // total
+            if i == total or quarter > self._last.get(phase, 0):
+                self._last[phase] = quarter
+                print(f"  {phase}: {i}/{total}", file=self.stream, flush=True)
+
+
+def run_workload(cfg: Config, progress=None) -> Result:
+    """Prefill every row's prompt in chunks, then decode ``cfg.steps`` tokens per row."""
+    from .attention import gqa_attention
+    from .cache import KVCache
+
+    progress = progress or (lambda *a: None)
+    prompts = cfg.row_prompts()
+    B, Hq, Hkv, d = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim
+    max_len = max(prompts, default=0) + cfg.steps
+    cache = KVCache(B, Hkv, max_len, d, dtype=cfg.dtype, backend=cfg.backend)
+    backend = cache.backend
+    tok = token_bytes(Hkv, d, cfg.dtype)
+    rng = np.random.default_rng(cfg.seed)
+
+    def data(T, heads):  # one random block, reused: values do not change the work
+        return backend.from_numpy(rng.standard_normal((B, heads, T, d), dtype=np.float32), cfg.dtype)
+
+    res = Result(config=asdict(cfg), backend=backend.name, threads=_threads_line(backend),
+                 cache_bytes=cache.nbytes, live_bytes=0)
+    t_start = time.perf_counter()
+
+    def step(phase: Phase, k_new, q, n_new):
+        before = cache.host_lens.copy()
+        t0 = time.perf_counter()
+        cache.append(k_new, k_new, n_new)
+        synchronize(backend)
+        t1 = time.perf_counter()
+        gqa_attention(q, cache, n_new)
+        synchronize(backend)
+        t2 = time.perf_counter()
+        lens = cache.host_lens
+        phase.calls += 1
+        phase.append_s += t1 - t0
+        phase.attention_s += t2 - t1
+        phase.tokens += int(sum(n_new))
+        phase.kv_bytes_read += int(sum(int(L) for L, n in zip(lens, n_new) if n > 0)) * tok
+        # query t of a row sees before + t + 1 keys
+        phase.flops += 4.0 * Hq * d * sum(n * int(b) + n * (n + 1) / 2 for b, n in zip(before, n_new))
+        phase.concat_bytes += concat_bytes(before, n_new, tok)
+
+    chunk = max(1, min(cfg.chunk, max(prompts, default=1)))
+    n_chunks = math.ceil(max(prompts, default=0) / chunk)
+    k_chunk, q_chunk = data(chunk, Hkv), data(chunk, Hq)
+    for c in range(n_chunks):
+        n_new = np.array([min(chunk, max(0, p - c * chunk)) for p in prompts], dtype=np.int64)
+        step(res.prefill, k_chunk, q_chunk, n_new)
+        progress("prefill chunks", c + 1, n_chunks)
+    k_one, q_one = data(1, Hkv), data(1, Hq)
+    ones = np.ones(B, dtype=np.int64)
+    for s in range(cfg.steps):
+        step(res.decode, k_one, q_one, ones)
+        progress("decode steps", s + 1, cfg.steps)
+    res.wall_s = time.perf_counter() - t_start
+    res.live_bytes = int(cache.host_lens.sum()) * tok
+    res._cache = cache  # kept for --compare
+    return res
+
+
+def _threads_line(backend) -> str:
+    if backend.name != "numpy":
+        return backend.device_kind
+    from gqakv_backends.numpy_attention import _threads
+
+    parts = [f"{_threads.default_workers()} worker threads"]
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        parts.append("BLAS threads not controlled (threadpoolctl missing)")
+    else:
+        for info in threadpool_info():
+            if info.get("user_api") == "blas":
+                parts.append(f"{info.get('internal_api')} {info.get('version')} "
+                             f"kernel {info.get('architecture')}")
+    return ", ".join(parts)
+
+
+# -- the command ---------------------------------------------------------------------------
+
+def add_arguments(parser) -> None:
+    c = Config()
+    parser.add_argument("--batch", type=int, default=c.batch, help="rows (default %(default)s)")
+    parser.add_argument("--prompt-lens", default=",".join(map(str, c.prompt_lens)),
+                        help="comma-separated prompt lengths, cycled over the rows "
+                             "(default %(default)s)")
+    parser.add_argument("--chunk", type=int, default=c.chunk, help="prefill chunk (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=c.steps, help="decode steps (default %(default)s)")
+    parser.add_argument("--heads", type=int, default=c.heads, help="query heads (default %(default)s)")
+    parser.add_argument("--kv-heads", type=int, default=c.kv_heads, help="KV heads (default %(default)s)")
+    parser.add_argument("--head-dim", type=int, default=c.head_dim, help="head dim (default %(default)s)")
+    parser.add_argument("--dtype", default=c.dtype,
+                        choices=["float32", "float16", "bfloat16", "float64"])
+    parser.add_argument("--backend", default=None,
+                        help="backend name (default: GQAKV_BACKEND, else the automatic choice)")
+    parser.add_argument("--seed", type=int, default=c.seed)
+    parser.add_argument("--compare", choices=["torch"], default=None,
+                        help="also time torch SDPA (enable_gqa) over the same live views")
+    parser.add_argument("--no-bandwidth", action="store_true",
+                        help="skip measuring the machine's read bandwidth (about 1 s)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def _config(args) -> Config:
+    try:
+        prompts = tuple(int(x) for x in str(args.prompt_lens).split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"gqakv bench: --prompt-lens must be comma-separated ints, got {args.prompt_lens!r}")
+    checks = [("--batch", args.batch, 1), ("--chunk", args.chunk, 1), ("--steps", args.steps, 0),
+              ("--heads", args.heads, 1), ("--kv-heads", args.kv_heads, 1), ("--head-dim", args.head_dim, 1)]
+    for name, value, low in checks:
+        if value < low:
+            raise SystemExit(f"gqakv bench: {name} must be >= {low}, got {value}")
+    if not prompts or min(prompts) < 1:
+        raise SystemExit(f"gqakv bench: --prompt-lens needs lengths >= 1, got {args.prompt_lens!r}")
+    if args.heads % args.kv_heads:
+        raise SystemExit(f"gqakv bench: --heads={args.heads} must be a multiple of --kv-heads={args.kv_heads}")
+    return Config(batch=args.batch, prompt_lens=prompts, chunk=args.chunk, steps=args.steps,
+                  heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                  dtype=args.dtype, backend=args.backend, seed=args.seed)
+
+
+def run(args) -> int:
+    cfg = _config(args)
+    progress = _Progress(not args.quiet and not args.json)
+    if not args.json:
+        prompts = cfg.row_prompts()
+        print(f"gqakv bench: one attention layer, Hq={cfg.heads} Hkv={cfg.kv_heads} d={cfg.head_dim} "
+              f"(Llama-3.1-8B: 32/8/128), {cfg.dtype}")
+        print(f"  batch {cfg.batch}, prompts {'/'.join(map(str, prompts))} tokens, prefill chunk "
+              f"{cfg.chunk}, then {cfg.steps} decode steps per row", flush=True)
+    res = run_workload(cfg, progress)
+    bw = None if args.no_bandwidth else read_bandwidth()
+    compare = _compare_torch(res, cfg) if args.compare == "torch" else None
+    report = _report(res, bw, compare)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_report(report)
+    return 0
+
+
+def _compare_torch(res: Result, cfg: Config) -> dict:
+    """Time gqakv and torch SDPA on the final cache: one decode step, one prefill chunk."""
+    from .attention import gqa_attention
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return {"error": "torch is not installed (pip install 'gqakv[bench]' torch)"}
+    cache, backend = res._cache, res._cache.backend
+    lens = cache.host_lens.copy()
+    rng = np.random.default_rng(cfg.seed + 1)
+    out = {}
+    # Prefill-shaped: each row's last `chunk` tokens as the queries (nothing is appended).
+    chunk = max(1, min(cfg.chunk, int(lens.min())))
+    for name, T in (("decode", 1), ("prefill_chunk", chunk)):
+        q = backend.from_numpy(rng.standard_normal((cfg.batch, cfg.heads, T, cfg.head_dim),
+                                                   dtype=np.float32), cfg.dtype)
+        n_new = np.full(cfg.batch, T, dtype=np.int64)
+        try:
+            sdpa = torch_sdpa(q, cache.k, cache.v, lens, n_new)
+        except Exception as exc:  # e.g. a backend whose arrays torch cannot view
+            return {"error": f"torch cannot view {backend.name} arrays: {exc}"}
+        t_g = median_time(lambda: gqa_attention(q, cache, n_new), backend)
+        t_t = median_time(sdpa, backend)
+        out[name] = {"tokens_per_row": T, "gqakv_s": t_g, "torch_s": t_t, "ratio": t_g / t_t}
+    import torch
+
+    out["torch"] = f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    return out
+
+
+def _report(res: Result, bw, compare) -> dict:
+    d = res.decode
+    report = {
+        "config": res.config, "backend": res.backend, "threads": res.threads,
+        "cache_bytes": res.cache_bytes, "live_bytes": res.live_bytes, "wall_s": res.wall_s,
+        "prefill": asdict(res.prefill), "decode": asdict(d),
+        "concat_bytes": res.prefill.concat_bytes + d.concat_bytes,
+        "decode_bytes_per_s": d.kv_bytes_read / d.attention_s if d.attention_s else None,
+        "prefill_flops_per_s": (res.prefill.flops / res.prefill.attention_s
+                                if res.prefill.attention_s else None),
+        "read_bandwidth": bw, "compare": compare,
+    }
+    return report
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _print_report(r: dict) -> None:
+    p, d = r["prefill"], r["decode"]
+    print(f"\nbackend: {r['backend']} ({r['threads']})")
+    print(f"cache: {_human(r['cache_bytes'])} allocated once (K and V), {_human(r['live_bytes'])} "
+          "live at the end")
+    print(f"\n{'phase':<20}{'calls':>7}{'tokens':>9}{'total s':>10}{'per call ms':>13}")
+    for name, ph, what in (("prefill", p, "chunk"), ("decode", d, "step")):
+        for part in ("append", "attention"):
+            secs = ph[f"{part}_s"]
+            per = 1e3 * secs / ph["calls"] if ph["calls"] else 0.0
+            print(f"{name + ' ' + part:<20}{ph['calls']:>7}{ph['tokens']:>9}{secs:>10.3f}{per:>13.3f}")
+    if r["prefill_flops_per_s"]:
+        print(f"\nprefill attention: {r['prefill_flops_per_s'] / 1e9:.1f} GFLOP/s")
+    bw = r["read_bandwidth"]
+    if r["decode_bytes_per_s"]:
+        per_step = d["kv_bytes_read"] / d["calls"]
+        line = (f"decode attention: {r['decode_bytes_per_s'] / 1e9:.1f} GB/s of live K/V "
+                f"({_human(per_step)} read per step)")
+        if bw:
+            line += f", {100 * r['decode_bytes_per_s'] / bw['best']:.0f}% of measured read bandwidth"
+        print(line)
+    if bw:
+        parts = ", ".join(f"{k.replace('_', ' ')} {v / 1e9:.1f} GB/s" for k, v in bw.items() if k != "best")
+        print(f"read bandwidth (256 MiB float32 sums): {parts}")
+    c = r["compare"]
+    if c:
+        if "error" in c:
+            print(f"torch comparison: {c['error']}")
+        else:
+            print(f"\nvs torch SDPA (enable_gqa=True) over the same live views ({c['torch']}):")
+            for name in ("decode", "prefill_chunk"):
+                x = c[name]
+                label = "decode step" if name == "decode" else f"{x['tokens_per_row']}-token chunk"
+                print(f"  {label:<18} gqakv {1e3 * x['gqakv_s']:8.2f} ms   torch {1e3 * x['torch_s']:8.2f} ms"
+                      f"   gqakv/torch {x['ratio']:.2f}x")
+    cfg = r["config"]
+    concat = r["concat_bytes"]
+    tok = token_bytes(cfg["kv_heads"], cfg["head_dim"], cfg["dtype"])
+    print(f"\nconcatenation: a cache grown by concatenation copies every cached token at each append;"
+          f"\n  for this run it would have copied {concat:,} bytes ({_human(concat)}) "
+          f"= {concat / max(1, r['live_bytes']):.0f}x the final live cache; gqakv copied 0.")
+    if (cfg["heads"], cfg["kv_heads"], cfg["head_dim"]) == (32, 8, 128):
+        layers = LLAMA_8B["layers"]
+        print(f"  across all {layers} layers of Llama-3.1-8B: {_human(concat * layers)} "
+              f"({tok * layers:,} bytes of K+V per token)")
+    print(f"\ntotal {r['wall_s']:.1f} s")

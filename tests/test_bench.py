@@ -1,0 +1,195 @@
+"""`gqakv bench` and the asv benchmarks, at tiny sizes: they run, report what they claim,
+and their byte counts match the arithmetic. (No timing is asserted: speed targets live
+in the benchmarks themselves.)"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gqakv import bench, cli
+
+ROOT = Path(__file__).resolve().parents[1]
+ASV_DIR = ROOT / "asv_benchmarks"
+TINY = ["--batch", "3", "--prompt-lens", "5,9", "--chunk", "4", "--steps", "3", "--heads", "4",
+        "--kv-heads", "2", "--head-dim", "8", "--no-bandwidth", "--backend", "numpy"]
+TOKEN_BYTES = 2 * 2 * 8 * 4  # K and V, 2 KV heads, d = 8, float32
+
+
+def expected_concat_bytes(prompts, chunk, steps):
+    """A concatenation-grown row copies every token it already holds at each append."""
+    tokens = 0
+    for p in prompts:
+        tokens += sum(range(0, p, chunk))  # prefill appends start at 0, chunk, 2 chunk, ...
+        tokens += sum(p + s for s in range(steps))  # decode step s starts at p + s
+    return tokens * TOKEN_BYTES
+
+
+def run_cli(capsys, argv):
+    assert cli.main(argv) == 0
+    return capsys.readouterr()
+
+
+def test_bench_is_the_default_job_and_reports_every_phase(capsys):
+    out = run_cli(capsys, TINY + ["--quiet"]).out  # no subcommand: bench is the default
+    for phase in ("prefill append", "prefill attention", "decode append", "decode attention"):
+        assert phase in out
+    assert "backend: numpy" in out
+    assert "GB/s of live K/V" in out
+    concat = expected_concat_bytes([5, 9, 5], 4, 3)
+    assert concat == (12 + 8 + 66) * TOKEN_BYTES  # worked by hand for prompts 5/9/5
+    assert f"would have copied {concat:,} bytes" in out
+    # cache: 3 rows x 2 heads x (9 + 3) tokens x 8 x 4 bytes, K and V
+    assert "cache: 4.5 KiB allocated once" in out
+
+
+def test_bench_json_counts(capsys):
+    report = json.loads(run_cli(capsys, ["bench", *TINY, "--json"]).out)
+    prefill, decode = report["prefill"], report["decode"]
+    assert prefill["calls"] == 3 and prefill["tokens"] == 5 + 9 + 5  # ceil(9 / 4) chunks
+    assert decode["calls"] == 3 and decode["tokens"] == 3 * 3
+    # a decode step reads every row's live K/V once: lens after step s are p + s + 1
+    assert decode["kv_bytes_read"] == sum(p + s + 1 for p in (5, 9, 5) for s in range(3)) * TOKEN_BYTES
+    assert report["concat_bytes"] == expected_concat_bytes([5, 9, 5], 4, 3)
+    assert report["cache_bytes"] == 2 * 3 * 2 * 12 * 8 * 4
+    assert report["live_bytes"] == (8 + 12 + 8) * TOKEN_BYTES
+    assert report["decode_bytes_per_s"] > 0 and report["read_bandwidth"] is None
+
+
+def test_bench_progress_and_bandwidth(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "read_bandwidth", lambda: {"numpy_sum_1thread": 1e10, "best": 1e10})
+    captured = run_cli(capsys, ["bench", *[a for a in TINY if a != "--no-bandwidth"]])
+    assert "prefill chunks: 3/3" in captured.err and "decode steps: 3/3" in captured.err
+    assert "% of measured read bandwidth" in captured.out
+
+
+def test_read_bandwidth_measures_something():
+    bw = bench.read_bandwidth(nbytes=8 << 20, repeats=2)
+    assert bw["best"] == max(v for k, v in bw.items() if k != "best") > 1e8
+
+
+def test_bench_compare_torch(capsys):
+    pytest.importorskip("torch")
+    out = run_cli(capsys, ["bench", *TINY, "--quiet", "--compare", "torch"]).out
+    assert "vs torch SDPA (enable_gqa=True)" in out
+    assert "decode step" in out and "4-token chunk" in out and "gqakv/torch" in out
+
+
+def test_torch_sdpa_peer_computes_the_same_attention():
+    """The peer the ratios are taken against really is the same attention (ragged rows)."""
+    pytest.importorskip("torch")
+    import gqakv
+
+    rng = np.random.default_rng(0)
+    cache = gqakv.KVCache(2, 2, 16, 8, backend="numpy")
+    kv = rng.standard_normal((2, 2, 9, 8), dtype=np.float32)
+    cache.append(kv, kv, [9, 6])
+    q = rng.standard_normal((2, 4, 3, 8), dtype=np.float32)
+    ours = gqakv.gqa_attention(q, cache, [3, 3])
+    import torch
+    import torch.nn.functional as F
+
+    for b, L in enumerate((9, 6)):
+        mask = torch.ones(3, L, dtype=torch.bool).tril(L - 3)
+        want = F.scaled_dot_product_attention(torch.from_numpy(q[b:b + 1]),
+                                              torch.from_numpy(cache.k[b:b + 1, :, :L]),
+                                              torch.from_numpy(cache.v[b:b + 1, :, :L]),
+                                              attn_mask=mask, enable_gqa=True)
+        np.testing.assert_allclose(ours[b:b + 1], want.numpy(), atol=2e-5)
+    assert callable(bench.torch_sdpa(q, cache.k, cache.v, cache.host_lens, [3, 3]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--prompt-lens", "4,x"], "--prompt-lens must be comma-separated ints"),
+    (["--heads", "6", "--kv-heads", "4"], "--heads=6 must be a multiple of --kv-heads=4"),
+])
+def test_bench_rejects_bad_flags(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["bench", *argv])
+
+
+# -- asv ------------------------------------------------------------------------------------
+
+MY_MODULES = ["attention", "append", "generation"]
+# class -> (setup args at tiny sizes, class attributes to shrink)
+SMOKE = {
+    "Decode": (("numpy", "2x40"), {}),
+    "DecodeHalf": (("numpy", "bfloat16"), {"SIZE": (2, 40)}),
+    "RaggedDecode": (("numpy",), {"LENS": (3, 50)}),
+    "ChunkedPrefill": (("numpy", "4096 in 8"), {"CASES": {"4096 in 8": (4, 16)}}),
+    "Append": (("numpy", "ragged chunk 4 rows x <=512"), {}),
+    "GenerationLoop": (("numpy", "2x9"), {}),
+    "ConcatBaseline": (("2x9",), {}),
+}
+
+
+def _benchmark_modules():
+    sys.path.insert(0, str(ASV_DIR))
+    try:
+        return {name: importlib.import_module(f"benchmarks.{name}") for name in MY_MODULES}
+    finally:
+        sys.path.remove(str(ASV_DIR))
+
+
+def _classes():
+    for mod in _benchmark_modules().values():
+        for name, cls in inspect.getmembers(mod, inspect.isclass):
+            if cls.__module__ == mod.__name__ and any(
+                    m.startswith(("time_", "peakmem_", "track_")) for m in dir(cls)):
+                yield name, cls
+
+
+def test_every_benchmark_class_has_a_smoke_entry():
+    assert sorted(name for name, _ in _classes()) == sorted(SMOKE)
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_benchmark_runs_at_tiny_size(name, monkeypatch):
+    cls = dict(_classes())[name]
+    args, shrink = SMOKE[name]
+    for attr, value in shrink.items():
+        monkeypatch.setattr(cls, attr, value)
+    mod = sys.modules[cls.__module__]
+    if hasattr(mod, "STEPS"):
+        monkeypatch.setattr(mod, "STEPS", 3)
+        monkeypatch.setattr(mod, "CHUNK", 4)
+    common = sys.modules[cls.__module__.rsplit(".", 1)[0] + ".common"]
+    monkeypatch.setattr(common, "_bandwidth", 1e10)
+    bench_obj = cls()
+    bench_obj.setup(*args)
+    methods = [m for m in dir(cls) if m.startswith(("time_", "peakmem_", "track_"))]
+    assert methods
+    for m in methods:
+        value = getattr(bench_obj, m)(*args)
+        if m.startswith("track_"):
+            assert isinstance(value, (int, float)) and (value >= 0 or math.isnan(value)), (m, value)
+    if name == "ConcatBaseline":
+        # prompt 9 in chunks of 4 (appends at 0, 4, 8), then 3 decode steps (at 9, 10, 11)
+        token = 2 * 8 * 128 * 4
+        assert bench_obj.track_bytes_copied(*args) == 2 * (0 + 4 + 8 + 9 + 10 + 11) * token
+
+
+def test_unavailable_backend_is_skipped_by_asv_convention():
+    mod = _benchmark_modules()["attention"]
+    with pytest.raises(NotImplementedError, match="no-such-backend"):
+        mod.Decode().setup("no-such-backend", "1x8")
+
+
+@pytest.mark.skipif(shutil.which("asv") is None and not (Path(sys.executable).parent / "asv").exists(),
+                    reason="asv not installed (pip install -e '.[bench]')")
+def test_asv_check_discovers_every_benchmark():
+    exe = Path(sys.executable).parent / "asv"
+    cmd = [str(exe) if exe.exists() else "asv", "check", "--python=same"]
+    done = subprocess.run(cmd, cwd=ASV_DIR, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "No problems found" in done.stdout
