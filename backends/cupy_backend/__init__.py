@@ -174,6 +174,12 @@ class CupyBackend(Backend):
                             "out": out, "lse": lse}, dtype, d)
         return (out, lse) if return_lse else out
 
+    def synchronize(self) -> None:
+        """Wait for the current device's queued work (benchmarks time through this)."""
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
     def _sms(self) -> int:
         import cupy
 
@@ -236,8 +242,15 @@ def _strides(x) -> tuple[int, ...]:
     return tuple(s // x.itemsize for s in x.strides)
 
 
+def _address(x) -> int:
+    """Device address of x's first element (a host address for NumPy stand-ins in tests)."""
+    if isinstance(x, np.ndarray):
+        return x.ctypes.data
+    return x.data.ptr
+
+
 def _is_aligned(x, dtype: str, d: int) -> bool:
-    return _plan.aligned_for_vectors(x.data.ptr, _strides(x), dtype, d)
+    return _plan.aligned_for_vectors(_address(x), _strides(x), dtype, d)
 
 
 def _aligned(x, dtype: str, d: int):

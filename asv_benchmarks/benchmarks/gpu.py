@@ -1,0 +1,98 @@
+"""GPU benchmarks of the cupy backend's fused kernels (skipped where cupy cannot run).
+
+Decode: Llama-3.1-8B layer shapes (32 query heads, 8 KV heads, d = 128, bfloat16), batch
+1 to 64, live length 1k to 32k. ``track_decode_tbps`` is the achieved HBM read bandwidth
+(live K and V bytes per step / time); the target is >= 80% of the device's peak
+(GQAKV_PEAK_HBM_TBS, default 4.8 for an H200) at long context. ``track_speedup_vs_array_api``
+compares with the same backend's non-fused array-API path on the same cache.
+Prefill: a 512-token chunk on a 3k to 32k cache; ``track_prefill_tflops`` against
+GQAKV_PEAK_TFLOPS. Every timed call synchronizes the device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import gqakv
+from gqakv import bench
+from gqakv.backend import Backend
+
+from .common import D, HKV, HQ, backend_or_skip, filled_cache, queries, seconds
+
+DTYPE = "bfloat16"
+PEAK_TBS = float(os.environ.get("GQAKV_PEAK_HBM_TBS", "4.8"))
+
+
+def _cupy():
+    backend = backend_or_skip("cupy")
+    return backend
+
+
+class GpuDecode:
+    params = [[1, 8, 64], [1024, 8192, 32768]]
+    param_names = ["batch", "live_len"]
+    timeout = 300
+
+    def setup(self, batch, live_len):
+        self.backend = _cupy()
+        self.cache = filled_cache(self.backend, [live_len] * batch, dtype=DTYPE)
+        self.q = queries(self.backend, batch, 1, dtype=DTYPE)
+        self.n_new = np.ones(batch, dtype=np.int64)
+        self.read_bytes = batch * live_len * bench.token_bytes(HKV, D, DTYPE)
+
+    def _fused(self):
+        gqakv.gqa_attention(self.q, self.cache, self.n_new)
+        bench.synchronize(self.backend)
+
+    def _array_api(self):
+        c = self.cache
+        Backend.attention(self.backend, self.q, c.k, c.v, np.arange(c.batch), c.host_lens,
+                          self.n_new, scale=D ** -0.5, return_lse=False)
+        bench.synchronize(self.backend)
+
+    def time_decode(self, batch, live_len):
+        self._fused()
+
+    def track_decode_tbps(self, batch, live_len):
+        return self.read_bytes / seconds(self._fused, self.backend) / 1e12
+
+    track_decode_tbps.unit = "TB/s"
+
+    def track_decode_fraction_of_peak(self, batch, live_len):
+        return self.track_decode_tbps(batch, live_len) / PEAK_TBS
+
+    track_decode_fraction_of_peak.unit = "fraction"
+
+    def track_speedup_vs_array_api(self, batch, live_len):
+        return seconds(self._array_api, self.backend) / seconds(self._fused, self.backend)
+
+    track_speedup_vs_array_api.unit = "x"
+
+
+class GpuPrefill:
+    params = [[3072, 8192, 32768]]
+    param_names = ["cache_len"]
+    timeout = 300
+
+    def setup(self, cache_len):
+        self.backend = _cupy()
+        self.cache = filled_cache(self.backend, [cache_len], dtype=DTYPE)
+        self.q = queries(self.backend, 1, 512, dtype=DTYPE)
+        self.n_new = np.array([512])
+        # 2 matmuls x 2 flops x Hq x d per visible (query, key) pair; bottom-right causal.
+        pairs = sum(cache_len - 512 + t + 1 for t in range(512))
+        self.flops = 4 * HQ * D * pairs
+
+    def _call(self):
+        gqakv.gqa_attention(self.q, self.cache, self.n_new)
+        bench.synchronize(self.backend)
+
+    def time_prefill(self, cache_len):
+        self._call()
+
+    def track_prefill_tflops(self, cache_len):
+        return self.flops / seconds(self._call, self.backend) / 1e12
+
+    track_prefill_tflops.unit = "TFLOP/s"
