@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers", reason="transformers not inst
 
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from gqakv.integrations.transformers import GqakvCache, register  # noqa: E402
+from gqakv.integrations.transformers import CACHE_KWARG, GqakvCache, register  # noqa: E402
 
 F64_ATOL = 1e-10
 register()
@@ -41,7 +41,7 @@ def _ids(batch=2, length=11, seed=1):
 
 def _generate(model, ids, impl, n=10, cache=None):
     model.set_attn_implementation(impl)
-    kwargs = {} if cache is None else {"cache": cache}
+    kwargs = {} if cache is None else {CACHE_KWARG: cache}
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, eos_token_id=None, **kwargs)
@@ -90,7 +90,7 @@ def test_chunked_prefill_through_repeated_forward_calls():
     start = 0
     with torch.no_grad():
         for size in [5, 1, 3, 4, 1]:
-            out = model(ids[:, start:start + size], cache=cache, use_cache=True)
+            out = model(ids[:, start:start + size], use_cache=True, **{CACHE_KWARG: cache})
             assert (out.logits - full[:, start:start + size]).abs().max().item() <= F64_ATOL
             k_ptr = k_ptr or cache.kv_caches[0].k.data_ptr()
             assert cache.kv_caches[0].k.data_ptr() == k_ptr  # written in place, never reallocated
@@ -116,8 +116,8 @@ def test_padded_batch_is_refused_with_reason():
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding
     with torch.no_grad(), pytest.raises(ValueError, match="does not take padding masks"):
-        model.generate(ids, attention_mask=mask, cache=GqakvCache(model.config, max_cache_len=16),
-                       max_new_tokens=2, do_sample=False)
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                       **{CACHE_KWARG: GqakvCache(model.config, max_cache_len=16)})
 
 
 def test_cache_capacity_error_names_the_numbers():
@@ -125,7 +125,7 @@ def test_cache_capacity_error_names_the_numbers():
     model.set_attn_implementation("gqakv")
     cache = GqakvCache(model.config, max_cache_len=8)
     with torch.no_grad(), pytest.raises(ValueError, match="max_len=8"):
-        model(_ids(batch=1, length=9), cache=cache, use_cache=True)
+        model(_ids(batch=1, length=9), use_cache=True, **{CACHE_KWARG: cache})
 
 
 def test_beam_search_is_refused_with_reason():
@@ -134,7 +134,7 @@ def test_beam_search_is_refused_with_reason():
     ids = _ids(batch=1, length=4)
     with torch.no_grad(), pytest.raises(NotImplementedError, match="GqakvCache does not support"):
         model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=2, max_new_tokens=3,
-                       do_sample=False, cache=GqakvCache(model.config, max_cache_len=16))
+                       do_sample=False, **{CACHE_KWARG: GqakvCache(model.config, max_cache_len=16)})
 
 
 def test_eager_reference_is_independent_of_gqakv():
@@ -144,6 +144,6 @@ def test_eager_reference_is_independent_of_gqakv():
     model.set_attn_implementation("eager")
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, cache=cache, use_cache=True)
+        model(ids, use_cache=True, **{CACHE_KWARG: cache})
     assert cache.get_seq_length() == ids.shape[1]
     assert not isinstance(cache, GqakvCache)

@@ -5,6 +5,7 @@
     model.set_attn_implementation("gqakv")       # any model whose attention uses the registry
     cache = GqakvCache(model.config, batch_size=1, max_cache_len=256)
     out = model.generate(input_ids, cache=cache, max_new_tokens=32, do_sample=False)
+    # transformers 5.23: past_key_values=cache (or **{CACHE_KWARG: cache} for both)
 
 - ``register()`` adds ``gqakv_attention`` to ``transformers.AttentionInterface`` and a
   mask function to ``AttentionMaskInterface`` under the name ``"gqakv"``. gqakv applies
@@ -42,6 +43,18 @@ from gqakv_backends.torch_backend import TorchBackend
 
 NAME = "gqakv"
 SUPPORTED_TRANSFORMERS = ">=5.23,<5.25"
+
+# The keyword ``forward``/``generate`` take the cache under: ``cache`` from transformers
+# 5.24 (``past_key_values`` still accepted there, with a deprecation warning), and
+# ``past_key_values`` before. ``model.generate(ids, **{CACHE_KWARG: cache})`` works on both.
+def _cache_kwarg() -> str:
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return "cache" if (major, minor) >= (5, 24) else "past_key_values"
+
+
+CACHE_KWARG = _cache_kwarg()
 
 # Attribute set on the K view returned by GqakvLayer.update: (KVCache, n_new).
 _HANDLE = "_gqakv_handle"
