@@ -20,10 +20,13 @@ Work and memory:
   ``[heads, G * nq, keys]`` holds at most ``score_block_elements`` values (1 MiB of
   float32 by default, sized to stay in a core's L2 cache). Peak temporary memory is
   therefore about ``workers x 3 x score_block_elements`` compute-dtype values (the
-  scores, the cast K/V block for float16/bfloat16 caches) plus the queries and the
-  output, independent of the cache length;
+  scores and, for float16/bfloat16 caches, the K and V blocks cast to float32) plus
+  the queries, the output and the partial outputs of split rows, independent of the
+  cache length;
 - float16 and bfloat16 caches are computed in float32: each K/V block is cast on the
-  fly (NumPy has no fast half-precision matmul), and the result is cast back.
+  fly into a reused float32 buffer (NumPy's half-precision matmul is about 10x slower
+  than float32, and its float16 cast is scalar code, so ``to_float32`` converts
+  float16 through its bits), and the result is cast back to the cache's dtype.
 """
 
 from __future__ import annotations
@@ -174,6 +177,30 @@ def _share(items, workers: int):
 
 # -- the kernel ----------------------------------------------------------------------------
 
+def to_float32(x, out):
+    """Cast a float16/bfloat16 block into the float32 array ``out`` (same shape); returns out.
+
+    NumPy's own float16 -> float32 cast is scalar code (about 1 GB/s here, slower than
+    the attention itself), so float16 goes through its bits: sign-extend to int32,
+    shift the exponent and mantissa into float32 position, clear the three sign copies
+    that land in the exponent, and rescale by 2**112 (the exponent bias difference;
+    exact for normal and subnormal values alike). Half-precision inf/NaN would come out
+    as finite values of magnitude >= 2**16, larger than any finite half (65504), so a
+    block holding one is cast again the exact, slow way. bfloat16 (ml_dtypes) casts fast.
+    """
+    if x.dtype != np.float16:
+        np.copyto(out, x, casting="unsafe")
+        return out
+    bits = out.view(np.int32)
+    np.copyto(bits, x.view(np.int16), casting="unsafe")  # sign-extends
+    np.left_shift(bits, 13, out=bits)
+    np.bitwise_and(bits, np.int32(-0x70000001), out=bits)  # keep bit 31, clear bits 28..30
+    np.multiply(out, np.float32(2.0**112), out=out)
+    if out.size and not (out.max() < 65536.0 and out.min() > -65536.0):
+        np.copyto(out, x, casting="unsafe")  # inf or NaN inside: exact cast
+    return out
+
+
 def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, scale, acc, score_block_elements):
     """Online softmax of one item; returns (o, m, l) with o unnormalized.
 
@@ -191,12 +218,18 @@ def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, scale, acc, score_
     qb = qb.reshape(hh, G * nq, d)
     k_rows, v_rows = k_buf[r, h0:h1], v_buf[r, h0:h1]  # [hh, max_len, d] views
     kb_len = max(16, score_block_elements // (hh * G * nq))
+    cast = k_rows.dtype != acc  # float16/bfloat16: each K/V block is computed in float32
+    if cast:
+        kb_len = min(kb_len, max(16, score_block_elements // (hh * d)))
+        k32 = np.empty((hh, min(kb_len, j1 - j0), d), dtype=acc)
+        v32 = np.empty_like(k32)
     m = l = o = None
     for js in range(j0, j1, kb_len):
         je = min(j1, js + kb_len)
         kb, vb = k_rows[:, js:je, :], v_rows[:, js:je, :]
-        if kb.dtype != acc:  # float16/bfloat16: compute this block in float32
-            kb, vb = kb.astype(acc), vb.astype(acc)
+        if cast:
+            kb = to_float32(kb, k32[:, :je - js])
+            vb = to_float32(vb, v32[:, :je - js])
         s = np.matmul(qb, kb.swapaxes(-1, -2))  # [hh, G*nq, je-js]
         if je - 1 > start + t0:  # the block reaches past the first query's position
             visible = np.arange(js, je)[None, :] <= np.arange(start + t0, start + t1)[:, None]

@@ -163,3 +163,31 @@ def test_backend_uses_threaded_path_through_public_api(monkeypatch):
     out = gqakv.gqa_attention(np.ones((1, 4, 3, 4)), cache, [3])
     assert seen and seen[0] is cache.k
     np.testing.assert_allclose(out, 1.0)
+
+
+def test_float16_bit_cast_is_exact_for_every_half():
+    """All 65,536 float16 bit patterns (normals, subnormals, +-0, +-inf, NaNs) in blocks."""
+    every = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).reshape(4, 128, 128)
+    want = every.astype(np.float32)
+    got = na.to_float32(every, np.empty(every.shape, np.float32))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    finite = every[np.isfinite(every)].reshape(-1, 1, 1)  # the fast path alone (no inf/NaN)
+    got = na.to_float32(finite, np.empty(finite.shape, np.float32))
+    np.testing.assert_array_equal(got.view(np.uint32), finite.astype(np.float32).view(np.uint32))
+    strided = every[:, 3:40, :]  # a view like the cache's live slice
+    got = na.to_float32(strided, np.empty(strided.shape, np.float32))
+    np.testing.assert_array_equal(got.view(np.uint32), strided.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_float16_inf_in_live_keys_gives_nan_like_float32():
+    """A live inf key must not be rounded to a finite value by the fast cast."""
+    rng = np.random.default_rng(8)
+    q, k, v = _case(rng, [20], [1], 1, 2, 8, dtype=np.float32, nan_tail=False)
+    k[0, 0, 5, 0] = np.inf
+    q[..., 0] = 1.0
+    out32, _ = _run(q, k, v, [20], [1], workers=1)
+    out16, _ = _run(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), [20], [1],
+                    workers=1)
+    np.testing.assert_array_equal(np.isnan(out16), np.isnan(out32))
+    assert np.isnan(out32).any()
