@@ -8,8 +8,8 @@ is needed or loaded).
 
 Two forward passes share every weight and op except attention:
 
-- ``forward`` (cached): the new tokens of each row are appended to the KV cache at
-  the row's length, and RoPE positions continue from that length, so a prompt can be
+- ``forward`` (cached): the new tokens of each row are written to the model-wide
+  ``gqakv.ModelKVCache`` at the row's length (one step per forward), and RoPE positions continue from that length, so a prompt can be
   prefilled in any chunks and rows of different lengths decode in one batch.
 - ``forward_uncached``: the whole sequence at once with plain causal attention
   written directly here (no gqakv), the reference the cached path must reproduce and
@@ -76,36 +76,6 @@ LLAMA31_8B_SHAPED = LlamaConfig(vocab_size=32_768, hidden_size=4096, n_layers=2,
                                 rope_theta=500_000.0, rms_eps=1e-5, tie_embeddings=False)
 
 CONFIGS = {"tiny": TINY, "llama3-8b-shaped": LLAMA31_8B_SHAPED}
-
-
-class LayerCaches:
-    """The model's KV cache: one ``gqakv.KVCache`` per layer, all rows in step.
-
-    This is the seam for the model-wide (all layers) cache: the model only calls
-    ``host_lens``, ``append`` and ``attention``, so swapping the storage is local here.
-    """
-
-    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype="float32", backend=None):
-        self.layers = [gqakv.KVCache(batch, kv_heads, max_len, head_dim, dtype=dtype, backend=backend)
-                       for _ in range(n_layers)]
-
-    @property
-    def host_lens(self) -> np.ndarray:
-        """Tokens held per row ``[B]`` (every layer holds the same)."""
-        return self.layers[0].host_lens
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.layers)
-
-    def append(self, layer: int, k, v, n_new) -> None:
-        """k, v ``[B, Hkv, T, d]``: write the first n_new[b] tokens of each row in place."""
-        self.layers[layer].append(k, v, n_new)
-
-    def attention(self, layer: int, q, n_new):
-        """q ``[B, Hq, T, d]`` of the tokens just appended -> ``[B, Hq, T, d]``."""
-        return gqakv.gqa_attention(q, self.layers[layer], n_new)
 
 
 def causal_attention(xp, q, k, v, scale: float):
@@ -187,10 +157,11 @@ class LlamaModel:
 
     # -- cache ------------------------------------------------------------------------------
 
-    def new_cache(self, batch: int, max_len: int) -> LayerCaches:
+    def new_cache(self, batch: int, max_len: int) -> gqakv.ModelKVCache:
+        """All layers' K/V in one allocation, ``[layers, B, Hkv, max_len, d]`` each."""
         c = self.config
-        return LayerCaches(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim,
-                           dtype=self.dtype, backend=self.backend)
+        return gqakv.ModelKVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim,
+                                  dtype=self.dtype, backend=self.backend)
 
     # -- building blocks --------------------------------------------------------------------
 
@@ -258,7 +229,7 @@ class LlamaModel:
 
     # -- forward passes ---------------------------------------------------------------------
 
-    def forward(self, tokens, n_new, cache: LayerCaches, *, last_only: bool = False) -> np.ndarray:
+    def forward(self, tokens, n_new, cache: gqakv.ModelKVCache, *, last_only: bool = False) -> np.ndarray:
         """Cached forward of the next tokens of each row; returns host (NumPy) logits.
 
         Args:
@@ -275,13 +246,11 @@ class LlamaModel:
         tokens = np.asarray(tokens)
         n_new = np.asarray(n_new, dtype=np.int64)
         B, T = tokens.shape
-        positions = cache.host_lens[:, None] + np.arange(T)  # continue from each row's length
-
-        def attend(i, q, k, v):
-            cache.append(i, k, v, n_new)
-            return cache.attention(i, q, n_new)
-
-        x = self._decoder(tokens, positions, attend)
+        # One step: each layer writes its K/V at the rows' lengths and attends; the
+        # lengths advance once, after the last layer (nothing advances on an error).
+        with cache.step(n_new) as step:
+            positions = step.starts[:, None] + np.arange(T)  # continue from each row's length
+            x = self._decoder(tokens, positions, step.attend)
         return self._logits(x, np.maximum(n_new - 1, 0) if last_only else None)
 
     def forward_uncached(self, tokens, lengths=None, *, last_only: bool = False) -> np.ndarray:
