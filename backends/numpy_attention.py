@@ -298,9 +298,8 @@ def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
         for item in batch:
             o, m, l = _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, scale=scale, acc=acc,
                                    score_block_elements=score_block_elements)
-            i, t0 = item[0], item[3]
-            whole_row = item[5] == 0 and item[6] == int(lens[i]) - int(n_new[i]) + item[4]
-            if whole_row:
+            i, t1, j0, j1 = item[0], item[4], item[5], item[6]
+            if j0 == 0 and j1 == int(lens[i]) - int(n_new[i]) + t1:  # all the keys it sees
                 _finish(out, lse, item, o, m, l, G)  # items write disjoint parts of out
             else:
                 pieces.append((item, o, m, l))

@@ -12,7 +12,8 @@ class NumpyBackend(Backend):
     device_kind = "cpu"
     dtypes = ("float32", "float64", "float16", "bfloat16")
     head_dims = None
-    features = frozenset({"array_api", "bfloat16 via ml_dtypes", "float16/bfloat16 computed in float32"})
+    features = frozenset({"array_api", "bfloat16 via ml_dtypes", "float16/bfloat16 computed in float32",
+                          "threaded BLAS attention (GQAKV_NUM_THREADS)"})
 
     def namespace(self):
         import array_api_compat.numpy as xp

@@ -153,10 +153,11 @@ def median_time(fn, backend, repeats: int = 5) -> float:
 
 @dataclass
 class Config:
-    batch: int = 4
-    prompt_lens: tuple[int, ...] = (4096, 3072, 2048, 1024)
+    batch: int = 8
+    # Ragged on purpose: an 8k-token row beside a 100-token one.
+    prompt_lens: tuple[int, ...] = (8192, 4096, 3000, 2048, 1024, 512, 256, 100)
     chunk: int = 512
-    steps: int = 256
+    steps: int = 1024
     heads: int = LLAMA_8B["heads"]
     kv_heads: int = LLAMA_8B["kv_heads"]
     head_dim: int = LLAMA_8B["head_dim"]
@@ -378,8 +379,8 @@ def _compare_torch(res: Result, cfg: Config) -> dict:
             sdpa = torch_sdpa(q, cache.k, cache.v, lens, n_new)
         except Exception as exc:  # e.g. a backend whose arrays torch cannot view
             return {"error": f"torch cannot view {backend.name} arrays: {exc}"}
-        t_g = median_time(lambda: gqa_attention(q, cache, n_new), backend)
-        t_t = median_time(sdpa, backend)
+        t_g = median_time(lambda: gqa_attention(q, cache, n_new), backend, repeats=3)
+        t_t = median_time(sdpa, backend, repeats=3)
         out[name] = {"tokens_per_row": T, "gqakv_s": t_g, "torch_s": t_t, "ratio": t_g / t_t}
     import torch
 

@@ -191,3 +191,14 @@ def test_float16_inf_in_live_keys_gives_nan_like_float32():
                     workers=1)
     np.testing.assert_array_equal(np.isnan(out16), np.isnan(out32))
     assert np.isnan(out32).any()
+
+
+def test_thread_count_from_environment(monkeypatch):
+    monkeypatch.setenv(na.ENV_THREADS, "3")
+    assert na._threads.default_workers() == 3
+    monkeypatch.setenv(na.ENV_THREADS, "zero")
+    with pytest.raises(ValueError, match="GQAKV_NUM_THREADS='zero' is not an integer"):
+        na._threads.default_workers()
+    monkeypatch.setenv(na.ENV_THREADS, "0")
+    with pytest.raises(ValueError, match="GQAKV_NUM_THREADS=0 must be >= 1"):
+        na._threads.default_workers()
