@@ -147,3 +147,16 @@ def test_eager_reference_is_independent_of_gqakv():
         model(ids, use_cache=True, **{CACHE_KWARG: cache})
     assert cache.get_seq_length() == ids.shape[1]
     assert not isinstance(cache, GqakvCache)
+
+
+def test_reset_reuses_the_buffers():
+    model = _model(torch.float64)
+    ids = _ids(batch=2, length=6, seed=9)
+    cache = GqakvCache(model.config, max_cache_len=20)
+    first_seq, first_logits = _generate(model, ids, "gqakv", n=4, cache=cache)
+    ptr = cache.kv_caches[0].k.data_ptr()
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    again_seq, again_logits = _generate(model, ids, "gqakv", n=4, cache=cache)
+    assert torch.equal(again_seq, first_seq) and torch.equal(again_logits, first_logits)
+    assert cache.kv_caches[0].k.data_ptr() == ptr

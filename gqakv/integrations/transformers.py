@@ -111,7 +111,7 @@ class GqakvLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Forget every token (lengths to 0); the buffers stay allocated."""
         if self.is_initialized:
-            self.kv._set_lens(slice(None), 0)
+            self.kv.reset()
 
     def _unsupported(self, what: str):
         raise NotImplementedError(
