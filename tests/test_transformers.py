@@ -48,13 +48,19 @@ def _generate(model, ids, impl, n=10, cache=None):
     return out.sequences, torch.stack(out.logits)  # [B, S+n], [n, B, V]
 
 
-def test_generate_matches_transformers_attention_float64():
+def test_generate_matches_transformers_attention_float64(monkeypatch):
+    import gqakv
+
     model = _model(torch.float64)
     ids = _ids()
     sdpa_seq, sdpa_logits = _generate(model, ids, "sdpa")
     eager_seq, eager_logits = _generate(model, ids, "eager")
+    calls = []
+    real = gqakv.gqa_attention
+    monkeypatch.setattr(gqakv, "gqa_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     cache = GqakvCache(model.config, max_cache_len=32)
     got_seq, got_logits = _generate(model, ids, "gqakv", cache=cache)
+    assert len(calls) == 2 * 10  # gqakv did the attention: 2 layers x 10 forward calls
     assert torch.equal(got_seq, sdpa_seq) and torch.equal(got_seq, eager_seq)
     assert (got_logits - sdpa_logits).abs().max().item() <= F64_ATOL
     eager_own_error = (sdpa_logits - eager_logits).abs().max().item()
