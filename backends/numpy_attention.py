@@ -50,6 +50,11 @@ PARALLEL_MIN_WORK = 1 << 18
 ITEMS_PER_WORKER = 4
 
 ENV_THREADS = "GQAKV_NUM_THREADS"
+# Query tiles of at most this many rows (decode: G rows) are "thin": on OpenBLAS's
+# AVX-512 kernels (SkylakeX and later) K @ q^T runs about twice as fast as q @ K^T for
+# them; on the others (Haswell, Zen) q @ K^T is the fast one.
+THIN_QUERIES = 16
+K_MAJOR_KERNELS = ("skylakex", "cooperlake", "sapphirerapids")
 
 
 # -- threads -------------------------------------------------------------------------------
@@ -64,6 +69,7 @@ class _Threads:
         self._blas = None  # threadpoolctl controller of the BLAS libraries, False if absent
         self._depth = 0  # calls currently holding BLAS to one thread
         self._saved: list[int] = []
+        self._k_major: bool | None = None
 
     def _blas_controller(self):
         if self._blas is None:
@@ -93,6 +99,15 @@ class _Threads:
             if self._depth:
                 return max(self._saved)
             return max(1, max(c.num_threads for c in blas.lib_controllers))
+
+    def k_major_scores(self) -> bool:
+        """Whether thin score tiles should be computed as K @ q^T (see THIN_QUERIES)."""
+        if self._k_major is None:
+            blas = self._blas_controller()
+            arch = [str(c.architecture).lower() for c in blas.lib_controllers
+                    if hasattr(c, "architecture")] if blas else []
+            self._k_major = bool(arch) and all(a in K_MAJOR_KERNELS for a in arch)
+        return self._k_major
 
     def pool(self, workers: int) -> ThreadPoolExecutor:
         with self._lock:
@@ -218,6 +233,7 @@ def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, scale, acc, score_
     qb = qb.reshape(hh, G * nq, d)
     k_rows, v_rows = k_buf[r, h0:h1], v_buf[r, h0:h1]  # [hh, max_len, d] views
     kb_len = max(16, score_block_elements // (hh * G * nq))
+    thin = G * nq <= THIN_QUERIES
     cast = k_rows.dtype != acc  # float16/bfloat16: each K/V block is computed in float32
     if cast:
         kb_len = min(kb_len, max(16, score_block_elements // (hh * d)))
@@ -230,7 +246,12 @@ def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, scale, acc, score_
         if cast:
             kb = to_float32(kb, k32[:, :je - js])
             vb = to_float32(vb, v32[:, :je - js])
-        s = np.matmul(qb, kb.swapaxes(-1, -2))  # [hh, G*nq, je-js]
+        if thin and _threads.k_major_scores():
+            # same scores through the faster kernel; made contiguous because P @ V on a
+            # transposed P is slow there too (the copy is only [hh, G*nq, keys])
+            s = np.ascontiguousarray(np.matmul(kb, qb.swapaxes(-1, -2)).swapaxes(-1, -2))
+        else:
+            s = np.matmul(qb, kb.swapaxes(-1, -2))  # [hh, G*nq, je-js]
         if je - 1 > start + t0:  # the block reaches past the first query's position
             visible = np.arange(js, je)[None, :] <= np.arange(start + t0, start + t1)[:, None]
             np.copyto(s.reshape(hh, G, nq, je - js), -np.inf, where=~visible)
