@@ -422,6 +422,7 @@ def _print_report(r: dict) -> None:
             secs = ph[f"{part}_s"]
             per = 1e3 * secs / ph["calls"] if ph["calls"] else 0.0
             print(f"{name + ' ' + part:<20}{ph['calls']:>7}{ph['tokens']:>9}{secs:>10.3f}{per:>13.3f}")
+    print("(the first appends also map the freshly allocated cache's pages into memory)")
     if r["prefill_flops_per_s"]:
         print(f"\nprefill attention: {r['prefill_flops_per_s'] / 1e9:.1f} GFLOP/s")
     bw = r["read_bandwidth"]
