@@ -8,10 +8,10 @@
 * Fused kernels exist for float32, float16 and bfloat16 and any head dim up to 256; float64
   and larger head dims use the generic array-API code on CuPy arrays (still correct, not fused).
 
-bfloat16: CuPy versions with ``ml_dtypes`` support (CuPy 14+) hold the cache as
-``ml_dtypes.bfloat16`` arrays; older CuPy versions hold raw bfloat16 bits as ``uint16``
-(see ``CupyBackend.dtype``). Host exchange goes through ``ml_dtypes.bfloat16`` NumPy arrays
-(``from_numpy`` / ``to_numpy``); the kernels read the 16-bit storage directly either way.
+bfloat16: the cache is a CuPy array of dtype ``ml_dtypes.bfloat16`` (CuPy 14+); the
+kernels read its 16-bit storage directly, and host exchange goes through
+``ml_dtypes.bfloat16`` NumPy arrays. A CuPy without that support serves float32 and
+float16 only, and says so when asked for bfloat16.
 
 CuPy is never imported when this module is imported; only inside methods.
 """
@@ -58,14 +58,21 @@ class CupyBackend(Backend):
 
         return xp
 
-    def dtype(self, name: str):
-        """CuPy dtype for a gqakv dtype; bfloat16 is ml_dtypes.bfloat16 where CuPy supports
-        it, else uint16 holding the raw bits."""
-        from gqakv.dtypes import canonical_name
+    def not_supported_reasons(self, *, dtype=None, head_dim: int | None = None) -> list[str]:
+        reasons = super().not_supported_reasons(dtype=dtype, head_dim=head_dim)
+        if not reasons and dtype is not None and _canonical(dtype) == "bfloat16" and not _bf16_supported():
+            import cupy
 
-        name = canonical_name(name)
+            reasons.append(f"dtype=bfloat16 needs CuPy >= 14 (ml_dtypes arrays); this is CuPy {cupy.__version__}")
+        return reasons
+
+    def dtype(self, name: str):
+        """CuPy dtype for a gqakv dtype; bfloat16 is ml_dtypes.bfloat16."""
+        name = _canonical(name)
         if name == "bfloat16":
-            return _bf16_dtype()
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
         import cupy
 
         return getattr(cupy, name)
@@ -83,24 +90,11 @@ class CupyBackend(Backend):
 
         a = np.asarray(a)
         if dtype is not None:
-            from gqakv.dtypes import canonical_name
-
-            if canonical_name(dtype) == "bfloat16":
-                import ml_dtypes
-
-                host = a.astype(ml_dtypes.bfloat16)
-                target = _bf16_dtype()
-                if target == np.uint16:
-                    return cupy.asarray(host.view(np.uint16))
-                return cupy.asarray(host)
-            return cupy.asarray(a, dtype=self.dtype(dtype))
-        if a.dtype.name == "bfloat16" and _bf16_dtype() == np.uint16:
-            return cupy.asarray(a.view(np.uint16))
+            a = a.astype(self.dtype(dtype), copy=False)  # cast on the host: ml_dtypes knows bf16
         return cupy.asarray(a)
 
     def to_numpy(self, x) -> np.ndarray:
-        """Host copy; a uint16 bfloat16 buffer of this backend comes back as raw uint16 bits
-        (view it with ``.view(ml_dtypes.bfloat16)``)."""
+        """Host copy of a CuPy array (bfloat16 comes back as ml_dtypes.bfloat16)."""
         if isinstance(x, np.ndarray):
             return x
         return x.get()
@@ -212,28 +206,34 @@ def _probe() -> str | None:
     return None
 
 
-_BF16 = None
+_BF16_SUPPORTED = None
 
 
-def _bf16_dtype():
-    """ml_dtypes.bfloat16 when this CuPy can hold it, else numpy.uint16 (raw bits)."""
-    global _BF16
-    if _BF16 is None:
+def _canonical(dtype) -> str:
+    from gqakv.dtypes import canonical_name
+
+    return canonical_name(dtype)
+
+
+def _bf16_supported() -> bool:
+    """Whether this CuPy can hold ml_dtypes.bfloat16 arrays (CuPy 14+)."""
+    global _BF16_SUPPORTED
+    if _BF16_SUPPORTED is None:
         import cupy
         import ml_dtypes
 
         try:
             cupy.empty(1, dtype=ml_dtypes.bfloat16)
-            _BF16 = np.dtype(ml_dtypes.bfloat16)
+            _BF16_SUPPORTED = True
         except Exception:
-            _BF16 = np.dtype(np.uint16)
-    return _BF16
+            _BF16_SUPPORTED = False
+    return _BF16_SUPPORTED
 
 
 def _kernel_dtype(x) -> str | None:
     """gqakv dtype name of a buffer if the fused kernels handle it, else None."""
     name = np.dtype(x.dtype).name
-    if name == "uint16" or name == "bfloat16":
+    if name == "bfloat16":
         return "bfloat16"
     return name if name in sources.CTYPES else None
 
