@@ -121,14 +121,19 @@ def validate_append(cache, k_new, v_new, n_new, rows=None) -> AppendInputs:
     for i in range(B):
         if not 0 <= n[i] <= T:
             raise ValueError(f"n_new[{i}]={int(n[i])} is outside 0..T={T} for row {int(r[i])}")
-    starts = cache.host_lens[r]
-    for i in range(B):
-        if starts[i] + n[i] > cache.max_len:
+    starts = cache.host_lens[r].copy()
+    check_capacity(r, starts, n, cache.max_len)
+    return AppendInputs(rows=r, starts=starts, n_new=n)
+
+
+def check_capacity(rows: np.ndarray, starts: np.ndarray, n_new: np.ndarray, max_len: int) -> None:
+    """ValueError naming the first entry i whose row ``rows[i]`` cannot take ``n_new[i]`` more tokens."""
+    for i in range(len(rows)):
+        if starts[i] + n_new[i] > max_len:
             raise ValueError(
-                f"row {int(r[i])} holds {int(starts[i])} tokens; appending n_new[{i}]={int(n[i])} "
-                f"would make {int(starts[i] + n[i])} > max_len={cache.max_len}"
+                f"row {int(rows[i])} holds {int(starts[i])} tokens; appending n_new[{i}]={int(n_new[i])} "
+                f"would make {int(starts[i] + n_new[i])} > max_len={max_len}"
             )
-    return AppendInputs(rows=r, starts=starts.copy(), n_new=n)
 
 
 @dataclass(frozen=True)

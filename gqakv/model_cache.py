@@ -25,7 +25,7 @@ import numpy as np
 from . import dtypes as _dtypes
 from . import row_ops
 from .cache import KVCache, Lengths, _check_dim, allocate, human_bytes
-from .inputs import _rows, host_ints, validate_append, validate_attention
+from .inputs import _rows, check_capacity, host_ints, validate_append, validate_attention
 from .registry import get_backend
 
 _LAYER_VIEW = ("it is one layer of a ModelKVCache, whose lengths are shared by all layers; "
@@ -140,11 +140,7 @@ class ModelKVCache:
         for i in range(count):
             if n[i] < 0:
                 raise ValueError(f"n_new[{i}]={int(n[i])} is negative (row {int(r[i])})")
-            if starts[i] + n[i] > self.max_len:
-                raise ValueError(
-                    f"row {int(r[i])} holds {int(starts[i])} tokens; appending n_new[{i}]={int(n[i])} "
-                    f"would make {int(starts[i] + n[i])} > max_len={self.max_len}"
-                )
+        check_capacity(r, starts, n, self.max_len)
         step = Step(self, r, starts, n)
         self._open_step = step
         return step
