@@ -70,6 +70,12 @@ class _Threads:
         self._depth = 0  # calls currently holding BLAS to one thread
         self._saved: list[int] = []
         self._k_major: bool | None = None
+        # A forked child inherits the pool object but not its threads: start afresh there.
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self):
+        self._lock = threading.Lock()
+        self._pool, self._pool_size, self._depth = None, 0, 0
 
     def _blas_controller(self):
         if self._blas is None:

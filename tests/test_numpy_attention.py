@@ -215,3 +215,30 @@ def test_both_score_layouts_match_reference(monkeypatch, k_major):
     want, _ = reference_attention(q, [k[b, :, :L] for b, L in enumerate(lens)],
                                   [v[b, :, :L] for b, L in enumerate(lens)], n_new)
     np.testing.assert_allclose(out, want, atol=1e-10)
+
+
+def _attend_in_child(conn):
+    rng = np.random.default_rng(10)
+    q, k, v = _case(rng, [64, 64], [2, 2], 2, 2, 8)
+    out, _ = _run(q, k, v, [64, 64], [2, 2], workers=2, parallel_min_work=0)
+    conn.send(float(np.abs(out).sum()))
+
+
+def test_threaded_attention_works_in_a_forked_child():
+    """The worker pool's threads do not survive fork; a child must not wait on them forever."""
+    import multiprocessing
+
+    rng = np.random.default_rng(10)
+    q, k, v = _case(rng, [64, 64], [2, 2], 2, 2, 8)
+    want, _ = _run(q, k, v, [64, 64], [2, 2], workers=2, parallel_min_work=0)  # pool now exists
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_attend_in_child, args=(child,))
+    proc.start()
+    try:
+        assert parent.poll(60), "attention in a forked child hung"
+        assert parent.recv() == pytest.approx(float(np.abs(want).sum()))
+    finally:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
