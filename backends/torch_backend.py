@@ -135,6 +135,12 @@ class TorchBackend(Backend):
 
         return torch.from_dlpack(x)
 
+    def synchronize(self) -> None:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
     def __repr__(self) -> str:
         where = "" if self._device is None else f" on {self._device}"
         return f"<gqakv backend 'torch'{where}>"

@@ -140,5 +140,9 @@ class Backend:
             q, k_buf, v_buf, rows, lens, n_new, scale=scale, return_lse=return_lse
         )
 
+    def synchronize(self) -> None:
+        """Wait for work queued on the device (a no-op for synchronous CPU libraries), so
+        that wall-clock timings are honest."""
+
     def __repr__(self) -> str:
         return f"<gqakv backend {self.name!r}>"

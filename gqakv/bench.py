@@ -32,20 +32,7 @@ LLAMA_8B = dict(heads=32, kv_heads=8, head_dim=128, layers=32)
 
 def synchronize(backend) -> None:
     """Wait for queued device work (a no-op on the CPU), so wall-clock times are honest."""
-    sync = getattr(backend, "synchronize", None)
-    if callable(sync):
-        sync()
-        return
-    lib = getattr(backend, "array_library", "")
-    if lib == "cupy":
-        import cupy
-
-        cupy.cuda.get_current_stream().synchronize()
-    elif lib == "torch":
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+    backend.synchronize()
 
 
 def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> dict[str, float]:
