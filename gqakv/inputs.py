@@ -81,14 +81,19 @@ def _rows(cache, rows, batch: int, *, distinct: bool) -> np.ndarray:
                 "(pass rows= to address a subset of rows)"
             )
         return np.arange(cache.batch, dtype=np.int64)
-    r = host_ints(rows, "rows", batch)
-    bad = np.flatnonzero((r < 0) | (r >= cache.batch))
+    return check_rows(host_ints(rows, "rows", batch), "rows", cache.batch, distinct=distinct)
+
+
+def check_rows(r: np.ndarray, what: str, batch: int, *, distinct: bool) -> np.ndarray:
+    """``r`` itself if every entry is a row in ``0..batch-1`` (and distinct, if asked);
+    else ValueError naming the first bad entry."""
+    bad = np.flatnonzero((r < 0) | (r >= batch))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"rows[{i}]={int(r[i])} is out of range for a cache of {cache.batch} rows")
+        raise ValueError(f"{what}[{i}]={int(r[i])} is out of range for a cache of {batch} rows")
     if distinct and np.unique(r).size != r.size:
         vals, counts = np.unique(r, return_counts=True)
-        raise ValueError(f"rows must be distinct for append; row {int(vals[counts > 1][0])} repeats")
+        raise ValueError(f"{what} must be distinct; row {int(vals[counts > 1][0])} repeats")
     return r
 
 

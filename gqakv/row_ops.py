@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .inputs import host_ints
+from .inputs import check_rows, host_ints
 
 #: Row index meaning "the one-row temporary" in a reorder plan.
 TEMP = -1
@@ -31,15 +31,7 @@ TEMP = -1
 def _row_list(rows, what: str, batch: int, *, distinct: bool) -> np.ndarray:
     """``rows`` (an int, a sequence or a 1-D int array) as host int64 [n], every entry in
     0..batch-1 (and distinct if asked)."""
-    r = _ints_1d(rows, what)
-    bad = np.flatnonzero((r < 0) | (r >= batch))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"{what}[{i}]={int(r[i])} is out of range for a cache of {batch} rows")
-    if distinct and np.unique(r).size != r.size:
-        vals, counts = np.unique(r, return_counts=True)
-        raise ValueError(f"{what} must be distinct; row {int(vals[counts > 1][0])} repeats")
-    return r
+    return check_rows(_ints_1d(rows, what), what, batch, distinct=distinct)
 
 
 def _ints_1d(x, what: str) -> np.ndarray:
