@@ -109,3 +109,15 @@ def test_plans_use_explicitly_typed_scalars():
     for a in launch.args:
         assert isinstance(a, (plan.Buf, np.int32, np.int64, np.float32)), a
     assert plan.plan_write_kv("float32", 64, np.array([0, 0]), 2, 3, (1, 1, 1), (1, 1, 1)).launches == []
+
+
+def test_copy_plan_is_one_launch_for_every_layer_and_pair():
+    n = np.array([0, 300, 5])
+    p = plan.plan_copy_tokens("bfloat16", 128, n, 32, 8, (1, 2, 3, 128), (4, 5, 6, 128))
+    (launch,) = p.launches
+    assert launch.kernel == "gqakv_copy_tokens" and launch.block == plan.BLOCK
+    # x: (pair, layer, head); y: enough 128-thread blocks for the longest copy's 16-byte vectors
+    assert launch.grid == (3 * 32 * 8, -(-300 * 16 // 128), 1)
+    assert all(isinstance(a, (plan.Buf, np.int32, np.int64)) for a in launch.args)
+    assert [a for a in launch.args if isinstance(a, np.int64)] == [1, 2, 3, 128, 4, 5, 6, 128]
+    assert plan.plan_copy_tokens("float32", 64, np.array([0, 0]), 2, 2, (1,) * 4, (1,) * 4).launches == []

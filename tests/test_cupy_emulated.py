@@ -4,7 +4,7 @@ tests/cuda_emu compiles the backend's unchanged .cu files with g++ and a CUDA sh
 CUDA thread an OS thread, __syncthreads a block barrier, full-mask shuffles through a
 per-warp exchange) and runs the launch plans the backend itself builds
 (``gqakv_backends.cupy_backend.plan``). Every scenario is compared with the float64 loop
-reference: append (bit-exact), decode, small-T decode, split-KV + merge, chunked prefill,
+reference: append and row copies (bit-exact against NumPy models), decode, small-T decode, split-KV + merge, chunked prefill,
 ragged rows, padded queries (exactly 0, lse -inf), NaN-filled tails and padding, rows
 indirection, G in 1, 3, 4, 8, 12, dtypes float32 / float16 / bfloat16, d in 20, 64, 128.
 
@@ -12,7 +12,8 @@ Tolerance (FlashAttention's rule): max |out - ref| <= 2 * (max rounding error of
 reference rounded to the cache dtype) + 2e-6 (fp32 accumulation); lse within 1e-5.
 
 The same scenarios then run under AddressSanitizer in a subprocess, with every byte a
-kernel must not touch poisoned (dead cache tails, untouched rows, padding slots).
+kernel must not touch poisoned (dead cache tails, untouched rows, padding slots; for
+row copies everything but the copied slots of dst and the copied prefixes of src).
 """
 
 from __future__ import annotations
@@ -41,15 +42,15 @@ def emulator():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_emulated_kernels_match_reference(emulator, case):
-    stats = cases.run_case(emulator, case)
-    assert stats["steps"] == len(case.steps)
+    stats = cases.run_any(emulator, case)
+    assert stats["steps"] == (len(case.steps) if isinstance(case, cases.Case) else 1)
     _SEEN_KERNELS.update(stats["kernels"])
 
 
 def test_every_kernel_and_dtype_was_exercised(emulator):
     if len(_SEEN_KERNELS) == 0:
         pytest.skip("run together with the scenario tests")
-    for kernel in ("gqakv_write_kv", "gqakv_decode", "gqakv_merge", "gqakv_prefill"):
+    for kernel in ("gqakv_write_kv", "gqakv_copy_tokens", "gqakv_decode", "gqakv_merge", "gqakv_prefill"):
         for ctype in ("float", "gqakv_half", "gqakv_bf16"):
             hits = [k for k in _SEEN_KERNELS if k.startswith(f"{kernel}<{ctype},")]
             assert hits, f"no scenario launched {kernel} for {ctype}"
@@ -86,22 +87,17 @@ def test_emulated_kernels_under_address_sanitizer():
     print(proc.stdout.splitlines()[-2])
 
 
-def test_backend_glue_on_the_emulator(emulator, monkeypatch):
-    """CupyBackend.write_kv / attention end to end, with a NumPy stand-in for cupy and the
-    emulator in place of RawModule launches: checks the backend's own strides, argument
-    lists, output pre-fill and bfloat16 handling, not just the planner."""
-    import math
+def _backend_on_emulator(emulator, monkeypatch):
+    """A CupyBackend whose cupy is a NumPy stand-in and whose launches run on the emulator."""
     import types
 
-    import ml_dtypes
     import numpy as np
 
     from gqakv_backends.cupy_backend import CupyBackend, modules
 
-    from .reference import reference_attention
-
     fake = types.ModuleType("cupy")
-    for name in ("zeros", "full", "empty", "ascontiguousarray", "float32", "int64"):
+    for name in ("zeros", "full", "empty", "ascontiguousarray", "float32", "float64", "int64",
+                 "ndarray"):
         setattr(fake, name, getattr(np, name))
     fake.asarray = lambda a, dtype=None: np.array(a, dtype=dtype)
     device = types.SimpleNamespace(id=0, attributes={"MultiProcessorCount": 2})
@@ -110,6 +106,23 @@ def test_backend_glue_on_the_emulator(emulator, monkeypatch):
     monkeypatch.setattr(modules, "run_plan",
                         lambda plan, arrays, dtype, d: emulator.run(plan, arrays))
     backend = CupyBackend()
+    monkeypatch.setattr(backend, "device_of", lambda x: 0)
+    monkeypatch.setattr(backend, "empty", lambda shape, dtype: np.empty(shape, backend.dtype(dtype)))
+    return backend
+
+
+def test_backend_glue_on_the_emulator(emulator, monkeypatch):
+    """CupyBackend.write_kv / attention end to end, with a NumPy stand-in for cupy and the
+    emulator in place of RawModule launches: checks the backend's own strides, argument
+    lists, output pre-fill and bfloat16 handling, not just the planner."""
+    import math
+
+    import ml_dtypes
+    import numpy as np
+
+    from .reference import reference_attention
+
+    backend = _backend_on_emulator(emulator, monkeypatch)
     rng = np.random.default_rng(0)
     bf16 = np.dtype(ml_dtypes.bfloat16)
     B, Hkv, G, D, S = 2, 2, 4, 64, 40
@@ -135,3 +148,46 @@ def test_backend_glue_on_the_emulator(emulator, monkeypatch):
         assert np.array_equal(np.isneginf(lse), ~live)
         assert np.abs(lse[live] - ref_lse[live]).max() <= cases.LSE_ATOL
     assert np.isnan(k_buf[1].astype(np.float32)).all()  # the row no entry uses is untouched
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_row_ops_through_copy_tokens_on_the_emulator(emulator, monkeypatch, dtype):
+    """gqakv.row_ops.reorder (a permutation cycle through the temporary, duplicates) and fork
+    through CupyBackend.copy_tokens: one fused launch per wave for bfloat16, the generic
+    slice copies for float64 (no kernel); live prefixes compared bit for bit with a model."""
+    import numpy as np
+
+    from gqakv import row_ops
+    from gqakv.cache import Lengths
+
+    backend = _backend_on_emulator(emulator, monkeypatch)
+    rng = np.random.default_rng(1)
+    layers, R, H, S, D = 3, 6, 2, 16, 64
+    k = rng.standard_normal((layers, R, H, S, D)).astype(backend.dtype(dtype))
+    v = rng.standard_normal((layers, R, H, S, D)).astype(backend.dtype(dtype))
+    lens = np.array([5, 0, 16, 3, 9, 7])
+    lengths = Lengths.of(lens)
+    rows = [(k[:, r, :, :lens[r]].copy(), v[:, r, :, :lens[r]].copy()) for r in range(R)]
+
+    def check():
+        assert lengths.host.tolist() == [rows[r][0].shape[2] for r in range(R)]
+        for r in range(R):
+            n = rows[r][0].shape[2]
+            assert k[:, r, :, :n].tobytes() == rows[r][0].tobytes(), f"K row {r}"
+            assert v[:, r, :, :n].tobytes() == rows[r][1].tobytes(), f"V row {r}"
+
+    src = np.array([2, 0, 1, 4, 4, 5])  # cycle 0 <- 2 <- 1 <- 0, row 3 and 4 both take row 4
+    waves = row_ops.plan_reorder(src, lens)
+    assert any(w.dst_rows[0] == row_ops.TEMP for w in waves)
+    before = emulator.launches
+    row_ops.reorder(backend, k, v, lengths, src)
+    rows = [rows[s] for s in src]
+    check()
+    fused = sum(1 for w in waves if w.n_tokens.max() > 0)
+    assert emulator.launches - before == (fused if dtype == "bfloat16" else 0)
+
+    before = emulator.launches
+    row_ops.fork(backend, k, v, lengths, 3, [1, 5, 3])  # row 3 holds old row 4 (9 tokens)
+    rows[1] = rows[5] = rows[3]
+    check()
+    assert emulator.launches - before == (1 if dtype == "bfloat16" else 0)

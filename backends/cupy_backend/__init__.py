@@ -1,6 +1,8 @@
 """The cupy backend: the cache on a CUDA device, fused CUDA kernels for the hot paths.
 
 * ``write_kv`` (append) is one kernel launch for all rows, ragged ``n_new`` included.
+* ``copy_tokens`` (the row copies of reorder and fork) is one launch per call: every
+  layer, every (dst, src) row pair, only the first ``n_tokens[i]`` tokens of each.
 * ``attention`` runs the decode kernel for T <= 4 (the G query heads of a KV head folded
   into one CTA's query tile, so live K/V are read once per KV head), split-KV plus a
   merge kernel when the batch is too small to fill the GPU, and the chunked-prefill
@@ -36,7 +38,7 @@ class CupyBackend(Backend):
     dtypes = ("float32", "float16", "bfloat16", "float64")
     head_dims = None  # fused for d <= 256, generic array-API above
     features = frozenset({
-        "fused_append", "fused_decode", "split_kv", "fused_chunked_prefill",
+        "fused_append", "fused_row_copies", "fused_decode", "split_kv", "fused_chunked_prefill",
         "fp32 accumulation", "float64 and head_dim > 256 via array API",
     })
 
@@ -132,6 +134,51 @@ class CupyBackend(Backend):
                         "rows": cupy.asarray(rows, dtype=cupy.int64),
                         "starts": cupy.asarray(starts, dtype=cupy.int64),
                         "n_new": cupy.asarray(n_new, dtype=cupy.int64)}, dtype, d)
+
+    def copy_tokens(self, dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens) -> None:
+        """All copies of the call in one launch; see ``Backend.copy_tokens``.
+
+        Buffers are ``[layers, rows, Hkv, S, d]`` (dst and src may differ in rows and S).
+        Layouts the kernel does not take (not CuPy arrays, mixed dtypes, float64, d > 256,
+        unaligned rows, K and V strided differently) use the generic slice copies.
+        """
+        n_tokens = np.asarray(n_tokens, dtype=np.int64)
+        if not self._fused_copy_layout(dst_k, dst_v, src_k, src_v):
+            return super().copy_tokens(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens)
+        dtype, d = _kernel_dtype(dst_k), int(dst_k.shape[-1])
+        try:
+            plan = _plan.plan_copy_tokens(dtype, d, n_tokens, int(dst_k.shape[0]),
+                                          int(dst_k.shape[2]), _strides(dst_k)[:4],
+                                          _strides(src_k)[:4])
+        except NotImplementedError:  # beyond the grid limits
+            return super().copy_tokens(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens)
+        if not plan.launches:
+            return
+        import cupy
+
+        from .modules import run_plan
+
+        pairs = np.stack([np.asarray(dst_rows, dtype=np.int64).reshape(-1),
+                          np.asarray(src_rows, dtype=np.int64).reshape(-1), n_tokens])
+        run_plan(plan, {"dst_k": dst_k, "dst_v": dst_v, "src_k": src_k, "src_v": src_v,
+                        "pairs": cupy.asarray(pairs)}, dtype, d)
+
+    def _fused_copy_layout(self, dst_k, dst_v, src_k, src_v) -> bool:
+        """Whether the copy kernel can read src and write dst in place."""
+        bufs = (dst_k, dst_v, src_k, src_v)
+        if not all(self.owns(x) and x.ndim == 5 for x in bufs):
+            return False
+        dtype, d = _kernel_dtype(dst_k), int(dst_k.shape[-1])
+        if dtype is None or d > sources.MAX_FUSED_HEAD_DIM:
+            return False
+        if any(x.dtype != dst_k.dtype or self.device_of(x) != self.device_of(dst_k) for x in bufs):
+            return False
+        if (dst_v.shape != dst_k.shape or src_v.shape != src_k.shape
+                or src_k.shape[0] != dst_k.shape[0] or src_k.shape[2] != dst_k.shape[2]
+                or src_k.shape[4] != d):
+            return False
+        return (dst_k.strides == dst_v.strides and src_k.strides == src_v.strides
+                and all(_is_aligned(x, dtype, d) for x in bufs))
 
     def attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
         """Fused GQA attention; see ``gqakv.gqa_attention``. q, out: [B, Hq, T, d]."""

@@ -6,6 +6,9 @@ backend and the CPU emulation harness (tests/cuda_emu) execute the very same lau
 only the executor that turns ``Buf`` names into pointers differs.
 
 Buffers a plan refers to:
+  copy_tokens: dst_k, dst_v ``[layers, R, Hkv, S, d]`` and src_k, src_v (the same arrays
+             or others, e.g. the reorder temporary ``[layers, 1, Hkv, n, d]``); pairs
+             ``[3, P]`` int64 (dst rows, src rows, token counts).
   write_kv:  k_new, v_new ``[B, Hkv, Tn, d]``; k_buf, v_buf ``[R, Hkv, S, d]``;
              rows, starts, n_new ``[B]`` int64 (device copies of the host values).
   attention: q ``[B, Hq, T, d]``; k_buf, v_buf; rows, lens, n_new ``[B]`` int64;
@@ -24,6 +27,7 @@ import numpy as np
 from . import sources
 
 BLOCK = (128, 1, 1)
+MAX_GRID_X = 2**31 - 1
 MAX_GRID_Y = 65535
 #: Query tokens per row up to which attention uses the decode kernel.
 DECODE_MAX_T = 4
@@ -85,6 +89,31 @@ def plan_write_kv(dtype: str, head_dim: int, n_new: np.ndarray, kv_heads: int, t
             *_i64(*buf_strides))
     name = sources.name_expression("gqakv_write_kv", dtype, head_dim)
     plan.launches.append(Launch("gqakv_write_kv", name, (B * kv_heads, grid_y, 1), BLOCK, args))
+    return plan
+
+
+def plan_copy_tokens(dtype: str, head_dim: int, n_tokens: np.ndarray, layers: int, kv_heads: int,
+                     dst_strides, src_strides) -> Plan:
+    """One launch for every copy of a ``Backend.copy_tokens`` call (nothing when all n are 0).
+
+    n_tokens: host int array [P]; dst_strides, src_strides: element strides (layer, row,
+    head, token) of dst_k and src_k. Raises NotImplementedError beyond the grid limits.
+    """
+    plan = Plan()
+    P = int(n_tokens.shape[0])
+    max_n = int(n_tokens.max()) if P else 0
+    if max_n == 0:
+        return plan
+    ctas = P * layers * kv_heads
+    if ctas > MAX_GRID_X:
+        raise NotImplementedError(f"{P} copies x {layers} layers x {kv_heads} heads = {ctas} CTAs "
+                                  f"(grid limit {MAX_GRID_X})")
+    vectors = max_n * (head_dim // sources.vec_width(dtype, head_dim))
+    grid_y = min(MAX_GRID_Y, -(-vectors // BLOCK[0]))
+    args = (Buf("dst_k"), Buf("dst_v"), Buf("src_k"), Buf("src_v"), Buf("pairs"), np.int32(P),
+            np.int32(layers), np.int32(kv_heads), *_i64(*dst_strides), *_i64(*src_strides))
+    name = sources.name_expression("gqakv_copy_tokens", dtype, head_dim)
+    plan.launches.append(Launch("gqakv_copy_tokens", name, (ctas, grid_y, 1), BLOCK, args))
     return plan
 
 
@@ -183,5 +212,5 @@ def aligned_for_vectors(ptr: int, strides_el: tuple[int, ...], dtype: str, head_
     return strides_el[-1] == 1 and ptr % nbytes == 0 and all(s % vec == 0 for s in strides_el[:-1])
 
 
-__all__ = ["Buf", "Launch", "Plan", "plan_write_kv", "plan_attention", "choose_splits",
+__all__ = ["Buf", "Launch", "Plan", "plan_write_kv", "plan_copy_tokens", "plan_attention", "choose_splits",
            "prefill_rows", "aligned_for_vectors", "element_strides"]

@@ -18,6 +18,7 @@ from importlib import resources
 #: and the head dim.
 KERNEL_FILES = {
     "gqakv_write_kv": "write_kv.cu",
+    "gqakv_copy_tokens": "copy_tokens.cu",
     "gqakv_decode": "decode.cu",
     "gqakv_merge": "merge.cu",
     "gqakv_prefill": "prefill.cu",

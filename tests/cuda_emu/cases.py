@@ -168,7 +168,138 @@ def run_case(emu, case: Case, poison: bool = False) -> dict:
     return stats
 
 
-def all_cases() -> list[Case]:
+#: Quiet-NaN bit pattern per dtype (a payload may be or'ed into the low bits).
+_QNAN = {"float32": 0x7FC00000, "float16": 0x7E00, "bfloat16": 0x7FC0}
+
+
+@dataclass(frozen=True)
+class CopyCase:
+    """One ``Backend.copy_tokens`` call (a wave of reorder or fork) on ``[layers, R, Hkv, S, d]``
+    buffers. mode "same": dst and src are the same cache buffers (fork, a reorder wave);
+    "to_temp" / "from_temp": one side is the reorder temporary ``[layers, 1, Hkv, n, d]``."""
+
+    name: str
+    dtype: str
+    head_dim: int
+    layers: int
+    kv_heads: int
+    lens: tuple[int, ...]  # live tokens per cache row
+    dst_rows: tuple[int, ...]
+    src_rows: tuple[int, ...]
+    n_tokens: tuple[int, ...]
+    mode: str = "same"
+    max_len: int = 24
+    seed: int = 0
+
+
+def _prefix_poison(a: np.ndarray, allowed: np.ndarray) -> list[tuple[int, int]]:
+    """Byte ranges of a [layers, R, H, S, d] (contiguous) outside token prefix [0, allowed[r])."""
+    layers, R, H, S, D = a.shape
+    row = D * a.itemsize
+    return [((((l * R + r) * H + h) * S + int(allowed[r])) * row, (S - int(allowed[r])) * row)
+            for l in range(layers) for r in range(R) for h in range(H)]
+
+
+def run_copy_case(emu, case: CopyCase, poison: bool = False) -> dict:
+    """Run the copy plan on the emulator and compare both buffers bit for bit with a NumPy
+    model. Under ``poison`` only the copied slots of dst and the copied prefixes of src
+    (never past the source row's live length) are touchable."""
+    rng = np.random.default_rng(case.seed)
+    st = STORAGE[case.dtype]
+    Lyr, H, D, S = case.layers, case.kv_heads, case.head_dim, case.max_len
+    lens = np.array(case.lens, dtype=np.int64)
+    dst_rows, src_rows = np.array(case.dst_rows), np.array(case.src_rows)
+    n = np.array(case.n_tokens, dtype=np.int64)
+
+    def cache(rows, seq, live):
+        a = rng.standard_normal((Lyr, rows, H, seq, D)).astype(st)
+        bits = a.view(f"u{st.itemsize}")
+        for r in range(rows):  # dead tails: NaN whose payload names the row, so a copy
+            bits[:, r, :, live[r]:] = _QNAN[case.dtype] | (r + 1)  # past n shows bitwise
+        return a
+
+    temp_len = max(1, int(n.max()))
+    k, v = cache(len(lens), S, lens), cache(len(lens), S, lens)
+    if case.mode == "same":
+        src_k, src_v, dst_k, dst_v = k, v, k, v
+    elif case.mode == "to_temp":
+        src_k, src_v = k, v
+        dst_k = rng.standard_normal((Lyr, 1, H, temp_len, D)).astype(st)
+        dst_v = rng.standard_normal((Lyr, 1, H, temp_len, D)).astype(st)
+    elif case.mode == "from_temp":
+        dst_k, dst_v = k, v
+        src_k = rng.standard_normal((Lyr, 1, H, temp_len, D)).astype(st)
+        src_v = rng.standard_normal((Lyr, 1, H, temp_len, D)).astype(st)
+    else:
+        raise ValueError(case.mode)
+    if case.mode == "same":  # a wave: no destination is read by the same call
+        assert set(dst_rows.tolist()).isdisjoint(src_rows.tolist()), f"{case.name}: not a wave"
+    src_live = lens if src_k is k else np.full(1, temp_len)
+    assert np.all(n <= src_live[src_rows]), f"{case.name}: copies past a live prefix"
+    exp_k, exp_v = dst_k.copy(), dst_v.copy()
+    for i in range(n.size):
+        exp_k[:, dst_rows[i], :, :n[i]] = src_k[:, src_rows[i], :, :n[i]]
+        exp_v[:, dst_rows[i], :, :n[i]] = src_v[:, src_rows[i], :, :n[i]]
+    src_before = (src_k.tobytes(), src_v.tobytes())
+
+    plan = planmod.plan_copy_tokens(case.dtype, D, n, Lyr, H, _element_strides(dst_k)[:4],
+                                    _element_strides(src_k)[:4])
+    # In mode "same" src_k is dst_k: the emulator gives both names one allocation.
+    arrays = {"dst_k": dst_k, "dst_v": dst_v, "src_k": src_k, "src_v": src_v,
+              "pairs": np.stack([dst_rows, src_rows, n]).astype(np.int64)}
+    ppoison = None
+    if poison:
+        dst_allowed = np.zeros(dst_k.shape[1], dtype=np.int64)
+        src_allowed = np.zeros(src_k.shape[1], dtype=np.int64)
+        for i in range(n.size):
+            dst_allowed[dst_rows[i]] = max(dst_allowed[dst_rows[i]], n[i])
+            src_allowed[src_rows[i]] = max(src_allowed[src_rows[i]], n[i])
+        if case.mode == "same":
+            ranges = _prefix_poison(dst_k, np.maximum(dst_allowed, src_allowed))
+            ppoison = {"dst_k": ranges, "dst_v": ranges}
+        else:
+            d_ranges, s_ranges = _prefix_poison(dst_k, dst_allowed), _prefix_poison(src_k, src_allowed)
+            ppoison = {"dst_k": d_ranges, "dst_v": d_ranges, "src_k": s_ranges, "src_v": s_ranges}
+    emu.run(plan, arrays, poison=ppoison)
+    assert dst_k.tobytes() == exp_k.tobytes(), f"{case.name}: K differs from the model after the copy"
+    assert dst_v.tobytes() == exp_v.tobytes(), f"{case.name}: V differs from the model after the copy"
+    if case.mode != "same":
+        assert (src_k.tobytes(), src_v.tobytes()) == src_before, f"{case.name}: the source changed"
+    assert len(plan.launches) == (1 if n.max() > 0 else 0)
+    return {"steps": 1, "splits": 1, "kernels": {l.name for l in plan.launches}}
+
+
+def run_any(emu, case, poison: bool = False) -> dict:
+    """Run an attention scenario (Case) or a row-copy call (CopyCase)."""
+    if isinstance(case, CopyCase):
+        return run_copy_case(emu, case, poison)
+    return run_case(emu, case, poison)
+
+
+def copy_cases() -> list[CopyCase]:
+    """Row copies: fork and reorder waves in one cache, the temporary on either side,
+    ragged counts (0, shorter than live, full live rows), several layers, every dtype."""
+    lens = (7, 0, 12, 3, 9, 5)
+    cases = []
+    for dtype, d in (("float32", 20), ("float16", 64), ("bfloat16", 128), ("float16", 20)):
+        tag = f"{dtype}-d{d}"
+        # fork: row 2 into rows 1, 3, 5
+        cases.append(CopyCase(f"copy-fork-{tag}", dtype, d, 3, 2, lens, (1, 3, 5), (2, 2, 2),
+                              (12, 12, 12), seed=1))
+        # a reorder wave: duplicate sources, an empty source row, a partial prefix
+        cases.append(CopyCase(f"copy-wave-{tag}", dtype, d, 2, 3, lens, (0, 3, 5, 2), (4, 4, 1, 4),
+                              (9, 9, 0, 6), seed=2))
+    for dtype in ("float32", "float16", "bfloat16"):
+        cases.append(CopyCase(f"copy-to-temp-{dtype}-d64", dtype, 64, 4, 2, lens, (0,), (4,), (9,),
+                              mode="to_temp", seed=3))
+        cases.append(CopyCase(f"copy-from-temp-{dtype}-d64", dtype, 64, 4, 2, lens, (2,), (0,), (7,),
+                              mode="from_temp", seed=4))
+    cases.append(CopyCase("copy-all-empty-float32-d64", "float32", 64, 2, 1, lens, (1, 3), (0, 2),
+                          (0, 0), seed=5))
+    return cases
+
+
+def all_cases() -> list:
     """The emulated parity grid: kernels x dtypes x group sizes x head dims, small shapes."""
     cases = []
     # Prefill chunk (with padding), decode, decode with an idle entry, small-T decode.
@@ -197,4 +328,4 @@ def all_cases() -> list[Case]:
     # More query heads than a decode tile holds (G = 12 > 8): several query chunks per KV head.
     cases.append(Case("widegroup-float16-G12-d20", "float16", 20, 1, 12, ((3, 2), (1, 1), (2, 2)),
                       seed=12))
-    return cases
+    return cases + copy_cases()

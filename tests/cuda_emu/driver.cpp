@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "write_kv.cu"
+#include "copy_tokens.cu"
 #include "decode.cu"
 #include "merge.cu"
 #include "prefill.cu"
@@ -55,6 +56,7 @@ std::map<std::string, Entry>& registry() {
 #define GQAKV_REG(K, T, D) registry()[#K "<" #T ", " #D ">"] = make_entry(&K<T, D>);
 #define GQAKV_REG_ALL(T, D)                \
     GQAKV_REG(gqakv_write_kv, T, D)        \
+    GQAKV_REG(gqakv_copy_tokens, T, D)     \
     GQAKV_REG(gqakv_decode, T, D)          \
     GQAKV_REG(gqakv_merge, T, D)           \
     GQAKV_REG(gqakv_prefill, T, D)

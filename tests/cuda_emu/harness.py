@@ -103,8 +103,22 @@ class Emulator:
         """Run every launch of ``plan`` on ``arrays`` (updated in place).
 
         poison: array name -> (byte offset, byte count) ranges no kernel may touch.
+        Names bound to the same array (e.g. ``dst_k`` and ``src_k`` for rows of one cache)
+        share one allocation, as they would on the device; partial overlaps are refused.
         """
         arrays = dict(arrays)
+        aliases: dict[str, str] = {}
+        by_memory: dict[tuple[int, int], str] = {}
+        for name, a in list(arrays.items()):
+            key = (a.ctypes.data, a.nbytes)
+            if key in by_memory:
+                aliases[name] = by_memory[key]
+                del arrays[name]
+                continue
+            for other in by_memory.values():
+                if np.shares_memory(a, arrays[other]):
+                    raise ValueError(f"{name} partially overlaps {other}")
+            by_memory[key] = name
         for name, shape in plan.workspace.items():
             arrays[name] = np.full(shape, np.nan, dtype=np.float32)  # garbage, like cupy.empty
         arrays.setdefault("dummy", np.full(1, np.nan, dtype=np.float32))
@@ -116,6 +130,8 @@ class Emulator:
                 p = self.lib.emu_alloc(a.nbytes)
                 ptrs[name] = p
                 ctypes.memmove(p, a.ctypes.data, a.nbytes)
+            for name, target in aliases.items():
+                ptrs[name] = ptrs[target]
             for name, ranges in (poison or {}).items():
                 for off, n in ranges:
                     if n > 0:
