@@ -121,3 +121,15 @@ def test_copy_plan_is_one_launch_for_every_layer_and_pair():
     assert all(isinstance(a, (plan.Buf, np.int32, np.int64)) for a in launch.args)
     assert [a for a in launch.args if isinstance(a, np.int64)] == [1, 2, 3, 128, 4, 5, 6, 128]
     assert plan.plan_copy_tokens("float32", 64, np.array([0, 0]), 2, 2, (1,) * 4, (1,) * 4).launches == []
+
+
+def test_decode_query_tile_is_the_smallest_that_fits():
+    assert [plan.choose_query_tile(q) for q in (1, 4, 5, 8, 9, 12, 32)] == [
+        (4, 1), (4, 1), (8, 1), (8, 1), (8, 2), (8, 2), (8, 4)]
+    # Llama 3.1 8B decode (G = 4, T = 1): one tile-4 CTA per (row, KV head)
+    p = plan.plan_attention("bfloat16", 128, batch=64, kv_heads=8, group=4, t_q=1,
+                            lens=np.full(64, 4096), n_new=np.ones(64, dtype=np.int64), scale=0.1,
+                            q_strides=(32 * 128, 128, 128), buf_strides=(8 * 8192 * 128, 8192 * 128, 128),
+                            out_strides=(32 * 128, 128, 128), sm_count=132)
+    (launch,) = p.launches
+    assert launch.name == "gqakv_decode<gqakv_bf16, 128, 4>" and launch.grid == (64 * 8, 1, 1)

@@ -54,6 +54,13 @@ def test_every_kernel_and_dtype_was_exercised(emulator):
         for ctype in ("float", "gqakv_half", "gqakv_bf16"):
             hits = [k for k in _SEEN_KERNELS if k.startswith(f"{kernel}<{ctype},")]
             assert hits, f"no scenario launched {kernel} for {ctype}"
+    from gqakv_backends.cupy_backend import sources
+
+    for ctype in ("float", "gqakv_half", "gqakv_bf16"):
+        for tile in sources.DECODE_QUERY_TILES:
+            hits = [k for k in _SEEN_KERNELS
+                    if k.startswith(f"gqakv_decode<{ctype},") and k.endswith(f", {tile}>")]
+            assert hits, f"no scenario launched the decode kernel with query tile {tile} for {ctype}"
 
 
 def test_emulator_rejects_wrong_argument_types(emulator):

@@ -33,13 +33,16 @@ def _params():
     for kernel in sources.KERNEL_FILES:
         for dtype in sources.CTYPES:
             for d in FAST_HEAD_DIMS + OTHER_HEAD_DIMS:
-                yield pytest.param(kernel, dtype, d, id=f"{kernel}-{dtype}-d{d}")
+                for name in sources.instantiations(kernel, dtype, d):
+                    tile = name.rsplit(", ", 1)[1].rstrip(">") if kernel == "gqakv_decode" else ""
+                    yield pytest.param(kernel, dtype, d, name,
+                                       id=f"{kernel}-{dtype}-d{d}" + (f"-qb{tile}" if tile else ""))
 
 
-@pytest.mark.parametrize("kernel,dtype,head_dim", list(_params()))
-def test_kernel_compiles_without_spills(kernel, dtype, head_dim):
+@pytest.mark.parametrize("kernel,dtype,head_dim,name", list(_params()))
+def test_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
     for arch in ARCHS:
-        r = NVRTC.compile(kernel, dtype, head_dim, arch)
+        r = NVRTC.compile(kernel, dtype, head_dim, arch, name=name)
         line = (f"{r.name:34s} {arch}: {r.registers:3d} regs, {r.spill_stores}/{r.spill_loads} B "
                 f"spill st/ld, {r.stack_bytes} B stack, {r.shared_bytes} B smem, {r.cubin_bytes} B cubin")
         REPORT.append(line)
@@ -66,7 +69,11 @@ def test_name_expressions_reject_unsupported():
     with pytest.raises(KeyError, match="head_dim=300"):
         sources.name_expression("gqakv_decode", "float16", 300)
     with pytest.raises(KeyError, match="float64"):
-        sources.name_expression("gqakv_decode", "float64", 64)
+        sources.name_expression("gqakv_decode", "float64", 64, 8)
+    with pytest.raises(KeyError, match="query_tile=16"):
+        sources.name_expression("gqakv_decode", "float16", 64, 16)
+    with pytest.raises(KeyError, match="takes no query_tile"):
+        sources.name_expression("gqakv_merge", "float16", 64, 8)
 
 
 def teardown_module(module):

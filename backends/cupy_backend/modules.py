@@ -1,8 +1,9 @@
 """Compiled kernels on the current CUDA device, built once and kept.
 
-``get_function(kernel, dtype, head_dim)`` compiles ``sources.compose_source(kernel)``
-with ``cupy.RawModule(code=..., name_expressions=[...], options=COMPILE_OPTIONS)`` the
-first time a (device, kernel, dtype, head dim) is asked for and returns the cached
+``get_function(kernel, name)`` compiles ``sources.compose_source(kernel)`` with
+``cupy.RawModule(code=..., name_expressions=[name], options=COMPILE_OPTIONS)`` the first
+time a (device, instantiation) is asked for (``name`` is a ``sources.name_expression``,
+which fixes dtype, head dim and any other template parameter) and returns the cached
 ``RawKernel`` afterwards (CuPy also keeps the CUBIN in its on-disk cache). CuPy is
 imported here only, inside functions.
 """
@@ -14,20 +15,19 @@ import threading
 from . import sources
 
 _lock = threading.Lock()
-_functions: dict[tuple[int, str, str, int], object] = {}
+_functions: dict[tuple[int, str], object] = {}
 
 
-def get_function(kernel: str, dtype: str, head_dim: int):
+def get_function(kernel: str, name: str):
     import cupy
 
     device = cupy.cuda.Device().id
-    key = (device, kernel, dtype, int(head_dim))
+    key = (device, name)
     fn = _functions.get(key)
     if fn is None:
         with _lock:
             fn = _functions.get(key)
             if fn is None:
-                name = sources.name_expression(kernel, dtype, head_dim)
                 module = cupy.RawModule(code=sources.compose_source(kernel),
                                         options=sources.COMPILE_OPTIONS,
                                         name_expressions=[name])
@@ -52,6 +52,6 @@ def run_plan(plan, arrays: dict, dtype: str, head_dim: int) -> None:
     if "dummy" not in arrays:
         arrays["dummy"] = cupy.empty(1, dtype=cupy.float32)
     for launch in plan.launches:
-        fn = get_function(launch.kernel, dtype, head_dim)
+        fn = get_function(launch.kernel, launch.name)
         args = tuple(arrays[a.name] if isinstance(a, Buf) else a for a in launch.args)
         fn(launch.grid, launch.block, args)

@@ -85,10 +85,15 @@ class Nvrtc:
             msg = self.lib.nvrtcGetErrorString(rc).decode()
             raise NvrtcError(f"{what} failed: {msg}\n{log}")
 
-    def compile(self, kernel: str, dtype: str, head_dim: int, arch: str = "sm_90") -> CompileResult:
-        """Compile one instantiation to CUBIN for ``arch`` and parse ptxas' report."""
+    def compile(self, kernel: str, dtype: str, head_dim: int, arch: str = "sm_90",
+                name: str | None = None) -> CompileResult:
+        """Compile one instantiation to CUBIN for ``arch`` and parse ptxas' report.
+
+        name: the name expression (default: ``sources.name_expression(kernel, dtype,
+        head_dim)``; pass one of ``sources.instantiations`` for kernels with more
+        template parameters, such as the decode kernel's query tile)."""
         c = ctypes
-        name = sources.name_expression(kernel, dtype, head_dim)
+        name = name or sources.name_expression(kernel, dtype, head_dim)
         src = sources.compose_source(kernel).encode()
         prog = c.c_void_p()
         self._check(self.lib.nvrtcCreateProgram(c.byref(prog), src, f"{kernel}.cu".encode(),

@@ -31,8 +31,6 @@ MAX_GRID_X = 2**31 - 1
 MAX_GRID_Y = 65535
 #: Query tokens per row up to which attention uses the decode kernel.
 DECODE_MAX_T = 4
-#: Queries (group heads x tokens) per decode CTA; mirrors DecodeShape::QB.
-DECODE_QUERY_TILE = 8
 #: Fewest keys a split-KV chunk holds (below that the merge costs more than it saves).
 MIN_KEYS_PER_SPLIT = 256
 
@@ -117,6 +115,19 @@ def plan_copy_tokens(dtype: str, head_dim: int, n_tokens: np.ndarray, layers: in
     return plan
 
 
+def choose_query_tile(queries: int) -> tuple[int, int]:
+    """(query tile, query chunks) for ``queries`` = G * T queries per KV head.
+
+    The smallest instantiated tile that holds them all (registers grow with the tile, so
+    G = 4, T = 1 should not carry 8 query slots); beyond the largest tile, the fewest
+    chunks of the largest, then the smallest tile that still covers them in that many.
+    """
+    tiles = sources.DECODE_QUERY_TILES
+    chunks = -(-queries // tiles[-1])
+    per_chunk = -(-queries // chunks)
+    return next(t for t in tiles if t >= per_chunk), chunks
+
+
 def choose_splits(ctas: int, max_len: int, sm_count: int,
                   min_keys_per_split: int = MIN_KEYS_PER_SPLIT) -> tuple[int, int]:
     """(num_splits, keys_per_split) for the decode kernel.
@@ -156,7 +167,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     bufs = (Buf("q"), Buf("k_buf"), Buf("v_buf"), Buf("rows"), Buf("lens"), Buf("n_new"),
             Buf("out"), Buf("lse"))
     if t_q <= DECODE_MAX_T:
-        n_qchunks = -(-group * t_q // DECODE_QUERY_TILE)
+        tile, n_qchunks = choose_query_tile(group * t_q)
         ctas = batch * kv_heads * n_qchunks
         if force_splits:
             keys = -(-max_len // force_splits)
@@ -175,7 +186,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
         args = (*bufs, *part, np.int32(kv_heads), np.int32(group), np.int32(t_q),
                 np.int32(n_qchunks), np.int32(splits), np.int64(keys), np.float32(scale), *strides)
         plan.launches.append(Launch("gqakv_decode",
-                                    sources.name_expression("gqakv_decode", dtype, head_dim),
+                                    sources.name_expression("gqakv_decode", dtype, head_dim, tile),
                                     (ctas, splits, 1), BLOCK, args))
         if splits > 1:
             margs = (Buf("part_o"), Buf("part_lse"), Buf("lens"), Buf("n_new"), Buf("out"),
@@ -212,5 +223,6 @@ def aligned_for_vectors(ptr: int, strides_el: tuple[int, ...], dtype: str, head_
     return strides_el[-1] == 1 and ptr % nbytes == 0 and all(s % vec == 0 for s in strides_el[:-1])
 
 
-__all__ = ["Buf", "Launch", "Plan", "plan_write_kv", "plan_copy_tokens", "plan_attention", "choose_splits",
-           "prefill_rows", "aligned_for_vectors", "element_strides"]
+__all__ = ["Buf", "Launch", "Plan", "plan_write_kv", "plan_copy_tokens", "plan_attention",
+           "choose_splits", "choose_query_tile", "prefill_rows", "aligned_for_vectors",
+           "element_strides"]

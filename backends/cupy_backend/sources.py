@@ -15,7 +15,7 @@ import re
 from importlib import resources
 
 #: Kernel name -> source file. Each kernel is a template ``<T, D>`` over the storage type
-#: and the head dim.
+#: and the head dim; gqakv_decode also over its query tile, ``<T, D, QB>``.
 KERNEL_FILES = {
     "gqakv_write_kv": "write_kv.cu",
     "gqakv_copy_tokens": "copy_tokens.cu",
@@ -27,6 +27,9 @@ KERNEL_FILES = {
 #: gqakv dtype name -> C++ storage type in the kernels (16-bit types are raw bits).
 CTYPES = {"float32": "float", "float16": "gqakv_half", "bfloat16": "gqakv_bf16"}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+#: Query tiles (queries per CTA) gqakv_decode is instantiated for, smallest first.
+DECODE_QUERY_TILES = (4, 8)
 
 #: Largest head dim the fused kernels are instantiated for (any d <= this works).
 MAX_FUSED_HEAD_DIM = 256
@@ -57,15 +60,30 @@ def compose_source(kernel: str) -> str:
     return expand(KERNEL_FILES[kernel])
 
 
-def name_expression(kernel: str, dtype: str, head_dim: int) -> str:
-    """The template instantiation, e.g. ``gqakv_decode<gqakv_bf16, 128>``."""
+def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None) -> str:
+    """The template instantiation, e.g. ``gqakv_write_kv<gqakv_bf16, 128>`` or
+    ``gqakv_decode<gqakv_bf16, 128, 4>`` (decode needs ``query_tile``, others refuse it)."""
     if kernel not in KERNEL_FILES:
         raise KeyError(f"unknown kernel {kernel!r} (known: {', '.join(KERNEL_FILES)})")
     if dtype not in CTYPES:
         raise KeyError(f"no fused kernels for dtype {dtype!r} (fused: {', '.join(CTYPES)})")
     if not 1 <= head_dim <= MAX_FUSED_HEAD_DIM:
         raise KeyError(f"no fused kernels for head_dim={head_dim} (fused: 1..{MAX_FUSED_HEAD_DIM})")
+    if kernel == "gqakv_decode":
+        if query_tile not in DECODE_QUERY_TILES:
+            raise KeyError(f"gqakv_decode has no query_tile={query_tile} "
+                           f"(instantiated: {', '.join(map(str, DECODE_QUERY_TILES))})")
+        return f"{kernel}<{CTYPES[dtype]}, {int(head_dim)}, {int(query_tile)}>"
+    if query_tile is not None:
+        raise KeyError(f"{kernel} takes no query_tile (got {query_tile})")
     return f"{kernel}<{CTYPES[dtype]}, {int(head_dim)}>"
+
+
+def instantiations(kernel: str, dtype: str, head_dim: int) -> list[str]:
+    """Every name expression of ``kernel`` for one dtype and head dim (decode: one per tile)."""
+    if kernel == "gqakv_decode":
+        return [name_expression(kernel, dtype, head_dim, qb) for qb in DECODE_QUERY_TILES]
+    return [name_expression(kernel, dtype, head_dim)]
 
 
 def vec_width(dtype: str, head_dim: int) -> int:

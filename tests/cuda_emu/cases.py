@@ -328,4 +328,16 @@ def all_cases() -> list:
     # More query heads than a decode tile holds (G = 12 > 8): several query chunks per KV head.
     cases.append(Case("widegroup-float16-G12-d20", "float16", 20, 1, 12, ((3, 2), (1, 1), (2, 2)),
                       seed=12))
+    # Decode query tiles (sources.DECODE_QUERY_TILES): exactly G * T = 4 (Llama-style G = 4,
+    # T = 1, no padding slot) and G = 2, T = 2 in tile 4; G = 5 (3 empty slots) and G = 9
+    # (two chunks, the second holding one query) in tile 8.
+    for dtype, d in (("float32", 64), ("float16", 128), ("bfloat16", 64)):
+        cases.append(Case(f"tile4-{dtype}-G4T1-d{d}", dtype, d, 2, 4, ((6, 2), (1, 1), (1, 0), (1, 1)),
+                          pad=0, seed=13))
+    cases.append(Case("tile4-bfloat16-G2T2-d20", "bfloat16", 20, 2, 2, ((3, 5), (2, 2), (2, 1)),
+                      pad=0, seed=14))
+    cases.append(Case("tile8-float16-G5T1-d64", "float16", 64, 1, 5, ((4, 3), (1, 1), (0, 1)),
+                      pad=0, seed=15))
+    cases.append(Case("tile8x2-float32-G9T1-d20", "float32", 20, 1, 9, ((4, 3), (1, 1), (1, 0)),
+                      pad=0, seed=16))
     return cases + copy_cases()

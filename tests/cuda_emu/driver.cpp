@@ -54,10 +54,14 @@ std::map<std::string, Entry>& registry() {
 }
 
 #define GQAKV_REG(K, T, D) registry()[#K "<" #T ", " #D ">"] = make_entry(&K<T, D>);
+// The decode kernel's query tiles must match sources.DECODE_QUERY_TILES.
+#define GQAKV_REG_DECODE(T, D, QB) \
+    registry()["gqakv_decode<" #T ", " #D ", " #QB ">"] = make_entry(&gqakv_decode<T, D, QB>);
 #define GQAKV_REG_ALL(T, D)                \
     GQAKV_REG(gqakv_write_kv, T, D)        \
     GQAKV_REG(gqakv_copy_tokens, T, D)     \
-    GQAKV_REG(gqakv_decode, T, D)          \
+    GQAKV_REG_DECODE(T, D, 4)              \
+    GQAKV_REG_DECODE(T, D, 8)              \
     GQAKV_REG(gqakv_merge, T, D)           \
     GQAKV_REG(gqakv_prefill, T, D)
 #define GQAKV_REG_DIM(D) GQAKV_REG_ALL(float, D) GQAKV_REG_ALL(gqakv_half, D) GQAKV_REG_ALL(gqakv_bf16, D)

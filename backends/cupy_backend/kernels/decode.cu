@@ -1,8 +1,11 @@
 // Decode attention (T = 1 and small T): one CTA per (entry b, KV head, query chunk, split).
 //
 // The G query heads of a KV head and the T query tokens are folded into one query tile of
-// up to QB = 8 queries (query qi = g * T + t), so each live K/V row is read from HBM once
-// per KV head, not once per query head. Lanes split a key row into 16-byte vectors; the
+// QB queries (query qi = g * T + t), so each live K/V row is read from HBM once per KV head
+// and query chunk, not once per query head. QB is a template parameter (4 or 8, see
+// sources.DECODE_QUERY_TILES): the planner picks the smallest tile holding G * T queries,
+// so Llama-style G = 4, T = 1 does not pay registers for 8 queries; larger G * T take
+// several query chunks of the largest tile. Lanes split a key row into 16-byte vectors; the
 // lanes of one key reduce its dot products with full-mask xor shuffles; each lane group
 // keeps an online-softmax state per query, merged through shared memory at the end.
 //
@@ -14,10 +17,10 @@
 // Launch: grid (B * Hkv * n_qchunks, num_splits), block 128 (4 warps).
 #include "common.cuh"
 
-template <class T, int D>
+template <class T, int D, int QB_>
 struct DecodeShape {
     static constexpr int WARPS = 4;
-    static constexpr int QB = 8;                                  // queries per CTA
+    static constexpr int QB = QB_;                                // queries per CTA
     static constexpr int VEC = VecWidth<T, D>::value;             // elements per load
     static constexpr int NCH = D / VEC;                           // vectors per key row
     static constexpr int LPK = gqakv_cmin(32, gqakv_pow2_ceil(NCH));  // lanes per key
@@ -27,8 +30,10 @@ struct DecodeShape {
     static constexpr int NG = WARPS * KPW;                        // keys per CTA per step
 };
 
-template <class T, int D>
-__global__ void __launch_bounds__(128, 1) gqakv_decode(
+// Tile 4 asks ptxas for 4 resident CTAs per SM (<= 128 registers a thread, which it
+// meets without spills); tile 8 needs ~205 and is left to the compiler (2 CTAs per SM).
+template <class T, int D, int QB>
+__global__ void __launch_bounds__(128, QB <= 4 ? 4 : 1) gqakv_decode(
     const T* __restrict__ q, const T* __restrict__ k_buf, const T* __restrict__ v_buf,
     const i64* __restrict__ rows, const i64* __restrict__ lens, const i64* __restrict__ n_new,
     T* __restrict__ out, float* __restrict__ lse,
@@ -36,7 +41,7 @@ __global__ void __launch_bounds__(128, 1) gqakv_decode(
     int Hkv, int G, int Tq, int n_qchunks, int num_splits, i64 keys_per_split, float scale,
     i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
     i64 o_sb, i64 o_sh, i64 o_st) {
-    typedef DecodeShape<T, D> S;
+    typedef DecodeShape<T, D, QB> S;
     const int qc = blockIdx.x % n_qchunks;
     const int kvh = (blockIdx.x / n_qchunks) % Hkv;
     const int b = blockIdx.x / (n_qchunks * Hkv);
