@@ -302,13 +302,168 @@ def test_cache_capacity_error_names_the_numbers():
         model(_ids(batch=1, length=9), use_cache=True, **{CACHE_KWARG: cache})
 
 
-def test_beam_search_is_refused_with_reason():
-    model = _model()
+def _spy(monkeypatch, cls, name, record):
+    """Record the (self, args) of every call of ``cls.name`` and let it run."""
+    real = getattr(cls, name)
+    monkeypatch.setattr(cls, name, lambda self, *a: record.append((self, a)) or real(self, *a))
+
+
+def _beam_search(model, ids, mask, impl, beams, n, cache=None):
+    model.set_attn_implementation(impl)
+    kwargs = {} if cache is None else {CACHE_KWARG: cache}  # None: transformers' default DynamicCache
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, num_beams=beams,
+                             num_return_sequences=beams, output_scores=True, return_dict_in_generate=True,
+                             eos_token_id=None, pad_token_id=0, **kwargs)
+    return out.sequences, out.sequences_scores  # [B * beams, W + n], [B * beams]
+
+
+@pytest.mark.parametrize("beams", [2, 4])
+@pytest.mark.parametrize("lens", [[7], [9, 2, 5]], ids=["one-prompt", "left-padded"])
+def test_beam_search_matches_sdpa_with_dynamic_cache(monkeypatch, lens, beams):
+    """num_beams > 1: every returned beam and its score equal sdpa's with transformers' own
+    DynamicCache. The cache is allocated once for batch x beams rows (generate expands the
+    prompts before the first forward); beams move by KVCache.reorder, in place."""
+    import gqakv
+
+    model = _model(torch.float64)
+    ids, mask = _left_padded(lens, seed=13)
+    n = 8
+    want_seq, want_scores = _beam_search(model, ids, mask, "sdpa", beams, n)
+    pointers, reorders = set(), []
+    real = gqakv.gqa_attention
+    monkeypatch.setattr(gqakv, "gqa_attention",
+                        lambda q, kv, *a, **k: pointers.add((kv.k.data_ptr(), kv.v.data_ptr())) or real(q, kv, *a, **k))
+    _spy(monkeypatch, gqakv.KVCache, "reorder", reorders)
+    cache = GqakvCache(model.config, max_cache_len=max(lens) + n)
+    got_seq, got_scores = _beam_search(model, ids, mask, "gqakv", beams, n, cache=cache)
+    assert torch.equal(got_seq, want_seq)
+    assert (got_scores - want_scores).abs().max().item() <= F64_ATOL
+    assert pointers == {(kv.k.data_ptr(), kv.v.data_ptr()) for kv in cache.kv_caches}  # allocated once
+    # Beams really moved, through every layer's gqakv cache alike (identity steps are skipped).
+    per_layer = [[list(src) for kv_, (src,) in reorders if kv_ is kv] for kv in cache.kv_caches]
+    assert 0 < len(per_layer[0]) <= n and per_layer[0] == per_layer[1] and len(reorders) == 2 * len(per_layer[0])
+    assert all(src != list(range(len(lens) * beams)) for src in per_layer[0])
+    # Padding bookkeeping stays per row: slots count pads, each row holds its prompt's real tokens + n - 1.
+    assert cache.get_seq_length() == ids.shape[1] + n - 1
+    for kv in cache.kv_caches:
+        assert kv.batch == len(lens) * beams
+        assert kv.host_lens.tolist() == [length + n - 1 for length in lens for _ in range(beams)]
+
+
+def test_beam_search_is_sensitive_to_the_reorder(monkeypatch):
+    """Control: with reorder_cache a no-op the beams differ from sdpa's, so the test above
+    really checks the reorder."""
+    from gqakv.integrations.transformers import GqakvLayer
+
+    model = _model(torch.float64)
+    ids, mask = _left_padded([9, 2, 5], seed=13)
+    want_seq, _ = _beam_search(model, ids, mask, "sdpa", 2, 8)
+    monkeypatch.setattr(GqakvLayer, "reorder_cache", lambda self, beam_idx: None)
+    got_seq, _ = _beam_search(model, ids, mask, "gqakv", 2, 8, cache=GqakvCache(model.config, max_cache_len=20))
+    assert not torch.equal(got_seq, want_seq)
+
+
+def test_assisted_decoding_matches_greedy(monkeypatch):
+    """assistant_model=: the main model verifies 5 drafted tokens per forward and crops the
+    rejected ones (KVCache.truncate); tokens and logits equal plain greedy sdpa generation."""
+    from gqakv.integrations.transformers import GqakvLayer
+
+    model = _model(torch.float64)
+    assistant = _model(torch.float64)  # the same weights, perturbed: some drafts accepted, some not
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in assistant.parameters():
+            p.add_(0.03 * torch.randn_like(p))
+    assistant.set_attn_implementation("sdpa")
+    assistant.generation_config.num_assistant_tokens = 5
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    ids = _ids(batch=1, length=7, seed=14)
+    n = 20
+    want_seq, want_logits = _generate(model, ids, "sdpa", n=n)
+    crops = []
+    _spy(monkeypatch, GqakvLayer, "crop", crops)
+    cache = GqakvCache(model.config, max_cache_len=ids.shape[1] + n + 5)
     model.set_attn_implementation("gqakv")
-    ids = _ids(batch=1, length=4)
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="GqakvCache does not support"):
-        model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=2, max_new_tokens=3,
-                       do_sample=False, **{CACHE_KWARG: GqakvCache(model.config, max_cache_len=16)})
+    ptr = None
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             assistant_model=assistant, output_logits=True, return_dict_in_generate=True,
+                             eos_token_id=None, pad_token_id=0, **{CACHE_KWARG: cache})
+    ptr = cache.kv_caches[0].k.data_ptr()
+    assert torch.equal(out.sequences, want_seq)
+    assert (torch.stack(out.logits) - want_logits).abs().max().item() <= F64_ATOL
+    removed = {-a[0] for _, a in crops}
+    assert max(removed) > 1 and 0 in removed  # rejected drafts of several tokens, and fully accepted ones
+    assert cache.get_seq_length() == ids.shape[1] + n - 1
+    assert all(kv.host_lens.tolist() == [ids.shape[1] + n - 1] for kv in cache.kv_caches)
+    assert cache.kv_caches[0].k.data_ptr() == ptr
+
+
+def test_crop_takes_only_the_real_tokens_of_each_row():
+    """Forward calls on a padded batch, then crop slots of which some are padding in some rows:
+    each row loses only its real tokens among them; what follows equals sdpa's full forward pass
+    over the kept tokens."""
+    model = _model(torch.float64)
+    ids, mask = _left_padded([6, 2, 4], seed=15)          # prefill, W = 6
+    g = torch.Generator().manual_seed(16)
+    draft = torch.randint(3, 101, (3, 3), generator=g)     # 3 slots, later 2 of them cropped
+    draft_mask = torch.tensor([[1, 1, 1], [1, 0, 1], [0, 0, 1]])
+    tail = torch.randint(3, 101, (3, 2), generator=g)      # fed after the crop
+    model.set_attn_implementation("gqakv")
+    cache = GqakvCache(model.config, max_cache_len=12)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True, **{CACHE_KWARG: cache})
+        m = torch.cat([mask, draft_mask], 1)
+        model(draft, attention_mask=m, position_ids=_positions(m)[:, -3:], use_cache=True, **{CACHE_KWARG: cache})
+        assert cache.kv_caches[0].host_lens.tolist() == [9, 4, 5]
+        cache.crop(-2)  # drops slots 7, 8: real in row 0 (2), pad + real in row 1 (1), pad + real in row 2 (1)
+        assert cache.get_seq_length() == 7
+        assert all(kv.host_lens.tolist() == [7, 3, 4] for kv in cache.kv_caches)
+        kept_ids, kept_mask = torch.cat([ids, draft[:, :1], tail], 1), torch.cat([m[:, :7], torch.ones_like(tail)], 1)
+        got = model(tail, attention_mask=kept_mask, position_ids=_positions(kept_mask)[:, -2:], use_cache=True,
+                    **{CACHE_KWARG: cache}).logits
+        model.set_attn_implementation("sdpa")
+        want = model(kept_ids, attention_mask=kept_mask, position_ids=_positions(kept_mask), use_cache=False).logits
+    assert (got - want[:, -2:]).abs().max().item() <= F64_ATOL
+    with pytest.raises(ValueError, match=r"crop\(-10\): the cache holds only 9 token slots"):
+        cache.crop(-10)
+    with pytest.raises(ValueError, match="negative count"):
+        cache.crop(3)
+    assert cache.get_seq_length() == 9 and cache.kv_caches[0].host_lens.tolist() == [9, 5, 6]
+
+
+def test_batch_repeat_interleave_and_select_as_row_operations():
+    """batch_repeat_interleave / batch_select_indices move rows within the rows allocated
+    (max_batch_size), and the next step's logits equal sdpa with a DynamicCache given the
+    same operations; beyond the rows allocated a clear error, nothing changed."""
+    model = _model(torch.float64)
+    ids, mask = _left_padded([5, 3], seed=17)
+    step = torch.tensor([[11], [12], [13]])
+    caches, logits = {}, {}
+    for impl in ("sdpa", "gqakv"):
+        model.set_attn_implementation(impl)
+        cache = (GqakvCache(model.config, max_cache_len=8, max_batch_size=6) if impl == "gqakv"
+                 else DynamicCache(config=model.config))
+        with torch.no_grad():
+            model(ids, attention_mask=mask, use_cache=True, **{CACHE_KWARG: cache})
+            cache.batch_repeat_interleave(3)                      # rows: 0 0 0 1 1 1
+            cache.batch_select_indices(torch.tensor([5, 0, 2]))   # rows: 1 0 0
+            m = torch.cat([mask[[1, 0, 0]], torch.ones(3, 1, dtype=torch.long)], 1)
+            logits[impl] = model(step, attention_mask=m, position_ids=_positions(m)[:, -1:], use_cache=True,
+                                 **{CACHE_KWARG: cache}).logits
+        caches[impl] = cache
+    assert (logits["gqakv"] - logits["sdpa"]).abs().max().item() <= F64_ATOL
+    cache = caches["gqakv"]
+    assert cache.batch_size == 3 and all(kv.host_lens.tolist() == [4, 6, 6, 0, 0, 0] for kv in cache.kv_caches)
+    ptr = cache.kv_caches[0].k.data_ptr()
+    with pytest.raises(ValueError, match=r"grow to 9 rows but GqakvCache allocated 6 \(make it with max_batch_size=9"):
+        cache.batch_repeat_interleave(3)
+    with pytest.raises(ValueError, match="beam_idx holds row 3, out of range for a batch of 3"):
+        cache.reorder_cache(torch.tensor([0, 1, 3]))
+    assert cache.batch_size == 3 and cache.kv_caches[0].host_lens.tolist() == [4, 6, 6, 0, 0, 0]
+    assert cache.kv_caches[0].k.data_ptr() == ptr
 
 
 def test_cache_with_another_attention_is_refused():

@@ -32,9 +32,18 @@
   ``kv_caches[i].host_lens`` gives the real tokens of each row.
 - Without a cache (``use_cache=False``), ``gqakv_attention`` attends through a
   temporary cache that holds just that call's real keys and values.
-- Refused, with the reason: beam search, assisted/speculative decoding (cache
-  reorder/crop), explicit 4D masks, attention dropout, non-full-attention layers,
-  and a GqakvCache used with another attention implementation.
+- Beam search (``num_beams > 1``), assisted decoding (``assistant_model=``) and
+  transformers' batch hooks work through gqakv's row operations on the buffers
+  allocated at the first forward, never by making new tensors: ``reorder_cache`` is
+  ``KVCache.reorder`` (copies only live tokens), ``crop`` is ``KVCache.truncate``
+  (O(1)), ``batch_repeat_interleave``/``batch_select_indices`` are reorders within the
+  ``max_batch_size`` rows allocated. Per call the layer records which slots were real,
+  so each row loses only its own real tokens when slots are cropped.
+  ``generate`` expands the prompts for beams before the first forward, so the cache is
+  simply allocated with ``batch x num_beams`` rows.
+- Refused, with the reason: explicit 4D masks, attention dropout, non-full-attention
+  layers, a GqakvCache used with another attention implementation (or gqakv attention
+  with another cache), a batch that outgrows the rows allocated.
 
 Supported transformers versions: see ``SUPPORTED_TRANSFORMERS`` (the ``gqakv[transformers]``
 extra pins the same range; install torch for your hardware alongside it). The cache keyword of ``forward``/``generate`` is ``cache``
@@ -52,6 +61,8 @@ except ImportError as exc:  # say what to install instead of a bare module name
     raise ImportError(
         f"gqakv.integrations.transformers needs torch and transformers>=5.23,<5.25 ({exc}); "
         "pip install 'gqakv[transformers]' plus torch (e.g. pip install torch==2.13.0)") from exc
+
+import numpy as np
 
 import gqakv
 from gqakv_backends.torch_backend import TorchBackend
@@ -91,10 +102,13 @@ class Padding:
         order: ``[B, T]`` int64 slot indices, real slots first (stable), or None when
             every slot of this call is real.
         inverse: ``[B, T]`` the inverse permutation of ``order`` (or None).
+        real: ``[B, T]`` host bools, which of this call's slots are real (what ``crop``
+            needs to know how many real tokens each row loses with the last slots).
     """
 
-    def __init__(self, n_new, n_past, order, inverse):
+    def __init__(self, n_new, n_past, order, inverse, real=None):
         self.n_new, self.n_past, self.order, self.inverse = n_new, n_past, order, inverse
+        self.real = real
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor, q_offset: int, q_length: int) -> "Padding | None":
@@ -105,18 +119,18 @@ class Padding:
             raise ValueError(
                 f"attention_mask has {width} columns; with gqakv it must have one per token slot seen so far "
                 f"plus one per token of this call: {q_offset} + {q_length} = {q_offset + q_length}")
-        mask = mask.to(torch.bool)
-        if bool(mask.all()):
+        host = mask.to(device="cpu", dtype=torch.bool).numpy()  # one device sync for all the counts
+        if host.all():
             return None
-        chunk = mask[:, q_offset:]
-        counts = torch.stack([chunk.sum(1), mask[:, :q_offset].sum(1)]).tolist()  # one host sync
-        n_new, n_past = counts
+        real = host[:, q_offset:]  # [B, T]: which of this call's slots are real (kept for crop)
+        n_new, n_past = real.sum(1).tolist(), host[:, :q_offset].sum(1).tolist()
         order = inverse = None
         if any(n != q_length for n in n_new):
             # Stable sort on "is pad" puts each row's real slots first, in their order.
+            chunk = mask[:, q_offset:].to(torch.bool)
             order = torch.argsort((~chunk).to(torch.uint8), dim=1, stable=True)
             inverse = torch.argsort(order, dim=1)
-        return cls(n_new, n_past, order, inverse)
+        return cls(n_new, n_past, order, inverse, real)
 
     @staticmethod
     def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
@@ -149,37 +163,58 @@ class Padding:
 
 
 class GqakvLayer(CacheLayerMixin):
-    """One decoder layer's cache: a ``gqakv.KVCache`` ``[B, Hkv, max_cache_len, d]``.
+    """One decoder layer's cache: a ``gqakv.KVCache`` ``[R, Hkv, max_cache_len, d]``.
 
     ``update`` only hands the new chunk to ``gqakv_attention`` (which knows the padding
     from the mask); ``write`` then appends its real tokens in place. ``get_seq_length``
     counts token *slots* seen (pads included), as transformers' own caches do, so
     transformers' positions and mask widths stay what they would be with its caches;
     ``kv.host_lens`` counts the real tokens each row holds.
+
+    The batch transformers sees (``batch_size``, B) uses cache rows ``0..B-1`` of the
+    ``R = max_batch_size`` rows allocated (default R = the first batch). The batch hooks
+    are row operations on those buffers, never new tensors: ``reorder_cache`` (beam
+    search) is ``KVCache.reorder``, ``batch_repeat_interleave`` and
+    ``batch_select_indices`` are reorders over the first rows (then B changes, within R),
+    and ``crop`` is ``KVCache.truncate``. Each acts on the real tokens of each row: the
+    layer keeps, per call, which slots were real (``_calls``), so cropping slots takes
+    from each row only the real tokens among them.
     """
 
     is_compileable = False
     is_sliding = False
-    is_croppable = False
+    is_croppable = True
 
-    def __init__(self, max_cache_len: int, batch_size: int | None = None):
+    def __init__(self, max_cache_len: int, batch_size: int | None = None, max_batch_size: int | None = None):
         super().__init__()
         self.max_cache_len = int(max_cache_len)
         self.batch_size = batch_size
+        self.max_batch_size = max_batch_size
         self.kv: gqakv.KVCache | None = None
         self.seen = 0  # token slots seen by this layer, padding included
+        # Per call, in order: T (every slot real in every row) or a host bool [B, T] of real slots.
+        self._calls: list = []
         self._unwritten = False  # update handed out a chunk that write has not taken yet
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, hkv, _, d = key_states.shape
         if self.batch_size is not None and B != self.batch_size:
-            raise ValueError(f"GqakvCache was made for batch_size={self.batch_size}, got a batch of {B}")
+            raise ValueError(f"GqakvCache was made for batch_size={self.batch_size}, got a batch of {B} "
+                             "(with num_beams=N, generate runs N rows per prompt)")
+        rows = int(B) if self.max_batch_size is None else int(self.max_batch_size)
+        if rows < B:
+            raise ValueError(f"GqakvCache was made for max_batch_size={rows} rows, got a batch of {B}")
         self.batch_size = int(B)
         self.device = key_states.device
-        self.kv = gqakv.KVCache(int(B), int(hkv), self.max_cache_len, int(d), dtype=key_states.dtype,
+        self.kv = gqakv.KVCache(rows, int(hkv), self.max_cache_len, int(d), dtype=key_states.dtype,
                                 backend=TorchBackend(device=key_states.device))
         self.keys, self.values = self.kv.k, self.kv.v
         self.is_initialized = True
+
+    @property
+    def rows(self):
+        """The cache rows of the batch entries, ``[B]`` host ints, or None when they are all rows."""
+        return None if self.batch_size == self.kv.batch else np.arange(self.batch_size)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Take this call's keys/values ``[B, Hkv, T, d]`` and return them, tagged for
@@ -191,6 +226,14 @@ class GqakvLayer(CacheLayerMixin):
                 "GqakvCache: the previous call's keys were never written; the cache works only with "
                 "model.set_attn_implementation('gqakv') (after gqakv.integrations.transformers.register()). "
                 "Call cache.reset() to start over")
+        B = int(key_states.shape[0])
+        if B != self.batch_size:
+            if self.seen or B > self.kv.batch:
+                raise ValueError(
+                    f"GqakvCache holds a batch of {self.batch_size} rows ({self.kv.batch} allocated, {self.seen} token "
+                    f"slots seen), got keys for {B} rows; a new batch size needs an empty cache (cache.reset()) and "
+                    f"at most {self.kv.batch} rows")
+            self.batch_size = B  # an empty cache takes any batch that fits its rows
         self._unwritten = True
         setattr(key_states, _HANDLE, self)
         return key_states, value_states
@@ -198,11 +241,11 @@ class GqakvLayer(CacheLayerMixin):
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, padding: Padding | None):
         """Append the real tokens of ``[B, Hkv, T, d]`` keys/values in place at each row's length.
 
-        Returns ``(kv, n_new)`` for ``gqakv.gqa_attention``. On error nothing is written.
+        Returns ``(kv, n_new, rows)`` for ``gqakv.gqa_attention``. On error nothing is written.
         """
         self._unwritten = False
         B, _, T, _ = (int(s) for s in key_states.shape)
-        lens = self.kv.host_lens
+        lens = self.kv.host_lens[:B]
         if padding is None:
             if (lens != self.seen).any():
                 raise ValueError(
@@ -215,9 +258,11 @@ class GqakvLayer(CacheLayerMixin):
             padding.check_rows(B, T, lens)
             key_states, value_states = padding.pack(key_states), padding.pack(value_states)
             n_new = padding.n_new
-        self.kv.append(key_states, value_states, n_new)
+        rows = self.rows
+        self.kv.append(key_states, value_states, n_new, rows=rows)
         self.seen += T
-        return self.kv, n_new
+        self._calls.append(T if padding is None else padding.real)
+        return self.kv, n_new, rows
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -231,26 +276,95 @@ class GqakvLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Forget every token (lengths to 0); the buffers stay allocated."""
         self.seen = 0
+        self._calls = []
         self._unwritten = False
         if self.is_initialized:
             self.kv.reset()
 
-    def _unsupported(self, what: str):
-        raise NotImplementedError(
-            f"GqakvCache does not support {what}: gqakv's rows are fixed, preallocated slots "
-            "(use greedy or sampling generation with one row per sequence)")
+    # -- batch operations: gqakv row operations on the preallocated buffers ----------------------
+
+    def _host_rows(self, index, what: str) -> np.ndarray:
+        """A transformers batch index (int tensor, bool mask or list) as host int64 rows."""
+        index = torch.as_tensor(index)
+        if index.dtype == torch.bool:
+            if index.shape != (self.batch_size,):
+                raise ValueError(f"{what}: a boolean mask must have shape [{self.batch_size}], got {list(index.shape)}")
+            index = index.nonzero().flatten()
+        index = index.to("cpu").numpy()
+        if index.ndim != 1 or not np.issubdtype(index.dtype, np.integer):
+            raise ValueError(f"{what} must be a 1-D integer batch index, got {index.dtype} shape {list(index.shape)}")
+        bad = [int(i) for i in index if not 0 <= i < self.batch_size]
+        if bad:
+            raise ValueError(f"{what} holds row {bad[0]}, out of range for a batch of {self.batch_size}")
+        return index.astype(np.int64)
+
+    def _take_rows(self, src: np.ndarray) -> None:
+        """Batch entry b takes what entry ``src[b]`` holds (``len(src)`` entries, at most the
+        rows allocated): ``KVCache.reorder`` in place, copying only live tokens; rows past the
+        new batch are emptied. The per-call slot records follow the rows."""
+        n, rows = len(src), self.kv.batch
+        if n > rows:
+            raise ValueError(f"the batch would grow to {n} rows but GqakvCache allocated {rows} "
+                             f"(make it with max_batch_size={n} or more)")
+        # Rows past the new batch keep their contents during the reorder (they may be sources).
+        self.kv.reorder(np.concatenate([src, np.arange(n, rows)]).astype(np.int64))
+        if n < rows:
+            self.kv.reset(np.arange(n, rows))
+        self._calls = [c if isinstance(c, int) else c[src] for c in self._calls]
+        self.batch_size = n
 
     def reorder_cache(self, beam_idx) -> None:
-        self._unsupported("beam search (reorder_cache)")
+        """Beam search: row b takes row ``beam_idx[b]``'s tokens and length, in place."""
+        if not self.is_initialized:
+            return
+        src = self._host_rows(beam_idx, "beam_idx")
+        if len(src) != self.batch_size:
+            raise ValueError(f"beam_idx must have one entry per row ({self.batch_size}), got {len(src)}")
+        if (src != np.arange(len(src))).any():
+            self._take_rows(src)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._unsupported("batch_repeat_interleave (num_return_sequences > 1 or beams)")
+        """Row b becomes rows ``b*repeats .. b*repeats+repeats-1`` (copies of its live tokens),
+        within the rows allocated; before the first forward nothing is allocated yet, so the
+        next batch simply comes ``repeats`` times larger."""
+        if not self.is_initialized:
+            if self.batch_size is not None:
+                self.batch_size *= int(repeats)
+            return
+        self._take_rows(np.repeat(np.arange(self.batch_size), int(repeats)))
 
     def batch_select_indices(self, indices) -> None:
-        self._unsupported("batch_select_indices")
+        """Keep only the batch entries ``indices`` (in that order): rows move to the front."""
+        if not self.is_initialized:
+            return
+        self._take_rows(self._host_rows(indices, "indices"))
 
     def crop(self, tokens_to_remove: int) -> None:
-        self._unsupported("crop (assisted / speculative decoding)")
+        """Drop the last ``-tokens_to_remove`` token slots (assisted decoding's rejected drafts):
+        each row is truncated by the real tokens among them (``KVCache.truncate``, O(1))."""
+        tokens_to_remove = int(tokens_to_remove)
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative count of token slots to remove "
+                             "(a positive value, the legacy absolute size, is not supported)")
+        drop = -tokens_to_remove
+        if drop == 0 or not self.is_initialized:
+            return
+        if drop > self.seen:
+            raise ValueError(f"crop({tokens_to_remove}): the cache holds only {self.seen} token slots")
+        B = self.batch_size
+        removed = np.zeros(B, dtype=np.int64)
+        calls, left = list(self._calls), drop
+        while left:
+            last = calls.pop()
+            width = last if isinstance(last, int) else last.shape[1]
+            take = min(left, width)
+            removed += take if isinstance(last, int) else last[:, width - take:].sum(1)
+            if take < width:
+                calls.append(width - take if isinstance(last, int) else last[:, :width - take])
+            left -= take
+        self.kv.truncate(np.arange(B), self.kv.host_lens[:B] - removed)
+        self._calls = calls
+        self.seen -= drop
 
 
 class GqakvCache(Cache):
@@ -259,15 +373,23 @@ class GqakvCache(Cache):
     Args:
         config: the model's config (its decoder text config is used for the layer count).
         max_cache_len: capacity per row in real tokens (prompt without its padding + new tokens).
-        batch_size: optional; checked against the first batch seen.
+        batch_size: optional; checked against the first batch seen (with ``num_beams=N``,
+            ``generate`` runs N rows per prompt).
+        max_batch_size: rows allocated per layer (default: the first batch's size). More
+            rows let ``batch_repeat_interleave`` grow the batch in place, and let a reset
+            cache take a different batch size.
+
+    Beam search, batch selection and crop are gqakv row operations on the buffers
+    allocated at the first forward (see ``GqakvLayer``); nothing is ever reallocated.
     """
 
-    def __init__(self, config, max_cache_len: int, batch_size: int | None = None):
+    def __init__(self, config, max_cache_len: int, batch_size: int | None = None,
+                 max_batch_size: int | None = None):
         text = config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         if any(t != "full_attention" for t in types):
             raise ValueError(f"GqakvCache supports full-attention layers only, the model has {sorted(set(types))}")
-        super().__init__(layers=[GqakvLayer(max_cache_len, batch_size) for _ in types])
+        super().__init__(layers=[GqakvLayer(max_cache_len, batch_size, max_batch_size) for _ in types])
         self.max_cache_len = int(max_cache_len)
 
     @property
@@ -293,12 +415,16 @@ def gqakv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                          "model's attn_implementation to 'gqakv' after gqakv...register())")
     padding = attention_mask
     layer = getattr(key, _HANDLE, None)
+    rows = None
     if layer is not None:
-        kv, n_new = layer.write(key, value, padding)
+        kv, n_new, rows = layer.write(key, value, padding)
     else:
         B, hkv, S, d = key.shape
         if query.shape[2] != S:
-            raise ValueError(f"without a cache, queries ({query.shape[2]}) and keys ({S}) must cover the same tokens")
+            raise ValueError(
+                f"gqakv attention got {query.shape[2]} queries but keys for {S} tokens: without a GqakvCache they "
+                "must cover the same tokens (a transformers cache such as DynamicCache hands back past keys too; "
+                f"pass {CACHE_KWARG}=GqakvCache(model.config, max_cache_len=...) to generate/forward)")
         kv = gqakv.KVCache(int(B), int(hkv), int(S), int(d), dtype=key.dtype,
                            backend=TorchBackend(device=key.device))
         if padding is None:
@@ -311,7 +437,7 @@ def gqakv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         query = query.to(kv.k.dtype)
     if padding is not None:
         query = padding.pack(query)
-    out = gqakv.gqa_attention(query, kv, n_new, scale=scaling)  # [B, Hq, T, d], real slots first
+    out = gqakv.gqa_attention(query, kv, n_new, scale=scaling, rows=rows)  # [B, Hq, T, d], real slots first
     if padding is not None:
         out = padding.unpack(out)
     return out.transpose(1, 2), None
