@@ -30,6 +30,16 @@ F64_ATOL = 1e-10
 register()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """These models are tiny: one intra-op thread is fastest, and torch's spinning pool slows the
+    module ~15x on a loaded 2-core machine (3 s vs 50 s). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _model(dtype=torch.float32, seed=0, layers=2):
     cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
@@ -328,7 +338,7 @@ def test_beam_search_matches_sdpa_with_dynamic_cache(monkeypatch, lens, beams):
 
     model = _model(torch.float64)
     ids, mask = _left_padded(lens, seed=13)
-    n = 8
+    n = 6
     want_seq, want_scores = _beam_search(model, ids, mask, "sdpa", beams, n)
     pointers, reorders = set(), []
     real = gqakv.gqa_attention
@@ -351,6 +361,38 @@ def test_beam_search_matches_sdpa_with_dynamic_cache(monkeypatch, lens, beams):
         assert kv.host_lens.tolist() == [length + n - 1 for length in lens for _ in range(beams)]
 
 
+def test_beam_search_with_finished_beams_then_reuse_for_a_smaller_batch():
+    """Beams that end on EOS (length penalty 0.7, 3 beams) match sdpa; the reset cache then
+    serves a greedy batch of 2 in the first 2 of its 9 rows, same buffers; a batch change
+    mid-sequence or beyond the rows allocated is refused."""
+    model = _model(torch.float64)
+    ids, mask = _left_padded([9, 2, 5], seed=13)
+    eos = [2, 5, 7, 9, 11, 13]
+    outs = {}
+    for impl, cache in (("sdpa", None), ("gqakv", GqakvCache(model.config, max_cache_len=30))):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = model.generate(
+                ids, attention_mask=mask, max_new_tokens=15, do_sample=False, num_beams=3, num_return_sequences=3,
+                length_penalty=0.7, eos_token_id=eos, pad_token_id=0, output_scores=True,
+                return_dict_in_generate=True, **({} if cache is None else {CACHE_KWARG: cache}))
+    assert torch.equal(outs["gqakv"].sequences, outs["sdpa"].sequences)
+    assert (outs["gqakv"].sequences_scores - outs["sdpa"].sequences_scores).abs().max().item() <= F64_ATOL
+    assert torch.isin(outs["sdpa"].sequences[:, ids.shape[1]:], torch.tensor(eos)).any()  # some beams ended on EOS
+    ptr = cache.kv_caches[0].k.data_ptr()
+    cache.reset()
+    want_seq, want_logits = _generate_padded(model, ids[:2], mask[:2], "sdpa")
+    got_seq, got_logits = _generate_padded(model, ids[:2], mask[:2], "gqakv", cache=cache)
+    assert torch.equal(got_seq, want_seq) and (got_logits - want_logits).abs().max().item() <= F64_ATOL
+    assert cache.batch_size == 2 and cache.kv_caches[0].host_lens.tolist() == [9 + 7, 2 + 7] + [0] * 7
+    assert cache.kv_caches[0].k.data_ptr() == ptr
+    with torch.no_grad(), pytest.raises(ValueError, match=r"holds a batch of 2 rows \(9 allocated, 16 token slots"):
+        model(ids[:, :1], use_cache=True, **{CACHE_KWARG: cache})
+    cache.reset()
+    with torch.no_grad(), pytest.raises(ValueError, match="at most 9 rows"):
+        model(_ids(batch=10, length=2), use_cache=True, **{CACHE_KWARG: cache})
+
+
 def test_beam_search_is_sensitive_to_the_reorder(monkeypatch):
     """Control: with reorder_cache a no-op the beams differ from sdpa's, so the test above
     really checks the reorder."""
@@ -358,9 +400,9 @@ def test_beam_search_is_sensitive_to_the_reorder(monkeypatch):
 
     model = _model(torch.float64)
     ids, mask = _left_padded([9, 2, 5], seed=13)
-    want_seq, _ = _beam_search(model, ids, mask, "sdpa", 2, 8)
+    want_seq, _ = _beam_search(model, ids, mask, "sdpa", 2, 6)
     monkeypatch.setattr(GqakvLayer, "reorder_cache", lambda self, beam_idx: None)
-    got_seq, _ = _beam_search(model, ids, mask, "gqakv", 2, 8, cache=GqakvCache(model.config, max_cache_len=20))
+    got_seq, _ = _beam_search(model, ids, mask, "gqakv", 2, 6, cache=GqakvCache(model.config, max_cache_len=20))
     assert not torch.equal(got_seq, want_seq)
 
 
@@ -380,7 +422,7 @@ def test_assisted_decoding_matches_greedy(monkeypatch):
     assistant.generation_config.num_assistant_tokens_schedule = "constant"
     assistant.generation_config.assistant_confidence_threshold = 0.0
     ids = _ids(batch=1, length=7, seed=14)
-    n = 20
+    n = 12
     want_seq, want_logits = _generate(model, ids, "sdpa", n=n)
     crops = []
     _spy(monkeypatch, GqakvLayer, "crop", crops)
