@@ -122,7 +122,7 @@ class Padding:
         host = mask.to(device="cpu", dtype=torch.bool).numpy()  # one device sync for all the counts
         if host.all():
             return None
-        real = host[:, q_offset:]  # [B, T]: which of this call's slots are real (kept for crop)
+        real = host[:, q_offset:].copy()  # [B, T] real slots of this call, kept for crop (host may alias the mask)
         n_new, n_past = real.sum(1).tolist(), host[:, :q_offset].sum(1).tolist()
         order = inverse = None
         if any(n != q_length for n in n_new):
