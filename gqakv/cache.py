@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import dtypes as _dtypes
+from . import row_ops
 from .inputs import validate_append
 from .registry import get_backend
 
@@ -72,7 +73,49 @@ def allocate(backend, shape: tuple[int, ...], dtype: str, what: str):
         ) from None
 
 
-class KVCache:
+class RowsAndLengths:
+    """Live lengths and row operations, shared by KVCache and ModelKVCache.
+
+    A subclass has ``backend`` and ``_lengths`` (a Lengths), and provides
+    ``_row_buffers()`` (K and V as ``[layers, B, Hkv, max_len, d]`` views) and
+    ``_check_can_change(what)`` (raises when the cache may not change now).
+    """
+
+    @property
+    def host_lens(self) -> np.ndarray:
+        """Live tokens per row as a read-only NumPy int64 ``[B]`` array (no device round trip)."""
+        return self._lengths.read_only()
+
+    @property
+    def lens(self):
+        """Live tokens per row, ``[B]`` int64, as an array of the cache's backend."""
+        return self._lengths.device(self.backend, self.k)
+
+    def reorder(self, src_rows) -> None:
+        """Row b takes the contents and length of row ``src_rows[b]`` (``[B]`` ints; duplicates
+        allowed: beam search). In place, every layer at once; copies only live tokens,
+        ordered so no row is overwritten before it is read (a one-row temporary breaks
+        permutation cycles). See ``row_ops.reorder``."""
+        self._check_can_change("reorder rows")
+        row_ops.reorder(self.backend, *self._row_buffers(), self._lengths, src_rows)
+
+    def fork(self, src: int, dst_rows) -> None:
+        """Copy row ``src``'s live tokens and length into each of ``dst_rows`` (distinct)."""
+        self._check_can_change("fork rows")
+        row_ops.fork(self.backend, *self._row_buffers(), self._lengths, src, dst_rows)
+
+    def truncate(self, rows, new_lens) -> None:
+        """Shorten ``rows[i]`` to ``new_lens[i] <= lens[rows[i]]`` tokens: O(1), no data moves."""
+        self._check_can_change("truncate rows")
+        row_ops.truncate(self._lengths, rows, new_lens)
+
+    def reset(self, rows=None) -> None:
+        """Empty ``rows`` (distinct; default every row) for reuse by new requests."""
+        self._check_can_change("reset rows")
+        row_ops.reset(self._lengths, rows)
+
+
+class KVCache(RowsAndLengths):
     """A preallocated per-layer KV cache with ragged per-row lengths.
 
     Args:
@@ -129,20 +172,10 @@ class KVCache:
 
     # -- lengths ---------------------------------------------------------------------------
 
-    @property
-    def host_lens(self) -> np.ndarray:
-        """Live tokens per row as a read-only NumPy int64 array (no device round trip)."""
-        return self._lengths.read_only()
-
-    @property
-    def lens(self):
-        """Live tokens per row, ``[B]`` int64, as an array of the cache's backend."""
-        return self._lengths.device(self.backend, self.k)
-
     def _set_lens(self, rows: np.ndarray, values: np.ndarray) -> None:
         self._lengths.set(rows, values)
 
-    def _check_mutable(self, what: str) -> None:
+    def _check_can_change(self, what: str) -> None:
         if self._frozen is not None:
             raise RuntimeError(f"cannot {what} through this cache: {self._frozen}")
 
@@ -161,45 +194,17 @@ class KVCache:
         Everything is validated before anything is written: on error (TypeError or
         ValueError naming the row and the numbers) no row's data or length changes.
         """
-        self._check_mutable("append")
+        self._check_can_change("append")
         inputs = validate_append(self, k_new, v_new, n_new, rows)
         self.backend.write_kv(self.k, self.v, k_new, v_new, inputs.rows, inputs.starts, inputs.n_new)
         self._set_lens(inputs.rows, inputs.starts + inputs.n_new)
 
-    # -- row operations (see gqakv.row_ops; same semantics as on ModelKVCache) ----------------
+    # -- row operations (RowsAndLengths) ---------------------------------------------------------
 
-    def _stacked(self):
+    def _row_buffers(self):
         """The buffers as ``[1, B, Hkv, max_len, d]`` views, the row operations' layout."""
         xp = self.backend.namespace()
         return xp.expand_dims(self.k, axis=0), xp.expand_dims(self.v, axis=0)
-
-    def reorder(self, src_rows) -> None:
-        """Row b takes the contents and length of row ``src_rows[b]``; see ``row_ops.reorder``."""
-        from . import row_ops
-
-        self._check_mutable("reorder rows")
-        row_ops.reorder(self.backend, *self._stacked(), self._lengths, src_rows)
-
-    def fork(self, src: int, dst_rows) -> None:
-        """Copy row ``src``'s live tokens and length into each of ``dst_rows``."""
-        from . import row_ops
-
-        self._check_mutable("fork rows")
-        row_ops.fork(self.backend, *self._stacked(), self._lengths, src, dst_rows)
-
-    def truncate(self, rows, new_lens) -> None:
-        """Shorten ``rows[i]`` to ``new_lens[i]`` tokens (O(1), no data moves)."""
-        from . import row_ops
-
-        self._check_mutable("truncate rows")
-        row_ops.truncate(self._lengths, rows, new_lens)
-
-    def reset(self, rows=None) -> None:
-        """Empty ``rows`` (default: every row) for reuse."""
-        from . import row_ops
-
-        self._check_mutable("reset rows")
-        row_ops.reset(self._lengths, rows)
 
     # -- reading ---------------------------------------------------------------------------
 

@@ -23,8 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import dtypes as _dtypes
-from . import row_ops
-from .cache import KVCache, Lengths, _check_dim, allocate, human_bytes
+from .cache import KVCache, Lengths, RowsAndLengths, _check_dim, allocate, human_bytes
 from .inputs import _rows, check_capacity, host_ints, validate_append, validate_attention
 from .registry import get_backend
 
@@ -33,7 +32,7 @@ _LAYER_VIEW = ("it is one layer of a ModelKVCache, whose lengths are shared by a
                "reorder/fork/truncate/reset")
 
 
-class ModelKVCache:
+class ModelKVCache(RowsAndLengths):
     """K/V for every layer of a model, allocated once, with lengths shared by all layers.
 
     Args:
@@ -91,16 +90,6 @@ class ModelKVCache:
 
     # -- lengths and views -----------------------------------------------------------------
 
-    @property
-    def host_lens(self) -> np.ndarray:
-        """Live tokens per row, read-only NumPy int64 ``[B]`` (no device round trip)."""
-        return self._lengths.read_only()
-
-    @property
-    def lens(self):
-        """Live tokens per row, ``[B]`` int64, as an array of the cache's backend."""
-        return self._lengths.device(self.backend, self.k)
-
     def layer(self, layer: int) -> KVCache:
         """Layer ``layer`` as a KVCache over views of the shared buffers (read side:
         ``gqa_attention(q, cache.layer(l), n_new, rows=...)``, ``live_kv``)."""
@@ -131,7 +120,7 @@ class ModelKVCache:
         manager (commit on normal exit, abort on exception), or call ``commit()`` /
         ``abort()``. While a step is open, other writes and row operations raise.
         """
-        self._check_idle("begin a step")
+        self._check_can_change("begin a step")
         n = np.asarray(n_new) if isinstance(n_new, (list, tuple)) else n_new
         count = self.batch if rows is None else len(rows)
         r = _rows(self, rows, count, distinct=True)
@@ -145,34 +134,14 @@ class ModelKVCache:
         self._open_step = step
         return step
 
-    def _check_idle(self, what: str) -> None:
+    def _check_can_change(self, what: str) -> None:
         if self._open_step is not None:
             raise RuntimeError(f"cannot {what}: a step is open on this cache (commit or abort it first)")
 
-    # -- row operations ----------------------------------------------------------------------
+    # -- row operations (RowsAndLengths) ---------------------------------------------------------
 
-    def reorder(self, src_rows) -> None:
-        """Row b takes the contents and length of row ``src_rows[b]`` ([B] ints; duplicates
-        allowed: beam search). In place, all layers at once; copies only live tokens,
-        ordered so no row is overwritten before it is read (a one-row temporary breaks
-        permutation cycles)."""
-        self._check_idle("reorder rows")
-        row_ops.reorder(self.backend, self.k, self.v, self._lengths, src_rows)
-
-    def fork(self, src: int, dst_rows) -> None:
-        """Copy row ``src``'s live tokens and length into each of ``dst_rows`` (distinct)."""
-        self._check_idle("fork rows")
-        row_ops.fork(self.backend, self.k, self.v, self._lengths, src, dst_rows)
-
-    def truncate(self, rows, new_lens) -> None:
-        """Shorten ``rows[i]`` to ``new_lens[i] <= lens[rows[i]]`` tokens: O(1), no data moves."""
-        self._check_idle("truncate rows")
-        row_ops.truncate(self._lengths, rows, new_lens)
-
-    def reset(self, rows=None) -> None:
-        """Empty ``rows`` (distinct; default every row) for new requests."""
-        self._check_idle("reset rows")
-        row_ops.reset(self._lengths, rows)
+    def _row_buffers(self):
+        return self.k, self.v
 
     def __repr__(self) -> str:
         return (f"ModelKVCache(layers={self.layers}, batch={self.batch}, kv_heads={self.kv_heads}, "
