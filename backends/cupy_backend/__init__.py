@@ -117,8 +117,6 @@ class CupyBackend(Backend):
         d = int(k_buf.shape[-1])
         if dtype is None or d > sources.MAX_FUSED_HEAD_DIM:
             return super().write_kv(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
-        import cupy
-
         k_new, v_new = _aligned(k_new, dtype, d), _aligned(v_new, dtype, d)
         if not (_is_aligned(k_buf, dtype, d) and _is_aligned(v_buf, dtype, d)
                 and k_buf.strides == v_buf.strides and k_new.strides == v_new.strides):
@@ -130,10 +128,9 @@ class CupyBackend(Backend):
             return
         from .modules import run_plan
 
+        rows_d, starts_d, n_new_d = _upload_ints(rows, starts, n_new)
         run_plan(plan, {"k_new": k_new, "v_new": v_new, "k_buf": k_buf, "v_buf": v_buf,
-                        "rows": cupy.asarray(rows, dtype=cupy.int64),
-                        "starts": cupy.asarray(starts, dtype=cupy.int64),
-                        "n_new": cupy.asarray(n_new, dtype=cupy.int64)}, dtype, d)
+                        "rows": rows_d, "starts": starts_d, "n_new": n_new_d}, dtype, d)
 
     def copy_tokens(self, dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens) -> None:
         """All copies of the call in one launch; see ``Backend.copy_tokens``.
@@ -209,10 +206,9 @@ class CupyBackend(Backend):
         if plan.launches:
             from .modules import run_plan
 
-            run_plan(plan, {"q": q, "k_buf": k_buf, "v_buf": v_buf,
-                            "rows": cupy.asarray(rows, dtype=cupy.int64),
-                            "lens": cupy.asarray(lens), "n_new": cupy.asarray(n_new),
-                            "out": out, "lse": lse}, dtype, d)
+            rows_d, lens_d, n_new_d = _upload_ints(rows, lens, n_new)
+            run_plan(plan, {"q": q, "k_buf": k_buf, "v_buf": v_buf, "rows": rows_d,
+                            "lens": lens_d, "n_new": n_new_d, "out": out, "lse": lse}, dtype, d)
         return (out, lse) if return_lse else out
 
     def synchronize(self) -> None:
@@ -283,6 +279,14 @@ def _kernel_dtype(x) -> str | None:
     if name == "bfloat16":
         return "bfloat16"
     return name if name in sources.CTYPES else None
+
+
+def _upload_ints(*host_arrays):
+    """Device int64 views of equally long host int arrays, through one host-to-device copy."""
+    import cupy
+
+    packed = cupy.asarray(np.stack([np.asarray(a, dtype=np.int64).reshape(-1) for a in host_arrays]))
+    return tuple(packed[i] for i in range(len(host_arrays)))
 
 
 def _strides(x) -> tuple[int, ...]:
