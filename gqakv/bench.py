@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import dtypes as _dtypes
+from .cache import human_bytes
 
 LLAMA_8B = dict(heads=32, kv_heads=8, head_dim=128, layers=32)
 
@@ -390,18 +391,10 @@ def _report(res: Result, bw, compare) -> dict:
     return report
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def _print_report(r: dict) -> None:
     p, d = r["prefill"], r["decode"]
     print(f"\nbackend: {r['backend']} ({r['threads']})")
-    print(f"cache: {_human(r['cache_bytes'])} allocated once (K and V), {_human(r['live_bytes'])} "
+    print(f"cache: {human_bytes(r['cache_bytes'])} allocated once (K and V), {human_bytes(r['live_bytes'])} "
           "live at the end")
     print(f"\n{'phase':<20}{'calls':>7}{'tokens':>9}{'total s':>10}{'per call ms':>13}")
     for name, ph, what in (("prefill", p, "chunk"), ("decode", d, "step")):
@@ -416,7 +409,7 @@ def _print_report(r: dict) -> None:
     if r["decode_bytes_per_s"]:
         per_step = d["kv_bytes_read"] / d["calls"]
         line = (f"decode attention: {r['decode_bytes_per_s'] / 1e9:.1f} GB/s of live K/V "
-                f"({_human(per_step)} read per step)")
+                f"({human_bytes(per_step)} read per step)")
         if bw:
             line += (f",\n  {100 * r['decode_bytes_per_s'] / bw['best']:.0f}% of the best measured read "
                      f"bandwidth, {100 * r['decode_bytes_per_s'] / bw['numpy_sum_1thread']:.0f}% of one "
@@ -440,10 +433,10 @@ def _print_report(r: dict) -> None:
     concat = r["concat_bytes"]
     tok = token_bytes(cfg["kv_heads"], cfg["head_dim"], cfg["dtype"])
     print(f"\nconcatenation: a cache grown by concatenation copies every cached token at each append;"
-          f"\n  for this run it would have copied {concat:,} bytes ({_human(concat)}) "
+          f"\n  for this run it would have copied {concat:,} bytes ({human_bytes(concat)}) "
           f"= {concat / max(1, r['live_bytes']):.0f}x the final live cache; gqakv copied 0.")
     if (cfg["heads"], cfg["kv_heads"], cfg["head_dim"]) == (32, 8, 128):
         layers = LLAMA_8B["layers"]
-        print(f"  across all {layers} layers of Llama-3.1-8B: {_human(concat * layers)} "
+        print(f"  across all {layers} layers of Llama-3.1-8B: {human_bytes(concat * layers)} "
               f"({tok * layers:,} bytes of K+V per token)")
     print(f"\ntotal {r['wall_s']:.1f} s")

@@ -227,5 +227,3 @@ def human_bytes(nbytes: int) -> str:
         nbytes /= 1024
     raise AssertionError
 
-
-_human = human_bytes  # old private name
