@@ -57,7 +57,9 @@ class Lengths:
 
     def device(self, backend, like):
         if self._device is None:
-            self._device = backend.from_host_ints(self.host, device=backend.device_of(like))
+            # A copy: the array handed out must neither change under its holder after the
+            # next append nor, where the library's arrays are writable, write the lengths.
+            self._device = backend.from_host_ints(self.host.copy(), device=backend.device_of(like))
         return self._device
 
 

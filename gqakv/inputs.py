@@ -40,6 +40,9 @@ def host_ints(x, what: str, length: int) -> np.ndarray:
             raise TypeError(f"{what} must have an integer dtype, got {a.dtype}")
     if a.shape != (length,):
         raise ValueError(f"{what} must have shape [{length}] (one per batch row), got {list(a.shape)}")
+    if a.dtype.kind == "u" and a.size and a.max() > np.iinfo(np.int64).max:
+        i = int(np.argmax(a > np.iinfo(np.int64).max))  # int64 would wrap it negative
+        raise ValueError(f"{what}[{i}]={int(a[i])} is out of range")
     return a.astype(np.int64, copy=True)
 
 

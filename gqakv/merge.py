@@ -25,7 +25,10 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     total = w_a + w_b
     safe = xp.where(total > 0, total, xp.ones_like(total))
     acc = lse.dtype
-    out = (xp.astype(out_a, acc) * (w_a / safe)[..., None]
-           + xp.astype(out_b, acc) * (w_b / safe)[..., None])
+    zero = xp.zeros((), dtype=acc)
+    # A part that saw no key (weight 0) contributes nothing, even if its output holds NaN.
+    part_a = xp.where((w_a > 0)[..., None], xp.astype(out_a, acc) * (w_a / safe)[..., None], zero)
+    part_b = xp.where((w_b > 0)[..., None], xp.astype(out_b, acc) * (w_b / safe)[..., None], zero)
+    out = part_a + part_b
     lse_out = xp.where(total > 0, base + xp.log(safe), lse)
     return xp.astype(out, out_a.dtype), lse_out

@@ -122,7 +122,10 @@ class ModelKVCache(RowsAndLengths):
         """
         self._check_can_change("begin a step")
         n = np.asarray(n_new) if isinstance(n_new, (list, tuple)) else n_new
-        count = self.batch if rows is None else len(rows)
+        try:
+            count = self.batch if rows is None else len(rows)
+        except TypeError:  # an int or a 0-d array
+            raise TypeError(f"rows must be a 1-D list of cache row indices, got {rows!r}") from None
         r = _rows(self, rows, count, distinct=True)
         n = host_ints(n, "n_new", count)
         starts = self._lengths.host[r].copy()
