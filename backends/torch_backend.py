@@ -103,7 +103,8 @@ class TorchBackend(Backend):
         if a.dtype.name == "bfloat16":  # ml_dtypes bfloat16: same bits as torch's
             t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
         else:
-            t = torch.tensor(a)
+            # torch refuses negative strides (a reversed view); a NumPy copy has none
+            t = torch.tensor(a.copy() if any(s < 0 for s in a.strides) else a)
         if dtype is not None:
             t = t.to(self.dtype(dtype))
         return t.to(self._target_device())

@@ -106,3 +106,11 @@ def test_transposed_query_view_and_extreme_scales(backend, arrays):
                                              scale=scale)
         np.testing.assert_allclose(arrays.to_numpy(out), want, rtol=0, atol=1e-10)
         np.testing.assert_allclose(arrays.to_numpy(lse), want_lse, rtol=1e-12, atol=1e-9)
+
+
+def test_from_numpy_takes_negative_strides(backend, arrays):
+    """``Backend.from_numpy`` of a reversed NumPy view (torch refuses negative strides)."""
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)[:, ::-1, ::-2]
+    got = backend.from_numpy(a)
+    np.testing.assert_array_equal(arrays.to_numpy(got, np.float32), a)
+    np.testing.assert_array_equal(arrays.to_numpy(backend.from_numpy(a, "float64")), a)
