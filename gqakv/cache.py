@@ -212,6 +212,8 @@ class KVCache(RowsAndLengths):
 
     def live_kv(self, row: int):
         """Views ``k[row, :, :lens[row]]`` and ``v[row, :, :lens[row]]``, ``[Hkv, L, d]`` each."""
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.batch:
+            raise ValueError(f"row={row!r} is not a row of this cache (0..{self.batch - 1})")
         n = int(self._lengths.host[row])
         return self.k[row, :, :n, :], self.v[row, :, :n, :]
 

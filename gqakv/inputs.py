@@ -182,8 +182,9 @@ def validate_attention(cache, q, n_new, rows=None, scale=None) -> AttentionInput
             )
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite Python float, got {scale!r}")
+    elif (isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating))
+          or not math.isfinite(scale)):
+        raise TypeError(f"scale must be a finite real number, got {scale!r}")
     # A Python float keeps the computation in the cache's dtype (a NumPy float64 scalar
     # would promote a float32 step to a float64 copy of every block it touches).
     return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, group=hq // cache.kv_heads,

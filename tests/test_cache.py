@@ -161,8 +161,12 @@ def test_bad_attention_inputs(arrays, cache_and_data, case):
 def test_bad_scale_and_dtype(arrays, cache_and_data):
     cache, rng = cache_and_data
     q = _new(arrays, (3, 4, 1, 4), rng=rng)
-    with pytest.raises(TypeError, match="scale"):
-        gqakv.gqa_attention(q, cache, [1, 1, 0], scale=math.nan)
+    for bad in (math.nan, math.inf, True, "0.5", [0.5]):
+        with pytest.raises(TypeError, match="scale"):
+            gqakv.gqa_attention(q, cache, [1, 1, 0], scale=bad)
+    # NumPy scalars are real numbers too; the output keeps q's dtype
+    for ok in (np.float32(0.5), np.float64(0.5), 1):
+        assert gqakv.gqa_attention(q, cache, [1, 1, 0], scale=ok).dtype == q.dtype
     with pytest.raises(TypeError, match="dtype float64"):
         gqakv.gqa_attention(_new(arrays, (3, 4, 1, 4), "float64"), cache, [1, 1, 0])
 
@@ -241,3 +245,10 @@ def test_memory_follows_live_length_and_is_bounded():
     tracemalloc.stop()
     assert peak < full_scores / 2, (peak, full_scores)
     assert peak <= 4 * attention_module.SCORE_BLOCK_ELEMENTS * 4 + 8 * T * Hkv * G * d * 4
+
+
+def test_live_kv_rejects_rows_outside_the_cache(backend):
+    cache = gqakv.KVCache(2, 1, 4, 2, backend=backend)
+    for bad in (-1, 2, 1.0, True):
+        with pytest.raises(ValueError, match="not a row of this cache"):
+            cache.live_kv(bad)
