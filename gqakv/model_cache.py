@@ -178,11 +178,18 @@ class Step:
     # -- per layer -------------------------------------------------------------------------
 
     def layer(self, layer: int) -> KVCache:
-        """Layer ``layer`` as the step sees it: lengths include this step's tokens (once the
-        layer is written). For ``gqa_attention(q, step.layer(l), step.n_new, rows=step.rows)``."""
+        """Layer ``layer`` as the step sees it, after ``write(layer, ...)``: lengths include
+        this step's tokens. For ``gqa_attention(q, step.layer(l), step.n_new, rows=step.rows)``.
+        Before the layer is written its new slots hold nothing yet, so this raises."""
         self._check_open()
+        l = self.cache._layer_index(layer)
+        if not self._written[l]:
+            raise RuntimeError(f"layer {l} is not written yet in this step: write(...) it first "
+                               "(or use attend(...), which writes then attends)")
+        return self._view(l)
+
+    def _view(self, l: int) -> KVCache:
         c = self.cache
-        l = c._layer_index(layer)
         return KVCache.view_of(c.k[l, ...], c.v[l, ...], self._pending, backend=c.backend,
                                dtype=c.dtype, frozen="it is a step's view of one layer")
 
@@ -210,7 +217,7 @@ class Step:
         c = self.cache
         l = c._layer_index(layer)
         inputs = self._validate_write(l, k_new, v_new)
-        view = self.layer(l)
+        view = self._view(l)  # validated against before the write; read only after it
         att = validate_attention(view, q, self.n_new, self.rows, scale)
         if tuple(q.shape[::2]) != tuple(k_new.shape[::2]):
             raise ValueError(f"q {list(q.shape)} and k_new {list(k_new.shape)} must have the same "

@@ -285,3 +285,19 @@ def test_allocation_that_cannot_fit_names_its_size():
     want = gqakv.ModelKVCache.nbytes_for(layers, B, hkv, S, d)
     with pytest.raises(MemoryError, match=f"model KV cache of {want:,} bytes"):
         gqakv.ModelKVCache(layers, B, hkv, S, d, backend="numpy")
+
+
+def test_step_layer_view_only_after_the_layer_is_written(backend, arrays):
+    """A step's view of a layer counts the step's tokens; before the layer is written those
+    slots hold nothing, so the view is refused until then."""
+    cache = gqakv.ModelKVCache(2, 1, 1, 4, 2, backend=backend)
+    kv = arrays.asarray(np.ones((1, 1, 2, 2)), "float32")
+    with cache.step([2]) as step:
+        with pytest.raises(RuntimeError, match="layer 1 is not written yet"):
+            step.layer(1)
+        step.write(0, kv, kv)
+        out = gqakv.gqa_attention(arrays.asarray(np.ones((1, 2, 2, 2)), "float32"), step.layer(0),
+                                  step.n_new, rows=step.rows)
+        np.testing.assert_allclose(arrays.to_numpy(out), 1.0, atol=1e-6)
+        step.attend(1, arrays.asarray(np.ones((1, 2, 2, 2)), "float32"), kv, kv)
+    assert list(cache.host_lens) == [2]
