@@ -20,6 +20,17 @@ if os.environ.get("CI"):
 _BACKENDS = gqakv.list_backends()
 
 
+def _emulated_cupy():
+    """The cupy backend's own glue and .cu kernels on the CPU emulation harness
+    (tests/cuda_emu/emulated_backend.py); not registered with gqakv, only a test param."""
+    from .cuda_emu.emulated_backend import EmulatedCupyBackend
+
+    return EmulatedCupyBackend()
+
+
+_BACKENDS.append(_emulated_cupy())
+
+
 def _param(b):
     why = b.unavailable_reason()
     marks = [pytest.mark.skip(reason=f"backend {b.name}: {why}")] if why else []

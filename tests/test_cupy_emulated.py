@@ -94,31 +94,17 @@ def test_emulated_kernels_under_address_sanitizer():
     print(proc.stdout.splitlines()[-2])
 
 
-def _backend_on_emulator(emulator, monkeypatch):
-    """A CupyBackend whose cupy is a NumPy stand-in and whose launches run on the emulator."""
-    import types
+@pytest.fixture
+def emulated_backend():
+    """CupyBackend itself with a NumPy stand-in for cupy and the emulator in place of
+    RawModule launches (tests/cuda_emu/emulated_backend.py; also a ``backend`` param of
+    the whole parity suite, see tests/conftest.py)."""
+    from .cuda_emu.emulated_backend import EmulatedCupyBackend
 
-    import numpy as np
-
-    from gqakv_backends.cupy_backend import CupyBackend, modules
-
-    fake = types.ModuleType("cupy")
-    for name in ("zeros", "full", "empty", "ascontiguousarray", "float32", "float64", "int64",
-                 "ndarray"):
-        setattr(fake, name, getattr(np, name))
-    fake.asarray = lambda a, dtype=None: np.array(a, dtype=dtype)
-    device = types.SimpleNamespace(id=0, attributes={"MultiProcessorCount": 2})
-    fake.cuda = types.SimpleNamespace(Device=lambda *a: device)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(modules, "run_plan",
-                        lambda plan, arrays, dtype, d: emulator.run(plan, arrays))
-    backend = CupyBackend()
-    monkeypatch.setattr(backend, "device_of", lambda x: 0)
-    monkeypatch.setattr(backend, "empty", lambda shape, dtype: np.empty(shape, backend.dtype(dtype)))
-    return backend
+    return EmulatedCupyBackend()
 
 
-def test_backend_glue_on_the_emulator(emulator, monkeypatch):
+def test_backend_glue_on_the_emulator(emulated_backend):
     """CupyBackend.write_kv / attention end to end, with a NumPy stand-in for cupy and the
     emulator in place of RawModule launches: checks the backend's own strides, argument
     lists, output pre-fill and bfloat16 handling, not just the planner."""
@@ -129,20 +115,21 @@ def test_backend_glue_on_the_emulator(emulator, monkeypatch):
 
     from .reference import reference_attention
 
-    backend = _backend_on_emulator(emulator, monkeypatch)
+    backend = emulated_backend
     rng = np.random.default_rng(0)
     bf16 = np.dtype(ml_dtypes.bfloat16)
     B, Hkv, G, D, S = 2, 2, 4, 64, 40
-    k_buf = np.full((3, Hkv, S, D), np.nan, dtype=bf16)
-    v_buf = np.full_like(k_buf, np.nan)
+    k_buf = backend.empty((3, Hkv, S, D), "bfloat16")  # NaN-filled, like device garbage
+    v_buf = backend.empty((3, Hkv, S, D), "bfloat16")
     rows, lens = np.array([2, 0]), np.zeros(3, dtype=np.int64)
+    before = backend.launches
     for n_new in (np.array([9, 5]), np.array([1, 1]), np.array([0, 2])):
         T = int(n_new.max())
-        k_new = rng.standard_normal((B, Hkv, T, D)).astype(bf16)
-        v_new = rng.standard_normal((B, Hkv, T, D)).astype(bf16)
+        k_new = backend.from_numpy(rng.standard_normal((B, Hkv, T, D)), "bfloat16")
+        v_new = backend.from_numpy(rng.standard_normal((B, Hkv, T, D)), "bfloat16")
         backend.write_kv(k_buf, v_buf, k_new, v_new, rows, lens[rows], n_new)
         lens[rows] += n_new
-        q = rng.standard_normal((B, Hkv * G, T, D)).astype(bf16)
+        q = backend.from_numpy(rng.standard_normal((B, Hkv * G, T, D)), "bfloat16")
         out, lse = backend.attention(q, k_buf, v_buf, rows, lens[rows], n_new,
                                      scale=1 / math.sqrt(D), return_lse=True)
         ref, ref_lse = reference_attention(
@@ -155,10 +142,11 @@ def test_backend_glue_on_the_emulator(emulator, monkeypatch):
         assert np.array_equal(np.isneginf(lse), ~live)
         assert np.abs(lse[live] - ref_lse[live]).max() <= cases.LSE_ATOL
     assert np.isnan(k_buf[1].astype(np.float32)).all()  # the row no entry uses is untouched
+    assert backend.launches - before == 6  # every write and attention was a fused launch
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
-def test_row_ops_through_copy_tokens_on_the_emulator(emulator, monkeypatch, dtype):
+def test_row_ops_through_copy_tokens_on_the_emulator(emulated_backend, dtype):
     """gqakv.row_ops.reorder (a permutation cycle through the temporary, duplicates) and fork
     through CupyBackend.copy_tokens: one fused launch per wave for bfloat16, the generic
     slice copies for float64 (no kernel); live prefixes compared bit for bit with a model."""
@@ -167,11 +155,11 @@ def test_row_ops_through_copy_tokens_on_the_emulator(emulator, monkeypatch, dtyp
     from gqakv import row_ops
     from gqakv.cache import Lengths
 
-    backend = _backend_on_emulator(emulator, monkeypatch)
+    backend = emulated_backend
     rng = np.random.default_rng(1)
     layers, R, H, S, D = 3, 6, 2, 16, 64
-    k = rng.standard_normal((layers, R, H, S, D)).astype(backend.dtype(dtype))
-    v = rng.standard_normal((layers, R, H, S, D)).astype(backend.dtype(dtype))
+    k = backend.from_numpy(rng.standard_normal((layers, R, H, S, D)), dtype)
+    v = backend.from_numpy(rng.standard_normal((layers, R, H, S, D)), dtype)
     lens = np.array([5, 0, 16, 3, 9, 7])
     lengths = Lengths.of(lens)
     rows = [(k[:, r, :, :lens[r]].copy(), v[:, r, :, :lens[r]].copy()) for r in range(R)]
@@ -186,15 +174,15 @@ def test_row_ops_through_copy_tokens_on_the_emulator(emulator, monkeypatch, dtyp
     src = np.array([2, 0, 1, 4, 4, 5])  # cycle 0 <- 2 <- 1 <- 0, row 3 and 4 both take row 4
     waves = row_ops.plan_reorder(src, lens)
     assert any(w.dst_rows[0] == row_ops.TEMP for w in waves)
-    before = emulator.launches
+    before = backend.launches
     row_ops.reorder(backend, k, v, lengths, src)
     rows = [rows[s] for s in src]
     check()
     fused = sum(1 for w in waves if w.n_tokens.max() > 0)
-    assert emulator.launches - before == (fused if dtype == "bfloat16" else 0)
+    assert backend.launches - before == (fused if dtype == "bfloat16" else 0)
 
-    before = emulator.launches
+    before = backend.launches
     row_ops.fork(backend, k, v, lengths, 3, [1, 5, 3])  # row 3 holds old row 4 (9 tokens)
     rows[1] = rows[5] = rows[3]
     check()
-    assert emulator.launches - before == (1 if dtype == "bfloat16" else 0)
+    assert backend.launches - before == (1 if dtype == "bfloat16" else 0)

@@ -47,8 +47,8 @@ def asan_runtime() -> str | None:
     return path if out.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
 
 
-def _flags(asan: bool) -> list[str]:
-    dims = " ".join(f"GQAKV_REG_DIM({d})" for d in HEAD_DIMS)
+def _flags(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS) -> list[str]:
+    dims = " ".join(f"GQAKV_REG_DIM({d})" for d in head_dims)
     flags = ["-std=c++20", "-g", "-pthread", "-shared", "-fPIC", f"-I{kernel_dir()}",
              f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={dims}"]
     if asan:
@@ -58,18 +58,18 @@ def _flags(asan: bool) -> list[str]:
     return flags
 
 
-def library_path(asan: bool) -> Path:
+def library_path(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS) -> Path:
     digest = hashlib.sha256()
     for p in sorted(kernel_dir().glob("*.cu*")) + [HERE / "cuda_emu.h", HERE / "driver.cpp"]:
         digest.update(p.name.encode() + p.read_bytes())
-    digest.update(" ".join(_flags(asan)).encode())
+    digest.update(" ".join(_flags(asan, head_dims)).encode())
     tag = "asan" if asan else "opt"
     return Path(tempfile.gettempdir()) / "gqakv_cuda_emu" / f"libgqakv_emu_{tag}_{digest.hexdigest()[:16]}.so"
 
 
-def build(asan: bool = False) -> Path:
-    """Compile (once per source version) and return the library path."""
-    out = library_path(asan)
+def build(asan: bool = False, head_dims: tuple[int, ...] = HEAD_DIMS) -> Path:
+    """Compile (once per source version and head-dim set) and return the library path."""
+    out = library_path(asan, head_dims)
     if out.exists():
         return out
     cxx = compiler()
@@ -77,7 +77,7 @@ def build(asan: bool = False) -> Path:
         raise RuntimeError("no C++ compiler (g++) found")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *_flags(asan), str(HERE / "driver.cpp"), "-o", str(tmp)]
+    cmd = [cxx, *_flags(asan, head_dims), str(HERE / "driver.cpp"), "-o", str(tmp)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{proc.stderr}")

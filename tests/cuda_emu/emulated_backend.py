@@ -1,0 +1,216 @@
+"""The real cupy backend, run on the CPU: a test-only backend named ``cupy_emulated``.
+
+``EmulatedCupyBackend`` is ``gqakv_backends.cupy_backend.CupyBackend`` with two things
+substituted and nothing else:
+
+* array allocation: a small stand-in ``cupy`` module whose arrays are
+  ``EmulatedDeviceArray`` (a NumPy subclass with ``.get()`` like a CuPy array, so a plain
+  NumPy array is still "another library" to the cache), all on device 0;
+* kernel launch: ``modules.run_plan`` becomes a runner that executes the plan's launches
+  (grid, block, typed arguments exactly as built by the backend's planner) on the CPU
+  emulation harness (``harness.Emulator``), one emulation library per head dim, compiled
+  with g++ on first use.
+
+Everything else is the backend's own code: ``write_kv``, ``copy_tokens``, ``attention``,
+their layout checks and fallbacks, strides, the upload of rows/lengths, the output
+pre-fill, the planner (with an H200's 132 SMs), the bfloat16 handling.
+
+The stand-in module is visible only while one of this backend's methods runs: each
+public method swaps ``sys.modules["cupy"]`` (and ``modules.run_plan``) in and restores
+them on return, so the real ``cupy`` backend keeps reporting "not installed" and no
+other code ever imports a fake cupy. Arrays are NumPy memory, so a kernel sees the
+array's own bytes from its first element (a strided view is handed over as the byte
+span it covers, its pointer and strides unchanged, as on a device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import sys
+import threading
+import types
+
+import numpy as np
+
+from gqakv_backends import cupy_backend
+from gqakv_backends.cupy_backend import CupyBackend, modules
+
+from . import harness
+
+#: Multiprocessor count the planner is given (an H200's), so plans match that device's.
+SM_COUNT = 132
+_MISSING = object()
+_lock = threading.RLock()
+
+
+class EmulatedDevice:
+    """``cupy.cuda.Device`` stand-in: device 0, usable as a context manager."""
+
+    id = 0
+    attributes = {"MultiProcessorCount": SM_COUNT}
+
+    def __init__(self, device=None):
+        if device not in (None, 0):
+            raise ValueError(f"the emulated device is 0, got {device!r}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class EmulatedDeviceArray(np.ndarray):
+    """NumPy memory standing for a CuPy array on device 0.
+
+    Its ``.device`` stays NumPy's ``"cpu"``: the backend's array-API fallbacks (float64,
+    d > 256) pass it on to NumPy functions, as they pass a CuPy device on to CuPy.
+    """
+
+    def get(self) -> np.ndarray:
+        """Host copy, like ``cupy.ndarray.get``."""
+        return np.array(self, subok=False)
+
+
+def _on_device(a: np.ndarray) -> EmulatedDeviceArray:
+    return a.view(EmulatedDeviceArray)
+
+
+def _empty(shape, dtype=np.float32):
+    """Uninitialized like ``cupy.empty``: floating buffers hold NaN, so a read before a
+    write shows."""
+    a = np.empty(shape, dtype=dtype)
+    if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
+        a.fill(np.nan)
+    return _on_device(a)
+
+
+def _asarray(a, dtype=None):
+    """``cupy.asarray``: a device array as it is (cast if asked), a host array copied over."""
+    if isinstance(a, EmulatedDeviceArray):
+        return a if dtype is None or a.dtype == dtype else _on_device(np.array(a, dtype=dtype))
+    return _on_device(np.array(a, dtype=dtype, copy=True))
+
+
+def _fake_cupy() -> types.ModuleType:
+    """The parts of the cupy API that CupyBackend calls, on EmulatedDeviceArray."""
+    cp = types.ModuleType("cupy")
+    cp.__version__ = "emulated"
+    cp.ndarray = EmulatedDeviceArray
+    for name in ("float16", "float32", "float64", "int32", "int64"):
+        setattr(cp, name, getattr(np, name))
+    cp.asarray = _asarray
+    cp.empty = _empty
+    cp.zeros = lambda shape, dtype=np.float32: _on_device(np.zeros(shape, dtype=dtype))
+    cp.full = lambda shape, fill, dtype=None: _on_device(np.full(shape, fill, dtype=dtype))
+    cp.ascontiguousarray = lambda a: _on_device(np.ascontiguousarray(a))
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    cp.cuda = types.SimpleNamespace(Device=EmulatedDevice, get_current_stream=lambda: stream)
+    return cp
+
+
+def memory_span(a: np.ndarray) -> np.ndarray:
+    """The bytes from a's first element to its last one, as a uint8 array sharing a's
+    memory: what a kernel given a's pointer and strides may address."""
+    a = np.asarray(a)
+    if any(s < 0 for s in a.strides):
+        raise ValueError(f"negative strides {a.strides} cannot be handed to a kernel")
+    if a.size == 0:
+        return np.empty(0, dtype=np.uint8)
+    extent = sum((n - 1) * s for n, s in zip(a.shape, a.strides)) + a.itemsize
+    return np.ctypeslib.as_array((ctypes.c_ubyte * extent).from_address(a.ctypes.data))
+
+
+def emulator(head_dim: int) -> harness.Emulator:
+    """An emulation library holding every kernel x dtype for ``head_dim``: the harness's
+    default one for its head dims, else one for this head dim alone (g++, ~3 s, cached
+    on disk by the harness)."""
+    return _library(harness.HEAD_DIMS if head_dim in harness.HEAD_DIMS else (head_dim,))
+
+
+@functools.cache
+def _library(head_dims: tuple[int, ...]) -> harness.Emulator:
+    return harness.Emulator(harness.build(asan=False, head_dims=head_dims))
+
+
+def _emulated(method):
+    """Run a CupyBackend method with the stand-in cupy and the emulated launcher in place."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.in_scope():
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class EmulatedCupyBackend(CupyBackend):
+    """CupyBackend on the CPU: NumPy-backed device arrays, kernels on the emulator."""
+
+    name = "cupy_emulated"
+    priority = -100  # test-only: never an automatic choice
+    array_library = "cupy (emulated: NumPy memory)"
+    device_kind = "cuda (emulated on the CPU)"
+
+    def __init__(self):
+        super().__init__()
+        self._cupy = _fake_cupy()
+        #: Kernel launches run so far (tests count them to see the fused path was taken).
+        self.launches = 0
+
+    def unavailable_reason(self) -> str | None:
+        if harness.compiler() is None:
+            return "cupy_emulated: no C++ compiler (g++) for the CUDA emulation harness"
+        return None
+
+    def device_of(self, x):
+        """Device 0 (CupyBackend reads ``x.device.id``; see EmulatedDeviceArray)."""
+        return EmulatedDevice.id
+
+    def namespace(self):
+        import array_api_compat.numpy as xp  # the stand-in arrays are NumPy arrays
+
+        return xp
+
+    @contextlib.contextmanager
+    def in_scope(self):
+        """The stand-in cupy and the emulated ``run_plan``, for the duration of the block."""
+        with _lock:
+            saved = (sys.modules.get("cupy", _MISSING), modules.run_plan,
+                     cupy_backend._BF16_SUPPORTED)
+            sys.modules["cupy"] = self._cupy
+            modules.run_plan = self._run_plan
+            cupy_backend._BF16_SUPPORTED = None
+            try:
+                yield
+            finally:
+                if saved[0] is _MISSING:
+                    sys.modules.pop("cupy", None)
+                else:
+                    sys.modules["cupy"] = saved[0]
+                modules.run_plan, cupy_backend._BF16_SUPPORTED = saved[1], saved[2]
+
+    def _run_plan(self, plan, arrays: dict, dtype: str, head_dim: int) -> None:
+        """``modules.run_plan`` on the emulator: same plan, same buffers (their bytes)."""
+        emulator(head_dim).run(plan, {name: memory_span(a) for name, a in arrays.items()})
+        self.launches += len(plan.launches)
+
+    # Every method of CupyBackend that imports cupy, run with the stand-in in scope.
+    not_supported_reasons = _emulated(CupyBackend.not_supported_reasons)
+    dtype = _emulated(CupyBackend.dtype)
+    owns = _emulated(CupyBackend.owns)
+    from_numpy = _emulated(CupyBackend.from_numpy)
+    from_host_ints = _emulated(CupyBackend.from_host_ints)
+    write_kv = _emulated(CupyBackend.write_kv)
+    copy_tokens = _emulated(CupyBackend.copy_tokens)
+    attention = _emulated(CupyBackend.attention)
+    synchronize = _emulated(CupyBackend.synchronize)
+
+    @_emulated
+    def empty(self, shape, dtype: str):
+        """``cupy.empty`` (as the base class does through array_api_compat.cupy)."""
+        import cupy
+
+        return cupy.empty(shape, dtype=self.dtype(dtype))
