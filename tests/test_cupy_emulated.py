@@ -14,6 +14,12 @@ reference rounded to the cache dtype) + 2e-6 (fp32 accumulation); lse within 1e-
 The same scenarios then run under AddressSanitizer in a subprocess, with every byte a
 kernel must not touch poisoned (dead cache tails, untouched rows, padding slots; for
 row copies everything but the copied slots of dst and the copied prefixes of src).
+
+The last tests drive CupyBackend itself (tests/cuda_emu/emulated_backend.py: its own
+write_kv / attention / copy_tokens and planner; only allocation and launch substituted):
+bfloat16 glue, strided and unaligned inputs, row operations through the copy kernel.
+The same backend is the ``cupy_emulated`` param of the whole backend-parametrized parity
+suite (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -186,3 +192,77 @@ def test_row_ops_through_copy_tokens_on_the_emulator(emulated_backend, dtype):
     rows[1] = rows[5] = rows[3]
     check()
     assert backend.launches - before == (1 if dtype == "bfloat16" else 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_strided_and_unaligned_inputs_through_the_glue(emulated_backend, dtype):
+    """Inputs the kernels read in place (a transposed q view, k/v views sliced in T) and
+    inputs the glue must copy first (a view one element off vector alignment), through
+    KVCache.append and gqa_attention on the emulated cupy backend."""
+    import numpy as np
+
+    import gqakv
+    from gqakv_backends import cupy_backend
+
+    from .reference import reference_attention
+
+    backend = emulated_backend
+    rng = np.random.default_rng(2)
+    B, Hkv, G, D = 2, 2, 3, 64
+    cache = gqakv.KVCache(B, Hkv, 24, D, dtype=dtype, backend=backend)
+    cache.k[...] = np.nan
+    cache.v[...] = np.nan
+    host = {"k": [np.zeros((Hkv, 0, D))] * B, "v": [np.zeros((Hkv, 0, D))] * B}
+    before = backend.launches
+    for step, n_new in enumerate(([5, 2], [1, 1], [3, 0])):
+        T = max(n_new) + 1
+        kv = {}
+        for name in ("k", "v"):
+            wide = backend.from_numpy(rng.standard_normal((B, Hkv, T + 2, D + 8)), dtype)
+            # step 0: a strided view the kernel reads in place; later: one element off
+            # vector alignment, which the glue copies first
+            kv[name] = wide[:, :, 1:T + 1, :D] if step == 0 else wide[:, :, :T, 1:D + 1]
+            assert cupy_backend._is_aligned(kv[name], dtype, D) == (step == 0)
+            host[name] = [np.concatenate([host[name][b], kv[name].get()[b, :, :n_new[b]]], axis=1)
+                          for b in range(B)]
+        cache.append(kv["k"], kv["v"], n_new)
+        q_bthd = backend.from_numpy(rng.standard_normal((B, T, Hkv * G, D)), dtype)
+        q = q_bthd.transpose(0, 2, 1, 3)  # [B, Hq, T, d] view with token stride Hq * d
+        assert cupy_backend._is_aligned(q, dtype, D) and not q.flags.c_contiguous
+        out, lse = gqakv.gqa_attention(q, cache, n_new, return_lse=True)
+        ref, ref_lse = reference_attention(q.get().astype(np.float64),
+                                           [h.astype(np.float64) for h in host["k"]],
+                                           [h.astype(np.float64) for h in host["v"]], n_new)
+        st = np.dtype(dtype)
+        rounding = np.abs(ref.astype(st).astype(np.float64) - ref).max()
+        assert np.abs(out.get().astype(np.float64) - ref).max() <= 2 * rounding + cases.ACC_ATOL
+        live = ~np.isneginf(ref_lse)
+        assert np.array_equal(np.isneginf(lse.get()), ~live)
+        assert np.abs(lse.get()[live] - ref_lse[live]).max() <= cases.LSE_ATOL
+    assert backend.launches - before == 6  # all fused: 3 appends, 3 attentions
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kind", ["model", "single"])
+def test_row_operations_parity_through_the_fused_copy(emulated_backend, kind, dtype):
+    """tests/test_row_ops.py's reorder and fork scenarios (run there in float64, which the
+    cupy backend serves with generic slice copies) in dtypes the copy kernel takes: every
+    live token bit-equal to the direct model, every copy wave one fused launch."""
+    import numpy as np
+
+    from .conftest import BackendArrays
+    from .test_row_ops import assert_matches, fill_rows, make_cache
+
+    backend, arrays = emulated_backend, BackendArrays(emulated_backend)
+    lens = [5, 0, 7, 2]
+    for src in ([0, 0, 1, 1], [1, 0, 3, 2], [1, 2, 3, 0], [3, 3, 3, 3], [2, 0, 0, 1]):
+        cache, direct = make_cache(kind, backend, head_dim=8, dtype=dtype)
+        fill_rows(cache, direct, arrays, lens, np.random.default_rng(1), dtype)
+        before = backend.launches
+        cache.reorder(src)
+        direct.reorder(src)
+        assert_matches(cache, direct, arrays)
+        assert backend.launches > before, f"reorder {src} launched no copy kernel"
+    cache.fork(2, [0, 3, 2])
+    direct.fork(2, [0, 3])
+    assert_matches(cache, direct, arrays)

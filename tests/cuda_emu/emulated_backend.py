@@ -78,7 +78,7 @@ def _on_device(a: np.ndarray) -> EmulatedDeviceArray:
     return a.view(EmulatedDeviceArray)
 
 
-def _empty(shape, dtype=np.float32):
+def _empty(shape, dtype=float):
     """Uninitialized like ``cupy.empty``: floating buffers hold NaN, so a read before a
     write shows."""
     a = np.empty(shape, dtype=dtype)
@@ -103,7 +103,7 @@ def _fake_cupy() -> types.ModuleType:
         setattr(cp, name, getattr(np, name))
     cp.asarray = _asarray
     cp.empty = _empty
-    cp.zeros = lambda shape, dtype=np.float32: _on_device(np.zeros(shape, dtype=dtype))
+    cp.zeros = lambda shape, dtype=float: _on_device(np.zeros(shape, dtype=dtype))
     cp.full = lambda shape, fill, dtype=None: _on_device(np.full(shape, fill, dtype=dtype))
     cp.ascontiguousarray = lambda a: _on_device(np.ascontiguousarray(a))
     stream = types.SimpleNamespace(synchronize=lambda: None)

@@ -1,8 +1,9 @@
 """Build the CUDA kernels for the CPU and run cupy-backend launch plans on them.
 
-``build(asan=False)`` compiles driver.cpp (which includes the backend's .cu files
-unchanged) with g++ and the cuda_emu.h shim into a shared library, cached under the
-temp directory by a hash of the sources and flags. ``Emulator.run(plan, arrays)`` copies
+``build(asan=False, head_dims=HEAD_DIMS)`` compiles driver.cpp (which includes the
+backend's .cu files unchanged) with g++ and the cuda_emu.h shim into a shared library
+with every kernel x dtype for those head dims, cached under the temp directory by a hash
+of the sources and flags. ``Emulator.run(plan, arrays)`` copies
 NumPy arrays into exactly-sized malloc'd buffers, optionally poisons byte ranges (under
 AddressSanitizer any access there aborts with a report), performs every launch of a
 ``gqakv_backends.cupy_backend.plan.Plan`` with the plan's own grid, block and typed
