@@ -86,7 +86,7 @@ def run_trial(backend, arrays, trial, dtype):
 
 #: Randomized trials per (backend, dtype), 200 unless listed. cupy_emulated float32 runs
 #: the cupy backend's fused CUDA kernels on the CPU emulator (tests/cuda_emu: an OS thread
-#: per CUDA thread, ~10-100 ms a launch), so it draws 30 trials (~10 s, ~400 launches);
+#: per CUDA thread, ~10-100 ms a launch), so it draws 30 trials (10-15 s, ~400 launches);
 #: its float64 (the backend's array-API path) keeps 200. The emulated kernels' own
 #: scenario grid is tests/test_cupy_emulated.py.
 TRIALS = {("cupy_emulated", "float32"): 30}

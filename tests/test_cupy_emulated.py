@@ -266,3 +266,31 @@ def test_row_operations_parity_through_the_fused_copy(emulated_backend, kind, dt
     cache.fork(2, [0, 3, 2])
     direct.fork(2, [0, 3])
     assert_matches(cache, direct, arrays)
+
+
+def test_stand_in_cupy_is_scoped_to_the_emulated_backend(emulated_backend):
+    """Outside the emulated backend's own calls nobody sees the stand-in cupy: sys.modules
+    and the real launcher are restored, and the real cupy backend keeps its own reason."""
+    import numpy as np
+
+    import gqakv
+    from gqakv_backends.cupy_backend import CupyBackend, modules
+
+    real_run_plan, had_cupy = modules.run_plan, sys.modules.get("cupy")
+    cache = gqakv.KVCache(1, 1, 4, 8, backend=emulated_backend)
+    k = emulated_backend.from_numpy(np.ones((1, 1, 2, 8)), "float32")
+    cache.append(k, k, [2])
+    gqakv.gqa_attention(emulated_backend.from_numpy(np.ones((1, 2, 1, 8)), "float32"), cache, [1])
+    assert emulated_backend.launches == 2
+    assert sys.modules.get("cupy") is had_cupy and modules.run_plan is real_run_plan
+    assert CupyBackend().unavailable_reason() == _probe_in_subprocess()
+
+
+def _probe_in_subprocess() -> str | None:
+    """The real cupy backend's reason in a fresh interpreter (no test ever ran there)."""
+    code = ("from gqakv_backends.cupy_backend import CupyBackend;"
+            "print(repr(CupyBackend().unavailable_reason()))")
+    import ast
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return ast.literal_eval(out.stdout.strip())
