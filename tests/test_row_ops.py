@@ -124,6 +124,9 @@ def fill_rows(cache, direct, arrays, lens, rng, dtype="float64"):
 
 
 KINDS = ["model", "single"]
+# Copies are bit-exact in every dtype; float64 takes the generic slice copies on the cupy
+# backend, bfloat16 (head_dim 4: 8-byte rows, 4-wide loads) its fused copy kernel.
+COPY_DTYPES = ["float64", "bfloat16"]
 
 
 @pytest.fixture
@@ -171,10 +174,13 @@ def _cycles_extra(src, lens):
     [2, 0, 0, 1],  # chain feeding a duplicate
     [1, 0, 2, 2],  # a cycle next to a duplicate
 ])
-def test_reorder_matches_direct_model(kind, src, backend, arrays, copies):
-    cache, direct = make_cache(kind, backend)
+@pytest.mark.parametrize("dtype", COPY_DTYPES)
+def test_reorder_matches_direct_model(kind, src, dtype, backend, arrays, copies):
+    if dtype not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no {dtype}")
+    cache, direct = make_cache(kind, backend, dtype=dtype, head_dim=4)
     lens = [5, 0, 7, 2]
-    fill_rows(cache, direct, arrays, lens, np.random.default_rng(1))
+    fill_rows(cache, direct, arrays, lens, np.random.default_rng(1), dtype=dtype)
     cache.reorder(src)
     direct.reorder(src)
     assert_matches(cache, direct, arrays)
@@ -241,9 +247,12 @@ def test_plan_reorder_waves_batch_independent_copies():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_fork_copies_live_prefix(kind, backend, arrays, copies):
-    cache, direct = make_cache(kind, backend)
-    fill_rows(cache, direct, arrays, [4, 6, 0, 1], np.random.default_rng(2))
+@pytest.mark.parametrize("dtype", COPY_DTYPES)
+def test_fork_copies_live_prefix(kind, dtype, backend, arrays, copies):
+    if dtype not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no {dtype}")
+    cache, direct = make_cache(kind, backend, dtype=dtype, head_dim=4)
+    fill_rows(cache, direct, arrays, [4, 6, 0, 1], np.random.default_rng(2), dtype=dtype)
     cache.fork(1, [0, 3, 1])  # src listed among dst: a no-op for it
     direct.fork(1, [0, 3])
     assert_matches(cache, direct, arrays)
