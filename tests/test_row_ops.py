@@ -124,9 +124,10 @@ def fill_rows(cache, direct, arrays, lens, rng, dtype="float64"):
 
 
 KINDS = ["model", "single"]
-# Copies are bit-exact in every dtype; float64 takes the generic slice copies on the cupy
-# backend, bfloat16 (head_dim 4: 8-byte rows, 4-wide loads) its fused copy kernel.
-COPY_DTYPES = ["float64", "bfloat16"]
+# Copies are bit-exact in every dtype. On the cupy backend float64 takes the generic slice
+# copies; at head_dim 4 float32 takes the fused copy kernel's 16-byte vector loads and
+# bfloat16 its scalar loads.
+COPY_DTYPES = ["float64", "float32", "bfloat16"]
 
 
 @pytest.fixture
