@@ -155,8 +155,7 @@ class CupyBackend(Backend):
 
         from .modules import run_plan
 
-        pairs = np.stack([np.asarray(dst_rows, dtype=np.int64).reshape(-1),
-                          np.asarray(src_rows, dtype=np.int64).reshape(-1), n_tokens])
+        pairs = _pack_ints(dst_rows, src_rows, n_tokens)  # [3, P]: one upload
         run_plan(plan, {"dst_k": dst_k, "dst_v": dst_v, "src_k": src_k, "src_v": src_v,
                         "pairs": cupy.asarray(pairs)}, dtype, d)
 
@@ -285,8 +284,13 @@ def _upload_ints(*host_arrays):
     """Device int64 views of equally long host int arrays, through one host-to-device copy."""
     import cupy
 
-    packed = cupy.asarray(np.stack([np.asarray(a, dtype=np.int64).reshape(-1) for a in host_arrays]))
+    packed = cupy.asarray(_pack_ints(*host_arrays))
     return tuple(packed[i] for i in range(len(host_arrays)))
+
+
+def _pack_ints(*host_arrays) -> np.ndarray:
+    """Equally long host int arrays as the rows of one ``[len(host_arrays), n]`` int64 array."""
+    return np.array([np.asarray(a, dtype=np.int64).reshape(-1) for a in host_arrays], dtype=np.int64)
 
 
 def _strides(x) -> tuple[int, ...]:

@@ -307,7 +307,9 @@ class GqakvLayer(CacheLayerMixin):
             raise ValueError(f"the batch would grow to {n} rows but GqakvCache allocated {rows} "
                              f"(make it with max_batch_size={n} or more)")
         # Rows past the new batch keep their contents during the reorder (they may be sources).
-        self.kv.reorder(np.concatenate([src, np.arange(n, rows)]).astype(np.int64))
+        mapping = np.arange(rows, dtype=np.int64)
+        mapping[:n] = src
+        self.kv.reorder(mapping)
         if n < rows:
             self.kv.reset(np.arange(n, rows))
         self._calls = [c if isinstance(c, int) else c[src] for c in self._calls]
@@ -331,7 +333,8 @@ class GqakvLayer(CacheLayerMixin):
             if self.batch_size is not None:
                 self.batch_size *= int(repeats)
             return
-        self._take_rows(np.repeat(np.arange(self.batch_size), int(repeats)))
+        r = int(repeats)
+        self._take_rows(np.arange(self.batch_size * r, dtype=np.int64) // r)  # 0,0,..,1,1,..
 
     def batch_select_indices(self, indices) -> None:
         """Keep only the batch entries ``indices`` (in that order): rows move to the front."""
