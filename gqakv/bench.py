@@ -9,7 +9,8 @@ concatenation would have copied for the same run. ``--compare torch`` times torc
 ``scaled_dot_product_attention(enable_gqa=True)`` over the same live views.
 
 The measuring helpers here (``read_bandwidth``, ``concat_bytes``, ``torch_sdpa``,
-``synchronize``) are shared with the asv benchmarks.
+``median_time``) are shared with the asv benchmarks; timings wait for the device through
+``Backend.synchronize``.
 """
 
 from __future__ import annotations
@@ -30,11 +31,6 @@ LLAMA_8B = dict(heads=32, kv_heads=8, head_dim=128, layers=32)
 
 
 # -- shared measuring helpers ----------------------------------------------------------------
-
-def synchronize(backend) -> None:
-    """Wait for queued device work (a no-op on the CPU), so wall-clock times are honest."""
-    backend.synchronize()
-
 
 def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> dict[str, float]:
     """The machine's streaming read bandwidth in bytes/s, measured three ways.
@@ -127,12 +123,12 @@ def _as_torch(x):
 def median_time(fn, backend, repeats: int = 5) -> float:
     """Median wall time of ``fn()`` after one warm-up call, synchronizing the backend."""
     fn()
-    synchronize(backend)
+    backend.synchronize()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
-        synchronize(backend)
+        backend.synchronize()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
 
@@ -229,10 +225,10 @@ def run_workload(cfg: Config, progress=None) -> Result:
         before = cache.host_lens.copy()
         t0 = time.perf_counter()
         cache.append(k_new, k_new, n_new)
-        synchronize(backend)
+        backend.synchronize()
         t1 = time.perf_counter()
         gqa_attention(q, cache, n_new)
-        synchronize(backend)
+        backend.synchronize()
         t2 = time.perf_counter()
         lens = cache.host_lens
         phase.calls += 1

@@ -37,7 +37,7 @@ class Append:
     def _call(self):
         self.cache.truncate(self.rows, self.base)  # O(1): back to 1,000 tokens
         self.cache.append(self.kv, self.kv, self.n_new)
-        bench.synchronize(self.backend)
+        self.backend.synchronize()
 
     def time_append(self, backend, case):
         self._call()

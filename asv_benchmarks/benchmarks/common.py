@@ -42,7 +42,7 @@ def filled_cache(backend, lens, max_len=None, dtype="float32", seed=0):
     lens = np.asarray(lens)
     while (left := lens - cache.host_lens).any():
         cache.append(data, data, np.minimum(left, block))
-    bench.synchronize(backend)
+    backend.synchronize()
     return cache
 
 
@@ -54,7 +54,7 @@ def queries(backend, B, T, dtype="float32", seed=1):
 def attend(backend, q, cache, n_new):
     """gqa_attention, then wait for the device: every timed call goes through here."""
     out = gqakv.gqa_attention(q, cache, n_new)
-    bench.synchronize(backend)
+    backend.synchronize()
     return out
 
 

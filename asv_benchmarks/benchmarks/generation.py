@@ -8,7 +8,6 @@ import math
 import numpy as np
 
 import gqakv
-from gqakv import bench
 
 from .common import BACKENDS, D, HKV, HQ, backend_or_skip, seconds
 
@@ -52,7 +51,7 @@ class GenerationLoop:
         for _ in range(STEPS):
             cache.append(self.kv_one, self.kv_one, ones)
             gqakv.gqa_attention(self.q_one, cache, ones)
-        bench.synchronize(self.backend)
+        self.backend.synchronize()
 
     def time_generate(self, backend, size):
         self._generate()

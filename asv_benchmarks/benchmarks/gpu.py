@@ -44,13 +44,13 @@ class GpuDecode:
 
     def _fused(self):
         gqakv.gqa_attention(self.q, self.cache, self.n_new)
-        bench.synchronize(self.backend)
+        self.backend.synchronize()
 
     def _array_api(self):
         c = self.cache
         Backend.attention(self.backend, self.q, c.k, c.v, np.arange(c.batch), c.host_lens,
                           self.n_new, scale=D ** -0.5, return_lse=False)
-        bench.synchronize(self.backend)
+        self.backend.synchronize()
 
     def time_decode(self, batch, live_len):
         self._fused()
@@ -87,7 +87,7 @@ class GpuPrefill:
 
     def _call(self):
         gqakv.gqa_attention(self.q, self.cache, self.n_new)
-        bench.synchronize(self.backend)
+        self.backend.synchronize()
 
     def time_prefill(self, cache_len):
         self._call()
