@@ -82,10 +82,10 @@ class TorchBackend(Backend):
             return torch.device(self._device)
         return torch.get_default_device()
 
-    def empty(self, shape, dtype):
+    def empty(self, shape, dtype, device=None):
         import torch
 
-        return torch.empty(shape, dtype=self.dtype(dtype), device=self._target_device())
+        return torch.empty(shape, dtype=self.dtype(dtype), device=device or self._target_device())
 
     def owns(self, x) -> bool:
         import torch

@@ -72,10 +72,13 @@ class Backend:
         """This library's dtype object for a gqakv dtype name."""
         return getattr(self.namespace(), _dtypes.canonical_name(name))
 
-    def empty(self, shape: tuple[int, ...], dtype: str):
-        """Uninitialized buffer of ``shape``; raises MemoryError when it cannot fit."""
+    def empty(self, shape: tuple[int, ...], dtype: str, device=None):
+        """Uninitialized buffer of ``shape`` on ``device`` (as ``device_of`` reports it; None:
+        the library's default); raises MemoryError when it cannot fit."""
         xp = self.namespace()
-        return xp.empty(shape, dtype=self.dtype(dtype))
+        if device is None:
+            return xp.empty(shape, dtype=self.dtype(dtype))
+        return xp.empty(shape, dtype=self.dtype(dtype), device=device)
 
     def owns(self, x) -> bool:
         """True when ``x`` is an array of this backend's library."""

@@ -147,8 +147,9 @@ def run_waves(backend, k, v, waves: list[Wave]) -> int:
             layers, _, hkv, _, d = (int(s) for s in k.shape)
             dtype = _dtype_name(k)
             if temp is None or int(temp[0].shape[3]) < n:
-                temp = (backend.empty((layers, 1, hkv, max(n, 1), d), dtype),
-                        backend.empty((layers, 1, hkv, max(n, 1), d), dtype))
+                shape, dev = (layers, 1, hkv, max(n, 1), d), backend.device_of(k)
+                temp = (backend.empty(shape, dtype, device=dev),
+                        backend.empty(shape, dtype, device=dev))
             backend.copy_tokens(temp[0], temp[1], [0], k, v, w.src_rows, w.n_tokens)
         elif w.src_rows[0] == TEMP:
             backend.copy_tokens(k, v, w.dst_rows, temp[0], temp[1], [0], w.n_tokens)

@@ -10,6 +10,12 @@
 * Fused kernels exist for float32, float16 and bfloat16 and any head dim up to 256; float64
   and larger head dims use the generic array-API code on CuPy arrays (still correct, not fused).
 
+Devices: the cache lives on the device that was current when it was made (or the one
+passed to ``empty``). Every hot operation makes the device of the cache buffers current
+for its duration, so kernels compile and launch there, and index uploads and outputs are
+allocated there, whatever device the caller has current (CuPy launches on the current
+device, and a pointer into another device's memory would fault).
+
 bfloat16: the cache is a CuPy array of dtype ``ml_dtypes.bfloat16`` (CuPy 14+); the
 kernels read its 16-bit storage directly, and host exchange goes through
 ``ml_dtypes.bfloat16`` NumPy arrays. A CuPy without that support serves float32 and
@@ -79,6 +85,13 @@ class CupyBackend(Backend):
 
         return getattr(cupy, name)
 
+    def empty(self, shape: tuple[int, ...], dtype: str, device=None):
+        """Uninitialized CuPy buffer on ``device`` (an id; None: the current device)."""
+        import cupy
+
+        with cupy.cuda.Device(device):
+            return cupy.empty(shape, dtype=self.dtype(dtype))
+
     def owns(self, x) -> bool:
         import cupy
 
@@ -113,6 +126,10 @@ class CupyBackend(Backend):
 
     def write_kv(self, k_buf, v_buf, k_new, v_new, rows, starts, n_new) -> None:
         """One launch for all rows; see ``Backend.write_kv``. k/v_new are [B, Hkv, T, d]."""
+        with self._device_of(k_buf):
+            self._write_kv(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
+
+    def _write_kv(self, k_buf, v_buf, k_new, v_new, rows, starts, n_new) -> None:
         dtype = _kernel_dtype(k_buf)
         d = int(k_buf.shape[-1])
         if dtype is None or d > sources.MAX_FUSED_HEAD_DIM:
@@ -139,6 +156,10 @@ class CupyBackend(Backend):
         Layouts the kernel does not take (not CuPy arrays, mixed dtypes, float64, d > 256,
         unaligned rows, K and V strided differently) use the generic slice copies.
         """
+        with self._device_of(dst_k):
+            self._copy_tokens(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens)
+
+    def _copy_tokens(self, dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens) -> None:
         n_tokens = np.asarray(n_tokens, dtype=np.int64)
         if not self._fused_copy_layout(dst_k, dst_v, src_k, src_v):
             return super().copy_tokens(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens)
@@ -178,6 +199,11 @@ class CupyBackend(Backend):
 
     def attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
         """Fused GQA attention; see ``gqakv.gqa_attention``. q, out: [B, Hq, T, d]."""
+        with self._device_of(k_buf):
+            return self._attention(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
+                                   return_lse=return_lse)
+
+    def _attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
         dtype = _kernel_dtype(k_buf)
         d = int(k_buf.shape[-1])
         if (dtype is None or d > sources.MAX_FUSED_HEAD_DIM or not _is_aligned(k_buf, dtype, d)
@@ -216,7 +242,19 @@ class CupyBackend(Backend):
 
         cupy.cuda.get_current_stream().synchronize()
 
+    def _device_of(self, buf):
+        """Context making ``buf``'s device current (a no-op for arrays that are not CuPy's:
+        the generic fallbacks take those as they are)."""
+        import contextlib
+
+        import cupy
+
+        if not self.owns(buf):
+            return contextlib.nullcontext()
+        return cupy.cuda.Device(self.device_of(buf))
+
     def _sms(self) -> int:
+        """Multiprocessors of the current device (the hot ops make the cache's current)."""
         import cupy
 
         dev = cupy.cuda.Device()

@@ -5,8 +5,10 @@ substituted and nothing else:
 
 * array allocation: a small stand-in ``cupy`` module whose arrays are
   ``EmulatedDeviceArray`` (a NumPy subclass with ``.get()`` like a CuPy array, so a plain
-  NumPy array is still "another library" to the cache), all on device 0;
-* kernel launch: ``modules.run_plan`` becomes a runner that executes the plan's launches
+  NumPy array is still "another library" to the cache), each on one of two emulated
+  devices (the current one when it was made; ``cupy.cuda.Device(i)`` switches);
+* kernel launch: ``modules.run_plan`` becomes a runner that refuses arrays of a device
+  other than the current one (a GPU would fault) and executes the plan's launches
   (grid, block, typed arguments exactly as built by the backend's planner) on the CPU
   emulation harness (``harness.Emulator``), one emulation library per head dim, compiled
   with g++ on first use.
@@ -45,29 +47,43 @@ _MISSING = object()
 _lock = threading.RLock()
 
 
-class EmulatedDevice:
-    """``cupy.cuda.Device`` stand-in: device 0, usable as a context manager."""
+#: Device ids the stand-in offers (two, so that device switching is exercised).
+DEVICES = (0, 1)
+_current_device = [0]  # a stack: the top is the current device
 
-    id = 0
+
+class EmulatedDevice:
+    """``cupy.cuda.Device`` stand-in: ``Device()`` is the current device, ``Device(i)`` one
+    of DEVICES; entering it makes it current until exit, as in CuPy."""
+
     attributes = {"MultiProcessorCount": SM_COUNT}
 
     def __init__(self, device=None):
-        if device not in (None, 0):
-            raise ValueError(f"the emulated device is 0, got {device!r}")
+        if device is None:
+            device = _current_device[-1]
+        if device not in DEVICES:
+            raise ValueError(f"the emulated devices are {DEVICES}, got {device!r}")
+        self.id = int(device)
 
     def __enter__(self):
+        _current_device.append(self.id)
         return self
 
     def __exit__(self, *exc):
+        _current_device.pop()
         return False
 
 
 class EmulatedDeviceArray(np.ndarray):
-    """NumPy memory standing for a CuPy array on device 0.
+    """NumPy memory standing for a CuPy array on an emulated device (``emu_device``: the
+    device current when it was made; views and results inherit their source's).
 
     Its ``.device`` stays NumPy's ``"cpu"``: the backend's array-API fallbacks (float64,
     d > 256) pass it on to NumPy functions, as they pass a CuPy device on to CuPy.
     """
+
+    def __array_finalize__(self, obj):
+        self.emu_device = getattr(obj, "emu_device", _current_device[-1])
 
     def get(self) -> np.ndarray:
         """Host copy, like ``cupy.ndarray.get``."""
@@ -75,7 +91,10 @@ class EmulatedDeviceArray(np.ndarray):
 
 
 def _on_device(a: np.ndarray) -> EmulatedDeviceArray:
-    return a.view(EmulatedDeviceArray)
+    """``a``'s memory as an array on the current emulated device."""
+    out = a.view(EmulatedDeviceArray)
+    out.emu_device = _current_device[-1]
+    return out
 
 
 def _empty(shape, dtype=float):
@@ -166,8 +185,8 @@ class EmulatedCupyBackend(CupyBackend):
         return None
 
     def device_of(self, x):
-        """Device 0 (CupyBackend reads ``x.device.id``; see EmulatedDeviceArray)."""
-        return EmulatedDevice.id
+        """The emulated device id (CupyBackend reads ``x.device.id``; see EmulatedDeviceArray)."""
+        return getattr(x, "emu_device", 0)
 
     def namespace(self):
         import array_api_compat.numpy as xp  # the stand-in arrays are NumPy arrays
@@ -193,7 +212,16 @@ class EmulatedCupyBackend(CupyBackend):
                 modules.run_plan, cupy_backend._BF16_SUPPORTED = saved[1], saved[2]
 
     def _run_plan(self, plan, arrays: dict, dtype: str, head_dim: int) -> None:
-        """``modules.run_plan`` on the emulator: same plan, same buffers (their bytes)."""
+        """``modules.run_plan`` on the emulator: same plan, same buffers (their bytes).
+
+        Like a CUDA launch, it runs on the current device, and refuses (where a GPU would
+        fault) any array that lives on another one."""
+        current = _current_device[-1]
+        for name, a in arrays.items():
+            where = getattr(a, "emu_device", current)
+            if where != current:
+                raise RuntimeError(f"illegal address: {name} is on device {where}, the kernel "
+                                   f"was launched on device {current}")
         emulator(head_dim).run(plan, {name: memory_span(a) for name, a in arrays.items()})
         self.launches += len(plan.launches)
 
@@ -208,9 +236,4 @@ class EmulatedCupyBackend(CupyBackend):
     attention = _emulated(CupyBackend.attention)
     synchronize = _emulated(CupyBackend.synchronize)
 
-    @_emulated
-    def empty(self, shape, dtype: str):
-        """``cupy.empty`` (as the base class does through array_api_compat.cupy)."""
-        import cupy
-
-        return cupy.empty(shape, dtype=self.dtype(dtype))
+    empty = _emulated(CupyBackend.empty)
