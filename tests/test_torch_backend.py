@@ -130,3 +130,21 @@ def test_dlpack_shares_cuda_memory_with_cupy():
     assert float(k_cp[0, 0, :2].sum()) == 8.0
     back = torch.from_dlpack(k_cp)
     assert back.data_ptr() == cache.k.data_ptr()
+
+
+def test_appending_tensors_that_require_grad_keeps_the_cache_out_of_autograd():
+    """The cache stores values: a k_new with requires_grad must not chain a graph onto the
+    buffer (it would grow with every step and keep every step's tensors alive)."""
+    cache = gqakv.KVCache(2, 2, 8, 4, backend="torch")
+    for step in range(3):
+        k = torch.randn(2, 2, 1, 4, requires_grad=True)
+        cache.append(k * 2, k * 3, [1, 1])
+        assert not cache.k.requires_grad and cache.k.grad_fn is None
+        assert not cache.v.requires_grad and cache.v.grad_fn is None
+    np.testing.assert_array_equal(cache.host_lens, [3, 3])
+    cache.reorder([1, 0])
+    assert not cache.k.requires_grad and cache.k.grad_fn is None
+    # attention stays differentiable in q (the cache is a constant to it)
+    q = torch.randn(2, 4, 1, 4, requires_grad=True)
+    gqakv.gqa_attention(q, cache, [1, 1]).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all() and torch.count_nonzero(q.grad) > 0
