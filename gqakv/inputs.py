@@ -33,6 +33,9 @@ def host_ints(x, what: str, length: int) -> np.ndarray:
     if isinstance(x, bool) or x is None:
         raise TypeError(f"{what} must be integers of shape [{length}], got {x!r}")
     a = _to_numpy(x)
+    if a.dtype == object and a.ndim == 1 and all(isinstance(v, int) and not isinstance(v, bool) for v in a):
+        i = next(i for i, v in enumerate(a) if not -2**63 <= v < 2**63)  # why NumPy gave up
+        raise ValueError(f"{what}[{i}]={a[i]} is out of range (integers must fit in int64)")
     if a.dtype.kind not in "iu" or a.dtype == np.bool_:
         if a.size == 0 and a.dtype.kind == "f":  # [] from an empty list is float64
             a = a.astype(np.int64)

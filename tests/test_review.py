@@ -62,6 +62,18 @@ def test_huge_unsigned_n_new_is_reported_as_given(backend, arrays):
     assert _unchanged(before, _snapshot(cache, arrays))
 
 
+@pytest.mark.parametrize("n_new", [[2**70, 0], [0, -(2**64)]])
+def test_python_ints_beyond_int64_are_reported_as_given(backend, arrays, n_new):
+    """Python ints NumPy cannot hold were refused as 'integer dtype, got object'."""
+    cache = gqakv.KVCache(2, 1, 8, 4, backend=backend)
+    kv = arrays.asarray(np.ones((2, 1, 3, 4), np.float32))
+    before = _snapshot(cache, arrays)
+    i = 0 if n_new[0] else 1
+    with pytest.raises(ValueError, match=rf"n_new\[{i}\]={n_new[i]} is out of range"):
+        cache.append(kv, kv, n_new)
+    assert _unchanged(before, _snapshot(cache, arrays))
+
+
 @pytest.mark.parametrize("rows", [np.array(1), 1])
 def test_step_rows_without_length_is_a_clear_error(backend, rows):
     cache = gqakv.ModelKVCache(1, 3, 1, 4, 2, backend=backend)
