@@ -7,7 +7,8 @@
    CPU-only emulation and NVRTC files, which CI runs anyway).
 2. Decode at Llama-3.1-8B layer shapes (Hq 32, Hkv 8, d 128, bfloat16): achieved HBM read
    bandwidth (live K+V bytes / step time) against GQAKV_PEAK_HBM_TBS (default 4.8, H200),
-   and the speedup over the same backend's non-fused array-API path.
+   the decode grid the planner chose ((row x KV head) x splits) and the speedup over the
+   same backend's non-fused array-API path.
 3. Chunked prefill, a 512-token chunk on a 3k..32k cache: TFLOP/s.
 Designed to finish in under 8 minutes on one H200. Exit status: 0 when the parity suite
 passed, 1 when it failed, 2 when cupy cannot run here (the reason is printed).
@@ -56,12 +57,28 @@ def filled(backend, batch, live, max_len=None):
     return cache
 
 
+def decode_grid(batch, live, sms) -> str:
+    """The decode launch the planner makes for this shape: CTAs as (row x head) x splits."""
+    from gqakv_backends.cupy_backend import plan
+
+    p = plan.plan_attention(DTYPE, D, batch=batch, kv_heads=HKV,
+                            group=HQ // HKV, t_q=1, lens=np.full(batch, live),
+                            n_new=np.ones(batch, dtype=np.int64), scale=D ** -0.5,
+                            q_strides=(HQ * D, D, D), buf_strides=(HKV * live * D, live * D, D),
+                            out_strides=(HQ * D, D, D), sm_count=sms)
+    x, y, _ = p.launches[0].grid
+    return f"{x}x{y}"
+
+
 def decode_bench(backend, grid, peak_tbs) -> None:
+    import cupy
+
     import gqakv
     from gqakv.backend import Backend
 
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     print(f"\ndecode, bf16, Hq={HQ} Hkv={HKV} d={D}   (peak {peak_tbs} TB/s)")
-    print(f"{'batch':>5} {'live':>6} {'us/step':>9} {'TB/s':>6} {'%peak':>6} {'vs array-API':>13}")
+    print(f"{'batch':>5} {'live':>6} {'grid':>8} {'us/step':>9} {'TB/s':>6} {'%peak':>6} {'vs array-API':>13}")
     rng = np.random.default_rng(0)
     for batch, live in grid:
         cache = filled(backend, batch, live)
@@ -77,7 +94,7 @@ def decode_bench(backend, grid, peak_tbs) -> None:
                                                       scale=D ** -0.5, return_lse=False),
                             backend.synchronize, repeats=3)
             ratio = f"{generic / fused:12.1f}x"
-        print(f"{batch:5d} {live:6d} {fused * 1e6:9.1f} {tbs:6.2f} {100 * tbs / peak_tbs:5.1f}% {ratio:>13}",
+        print(f"{batch:5d} {live:6d} {decode_grid(batch, live, sms):>8} {fused * 1e6:9.1f} {tbs:6.2f} {100 * tbs / peak_tbs:5.1f}% {ratio:>13}",
               flush=True)
         del cache
 

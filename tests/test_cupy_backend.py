@@ -80,13 +80,99 @@ def test_kernel_sources_ship_as_package_data(kernel):
     assert "to_float" in src
 
 
-def test_split_count_follows_live_lengths_and_sms():
-    # One CTA, a 32k-token live row: split to fill 132 SMs twice, chunks >= 256 keys.
-    splits, keys = plan.choose_splits(ctas=8, max_len=32768, sm_count=132)
-    assert splits > 1 and keys >= plan.MIN_KEYS_PER_SPLIT and splits * keys >= 32768
-    # Enough CTAs or short rows: no split.
-    assert plan.choose_splits(ctas=512, max_len=32768, sm_count=132) == (1, 32768)
-    assert plan.choose_splits(ctas=8, max_len=100, sm_count=132) == (1, 100)
+#: Llama-3.1-8B decode (Hq 32, Hkv 8, G = 4, T = 1 -> tile 4, one query chunk) on an H200.
+SMS = 132
+TILE4_SLOTS = SMS * plan.DECODE_CTAS_PER_SM[4]
+
+
+def _llama_splits(batch, live):
+    return plan.choose_splits(np.full(batch, live), 8, SMS, plan.DECODE_CTAS_PER_SM[4])
+
+
+@pytest.mark.parametrize("batch", [1, 4, 8, 16, 64])
+@pytest.mark.parametrize("live", [1024, 8192, 32768])
+def test_splits_at_llama_shapes_fill_the_gpu(batch, live):
+    splits, keys = _llama_splits(batch, live)
+    # Every split holds keys, chunks are at least the minimum, and they cover the row.
+    assert splits * keys >= live and (splits - 1) * keys < live
+    assert splits == 1 or keys >= plan.MIN_KEYS_PER_SPLIT
+    ctas = batch * 8 * splits
+    waves = ctas / TILE4_SLOTS
+    if live >= 8192:  # long rows: the grid fills the resident slots of every SM
+        assert ctas >= 0.95 * TILE4_SLOTS, (splits, keys, ctas)
+        # ... with little wave quantization: the last wave is nearly full.
+        assert waves / np.ceil(waves) >= 0.9, (splits, keys, waves)
+
+
+def test_split_plans_for_the_issue_shapes():
+    """The planner's choices at the benchmark's shapes (cost model in choose_splits):
+    B = 1 fills one wave of 3 x 132 CTA slots with 48 splits, B = 64 cuts rows in 3 so
+    1536 CTAs run in 3.9 waves instead of 512 CTAs in 1.3 (a third-full second wave)."""
+    assert _llama_splits(1, 32768) == (48, 683)
+    assert _llama_splits(1, 8192) == (48, 171)
+    assert _llama_splits(4, 32768) == (12, 2731)
+    assert _llama_splits(64, 32768) == (3, 10923)
+    assert _llama_splits(1, 1024) == (8, 128)  # as many as the minimum chunk allows
+
+
+def test_splits_follow_live_lengths_only():
+    # Rows without keys do not count; longer live rows never mean fewer keys per split.
+    assert plan.choose_splits(np.array([0, 32768, 0]), 8, SMS, 3) == _llama_splits(1, 32768)
+    assert plan.choose_splits(np.array([0, 0]), 8, SMS, 3) == (1, 1)
+    # Short rows or a full GPU: no split.
+    assert plan.choose_splits(np.array([100]), 8, SMS, 3) == (1, 100)
+    assert plan.choose_splits(np.full(4096, 4096), 8, SMS, 3)[0] == 1
+    # More SMs, more splits (the same rows).
+    assert _llama_splits(1, 32768)[0] < plan.choose_splits(np.array([32768]), 8, 4 * SMS, 3)[0]
+
+
+def test_splits_respect_the_minimum_and_the_kernel_limits():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lens = rng.integers(0, 50000, size=int(rng.integers(1, 40)))
+        min_keys = int(rng.choice([8, 64, 128, 256]))
+        splits, keys = plan.choose_splits(lens, int(rng.integers(1, 17)), int(rng.integers(1, 200)),
+                                          int(rng.integers(1, 5)), min_keys)
+        top = max(1, int(lens.max()))
+        assert splits * keys >= top and (splits - 1) * keys < top
+        assert splits == 1 or keys >= min_keys
+        assert 1 <= splits <= plan.MAX_GRID_Y
+    # A row past 2^30 keys is always split (the kernel counts a split's keys in an int).
+    splits, keys = plan.choose_splits(np.array([3 * 2**30 + 5]), 4096, 1, 1)
+    assert splits >= 4 and keys <= plan.MAX_KEYS_PER_SPLIT
+
+
+def test_split_plan_skips_idle_rows():
+    """An entry without new tokens gets no work, so its length must not shape the plan."""
+    kw = dict(kv_heads=8, group=4, t_q=1, scale=0.1, q_strides=(32 * 128, 128, 128),
+              buf_strides=(8 * 65536 * 128, 65536 * 128, 128), out_strides=(32 * 128, 128, 128),
+              sm_count=SMS)
+    one = plan.plan_attention("bfloat16", 128, batch=1, lens=np.array([8192]),
+                              n_new=np.array([1]), **kw)
+    two = plan.plan_attention("bfloat16", 128, batch=2, lens=np.array([8192, 60000]),
+                              n_new=np.array([1, 0]), **kw)
+    assert (one.num_splits, one.keys_per_split) == (two.num_splits, two.keys_per_split) == (48, 171)
+
+
+def test_decode_occupancy_matches_the_kernel_registers():
+    """plan.DECODE_CTAS_PER_SM (the split planner's CTA slots per SM) holds on the GPU:
+    ptxas' register count for each tile lets that many 128-thread CTAs share an SM's 64K
+    registers (allocated per warp in units of 256, i.e. 8 per thread)."""
+    nvrtc_mod = pytest.importorskip("gqakv_backends.cupy_backend.nvrtc")
+    try:
+        compiler = nvrtc_mod.Nvrtc()
+        compiler.version()
+    except (nvrtc_mod.NvrtcError, OSError) as exc:
+        pytest.skip(f"NVRTC not available: {exc}")
+    for arch in ("sm_80", "sm_90"):
+        for dtype in sources.CTYPES:
+            for tile, ctas in plan.DECODE_CTAS_PER_SM.items():
+                name = sources.name_expression("gqakv_decode", dtype, 128, tile)
+                r = compiler.compile("gqakv_decode", dtype, 128, arch, name=name)
+                regs = -(-r.registers // 8) * 8
+                assert regs * plan.BLOCK[0] * ctas <= 65536, (name, arch, r.registers, ctas)
+                assert r.shared_bytes * ctas <= 100 * 1024, (name, arch, r.shared_bytes)
+    assert set(plan.DECODE_CTAS_PER_SM) == set(sources.DECODE_QUERY_TILES)
 
 
 def test_attention_plan_does_not_depend_on_capacity():
@@ -131,5 +217,7 @@ def test_decode_query_tile_is_the_smallest_that_fits():
                             lens=np.full(64, 4096), n_new=np.ones(64, dtype=np.int64), scale=0.1,
                             q_strides=(32 * 128, 128, 128), buf_strides=(8 * 8192 * 128, 8192 * 128, 128),
                             out_strides=(32 * 128, 128, 128), sm_count=132)
-    (launch,) = p.launches
-    assert launch.name == "gqakv_decode<gqakv_bf16, 128, 4>" and launch.grid == (64 * 8, 1, 1)
+    # x: (row, KV head) pairs; y: splits (3 here, so 1536 CTAs fill ~4 waves of 396 slots)
+    launch, merge = p.launches
+    assert launch.name == "gqakv_decode<gqakv_bf16, 128, 4>" and launch.grid == (64 * 8, 3, 1)
+    assert merge.kernel == "gqakv_merge" and merge.grid == (64 * 32, 1, 1)

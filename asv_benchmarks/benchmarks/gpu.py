@@ -4,7 +4,8 @@ Decode: Llama-3.1-8B layer shapes (32 query heads, 8 KV heads, d = 128, bfloat16
 1 to 64, live length 1k to 32k. ``track_decode_tbps`` is the achieved HBM read bandwidth
 (live K and V bytes per step / time); the target is >= 80% of the device's peak
 (GQAKV_PEAK_HBM_TBS, default 4.8 for an H200) at long context. ``track_speedup_vs_array_api``
-compares with the same backend's non-fused array-API path on the same cache.
+compares with the same backend's non-fused array-API path on the same cache;
+``track_decode_splits`` records the split-KV count the planner chose for the shape.
 Prefill: a 512-token chunk on a 3k to 32k cache; ``track_prefill_tflops`` against
 GQAKV_PEAK_TFLOPS. Every timed call synchronizes the device.
 """
@@ -64,6 +65,19 @@ class GpuDecode:
         return self.track_decode_tbps(batch, live_len) / PEAK_TBS
 
     track_decode_fraction_of_peak.unit = "fraction"
+
+    def track_decode_splits(self, batch, live_len):
+        """Split-KV chunks per row the planner chose (1: no merge launch)."""
+        import cupy
+
+        from gqakv_backends.cupy_backend import plan
+
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        tile, chunks = plan.choose_query_tile(HQ // HKV)
+        return plan.choose_splits(self.cache.host_lens, HKV * chunks, sms,
+                                  plan.DECODE_CTAS_PER_SM[tile])[0]
+
+    track_decode_splits.unit = "splits"
 
     def track_speedup_vs_array_api(self, batch, live_len):
         return seconds(self._array_api, self.backend) / seconds(self._fused, self.backend)

@@ -31,8 +31,22 @@ MAX_GRID_X = 2**31 - 1
 MAX_GRID_Y = 65535
 #: Query tokens per row up to which attention uses the decode kernel.
 DECODE_MAX_T = 4
-#: Fewest keys a split-KV chunk holds (below that the merge costs more than it saves).
-MIN_KEYS_PER_SPLIT = 256
+#: Fewest keys a split-KV chunk holds: each split CTA also loads its queries and writes
+#: QB x d fp32 partials the merge reads back (~4 KB at d = 128, tile 4: 3% of the 128 KB of
+#: K and V in 128 keys).
+MIN_KEYS_PER_SPLIT = 128
+#: The decode kernel counts the keys of one split in an int (decode.cu).
+MAX_KEYS_PER_SPLIT = 2**30
+#: Resident decode CTAs per SM, per query tile: the minimum in decode.cu's __launch_bounds__
+#: (DecodeOccupancy); tests/test_cupy_nvrtc.py checks ptxas' register counts allow it.
+DECODE_CTAS_PER_SM = {4: 3, 8: 2}
+#: Split planner cost model, in key rows streamed by one CTA: the fixed cost of a CTA (its
+#: queries' load latency, the shared-memory merge of its key slots, its output writes) and
+#: of the merge launch.
+SPLIT_CTA_OVERHEAD_KEYS = 32
+SPLIT_MERGE_OVERHEAD_KEYS = 64
+#: The split planner considers grids of up to about this many waves of resident CTAs.
+DECODE_MAX_WAVES = 8
 
 
 @dataclass(frozen=True)
@@ -128,21 +142,42 @@ def choose_query_tile(queries: int) -> tuple[int, int]:
     return next(t for t in tiles if t >= per_chunk), chunks
 
 
-def choose_splits(ctas: int, max_len: int, sm_count: int,
+def choose_splits(lens, ctas_per_row: int, sm_count: int, ctas_per_sm: int = 1,
                   min_keys_per_split: int = MIN_KEYS_PER_SPLIT) -> tuple[int, int]:
     """(num_splits, keys_per_split) for the decode kernel.
 
-    Driven by the live lengths (max_len is the longest *live* row, never the cache's
-    capacity) and the SM count: when the CTAs of the batch cannot fill the GPU twice
-    over, each row is cut into chunks of at least ``min_keys_per_split`` keys.
+    lens: live lengths of the rows that get queries (never the cache's capacity: results
+    must not depend on it); ctas_per_row: decode CTAs per row and split (KV heads x query
+    chunks); ctas_per_sm: how many of them one SM holds at once (DECODE_CTAS_PER_SM).
+
+    Decode is bound by HBM bandwidth, which the kernel reaches only with every SM holding
+    its full complement of CTAs. Row b's keys are cut into ceil(L_b / keys) chunks, one CTA
+    each; CTAs run in waves of ``sm_count * ctas_per_sm``, and a wave lasts as long as its
+    longest chunk (a part-filled wave is charged in full: its SMs stream with fewer bytes
+    in flight). Among split counts whose chunks hold at least ``min_keys_per_split`` keys,
+    the fewest splits whose waves x (keys + SPLIT_CTA_OVERHEAD_KEYS) + SPLIT_MERGE_OVERHEAD_KEYS
+    (when split) is within 2% of the least wins. Considered: up to ~DECODE_MAX_WAVES waves.
     """
-    max_len = max(1, int(max_len))
-    if ctas >= sm_count or max_len <= min_keys_per_split:
-        return 1, max_len
-    wanted = -(-2 * sm_count // max(1, ctas))
-    keys = max(min_keys_per_split, -(-max_len // wanted))
-    splits = -(-max_len // keys)
-    return (1, max_len) if splits == 1 else (splits, keys)
+    lens = np.asarray(lens, dtype=np.int64).reshape(-1)
+    lens = lens[lens > 0]
+    if lens.size == 0:
+        return 1, 1
+    max_len = int(lens.max())
+    slots = max(1, int(sm_count)) * max(1, int(ctas_per_sm))
+    ctas_per_row = max(1, int(ctas_per_row))
+    # The kernel counts the keys of a split in an int: rows above 2^30 keys must split.
+    lo = -(-max_len // MAX_KEYS_PER_SPLIT)
+    hi = min(-(-max_len // max(1, int(min_keys_per_split))), MAX_GRID_Y,
+             -(-DECODE_MAX_WAVES * slots // (ctas_per_row * lens.size)))
+    hi = max(lo, hi)
+    keys = -(-max_len // np.arange(lo, hi + 1, dtype=np.int64))  # keys per split, descending
+    splits = -(-max_len // keys)  # the splits that hold keys (<= the count asked for)
+    ctas = ctas_per_row * (-(-lens[None, :] // keys[:, None])).sum(axis=1)
+    waves = -(-ctas // slots)
+    cost = waves * (keys + SPLIT_CTA_OVERHEAD_KEYS) + (splits > 1) * SPLIT_MERGE_OVERHEAD_KEYS
+    # The fewest splits within 2% of the best: a marginal gain is not worth more merging.
+    best = int(np.argmax(cost <= 1.02 * cost.min()))
+    return (1, max_len) if splits[best] == 1 else (int(splits[best]), int(keys[best]))
 
 
 def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, group: int,
@@ -173,7 +208,8 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
             keys = -(-max_len // force_splits)
             splits = -(-max_len // keys)
         else:
-            splits, keys = choose_splits(ctas, max_len, sm_count, min_keys_per_split)
+            splits, keys = choose_splits(lens[live], kv_heads * n_qchunks, sm_count,
+                                         DECODE_CTAS_PER_SM[tile], min_keys_per_split)
         if splits == 1:
             keys = max_len
             part = (Buf("dummy"), Buf("dummy"))

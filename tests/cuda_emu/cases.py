@@ -311,10 +311,12 @@ def all_cases() -> list:
     for dtype in ("float32", "float16", "bfloat16"):
         # d = 20: not a multiple of 8, so f16/bf16 take the scalar-load path.
         cases.append(Case(f"mixed-{dtype}-G3-d20", dtype, 20, 2, 3, base, seed=7))
-        # Split-KV + merge: long rows against a pretend 4-SM device.
+        # Split-KV + merge on a pretend 4-SM device (12 tile-4 CTA slots): rows of ~200 and
+        # ~120 keys cut into chunks of ~34, both ending in a short chunk; T = 2 and T = 4
+        # steps (tile 8, the last keys hidden from the earlier queries) split too.
         cases.append(Case(f"splitkv-{dtype}-G4-d64", dtype, 64, 1, 4,
-                          ((30, 17), (1, 1), (2, 1), (1, 0)), sm_count=4, min_keys_per_split=8,
-                          expect_splits=True, seed=11))
+                          ((200, 120), (1, 1), (3, 1), (1, 0)), max_len=208, sm_count=4,
+                          min_keys_per_split=8, expect_splits=True, seed=11))
     for dtype in ("float16", "bfloat16"):
         cases.append(Case(f"mixed-{dtype}-G4-d128", dtype, 128, 1, 4, ((6, 3), (1, 1)), seed=5))
     # Rows indirection over a larger cache (continuous batching); rows 0 and 2 never touched.
@@ -340,4 +342,17 @@ def all_cases() -> list:
                       pad=0, seed=15))
     cases.append(Case("tile8x2-float32-G9T1-d20", "float32", 20, 1, 9, ((4, 3), (1, 1), (1, 0)),
                       pad=0, seed=16))
+    # Decode key pipeline (decode.cu: PIPE steps of NG keys in flight per lane): rows
+    # shorter than one step of NG keys, lengths that are no multiple of PIPE * NG, an idle
+    # entry; tile 4 (G = 4, T = 1) with splits whose last chunk is short and tile 8
+    # (G = 8) with splits, on a pretend 2-SM device.
+    for dtype, d in (("bfloat16", 128), ("float16", 64), ("float32", 128)):
+        cases.append(Case(f"pipe-short-{dtype}-G4T1-d{d}", dtype, d, 2, 4,
+                          ((1, 2, 0), (1, 1, 1), (1, 0, 1)), pad=0, seed=17))
+    cases.append(Case("pipe-split-bfloat16-G4T1-d128", "bfloat16", 128, 1, 4,
+                      ((150, 77), (1, 1), (1, 1)), max_len=160, pad=0, sm_count=2,
+                      min_keys_per_split=8, expect_splits=True, seed=18))
+    cases.append(Case("pipe-split-float16-G8T1-d64", "float16", 64, 1, 8,
+                      ((203, 60), (1, 1), (0, 1)), max_len=224, pad=0, sm_count=2,
+                      min_keys_per_split=16, expect_splits=True, seed=19))
     return cases + copy_cases()

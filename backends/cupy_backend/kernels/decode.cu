@@ -14,6 +14,23 @@
 // With num_splits == 1 the CTA writes out (in T) and lse directly; otherwise it writes
 // fp32 partials (normalized output and natural-log LSE) for gqakv_merge.
 //
+// Bandwidth (why the key loop is software-pipelined). Decode streams K and V once and
+// does little math per byte, so HBM bandwidth is reached only with enough bytes in flight:
+// by Little's law an H200 (4.8 TB/s, ~0.6-1 us loaded latency) needs ~3-5 MB in flight,
+// ~25-40 KB per SM on 132 SMs. A lane's key step is one 16-byte K and one 16-byte V vector
+// per CPL (32 B for 16-bit d = 128). Loading a step and consuming it at once leaves 32 B per
+// lane outstanding: 128 threads x 32 B x 4 CTAs = 16 KB per SM at best (~2 MB on the chip).
+// Here each lane keeps the raw 16-byte vectors of the next PIPE key steps in a register
+// ring (converted to fp32 only on use) and refills a slot as soon as it is converted, so
+// PIPE steps stay in flight: 4 x 32 B x 128 threads = 16 KB per CTA, 64 KB per SM at 4 CTAs
+// (tile 4) and 32 KB at 2 CTAs (tile 8).
+//
+// Math per key (the kernel must also issue fast enough: ~100 warp instructions per KB at
+// 80% of peak): scores live in the log2 domain (q pre-scaled by scale * log2(e), one
+// exp2f per query and key), and the accumulator is rescaled only when the running max
+// grows, which after the first keys is rare (exactly the same result: the skipped factor
+// is exp2(0) = 1). The causal limit of each query is precomputed as a key count.
+//
 // Launch: grid (B * Hkv * n_qchunks, num_splits), block 128 (4 warps).
 #include "common.cuh"
 
@@ -28,12 +45,108 @@ struct DecodeShape {
     static constexpr int EPL = CPL * VEC;                         // elements per lane
     static constexpr int KPW = 32 / LPK;                          // keys per warp per step
     static constexpr int NG = WARPS * KPW;                        // keys per CTA per step
+    // Key steps in flight per lane: ~128 B of K + V at 16-byte vectors (4 steps of one
+    // vector pair, 2 of two); raw storage costs PIPE * CPL * 8 registers (16-byte vectors).
+    static constexpr int PIPE = gqakv_cmax(1, 4 / CPL);
 };
 
-// Tile 4 asks ptxas for 4 resident CTAs per SM (<= 128 registers a thread, which it
-// meets without spills); tile 8 needs ~205 and is left to the compiler (2 CTAs per SM).
+// Resident CTAs per SM each tile is compiled for (ptxas caps registers at 65536 / (128 *
+// that)); plan.DECODE_CTAS_PER_SM holds the same numbers for the split planner, and the
+// NVRTC test checks that the registers ptxas reports allow them.
+template <int QB> struct DecodeOccupancy { static constexpr int value = QB <= 4 ? 3 : 2; };
+
+// One 16-byte (or smaller) vector of storage type T as it came from memory, converted to
+// fp32 only on use. Kept as 32-bit words where it fills them: a struct of eight 16-bit
+// values would be split into eight 32-bit registers, twice the ring's register budget.
+template <class T, int N, bool WORDS = (sizeof(T) * N) % 4 == 0>
+struct RawVec {  // scalar fallback (16-bit types at odd head dims)
+    Vec<T, N> x;
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int e = 0; e < N; ++e) x.v[e] = from_float<T>(0.f);
+    }
+    __device__ __forceinline__ void load(const T* __restrict__ p) { x = *reinterpret_cast<const Vec<T, N>*>(p); }
+    __device__ __forceinline__ float get(int e) const { return to_float(x.v[e]); }
+};
+
+template <class T, int N>
+struct RawVec<T, N, true> {
+    static constexpr int NW = (int)sizeof(T) * N / 4;
+    struct alignas(sizeof(T) * N) Words { unsigned w[NW]; };
+    Words x;
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < NW; ++i) x.w[i] = 0u;
+    }
+    __device__ __forceinline__ void load(const T* __restrict__ p) { x = *reinterpret_cast<const Words*>(p); }
+    __device__ __forceinline__ float get(int e) const { return word_to_float(x.w[e * (int)sizeof(T) / 4], e, (T*)0); }
+
+  private:
+    static __device__ __forceinline__ float word_to_float(unsigned w, int, float*) { return __uint_as_float(w); }
+    static __device__ __forceinline__ float word_to_float(unsigned w, int e, gqakv_bf16*) {
+        return __uint_as_float(e % 2 ? w & 0xffff0000u : w << 16);  // little-endian halves
+    }
+    static __device__ __forceinline__ float word_to_float(unsigned w, int e, gqakv_half*) {
+        gqakv_half h;
+        h.bits = (unsigned short)(e % 2 ? w >> 16 : w & 0xffffu);
+        return to_float(h);
+    }
+};
+
+// One lane's raw K and V vectors of one key step.
+template <class T, int VEC, int CPL>
+struct KVRaw {
+    RawVec<T, VEC> k[CPL];
+    RawVec<T, VEC> v[CPL];
+};
+
+// Issue the loads of one key step (nothing when the key is not live: no byte at or past
+// the split's end is read). Lanes past the row's last vector keep their zeros.
+template <class S, class T>
+__device__ __forceinline__ void fetch_kv(KVRaw<T, S::VEC, S::CPL>& r, const T* __restrict__ kp,
+                                         const T* __restrict__ vp, bool live, int sub) {
+#pragma unroll
+    for (int c = 0; c < S::CPL; ++c) {
+        const int ch = sub + c * S::LPK;
+        if (live && ch < S::NCH) {
+            r.k[c].load(kp + c * S::LPK * S::VEC);
+            r.v[c].load(vp + c * S::LPK * S::VEC);
+        }
+    }
+}
+
+// 2^x in fp32 (one MUFU.EX2 on the GPU; the flush of results below 2^-126 to 0 is far
+// below the fp32 accumulation error of a softmax weight).
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef GQAKV_EMULATION
+    return exp2f(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+// Online-softmax update of one query's state (log2 domain) with one key: score s, value v.
+// The state is rescaled only when the running max grows, rare after the first keys (the
+// factor skipped otherwise is exactly exp2(0) = 1).
+template <int EPL>
+__device__ __forceinline__ void softmax_update(float s, const float* v, float& m, float& l, float* acc) {
+    if (s > m) {
+        const float corr = fast_exp2(m - s);  // 0 while the state is empty (m = -inf)
+        l *= corr;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[e] *= corr;
+        m = s;
+    }
+    const float p = fast_exp2(s - m);
+    l += p;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) acc[e] += p * v[e];
+}
+
 template <class T, int D, int QB>
-__global__ void __launch_bounds__(128, QB <= 4 ? 4 : 1) gqakv_decode(
+__global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
     const T* __restrict__ q, const T* __restrict__ k_buf, const T* __restrict__ v_buf,
     const i64* __restrict__ rows, const i64* __restrict__ lens, const i64* __restrict__ n_new,
     T* __restrict__ out, float* __restrict__ lse,
@@ -51,20 +164,46 @@ __global__ void __launch_bounds__(128, QB <= 4 ? 4 : 1) gqakv_decode(
     const i64 k_begin = (i64)split * keys_per_split;
     const i64 k_end = L < k_begin + keys_per_split ? L : k_begin + keys_per_split;
     if (n == 0 || k_begin >= k_end) return;  // uniform over the CTA
+    // Keys of this split, counted from k_begin: fits an int (the planner keeps
+    // keys_per_split below 2^30).
+    const int n_keys = (int)(k_end - k_begin);
 
     const int lane = threadIdx.x % 32;
     const int grp = (threadIdx.x / 32) * S::KPW + lane / S::LPK;  // key slot of this lane
     const int sub = lane % S::LPK;                                // position within the key row
 
-    // Queries of this tile, scaled, in registers: this lane's vectors of each query.
+    // Start the K/V stream before anything else: the first PIPE steps of this lane.
+    const i64 head_off = rows[b] * buf_sb + (i64)kvh * buf_sh;
+    const i64 step_stride = (i64)S::NG * buf_st;
+    const i64 first = head_off + (k_begin + grp) * buf_st + (i64)sub * S::VEC;
+    const T* kp = k_buf + first;  // this lane's vectors of the next key step to fetch
+    const T* vp = v_buf + first;
+    KVRaw<T, S::VEC, S::CPL> ring[S::PIPE];
+#pragma unroll
+    for (int u = 0; u < S::PIPE; ++u) {
+#pragma unroll
+        for (int c = 0; c < S::CPL; ++c) {
+            ring[u].k[c].zero();
+            ring[u].v[c].zero();
+        }
+        fetch_kv<S>(ring[u], kp, vp, u * S::NG + grp < n_keys, sub);
+        kp += step_stride;
+        vp += step_stride;
+    }
+
+    // Queries of this tile, scaled by scale * log2(e) (scores in the log2 domain), in
+    // registers: this lane's vectors of each query. lim[i]: keys (from k_begin) query i
+    // sees, min(n_keys, pos + 1 - k_begin); 0 for a padding slot.
+    const float qscale = scale * 1.4426950408889634f;
     float qr[S::QB][S::EPL];
-    i64 pos[S::QB];     // absolute position of each query (-1: not a real query)
+    int lim[S::QB];
 #pragma unroll
     for (int i = 0; i < S::QB; ++i) {
         const int qi = qc * S::QB + i;
         const int g = qi / Tq, t = qi % Tq;
         const bool valid = qi < G * Tq && t < n;
-        pos[i] = valid ? L - n + t : -1;
+        const i64 seen = L - n + t + 1 - k_begin;  // keys up to the query's position
+        lim[i] = !valid || seen <= 0 ? 0 : (seen < n_keys ? (int)seen : n_keys);
         const i64 q_off = (i64)b * q_sb + (i64)(kvh * G + g) * q_sh + (i64)t * q_st;
 #pragma unroll
         for (int c = 0; c < S::CPL; ++c) {
@@ -72,7 +211,7 @@ __global__ void __launch_bounds__(128, QB <= 4 ? 4 : 1) gqakv_decode(
             if (valid && ch < S::NCH) {
                 load_vec<T, S::VEC>(q + q_off + ch * S::VEC, &qr[i][c * S::VEC]);
 #pragma unroll
-                for (int e = 0; e < S::VEC; ++e) qr[i][c * S::VEC + e] *= scale;
+                for (int e = 0; e < S::VEC; ++e) qr[i][c * S::VEC + e] *= qscale;
             } else {
 #pragma unroll
                 for (int e = 0; e < S::VEC; ++e) qr[i][c * S::VEC + e] = 0.f;
@@ -80,7 +219,18 @@ __global__ void __launch_bounds__(128, QB <= 4 ? 4 : 1) gqakv_decode(
         }
     }
 
-    // Online-softmax state per query (empty: m = -inf, l = 0, acc = 0).
+    // Keys every real query sees / some query sees (padding slots, lim 0, count for
+    // neither: their state is never written out).
+    int lim_all = n_keys, lim_any = 0;
+#pragma unroll
+    for (int i = 0; i < S::QB; ++i) {
+        if (lim[i] > 0) {
+            lim_all = lim[i] < lim_all ? lim[i] : lim_all;
+            lim_any = lim[i] > lim_any ? lim[i] : lim_any;
+        }
+    }
+
+    // Online-softmax state per query, log2 domain (empty: m = -inf, l = 0, acc = 0).
     float m[S::QB], l[S::QB], acc[S::QB][S::EPL];
 #pragma unroll
     for (int i = 0; i < S::QB; ++i) {
@@ -90,37 +240,53 @@ __global__ void __launch_bounds__(128, QB <= 4 ? 4 : 1) gqakv_decode(
         for (int e = 0; e < S::EPL; ++e) acc[i][e] = 0.f;
     }
 
-    const i64 head_off = rows[b] * buf_sb + (i64)kvh * buf_sh;
-    // Every lane runs the same number of steps (the shuffles need the whole warp).
-    for (i64 j0 = k_begin; j0 < k_end; j0 += S::NG) {
-        const i64 j = j0 + grp;
-        const bool live = j < k_end;
-        float kr[S::EPL], vr[S::EPL];
+    // Every lane runs the same number of steps (the shuffles need the whole warp); steps
+    // come in turns of PIPE so that the ring slot of each step is a compile-time index.
+    const int n_steps = (n_keys + S::NG - 1) / S::NG;
+    for (int s0 = 0; s0 < n_steps; s0 += S::PIPE) {
 #pragma unroll
-        for (int c = 0; c < S::CPL; ++c) {
-            const int ch = sub + c * S::LPK;
-            if (live && ch < S::NCH) {
-                load_vec<T, S::VEC>(k_buf + head_off + j * buf_st + ch * S::VEC, &kr[c * S::VEC]);
-                load_vec<T, S::VEC>(v_buf + head_off + j * buf_st + ch * S::VEC, &vr[c * S::VEC]);
-            } else {
+        for (int u = 0; u < S::PIPE; ++u) {
+            const int step = s0 + u;
+            if (step >= n_steps) break;  // uniform over the CTA
+            const int jr = step * S::NG + grp;  // key of this lane, from k_begin
+            float kf[S::EPL], vf[S::EPL];
 #pragma unroll
-                for (int e = 0; e < S::VEC; ++e) kr[c * S::VEC + e] = vr[c * S::VEC + e] = 0.f;
+            for (int c = 0; c < S::CPL; ++c) {
+#pragma unroll
+                for (int e = 0; e < S::VEC; ++e) {
+                    kf[c * S::VEC + e] = ring[u].k[c].get(e);
+                    vf[c * S::VEC + e] = ring[u].v[c].get(e);
+                }
             }
-        }
+            // Refill the slot with step + PIPE before computing this one.
+            fetch_kv<S>(ring[u], kp, vp, jr + S::PIPE * S::NG < n_keys, sub);
+            kp += step_stride;
+            vp += step_stride;
+            // Scores of all QB queries first, their reductions interleaved (QB independent
+            // shuffle chains hide each other's latency), then the softmax updates.
+            float sc[S::QB];
 #pragma unroll
-        for (int i = 0; i < S::QB; ++i) {
-            float s = 0.f;
+            for (int i = 0; i < S::QB; ++i) {
+                float a = 0.f, b2 = 0.f;  // two FMA chains: half the dependency depth
 #pragma unroll
-            for (int e = 0; e < S::EPL; ++e) s += qr[i][e] * kr[e];
-            s = group_sum<S::LPK>(s);
-            if (live && j <= pos[i]) {
-                const float m_new = fmaxf(m[i], s);
-                const float corr = expf(m[i] - m_new);  // 0 while the state is empty
-                const float p = expf(s - m_new);
-                l[i] = l[i] * corr + p;
+                for (int e = 0; e < S::EPL; e += 2) {
+                    a += qr[i][e] * kf[e];
+                    if (e + 1 < S::EPL) b2 += qr[i][e + 1] * kf[e + 1];
+                }
+                sc[i] = a + b2;
+            }
 #pragma unroll
-                for (int e = 0; e < S::EPL; ++e) acc[i][e] = acc[i][e] * corr + p * vr[e];
-                m[i] = m_new;
+            for (int off = S::LPK / 2; off > 0; off /= 2) {
+#pragma unroll
+                for (int i = 0; i < S::QB; ++i) sc[i] += __shfl_xor_sync(GQAKV_FULL_MASK, sc[i], off);
+            }
+            if (jr < lim_all) {  // every real query sees this key (always, for T = 1)
+#pragma unroll
+                for (int i = 0; i < S::QB; ++i) softmax_update<S::EPL>(sc[i], vf, m[i], l[i], acc[i]);
+            } else if (jr < lim_any) {  // small-T decode: the last keys are hidden from early queries
+#pragma unroll
+                for (int i = 0; i < S::QB; ++i)
+                    if (jr < lim[i]) softmax_update<S::EPL>(sc[i], vf, m[i], l[i], acc[i]);
             }
         }
     }
@@ -158,13 +324,14 @@ __global__ void __launch_bounds__(128, QB <= 4 ? 4 : 1) gqakv_decode(
         float total = 0.f, o = 0.f;
         if (mx != GQAKV_NEG_INF) {
             for (int s = 0; s < S::NG; ++s) {
-                const float w = expf(sm_m[s][i] - mx);  // 0 for empty slots
+                const float w = fast_exp2(sm_m[s][i] - mx);  // 0 for empty slots
                 total += w * sm_l[s][i];
                 o += w * sm_acc[s][i][d];
             }
         }
         const float o_val = total > 0.f ? o / total : 0.f;
-        const float lse_val = total > 0.f ? mx + logf(total) : GQAKV_NEG_INF;
+        // Natural-log LSE of the unscaled-by-log2(e) scores: (m + log2 total) * ln 2.
+        const float lse_val = total > 0.f ? (mx + log2f(total)) * 0.6931471805599453f : GQAKV_NEG_INF;
         const i64 qidx = ((i64)b * Hq + h) * Tq + t;
         if (num_splits == 1) {
             out[(i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st + d] = from_float<T>(o_val);
