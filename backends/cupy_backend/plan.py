@@ -74,8 +74,17 @@ class Plan:
     keys_per_split: int = 0
 
 
-def prefill_rows(head_dim: int) -> int:
-    """Query rows per prefill CTA; mirrors PrefillShape::ROWS."""
+def prefill_kernel(dtype: str, head_dim: int) -> str:
+    """The chunked-prefill kernel for (dtype, head_dim): tensor cores (gqakv_prefill_mma)
+    for float16 / bfloat16 with head_dim a multiple of 16, fp32 FMA (gqakv_prefill) else."""
+    return "gqakv_prefill_mma" if sources.prefill_mma_supported(dtype, head_dim) else "gqakv_prefill"
+
+
+def prefill_rows(head_dim: int, kernel: str = "gqakv_prefill") -> int:
+    """Query rows per prefill CTA; mirrors PrefillShape::ROWS (gqakv_prefill) and
+    PrefillMmaShape::ROWS (gqakv_prefill_mma: 4 warps x the mma's 16 rows)."""
+    if kernel == "gqakv_prefill_mma":
+        return 64
     return 64 if head_dim <= 64 else (32 if head_dim <= 128 else 16)
 
 
@@ -232,7 +241,8 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
                                         sources.name_expression("gqakv_merge", dtype, head_dim),
                                         (batch * kv_heads * group * t_q, 1, 1), BLOCK, margs))
         return plan
-    rows_per_cta = prefill_rows(head_dim)
+    kernel = prefill_kernel(dtype, head_dim)
+    rows_per_cta = prefill_rows(head_dim, kernel)
     gc = min(group, rows_per_cta)
     bq = max(1, rows_per_cta // gc)
     n_gchunks = -(-group // gc)
@@ -242,8 +252,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
             f"a chunk of {max_n} tokens needs {n_tblocks} query blocks (grid limit {MAX_GRID_Y})")
     args = (*bufs, np.int32(kv_heads), np.int32(group), np.int32(t_q), np.int32(gc), np.int32(bq),
             np.int32(n_gchunks), np.float32(scale), *strides)
-    plan.launches.append(Launch("gqakv_prefill",
-                                sources.name_expression("gqakv_prefill", dtype, head_dim),
+    plan.launches.append(Launch(kernel, sources.name_expression(kernel, dtype, head_dim),
                                 (batch * kv_heads * n_gchunks, n_tblocks, 1), BLOCK, args))
     return plan
 
@@ -260,5 +269,5 @@ def aligned_for_vectors(ptr: int, strides_el: tuple[int, ...], dtype: str, head_
 
 
 __all__ = ["Buf", "Launch", "Plan", "plan_write_kv", "plan_copy_tokens", "plan_attention",
-           "choose_splits", "choose_query_tile", "prefill_rows", "aligned_for_vectors",
+           "choose_splits", "choose_query_tile", "prefill_kernel", "prefill_rows", "aligned_for_vectors",
            "element_strides"]

@@ -16,12 +16,14 @@ from importlib import resources
 
 #: Kernel name -> source file. Each kernel is a template ``<T, D>`` over the storage type
 #: and the head dim; gqakv_decode also over its query tile, ``<T, D, QB>``.
+#: gqakv_prefill_mma (tensor cores) exists only where ``prefill_mma_supported``.
 KERNEL_FILES = {
     "gqakv_write_kv": "write_kv.cu",
     "gqakv_copy_tokens": "copy_tokens.cu",
     "gqakv_decode": "decode.cu",
     "gqakv_merge": "merge.cu",
     "gqakv_prefill": "prefill.cu",
+    "gqakv_prefill_mma": "prefill_mma.cu",
 }
 
 #: gqakv dtype name -> C++ storage type in the kernels (16-bit types are raw bits).
@@ -60,6 +62,16 @@ def compose_source(kernel: str) -> str:
     return expand(KERNEL_FILES[kernel])
 
 
+#: dtypes the tensor-core prefill takes (mma.m16n8k16 with 16-bit inputs, fp32 accumulation).
+PREFILL_MMA_DTYPES = ("float16", "bfloat16")
+
+
+def prefill_mma_supported(dtype: str, head_dim: int) -> bool:
+    """Whether gqakv_prefill_mma serves (dtype, head_dim): 16-bit dtypes and head dims that
+    are a multiple of 16 (the mma's k); everything else keeps the fp32-FMA gqakv_prefill."""
+    return dtype in PREFILL_MMA_DTYPES and head_dim % 16 == 0 and 0 < head_dim <= MAX_FUSED_HEAD_DIM
+
+
 def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None) -> str:
     """The template instantiation, e.g. ``gqakv_write_kv<gqakv_bf16, 128>`` or
     ``gqakv_decode<gqakv_bf16, 128, 4>`` (decode needs ``query_tile``, others refuse it)."""
@@ -76,11 +88,17 @@ def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | No
         return f"{kernel}<{CTYPES[dtype]}, {int(head_dim)}, {int(query_tile)}>"
     if query_tile is not None:
         raise KeyError(f"{kernel} takes no query_tile (got {query_tile})")
+    if kernel == "gqakv_prefill_mma" and not prefill_mma_supported(dtype, head_dim):
+        raise KeyError(f"gqakv_prefill_mma has no {dtype} head_dim={head_dim} (served: "
+                       f"{', '.join(PREFILL_MMA_DTYPES)} with head_dim a multiple of 16)")
     return f"{kernel}<{CTYPES[dtype]}, {int(head_dim)}>"
 
 
 def instantiations(kernel: str, dtype: str, head_dim: int) -> list[str]:
-    """Every name expression of ``kernel`` for one dtype and head dim (decode: one per tile)."""
+    """Every name expression of ``kernel`` for one dtype and head dim (decode: one per tile;
+    none for gqakv_prefill_mma where it does not apply)."""
+    if kernel == "gqakv_prefill_mma" and not prefill_mma_supported(dtype, head_dim):
+        return []
     if kernel == "gqakv_decode":
         return [name_expression(kernel, dtype, head_dim, qb) for qb in DECODE_QUERY_TILES]
     return [name_expression(kernel, dtype, head_dim)]

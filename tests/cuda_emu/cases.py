@@ -299,6 +299,33 @@ def copy_cases() -> list[CopyCase]:
     return cases
 
 
+def prefill_mma_cases() -> list[Case]:
+    """Chunked prefill on tensor cores (gqakv_prefill_mma: float16 / bfloat16, head_dim a
+    multiple of 16; 64 query rows per CTA, key tiles of 64 keys at d <= 112, 32 at d = 128,
+    16 with K and V sharing one buffer at d = 256): several query blocks and key tiles per
+    CTA, the diagonal tile, ragged rows, idle entries, padding, NaN tails, rows indirection,
+    G 1 / 3 / 4 / 8, d 64 / 128 / 256 and 80 (not a power of two: 5 k-steps of Q K^T)."""
+    return [
+        # G = 1: 64 tokens per query block, so 70 and 75 tokens span two blocks and two tiles.
+        Case("mma-longchunk-float16-G1-d64", "float16", 64, 2, 1, ((70, 0, 33), (10, 75, 1)),
+             max_len=160, seed=21),
+        # G = 3: 21 tokens x 3 heads per CTA (one padded row in each); 32-key tiles.
+        Case("mma-longchunk-bfloat16-G3-d128", "bfloat16", 128, 1, 3, ((40, 5), (30, 50), (1, 1)),
+             max_len=96, seed=22),
+        # G = 4 over a larger cache through rows indirection; rows 1 and 3 never touched.
+        Case("mma-rows-float16-G4-d128", "float16", 128, 2, 4, ((33, 20), (1, 1), (25, 40)),
+             max_len=100, cache_rows=4, rows=(2, 0), seed=23),
+        # G = 8: 8 tokens per query block, many blocks; a long row beside a short one.
+        Case("mma-G8-bfloat16-d64", "bfloat16", 64, 1, 8, ((20, 70), (9, 1), (30, 6)),
+             max_len=112, seed=24),
+        Case("mma-G4-float16-d80", "float16", 80, 1, 4, ((70, 3), (2, 66)), max_len=144, seed=25),
+        Case("mma-G1-bfloat16-d80", "bfloat16", 80, 2, 1, ((66, 9), (5, 70)), max_len=144, seed=26),
+        Case("mma-G4-bfloat16-d256", "bfloat16", 256, 1, 4, ((20, 37), (1, 1), (18, 0)),
+             max_len=80, seed=27),
+        Case("mma-G1-float16-d256", "float16", 256, 2, 1, ((40, 7), (3, 33)), max_len=80, seed=28),
+    ]
+
+
 def all_cases() -> list:
     """The emulated parity grid: kernels x dtypes x group sizes x head dims, small shapes."""
     cases = []
@@ -355,4 +382,4 @@ def all_cases() -> list:
     cases.append(Case("pipe-split-float16-G8T1-d64", "float16", 64, 1, 8,
                       ((203, 60), (1, 1), (0, 1)), max_len=224, pad=0, sm_count=2,
                       min_keys_per_split=16, expect_splits=True, seed=19))
-    return cases + copy_cases()
+    return cases + prefill_mma_cases() + copy_cases()

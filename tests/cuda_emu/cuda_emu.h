@@ -9,6 +9,7 @@
 //   __shared__           `static` storage: one copy, used by one block at a time
 //   threadIdx/blockIdx   thread-locals; blockDim/gridDim set per launch
 //   half / bfloat16      conversions through _Float16 (binary16 with round to nearest even)
+//   mma m16n8k16         warp-collective, f16/bf16 inputs, fp32 accumulators (see below)
 // Anything else a kernel might use is missing on purpose, so the build fails on it.
 #pragma once
 #define GQAKV_EMULATION 1
@@ -37,6 +38,8 @@ namespace gqakv_emu {
 struct Warp {
     std::barrier<>* bar;
     uint64_t slot[32];
+    uint32_t mma_a[32][4];  // each lane's A fragment registers (mma exchange)
+    uint32_t mma_b[32][2];  // each lane's B fragment registers
 };
 struct Block {
     std::barrier<>* bar;
@@ -83,4 +86,66 @@ inline unsigned short gqakv_emu_float_to_half(float f) {
     unsigned short bits;
     std::memcpy(&bits, &h, 2);
     return bits;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32: acc (D = C) += A * B for
+// the whole warp. Layout as documented in the PTX ISA, section 9.7.14.5.8 "Matrix Fragments
+// for mma.m16n8k16 with floating point type" (groupID = lane >> 2, tig = lane % 4; two
+// 16-bit elements per register, the lower-indexed one in the low half):
+//   A 16x16: a_i (register i / 2, half i % 2) is A[row][col] with
+//            row = groupID if i < 2 or 4 <= i < 6, else groupID + 8;
+//            col = 2 * tig + (i & 1) if i < 4, else 2 * tig + (i & 1) + 8
+//   B 16x8:  b_i (register i / 2, half i % 2) is B[row][col] with
+//            row = 2 * tig + (i & 1) if i < 2, else 2 * tig + (i & 1) + 8; col = groupID
+//   C/D 16x8 fp32: c_i is C[row][col] with row = groupID if i < 2, else groupID + 8;
+//            col = 2 * tig + (i & 1)
+// Each lane deposits its registers in the warp's exchange, a warp barrier, each lane
+// rebuilds the whole A and B from every lane's registers through the mapping above
+// (failing if the mapping does not cover each element exactly once) and computes its own
+// four D elements, and a second warp barrier before the exchange is reused. Products of
+// 16-bit values are exact; the 16-term sum is formed in double and added to C once, a
+// model of the fp32 tensor-core accumulation (whose internal rounding it does not claim to
+// reproduce bit for bit). It proves a kernel right given the documented layout; it cannot
+// prove that the hardware follows the document.
+inline float gqakv_emu_16bit_to_float(uint32_t bits, bool bf16) {
+    return bf16 ? __uint_as_float(bits << 16) : gqakv_emu_half_to_float((unsigned short)bits);
+}
+
+inline void gqakv_emu_mma_m16n8k16(float (&acc)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                   bool bf16) {
+    gqakv_emu::Warp& w = gqakv_emu::g_block.warps[gqakv_emu::g_tid / 32];
+    const unsigned lane = gqakv_emu::g_tid % 32;
+    std::memcpy(w.mma_a[lane], a, sizeof(w.mma_a[lane]));
+    std::memcpy(w.mma_b[lane], b, sizeof(w.mma_b[lane]));
+    w.bar->arrive_and_wait();
+    float A[16][16], B[16][8];
+    int seen_a[16][16] = {}, seen_b[16][8] = {};
+    for (unsigned l = 0; l < 32; ++l) {
+        const unsigned group = l >> 2, tig = l % 4;
+        for (unsigned i = 0; i < 8; ++i) {
+            const unsigned row = (i < 2 || (i >= 4 && i < 6)) ? group : group + 8;
+            const unsigned col = i < 4 ? tig * 2 + (i & 1) : tig * 2 + (i & 1) + 8;
+            A[row][col] = gqakv_emu_16bit_to_float((w.mma_a[l][i / 2] >> (16 * (i % 2))) & 0xffffu, bf16);
+            ++seen_a[row][col];
+        }
+        for (unsigned i = 0; i < 4; ++i) {
+            const unsigned row = i < 2 ? tig * 2 + (i & 1) : tig * 2 + (i & 1) + 8;
+            const unsigned col = group;
+            B[row][col] = gqakv_emu_16bit_to_float((w.mma_b[l][i / 2] >> (16 * (i % 2))) & 0xffffu, bf16);
+            ++seen_b[row][col];
+        }
+    }
+    w.bar->arrive_and_wait();
+    for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 16; ++c)
+            if (seen_a[r][c] != 1 || (c < 8 && seen_b[r][c] != 1))
+                gqakv_emu::fail("mma_m16n8k16: fragment mapping does not cover A or B exactly once");
+    const unsigned group = lane >> 2, tig = lane % 4;
+    for (unsigned i = 0; i < 4; ++i) {
+        const unsigned row = i < 2 ? group : group + 8;
+        const unsigned col = tig * 2 + (i & 1);
+        double sum = 0.0;
+        for (int k = 0; k < 16; ++k) sum += (double)A[row][k] * (double)B[k][col];
+        acc[i] = (float)((double)acc[i] + sum);
+    }
 }

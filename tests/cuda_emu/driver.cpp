@@ -15,6 +15,7 @@
 #include "decode.cu"
 #include "merge.cu"
 #include "prefill.cu"
+#include "prefill_mma.cu"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -54,6 +55,13 @@ std::map<std::string, Entry>& registry() {
 }
 
 #define GQAKV_REG(K, T, D) registry()[#K "<" #T ", " #D ">"] = make_entry(&K<T, D>);
+// The tensor-core prefill exists for 16-bit types and head dims that are a multiple of 16
+// (sources.prefill_mma_supported).
+template <class T, int D>
+void register_prefill_mma(const char* name) {
+    if constexpr (sizeof(T) == 2 && D % 16 == 0) registry()[name] = make_entry(&gqakv_prefill_mma<T, D>);
+}
+#define GQAKV_REG_PREFILL_MMA(T, D) register_prefill_mma<T, D>("gqakv_prefill_mma<" #T ", " #D ">");
 // The decode kernel's query tiles must match sources.DECODE_QUERY_TILES.
 #define GQAKV_REG_DECODE(T, D, QB) \
     registry()["gqakv_decode<" #T ", " #D ", " #QB ">"] = make_entry(&gqakv_decode<T, D, QB>);
@@ -63,11 +71,28 @@ std::map<std::string, Entry>& registry() {
     GQAKV_REG_DECODE(T, D, 4)              \
     GQAKV_REG_DECODE(T, D, 8)              \
     GQAKV_REG(gqakv_merge, T, D)           \
-    GQAKV_REG(gqakv_prefill, T, D)
+    GQAKV_REG(gqakv_prefill, T, D)         \
+    GQAKV_REG_PREFILL_MMA(T, D)
 #define GQAKV_REG_DIM(D) GQAKV_REG_ALL(float, D) GQAKV_REG_ALL(gqakv_half, D) GQAKV_REG_ALL(gqakv_bf16, D)
 
+// Emulator self-test (tests/test_cuda_emu_mma.py): one warp runs one mma_m16n8k16 on the
+// fragment registers given per lane: a [32][4], b [32][2], c [32][4] in, d [32][4] out.
+template <class T>
+__global__ void emu_mma_selftest(const unsigned* a, const unsigned* b, const float* c, float* d) {
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned ra[4] = {a[lane * 4], a[lane * 4 + 1], a[lane * 4 + 2], a[lane * 4 + 3]};
+    const unsigned rb[2] = {b[lane * 2], b[lane * 2 + 1]};
+    float acc[4] = {c[lane * 4], c[lane * 4 + 1], c[lane * 4 + 2], c[lane * 4 + 3]};
+    mma_m16n8k16<T>(acc, ra, rb);
+    for (int i = 0; i < 4; ++i) d[lane * 4 + i] = acc[i];
+}
+
 struct Init {
-    Init() { GQAKV_EMU_HEAD_DIMS }
+    Init() {
+        GQAKV_EMU_HEAD_DIMS
+        registry()["emu_mma_selftest<gqakv_half>"] = make_entry(&emu_mma_selftest<gqakv_half>);
+        registry()["emu_mma_selftest<gqakv_bf16>"] = make_entry(&emu_mma_selftest<gqakv_bf16>);
+    }
 } init;
 }  // namespace gqakv_emu
 

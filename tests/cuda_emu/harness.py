@@ -27,7 +27,7 @@ from gqakv_backends.cupy_backend import sources
 
 HERE = Path(__file__).resolve().parent
 #: Head dims instantiated in the emulation library (tests pick among these).
-HEAD_DIMS = (20, 64, 128)
+HEAD_DIMS = (20, 64, 128, 80, 256)  # 80, 256: the tensor-core prefill's other tile shapes
 
 
 def kernel_dir() -> Path:
