@@ -34,6 +34,8 @@
 #include "common.cuh"
 #include "mma.cuh"
 
+#define GQAKV_LOG2E 1.4426950408889634f
+
 template <int D, int BK, bool KV_SHARED>
 struct PrefillMmaSmem {
     static constexpr int QW = (D + 8) / 2;   // words per Q row
@@ -62,6 +64,8 @@ struct PrefillMmaShape {
     static constexpr int KS_D = D / 16;   // k-steps of Q K^T
     static constexpr int KS_K = BK / 16;  // k-steps of P V
     static constexpr int NCH = D / 8;     // 16-byte chunks per head-dim row
+    // Resident CTAs per SM the register budget must allow (<= 168 registers at 3, <= 255 at 2).
+    static constexpr int MIN_CTAS = D <= 128 ? 3 : 2;
 };
 
 struct alignas(16) Words4 {
@@ -106,7 +110,7 @@ __device__ __forceinline__ void load_v_transposed(unsigned* __restrict__ dst, co
 }
 
 template <class T, int D>
-__global__ void __launch_bounds__(128, 1) gqakv_prefill_mma(
+__global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_prefill_mma(
     const T* __restrict__ q, const T* __restrict__ k_buf, const T* __restrict__ v_buf,
     const i64* __restrict__ rows, const i64* __restrict__ lens, const i64* __restrict__ n_new,
     T* __restrict__ out, float* __restrict__ lse,
@@ -215,13 +219,15 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill_mma(
                 row_max = group_max<4>(row_max);
                 const float m_new = fmaxf(m[h], row_max);
                 // A row that has seen no visible key keeps the empty state (no -inf - -inf).
-                const float corr = m_new == GQAKV_NEG_INF ? 1.f : expf(m[h] - m_new);
+                // exp(x) as exp2(x * log2 e): one multiply and the hardware exp2.
+                const float corr = m_new == GQAKV_NEG_INF ? 1.f : exp2f((m[h] - m_new) * GQAKV_LOG2E);
                 float p_sum = 0.f, pr_sum = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < S::NT_S; ++nt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float p = m_new == GQAKV_NEG_INF ? 0.f : expf(s[nt][2 * h + e] - m_new);
+                        const float p = m_new == GQAKV_NEG_INF ? 0.f
+                                                               : exp2f((s[nt][2 * h + e] - m_new) * GQAKV_LOG2E);
                         const float pr = to_float(from_float<T>(p));  // what P V will use
                         s[nt][2 * h + e] = pr;
                         p_sum += p;
