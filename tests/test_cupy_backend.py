@@ -80,50 +80,69 @@ def test_kernel_sources_ship_as_package_data(kernel):
     assert "to_float" in src
 
 
-#: Llama-3.1-8B decode (Hq 32, Hkv 8, G = 4, T = 1 -> tile 4, one query chunk) on an H200.
+#: Llama-3.1-8B decode (Hq 32, Hkv 8, G = 4, T = 1, d = 128) on an H200: bfloat16 runs the
+#: tensor-core kernel (one 16-row query chunk, 2 CTAs per SM), float32 the FMA kernel (tile 4,
+#: 3 CTAs per SM).
 SMS = 132
-TILE4_SLOTS = SMS * plan.DECODE_CTAS_PER_SM[4]
 
 
-def _llama_splits(batch, live):
-    return plan.choose_splits(np.full(batch, live), 8, SMS, plan.DECODE_CTAS_PER_SM[4])
+def _llama_splits(batch, live, dtype="bfloat16"):
+    kernel, tile, chunks, per_sm = plan.decode_kernel(dtype, 128, 4)
+    assert chunks == 1
+    return plan.choose_splits(np.full(batch, live), 8 * chunks, SMS, per_sm)
 
 
+def test_decode_kernel_choice():
+    assert plan.decode_kernel("bfloat16", 128, 4) == ("gqakv_decode_mma", None, 1, 2)
+    assert plan.decode_kernel("float16", 64, 4) == ("gqakv_decode_mma", None, 1, 4)
+    assert plan.decode_kernel("float16", 128, 17) == ("gqakv_decode_mma", None, 2, 2)
+    assert plan.decode_kernel("float32", 128, 4) == ("gqakv_decode", 4, 1, 3)
+    assert plan.decode_kernel("bfloat16", 256, 4) == ("gqakv_decode", 4, 1, 3)
+    assert plan.decode_kernel("bfloat16", 80, 8) == ("gqakv_decode", 8, 1, 2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("batch", [1, 4, 8, 16, 64])
 @pytest.mark.parametrize("live", [1024, 8192, 32768])
-def test_splits_at_llama_shapes_fill_the_gpu(batch, live):
-    splits, keys = _llama_splits(batch, live)
+def test_splits_at_llama_shapes_fill_the_gpu(batch, live, dtype):
+    splits, keys = _llama_splits(batch, live, dtype)
     # Every split holds keys, chunks are at least the minimum, and they cover the row.
     assert splits * keys >= live and (splits - 1) * keys < live
     assert splits == 1 or keys >= plan.MIN_KEYS_PER_SPLIT
+    slots = SMS * plan.decode_kernel(dtype, 128, 4)[3]
     ctas = batch * 8 * splits
-    waves = ctas / TILE4_SLOTS
+    waves = ctas / slots
     if live >= 8192:  # long rows: the grid fills the resident slots of every SM
-        assert ctas >= 0.95 * TILE4_SLOTS, (splits, keys, ctas)
+        assert ctas >= 0.95 * slots, (splits, keys, ctas)
         # ... with little wave quantization: the last wave is nearly full.
         assert waves / np.ceil(waves) >= 0.9, (splits, keys, waves)
 
 
 def test_split_plans_for_the_issue_shapes():
-    """The planner's choices at the benchmark's shapes (cost model in choose_splits):
-    B = 1 fills one wave of 3 x 132 CTA slots with 48 splits, B = 64 cuts rows in 3 so
-    1536 CTAs run in 3.9 waves instead of 512 CTAs in 1.3 (a third-full second wave)."""
-    assert _llama_splits(1, 32768) == (48, 683)
-    assert _llama_splits(1, 8192) == (48, 171)
-    assert _llama_splits(4, 32768) == (12, 2731)
-    assert _llama_splits(64, 32768) == (3, 10923)
+    """The planner's choices at the benchmark's shapes (cost model in choose_splits).
+    Tensor-core kernel (bf16, 2 x 132 CTA slots): B = 1 fills one wave with 33 splits,
+    B = 64 needs none (512 CTAs, 1.94 waves). FMA kernel (fp32, 3 x 132 slots): B = 64
+    cuts rows in 3 so 1536 CTAs run in 3.9 waves instead of 512 CTAs in 1.3 (a
+    third-full second wave)."""
+    assert _llama_splits(1, 32768) == (33, 993)
+    assert _llama_splits(1, 8192) == (33, 249)
+    assert _llama_splits(4, 32768) == (8, 4096)
+    assert _llama_splits(64, 32768) == (1, 32768)
     assert _llama_splits(1, 1024) == (8, 128)  # as many as the minimum chunk allows
+    assert _llama_splits(1, 32768, "float32") == (48, 683)
+    assert _llama_splits(4, 32768, "float32") == (12, 2731)
+    assert _llama_splits(64, 32768, "float32") == (3, 10923)
 
 
 def test_splits_follow_live_lengths_only():
     # Rows without keys do not count; longer live rows never mean fewer keys per split.
-    assert plan.choose_splits(np.array([0, 32768, 0]), 8, SMS, 3) == _llama_splits(1, 32768)
+    assert plan.choose_splits(np.array([0, 32768, 0]), 8, SMS, 3) == _llama_splits(1, 32768, "float32")
     assert plan.choose_splits(np.array([0, 0]), 8, SMS, 3) == (1, 1)
     # Short rows or a full GPU: no split.
     assert plan.choose_splits(np.array([100]), 8, SMS, 3) == (1, 100)
     assert plan.choose_splits(np.full(4096, 4096), 8, SMS, 3)[0] == 1
     # More SMs, more splits (the same rows).
-    assert _llama_splits(1, 32768)[0] < plan.choose_splits(np.array([32768]), 8, 4 * SMS, 3)[0]
+    assert _llama_splits(1, 32768, "float32")[0] < plan.choose_splits(np.array([32768]), 8, 4 * SMS, 3)[0]
 
 
 def test_splits_respect_the_minimum_and_the_kernel_limits():
@@ -151,27 +170,32 @@ def test_split_plan_skips_idle_rows():
                               n_new=np.array([1]), **kw)
     two = plan.plan_attention("bfloat16", 128, batch=2, lens=np.array([8192, 60000]),
                               n_new=np.array([1, 0]), **kw)
-    assert (one.num_splits, one.keys_per_split) == (two.num_splits, two.keys_per_split) == (48, 171)
+    assert (one.num_splits, one.keys_per_split) == (two.num_splits, two.keys_per_split) == (33, 249)
 
 
 def test_decode_occupancy_matches_the_kernel_registers():
-    """plan.DECODE_CTAS_PER_SM (the split planner's CTA slots per SM) holds on the GPU:
-    ptxas' register count for each tile lets that many 128-thread CTAs share an SM's 64K
-    registers (allocated per warp in units of 256, i.e. 8 per thread)."""
+    """The resident CTAs per SM the split planner assumes (plan.DECODE_CTAS_PER_SM per
+    tile, plan.DECODE_MMA_CTAS_PER_SM per head dim) hold on the GPU: ptxas' register count
+    lets that many 128-thread CTAs share an SM's 64K registers (allocated per warp in units
+    of 256, i.e. 8 per thread), and their static shared memory fits."""
     nvrtc_mod = pytest.importorskip("gqakv_backends.cupy_backend.nvrtc")
     try:
         compiler = nvrtc_mod.Nvrtc()
         compiler.version()
     except (nvrtc_mod.NvrtcError, OSError) as exc:
         pytest.skip(f"NVRTC not available: {exc}")
+    checks = [("gqakv_decode", dtype, 128, tile, ctas) for dtype in sources.CTYPES
+              for tile, ctas in plan.DECODE_CTAS_PER_SM.items()]
+    checks += [("gqakv_decode_mma", dtype, d, None, ctas) for dtype in sources.DECODE_MMA_DTYPES
+               for d, ctas in plan.DECODE_MMA_CTAS_PER_SM.items()]
     for arch in ("sm_80", "sm_90"):
-        for dtype in sources.CTYPES:
-            for tile, ctas in plan.DECODE_CTAS_PER_SM.items():
-                name = sources.name_expression("gqakv_decode", dtype, 128, tile)
-                r = compiler.compile("gqakv_decode", dtype, 128, arch, name=name)
-                regs = -(-r.registers // 8) * 8
-                assert regs * plan.BLOCK[0] * ctas <= 65536, (name, arch, r.registers, ctas)
-                assert r.shared_bytes * ctas <= 100 * 1024, (name, arch, r.shared_bytes)
+        for kernel, dtype, d, tile, ctas in checks:
+            name = sources.name_expression(kernel, dtype, d, tile)
+            r = compiler.compile(kernel, dtype, d, arch, name=name)
+            regs = -(-r.registers // 8) * 8
+            assert regs * plan.BLOCK[0] * ctas <= 65536, (name, arch, r.registers, ctas)
+            assert r.shared_bytes * ctas <= 100 * 1024, (name, arch, r.shared_bytes)
+    assert set(plan.DECODE_MMA_CTAS_PER_SM) == set(sources.DECODE_MMA_HEAD_DIMS)
     assert set(plan.DECODE_CTAS_PER_SM) == set(sources.DECODE_QUERY_TILES)
 
 
@@ -182,7 +206,7 @@ def test_attention_plan_does_not_depend_on_capacity():
     small = plan.plan_attention("bfloat16", 128, buf_strides=(8 * 4096 * 128, 4096 * 128, 128), **kw)
     large = plan.plan_attention("bfloat16", 128, buf_strides=(8 * 65536 * 128, 65536 * 128, 128), **kw)
     assert [l.grid for l in small.launches] == [l.grid for l in large.launches]
-    assert small.num_splits > 1 and [l.kernel for l in small.launches] == ["gqakv_decode", "gqakv_merge"]
+    assert small.num_splits > 1 and [l.kernel for l in small.launches] == ["gqakv_decode_mma", "gqakv_merge"]
 
 
 def test_plans_use_explicitly_typed_scalars():
@@ -212,12 +236,20 @@ def test_copy_plan_is_one_launch_for_every_layer_and_pair():
 def test_decode_query_tile_is_the_smallest_that_fits():
     assert [plan.choose_query_tile(q) for q in (1, 4, 5, 8, 9, 12, 32)] == [
         (4, 1), (4, 1), (8, 1), (8, 1), (8, 2), (8, 2), (8, 4)]
-    # Llama 3.1 8B decode (G = 4, T = 1): one tile-4 CTA per (row, KV head)
-    p = plan.plan_attention("bfloat16", 128, batch=64, kv_heads=8, group=4, t_q=1,
+    # Llama 3.1 8B decode (G = 4, T = 1) in float32: one tile-4 CTA per (row, KV head)
+    p = plan.plan_attention("float32", 128, batch=64, kv_heads=8, group=4, t_q=1,
                             lens=np.full(64, 4096), n_new=np.ones(64, dtype=np.int64), scale=0.1,
                             q_strides=(32 * 128, 128, 128), buf_strides=(8 * 8192 * 128, 8192 * 128, 128),
                             out_strides=(32 * 128, 128, 128), sm_count=132)
     # x: (row, KV head) pairs; y: splits (3 here, so 1536 CTAs fill ~4 waves of 396 slots)
     launch, merge = p.launches
-    assert launch.name == "gqakv_decode<gqakv_bf16, 128, 4>" and launch.grid == (64 * 8, 3, 1)
+    assert launch.name == "gqakv_decode<float, 128, 4>" and launch.grid == (64 * 8, 3, 1)
     assert merge.kernel == "gqakv_merge" and merge.grid == (64 * 32, 1, 1)
+    # In bfloat16 the tensor-core kernel: one 16-row CTA per (row, KV head), 512 CTAs in
+    # ~2 waves of its 2 x 132 slots, no split.
+    p = plan.plan_attention("bfloat16", 128, batch=64, kv_heads=8, group=4, t_q=1,
+                            lens=np.full(64, 4096), n_new=np.ones(64, dtype=np.int64), scale=0.1,
+                            q_strides=(32 * 128, 128, 128), buf_strides=(8 * 8192 * 128, 8192 * 128, 128),
+                            out_strides=(32 * 128, 128, 128), sm_count=132)
+    (launch,) = p.launches
+    assert launch.name == "gqakv_decode_mma<gqakv_bf16, 128>" and launch.grid == (64 * 8, 1, 1)

@@ -40,6 +40,10 @@ MAX_KEYS_PER_SPLIT = 2**30
 #: Resident decode CTAs per SM, per query tile: the minimum in decode.cu's __launch_bounds__
 #: (DecodeOccupancy); tests/test_cupy_nvrtc.py checks ptxas' register counts allow it.
 DECODE_CTAS_PER_SM = {4: 3, 8: 2}
+#: Query rows per tensor-core decode CTA (DecodeMmaShape::QB) and its resident CTAs per SM
+#: by head dim (DecodeMmaShape::CTAS_PER_SM).
+DECODE_MMA_ROWS = 16
+DECODE_MMA_CTAS_PER_SM = {64: 4, 128: 2}
 #: Split planner cost model, in key rows streamed by one CTA: the fixed cost of a CTA (its
 #: queries' load latency, the shared-memory merge of its key slots, its output writes) and
 #: of the merge launch.
@@ -74,10 +78,13 @@ class Plan:
     keys_per_split: int = 0
 
 
-def prefill_kernel(dtype: str, head_dim: int) -> str:
+def prefill_kernel(dtype: str, head_dim: int, tensor_cores: bool = True) -> str:
     """The chunked-prefill kernel for (dtype, head_dim): tensor cores (gqakv_prefill_mma)
-    for float16 / bfloat16 with head_dim a multiple of 16, fp32 FMA (gqakv_prefill) else."""
-    return "gqakv_prefill_mma" if sources.prefill_mma_supported(dtype, head_dim) else "gqakv_prefill"
+    for float16 / bfloat16 with head_dim a multiple of 16 on a device that has them
+    (``tensor_cores``: compute capability 8.0+), fp32 FMA (gqakv_prefill) otherwise."""
+    if tensor_cores and sources.prefill_mma_supported(dtype, head_dim):
+        return "gqakv_prefill_mma"
+    return "gqakv_prefill"
 
 
 def prefill_rows(head_dim: int, kernel: str = "gqakv_prefill") -> int:
@@ -151,6 +158,17 @@ def choose_query_tile(queries: int) -> tuple[int, int]:
     return next(t for t in tiles if t >= per_chunk), chunks
 
 
+def decode_kernel(dtype: str, head_dim: int, queries: int) -> tuple[str, int | None, int, int]:
+    """(kernel, query tile, query chunks, resident CTAs per SM) of the decode launch for
+    ``queries`` = G * T queries per KV head: the tensor-core kernel (16 query rows per CTA)
+    where it serves (dtype, head_dim), else gqakv_decode with ``choose_query_tile``'s tile."""
+    if sources.decode_mma_supported(dtype, head_dim):
+        return ("gqakv_decode_mma", None, -(-queries // DECODE_MMA_ROWS),
+                DECODE_MMA_CTAS_PER_SM[head_dim])
+    tile, chunks = choose_query_tile(queries)
+    return "gqakv_decode", tile, chunks, DECODE_CTAS_PER_SM[tile]
+
+
 def choose_splits(lens, ctas_per_row: int, sm_count: int, ctas_per_sm: int = 1,
                   min_keys_per_split: int = MIN_KEYS_PER_SPLIT) -> tuple[int, int]:
     """(num_splits, keys_per_split) for the decode kernel.
@@ -193,13 +211,16 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
                    t_q: int, lens: np.ndarray, n_new: np.ndarray, scale: float,
                    q_strides, buf_strides, out_strides, sm_count: int,
                    min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
-                   force_splits: int | None = None) -> Plan:
+                   force_splits: int | None = None,
+                   tensor_cores: bool = True) -> Plan:
     """Launches computing attention of q over the cache into out and lse.
 
     lens, n_new: host int arrays [B] (lens are post-append lengths of each entry's row).
     Decode kernel for t_q <= DECODE_MAX_T (with split-KV + merge when the batch is too
     small to fill the GPU), chunked-prefill kernel otherwise. Entries with n_new = 0
-    need no work: out and lse are pre-filled by the caller.
+    need no work: out and lse are pre-filled by the caller. tensor_cores: whether the
+    device runs mma.m16n8k16 on float16 / bfloat16 (compute capability 8.0+); without,
+    the prefill stays on the fp32-FMA kernel.
     """
     plan = Plan()
     live = n_new > 0
@@ -211,14 +232,14 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     bufs = (Buf("q"), Buf("k_buf"), Buf("v_buf"), Buf("rows"), Buf("lens"), Buf("n_new"),
             Buf("out"), Buf("lse"))
     if t_q <= DECODE_MAX_T:
-        tile, n_qchunks = choose_query_tile(group * t_q)
+        kernel, tile, n_qchunks, per_sm = decode_kernel(dtype, head_dim, group * t_q)
         ctas = batch * kv_heads * n_qchunks
         if force_splits:
             keys = -(-max_len // force_splits)
             splits = -(-max_len // keys)
         else:
-            splits, keys = choose_splits(lens[live], kv_heads * n_qchunks, sm_count,
-                                         DECODE_CTAS_PER_SM[tile], min_keys_per_split)
+            splits, keys = choose_splits(lens[live], kv_heads * n_qchunks, sm_count, per_sm,
+                                         min_keys_per_split)
         if splits == 1:
             keys = max_len
             part = (Buf("dummy"), Buf("dummy"))
@@ -230,8 +251,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
         plan.num_splits, plan.keys_per_split = splits, keys
         args = (*bufs, *part, np.int32(kv_heads), np.int32(group), np.int32(t_q),
                 np.int32(n_qchunks), np.int32(splits), np.int64(keys), np.float32(scale), *strides)
-        plan.launches.append(Launch("gqakv_decode",
-                                    sources.name_expression("gqakv_decode", dtype, head_dim, tile),
+        plan.launches.append(Launch(kernel, sources.name_expression(kernel, dtype, head_dim, tile),
                                     (ctas, splits, 1), BLOCK, args))
         if splits > 1:
             margs = (Buf("part_o"), Buf("part_lse"), Buf("lens"), Buf("n_new"), Buf("out"),
@@ -241,7 +261,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
                                         sources.name_expression("gqakv_merge", dtype, head_dim),
                                         (batch * kv_heads * group * t_q, 1, 1), BLOCK, margs))
         return plan
-    kernel = prefill_kernel(dtype, head_dim)
+    kernel = prefill_kernel(dtype, head_dim, tensor_cores)
     rows_per_cta = prefill_rows(head_dim, kernel)
     gc = min(group, rows_per_cta)
     bq = max(1, rows_per_cta // gc)
@@ -269,5 +289,5 @@ def aligned_for_vectors(ptr: int, strides_el: tuple[int, ...], dtype: str, head_
 
 
 __all__ = ["Buf", "Launch", "Plan", "plan_write_kv", "plan_copy_tokens", "plan_attention",
-           "choose_splits", "choose_query_tile", "prefill_kernel", "prefill_rows", "aligned_for_vectors",
+           "choose_splits", "choose_query_tile", "decode_kernel", "prefill_kernel", "prefill_rows", "aligned_for_vectors",
            "element_strides"]

@@ -21,6 +21,7 @@ KERNEL_FILES = {
     "gqakv_write_kv": "write_kv.cu",
     "gqakv_copy_tokens": "copy_tokens.cu",
     "gqakv_decode": "decode.cu",
+    "gqakv_decode_mma": "decode_mma.cu",
     "gqakv_merge": "merge.cu",
     "gqakv_prefill": "prefill.cu",
     "gqakv_prefill_mma": "prefill_mma.cu",
@@ -72,6 +73,17 @@ def prefill_mma_supported(dtype: str, head_dim: int) -> bool:
     return dtype in PREFILL_MMA_DTYPES and head_dim % 16 == 0 and 0 < head_dim <= MAX_FUSED_HEAD_DIM
 
 
+#: dtypes and head dims the tensor-core decode (gqakv_decode_mma) serves; gqakv_decode
+#: (fp32 FMA) takes every other case.
+DECODE_MMA_DTYPES = ("float16", "bfloat16")
+DECODE_MMA_HEAD_DIMS = (64, 128)
+
+
+def decode_mma_supported(dtype: str, head_dim: int) -> bool:
+    """Whether gqakv_decode_mma serves (dtype, head_dim)."""
+    return dtype in DECODE_MMA_DTYPES and head_dim in DECODE_MMA_HEAD_DIMS
+
+
 def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None) -> str:
     """The template instantiation, e.g. ``gqakv_write_kv<gqakv_bf16, 128>`` or
     ``gqakv_decode<gqakv_bf16, 128, 4>`` (decode needs ``query_tile``, others refuse it)."""
@@ -88,6 +100,9 @@ def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | No
         return f"{kernel}<{CTYPES[dtype]}, {int(head_dim)}, {int(query_tile)}>"
     if query_tile is not None:
         raise KeyError(f"{kernel} takes no query_tile (got {query_tile})")
+    if kernel == "gqakv_decode_mma" and not decode_mma_supported(dtype, head_dim):
+        raise KeyError(f"gqakv_decode_mma has no {dtype} head_dim={head_dim} (served: "
+                       f"{', '.join(DECODE_MMA_DTYPES)} with head_dim in {DECODE_MMA_HEAD_DIMS})")
     if kernel == "gqakv_prefill_mma" and not prefill_mma_supported(dtype, head_dim):
         raise KeyError(f"gqakv_prefill_mma has no {dtype} head_dim={head_dim} (served: "
                        f"{', '.join(PREFILL_MMA_DTYPES)} with head_dim a multiple of 16)")
@@ -98,6 +113,8 @@ def instantiations(kernel: str, dtype: str, head_dim: int) -> list[str]:
     """Every name expression of ``kernel`` for one dtype and head dim (decode: one per tile;
     none for gqakv_prefill_mma where it does not apply)."""
     if kernel == "gqakv_prefill_mma" and not prefill_mma_supported(dtype, head_dim):
+        return []
+    if kernel == "gqakv_decode_mma" and not decode_mma_supported(dtype, head_dim):
         return []
     if kernel == "gqakv_decode":
         return [name_expression(kernel, dtype, head_dim, qb) for qb in DECODE_QUERY_TILES]

@@ -51,6 +51,7 @@ class Case:
     sm_count: int = 132
     min_keys_per_split: int = planmod.MIN_KEYS_PER_SPLIT
     expect_splits: bool = False  # some decode step must use split-KV + merge
+    expect_kernels: tuple[str, ...] = ()  # kernels (names before '<') some step must launch
     seed: int = 0
 
 
@@ -165,6 +166,9 @@ def run_case(emu, case: Case, poison: bool = False) -> dict:
         stats["steps"] += 1
     if case.expect_splits:
         assert stats["splits"] > 1, f"{case.name}: no step used split-KV"
+    launched = {k.split("<")[0] for k in stats["kernels"]}
+    for kernel in case.expect_kernels:
+        assert kernel in launched, f"{case.name}: {kernel} was never launched ({sorted(launched)})"
     return stats
 
 
@@ -369,17 +373,38 @@ def all_cases() -> list:
                       pad=0, seed=15))
     cases.append(Case("tile8x2-float32-G9T1-d20", "float32", 20, 1, 9, ((4, 3), (1, 1), (1, 0)),
                       pad=0, seed=16))
-    # Decode key pipeline (decode.cu: PIPE steps of NG keys in flight per lane): rows
-    # shorter than one step of NG keys, lengths that are no multiple of PIPE * NG, an idle
-    # entry; tile 4 (G = 4, T = 1) with splits whose last chunk is short and tile 8
-    # (G = 8) with splits, on a pretend 2-SM device.
-    for dtype, d in (("bfloat16", 128), ("float16", 64), ("float32", 128)):
+    # Decode kernels: gqakv_decode_mma (tensor cores) for float16 / bfloat16 at d = 64 and
+    # 128, gqakv_decode (fp32 FMA, key pipeline of PIPE steps of NG keys per lane) for the
+    # rest, here float32 and 16-bit d = 80 and 256. Rows shorter than one step, lengths that
+    # are no multiple of a step, idle entries; splits whose last chunk is short on pretend
+    # 1- and 2-SM devices; small-T decode (the last keys hidden from earlier queries);
+    # G * T above 16 (two tensor-core query chunks).
+    for dtype, d in (("bfloat16", 128), ("float16", 64), ("float32", 128), ("float16", 256),
+                     ("bfloat16", 80)):
+        kernel = "gqakv_decode_mma" if dtype != "float32" and d in (64, 128) else "gqakv_decode"
         cases.append(Case(f"pipe-short-{dtype}-G4T1-d{d}", dtype, d, 2, 4,
-                          ((1, 2, 0), (1, 1, 1), (1, 0, 1)), pad=0, seed=17))
+                          ((1, 2, 0), (1, 1, 1), (1, 0, 1)), max_len=8, pad=0,
+                          expect_kernels=(kernel,), seed=17))
     cases.append(Case("pipe-split-bfloat16-G4T1-d128", "bfloat16", 128, 1, 4,
                       ((150, 77), (1, 1), (1, 1)), max_len=160, pad=0, sm_count=2,
-                      min_keys_per_split=8, expect_splits=True, seed=18))
+                      min_keys_per_split=8, expect_splits=True,
+                      expect_kernels=("gqakv_decode_mma", "gqakv_merge"), seed=18))
     cases.append(Case("pipe-split-float16-G8T1-d64", "float16", 64, 1, 8,
                       ((203, 60), (1, 1), (0, 1)), max_len=224, pad=0, sm_count=2,
-                      min_keys_per_split=16, expect_splits=True, seed=19))
+                      min_keys_per_split=16, expect_splits=True,
+                      expect_kernels=("gqakv_decode_mma", "gqakv_merge"), seed=19))
+    cases.append(Case("pipe-split-bfloat16-G4T1-d256", "bfloat16", 256, 1, 4,
+                      ((150, 77), (1, 1), (1, 1)), max_len=160, pad=0, sm_count=2,
+                      min_keys_per_split=8, expect_splits=True,
+                      expect_kernels=("gqakv_decode", "gqakv_merge"), seed=20))
+    cases.append(Case("pipe-split-float16-G5T2-d80", "float16", 80, 1, 5,
+                      ((200, 41), (2, 1), (2, 2)), max_len=208, pad=0, sm_count=4,
+                      min_keys_per_split=8, expect_splits=True,
+                      expect_kernels=("gqakv_decode", "gqakv_merge"), seed=21))
+    cases.append(Case("mma-decode-float16-G8T3-d128", "float16", 128, 2, 8,
+                      ((20, 7), (3, 2), (1, 3), (3, 0)), max_len=40, pad=0,
+                      expect_kernels=("gqakv_decode_mma",), seed=22))
+    cases.append(Case("mma-decode-rows-bfloat16-G3T4-d64", "bfloat16", 64, 2, 3,
+                      ((9, 33), (4, 1), (2, 4)), max_len=48, cache_rows=4, rows=(3, 1), pad=0,
+                      expect_kernels=("gqakv_decode_mma",), seed=23))
     return cases + prefill_mma_cases() + copy_cases()

@@ -13,6 +13,7 @@
 #include "write_kv.cu"
 #include "copy_tokens.cu"
 #include "decode.cu"
+#include "decode_mma.cu"
 #include "merge.cu"
 #include "prefill.cu"
 #include "prefill_mma.cu"
@@ -62,6 +63,13 @@ void register_prefill_mma(const char* name) {
     if constexpr (sizeof(T) == 2 && D % 16 == 0) registry()[name] = make_entry(&gqakv_prefill_mma<T, D>);
 }
 #define GQAKV_REG_PREFILL_MMA(T, D) register_prefill_mma<T, D>("gqakv_prefill_mma<" #T ", " #D ">");
+// The tensor-core decode exists for 16-bit types at head dims 64 and 128
+// (sources.decode_mma_supported).
+template <class T, int D>
+void register_decode_mma(const char* name) {
+    if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) registry()[name] = make_entry(&gqakv_decode_mma<T, D>);
+}
+#define GQAKV_REG_DECODE_MMA(T, D) register_decode_mma<T, D>("gqakv_decode_mma<" #T ", " #D ">");
 // The decode kernel's query tiles must match sources.DECODE_QUERY_TILES.
 #define GQAKV_REG_DECODE(T, D, QB) \
     registry()["gqakv_decode<" #T ", " #D ", " #QB ">"] = make_entry(&gqakv_decode<T, D, QB>);
@@ -70,6 +78,7 @@ void register_prefill_mma(const char* name) {
     GQAKV_REG(gqakv_copy_tokens, T, D)     \
     GQAKV_REG_DECODE(T, D, 4)              \
     GQAKV_REG_DECODE(T, D, 8)              \
+    GQAKV_REG_DECODE_MMA(T, D)             \
     GQAKV_REG(gqakv_merge, T, D)           \
     GQAKV_REG(gqakv_prefill, T, D)         \
     GQAKV_REG_PREFILL_MMA(T, D)

@@ -1,4 +1,6 @@
 // Decode attention (T = 1 and small T): one CTA per (entry b, KV head, query chunk, split).
+// This fp32-FMA kernel serves float32 and the head dims the tensor-core decode
+// (decode_mma.cu: float16 / bfloat16 at d = 64 and 128) does not take.
 //
 // The G query heads of a KV head and the T query tokens are folded into one query tile of
 // QB queries (query qi = g * T + t), so each live K/V row is read from HBM once per KV head
@@ -22,17 +24,19 @@
 // lane outstanding: 128 threads x 32 B x 4 CTAs = 16 KB per SM at best (~2 MB on the chip).
 // Here each lane keeps the raw 16-byte vectors of the next PIPE key steps in a register
 // ring (converted to fp32 only on use) and refills a slot as soon as it is converted, so
-// PIPE steps stay in flight: 4 x 32 B x 128 threads = 16 KB per CTA, 64 KB per SM at 4 CTAs
-// (tile 4) and 32 KB at 2 CTAs (tile 8).
+// PIPE steps stay in flight: 4 x 32 B x 128 threads = 16 KB per CTA, 48 KB per SM at the
+// 3 resident CTAs of tile 4 and 32 KB at the 2 of tile 8.
 //
-// Math per key (the kernel must also issue fast enough: ~100 warp instructions per KB at
-// 80% of peak): scores live in the log2 domain (q pre-scaled by scale * log2(e), one
-// exp2f per query and key), and the accumulator is rescaled only when the running max
-// grows, which after the first keys is rare (exactly the same result: the skipped factor
-// is exp2(0) = 1). The causal limit of each query is precomputed as a key count.
+// Math per key: scores live in the log2 domain (q pre-scaled by scale * log2(e), one
+// exp2 per query and key), the accumulator is rescaled only when the running max grows,
+// which after the first keys is rare (exactly the same result: the skipped factor is
+// exp2(0) = 1), the QB score reductions are interleaved (independent shuffle chains), and
+// the causal limit of each query is a precomputed key count. Still ~170 warp instructions
+// per KB at tile 4 (ptxas, sm_90), so at 16-bit d = 64 / 128 the tensor-core kernel
+// (decode_mma.cu, ~20-40 per KB) takes over.
 //
 // Launch: grid (B * Hkv * n_qchunks, num_splits), block 128 (4 warps).
-#include "common.cuh"
+#include "decode_common.cuh"
 
 template <class T, int D, int QB_>
 struct DecodeShape {
@@ -113,18 +117,6 @@ __device__ __forceinline__ void fetch_kv(KVRaw<T, S::VEC, S::CPL>& r, const T* _
             r.v[c].load(vp + c * S::LPK * S::VEC);
         }
     }
-}
-
-// 2^x in fp32 (one MUFU.EX2 on the GPU; the flush of results below 2^-126 to 0 is far
-// below the fp32 accumulation error of a softmax weight).
-__device__ __forceinline__ float fast_exp2(float x) {
-#ifdef GQAKV_EMULATION
-    return exp2f(x);
-#else
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-#endif
 }
 
 // Online-softmax update of one query's state (log2 domain) with one key: score s, value v.

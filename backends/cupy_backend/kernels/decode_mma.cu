@@ -1,0 +1,322 @@
+// Decode attention on tensor cores (float16 / bfloat16 K and V, head dims 64 and 128).
+//
+// Same launch, arguments, split and output contract as gqakv_decode (decode.cu): one CTA
+// per (entry b, KV head, query chunk, split), nothing at or past L = lens[b] read, query t
+// at position L - n + t seeing keys 0..it, fp32 partials plus natural-log LSE for
+// gqakv_merge when split. Only the math inside a CTA differs; the query chunk is 16 rows
+// (the mma's m), so G * T <= 16 (every Llama-style decode) takes one chunk.
+//
+// Why tensor cores for a bandwidth-bound kernel: the fp32-FMA kernel issues ~170 warp
+// instructions per KB of K and V at a 4-query tile (dot products and P V on the FMA pipe,
+// shuffle reductions, conversions); at 80% of an H200's 4.8 TB/s an SM must consume ~17
+// bytes per clock, i.e. ~2.8 instructions per clock per SM: issue-bound below the target.
+// Here a warp step of 16 keys (8 KB at d = 128) is 16 mma for the scores, 32 for P V,
+// 32 byte permutes and ~70 other instructions: ~20 per KB, far from any issue limit.
+//
+// Fragments (mma.cuh; g = lane / 4, c = lane % 4):
+//   S = Q K^T, per step two n8 tiles (keys 0..7, 8..15): A = Q (16 rows x 16 of d),
+//   B = K^T (16 of d x 8 keys). The order of d inside the products is free (it is summed),
+//   so lane (g, c) takes d in [c * D/4, (c + 1) * D/4) of Q rows g, g + 8 and of key g of
+//   each tile: 16-byte loads straight into fragment registers, no shuffles.
+//   O += P V: A = P (16 rows x 16 keys) is exactly the two score tiles' C fragments (the
+//   register reuse of FlashAttention-2); B = V (16 keys x 8 of d). The order of output d
+//   is free too: lane (g, c) loads d in [g * D/8, (g + 1) * D/8) of keys 2c, 2c + 1, 2c + 8,
+//   2c + 9 (16-byte loads), pairs the two keys of each B register with a byte permute,
+//   and output column j of n8 block nb is d = j * D/8 + nb.
+// Softmax: scores from the mma are fp32, scaled by scale * log2(e) (log2 domain, as in
+// decode.cu); a row's max over a step takes two xor shuffles among its 4 lanes; its state
+// is rescaled only when the max grows. Row sums stay per lane until the end.
+// Precision: K, V and Q enter the mma exactly; every product is accumulated in fp32. A
+// weight p in [0, 1] is split into hi = round16(p) and lo = round16(p - hi) and P V runs
+// as two mma, so weights keep ~16 significant bits (relative error ~2^-17 for bf16).
+//
+// Bytes in flight: a warp issues a step's K (4 KB at d = 128) and V (4 KB) as 16 16-byte
+// loads per lane; the next step's K is issued as soon as the scores are in registers and
+// its V right after P V, so 4..8 KB per warp stay outstanding: 32..64 KB per SM at the 2
+// resident CTAs of d = 128 (Little's law asks ~25-40 KB per SM for 4.8 TB/s at ~0.6-1 us).
+//
+// Launch: grid (B * Hkv * n_qchunks, num_splits), block 128 (4 warps, each streaming
+// every 4th 16-key block of the split).
+#include "decode_common.cuh"
+#include "mma.cuh"
+
+template <class T, int D>
+struct DecodeMmaShape {
+    static_assert(D == 64 || D == 128, "gqakv_decode_mma serves head dims 64 and 128");
+    static constexpr int WARPS = 4;
+    static constexpr int QB = 16;      // query rows per CTA (the mma's m)
+    static constexpr int KEYS = 16;    // keys per warp step (the k of P V)
+    static constexpr int KK = D / 16;  // k16 steps of Q K^T
+    static constexpr int NB = D / 8;   // n8 blocks of P V (= V elements per lane and key)
+    static constexpr int KW = D / 8;   // 32-bit words of K (D / 4 elements) per lane and key
+    static constexpr int VW = D / 16;  // 32-bit words of V (D / 8 elements) per lane and key
+    // Resident CTAs per SM (registers: ~2 x 64 of K/V words and O fragments at d = 128);
+    // plan.DECODE_MMA_CTAS_PER_SM mirrors these for the split planner.
+    static constexpr int CTAS_PER_SM = D <= 64 ? 4 : 2;
+};
+
+// Two fp32 values rounded to nearest-even T and packed, lo in the low half.
+template <class T> __device__ __forceinline__ unsigned pack_rn(float lo, float hi);
+
+template <> __device__ __forceinline__ unsigned pack_rn<gqakv_bf16>(float lo, float hi) {
+#ifdef GQAKV_EMULATION
+    return (unsigned)from_float<gqakv_bf16>(lo).bits | ((unsigned)from_float<gqakv_bf16>(hi).bits << 16);
+#else
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));  // first source: high half
+    return r;
+#endif
+}
+
+template <> __device__ __forceinline__ unsigned pack_rn<gqakv_half>(float lo, float hi) {
+#ifdef GQAKV_EMULATION
+    return (unsigned)from_float<gqakv_half>(lo).bits | ((unsigned)from_float<gqakv_half>(hi).bits << 16);
+#else
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#endif
+}
+
+// The low / high 16-bit element of a packed pair, as fp32.
+template <class T> __device__ __forceinline__ float half_of(unsigned w, int hi) {
+    T x;
+    x.bits = (unsigned short)(hi ? w >> 16 : w & 0xffffu);
+    return to_float(x);
+}
+
+// (x.lo, y.lo) or (x.hi, y.hi) as one pair: two keys' values of one d for a B fragment.
+__device__ __forceinline__ unsigned pair_of(unsigned x, unsigned y, int hi) {
+    return hi ? (x >> 16) | (y & 0xffff0000u) : (x & 0xffffu) | (y << 16);
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_decode_mma(
+    const T* __restrict__ q, const T* __restrict__ k_buf, const T* __restrict__ v_buf,
+    const i64* __restrict__ rows, const i64* __restrict__ lens, const i64* __restrict__ n_new,
+    T* __restrict__ out, float* __restrict__ lse,
+    float* __restrict__ part_o, float* __restrict__ part_lse,
+    int Hkv, int G, int Tq, int n_qchunks, int num_splits, i64 keys_per_split, float scale,
+    i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
+    i64 o_sb, i64 o_sh, i64 o_st) {
+    typedef DecodeMmaShape<T, D> S;
+    const int qc = blockIdx.x % n_qchunks;
+    const int kvh = (blockIdx.x / n_qchunks) % Hkv;
+    const int b = blockIdx.x / (n_qchunks * Hkv);
+    const int split = blockIdx.y;
+    const i64 L = lens[b];
+    const i64 n = n_new[b];
+    const i64 k_begin = (i64)split * keys_per_split;
+    const i64 k_end = L < k_begin + keys_per_split ? L : k_begin + keys_per_split;
+    if (n == 0 || k_begin >= k_end) return;  // uniform over the CTA
+    const int n_keys = (int)(k_end - k_begin);  // < 2^30 (the planner splits longer rows)
+    const int n_blocks = (n_keys + S::KEYS - 1) / S::KEYS;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int fr = lane / 4, fc = lane % 4;  // fragment row group and column pair
+
+    // Start this warp's first K/V step before anything else. kw[t]: key 16 blk + 8 t + fr,
+    // d in [fc * D/4, ...); vw[j]: key 16 blk + 2 fc + (j & 1) + 8 (j >> 1), d in [fr * D/8, ...).
+    const i64 head_off = rows[b] * buf_sb + (i64)kvh * buf_sh + k_begin * buf_st;
+    const T* k_lane = k_buf + head_off + fc * (D / 4);
+    const T* v_lane = v_buf + head_off + fr * (D / 8);
+    Words<S::KW> kw[2];
+    Words<S::VW> vw[4];
+#pragma unroll
+    for (int i = 0; i < S::KW; ++i) kw[0].w[i] = kw[1].w[i] = 0u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int i = 0; i < S::VW; ++i) vw[j].w[i] = 0u;
+    }
+    // Keys past the split's end are never loaded (their registers keep older, finite
+    // values whose scores are masked to -inf, so their weights are exactly 0). Each load
+    // address is this lane's row pointer of the block's first key plus a per-lane offset.
+    const i64 step_stride = (i64)S::KEYS * buf_st;
+    const i64 k_off0 = (i64)fr * buf_st, k_off1 = (i64)(8 + fr) * buf_st;
+    const i64 v_off0 = (i64)(2 * fc) * buf_st, v_off2 = (i64)(2 * fc + 8) * buf_st;
+    auto fetch_k = [&](int blk) {
+        const T* base = k_lane + (i64)blk * step_stride;
+        const int key = blk * S::KEYS + fr;
+        if (key < n_keys) load_words(kw[0], base + k_off0);
+        if (key + 8 < n_keys) load_words(kw[1], base + k_off1);
+    };
+    auto fetch_v = [&](int blk) {
+        const T* base = v_lane + (i64)blk * step_stride;
+        const int key = blk * S::KEYS + 2 * fc;
+        if (key < n_keys) load_words(vw[0], base + v_off0);
+        if (key + 1 < n_keys) load_words(vw[1], base + v_off0 + buf_st);
+        if (key + 8 < n_keys) load_words(vw[2], base + v_off2);
+        if (key + 9 < n_keys) load_words(vw[3], base + v_off2 + buf_st);
+    };
+    if (warp < n_blocks) {
+        fetch_k(warp);
+        fetch_v(warp);
+    }
+
+    // Keys (from k_begin) each query row sees: min(n_keys, pos + 1 - k_begin); 0 for a
+    // padding row. lim_all: the fewest any real row sees (masking is needed past it).
+    auto row_limit = [&](int r, bool& valid, int& g, int& t) {
+        const int qi = qc * S::QB + r;
+        g = qi / Tq;
+        t = qi % Tq;
+        valid = qi < G * Tq && t < n;
+        const i64 seen = L - n + t + 1 - k_begin;
+        return !valid || seen <= 0 ? 0 : (seen < n_keys ? (int)seen : n_keys);
+    };
+    int lim_all = n_keys;
+#pragma unroll 1
+    for (int r = 0; r < S::QB; ++r) {
+        bool valid;
+        int g, t;
+        const int lr = row_limit(r, valid, g, t);
+        if (valid && lr < lim_all) lim_all = lr;
+    }
+
+    // Q rows fr and fr + 8 as A fragments (zeros for padding rows), unscaled: the scores
+    // are scaled in fp32 after the mma.
+    unsigned qa[S::KK][4];
+    int lim[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        bool valid;
+        int g, t;
+        lim[h] = row_limit(fr + 8 * h, valid, g, t);
+        Words<S::KW> qw;
+#pragma unroll
+        for (int i = 0; i < S::KW; ++i) qw.w[i] = 0u;
+        if (valid)
+            load_words(qw, q + (i64)b * q_sb + (i64)(kvh * G + g) * q_sh + (i64)t * q_st + fc * (D / 4));
+#pragma unroll
+        for (int kk = 0; kk < S::KK; ++kk) {
+            qa[kk][h] = qw.w[2 * kk];          // cols 2c, 2c + 1 of k-step kk
+            qa[kk][2 + h] = qw.w[2 * kk + 1];  // cols 2c + 8, 2c + 9
+        }
+    }
+
+    const float qscale = scale * 1.4426950408889634f;  // log2 domain
+    float o[S::NB][4];  // O rows fr (0, 1) and fr + 8 (2, 3), columns 2 fc, 2 fc + 1
+    float m[2] = {GQAKV_NEG_INF, GQAKV_NEG_INF}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nb = 0; nb < S::NB; ++nb) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.f;
+
+    for (int blk = warp; blk < n_blocks; blk += S::WARPS) {
+        // Scores: s[t][0..1] row fr, s[t][2..3] row fr + 8; keys 16 blk + 8 t + 2 fc + (0, 1).
+        float s[2][4];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < S::KK; ++kk) {
+                const unsigned bk[2] = {kw[t].w[2 * kk], kw[t].w[2 * kk + 1]};
+                mma_m16n8k16<T>(s[t], qa[kk], bk);
+            }
+        }
+        if (blk + S::WARPS < n_blocks) fetch_k(blk + S::WARPS);  // K registers are free again
+
+        const int kb = blk * S::KEYS;
+        const bool masked = kb + S::KEYS > lim_all;  // uniform over the warp
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[t][e] *= qscale;
+                if (masked && kb + 8 * t + 2 * fc + (e & 1) >= lim[e >> 1]) s[t][e] = GQAKV_NEG_INF;
+            }
+        }
+        float p[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(GQAKV_FULL_MASK, mx, 1));  // the row's 4 lanes
+            mx = fmaxf(mx, __shfl_xor_sync(GQAKV_FULL_MASK, mx, 2));
+            if (mx > m[h]) {  // the running max grows: rescale (rare after the first keys)
+                const float corr = fast_exp2(m[h] - mx);  // 0 while the row is empty
+                l[h] *= corr;
+#pragma unroll
+                for (int nb = 0; nb < S::NB; ++nb) {
+                    o[nb][2 * h] *= corr;
+                    o[nb][2 * h + 1] *= corr;
+                }
+                m[h] = mx;
+            }
+            const float mu = m[h] == GQAKV_NEG_INF ? 0.f : m[h];  // no key yet: every p is 0
+#pragma unroll
+            for (int t = 0; t < 2; ++t) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    p[t][2 * h + e] = fast_exp2(s[t][2 * h + e] - mu);
+                    l[h] += p[t][2 * h + e];
+                }
+            }
+        }
+        // P as A fragments, hi and lo parts: register r holds tile r >> 1, row half r & 1.
+        unsigned ph[4], pl[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const float x = p[r >> 1][2 * (r & 1)], y = p[r >> 1][2 * (r & 1) + 1];
+            ph[r] = pack_rn<T>(x, y);
+            pl[r] = pack_rn<T>(x - half_of<T>(ph[r], 0), y - half_of<T>(ph[r], 1));
+        }
+#pragma unroll
+        for (int nb = 0; nb < S::NB; ++nb) {
+            const unsigned bv[2] = {pair_of(vw[0].w[nb / 2], vw[1].w[nb / 2], nb % 2),   // keys 2c, 2c + 1
+                                    pair_of(vw[2].w[nb / 2], vw[3].w[nb / 2], nb % 2)};  // 2c + 8, 2c + 9
+            mma_m16n8k16<T>(o[nb], ph, bv);
+            mma_m16n8k16<T>(o[nb], pl, bv);
+        }
+        if (blk + S::WARPS < n_blocks) fetch_v(blk + S::WARPS);
+    }
+
+    // Row sums over the row's 4 lanes, then the 4 warps' states merged per row.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(GQAKV_FULL_MASK, l[h], 1);
+        l[h] += __shfl_xor_sync(GQAKV_FULL_MASK, l[h], 2);
+    }
+    __shared__ float sm_m[S::WARPS][S::QB];
+    __shared__ float sm_l[S::WARPS][S::QB];
+    __shared__ float sm_o[S::WARPS][S::QB][D];
+    if (fc == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            sm_m[warp][fr + 8 * h] = m[h];
+            sm_l[warp][fr + 8 * h] = l[h];
+        }
+    }
+#pragma unroll
+    for (int nb = 0; nb < S::NB; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sm_o[warp][fr + 8 * (e >> 1)][(2 * fc + (e & 1)) * S::NB + nb] = o[nb][e];
+    }
+    __syncthreads();
+
+    const int Hq = Hkv * G;
+    for (int idx = threadIdx.x; idx < S::QB * D; idx += blockDim.x) {
+        const int i = idx / D, d = idx % D;
+        const int qi = qc * S::QB + i;
+        const int g = qi / Tq, t = qi % Tq;
+        if (qi >= G * Tq || t >= n) continue;  // padding: out stays 0, lse -inf
+        const int h = kvh * G + g;
+        float mx = GQAKV_NEG_INF;
+        for (int w = 0; w < S::WARPS; ++w) mx = fmaxf(mx, sm_m[w][i]);
+        float total = 0.f, acc = 0.f;
+        if (mx != GQAKV_NEG_INF) {
+            for (int w = 0; w < S::WARPS; ++w) {
+                const float wt = fast_exp2(sm_m[w][i] - mx);  // 0 for warps that saw no key
+                total += wt * sm_l[w][i];
+                acc += wt * sm_o[w][i][d];
+            }
+        }
+        const float o_val = total > 0.f ? acc / total : 0.f;
+        const float lse_val = total > 0.f ? (mx + log2f(total)) * 0.6931471805599453f : GQAKV_NEG_INF;
+        const i64 qidx = ((i64)b * Hq + h) * Tq + t;
+        if (num_splits == 1) {
+            out[(i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st + d] = from_float<T>(o_val);
+            if (d == 0) lse[qidx] = lse_val;
+        } else {
+            part_o[(qidx * num_splits + split) * D + d] = o_val;
+            if (d == 0) part_lse[qidx * num_splits + split] = lse_val;
+        }
+    }
+}
