@@ -209,3 +209,47 @@ def test_compiled_kernel_issues_the_mma(dtype, ptx_type):
     instr = f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32"
     # Q K^T: 8 k-steps x 4 n-tiles, P V: 2 k-steps x 16 n-tiles (BK = 32 at d = 128), unrolled.
     assert ptx.count(instr) == 8 * 4 + 2 * 16, ptx.count(instr)
+
+
+def test_devices_without_tensor_cores_keep_the_fma_prefill():
+    kw = dict(batch=1, kv_heads=1, group=2, t_q=9, lens=np.array([9]), n_new=np.array([9]),
+              scale=0.1, q_strides=(2 * 9 * 64, 9 * 64, 64), buf_strides=(16 * 64, 16 * 64, 64),
+              out_strides=(2 * 9 * 64, 9 * 64, 64), sm_count=80)
+    assert planmod.plan_attention("bfloat16", 64, **kw).launches[0].kernel == "gqakv_prefill_mma"
+    (launch,) = planmod.plan_attention("bfloat16", 64, tensor_cores=False, **kw).launches
+    assert launch.kernel == "gqakv_prefill" and launch.name == "gqakv_prefill<gqakv_bf16, 64>"
+
+
+@pytest.mark.parametrize("capability,expected", [("90", True), ("80", True), ("75", False)])
+def test_backend_passes_the_device_compute_capability(monkeypatch, capability, expected):
+    """CupyBackend plans with tensor_cores from the current device's compute capability."""
+    import math
+
+    from gqakv_backends import cupy_backend
+
+    from .cuda_emu.emulated_backend import EmulatedCupyBackend, EmulatedDevice
+    from .reference import reference_attention
+
+    seen = []
+    real = planmod.plan_attention
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("tensor_cores"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(EmulatedDevice, "compute_capability", capability)
+    monkeypatch.setattr(cupy_backend._plan, "plan_attention", recording)
+    backend = EmulatedCupyBackend()
+    rng = np.random.default_rng(4)
+    D, n = 64, np.array([7])
+    k_buf, v_buf = backend.empty((1, 1, 16, D), "float16"), backend.empty((1, 1, 16, D), "float16")
+    kv = [backend.from_numpy(rng.standard_normal((1, 1, 7, D)), "float16") for _ in range(2)]
+    backend.write_kv(k_buf, v_buf, kv[0], kv[1], np.array([0]), np.array([0]), n)
+    q = backend.from_numpy(rng.standard_normal((1, 2, 7, D)), "float16")
+    out = backend.attention(q, k_buf, v_buf, np.array([0]), n, n, scale=1 / math.sqrt(D),
+                            return_lse=False)
+    out = out[0] if isinstance(out, tuple) else out
+    assert seen == [expected]
+    ref, _ = reference_attention(q.astype(np.float64), [k_buf[0, :, :7]], [v_buf[0, :, :7]], n)
+    rounding = np.abs(ref.astype(np.float16).astype(np.float64) - ref).max()
+    assert np.abs(np.asarray(out, dtype=np.float64) - ref).max() <= 2 * rounding + cases.ACC_ATOL

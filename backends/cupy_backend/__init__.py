@@ -224,7 +224,7 @@ class CupyBackend(Backend):
                 dtype, d, batch=B, kv_heads=Hkv, group=Hq // Hkv, t_q=T, lens=lens,
                 n_new=n_new, scale=scale, q_strides=_strides(q)[:3],
                 buf_strides=_strides(k_buf)[:3], out_strides=_strides(out)[:3],
-                sm_count=self._sms())
+                sm_count=self._sms(), tensor_cores=self._tensor_cores())
         except NotImplementedError:  # beyond the grid limits of the fused kernels
             return super().attention(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
                                      return_lse=return_lse)
@@ -261,6 +261,12 @@ class CupyBackend(Backend):
         if dev.id not in self._sm_count:
             self._sm_count[dev.id] = int(dev.attributes["MultiProcessorCount"])
         return self._sm_count[dev.id]
+
+    def _tensor_cores(self) -> bool:
+        """Whether the current device runs the mma.m16n8k16 kernels (compute capability 8.0+)."""
+        import cupy
+
+        return int(cupy.cuda.Device().compute_capability) >= 80
 
 
 # -- helpers ----------------------------------------------------------------------------------

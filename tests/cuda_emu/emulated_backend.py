@@ -57,6 +57,7 @@ class EmulatedDevice:
     of DEVICES; entering it makes it current until exit, as in CuPy."""
 
     attributes = {"MultiProcessorCount": SM_COUNT}
+    compute_capability = "90"  # an H200's, as CuPy spells it
 
     def __init__(self, device=None):
         if device is None:
