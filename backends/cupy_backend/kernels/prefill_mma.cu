@@ -30,6 +30,11 @@
 // When Q, K and Vt do not fit the 48 KiB of static shared memory together (D > 224), K and
 // V take turns in one buffer.
 //
+// Cost per warp and key tile (estimate, not measured): 64 * D * BK mma FLOPs against
+// 4 * D * BK + 32 * D bytes of shared-memory fragment loads (P never leaves registers), i.e.
+// 16 * BK / (BK + 8) FLOP per byte: 14.2 at BK = 64, 12.8 at 32, 10.7 at 16; about 9 to 11
+// counting the tile stores (gqakv_prefill's fp32 FMA loop: about 1).
+//
 // Launch: grid (B * Hkv * n_gchunks, n_tblocks), block 128.
 #include "common.cuh"
 #include "mma.cuh"
