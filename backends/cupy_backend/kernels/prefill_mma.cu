@@ -16,10 +16,9 @@
 //   P is rounded to T (as FlashAttention does) and reused straight from the S accumulators
 //       as the A fragments of P V (the C layout of two n-tiles is the A layout of one k-step);
 //       two denominators: l sums the fp32 P (the LSE carries no 16-bit rounding) and lr the
-//       rounded P that P V actually used, so out = sum(P~ V) / sum(P~) is a convex combination
-//       of V rows. Measured against the float64 reference (a NumPy model of both choices on
-//       short causal rows), dividing by lr roughly halves the share of the error that P's
-//       rounding adds on top of the output's own rounding, compared with dividing by l;
+//       rounded P that P V actually used, so out = sum(P~ V) / sum(P~) is a weighted mean of
+//       V rows (in a NumPy model of both choices on 4-key causal rows, the worst error over
+//       the tests' tolerance fell from 1.34 to 1.12 in float16, 1.12 to 1.07 in bfloat16);
 //   O (16 x D per warp) += P V: BK/16 k-steps x D/8 mma, V read transposed from shared memory.
 // A warp whose rows see no key of the tile (every row's last visible key < the tile's first
 // key, or all rows padding) skips its mma for that tile: its state would not change.
