@@ -76,8 +76,12 @@ def decode_bench(backend, grid, peak_tbs) -> None:
     import gqakv
     from gqakv.backend import Backend
 
+    from gqakv_backends.cupy_backend import plan
+
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    print(f"\ndecode, bf16, Hq={HQ} Hkv={HKV} d={D}   (peak {peak_tbs} TB/s)")
+    kernel = plan.decode_kernel(DTYPE, D, HQ // HKV)[0]
+    print(f"\ndecode, bf16, Hq={HQ} Hkv={HKV} d={D}, {kernel}, grid (rows x heads) x splits"
+          f"   (peak {peak_tbs} TB/s)")
     print(f"{'batch':>5} {'live':>6} {'grid':>8} {'us/step':>9} {'TB/s':>6} {'%peak':>6} {'vs array-API':>13}")
     rng = np.random.default_rng(0)
     for batch, live in grid:

@@ -73,9 +73,8 @@ class GpuDecode:
         from gqakv_backends.cupy_backend import plan
 
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        tile, chunks = plan.choose_query_tile(HQ // HKV)
-        return plan.choose_splits(self.cache.host_lens, HKV * chunks, sms,
-                                  plan.DECODE_CTAS_PER_SM[tile])[0]
+        _, _, chunks, per_sm = plan.decode_kernel(DTYPE, D, HQ // HKV)
+        return plan.choose_splits(self.cache.host_lens, HKV * chunks, sms, per_sm)[0]
 
     track_decode_splits.unit = "splits"
 

@@ -401,6 +401,11 @@ def all_cases() -> list:
                       ((200, 41), (2, 1), (2, 2)), max_len=208, pad=0, sm_count=4,
                       min_keys_per_split=8, expect_splits=True,
                       expect_kernels=("gqakv_decode", "gqakv_merge"), seed=21))
+    # d = 20: the merge's split groups (25 groups of 5 threads) leave 3 threads idle.
+    cases.append(Case("pipe-split-float32-G3T1-d20", "float32", 20, 1, 3,
+                      ((150, 77), (1, 1), (1, 0)), max_len=160, pad=0, sm_count=2,
+                      min_keys_per_split=8, expect_splits=True,
+                      expect_kernels=("gqakv_decode", "gqakv_merge"), seed=24))
     cases.append(Case("mma-decode-float16-G8T3-d128", "float16", 128, 2, 8,
                       ((20, 7), (3, 2), (1, 3), (3, 0)), max_len=40, pad=0,
                       expect_kernels=("gqakv_decode_mma",), seed=22))

@@ -1,4 +1,4 @@
-// Split-KV merge: combine the fp32 partials of gqakv_decode's splits per query.
+// Split-KV merge: combine the fp32 partials of the decode kernels' splits per query.
 //
 // Split s of query (b, h, t) holds o_s (its normalized output) and lse_s (natural-log
 // LSE of its scaled scores, -inf when it saw no key). The result is
@@ -6,9 +6,24 @@
 // with M = max_s lse_s. Only the splits that hold keys of row b, ceil(L / keys_per_split)
 // of them, are read. Padded queries (t >= n_new[b]) are skipped: out stays 0, lse -inf.
 //
+// Cheap by design: a CTA per query reads S x D x 4 bytes of partials it can fetch at once,
+// so its time is a few memory round trips. The 128 threads split into NGRP groups of
+// D / VEC threads (VEC = 4 fp32, one 16-byte load, where D allows); group j sums splits
+// j, j + NGRP, ... (unrolled, so several loads are in flight per thread), and the groups'
+// sums meet in shared memory. Every thread derives M and the weights from the LSEs itself
+// (broadcast loads).
+//
 // Launch: grid (B * Hq * Tq), block 128. part_o is [B, Hq, Tq, num_splits, D],
 // part_lse [B, Hq, Tq, num_splits], lse [B, Hq, Tq] (all contiguous fp32).
 #include "common.cuh"
+
+template <int D>
+struct MergeShape {
+    static constexpr int VEC = D % 4 == 0 ? 4 : 1;           // fp32 per load
+    static constexpr int LANES = D / VEC;                    // threads per split group
+    static constexpr int NGRP = LANES >= 128 ? 1 : 128 / LANES;  // split groups
+    static constexpr int PER = (LANES + 127) / 128;          // vectors per thread (D > 512 / VEC)
+};
 
 template <class T, int D>
 __global__ void __launch_bounds__(128) gqakv_merge(
@@ -17,14 +32,15 @@ __global__ void __launch_bounds__(128) gqakv_merge(
     T* __restrict__ out, float* __restrict__ lse,
     int Hq, int Tq, int num_splits, i64 keys_per_split,
     i64 o_sb, i64 o_sh, i64 o_st) {
+    typedef MergeShape<D> S;
     const i64 qidx = blockIdx.x;
     const int t = (int)(qidx % Tq);
     const int h = (int)((qidx / Tq) % Hq);
     const int b = (int)(qidx / ((i64)Tq * Hq));
-    if (t >= n_new[b]) return;
+    if (t >= n_new[b]) return;  // uniform over the CTA
     const i64 L = lens[b];
-    i64 splits = (L + keys_per_split - 1) / keys_per_split;
-    if (splits > num_splits) splits = num_splits;
+    const i64 splits64 = (L + keys_per_split - 1) / keys_per_split;
+    const int splits = (int)(splits64 < num_splits ? splits64 : num_splits);
     const float* lse_s = part_lse + qidx * num_splits;
     float mx = GQAKV_NEG_INF;
     for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse_s[s]);
@@ -32,14 +48,58 @@ __global__ void __launch_bounds__(128) gqakv_merge(
     if (mx != GQAKV_NEG_INF) {
         for (int s = 0; s < splits; ++s) total += expf(lse_s[s] - mx);
     }
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float o = 0.f;
-        if (total > 0.f) {
-            for (int s = 0; s < splits; ++s)
-                o += expf(lse_s[s] - mx) * part_o[(qidx * num_splits + s) * D + d];
-            o /= total;
+
+    // This thread's split group and vector slots (slot v covers d = VEC * (lane + 128 v)).
+    const int grp = S::NGRP > 1 ? threadIdx.x / S::LANES : 0;
+    const int lane = S::NGRP > 1 ? threadIdx.x % S::LANES : threadIdx.x;
+    float acc[S::PER][S::VEC];
+#pragma unroll
+    for (int v = 0; v < S::PER; ++v) {
+#pragma unroll
+        for (int e = 0; e < S::VEC; ++e) acc[v][e] = 0.f;
+    }
+    if (total > 0.f && grp < S::NGRP) {
+        const float* po = part_o + qidx * num_splits * (i64)D;
+#pragma unroll 4
+        for (int s = grp; s < splits; s += S::NGRP) {
+            const float w = expf(lse_s[s] - mx);  // 0 for a split that saw no key
+#pragma unroll
+            for (int v = 0; v < S::PER; ++v) {
+                const int c = lane + 128 * v;
+                if (c < S::LANES) {
+                    float x[S::VEC];
+                    load_vec<float, S::VEC>(po + (i64)s * D + c * S::VEC, x);
+#pragma unroll
+                    for (int e = 0; e < S::VEC; ++e) acc[v][e] += w * x[e];
+                }
+            }
         }
-        out[(i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st + d] = from_float<T>(o);
+    }
+    __shared__ float sm_acc[S::NGRP > 1 ? S::NGRP : 1][S::NGRP > 1 ? D : 1];
+    if (S::NGRP > 1) {
+        if (grp < S::NGRP) {
+#pragma unroll
+            for (int e = 0; e < S::VEC; ++e) sm_acc[grp][lane * S::VEC + e] = acc[0][e];
+        }
+        __syncthreads();
+    }
+    T* o_row = out + (i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st;
+    if (S::NGRP > 1) {
+        for (int d = threadIdx.x; d < D; d += blockDim.x) {
+            float o = 0.f;
+            for (int g = 0; g < S::NGRP; ++g) o += sm_acc[g][d];
+            o_row[d] = from_float<T>(total > 0.f ? o / total : 0.f);
+        }
+    } else {
+#pragma unroll
+        for (int v = 0; v < S::PER; ++v) {
+            const int c = lane + 128 * v;
+            if (c < S::LANES) {
+#pragma unroll
+                for (int e = 0; e < S::VEC; ++e)
+                    o_row[c * S::VEC + e] = from_float<T>(total > 0.f ? acc[v][e] / total : 0.f);
+            }
+        }
     }
     if (threadIdx.x == 0) lse[qidx] = total > 0.f ? mx + logf(total) : GQAKV_NEG_INF;
 }
