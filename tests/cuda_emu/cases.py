@@ -406,6 +406,14 @@ def all_cases() -> list:
                       ((150, 77), (1, 1), (1, 0)), max_len=160, pad=0, sm_count=2,
                       min_keys_per_split=8, expect_splits=True,
                       expect_kernels=("gqakv_decode", "gqakv_merge"), seed=24))
+    # A last split shorter than T: its early queries (positions before the split) see none
+    # of its keys while the later ones do (rows of 82 keys in 9 splits of 10, T = 4).
+    cases.append(Case("lastsplit-float32-G1T4-d64", "float32", 64, 1, 1, ((78,), (4,)),
+                      max_len=88, pad=0, sm_count=4, min_keys_per_split=8, expect_splits=True,
+                      expect_kernels=("gqakv_decode", "gqakv_merge"), seed=25))
+    cases.append(Case("lastsplit-float16-G4T4-d64", "float16", 64, 1, 4, ((78,), (4,)),
+                      max_len=88, pad=0, sm_count=3, min_keys_per_split=8, expect_splits=True,
+                      expect_kernels=("gqakv_decode_mma", "gqakv_merge"), seed=26))
     cases.append(Case("mma-decode-float16-G8T3-d128", "float16", 128, 2, 8,
                       ((20, 7), (3, 2), (1, 3), (3, 0)), max_len=40, pad=0,
                       expect_kernels=("gqakv_decode_mma",), seed=22))

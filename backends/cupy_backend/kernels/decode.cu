@@ -211,12 +211,14 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
         }
     }
 
-    // Keys every real query sees / some query sees (padding slots, lim 0, count for
-    // neither: their state is never written out).
+    // Keys every real query sees / some query sees. Padding slots count for neither (their
+    // state is never written out); a real query may see none of this split's keys (small T,
+    // a last split shorter than T), and then lim_all is 0.
     int lim_all = n_keys, lim_any = 0;
 #pragma unroll
     for (int i = 0; i < S::QB; ++i) {
-        if (lim[i] > 0) {
+        const int qi = qc * S::QB + i;
+        if (qi < G * Tq && qi % Tq < n) {
             lim_all = lim[i] < lim_all ? lim[i] : lim_all;
             lim_any = lim[i] > lim_any ? lim[i] : lim_any;
         }
