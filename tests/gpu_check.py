@@ -57,6 +57,13 @@ def filled(backend, batch, live, max_len=None):
     return cache
 
 
+def tensor_cores() -> bool:
+    """Whether the current device runs the mma kernels (what CupyBackend tells the planner)."""
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability) >= 80
+
+
 def decode_grid(batch, live, sms) -> str:
     """The decode launch the planner makes for this shape: CTAs as (row x head) x splits."""
     from gqakv_backends.cupy_backend import plan
@@ -65,7 +72,7 @@ def decode_grid(batch, live, sms) -> str:
                             group=HQ // HKV, t_q=1, lens=np.full(batch, live),
                             n_new=np.ones(batch, dtype=np.int64), scale=D ** -0.5,
                             q_strides=(HQ * D, D, D), buf_strides=(HKV * live * D, live * D, D),
-                            out_strides=(HQ * D, D, D), sm_count=sms)
+                            out_strides=(HQ * D, D, D), sm_count=sms, tensor_cores=tensor_cores())
     x, y, _ = p.launches[0].grid
     return f"{x}x{y}"
 
@@ -89,7 +96,8 @@ def kernel_seconds(cache, q, n_new, sms, reps=20) -> float:
     lens = np.asarray(cache.host_lens, dtype=np.int64)
     p = plan.plan_attention(DTYPE, D, batch=batch, kv_heads=HKV, group=HQ // HKV, t_q=q.shape[2],
                             lens=lens, n_new=n_new, scale=D ** -0.5, q_strides=strides(q),
-                            buf_strides=strides(cache.k), out_strides=strides(out), sm_count=sms)
+                            buf_strides=strides(cache.k), out_strides=strides(out), sm_count=sms,
+                            tensor_cores=tensor_cores())
     ints = cupy.asarray(np.array([np.arange(batch), lens, n_new], dtype=np.int64))
     arrays = {"q": q, "k_buf": cache.k, "v_buf": cache.v, "rows": ints[0], "lens": ints[1],
               "n_new": ints[2], "out": out, "lse": lse}
@@ -112,7 +120,7 @@ def decode_bench(backend, grid, peak_tbs) -> None:
     from gqakv_backends.cupy_backend import plan
 
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    kernel = plan.decode_kernel(DTYPE, D, HQ // HKV)[0]
+    kernel = plan.decode_kernel(DTYPE, D, HQ // HKV, tensor_cores())[0]
     print(f"\ndecode, bf16, Hq={HQ} Hkv={HKV} d={D}, {kernel}, grid (rows x heads) x splits"
           f"   (peak {peak_tbs} TB/s)")
     print("(call: gqa_attention timed per call, host work included; kernels: the launches alone)")

@@ -99,6 +99,14 @@ def test_decode_kernel_choice():
     assert plan.decode_kernel("float32", 128, 4) == ("gqakv_decode", 4, 1, 3)
     assert plan.decode_kernel("bfloat16", 256, 4) == ("gqakv_decode", 4, 1, 3)
     assert plan.decode_kernel("bfloat16", 80, 8) == ("gqakv_decode", 8, 1, 2)
+    # A device without mma.m16n8k16 (compute capability < 8.0) keeps the FMA kernel.
+    assert plan.decode_kernel("bfloat16", 128, 4, tensor_cores=False) == ("gqakv_decode", 4, 1, 3)
+    kw = dict(batch=1, kv_heads=8, group=4, t_q=1, lens=np.array([4096]), n_new=np.array([1]),
+              scale=0.1, q_strides=(32 * 128, 128, 128), buf_strides=(8 * 4096 * 128, 4096 * 128, 128),
+              out_strides=(32 * 128, 128, 128), sm_count=80)
+    assert plan.plan_attention("float16", 128, **kw).launches[0].kernel == "gqakv_decode_mma"
+    assert plan.plan_attention("float16", 128, tensor_cores=False, **kw).launches[0].name == \
+        "gqakv_decode<gqakv_half, 128, 4>"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -72,8 +72,10 @@ class GpuDecode:
 
         from gqakv_backends.cupy_backend import plan
 
-        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        _, _, chunks, per_sm = plan.decode_kernel(DTYPE, D, HQ // HKV)
+        dev = cupy.cuda.Device()
+        sms = dev.attributes["MultiProcessorCount"]
+        mma = int(dev.compute_capability) >= 80  # as CupyBackend tells the planner
+        _, _, chunks, per_sm = plan.decode_kernel(DTYPE, D, HQ // HKV, mma)
         return plan.choose_splits(self.cache.host_lens, HKV * chunks, sms, per_sm)[0]
 
     track_decode_splits.unit = "splits"

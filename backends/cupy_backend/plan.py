@@ -158,11 +158,13 @@ def choose_query_tile(queries: int) -> tuple[int, int]:
     return next(t for t in tiles if t >= per_chunk), chunks
 
 
-def decode_kernel(dtype: str, head_dim: int, queries: int) -> tuple[str, int | None, int, int]:
+def decode_kernel(dtype: str, head_dim: int, queries: int,
+                  tensor_cores: bool = True) -> tuple[str, int | None, int, int]:
     """(kernel, query tile, query chunks, resident CTAs per SM) of the decode launch for
     ``queries`` = G * T queries per KV head: the tensor-core kernel (16 query rows per CTA)
-    where it serves (dtype, head_dim), else gqakv_decode with ``choose_query_tile``'s tile."""
-    if sources.decode_mma_supported(dtype, head_dim):
+    where it serves (dtype, head_dim) and the device has mma.m16n8k16 (``tensor_cores``:
+    compute capability 8.0+), else gqakv_decode with ``choose_query_tile``'s tile."""
+    if tensor_cores and sources.decode_mma_supported(dtype, head_dim):
         return ("gqakv_decode_mma", None, -(-queries // DECODE_MMA_ROWS),
                 DECODE_MMA_CTAS_PER_SM[head_dim])
     tile, chunks = choose_query_tile(queries)
@@ -220,7 +222,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     small to fill the GPU), chunked-prefill kernel otherwise. Entries with n_new = 0
     need no work: out and lse are pre-filled by the caller. tensor_cores: whether the
     device runs mma.m16n8k16 on float16 / bfloat16 (compute capability 8.0+); without,
-    the prefill stays on the fp32-FMA kernel.
+    the prefill and the decode stay on the fp32-FMA kernels.
     """
     plan = Plan()
     live = n_new > 0
@@ -232,7 +234,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     bufs = (Buf("q"), Buf("k_buf"), Buf("v_buf"), Buf("rows"), Buf("lens"), Buf("n_new"),
             Buf("out"), Buf("lse"))
     if t_q <= DECODE_MAX_T:
-        kernel, tile, n_qchunks, per_sm = decode_kernel(dtype, head_dim, group * t_q)
+        kernel, tile, n_qchunks, per_sm = decode_kernel(dtype, head_dim, group * t_q, tensor_cores)
         ctas = batch * kv_heads * n_qchunks
         if force_splits:
             keys = -(-max_len // force_splits)
