@@ -25,3 +25,16 @@ template <int NW>
 __device__ __forceinline__ void load_words(Words<NW>& dst, const void* __restrict__ p) {
     dst = *reinterpret_cast<const Words<NW>*>(p);
 }
+
+// NW words (a multiple of 4) from NW / 4 16-byte chunks, chunk i at p + i * stride elements.
+template <int NW, class T>
+__device__ __forceinline__ void load_chunks(Words<NW>& dst, const T* __restrict__ p, int stride) {
+    static_assert(NW % 4 == 0, "load_chunks: whole 16-byte chunks");
+#pragma unroll
+    for (int i = 0; i < NW / 4; ++i) {
+        Words<4> c;
+        load_words(c, p + i * stride);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) dst.w[4 * i + k] = c.w[k];
+    }
+}

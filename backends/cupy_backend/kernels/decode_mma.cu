@@ -16,13 +16,16 @@
 // Fragments (mma.cuh; g = lane / 4, c = lane % 4):
 //   S = Q K^T, per step two n8 tiles (keys 0..7, 8..15): A = Q (16 rows x 16 of d),
 //   B = K^T (16 of d x 8 keys). The order of d inside the products is free (it is summed),
-//   so lane (g, c) takes d in [c * D/4, (c + 1) * D/4) of Q rows g, g + 8 and of key g of
-//   each tile: 16-byte loads straight into fragment registers, no shuffles.
+//   so lane (g, c) takes the 16-byte chunks d in [32 i + 8 c, 32 i + 8 c + 8), i < D/32, of
+//   Q rows g, g + 8 and of key g of each tile: loads straight into fragment registers, no
+//   shuffles, and one load instruction reads whole 64-byte runs of 8 key rows (no sector is
+//   fetched half by one instruction and half by the next).
 //   O += P V: A = P (16 rows x 16 keys) is exactly the two score tiles' C fragments (the
 //   register reuse of FlashAttention-2); B = V (16 keys x 8 of d). The order of output d
-//   is free too: lane (g, c) loads d in [g * D/8, (g + 1) * D/8) of keys 2c, 2c + 1, 2c + 8,
-//   2c + 9 (16-byte loads), pairs the two keys of each B register with a byte permute,
-//   and output column j of n8 block nb is d = j * D/8 + nb.
+//   is free too: lane (g, c) loads the chunks d in [64 i + 8 g, 64 i + 8 g + 8), i < D/64,
+//   of keys 2c, 2c + 1, 2c + 8, 2c + 9 (one load instruction: 128 contiguous bytes of 4 key
+//   rows), pairs the two keys of each B register with a byte permute, and output column j
+//   of n8 block nb is d = 64 (nb / 8) + 8 j + nb % 8.
 // Softmax: scores from the mma are fp32, scaled by scale * log2(e) (log2 domain, as in
 // decode.cu); a row's max over a step takes two xor shuffles among its 4 lanes; its state
 // is rescaled only when the max grows. Row sums stay per lane until the end.
@@ -48,8 +51,8 @@ struct DecodeMmaShape {
     static constexpr int KEYS = 16;    // keys per warp step (the k of P V)
     static constexpr int KK = D / 16;  // k16 steps of Q K^T
     static constexpr int NB = D / 8;   // n8 blocks of P V (= V elements per lane and key)
-    static constexpr int KW = D / 8;   // 32-bit words of K (D / 4 elements) per lane and key
-    static constexpr int VW = D / 16;  // 32-bit words of V (D / 8 elements) per lane and key
+    static constexpr int KW = D / 8;   // 32-bit words of K (D / 32 chunks of 8) per lane and key
+    static constexpr int VW = D / 16;  // 32-bit words of V (D / 64 chunks of 8) per lane and key
     // Resident CTAs per SM (registers: ~2 x 64 of K/V words and O fragments at d = 128);
     // plan.DECODE_MMA_CTAS_PER_SM mirrors these for the split planner.
     static constexpr int CTAS_PER_SM = D <= 64 ? 4 : 2;
@@ -116,10 +119,11 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
     const int fr = lane / 4, fc = lane % 4;  // fragment row group and column pair
 
     // Start this warp's first K/V step before anything else. kw[t]: key 16 blk + 8 t + fr,
-    // d in [fc * D/4, ...); vw[j]: key 16 blk + 2 fc + (j & 1) + 8 (j >> 1), d in [fr * D/8, ...).
+    // chunks at d = 32 i + 8 fc; vw[j]: key 16 blk + 2 fc + (j & 1) + 8 (j >> 1), chunks at
+    // d = 64 i + 8 fr.
     const i64 head_off = rows[b] * buf_sb + (i64)kvh * buf_sh + k_begin * buf_st;
-    const T* k_lane = k_buf + head_off + fc * (D / 4);
-    const T* v_lane = v_buf + head_off + fr * (D / 8);
+    const T* k_lane = k_buf + head_off + fc * 8;
+    const T* v_lane = v_buf + head_off + fr * 8;
     Words<S::KW> kw[2];
     Words<S::VW> vw[4];
 #pragma unroll
@@ -138,16 +142,16 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
     auto fetch_k = [&](int blk) {
         const T* base = k_lane + (i64)blk * step_stride;
         const int key = blk * S::KEYS + fr;
-        if (key < n_keys) load_words(kw[0], base + k_off0);
-        if (key + 8 < n_keys) load_words(kw[1], base + k_off1);
+        if (key < n_keys) load_chunks(kw[0], base + k_off0, 32);
+        if (key + 8 < n_keys) load_chunks(kw[1], base + k_off1, 32);
     };
     auto fetch_v = [&](int blk) {
         const T* base = v_lane + (i64)blk * step_stride;
         const int key = blk * S::KEYS + 2 * fc;
-        if (key < n_keys) load_words(vw[0], base + v_off0);
-        if (key + 1 < n_keys) load_words(vw[1], base + v_off0 + buf_st);
-        if (key + 8 < n_keys) load_words(vw[2], base + v_off2);
-        if (key + 9 < n_keys) load_words(vw[3], base + v_off2 + buf_st);
+        if (key < n_keys) load_chunks(vw[0], base + v_off0, 64);
+        if (key + 1 < n_keys) load_chunks(vw[1], base + v_off0 + buf_st, 64);
+        if (key + 8 < n_keys) load_chunks(vw[2], base + v_off2, 64);
+        if (key + 9 < n_keys) load_chunks(vw[3], base + v_off2 + buf_st, 64);
     };
     if (warp < n_blocks) {
         fetch_k(warp);
@@ -186,7 +190,7 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
 #pragma unroll
         for (int i = 0; i < S::KW; ++i) qw.w[i] = 0u;
         if (valid)
-            load_words(qw, q + (i64)b * q_sb + (i64)(kvh * G + g) * q_sh + (i64)t * q_st + fc * (D / 4));
+            load_chunks(qw, q + (i64)b * q_sb + (i64)(kvh * G + g) * q_sh + (i64)t * q_st + fc * 8, 32);
 #pragma unroll
         for (int kk = 0; kk < S::KK; ++kk) {
             qa[kk][h] = qw.w[2 * kk];          // cols 2c, 2c + 1 of k-step kk
@@ -287,7 +291,8 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
 #pragma unroll
     for (int nb = 0; nb < S::NB; ++nb) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sm_o[warp][fr + 8 * (e >> 1)][(2 * fc + (e & 1)) * S::NB + nb] = o[nb][e];
+        for (int e = 0; e < 4; ++e)
+            sm_o[warp][fr + 8 * (e >> 1)][64 * (nb / 8) + 8 * (2 * fc + (e & 1)) + nb % 8] = o[nb][e];
     }
     __syncthreads();
 
