@@ -120,3 +120,42 @@ def test_the_emulated_launcher_refuses_arrays_of_another_device(backend):
             backend._run_plan(plan, {"k_new": ints, "v_new": ints, "k_buf": k_buf, "v_buf": k_buf,
                                      "rows": ints, "starts": ints, "n_new": ints}, "float32", D)
 
+
+
+def test_a_model_step_plans_and_uploads_once_for_all_layers(backend, monkeypatch):
+    """Every layer of a step has the same lengths: the planner runs once per step and the
+    rows/lengths reach the device once per step, not once per layer (host overhead)."""
+    from gqakv_backends import cupy_backend
+
+    calls = {"plan_attention": 0, "plan_write_kv": 0}
+    for name in calls:
+        real = getattr(cupy_backend._plan, name)
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(cupy_backend._plan, name, counting)
+    uploads = {"asked": 0, "made": 0}
+    keep = backend._uploads.get
+
+    def counting_get(key, make):
+        uploads["asked"] += 1
+        return keep(key, lambda: uploads.__setitem__("made", uploads["made"] + 1) or make())
+
+    monkeypatch.setattr(backend._uploads, "get", counting_get)
+    layers, rng = 4, np.random.default_rng(2)
+    cache = gqakv.ModelKVCache(layers, 2, HKV, 32, D, "float16", backend=backend)
+    for n_new in ([6, 3], [1, 1], [1, 1]):
+        T = max(n_new)
+        uploads.update(asked=0, made=0)
+        with cache.step(n_new) as step:
+            for layer in range(layers):
+                kv = backend.from_numpy(rng.standard_normal((2, HKV, T, D)), "float16")
+                q = backend.from_numpy(rng.standard_normal((2, HKV * G, T, D)), "float16")
+                out = step.attend(layer, q, kv, kv)
+                assert np.isfinite(backend.to_numpy(out)).all()
+        # write_kv's and attention's indices, asked for by every layer, copied at most once
+        assert uploads["asked"] == 2 * layers and 1 <= uploads["made"] <= 2
+    # at most once per step (the appends of steps 2 and 3 plan alike: one plan serves both)
+    assert calls == {"plan_attention": 3, "plan_write_kv": 2}

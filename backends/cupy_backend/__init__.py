@@ -27,6 +27,7 @@ CuPy is never imported when this module is imported; only inside methods.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import numpy as np
 
@@ -50,7 +51,11 @@ class CupyBackend(Backend):
 
     def __init__(self):
         self._reason: str | None | bool = False  # False: not checked yet
-        self._sm_count: dict[int, int] = {}
+        self._device_facts: dict[int, tuple[int, bool]] = {}
+        # Every layer of a model step plans the same launches and uploads the same
+        # rows/lengths: both are kept (by value) so only the first layer pays for them.
+        self._plans = _LruCache(64)
+        self._uploads = _LruCache(64)
 
     # -- availability --------------------------------------------------------------------
 
@@ -139,13 +144,14 @@ class CupyBackend(Backend):
                 and k_buf.strides == v_buf.strides and k_new.strides == v_new.strides):
             return super().write_kv(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
         n_new = np.asarray(n_new, dtype=np.int64)
-        plan = _plan.plan_write_kv(dtype, d, n_new, int(k_buf.shape[1]), int(k_new.shape[2]),
-                                   _strides(k_new)[:3], _strides(k_buf)[:3])
+        args = (dtype, d, n_new, int(k_buf.shape[1]), int(k_new.shape[2]), _strides(k_new)[:3],
+                _strides(k_buf)[:3])
+        plan = self._plans.get(("write_kv", *_hashable(args)), lambda: _plan.plan_write_kv(*args))
         if not plan.launches:
             return
         from .modules import run_plan
 
-        rows_d, starts_d, n_new_d = _upload_ints(rows, starts, n_new)
+        rows_d, starts_d, n_new_d = self._upload_ints(rows, starts, n_new)
         run_plan(plan, {"k_new": k_new, "v_new": v_new, "k_buf": k_buf, "v_buf": v_buf,
                         "rows": rows_d, "starts": starts_d, "n_new": n_new_d}, dtype, d)
 
@@ -219,19 +225,20 @@ class CupyBackend(Backend):
         lse = cupy.full((B, Hq, T), -math.inf, dtype=cupy.float32)
         lens = np.asarray(lens, dtype=np.int64)
         n_new = np.asarray(n_new, dtype=np.int64)
+        sm_count, tensor_cores = self._facts()
+        kwargs = dict(batch=B, kv_heads=Hkv, group=Hq // Hkv, t_q=T, lens=lens, n_new=n_new,
+                      scale=scale, q_strides=_strides(q)[:3], buf_strides=_strides(k_buf)[:3],
+                      out_strides=_strides(out)[:3], sm_count=sm_count, tensor_cores=tensor_cores)
         try:
-            plan = _plan.plan_attention(
-                dtype, d, batch=B, kv_heads=Hkv, group=Hq // Hkv, t_q=T, lens=lens,
-                n_new=n_new, scale=scale, q_strides=_strides(q)[:3],
-                buf_strides=_strides(k_buf)[:3], out_strides=_strides(out)[:3],
-                sm_count=self._sms(), tensor_cores=self._tensor_cores())
+            plan = self._plans.get(("attention", dtype, d, *_hashable(kwargs.values())),
+                                   lambda: _plan.plan_attention(dtype, d, **kwargs))
         except NotImplementedError:  # beyond the grid limits of the fused kernels
             return super().attention(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
                                      return_lse=return_lse)
         if plan.launches:
             from .modules import run_plan
 
-            rows_d, lens_d, n_new_d = _upload_ints(rows, lens, n_new)
+            rows_d, lens_d, n_new_d = self._upload_ints(rows, lens, n_new)
             run_plan(plan, {"q": q, "k_buf": k_buf, "v_buf": v_buf, "rows": rows_d,
                             "lens": lens_d, "n_new": n_new_d, "out": out, "lse": lse}, dtype, d)
         return (out, lse) if return_lse else out
@@ -253,20 +260,27 @@ class CupyBackend(Backend):
             return contextlib.nullcontext()
         return cupy.cuda.Device(self.device_of(buf))
 
-    def _sms(self) -> int:
-        """Multiprocessors of the current device (the hot ops make the cache's current)."""
+    def _facts(self) -> tuple[int, bool]:
+        """(multiprocessors, has mma.m16n8k16 i.e. compute capability 8.0+) of the current
+        device (the hot ops make the cache's device current)."""
         import cupy
 
         dev = cupy.cuda.Device()
-        if dev.id not in self._sm_count:
-            self._sm_count[dev.id] = int(dev.attributes["MultiProcessorCount"])
-        return self._sm_count[dev.id]
+        if dev.id not in self._device_facts:
+            self._device_facts[dev.id] = (int(dev.attributes["MultiProcessorCount"]),
+                                          int(dev.compute_capability) >= 80)
+        return self._device_facts[dev.id]
 
-    def _tensor_cores(self) -> bool:
-        """Whether the current device runs the mma.m16n8k16 kernels (compute capability 8.0+)."""
+    def _upload_ints(self, *host_arrays):
+        """Device int64 views of equally long host int arrays, through one host-to-device
+        copy, kept by value (per device and stream) for the next layers of the same step."""
         import cupy
 
-        return int(cupy.cuda.Device().compute_capability) >= 80
+        packed = _pack_ints(*host_arrays)
+        key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, packed.shape,
+               packed.tobytes())
+        device = self._uploads.get(key, lambda: cupy.asarray(packed))
+        return tuple(device[i] for i in range(len(host_arrays)))
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -324,12 +338,30 @@ def _kernel_dtype(x) -> str | None:
     return name if name in sources.CTYPES else None
 
 
-def _upload_ints(*host_arrays):
-    """Device int64 views of equally long host int arrays, through one host-to-device copy."""
-    import cupy
+class _LruCache:
+    """The last ``size`` values by key: ``get(key, make)`` returns the kept value or keeps
+    ``make()``'s. Values are never changed after they are made (plans, read-only uploads)."""
 
-    packed = cupy.asarray(_pack_ints(*host_arrays))
-    return tuple(packed[i] for i in range(len(host_arrays)))
+    def __init__(self, size: int):
+        self.size = size
+        self._values: OrderedDict = OrderedDict()
+
+    def get(self, key, make):
+        value = self._values.get(key)
+        if value is None:
+            value = make()
+            self._values[key] = value
+            if len(self._values) > self.size:
+                self._values.popitem(last=False)
+        else:
+            self._values.move_to_end(key)
+        return value
+
+
+def _hashable(values) -> tuple:
+    """``values`` as a cache key: NumPy arrays by dtype, shape and bytes."""
+    return tuple((a.dtype.str, a.shape, a.tobytes()) if isinstance(a, np.ndarray) else a
+                 for a in values)
 
 
 def _pack_ints(*host_arrays) -> np.ndarray:

@@ -126,7 +126,7 @@ def _fake_cupy() -> types.ModuleType:
     cp.zeros = lambda shape, dtype=float: _on_device(np.zeros(shape, dtype=dtype))
     cp.full = lambda shape, fill, dtype=None: _on_device(np.full(shape, fill, dtype=dtype))
     cp.ascontiguousarray = lambda a: _on_device(np.ascontiguousarray(a))
-    stream = types.SimpleNamespace(synchronize=lambda: None)
+    stream = types.SimpleNamespace(synchronize=lambda: None, ptr=0)
     cp.cuda = types.SimpleNamespace(Device=EmulatedDevice, get_current_stream=lambda: stream)
     return cp
 
