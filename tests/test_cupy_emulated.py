@@ -67,6 +67,10 @@ def test_every_kernel_and_dtype_was_exercised(emulator):
             hits = [k for k in _SEEN_KERNELS
                     if k.startswith(f"gqakv_decode<{ctype},") and k.endswith(f", {tile}>")]
             assert hits, f"no scenario launched the decode kernel with query tile {tile} for {ctype}"
+    for kernel in ("gqakv_decode_mma", "gqakv_prefill_mma"):  # tensor cores: 16-bit types only
+        for ctype in ("gqakv_half", "gqakv_bf16"):
+            hits = [k for k in _SEEN_KERNELS if k.startswith(f"{kernel}<{ctype},")]
+            assert hits, f"no scenario launched {kernel} for {ctype}"
 
 
 def test_emulator_rejects_wrong_argument_types(emulator):
