@@ -10,7 +10,7 @@ as [K row 0 | V row 0 | ... gap ... | K row 1 | V row 1] with K and V sharing st
 A kernel that computed ``rows[b] * stride`` in 32 bits would land in row 0 (NaN: the
 comparison with the float64 reference fails) or outside the mapping (the process faults,
 which fails the run as loudly); narrowing that product to ``int`` in each of decode,
-decode_mma, prefill, prefill_mma and write_kv was tried once, and each was caught.
+decode_mma, prefill, prefill_mma, write_kv and copy_tokens was tried once, and each was caught.
 """
 
 from __future__ import annotations
@@ -126,10 +126,22 @@ def test_row_past_2_31_elements(emulator, dtype, steps, splits):
             np.testing.assert_array_equal(cache.row(cache.k_ptr, 1)[:, :live].astype(np.float64), k_rows)
             np.testing.assert_array_equal(cache.row(cache.v_ptr, 1)[:, :live].astype(np.float64), v_rows)
             assert np.isnan(cache.row(cache.k_ptr, 0).astype(np.float32)).all()
+            assert np.isnan(cache.row(cache.v_ptr, 0).astype(np.float32)).all()
             ref, ref_lse = reference_attention(q.astype(np.float64), [k_rows], [v_rows], n_new)
             stats = {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0}
             case = type("C", (), {"dtype": dtype, "name": f"offset-{dtype}"})
             _check_out(case, n, out, lse, ref, ref_lse, n_new, stats)
+        # row copies (reorder / fork): row 1's live tokens into row 0 and back into row 1
+        strides = (2 * ROW_STRIDE, ROW_STRIDE, HEAD_STRIDE, TOKEN_STRIDE)  # [layers=1, rows, ...]
+        for dst, src in ((0, 1), (1, 0)):
+            pairs = np.array([[dst], [src], [live]], dtype=np.int64)
+            keep.append(pairs)
+            copy = planmod.plan_copy_tokens(dtype, D, pairs[2], 1, HKV, strides, strides)
+            _launch_all(emulator, copy, {"dst_k": cache.k_ptr, "dst_v": cache.v_ptr,
+                                         "src_k": cache.k_ptr, "src_v": cache.v_ptr,
+                                         "pairs": pairs.ctypes.data}, keep)
+            for ptr, want in ((cache.k_ptr, k_rows), (cache.v_ptr, v_rows)):
+                np.testing.assert_array_equal(cache.row(ptr, dst)[:, :live].astype(np.float64), want)
     finally:
         del keep
         cache.close()
