@@ -25,7 +25,7 @@ except (nvrtc_mod.NvrtcError, OSError) as exc:  # pragma: no cover - depends on 
 ARCHS = ("sm_80", "sm_90")
 FAST_HEAD_DIMS = (64, 128, 256)
 #: Odd head dims the fused path also serves (scalar loads); compiled, spills reported only.
-OTHER_HEAD_DIMS = (20, 72, 100)
+OTHER_HEAD_DIMS = (20, 32, 72, 96, 100, 160)
 REPORT: list[str] = []
 
 
