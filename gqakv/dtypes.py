@@ -11,6 +11,11 @@ ITEMSIZE: dict[str, int] = {
 }
 
 
+#: Names already worked out, by dtype object (every append and attention call asks twice,
+#: and NumPy's dtype.name is slow). Only the few dtype objects of real arrays end up here.
+_NAMES: dict = {}
+
+
 def canonical_name(dtype) -> str:
     """Name of a dtype given as a string or any library's dtype object.
 
@@ -18,6 +23,22 @@ def canonical_name(dtype) -> str:
     ``torch.float32``, ``ml_dtypes.bfloat16`` and ``array_api_strict.float32`` all
     give ``"float32"`` (or ``"bfloat16"``, ...).
     """
+    if isinstance(dtype, str):
+        return _name_of(dtype)
+    key = (type(dtype), dtype)  # the type first: dtypes of two libraries never compared
+    try:
+        return _NAMES[key]
+    except (KeyError, TypeError):  # not seen yet, or not hashable
+        pass
+    name = _name_of(dtype)
+    try:
+        _NAMES[key] = name
+    except TypeError:
+        pass
+    return name
+
+
+def _name_of(dtype) -> str:
     if isinstance(dtype, str):
         name = dtype
     else:

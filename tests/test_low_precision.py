@@ -139,3 +139,21 @@ def test_single_cache_low_precision_parity_and_lse(dtype, backend, arrays):
 def test_low_precision_sizes(backend):
     for dtype, item in (("float16", 2), ("bfloat16", 2), ("float32", 4)):
         assert gqakv.ModelKVCache.nbytes_for(32, 1, 8, 4096, 128, dtype) == 2 * 32 * 8 * 128 * item * 4096
+
+
+def test_dtype_names_are_the_same_from_every_library_and_every_call():
+    """canonical_name keeps names by (type, dtype): repeated calls, and dtypes of other
+    libraries that hash alike, give the right name; unsupported dtypes keep failing."""
+    import array_api_strict
+    import torch
+
+    cases = [(np.float32, "float32"), (np.dtype(np.float16), "float16"),
+             (np.dtype(ml_dtypes.bfloat16), "bfloat16"), (torch.bfloat16, "bfloat16"),
+             (torch.float64, "float64"), (array_api_strict.float32, "float32"), ("float16", "float16")]
+    for _ in range(2):  # the second pass reads the kept names
+        for dtype, name in cases:
+            assert gqakv.dtypes.canonical_name(dtype) == name
+    for bad in (np.int64, np.dtype("int32"), torch.int8, "f4"):
+        for _ in range(2):
+            with pytest.raises(TypeError, match="not supported by gqakv"):
+                gqakv.dtypes.canonical_name(bad)
