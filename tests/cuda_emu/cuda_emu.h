@@ -6,6 +6,15 @@
 //   __shfl_xor_sync      full mask only: each lane writes its value to a per-warp slot,
 //                        a 32-thread warp barrier, reads its partner's slot, and a second
 //                        warp barrier before the slots are reused
+//   divergence checks    every thread counts its __syncthreads and every lane its warp
+//                        collectives (shuffles, mma); after each barrier all of them must
+//                        be at the same count and the same kind of collective (shuffle
+//                        with the same lane mask, mma, leaving the kernel), else the run
+//                        aborts naming the primitive (a deadlock still hangs). A
+//                        barrier is a counter, so without this a thread at the end of the
+//                        block, or a lane at a different shuffle, would complete another's
+//                        barrier and the divergence would pass unseen (on a GPU: a hang or
+//                        undefined values).
 //   __shared__           `static` storage: one copy, used by one block at a time
 //   threadIdx/blockIdx   thread-locals; blockDim/gridDim set per launch
 //   half / bfloat16      conversions through _Float16 (binary16 with round to nearest even)
@@ -38,16 +47,34 @@ namespace gqakv_emu {
 struct Warp {
     std::barrier<>* bar;
     uint64_t slot[32];
+    uint64_t seq[32];       // each lane's count of warp collectives (divergence check)
     uint32_t mma_a[32][4];  // each lane's A fragment registers (mma exchange)
     uint32_t mma_b[32][2];  // each lane's B fragment registers
 };
 struct Block {
     std::barrier<>* bar;
     Warp* warps;
+    unsigned nthreads;
+    uint64_t* sync_seq[2];  // each thread's __syncthreads count, by its parity
 };
 extern Block g_block;               // the block being run (one at a time)
 extern thread_local unsigned g_tid;  // linear thread index within the block
+// Per-thread counts of __syncthreads and of warp collectives since the launch began
+// (never reset between blocks, so a stale count from an earlier block cannot match).
+extern thread_local uint64_t g_sync_count, g_warp_count;
+// The tag a lane publishes at a warp collective: its count, and what it is at (bits 48+).
+enum : uint64_t { EMU_SHFL = 1, EMU_MMA = 2, EMU_EXIT = 3 };
+inline uint64_t warp_tag(uint64_t kind, unsigned detail) {
+    return (kind << 56) | ((uint64_t)(detail & 0xffu) << 48) | ++g_warp_count;
+}
 [[noreturn]] void fail(const char* what);
+
+// After the first barrier of a warp collective: every lane must be at the same collective.
+inline void check_warp_converged(const Warp& w, const char* what) {
+    const uint64_t mine = w.seq[g_tid % 32];
+    for (int l = 0; l < 32; ++l)
+        if (w.seq[l] != mine) fail(what);
+}
 }  // namespace gqakv_emu
 
 extern thread_local dim3 threadIdx;
@@ -55,7 +82,17 @@ extern thread_local dim3 blockIdx;
 extern dim3 blockDim;
 extern dim3 gridDim;
 
-inline void __syncthreads() { gqakv_emu::g_block.bar->arrive_and_wait(); }
+// The count is published in the slot of its parity: a thread can only write the same
+// parity again two barriers later, which needs this thread's arrival at the next one.
+inline void __syncthreads() {
+    using namespace gqakv_emu;
+    const uint64_t mine = ++g_sync_count;
+    g_block.sync_seq[mine & 1][g_tid] = mine;
+    g_block.bar->arrive_and_wait();
+    for (unsigned t = 0; t < g_block.nthreads; ++t)
+        if (g_block.sync_seq[mine & 1][t] != mine)
+            fail("__syncthreads: not every thread of the block reached this barrier (divergent __syncthreads)");
+}
 
 template <class T>
 inline T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
@@ -65,7 +102,9 @@ inline T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) 
     gqakv_emu::Warp& w = gqakv_emu::g_block.warps[gqakv_emu::g_tid / 32];
     const unsigned lane = gqakv_emu::g_tid % 32;
     std::memcpy(&w.slot[lane], &value, sizeof(T));
+    w.seq[lane] = gqakv_emu::warp_tag(gqakv_emu::EMU_SHFL, (unsigned)lane_mask);
     w.bar->arrive_and_wait();
+    gqakv_emu::check_warp_converged(w, "__shfl_xor_sync: not every lane of the warp is at this shuffle (divergent warp collective)");
     T out;
     std::memcpy(&out, &w.slot[lane ^ (unsigned)lane_mask], sizeof(T));
     w.bar->arrive_and_wait();
@@ -117,7 +156,9 @@ inline void gqakv_emu_mma_m16n8k16(float (&acc)[4], const unsigned (&a)[4], cons
     const unsigned lane = gqakv_emu::g_tid % 32;
     std::memcpy(w.mma_a[lane], a, sizeof(w.mma_a[lane]));
     std::memcpy(w.mma_b[lane], b, sizeof(w.mma_b[lane]));
+    w.seq[lane] = gqakv_emu::warp_tag(gqakv_emu::EMU_MMA, bf16 ? 1u : 0u);
     w.bar->arrive_and_wait();
+    gqakv_emu::check_warp_converged(w, "mma_m16n8k16: not every lane of the warp is at this mma (divergent warp collective)");
     float A[16][16], B[16][8];
     int seen_a[16][16] = {}, seen_b[16][8] = {};
     for (unsigned l = 0; l < 32; ++l) {

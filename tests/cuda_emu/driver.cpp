@@ -30,6 +30,7 @@ dim3 gridDim;
 namespace gqakv_emu {
 Block g_block;
 thread_local unsigned g_tid;
+thread_local uint64_t g_sync_count, g_warp_count;
 void fail(const char* what) {
     std::fprintf(stderr, "cuda_emu: %s\n", what);
     std::abort();
@@ -96,11 +97,37 @@ __global__ void emu_mma_selftest(const unsigned* a, const unsigned* b, const flo
     for (int i = 0; i < 4; ++i) d[lane * 4 + i] = acc[i];
 }
 
+// Emulator self-tests of the divergence checks (tests/test_cupy_review.py): `mode` picks a
+// pattern; 0 is uniform and must run, every other one must abort with its message.
+//   1: lanes 0..15 shuffle, lanes 16..31 return   2: half the block skips __syncthreads
+//   3: lanes 0..15 and 16..31 at different shuffles (lane masks 1 and 2)
+//   4: lanes 0..15 at an mma, lanes 16..31 at a shuffle
+__global__ void emu_divergence_selftest(int mode, float* out) {
+    const unsigned lane = threadIdx.x % 32;
+    float x = (float)threadIdx.x;
+    if (mode == 1 && lane >= 16) return;
+    if (mode == 2 && threadIdx.x >= 64) return;
+    if (mode == 3 && lane >= 16) {
+        x += __shfl_xor_sync(GQAKV_FULL_MASK, x, 2);
+    } else if (mode == 4 && lane < 16) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        const unsigned a[4] = {0u, 0u, 0u, 0u}, b[2] = {0u, 0u};
+        mma_m16n8k16<gqakv_half>(acc, a, b);
+        x += acc[0];
+    } else if (mode != 2) {
+        x += __shfl_xor_sync(GQAKV_FULL_MASK, x, 1);
+    }
+    __syncthreads();
+    x += __shfl_xor_sync(GQAKV_FULL_MASK, x, 4);
+    out[blockIdx.x * blockDim.x + threadIdx.x] = x;
+}
+
 struct Init {
     Init() {
         GQAKV_EMU_HEAD_DIMS
         registry()["emu_mma_selftest<gqakv_half>"] = make_entry(&emu_mma_selftest<gqakv_half>);
         registry()["emu_mma_selftest<gqakv_bf16>"] = make_entry(&emu_mma_selftest<gqakv_bf16>);
+        registry()["emu_divergence_selftest"] = make_entry(&emu_divergence_selftest);
     }
 } init;
 }  // namespace gqakv_emu
@@ -128,17 +155,25 @@ int emu_launch(const char* name, const unsigned* grid, const unsigned* block, vo
         warp_bars.emplace_back(new std::barrier<>(32));
         w.bar = warp_bars.back().get();
     }
-    g_block = Block{&block_bar, warps.data()};
+    std::vector<uint64_t> sync_even(nthreads, 0), sync_odd(nthreads, 0);
+    g_block = Block{&block_bar, warps.data(), nthreads, {sync_even.data(), sync_odd.data()}};
     std::vector<std::thread> threads;
     for (unsigned tid = 0; tid < nthreads; ++tid) {
         threads.emplace_back([&, tid] {
             g_tid = tid;
+            g_sync_count = g_warp_count = 0;
             threadIdx = dim3{tid % block[0], (tid / block[0]) % block[1], tid / (block[0] * block[1])};
             for (unsigned z = 0; z < grid[2]; ++z)
                 for (unsigned y = 0; y < grid[1]; ++y)
                     for (unsigned x = 0; x < grid[0]; ++x) {
                         blockIdx = dim3{x, y, z};
                         e.call(args);
+                        // Leaving the kernel is a warp-level event too: a lane that returns
+                        // while the rest of its warp waits at a collective meets them here.
+                        Warp& w = warps[tid / 32];
+                        w.seq[tid % 32] = warp_tag(EMU_EXIT, 0);
+                        w.bar->arrive_and_wait();
+                        check_warp_converged(w, "a lane left the kernel while others of its warp were at a warp collective");
                         block_bar.arrive_and_wait();  // the next block starts when all are done
                     }
         });
