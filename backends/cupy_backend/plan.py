@@ -99,6 +99,14 @@ def _i64(*xs):
     return tuple(np.int64(x) for x in xs)
 
 
+def _check_grid(kernel: str, what: str, grid_x: int, grid_y: int = 1) -> None:
+    """NotImplementedError naming the launch when its grid exceeds CUDA's limits (the
+    cupy backend then takes the generic path; a launch would fail on the device)."""
+    if grid_x > MAX_GRID_X or grid_y > MAX_GRID_Y:
+        raise NotImplementedError(f"{kernel}: {what} is a grid of ({grid_x}, {grid_y}) CTAs "
+                                  f"(limits {MAX_GRID_X}, {MAX_GRID_Y})")
+
+
 def plan_write_kv(dtype: str, head_dim: int, n_new: np.ndarray, kv_heads: int, t_new: int,
                   new_strides, buf_strides) -> Plan:
     """One launch writing every entry's first n_new[b] tokens (nothing when all are 0).
@@ -110,6 +118,7 @@ def plan_write_kv(dtype: str, head_dim: int, n_new: np.ndarray, kv_heads: int, t
     max_n = int(n_new.max()) if B else 0
     if max_n == 0:
         return plan
+    _check_grid("gqakv_write_kv", f"{B} entries x {kv_heads} heads", B * kv_heads)
     vectors = max_n * (head_dim // sources.vec_width(dtype, head_dim))
     grid_y = min(MAX_GRID_Y, -(-vectors // BLOCK[0]))
     args = (Buf("k_new"), Buf("v_new"), Buf("k_buf"), Buf("v_buf"), Buf("rows"), Buf("starts"),
@@ -242,6 +251,11 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
         else:
             splits, keys = choose_splits(lens[live], kv_heads * n_qchunks, sm_count, per_sm,
                                          min_keys_per_split)
+        _check_grid(kernel, f"{batch} entries x {kv_heads} KV heads x {n_qchunks} query chunks, "
+                    f"{splits} splits", ctas, splits)
+        if splits > 1:
+            _check_grid("gqakv_merge", f"{batch} entries x {kv_heads * group} heads x {t_q} tokens",
+                        batch * kv_heads * group * t_q)
         if splits == 1:
             keys = max_len
             part = (Buf("dummy"), Buf("dummy"))
@@ -272,6 +286,8 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     if n_tblocks > MAX_GRID_Y:
         raise NotImplementedError(
             f"a chunk of {max_n} tokens needs {n_tblocks} query blocks (grid limit {MAX_GRID_Y})")
+    _check_grid(kernel, f"{batch} entries x {kv_heads} KV heads x {n_gchunks} group chunks",
+                batch * kv_heads * n_gchunks, n_tblocks)
     args = (*bufs, np.int32(kv_heads), np.int32(group), np.int32(t_q), np.int32(gc), np.int32(bq),
             np.int32(n_gchunks), np.float32(scale), *strides)
     plan.launches.append(Launch(kernel, sources.name_expression(kernel, dtype, head_dim),

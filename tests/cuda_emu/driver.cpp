@@ -145,7 +145,9 @@ int emu_launch(const char* name, const unsigned* grid, const unsigned* block, vo
     for (int i = 0; i < nargs; ++i)
         if (arg_sizes[i] != e.arg_sizes[i]) return 2;
     const unsigned nthreads = block[0] * block[1] * block[2];
-    if (nthreads == 0 || nthreads % 32 || nthreads > 1024 || grid[1] > 65535 || grid[2] > 65535) return 3;
+    if (nthreads == 0 || nthreads % 32 || nthreads > 1024 || grid[0] == 0 || grid[0] > 2147483647u ||
+        grid[1] == 0 || grid[1] > 65535 || grid[2] == 0 || grid[2] > 65535)
+        return 3;  // CUDA's limits: gridDim.x < 2^31, y and z <= 65535, none 0
     gridDim = dim3{grid[0], grid[1], grid[2]};
     blockDim = dim3{block[0], block[1], block[2]};
     std::barrier<> block_bar(nthreads);
