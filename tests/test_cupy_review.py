@@ -10,11 +10,13 @@
    a barrier was a bare counter, so a thread that left the kernel (or a lane at another
    shuffle) completed someone else's barrier and a divergent kernel could pass. The
    self-test kernel (tests/cuda_emu/driver.cpp, emu_divergence_selftest) shows each
-   pattern is caught; the scenario suites pass with the checks on.
+   pattern is caught; the scenario suites pass with the checks on. A watchdog turns a
+   deadlock (threads at barriers others never reach) into an abort with a message.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -66,9 +68,10 @@ _SELFTEST = textwrap.dedent("""
 """)
 
 
-def _run_selftest(mode: int) -> subprocess.CompletedProcess:
+def _run_selftest(mode: int, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", _SELFTEST.format(root=str(ROOT), mode=mode)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def test_emulator_runs_a_uniform_kernel():
@@ -91,6 +94,15 @@ def test_emulator_catches_divergent_collectives(mode, message):
     proc = _run_selftest(mode)
     assert proc.returncode != 0, f"mode {mode} ran to the end:\n{proc.stdout}"
     assert message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_emulator_turns_a_deadlock_into_a_failure():
+    """Lane 0 at an extra shuffle while everyone else waits at __syncthreads: nobody can
+    proceed. The watchdog (GQAKV_EMU_DEADLOCK_S, here 2 s) aborts with a message instead of
+    hanging the test run."""
+    proc = _run_selftest(5, env={"GQAKV_EMU_DEADLOCK_S": "2"})
+    assert proc.returncode != 0, proc.stdout
+    assert "deadlock: no barrier completed" in proc.stderr, proc.stderr[-2000:]
 
 
 # ---- 3. launch grids within CUDA's limits -------------------------------------------------

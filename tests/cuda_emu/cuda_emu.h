@@ -10,11 +10,14 @@
 //                        collectives (shuffles, mma); after each barrier all of them must
 //                        be at the same count and the same kind of collective (shuffle
 //                        with the same lane mask, mma, leaving the kernel), else the run
-//                        aborts naming the primitive (a deadlock still hangs). A
+//                        aborts naming the primitive. A
 //                        barrier is a counter, so without this a thread at the end of the
 //                        block, or a lane at a different shuffle, would complete another's
 //                        barrier and the divergence would pass unseen (on a GPU: a hang or
 //                        undefined values).
+//   deadlock watchdog    a launch in which no barrier completes for GQAKV_EMU_DEADLOCK_S
+//                        seconds (default 300) aborts: threads wait at barriers the others
+//                        never reach (e.g. one lane at an extra shuffle).
 //   __shared__           `static` storage: one copy, used by one block at a time
 //   threadIdx/blockIdx   thread-locals; blockDim/gridDim set per launch
 //   half / bfloat16      conversions through _Float16 (binary16 with round to nearest even)
@@ -23,6 +26,7 @@
 #pragma once
 #define GQAKV_EMULATION 1
 
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -62,6 +66,8 @@ extern thread_local unsigned g_tid;  // linear thread index within the block
 // Per-thread counts of __syncthreads and of warp collectives since the launch began
 // (never reset between blocks, so a stale count from an earlier block cannot match).
 extern thread_local uint64_t g_sync_count, g_warp_count;
+// Completed barriers (counted by one thread of each), watched for deadlock by emu_launch.
+extern std::atomic<uint64_t> g_progress;
 // The tag a lane publishes at a warp collective: its count, and what it is at (bits 48+).
 enum : uint64_t { EMU_SHFL = 1, EMU_MMA = 2, EMU_EXIT = 3 };
 inline uint64_t warp_tag(uint64_t kind, unsigned detail) {
@@ -89,6 +95,7 @@ inline void __syncthreads() {
     const uint64_t mine = ++g_sync_count;
     g_block.sync_seq[mine & 1][g_tid] = mine;
     g_block.bar->arrive_and_wait();
+    if (g_tid == 0) g_progress.fetch_add(1, std::memory_order_relaxed);
     for (unsigned t = 0; t < g_block.nthreads; ++t)
         if (g_block.sync_seq[mine & 1][t] != mine)
             fail("__syncthreads: not every thread of the block reached this barrier (divergent __syncthreads)");
@@ -104,6 +111,7 @@ inline T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) 
     std::memcpy(&w.slot[lane], &value, sizeof(T));
     w.seq[lane] = gqakv_emu::warp_tag(gqakv_emu::EMU_SHFL, (unsigned)lane_mask);
     w.bar->arrive_and_wait();
+    if (lane == 0) gqakv_emu::g_progress.fetch_add(1, std::memory_order_relaxed);
     gqakv_emu::check_warp_converged(w, "__shfl_xor_sync: not every lane of the warp is at this shuffle (divergent warp collective)");
     T out;
     std::memcpy(&out, &w.slot[lane ^ (unsigned)lane_mask], sizeof(T));
@@ -158,6 +166,7 @@ inline void gqakv_emu_mma_m16n8k16(float (&acc)[4], const unsigned (&a)[4], cons
     std::memcpy(w.mma_b[lane], b, sizeof(w.mma_b[lane]));
     w.seq[lane] = gqakv_emu::warp_tag(gqakv_emu::EMU_MMA, bf16 ? 1u : 0u);
     w.bar->arrive_and_wait();
+    if (lane == 0) gqakv_emu::g_progress.fetch_add(1, std::memory_order_relaxed);
     gqakv_emu::check_warp_converged(w, "mma_m16n8k16: not every lane of the warp is at this mma (divergent warp collective)");
     float A[16][16], B[16][8];
     int seen_a[16][16] = {}, seen_b[16][8] = {};

@@ -2,7 +2,10 @@
 // kernelParams convention (an array of pointers to the argument values), from Python via
 // ctypes (tests/cuda_emu/harness.py). Built with g++ -include cuda_emu.h, optionally with
 // -fsanitize=address; then emu_poison marks bytes a kernel must never touch.
+#include <chrono>
+#include <condition_variable>
 #include <functional>
+#include <mutex>
 #include <map>
 #include <memory>
 #include <string>
@@ -31,6 +34,48 @@ namespace gqakv_emu {
 Block g_block;
 thread_local unsigned g_tid;
 thread_local uint64_t g_sync_count, g_warp_count;
+std::atomic<uint64_t> g_progress{0};
+
+// Aborts the process when no barrier of the running launch completes for the limit.
+class Watchdog {
+  public:
+    Watchdog() : thread_([this] { watch(); }) {}
+    ~Watchdog() {
+        {
+            std::lock_guard<std::mutex> lk(m_);
+            done_ = true;
+        }
+        cv_.notify_one();
+        thread_.join();
+    }
+
+  private:
+    static double limit_seconds() {
+        const char* env = std::getenv("GQAKV_EMU_DEADLOCK_S");
+        const double v = env ? std::atof(env) : 0.0;
+        return v > 0 ? v : 300.0;
+    }
+    void watch() {
+        const auto limit = std::chrono::duration<double>(limit_seconds());
+        uint64_t last = g_progress.load();
+        auto since = std::chrono::steady_clock::now();
+        std::unique_lock<std::mutex> lk(m_);
+        while (!cv_.wait_for(lk, std::chrono::milliseconds(200), [this] { return done_; })) {
+            const uint64_t now = g_progress.load();
+            if (now != last) {
+                last = now;
+                since = std::chrono::steady_clock::now();
+            } else if (std::chrono::steady_clock::now() - since > limit) {
+                fail("deadlock: no barrier completed within GQAKV_EMU_DEADLOCK_S; threads wait at "
+                     "a __syncthreads or warp collective that others of their block or warp never reach");
+            }
+        }
+    }
+    std::mutex m_;
+    std::condition_variable cv_;
+    bool done_ = false;
+    std::thread thread_;
+};
 void fail(const char* what) {
     std::fprintf(stderr, "cuda_emu: %s\n", what);
     std::abort();
@@ -102,6 +147,8 @@ __global__ void emu_mma_selftest(const unsigned* a, const unsigned* b, const flo
 //   1: lanes 0..15 shuffle, lanes 16..31 return   2: half the block skips __syncthreads
 //   3: lanes 0..15 and 16..31 at different shuffles (lane masks 1 and 2)
 //   4: lanes 0..15 at an mma, lanes 16..31 at a shuffle
+//   5: lane 0 at an extra shuffle while the rest of the block waits at __syncthreads
+//      (a deadlock: caught by the watchdog)
 __global__ void emu_divergence_selftest(int mode, float* out) {
     const unsigned lane = threadIdx.x % 32;
     float x = (float)threadIdx.x;
@@ -117,6 +164,7 @@ __global__ void emu_divergence_selftest(int mode, float* out) {
     } else if (mode != 2) {
         x += __shfl_xor_sync(GQAKV_FULL_MASK, x, 1);
     }
+    if (mode == 5 && threadIdx.x == 0) x += __shfl_xor_sync(GQAKV_FULL_MASK, x, 2);
     __syncthreads();
     x += __shfl_xor_sync(GQAKV_FULL_MASK, x, 4);
     out[blockIdx.x * blockDim.x + threadIdx.x] = x;
@@ -159,6 +207,7 @@ int emu_launch(const char* name, const unsigned* grid, const unsigned* block, vo
     }
     std::vector<uint64_t> sync_even(nthreads, 0), sync_odd(nthreads, 0);
     g_block = Block{&block_bar, warps.data(), nthreads, {sync_even.data(), sync_odd.data()}};
+    Watchdog watchdog;  // declared before the threads: joined after them
     std::vector<std::thread> threads;
     for (unsigned tid = 0; tid < nthreads; ++tid) {
         threads.emplace_back([&, tid] {
@@ -177,6 +226,7 @@ int emu_launch(const char* name, const unsigned* grid, const unsigned* block, vo
                         w.bar->arrive_and_wait();
                         check_warp_converged(w, "a lane left the kernel while others of its warp were at a warp collective");
                         block_bar.arrive_and_wait();  // the next block starts when all are done
+                        if (tid == 0) g_progress.fetch_add(1, std::memory_order_relaxed);
                     }
         });
     }
