@@ -10,11 +10,10 @@
 //                        collectives (shuffles, mma); after each barrier all of them must
 //                        be at the same count and the same kind of collective (shuffle
 //                        with the same lane mask, mma, leaving the kernel), else the run
-//                        aborts naming the primitive. A
-//                        barrier is a counter, so without this a thread at the end of the
-//                        block, or a lane at a different shuffle, would complete another's
-//                        barrier and the divergence would pass unseen (on a GPU: a hang or
-//                        undefined values).
+//                        aborts naming the primitive. A barrier is a counter, so without
+//                        this a thread at the end of the block, or a lane at a different
+//                        shuffle, would complete another's barrier and the divergence would
+//                        pass unseen (on a GPU: a hang or undefined values).
 //   deadlock watchdog    a launch in which no barrier completes for GQAKV_EMU_DEADLOCK_S
 //                        seconds (default 300) aborts: threads wait at barriers the others
 //                        never reach (e.g. one lane at an extra shuffle).
