@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -84,16 +85,19 @@ def test_emulator_runs_a_uniform_kernel():
     assert proc.stdout.split() == ["ran", str(float(2 * x.sum()))]
 
 
+# Either side of a divergence may notice it first (threads race to report), so mode 1 and
+# mode 4 accept the message of either side.
 @pytest.mark.parametrize("mode,message", [
-    (1, "a lane left the kernel while others of its warp were at a warp collective"),
-    (2, "__syncthreads: not every thread of the block reached this barrier"),
-    (3, "__shfl_xor_sync: not every lane of the warp is at this shuffle"),
-    (4, "not every lane of the warp is at this"),
+    (1, r"a lane left the kernel while others of its warp were at a warp collective"
+        r"|__shfl_xor_sync: not every lane of the warp is at this shuffle"),
+    (2, r"__syncthreads: not every thread of the block reached this barrier"),
+    (3, r"__shfl_xor_sync: not every lane of the warp is at this shuffle"),
+    (4, r"(mma_m16n8k16|__shfl_xor_sync): not every lane of the warp is at this (mma|shuffle)"),
 ])
 def test_emulator_catches_divergent_collectives(mode, message):
     proc = _run_selftest(mode)
     assert proc.returncode != 0, f"mode {mode} ran to the end:\n{proc.stdout}"
-    assert message in proc.stderr, proc.stderr[-2000:]
+    assert re.search(message, proc.stderr), proc.stderr[-2000:]
 
 
 def test_emulator_turns_a_deadlock_into_a_failure():
