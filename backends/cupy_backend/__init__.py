@@ -146,7 +146,10 @@ class CupyBackend(Backend):
         n_new = np.asarray(n_new, dtype=np.int64)
         args = (dtype, d, n_new, int(k_buf.shape[1]), int(k_new.shape[2]), _strides(k_new)[:3],
                 _strides(k_buf)[:3])
-        plan = self._plans.get(("write_kv", *_hashable(args)), lambda: _plan.plan_write_kv(*args))
+        try:
+            plan = self._plans.get(("write_kv", *_hashable(args)), lambda: _plan.plan_write_kv(*args))
+        except NotImplementedError:  # beyond the grid limits
+            return super().write_kv(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
         if not plan.launches:
             return
         from .modules import run_plan
@@ -221,10 +224,16 @@ class CupyBackend(Backend):
         q = _aligned(q, dtype, d)
         B, Hq, T, _ = (int(s) for s in q.shape)
         Hkv = int(k_buf.shape[1])
-        out = cupy.zeros((B, Hq, T, d), dtype=q.dtype)
-        lse = cupy.full((B, Hq, T), -math.inf, dtype=cupy.float32)
         lens = np.asarray(lens, dtype=np.int64)
         n_new = np.asarray(n_new, dtype=np.int64)
+        if B and T and int(n_new.min()) == T:
+            # No padded query: the kernels write every element of out and lse, so the two
+            # fill launches are skipped (the common decode and prefill steps).
+            out = cupy.empty((B, Hq, T, d), dtype=q.dtype)
+            lse = cupy.empty((B, Hq, T), dtype=cupy.float32)
+        else:  # padded queries and idle rows keep these values: 0 and -inf
+            out = cupy.zeros((B, Hq, T, d), dtype=q.dtype)
+            lse = cupy.full((B, Hq, T), -math.inf, dtype=cupy.float32)
         sm_count, tensor_cores = self._facts()
         kwargs = dict(batch=B, kv_heads=Hkv, group=Hq // Hkv, t_q=T, lens=lens, n_new=n_new,
                       scale=scale, q_strides=_strides(q)[:3], buf_strides=_strides(k_buf)[:3],

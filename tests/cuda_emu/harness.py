@@ -53,7 +53,9 @@ def _flags(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS) -> list[str]:
     flags = ["-std=c++20", "-g", "-pthread", "-shared", "-fPIC", f"-I{kernel_dir()}",
              f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={dims}"]
     if asan:
-        flags += ["-O1", "-fsanitize=address", "-fno-omit-frame-pointer"]
+        # alignment too: a misaligned 16-byte load faults on a GPU but runs on x86
+        flags += ["-O1", "-fsanitize=address,alignment", "-fno-sanitize-recover=alignment",
+                  "-fno-omit-frame-pointer"]
     else:
         flags += ["-O2"]
     return flags
