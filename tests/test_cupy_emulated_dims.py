@@ -65,3 +65,40 @@ def test_fused_kernels_at_other_head_dims(head_dim, dtype):
         kernels |= {launch.kernel for launch in plan.launches}
     want = {"gqakv_decode", "gqakv_prefill_mma" if dtype != "float32" else "gqakv_prefill"}
     assert want <= kernels, kernels
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unpadded_steps_write_every_output_without_fills(dtype):
+    """With no padded query the backend skips the out/lse fill launches (cupy.empty; NaN
+    in the emulator): every element must then come from the kernels, also when the
+    decode is split and merged and when rows are ragged."""
+    backend = EmulatedCupyBackend()
+    st = STORAGE[dtype]
+    rng = np.random.default_rng(3)
+    d, lens0 = 64, np.array([600, 300])
+    cache = gqakv.KVCache(2, HKV, 700, d, dtype=dtype, backend=backend)
+    k = rng.standard_normal((2, HKV, 600, d)).astype(st)
+    v = rng.standard_normal((2, HKV, 600, d)).astype(st)
+    cache.append(backend.from_numpy(k), backend.from_numpy(v), lens0)
+    k_rows = [k[b, :, :lens0[b]].astype(np.float64) for b in range(2)]
+    v_rows = [v[b, :, :lens0[b]].astype(np.float64) for b in range(2)]
+    for T in (1, 8):  # split decode + merge, then prefill
+        n_new = np.array([T, T])
+        kn = rng.standard_normal((2, HKV, T, d)).astype(st)
+        vn = rng.standard_normal((2, HKV, T, d)).astype(st)
+        q = rng.standard_normal((2, HKV * G, T, d)).astype(st)
+        cache.append(backend.from_numpy(kn), backend.from_numpy(vn), n_new)
+        plan = planmod.plan_attention(
+            dtype, d, batch=2, kv_heads=HKV, group=G, t_q=T, lens=cache.host_lens, n_new=n_new,
+            scale=d ** -0.5, q_strides=(1, 1, 1), buf_strides=(1, 1, 1), out_strides=(1, 1, 1),
+            sm_count=132)
+        if T == 1:
+            assert plan.num_splits > 1  # the merge writes the outputs
+        out, lse = gqakv.gqa_attention(backend.from_numpy(q), cache, n_new, return_lse=True)
+        for b in range(2):
+            k_rows[b] = np.concatenate([k_rows[b], kn[b].astype(np.float64)], axis=1)
+            v_rows[b] = np.concatenate([v_rows[b], vn[b].astype(np.float64)], axis=1)
+        ref, ref_lse = reference_attention(q.astype(np.float64), k_rows, v_rows, n_new)
+        stats = {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0}
+        case = type("Case", (), {"dtype": dtype, "name": f"unpadded-{dtype}-T{T}"})
+        _check_out(case, T, backend.to_numpy(out), backend.to_numpy(lse), ref, ref_lse, n_new, stats)
