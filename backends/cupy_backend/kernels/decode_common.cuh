@@ -38,3 +38,45 @@ __device__ __forceinline__ void load_chunks(Words<NW>& dst, const T* __restrict_
         for (int k = 0; k < 4; ++k) dst.w[4 * i + k] = c.w[k];
     }
 }
+
+// The end of a decode CTA: the NS online-softmax states of each of its QB query rows (in
+// shared memory, after a __syncthreads) merged into one, then written as the output row
+// and its natural-log LSE (num_splits == 1) or as this split's fp32 partials for
+// gqakv_merge. States are in the log2 domain (m: running max of log2-scaled scores).
+// Padded rows (query index >= G * Tq or token >= n) are skipped: out stays 0, lse -inf.
+template <class T, int D, int QB, int NS>
+__device__ __forceinline__ void write_decode_rows(
+    const float (&sm_m)[NS][QB], const float (&sm_l)[NS][QB], const float (&sm_acc)[NS][QB][D],
+    int b, int kvh, int qc, int Hkv, int G, int Tq, i64 n, int num_splits, int split,
+    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_o,
+    float* __restrict__ part_lse, i64 o_sb, i64 o_sh, i64 o_st) {
+    const int Hq = Hkv * G;
+    for (int idx = threadIdx.x; idx < QB * D; idx += blockDim.x) {
+        const int i = idx / D, d = idx % D;
+        const int qi = qc * QB + i;
+        const int g = qi / Tq, t = qi % Tq;
+        if (qi >= G * Tq || t >= n) continue;  // padding: out stays 0, lse -inf
+        const int h = kvh * G + g;
+        float mx = GQAKV_NEG_INF;
+        for (int s = 0; s < NS; ++s) mx = fmaxf(mx, sm_m[s][i]);
+        float total = 0.f, o = 0.f;
+        if (mx != GQAKV_NEG_INF) {
+            for (int s = 0; s < NS; ++s) {
+                const float w = fast_exp2(sm_m[s][i] - mx);  // 0 for states that saw no key
+                total += w * sm_l[s][i];
+                o += w * sm_acc[s][i][d];
+            }
+        }
+        const float o_val = total > 0.f ? o / total : 0.f;
+        // Natural-log LSE of the unscaled-by-log2(e) scores: (m + log2 total) * ln 2.
+        const float lse_val = total > 0.f ? (mx + log2f(total)) * 0.6931471805599453f : GQAKV_NEG_INF;
+        const i64 qidx = ((i64)b * Hq + h) * Tq + t;
+        if (num_splits == 1) {
+            out[(i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st + d] = from_float<T>(o_val);
+            if (d == 0) lse[qidx] = lse_val;
+        } else {
+            part_o[(qidx * num_splits + split) * D + d] = o_val;
+            if (d == 0) part_lse[qidx * num_splits + split] = lse_val;
+        }
+    }
+}

@@ -296,32 +296,7 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
     }
     __syncthreads();
 
-    const int Hq = Hkv * G;
-    for (int idx = threadIdx.x; idx < S::QB * D; idx += blockDim.x) {
-        const int i = idx / D, d = idx % D;
-        const int qi = qc * S::QB + i;
-        const int g = qi / Tq, t = qi % Tq;
-        if (qi >= G * Tq || t >= n) continue;  // padding: out stays 0, lse -inf
-        const int h = kvh * G + g;
-        float mx = GQAKV_NEG_INF;
-        for (int w = 0; w < S::WARPS; ++w) mx = fmaxf(mx, sm_m[w][i]);
-        float total = 0.f, acc = 0.f;
-        if (mx != GQAKV_NEG_INF) {
-            for (int w = 0; w < S::WARPS; ++w) {
-                const float wt = fast_exp2(sm_m[w][i] - mx);  // 0 for warps that saw no key
-                total += wt * sm_l[w][i];
-                acc += wt * sm_o[w][i][d];
-            }
-        }
-        const float o_val = total > 0.f ? acc / total : 0.f;
-        const float lse_val = total > 0.f ? (mx + log2f(total)) * 0.6931471805599453f : GQAKV_NEG_INF;
-        const i64 qidx = ((i64)b * Hq + h) * Tq + t;
-        if (num_splits == 1) {
-            out[(i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st + d] = from_float<T>(o_val);
-            if (d == 0) lse[qidx] = lse_val;
-        } else {
-            part_o[(qidx * num_splits + split) * D + d] = o_val;
-            if (d == 0) part_lse[qidx * num_splits + split] = lse_val;
-        }
-    }
+    write_decode_rows<T, D, S::QB, S::WARPS>(sm_m, sm_l, sm_o, b, kvh, qc, Hkv, G, Tq, n,
+                                             num_splits, split, out, lse, part_o, part_lse,
+                                             o_sb, o_sh, o_st);
 }
