@@ -261,3 +261,18 @@ def test_decode_query_tile_is_the_smallest_that_fits():
                             out_strides=(32 * 128, 128, 128), sm_count=132)
     (launch,) = p.launches
     assert launch.name == "gqakv_decode_mma<gqakv_bf16, 128>" and launch.grid == (64 * 8, 1, 1)
+
+
+def test_kept_plans_are_least_recently_used_and_made_once():
+    from gqakv_backends.cupy_backend import _LruCache
+
+    made = []
+    cache = _LruCache(2)
+
+    def get(key):
+        return cache.get(key, lambda: made.append(key) or f"plan {key}")
+
+    assert [get("a"), get("b"), get("a")] == ["plan a", "plan b", "plan a"]
+    get("c")  # evicts b, the least recently used
+    assert get("a") == "plan a" and get("b") == "plan b"
+    assert made == ["a", "b", "c", "b"]

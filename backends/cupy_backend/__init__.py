@@ -27,6 +27,7 @@ CuPy is never imported when this module is imported; only inside methods.
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -354,17 +355,19 @@ class _LruCache:
     def __init__(self, size: int):
         self.size = size
         self._values: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()  # one backend serves every thread (registry singleton)
 
     def get(self, key, make):
-        value = self._values.get(key)
-        if value is None:
-            value = make()
-            self._values[key] = value
-            if len(self._values) > self.size:
-                self._values.popitem(last=False)
-        else:
-            self._values.move_to_end(key)
-        return value
+        with self._lock:
+            value = self._values.get(key)
+            if value is None:
+                value = make()
+                self._values[key] = value
+                if len(self._values) > self.size:
+                    self._values.popitem(last=False)
+            else:
+                self._values.move_to_end(key)
+            return value
 
 
 def _hashable(values) -> tuple:
