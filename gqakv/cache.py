@@ -78,10 +78,25 @@ def allocate(backend, shape: tuple[int, ...], dtype: str, what: str):
 class RowsAndLengths:
     """Live lengths and row operations, shared by KVCache and ModelKVCache.
 
-    A subclass has ``backend`` and ``_lengths`` (a Lengths), and provides
+    A subclass has ``backend`` and ``_lengths`` (a Lengths; a new cache sets both up through
+    ``_allocate``), and provides
     ``_row_buffers()`` (K and V as ``[layers, B, Hkv, max_len, d]`` views) and
     ``_check_can_change(what)`` (raises when the cache may not change now).
     """
+
+    def _allocate(self, leading: tuple[int, ...], batch, kv_heads, max_len, head_dim, dtype,
+                  backend, what: str) -> None:
+        """Check the dimensions, pick the backend, allocate K and V
+        ``[*leading, B, Hkv, max_len, d]`` once and start every row empty."""
+        self.batch = _check_dim("batch", batch, 0)
+        self.kv_heads = _check_dim("kv_heads", kv_heads, 1)
+        self.max_len = _check_dim("max_len", max_len, 0)
+        self.head_dim = _check_dim("head_dim", head_dim, 1)
+        self.dtype = _dtypes.canonical_name(dtype)
+        self.backend = get_backend(backend, dtype=self.dtype, head_dim=self.head_dim)
+        shape = (*leading, self.batch, self.kv_heads, self.max_len, self.head_dim)
+        self.k, self.v = allocate(self.backend, shape, self.dtype, what)
+        self._lengths = Lengths(self.batch)
 
     @property
     def host_lens(self) -> np.ndarray:
@@ -136,15 +151,7 @@ class KVCache(RowsAndLengths):
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype="float32", backend=None):
-        self.batch = _check_dim("batch", batch, 0)
-        self.kv_heads = _check_dim("kv_heads", kv_heads, 1)
-        self.max_len = _check_dim("max_len", max_len, 0)
-        self.head_dim = _check_dim("head_dim", head_dim, 1)
-        self.dtype = _dtypes.canonical_name(dtype)
-        self.backend = get_backend(backend, dtype=self.dtype, head_dim=self.head_dim)
-        shape = (self.batch, self.kv_heads, self.max_len, self.head_dim)
-        self.k, self.v = allocate(self.backend, shape, self.dtype, "KV cache")
-        self._lengths = Lengths(self.batch)
+        self._allocate((), batch, kv_heads, max_len, head_dim, dtype, backend, "KV cache")
         self._frozen = None  # why this cache cannot change its own lengths (layer views)
 
     @classmethod

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import dtypes as _dtypes
-from .cache import KVCache, Lengths, RowsAndLengths, _check_dim, allocate, human_bytes
+from .cache import KVCache, Lengths, RowsAndLengths, _check_dim, human_bytes
 from .inputs import _rows, check_capacity, host_ints, validate_append, validate_attention
-from .registry import get_backend
 
 _LAYER_VIEW = ("it is one layer of a ModelKVCache, whose lengths are shared by all layers; "
                "write through ModelKVCache.step(...) and move rows with the ModelKVCache's "
@@ -51,15 +49,8 @@ class ModelKVCache(RowsAndLengths):
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype="float32", backend=None):
         self.layers = _check_dim("layers", layers, 1)
-        self.batch = _check_dim("batch", batch, 0)
-        self.kv_heads = _check_dim("kv_heads", kv_heads, 1)
-        self.max_len = _check_dim("max_len", max_len, 0)
-        self.head_dim = _check_dim("head_dim", head_dim, 1)
-        self.dtype = _dtypes.canonical_name(dtype)
-        self.backend = get_backend(backend, dtype=self.dtype, head_dim=self.head_dim)
-        shape = (self.layers, self.batch, self.kv_heads, self.max_len, self.head_dim)
-        self.k, self.v = allocate(self.backend, shape, self.dtype, "model KV cache")
-        self._lengths = Lengths(self.batch)
+        self._allocate((self.layers,), batch, kv_heads, max_len, head_dim, dtype, backend,
+                       "model KV cache")
         self._views = [KVCache.view_of(self.k[l, ...], self.v[l, ...], self._lengths,
                                        backend=self.backend, dtype=self.dtype, frozen=_LAYER_VIEW)
                        for l in range(self.layers)]
