@@ -147,14 +147,9 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
     i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
     i64 o_sb, i64 o_sh, i64 o_st) {
     typedef DecodeShape<T, D, QB> S;
-    const int qc = blockIdx.x % n_qchunks;
-    const int kvh = (blockIdx.x / n_qchunks) % Hkv;
-    const int b = blockIdx.x / (n_qchunks * Hkv);
-    const int split = blockIdx.y;
-    const i64 L = lens[b];
-    const i64 n = n_new[b];
-    const i64 k_begin = (i64)split * keys_per_split;
-    const i64 k_end = L < k_begin + keys_per_split ? L : k_begin + keys_per_split;
+    const DecodeCta cta = decode_cta(lens, n_new, Hkv, n_qchunks, keys_per_split);
+    const int qc = cta.qc, kvh = cta.kvh, b = cta.b, split = cta.split;
+    const i64 L = cta.L, n = cta.n, k_begin = cta.k_begin, k_end = cta.k_end;
     if (n == 0 || k_begin >= k_end) return;  // uniform over the CTA
     // Keys of this split, counted from k_begin: fits an int (the planner keeps
     // keys_per_split below 2^30).

@@ -14,6 +14,29 @@ __device__ __forceinline__ float fast_exp2(float x) {
 #endif
 }
 
+// The work of one decode CTA in the grid (B * Hkv * n_qchunks, num_splits) that
+// plan.plan_attention launches: entry b, KV head kvh, query chunk qc, split, the entry's
+// length L and new tokens n, and the split's keys [k_begin, k_end) (empty past L).
+struct DecodeCta {
+    int qc, kvh, b, split;
+    i64 L, n, k_begin, k_end;
+};
+
+__device__ __forceinline__ DecodeCta decode_cta(const i64* __restrict__ lens,
+                                                const i64* __restrict__ n_new, int Hkv,
+                                                int n_qchunks, i64 keys_per_split) {
+    DecodeCta w;
+    w.qc = blockIdx.x % n_qchunks;
+    w.kvh = (blockIdx.x / n_qchunks) % Hkv;
+    w.b = blockIdx.x / (n_qchunks * Hkv);
+    w.split = blockIdx.y;
+    w.L = lens[w.b];
+    w.n = n_new[w.b];
+    w.k_begin = (i64)w.split * keys_per_split;
+    w.k_end = w.L < w.k_begin + keys_per_split ? w.L : w.k_begin + keys_per_split;
+    return w;
+}
+
 // NW 32-bit words loaded with the widest aligned vector accesses (16 bytes when NW is a
 // multiple of 4): raw 16-bit pairs kept in registers until used.
 template <int NW>

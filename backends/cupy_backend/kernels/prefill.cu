@@ -12,7 +12,7 @@
 // sum reduce over the 16 lanes of a half warp with full-mask xor shuffles.
 //
 // Launch: grid (B * Hkv * n_gchunks, n_tblocks), block 128.
-#include "common.cuh"
+#include "prefill_common.cuh"
 
 template <class T, int D>
 struct PrefillShape {
@@ -53,15 +53,10 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
     i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
     i64 o_sb, i64 o_sh, i64 o_st) {
     typedef PrefillShape<T, D> S;
-    const int gc = blockIdx.x % n_gchunks;
-    const int kvh = (blockIdx.x / n_gchunks) % Hkv;
-    const int b = blockIdx.x / (n_gchunks * Hkv);
-    const int t0 = blockIdx.y * BQ;
-    const i64 L = lens[b];
-    const i64 n = n_new[b];
+    const PrefillCta cta = prefill_cta(lens, n_new, Hkv, n_gchunks, BQ);
+    const int gc = cta.gc, kvh = cta.kvh, b = cta.b, t0 = cta.t0;
+    const i64 n = cta.n, start = cta.start, k_end = cta.k_end;
     if (t0 >= n) return;  // uniform over the CTA
-    const i64 start = L - n;  // position of token 0 of this chunk
-    const i64 k_end = start + (t0 + BQ < n ? t0 + BQ : n);  // past the block's last visible key
 
     __shared__ float sQ[S::ROWS][D];
     __shared__ float sKV[S::BK * S::KSTR];

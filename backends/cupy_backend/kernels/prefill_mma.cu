@@ -35,7 +35,7 @@
 // counting the tile stores (gqakv_prefill's fp32 FMA loop: about 1).
 //
 // Launch: grid (B * Hkv * n_gchunks, n_tblocks), block 128.
-#include "common.cuh"
+#include "prefill_common.cuh"
 #include "mma.cuh"
 
 #define GQAKV_LOG2E 1.4426950408889634f
@@ -123,15 +123,10 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
     i64 o_sb, i64 o_sh, i64 o_st) {
     typedef PrefillMmaShape<T, D> S;
     typedef typename S::Smem M;
-    const int gc = blockIdx.x % n_gchunks;
-    const int kvh = (blockIdx.x / n_gchunks) % Hkv;
-    const int b = blockIdx.x / (n_gchunks * Hkv);
-    const int t0 = blockIdx.y * BQ;
-    const i64 L = lens[b];
-    const i64 n = n_new[b];
+    const PrefillCta cta = prefill_cta(lens, n_new, Hkv, n_gchunks, BQ);
+    const int gc = cta.gc, kvh = cta.kvh, b = cta.b, t0 = cta.t0;
+    const i64 n = cta.n, start = cta.start, k_end = cta.k_end;
     if (t0 >= n) return;  // uniform over the CTA
-    const i64 start = L - n;  // position of token 0 of this chunk
-    const i64 k_end = start + (t0 + BQ < n ? t0 + BQ : n);  // past the block's last visible key
 
     // Words4 storage: 16-byte aligned (QW, KW, VW are multiples of 4 words, so is K_WORDS).
     __shared__ Words4 sQ4[S::ROWS * M::QW / 4];

@@ -1,0 +1,28 @@
+// Helpers shared by the chunked-prefill kernels (prefill.cu: fp32 FMA; prefill_mma.cu:
+// tensor cores).
+#pragma once
+#include "common.cuh"
+
+// The work of one prefill CTA in the grid (B * Hkv * n_gchunks, n_tblocks) that
+// plan.plan_attention launches: entry b, KV head kvh, group chunk gc, first chunk token t0
+// of its query block, the entry's length L and new tokens n, the position of the chunk's
+// token 0 (start = L - n) and k_end, one past the block's last visible key.
+struct PrefillCta {
+    int gc, kvh, b, t0;
+    i64 L, n, start, k_end;
+};
+
+__device__ __forceinline__ PrefillCta prefill_cta(const i64* __restrict__ lens,
+                                                  const i64* __restrict__ n_new, int Hkv,
+                                                  int n_gchunks, int BQ) {
+    PrefillCta w;
+    w.gc = blockIdx.x % n_gchunks;
+    w.kvh = (blockIdx.x / n_gchunks) % Hkv;
+    w.b = blockIdx.x / (n_gchunks * Hkv);
+    w.t0 = blockIdx.y * BQ;
+    w.L = lens[w.b];
+    w.n = n_new[w.b];
+    w.start = w.L - w.n;
+    w.k_end = w.start + (w.t0 + BQ < w.n ? w.t0 + BQ : w.n);
+    return w;
+}
