@@ -1,0 +1,168 @@
+"""Work planning shared by the CPU backends (numpy, numba): threads and work items.
+
+A call's queries are cut into independent *items* ``(i, h0, h1, t0, t1, j0, j1, cost)``
+(batch entry i, KV heads h0:h1, queries t0:t1, keys j0:j1) of about equal cost,
+which the backends hand out to their threads in consecutive runs. Key pieces of one
+row and query block (an item that does not cover every key its queries see) are
+merged afterwards through their log-sum-exp.
+
+``_threads`` sizes the worker count (GQAKV_NUM_THREADS, else BLAS's thread count)
+and holds BLAS to one thread while the backend's own threads work, so the two levels
+of threading never fight over the cores.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+# Items per worker the planner aims for, so uneven items still balance.
+ITEMS_PER_WORKER = 4
+
+ENV_THREADS = "GQAKV_NUM_THREADS"
+# Query tiles of at most this many rows (decode: G rows) are "thin": on OpenBLAS's
+# AVX-512 kernels (SkylakeX and later) K @ q^T runs about twice as fast as q @ K^T for
+# them; on the others (Haswell, Zen) q @ K^T is the fast one.
+THIN_QUERIES = 16
+K_MAJOR_KERNELS = ("skylakex", "cooperlake", "sapphirerapids")
+
+
+# -- threads -------------------------------------------------------------------------------
+
+class _Threads:
+    """A shared worker pool and a guard that holds BLAS to one thread while it works."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+        self._blas = None  # threadpoolctl controller of the BLAS libraries, False if absent
+        self._depth = 0  # calls currently holding BLAS to one thread
+        self._saved: list[int] = []
+        self._k_major: bool | None = None
+        # A forked child inherits the pool object but not its threads: start afresh there.
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self):
+        self._lock = threading.Lock()
+        self._pool, self._pool_size, self._depth = None, 0, 0
+
+    def _blas_controller(self):
+        if self._blas is None:
+            try:
+                from threadpoolctl import ThreadpoolController
+            except ImportError:
+                self._blas = False
+            else:
+                self._blas = ThreadpoolController().select(user_api="blas")
+        return self._blas
+
+    def default_workers(self) -> int:
+        """GQAKV_NUM_THREADS if set, else as many threads as BLAS would use (1 without threadpoolctl)."""
+        env = os.environ.get(ENV_THREADS)
+        if env:
+            try:
+                n = int(env)
+            except ValueError:
+                raise ValueError(f"{ENV_THREADS}={env!r} is not an integer") from None
+            if n < 1:
+                raise ValueError(f"{ENV_THREADS}={n} must be >= 1")
+            return n
+        blas = self._blas_controller()
+        if not blas or not blas.lib_controllers:
+            return 1  # without threadpoolctl BLAS cannot be held to one thread: let it thread
+        with self._lock:
+            if self._depth:
+                return max(self._saved)
+            return max(1, max(c.num_threads for c in blas.lib_controllers))
+
+    def k_major_scores(self) -> bool:
+        """Whether thin score tiles should be computed as K @ q^T (see THIN_QUERIES)."""
+        if self._k_major is None:
+            blas = self._blas_controller()
+            arch = [str(c.architecture).lower() for c in blas.lib_controllers
+                    if hasattr(c, "architecture")] if blas else []
+            self._k_major = bool(arch) and all(a in K_MAJOR_KERNELS for a in arch)
+        return self._k_major
+
+    def pool(self, workers: int) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._pool_size < workers:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)
+                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="gqakv")
+                self._pool_size = workers
+            return self._pool
+
+    def __enter__(self):
+        blas = self._blas_controller()
+        if blas:
+            with self._lock:
+                if self._depth == 0:
+                    self._saved = [c.num_threads for c in blas.lib_controllers]
+                    for c in blas.lib_controllers:
+                        c.set_num_threads(1)
+                self._depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        blas = self._blas_controller()
+        if blas:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    for c, n in zip(blas.lib_controllers, self._saved):
+                        c.set_num_threads(n)
+        return False
+
+
+_threads = _Threads()
+
+
+# -- planning ------------------------------------------------------------------------------
+
+def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key_split: int):
+    """Cut the call into items ``(i, h0, h1, t0, t1, j0, j1)``.
+
+    Keys of every piece but the last end at or before the block's first query
+    position, and every piece starts at a key all of the block's queries see, so each
+    piece's running maximum is finite from its first key block on.
+    """
+    tasks = []  # (i, t0, t1, start, visible_end, cost)
+    for i in range(len(n_new)):
+        n, L = int(n_new[i]), int(lens[i])
+        start = L - n
+        for t0 in range(0, n, query_block):
+            t1 = min(n, t0 + query_block)
+            tasks.append((i, t0, t1, start, start + t1, Hkv * G * (t1 - t0) * (start + t1)))
+    total = sum(t[-1] for t in tasks)
+    target = total / (workers * ITEMS_PER_WORKER) if workers > 1 else math.inf
+    items = []
+    for i, t0, t1, start, visible_end, cost in tasks:
+        head_parts = min(Hkv, max(1, math.ceil(cost / target)))
+        part_cost = cost / head_parts
+        # Keys may be cut only inside 0..start+t0 (seen by every query of the block).
+        key_parts = max(1, min(math.ceil(part_cost / target), (start + t0 + 1) // min_key_split))
+        bounds = [0] + [(start + t0 + 1) * p // key_parts for p in range(1, key_parts)] + [visible_end]
+        for hp in range(head_parts):
+            h0, h1 = Hkv * hp // head_parts, Hkv * (hp + 1) // head_parts
+            for kp in range(key_parts):
+                items.append((i, h0, h1, t0, t1, bounds[kp], bounds[kp + 1],
+                              (h1 - h0) * G * (t1 - t0) * (bounds[kp + 1] - bounds[kp])))
+    return items, total
+
+
+def _share(items, workers: int):
+    """Split the item list into ``workers`` consecutive runs of about equal cost."""
+    total = sum(it[-1] for it in items)
+    runs, run, acc = [], [], 0.0
+    for it in items:
+        run.append(it)
+        acc += it[-1]
+        if acc >= total * (len(runs) + 1) / workers and len(runs) < workers - 1:
+            runs.append(run)
+            run = []
+    runs.append(run)
+    return [r for r in runs if r]
