@@ -196,7 +196,7 @@ def test_scale_argument_and_default(backend, arrays):
         np.testing.assert_allclose(arrays.to_numpy(out), want, atol=TOL["float32"])
 
 
-def test_blocked_online_softmax_matches_single_block(backend, arrays, monkeypatch):
+def test_blocked_online_softmax_matches_single_block(backend, arrays):
     """Tiny blocks force many query and key blocks; the answer must not change."""
     lens = [23, 7]
     cache, k, v = _filled_cache(backend, arrays, lens, hkv=2, d=4, dtype="float64")
@@ -204,9 +204,15 @@ def test_blocked_online_softmax_matches_single_block(backend, arrays, monkeypatc
     n_new = [9, 5]
     want, want_lse = reference_attention(q, [k[0, :, :23], k[1, :, :7]],
                                          [v[0, :, :23], v[1, :, :7]], n_new)
-    monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", 7)
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 2)
-    out, lse = gqakv.gqa_attention(arrays.asarray(q, "float64"), cache, n_new, return_lse=True)
+    # The generic array-API path itself, on this backend's arrays (backends with their own
+    # kernels test their blocking elsewhere). Blocking is passed as arguments: the module
+    # constants are bound as defaults, so patching them would change nothing. Score blocks
+    # of 7 elements over Hkv * G * 2 = 12 query rows hold one key each, so every key after
+    # the first goes through the online softmax's rescaling branch.
+    inputs = gqakv.inputs.validate_attention(cache, arrays.asarray(q, "float64"), n_new)
+    out, lse = attention_module.attention_array_api(
+        arrays.asarray(q, "float64"), cache.k, cache.v, inputs.rows, inputs.lens, inputs.n_new,
+        scale=inputs.scale, return_lse=True, score_block_elements=7, query_block=2)
     np.testing.assert_allclose(arrays.to_numpy(out), want, atol=1e-10)
     finite = np.isfinite(want_lse)
     np.testing.assert_allclose(arrays.to_numpy(lse)[finite], want_lse[finite], atol=1e-10)
