@@ -200,16 +200,32 @@ class _Progress:
                 print(f"  {phase}: {i}/{total}", file=self.stream, flush=True)
 
 
-def run_workload(cfg: Config, progress=None) -> Result:
-    """Prefill every row's prompt in chunks, then decode ``cfg.steps`` tokens per row."""
-    from .attention import gqa_attention
+def prefill_chunk(cfg: Config) -> int:
+    """The prefill chunk actually used: ``cfg.chunk``, clamped to the longest prompt."""
+    return max(1, min(cfg.chunk, max(cfg.row_prompts(), default=1)))
+
+
+def make_cache(cfg: Config):
+    """The workload's KVCache: every row holds its prompt plus ``cfg.steps`` tokens.
+
+    Raises BackendError (backend unknown or unable to run) or MemoryError (too big) before
+    anything has run."""
     from .cache import KVCache
+
+    max_len = max(cfg.row_prompts(), default=0) + cfg.steps
+    return KVCache(cfg.batch, cfg.kv_heads, max_len, cfg.head_dim, dtype=cfg.dtype,
+                   backend=cfg.backend)
+
+
+def run_workload(cfg: Config, progress=None, cache=None) -> Result:
+    """Prefill every row's prompt in chunks, then decode ``cfg.steps`` tokens per row
+    (into ``cache``, an empty ``make_cache(cfg)``, made here when not given)."""
+    from .attention import gqa_attention
 
     progress = progress or (lambda *a: None)
     prompts = cfg.row_prompts()
     B, Hq, Hkv, d = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim
-    max_len = max(prompts, default=0) + cfg.steps
-    cache = KVCache(B, Hkv, max_len, d, dtype=cfg.dtype, backend=cfg.backend)
+    cache = make_cache(cfg) if cache is None else cache
     backend = cache.backend
     tok = token_bytes(Hkv, d, cfg.dtype)
     rng = np.random.default_rng(cfg.seed)
@@ -240,7 +256,7 @@ def run_workload(cfg: Config, progress=None) -> Result:
         phase.flops += 4.0 * Hq * d * sum(n * int(b) + n * (n + 1) / 2 for b, n in zip(before, n_new))
         phase.concat_bytes += concat_bytes(before, n_new, tok)
 
-    chunk = max(1, min(cfg.chunk, max(prompts, default=1)))
+    chunk = prefill_chunk(cfg)
     n_chunks = math.ceil(max(prompts, default=0) / chunk)
     k_chunk, q_chunk = data(chunk, Hkv), data(chunk, Hq)
     for c in range(n_chunks):
@@ -303,37 +319,52 @@ def add_arguments(parser) -> None:
 
 
 def _config(args) -> Config:
+    from .cli import UsageError
+
     try:
         prompts = tuple(int(x) for x in str(args.prompt_lens).split(",") if x.strip())
     except ValueError:
-        raise SystemExit(f"gqakv bench: --prompt-lens must be comma-separated ints, got {args.prompt_lens!r}")
+        raise UsageError(f"--prompt-lens must be comma-separated ints >= 1, got {args.prompt_lens!r}") from None
     checks = [("--batch", args.batch, 1), ("--chunk", args.chunk, 1), ("--steps", args.steps, 0),
               ("--heads", args.heads, 1), ("--kv-heads", args.kv_heads, 1), ("--head-dim", args.head_dim, 1)]
     for name, value, low in checks:
         if value < low:
-            raise SystemExit(f"gqakv bench: {name} must be >= {low}, got {value}")
+            raise UsageError(f"{name} must be >= {low}, got {value}")
     if not prompts or min(prompts) < 1:
-        raise SystemExit(f"gqakv bench: --prompt-lens needs lengths >= 1, got {args.prompt_lens!r}")
+        raise UsageError(f"--prompt-lens must be comma-separated ints >= 1, got {args.prompt_lens!r}")
     if args.heads % args.kv_heads:
-        raise SystemExit(f"gqakv bench: --heads={args.heads} must be a multiple of --kv-heads={args.kv_heads}")
+        raise UsageError(f"--heads={args.heads} must be a multiple of --kv-heads={args.kv_heads}")
     return Config(batch=args.batch, prompt_lens=prompts, chunk=args.chunk, steps=args.steps,
                   heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                   dtype=args.dtype, backend=args.backend, seed=args.seed)
 
 
 def run(args) -> int:
+    t_start = time.perf_counter()
     cfg = _config(args)
+    # Everything that can fail on the user's input fails here, before any output: the
+    # backend (--backend, GQAKV_BACKEND), the cache's size, GQAKV_NUM_THREADS.
+    cache = make_cache(cfg)
+    _threads_line(cache.backend)
     progress = _Progress(not args.quiet and not args.json)
     if not args.json:
-        prompts = cfg.row_prompts()
+        prompts, chunk = cfg.row_prompts(), prefill_chunk(cfg)
+        clamped = f" (--chunk {cfg.chunk} clamped to the longest prompt)" if chunk != cfg.chunk else ""
         print(f"gqakv bench: one attention layer, Hq={cfg.heads} Hkv={cfg.kv_heads} d={cfg.head_dim} "
               f"(Llama-3.1-8B: 32/8/128), {cfg.dtype}")
         print(f"  batch {cfg.batch}, prompts {'/'.join(map(str, prompts))} tokens, prefill chunk "
-              f"{cfg.chunk}, then {cfg.steps} decode steps per row", flush=True)
-    res = run_workload(cfg, progress)
+              f"{chunk}{clamped}, then {cfg.steps} decode steps per row", flush=True)
+    res = run_workload(cfg, progress, cache=cache)
+    t_bw = time.perf_counter()
     bw = None if args.no_bandwidth else read_bandwidth()
+    t_compare = time.perf_counter()
     compare = _compare_torch(res, cfg) if args.compare == "torch" else None
-    report = _report(res, bw, compare)
+    t_end = time.perf_counter()
+    times = {"workload_s": res.wall_s, "bandwidth_s": t_compare - t_bw if bw else None,
+             "compare_s": t_end - t_compare if compare else None,
+             # from the start of the command to the report: setup and allocation included
+             "total_s": t_end - t_start}
+    report = _report(res, bw, compare, times)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -372,11 +403,16 @@ def _compare_torch(res: Result, cfg: Config) -> dict:
     return out
 
 
-def _report(res: Result, bw, compare) -> dict:
+def _report(res: Result, bw, compare, times: dict | None = None) -> dict:
+    """The numbers of a run; ``times``: the seconds of each part of the command
+    (workload_s, bandwidth_s, compare_s, total_s; ``wall_s`` is the workload alone)."""
     d = res.decode
+    times = times or {"workload_s": res.wall_s, "bandwidth_s": None, "compare_s": None,
+                      "total_s": res.wall_s}
     report = {
         "config": res.config, "backend": res.backend, "threads": res.threads,
         "cache_bytes": res.cache_bytes, "live_bytes": res.live_bytes, "wall_s": res.wall_s,
+        "times": times,
         "prefill": asdict(res.prefill), "decode": asdict(d),
         "concat_bytes": res.prefill.concat_bytes + d.concat_bytes,
         "decode_bytes_per_s": d.kv_bytes_read / d.attention_s if d.attention_s else None,
@@ -435,4 +471,10 @@ def _print_report(r: dict) -> None:
         layers = LLAMA_8B["layers"]
         print(f"  across all {layers} layers of Llama-3.1-8B: {human_bytes(concat * layers)} "
               f"({tok * layers:,} bytes of K+V per token)")
-    print(f"\ntotal {r['wall_s']:.1f} s")
+    t = r["times"]
+    parts = [f"workload {t['workload_s']:.1f} s"]
+    if t["bandwidth_s"] is not None:
+        parts.append(f"read bandwidth {t['bandwidth_s']:.1f} s")
+    if t["compare_s"] is not None:
+        parts.append(f"torch comparison {t['compare_s']:.1f} s")
+    print(f"\ntotal {t['total_s']:.1f} s (the whole command: {', '.join(parts)})")

@@ -103,14 +103,15 @@ def plugin_errors() -> dict[str, str]:
     return dict(_plugin_errors)
 
 
-def _lookup(name: str) -> Backend:
+def _lookup(name: str, source: str | None = None) -> Backend:
     _load_plugins()
     with _lock:
         backend = _backends.get(name)
     if backend is None:
         known = ", ".join(b.name for b in list_backends()) or "none"
         broken = f"; failed to load: {_plugin_errors[name]}" if name in _plugin_errors else ""
-        raise BackendError(f"unknown backend {name!r} (registered: {known}){broken}")
+        where = f", chosen by {source}" if source else ""
+        raise BackendError(f"unknown backend {name!r}{where} (registered: {known}){broken}")
     return backend
 
 
@@ -151,7 +152,7 @@ def get_backend(backend=None, *, dtype=None, head_dim: int | None = None) -> Bac
     else:
         source = "backend="
     if isinstance(backend, str) and backend != "auto":
-        backend = _lookup(backend)
+        backend = _lookup(backend, source if source != "backend=" else None)
     if isinstance(backend, Backend):
         reasons = backend.not_supported_reasons(dtype=dtype, head_dim=head_dim)
         if reasons:

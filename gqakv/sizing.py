@@ -66,8 +66,8 @@ def get_preset(name: str) -> ModelConfig:
     key = _key(name)
     key = _ALIASES.get(key, key)
     if key not in PRESETS:
-        raise ValueError(f"unknown model {name!r} (presets: {', '.join(PRESETS)}; or pass a "
-                         "config.json with --config)")
+        raise ValueError(f"unknown model {name!r} (presets: {', '.join(PRESETS)}; or give the "
+                         "path of a model's config.json, or of the directory holding it)")
     return PRESETS[key]
 
 
@@ -180,13 +180,17 @@ def run(args) -> int:
             print(f"{c.name:16} {c.layers:6d} {c.q_heads:4d} {c.kv_heads:4d} {c.head_dim:4d} "
                   f"{c.max_position:8d} {per:12,d}  {human_bytes(per * 4096):>12}")
         return 0
+    from .cli import UsageError
+
+    for flag, value in (("--max-len", args.max_len), ("--batch", args.batch)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
     try:
         cfg = resolve_model(args.model)
-        total = cache_bytes(cfg, max_len=args.max_len, batch=args.batch, dtype=args.dtype)
-        budget = parse_bytes(args.budget) if args.budget is not None else None
-    except (ValueError, OSError) as exc:
-        print(f"gqakv size: {exc}")
-        return 2
+    except OSError as exc:  # a config.json that cannot be read
+        raise UsageError(f"cannot read the model config {args.model!r}: {exc}") from exc
+    total = cache_bytes(cfg, max_len=args.max_len, batch=args.batch, dtype=args.dtype)
+    budget = _cli_budget(args.budget) if args.budget is not None else None
     item = _dtypes.itemsize(args.dtype)
     per = cfg.bytes_per_token(args.dtype)
     print(f"{cfg.name}: {cfg.layers} layers, {cfg.q_heads} query heads, {cfg.kv_heads} KV heads, "
@@ -205,3 +209,19 @@ def run(args) -> int:
         print(f"    largest batch at max_len {args.max_len:,}: {b:,}")
         print(f"    largest max_len at batch {args.batch}: {n:,} tokens")
     return 0
+
+
+def _cli_budget(text: str) -> int:
+    """``--budget`` as a byte count, or a UsageError naming the flag."""
+    from .cli import UsageError
+
+    try:
+        budget = parse_bytes(text)
+    except OverflowError:  # '1e400' reads as an infinite float
+        raise UsageError(f"--budget {text!r} is not a finite byte count (examples: 80GiB, 24GB, "
+                         "512MiB, 1e9)") from None
+    except ValueError as exc:
+        raise UsageError(f"--budget: {exc}") from None
+    if budget < 0:
+        raise UsageError(f"--budget must be >= 0 bytes, got {text!r}")
+    return budget

@@ -115,6 +115,6 @@ def test_size_command_list_and_errors(capsys):
     for name in PUBLISHED:
         assert name in out
     assert main(["size", "no-such-model"]) == 2
-    assert "unknown model" in capsys.readouterr().out
+    assert "gqakv: error: unknown model" in capsys.readouterr().err  # the CLI's one-line error
     assert main(["size", "gpt2", "--max-len", "2048"]) == 0
     assert "exceeds the model's context 1,024" in capsys.readouterr().out

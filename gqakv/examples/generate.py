@@ -8,7 +8,6 @@ both, and whether the greedy tokens agree.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy as np
@@ -49,10 +48,13 @@ def _say(msg: str) -> None:
 
 
 def run(args) -> int:
-    for name in ("batch", "prompt_len", "new_tokens", "chunk"):
-        if getattr(args, name) < 1:
-            print(f"gqakv generate: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
+    from gqakv.cli import UsageError
+    from gqakv.registry import get_backend
+
+    for name in ("batch", "prompt_len", "new_tokens", "chunk", "layers", "vocab"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     config = CONFIGS[args.config]
     changes = {}
     if args.layers is not None:
@@ -62,6 +64,8 @@ def run(args) -> int:
     if args.tied:
         changes["tie_embeddings"] = True
     config = config.replace(**changes)
+    # An unknown backend, or one that cannot run here, fails before any output.
+    get_backend(args.backend, dtype=args.dtype, head_dim=config.head_dim)
 
     _say(f"gqakv generate: {args.config} model, {config.n_layers} layers, {config.n_heads} query / "
          f"{config.n_kv_heads} KV heads, head dim {config.head_dim}, hidden {config.hidden_size}, "
