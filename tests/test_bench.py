@@ -128,6 +128,8 @@ SMOKE = {
     "DecodeHalf": (("numpy", "bfloat16"), {"SIZE": (2, 40)}),
     "RaggedDecode": (("numpy",), {"LENS": (3, 50)}),
     "ChunkedPrefill": (("numpy", "4096 in 8"), {"CASES": {"4096 in 8": (4, 16)}}),
+    "VsTorch": (("decode 4x4096",), {"CASES": {"decode 4x4096": (2, 40, 1)}}),
+    "TempMemory": (("prefill 512 onto 16000",), {"CASES": {"prefill 512 onto 16000": (1, 40, 8)}}),
     "Append": (("numpy", "ragged chunk 4 rows x <=512"), {}),
     "GenerationLoop": (("numpy", "2x9"), {}),
     "ConcatBaseline": (("2x9",), {}),

@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 import gqakv
-from gqakv import bench
 
-from .common import BACKENDS, D, HKV, backend_or_skip, seconds
+from .common import BACKENDS, D, HKV, backend_or_skip, best_seconds, require, SkipNotImplemented, sync, temp_mib, timing, token_bytes
 
 # name -> (rows, tokens per call, n_new per row)
 CASES = {
@@ -17,6 +16,7 @@ CASES = {
 }
 
 
+@timing
 class Append:
     params = [BACKENDS, list(CASES)]
     param_names = ["backend", "case"]
@@ -26,6 +26,7 @@ class Append:
         B, T, n_new = CASES[case]
         self.n_new = np.array(n_new, dtype=np.int64)
         self.cache = gqakv.KVCache(B, HKV, 4096, D, backend=self.backend)
+        require(self.cache, "truncate", what="KVCache")
         rng = np.random.default_rng(0)
         self.kv = self.backend.from_numpy(rng.standard_normal((B, HKV, T, D), dtype=np.float32),
                                           "float32")
@@ -37,16 +38,22 @@ class Append:
     def _call(self):
         self.cache.truncate(self.rows, self.base)  # O(1): back to 1,000 tokens
         self.cache.append(self.kv, self.kv, self.n_new)
-        self.backend.synchronize()
+        sync(self.backend)
 
     def time_append(self, backend, case):
         self._call()
 
-    def peakmem_append(self, backend, case):
-        self._call()
+    def track_ms_per_gb_written(self, backend, case):
+        """Time per GB of K/V written (1000 / GB/s)."""
+        written = int(self.n_new.sum()) * token_bytes("float32")
+        return 1e3 * best_seconds(self._call, self.backend) / (written / 1e9)
 
-    def track_gbps_written(self, backend, case):
-        written = int(self.n_new.sum()) * bench.token_bytes(HKV, D, "float32")
-        return written / seconds(self._call, self.backend) / 1e9
+    track_ms_per_gb_written.unit = "ms per GB written"
 
-    track_gbps_written.unit = "GB/s"
+    def track_temp_mib(self, backend, case):
+        """MiB an append allocates (NumPy backend; 0 when it writes straight into the cache)."""
+        if self.backend.array_library != "numpy":
+            raise SkipNotImplemented("tracemalloc sees NumPy allocations only")
+        return temp_mib(self._call)
+
+    track_temp_mib.unit = "MiB"

@@ -1,34 +1,87 @@
-"""Shared set-up for the benchmarks: backends as parameters, filled caches, peers.
+"""Shared set-up for the benchmarks: backends as parameters, filled caches, timing helpers.
 
 Shapes are one attention layer of Llama-3.1-8B: 32 query heads, 8 KV heads, head dim
 128. Backends come from gqakv's registry; one that cannot run here makes ``setup``
-raise NotImplementedError, which asv reports as skipped.
+raise NotImplementedError with the reason, which asv reports as skipped (``asv run -e``
+prints it). The same goes for an API a benchmark needs that an older commit lacks: the
+benchmarks always come from the working tree, gqakv from the commit being measured.
+
+Every number reads lower-is-better (asv has no "greater is better"): times, time per
+GB, ratios to a peer, bytes, MiB. ``track_`` values are the *minimum* over repeated
+calls (the least disturbed by other load on the machine), and ratios interleave the
+two sides' calls so that a burst of load hits both.
+
+``GQAKV_ASV_FULL=1`` adds the slow sizes (long generation loops, the concatenation
+baseline at full length) to the parameters; the default suite fits in minutes.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 import tracemalloc
 
 import numpy as np
 
 import gqakv
-from gqakv import bench
+
+try:
+    from gqakv import bench
+except ImportError:  # commits before `gqakv bench`
+    bench = None
+
+try:  # raised in a benchmark method, asv records "skipped" for that method only
+    from asv_runner.benchmarks.mark import SkipNotImplemented
+except ImportError:
+    SkipNotImplemented = NotImplementedError
 
 HQ, HKV, D = 32, 8, 128
+FULL = os.environ.get("GQAKV_ASV_FULL", "") == "1"
 # Conformance backends: correct, not meant to be fast, so not benchmarked.
 NOT_BENCHMARKED = {"array_api_strict"}
-BACKENDS = [b.name for b in gqakv.list_backends() if b.name not in NOT_BENCHMARKED]
+BACKENDS = ([b.name for b in gqakv.list_backends() if b.name not in NOT_BENCHMARKED]
+            if hasattr(gqakv, "list_backends") else ["numpy"])
+
+
+def require(obj, *names: str, what: str | None = None) -> None:
+    """NotImplementedError (asv: skipped) if ``obj`` lacks an attribute this benchmark uses."""
+    missing = [n for n in names if not hasattr(obj, n)]
+    if missing:
+        owner = what or getattr(obj, "__name__", type(obj).__name__)
+        raise NotImplementedError(f"{owner} has no {', '.join(missing)} in this commit (added later)")
 
 
 def backend_or_skip(name: str):
     """The named backend, or NotImplementedError (asv: skipped) saying why it cannot run."""
+    require(gqakv, "get_backend", "KVCache", "gqa_attention")
+    if bench is None:
+        raise NotImplementedError("gqakv.bench does not exist in this commit (added later)")
     try:
         backend = gqakv.get_backend(name)
     except Exception as exc:
         raise NotImplementedError(f"{name}: {exc}") from None
+    require(backend, "from_numpy", what=f"backend {name}")
     return backend
+
+
+def torch_or_skip():
+    """torch, or NotImplementedError saying how to get it into the benchmark environment."""
+    try:
+        import torch
+    except ImportError:
+        raise NotImplementedError("torch is not installed in this environment (asv.conf.json's matrix "
+                                  "installs torch==2.13.0 CPU; with --python=same: pip install torch==2.13.0)") from None
+    if bench is None or not hasattr(bench, "torch_sdpa"):
+        raise NotImplementedError("gqakv.bench.torch_sdpa does not exist in this commit (added later)")
+    return torch
+
+
+def sync(backend) -> None:
+    """Wait for the device (``Backend.synchronize`` came later than the first benchmarks)."""
+    s = getattr(backend, "synchronize", None)
+    if s is not None:
+        s()
 
 
 def filled_cache(backend, lens, max_len=None, dtype="float32", seed=0):
@@ -42,7 +95,7 @@ def filled_cache(backend, lens, max_len=None, dtype="float32", seed=0):
     lens = np.asarray(lens)
     while (left := lens - cache.host_lens).any():
         cache.append(data, data, np.minimum(left, block))
-    backend.synchronize()
+    sync(backend)
     return cache
 
 
@@ -54,12 +107,17 @@ def queries(backend, B, T, dtype="float32", seed=1):
 def attend(backend, q, cache, n_new):
     """gqa_attention, then wait for the device: every timed call goes through here."""
     out = gqakv.gqa_attention(q, cache, n_new)
-    backend.synchronize()
+    sync(backend)
     return out
 
 
+def token_bytes(dtype) -> int:
+    """Bytes of K plus V for one token of one layer."""
+    return 2 * HKV * D * {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}[str(dtype)]
+
+
 def live_kv_bytes(cache) -> int:
-    return int(cache.host_lens.sum()) * bench.token_bytes(HKV, D, cache.dtype)
+    return int(np.asarray(cache.host_lens).sum()) * token_bytes(cache.dtype)
 
 
 _bandwidth = None
@@ -69,38 +127,68 @@ def read_bandwidth() -> float:
     """The machine's best measured streaming read bandwidth, bytes/s (once per process)."""
     global _bandwidth
     if _bandwidth is None:
+        require(bench, "read_bandwidth", what="gqakv.bench")
         _bandwidth = bench.read_bandwidth()["best"]
     return _bandwidth
 
 
-def torch_ratio(gqakv_call, q, cache, n_new, backend) -> float:
-    """gqakv time / torch SDPA time over the same live views; NaN without torch."""
-    try:
-        sdpa = bench.torch_sdpa(q, cache.k, cache.v, cache.host_lens, n_new)
-    except ImportError:
-        return math.nan
-    except Exception:  # arrays torch cannot view (e.g. another device library)
-        return math.nan
-    t_g = bench.median_time(gqakv_call, backend)
-    t_t = bench.median_time(sdpa, backend)
-    return t_g / t_t
+def best_seconds(fn, backend, repeats=7) -> float:
+    """Minimum wall time of ``fn()`` over ``repeats`` calls after one warm-up call."""
+    fn()
+    sync(backend)
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync(backend)
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
-def temp_bytes(fn, backend) -> float:
-    """Peak bytes NumPy allocated during one call (tracemalloc); NaN off NumPy."""
-    if backend.array_library != "numpy":
-        return math.nan
+def ratio(fn_a, fn_b, backend, repeats=7) -> float:
+    """min time of ``fn_a`` / min time of ``fn_b``, their calls interleaved (a, b, a, b, ...)."""
+    fn_a(), fn_b()
+    sync(backend)
+    best_a = best_b = math.inf
+    for _ in range(repeats):
+        for fn, which in ((fn_a, 0), (fn_b, 1)):
+            t = time.perf_counter()
+            fn()
+            sync(backend)
+            dt = time.perf_counter() - t
+            if which:
+                best_b = min(best_b, dt)
+            else:
+                best_a = min(best_a, dt)
+    return best_a / best_b
+
+
+def temp_mib(fn) -> float:
+    """Peak MiB traced during one call of ``fn`` (after a warm-up call), counting only what the
+    call allocates: tracemalloc starts after set-up, so the cache is not included. NumPy
+    reports its array buffers to tracemalloc; other array libraries do not."""
+    fn()
     tracemalloc.start()
     try:
         fn()
-        return float(tracemalloc.get_traced_memory()[1])
+        return tracemalloc.get_traced_memory()[1] / 2**20
     finally:
         tracemalloc.stop()
 
 
-def seconds(fn, backend, repeats=5) -> float:
-    return bench.median_time(fn, backend, repeats)
+# asv timing attributes shared by the time_ benchmarks: each sample at least 50 ms, between
+# 5 and 25 samples per round within 3 s, two rounds (separate processes).
+TIMING = dict(sample_time=0.05, repeat=(5, 25, 3.0), rounds=2, warmup_time=0.2, min_run_count=5)
 
 
-__all__ = ["BACKENDS", "attend", "HQ", "HKV", "D", "backend_or_skip", "filled_cache", "queries",
-           "live_kv_bytes", "read_bandwidth", "torch_ratio", "temp_bytes", "seconds", "time"]
+def timing(cls):
+    """Class decorator: the shared timing attributes, unless the class sets its own."""
+    for k, v in TIMING.items():
+        if k not in cls.__dict__:
+            setattr(cls, k, v)
+    return cls
+
+
+__all__ = ["BACKENDS", "FULL", "attend", "HQ", "HKV", "D", "backend_or_skip", "filled_cache", "queries",
+           "live_kv_bytes", "read_bandwidth", "best_seconds", "ratio", "temp_mib", "require", "sync",
+           "timing", "torch_or_skip", "token_bytes", "SkipNotImplemented"]

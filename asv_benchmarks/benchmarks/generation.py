@@ -1,5 +1,10 @@
-"""A full generation loop (chunked prefill, then 256 decode steps), and the same loop on a
-cache grown by concatenation (the baseline gqakv replaces): time and bytes copied."""
+"""A full generation loop (chunked prefill, then decode steps), and the same loop on a
+cache grown by concatenation (the baseline gqakv replaces): time and bytes copied.
+
+By default one short loop (a 1,024-token prompt, 64 steps); GQAKV_ASV_FULL=1 adds the
+long ones (2,048- and 4 x 1,024-token prompts, 256 steps), which take minutes per commit
+on two cores, mostly in the concatenation baseline.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,10 @@ import numpy as np
 
 import gqakv
 
-from .common import BACKENDS, D, HKV, HQ, backend_or_skip, seconds
+from .common import BACKENDS, D, FULL, HKV, HQ, backend_or_skip, ratio, sync, timing
 
-SIZES = ["1x2048", "4x1024"]  # batch x prompt length
-CHUNK, STEPS = 512, 256
+SIZES = ["1x1024"] + (["1x2048", "4x1024"] if FULL else [])  # batch x prompt length
+CHUNK, STEPS = 512, (256 if FULL else 64)
 
 
 def _sizes(spec):
@@ -25,12 +30,14 @@ def _data(backend, B, T, heads, seed):
     return backend.from_numpy(rng.standard_normal((B, heads, T, D), dtype=np.float32), "float32")
 
 
+@timing
 class GenerationLoop:
     """gqakv: the cache is allocated once; every append writes in place."""
 
     params = [BACKENDS, SIZES]
     param_names = ["backend", "batch x prompt"]
     timeout = 600
+    repeat = (3, 10, 5.0)
 
     def setup(self, backend, size):
         self.backend = backend_or_skip(backend)
@@ -51,12 +58,9 @@ class GenerationLoop:
         for _ in range(STEPS):
             cache.append(self.kv_one, self.kv_one, ones)
             gqakv.gqa_attention(self.q_one, cache, ones)
-        self.backend.synchronize()
+        sync(self.backend)
 
     def time_generate(self, backend, size):
-        self._generate()
-
-    def peakmem_generate(self, backend, size):
         self._generate()
 
     def track_bytes_copied(self, backend, size):
@@ -72,21 +76,25 @@ class ConcatBaseline:
 
     params = [SIZES]
     param_names = ["batch x prompt"]
-    timeout = 600
+    timeout = 900
 
     def setup(self, size):
         self.B, self.P = _sizes(size)
-        self.numpy = gqakv.get_backend("numpy")
+        self.numpy = backend_or_skip("numpy")
+        try:
+            from gqakv_backends.numpy_attention import attention_numpy
+        except ImportError:
+            raise NotImplementedError("gqakv_backends.numpy_attention.attention_numpy does not exist in "
+                                      "this commit") from None
+        self.attention_numpy = attention_numpy
         self.kv_chunk, self.q_chunk = (_data(self.numpy, self.B, CHUNK, h, s) for h, s in ((HKV, 0), (HQ, 1)))
         self.kv_one, self.q_one = (_data(self.numpy, self.B, 1, h, s) for h, s in ((HKV, 2), (HQ, 3)))
         self.scale = 1.0 / math.sqrt(D)
 
     def _attend(self, q, k, v, n):
-        from gqakv_backends.numpy_attention import attention_numpy
-
         B, L = k.shape[0], k.shape[2]
-        return attention_numpy(q, k, v, np.arange(B), np.full(B, L), n, scale=self.scale,
-                               return_lse=False)
+        return self.attention_numpy(q, k, v, np.arange(B), np.full(B, L), n, scale=self.scale,
+                                    return_lse=False)
 
     def _generate(self):
         """Returns the bytes of already-cached K/V copied by the concatenations."""
@@ -107,22 +115,16 @@ class ConcatBaseline:
             self._attend(self.q_one, k, v, ones)
         return copied
 
-    def time_generate(self, size):
-        self._generate()
-
-    def peakmem_generate(self, size):
-        self._generate()
-
     def track_bytes_copied(self, size):
         return self._generate()
 
     track_bytes_copied.unit = "bytes"
 
-    def track_ratio_to_gqakv(self, size):
-        """Time of the concatenation loop / time of gqakv's loop (NumPy backend)."""
+    def track_time_vs_concat(self, size):
+        """Time of gqakv's loop (NumPy backend) / time of the concatenation loop, calls
+        interleaved: below 1 while gqakv is faster; a gqakv slowdown raises it."""
         loop = GenerationLoop()
         loop.setup("numpy", size)
-        return seconds(self._generate, self.numpy, repeats=3) / seconds(loop._generate, self.numpy,
-                                                                        repeats=3)
+        return ratio(loop._generate, self._generate, self.numpy, repeats=3)
 
-    track_ratio_to_gqakv.unit = "x gqakv time"
+    track_time_vs_concat.unit = "x concatenation-loop time"
