@@ -1,0 +1,80 @@
+"""Reference attention for ``gqakv selftest``: float64, one query at a time, from the definition.
+
+Written independently of the library's attention code (no blocking, no online softmax, no
+backend): for every batch entry, query token and query head, take KV head ``h // G`` and the
+keys ``0..p`` with ``p = L - n + t``, and do the softmax in float64. Only the sum over keys
+is vectorized (the test suite's ``tests/reference.py`` loops over keys too; the two are
+checked against each other in tests/test_selftest.py).
+
+``naive_low_precision`` is the same computation done the plain way in a narrow dtype, every
+intermediate rounded to it: its error against the reference is the yardstick of the
+FlashAttention-style tolerance ``err <= k * err_naive + eps`` (``gqakv.selftest``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def reference_attention(q, k_rows, v_rows, n_new, scale=None):
+    """q: [B, Hq, T, d]; k_rows[b], v_rows[b]: [Hkv, L_b, d] live tokens of row b.
+
+    Returns out [B, Hq, T, d] and lse [B, Hq, T], float64; padded queries (t >= n_new[b])
+    give out = 0 and lse = -inf.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    B, Hq, T, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = np.zeros((B, Hq, T, d))
+    lse = np.full((B, Hq, T), -math.inf)
+    for b in range(B):
+        k = np.asarray(k_rows[b], dtype=np.float64)
+        v = np.asarray(v_rows[b], dtype=np.float64)
+        Hkv, L, _ = k.shape
+        G = Hq // Hkv
+        n = int(n_new[b])
+        for t in range(n):
+            pos = L - n + t  # absolute position of query t; it sees keys 0..pos
+            for h in range(Hq):
+                keys, values = k[h // G, :pos + 1], v[h // G, :pos + 1]  # [pos + 1, d]
+                scores = scale * (keys @ q[b, h, t])  # [pos + 1]
+                m = scores.max()
+                w = np.exp(scores - m)
+                out[b, h, t] = (w @ values) / w.sum()
+                lse[b, h, t] = m + math.log(w.sum())
+    return out, lse
+
+
+def naive_low_precision(q, k_rows, v_rows, n_new, round_to, scale=None):
+    """The same attention computed plainly with every intermediate rounded by ``round_to``
+    (a function float32 array -> float32 array holding the nearest narrow-dtype values):
+    scores, their max, exp, the sum, P @ V and the division are each rounded once, the
+    dot products accumulate in float32 (as hardware matmuls do). Same shapes as
+    ``reference_attention``; padded queries give 0 and -inf."""
+    q = np.asarray(q, dtype=np.float32)
+    B, Hq, T, d = q.shape
+    scale = np.float32(1.0 / math.sqrt(d) if scale is None else scale)
+    out = np.zeros((B, Hq, T, d), dtype=np.float32)
+    lse = np.full((B, Hq, T), -np.inf, dtype=np.float32)
+    for b in range(B):
+        k = np.asarray(k_rows[b], dtype=np.float32)
+        v = np.asarray(v_rows[b], dtype=np.float32)
+        Hkv, L, _ = k.shape
+        G = Hq // Hkv
+        n = int(n_new[b])
+        if n == 0:
+            continue
+        qb = q[b, :, :n].reshape(Hkv, G * n, d)  # query head h reads KV head h // G
+        s = round_to(round_to(qb @ k.swapaxes(1, 2)) * scale)  # [Hkv, G * n, L]
+        pos = (L - n + np.arange(n))[None, :]  # [1, n]
+        visible = np.tile(np.arange(L)[:, None] <= pos, (1, G)).T  # [G * n, L]
+        s = np.where(visible, s, -np.inf)
+        m = s.max(axis=-1, keepdims=True)
+        p = round_to(np.exp(round_to(s - m)))
+        total = round_to(p.sum(axis=-1, keepdims=True))
+        o = round_to(round_to(p @ v) / total)
+        out[b, :, :n] = o.reshape(Hq, n, d)
+        lse[b, :, :n] = (m + np.log(total)).reshape(Hq, n)
+    return out, lse

@@ -1,0 +1,572 @@
+"""``gqakv selftest``: prove a backend right on this machine, kernel family by kernel family.
+
+The first command to run on new hardware. For the chosen backend (``--backend``; default
+the one gqakv would pick here; ``all``: every backend that can run):
+
+1. ``compile``: builds every kernel the backend has, in every dtype it declares (cupy:
+   each kernel source and template instantiation through the backend's module cache, at
+   the head dims tested below; a backend with a ``compile_kernels()`` method: that; the
+   others have nothing to compile).
+2. For each dtype the backend declares, randomized cases of each family against the
+   float64 reference (``gqakv.reference``), with ragged rows, idle and empty rows, padded
+   slots (``n_new < T``; padded K/V slots hold a sentinel, padded queries NaN) and cache
+   buffers filled with NaN before anything is appended (a kernel reading past a row's
+   length, or a padded slot written, shows up):
+
+   - ``append``: every cache row after each ``write_kv``: live tokens bit-exact, the
+     slots past the length still NaN;
+   - ``decode``: T = 1 steps over ragged rows, some rows idle;
+   - ``split+merge``: long rows and small batches, where the key range is cut into
+     pieces merged through their log-sum-exp: numpy through ``attention_numpy`` with
+     small pieces and 2 workers; cupy through its planner (split-KV plus the merge kernel
+     whenever a few rows cannot fill the GPU: what these shapes are); any backend with a
+     ``selftest_split_attention()`` method through what it returns. For every backend
+     also each row's keys cut in two caches, attended separately (``return_lse``) and
+     combined with ``gqakv.merge_attention``;
+   - ``prefill``: T > 1 chunks appended over several calls (later chunks see earlier
+     ones), ragged, padded and finished rows;
+   - ``row copies``: ``reorder`` (with duplicates) and ``fork`` on a 2-layer
+     ModelKVCache: copied rows bit-exact, slots past the copied length and rows not
+     copied to untouched.
+
+Tolerances (attention outputs and LSEs, at the queries that are not padding; padded
+queries must give exactly 0 and -inf): float16/bfloat16 follow FlashAttention's rule,
+``err <= K_NAIVE * err_naive + eps``, where ``err_naive`` is the error of the same
+computation done plainly in that dtype (``reference.naive_low_precision``) and ``eps``
+one rounding of the largest output. float32 and float64 have a fixed bound,
+``REL_BOUND[dtype] * (1 + max |reference|)``: 1e-5 for float32 is about 80 float32 ulps
+of the largest value, far above the rounding of a softmax-weighted average over these
+lengths (measured worst: a few ulps) and far below what a wrong key, mask or merge gives
+(1e-2 and up); 1e-12 for float64 in the same way.
+
+Prints one line per family and dtype (cases, worst error over its tolerance, PASS/FAIL)
+and the worst case of any failing line; exit status 0 when everything passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .reference import naive_low_precision, reference_attention
+
+#: Error bound of the low-precision rule, as FlashAttention's tests use it.
+K_NAIVE = 2.0
+#: Fixed relative bounds for the wide dtypes (see the module docstring).
+REL_BOUND = {"float32": 1e-5, "float64": 1e-12}
+#: Unit roundoff (half an ulp of 1.0) of the narrow dtypes.
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+#: What a padded K/V slot holds in an append (never written) and a padded query (ignored).
+PAD_KV = 1000.0
+#: Head dims the cases draw from (quick, full): 128 (Llama), 64, and dims the tensor-core
+#: kernels do not take (72: not a multiple of 16), so both kernel variants of cupy run.
+HEAD_DIMS = {True: (128, 72), False: (64, 128, 80, 72)}
+#: Cases per family and dtype (quick, full).
+CASES = {True: 2, False: 12}
+FAMILIES = ("compile", "append", "decode", "split+merge", "prefill", "row copies")
+
+
+# -- bookkeeping -------------------------------------------------------------------------------
+
+@dataclass
+class Check:
+    """One output line: a family in one dtype."""
+
+    family: str
+    dtype: str
+    cases: int = 0
+    worst: float = 0.0  # largest err / tol seen; inf for an exact check that failed
+    worst_what: str = ""
+    note: str = ""
+    skipped: str = ""  # why the line did not run
+    required: bool = True  # False: a line that may have no cases (nothing to compile)
+
+    def add(self, what: str, err: float, tol: float) -> None:
+        if not math.isfinite(err):
+            ratio = math.inf
+        elif tol > 0:
+            ratio = err / tol
+        else:
+            ratio = 0.0 if err == 0 else math.inf
+        if ratio > self.worst or not self.worst_what:
+            self.worst, self.worst_what = ratio, f"{what}: error {err:.3g}, tolerance {tol:.3g}"
+
+    def exact(self, what: str, mismatches: int, total: int) -> None:
+        """A bit-exact check: ratio 0 when every element matched, inf otherwise."""
+        if mismatches:
+            self.worst = math.inf
+            self.worst_what = f"{what}: {mismatches} of {total} elements differ"
+
+    @property
+    def passed(self) -> bool:
+        if self.skipped:
+            return True
+        return self.worst <= 1.0 and (self.cases > 0 or not self.required)
+
+    def line(self) -> str:
+        if self.skipped:
+            return f"{self.family:<13}{self.dtype:<10}{'-':>6}{'-':>14}  SKIP  {self.skipped}"
+        worst = "-" if not self.cases and not self.worst_what else f"{self.worst:.3g}"
+        result = "PASS" if self.passed else "FAIL"
+        return f"{self.family:<13}{self.dtype:<10}{self.cases:>6}{worst:>14}  {result}" + (
+            f"  {self.note}" if self.note else "")
+
+
+def _tolerance(dtype: str, ref, naive_err: float | None) -> float:
+    scale = float(np.max(np.abs(ref), initial=0.0, where=np.isfinite(ref)))
+    if dtype in REL_BOUND:
+        return REL_BOUND[dtype] * (1.0 + scale)
+    return K_NAIVE * naive_err + UNIT_ROUNDOFF[dtype] * max(scale, 1.0)
+
+
+def _max_err(got, want, mask) -> float:
+    """max |got - want| over ``mask``; NaN or inf anywhere in it gives inf."""
+    if not mask.any():
+        return 0.0
+    d = np.abs(got[mask].astype(np.float64) - want[mask])
+    return float(d.max()) if np.isfinite(d).all() else math.inf
+
+
+def _rounder(dtype: str):
+    """float32 array -> the nearest values of ``dtype`` (as float32)."""
+    if dtype == "float16":
+        return lambda x: np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return lambda x: np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    return None
+
+
+# -- a cache with a host mirror ------------------------------------------------------------------
+
+class Mirror:
+    """A KVCache (or one layer of a ModelKVCache) filled with NaN, and the float64 values
+    every row should hold. Data go in through the backend and come back through it, so
+    the mirror holds exactly the values of the cache's dtype."""
+
+    def __init__(self, backend, dtype, batch, kv_heads, max_len, head_dim, rng):
+        from .cache import KVCache
+
+        self.backend, self.dtype, self.rng = backend, dtype, rng
+        self.cache = KVCache(batch, kv_heads, max_len, head_dim, dtype=dtype, backend=backend)
+        nan = np.full((batch, kv_heads, max_len, head_dim), np.nan, dtype=np.float32)
+        dev = backend.from_numpy(nan, dtype)
+        self.cache.append(dev, dev, np.full(batch, max_len))  # every slot NaN ...
+        self.cache.reset()  # ... and every row empty
+        self.k = [np.zeros((kv_heads, 0, head_dim)) for _ in range(batch)]
+        self.v = [np.zeros((kv_heads, 0, head_dim)) for _ in range(batch)]
+
+    def host(self, x) -> np.ndarray:
+        return np.asarray(self.backend.to_numpy(x)).astype(np.float64)
+
+    def tokens(self, shape, n_new):
+        """Random [B, H, T, d] data (device, host float64); slots t >= n_new[i] hold
+        PAD_KV (never to be written)."""
+        x = self.rng.standard_normal(shape, dtype=np.float32)
+        for i, n in enumerate(n_new):
+            x[i, :, n:] = PAD_KV
+        dev = self.backend.from_numpy(x, self.dtype)
+        return dev, self.host(dev)
+
+    def append(self, n_new, T: int, check: Check | None, what: str):
+        """Append random tokens (n_new[i] of T slots real) and check the buffers."""
+        B, Hkv, _, d = self.cache.k.shape
+        k_dev, k_host = self.tokens((B, Hkv, T, d), n_new)
+        v_dev, v_host = self.tokens((B, Hkv, T, d), n_new)
+        self.cache.append(k_dev, v_dev, np.asarray(n_new, dtype=np.int64))
+        for b, n in enumerate(n_new):
+            self.k[b] = np.concatenate([self.k[b], k_host[b, :, :n]], axis=1)
+            self.v[b] = np.concatenate([self.v[b], v_host[b, :, :n]], axis=1)
+        if check is not None:
+            check.cases += 1
+            self.check_buffers(check, what)
+
+    def check_buffers(self, check: Check, what: str) -> None:
+        """Live tokens equal the mirror bit for bit; every slot past the length is NaN."""
+        k, v = self.host(self.cache.k), self.host(self.cache.v)
+        bad = total = 0
+        for b, L in enumerate(self.cache.host_lens):
+            for buf, want in ((k, self.k[b]), (v, self.v[b])):
+                live, tail = buf[b, :, :L], buf[b, :, L:]
+                bad += int((live != want).sum()) + int((~np.isnan(tail)).sum())
+                total += live.size + tail.size
+        check.exact(what, bad, total)
+
+    def queries(self, Hq: int, T: int, n_new):
+        """Random queries [B, Hq, T, d]; padded slots NaN (their outputs must be 0)."""
+        B, _, _, d = self.cache.k.shape
+        x = self.rng.standard_normal((B, Hq, T, d), dtype=np.float32)
+        for i, n in enumerate(n_new):
+            x[i, :, n:] = np.nan
+        dev = self.backend.from_numpy(x, self.dtype)
+        return dev, self.host(dev)
+
+
+def _compare(check: Check, what: str, mirror: Mirror, q_host, n_new, out, lse) -> None:
+    """Score one attention call against the reference (out and lse, padding exactly)."""
+    n_new = np.asarray(n_new)
+    q_ref = np.nan_to_num(q_host)  # padded queries: any finite value, their rows are masked
+    ref_out, ref_lse = reference_attention(q_ref, mirror.k, mirror.v, n_new)
+    got_out = mirror.host(out)
+    got_lse = np.asarray(mirror.backend.to_numpy(lse), dtype=np.float64)
+    T = q_host.shape[2]
+    real = np.arange(T)[None, :] < n_new[:, None]  # [B, T]
+    real_q = np.broadcast_to(real[:, None, :], ref_lse.shape)
+    real_o = np.broadcast_to(real_q[..., None], ref_out.shape)
+    naive_out = naive_lse = None
+    round_to = _rounder(mirror.dtype)
+    if round_to is not None:
+        n_out, n_lse = naive_low_precision(q_ref, mirror.k, mirror.v, n_new, round_to)
+        naive_out, naive_lse = _max_err(n_out, ref_out, real_o), _max_err(n_lse, ref_lse, real_q)
+    check.add(f"{what} out", _max_err(got_out, ref_out, real_o),
+              _tolerance(mirror.dtype, ref_out[real_o], naive_out))
+    lse_dtype = mirror.dtype if mirror.dtype == "float64" else "float32"
+    lse_tol = (_tolerance(lse_dtype, ref_lse[real_q], None) if naive_lse is None
+               else K_NAIVE * naive_lse + REL_BOUND["float32"] * (1 + np.abs(ref_lse[real_q]).max(initial=0)))
+    check.add(f"{what} lse", _max_err(got_lse, ref_lse, real_q), lse_tol)
+    pad_o, pad_q = ~real_o, ~real_q
+    bad = int((got_out[pad_o] != 0).sum()) + int((got_lse[pad_q] != -np.inf).sum())
+    check.exact(f"{what} padded queries (must be 0 and -inf)", bad, int(pad_o.sum() + pad_q.sum()))
+
+
+# -- the families ------------------------------------------------------------------------------
+
+@dataclass
+class Shape:
+    batch: int
+    kv_heads: int
+    group: int
+    head_dim: int
+
+    def __str__(self) -> str:
+        return f"B={self.batch} Hkv={self.kv_heads} G={self.group} d={self.head_dim}"
+
+
+def _shape(rng, quick: bool, batch=(1, 5)) -> Shape:
+    return Shape(int(rng.integers(*batch)), int(rng.integers(1, 4)),
+                 int(rng.choice([1, 2, 4, 5])), int(rng.choice(HEAD_DIMS[quick])))
+
+
+def _decode(backend, dtype, rng, quick, checks) -> None:
+    """Ragged prompts (some rows empty), then T = 1 steps with some rows idle."""
+    append, decode = checks["append"], checks["decode"]
+    from .attention import gqa_attention
+
+    for c in range(CASES[quick]):
+        s = _shape(rng, quick)
+        prompts = rng.integers(0, 70, s.batch)
+        prompts[rng.integers(s.batch)] = 0  # one row starts empty
+        steps = 3
+        m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + steps, s.head_dim, rng)
+        m.append(prompts, max(1, int(prompts.max())), append, f"case {c} ({s}) prompt append")
+        for step in range(steps):
+            n_new = (rng.random(s.batch) < 0.75).astype(np.int64)  # the others idle (padded)
+            m.append(n_new, 1, append, f"case {c} ({s}) decode append {step}")
+            q_dev, q_host = m.queries(s.kv_heads * s.group, 1, n_new)
+            out, lse = gqa_attention(q_dev, m.cache, n_new, return_lse=True)
+            decode.cases += 1
+            _compare(decode, f"case {c} ({s}) step {step}, lens {list(m.cache.host_lens)}",
+                     m, q_host, n_new, out, lse)
+
+
+#: Backends whose attention function takes knobs that force key splits on small shapes:
+#: name -> (module, function, keywords, dtypes it serves (None: all)).
+FORCED_SPLITS = {
+    "numpy": ("gqakv_backends.numpy_attention", "attention_numpy",
+              dict(workers=2, min_key_split=16, parallel_min_work=0, score_block_elements=1 << 10),
+              None),
+    "numba": ("gqakv_backends.numba_backend", "attention_numba",
+              dict(workers=2, min_key_split=16, parallel_min_work=0),
+              ("float32", "float16", "bfloat16")),
+}
+
+
+def _split_attention(backend, dtype):
+    """(the backend's attention with its key range forced into pieces, a note), or
+    (None, note) when its own planner splits these shapes by itself (cupy) or it has none."""
+    hook = getattr(backend, "selftest_split_attention", None)
+    if hook is not None:
+        return hook(), "the backend's selftest_split_attention() + merge_attention"
+    if backend.name in FORCED_SPLITS:
+        import importlib
+
+        module, name, knobs, dtypes = FORCED_SPLITS[backend.name]
+        if dtypes is None or dtype in dtypes:
+            fn = getattr(importlib.import_module(module), name)
+
+            def split(q, k, v, rows, lens, n_new, *, scale, return_lse):
+                return fn(q, k, v, rows, lens, n_new, scale=scale, return_lse=return_lse, **knobs)
+            return split, f"forced splits ({name}, 16-key pieces, 2 workers) + merge_attention"
+    if backend.name == "cupy":
+        return None, "the planner's split-KV + merge kernel (few rows, long keys) + merge_attention"
+    return None, "long rows through the backend's attention + merge_attention"
+
+
+def _split(backend, dtype, rng, quick, checks) -> None:
+    """Long rows, small batch: decode (and a short chunk) over a split key range, and the
+    same keys cut into two caches whose results merge_attention combines."""
+    from .attention import gqa_attention
+    from .inputs import validate_attention
+    from .merge import merge_attention
+
+    check = checks["split+merge"]
+    forced, check.note = _split_attention(backend, dtype)
+    for c in range(CASES[quick]):
+        s = _shape(rng, quick, batch=(1, 3))
+        lens = rng.integers(300, 1500 if quick else 2500, s.batch)
+        T = int(rng.choice([1, 1, 3]))
+        m = Mirror(backend, dtype, s.batch, s.kv_heads, int(lens.max()), s.head_dim, rng)
+        m.append(lens - T, int(lens.max()), None, "")
+        n_new = np.full(s.batch, T)
+        n_new[rng.integers(s.batch)] = int(rng.integers(0, T + 1))  # one row padded or idle
+        m.append(n_new, T, checks["append"], f"case {c} ({s}) split append")
+        q_dev, q_host = m.queries(s.kv_heads * s.group, T, n_new)
+        what = f"case {c} ({s}) T={T} lens {list(m.cache.host_lens)}"
+        if forced is not None:
+            inp = validate_attention(m.cache, q_dev, n_new, None, None)
+            out, lse = forced(q_dev, m.cache.k, m.cache.v, inp.rows, inp.lens, inp.n_new,
+                              scale=inp.scale, return_lse=True)
+        else:
+            out, lse = gqa_attention(q_dev, m.cache, n_new, return_lse=True)
+        check.cases += 1
+        _compare(check, what + " split", m, q_host, n_new, out, lse)
+        if T == 1:  # merge_attention over two caches holding each row's keys cut in two
+            _merge_halves(backend, dtype, m, q_dev, q_host, n_new, rng, check, what)
+            check.cases += 1
+
+
+def _merge_halves(backend, dtype, m, q_dev, q_host, n_new, rng, check, what) -> None:
+    """Keys [0, j) in one cache and [j, L) in another (decode: the query sees all keys of
+    both), attention on each with its LSE, merged; a row cut at 0 tests an empty part."""
+    from .attention import gqa_attention
+    from .merge import merge_attention
+
+    B, Hkv, _, d = m.cache.k.shape
+    parts = []
+    cuts = [int(rng.integers(0, int(L) + 1)) for L in m.cache.host_lens]
+    if B > 1:
+        cuts[0] = 0  # one part without keys: it must contribute nothing
+    for lo_hi in ((0, None), (None, 0)):
+        ks, vs, lens = [], [], []
+        for b in range(B):
+            j, L = cuts[b], int(m.cache.host_lens[b])
+            sl = slice(0, j) if lo_hi[1] is None else slice(j, L)
+            ks.append(m.k[b][:, sl])
+            vs.append(m.v[b][:, sl])
+            lens.append(ks[-1].shape[1])
+        part = Mirror(backend, dtype, B, Hkv, max(1, max(lens)), d, rng)
+        L_max = max(1, max(lens))
+        k_pad = np.full((B, Hkv, L_max, d), PAD_KV)  # float64: the mirror's exact values
+        v_pad = k_pad.copy()
+        for b in range(B):
+            k_pad[b, :, :lens[b]] = ks[b]
+            v_pad[b, :, :lens[b]] = vs[b]
+        part.cache.append(backend.from_numpy(k_pad, dtype), backend.from_numpy(v_pad, dtype),
+                          np.asarray(lens, dtype=np.int64))
+        # decode: the query of each row sees all of this part's keys (n_new 1 where any)
+        n_part = np.where(np.asarray(lens) > 0, np.asarray(n_new), 0)
+        parts.append(gqa_attention(q_dev, part.cache, n_part, return_lse=True))
+    out, lse = merge_attention(parts[0][0], parts[0][1], parts[1][0], parts[1][1])
+    _compare(check, what + f" merged at {cuts}", m, q_host, n_new, out, lse)
+
+
+def _prefill(backend, dtype, rng, quick, checks) -> None:
+    """Prompts appended in T-token chunks over several calls; rows ragged, padded in the
+    last chunk, finished (idle) or empty."""
+    from .attention import gqa_attention
+
+    append, prefill = checks["append"], checks["prefill"]
+    for c in range(CASES[quick]):
+        s = _shape(rng, quick)
+        T = int(rng.choice([2, 5, 16, 37]))
+        prompts = rng.integers(1, 3 * T + 2, s.batch)
+        if s.batch > 1:
+            prompts[rng.integers(s.batch)] = 0  # an empty row all along
+        m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + 1, s.head_dim, rng)
+        for chunk in range(-(-int(prompts.max()) // T)):
+            n_new = np.clip(prompts - chunk * T, 0, T)
+            m.append(n_new, T, append, f"case {c} ({s}) chunk {chunk} append")
+            q_dev, q_host = m.queries(s.kv_heads * s.group, T, n_new)
+            out, lse = gqa_attention(q_dev, m.cache, n_new, return_lse=True)
+            prefill.cases += 1
+            _compare(prefill, f"case {c} ({s}) T={T} chunk {chunk} n_new {list(n_new)}", m,
+                     q_host, n_new, out, lse)
+
+
+def _row_copies(backend, dtype, rng, quick, checks) -> None:
+    """reorder (duplicates, cycles) and fork on a 2-layer ModelKVCache filled with NaN."""
+    from .model_cache import ModelKVCache
+
+    check = checks["row copies"]
+    for c in range(CASES[quick]):
+        s = _shape(rng, quick, batch=(3, 7))
+        layers, max_len = 2, 40
+        cache = ModelKVCache(layers, s.batch, s.kv_heads, max_len, s.head_dim, dtype=dtype,
+                             backend=backend)
+        nan = backend.from_numpy(np.full((s.batch, s.kv_heads, max_len, s.head_dim), np.nan,
+                                         dtype=np.float32), dtype)
+        with cache.step(np.full(s.batch, max_len)) as st:
+            for l in range(layers):
+                st.write(l, nan, nan)
+        cache.reset()
+        lens = rng.integers(0, max_len + 1, s.batch)
+        T = max(1, int(lens.max()))
+        with cache.step(lens) as st:
+            for l in range(layers):
+                x = rng.standard_normal((s.batch, s.kv_heads, T, s.head_dim), dtype=np.float32)
+                st.write(l, backend.from_numpy(x, dtype), backend.from_numpy(-x, dtype))
+
+        def snapshot():
+            return (np.array(backend.to_numpy(cache.k), np.float64),  # copies, not views
+                    np.array(backend.to_numpy(cache.v), np.float64), cache.host_lens.copy())
+
+        for op in ("reorder", "fork"):
+            k0, v0, lens0 = snapshot()
+            if op == "reorder":
+                src = rng.integers(0, s.batch, s.batch)
+                src[: s.batch // 2] = rng.permutation(s.batch)[: s.batch // 2]  # a cycle or two
+                cache.reorder(src)
+                moves = {b: int(src[b]) for b in range(s.batch)}
+                what = f"case {c} ({s}) reorder {list(src)} lens {list(lens0)}"
+            else:
+                source = int(rng.integers(s.batch))
+                dst = [int(r) for r in rng.permutation(s.batch)[: max(1, s.batch // 2)] if r != source]
+                dst = dst or [(source + 1) % s.batch]
+                cache.fork(source, dst)
+                moves = {b: (source if b in dst else b) for b in range(s.batch)}
+                what = f"case {c} ({s}) fork {source} -> {dst} lens {list(lens0)}"
+            k1, v1, lens1 = snapshot()
+            bad = total = 0
+            for b, src_row in moves.items():
+                n = int(lens0[src_row])
+                bad += int(lens1[b] != n)
+                for new, old in ((k1, k0), (v1, v0)):
+                    got, want = new[:, b, :, :n], old[:, src_row, :, :n]
+                    # past the copied tokens the row keeps what it held (only live tokens move)
+                    rest_got, rest_old = new[:, b, :, n:], old[:, b, :, n:]
+                    bad += int((got != want).sum())
+                    bad += int((~((rest_got == rest_old) | (np.isnan(rest_got) & np.isnan(rest_old)))).sum())
+                    total += got.size + rest_got.size
+            check.cases += 1
+            check.exact(what, bad, total)
+
+
+def _compile(backend, dtypes, quick) -> Check:
+    """Build every kernel of the backend (see the module docstring)."""
+    check = Check("compile", "all")
+    t = time.perf_counter()
+    hook = getattr(backend, "compile_kernels", None)
+    if hook is not None:
+        names = list(hook())
+    elif backend.name == "cupy":
+        from gqakv_backends.cupy_backend import modules, sources
+
+        names = []
+        for kernel in sources.KERNEL_FILES:
+            for dtype in dtypes:
+                if dtype not in sources.CTYPES:
+                    continue  # float64 runs the array-API code: nothing to compile
+                for d in HEAD_DIMS[quick]:
+                    for name in sources.instantiations(kernel, dtype, d):
+                        modules.get_function(kernel, name)
+                        names.append(name)
+    else:
+        check.note = "nothing to build ahead (no kernel sources; a JIT builds on first call)"
+        check.required = False
+        return check
+    check.cases = len(names)
+    check.note = f"{len(names)} kernel instantiations built in {time.perf_counter() - t:.1f} s"
+    return check
+
+
+_FAMILY_RUNNERS = (("append/decode", _decode), ("split+merge", _split), ("prefill", _prefill),
+                   ("row copies", _row_copies))
+
+
+def selftest_backend(backend, *, quick: bool = False, seed: int = 0, say=print) -> list[Check]:
+    """Run every family on ``backend`` (a Backend that can run); print and return the lines."""
+    import traceback
+
+    dtypes = list(backend.dtypes)
+    lines: list[Check] = []
+    try:
+        lines.append(_compile(backend, dtypes, quick))
+    except Exception as exc:  # a kernel that does not build is a failure, not a crash
+        c = Check("compile", "all", worst=math.inf, worst_what=f"{type(exc).__name__}: {exc}")
+        lines.append(c)
+    say(lines[-1].line())
+    for dtype in dtypes:
+        checks = {f: Check(f, dtype) for f in FAMILIES[1:]}
+        reasons = backend.not_supported_reasons(dtype=dtype)
+        if reasons:
+            for chk in checks.values():
+                chk.skipped = "; ".join(reasons)
+        else:
+            rng = np.random.default_rng([seed, len(lines)])
+            for family, runner in _FAMILY_RUNNERS:
+                try:
+                    runner(backend, dtype, rng, quick, checks)
+                except Exception as exc:  # a crash inside a family fails that family
+                    target = checks["decode" if family == "append/decode" else family]
+                    target.worst = math.inf
+                    target.worst_what = (f"raised {type(exc).__name__}: {exc}\n"
+                                         + traceback.format_exc(limit=-3))
+        for chk in checks.values():
+            say(chk.line())
+            lines.append(chk)
+    return lines
+
+
+# -- the command -------------------------------------------------------------------------------
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--backend", default=None,
+                        help="backend to test, or 'all' (every backend that can run here); "
+                             "default: the one gqakv picks here (GQAKV_BACKEND, then auto)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer cases and head dims (seconds instead of tens of seconds)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the random cases (default: a fresh one, printed)")
+
+
+def _backends(name):
+    from .registry import get_backend, list_backends
+
+    if name == "all":
+        runnable = [b for b in list_backends() if b.unavailable_reason() is None]
+        skipped = [(b.name, b.unavailable_reason()) for b in list_backends() if b not in runnable]
+        return runnable, skipped
+    return [get_backend(name)], []
+
+
+def run(args) -> int:
+    from .cli import UsageError
+
+    if args.seed is not None and args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    seed = int(np.random.SeedSequence().entropy % 2**32) if args.seed is None else args.seed
+    backends, skipped = _backends(args.backend)
+    start = time.perf_counter()
+    failed = 0
+    for backend in backends:
+        t = time.perf_counter()
+        print(f"gqakv selftest: backend {backend.name} ({backend.array_library}/{backend.device_kind}), "
+              f"dtypes {', '.join(backend.dtypes)}, {'quick' if args.quick else 'full'}, "
+              f"seed {seed} (--seed {seed} repeats it)", flush=True)
+        print(f"{'family':<13}{'dtype':<10}{'cases':>6}{'worst err/tol':>14}  result")
+        lines = selftest_backend(backend, quick=args.quick, seed=seed,
+                                 say=lambda s: print(s, flush=True))
+        bad = [c for c in lines if not c.passed]
+        for c in bad:
+            print(f"FAIL {c.family} {c.dtype}: worst {c.worst_what}")
+        failed += len(bad)
+        print(f"{backend.name}: {'FAILED' if bad else 'passed'} "
+              f"({len(lines) - len(bad)} of {len(lines)} lines) in {time.perf_counter() - t:.1f} s\n")
+    for name, why in skipped:
+        print(f"{name}: not tested ({why})")
+    print(f"selftest {'FAILED' if failed else 'passed'} in {time.perf_counter() - start:.1f} s")
+    return 1 if failed else 0
