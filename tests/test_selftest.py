@@ -1,0 +1,173 @@
+"""``gqakv selftest``: passes on a correct backend, fails (exit 1, a FAIL line) on a broken
+kernel of each family, prints one line per family and dtype, and its reference agrees
+with the test suite's independent loop reference."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import gqakv
+from gqakv import cli, selftest
+from gqakv.reference import naive_low_precision, reference_attention
+from gqakv_backends.numpy_backend import NumpyBackend
+
+from .reference import reference_attention as loop_reference
+
+LINE = re.compile(r"^(\S+(?: \S+)?)\s+(all|float16|bfloat16|float32|float64)\s+(\d+|-)\s+(\S+)\s+"
+                  r"(PASS|FAIL|SKIP)(?:  (.*))?$")
+
+
+def run_selftest(capsys, *argv):
+    status = cli.main(["selftest", *argv])
+    return status, capsys.readouterr().out
+
+
+def result_lines(out):
+    return [LINE.match(l).groups() for l in out.splitlines() if LINE.match(l)]
+
+
+def test_numpy_quick_passes_with_one_line_per_family_and_dtype(capsys):
+    status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "0")
+    assert status == 0, out
+    lines = result_lines(out)
+    backend = gqakv.get_backend("numpy")
+    want = [("compile", "all")] + [(f, d) for d in backend.dtypes for f in selftest.FAMILIES[1:]]
+    assert [(f, d) for f, d, *_ in lines] == want
+    for family, dtype, cases, worst, result, note in lines:
+        assert result == "PASS"
+        if family != "compile":
+            assert int(cases) > 0 and 0 <= float(worst) <= 1.0
+    assert "selftest passed in" in out.splitlines()[-1]
+    header = out.splitlines()[0]
+    assert header.startswith("gqakv selftest: backend numpy") and "seed 0" in header
+
+
+def _broken(monkeypatch, method, wrap):
+    original = getattr(NumpyBackend, method)
+    monkeypatch.setattr(NumpyBackend, method, lambda self, *a, **kw: wrap(original, self, *a, **kw))
+
+
+def _perturb_one_output(original, self, q, k, v, rows, lens, n_new, **kw):
+    out, lse = original(self, q, k, v, rows, lens, n_new, **kw)
+    if int(n_new[0]) > 0:
+        out[0, 0, 0, 0] += 0.05  # one element of one real query
+    return out, lse
+
+
+def _read_one_key_too_many(original, self, q, k, v, rows, lens, n_new, **kw):
+    # reads the slot past each row's length (NaN in the selftest's buffers)
+    return original(self, q, k, v, rows, np.asarray(lens) + 1, np.asarray(n_new) + 0, **kw)
+
+
+def _write_padding_too(original, self, k_buf, v_buf, k_new, v_new, rows, starts, n_new):
+    T = k_new.shape[2]
+    return original(self, k_buf, v_buf, k_new, v_new, rows, starts,
+                    np.minimum(np.asarray(n_new) + 1, np.minimum(T, k_buf.shape[2] - np.asarray(starts))))
+
+
+def _copy_one_token_more(original, self, dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens):
+    n = np.minimum(np.asarray(n_tokens) + 1, min(dst_k.shape[3], src_k.shape[3]))
+    return original(self, dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n)
+
+
+@pytest.mark.parametrize("method, wrap, families", [
+    ("attention", _perturb_one_output, {"decode", "prefill"}),
+    ("attention", _read_one_key_too_many, {"decode", "prefill"}),
+    ("write_kv", _write_padding_too, {"append"}),
+    ("copy_tokens", _copy_one_token_more, {"row copies"}),
+])
+def test_a_broken_kernel_fails(capsys, monkeypatch, method, wrap, families):
+    _broken(monkeypatch, method, wrap)
+    status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "1")
+    assert status == 1, out
+    failed = {(f, d) for f, d, _, _, result, _ in result_lines(out) if result == "FAIL"}
+    assert {f for f, _ in failed} >= families, out
+    assert {d for f, d in failed if f in families} == set(gqakv.get_backend("numpy").dtypes)
+    assert any(l.startswith(f"FAIL {sorted(families)[0]} ") and "worst case" in l for l in out.splitlines())
+    assert "selftest FAILED" in out
+
+
+def test_forced_split_path_is_checked(capsys, monkeypatch):
+    """The split family drives attention_numpy's key splits: break the merge of pieces."""
+    from gqakv_backends import numpy_attention
+
+    original = numpy_attention._merge
+
+    def bad_merge(out, lse, pieces, G):
+        original(out, lse, pieces[:-1] if len(pieces) > 1 else pieces, G)  # drop a piece
+    monkeypatch.setattr(numpy_attention, "_merge", bad_merge)
+    status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "2")
+    assert status == 1
+    failed = {f for f, _, _, _, result, _ in result_lines(out) if result == "FAIL"}
+    assert "split+merge" in failed
+
+
+class _ProbeBackend(NumpyBackend):
+    """A registered backend declaring only float32 and bfloat16 (bfloat16 refused here)."""
+
+    name = "selftest_probe"
+    priority = -1000
+    dtypes = ("float32", "bfloat16")
+
+    def not_supported_reasons(self, *, dtype=None, head_dim=None):
+        if dtype is not None and gqakv.dtypes.canonical_name(dtype) == "bfloat16":
+            return ["dtype=bfloat16 (the probe refuses it)"]
+        return super().not_supported_reasons(dtype=dtype, head_dim=head_dim)
+
+
+def test_selftest_iterates_what_a_new_backend_declares(capsys):
+    gqakv.register_backend(_ProbeBackend)
+    try:
+        status, out = run_selftest(capsys, "--backend", "selftest_probe", "--quick", "--seed", "3")
+    finally:
+        gqakv.unregister_backend("selftest_probe")
+    assert status == 0, out
+    lines = result_lines(out)
+    assert {d for _, d, *_ in lines} == {"all", "float32", "bfloat16"}
+    assert all(r == "SKIP" and "probe refuses" in note for _, d, _, _, r, note in lines if d == "bfloat16")
+    assert all(r == "PASS" for _, d, _, _, r, _ in lines if d == "float32")
+
+
+def test_default_backend_is_the_auto_choice(capsys, monkeypatch):
+    monkeypatch.setenv("GQAKV_BACKEND", "numpy")
+    status, out = run_selftest(capsys, "--quick", "--seed", "4")
+    assert status == 0 and out.startswith("gqakv selftest: backend numpy ")
+
+
+def test_reference_agrees_with_the_test_suites_loop_reference():
+    rng = np.random.default_rng(0)
+    Hq, Hkv, d, T = 6, 2, 8, 4
+    lens, n_new = [9, 3, 0], [4, 2, 0]
+    k = [rng.standard_normal((Hkv, L, d)) for L in lens]
+    v = [rng.standard_normal((Hkv, L, d)) for L in lens]
+    q = rng.standard_normal((3, Hq, T, d))
+    out, lse = reference_attention(q, k, v, n_new)
+    want_out, want_lse = loop_reference(q, k, v, n_new)
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-13)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(want_lse))
+    np.testing.assert_allclose(lse[np.isfinite(lse)], want_lse[np.isfinite(want_lse)], rtol=1e-12)
+    # the naive low-precision yardstick: close to the reference, but not exact
+    f16 = lambda x: np.asarray(x, np.float32).astype(np.float16).astype(np.float32)  # noqa: E731
+    k16 = [f16(x) for x in k]
+    v16 = [f16(x) for x in v]
+    q16 = f16(q)
+    ref16, _ = reference_attention(q16, k16, v16, n_new)
+    naive, _ = naive_low_precision(q16, k16, v16, n_new, f16)
+    err = np.abs(naive - ref16).max()
+    assert 0 < err < 2e-2
+    assert (naive[2] == 0).all() and (naive[1, :, 2:] == 0).all()  # padding stays 0
+
+
+def test_tolerance_rule():
+    ref = np.array([0.5, -2.0])
+    assert selftest._tolerance("float32", ref, None) == pytest.approx(1e-5 * 3.0)
+    assert selftest._tolerance("float64", ref, None) == pytest.approx(1e-12 * 3.0)
+    assert selftest._tolerance("float16", ref, 1e-3) == pytest.approx(2e-3 + 2.0**-11 * 2.0)
+    c = selftest.Check("decode", "float16")
+    c.cases = 1
+    c.add("x", 0.5, 1.0)
+    c.add("y", float("nan"), 1.0)  # a NaN output is a failure, never a pass
+    assert not c.passed and "FAIL" in c.line()
