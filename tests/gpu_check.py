@@ -1,5 +1,7 @@
 """One command for a CUDA machine: the parity suite on the cupy backend, then GPU benchmarks.
 
+(tests/gpu_device_run.sh runs ``python3 -m gqakv selftest --backend cupy`` before this.)
+
     python tests/gpu_check.py            # parity (pytest -k cupy) + decode/prefill benchmarks
     python tests/gpu_check.py --quick    # smaller benchmark grid
 
