@@ -542,3 +542,25 @@ def test_reset_reuses_the_buffers():
     again_seq, again_logits = _generate(model, ids, "gqakv", n=4, cache=cache)
     assert torch.equal(again_seq, first_seq) and torch.equal(again_logits, first_logits)
     assert cache.kv_caches[0].k.data_ptr() == ptr
+
+
+def test_second_generate_without_reset_is_refused_with_the_hint():
+    """A GqakvCache serves one generation: a second generate from a new prompt is refused,
+    naming cache.reset(), writes nothing, and works once the cache is reset."""
+    model = _model(torch.float64)
+    ids = _ids(batch=2, length=6, seed=9)
+    cache = GqakvCache(model.config, max_cache_len=40)
+    first_seq, first_logits = _generate(model, ids, "gqakv", n=4, cache=cache)
+    held = [kv.host_lens.tolist() for kv in cache.kv_caches]
+    assert held == [[6 + 3, 6 + 3]] * 2  # the last new token is never fed back
+    # Unpadded prompt: its positions restart while the cache still holds 9 tokens per row.
+    with pytest.raises(ValueError, match=r"start at position .* already holds 9 tokens.*call cache\.reset\(\)"):
+        _generate(model, ids, "gqakv", n=4, cache=cache)
+    # Left-padded prompt: the mask's width no longer fits the slots the cache has seen.
+    padded, mask = _left_padded([6, 4], seed=3)
+    with pytest.raises(ValueError, match=r"attention_mask has 6 columns.*call cache\.reset\(\)"), torch.no_grad():
+        model.generate(padded, attention_mask=mask, max_new_tokens=2, do_sample=False, **{CACHE_KWARG: cache})
+    assert [kv.host_lens.tolist() for kv in cache.kv_caches] == held  # nothing was written
+    cache.reset()
+    again_seq, again_logits = _generate(model, ids, "gqakv", n=4, cache=cache)
+    assert torch.equal(again_seq, first_seq) and torch.equal(again_logits, first_logits)

@@ -85,6 +85,11 @@ CACHE_KWARG = _cache_kwarg()
 # Attribute set on the key tensor returned by GqakvLayer.update: the layer that will write it.
 _HANDLE = "_gqakv_layer"
 
+# Appended to the errors a reused cache runs into: a second ``generate`` with the same
+# GqakvCache starts a new sequence on top of the tokens the first one left in it.
+REUSE_HINT = ("If this GqakvCache already served a generate() call, call cache.reset() before the next one: "
+              "one GqakvCache holds one generation's tokens until it is reset")
+
 
 class Padding:
     """Which of a call's T token slots are real, per row, from transformers' 2D attention mask.
@@ -118,7 +123,7 @@ class Padding:
         if width != q_offset + q_length:
             raise ValueError(
                 f"attention_mask has {width} columns; with gqakv it must have one per token slot seen so far "
-                f"plus one per token of this call: {q_offset} + {q_length} = {q_offset + q_length}")
+                f"plus one per token of this call: {q_offset} + {q_length} = {q_offset + q_length}. {REUSE_HINT}")
         host = mask.to(device="cpu", dtype=torch.bool).numpy()  # one device sync for all the counts
         if host.all():
             return None
@@ -159,7 +164,7 @@ class Padding:
             raise ValueError(
                 f"attention_mask does not match the gqakv cache: row {b} has {self.n_past[b]} real earlier "
                 f"tokens in the mask but the cache holds {int(past[b])} (pass the same 2D mask, extended by "
-                f"this call's columns, that was used for the earlier calls)")
+                f"this call's columns, that was used for the earlier calls). {REUSE_HINT}")
 
 
 class GqakvLayer(CacheLayerMixin):
@@ -263,6 +268,19 @@ class GqakvLayer(CacheLayerMixin):
         self.seen += T
         self._calls.append(T if padding is None else padding.real)
         return self.kv, n_new, rows
+
+    def check_positions(self, position_ids) -> None:
+        """Unpadded calls on a non-empty cache must continue at its length: a new prompt
+        (positions from 0) on a cache that still holds an earlier generation is refused."""
+        if self.seen == 0 or not torch.is_tensor(position_ids) or position_ids.ndim != 2:
+            return
+        if bool((position_ids[:, 0] != self.seen).any()):  # one host sync per forward (layer 0 only)
+            first = sorted(set(position_ids[:, 0].tolist()))
+            self._unwritten = False  # refused before anything is written
+            raise ValueError(
+                f"this call's tokens start at position {first[0] if len(first) == 1 else first}, but the gqakv "
+                f"cache already holds {self.seen} tokens per row, so they would be appended after them. "
+                f"{REUSE_HINT}")
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -420,6 +438,8 @@ def gqakv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     layer = getattr(key, _HANDLE, None)
     rows = None
     if layer is not None:
+        if padding is None and getattr(module, "layer_idx", 0) == 0:
+            layer.check_positions(kwargs.get("position_ids"))
         kv, n_new, rows = layer.write(key, value, padding)
     else:
         B, hkv, S, d = key.shape
