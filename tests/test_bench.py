@@ -8,6 +8,7 @@ import importlib
 import inspect
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -196,3 +197,49 @@ def test_asv_check_discovers_every_benchmark():
     done = subprocess.run(cmd, cwd=ASV_DIR, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "No problems found" in done.stdout
+
+
+# -- the README's sample output ----------------------------------------------------------------
+
+README = ROOT / "README.md"
+
+
+def _labels(text: str) -> list[str]:
+    """Each line with its numbers and units replaced: what stays is the labels."""
+    out = []
+    for line in text.strip("\n").splitlines():
+        line = re.sub(r"^backend: \S+ \(.*\)$", "backend: NAME (threads or device)", line)  # the machine
+        line = re.sub(r"^(read bandwidth \(reading 256 MiB\)):.*$", r"\1: ...", line)  # 1 worker: fewer
+        line = re.sub(r"\d[\d,]*(?:\.\d+)?", "#", line)
+        line = re.sub(r"#(?:/#)+", "#", line)  # prompt lists
+        line = re.sub(r"\b(?:B|KiB|MiB|GiB|TiB|PiB)\b", "UNIT", line)
+        out.append(re.sub(r"\s+", " ", line).strip())
+    return out
+
+
+def test_readme_sample_output_has_the_lines_bench_prints(capsys, monkeypatch):
+    """The README's sample is a whole `gqakv bench` output: same lines, same labels, in the
+    same order as a real run (small sizes, so only the numbers differ)."""
+    text = README.read_text()
+    blocks = re.findall(r"```\n(gqakv bench: one attention layer.*?)```", text, flags=re.S)
+    assert len(blocks) == 1, "the README's sample bench output block"
+    real_bw = bench.read_bandwidth
+    monkeypatch.setattr(bench, "read_bandwidth", lambda: real_bw(nbytes=8 << 20, repeats=1))
+    out = run_cli(capsys, ["bench", "--backend", "numpy", "--batch", "2", "--prompt-lens", "40,20",
+                           "--chunk", "16", "--steps", "4"]).out
+    assert _labels(blocks[0]) == _labels(out)
+
+
+def test_bench_header_prints_the_chunk_used_and_total_covers_everything(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "read_bandwidth", lambda: {"numpy_sum_1thread": 1e10, "best": 1e10})
+    argv = [a for a in TINY if a != "--no-bandwidth"]
+    argv[argv.index("--chunk") + 1] = "512"  # the longest prompt is 9
+    out = run_cli(capsys, ["bench", *argv, "--quiet"]).out
+    assert "prefill chunk 9 (--chunk 512 clamped to the longest prompt)," in out
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(r"total \d+\.\d s \(the whole command: workload \d+\.\d s, read bandwidth "
+                        r"\d+\.\d s\)", last), last
+    report = json.loads(run_cli(capsys, ["bench", *TINY, "--json"]).out)
+    t = report["times"]
+    assert t["total_s"] >= t["workload_s"] == report["wall_s"] > 0
+    assert t["bandwidth_s"] is None and t["compare_s"] is None
