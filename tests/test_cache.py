@@ -77,7 +77,7 @@ def test_wrong_dtype_and_library_rejected(backend, arrays, cache_and_data):
     with pytest.raises(TypeError, match="dtype float64, the cache holds float32"):
         x = _new(arrays, (3, 2, 1, 4), "float64")
         cache.append(x, x, [1, 1, 1])
-    if backend.name != "numpy":
+    if backend.array_library != "numpy":
         with pytest.raises(TypeError, match="holds"):
             x = np.zeros((3, 2, 1, 4), np.float32)
             cache.append(x, x, [1, 1, 1])

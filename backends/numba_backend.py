@@ -1,0 +1,182 @@
+"""The numba backend: the NumPy backend's arrays, with compiled attention kernels.
+
+Buffers are the NumPy arrays the numpy backend would hold (this class extends it), so
+caches, writes and row copies are the same; attention over float32, float16 and
+bfloat16 caches runs the kernels of ``numba_kernels``: one pass over each live K/V
+row, the G query heads of a KV head (times the queries of a small chunk) folded into
+one tile, online softmax in float32, float16/bfloat16 converted in registers.
+
+Which implementation serves a call, and why, is ``attention_route(...)``:
+- "numba kernel": float32/float16/bfloat16 caches with C-contiguous buffers and
+  chunks of at most ``KERNEL_MAX_QUERIES`` queries (decode and short chunks);
+- "numpy BLAS" otherwise: float64 (no kernel is compiled for it), strided buffers,
+  and long prefill chunks (compute-bound, where BLAS's matmuls are faster).
+
+Work is cut by the CPU planner shared with the numpy backend (``cpu_plan``): items of
+about equal cost, key splits when rows x KV heads are too few to fill the threads,
+consecutive runs of items per thread; key pieces are merged through their
+log-sum-exp. Threads: GQAKV_NUM_THREADS, else every core numba may use
+(``numba.set_num_threads`` per call), with BLAS held to one thread meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .cpu_plan import ENV_THREADS, _plan, _share, _threads
+from .numpy_backend import NumpyBackend
+
+#: Chunks of more queries than this take the NumPy BLAS path (see ``attention_route``).
+KERNEL_MAX_QUERIES = 16
+#: Queries of one item: the tile holds G * QUERY_BLOCK rows.
+QUERY_BLOCK = 16
+#: A row's keys are split across threads only into pieces at least this long.
+MIN_KEY_SPLIT = 256
+#: Keys read per block: K and V scratch of KEY_BLOCK_BYTES each stays in L1.
+KEY_BLOCK_BYTES = 16 << 10
+#: Below this much work (query-key-head products) one thread runs the call.
+PARALLEL_MIN_WORK = 1 << 16
+
+_KERNEL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class NumbaBackend(NumpyBackend):
+    name = "numba"
+    priority = 20  # above numpy (10): the CPU default when numba imports; below cupy (100)
+    array_library = "numpy"
+    device_kind = "cpu"
+    dtypes = ("float32", "float64", "float16", "bfloat16")
+    head_dims = None
+    features = frozenset({
+        "numba kernels: decode and chunks <= 16 queries (float32, float16, bfloat16)",
+        "float16/bfloat16 converted in registers, computed in float32",
+        "float64 and long prefill chunks: the numpy backend's BLAS path",
+        "threads: GQAKV_NUM_THREADS, else all cores",
+    })
+
+    def __init__(self):
+        self._reason: str | None | bool = False  # False: not checked yet
+
+    def unavailable_reason(self) -> str | None:
+        if self._reason is False:
+            try:
+                import numba  # noqa: F401
+            except Exception as exc:  # missing, or broken against this NumPy
+                self._reason = f"numba is not importable ({type(exc).__name__}: {exc})"
+            else:
+                self._reason = None
+        return self._reason
+
+    def attention_route(self, q, k_buf, v_buf) -> tuple[str, str]:
+        """(implementation, why) for an attention call over these arrays: "numba kernel"
+        with an empty reason, or "numpy BLAS" with the reason the kernel is not used."""
+        name = _dtype_name(k_buf.dtype)
+        if name not in _KERNEL_DTYPES:
+            return "numpy BLAS", f"dtype={name} (kernels: {', '.join(_KERNEL_DTYPES)})"
+        if not (k_buf.flags.c_contiguous and v_buf.flags.c_contiguous):
+            return "numpy BLAS", "K/V buffers are not C-contiguous (kernels read contiguous rows)"
+        T = q.shape[2]
+        if T > KERNEL_MAX_QUERIES:
+            return "numpy BLAS", (f"T={T} queries > {KERNEL_MAX_QUERIES}: a prefill chunk is "
+                                  "compute-bound, BLAS matmuls are faster there")
+        return "numba kernel", ""
+
+    def attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
+        """Compiled decode/short-chunk attention, else the NumPy path (``attention_route``)."""
+        route, _ = self.attention_route(q, k_buf, v_buf)
+        if route != "numba kernel":
+            return super().attention(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
+                                     return_lse=return_lse)
+        return attention_numba(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
+                               return_lse=return_lse)
+
+
+def _dtype_name(dtype) -> str:
+    from gqakv.dtypes import canonical_name
+
+    return canonical_name(dtype)
+
+
+def default_workers() -> int:
+    """GQAKV_NUM_THREADS if set, else every thread numba may start (its core count)."""
+    import numba
+
+    limit = numba.config.NUMBA_NUM_THREADS
+    if os.environ.get(ENV_THREADS):
+        return min(_threads.default_workers(), limit)
+    return limit
+
+
+def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool,
+                    workers: int | None = None, query_block: int = QUERY_BLOCK,
+                    min_key_split: int = MIN_KEY_SPLIT, key_block: int | None = None,
+                    parallel_min_work: int = PARALLEL_MIN_WORK):
+    """Attention through the numba kernels; see ``gqakv.gqa_attention`` for the semantics.
+
+    q: [B, Hq, T, d] (the cache's dtype); k_buf, v_buf: [rows_total, Hkv, max_len, d]
+    C-contiguous float32/float16/bfloat16; rows, lens, n_new: host ints [B]. Returns
+    out [B, Hq, T, d] in q's dtype and, with ``return_lse``, lse [B, Hq, T] float32
+    (padded queries: 0 and -inf). The keywords expose the blocking so tests can force
+    every split on small shapes.
+    """
+    import numba
+
+    from . import numba_kernels as nk
+
+    B, Hq, T, d = q.shape
+    Hkv = k_buf.shape[1]
+    G = Hq // Hkv
+    rows = np.asarray(rows, dtype=np.int64)
+    lens = np.asarray(lens, dtype=np.int64)
+    n_new = np.asarray(n_new, dtype=np.int64)
+    out = np.zeros((B, Hq, T, d), dtype=np.float32)
+    lse = np.full((B, Hq, T), -np.inf, dtype=np.float32)
+    if workers is None:
+        workers = default_workers()
+    workers = max(1, min(workers, numba.config.NUMBA_NUM_THREADS))
+    items, total = _plan(lens, n_new, Hkv, G, workers, query_block, min_key_split)
+    if items:
+        if total < parallel_min_work:
+            workers = 1
+        runs = _share(items, workers)
+        order = [it for run in runs for it in run]
+        run_starts = np.cumsum([0] + [len(run) for run in runs], dtype=np.int64)
+        part_rows = np.full(len(order), -1, dtype=np.int64)
+        groups: dict[tuple, list[int]] = {}
+        n_part = 0
+        for x, (i, h0, h1, t0, t1, j0, j1, _) in enumerate(order):
+            if j0 != 0 or j1 != int(lens[i]) - int(n_new[i]) + t1:  # a key piece: merged later
+                part_rows[x] = n_part
+                groups.setdefault((i, h0, h1, t0, t1), []).append(n_part)
+                n_part += (h1 - h0) * G * (t1 - t0)
+        o_part = np.empty((n_part, d), dtype=np.float32)
+        ml_part = np.empty((n_part, 2), dtype=np.float32)
+        kind, kb, vb = _kernel_buffers(k_buf, v_buf, nk)
+        if key_block is None:
+            key_block = max(8, KEY_BLOCK_BYTES // (4 * d))
+        q32 = np.ascontiguousarray(q, dtype=np.float32)
+        items_arr = np.array([it[:7] for it in order], dtype=np.int64).reshape(-1, 7)
+        with _threads:  # BLAS idle at one thread while numba's threads run
+            numba.set_num_threads(workers)
+            nk.attention_items(q32, kb, vb, kind, rows, lens, n_new, items_arr, run_starts,
+                               part_rows, np.float32(scale), key_block, out, lse, o_part, ml_part)
+            if groups:
+                keys = list(groups)
+                group_arr = np.array(keys, dtype=np.int64).reshape(-1, 5)
+                group_starts = np.cumsum([0] + [len(groups[k]) for k in keys], dtype=np.int64)
+                piece_rows = np.array([p for k in keys for p in groups[k]], dtype=np.int64)
+                nk.merge_pieces(group_arr, group_starts, piece_rows, o_part, ml_part, G, out, lse)
+    if q.dtype != np.float32:
+        out = out.astype(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def _kernel_buffers(k_buf, v_buf, nk):
+    """(kind, K, V) as the kernels take them: float32 as is, float16/bfloat16 as uint16 bits."""
+    name = _dtype_name(k_buf.dtype)
+    if name == "float32":
+        return 0, k_buf, v_buf
+    kind = nk.KIND_FLOAT16 if name == "float16" else nk.KIND_BFLOAT16
+    return kind, k_buf.view(np.uint16), v_buf.view(np.uint16)

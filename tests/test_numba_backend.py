@@ -1,0 +1,212 @@
+"""The numba backend's kernels against the float64 reference, and its routing.
+
+The backend-parametrized parity suite (test_attention.py and others) also runs on
+numba; here: the in-register float16/bfloat16 conversions bit for bit over every
+pattern, randomized ragged chunks in float32/float16/bfloat16 with every split forced
+on small shapes (NaN past each row's length, empty rows, padded queries), float16
+special values, and which implementation serves a call and why.
+
+Compile cost: every call here uses the same argument types, so the suite compiles
+each kernel once per process (float32 buffers, uint16 buffers, the merge); with
+``cache=True`` later processes load them from __pycache__.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import gqakv
+
+numba = pytest.importorskip("numba")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+from gqakv_backends import numba_kernels as nk  # noqa: E402
+from gqakv_backends.numba_backend import NumbaBackend, attention_numba, default_workers  # noqa: E402
+
+from .reference import reference_attention  # noqa: E402
+
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+SPLIT_EVERYTHING = dict(workers=3, query_block=2, min_key_split=2, key_block=3, parallel_min_work=0)
+
+
+def _case(rng, lens, n_new, hkv, G, d, dtype):
+    """Buffers [B, Hkv, max_len, d] (NaN past each row's length) and q [B, Hq, T, d] in dtype."""
+    B, max_len = len(lens), max(lens) + 3
+    k = np.full((B, hkv, max_len, d), np.nan)
+    v = k.copy()
+    for b, L in enumerate(lens):
+        k[b, :, :L] = rng.standard_normal((hkv, L, d))
+        v[b, :, :L] = rng.standard_normal((hkv, L, d))
+    q = rng.standard_normal((B, hkv * G, max(max(n_new), 1), d))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def _reference(q, k, v, lens, n_new):
+    f64 = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
+    return reference_attention(f64(q), [f64(k[b, :, :L]) for b, L in enumerate(lens)],
+                               [f64(v[b, :, :L]) for b, L in enumerate(lens)], n_new,
+                               scale=1.0 / math.sqrt(q.shape[-1]))
+
+
+def _run(q, k, v, lens, n_new, **kw):
+    return attention_numba(q, k, v, np.arange(len(lens)), np.asarray(lens), np.asarray(n_new),
+                           scale=1.0 / math.sqrt(q.shape[-1]), return_lse=True, **kw)
+
+
+def _check(out, lse, want, want_lse, n_new, dtype):
+    """FlashAttention's rule: the error is at most a few times that of storing the exact
+    result in ``dtype`` (the kernels compute in float32 and round the output once)."""
+    got = out.astype(np.float64)
+    naive = np.abs(want.astype(dtype).astype(np.float64) - want).max(initial=0.0)
+    assert np.abs(got - want).max(initial=0.0) <= 2 * naive + 1e-5
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=0, atol=1e-5)
+    for b, n in enumerate(n_new):  # padded queries are exactly 0
+        assert not out[b, :, n:].any()
+
+
+# -- conversions ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_conversion_is_bit_exact_for_every_pattern(name):
+    """All 65,536 bit patterns (zeros, subnormals, normals, inf, NaN payloads) convert to
+    exactly the float32 bits NumPy's / ml_dtypes' astype gives."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    kind = nk.KIND_FLOAT16 if name == "float16" else nk.KIND_BFLOAT16
+    got = np.empty(bits.size, dtype=np.float32)
+    nk.convert_bits(bits, kind, got)
+    want = bits.view(DTYPES[name]).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_exp_matches_float64_within_two_ulp():
+    x = np.concatenate([-np.logspace(-9, 2, 20001), [0.0, -0.0, -86.9, -87.5, -1e30]]).astype(np.float32)
+    got = np.array([nk.exp_nonpos(v) for v in x[::40]] + [nk.exp_nonpos(v) for v in x[-5:]],
+                   dtype=np.float32)
+    xs = np.concatenate([x[::40], x[-5:]])
+    want = np.exp(xs.astype(np.float64))
+    normal = want > np.finfo(np.float32).tiny
+    np.testing.assert_allclose(got[normal], want[normal], rtol=2.4e-7)
+    assert (got[~normal] <= np.finfo(np.float32).tiny * 1.01).all()
+    assert nk.exp_nonpos(np.float32(-np.inf)) == 0.0 and np.isnan(nk.exp_nonpos(np.float32(np.nan)))
+
+
+# -- attention against the reference ----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("seed", range(6))
+def test_random_ragged_chunks_match_reference(dtype, seed):
+    """Random ragged chunks (decode and short prefill chunks, empty rows, padding), G in
+    1..8 and d in 16/64/80/128, once with the default plan and once split everywhere."""
+    rng = np.random.default_rng(100 + seed)
+    hkv, G = int(rng.choice([1, 2, 4])), int(rng.integers(1, 9))
+    d = [16, 64, 80, 128][seed % 4]
+    B = int(rng.integers(1, 5))
+    lens = [int(x) for x in rng.integers(0, 60, B)]
+    n_new = [int(rng.integers(0, min(L, 6) + 1)) if L else 0 for L in lens]
+    q, k, v = _case(rng, lens, n_new, hkv, G, d, DTYPES[dtype])
+    want, want_lse = _reference(q, k, v, lens, n_new)
+    for knobs in ({}, SPLIT_EVERYTHING):
+        out, lse = _run(q, k, v, lens, n_new, **knobs)
+        assert out.dtype == q.dtype and lse.dtype == np.float32
+        _check(out, lse, want, want_lse, n_new, DTYPES[dtype])
+
+
+def test_long_row_split_over_keys_merges_by_lse():
+    """One long MQA row: only its keys can be split among the threads."""
+    rng = np.random.default_rng(7)
+    lens, n_new = [700], [1]
+    q, k, v = _case(rng, lens, n_new, 1, 4, 64, np.float32)
+    want, want_lse = _reference(q, k, v, lens, n_new)
+    out, lse = _run(q, k, v, lens, n_new, workers=4, min_key_split=16, parallel_min_work=0)
+    _check(out, lse, want, want_lse, n_new, np.float32)
+
+
+def test_float16_special_values_follow_the_reference():
+    """Subnormal K/V values take part exactly; an inf in a live key gives what the float64
+    reference gives (NaN or a finite result, per query); NaN in the tail is never read."""
+    rng = np.random.default_rng(3)
+    lens, n_new = [9, 6], [2, 1]
+    q, k, v = _case(rng, lens, n_new, 1, 2, 16, np.float16)
+    sub = np.float16(6e-8)  # the smallest float16 subnormal
+    assert sub != 0 and abs(sub) < np.finfo(np.float16).tiny
+    k[0, 0, 3] = sub
+    v[0, 0, 2, :4] = [sub, -sub, np.float16(3e-5), np.float16(-6.1e-5)]
+    want, want_lse = _reference(q, k, v, lens, n_new)
+    out, lse = _run(q, k, v, lens, n_new)
+    _check(out, lse, want, want_lse, n_new, np.float16)
+
+    k[1, 0, 4, 5] = np.inf  # live: queries whose score becomes +inf give NaN, -inf drop the key
+    want, want_lse = _reference(q, k, v, lens, n_new)
+    out, lse = _run(q, k, v, lens, n_new, **SPLIT_EVERYTHING)
+    got = out.astype(np.float64)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    fin = np.isfinite(want)
+    naive = np.abs(want[fin].astype(np.float16).astype(np.float64) - want[fin]).max()
+    assert np.abs(got[fin] - want[fin]).max() <= 2 * naive + 1e-5
+    assert np.isnan(want).any()  # the case does exercise an infinite score
+
+
+def test_padded_queries_and_empty_rows_are_exact():
+    rng = np.random.default_rng(5)
+    lens, n_new = [0, 12, 4], [0, 1, 4]
+    for dtype in DTYPES.values():
+        q, k, v = _case(rng, lens, n_new, 2, 3, 16, dtype)
+        out, lse = _run(q, k, v, lens, n_new, **SPLIT_EVERYTHING)
+        assert not out[0].any() and np.isneginf(lse[0]).all()
+        assert not out[1, :, 1:].any() and np.isneginf(lse[1, :, 1:]).all()
+        assert np.isfinite(out.astype(np.float32)).all()  # NaN tails were not read
+
+
+# -- routing, threads, availability -----------------------------------------------------------
+
+def test_route_names_the_implementation_and_the_reason():
+    b = NumbaBackend()
+    f32 = np.zeros((1, 2, 8, 4), np.float32)
+    assert b.attention_route(np.zeros((1, 2, 1, 4), np.float32), f32, f32) == ("numba kernel", "")
+    route, why = b.attention_route(np.zeros((1, 2, 1, 4)), f32.astype(np.float64), f32.astype(np.float64))
+    assert route == "numpy BLAS" and "dtype=float64" in why
+    route, why = b.attention_route(np.zeros((1, 2, 64, 4), np.float32), f32, f32)
+    assert route == "numpy BLAS" and "T=64" in why
+    strided = np.zeros((1, 2, 8, 8), np.float32)[..., ::2]
+    route, why = b.attention_route(np.zeros((1, 2, 1, 4), np.float32), strided, strided)
+    assert route == "numpy BLAS" and "contiguous" in why
+
+
+def test_backend_through_the_public_api_in_float16():
+    """A float16 cache on the numba backend: append, then decode, against the reference."""
+    rng = np.random.default_rng(11)
+    cache = gqakv.KVCache(2, 2, 20, 16, dtype="float16", backend="numba")
+    k = rng.standard_normal((2, 2, 5, 16)).astype(np.float16)
+    v = rng.standard_normal((2, 2, 5, 16)).astype(np.float16)
+    cache.append(k, v, [5, 3])
+    q = rng.standard_normal((2, 4, 1, 16)).astype(np.float16)
+    out, lse = gqakv.gqa_attention(q, cache, [1, 1], return_lse=True)
+    want, want_lse = _reference(q, k, v, [5, 3], [1, 1])
+    _check(out, lse, want, want_lse, [1, 1], np.float16)
+
+
+def test_auto_picks_numba_on_a_cpu(monkeypatch):
+    monkeypatch.delenv("GQAKV_BACKEND", raising=False)
+    names = [b.name for b in gqakv.list_backends()]
+    assert names.index("numba") < names.index("numpy")
+    assert gqakv.get_backend(dtype="float16", head_dim=128).name in ("numba", "cupy")
+
+
+def test_unavailable_when_numba_cannot_import(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
+    why = NumbaBackend().unavailable_reason()
+    assert why and "numba is not importable" in why
+
+
+def test_threads_follow_gqakv_num_threads(monkeypatch):
+    monkeypatch.setenv("GQAKV_NUM_THREADS", "1")
+    assert default_workers() == 1
+    monkeypatch.delenv("GQAKV_NUM_THREADS")
+    assert default_workers() == numba.config.NUMBA_NUM_THREADS
