@@ -8,16 +8,38 @@ say how to allocate; a backend with fused kernels overrides the hot operations.
 
 Capabilities are plain data (``dtypes``, ``head_dims``, ``features``) and
 ``not_supported_reasons`` turns them into sentences, so the dispatcher and
-``gqakv info`` can explain every rejection.
+``gqakv info`` can explain every rejection. Per call, ``route`` says which implementation
+of a hot operation runs and why each other one was not eligible (``Route``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
 from . import dtypes as _dtypes
+
+
+#: The implementation name of the generic array-API code (the ``Backend`` defaults).
+GENERIC = "generic array-API"
+#: The hot operations a backend routes.
+HOT_OPS = ("write_kv", "copy_tokens", "attention")
+
+
+@dataclass(frozen=True)
+class Route:
+    """Which implementation runs a call (``impl``: a fused kernel's name or ``GENERIC``)
+    and, for each implementation not chosen, the sentence saying why it was not eligible
+    (``rejected``; read-only by convention: routes are kept and shared)."""
+
+    impl: str
+    rejected: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        why = "".join(f"; not {name}: {reason}" for name, reason in self.rejected.items())
+        return f"{self.impl}{why}"
 
 
 class Backend:
@@ -111,6 +133,22 @@ class Backend:
         """An int64 array of this backend holding the host values ``a``."""
         xp = self.namespace()
         return xp.asarray(a, dtype=xp.int64, device=device)
+
+    # -- routing -----------------------------------------------------------------------------
+
+    def route(self, op: str, **facts) -> Route:
+        """Which implementation runs ``op`` (one of ``HOT_OPS``) for a call with these
+        facts (dtype, head_dim, t_q, ...: each backend documents the ones it reads; those
+        not given are taken as favourable), and why each other one was not eligible.
+        The default: the generic array-API code, with nothing else to choose from."""
+        if op not in HOT_OPS:
+            raise ValueError(f"op={op!r} (routed operations: {', '.join(HOT_OPS)})")
+        return Route(GENERIC)
+
+    def implementations(self) -> dict[str, str]:
+        """Implementation name -> its declared limits, for ``gqakv info`` (empty: nothing
+        beyond the capability table)."""
+        return {}
 
     # -- hot operations (generic array-API defaults) -------------------------------------------
 

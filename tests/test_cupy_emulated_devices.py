@@ -21,7 +21,7 @@ from .reference import reference_attention
 if harness.compiler() is None:
     pytest.skip("no C++ compiler (g++) for the CUDA emulation harness", allow_module_level=True)
 
-from .cuda_emu.emulated_backend import EmulatedCupyBackend  # noqa: E402
+from .cuda_emu.emulated_backend import EmulatedCupyBackend, EmulatedDevice  # noqa: E402
 
 HKV, G, D = 2, 3, 64
 
@@ -33,19 +33,13 @@ def backend():
 
 def _on(backend, device: int, a: np.ndarray, dtype: str = "float32"):
     """A device copy of ``a`` on emulated device ``device``."""
-    with backend.in_scope():
-        import cupy
-
-        with cupy.cuda.Device(device):
-            return backend.from_numpy(a, dtype)
+    with EmulatedDevice(device):
+        return backend.from_numpy(a, dtype)
 
 
 def _cache_on(backend, device: int, **kwargs):
-    with backend.in_scope():
-        import cupy
-
-        with cupy.cuda.Device(device):
-            return gqakv.KVCache(backend=backend, **kwargs)
+    with EmulatedDevice(device):
+        return gqakv.KVCache(backend=backend, **kwargs)
 
 
 def test_a_cache_on_device_1_works_while_device_0_is_current(backend):
@@ -113,12 +107,9 @@ def test_the_emulated_launcher_refuses_arrays_of_another_device(backend):
     k_buf = _on(backend, 0, np.zeros((1, 1, 4, D), np.float32))
     plan = planmod.plan_write_kv("float32", D, np.array([1]), 1, 1, (D, D, D), (4 * D, 4 * D, D))
     ints = _on(backend, 1, np.zeros(1, np.int64))
-    with backend.in_scope():
-        import cupy
-
-        with cupy.cuda.Device(1), pytest.raises(RuntimeError, match="k_buf is on device 0"):
-            backend._run_plan(plan, {"k_new": ints, "v_new": ints, "k_buf": k_buf, "v_buf": k_buf,
-                                     "rows": ints, "starts": ints, "n_new": ints}, "float32", D)
+    with EmulatedDevice(1), pytest.raises(RuntimeError, match="k_buf is on device 0"):
+        backend._run_plan(plan, {"k_new": ints, "v_new": ints, "k_buf": k_buf, "v_buf": k_buf,
+                                 "rows": ints, "starts": ints, "n_new": ints}, "float32", D)
 
 
 

@@ -21,24 +21,35 @@ kernels read its 16-bit storage directly, and host exchange goes through
 ``ml_dtypes.bfloat16`` NumPy arrays. A CuPy without that support serves float32 and
 float16 only, and says so when asked for bfloat16.
 
-CuPy is never imported when this module is imported; only inside methods.
+Routing: each hot call is routed first (routing.py): a fused kernel, or the generic
+array-API code with the reason each kernel was not eligible; ``CupyBackend.route`` answers
+the same question for given facts (``gqakv info``, benchmarks, tests).
+
+CuPy is reached only through the backend's ``runtime`` (runtime.py), which imports it on
+first use: never when this module is imported. The CPU emulation passes its own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
 import threading
 from collections import OrderedDict
 
 import numpy as np
 
-from gqakv.backend import Backend
+from gqakv.backend import GENERIC, Backend, Route
 
 from . import plan as _plan
-from . import sources
+from . import limits, routing, sources
+from .runtime import CupyRuntime
 
 
 class CupyBackend(Backend):
+    """runtime: what the backend takes from CuPy (``runtime.CupyRuntime``); None builds
+    the default one, which imports cupy on first use."""
+
     name = "cupy"
     priority = 100
     array_library = "cupy"
@@ -50,13 +61,21 @@ class CupyBackend(Backend):
         "fp32 accumulation", "float64 and head_dim > 256 via array API",
     })
 
-    def __init__(self):
+    def __init__(self, runtime: CupyRuntime | None = None):
         self._reason: str | None | bool = False  # False: not checked yet
-        self._device_facts: dict[int, tuple[int, bool]] = {}
+        self._runtime = runtime
+        self._device_facts: dict[int, tuple[int, int]] = {}
         # Every layer of a model step plans the same launches and uploads the same
         # rows/lengths: both are kept (by value) so only the first layer pays for them.
         self._plans = _LruCache(64)
         self._uploads = _LruCache(64)
+
+    @property
+    def runtime(self) -> CupyRuntime:
+        """CuPy as this backend uses it (the default runtime is built on first use)."""
+        if self._runtime is None:
+            self._runtime = CupyRuntime()
+        return self._runtime
 
     # -- availability --------------------------------------------------------------------
 
@@ -64,6 +83,29 @@ class CupyBackend(Backend):
         if self._reason is False:
             self._reason = _probe()
         return self._reason
+
+    # -- routing -------------------------------------------------------------------------
+
+    def route(self, op: str, **facts) -> Route:
+        """Which kernel (or the generic array-API code) runs ``op`` for these facts, and
+        why each other implementation was not eligible; the facts are those of
+        ``routing`` (dtype, head_dim, t_q, capability, layout, grid). The hot operations
+        route every call through the same functions."""
+        super().route(op)  # checks op
+        fn = routing.ROUTES[op]
+        known = inspect.signature(fn).parameters
+        unknown = sorted(set(facts) - set(known))
+        if unknown:
+            raise ValueError(f"{op} facts {', '.join(unknown)} (known: {', '.join(known)})")
+        missing = [k for k, p in known.items() if p.default is p.empty and k not in facts]
+        if missing:
+            raise ValueError(f"{op} needs the facts {', '.join(missing)}")
+        if "dtype" in facts:
+            facts["dtype"] = _canonical(facts["dtype"])
+        return fn(**facts)
+
+    def implementations(self) -> dict[str, str]:
+        return routing.implementations()
 
     # -- arrays --------------------------------------------------------------------------
 
@@ -74,10 +116,10 @@ class CupyBackend(Backend):
 
     def not_supported_reasons(self, *, dtype=None, head_dim: int | None = None) -> list[str]:
         reasons = super().not_supported_reasons(dtype=dtype, head_dim=head_dim)
-        if not reasons and dtype is not None and _canonical(dtype) == "bfloat16" and not _bf16_supported():
-            import cupy
-
-            reasons.append(f"dtype=bfloat16 needs CuPy >= 14 (ml_dtypes arrays); this is CuPy {cupy.__version__}")
+        if (not reasons and dtype is not None and _canonical(dtype) == "bfloat16"
+                and not self.runtime.bf16_supported()):
+            reasons.append(f"dtype=bfloat16 needs CuPy >= 14 (ml_dtypes arrays); this is "
+                           f"CuPy {self.runtime.version}")
         return reasons
 
     def dtype(self, name: str):
@@ -87,32 +129,25 @@ class CupyBackend(Backend):
             import ml_dtypes
 
             return np.dtype(ml_dtypes.bfloat16)
-        import cupy
-
-        return getattr(cupy, name)
+        return getattr(self.runtime.cp, name)
 
     def empty(self, shape: tuple[int, ...], dtype: str, device=None):
         """Uninitialized CuPy buffer on ``device`` (an id; None: the current device)."""
-        import cupy
-
-        with cupy.cuda.Device(device):
-            return cupy.empty(shape, dtype=self.dtype(dtype))
+        rt = self.runtime
+        with rt.device(device):
+            return rt.cp.empty(shape, dtype=self.dtype(dtype))
 
     def owns(self, x) -> bool:
-        import cupy
-
-        return isinstance(x, cupy.ndarray)
+        return isinstance(x, self.runtime.cp.ndarray)
 
     def device_of(self, x):
         return x.device.id
 
     def from_numpy(self, a: np.ndarray, dtype=None):
-        import cupy
-
         a = np.asarray(a)
         if dtype is not None:
             a = a.astype(self.dtype(dtype), copy=False)  # cast on the host: ml_dtypes knows bf16
-        return cupy.asarray(a)
+        return self.runtime.cp.asarray(a)
 
     def to_numpy(self, x) -> np.ndarray:
         """Host copy of a CuPy array (bfloat16 comes back as ml_dtypes.bfloat16)."""
@@ -121,14 +156,16 @@ class CupyBackend(Backend):
         return x.get()
 
     def from_host_ints(self, a, device=None):
-        import cupy
-
+        cp = self.runtime.cp
         if device is None:
-            return cupy.asarray(a, dtype=cupy.int64)
-        with cupy.cuda.Device(device):
-            return cupy.asarray(a, dtype=cupy.int64)
+            return cp.asarray(a, dtype=cp.int64)
+        with self.runtime.device(device):
+            return cp.asarray(a, dtype=cp.int64)
 
     # -- hot operations ------------------------------------------------------------------
+    # Each routes the call (routing.py) from its facts, then runs the chosen kernel's kept
+    # plan or, when the route says so, the generic array-API code (Backend's method). A
+    # planner refusal (grid beyond CUDA's limits) is routed again as the ``grid`` fact.
 
     def write_kv(self, k_buf, v_buf, k_new, v_new, rows, starts, n_new) -> None:
         """One launch for all rows; see ``Backend.write_kv``. k/v_new are [B, Hkv, T, d]."""
@@ -136,76 +173,80 @@ class CupyBackend(Backend):
             self._write_kv(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
 
     def _write_kv(self, k_buf, v_buf, k_new, v_new, rows, starts, n_new) -> None:
-        dtype = _kernel_dtype(k_buf)
-        d = int(k_buf.shape[-1])
-        if dtype is None or d > sources.MAX_FUSED_HEAD_DIM:
-            return super().write_kv(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
-        k_new, v_new = _aligned(k_new, dtype, d), _aligned(v_new, dtype, d)
-        if not (_is_aligned(k_buf, dtype, d) and _is_aligned(v_buf, dtype, d)
-                and k_buf.strides == v_buf.strides and k_new.strides == v_new.strides):
+        dtype, d = _dtype_name(k_buf), int(k_buf.shape[-1])
+        layout = None
+        if routing.route_write_kv(dtype, d).impl != GENERIC:
+            k_new, v_new = self._aligned(k_new, dtype, d), self._aligned(v_new, dtype, d)
+            layout = _write_layout_rejection(k_buf, v_buf, k_new, v_new, dtype, d)
+        route = routing.route_write_kv(dtype, d, layout)
+        if route.impl == GENERIC:
             return super().write_kv(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
         n_new = np.asarray(n_new, dtype=np.int64)
         args = (dtype, d, n_new, int(k_buf.shape[1]), int(k_new.shape[2]), _strides(k_new)[:3],
                 _strides(k_buf)[:3])
-        try:
-            plan = self._plans.get(("write_kv", *_hashable(args)), lambda: _plan.plan_write_kv(*args))
-        except NotImplementedError:  # beyond the grid limits
+        plan = self._plans.get(("write_kv", *_hashable(args)),
+                               lambda: _plan_or_refusal(_plan.plan_write_kv, *args))
+        if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
+            route = routing.route_write_kv(dtype, d, layout, plan)
+        if route.impl == GENERIC:
             return super().write_kv(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
         if not plan.launches:
             return
-        from .modules import run_plan
-
         rows_d, starts_d, n_new_d = self._upload_ints(rows, starts, n_new)
-        run_plan(plan, {"k_new": k_new, "v_new": v_new, "k_buf": k_buf, "v_buf": v_buf,
-                        "rows": rows_d, "starts": starts_d, "n_new": n_new_d}, dtype, d)
+        self.runtime.run_plan(plan, {"k_new": k_new, "v_new": v_new, "k_buf": k_buf,
+                                     "v_buf": v_buf, "rows": rows_d, "starts": starts_d,
+                                     "n_new": n_new_d}, dtype, d)
 
     def copy_tokens(self, dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens) -> None:
         """All copies of the call in one launch; see ``Backend.copy_tokens``.
 
         Buffers are ``[layers, rows, Hkv, S, d]`` (dst and src may differ in rows and S).
         Layouts the kernel does not take (not CuPy arrays, mixed dtypes, float64, d > 256,
-        unaligned rows, K and V strided differently) use the generic slice copies.
+        unaligned rows, K and V strided differently) use the generic slice copies; the
+        route (``routing.route_copy_tokens``) says which.
         """
         with self._device_of(dst_k):
             self._copy_tokens(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens)
 
     def _copy_tokens(self, dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens) -> None:
         n_tokens = np.asarray(n_tokens, dtype=np.int64)
-        if not self._fused_copy_layout(dst_k, dst_v, src_k, src_v):
+        dtype, d = _dtype_name(dst_k), int(dst_k.shape[-1])
+        layout = None
+        if routing.route_copy_tokens(dtype, d).impl != GENERIC:
+            layout = self._copy_layout_rejection(dst_k, dst_v, src_k, src_v)
+        route = routing.route_copy_tokens(dtype, d, layout)
+        if route.impl == GENERIC:
             return super().copy_tokens(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens)
-        dtype, d = _kernel_dtype(dst_k), int(dst_k.shape[-1])
-        try:
-            plan = _plan.plan_copy_tokens(dtype, d, n_tokens, int(dst_k.shape[0]),
-                                          int(dst_k.shape[2]), _strides(dst_k)[:4],
-                                          _strides(src_k)[:4])
-        except NotImplementedError:  # beyond the grid limits
+        plan = _plan_or_refusal(_plan.plan_copy_tokens, dtype, d, n_tokens, int(dst_k.shape[0]),
+                                int(dst_k.shape[2]), _strides(dst_k)[:4], _strides(src_k)[:4])
+        if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
+            route = routing.route_copy_tokens(dtype, d, layout, plan)
+        if route.impl == GENERIC:
             return super().copy_tokens(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens)
         if not plan.launches:
             return
-        import cupy
-
-        from .modules import run_plan
-
         pairs = _pack_ints(dst_rows, src_rows, n_tokens)  # [3, P]: one upload
-        run_plan(plan, {"dst_k": dst_k, "dst_v": dst_v, "src_k": src_k, "src_v": src_v,
-                        "pairs": cupy.asarray(pairs)}, dtype, d)
+        self.runtime.run_plan(plan, {"dst_k": dst_k, "dst_v": dst_v, "src_k": src_k,
+                                     "src_v": src_v, "pairs": self.runtime.cp.asarray(pairs)},
+                              dtype, d)
 
-    def _fused_copy_layout(self, dst_k, dst_v, src_k, src_v) -> bool:
-        """Whether the copy kernel can read src and write dst in place."""
+    def _copy_layout_rejection(self, dst_k, dst_v, src_k, src_v) -> str | None:
+        """Why the copy kernel cannot read src and write dst in place (None: it can)."""
         bufs = (dst_k, dst_v, src_k, src_v)
         if not all(self.owns(x) and x.ndim == 5 for x in bufs):
-            return False
-        dtype, d = _kernel_dtype(dst_k), int(dst_k.shape[-1])
-        if dtype is None or d > sources.MAX_FUSED_HEAD_DIM:
-            return False
+            return "buffers that are not 5-d CuPy arrays"
+        dtype, d = _dtype_name(dst_k), int(dst_k.shape[-1])
         if any(x.dtype != dst_k.dtype or self.device_of(x) != self.device_of(dst_k) for x in bufs):
-            return False
+            return "buffers of mixed dtypes or devices"
         if (dst_v.shape != dst_k.shape or src_v.shape != src_k.shape
                 or src_k.shape[0] != dst_k.shape[0] or src_k.shape[2] != dst_k.shape[2]
                 or src_k.shape[4] != d):
-            return False
-        return (dst_k.strides == dst_v.strides and src_k.strides == src_v.strides
-                and all(_is_aligned(x, dtype, d) for x in bufs))
+            return "src and dst differ in layers, heads or head dim, or K and V in shape"
+        if not (dst_k.strides == dst_v.strides and src_k.strides == src_v.strides):
+            return "K and V buffers strided differently"
+        if not all(_is_aligned(x, dtype, d) for x in bufs):
+            return "rows not aligned for the kernel's vector loads"
+        return None
 
     def attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
         """Fused GQA attention; see ``gqakv.gqa_attention``. q, out: [B, Hq, T, d]."""
@@ -214,83 +255,81 @@ class CupyBackend(Backend):
                                    return_lse=return_lse)
 
     def _attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
-        dtype = _kernel_dtype(k_buf)
-        d = int(k_buf.shape[-1])
-        if (dtype is None or d > sources.MAX_FUSED_HEAD_DIM or not _is_aligned(k_buf, dtype, d)
-                or k_buf.strides != v_buf.strides):
+        dtype, d = _dtype_name(k_buf), int(k_buf.shape[-1])
+        B, Hq, T, _ = (int(s) for s in q.shape)
+        layout = capability = None
+        if routing.route_attention(dtype, d, T).impl != GENERIC:
+            layout = _attention_layout_rejection(k_buf, v_buf, dtype, d)
+            sm_count, capability = self._facts()
+        route = routing.route_attention(dtype, d, T, capability, layout)
+        if route.impl == GENERIC:
             return super().attention(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
                                      return_lse=return_lse)
-        import cupy
-
-        q = _aligned(q, dtype, d)
-        B, Hq, T, _ = (int(s) for s in q.shape)
+        cp = self.runtime.cp
+        q = self._aligned(q, dtype, d)
         Hkv = int(k_buf.shape[1])
         lens = np.asarray(lens, dtype=np.int64)
         n_new = np.asarray(n_new, dtype=np.int64)
         if B and T and int(n_new.min()) == T:
             # No padded query: the kernels write every element of out and lse, so the two
             # fill launches are skipped (the common decode and prefill steps).
-            out = cupy.empty((B, Hq, T, d), dtype=q.dtype)
-            lse = cupy.empty((B, Hq, T), dtype=cupy.float32)
+            out = cp.empty((B, Hq, T, d), dtype=q.dtype)
+            lse = cp.empty((B, Hq, T), dtype=cp.float32)
         else:  # padded queries and idle rows keep these values: 0 and -inf
-            out = cupy.zeros((B, Hq, T, d), dtype=q.dtype)
-            lse = cupy.full((B, Hq, T), -math.inf, dtype=cupy.float32)
-        sm_count, tensor_cores = self._facts()
+            out = cp.zeros((B, Hq, T, d), dtype=q.dtype)
+            lse = cp.full((B, Hq, T), -math.inf, dtype=cp.float32)
         kwargs = dict(batch=B, kv_heads=Hkv, group=Hq // Hkv, t_q=T, lens=lens, n_new=n_new,
                       scale=scale, q_strides=_strides(q)[:3], buf_strides=_strides(k_buf)[:3],
-                      out_strides=_strides(out)[:3], sm_count=sm_count, tensor_cores=tensor_cores)
-        try:
-            plan = self._plans.get(("attention", dtype, d, *_hashable(kwargs.values())),
-                                   lambda: _plan.plan_attention(dtype, d, **kwargs))
-        except NotImplementedError:  # beyond the grid limits of the fused kernels
+                      out_strides=_strides(out)[:3], sm_count=sm_count,
+                      tensor_cores=capability >= limits.MMA_MIN_CAPABILITY)
+        plan = self._plans.get(("attention", dtype, d, *_hashable(kwargs.values())),
+                               lambda: _plan_or_refusal(_plan.plan_attention, dtype, d, **kwargs))
+        if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
+            route = routing.route_attention(dtype, d, T, capability, layout, plan)
+        if route.impl == GENERIC:
             return super().attention(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
                                      return_lse=return_lse)
         if plan.launches:
-            from .modules import run_plan
-
             rows_d, lens_d, n_new_d = self._upload_ints(rows, lens, n_new)
-            run_plan(plan, {"q": q, "k_buf": k_buf, "v_buf": v_buf, "rows": rows_d,
-                            "lens": lens_d, "n_new": n_new_d, "out": out, "lse": lse}, dtype, d)
+            self.runtime.run_plan(plan, {"q": q, "k_buf": k_buf, "v_buf": v_buf, "rows": rows_d,
+                                         "lens": lens_d, "n_new": n_new_d, "out": out,
+                                         "lse": lse}, dtype, d)
         return (out, lse) if return_lse else out
 
     def synchronize(self) -> None:
         """Wait for the current device's queued work (benchmarks time through this)."""
-        import cupy
-
-        cupy.cuda.get_current_stream().synchronize()
+        self.runtime.synchronize()
 
     def _device_of(self, buf):
         """Context making ``buf``'s device current (a no-op for arrays that are not CuPy's:
         the generic fallbacks take those as they are)."""
-        import contextlib
-
-        import cupy
-
         if not self.owns(buf):
             return contextlib.nullcontext()
-        return cupy.cuda.Device(self.device_of(buf))
+        return self.runtime.device(self.device_of(buf))
 
-    def _facts(self) -> tuple[int, bool]:
-        """(multiprocessors, has mma.m16n8k16 i.e. compute capability 8.0+) of the current
+    def _facts(self) -> tuple[int, int]:
+        """(multiprocessors, compute capability as CuPy spells it, e.g. 90) of the current
         device (the hot ops make the cache's device current)."""
-        import cupy
-
-        dev = cupy.cuda.Device()
-        if dev.id not in self._device_facts:
-            self._device_facts[dev.id] = (int(dev.attributes["MultiProcessorCount"]),
-                                          int(dev.compute_capability) >= 80)
-        return self._device_facts[dev.id]
+        dev = self.runtime.device().id
+        facts = self._device_facts.get(dev)
+        if facts is None:
+            facts = self._device_facts[dev] = self.runtime.device_facts()
+        return facts
 
     def _upload_ints(self, *host_arrays):
         """Device int64 views of equally long host int arrays, through one host-to-device
         copy, kept by value (per device and stream) for the next layers of the same step."""
-        import cupy
-
+        rt = self.runtime
         packed = _pack_ints(*host_arrays)
-        key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, packed.shape,
-               packed.tobytes())
-        device = self._uploads.get(key, lambda: cupy.asarray(packed))
+        key = (rt.device().id, rt.stream_ptr(), packed.shape, packed.tobytes())
+        device = self._uploads.get(key, lambda: rt.cp.asarray(packed))
         return tuple(device[i] for i in range(len(host_arrays)))
+
+    def _aligned(self, x, dtype: str, d: int):
+        """x itself when the kernels can read it in place, else a contiguous copy (inputs only)."""
+        if _is_aligned(x, dtype, d):
+            return x
+        return self.runtime.cp.ascontiguousarray(x)
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -316,36 +355,46 @@ def _probe() -> str | None:
     return None
 
 
-_BF16_SUPPORTED = None
-
-
 def _canonical(dtype) -> str:
     from gqakv.dtypes import canonical_name
 
     return canonical_name(dtype)
 
 
-def _bf16_supported() -> bool:
-    """Whether this CuPy can hold ml_dtypes.bfloat16 arrays (CuPy 14+)."""
-    global _BF16_SUPPORTED
-    if _BF16_SUPPORTED is None:
-        import cupy
-        import ml_dtypes
-
-        try:
-            cupy.empty(1, dtype=ml_dtypes.bfloat16)
-            _BF16_SUPPORTED = True
-        except Exception:
-            _BF16_SUPPORTED = False
-    return _BF16_SUPPORTED
+def _dtype_name(x) -> str:
+    """dtype name of a buffer, e.g. "bfloat16" (routing decides whether a kernel takes it;
+    another library's dtype keeps its own spelling, which no kernel takes)."""
+    try:
+        return np.dtype(x.dtype).name
+    except TypeError:
+        return str(x.dtype)
 
 
-def _kernel_dtype(x) -> str | None:
-    """gqakv dtype name of a buffer if the fused kernels handle it, else None."""
-    name = np.dtype(x.dtype).name
-    if name == "bfloat16":
-        return "bfloat16"
-    return name if name in sources.CTYPES else None
+def _plan_or_refusal(planner, *args, **kwargs):
+    """The planner's plan, or its refusal (a sentence) when the grid is beyond CUDA's
+    limits; refusals are kept like plans, so a refused shape is planned once."""
+    try:
+        return planner(*args, **kwargs)
+    except NotImplementedError as exc:
+        return str(exc)
+
+
+def _write_layout_rejection(k_buf, v_buf, k_new, v_new, dtype: str, d: int) -> str | None:
+    """Why gqakv_write_kv cannot take these buffers (k/v_new already aligned copies)."""
+    if not (_is_aligned(k_buf, dtype, d) and _is_aligned(v_buf, dtype, d)):
+        return "cache rows not aligned for the kernel's vector loads"
+    if k_buf.strides != v_buf.strides or k_new.strides != v_new.strides:
+        return "K and V strided differently"
+    return None
+
+
+def _attention_layout_rejection(k_buf, v_buf, dtype: str, d: int) -> str | None:
+    """Why the attention kernels cannot read this cache (q is copied when unaligned)."""
+    if not _is_aligned(k_buf, dtype, d):
+        return "cache rows not aligned for the kernel's vector loads"
+    if k_buf.strides != v_buf.strides:
+        return "K and V strided differently"
+    return None
 
 
 class _LruCache:
@@ -394,12 +443,3 @@ def _address(x) -> int:
 
 def _is_aligned(x, dtype: str, d: int) -> bool:
     return _plan.aligned_for_vectors(_address(x), _strides(x), dtype, d)
-
-
-def _aligned(x, dtype: str, d: int):
-    """x itself when the kernels can read it in place, else a contiguous copy (inputs only)."""
-    if _is_aligned(x, dtype, d):
-        return x
-    import cupy
-
-    return cupy.ascontiguousarray(x)

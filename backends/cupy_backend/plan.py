@@ -24,26 +24,27 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import sources
+from . import limits, sources
 
-BLOCK = (128, 1, 1)
-MAX_GRID_X = 2**31 - 1
-MAX_GRID_Y = 65535
+# The kernels' limits (declared once in limits.py, which the kernels read too).
+BLOCK = (limits.THREADS_PER_CTA, 1, 1)
+MAX_GRID_X = limits.MAX_GRID_X
+MAX_GRID_Y = limits.MAX_GRID_Y
 #: Query tokens per row up to which attention uses the decode kernel.
-DECODE_MAX_T = 4
+DECODE_MAX_T = limits.DECODE_MAX_T
 #: Fewest keys a split-KV chunk holds: each split CTA also loads its queries and writes
 #: QB x d fp32 partials the merge reads back (~4 KB at d = 128, tile 4: 3% of the 128 KB of
 #: K and V in 128 keys).
 MIN_KEYS_PER_SPLIT = 128
 #: The decode kernel counts the keys of one split in an int (decode.cu).
-MAX_KEYS_PER_SPLIT = 2**30
+MAX_KEYS_PER_SPLIT = limits.MAX_KEYS_PER_SPLIT
 #: Resident decode CTAs per SM, per query tile: the minimum in decode.cu's __launch_bounds__
 #: (DecodeOccupancy); tests/test_cupy_nvrtc.py checks ptxas' register counts allow it.
-DECODE_CTAS_PER_SM = {4: 3, 8: 2}
+DECODE_CTAS_PER_SM = limits.DECODE_CTAS_PER_SM
 #: Query rows per tensor-core decode CTA (DecodeMmaShape::QB) and its resident CTAs per SM
 #: by head dim (DecodeMmaShape::CTAS_PER_SM).
-DECODE_MMA_ROWS = 16
-DECODE_MMA_CTAS_PER_SM = {64: 4, 128: 2}
+DECODE_MMA_ROWS = limits.DECODE_MMA_ROWS
+DECODE_MMA_CTAS_PER_SM = limits.DECODE_MMA_CTAS_PER_SM
 #: Split planner cost model, in key rows streamed by one CTA: the fixed cost of a CTA (its
 #: queries' load latency, the shared-memory merge of its key slots, its output writes) and
 #: of the merge launch.
@@ -88,11 +89,12 @@ def prefill_kernel(dtype: str, head_dim: int, tensor_cores: bool = True) -> str:
 
 
 def prefill_rows(head_dim: int, kernel: str = "gqakv_prefill") -> int:
-    """Query rows per prefill CTA; mirrors PrefillShape::ROWS (gqakv_prefill) and
-    PrefillMmaShape::ROWS (gqakv_prefill_mma: 4 warps x the mma's 16 rows)."""
+    """Query rows per prefill CTA: PrefillShape::ROWS (gqakv_prefill) and
+    PrefillMmaShape::ROWS (gqakv_prefill_mma: 4 warps x the mma's 16 rows), both read from
+    limits.py."""
     if kernel == "gqakv_prefill_mma":
-        return 64
-    return 64 if head_dim <= 64 else (32 if head_dim <= 128 else 16)
+        return limits.PREFILL_MMA_ROWS
+    return limits.prefill_rows(head_dim)
 
 
 def _i64(*xs):

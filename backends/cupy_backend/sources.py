@@ -14,6 +14,8 @@ import functools
 import re
 from importlib import resources
 
+from . import limits
+
 #: Kernel name -> source file. Each kernel is a template ``<T, D>`` over the storage type
 #: and the head dim; gqakv_decode also over its query tile, ``<T, D, QB>``.
 #: gqakv_prefill_mma (tensor cores) exists only where ``prefill_mma_supported``.
@@ -32,13 +34,14 @@ CTYPES = {"float32": "float", "float16": "gqakv_half", "bfloat16": "gqakv_bf16"}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 #: Query tiles (queries per CTA) gqakv_decode is instantiated for, smallest first.
-DECODE_QUERY_TILES = (4, 8)
+DECODE_QUERY_TILES = limits.DECODE_QUERY_TILES
 
 #: Largest head dim the fused kernels are instantiated for (any d <= this works).
-MAX_FUSED_HEAD_DIM = 256
+MAX_FUSED_HEAD_DIM = limits.MAX_FUSED_HEAD_DIM
 
-#: Options for every compile (the GPU architecture is added by the caller).
-COMPILE_OPTIONS = ("-std=c++17",)
+#: Options for every compile (the GPU architecture is added by the caller): the kernels'
+#: limits come as -D options (kernels/limits.cuh refuses to compile without them).
+COMPILE_OPTIONS = ("-std=c++17", *limits.define_options())
 
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 
@@ -64,24 +67,24 @@ def compose_source(kernel: str) -> str:
 
 
 #: dtypes the tensor-core prefill takes (mma.m16n8k16 with 16-bit inputs, fp32 accumulation).
-PREFILL_MMA_DTYPES = ("float16", "bfloat16")
+PREFILL_MMA_DTYPES = limits.MMA_DTYPES
 
 
 def prefill_mma_supported(dtype: str, head_dim: int) -> bool:
     """Whether gqakv_prefill_mma serves (dtype, head_dim): 16-bit dtypes and head dims that
     are a multiple of 16 (the mma's k); everything else keeps the fp32-FMA gqakv_prefill."""
-    return dtype in PREFILL_MMA_DTYPES and head_dim % 16 == 0 and 0 < head_dim <= MAX_FUSED_HEAD_DIM
+    return limits.prefill_mma_rejection(dtype, head_dim) is None
 
 
 #: dtypes and head dims the tensor-core decode (gqakv_decode_mma) serves; gqakv_decode
 #: (fp32 FMA) takes every other case.
-DECODE_MMA_DTYPES = ("float16", "bfloat16")
-DECODE_MMA_HEAD_DIMS = (64, 128)
+DECODE_MMA_DTYPES = limits.MMA_DTYPES
+DECODE_MMA_HEAD_DIMS = limits.DECODE_MMA_HEAD_DIMS
 
 
 def decode_mma_supported(dtype: str, head_dim: int) -> bool:
     """Whether gqakv_decode_mma serves (dtype, head_dim)."""
-    return dtype in DECODE_MMA_DTYPES and head_dim in DECODE_MMA_HEAD_DIMS
+    return limits.decode_mma_rejection(dtype, head_dim) is None
 
 
 def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None) -> str:
@@ -105,7 +108,8 @@ def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | No
                        f"{', '.join(DECODE_MMA_DTYPES)} with head_dim in {DECODE_MMA_HEAD_DIMS})")
     if kernel == "gqakv_prefill_mma" and not prefill_mma_supported(dtype, head_dim):
         raise KeyError(f"gqakv_prefill_mma has no {dtype} head_dim={head_dim} (served: "
-                       f"{', '.join(PREFILL_MMA_DTYPES)} with head_dim a multiple of 16)")
+                       f"{', '.join(PREFILL_MMA_DTYPES)} with head_dim a multiple of "
+                       f"{limits.PREFILL_MMA_HEAD_DIM_MULTIPLE})")
     return f"{kernel}<{CTYPES[dtype]}, {int(head_dim)}>"
 
 

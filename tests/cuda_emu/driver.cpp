@@ -102,28 +102,35 @@ std::map<std::string, Entry>& registry() {
 }
 
 #define GQAKV_REG(K, T, D) registry()[#K "<" #T ", " #D ">"] = make_entry(&K<T, D>);
-// The tensor-core prefill exists for 16-bit types and head dims that are a multiple of 16
-// (sources.prefill_mma_supported).
+// The tensor-core prefill exists for 16-bit types and head dims that are a multiple of
+// GQAKV_PREFILL_MMA_HEAD_DIM_MULTIPLE (limits.py; sources.prefill_mma_supported).
 template <class T, int D>
 void register_prefill_mma(const char* name) {
-    if constexpr (sizeof(T) == 2 && D % 16 == 0) registry()[name] = make_entry(&gqakv_prefill_mma<T, D>);
+    if constexpr (sizeof(T) == 2 && D % GQAKV_PREFILL_MMA_HEAD_DIM_MULTIPLE == 0)
+        registry()[name] = make_entry(&gqakv_prefill_mma<T, D>);
 }
 #define GQAKV_REG_PREFILL_MMA(T, D) register_prefill_mma<T, D>("gqakv_prefill_mma<" #T ", " #D ">");
-// The tensor-core decode exists for 16-bit types at head dims 64 and 128
-// (sources.decode_mma_supported).
+// The tensor-core decode exists for 16-bit types at GQAKV_DECODE_MMA_HEAD_DIMS (limits.py;
+// sources.decode_mma_supported).
 template <class T, int D>
 void register_decode_mma(const char* name) {
-    if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) registry()[name] = make_entry(&gqakv_decode_mma<T, D>);
+    if constexpr (sizeof(T) == 2 && gqakv_one_of(D, GQAKV_DECODE_MMA_HEAD_DIMS))
+        registry()[name] = make_entry(&gqakv_decode_mma<T, D>);
 }
 #define GQAKV_REG_DECODE_MMA(T, D) register_decode_mma<T, D>("gqakv_decode_mma<" #T ", " #D ">");
-// The decode kernel's query tiles must match sources.DECODE_QUERY_TILES.
-#define GQAKV_REG_DECODE(T, D, QB) \
-    registry()["gqakv_decode<" #T ", " #D ", " #QB ">"] = make_entry(&gqakv_decode<T, D, QB>);
+// The decode kernel at every query tile of GQAKV_DECODE_QUERY_TILES (limits.py), named as
+// sources.name_expression spells it.
+template <class T, int D, int... QB>
+void register_decode(const char* type_name) {
+    ((registry()["gqakv_decode<" + std::string(type_name) + ", " + std::to_string(D) + ", " +
+                 std::to_string(QB) + ">"] = make_entry(&gqakv_decode<T, D, QB>)),
+     ...);
+}
+#define GQAKV_REG_DECODE(T, D) register_decode<T, D, GQAKV_DECODE_QUERY_TILES>(#T);
 #define GQAKV_REG_ALL(T, D)                \
     GQAKV_REG(gqakv_write_kv, T, D)        \
     GQAKV_REG(gqakv_copy_tokens, T, D)     \
-    GQAKV_REG_DECODE(T, D, 4)              \
-    GQAKV_REG_DECODE(T, D, 8)              \
+    GQAKV_REG_DECODE(T, D)                 \
     GQAKV_REG_DECODE_MMA(T, D)             \
     GQAKV_REG(gqakv_merge, T, D)           \
     GQAKV_REG(gqakv_prefill, T, D)         \
@@ -193,9 +200,10 @@ int emu_launch(const char* name, const unsigned* grid, const unsigned* block, vo
     for (int i = 0; i < nargs; ++i)
         if (arg_sizes[i] != e.arg_sizes[i]) return 2;
     const unsigned nthreads = block[0] * block[1] * block[2];
-    if (nthreads == 0 || nthreads % 32 || nthreads > 1024 || grid[0] == 0 || grid[0] > 2147483647u ||
-        grid[1] == 0 || grid[1] > 65535 || grid[2] == 0 || grid[2] > 65535)
-        return 3;  // CUDA's limits: gridDim.x < 2^31, y and z <= 65535, none 0
+    if (nthreads == 0 || nthreads % 32 || nthreads > 1024 || grid[0] == 0 ||
+        grid[0] > (unsigned)GQAKV_MAX_GRID_X || grid[1] == 0 || grid[1] > GQAKV_MAX_GRID_Y ||
+        grid[2] == 0 || grid[2] > GQAKV_MAX_GRID_Y)
+        return 3;  // CUDA's limits (limits.py): gridDim.x < 2^31, y and z <= 65535, none 0
     gridDim = dim3{grid[0], grid[1], grid[2]};
     blockDim = dim3{block[0], block[1], block[2]};
     std::barrier<> block_bar(nthreads);

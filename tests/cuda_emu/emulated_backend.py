@@ -1,55 +1,65 @@
 """The real cupy backend, run on the CPU: a test-only backend named ``cupy_emulated``.
 
-``EmulatedCupyBackend`` is ``gqakv_backends.cupy_backend.CupyBackend`` with two things
-substituted and nothing else:
+``EmulatedCupyBackend`` is ``gqakv_backends.cupy_backend.CupyBackend`` given another
+runtime (``runtime.CupyRuntime``, the object through which the backend reaches CuPy),
+which substitutes two things and nothing else:
 
 * array allocation: a small stand-in ``cupy`` module whose arrays are
   ``EmulatedDeviceArray`` (a NumPy subclass with ``.get()`` like a CuPy array, so a plain
   NumPy array is still "another library" to the cache), each on one of two emulated
   devices (the current one when it was made; ``cupy.cuda.Device(i)`` switches);
-* kernel launch: ``modules.run_plan`` becomes a runner that refuses arrays of a device
+* kernel launch: instead of ``modules.run_plan``, a runner that refuses arrays of a device
   other than the current one (a GPU would fault) and executes the plan's launches
   (grid, block, typed arguments exactly as built by the backend's planner) on the CPU
   emulation harness (``harness.Emulator``), one emulation library per head dim, compiled
   with g++ on first use.
 
 Everything else is the backend's own code: ``write_kv``, ``copy_tokens``, ``attention``,
-their layout checks and fallbacks, strides, the upload of rows/lengths, the output
+their routing and generic fallbacks, strides, the upload of rows/lengths, the output
 pre-fill, the planner (with an H200's 132 SMs), the bfloat16 handling.
 
-The stand-in module is visible only while one of this backend's methods runs: each
-public method swaps ``sys.modules["cupy"]`` (and ``modules.run_plan``) in and restores
-them on return, so the real ``cupy`` backend keeps reporting "not installed" and no
-other code ever imports a fake cupy. Arrays are NumPy memory, so a kernel sees the
+The stand-in module is handed to the backend, never installed: ``sys.modules`` and
+``modules.run_plan`` stay as they are, so the real ``cupy`` backend keeps reporting "not
+installed" and no other code ever sees a fake cupy. Arrays are NumPy memory, so a kernel sees the
 array's own bytes from its first element (a strided view is handed over as the byte
 span it covers, its pointer and strides unchanged, as on a device).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import sys
 import threading
 import types
 
 import numpy as np
 
-from gqakv_backends import cupy_backend
-from gqakv_backends.cupy_backend import CupyBackend, modules
+from gqakv_backends.cupy_backend import CupyBackend
+from gqakv_backends.cupy_backend.runtime import CupyRuntime
 
 from . import harness
 
 #: Multiprocessor count the planner is given (an H200's), so plans match that device's.
 SM_COUNT = 132
-_MISSING = object()
-_lock = threading.RLock()
 
 
 #: Device ids the stand-in offers (two, so that device switching is exercised).
 DEVICES = (0, 1)
-_current_device = [0]  # a stack: the top is the current device
+_local = threading.local()  # the current device is per thread, as in CUDA
+#: One emulated launch at a time (the emulation library keeps the launch in globals).
+_launch_lock = threading.Lock()
+
+
+def _device_stack() -> list[int]:
+    """This thread's devices made current (a stack: the top is the current device)."""
+    stack = getattr(_local, "devices", None)
+    if stack is None:
+        stack = _local.devices = [0]
+    return stack
+
+
+def current_device() -> int:
+    return _device_stack()[-1]
 
 
 class EmulatedDevice:
@@ -61,17 +71,17 @@ class EmulatedDevice:
 
     def __init__(self, device=None):
         if device is None:
-            device = _current_device[-1]
+            device = current_device()
         if device not in DEVICES:
             raise ValueError(f"the emulated devices are {DEVICES}, got {device!r}")
         self.id = int(device)
 
     def __enter__(self):
-        _current_device.append(self.id)
+        _device_stack().append(self.id)
         return self
 
     def __exit__(self, *exc):
-        _current_device.pop()
+        _device_stack().pop()
         return False
 
 
@@ -84,7 +94,7 @@ class EmulatedDeviceArray(np.ndarray):
     """
 
     def __array_finalize__(self, obj):
-        self.emu_device = getattr(obj, "emu_device", _current_device[-1])
+        self.emu_device = getattr(obj, "emu_device", current_device())
 
     def get(self) -> np.ndarray:
         """Host copy, like ``cupy.ndarray.get``."""
@@ -94,7 +104,7 @@ class EmulatedDeviceArray(np.ndarray):
 def _on_device(a: np.ndarray) -> EmulatedDeviceArray:
     """``a``'s memory as an array on the current emulated device."""
     out = a.view(EmulatedDeviceArray)
-    out.emu_device = _current_device[-1]
+    out.emu_device = current_device()
     return out
 
 
@@ -114,9 +124,9 @@ def _asarray(a, dtype=None):
     return _on_device(np.array(a, dtype=dtype, copy=True))
 
 
-def _fake_cupy() -> types.ModuleType:
+def _fake_cupy() -> types.SimpleNamespace:
     """The parts of the cupy API that CupyBackend calls, on EmulatedDeviceArray."""
-    cp = types.ModuleType("cupy")
+    cp = types.SimpleNamespace()
     cp.__version__ = "emulated"
     cp.ndarray = EmulatedDeviceArray
     for name in ("float16", "float32", "float64", "int32", "int64"):
@@ -155,17 +165,6 @@ def _library(head_dims: tuple[int, ...]) -> harness.Emulator:
     return harness.Emulator(harness.build(asan=False, head_dims=head_dims))
 
 
-def _emulated(method):
-    """Run a CupyBackend method with the stand-in cupy and the emulated launcher in place."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self.in_scope():
-            return method(self, *args, **kwargs)
-
-    return wrapper
-
-
 class EmulatedCupyBackend(CupyBackend):
     """CupyBackend on the CPU: NumPy-backed device arrays, kernels on the emulator."""
 
@@ -175,8 +174,8 @@ class EmulatedCupyBackend(CupyBackend):
     device_kind = "cuda (emulated on the CPU)"
 
     def __init__(self):
-        super().__init__()
-        self._cupy = _fake_cupy()
+        # The launcher is looked up per launch, so a test may replace ``_run_plan``.
+        super().__init__(CupyRuntime(_fake_cupy(), lambda *args: self._run_plan(*args)))
         #: Kernel launches run so far (tests count them to see the fused path was taken).
         self.launches = 0
 
@@ -194,47 +193,18 @@ class EmulatedCupyBackend(CupyBackend):
 
         return xp
 
-    @contextlib.contextmanager
-    def in_scope(self):
-        """The stand-in cupy and the emulated ``run_plan``, for the duration of the block."""
-        with _lock:
-            saved = (sys.modules.get("cupy", _MISSING), modules.run_plan,
-                     cupy_backend._BF16_SUPPORTED)
-            sys.modules["cupy"] = self._cupy
-            modules.run_plan = self._run_plan
-            cupy_backend._BF16_SUPPORTED = None
-            try:
-                yield
-            finally:
-                if saved[0] is _MISSING:
-                    sys.modules.pop("cupy", None)
-                else:
-                    sys.modules["cupy"] = saved[0]
-                modules.run_plan, cupy_backend._BF16_SUPPORTED = saved[1], saved[2]
-
     def _run_plan(self, plan, arrays: dict, dtype: str, head_dim: int) -> None:
-        """``modules.run_plan`` on the emulator: same plan, same buffers (their bytes).
+        """The runtime's launcher: ``modules.run_plan``'s contract on the emulator: same
+        plan, same buffers (their bytes).
 
         Like a CUDA launch, it runs on the current device, and refuses (where a GPU would
         fault) any array that lives on another one."""
-        current = _current_device[-1]
+        current = current_device()
         for name, a in arrays.items():
             where = getattr(a, "emu_device", current)
             if where != current:
                 raise RuntimeError(f"illegal address: {name} is on device {where}, the kernel "
                                    f"was launched on device {current}")
-        emulator(head_dim).run(plan, {name: memory_span(a) for name, a in arrays.items()})
-        self.launches += len(plan.launches)
-
-    # Every method of CupyBackend that imports cupy, run with the stand-in in scope.
-    not_supported_reasons = _emulated(CupyBackend.not_supported_reasons)
-    dtype = _emulated(CupyBackend.dtype)
-    owns = _emulated(CupyBackend.owns)
-    from_numpy = _emulated(CupyBackend.from_numpy)
-    from_host_ints = _emulated(CupyBackend.from_host_ints)
-    write_kv = _emulated(CupyBackend.write_kv)
-    copy_tokens = _emulated(CupyBackend.copy_tokens)
-    attention = _emulated(CupyBackend.attention)
-    synchronize = _emulated(CupyBackend.synchronize)
-
-    empty = _emulated(CupyBackend.empty)
+        with _launch_lock:
+            emulator(head_dim).run(plan, {name: memory_span(a) for name, a in arrays.items()})
+            self.launches += len(plan.launches)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gqakv_backends.cupy_backend import limits
 from gqakv_backends.cupy_backend import plan as planmod
 from gqakv_backends.cupy_backend import sources
 
@@ -50,8 +51,10 @@ def asan_runtime() -> str | None:
 
 def _flags(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS) -> list[str]:
     dims = " ".join(f"GQAKV_REG_DIM({d})" for d in head_dims)
+    # The kernels' limits as -D options, as NVRTC gets them (sources.COMPILE_OPTIONS).
     flags = ["-std=c++20", "-g", "-pthread", "-shared", "-fPIC", f"-I{kernel_dir()}",
-             f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={dims}"]
+             f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={dims}",
+             *limits.define_options()]
     if asan:
         # alignment too: a misaligned 16-byte load faults on a GPU but runs on x86
         flags += ["-O1", "-fsanitize=address,alignment", "-fno-sanitize-recover=alignment",

@@ -9,6 +9,7 @@
 // gqakv_half holds IEEE binary16 bits, gqakv_bf16 holds bfloat16 bits. Everything is
 // computed in fp32. Offsets into the cache are 64-bit (long long) everywhere.
 #pragma once
+#include "limits.cuh"
 
 typedef long long i64;
 
@@ -69,6 +70,7 @@ template <> __device__ __forceinline__ gqakv_half from_float<gqakv_half>(float f
 // vectors (so every row start is 16-byte aligned in a contiguous buffer), else 1.
 template <class T, int D>
 struct VecWidth {
+    static_assert(D >= 1 && D <= GQAKV_MAX_HEAD_DIM, "head dim beyond GQAKV_MAX_HEAD_DIM");
     static constexpr int value = (D * (int)sizeof(T)) % 16 == 0 ? 16 / (int)sizeof(T) : 1;
 };
 

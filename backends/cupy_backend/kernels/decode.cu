@@ -41,6 +41,8 @@
 template <class T, int D, int QB_>
 struct DecodeShape {
     static constexpr int WARPS = 4;
+    static_assert(WARPS * 32 == GQAKV_THREADS_PER_CTA, "4 warps per CTA");
+    static_assert(gqakv_one_of(QB_, GQAKV_DECODE_QUERY_TILES), "QB is not in GQAKV_DECODE_QUERY_TILES");
     static constexpr int QB = QB_;                                // queries per CTA
     static constexpr int VEC = VecWidth<T, D>::value;             // elements per load
     static constexpr int NCH = D / VEC;                           // vectors per key row
@@ -55,9 +57,12 @@ struct DecodeShape {
 };
 
 // Resident CTAs per SM each tile is compiled for (ptxas caps registers at 65536 / (128 *
-// that)); plan.DECODE_CTAS_PER_SM holds the same numbers for the split planner, and the
-// NVRTC test checks that the registers ptxas reports allow them.
-template <int QB> struct DecodeOccupancy { static constexpr int value = QB <= 4 ? 3 : 2; };
+// that)): limits.DECODE_CTAS_PER_SM, which the split planner also reads; the NVRTC test
+// checks that the registers ptxas reports allow them.
+template <int QB> struct DecodeOccupancy {
+    static constexpr int value = gqakv_lookup(QB, GQAKV_DECODE_CTAS_PER_SM);
+    static_assert(value > 0, "no GQAKV_DECODE_CTAS_PER_SM entry for this query tile");
+};
 
 // One 16-byte (or smaller) vector of storage type T as it came from memory, converted to
 // fp32 only on use. Kept as 32-bit words where it fills them: a struct of eight 16-bit

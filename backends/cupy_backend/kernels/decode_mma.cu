@@ -45,17 +45,21 @@
 
 template <class T, int D>
 struct DecodeMmaShape {
-    static_assert(D == 64 || D == 128, "gqakv_decode_mma serves head dims 64 and 128");
+    static_assert(gqakv_one_of(D, GQAKV_DECODE_MMA_HEAD_DIMS),
+                  "gqakv_decode_mma serves the head dims of GQAKV_DECODE_MMA_HEAD_DIMS");
     static constexpr int WARPS = 4;
+    static_assert(WARPS * 32 == GQAKV_THREADS_PER_CTA, "4 warps per CTA");
     static constexpr int QB = 16;      // query rows per CTA (the mma's m)
+    static_assert(QB == GQAKV_DECODE_MMA_ROWS, "the planner's query chunk is the mma's 16 rows");
     static constexpr int KEYS = 16;    // keys per warp step (the k of P V)
     static constexpr int KK = D / 16;  // k16 steps of Q K^T
     static constexpr int NB = D / 8;   // n8 blocks of P V (= V elements per lane and key)
     static constexpr int KW = D / 8;   // 32-bit words of K (D / 32 chunks of 8) per lane and key
     static constexpr int VW = D / 16;  // 32-bit words of V (D / 64 chunks of 8) per lane and key
-    // Resident CTAs per SM (registers: ~2 x 64 of K/V words and O fragments at d = 128);
-    // plan.DECODE_MMA_CTAS_PER_SM mirrors these for the split planner.
-    static constexpr int CTAS_PER_SM = D <= 64 ? 4 : 2;
+    // Resident CTAs per SM (registers: ~2 x 64 of K/V words and O fragments at d = 128):
+    // limits.DECODE_MMA_CTAS_PER_SM, which the split planner also reads.
+    static constexpr int CTAS_PER_SM = gqakv_lookup(D, GQAKV_DECODE_MMA_CTAS_PER_SM);
+    static_assert(CTAS_PER_SM > 0, "no GQAKV_DECODE_MMA_CTAS_PER_SM entry for this head dim");
 };
 
 // Two fp32 values rounded to nearest-even T and packed, lo in the low half.

@@ -16,7 +16,9 @@
 
 template <class T, int D>
 struct PrefillShape {
-    static constexpr int ROWS = D <= 64 ? 64 : (D <= 128 ? 32 : 16);  // query rows per CTA
+    // Query rows per CTA: limits.PREFILL_ROWS (the planner's table too).
+    static constexpr int ROWS = gqakv_lookup_at_most(D, GQAKV_PREFILL_ROWS);
+    static_assert(ROWS > 0 && ROWS % 8 == 0, "GQAKV_PREFILL_ROWS: rows for this head dim, 8 row groups");
     static constexpr int BK = D <= 128 ? 32 : 16;                      // keys per tile
     static constexpr int TR = 8, TC = 16;
     static constexpr int RPT = ROWS / TR;          // rows per thread

@@ -55,8 +55,11 @@ struct PrefillMmaSmem {
 template <class T, int D>
 struct PrefillMmaShape {
     static_assert(sizeof(T) == 2 && D % 16 == 0 && D > 0, "16-bit types, head dim a multiple of 16");
+    static_assert(GQAKV_PREFILL_MMA_HEAD_DIM_MULTIPLE == 16, "the mma's k is 16");
     static constexpr int WARPS = 4;
-    static constexpr int ROWS = 16 * WARPS;  // query rows per CTA; mirrors plan.prefill_rows
+    static_assert(WARPS * 32 == GQAKV_THREADS_PER_CTA, "4 warps per CTA");
+    static constexpr int ROWS = 16 * WARPS;  // query rows per CTA
+    static_assert(ROWS == GQAKV_PREFILL_MMA_ROWS, "limits.PREFILL_MMA_ROWS is 4 warps x the mma's 16 rows");
     // Largest key tile with K and V in separate buffers that fits, else 16 keys sharing one.
     static constexpr int BK = PrefillMmaSmem<D, 64, false>::FITS ? 64
                               : PrefillMmaSmem<D, 32, false>::FITS ? 32 : 16;

@@ -1,0 +1,125 @@
+"""Which implementation runs each hot operation of the cupy backend, and why not the others.
+
+One routing step per operation (``route_write_kv``, ``route_copy_tokens``,
+``route_attention``): from a call's facts it returns a ``gqakv.backend.Route`` naming the
+fused kernel that runs (or the generic array-API code) and, for every other
+implementation, the sentence saying why it was not eligible. ``CupyBackend`` routes every
+call through these before planning, and ``CupyBackend.route`` answers the same question
+for ``gqakv info``, the benchmarks and the tests; the planner's kernel choice
+(``plan.decode_kernel``, ``plan.prefill_kernel``) uses the same predicates (limits.py).
+
+Facts (all hashable; the routes are kept, so a routed call costs one cache lookup):
+  dtype:      the cache's dtype name (e.g. "bfloat16", "float64").
+  head_dim:   d.
+  t_q:        query tokens per row of the call (attention only).
+  capability: the device's compute capability as CuPy spells it (90 for 9.0); None when
+              not known (then the tensor-core kernels are not ruled out by it).
+  layout:     why the buffers' layout does not suit the kernels (unaligned rows, K and V
+              strided differently, ...), None when it does.
+  grid:       the planner's refusal of the launch grid (beyond CUDA's limits), None when
+              it fits (or before planning).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from gqakv.backend import GENERIC, Route
+
+from . import limits, sources
+
+#: dtypes the fused kernels are built for (the C++ storage types of sources.CTYPES).
+FUSED_DTYPES = tuple(sources.CTYPES)
+
+DECODE_KERNELS = ("gqakv_decode_mma", "gqakv_decode")  # preferred first
+PREFILL_KERNELS = ("gqakv_prefill_mma", "gqakv_prefill")
+
+
+def _fused_rejection(dtype: str, head_dim: int) -> str | None:
+    return limits.dtype_rejection(dtype, FUSED_DTYPES) or limits.head_dim_rejection(head_dim)
+
+
+def _chosen(impl: str, rejected: dict[str, str]) -> Route:
+    if impl != GENERIC:
+        rejected[GENERIC] = f"{impl} serves this call (fused kernels come first)"
+    return Route(impl, rejected)
+
+
+@functools.lru_cache(maxsize=1024)
+def route_write_kv(dtype: str, head_dim: int, layout: str | None = None,
+                   grid: str | None = None) -> Route:
+    """gqakv_write_kv (one launch for all rows) or the generic slice writes."""
+    why = _fused_rejection(dtype, head_dim) or layout or grid
+    if why:
+        return Route(GENERIC, {"gqakv_write_kv": why})
+    return _chosen("gqakv_write_kv", {})
+
+
+@functools.lru_cache(maxsize=1024)
+def route_copy_tokens(dtype: str, head_dim: int, layout: str | None = None,
+                      grid: str | None = None) -> Route:
+    """gqakv_copy_tokens (every layer and row pair in one launch) or the generic copies."""
+    why = _fused_rejection(dtype, head_dim) or layout or grid
+    if why:
+        return Route(GENERIC, {"gqakv_copy_tokens": why})
+    return _chosen("gqakv_copy_tokens", {})
+
+
+@functools.lru_cache(maxsize=1024)
+def route_attention(dtype: str, head_dim: int, t_q: int = 1, capability: int | None = None,
+                    layout: str | None = None, grid: str | None = None) -> Route:
+    """The decode kernels for t_q <= DECODE_MAX_T, the prefill kernels above; in each
+    family the tensor-core kernel where it serves (dtype, head_dim) and the device has
+    mma.m16n8k16, else the fp32-FMA one; the generic code when neither can run.
+    ``grid`` (the planner's refusal) rules out the kernel the family would have run."""
+    rejected: dict[str, str] = {}
+    decode = t_q <= limits.DECODE_MAX_T
+    family, other = (DECODE_KERNELS, PREFILL_KERNELS) if decode else (PREFILL_KERNELS, DECODE_KERNELS)
+    why_family = (f"t_q={t_q} <= {limits.DECODE_MAX_T}: the decode kernels serve it" if decode else
+                  f"t_q={t_q} (the decode kernels serve up to {limits.DECODE_MAX_T} query tokens)")
+    for kernel in other:
+        rejected[kernel] = why_family
+    why = _fused_rejection(dtype, head_dim) or layout
+    if why:
+        rejected.update((kernel, why) for kernel in family)
+        return Route(GENERIC, rejected)
+    mma, fma = family
+    mma_instance = limits.decode_mma_rejection if decode else limits.prefill_mma_rejection
+    why_mma = mma_instance(dtype, head_dim) or limits.capability_rejection(capability)
+    if why_mma:
+        rejected[mma] = why_mma
+        chosen = fma
+    else:
+        rejected[fma] = f"{mma} serves this call (tensor cores first)"
+        chosen = mma
+    if grid:
+        rejected[chosen] = grid
+        return Route(GENERIC, rejected)
+    return _chosen(chosen, rejected)
+
+
+ROUTES = {"write_kv": route_write_kv, "copy_tokens": route_copy_tokens,
+          "attention": route_attention}
+
+
+def implementations() -> dict[str, str]:
+    """Each implementation of the cupy backend and its declared limits (``gqakv info``)."""
+    fused = f"{', '.join(FUSED_DTYPES)}; head_dim 1..{limits.MAX_FUSED_HEAD_DIM}"
+    mma_cc = f"compute capability {limits.MMA_MIN_CAPABILITY // 10}.{limits.MMA_MIN_CAPABILITY % 10}+"
+    mma = ", ".join(limits.MMA_DTYPES)
+    t = limits.DECODE_MAX_T
+    return {
+        "gqakv_write_kv": f"{fused}; rows aligned for vector loads",
+        "gqakv_copy_tokens": f"{fused}; rows aligned for vector loads",
+        "gqakv_decode_mma": (f"t_q <= {t}; {mma}; head_dim in "
+                             f"{', '.join(map(str, limits.DECODE_MMA_HEAD_DIMS))}; {mma_cc}"),
+        "gqakv_decode": (f"t_q <= {t}; {fused}; query tiles "
+                         f"{', '.join(map(str, limits.DECODE_QUERY_TILES))}"),
+        "gqakv_merge": "joins split-KV decode partials",
+        "gqakv_prefill_mma": (f"t_q > {t}; {mma}; head_dim a multiple of "
+                              f"{limits.PREFILL_MMA_HEAD_DIM_MULTIPLE} up to "
+                              f"{limits.MAX_FUSED_HEAD_DIM}; {mma_cc}"),
+        "gqakv_prefill": f"t_q > {t}; {fused}",
+        GENERIC: "everything else (float64, larger head dims, other layouts, grids past "
+                 f"CUDA's limits of {limits.MAX_GRID_X} x {limits.MAX_GRID_Y} CTAs)",
+    }
