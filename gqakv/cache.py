@@ -13,6 +13,9 @@ append or move rows on its own: lengths advance once per model step, for all lay
 
 from __future__ import annotations
 
+import math
+import threading
+
 import numpy as np
 
 from . import dtypes as _dtypes
@@ -34,11 +37,18 @@ class Lengths:
 
     The host int64 copy is the source of truth: validation reads it without a device
     round trip. The backend's array of it is made on demand and cached until a change.
+
+    ``lock`` serializes the writers of one set of buffers (an append, a step's open,
+    writes and commit, a row operation: validate, write, advance the lengths), shared by
+    a KVCache or ModelKVCache and every layer view of it. Readers do not take it: they
+    snapshot the lengths they validate against, and writers change only slots past them.
     """
 
     def __init__(self, batch: int):
         self.host = np.zeros(batch, dtype=np.int64)
-        self._device = None
+        self.lock = threading.RLock()
+        self._version = 0  # bumped after each change, so a device copy made meanwhile is not kept
+        self._device = None  # (version, backend array) or None
 
     @classmethod
     def of(cls, values: np.ndarray) -> "Lengths":
@@ -48,7 +58,7 @@ class Lengths:
 
     def set(self, rows: np.ndarray, values: np.ndarray) -> None:
         self.host[rows] = values
-        self._device = None
+        self._version += 1
 
     def read_only(self) -> np.ndarray:
         view = self.host.view()
@@ -56,23 +66,47 @@ class Lengths:
         return view
 
     def device(self, backend, like):
-        if self._device is None:
-            # A copy: the array handed out must neither change under its holder after the
-            # next append nor, where the library's arrays are writable, write the lengths.
-            self._device = backend.from_host_ints(self.host.copy(), device=backend.device_of(like))
-        return self._device
+        cached = self._device
+        if cached is not None and cached[0] == self._version:
+            return cached[1]
+        # The version is read before the host copy: if a writer changes the lengths
+        # meanwhile, the copy is tagged with the older version and never reused.
+        version = self._version
+        # A copy: the array handed out must neither change under its holder after the
+        # next append nor, where the library's arrays are writable, write the lengths.
+        arr = backend.from_host_ints(self.host.copy(), device=backend.device_of(like))
+        self._device = (version, arr)
+        return arr
+
+
+#: Largest buffer, in bytes, any backend can address (a signed 64-bit byte count;
+#: NumPy's and torch's limit on 64-bit platforms).
+MAX_BUFFER_BYTES = 2**63 - 1
 
 
 def allocate(backend, shape: tuple[int, ...], dtype: str, what: str):
     """Two buffers (K and V) of ``shape``; a MemoryError names the bytes asked for."""
-    nbytes = 2 * int(np.prod(shape, dtype=np.int64)) * _dtypes.itemsize(dtype)
+    each = math.prod(int(s) for s in shape) * _dtypes.itemsize(dtype)  # Python ints: exact
+    nbytes = 2 * each
+
+    def fail(why: str):
+        return MemoryError(
+            f"cannot allocate a {what} of {nbytes:,} bytes ({human_bytes(nbytes)}; K and V "
+            f"each {list(shape)} {dtype}) on backend {backend.name!r}: {why}"
+        )
+
+    if each > MAX_BUFFER_BYTES:
+        raise fail(f"each buffer exceeds the {MAX_BUFFER_BYTES:,} bytes a 64-bit size can address")
     try:
         return backend.empty(shape, dtype), backend.empty(shape, dtype)
     except MemoryError as exc:
-        raise MemoryError(
-            f"cannot allocate a {what} of {nbytes:,} bytes ({human_bytes(nbytes)}; K and V "
-            f"each {list(shape)} {dtype}) on backend {backend.name!r}: {exc}"
-        ) from None
+        raise fail(str(exc)) from None
+
+
+def _check_dims(batch, kv_heads, max_len, head_dim) -> tuple[int, int, int, int]:
+    """The cache dimensions as Python ints: batch, max_len >= 0; kv_heads, head_dim >= 1."""
+    return (_check_dim("batch", batch, 0), _check_dim("kv_heads", kv_heads, 1),
+            _check_dim("max_len", max_len, 0), _check_dim("head_dim", head_dim, 1))
 
 
 class RowsAndLengths:
@@ -88,10 +122,8 @@ class RowsAndLengths:
                   backend, what: str) -> None:
         """Check the dimensions, pick the backend, allocate K and V
         ``[*leading, B, Hkv, max_len, d]`` once and start every row empty."""
-        self.batch = _check_dim("batch", batch, 0)
-        self.kv_heads = _check_dim("kv_heads", kv_heads, 1)
-        self.max_len = _check_dim("max_len", max_len, 0)
-        self.head_dim = _check_dim("head_dim", head_dim, 1)
+        self.batch, self.kv_heads, self.max_len, self.head_dim = _check_dims(
+            batch, kv_heads, max_len, head_dim)
         self.dtype = _dtypes.canonical_name(dtype)
         self.backend = get_backend(backend, dtype=self.dtype, head_dim=self.head_dim)
         shape = (*leading, self.batch, self.kv_heads, self.max_len, self.head_dim)
@@ -113,23 +145,27 @@ class RowsAndLengths:
         allowed: beam search). In place, every layer at once; copies only live tokens,
         ordered so no row is overwritten before it is read (a one-row temporary breaks
         permutation cycles). See ``row_ops.reorder``."""
-        self._check_can_change("reorder rows")
-        row_ops.reorder(self.backend, *self._row_buffers(), self._lengths, src_rows)
+        with self._lengths.lock:
+            self._check_can_change("reorder rows")
+            row_ops.reorder(self.backend, *self._row_buffers(), self._lengths, src_rows)
 
     def fork(self, src: int, dst_rows) -> None:
         """Copy row ``src``'s live tokens and length into each of ``dst_rows`` (distinct)."""
-        self._check_can_change("fork rows")
-        row_ops.fork(self.backend, *self._row_buffers(), self._lengths, src, dst_rows)
+        with self._lengths.lock:
+            self._check_can_change("fork rows")
+            row_ops.fork(self.backend, *self._row_buffers(), self._lengths, src, dst_rows)
 
     def truncate(self, rows, new_lens) -> None:
         """Shorten ``rows[i]`` to ``new_lens[i] <= lens[rows[i]]`` tokens: O(1), no data moves."""
-        self._check_can_change("truncate rows")
-        row_ops.truncate(self._lengths, rows, new_lens)
+        with self._lengths.lock:
+            self._check_can_change("truncate rows")
+            row_ops.truncate(self._lengths, rows, new_lens)
 
     def reset(self, rows=None) -> None:
         """Empty ``rows`` (distinct; default every row) for reuse by new requests."""
-        self._check_can_change("reset rows")
-        row_ops.reset(self._lengths, rows)
+        with self._lengths.lock:
+            self._check_can_change("reset rows")
+            row_ops.reset(self._lengths, rows)
 
 
 class KVCache(RowsAndLengths):
@@ -172,8 +208,10 @@ class KVCache(RowsAndLengths):
 
     @staticmethod
     def nbytes_for(batch: int, kv_heads: int, max_len: int, head_dim: int, dtype="float32") -> int:
-        """Bytes the K and V buffers of such a cache take together, computed before allocating."""
-        return 2 * batch * kv_heads * max_len * head_dim * _dtypes.itemsize(dtype)
+        """Bytes the K and V buffers of such a cache take together, computed before allocating
+        (each dimension checked as the constructor checks it; exact Python ints, no wrap-around)."""
+        dims = _check_dims(batch, kv_heads, max_len, head_dim)
+        return 2 * math.prod(dims) * _dtypes.itemsize(dtype)
 
     @property
     def nbytes(self) -> int:
@@ -203,10 +241,12 @@ class KVCache(RowsAndLengths):
         Everything is validated before anything is written: on error (TypeError or
         ValueError naming the row and the numbers) no row's data or length changes.
         """
-        self._check_can_change("append")
-        inputs = validate_append(self, k_new, v_new, n_new, rows)
-        self.backend.write_kv(self.k, self.v, k_new, v_new, inputs.rows, inputs.starts, inputs.n_new)
-        self._set_lens(inputs.rows, inputs.starts + inputs.n_new)
+        with self._lengths.lock:  # validate, write and advance as one step (see Lengths)
+            self._check_can_change("append")
+            inputs = validate_append(self, k_new, v_new, n_new, rows)
+            self.backend.write_kv(self.k, self.v, k_new, v_new, inputs.rows, inputs.starts,
+                                  inputs.n_new)
+            self._set_lens(inputs.rows, inputs.starts + inputs.n_new)
 
     # -- row operations (RowsAndLengths) ---------------------------------------------------------
 

@@ -28,14 +28,33 @@ def _to_numpy(x) -> np.ndarray:
         return np.asarray(x)
 
 
+def check_no_bools(x, what: str) -> None:
+    """TypeError naming the first bool in a list/tuple ``x`` (nested too). NumPy would
+    turn ``[1, True]`` into an int array, so the elements are checked before it sees them."""
+    if isinstance(x, (list, tuple, range)):
+        for i, v in enumerate(x):
+            if isinstance(v, (bool, np.bool_)):
+                raise TypeError(f"{what}[{i}]={v!r} is a bool; {what} must hold integers")
+            check_no_bools(v, f"{what}[{i}]")
+
+
+def check_flag(value, what: str) -> bool:
+    """``value`` if it is a bool (Python or NumPy); TypeError naming ``what`` otherwise."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be a bool (True or False), got {value!r}")
+    return bool(value)
+
+
 def host_ints(x, what: str, length: int) -> np.ndarray:
     """``x`` as a host int64 array of shape [length]; TypeError/ValueError otherwise."""
-    if isinstance(x, bool) or x is None:
+    if isinstance(x, (bool, np.bool_)) or x is None:
         raise TypeError(f"{what} must be integers of shape [{length}], got {x!r}")
+    check_no_bools(x, what)
+    if isinstance(x, (list, tuple)):  # before NumPy turns an out-of-range int into float/object
+        for i, v in enumerate(x):
+            if isinstance(v, (int, np.integer)) and not -2**63 <= v < 2**63:
+                raise ValueError(f"{what}[{i}]={int(v)} is out of range (integers must fit in int64)")
     a = _to_numpy(x)
-    if a.dtype == object and a.ndim == 1 and all(isinstance(v, int) and not isinstance(v, bool) for v in a):
-        i = next(i for i, v in enumerate(a) if not -2**63 <= v < 2**63)  # why NumPy gave up
-        raise ValueError(f"{what}[{i}]={a[i]} is out of range (integers must fit in int64)")
     if a.dtype.kind not in "iu" or a.dtype == np.bool_:
         if a.size == 0 and a.dtype.kind == "f":  # [] from an empty list is float64
             a = a.astype(np.int64)
@@ -78,8 +97,9 @@ def _is_float(dt) -> bool:
         return False
 
 
-def _rows(cache, rows, batch: int, *, distinct: bool) -> np.ndarray:
-    """Cache row of each batch entry: ``arange(cache.batch)`` or the given indirection."""
+def _rows(cache, rows, batch: int, *, distinct: bool, batch_of: str | None = None) -> np.ndarray:
+    """Cache row of each batch entry: ``arange(cache.batch)`` or the given indirection.
+    ``batch_of`` names the array whose dim 0 is ``batch`` (for the error when rows differs)."""
     if rows is None:
         if batch != cache.batch:
             raise ValueError(
@@ -87,6 +107,14 @@ def _rows(cache, rows, batch: int, *, distinct: bool) -> np.ndarray:
                 "(pass rows= to address a subset of rows)"
             )
         return np.arange(cache.batch, dtype=np.int64)
+    count = None
+    if isinstance(rows, (list, tuple, range)):
+        count = len(rows)
+    elif len(getattr(rows, "shape", ())) == 1:
+        count = int(rows.shape[0])
+    if batch_of is not None and count is not None and count != batch:
+        raise ValueError(f"rows has {count} entries but {batch_of} has batch {batch} (dim 0); "
+                         "rows needs one cache row per batch entry")
     return check_rows(host_ints(rows, "rows", batch), "rows", cache.batch, distinct=distinct)
 
 
@@ -127,7 +155,7 @@ def validate_append(cache, k_new, v_new, n_new, rows=None) -> AppendInputs:
         )
     _check_dtype(cache, k_new, "k_new")
     _check_dtype(cache, v_new, "v_new")
-    r = _rows(cache, rows, B, distinct=True)
+    r = _rows(cache, rows, B, distinct=True, batch_of="k_new")
     n = host_ints(n_new, "n_new", B)
     for i in range(B):
         if not 0 <= n[i] <= T:
@@ -140,11 +168,20 @@ def validate_append(cache, k_new, v_new, n_new, rows=None) -> AppendInputs:
 def check_capacity(rows: np.ndarray, starts: np.ndarray, n_new: np.ndarray, max_len: int) -> None:
     """ValueError naming the first entry i whose row ``rows[i]`` cannot take ``n_new[i]`` more tokens."""
     for i in range(len(rows)):
-        if starts[i] + n_new[i] > max_len:
+        start, n = int(starts[i]), int(n_new[i])  # Python ints: int64 would wrap past 2**63
+        if start + n > max_len:
             raise ValueError(
-                f"row {int(rows[i])} holds {int(starts[i])} tokens; appending n_new[{i}]={int(n_new[i])} "
-                f"would make {int(starts[i] + n_new[i])} > max_len={max_len}"
+                f"row {int(rows[i])} holds {start} tokens; appending n_new[{i}]={n} "
+                f"would make {start + n} > max_len={max_len}"
             )
+
+
+def _as_float(x) -> float:
+    """``float(x)``, or inf for an int too large for a float (no OverflowError)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf
 
 
 @dataclass(frozen=True)
@@ -172,7 +209,7 @@ def validate_attention(cache, q, n_new, rows=None, scale=None) -> AttentionInput
     if hq == 0:
         raise ValueError("q has no heads (Hq=0)")
     _check_dtype(cache, q, "q")
-    r = _rows(cache, rows, B, distinct=False)
+    r = _rows(cache, rows, B, distinct=False, batch_of="q")
     n = host_ints(n_new, "n_new", B)
     lens = cache.host_lens[r]
     for i in range(B):
@@ -186,7 +223,7 @@ def validate_attention(cache, q, n_new, rows=None, scale=None) -> AttentionInput
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     elif (isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating))
-          or not math.isfinite(scale)):
+          or not math.isfinite(_as_float(scale))):
         raise TypeError(f"scale must be a finite real number, got {scale!r}")
     # A Python float keeps the computation in the cache's dtype (a NumPy float64 scalar
     # would promote a float32 step to a float64 copy of every block it touches).

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cache import KVCache, Lengths, RowsAndLengths, _check_dim, human_bytes
-from .inputs import _rows, check_capacity, host_ints, validate_append, validate_attention
+from .inputs import _rows, check_capacity, check_flag, host_ints, validate_append, validate_attention
 
 _LAYER_VIEW = ("it is one layer of a ModelKVCache, whose lengths are shared by all layers; "
                "write through ModelKVCache.step(...) and move rows with the ModelKVCache's "
@@ -71,7 +71,9 @@ class ModelKVCache(RowsAndLengths):
     def nbytes_for(layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                    dtype="float32") -> int:
         """Bytes of K and V for all layers, computed before allocating:
-        ``2 * layers * batch * kv_heads * max_len * head_dim * itemsize``."""
+        ``2 * layers * batch * kv_heads * max_len * head_dim * itemsize`` (every dimension
+        checked as the constructor checks it; exact Python ints)."""
+        layers = _check_dim("layers", layers, 1)
         return layers * KVCache.nbytes_for(batch, kv_heads, max_len, head_dim, dtype)
 
     @property
@@ -109,23 +111,24 @@ class ModelKVCache(RowsAndLengths):
         Validated here, before any layer runs: shapes, row indices, and
         ``lens[rows[i]] + n_new[i] <= max_len`` for every entry. Use it as a context
         manager (commit on normal exit, abort on exception), or call ``commit()`` /
-        ``abort()``. While a step is open, other writes and row operations raise.
+        ``abort()``. While a step is open, other writes and row operations raise, and so
+        does opening a second step (from any thread: RuntimeError at once, no waiting).
         """
-        self._check_can_change("begin a step")
-        n = np.asarray(n_new) if isinstance(n_new, (list, tuple)) else n_new
         try:
             count = self.batch if rows is None else len(rows)
         except TypeError:  # an int or a 0-d array
             raise TypeError(f"rows must be a 1-D list of cache row indices, got {rows!r}") from None
-        r = _rows(self, rows, count, distinct=True)
-        n = host_ints(n, "n_new", count)
-        starts = self._lengths.host[r].copy()
-        for i in range(count):
-            if n[i] < 0:
-                raise ValueError(f"n_new[{i}]={int(n[i])} is negative (row {int(r[i])})")
-        check_capacity(r, starts, n, self.max_len)
-        step = Step(self, r, starts, n)
-        self._open_step = step
+        with self._lengths.lock:  # the open-step check and the opening are one step
+            self._check_can_change("begin a step")
+            r = _rows(self, rows, count, distinct=True)
+            n = host_ints(n_new, "n_new", count)
+            starts = self._lengths.host[r].copy()
+            for i in range(count):
+                if n[i] < 0:
+                    raise ValueError(f"n_new[{i}]={int(n[i])} is negative (row {int(r[i])})")
+            check_capacity(r, starts, n, self.max_len)
+            step = Step(self, r, starts, n)
+            self._open_step = step
         return step
 
     def _check_can_change(self, what: str) -> None:
@@ -163,6 +166,7 @@ class Step:
         self._pending = Lengths.of(pending)
         self._written = np.zeros(cache.layers, dtype=bool)
         self._state = "open"
+        self._lock = cache._lengths.lock  # the cache's writer lock (see Lengths)
         for a in (self.rows, self.starts, self.n_new, self.lens):
             a.flags.writeable = False
 
@@ -187,10 +191,11 @@ class Step:
     def write(self, layer: int, k_new, v_new) -> None:
         """Write layer ``layer``'s new K and V (``[B', Hkv, T, d]``, ``n_new[i] <= T``) at the
         rows' current lengths, past the live tokens. Each layer is written exactly once."""
-        self._check_open()
         l = self.cache._layer_index(layer)
-        inputs = self._validate_write(l, k_new, v_new)
-        self._write(l, k_new, v_new, inputs)
+        with self._lock:
+            self._check_open()
+            inputs = self._validate_write(l, k_new, v_new)
+            self._write(l, k_new, v_new, inputs)
 
     def attend(self, layer: int, q, k_new, v_new, *, scale: float | None = None,
                return_lse: bool = False):
@@ -202,24 +207,36 @@ class Step:
             k_new, v_new: ``[B', Hkv, T, d]``; entry i's first ``n_new[i]`` slots are real.
 
         Returns ``out`` ``[B', Hq, T, d]`` (padded query slots exactly 0), or
-        ``(out, lse)`` with ``return_lse``. Everything is validated before the write.
+        ``(out, lse)`` with ``return_lse`` (a bool). Everything is validated before the write.
         """
-        self._check_open()
         c = self.cache
         l = c._layer_index(layer)
-        inputs = self._validate_write(l, k_new, v_new)
-        view = self._view(l)  # validated against before the write; read only after it
-        att = validate_attention(view, q, self.n_new, self.rows, scale)
-        if tuple(q.shape[::2]) != tuple(k_new.shape[::2]):
-            raise ValueError(f"q {list(q.shape)} and k_new {list(k_new.shape)} must have the same "
-                             "batch B' (dim 0) and tokens T (dim 2)")
-        self._write(l, k_new, v_new, inputs)
+        return_lse = check_flag(return_lse, "return_lse")
+        with self._lock:
+            self._check_open()
+            inputs = self._validate_write(l, k_new, v_new)
+            view = self._view(l)  # validated against before the write; read only after it
+            q_shape = tuple(getattr(q, "shape", ()))
+            if len(q_shape) == 4 and q_shape[::2] != tuple(k_new.shape[::2]):
+                raise ValueError(
+                    f"q {list(q_shape)} does not match k_new {list(k_new.shape)}: q must have the "
+                    f"same batch B'={int(k_new.shape[0])} (dim 0) and tokens T={int(k_new.shape[2])} "
+                    "(dim 2)")
+            att = validate_attention(view, q, self.n_new, self.rows, scale)
+            self._write(l, k_new, v_new, inputs)
+        # Attention reads only this step's rows up to their pending lengths, which no other
+        # writer touches while the step is open, so it runs outside the lock.
         return c.backend.attention(q, view.k, view.v, att.rows, att.lens, att.n_new,
                                    scale=att.scale, return_lse=return_lse)
 
     def _validate_write(self, l: int, k_new, v_new):
         if self._written[l]:
             raise ValueError(f"layer {l} was already written in this step (each layer exactly once)")
+        for what, x in (("k_new", k_new), ("v_new", v_new)):
+            shape = tuple(getattr(x, "shape", ()))
+            if shape and int(shape[0]) != self.rows.size:
+                raise ValueError(f"{what} has batch {int(shape[0])} (dim 0 of {list(shape)}), but "
+                                 f"this step has {self.rows.size} entries (B' = len(rows))")
         return validate_append(self.cache.layer(l), k_new, v_new, self.n_new, self.rows)
 
     def _write(self, l: int, k_new, v_new, inputs) -> None:
@@ -235,22 +252,24 @@ class Step:
 
         Every layer must have been written; otherwise RuntimeError and the step is
         aborted (nothing advances)."""
-        self._check_open()
-        missing = np.flatnonzero(~self._written)
-        if missing.size:
-            self.abort()
-            shown = ", ".join(str(int(m)) for m in missing[:8]) + (" ..." if missing.size > 8 else "")
-            raise RuntimeError(
-                f"step not committed: {missing.size} of {self.cache.layers} layers were never "
-                f"written (layers {shown}); lengths are unchanged"
-            )
-        self.cache._lengths.set(self.rows, self.lens)
-        self._close("committed")
+        with self._lock:
+            self._check_open()
+            missing = np.flatnonzero(~self._written)
+            if missing.size:
+                self._close("aborted")
+                shown = ", ".join(str(int(m)) for m in missing[:8]) + (" ..." if missing.size > 8 else "")
+                raise RuntimeError(
+                    f"step not committed: {missing.size} of {self.cache.layers} layers were never "
+                    f"written (layers {shown}); lengths are unchanged"
+                )
+            self.cache._lengths.set(self.rows, self.lens)
+            self._close("committed")
 
     def abort(self) -> None:
         """End the step without advancing any length (the written slots stay dead)."""
-        if self._state == "open":
-            self._close("aborted")
+        with self._lock:
+            if self._state == "open":
+                self._close("aborted")
 
     def _close(self, state: str) -> None:
         self._state = state

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .inputs import check_rows, host_ints
+from .inputs import check_no_bools, check_rows, host_ints
 
 #: Row index meaning "the one-row temporary" in a reorder plan.
 TEMP = -1
@@ -38,6 +38,7 @@ def _ints_1d(x, what: str) -> np.ndarray:
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         x = [x]
     if isinstance(x, (list, tuple, range)):
+        check_no_bools(x, what)  # before NumPy turns [1, True] into ints
         x = np.asarray(list(x))
     shape = tuple(getattr(x, "shape", ()))
     if len(shape) != 1:
