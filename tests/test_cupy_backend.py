@@ -3,6 +3,7 @@ lazy import, packaged kernel sources, and the launch planner's decisions."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import types
@@ -276,3 +277,169 @@ def test_kept_plans_are_least_recently_used_and_made_once():
     get("c")  # evicts b, the least recently used
     assert get("a") == "plan a" and get("b") == "plan b"
     assert made == ["a", "b", "c", "b"]
+
+
+# -- routing: which implementation runs a call, and why not the others ------------------------
+
+ATTENTION_KERNELS = {"gqakv_decode_mma", "gqakv_decode", "gqakv_prefill_mma", "gqakv_prefill"}
+
+
+def _route(op, **facts):
+    return CupyBackend().route(op, **facts)
+
+
+def _covers_everything_else(route, implementations):
+    """Every implementation but the chosen one has a non-empty reason."""
+    assert set(route.rejected) == set(implementations) - {route.impl}, route
+    assert all(isinstance(r, str) and r for r in route.rejected.values()), route
+
+
+def test_route_float64_is_generic_with_a_reason_for_every_kernel():
+    from gqakv.backend import GENERIC
+
+    for t_q in (1, 9):
+        r = _route("attention", dtype="float64", head_dim=128, t_q=t_q, capability=90)
+        assert r.impl == GENERIC
+        _covers_everything_else(r, ATTENTION_KERNELS | {GENERIC})
+        family = ("gqakv_decode_mma", "gqakv_decode") if t_q == 1 else ("gqakv_prefill_mma", "gqakv_prefill")
+        for kernel in family:
+            assert r.rejected[kernel] == "dtype=float64 (supported: float32, float16, bfloat16)"
+        for kernel in ATTENTION_KERNELS - set(family):
+            assert f"t_q={t_q}" in r.rejected[kernel]
+    for op, kernel in (("write_kv", "gqakv_write_kv"), ("copy_tokens", "gqakv_copy_tokens")):
+        r = _route(op, dtype="float64", head_dim=128)
+        assert (r.impl, dict(r.rejected)) == (GENERIC, {kernel: "dtype=float64 (supported: float32, "
+                                                                "float16, bfloat16)"})
+        r = _route(op, dtype="bfloat16", head_dim=300)
+        assert r.impl == GENERIC and r.rejected[kernel] == "head_dim=300 (supported: 1..256)"
+        r = _route(op, dtype="bfloat16", head_dim=128)
+        assert r.impl == kernel and set(r.rejected) == {GENERIC}
+
+
+def test_route_decode_by_device_capability():
+    """bf16, d = 128, T = 1: the tensor-core decode on a 9.0 device; on 7.5 the FMA decode,
+    with the mma kernel's rejection naming the capability."""
+    from gqakv.backend import GENERIC
+
+    r = _route("attention", dtype="bfloat16", head_dim=128, t_q=1, capability=90)
+    assert r.impl == "gqakv_decode_mma"
+    _covers_everything_else(r, ATTENTION_KERNELS | {GENERIC})
+    assert "gqakv_decode_mma" in r.rejected["gqakv_decode"]
+    r = _route("attention", dtype="bfloat16", head_dim=128, t_q=1, capability=75)
+    assert r.impl == "gqakv_decode"
+    _covers_everything_else(r, ATTENTION_KERNELS | {GENERIC})
+    assert r.rejected["gqakv_decode_mma"] == "compute capability 7.5 (mma.m16n8k16 needs 8.0+)"
+    # Head dims and dtypes the mma decode has no instantiation for.
+    r = _route("attention", dtype="bfloat16", head_dim=80, t_q=1, capability=90)
+    assert (r.impl, r.rejected["gqakv_decode_mma"]) == ("gqakv_decode", "head_dim=80 (supported: 64, 128)")
+    r = _route("attention", dtype="float32", head_dim=128, t_q=4, capability=90)
+    assert (r.impl, r.rejected["gqakv_decode_mma"]) == ("gqakv_decode",
+                                                        "dtype=float32 (supported: float16, bfloat16)")
+    # Prefill: the tensor-core kernel at multiples of 16, the FMA one otherwise.
+    r = _route("attention", dtype="float16", head_dim=64, t_q=5, capability=80)
+    assert r.impl == "gqakv_prefill_mma" and "t_q=5" in r.rejected["gqakv_decode_mma"]
+    r = _route("attention", dtype="float16", head_dim=72, t_q=5, capability=80)
+    assert r.impl == "gqakv_prefill" and "multiples of 16" in r.rejected["gqakv_prefill_mma"]
+
+
+def test_route_layout_and_grid_facts_make_the_call_generic():
+    from gqakv.backend import GENERIC
+
+    r = _route("attention", dtype="float16", head_dim=64, t_q=1, layout="K and V strided differently")
+    assert r.impl == GENERIC
+    assert r.rejected["gqakv_decode_mma"] == r.rejected["gqakv_decode"] == "K and V strided differently"
+    refusal = "gqakv_merge: 1 entries x 4 heads x 4 tokens is a grid of (2147483648, 1) CTAs"
+    r = _route("attention", dtype="float16", head_dim=64, t_q=4, capability=90, grid=refusal)
+    assert r.impl == GENERIC and r.rejected["gqakv_decode_mma"] == refusal
+    assert r.rejected["gqakv_decode"] == "gqakv_decode_mma serves this call (tensor cores first)"
+    r = _route("write_kv", dtype="float32", head_dim=64, grid="gqakv_write_kv: too many CTAs")
+    assert (r.impl, dict(r.rejected)) == (GENERIC, {"gqakv_write_kv": "gqakv_write_kv: too many CTAs"})
+    assert "not gqakv_write_kv: gqakv_write_kv: too many CTAs" in str(r)
+
+
+def test_route_agrees_with_the_planner():
+    """The planner's kernel choice and the route are one decision (same predicates)."""
+    for dtype in sources.CTYPES:
+        for d in (20, 64, 72, 80, 128, 256):
+            for t_q in (1, 4, 5, 9):
+                for capability in (75, 80, 90):
+                    group = 3
+                    kw = dict(batch=1, kv_heads=2, group=group, t_q=t_q, lens=np.array([40]),
+                              n_new=np.array([t_q]), scale=0.1,
+                              q_strides=(2 * group * t_q * d, t_q * d, d),
+                              buf_strides=(2 * 64 * d, 64 * d, d),
+                              out_strides=(2 * group * t_q * d, t_q * d, d), sm_count=132,
+                              tensor_cores=capability >= 80)
+                    kernel = plan.plan_attention(dtype, d, **kw).launches[0].kernel
+                    route = _route("attention", dtype=dtype, head_dim=d, t_q=t_q, capability=capability)
+                    assert route.impl == kernel, (dtype, d, t_q, capability, route)
+
+
+def test_route_refuses_unknown_operations_and_facts():
+    from gqakv.backend import GENERIC, Backend
+
+    with pytest.raises(ValueError, match=r"op='prefill' \(routed operations: write_kv, copy_tokens, attention\)"):
+        _route("prefill", dtype="float32", head_dim=64)
+    with pytest.raises(ValueError, match=r"attention facts colour \(known: dtype, head_dim"):
+        _route("attention", dtype="float32", head_dim=64, colour="red")
+    with pytest.raises(ValueError, match="needs the facts head_dim"):
+        _route("attention", dtype="float32")
+    # The base class: the generic code, nothing else to choose from.
+    base = Backend().route("attention", dtype="float32", head_dim=64)
+    assert base.impl == GENERIC and base.rejected == {}
+    with pytest.raises(ValueError, match="op='x'"):
+        Backend().route("x")
+
+
+def test_implementations_declare_their_limits():
+    impls = CupyBackend().implementations()
+    assert set(sources.KERNEL_FILES) <= set(impls)
+    assert "head_dim in 64, 128" in impls["gqakv_decode_mma"] and "8.0+" in impls["gqakv_decode_mma"]
+    assert "head_dim 1..256" in impls["gqakv_write_kv"]
+
+
+# -- kernel limits: one declaration (limits.py) read by the planner, NVRTC and the emulator ----
+
+
+def test_limits_are_declared_once_and_reach_every_reader():
+    """Read, not changed: plan.py and sources.py hold the declaration's own objects, NVRTC
+    (sources.COMPILE_OPTIONS) and the emulator's g++ (harness._flags) get every value as a
+    -D option, the kernels refuse to compile without any of them, and each is used."""
+    from pathlib import Path
+
+    from gqakv_backends.cupy_backend import limits
+
+    from .cuda_emu import harness
+
+    assert plan.DECODE_CTAS_PER_SM is limits.DECODE_CTAS_PER_SM
+    assert plan.DECODE_MMA_CTAS_PER_SM is limits.DECODE_MMA_CTAS_PER_SM
+    assert (plan.MAX_GRID_X, plan.MAX_GRID_Y, plan.DECODE_MAX_T, plan.MAX_KEYS_PER_SPLIT,
+            plan.DECODE_MMA_ROWS, plan.BLOCK[0]) == (
+        limits.MAX_GRID_X, limits.MAX_GRID_Y, limits.DECODE_MAX_T, limits.MAX_KEYS_PER_SPLIT,
+        limits.DECODE_MMA_ROWS, limits.THREADS_PER_CTA)
+    assert sources.DECODE_QUERY_TILES is limits.DECODE_QUERY_TILES
+    assert sources.DECODE_MMA_HEAD_DIMS is limits.DECODE_MMA_HEAD_DIMS
+    assert sources.MAX_FUSED_HEAD_DIM == limits.MAX_FUSED_HEAD_DIM
+    assert [plan.prefill_rows(d) for d in (64, 65, 128, 129, 256)] == [64, 32, 32, 16, 16]
+    assert plan.prefill_rows(80, "gqakv_prefill_mma") == limits.PREFILL_MMA_ROWS
+    defines = limits.c_defines()
+    # the values as written in the declaration
+    assert defines["GQAKV_DECODE_CTAS_PER_SM"] == ",".join(
+        f"{k},{v}" for k, v in limits.DECODE_CTAS_PER_SM.items())
+    assert defines["GQAKV_DECODE_QUERY_TILES"] == ",".join(map(str, limits.DECODE_QUERY_TILES))
+    emu_flags = harness._flags(False)
+    for name, value in defines.items():
+        assert f"-D{name}={value}" in sources.COMPILE_OPTIONS, name
+        assert f"-D{name}={value}" in emu_flags, name
+    kernels = harness.kernel_dir()
+    guard = (kernels / "limits.cuh").read_text()
+    assert set(re.findall(r"!defined\((\w+)\)", guard)) == set(defines)
+    uses = "".join((kernels / f).read_text() for f in sources.KERNEL_FILES.values())
+    uses += "".join(p.read_text() for p in kernels.glob("*.cuh") if p.name != "limits.cuh")
+    uses += (Path(harness.__file__).parent / "driver.cpp").read_text()
+    for name in defines:
+        assert name in uses, f"{name} is declared but no kernel reads it"
+    # no hand-kept copy of a declared value left in the kernels or the driver
+    for copy in ("QB <= 4 ? 3 : 2", "D == 64 || D == 128", "D <= 64 ? 4 : 2",
+                 "D <= 64 ? 64 : (D <= 128 ? 32 : 16)", "GQAKV_REG_DECODE(T, D, 4)", "> 65535"):
+        assert copy not in uses, copy

@@ -282,22 +282,117 @@ def test_row_operations_parity_through_the_fused_copy(emulated_backend, kind, dt
     assert_matches(cache, direct, arrays)
 
 
-def test_stand_in_cupy_is_scoped_to_the_emulated_backend(emulated_backend):
-    """Outside the emulated backend's own calls nobody sees the stand-in cupy: sys.modules
-    and the real launcher are restored, and the real cupy backend keeps its own reason."""
+def test_stand_in_cupy_is_injected_not_installed():
+    """The emulated backend hands its stand-in cupy to CupyBackend (runtime.CupyRuntime):
+    building it and running its calls never puts a cupy into sys.modules (cupy is not
+    installed here), not even while a kernel runs, and the real launcher and the real cupy
+    backend's reason are untouched."""
     import numpy as np
 
     import gqakv
     from gqakv_backends.cupy_backend import CupyBackend, modules
 
+    from .cuda_emu.emulated_backend import EmulatedCupyBackend
+
     real_run_plan, had_cupy = modules.run_plan, sys.modules.get("cupy")
-    cache = gqakv.KVCache(1, 1, 4, 8, backend=emulated_backend)
-    k = emulated_backend.from_numpy(np.ones((1, 1, 2, 8)), "float32")
+    backend = EmulatedCupyBackend()
+    assert sys.modules.get("cupy") is had_cupy
+    seen = []
+    launch = backend._run_plan
+
+    def checking(*args):
+        seen.append(sys.modules.get("cupy") is had_cupy and modules.run_plan is real_run_plan)
+        return launch(*args)
+
+    backend._run_plan = checking
+    cache = gqakv.KVCache(1, 1, 4, 8, backend=backend)
+    k = backend.from_numpy(np.ones((1, 1, 2, 8)), "float32")
     cache.append(k, k, [2])
-    gqakv.gqa_attention(emulated_backend.from_numpy(np.ones((1, 2, 1, 8)), "float32"), cache, [1])
-    assert emulated_backend.launches == 2
+    gqakv.gqa_attention(backend.from_numpy(np.ones((1, 2, 1, 8)), "float32"), cache, [1])
+    assert backend.launches == 2 and seen == [True, True]
     assert sys.modules.get("cupy") is had_cupy and modules.run_plan is real_run_plan
+    if had_cupy is None:  # cupy is not installed here: nothing imported one
+        assert "cupy" not in sys.modules
     assert CupyBackend().unavailable_reason() == _probe_in_subprocess()
+
+
+def test_calls_run_what_their_route_names(monkeypatch):
+    """The hot operations run the implementation ``route`` names for the same facts: the
+    kernels launched (recorded, not run) per dtype, head dim, query tokens and device
+    capability, and nothing launched where the route says generic (the generic code's
+    result is still checked against the fused one's)."""
+    import numpy as np
+
+    from gqakv.backend import GENERIC
+    from gqakv_backends import cupy_backend
+
+    from .cuda_emu.emulated_backend import EmulatedCupyBackend, EmulatedDevice
+
+    for capability in ("90", "75"):
+        monkeypatch.setattr(EmulatedDevice, "compute_capability", capability)
+        backend = EmulatedCupyBackend()
+        launched = []
+        backend._run_plan = lambda plan, arrays, dtype, d: launched.append(plan.launches[0].kernel)
+        for dtype, d, t_q in (("bfloat16", 128, 1), ("float16", 80, 2), ("float32", 64, 1),
+                              ("float16", 64, 9), ("bfloat16", 72, 6), ("float64", 64, 1)):
+            k_buf, v_buf = backend.empty((1, 1, 16, d), dtype), backend.empty((1, 1, 16, d), dtype)
+            k_buf[...] = 0
+            v_buf[...] = 0
+            q = backend.from_numpy(np.ones((1, 2, t_q, d)), dtype)
+            launched.clear()
+            backend.attention(q, k_buf, v_buf, np.array([0]), np.array([t_q]), np.array([t_q]),
+                              scale=0.1, return_lse=False)
+            route = backend.route("attention", dtype=dtype, head_dim=d, t_q=t_q,
+                                  capability=int(capability))
+            assert launched == ([] if route.impl == GENERIC else [route.impl]), (dtype, d, t_q, route)
+            launched.clear()
+            backend.write_kv(k_buf, v_buf, q[:, :1], q[:, :1], np.array([0]), np.array([0]),
+                             np.array([1]))
+            route = backend.route("write_kv", dtype=dtype, head_dim=d)
+            assert launched == ([] if route.impl == GENERIC else [route.impl]), (dtype, d, route)
+    assert backend.route("attention", dtype="bfloat16", head_dim=128, t_q=1,
+                         capability=75).impl == "gqakv_decode"
+
+    # A planner refusal (grid beyond CUDA's limits) is routed to the generic code.
+    backend = EmulatedCupyBackend()
+    refusal = "gqakv_decode_mma: 1 entries x 1 KV heads is a grid of (2147483648, 1) CTAs"
+
+    def refusing(*args, **kwargs):
+        raise NotImplementedError(refusal)
+
+    rng = np.random.default_rng(3)
+    k_buf = backend.from_numpy(rng.standard_normal((1, 1, 16, 64)), "float16")
+    v_buf = backend.from_numpy(rng.standard_normal((1, 1, 16, 64)), "float16")
+    q = backend.from_numpy(rng.standard_normal((1, 2, 1, 64)), "float16")
+    args = (q, k_buf, v_buf, np.array([0]), np.array([9]), np.array([1]))
+    fused = backend.attention(*args, scale=0.125, return_lse=False)
+    assert backend.launches == 1
+    monkeypatch.setattr(cupy_backend._plan, "plan_attention", refusing)
+    backend = EmulatedCupyBackend()  # no kept plan
+    generic = backend.attention(*args, scale=0.125, return_lse=False)
+    assert backend.launches == 0  # nothing launched: the generic code ran
+    np.testing.assert_allclose(np.asarray(generic, np.float32), np.asarray(fused, np.float32),
+                               atol=2e-3)
+    route = backend.route("attention", dtype="float16", head_dim=64, t_q=1, capability=90,
+                          grid=refusal)
+    assert route.impl == GENERIC and route.rejected["gqakv_decode_mma"] == refusal
+
+
+def test_emulator_instantiates_the_declared_limits(emulator):
+    """The emulation library registers the decode kernel at exactly the declared query
+    tiles and the tensor-core decode at the declared head dims (driver.cpp reads the -D
+    options made from limits.py)."""
+    from gqakv_backends.cupy_backend import limits
+
+    has = emulator.lib.emu_has_kernel
+    for d in harness.HEAD_DIMS:
+        for tile in (*limits.DECODE_QUERY_TILES, 16, 2):
+            name = f"gqakv_decode<gqakv_bf16, {d}, {tile}>".encode()
+            assert has(name) == (tile in limits.DECODE_QUERY_TILES), name
+        name = f"gqakv_decode_mma<gqakv_half, {d}>".encode()
+        assert has(name) == (d in limits.DECODE_MMA_HEAD_DIMS), name
+        name = f"gqakv_prefill_mma<gqakv_half, {d}>".encode()
+        assert has(name) == (d % limits.PREFILL_MMA_HEAD_DIM_MULTIPLE == 0), name
 
 
 def _probe_in_subprocess() -> str | None:

@@ -76,6 +76,14 @@ def test_name_expressions_reject_unsupported():
         sources.name_expression("gqakv_merge", "float16", 64, 8)
 
 
+def test_kernels_need_the_declared_limits(monkeypatch):
+    """The limits reach NVRTC only as -D options (limits.py): a compile without them stops
+    at kernels/limits.cuh instead of building kernels from other numbers."""
+    monkeypatch.setattr(sources, "COMPILE_OPTIONS", ("-std=c++17",))
+    with pytest.raises(nvrtc_mod.NvrtcError, match="compile with the -D options"):
+        NVRTC.compile("gqakv_write_kv", "float32", 64, "sm_80")
+
+
 def teardown_module(module):
     if REPORT:
         print("\nptxas report (registers, spills) per kernel:\n" + "\n".join(REPORT))
