@@ -83,9 +83,19 @@ class TorchBackend(Backend):
         return torch.get_default_device()
 
     def empty(self, shape, dtype, device=None):
+        """Uninitialized; MemoryError when the device cannot hold it (torch raises a
+        RuntimeError on the CPU and torch.OutOfMemoryError on CUDA; the cache's
+        allocation turns a MemoryError into one that names the size)."""
         import torch
 
-        return torch.empty(shape, dtype=self.dtype(dtype), device=device or self._target_device())
+        try:
+            return torch.empty(shape, dtype=self.dtype(dtype), device=device or self._target_device())
+        except RuntimeError as exc:
+            text = str(exc)
+            if isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or (
+                    "can't allocate memory" in text or "out of memory" in text):
+                raise MemoryError(text.splitlines()[0] if text else type(exc).__name__) from None
+            raise
 
     def owns(self, x) -> bool:
         import torch

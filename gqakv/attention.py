@@ -11,7 +11,7 @@ import math
 
 from array_api_compat import array_namespace
 
-from .inputs import validate_attention
+from .inputs import check_flag, validate_attention
 
 # Upper bound, in elements, of one block of attention scores [Hkv, G * q_block, k_block].
 # It bounds the temporaries of a long prefill chunk (16 MiB of float32 by default)
@@ -33,7 +33,7 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, return_lse: bo
         n_new: ``[B]`` ints: entry i's real queries are ``q[i, :, :n_new[i]]``; slots
             ``t >= n_new[i]`` are padding and return exactly 0.
         scale: softmax scale, default ``1 / sqrt(d)`` (a Python float).
-        return_lse: also return the natural-log log-sum-exp of the scaled scores per
+        return_lse: (a bool) also return the natural-log log-sum-exp of the scaled scores per
             query, ``[B, Hq, T]`` (float32, or float64 for float64 caches), ``-inf`` for
             padded queries, so partial results over disjoint key sets can be merged.
         rows: optional ``[B]`` cache rows read by each entry (default ``0..B-1``).
@@ -52,6 +52,7 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, return_lse: bo
     Returns:
         ``out`` ``[B, Hq, T, d]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
     """
+    return_lse = check_flag(return_lse, "return_lse")
     inputs = validate_attention(cache, q, n_new, rows, scale)
     return cache.backend.attention(q, cache.k, cache.v, inputs.rows, inputs.lens, inputs.n_new,
                                    scale=inputs.scale, return_lse=return_lse)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .inputs import check_no_bools, check_rows, host_ints
+from .inputs import check_rows, host_ints
 
 #: Row index meaning "the one-row temporary" in a reorder plan.
 TEMP = -1
@@ -38,8 +38,8 @@ def _ints_1d(x, what: str) -> np.ndarray:
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         x = [x]
     if isinstance(x, (list, tuple, range)):
-        check_no_bools(x, what)  # before NumPy turns [1, True] into ints
-        x = np.asarray(list(x))
+        x = list(x)
+        return host_ints(x, what, len(x))  # checks the elements before NumPy sees them
     shape = tuple(getattr(x, "shape", ()))
     if len(shape) != 1:
         raise ValueError(f"{what} must be a 1-D list of integers, got {x!r}")

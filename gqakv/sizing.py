@@ -12,9 +12,12 @@ Llama 3.1 8B in bfloat16: 2 x 32 x 8 x 128 x 2 = 131,072 bytes (128 KiB), so a
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from . import dtypes as _dtypes
 from .cache import human_bytes
@@ -117,9 +120,12 @@ def resolve_model(model) -> ModelConfig:
 
 
 def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    """``value`` as a Python int >= 0 (NumPy ints too; bools and other types rejected)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a non-negative int, got {value!r}")
+    if value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return value
+    return int(value)
 
 
 def cache_bytes(model, *, max_len: int, batch: int = 1, dtype="bfloat16") -> int:
@@ -147,13 +153,16 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 def parse_bytes(text) -> int:
     """``'80GiB'`` -> 85899345920; ``'1.5GB'`` -> 1500000000; ints pass through."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
+    if isinstance(text, (int, np.integer)) and not isinstance(text, (bool, np.bool_)):
+        return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read a byte count from {text!r} (examples: 80GiB, 24GB, 512MiB, "
                          "1e9)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(value):  # '1e400' reads as inf
+        raise ValueError(f"byte count {text!r} is too large (it does not fit a float)")
+    return int(value)
 
 
 # -- the command -------------------------------------------------------------------------------

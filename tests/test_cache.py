@@ -10,6 +10,7 @@ import pytest
 
 import gqakv
 from gqakv import attention as attention_module
+from gqakv import sizing
 
 
 def _snapshot(arrays, cache):
@@ -264,3 +265,152 @@ def test_live_kv_rejects_rows_outside_the_cache(backend):
     for bad in (-1, 2, 1.0, True):
         with pytest.raises(ValueError, match="not a row of this cache"):
             cache.live_kv(bad)
+
+
+# -- integers: Python ints checked before any arithmetic, no bools, errors name the argument --
+
+BIG = 2**63 - 1
+
+
+def _int_env():
+    """A KVCache and a ModelKVCache (numpy, float64, 2 rows, max_len 8, d 4) holding [4, 2]
+    tokens each, their tails NaN (so a stray write shows), plus matching inputs."""
+    rng = np.random.default_rng(3)
+    cache = gqakv.KVCache(2, 1, 8, 4, dtype="float64", backend="numpy")
+    model = gqakv.ModelKVCache(2, 2, 1, 8, 4, dtype="float64", backend="numpy")
+    for c in (cache, model):
+        c.k[...] = np.nan
+        c.v[...] = np.nan
+    kv = rng.standard_normal((2, 1, 4, 4))
+    cache.append(kv, kv, [4, 2])
+    with model.step([4, 2]) as s:
+        for l in range(2):
+            s.write(l, kv, kv)
+    return dict(cache=cache, model=model, kv=rng.standard_normal((2, 1, 2, 4)),
+                q=rng.standard_normal((2, 2, 2, 4)))
+
+
+def _attend(e, **kw):
+    """A bad Step.attend inside a step (the with block aborts it on the error)."""
+    args = dict(layer=0, q=e["q"], k_new=e["kv"], v_new=e["kv"]) | kw
+    with e["model"].step([1, 1]) as s:
+        s.attend(args.pop("layer"), args.pop("q"), args.pop("k_new"), args.pop("v_new"), **args)
+
+
+# name: (call, exception, words the message must contain: the argument and the value)
+BAD_INTS = {
+    "step_n_new_huge": (lambda e: e["model"].step([BIG, 0]), ValueError,
+                        [f"n_new[0]={BIG}", "holds 4 tokens", "max_len=8"]),
+    "step_n_new_past_int64": (lambda e: e["model"].step([2**64, 0]), ValueError,
+                              [f"n_new[0]={2**64}", "int64"]),
+    "step_n_new_negative": (lambda e: e["model"].step([-1, 0]), ValueError, ["n_new[0]=-1", "negative"]),
+    "step_n_new_int_and_bool": (lambda e: e["model"].step([1, True]), TypeError, ["n_new[1]=True", "bool"]),
+    "step_n_new_bools": (lambda e: e["model"].step([True, False]), TypeError, ["n_new[0]=True", "bool"]),
+    "step_n_new_numpy_bool": (lambda e: e["model"].step([1, np.True_]), TypeError, ["n_new[1]=", "bool"]),
+    "step_n_new_bool_array": (lambda e: e["model"].step(np.array([True, False])), TypeError,
+                              ["n_new", "bool"]),
+    "step_n_new_bool_scalar": (lambda e: e["model"].step(True), TypeError, ["n_new", "True"]),
+    "step_rows_bool": (lambda e: e["model"].step([1], rows=[True]), TypeError, ["rows[0]=True", "bool"]),
+    "append_n_new_int_and_bool": (lambda e: e["cache"].append(e["kv"], e["kv"], [1, True]), TypeError,
+                                  ["n_new[1]=True", "bool"]),
+    "append_n_new_huge": (lambda e: e["cache"].append(e["kv"], e["kv"], [BIG, 0]), ValueError,
+                          [f"n_new[0]={BIG}", "T=2"]),
+    "append_n_new_past_int64": (lambda e: e["cache"].append(e["kv"], e["kv"], [-1, 2**70]), ValueError,
+                                [f"n_new[1]={2**70}"]),
+    "append_rows_bool": (lambda e: e["cache"].append(e["kv"], e["kv"], [1, 1], rows=[1, False]),
+                         TypeError, ["rows[1]=False", "bool"]),
+    "append_rows_vs_batch": (lambda e: e["cache"].append(e["kv"][:1], e["kv"][:1], [1], rows=[0, 1]),
+                             ValueError, ["rows has 2 entries", "k_new has batch 1"]),
+    "attention_return_lse_int": (lambda e: gqakv.gqa_attention(e["q"], e["cache"], [2, 2], return_lse=1),
+                                 TypeError, ["return_lse", "1"]),
+    "attention_return_lse_str": (lambda e: gqakv.gqa_attention(e["q"], e["cache"], [2, 2],
+                                                               return_lse="no"),
+                                 TypeError, ["return_lse", "'no'"]),
+    "attention_scale_huge_int": (lambda e: gqakv.gqa_attention(e["q"], e["cache"], [2, 2], scale=10**400),
+                                 TypeError, ["scale", "1000000"]),
+    "attention_n_new_bool": (lambda e: gqakv.gqa_attention(e["q"], e["cache"], [2, True]), TypeError,
+                             ["n_new[1]=True"]),
+    "attention_q_batch_vs_rows": (lambda e: gqakv.gqa_attention(e["q"], e["cache"], [1, 1, 1],
+                                                                rows=[0, 1, 1]),
+                                  ValueError, ["rows has 3 entries", "q has batch 2"]),
+    "attend_return_lse_int": (lambda e: _attend(e, return_lse=1), TypeError, ["return_lse", "1"]),
+    "attend_return_lse_none": (lambda e: _attend(e, return_lse=None), TypeError, ["return_lse", "None"]),
+    "attend_q_batch": (lambda e: _attend(e, q=np.ones((3, 2, 2, 4))), ValueError,
+                       ["q [3, 2, 2, 4]", "batch B'=2"]),
+    "attend_k_new_batch": (lambda e: _attend(e, k_new=np.ones((3, 1, 2, 4))), ValueError,
+                           ["k_new has batch 3", "2 entries"]),
+    "attend_layer_bool": (lambda e: _attend(e, layer=True), TypeError, ["layer", "True"]),
+    "fork_src_bool": (lambda e: e["cache"].fork(True, [1]), TypeError, ["src", "True"]),
+    "fork_src_huge": (lambda e: e["model"].fork(2**64, [1]), ValueError, [f"src={2**64}"]),
+    "fork_dst_bool": (lambda e: e["model"].fork(0, [1, True]), TypeError, ["dst_rows[1]=True"]),
+    "reorder_bool": (lambda e: e["cache"].reorder([0, True]), TypeError, ["src_rows[1]=True"]),
+    "reorder_past_int64": (lambda e: e["model"].reorder([0, 2**64]), ValueError, [f"src_rows[1]={2**64}"]),
+    "truncate_new_len_bool": (lambda e: e["cache"].truncate([0], [True]), TypeError, ["new_lens[0]=True"]),
+    "truncate_new_len_huge": (lambda e: e["model"].truncate([0], [2**64]), ValueError,
+                              [f"new_lens[0]={2**64}"]),
+    "truncate_new_len_negative": (lambda e: e["cache"].truncate([0], [-1]), ValueError,
+                                  ["new_lens[0]=-1", "0..4"]),
+    "truncate_rows_bool": (lambda e: e["model"].truncate([False], [1]), TypeError, ["rows[0]=False"]),
+    "reset_rows_bool": (lambda e: e["cache"].reset([1, True]), TypeError, ["rows[1]=True"]),
+    "live_kv_bool": (lambda e: e["cache"].live_kv(True), ValueError, ["row=True"]),
+    "layer_bool": (lambda e: e["model"].layer(False), TypeError, ["layer", "False"]),
+    "nbytes_for_negative": (lambda e: gqakv.KVCache.nbytes_for(-1, 8, 4096, 128), ValueError,
+                            ["batch", "-1"]),
+    "nbytes_for_bool": (lambda e: gqakv.KVCache.nbytes_for(2, True, 4096, 128), TypeError,
+                        ["kv_heads", "True"]),
+    "nbytes_for_float": (lambda e: gqakv.KVCache.nbytes_for(2, 8, 4096.0, 128), TypeError,
+                         ["max_len", "4096.0"]),
+    "model_nbytes_for_layers": (lambda e: gqakv.ModelKVCache.nbytes_for(0, 1, 8, 16, 128), ValueError,
+                                ["layers", "0"]),
+    "model_nbytes_for_head_dim": (lambda e: gqakv.ModelKVCache.nbytes_for(2, 1, 8, 16, np.int64(-3)),
+                                  ValueError, ["head_dim", "-3"]),
+    "sizing_max_len_bool": (lambda e: sizing.cache_bytes("gpt2", max_len=True), TypeError,
+                            ["max_len", "True"]),
+    "sizing_batch_negative": (lambda e: sizing.cache_bytes("gpt2", max_len=8, batch=-2),
+                              ValueError, ["batch", "-2"]),
+    "sizing_budget_overflow": (lambda e: sizing.max_batch("gpt2", max_len=8, budget="1e400"),
+                               ValueError, ["1e400"]),
+    "sizing_budget_negative": (lambda e: sizing.max_len_for("gpt2", batch=1, budget=-5),
+                               ValueError, ["budget", "-5"]),
+    "alloc_beyond_64_bits": (lambda e: gqakv.KVCache(2**40, 2**20, 2**20, 2**10, backend="numpy"),
+                             MemoryError, [f"{2 * 2**90 * 4:,} bytes", "64-bit"]),
+    "model_alloc_beyond_64_bits": (lambda e: gqakv.ModelKVCache(2**20, 2**20, 2**20, 2**20, 2**4),
+                                   MemoryError, [f"{2 * 2**84 * 4:,} bytes"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INTS))
+def test_bad_integers_are_named_and_change_nothing(case):
+    call, error, words = BAD_INTS[case]
+    e = _int_env()
+    before = {name: (c.k.copy(), c.v.copy(), c.host_lens.copy()) for name, c in
+              (("cache", e["cache"]), ("model", e["model"]))}
+    with pytest.raises(error) as info:
+        call(e)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    for name, c in (("cache", e["cache"]), ("model", e["model"])):
+        k, v, lens = before[name]
+        assert c.host_lens.tolist() == lens.tolist() == ([4, 2] if name == "cache" else [4, 2])
+        assert c.k.tobytes() == k.tobytes() and c.v.tobytes() == v.tobytes(), f"{name} buffers changed"
+    assert e["model"]._open_step is None
+    e["model"].step([1, 1]).abort()  # the refused call left no step open
+
+
+def test_sizes_are_exact_python_ints():
+    """nbytes_for takes NumPy ints too and never wraps (int64 would give 0 or a negative)."""
+    args = (np.int64(2**40), 2**20, np.int64(2**20), np.int32(2**10))
+    n = gqakv.KVCache.nbytes_for(*args, "float32")
+    assert type(n) is int and n == 2 * 2**90 * 4
+    m = gqakv.ModelKVCache.nbytes_for(np.int64(80), *args, "bfloat16")
+    assert type(m) is int and m == 80 * 2 * 2**90 * 2
+    assert sizing.cache_bytes("gpt2", max_len=np.int64(2**62), batch=np.int64(2**10)) == \
+        2**72 * sizing.get_preset("gpt2").bytes_per_token("bfloat16")
+    assert sizing.parse_bytes(np.int64(5)) == 5
+
+
+def test_return_lse_accepts_bools_only(backend, arrays, cache_and_data):
+    cache, rng = cache_and_data
+    q = _new(arrays, (3, 4, 1, 4), rng=rng)
+    assert isinstance(gqakv.gqa_attention(q, cache, [1, 1, 0], return_lse=np.True_), tuple)
+    assert not isinstance(gqakv.gqa_attention(q, cache, [1, 1, 0], return_lse=False), tuple)
