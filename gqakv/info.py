@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .registry import ENTRY_POINT_GROUP, ENV_VAR, describe_backends, get_backend
+from .registry import ENTRY_POINT_GROUP, ENV_VAR, describe_backends, get_backend, list_backends
 
 
 def add_arguments(parser) -> None:
@@ -13,6 +13,10 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     rows = describe_backends()
+    # Each backend's implementations (fused kernels, ...) and their declared limits.
+    impls = {b.name: b.implementations() for b in list_backends()}
+    for r in rows:
+        r["implementations"] = impls.get(r["name"], {})
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -25,6 +29,8 @@ def run(args) -> int:
             print(f"  {'':<18} dtypes: {', '.join(r['dtypes'])}; head dims: {dims}")
             if r["features"]:
                 print(f"  {'':<18} features: {', '.join(r['features'])}")
+        for impl, declared in r["implementations"].items():
+            print(f"  {'':<18} {impl}: {declared}")
     try:
         chosen = get_backend(None).name
     except Exception as exc:  # say why nothing could be chosen instead of a traceback

@@ -443,3 +443,18 @@ def test_limits_are_declared_once_and_reach_every_reader():
     for copy in ("QB <= 4 ? 3 : 2", "D == 64 || D == 128", "D <= 64 ? 4 : 2",
                  "D <= 64 ? 64 : (D <= 128 ? 32 : 16)", "GQAKV_REG_DECODE(T, D, 4)", "> 65535"):
         assert copy not in uses, copy
+
+
+def test_info_lists_the_kernels_and_their_limits(capsys):
+    import json
+
+    from gqakv import cli
+
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "gqakv_decode_mma: t_q <= 4; float16, bfloat16; head_dim in 64, 128; compute capability 8.0+" in out
+    assert "generic array-API: everything else (float64" in out
+    assert cli.main(["info", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["cupy"]["implementations"] == CupyBackend().implementations()
+    assert rows["numpy"]["implementations"] == {}
