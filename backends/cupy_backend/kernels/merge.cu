@@ -6,6 +6,11 @@
 // with M = max_s lse_s. Only the splits that hold keys of row b, ceil(L / keys_per_split)
 // of them, are read. Padded queries (t >= n_new[b]) are skipped: out stays 0, lse -inf.
 //
+// Non-finite partials follow gqakv.merge_attention: a split with lse -inf saw no key and
+// is skipped (its o_s is never read); a NaN or +inf lse_s makes the query's out and lse
+// NaN; a NaN in o_s of a split that saw keys makes that element of out NaN (it is
+// multiplied in even when its weight underflows to 0). Nothing is ever turned into 0.
+//
 // Cheap by design: a CTA per query reads S x D x 4 bytes of partials it can fetch at once,
 // so its time is a few memory round trips. The 128 threads split into NGRP groups of
 // D / VEC threads (VEC = 4 fp32, one 16-byte load, where D allows); group j sums splits
@@ -43,11 +48,20 @@ __global__ void __launch_bounds__(128) gqakv_merge(
     const int splits = (int)(splits64 < num_splits ? splits64 : num_splits);
     const float* lse_s = part_lse + qidx * num_splits;
     float mx = GQAKV_NEG_INF;
-    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse_s[s]);
-    float total = 0.f;
-    if (mx != GQAKV_NEG_INF) {
+    bool bad = false;  // a NaN or +inf lse_s (fmaxf alone would skip a NaN)
+    for (int s = 0; s < splits; ++s) {
+        const float x = lse_s[s];
+        bad |= !(x < -GQAKV_NEG_INF);
+        mx = fmaxf(mx, x);
+    }
+    const float qnan = __int_as_float(0x7fc00000);
+    float total = 0.f;  // > 0 (at least 1, the largest split's weight) once any split saw keys
+    if (bad) {
+        total = qnan;
+    } else if (mx != GQAKV_NEG_INF) {
         for (int s = 0; s < splits; ++s) total += expf(lse_s[s] - mx);
     }
+    const bool seen = bad || mx != GQAKV_NEG_INF;  // else: no split saw a key, out 0, lse -inf
 
     // This thread's split group and vector slots (slot v covers d = VEC * (lane + 128 v)).
     const int grp = S::NGRP > 1 ? threadIdx.x / S::LANES : 0;
@@ -58,11 +72,12 @@ __global__ void __launch_bounds__(128) gqakv_merge(
 #pragma unroll
         for (int e = 0; e < S::VEC; ++e) acc[v][e] = 0.f;
     }
-    if (total > 0.f && grp < S::NGRP) {
+    if (seen && !bad && grp < S::NGRP) {
         const float* po = part_o + qidx * num_splits * (i64)D;
 #pragma unroll 4
         for (int s = grp; s < splits; s += S::NGRP) {
-            const float w = expf(lse_s[s] - mx);  // 0 for a split that saw no key
+            if (lse_s[s] == GQAKV_NEG_INF) continue;  // saw no key: its o_s may be anything
+            const float w = expf(lse_s[s] - mx);
 #pragma unroll
             for (int v = 0; v < S::PER; ++v) {
                 const int c = lane + 128 * v;
@@ -88,7 +103,7 @@ __global__ void __launch_bounds__(128) gqakv_merge(
         for (int d = threadIdx.x; d < D; d += blockDim.x) {
             float o = 0.f;
             for (int g = 0; g < S::NGRP; ++g) o += sm_acc[g][d];
-            o_row[d] = from_float<T>(total > 0.f ? o / total : 0.f);
+            o_row[d] = from_float<T>(seen ? o / total : 0.f);
         }
     } else {
 #pragma unroll
@@ -97,9 +112,9 @@ __global__ void __launch_bounds__(128) gqakv_merge(
             if (c < S::LANES) {
 #pragma unroll
                 for (int e = 0; e < S::VEC; ++e)
-                    o_row[c * S::VEC + e] = from_float<T>(total > 0.f ? acc[v][e] / total : 0.f);
+                    o_row[c * S::VEC + e] = from_float<T>(seen ? acc[v][e] / total : 0.f);
             }
         }
     }
-    if (threadIdx.x == 0) lse[qidx] = total > 0.f ? mx + logf(total) : GQAKV_NEG_INF;
+    if (threadIdx.x == 0) lse[qidx] = bad ? qnan : seen ? mx + logf(total) : GQAKV_NEG_INF;
 }
