@@ -102,7 +102,8 @@ class CupyBackend(Backend):
             raise ValueError(f"{op} needs the facts {', '.join(missing)}")
         if "dtype" in facts:
             facts["dtype"] = _canonical(facts["dtype"])
-        return fn(**facts)
+        route = fn(**facts)  # kept and shared by the hot calls: the caller gets its own copy
+        return Route(route.impl, dict(route.rejected))
 
     def implementations(self) -> dict[str, str]:
         return routing.implementations()
