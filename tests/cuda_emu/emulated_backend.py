@@ -4,10 +4,11 @@
 runtime (``runtime.CupyRuntime``, the object through which the backend reaches CuPy),
 which substitutes two things and nothing else:
 
-* array allocation: a small stand-in ``cupy`` module whose arrays are
+* array allocation: a small stand-in for the cupy module whose arrays are
   ``EmulatedDeviceArray`` (a NumPy subclass with ``.get()`` like a CuPy array, so a plain
   NumPy array is still "another library" to the cache), each on one of two emulated
-  devices (the current one when it was made; ``cupy.cuda.Device(i)`` switches);
+  devices (the current one of the thread when it was made; ``EmulatedDevice(i)``, the
+  stand-in's ``cuda.Device``, switches);
 * kernel launch: instead of ``modules.run_plan``, a runner that refuses arrays of a device
   other than the current one (a GPU would fault) and executes the plan's launches
   (grid, block, typed arguments exactly as built by the backend's planner) on the CPU
@@ -18,11 +19,11 @@ Everything else is the backend's own code: ``write_kv``, ``copy_tokens``, ``atte
 their routing and generic fallbacks, strides, the upload of rows/lengths, the output
 pre-fill, the planner (with an H200's 132 SMs), the bfloat16 handling.
 
-The stand-in module is handed to the backend, never installed: ``sys.modules`` and
+The stand-in is handed to the backend, never installed: ``sys.modules`` and
 ``modules.run_plan`` stay as they are, so the real ``cupy`` backend keeps reporting "not
-installed" and no other code ever sees a fake cupy. Arrays are NumPy memory, so a kernel sees the
-array's own bytes from its first element (a strided view is handed over as the byte
-span it covers, its pointer and strides unchanged, as on a device).
+installed" and no other code ever sees a fake cupy. Arrays are NumPy memory, so a kernel
+sees the array's own bytes from its first element (a strided view is handed over as the
+byte span it covers, its pointer and strides unchanged, as on a device).
 """
 
 from __future__ import annotations
