@@ -240,3 +240,41 @@ def test_merge_attention_combines_disjoint_key_sets(backend, arrays):
     np.testing.assert_array_equal(arrays.to_numpy(out), arrays.to_numpy(parts[0][0]))
     out, lse = gqakv.merge_attention(*none, *none)
     assert (arrays.to_numpy(out) == 0).all() and (arrays.to_numpy(lse) == -math.inf).all()
+
+
+# Backends whose attention kernels still hide a NaN query (known, owned elsewhere): each
+# mark comes off when its kernels carry NaN through (strict: a pass then fails the test).
+_NAN_QUERY_HIDDEN = {
+    "cupy_emulated": "the cupy decode/prefill kernels' running max (fmaxf) skips NaN scores",
+    "cupy": "the cupy decode/prefill kernels' running max (fmaxf) skips NaN scores",
+    "numba": "the numba kernels give a NaN query out 0 and lse -inf",
+}
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_a_nan_query_stays_nan_and_alone(backend, arrays, request, T):
+    """A NaN in one query gives NaN out and lse for that query (never 0 / -inf), on rows
+    long enough for the backends to split their keys; every other query matches the
+    float64 reference."""
+    if backend.name in _NAN_QUERY_HIDDEN:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=_NAN_QUERY_HIDDEN[backend.name]))
+    rng = np.random.default_rng(11)
+    B, Hkv, G, d = 2, 2, 2, 64
+    lens = [2500, 1700]
+    cache = gqakv.KVCache(B, Hkv, max(lens), d, dtype="float32", backend=backend)
+    k = rng.standard_normal((B, Hkv, max(lens), d)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, max(lens), d)).astype(np.float32)
+    cache.append(arrays.asarray(k), arrays.asarray(v), lens)
+    q = rng.standard_normal((B, Hkv * G, T, d)).astype(np.float32)
+    bad = np.zeros((B, Hkv * G, T), bool)
+    bad[0, 1, T - 1] = True  # entry 0, query head 1 (KV head 0, shared with head 0), last token
+    q[bad] = np.nan
+    out, lse = gqakv.gqa_attention(arrays.asarray(q), cache, [T, T], return_lse=True)
+    out, lse = arrays.to_numpy(out), arrays.to_numpy(lse)
+    want, want_lse = reference_attention(q.astype(np.float64),
+                                         [k[b, :, :lens[b]] for b in range(B)],
+                                         [v[b, :, :lens[b]] for b in range(B)], [T, T])
+    assert not np.isnan(out[~bad]).any() and not np.isnan(lse[~bad]).any()
+    np.testing.assert_allclose(out[~bad], want[~bad], atol=TOL["float32"])
+    np.testing.assert_allclose(lse[~bad], want_lse[~bad], atol=TOL["float32"] * 10)
+    assert np.isnan(out[bad]).all() and np.isnan(lse[bad]).all()
