@@ -1,4 +1,7 @@
-"""Appending K/V in place: a decode step for 32 rows, a 512-token chunk, a ragged chunk."""
+"""Appending K/V in place: a decode step for 32 rows, a 512-token chunk, a ragged chunk.
+
+(What an append allocates: attention.TempMemory.)
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import numpy as np
 
 import gqakv
 
-from .common import BACKENDS, D, HKV, backend_or_skip, best_seconds, require, SkipNotImplemented, sync, temp_mib, timing, token_bytes
+from .common import BACKENDS, D, HKV, backend_or_skip, require, sync, timing
 
 # name -> (rows, tokens per call, n_new per row)
 CASES = {
@@ -42,18 +45,3 @@ class Append:
 
     def time_append(self, backend, case):
         self._call()
-
-    def track_ms_per_gb_written(self, backend, case):
-        """Time per GB of K/V written (1000 / GB/s)."""
-        written = int(self.n_new.sum()) * token_bytes("float32")
-        return 1e3 * best_seconds(self._call, self.backend) / (written / 1e9)
-
-    track_ms_per_gb_written.unit = "ms per GB written"
-
-    def track_temp_mib(self, backend, case):
-        """MiB an append allocates (NumPy backend; 0 when it writes straight into the cache)."""
-        if self.backend.array_library != "numpy":
-            raise SkipNotImplemented("tracemalloc sees NumPy allocations only")
-        return temp_mib(self._call)
-
-    track_temp_mib.unit = "MiB"

@@ -40,6 +40,9 @@ HQ, HKV, D = 32, 8, 128
 FULL = os.environ.get("GQAKV_ASV_FULL", "") == "1"
 # Conformance backends: correct, not meant to be fast, so not benchmarked.
 NOT_BENCHMARKED = {"array_api_strict"}
+# The generic array-API code on torch tensors: a parameter, but skipped unless GQAKV_ASV_FULL=1
+# (on a CPU it is the slowest path and would double the suite's time; VsTorch covers torch SDPA).
+FULL_ONLY = {"torch"}
 BACKENDS = ([b.name for b in gqakv.list_backends() if b.name not in NOT_BENCHMARKED]
             if hasattr(gqakv, "list_backends") else ["numpy"])
 
@@ -54,6 +57,8 @@ def require(obj, *names: str, what: str | None = None) -> None:
 
 def backend_or_skip(name: str):
     """The named backend, or NotImplementedError (asv: skipped) saying why it cannot run."""
+    if name in FULL_ONLY and not FULL:
+        raise NotImplementedError(f"{name}: benchmarked only with GQAKV_ASV_FULL=1 (the generic array-API path)")
     require(gqakv, "get_backend", "KVCache", "gqa_attention")
     if bench is None:
         raise NotImplementedError("gqakv.bench does not exist in this commit (added later)")
@@ -176,9 +181,11 @@ def temp_mib(fn) -> float:
         tracemalloc.stop()
 
 
-# asv timing attributes shared by the time_ benchmarks: each sample at least 50 ms, between
-# 5 and 25 samples per round within 3 s, two rounds (separate processes).
-TIMING = dict(sample_time=0.05, repeat=(5, 25, 3.0), rounds=2, warmup_time=0.2, min_run_count=5)
+# asv timing attributes shared by the time_ benchmarks: samples of at least 20 ms, 5 to 15 of
+# them within 2 s (more only for fast calls), one process. Sized so that three runs of the same
+# code agree within asv's 10% on a shared 2-core machine (see the README), at about 6 minutes
+# for the suite; classes with long calls set their own.
+TIMING = dict(sample_time=0.02, repeat=(5, 15, 2.0), rounds=1, warmup_time=0.1, min_run_count=5)
 
 
 def timing(cls):
