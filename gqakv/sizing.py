@@ -87,22 +87,27 @@ def config_from_hf(config, name: str | None = None) -> ModelConfig:
         name = name or path.parent.name or path.stem
     config = config.get("text_config", config)  # multimodal wrappers nest the LM's config
 
-    def first(*keys, default=None):
+    def first(*keys, default=None, minimum=1):
+        """The first of ``keys`` the config sets, as an int >= minimum (JSON ints only: a
+        bool, a fraction or a string is an error naming the key)."""
         for k in keys:
             if config.get(k) is not None:
-                return config[k]
+                v = config[k]
+                if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                    raise ValueError(f"config {k}={v!r} must be an int >= {minimum}")
+                return v
         if default is None:
             raise ValueError(f"config has none of {', '.join(keys)}")
         return default
 
-    layers = int(first("num_hidden_layers", "n_layer"))
-    q_heads = int(first("num_attention_heads", "n_head"))
-    kv_heads = int(first("num_key_value_heads", "multi_query_group_num", default=q_heads))
+    layers = first("num_hidden_layers", "n_layer")
+    q_heads = first("num_attention_heads", "n_head")
+    kv_heads = first("num_key_value_heads", "multi_query_group_num", default=q_heads)
     hidden = first("hidden_size", "n_embd", default=0)
-    head_dim = int(first("head_dim", default=hidden // q_heads if hidden else 0))
+    head_dim = first("head_dim", default=hidden // q_heads if hidden else 0)
     if head_dim <= 0:
         raise ValueError("config gives neither head_dim nor hidden_size")
-    max_pos = int(first("max_position_embeddings", "n_positions", "n_ctx", default=0))
+    max_pos = first("max_position_embeddings", "n_positions", "n_ctx", default=0, minimum=0)
     return ModelConfig(name or config.get("model_type", "model"), layers, q_heads, kv_heads,
                        head_dim, max_pos, "config.json")
 

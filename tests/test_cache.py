@@ -414,3 +414,14 @@ def test_return_lse_accepts_bools_only(backend, arrays, cache_and_data):
     q = _new(arrays, (3, 4, 1, 4), rng=rng)
     assert isinstance(gqakv.gqa_attention(q, cache, [1, 1, 0], return_lse=np.True_), tuple)
     assert not isinstance(gqakv.gqa_attention(q, cache, [1, 1, 0], return_lse=False), tuple)
+
+
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", True), ("num_attention_heads", 32.5),
+                                        ("num_key_value_heads", 0), ("head_dim", "64"),
+                                        ("max_position_embeddings", -1)])
+def test_config_integers_are_checked(key, value):
+    config = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "hidden_size": 4096, "max_position_embeddings": 8192} | {key: value}
+    with pytest.raises(ValueError) as info:
+        sizing.config_from_hf(config)
+    assert f"{key}={value!r}" in str(info.value)
