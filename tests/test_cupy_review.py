@@ -172,3 +172,48 @@ def test_emulator_refuses_grids_beyond_cudas_limits(emulator):
         bad = planmod.Launch(good.kernel, good.name, grid, good.block, good.args)
         with pytest.raises(ValueError, match="bad launch shape"):
             emulator.run(planmod.Plan(launches=[bad]), arrays)
+
+
+# ---- 4. attention checks the V buffer's alignment too -------------------------------------
+# write_kv refused (and routed to the generic copies) a cache whose K or V rows were not
+# aligned for its vector loads; attention checked only K's base address and that K and V
+# strides matched, so a V view one element off alignment (same strides as an aligned K)
+# went to the kernels, whose 16-byte V loads would fault on a GPU. It now takes the
+# generic path, like write_kv.
+
+
+def test_attention_with_an_unaligned_v_buffer_takes_the_generic_path():
+    from gqakv_backends import cupy_backend
+    from gqakv_backends.cupy_backend import routing
+
+    from .cuda_emu.emulated_backend import EmulatedCupyBackend
+    from .reference import reference_attention
+
+    backend = EmulatedCupyBackend()
+    rng = np.random.default_rng(4)
+    B, Hkv, G, T, S, D, dtype = 1, 2, 2, 1, 12, 64, "float16"
+    wide_k = backend.from_numpy(rng.standard_normal((B, Hkv, S, D + 8)), dtype)
+    wide_v = backend.from_numpy(rng.standard_normal((B, Hkv, S, D + 8)), dtype)
+    lens = [9]
+    for k_buf, v_buf, bad in ((wide_k[..., :D], wide_v[..., 1:D + 1], "v"),
+                              (wide_k[..., 1:D + 1], wide_v[..., :D], "k"),
+                              (wide_k[..., :D], wide_v[..., :D], None)):
+        assert k_buf.strides == v_buf.strides
+        assert cupy_backend._is_aligned(k_buf, dtype, D) == (bad != "k")
+        assert cupy_backend._is_aligned(v_buf, dtype, D) == (bad != "v")
+        why = cupy_backend._attention_layout_rejection(k_buf, v_buf, dtype, D)
+        assert why == (None if bad is None else "cache rows not aligned for the kernel's vector loads")
+        route = routing.route_attention(dtype, D, T, 90, why)
+        assert (route.impl == "gqakv_decode_mma") == (bad is None), route
+        q = backend.from_numpy(rng.standard_normal((B, Hkv * G, T, D)), dtype)
+        before = backend.launches
+        out, lse = backend.attention(q, k_buf, v_buf, np.array([0]), np.array(lens), np.array([T]),
+                                     scale=D ** -0.5, return_lse=True)
+        assert backend.launches - before == (0 if bad else 1)  # one decode launch, no split
+        ref, ref_lse = reference_attention(q.get().astype(np.float64),
+                                           [k_buf.get()[0, :, :lens[0]].astype(np.float64)],
+                                           [v_buf.get()[0, :, :lens[0]].astype(np.float64)], [T])
+        rounding = np.abs(ref.astype(np.float16).astype(np.float64) - ref).max()
+        out, lse = (np.asarray(backend.to_numpy(x), dtype=np.float64) for x in (out, lse))
+        assert np.abs(out - ref).max() <= 2 * rounding + cases.ACC_ATOL
+        assert np.abs(lse - ref_lse).max() <= cases.LSE_ATOL

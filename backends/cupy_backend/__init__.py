@@ -391,7 +391,7 @@ def _write_layout_rejection(k_buf, v_buf, k_new, v_new, dtype: str, d: int) -> s
 
 def _attention_layout_rejection(k_buf, v_buf, dtype: str, d: int) -> str | None:
     """Why the attention kernels cannot read this cache (q is copied when unaligned)."""
-    if not _is_aligned(k_buf, dtype, d):
+    if not (_is_aligned(k_buf, dtype, d) and _is_aligned(v_buf, dtype, d)):
         return "cache rows not aligned for the kernel's vector loads"
     if k_buf.strides != v_buf.strides:
         return "K and V strided differently"
