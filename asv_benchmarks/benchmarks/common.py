@@ -137,6 +137,14 @@ def read_bandwidth() -> float:
     return _bandwidth
 
 
+def reader(nbytes: int):
+    """A call that streams ``nbytes`` from memory as fast as this machine reads: BLAS's threaded
+    matrix-vector product over a ``[n, 128]`` float32 matrix (gqakv.bench's best reader)."""
+    matrix = np.ones((max(1, nbytes // 512), 128), dtype=np.float32)
+    x = np.ones(128, dtype=np.float32)
+    return lambda: matrix @ x
+
+
 def best_seconds(fn, backend, repeats=7) -> float:
     """Minimum wall time of ``fn()`` over ``repeats`` calls after one warm-up call."""
     fn()
@@ -197,5 +205,5 @@ def timing(cls):
 
 
 __all__ = ["BACKENDS", "FULL", "attend", "HQ", "HKV", "D", "backend_or_skip", "filled_cache", "queries",
-           "live_kv_bytes", "read_bandwidth", "best_seconds", "ratio", "temp_mib", "require", "sync",
+           "live_kv_bytes", "read_bandwidth", "reader", "best_seconds", "ratio", "temp_mib", "require", "sync",
            "timing", "torch_or_skip", "token_bytes", "SkipNotImplemented"]
