@@ -34,7 +34,7 @@ KERNEL_MAX_QUERIES = 16
 QUERY_BLOCK = 16
 #: A row's keys are split across threads only into pieces at least this long.
 MIN_KEY_SPLIT = 256
-#: Keys read per block: K and V scratch of KEY_BLOCK_BYTES each stays in L1.
+#: Keys per block (one max/rescale per block per row): float32 rows of KEY_BLOCK_BYTES.
 KEY_BLOCK_BYTES = 16 << 10
 #: Below this much work (query-key-head products) one thread runs the call.
 PARALLEL_MIN_WORK = 1 << 16
@@ -153,14 +153,14 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
                 n_part += (h1 - h0) * G * (t1 - t0)
         o_part = np.empty((n_part, d), dtype=np.float32)
         ml_part = np.empty((n_part, 2), dtype=np.float32)
-        kind, kb, vb = _kernel_buffers(k_buf, v_buf, nk)
+        kb, vb = _kernel_buffers(k_buf, v_buf, nk)
         if key_block is None:
             key_block = max(8, KEY_BLOCK_BYTES // (4 * d))
         q32 = np.ascontiguousarray(q, dtype=np.float32)
         items_arr = np.array([it[:7] for it in order], dtype=np.int64).reshape(-1, 7)
         with _threads:  # BLAS idle at one thread while numba's threads run
             numba.set_num_threads(workers)
-            nk.attention_items(q32, kb, vb, kind, rows, lens, n_new, items_arr, run_starts,
+            nk.attention_items(q32, kb, vb, rows, lens, n_new, items_arr, run_starts,
                                part_rows, np.float32(scale), key_block, out, lse, o_part, ml_part)
             if groups:
                 keys = list(groups)
@@ -174,9 +174,7 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
 
 
 def _kernel_buffers(k_buf, v_buf, nk):
-    """(kind, K, V) as the kernels take them: float32 as is, float16/bfloat16 as uint16 bits."""
-    name = _dtype_name(k_buf.dtype)
-    if name == "float32":
-        return 0, k_buf, v_buf
-    kind = nk.KIND_FLOAT16 if name == "float16" else nk.KIND_BFLOAT16
-    return kind, k_buf.view(np.uint16), v_buf.view(np.uint16)
+    """(K, V) as the kernels take them: float32 as is, float16 as uint16 bits, bfloat16
+    as int16 bits (the element type selects the conversion at compile time)."""
+    view = nk.BITS_VIEW[_dtype_name(k_buf.dtype)]
+    return k_buf.view(view), v_buf.view(view)

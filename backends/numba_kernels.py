@@ -3,24 +3,34 @@
 The attention loop is composed of small ``@njit`` pieces that LLVM inlines into it,
 so later storage kinds and attention variants replace one piece, not the loop:
 
-- how K/V are read: ``load_keys(buf, r, h, j0, n, kind, scratch)`` returns keys
-  ``j0 .. j0+n-1`` of KV head ``h`` of cache row ``r`` as float32 ``[n * d]``
-  (contiguous rows: a view of float32 buffers; float16/bfloat16 bits converted into
-  ``scratch`` in registers, see ``half_to_float`` and ``bfloat16_to_float``);
+- how K/V are read: ``key_row(buf, r, h, j)`` gives the stored row of key j of KV
+  head h of cache row r (contiguous rows: a view), and ``decode(x)`` turns one
+  stored element into float32, chosen at compile time by the buffer's element type
+  (float32 as is; float16 bits as uint16 and bfloat16 bits as int16, converted in
+  registers: ``half_to_float``, ``bfloat16_to_float``);
 - which keys a query sees: ``visible_keys(q_pos)`` gives the key range ``lo, hi``
   (bottom-right causal: ``0, q_pos + 1``);
 - how a score is modified: ``score(dot, scale)`` (plain scaling now; a soft-cap
   would act on this natural scaled score).
 
+Per block of keys (``key_block``, about 32): the dots of the whole tile (G heads x
+queries) against the block with the loop over d vectorized (``_block_dots``: two keys
+x four rows of accumulators in registers), then per row the mask, one max and rescale
+per block and the exponentials, then O += P V with the loop over d vectorized
+(``_accumulate``: four values into four rows per pass). Each K/V element is read and
+converted once per four tile rows, straight from the cache (no scratch copy).
+
 The online softmax keeps a running max ``m`` and sum ``l`` in float32 per tile row and
 is correct when a whole key block is masked (rows whose max is still -inf add
-nothing). Exponentials go through ``exp_nonpos``, a vectorizable float32 exp (LLVM
+nothing); a NaN score makes the row's m and l NaN (NaN out and lse, as the
+reference). Exponentials go through ``exp_nonpos``, a vectorizable float32 exp (LLVM
 from pip has no vector math library, and a scalar ``expf`` call per score costs as
 much as reading the key).
 
 fastmath is limited to {contract, reassoc, arcp}: never 'nnan'/'ninf', since masked
 scores are -inf and a NaN in a live K/V value must reach the output as it does in
-the reference.
+the reference. The vector loops ask LLVM for 512-bit vectors where the CPU has them
+(``_prefer_512_bit_vectors``).
 """
 
 from __future__ import annotations
@@ -31,9 +41,9 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 FASTMATH = {"contract", "reassoc", "arcp"}
-#: ``kind`` of a K/V buffer passed as uint16 bits (float32 buffers are passed as is).
-KIND_FLOAT16 = 1
-KIND_BFLOAT16 = 2
+#: How the kernels take each cache dtype's buffers: the view whose element type
+#: ``decode`` converts (float16 and bfloat16 as their 16-bit patterns).
+BITS_VIEW = {"float32": np.float32, "float16": np.uint16, "bfloat16": np.int16}
 
 _NEG_INF = np.float32(-np.inf)
 
@@ -55,41 +65,74 @@ def _bits_to_float32(typingctx, bits):
     return types.float32(bits), codegen
 
 
+@intrinsic
+def _half_bits_to_float32(typingctx, bits):
+    """float16 bits (uint16) -> float32, bit-exact as NumPy's cast, in a few vector ops.
+
+    LLVM's ``fpext half`` (one vcvtph2ps per vector on F16C/AVX-512 CPUs) is exact for
+    zeros, subnormals, normals and infinities and keeps a NaN's sign and payload, but
+    the hardware quiets a signaling NaN (sets float32 bit 22): where the result is NaN
+    and the float16 quiet bit (bit 9) was clear, bit 22 is cleared again. Written in IR
+    on 16-bit lanes so the fix-up costs a test and a masked AND per vector.
+    """
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        h = args[0]
+        i16, i32, f32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+        f = builder.fpext(builder.bitcast(h, ir.HalfType()), f32)
+        is_nan = builder.fcmp_unordered("uno", f, f)
+        was_signaling = builder.icmp_unsigned("==", builder.and_(h, ir.Constant(i16, 0x0200)),
+                                              ir.Constant(i16, 0))
+        fb = builder.bitcast(f, i32)
+        cleared = builder.and_(fb, ir.Constant(i32, 0xFFBFFFFF))
+        out = builder.select(builder.and_(is_nan, was_signaling), cleared, fb)
+        return builder.bitcast(out, f32)
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _prefer_512_bit_vectors(typingctx):
+    """Let LLVM vectorize the calling function with 512-bit registers.
+
+    On AVX-512 CPUs LLVM defaults to 256-bit vectors (``prefer-256-bit`` tuning, for
+    the clock penalty of heavy 512-bit code on older Xeons); these kernels are FMA-bound
+    with all data in L1, where zmm doubles the throughput. Sets the function attribute
+    ``"prefer-vector-width"="512"``; a no-op where the CPU has no AVX-512 or llvmlite
+    refuses the attribute.
+    """
+    def codegen(context, builder, signature, args):
+        try:
+            set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        except Exception:  # llvmlite internals changed: keep LLVM's default width
+            pass
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
 @njit(cache=True)
 def half_to_float(h):
-    """float16 bits (uint16) -> float32, exact: normals re-biased, subnormals through an
-    exact integer-to-float product, inf/NaN keep sign and payload (as NumPy's cast)."""
-    x = np.uint32(h)
-    sign = (x & np.uint32(0x8000)) << np.uint32(16)
-    e = x & np.uint32(0x7C00)
-    m = x & np.uint32(0x03FF)
-    normal = _bits_to_float32(sign | (((x & np.uint32(0x7FFF)) << np.uint32(13)) + np.uint32(112 << 23)))
-    special = _bits_to_float32(sign | np.uint32(0x7F800000) | (m << np.uint32(13)))
-    sub = np.float32(m) * np.float32(2.0 ** -24)  # m * 2**-24: exact, a normal float32
-    if sign:
-        sub = -sub
-    if e == np.uint32(0x7C00):
-        return special
-    if e == 0:
-        return sub
-    return normal
+    """float16 bits (uint16) -> float32, bit-exact as NumPy's cast (zeros, subnormals,
+    normals, infinities, NaN sign and payload); branch-free, so loops vectorize."""
+    return _half_bits_to_float32(h)
 
 
 @njit(cache=True)
 def bfloat16_to_float(h):
-    """bfloat16 bits (uint16) -> float32: the upper half of the float32 bits."""
+    """bfloat16 bits (int16 or uint16) -> float32: the upper half of the float32 bits."""
     return _bits_to_float32(np.uint32(h) << np.uint32(16))
 
 
 @njit(cache=True)
-def convert_bits(src, kind, dst):
-    """dst[:] = values of the uint16 bit patterns src (float16 or bfloat16 per ``kind``)."""
-    if kind == KIND_FLOAT16:
-        for x in range(src.size):
-            dst[x] = half_to_float(src[x])
-    else:
-        for x in range(src.size):
-            dst[x] = bfloat16_to_float(src[x])
+def convert_bits(src, dst):
+    """dst[:] = float32 values of the 16-bit patterns src, by src's dtype (``decode``):
+    uint16 float16 bits, int16 bfloat16 bits."""
+    _prefer_512_bit_vectors()
+    for x in range(src.size):
+        dst[x] = decode(src[x])
 
 
 @njit(cache=True)
@@ -119,30 +162,31 @@ def exp_nonpos(x):
 
 # -- the pieces: reader, visibility, score --------------------------------------------------
 
-def load_keys(buf, r, h, j0, n, kind, scratch):
-    """Keys j0..j0+n-1 of KV head h of row r as float32 [n * d] (implemented per buffer
-    dtype by the overload below; plain Python cannot call it)."""
+def decode(x):
+    """One stored K/V element as float32, by the buffer's element type (implemented by
+    the overload below; plain Python cannot call it): float32 as is, uint16 as float16
+    bits (``half_to_float``), int16 as bfloat16 bits (``bfloat16_to_float``). The
+    type picks the conversion at compile time, so the loops over d stay branch-free."""
     raise NotImplementedError
 
 
-@overload(load_keys, jit_options={"cache": True})
-def _load_keys(buf, r, h, j0, n, kind, scratch):
-    if buf.dtype == types.float32:
-        def read_float32(buf, r, h, j0, n, kind, scratch):
-            d = buf.shape[3]
-            base = ((r * buf.shape[1] + h) * buf.shape[2] + j0) * d
-            return buf.reshape(buf.size)[base:base + n * d]  # a view: no copy
-        return read_float32
-    if buf.dtype == types.uint16:
-        def read_bits(buf, r, h, j0, n, kind, scratch):
-            d = buf.shape[3]
-            base = ((r * buf.shape[1] + h) * buf.shape[2] + j0) * d
-            src = buf.reshape(buf.size)[base:base + n * d]
-            dst = scratch[:n * d]
-            convert_bits(src, kind, dst)
-            return dst
-        return read_bits
+@overload(decode, jit_options={"cache": True})
+def _decode(x):
+    if x == types.float32:
+        return lambda x: x
+    if x == types.uint16:
+        return lambda x: half_to_float(x)
+    if x == types.int16:
+        return lambda x: bfloat16_to_float(x)
     return None
+
+
+@njit(cache=True)
+def key_row(buf, r, h, j):
+    """The stored row of key (or value) j of KV head h of cache row r: a [d] view of
+    buf [rows, Hkv, max_len, d] (contiguous rows; a paged reader maps j through its
+    page table here). Elements are read through ``decode``."""
+    return buf[r, h, j]
 
 
 @njit(cache=True)
@@ -160,13 +204,142 @@ def score(dot, scale):
 # -- attention -----------------------------------------------------------------------------
 
 @njit(fastmath=FASTMATH, cache=True)
-def _attend(qt, k_buf, v_buf, kind, r, h, start, t0, nq, G, j0, j1, scale, key_block,
-            kscr, vscr, s, acc, m, l):
+def _block_dots(qt, R, k_buf, r, h, js, n, s):
+    """s[rr, jj] = qt[rr] . key js + jj, for rr < R and jj < n (raw dot products).
+
+    Two keys against four query rows per pass over d: eight accumulators in registers,
+    each key element loaded and converted once per four rows. Rows and keys are views
+    indexed by the loop counter alone (no negative-index fix-up), so the loop over d
+    compiles to plain vector loads and FMAs.
+    """
+    _prefer_512_bit_vectors()
+    d = qt.shape[1]
+    jj = 0
+    while jj < n:
+        two = jj + 1 < n
+        k0 = key_row(k_buf, r, h, js + jj)
+        k1 = key_row(k_buf, r, h, js + jj + 1) if two else k0
+        rr = 0
+        while rr + 4 <= R:
+            q0, q1, q2, q3 = qt[rr], qt[rr + 1], qt[rr + 2], qt[rr + 3]
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            b0 = np.float32(0.0)
+            b1 = np.float32(0.0)
+            b2 = np.float32(0.0)
+            b3 = np.float32(0.0)
+            for c in range(d):
+                x = decode(k0[c])
+                y = decode(k1[c])
+                a0 += q0[c] * x
+                a1 += q1[c] * x
+                a2 += q2[c] * x
+                a3 += q3[c] * x
+                b0 += q0[c] * y
+                b1 += q1[c] * y
+                b2 += q2[c] * y
+                b3 += q3[c] * y
+            s[rr, jj] = a0
+            s[rr + 1, jj] = a1
+            s[rr + 2, jj] = a2
+            s[rr + 3, jj] = a3
+            if two:
+                s[rr, jj + 1] = b0
+                s[rr + 1, jj + 1] = b1
+                s[rr + 2, jj + 1] = b2
+                s[rr + 3, jj + 1] = b3
+            rr += 4
+        while rr < R:
+            q0 = qt[rr]
+            a0 = np.float32(0.0)
+            b0 = np.float32(0.0)
+            for c in range(d):
+                a0 += q0[c] * decode(k0[c])
+                b0 += q0[c] * decode(k1[c])
+            s[rr, jj] = a0
+            if two:
+                s[rr, jj + 1] = b0
+            rr += 1
+        jj += 2
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _accumulate(acc, R, s, v_buf, r, h, js, n):
+    """acc[rr] += sum_jj s[rr, jj] * value js + jj, for rr < R and jj < n.
+
+    Four values into four rows per pass over d: each value element is loaded and
+    converted once for four rows, each accumulator element loaded and stored once per
+    four values (16 FMAs per 8 loads and 4 stores); the loop over d vectorizes.
+    """
+    _prefer_512_bit_vectors()
+    rr = 0
+    while rr + 4 <= R:
+        _accumulate4(acc[rr], acc[rr + 1], acc[rr + 2], acc[rr + 3], s[rr], s[rr + 1],
+                     s[rr + 2], s[rr + 3], v_buf, r, h, js, n)
+        rr += 4
+    while rr < R:  # rows left over when G * queries is not a multiple of 4
+        a0, p = acc[rr], s[rr]
+        d = a0.size
+        for jj in range(n):
+            v0 = key_row(v_buf, r, h, js + jj)
+            p0 = p[jj]
+            for c in range(d):
+                a0[c] += p0 * decode(v0[c])
+        rr += 1
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _accumulate4(a0, a1, a2, a3, s0, s1, s2, s3, v_buf, r, h, js, n):
+    """Four rows of ``_accumulate``: a_i [d] += sum_jj s_i[jj] * value js + jj."""
+    _prefer_512_bit_vectors()
+    d = a0.size
+    jj = 0
+    while jj + 4 <= n:
+        v0 = key_row(v_buf, r, h, js + jj)
+        v1 = key_row(v_buf, r, h, js + jj + 1)
+        v2 = key_row(v_buf, r, h, js + jj + 2)
+        v3 = key_row(v_buf, r, h, js + jj + 3)
+        p00, p01, p02, p03 = s0[jj], s0[jj + 1], s0[jj + 2], s0[jj + 3]
+        p10, p11, p12, p13 = s1[jj], s1[jj + 1], s1[jj + 2], s1[jj + 3]
+        p20, p21, p22, p23 = s2[jj], s2[jj + 1], s2[jj + 2], s2[jj + 3]
+        p30, p31, p32, p33 = s3[jj], s3[jj + 1], s3[jj + 2], s3[jj + 3]
+        for c in range(d):
+            x0 = decode(v0[c])
+            x1 = decode(v1[c])
+            x2 = decode(v2[c])
+            x3 = decode(v3[c])
+            a0[c] += p00 * x0 + p01 * x1 + p02 * x2 + p03 * x3
+            a1[c] += p10 * x0 + p11 * x1 + p12 * x2 + p13 * x3
+            a2[c] += p20 * x0 + p21 * x1 + p22 * x2 + p23 * x3
+            a3[c] += p30 * x0 + p31 * x1 + p32 * x2 + p33 * x3
+        jj += 4
+    while jj < n:
+        v0 = key_row(v_buf, r, h, js + jj)
+        p00, p10, p20, p30 = s0[jj], s1[jj], s2[jj], s3[jj]
+        for c in range(d):
+            x0 = decode(v0[c])
+            a0[c] += p00 * x0
+            a1[c] += p10 * x0
+            a2[c] += p20 * x0
+            a3[c] += p30 * x0
+        jj += 1
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, key_block, s, acc, m, l):
     """Online softmax of one tile (KV head h of row r, queries t0..t0+nq) over keys j0:j1.
 
     qt: [nq * G, d] float32, row t * G + g is query t0 + t of query head h * G + g;
     acc: [>= nq * G, d], m, l: [>= nq * G] are reset here and hold the unnormalized
     output, running max and sum on return; s: [>= nq * G, key_block] scratch.
+    A row with a NaN score (a NaN query, or a NaN in a live key it sees) ends with m
+    and l NaN (its output is NaN, as in the reference); other rows are unaffected.
+
+    Per block of keys: all dots of the tile (``_block_dots``), then per row the
+    visibility mask, the block max (one rescale per block) and the exponentials, then
+    the P V update of the whole tile (``_accumulate``).
     """
     d = qt.shape[1]
     R = nq * G
@@ -177,27 +350,30 @@ def _attend(qt, k_buf, v_buf, kind, r, h, start, t0, nq, G, j0, j1, scale, key_b
             acc[rr, c] = 0.0
     for js in range(j0, j1, key_block):
         n = min(key_block, j1 - js)
-        kb = load_keys(k_buf, r, h, js, n, kind, kscr)
-        for jj in range(n):
-            j = js + jj
-            kofs = jj * d
-            for t in range(nq):
-                lo, hi = visible_keys(start + t0 + t)
-                seen = lo <= j and j < hi
-                for g in range(G):
-                    rr = t * G + g
-                    if seen:
-                        dot = np.float32(0.0)
-                        for c in range(d):
-                            dot += qt[rr, c] * kb[kofs + c]
-                        s[rr, jj] = score(dot, scale)
-                    else:
-                        s[rr, jj] = _NEG_INF
+        _block_dots(qt, R, k_buf, r, h, js, n, s)
         for rr in range(R):
+            if m[rr] != m[rr]:  # NaN already: nothing can change it
+                for jj in range(n):
+                    s[rr, jj] = 0.0
+                continue
+            lo, hi = visible_keys(start + t0 + rr // G)
             bm = _NEG_INF
+            nan = False
             for jj in range(n):
-                bm = max(bm, s[rr, jj])
-            mn = max(m[rr], bm)
+                j = js + jj
+                x = score(s[rr, jj], scale)
+                if j < lo or j >= hi:
+                    x = _NEG_INF
+                nan |= x != x
+                bm = x if x > bm else bm
+                s[rr, jj] = x
+            if nan:
+                m[rr] = np.float32(np.nan)
+                l[rr] = np.float32(np.nan)
+                for jj in range(n):
+                    s[rr, jj] = 0.0
+                continue
+            mn = m[rr] if m[rr] > bm else bm
             if mn == _NEG_INF:  # every key so far is masked: nothing to add
                 for jj in range(n):
                     s[rr, jj] = 0.0
@@ -214,22 +390,16 @@ def _attend(qt, k_buf, v_buf, kind, r, h, start, t0, nq, G, j0, j1, scale, key_b
                 s[rr, jj] = p
                 tot += p
             l[rr] += tot
-        vb = load_keys(v_buf, r, h, js, n, kind, vscr)
-        for rr in range(R):
-            for jj in range(n):
-                p = s[rr, jj]
-                vofs = jj * d
-                for c in range(d):
-                    acc[rr, c] += p * vb[vofs + c]
+        _accumulate(acc, R, s, v_buf, r, h, js, n)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def attention_items(q, k_buf, v_buf, kind, rows, lens, n_new, items, run_starts, part_rows,
+def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_rows,
                     scale, key_block, out, lse, o_part, ml_part):
     """Every item of the plan; runs of items go to threads (one prange index per run).
 
-    q: [B, Hq, T, d] float32; k_buf, v_buf: [rows_total, Hkv, max_len, d] float32, or
-    uint16 bits of float16/bfloat16 (``kind``); items: int64 [n_items, 7] rows
+    q: [B, Hq, T, d] float32; k_buf, v_buf: [rows_total, Hkv, max_len, d] float32,
+    float16 bits as uint16 or bfloat16 bits as int16 (``decode``); items: int64 [n_items, 7] rows
     (i, h0, h1, t0, t1, j0, j1), run r being items run_starts[r]:run_starts[r+1];
     part_rows[it]: -1 when the item covers every key its queries see (it writes
     out [B, Hq, T, d] and lse [B, Hq, T] itself), else the first row of its
@@ -244,8 +414,6 @@ def attention_items(q, k_buf, v_buf, kind, rows, lens, n_new, items, run_starts,
         qmax = max(qmax, items[it, 4] - items[it, 3])
     Rmax = qmax * G
     for run in prange(run_starts.size - 1):
-        kscr = np.empty(key_block * d, np.float32)
-        vscr = np.empty(key_block * d, np.float32)
         s = np.empty((Rmax, key_block), np.float32)
         acc = np.empty((Rmax, d), np.float32)
         m = np.empty(Rmax, np.float32)
@@ -263,13 +431,15 @@ def attention_items(q, k_buf, v_buf, kind, rows, lens, n_new, items, run_starts,
                     for g in range(G):
                         for c in range(d):
                             qt[t * G + g, c] = q[i, h * G + g, t0 + t, c]
-                _attend(qt, k_buf, v_buf, kind, r, h, start, t0, nq, G, j0, j1, scale,
-                        key_block, kscr, vscr, s, acc, m, l)
+                _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, key_block,
+                        s, acc, m, l)
                 base = part_rows[it]
                 for t in range(nq):
                     for g in range(G):
                         rr = t * G + g
                         if base < 0:
+                            if m[rr] == _NEG_INF:  # saw no key (cannot happen when causal)
+                                continue
                             inv = np.float32(1.0) / l[rr]
                             for c in range(d):
                                 out[i, h * G + g, t0 + t, c] = acc[rr, c] * inv
@@ -299,12 +469,20 @@ def merge_pieces(groups, group_starts, piece_rows, o_part, ml_part, G, out, lse)
             for rr in range(R):
                 row = hh * R + rr
                 mx = _NEG_INF
+                nan = False
                 for pi in range(group_starts[gi], group_starts[gi + 1]):
-                    mx = max(mx, ml_part[piece_rows[pi] + row, 0])
-                if mx == _NEG_INF:  # no piece saw a key: the query stays 0 / -inf
-                    continue
+                    mp = ml_part[piece_rows[pi] + row, 0]
+                    nan |= mp != mp
+                    mx = mp if mp > mx else mx
                 t, g = rr // G, rr % G
                 hq = (h0 + hh) * G + g
+                if nan:  # a piece saw a NaN score: the whole query is NaN
+                    for c in range(d):
+                        out[i, hq, t0 + t, c] = np.nan
+                    lse[i, hq, t0 + t] = np.nan
+                    continue
+                if mx == _NEG_INF:  # no piece saw a key: the query stays 0 / -inf
+                    continue
                 tot = np.float32(0.0)
                 for pi in range(group_starts[gi], group_starts[gi + 1]):
                     p = piece_rows[pi] + row
