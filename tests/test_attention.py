@@ -245,8 +245,6 @@ def test_merge_attention_combines_disjoint_key_sets(backend, arrays):
 # Backends whose attention kernels still hide a NaN query (known, owned elsewhere): each
 # mark comes off when its kernels carry NaN through (strict: a pass then fails the test).
 _NAN_QUERY_HIDDEN = {
-    "cupy_emulated": "the cupy decode/prefill kernels' running max (fmaxf) skips NaN scores",
-    "cupy": "the cupy decode/prefill kernels' running max (fmaxf) skips NaN scores",
 }
 
 

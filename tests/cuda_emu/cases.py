@@ -8,6 +8,12 @@ T <= 4, chunked-prefill plan above; split-KV + merge when the plan chooses it). 
 slots of k_new, v_new and q hold NaN; with ``poison=True`` (AddressSanitizer build) every
 byte a kernel must not touch is poisoned: dead cache tails, rows no entry uses, padding
 slots of the inputs, and for the append everything outside the slots being written.
+
+A scenario may also put a NaN into a real query or a live K / V token (``nan_q``,
+``nan_kv``): the reference then has NaN exactly where that NaN reaches (out and lse of
+the queries that see a NaN score, out elements of those that weight a NaN value), and the
+kernels must match that pattern (never 0 / -inf for a NaN) while everything else still
+matches the reference.
 """
 
 from __future__ import annotations
@@ -51,8 +57,14 @@ class Case:
     sm_count: int = 132
     min_keys_per_split: int = planmod.MIN_KEYS_PER_SPLIT
     expect_splits: bool = False  # some decode step must use split-KV + merge
+    force_splits: int | None = None  # decode steps cut in this many splits (short rows too)
     expect_kernels: tuple[str, ...] = ()  # kernels (names before '<') some step must launch
     seed: int = 0
+    # One NaN element in a real query: (step, entry, query head, token < n_new).
+    nan_q: tuple[tuple[int, int, int, int], ...] = ()
+    # One NaN element in a new K or V token (live once appended, seen by every later step):
+    # (step, "k" or "v", entry, KV head, token < n_new).
+    nan_kv: tuple[tuple[int, str, int, int, int], ...] = ()
 
 
 def _element_strides(a: np.ndarray) -> tuple[int, ...]:
@@ -72,18 +84,32 @@ def _check_out(case, step, out, lse, ref_out, ref_lse, n_new, stats):
     pad_out = np.broadcast_to(pad[:, None, :, None], out.shape)
     pad_lse = np.broadcast_to(pad[:, None, :], lse.shape)
     out64 = out.astype(np.float64)
-    assert not np.isnan(out64).any(), f"{case.name} step {step}: NaN in the output"
+    # NaN exactly where the reference has it (a NaN query or live K / V reaching it; none
+    # without nan_q / nan_kv): never hidden as 0 / -inf, never leaking to other queries.
+    nan_out, nan_lse = np.isnan(ref_out), np.isnan(ref_lse)
+    hidden = nan_out & ~np.isnan(out64)
+    assert not hidden.any(), (f"{case.name} step {step}: NaN hidden at {np.argwhere(hidden)[:4].tolist()} "
+                              f"(out {out64[hidden][:4].tolist()})")
+    leaked = np.isnan(out64) & ~nan_out
+    assert not leaked.any(), f"{case.name} step {step}: NaN in the output at {np.argwhere(leaked)[:4].tolist()}"
+    assert np.array_equal(np.isnan(lse), nan_lse), (
+        f"{case.name} step {step}: NaN lse at {np.argwhere(np.isnan(lse)).tolist()[:4]}, "
+        f"reference at {np.argwhere(nan_lse).tolist()[:4]}")
     assert np.all(out64[pad_out] == 0.0), f"{case.name} step {step}: padded queries are not 0"
     assert np.all(np.isneginf(lse[pad_lse])), f"{case.name} step {step}: padded lse is not -inf"
-    if (~pad).any():
-        rounding = np.abs(ref_out.astype(st).astype(np.float64) - ref_out).max()
-        err = np.abs(out64 - ref_out)[~pad_out].max()
+    stats["nan_queries"] += int(np.count_nonzero(nan_lse))
+    stats["nan_outputs"] += int(np.count_nonzero(nan_out))
+    real_out, real_lse = ~pad_out & ~nan_out, ~pad_lse & ~nan_lse
+    if real_out.any():
+        rounding = np.abs(ref_out.astype(st).astype(np.float64) - ref_out)[real_out].max()
+        err = np.abs(out64 - ref_out)[real_out].max()
         tol = 2 * rounding + ACC_ATOL
         assert err <= tol, f"{case.name} step {step}: out error {err:.3g} > {tol:.3g}"
-        lerr = np.abs(lse.astype(np.float64)[~pad_lse] - ref_lse[~pad_lse]).max()
-        assert lerr <= LSE_ATOL, f"{case.name} step {step}: lse error {lerr:.3g} > {LSE_ATOL}"
         stats["max_out_err"] = max(stats["max_out_err"], float(err))
         stats["max_out_tol"] = max(stats["max_out_tol"], float(tol))
+    if real_lse.any():
+        lerr = np.abs(lse.astype(np.float64)[real_lse] - ref_lse[real_lse]).max()
+        assert lerr <= LSE_ATOL, f"{case.name} step {step}: lse error {lerr:.3g} > {LSE_ATOL}"
         stats["max_lse_err"] = max(stats["max_lse_err"], float(lerr))
 
 
@@ -100,7 +126,7 @@ def run_case(emu, case: Case, poison: bool = False) -> dict:
     v_buf = np.full_like(k_buf, np.nan)
     lens_rows = np.zeros(R, dtype=np.int64)
     stats = {"steps": 0, "splits": 0, "kernels": set(), "max_out_err": 0.0, "max_out_tol": 0.0,
-             "max_lse_err": 0.0}
+             "max_lse_err": 0.0, "nan_queries": 0, "nan_outputs": 0}
     for step, n in enumerate(case.steps):
         n_new = np.array(n, dtype=np.int64)
         T = int(n_new.max()) + case.pad
@@ -110,6 +136,10 @@ def run_case(emu, case: Case, poison: bool = False) -> dict:
         for b in range(B):
             k_new[b, :, n_new[b]:] = np.nan
             v_new[b, :, n_new[b]:] = np.nan
+        for s_, which, b, h, t in case.nan_kv:
+            if s_ == step:
+                assert t < n_new[b], f"{case.name}: NaN {which} at token {t} is not a new token"
+                (k_new if which == "k" else v_new)[b, h, t, D // 2] = np.nan  # live once appended
         k_exp, v_exp = k_buf.copy(), v_buf.copy()
         for b in range(B):
             s, m = int(starts[b]), int(n_new[b])
@@ -140,6 +170,10 @@ def run_case(emu, case: Case, poison: bool = False) -> dict:
         q = rng.standard_normal((B, Hq, T, D)).astype(st)
         for b in range(B):
             q[b, :, n_new[b]:] = np.nan
+        for s_, b, h, t in case.nan_q:
+            if s_ == step:
+                assert t < n_new[b], f"{case.name}: NaN query token {t} is a padding slot"
+                q[b, h, t, D - 1] = np.nan
         out = np.zeros((B, Hq, T, D), dtype=st)
         lse = np.full((B, Hq, T), -np.inf, dtype=np.float32)
         scale = 1.0 / math.sqrt(D)
@@ -147,7 +181,7 @@ def run_case(emu, case: Case, poison: bool = False) -> dict:
             case.dtype, D, batch=B, kv_heads=Hkv, group=G, t_q=T, lens=lens, n_new=n_new,
             scale=scale, q_strides=_element_strides(q)[:3], buf_strides=_element_strides(k_buf)[:3],
             out_strides=_element_strides(out)[:3], sm_count=case.sm_count,
-            min_keys_per_split=case.min_keys_per_split)
+            min_keys_per_split=case.min_keys_per_split, force_splits=case.force_splits)
         apoison = None
         if poison:
             live = {int(rows[b]): int(lens[b]) for b in range(B)}
@@ -166,6 +200,10 @@ def run_case(emu, case: Case, poison: bool = False) -> dict:
         stats["steps"] += 1
     if case.expect_splits:
         assert stats["splits"] > 1, f"{case.name}: no step used split-KV"
+    if case.nan_q or any(w == "k" for _, w, *_ in case.nan_kv):
+        assert stats["nan_queries"] >= len(case.nan_q), f"{case.name}: the NaN reached no query"
+    if any(w == "v" for _, w, *_ in case.nan_kv):
+        assert stats["nan_outputs"] > 0, f"{case.name}: the NaN value reached no output"
     launched = {k.split("<")[0] for k in stats["kernels"]}
     for kernel in case.expect_kernels:
         assert kernel in launched, f"{case.name}: {kernel} was never launched ({sorted(launched)})"
@@ -330,6 +368,39 @@ def prefill_mma_cases() -> list[Case]:
     ]
 
 
+def nan_cases() -> list[Case]:
+    """A NaN in a real query or in a live K / V token shows as NaN in exactly the results
+    it reaches (the reference's NaN pattern), through every attention kernel: the decode
+    kernels (fp32 FMA in float32 / bfloat16 d = 20 and 80 / float16 d = 20; tensor cores in
+    float16 d = 64, bfloat16 d = 128), split decode with its merge, and both prefill kernels.
+
+    Per scenario: a prefill chunk with a NaN query token and a NaN key in its middle (the
+    tokens before that key must not see it, even in the same key tile), T = 1 decode with
+    NaN queries sharing a CTA with finite ones, and small-T decode where the last new key
+    is NaN (hidden from the earlier queries of the step). The NaN key of step 0 stays live,
+    so every later query of its KV head is NaN too; the other KV head stays finite.
+    """
+    cases = []
+    nan_q = ((0, 0, 1, 4), (1, 0, 2, 0), (1, 1, 2, 0), (2, 0, 5, 1))
+    nan_kv = ((0, "k", 1, 1, 3), (2, "k", 0, 0, 2))
+    for dtype, d in (("float32", 64), ("float16", 64), ("bfloat16", 128), ("float16", 20),
+                     ("bfloat16", 20), ("bfloat16", 80)):
+        cases.append(Case(f"nan-{dtype}-G4-d{d}", dtype, d, 2, 4, ((9, 6), (1, 1), (3, 2)),
+                          max_len=24, nan_q=nan_q, nan_kv=nan_kv, seed=40))
+    # Split decode (3 splits forced on rows of ~40 and ~26 keys): a NaN key in the middle
+    # of entry 1's prefill (so one split of each later decode sees it), a NaN value at key 0
+    # of entry 0 (out NaN in one element, lse finite, through the merge), NaN queries, and
+    # a NaN key in the last, short split hidden from the step's first query.
+    for dtype, d, kernel in (("float32", 64, "gqakv_decode"), ("bfloat16", 128, "gqakv_decode_mma"),
+                             ("float16", 80, "gqakv_decode")):
+        cases.append(Case(f"nan-split-{dtype}-G4-d{d}", dtype, d, 2, 4, ((40, 25), (1, 1), (3, 1)),
+                          max_len=48, pad=0, force_splits=3, expect_splits=True,
+                          expect_kernels=(kernel, "gqakv_merge"),
+                          nan_q=((1, 0, 5, 0), (2, 0, 1, 0)),
+                          nan_kv=((0, "k", 1, 0, 20), (0, "v", 0, 1, 0), (2, "k", 0, 1, 1)), seed=41))
+    return cases
+
+
 def all_cases() -> list:
     """The emulated parity grid: kernels x dtypes x group sizes x head dims, small shapes."""
     cases = []
@@ -420,4 +491,4 @@ def all_cases() -> list:
     cases.append(Case("mma-decode-rows-bfloat16-G3T4-d64", "bfloat16", 64, 2, 3,
                       ((9, 33), (4, 1), (2, 4)), max_len=48, cache_rows=4, rows=(3, 1), pad=0,
                       expect_kernels=("gqakv_decode_mma",), seed=23))
-    return cases + prefill_mma_cases() + copy_cases()
+    return cases + prefill_mma_cases() + nan_cases() + copy_cases()

@@ -126,7 +126,8 @@ __device__ __forceinline__ void fetch_kv(KVRaw<T, S::VEC, S::CPL>& r, const T* _
 
 // Online-softmax update of one query's state (log2 domain) with one key: score s, value v.
 // The state is rescaled only when the running max grows, rare after the first keys (the
-// factor skipped otherwise is exactly exp2(0) = 1).
+// factor skipped otherwise is exactly exp2(0) = 1). A NaN score leaves m as it is and
+// makes p, l and acc NaN; write_decode_rows turns that state into NaN out and lse.
 template <int EPL>
 __device__ __forceinline__ void softmax_update(float s, const float* v, float& m, float& l, float* acc) {
     if (s > m) {

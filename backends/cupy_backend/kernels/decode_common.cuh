@@ -67,6 +67,10 @@ __device__ __forceinline__ void load_chunks(Words<NW>& dst, const T* __restrict_
 // and its natural-log LSE (num_splits == 1) or as this split's fp32 partials for
 // gqakv_merge. States are in the log2 domain (m: running max of log2-scaled scores).
 // Padded rows (query index >= G * Tq or token >= n) are skipped: out stays 0, lse -inf.
+// A NaN score never raises m (the max skips it) but makes that state's l NaN for good
+// (its weight is exp2(NaN) = NaN, and NaN * 0 is NaN at every later rescale), so a query
+// whose scores include NaN is recognised here, once per CTA, and written as NaN out and
+// lse: the key loops pay nothing for it.
 template <class T, int D, int QB, int NS>
 __device__ __forceinline__ void write_decode_rows(
     const float (&sm_m)[NS][QB], const float (&sm_l)[NS][QB], const float (&sm_acc)[NS][QB][D],
@@ -85,14 +89,20 @@ __device__ __forceinline__ void write_decode_rows(
         float total = 0.f, o = 0.f;
         if (mx != GQAKV_NEG_INF) {
             for (int s = 0; s < NS; ++s) {
-                const float w = fast_exp2(sm_m[s][i] - mx);  // 0 for states that saw no key
+                // w is 0 for states that saw no finite score; w * NaN is still NaN.
+                const float w = fast_exp2(sm_m[s][i] - mx);
                 total += w * sm_l[s][i];
                 o += w * sm_acc[s][i][d];
             }
+        } else {
+            // No state saw a finite score: each l is 0 (no key) or NaN (only NaN scores).
+            for (int s = 0; s < NS; ++s) total += sm_l[s][i];
         }
-        const float o_val = total > 0.f ? o / total : 0.f;
+        // total > 0: keys seen; 0: none (out 0, lse -inf); NaN: a NaN score (out and lse
+        // NaN, never hidden: o / NaN and log2f(NaN) are NaN).
+        const float o_val = total != 0.f ? o / total : 0.f;
         // Natural-log LSE of the unscaled-by-log2(e) scores: (m + log2 total) * ln 2.
-        const float lse_val = total > 0.f ? (mx + log2f(total)) * 0.6931471805599453f : GQAKV_NEG_INF;
+        const float lse_val = total != 0.f ? (mx + log2f(total)) * 0.6931471805599453f : GQAKV_NEG_INF;
         const i64 qidx = ((i64)b * Hq + h) * Tq + t;
         if (num_splits == 1) {
             out[(i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st + d] = from_float<T>(o_val);

@@ -243,7 +243,9 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
                 }
                 m[h] = mx;
             }
-            const float mu = m[h] == GQAKV_NEG_INF ? 0.f : m[h];  // no key yet: every p is 0
+            // No key yet: every p is exp2(-inf) = 0. A NaN score (skipped by the max) gives
+            // p = NaN, so l turns NaN and write_decode_rows writes NaN out and lse.
+            const float mu = m[h] == GQAKV_NEG_INF ? 0.f : m[h];
 #pragma unroll
             for (int t = 0; t < 2; ++t) {
 #pragma unroll

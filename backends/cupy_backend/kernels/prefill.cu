@@ -143,12 +143,15 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
             }
             row_max = group_max<S::TC>(row_max);
             const float m_new = fmaxf(m[i], row_max);
-            // A row that has seen no visible key keeps the empty state (no -inf - -inf).
+            // A row that has seen no visible key keeps the empty state (no -inf - -inf: its
+            // masked scores get exp(-inf - 0) = 0). fmaxf skips NaN scores, but exp(NaN - mu)
+            // is NaN: l, then out and lse, turn NaN (never 0 / -inf) and stay so.
             const float corr = m_new == GQAKV_NEG_INF ? 1.f : expf(m[i] - m_new);
+            const float mu = m_new == GQAKV_NEG_INF ? 0.f : m_new;
             float p_sum = 0.f;
 #pragma unroll
             for (int jj = 0; jj < S::SPT; ++jj) {
-                const float p = m_new == GQAKV_NEG_INF ? 0.f : expf(s[i][jj] - m_new);
+                const float p = expf(s[i][jj] - mu);
                 sP[tr * S::RPT + i][tc + S::TC * jj] = p;
                 p_sum += p;
             }
@@ -183,7 +186,7 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
         if (pos[i] < 0) continue;
         const int r = tr * S::RPT + i;
         const int g = gc * GC + r / BQ, t = t0 + r % BQ, h = kvh * G + g;
-        const float inv = 1.f / l[i];  // l > 0: every real query sees key 0
+        const float inv = 1.f / l[i];  // l > 0 (every real query sees key 0), or NaN
         T* o = out + (i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st;
 #pragma unroll
         for (int cc = 0; cc < S::CPT; ++cc) {

@@ -220,16 +220,18 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
                     }
                 row_max = group_max<4>(row_max);
                 const float m_new = fmaxf(m[h], row_max);
-                // A row that has seen no visible key keeps the empty state (no -inf - -inf).
+                // A row that has seen no visible key keeps the empty state (no -inf - -inf:
+                // its masked scores get exp(-inf - 0) = 0). fmaxf skips NaN scores, but
+                // exp(NaN - mu) is NaN: l and lr, then out and lse, turn NaN and stay so.
                 // exp(x) as exp2(x * log2 e): one multiply and the hardware exp2.
                 const float corr = m_new == GQAKV_NEG_INF ? 1.f : exp2f((m[h] - m_new) * GQAKV_LOG2E);
+                const float mu = m_new == GQAKV_NEG_INF ? 0.f : m_new;
                 float p_sum = 0.f, pr_sum = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < S::NT_S; ++nt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float p = m_new == GQAKV_NEG_INF ? 0.f
-                                                               : exp2f((s[nt][2 * h + e] - m_new) * GQAKV_LOG2E);
+                        const float p = exp2f((s[nt][2 * h + e] - mu) * GQAKV_LOG2E);
                         const float pr = to_float(from_float<T>(p));  // what P V will use
                         s[nt][2 * h + e] = pr;
                         p_sum += p;
@@ -279,7 +281,7 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
         if (pos[h] < 0) continue;
         const int r = r0 + grp + 8 * h;
         const int g = gc * GC + r / BQ, t = t0 + r % BQ, hq = kvh * G + g;
-        const float inv = 1.f / lr[h];  // lr >= 1: every real query sees key 0, and P = 1 at the max
+        const float inv = 1.f / lr[h];  // lr >= 1 (every real query sees key 0, P = 1 at the max), or NaN
         T* orow = out + (i64)b * o_sb + (i64)hq * o_sh + (i64)t * o_st;
 #pragma unroll
         for (int nt = 0; nt < S::NT_O; ++nt) {
