@@ -150,6 +150,36 @@ def test_float16_special_values_follow_the_reference():
     assert np.isnan(want).any()  # the case does exercise an infinite score
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_nan_scores_make_their_queries_nan_and_no_others(dtype):
+    """A NaN query, and a NaN in a live key, give NaN out and lse for exactly the queries
+    whose scores include NaN (the reference's rule), with every split forced (pieces
+    merged by LSE) and without; the other queries match the reference; padded slots and
+    empty rows stay 0 / -inf; the NaN tails past each length are never read."""
+    rng = np.random.default_rng(23)
+    lens, n_new = [40, 0, 33], [3, 0, 1]
+    hkv, G, d = 2, 3, 16
+    q, k, v = _case(rng, lens, n_new, hkv, G, d, DTYPES[dtype])
+    q[0, 4, 1] = np.nan  # entry 0, query head 4 (KV head 1), second query of the chunk
+    k[2, 0, 20, 5] = np.nan  # a live key of entry 2, KV head 0: its 3 query heads see it
+    want, want_lse = _reference(q, np.nan_to_num(k, nan=0.0), v, lens, n_new)
+    bad = np.zeros(want_lse.shape, bool)
+    bad[0, 4, 1] = True
+    bad[2, :G, 0] = True
+    for knobs in ({}, SPLIT_EVERYTHING):
+        out, lse = _run(q, k, v, lens, n_new, **knobs)
+        got = out.astype(np.float64)
+        assert np.isnan(got[bad]).all() and np.isnan(lse[bad]).all()
+        assert not np.isnan(got[~bad]).any() and not np.isnan(lse[~bad]).any()
+        keep = ~bad[..., None].repeat(d, -1)
+        naive = np.abs(want[keep].astype(DTYPES[dtype]).astype(np.float64) - want[keep]).max()
+        assert np.abs(got[keep] - want[keep]).max() <= 2 * naive + 1e-5
+        fin = ~bad & np.isfinite(want_lse)
+        np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=0, atol=1e-5)
+        assert not out[1].any() and np.isneginf(lse[1]).all()  # the empty row
+        assert not out[2, :, 1:].any() and np.isneginf(lse[2, :, 1:]).all()  # padded slots
+
+
 def test_padded_queries_and_empty_rows_are_exact():
     rng = np.random.default_rng(5)
     lens, n_new = [0, 12, 4], [0, 1, 4]
