@@ -66,6 +66,30 @@ def _bits_to_float32(typingctx, bits):
 
 
 @intrinsic
+def _float32_bits(typingctx, x):
+    """The bits of a float32 as an int32 (a register move)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(x), codegen
+
+
+@njit(cache=True)
+def _order_key(b):
+    """float32 bits (int32) -> an integer with the floats' order (-inf < ... < -0 < +0 <
+    ... < +inf); its own inverse. LLVM vectorizes an integer max reduction, but not a
+    float one without 'nnan' (which these kernels never use)."""
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+#: ``_order_key`` of -inf's bits (0xFF800000).
+_NEG_INF_KEY = -0x7F800001
+
+
+@intrinsic
 def _half_bits_to_float32(typingctx, bits):
     """float16 bits (uint16) -> float32, bit-exact as NumPy's cast, in a few vector ops.
 
@@ -357,16 +381,18 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, key_block, 
                     s[rr, jj] = 0.0
                 continue
             lo, hi = visible_keys(start + t0 + rr // G)
-            bm = _NEG_INF
-            nan = False
+            km = _NEG_INF_KEY  # the block max and the NaN test as integer reductions,
+            nan = False        # so this loop vectorizes
             for jj in range(n):
                 j = js + jj
                 x = score(s[rr, jj], scale)
-                if j < lo or j >= hi:
+                if (j < lo) | (j >= hi):
                     x = _NEG_INF
-                nan |= x != x
-                bm = x if x > bm else bm
                 s[rr, jj] = x
+                b = _float32_bits(x)
+                nan |= (b & 0x7FFFFFFF) > 0x7F800000
+                km = max(km, _order_key(b))
+            bm = _bits_to_float32(_order_key(km))
             if nan:
                 m[rr] = np.float32(np.nan)
                 l[rr] = np.float32(np.nan)
