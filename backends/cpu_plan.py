@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import os
+
+from gqakv.semantics import AttentionParams, block_keys, common_keys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -123,29 +125,36 @@ _threads = _Threads()
 
 # -- planning ------------------------------------------------------------------------------
 
-def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key_split: int):
+_CAUSAL = AttentionParams(scale=1.0)  # the key ranges of plain causal attention (scale unused)
+
+
+def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key_split: int,
+          params: AttentionParams = _CAUSAL):
     """Cut the call into items ``(i, h0, h1, t0, t1, j0, j1)``.
 
-    Keys of every piece but the last end at or before the block's first query
-    position, and every piece starts at a key all of the block's queries see, so each
-    piece's running maximum is finite from its first key block on.
+    A query block reads the keys some query of it sees (``semantics.block_keys``); it is
+    cut into key pieces only inside the keys every query of it sees
+    (``semantics.common_keys``), so no piece is all masked for a query, and the pieces
+    are merged through their log-sum-exp (``SoftmaxState.merge``, exact either way).
     """
-    tasks = []  # (i, t0, t1, start, visible_end, cost)
+    tasks = []  # (i, t0, t1, lo, hi, common_hi, cost)
     for i in range(len(n_new)):
         n, L = int(n_new[i]), int(lens[i])
-        start = L - n
         for t0 in range(0, n, query_block):
             t1 = min(n, t0 + query_block)
-            tasks.append((i, t0, t1, start, start + t1, Hkv * G * (t1 - t0) * (start + t1)))
+            lo, hi = block_keys(params, L, n, t0, t1)
+            c_lo, c_hi = common_keys(params, L, n, t0, t1)
+            c_hi = max(lo, min(c_hi, hi)) if c_lo <= lo else lo  # cut points in lo..c_hi
+            tasks.append((i, t0, t1, lo, hi, c_hi, Hkv * G * (t1 - t0) * (hi - lo)))
     total = sum(t[-1] for t in tasks)
     target = total / (workers * ITEMS_PER_WORKER) if workers > 1 else math.inf
     items = []
-    for i, t0, t1, start, visible_end, cost in tasks:
+    for i, t0, t1, lo, hi, c_hi, cost in tasks:
         head_parts = min(Hkv, max(1, math.ceil(cost / target)))
         part_cost = cost / head_parts
-        # Keys may be cut only inside 0..start+t0 (seen by every query of the block).
-        key_parts = max(1, min(math.ceil(part_cost / target), (start + t0 + 1) // min_key_split))
-        bounds = [0] + [(start + t0 + 1) * p // key_parts for p in range(1, key_parts)] + [visible_end]
+        # Keys are cut only inside lo..c_hi (seen by every query of the block).
+        key_parts = max(1, min(math.ceil(part_cost / target), (c_hi - lo) // min_key_split))
+        bounds = [lo] + [lo + (c_hi - lo) * p // key_parts for p in range(1, key_parts)] + [hi]
         for hp in range(head_parts):
             h0, h1 = Hkv * hp // head_parts, Hkv * (hp + 1) // head_parts
             for kp in range(key_parts):

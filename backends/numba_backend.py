@@ -83,12 +83,17 @@ class NumbaBackend(NumpyBackend):
                                   "compute-bound, BLAS matmuls are faster there")
         return "numba kernel", ""
 
-    def attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
-        """Compiled decode/short-chunk attention, else the NumPy path (``attention_route``)."""
+    def attention(self, q, store, inputs, params, *, return_lse: bool):
+        """Compiled decode/short-chunk attention, else the NumPy path (``attention_route``);
+        storage kinds and variants the kernels do not implement take the NumPy backend's
+        route (which hands them on to the generic path)."""
+        if store.kind != "contiguous" or params.variant != "causal":
+            return super().attention(q, store, inputs, params, return_lse=return_lse)
+        k_buf, v_buf = store.k, store.v
+        rows, lens, n_new, scale = inputs.rows, inputs.lens, inputs.n_new, params.scale
         route, _ = self.attention_route(q, k_buf, v_buf)
         if route != "numba kernel":
-            return super().attention(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
-                                     return_lse=return_lse)
+            return super().attention(q, store, inputs, params, return_lse=return_lse)
         return attention_numba(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
                                return_lse=return_lse)
 

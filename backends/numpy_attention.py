@@ -33,6 +33,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from gqakv.merge import SoftmaxState
+from gqakv.semantics import AttentionParams, block_keys, visible_mask
+
 # Threads, work items and their sharing are planned in cpu_plan (shared with the numba
 # backend); the names stay importable from here.
 from .cpu_plan import (ENV_THREADS, ITEMS_PER_WORKER, K_MAJOR_KERNELS, THIN_QUERIES,  # noqa: F401
@@ -74,8 +77,8 @@ def to_float32(x, out):
     return out
 
 
-def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, scale, acc, score_block_elements):
-    """Online softmax of one item; returns (o, m, l) with o unnormalized.
+def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, params, acc, score_block_elements):
+    """Online softmax of one item; returns its ``SoftmaxState`` (o unnormalized).
 
     o: [hh, G * nq, d]; m, l: [hh, G * nq, 1] (running max and sum of exp), in ``acc``.
     """
@@ -84,10 +87,9 @@ def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, scale, acc, score_
     G = Hq // k_buf.shape[1]
     hh, nq = h1 - h0, t1 - t0
     r, L, n = int(rows[i]), int(lens[i]), int(n_new[i])
-    start = L - n  # query t sits at absolute position start + t
     # [hh*G, nq, d] -> [hh, G*nq, d]: query head h0*G + kv*G + g reads KV head h0 + kv.
     qb = q[i, h0 * G:h1 * G, t0:t1, :].astype(acc)
-    qb *= scale  # a Python float: no promotion
+    qb *= params.scale  # a Python float: no promotion
     qb = qb.reshape(hh, G * nq, d)
     k_rows, v_rows = k_buf[r, h0:h1], v_buf[r, h0:h1]  # [hh, max_len, d] views
     kb_len = max(16, score_block_elements // (hh * G * nq))
@@ -97,7 +99,7 @@ def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, scale, acc, score_
         kb_len = min(kb_len, max(16, score_block_elements // (hh * d)))
         k32 = np.empty((hh, min(kb_len, j1 - j0), d), dtype=acc)
         v32 = np.empty_like(k32)
-    m = l = o = None
+    state = SoftmaxState(np)
     for js in range(j0, j1, kb_len):
         je = min(j1, js + kb_len)
         kb, vb = k_rows[:, js:je, :], v_rows[:, js:je, :]
@@ -110,38 +112,21 @@ def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, scale, acc, score_
             s = np.ascontiguousarray(np.matmul(kb, qb.swapaxes(-1, -2)).swapaxes(-1, -2))
         else:
             s = np.matmul(qb, kb.swapaxes(-1, -2))  # [hh, G*nq, je-js]
-        if je - 1 > start + t0:  # the block reaches past the first query's position
-            visible = np.arange(js, je)[None, :] <= np.arange(start + t0, start + t1)[:, None]
+        visible = visible_mask(params, L, n, t0, t1, js, je)  # None: nothing masked
+        if visible is not None:
             np.copyto(s.reshape(hh, G, nq, je - js), -np.inf, where=~visible)
-        s_max = s.max(axis=-1, keepdims=True)
-        if m is None:
-            m = s_max  # finite: the first key of a piece is seen by every query
-        else:
-            m_new = np.maximum(m, s_max)
-            alpha = np.exp(m - m_new)
-            m = m_new
-        s -= m
-        np.exp(s, out=s)
-        l_blk = s.sum(axis=-1, keepdims=True)
-        o_blk = np.matmul(s, vb)  # [hh, G*nq, d]
-        if o is None:
-            l, o = l_blk, o_blk
-        else:
-            l *= alpha
-            l += l_blk
-            o *= alpha
-            o += o_blk
-    return o, m, l
+        state.add(s, vb)
+    return state
 
 
-def _finish(out, lse, item, o, m, l, G):
+def _finish(out, lse, item, state, G):
     """Normalize and store one item's (merged) result into out [B, Hq, T, d] and lse."""
     i, h0, h1, t0, t1 = item[:5]
+    o, lse_item = state.result()
     hh, nq, d = h1 - h0, t1 - t0, o.shape[-1]
-    o /= l
     out[i, h0 * G:h1 * G, t0:t1, :] = o.reshape(hh * G, nq, d)
     if lse is not None:
-        lse[i, h0 * G:h1 * G, t0:t1] = (m + np.log(l)).reshape(hh * G, nq)
+        lse[i, h0 * G:h1 * G, t0:t1] = lse_item.reshape(hh * G, nq)
 
 
 def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool,
@@ -149,14 +134,18 @@ def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
                     score_block_elements: int = SCORE_BLOCK_ELEMENTS,
                     query_block: int = QUERY_BLOCK,
                     min_key_split: int = MIN_KEY_SPLIT,
-                    parallel_min_work: int = PARALLEL_MIN_WORK):
+                    parallel_min_work: int = PARALLEL_MIN_WORK,
+                    params: AttentionParams | None = None):
     """NumPy attention over validated inputs; see ``gqakv.gqa_attention`` for the semantics.
 
     q: [B, Hq, T, d]; k_buf, v_buf: [rows_total, Hkv, max_len, d]; rows, lens, n_new:
     host int arrays [B]. ``workers`` threads (default: GQAKV_NUM_THREADS, else the
     BLAS thread count) share the items; the remaining keywords expose the blocking
-    so tests can drive every split on small shapes.
+    so tests can drive every split on small shapes. ``params``: the call's
+    ``AttentionParams`` (default: plain causal with ``scale``).
     """
+    if params is None:
+        params = AttentionParams(scale=scale)
     B, Hq, T, d = q.shape
     Hkv = k_buf.shape[1]
     G = Hq // Hkv
@@ -165,7 +154,7 @@ def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
     lse = np.full((B, Hq, T), -np.inf, dtype=acc) if return_lse else None
     if workers is None:
         workers = _threads.default_workers()
-    items, total = _plan(lens, n_new, Hkv, G, workers, query_block, min_key_split)
+    items, total = _plan(lens, n_new, Hkv, G, workers, query_block, min_key_split, params=params)
     if not items:
         return (out, lse) if return_lse else out
     if total < parallel_min_work:
@@ -175,13 +164,13 @@ def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
         """Compute a run of items; finish whole ones, hand back key pieces for merging."""
         pieces = []
         for item in batch:
-            o, m, l = _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, scale=scale, acc=acc,
-                                   score_block_elements=score_block_elements)
-            i, t1, j0, j1 = item[0], item[4], item[5], item[6]
-            if j0 == 0 and j1 == int(lens[i]) - int(n_new[i]) + t1:  # all the keys it sees
-                _finish(out, lse, item, o, m, l, G)  # items write disjoint parts of out
+            state = _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, params=params,
+                                 acc=acc, score_block_elements=score_block_elements)
+            i, t0, t1, j0, j1 = item[0], item[3], item[4], item[5], item[6]
+            if (j0, j1) == block_keys(params, int(lens[i]), int(n_new[i]), t0, t1):  # all its keys
+                _finish(out, lse, item, state, G)  # items write disjoint parts of out
             else:
-                pieces.append((item, o, m, l))
+                pieces.append((item, state))
         return pieces
 
     if workers == 1 or len(items) == 1:
@@ -195,18 +184,9 @@ def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
 
 
 def _merge(out, lse, pieces, G):
-    """Combine the key pieces of split items through their running max and sum of exp."""
+    """Combine the key pieces of split items (``SoftmaxState.merge``) and store them."""
     groups: dict[tuple, list] = {}
-    for item, o, m, l in pieces:
-        groups.setdefault(item[:5], []).append((o, m, l))
-    for key, parts in groups.items():
-        m = parts[0][1]
-        for _, mp, _ in parts[1:]:
-            m = np.maximum(m, mp)
-        o = np.zeros_like(parts[0][0])
-        l = np.zeros_like(parts[0][2])
-        for op, mp, lp in parts:
-            w = np.exp(mp - m)
-            o += w * op
-            l += w * lp
-        _finish(out, lse, key, o, m, l, G)
+    for item, state in pieces:
+        groups.setdefault(item[:5], []).append(state)
+    for key, states in groups.items():
+        _finish(out, lse, key, SoftmaxState.merge(np, states), G)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from gqakv.backend import Backend
+from gqakv.semantics import FAST_PATH_VARIANTS
+from gqakv.store import CONTIGUOUS
 
 
 class NumpyBackend(Backend):
@@ -43,9 +45,12 @@ class NumpyBackend(Backend):
         view.flags.writeable = False
         return view
 
-    def attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
-        """BLAS matmuls on live views, shared among threads (see ``numpy_attention``)."""
+    def attention(self, q, store, inputs, params, *, return_lse: bool):
+        """BLAS matmuls on live views, shared among threads (see ``numpy_attention``), for
+        contiguous storage and the variants it implements; otherwise the generic path."""
+        if store.kind != CONTIGUOUS or params.variant not in FAST_PATH_VARIANTS["numpy BLAS"]:
+            return super().attention(q, store, inputs, params, return_lse=return_lse)
         from .numpy_attention import attention_numpy
 
-        return attention_numpy(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
-                               return_lse=return_lse)
+        return attention_numpy(q, store.k, store.v, inputs.rows, inputs.lens, inputs.n_new,
+                               scale=params.scale, return_lse=return_lse, params=params)

@@ -139,20 +139,20 @@ class TorchBackend(Backend):
 
     # -- hot operations ----------------------------------------------------------------------
 
-    def write_kv(self, k_buf, v_buf, k_new, v_new, rows, starts, n_new) -> None:
+    def write_kv(self, store, k_new, v_new, inputs) -> None:
         """The generic in-place write, outside autograd: the cache holds values, not a
         graph (a ``k_new`` that requires grad would otherwise chain every step's graph
         onto the buffer and keep it alive)."""
         import torch
 
         with torch.no_grad():
-            super().write_kv(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
+            super().write_kv(store, k_new, v_new, inputs)
 
-    def copy_tokens(self, dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens) -> None:
+    def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
         import torch
 
         with torch.no_grad():
-            super().copy_tokens(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens)
+            super().copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
 
     # -- DLPack --------------------------------------------------------------------------
 

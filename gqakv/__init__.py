@@ -12,6 +12,8 @@ from .backend import Backend
 from .cache import KVCache
 from .model_cache import ModelKVCache, Step
 from .merge import merge_attention
+from .semantics import AttentionParams
+from .store import KVStore, StorageSpec
 from .registry import (
     BackendError,
     describe_backends,
@@ -25,11 +27,14 @@ from .registry import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionParams",
     "Backend",
     "BackendError",
     "KVCache",
+    "KVStore",
     "ModelKVCache",
     "Step",
+    "StorageSpec",
     "describe_backends",
     "get_backend",
     "gqa_attention",

@@ -12,6 +12,8 @@ import math
 from array_api_compat import array_namespace
 
 from .inputs import check_flag, validate_attention
+from .merge import SoftmaxState
+from .semantics import block_keys, visible_mask
 
 # Upper bound, in elements, of one block of attention scores [Hkv, G * q_block, k_block].
 # It bounds the temporaries of a long prefill chunk (16 MiB of float32 by default)
@@ -21,7 +23,7 @@ QUERY_BLOCK = 256
 
 
 def gqa_attention(q, cache, n_new, *, scale: float | None = None, return_lse: bool = False,
-                  rows=None):
+                  rows=None, params=None):
     """Causal grouped-query attention of the newest tokens over a KVCache.
 
     Args:
@@ -37,8 +39,10 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, return_lse: bo
             query, ``[B, Hq, T]`` (float32, or float64 for float64 caches), ``-inf`` for
             padded queries, so partial results over disjoint key sets can be merged.
         rows: optional ``[B]`` cache rows read by each entry (default ``0..B-1``).
+        params: optional ``gqakv.AttentionParams`` instead of ``scale`` (the attention's
+            parameters, variants included; see ``gqakv.semantics``).
 
-    Mask (bottom-right causal): with ``L = lens[rows[i]]`` and ``n = n_new[i]``, query
+    Mask (bottom-right causal, defined once in ``gqakv.semantics``): with ``L = lens[rows[i]]`` and ``n = n_new[i]``, query
     t sits at absolute position ``p = L - n + t`` and sees keys ``0..p``. For L = 6,
     n = 3 (x visible, . masked)::
 
@@ -53,9 +57,14 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, return_lse: bo
         ``out`` ``[B, Hq, T, d]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
     """
     return_lse = check_flag(return_lse, "return_lse")
-    inputs = validate_attention(cache, q, n_new, rows, scale)
-    return cache.backend.attention(q, cache.k, cache.v, inputs.rows, inputs.lens, inputs.n_new,
-                                   scale=inputs.scale, return_lse=return_lse)
+    inputs = validate_attention(cache, q, n_new, rows, scale, params)
+    return attend(cache, q, inputs, return_lse)
+
+
+def attend(cache, q, inputs, return_lse: bool):
+    """The one dispatch of a validated attention call (``gqa_attention`` and ``Step.attend``):
+    the cache's backend over its store, with the call's ``AttentionInputs`` and params."""
+    return cache.backend.attention(q, cache.store, inputs, inputs.params, return_lse=return_lse)
 
 
 def _compute_dtype(xp, dtype):
@@ -63,19 +72,22 @@ def _compute_dtype(xp, dtype):
     return xp.float64 if dtype == xp.float64 else xp.float32
 
 
-def attention_array_api(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool,
+def attention_array_api(q, store, inputs, params, *, return_lse: bool,
                         score_block_elements: int = SCORE_BLOCK_ELEMENTS,
                         query_block: int = QUERY_BLOCK):
     """Array-API attention over validated inputs; see ``gqa_attention`` for the semantics.
 
-    q: [B, Hq, T, d]; k_buf, v_buf: [rows_total, Hkv, max_len, d]; rows, lens, n_new:
-    host int arrays [B]. Works one row at a time on views sliced to the live length, so
-    work follows the sum of live lengths, and blocks over queries and keys with an
-    online softmax so temporaries stay within ``score_block_elements``.
+    q: [B, Hq, T, d]; store: a KVStore without leading axes, read only through
+    ``store.blocks`` (so any storage kind works here); inputs: ``AttentionInputs``
+    (rows, lens, n_new: host int arrays [B]); params: ``AttentionParams``. Works one row
+    at a time over the keys its queries see (``gqakv.semantics``), so work follows the
+    sum of live lengths, and blocks over queries and keys with an online softmax
+    (``gqakv.merge.SoftmaxState``) so temporaries stay within ``score_block_elements``.
     """
-    xp = array_namespace(q, k_buf)
+    rows, lens, n_new = inputs.rows, inputs.lens, inputs.n_new
+    xp = array_namespace(q)
     B, Hq, T, d = (int(s) for s in q.shape)
-    Hkv = int(k_buf.shape[1])
+    Hkv = store.kv_heads
     G = Hq // Hkv
     acc = _compute_dtype(xp, q.dtype)
     dev = getattr(q, "device", None)
@@ -85,11 +97,9 @@ def attention_array_api(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, ret
         n, L = int(n_new[i]), int(lens[i])
         if n == 0:
             continue  # only padding: zeros (and -inf lse)
-        r = int(rows[i])
         # [Hq, n, d] -> [Hkv, G, n, d]: query head h = kv * G + g reads KV head kv = h // G.
         q_row = xp.reshape(xp.astype(q[i, :, :n, :], acc), (Hkv, G, n, d))
-        o_row, lse_row = _attend_row(xp, q_row, k_buf[r, :, :L, :], v_buf[r, :, :L, :],
-                                     start=L - n, scale=scale, acc=acc,
+        o_row, lse_row = _attend_row(xp, q_row, store, int(rows[i]), L, params, acc=acc,
                                      score_block_elements=score_block_elements,
                                      query_block=query_block)
         out[i, :, :n, :] = xp.astype(xp.reshape(o_row, (Hq, n, d)), q.dtype)
@@ -98,10 +108,11 @@ def attention_array_api(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, ret
     return (out, lse) if return_lse else out
 
 
-def _attend_row(xp, q_row, k_row, v_row, *, start, scale, acc, score_block_elements, query_block):
-    """One row: q_row [Hkv, G, n, d] (compute dtype), k_row, v_row [Hkv, L, d] views.
+def _attend_row(xp, q_row, store, row, L, params, *, acc, score_block_elements, query_block):
+    """One row: q_row [Hkv, G, n, d] (compute dtype), the row's last n queries of L tokens.
 
-    Query t is at absolute position start + t and sees keys 0..start + t.
+    Query blocks read only the keys some query of theirs sees (``semantics.block_keys``),
+    in key blocks from ``store.blocks``, masked by ``semantics.visible_mask``.
     Returns out [Hkv, G, n, d] and lse [Hkv, G, n], both in the compute dtype.
     """
     Hkv, G, n, d = (int(s) for s in q_row.shape)
@@ -114,37 +125,26 @@ def _attend_row(xp, q_row, k_row, v_row, *, start, scale, acc, score_block_eleme
         t1 = min(n, t0 + q_block)
         nq = t1 - t0
         # Fold the group into the query tile: one matmul per KV head serves all G heads.
-        qb = xp.reshape(q_row[:, :, t0:t1, :], (Hkv, G * nq, d)) * scale
-        visible_end = start + t1  # keys past the block's last query are never looked at
+        qb = xp.reshape(q_row[:, :, t0:t1, :], (Hkv, G * nq, d)) * params.scale
+        lo, hi = block_keys(params, L, n, t0, t1)
         k_block = max(1, score_block_elements // max(1, Hkv * G * nq))
-        m = l = o = None  # online-softmax state: running max, sum of exp, weighted values
-        for j0 in range(0, visible_end, k_block):
-            j1 = min(visible_end, j0 + k_block)
-            kb = k_row[:, j0:j1, :]
-            vb = v_row[:, j0:j1, :]
+        state = SoftmaxState(xp)
+        for j0 in range(lo, hi, k_block):
+            j1 = min(hi, j0 + k_block)
+            kb, vb = store.blocks(row, j0, j1)
             if kb.dtype != acc:
                 kb, vb = xp.astype(kb, acc), xp.astype(vb, acc)
             s = qb @ xp.matrix_transpose(kb)  # [Hkv, G*nq, j1-j0]
-            if j1 - 1 > start + t0:  # the block reaches past the first query's position
-                key_pos = xp.arange(j0, j1, device=dev)
-                query_pos = xp.arange(start + t0, start + t1, device=dev)
-                visible = key_pos[None, :] <= query_pos[:, None]  # [nq, j1-j0]
+            visible = visible_mask(params, L, n, t0, t1, j0, j1, xp=xp, device=dev)
+            if visible is not None:  # [nq, j1-j0]
                 s = xp.reshape(xp.where(visible, xp.reshape(s, (Hkv, G, nq, j1 - j0)), neg_inf),
                                (Hkv, G * nq, j1 - j0))
-            # Every query sees key 0, so the row max is finite after the first block.
-            s_max = xp.max(s, axis=-1, keepdims=True)
-            if m is None:
-                m = s_max
-                p = xp.exp(s - m)
-                l = xp.sum(p, axis=-1, keepdims=True)
-                o = p @ vb
-            else:
-                m_new = xp.maximum(m, s_max)
-                alpha = xp.exp(m - m_new)
-                p = xp.exp(s - m_new)
-                l = alpha * l + xp.sum(p, axis=-1, keepdims=True)
-                o = alpha * o + p @ vb
-                m = m_new
-        out[:, :, t0:t1, :] = xp.reshape(o / l, (Hkv, G, nq, d))
-        lse[:, :, t0:t1] = xp.reshape(m + xp.log(l), (Hkv, G, nq))
+            state.add(s, vb)
+        if state.m is None:  # no query of the block sees any key
+            empty_o = xp.zeros((Hkv, G * nq, d), dtype=acc, device=dev)
+            o_b, lse_b = empty_o, xp.full((Hkv, G * nq, 1), -math.inf, dtype=acc, device=dev)
+        else:
+            o_b, lse_b = state.result()
+        out[:, :, t0:t1, :] = xp.reshape(o_b, (Hkv, G, nq, d))
+        lse[:, :, t0:t1] = xp.reshape(lse_b, (Hkv, G, nq))
     return out, lse

@@ -1,10 +1,15 @@
 """What a backend is: a capability table plus the few operations gqakv needs.
 
-A backend owns where cache buffers live (array library and device) and how the two
-hot operations run: writing new K/V in place (``write_kv``) and grouped-query
-attention over the live part of the cache (``attention``). The defaults here are the
-generic array-API implementations, so a backend for a new array library only has to
-say how to allocate; a backend with fused kernels overrides the hot operations.
+A backend owns where cache buffers live (array library and device) and how the hot
+operations run: writing new K/V in place (``write_kv``), copying rows' tokens
+(``copy_tokens``) and grouped-query attention over the live part of the cache
+(``attention``). Each takes the cache's ``gqakv.store.KVStore`` (layout, dtypes and the
+buffers) rather than raw buffers, and attention its ``AttentionParams``. The defaults
+here are the generic array-API implementations, which read and write only through the
+store's methods, so a backend for a new array library only has to say how to allocate,
+and a new storage kind or attention variant runs on every backend through them; a
+backend with fused kernels overrides the hot operations for the storage kinds and
+variants it implements and hands the others to these defaults.
 
 Capabilities are plain data (``dtypes``, ``head_dims``, ``features``) and
 ``not_supported_reasons`` turns them into sentences, so the dispatcher and
@@ -152,34 +157,41 @@ class Backend:
 
     # -- hot operations (generic array-API defaults) -------------------------------------------
 
-    def write_kv(self, k_buf, v_buf, k_new, v_new, rows, starts, n_new) -> None:
-        """Write ``k_new[i, :, :n_new[i]]`` into ``k_buf[rows[i], :, starts[i]:...]`` (same for V).
+    def write_kv(self, store, k_new, v_new, inputs) -> None:
+        """Write entry i's first ``inputs.n_new[i]`` tokens of ``k_new``/``v_new``
+        (``[B, Hkv, T, d]``) into row ``inputs.rows[i]`` of ``store`` (a KVStore without
+        leading axes) at tokens ``inputs.starts[i]...``.
 
-        Inputs are already validated; ``rows``, ``starts``, ``n_new`` are host int arrays.
+        ``inputs`` is the validated ``gqakv.inputs.AppendInputs`` (host int arrays).
         """
         from .cache_ops import write_kv_array_api
 
-        write_kv_array_api(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
+        write_kv_array_api(store, k_new, v_new, inputs.rows, inputs.starts, inputs.n_new)
 
-    def copy_tokens(self, dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens) -> None:
-        """Copy ``src[:, src_rows[i], :, :n_tokens[i]]`` to ``dst[:, dst_rows[i], :, :n_tokens[i]]``.
+    def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
+        """Copy tokens ``:n_tokens[i]`` of row ``src_rows[i]`` of ``src`` to row ``dst_rows[i]``
+        of ``dst``, every layer.
 
-        K and V buffers are ``[layers, rows, Hkv, max_len, d]`` (dst and src may be the
-        same buffers). The copies of one call are independent: no destination is read by
+        ``dst`` and ``src`` are KVStores with a leading layer axis (K and V
+        ``[layers, rows, Hkv, max_len, d]`` for contiguous storage; they may be the same
+        store). The copies of one call are independent: no destination is read by
         another copy of the call, so a backend may run them all in one launch. Inputs are
         validated and ordered by ``gqakv.row_ops``; the index arrays are host ints.
         """
         from .row_ops import copy_tokens_array_api
 
-        copy_tokens_array_api(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens)
+        copy_tokens_array_api(dst, dst_rows, src, src_rows, n_tokens)
 
-    def attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
-        """Grouped-query attention of ``q`` over the live cache; see ``gqakv.gqa_attention``."""
+    def attention(self, q, store, inputs, params, *, return_lse: bool):
+        """Grouped-query attention of ``q`` over the live cache; see ``gqakv.gqa_attention``.
+
+        store: the KVStore (no leading axes); inputs: the validated
+        ``gqakv.inputs.AttentionInputs`` (rows, lens, n_new: host ints [B]); params: the
+        ``gqakv.semantics.AttentionParams``.
+        """
         from .attention import attention_array_api
 
-        return attention_array_api(
-            q, k_buf, v_buf, rows, lens, n_new, scale=scale, return_lse=return_lse
-        )
+        return attention_array_api(q, store, inputs, params, return_lse=return_lse)
 
     def synchronize(self) -> None:
         """Wait for work queued on the device (a no-op for synchronous CPU libraries), so

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import dtypes as _dtypes
+from . import store as _store
 from .cache import human_bytes
 
 LLAMA_8B = dict(heads=32, kv_heads=8, head_dim=128, layers=32)
@@ -70,7 +71,7 @@ def _timed(fn) -> float:
 
 def token_bytes(kv_heads: int, head_dim: int, dtype) -> int:
     """Bytes of K plus V for one token of one layer."""
-    return 2 * kv_heads * head_dim * _dtypes.itemsize(dtype)
+    return _store.nbytes(dtype, 1, kv_heads, head_dim)  # the one formula (gqakv.store)
 
 
 def concat_bytes(lens_before, n_new, tok_bytes: int) -> int:

@@ -4,6 +4,16 @@ Layout (gpt-fast style): ``k`` and ``v`` are each ``[B, Hkv, max_len, d]``; row 
 live tokens are ``k[b, :, :lens[b], :]``. Appends write at ``lens[b]`` and then
 advance it; nothing is ever concatenated, stacked, repeated or reallocated.
 
+Storage is a ``gqakv.store.KVStore`` (``cache.store``): it owns the layout, the
+dtypes, the byte count and allocation, and it is what the backends' hot operations
+take. Public contract of the buffers: ``cache.k`` / ``cache.v`` (and ``live_kv``) are
+the store's arrays, and for contiguous storage (the only kind today) they are *views*
+of the live memory, never copies: reading them is supported, writing them bypasses
+validation and the lengths (tests poison dead slots through ``cache.store.fill``).
+A storage kind that is not contiguous (paged, quantized) will not promise views: there
+``live_kv`` returns the store's reader output (``KVStore.blocks``, dequantized copies)
+and ``k`` / ``v`` are not dense buffers.
+
 A KVCache is either *standalone* (it allocated its own buffers) or a *layer view* of
 a ``gqakv.ModelKVCache``: then ``k`` and ``v`` are views ``k[layer]`` of the model's
 ``[layers, B, Hkv, max_len, d]`` buffers and the lengths are shared with every other
@@ -13,7 +23,6 @@ append or move rows on its own: lengths advance once per model step, for all lay
 
 from __future__ import annotations
 
-import math
 import threading
 
 import numpy as np
@@ -22,6 +31,7 @@ from . import dtypes as _dtypes
 from . import row_ops
 from .inputs import validate_append
 from .registry import get_backend
+from .store import MAX_BUFFER_BYTES, KVStore, StorageSpec  # noqa: F401  (MAX_BUFFER_BYTES: re-exported)
 
 
 def _check_dim(name: str, value, minimum: int) -> int:
@@ -79,28 +89,10 @@ class Lengths:
         return arr
 
 
-#: Largest buffer, in bytes, any backend can address (a signed 64-bit byte count;
-#: NumPy's and torch's limit on 64-bit platforms).
-MAX_BUFFER_BYTES = 2**63 - 1
-
-
-def allocate(backend, shape: tuple[int, ...], dtype: str, what: str):
-    """Two buffers (K and V) of ``shape``; a MemoryError names the bytes asked for."""
-    each = math.prod(int(s) for s in shape) * _dtypes.itemsize(dtype)  # Python ints: exact
-    nbytes = 2 * each
-
-    def fail(why: str):
-        return MemoryError(
-            f"cannot allocate a {what} of {nbytes:,} bytes ({human_bytes(nbytes)}; K and V "
-            f"each {list(shape)} {dtype}) on backend {backend.name!r}: {why}"
-        )
-
-    if each > MAX_BUFFER_BYTES:
-        raise fail(f"each buffer exceeds the {MAX_BUFFER_BYTES:,} bytes a 64-bit size can address")
-    try:
-        return backend.empty(shape, dtype), backend.empty(shape, dtype)
-    except MemoryError as exc:
-        raise fail(str(exc)) from None
+def write(backend, store: KVStore, k_new, v_new, inputs) -> None:
+    """The one dispatch of a validated write (``KVCache.append`` and ``Step.write``):
+    ``inputs`` is the ``AppendInputs`` of ``k_new``/``v_new``, ``store`` has no leading axis."""
+    backend.write_kv(store, k_new, v_new, inputs)
 
 
 def _check_dims(batch, kv_heads, max_len, head_dim) -> tuple[int, int, int, int]:
@@ -112,14 +104,14 @@ def _check_dims(batch, kv_heads, max_len, head_dim) -> tuple[int, int, int, int]
 class RowsAndLengths:
     """Live lengths and row operations, shared by KVCache and ModelKVCache.
 
-    A subclass has ``backend`` and ``_lengths`` (a Lengths; a new cache sets both up through
-    ``_allocate``), and provides
-    ``_row_buffers()`` (K and V as ``[layers, B, Hkv, max_len, d]`` views) and
+    A subclass has ``backend``, ``store`` (a KVStore) and ``_lengths`` (a Lengths; a new
+    cache sets them up through ``_allocate``), and provides
+    ``_row_store()`` (the store with a leading layer axis, ``[layers, B, Hkv, max_len, d]``) and
     ``_check_can_change(what)`` (raises when the cache may not change now).
     """
 
     def _allocate(self, leading: tuple[int, ...], batch, kv_heads, max_len, head_dim, dtype,
-                  backend, what: str) -> None:
+                  backend, what: str, storage: str = "contiguous") -> None:
         """Check the dimensions, pick the backend, allocate K and V
         ``[*leading, B, Hkv, max_len, d]`` once and start every row empty."""
         self.batch, self.kv_heads, self.max_len, self.head_dim = _check_dims(
@@ -127,8 +119,19 @@ class RowsAndLengths:
         self.dtype = _dtypes.canonical_name(dtype)
         self.backend = get_backend(backend, dtype=self.dtype, head_dim=self.head_dim)
         shape = (*leading, self.batch, self.kv_heads, self.max_len, self.head_dim)
-        self.k, self.v = allocate(self.backend, shape, self.dtype, what)
+        self.store = KVStore.allocate(self.backend, StorageSpec.of(self.dtype, storage), shape, what)
         self._lengths = Lengths(self.batch)
+
+    @property
+    def k(self):
+        """K: for contiguous storage, the buffer ``[*leading, B, Hkv, max_len, d]`` itself
+        (see the module docstring for what may be done with it)."""
+        return self.store.k
+
+    @property
+    def v(self):
+        """V, as ``k``."""
+        return self.store.v
 
     @property
     def host_lens(self) -> np.ndarray:
@@ -138,7 +141,7 @@ class RowsAndLengths:
     @property
     def lens(self):
         """Live tokens per row, ``[B]`` int64, as an array of the cache's backend."""
-        return self._lengths.device(self.backend, self.k)
+        return self._lengths.device(self.backend, self.store.k)
 
     def reorder(self, src_rows) -> None:
         """Row b takes the contents and length of row ``src_rows[b]`` (``[B]`` ints; duplicates
@@ -147,13 +150,13 @@ class RowsAndLengths:
         permutation cycles). See ``row_ops.reorder``."""
         with self._lengths.lock:
             self._check_can_change("reorder rows")
-            row_ops.reorder(self.backend, *self._row_buffers(), self._lengths, src_rows)
+            row_ops.reorder(self.backend, self._row_store(), self._lengths, src_rows)
 
     def fork(self, src: int, dst_rows) -> None:
         """Copy row ``src``'s live tokens and length into each of ``dst_rows`` (distinct)."""
         with self._lengths.lock:
             self._check_can_change("fork rows")
-            row_ops.fork(self.backend, *self._row_buffers(), self._lengths, src, dst_rows)
+            row_ops.fork(self.backend, self._row_store(), self._lengths, src, dst_rows)
 
     def truncate(self, rows, new_lens) -> None:
         """Shorten ``rows[i]`` to ``new_lens[i] <= lens[rows[i]]`` tokens: O(1), no data moves."""
@@ -178,28 +181,33 @@ class KVCache(RowsAndLengths):
         head_dim: d.
         dtype: "float32" (default), "float16", "bfloat16", "float64" or a dtype object.
         backend: a backend name, a Backend, "auto" or None (see ``gqakv.get_backend``).
+        storage: the storage kind (``gqakv.store.KINDS``; "contiguous", the only one today).
 
     Attributes:
-        k, v: the buffers, ``[B, Hkv, max_len, d]`` each, allocated once.
+        store: the KVStore (layout, dtypes, bytes); what the backend's operations take.
+        k, v: the buffers, ``[B, Hkv, max_len, d]`` each, allocated once (contiguous
+            storage: views of the store's memory; see the module docstring).
         lens: ``[B]`` int64, live tokens per row (read-only; changed by ``append``).
         backend: the Backend holding the buffers.
     """
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype="float32", backend=None):
-        self._allocate((), batch, kv_heads, max_len, head_dim, dtype, backend, "KV cache")
+                 dtype="float32", backend=None, *, storage: str = "contiguous"):
+        self._allocate((), batch, kv_heads, max_len, head_dim, dtype, backend, "KV cache",
+                       storage)
         self._frozen = None  # why this cache cannot change its own lengths (layer views)
 
     @classmethod
-    def view_of(cls, k, v, lengths: Lengths, *, backend, dtype: str, frozen: str) -> "KVCache":
-        """A cache over existing buffers ``k``, ``v`` (``[B, Hkv, max_len, d]`` views) with
-        shared ``lengths``; it reads like any cache, and ``append`` and the row
+    def view_of(cls, store: KVStore, lengths: Lengths, *, backend, frozen: str) -> "KVCache":
+        """A cache over an existing ``store`` without leading axes (``[B, Hkv, max_len, d]``
+        views) with shared ``lengths``; it reads like any cache, and ``append`` and the row
         operations raise RuntimeError(``frozen``). Used for ModelKVCache's layer views."""
         self = cls.__new__(cls)
-        self.batch, self.kv_heads, self.max_len, self.head_dim = (int(s) for s in k.shape)
-        self.dtype = _dtypes.canonical_name(dtype)
+        self.batch, self.kv_heads, self.max_len, self.head_dim = (
+            store.rows, store.kv_heads, store.max_len, store.head_dim)
+        self.dtype = store.dtype
         self.backend = backend
-        self.k, self.v = k, v
+        self.store = store
         self._lengths = lengths
         self._frozen = frozen
         return self
@@ -210,12 +218,12 @@ class KVCache(RowsAndLengths):
     def nbytes_for(batch: int, kv_heads: int, max_len: int, head_dim: int, dtype="float32") -> int:
         """Bytes the K and V buffers of such a cache take together, computed before allocating
         (each dimension checked as the constructor checks it; exact Python ints, no wrap-around)."""
-        dims = _check_dims(batch, kv_heads, max_len, head_dim)
-        return 2 * math.prod(dims) * _dtypes.itemsize(dtype)
+        batch, kv_heads, max_len, head_dim = _check_dims(batch, kv_heads, max_len, head_dim)
+        return StorageSpec.of(dtype).nbytes(batch * max_len, kv_heads, head_dim)
 
     @property
     def nbytes(self) -> int:
-        return self.nbytes_for(self.batch, self.kv_heads, self.max_len, self.head_dim, self.dtype)
+        return self.store.nbytes
 
     # -- lengths ---------------------------------------------------------------------------
 
@@ -244,25 +252,26 @@ class KVCache(RowsAndLengths):
         with self._lengths.lock:  # validate, write and advance as one step (see Lengths)
             self._check_can_change("append")
             inputs = validate_append(self, k_new, v_new, n_new, rows)
-            self.backend.write_kv(self.k, self.v, k_new, v_new, inputs.rows, inputs.starts,
-                                  inputs.n_new)
+            write(self.backend, self.store, k_new, v_new, inputs)
             self._set_lens(inputs.rows, inputs.starts + inputs.n_new)
 
     # -- row operations (RowsAndLengths) ---------------------------------------------------------
 
-    def _row_buffers(self):
-        """The buffers as ``[1, B, Hkv, max_len, d]`` views, the row operations' layout."""
-        xp = self.backend.namespace()
-        return xp.expand_dims(self.k, axis=0), xp.expand_dims(self.v, axis=0)
+    def _row_store(self) -> KVStore:
+        """The store as ``[1, B, Hkv, max_len, d]`` views, the row operations' layout."""
+        return self.store.with_layers(self.backend.namespace())
 
     # -- reading ---------------------------------------------------------------------------
 
     def live_kv(self, row: int):
-        """Views ``k[row, :, :lens[row]]`` and ``v[row, :, :lens[row]]``, ``[Hkv, L, d]`` each."""
+        """Row ``row``'s live keys and values, ``[Hkv, L, d]`` each, in the storage dtype:
+        for contiguous storage the views ``k[row, :, :L]`` and ``v[row, :, :L]`` (they
+        change when the row is written; copy them to keep them). Other storage kinds
+        return what ``KVStore.blocks`` reads (possibly copies). See the module docstring."""
         if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.batch:
             raise ValueError(f"row={row!r} is not a row of this cache (0..{self.batch - 1})")
         n = int(self._lengths.host[row])
-        return self.k[row, :, :n, :], self.v[row, :, :n, :]
+        return self.store.blocks(int(row), 0, n)
 
     def __repr__(self) -> str:
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, max_len={self.max_len}, "

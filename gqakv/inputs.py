@@ -8,12 +8,14 @@ per-row bookkeeping) and do not check again.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import dtypes as _dtypes
+from .semantics import AttentionParams
 
 
 def _to_numpy(x) -> np.ndarray:
@@ -75,16 +77,18 @@ def _check_same_library(cache, x, what: str) -> None:
             f"{what} is a {type(x).__module__}.{type(x).__name__}, but the cache's backend "
             f"{backend.name!r} holds {backend.array_library} arrays"
         )
-    dev, want = backend.device_of(x), backend.device_of(cache.k)
+    dev, want = backend.device_of(x), backend.device_of(cache.store.k)
     if dev != want:
         raise ValueError(f"{what} is on device {dev}, the cache is on {want}")
 
 
-def _check_dtype(cache, x, what: str) -> None:
+def _check_dtype(want: str, x, what: str) -> None:
+    """``x``'s dtype must be ``want``: the store's ``q_dtype`` for queries, its
+    ``input_dtype`` for new keys/values (both the storage dtype today)."""
     got = _dtypes.canonical_name(x.dtype) if _is_float(x.dtype) else str(x.dtype)
-    if got != cache.dtype:
+    if got != want:
         raise TypeError(
-            f"{what} has dtype {got}, the cache holds {cache.dtype}; convert it explicitly "
+            f"{what} has dtype {got}, the cache holds {want}; convert it explicitly "
             "(gqakv never casts the cache or its inputs silently)"
         )
 
@@ -153,8 +157,9 @@ def validate_append(cache, k_new, v_new, n_new, rows=None) -> AppendInputs:
             f"k_new/v_new are [B={B}, Hkv={hkv}, T={T}, d={d}], the cache has "
             f"Hkv={cache.kv_heads}, d={cache.head_dim}"
         )
-    _check_dtype(cache, k_new, "k_new")
-    _check_dtype(cache, v_new, "v_new")
+    want = cache.store.spec.input_dtype
+    _check_dtype(want, k_new, "k_new")
+    _check_dtype(want, v_new, "v_new")
     r = _rows(cache, rows, B, distinct=True, batch_of="k_new")
     n = host_ints(n_new, "n_new", B)
     for i in range(B):
@@ -192,10 +197,22 @@ class AttentionInputs:
     lens: np.ndarray  # [B] int64, live tokens of each row (after the append)
     n_new: np.ndarray  # [B] int64, queries of entry i are the last n_new[i] tokens of its row
     group: int  # G = Hq // Hkv
-    scale: float
+    params: AttentionParams  # scale (and, later, the variant's fields)
+
+    @property
+    def scale(self) -> float:
+        return self.params.scale
 
 
-def validate_attention(cache, q, n_new, rows=None, scale=None) -> AttentionInputs:
+def validate_attention(cache, q, n_new, rows=None, scale=None, params=None) -> AttentionInputs:
+    """The checked call; ``params`` (an AttentionParams) is an alternative to ``scale``
+    that carries a variant's fields too (not both)."""
+    if params is not None:
+        if not isinstance(params, AttentionParams):
+            raise TypeError(f"params must be a gqakv.AttentionParams, got {params!r}")
+        if scale is not None:
+            raise TypeError(f"give scale={scale!r} or params={params!r}, not both")
+        scale = params.scale
     _check_same_library(cache, q, "q")
     if q.ndim != 4:
         raise ValueError(f"q must be [B, Hq, T, d], got {q.ndim} dims {list(q.shape)}")
@@ -208,7 +225,7 @@ def validate_attention(cache, q, n_new, rows=None, scale=None) -> AttentionInput
         )
     if hq == 0:
         raise ValueError("q has no heads (Hq=0)")
-    _check_dtype(cache, q, "q")
+    _check_dtype(cache.store.spec.q_dtype, q, "q")
     r = _rows(cache, rows, B, distinct=False, batch_of="q")
     n = host_ints(n_new, "n_new", B)
     lens = cache.host_lens[r]
@@ -227,5 +244,7 @@ def validate_attention(cache, q, n_new, rows=None, scale=None) -> AttentionInput
         raise TypeError(f"scale must be a finite real number, got {scale!r}")
     # A Python float keeps the computation in the cache's dtype (a NumPy float64 scalar
     # would promote a float32 step to a float64 copy of every block it touches).
+    scale = float(scale)
+    params = AttentionParams(scale=scale) if params is None else dataclasses.replace(params, scale=scale)
     return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, group=hq // cache.kv_heads,
-                           scale=float(scale))
+                           params=params)

@@ -1,10 +1,106 @@
-"""Merging attention results computed over disjoint key sets (split-KV, shared prefixes)."""
+"""The online softmax and the merging of attention results over disjoint key sets
+(split-KV, key pieces, shared prefixes), written once in Python.
+
+Convention (the only one in Python code): scores are the natural ``scale * q . k``; a
+partial result is either *unnormalized* (``SoftmaxState``: running max ``m``, sum of
+exponentials ``l`` and weighted values ``o``, all relative to ``m``) or *normalized*
+(``merge_attention``: ``out = o / l`` and ``lse = m + log(l)``). A query that has seen
+no key yet has ``m = -inf``, ``l = 0``, ``o = 0``; nothing assumes any key is visible,
+so a block that masks every key of some query (a window, a key piece) is exact.
+"""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 from array_api_compat import array_namespace
+
+
+def _shift(xp, m):
+    """The value exponentials are taken relative to: ``m``, or 0 where ``m`` is -inf (no
+    key seen: every score is -inf and exp(-inf - 0) = 0, where -inf - -inf would be NaN).
+    A NaN max stays NaN, so a NaN score reaches the result."""
+    return xp.where(m == -math.inf, xp.zeros_like(m), m)
+
+
+# NumPy temporaries are updated in place (the CPU hot path); other libraries' arrays are
+# not, so that autograd (torch) can differentiate through the state.
+
+
+class SoftmaxState:
+    """The online-softmax state of a set of queries over the key blocks seen so far.
+
+    ``m``, ``l``: ``[..., q, 1]``; ``o``: ``[..., q, d]``, in the compute dtype; all None
+    before the first block. ``add`` folds in one block; ``merge`` combines states of
+    the same queries over disjoint keys; ``result`` normalizes.
+    """
+
+    __slots__ = ("xp", "m", "l", "o")
+
+    def __init__(self, xp, m=None, l=None, o=None):
+        self.xp, self.m, self.l, self.o = xp, m, l, o
+
+    def add(self, s, v) -> None:
+        """Fold in one key block: ``s`` ``[..., q, k]`` scores (masked keys -inf; consumed:
+        its memory may be reused), ``v`` ``[..., k, d]`` the block's values (compute dtype)."""
+        xp = self.xp
+        s_max = xp.max(s, axis=-1, keepdims=True)
+        m_new = s_max if self.m is None else xp.maximum(self.m, s_max)
+        shift = _shift(xp, m_new)
+        if isinstance(s, np.ndarray):
+            s -= shift
+            p = np.exp(s, out=s)
+        else:
+            p = xp.exp(s - shift)
+        l_blk = xp.sum(p, axis=-1, keepdims=True)
+        o_blk = p @ v
+        if self.m is None:
+            self.l, self.o = l_blk, o_blk
+        else:
+            # exp(m - shift) is 0 where the old state saw no key (m = -inf), at most 1 otherwise
+            alpha = xp.exp(self.m - shift)
+            if isinstance(self.o, np.ndarray):
+                self.l *= alpha
+                self.l += l_blk
+                self.o *= alpha
+                self.o += o_blk
+            else:
+                self.l = alpha * self.l + l_blk
+                self.o = alpha * self.o + o_blk
+        self.m = m_new
+
+    @classmethod
+    def merge(cls, xp, states) -> "SoftmaxState":
+        """One state over the union of the keys of ``states`` (same queries, disjoint keys)."""
+        m = states[0].m
+        for st in states[1:]:
+            m = xp.maximum(m, st.m)
+        shift = _shift(xp, m)
+        l = o = None
+        for st in states:
+            w = xp.exp(st.m - shift)  # 0 for a state that saw no key of a query
+            if o is None:
+                l, o = w * st.l, w * st.o
+            else:
+                l = l + w * st.l
+                o = o + w * st.o
+        return cls(xp, m, l, o)
+
+    def result(self):
+        """``(out, lse)``: ``out = o / l`` ``[..., q, d]`` (in place: the state is spent) and
+        ``lse = m + log(l)`` ``[..., q, 1]``; a query that saw no key gives out 0 and lse -inf."""
+        xp = self.xp
+        l = self.l
+        unseen = l == 0  # (a NaN sum is "seen": its NaN reaches out and lse)
+        l = xp.where(unseen, xp.ones_like(l), l)
+        out = self.o
+        if isinstance(out, np.ndarray):
+            out /= l
+        else:
+            out = out / l
+        lse = xp.where(unseen, xp.full_like(l, -math.inf), self.m + xp.log(l))
+        return out, lse
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):

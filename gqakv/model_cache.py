@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cache import KVCache, Lengths, RowsAndLengths, _check_dim, human_bytes
+from . import attention as _attention
+from . import cache as _cache
+from .cache import KVCache, Lengths, RowsAndLengths, _check_dim, _check_dims, human_bytes
 from .inputs import _rows, check_capacity, check_flag, host_ints, validate_append, validate_attention
+from .store import StorageSpec
 
 _LAYER_VIEW = ("it is one layer of a ModelKVCache, whose lengths are shared by all layers; "
                "write through ModelKVCache.step(...) and move rows with the ModelKVCache's "
@@ -39,21 +42,24 @@ class ModelKVCache(RowsAndLengths):
         kv_heads: Hkv; max_len: capacity in tokens of every row; head_dim: d.
         dtype: "float32" (default), "float16", "bfloat16", "float64" or a dtype object.
         backend: a backend name, a Backend, "auto" or None (see ``gqakv.get_backend``).
+        storage: the storage kind (``gqakv.store.KINDS``; "contiguous", the only one today).
 
     Attributes:
-        k, v: ``[layers, B, Hkv, max_len, d]`` each, allocated once, written in place.
+        store: the KVStore, leading axis ``(layers,)``; what the backend's operations take.
+        k, v: ``[layers, B, Hkv, max_len, d]`` each, allocated once, written in place
+            (contiguous storage: views of the store's memory; contract as ``KVCache.k``).
         lens / host_lens: ``[B]`` int64 live tokens per row (backend array / NumPy, read-only).
         backend: the Backend holding the buffers.
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype="float32", backend=None):
+                 dtype="float32", backend=None, *, storage: str = "contiguous"):
         self.layers = _check_dim("layers", layers, 1)
         self._allocate((self.layers,), batch, kv_heads, max_len, head_dim, dtype, backend,
-                       "model KV cache")
-        self._views = [KVCache.view_of(self.k[l, ...], self.v[l, ...], self._lengths,
-                                       backend=self.backend, dtype=self.dtype, frozen=_LAYER_VIEW)
-                       for l in range(self.layers)]
+                       "model KV cache", storage)
+        self._layer_stores = [self.store.layer(l) for l in range(self.layers)]
+        self._views = [KVCache.view_of(st, self._lengths, backend=self.backend, frozen=_LAYER_VIEW)
+                       for st in self._layer_stores]
         self._open_step = None
 
     @classmethod
@@ -74,12 +80,12 @@ class ModelKVCache(RowsAndLengths):
         ``2 * layers * batch * kv_heads * max_len * head_dim * itemsize`` (every dimension
         checked as the constructor checks it; exact Python ints)."""
         layers = _check_dim("layers", layers, 1)
-        return layers * KVCache.nbytes_for(batch, kv_heads, max_len, head_dim, dtype)
+        batch, kv_heads, max_len, head_dim = _check_dims(batch, kv_heads, max_len, head_dim)
+        return StorageSpec.of(dtype).nbytes(layers * batch * max_len, kv_heads, head_dim)
 
     @property
     def nbytes(self) -> int:
-        return self.nbytes_for(self.layers, self.batch, self.kv_heads, self.max_len,
-                               self.head_dim, self.dtype)
+        return self.store.nbytes
 
     # -- lengths and views -----------------------------------------------------------------
 
@@ -96,7 +102,8 @@ class ModelKVCache(RowsAndLengths):
         return int(layer)
 
     def live_kv(self, layer: int, row: int):
-        """Views of layer ``layer``, row ``row``'s live K and V, ``[Hkv, L, d]`` each."""
+        """Layer ``layer``, row ``row``'s live K and V, ``[Hkv, L, d]`` each (views for
+        contiguous storage; see ``KVCache.live_kv``)."""
         return self.layer(layer).live_kv(row)
 
     # -- the forward step ------------------------------------------------------------------
@@ -137,8 +144,8 @@ class ModelKVCache(RowsAndLengths):
 
     # -- row operations (RowsAndLengths) ---------------------------------------------------------
 
-    def _row_buffers(self):
-        return self.k, self.v
+    def _row_store(self):
+        return self.store
 
     def __repr__(self) -> str:
         return (f"ModelKVCache(layers={self.layers}, batch={self.batch}, kv_heads={self.kv_heads}, "
@@ -185,8 +192,8 @@ class Step:
 
     def _view(self, l: int) -> KVCache:
         c = self.cache
-        return KVCache.view_of(c.k[l, ...], c.v[l, ...], self._pending, backend=c.backend,
-                               dtype=c.dtype, frozen="it is a step's view of one layer")
+        return KVCache.view_of(c._layer_stores[l], self._pending, backend=c.backend,
+                               frozen="it is a step's view of one layer")
 
     def write(self, layer: int, k_new, v_new) -> None:
         """Write layer ``layer``'s new K and V (``[B', Hkv, T, d]``, ``n_new[i] <= T``) at the
@@ -198,7 +205,7 @@ class Step:
             self._write(l, k_new, v_new, inputs)
 
     def attend(self, layer: int, q, k_new, v_new, *, scale: float | None = None,
-               return_lse: bool = False):
+               return_lse: bool = False, params=None):
         """Write layer ``layer``'s new K/V, then grouped-query attention of ``q`` over the
         row's live tokens plus this step's (bottom-right causal; see ``gqa_attention``).
 
@@ -207,7 +214,8 @@ class Step:
             k_new, v_new: ``[B', Hkv, T, d]``; entry i's first ``n_new[i]`` slots are real.
 
         Returns ``out`` ``[B', Hq, T, d]`` (padded query slots exactly 0), or
-        ``(out, lse)`` with ``return_lse`` (a bool). Everything is validated before the write.
+        ``(out, lse)`` with ``return_lse`` (a bool). ``params``: as in ``gqa_attention``.
+        Everything is validated before the write.
         """
         c = self.cache
         l = c._layer_index(layer)
@@ -222,12 +230,11 @@ class Step:
                     f"q {list(q_shape)} does not match k_new {list(k_new.shape)}: q must have the "
                     f"same batch B'={int(k_new.shape[0])} (dim 0) and tokens T={int(k_new.shape[2])} "
                     "(dim 2)")
-            att = validate_attention(view, q, self.n_new, self.rows, scale)
+            att = validate_attention(view, q, self.n_new, self.rows, scale, params)
             self._write(l, k_new, v_new, inputs)
         # Attention reads only this step's rows up to their pending lengths, which no other
         # writer touches while the step is open, so it runs outside the lock.
-        return c.backend.attention(q, view.k, view.v, att.rows, att.lens, att.n_new,
-                                   scale=att.scale, return_lse=return_lse)
+        return _attention.attend(view, q, att, return_lse)
 
     def _validate_write(self, l: int, k_new, v_new):
         if self._written[l]:
@@ -241,8 +248,7 @@ class Step:
 
     def _write(self, l: int, k_new, v_new, inputs) -> None:
         c = self.cache
-        c.backend.write_kv(c.k[l, ...], c.v[l, ...], k_new, v_new, inputs.rows, inputs.starts,
-                           inputs.n_new)
+        _cache.write(c.backend, c._layer_stores[l], k_new, v_new, inputs)
         self._written[l] = True
 
     # -- ending ----------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import math
 
 import numpy as np
 
+from .semantics import AttentionParams, key_range
+
 
 def reference_attention(q, k_rows, v_rows, n_new, scale=None):
     """q: [B, Hq, T, d]; k_rows[b], v_rows[b]: [Hkv, L_b, d] live tokens of row b.
@@ -27,6 +29,7 @@ def reference_attention(q, k_rows, v_rows, n_new, scale=None):
     q = np.asarray(q, dtype=np.float64)
     B, Hq, T, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    params = AttentionParams(scale=float(scale))
     out = np.zeros((B, Hq, T, d))
     lse = np.full((B, Hq, T), -math.inf)
     for b in range(B):
@@ -36,10 +39,10 @@ def reference_attention(q, k_rows, v_rows, n_new, scale=None):
         G = Hq // Hkv
         n = int(n_new[b])
         for t in range(n):
-            pos = L - n + t  # absolute position of query t; it sees keys 0..pos
+            lo, hi = key_range(params, L, n, t)  # the keys query t sees (gqakv.semantics)
             for h in range(Hq):
-                keys, values = k[h // G, :pos + 1], v[h // G, :pos + 1]  # [pos + 1, d]
-                scores = scale * (keys @ q[b, h, t])  # [pos + 1]
+                keys, values = k[h // G, lo:hi], v[h // G, lo:hi]  # [hi - lo, d]
+                scores = scale * (keys @ q[b, h, t])  # [hi - lo]
                 m = scores.max()
                 w = np.exp(scores - m)
                 out[b, h, t] = (w @ values) / w.sum()
@@ -68,8 +71,9 @@ def naive_low_precision(q, k_rows, v_rows, n_new, round_to, scale=None):
             continue
         qb = q[b, :, :n].reshape(Hkv, G * n, d)  # query head h reads KV head h // G
         s = round_to(round_to(qb @ k.swapaxes(1, 2)) * scale)  # [Hkv, G * n, L]
-        pos = (L - n + np.arange(n))[None, :]  # [1, n]
-        visible = np.tile(np.arange(L)[:, None] <= pos, (1, G)).T  # [G * n, L]
+        lo, hi = key_range(AttentionParams(scale=float(scale)), L, n, np.arange(n))  # [n]
+        keys = np.arange(L)[:, None]
+        visible = np.tile((keys >= lo) & (keys < hi[None, :]), (1, G)).T  # [G * n, L]
         s = np.where(visible, s, -np.inf)
         m = s.max(axis=-1, keepdims=True)
         p = round_to(np.exp(round_to(s - m)))

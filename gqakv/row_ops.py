@@ -1,8 +1,8 @@
 """Row operations of a serving loop: reorder (beam search), fork (parallel sampling),
 truncate (speculative-decoding rollback) and reset (row reuse).
 
-They act on buffers laid out ``[layers, B, Hkv, max_len, d]`` (a standalone KVCache
-passes its buffers with a leading axis of 1) and on the shared ``Lengths``. Every
+They act on a ``KVStore`` with a leading layer axis (a standalone KVCache passes its
+store with a leading axis of 1) and on the shared ``Lengths``. Every
 operation validates all of its arguments before it touches anything, so a rejected
 call changes nothing. Only live tokens move: row ``b``'s copy costs ``lens[b]``
 tokens per layer, never ``max_len``; truncate and reset move no data at all.
@@ -120,55 +120,41 @@ def plan_reorder(src_rows: np.ndarray, lens: np.ndarray) -> list[Wave]:
 # -- generic copy (Backend.copy_tokens default) ------------------------------------------------
 
 
-def copy_tokens_array_api(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens) -> None:
-    """``dst[:, dst_rows[i], :, :n] = src[:, src_rows[i], :, :n]`` for K and V, n = n_tokens[i].
-
-    Buffers are ``[layers, rows, Hkv, max_len, d]``; one slice assignment per row covers
-    every layer. The copies are independent (a wave), so their order does not matter.
+def copy_tokens_array_api(dst, dst_rows, src, src_rows, n_tokens) -> None:
+    """Row ``dst_rows[i]`` of store ``dst`` takes tokens ``:n_tokens[i]`` of row ``src_rows[i]``
+    of ``src``, every layer (``KVStore.copy_row``: one slice assignment per row for
+    contiguous storage). The copies are independent (a wave), so their order does not matter.
     """
     for i in range(len(dst_rows)):
         n = int(n_tokens[i])
         if n == 0:
             continue
-        d, s = int(dst_rows[i]), int(src_rows[i])
-        dst_k[:, d, :, :n, :] = src_k[:, s, :, :n, :]
-        dst_v[:, d, :, :n, :] = src_v[:, s, :, :n, :]
+        dst.copy_row(int(dst_rows[i]), src, int(src_rows[i]), n)
 
 
-def run_waves(backend, k, v, waves: list[Wave]) -> int:
-    """Run a plan on buffers ``k``, ``v`` ``[layers, B, Hkv, max_len, d]``; returns tokens
-    copied per layer. The temporary is one row ``[layers, 1, Hkv, n, d]``, allocated
-    only when a cycle needs it."""
+def run_waves(backend, store, waves: list[Wave]) -> int:
+    """Run a plan on ``store`` (leading layer axis); returns tokens copied per layer. The
+    temporary is one row (``KVStore.temporary``), allocated only when a cycle needs it."""
     temp = None
     copied = 0
     for w in waves:
         copied += int(w.n_tokens.sum())
         if w.dst_rows[0] == TEMP:
             n = int(w.n_tokens[0])
-            layers, _, hkv, _, d = (int(s) for s in k.shape)
-            dtype = _dtype_name(k)
-            if temp is None or int(temp[0].shape[3]) < n:
-                shape, dev = (layers, 1, hkv, max(n, 1), d), backend.device_of(k)
-                temp = (backend.empty(shape, dtype, device=dev),
-                        backend.empty(shape, dtype, device=dev))
-            backend.copy_tokens(temp[0], temp[1], [0], k, v, w.src_rows, w.n_tokens)
+            if temp is None or temp.max_len < n:
+                temp = store.temporary(backend, n)
+            backend.copy_tokens(temp, [0], store, w.src_rows, w.n_tokens)
         elif w.src_rows[0] == TEMP:
-            backend.copy_tokens(k, v, w.dst_rows, temp[0], temp[1], [0], w.n_tokens)
+            backend.copy_tokens(store, w.dst_rows, temp, [0], w.n_tokens)
         else:
-            backend.copy_tokens(k, v, w.dst_rows, k, v, w.src_rows, w.n_tokens)
+            backend.copy_tokens(store, w.dst_rows, store, w.src_rows, w.n_tokens)
     return copied
-
-
-def _dtype_name(x) -> str:
-    from . import dtypes
-
-    return dtypes.canonical_name(x.dtype)
 
 
 # -- the operations --------------------------------------------------------------------------
 
 
-def reorder(backend, k, v, lengths, src_rows) -> int:
+def reorder(backend, store, lengths, src_rows) -> int:
     """Row b takes the contents and length of row ``src_rows[b]`` (duplicates allowed).
 
     In place in the preallocated buffers; copies ``lens[src_rows[b]]`` tokens for each
@@ -180,12 +166,12 @@ def reorder(backend, k, v, lengths, src_rows) -> int:
     if src.size != batch:
         raise ValueError(f"src_rows must have one entry per cache row ({batch}), got {src.size}")
     old = lengths.host.copy()
-    copied = run_waves(backend, k, v, plan_reorder(src, old))
+    copied = run_waves(backend, store, plan_reorder(src, old))
     lengths.set(np.arange(batch), old[src])
     return copied
 
 
-def fork(backend, k, v, lengths, src: int, dst_rows) -> int:
+def fork(backend, store, lengths, src: int, dst_rows) -> int:
     """Copy row ``src``'s live tokens into each row of ``dst_rows`` (distinct; ``src``
     itself is skipped if listed), which then hold ``lens[src]`` tokens. Returns tokens
     copied per layer."""
@@ -194,7 +180,7 @@ def fork(backend, k, v, lengths, src: int, dst_rows) -> int:
     dst = _row_list(dst_rows, "dst_rows", batch, distinct=True)
     dst = dst[dst != s]
     n = int(lengths.host[s])
-    backend.copy_tokens(k, v, dst, k, v, np.full(dst.size, s), np.full(dst.size, n))
+    backend.copy_tokens(store, dst, store, np.full(dst.size, s), np.full(dst.size, n))
     lengths.set(dst, np.full(dst.size, n))
     return n * int(dst.size)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from . import dtypes as _dtypes
+from . import store as _store
 from .cache import human_bytes
 
 
@@ -37,7 +38,7 @@ class ModelConfig:
 
     def bytes_per_token(self, dtype="bfloat16") -> int:
         """K + V bytes of one token over all layers."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * _dtypes.itemsize(dtype)
+        return _store.nbytes(dtype, self.layers, self.kv_heads, self.head_dim)  # the one formula
 
 
 # From each model's published config.json (num_hidden_layers, num_attention_heads,

@@ -61,3 +61,59 @@ class BackendArrays:
 @pytest.fixture
 def arrays(backend):
     return BackendArrays(backend)
+
+
+# -- the product's axes: backend x storage spec x attention params -------------------------
+# A new storage kind or attention variant adds one entry here (and the library's one
+# store or params class and planner-table line); every test taking ``case`` then runs it
+# on every backend. When the product outgrows PRODUCT_LIMIT it is sampled so that every
+# (backend, storage) and every (backend, params) pair still runs (CI time stays bounded).
+
+#: Storage specs under test: name -> keyword arguments of KVCache / ModelKVCache.
+STORAGE_SPECS = {"contiguous": {"storage": "contiguous"}}
+#: Attention params under test: name -> the fields of ``gqakv.AttentionParams`` besides
+#: ``scale`` (tests build ``AttentionParams(scale=..., **fields)`` and pass ``params=``).
+ATTENTION_PARAMS = {"causal": {}}
+#: Largest product run in full.
+PRODUCT_LIMIT = 64
+
+
+def product_cases(backends, storage_specs, params) -> list[tuple]:
+    """(backend, storage name, params name) triples: the full product when it is at most
+    PRODUCT_LIMIT, else a sample covering every (backend, storage) and (backend, params)
+    pair (each storage paired with a params value in turn, and vice versa)."""
+    kinds, variants = list(storage_specs), list(params)
+    full = [(b, s, p) for b in backends for s in kinds for p in variants]
+    if len(full) <= PRODUCT_LIMIT:
+        return full
+    picked = []
+    for i, b in enumerate(backends):
+        for j, s in enumerate(kinds):
+            picked.append((b, s, variants[(i + j) % len(variants)]))
+        for j, p in enumerate(variants):
+            picked.append((b, kinds[(i + j) % len(kinds)], p))
+    return list(dict.fromkeys(picked))  # in order, without repeats
+
+
+def _case_param(b, s, p):
+    why = b.unavailable_reason()
+    marks = [pytest.mark.skip(reason=f"backend {b.name}: {why}")] if why else []
+    return pytest.param((b, s, p), id=f"{b.name}-{s}-{p}", marks=marks)
+
+
+class Case:
+    """One point of the product: ``backend``, ``storage`` (KVCache keyword arguments) and
+    ``params`` (AttentionParams fields besides scale), with their names."""
+
+    def __init__(self, backend, storage_name: str, params_name: str):
+        self.backend = backend
+        self.storage_name, self.params_name = storage_name, params_name
+        self.storage = STORAGE_SPECS[storage_name]
+        self.params = ATTENTION_PARAMS[params_name]
+
+
+@pytest.fixture(params=[_case_param(*c) for c in product_cases(_BACKENDS, STORAGE_SPECS,
+                                                                     ATTENTION_PARAMS)])
+def case(request) -> Case:
+    """A point of backend x storage spec x attention params (see ``product_cases``)."""
+    return Case(*request.param)

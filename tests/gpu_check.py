@@ -48,6 +48,7 @@ def timed(fn, sync, repeats=10) -> float:
 
 def filled(backend, batch, live, max_len=None):
     import gqakv
+    import gqakv.inputs
 
     cache = gqakv.KVCache(batch, HKV, max_len or live, D, dtype=DTYPE, backend=backend)
     import cupy
@@ -118,6 +119,7 @@ def decode_bench(backend, grid, peak_tbs) -> None:
     import cupy
 
     import gqakv
+    import gqakv.inputs
     from gqakv.backend import Backend
 
     from gqakv_backends.cupy_backend import plan
@@ -141,9 +143,9 @@ def decode_bench(backend, grid, peak_tbs) -> None:
         ktbs = nbytes / kern / 1e12
         ratio = ""
         if batch * live <= 8 * 8192:  # the array-API path is slow: only the smaller sizes
-            generic = timed(lambda: Backend.attention(backend, q, cache.k, cache.v,
-                                                      np.arange(batch), cache.host_lens, n_new,
-                                                      scale=D ** -0.5, return_lse=False),
+            inp = gqakv.inputs.validate_attention(cache, q, n_new, None, D ** -0.5)
+            generic = timed(lambda: Backend.attention(backend, q, cache.store, inp, inp.params,
+                                                      return_lse=False),
                             backend.synchronize, repeats=3)
             ratio = f"{generic / fused:12.1f}x"
         print(f"{batch:5d} {live:6d} {decode_grid(batch, live, sms):>8} {fused * 1e6:9.1f} {tbs:6.2f} "
@@ -154,6 +156,7 @@ def decode_bench(backend, grid, peak_tbs) -> None:
 
 def prefill_bench(backend, lens, peak_tflops) -> None:
     import gqakv
+    import gqakv.inputs
 
     from gqakv_backends.cupy_backend import plan
 
@@ -178,6 +181,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import gqakv
+    import gqakv.inputs
 
     backend = next((b for b in gqakv.list_backends() if b.name == "cupy"), None)
     why = "the cupy backend is not registered" if backend is None else backend.unavailable_reason()

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import gqakv
 from gqakv import attention as attention_module
 
+from .conftest import BackendArrays
 from .reference import reference_attention
 
 # float32: inputs are O(1), so outputs are O(1) convex combinations of V; a correct
@@ -54,8 +55,7 @@ def run_trial(backend, arrays, trial, dtype):
     hq = hkv * trial["group"]
     max_len = max(trial["final"]) + rng.integers(0, 5)
     cache = gqakv.KVCache(B, hkv, int(max_len), d, dtype=dtype, backend=backend)
-    cache.k[...] = math.nan  # nothing at or past lens may ever leak into a result
-    cache.v[...] = math.nan
+    cache.store.fill(math.nan)  # nothing at or past lens may ever leak into a result
     hist_k = [np.zeros((hkv, 0, d)) for _ in range(B)]
     hist_v = [np.zeros((hkv, 0, d)) for _ in range(B)]
     for n_new in trial["schedule"]:
@@ -148,8 +148,7 @@ def test_offset_causal_mask_cases(backend, arrays, case):
 def test_empty_rows_padded_queries_and_nan_tail(backend, arrays):
     lens = [0, 3, 6]
     cache = gqakv.KVCache(3, 2, 8, 4, backend=backend)
-    cache.k[...] = math.nan
-    cache.v[...] = math.inf
+    cache.store.fill(math.nan, math.inf)
     rng = np.random.default_rng(4)
     k = rng.standard_normal((3, 2, 6, 4))
     cache.append(arrays.asarray(k, "float32"), arrays.asarray(k, "float32"), lens)
@@ -211,8 +210,8 @@ def test_blocked_online_softmax_matches_single_block(backend, arrays):
     # the first goes through the online softmax's rescaling branch.
     inputs = gqakv.inputs.validate_attention(cache, arrays.asarray(q, "float64"), n_new)
     out, lse = attention_module.attention_array_api(
-        arrays.asarray(q, "float64"), cache.k, cache.v, inputs.rows, inputs.lens, inputs.n_new,
-        scale=inputs.scale, return_lse=True, score_block_elements=7, query_block=2)
+        arrays.asarray(q, "float64"), cache.store, inputs, inputs.params, return_lse=True,
+        score_block_elements=7, query_block=2)
     np.testing.assert_allclose(arrays.to_numpy(out), want, atol=1e-10)
     finite = np.isfinite(want_lse)
     np.testing.assert_allclose(arrays.to_numpy(lse)[finite], want_lse[finite], atol=1e-10)
@@ -275,3 +274,61 @@ def test_a_nan_query_stays_nan_and_alone(backend, arrays, request, T):
     np.testing.assert_allclose(out[~bad], want[~bad], atol=TOL["float32"])
     np.testing.assert_allclose(lse[~bad], want_lse[~bad], atol=TOL["float32"] * 10)
     assert np.isnan(out[bad]).all() and np.isnan(lse[bad]).all()
+
+
+def test_attention_over_the_product(case):
+    """gqa_attention and Step.attend on every point of backend x storage spec x attention
+    params (tests/conftest.py): ragged rows, a padded slot and an idle entry, dead slots
+    poisoned, against the float64 reference given the same params."""
+    from gqakv.semantics import AttentionParams
+
+    arrays = BackendArrays(case.backend)
+    rng = np.random.default_rng(11)
+    B, hkv, G, d, S = 3, 2, 3, 8, 40
+    lens_before, n_new = np.array([17, 0, 30]), np.array([3, 2, 0])
+    T = 4
+    cache = gqakv.KVCache(B, hkv, S, d, dtype="float64", backend=case.backend, **case.storage)
+    model = gqakv.ModelKVCache(2, B, hkv, S, d, dtype="float64", backend=case.backend,
+                               **case.storage)
+    for c in (cache, model):
+        c.store.fill(math.nan)
+    k0, v0 = rng.standard_normal((2, B, hkv, 30, d))
+    cache.append(arrays.asarray(k0, "float64"), arrays.asarray(v0, "float64"), lens_before)
+    with model.step(lens_before) as step:
+        for l in range(2):
+            step.write(l, arrays.asarray(k0, "float64"), arrays.asarray(v0, "float64"))
+    k1, v1 = rng.standard_normal((2, B, hkv, T, d))
+    q = rng.standard_normal((B, hkv * G, T, d))
+    cache.append(arrays.asarray(k1, "float64"), arrays.asarray(v1, "float64"), n_new)
+    rows_k = [np.concatenate([k0[b, :, :lens_before[b]], k1[b, :, :n_new[b]]], axis=1) for b in range(B)]
+    rows_v = [np.concatenate([v0[b, :, :lens_before[b]], v1[b, :, :n_new[b]]], axis=1) for b in range(B)]
+    scale = 0.3
+    params = AttentionParams(scale=scale, **case.params)
+    want, want_lse = reference_attention(q, rows_k, rows_v, n_new, scale=params.scale)
+    out, lse = gqakv.gqa_attention(arrays.asarray(q, "float64"), cache, n_new,
+                                   return_lse=True, params=params)
+    with model.step(n_new) as step:
+        outs = [step.attend(l, arrays.asarray(q, "float64"), arrays.asarray(k1, "float64"),
+                            arrays.asarray(v1, "float64"), params=params)
+                for l in range(2)]
+    for got in (out, *outs):
+        np.testing.assert_allclose(arrays.to_numpy(got), want, atol=1e-10)
+    finite = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(arrays.to_numpy(lse)), finite)
+    np.testing.assert_allclose(arrays.to_numpy(lse)[finite], want_lse[finite], atol=1e-10)
+
+
+def test_params_argument_is_checked():
+    """params= is an AttentionParams, and not given together with scale; a rejected call
+    says which and computes nothing."""
+    cache = gqakv.KVCache(1, 1, 4, 2, backend="numpy")
+    x = np.ones((1, 1, 1, 2), np.float32)
+    cache.append(x, x, [1])
+    with pytest.raises(TypeError, match="params must be a gqakv.AttentionParams, got 0.5"):
+        gqakv.gqa_attention(x, cache, [1], params=0.5)
+    with pytest.raises(TypeError, match="not both"):
+        gqakv.gqa_attention(x, cache, [1], scale=0.5, params=gqakv.AttentionParams(scale=0.5))
+    with pytest.raises(TypeError, match="scale must be a finite real number"):
+        gqakv.gqa_attention(x, cache, [1], params=gqakv.AttentionParams(scale=math.inf))
+    same = gqakv.gqa_attention(x, cache, [1], params=gqakv.AttentionParams(scale=0.5))
+    np.testing.assert_array_equal(same, gqakv.gqa_attention(x, cache, [1], scale=0.5))

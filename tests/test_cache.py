@@ -28,8 +28,7 @@ def _assert_unchanged(arrays, cache, before):
 def cache_and_data(backend, arrays):
     """A 3-row cache, Hkv=2, max_len=6, d=4, holding [2, 5, 0] tokens; tail filled with 0."""
     cache = gqakv.KVCache(3, 2, 6, 4, backend=backend)
-    cache.k[...] = 0.0
-    cache.v[...] = 0.0
+    cache.store.fill(0.0)
     rng = np.random.default_rng(0)
     k = arrays.asarray(rng.standard_normal((3, 2, 5, 4)), "float32")
     cache.append(k, k, [2, 5, 0])
@@ -118,7 +117,7 @@ def test_append_writes_in_place_at_each_rows_length(backend, arrays):
 
 def test_padding_slots_are_not_written(backend, arrays):
     cache = gqakv.KVCache(1, 1, 4, 2, backend=backend)
-    cache.k[...] = 7.0
+    cache.store.fill(7.0)
     cache.append(_new(arrays, (1, 1, 3, 2)), _new(arrays, (1, 1, 3, 2)), [1])
     assert (arrays.to_numpy(cache.k)[0, 0, 1:] == 7.0).all()
 
@@ -203,18 +202,20 @@ def test_attention_reads_views_of_live_length(backend, arrays, monkeypatch):
     k = _new(arrays, (2, 2, 7, 4))
     cache.append(k, k, [7, 3])
     seen = []
-    real = attention_module._attend_row
+    real = gqakv.store.KVStore.blocks
 
-    def spy(xp, q_row, k_row, v_row, **kw):
-        # Any library's array, seen through DLPack (zero-copy on the CPU): the row handed
-        # to the computation must lie inside the cache's buffer, at the row's own bytes.
-        for row, buf in ((k_row, cache.k), (v_row, cache.v)):
-            host_row, host_buf = _host_view(row), _host_view(buf)
+    def spy(store, row, j0, j1):
+        # The generic path reads the cache only through the store's blocks. Any library's
+        # array, seen through DLPack (zero-copy on the CPU): the blocks handed to the
+        # computation must lie inside the cache's buffer, at the row's own bytes.
+        k_row, v_row = real(store, row, j0, j1)
+        for blk, buf in ((k_row, cache.k), (v_row, cache.v)):
+            host_row, host_buf = _host_view(blk), _host_view(buf)
             assert np.shares_memory(host_row, host_buf)
             seen.append(tuple(host_row.shape))
-        return real(xp, q_row, k_row, v_row, **kw)
+        return k_row, v_row
 
-    monkeypatch.setattr(attention_module, "_attend_row", spy)
+    monkeypatch.setattr(gqakv.store.KVStore, "blocks", spy)
     if type(backend).attention is not gqakv.Backend.attention:
         pytest.skip(f"{backend.name} runs its own attention kernels")
     gqakv.gqa_attention(_new(arrays, (2, 8, 2, 4)), cache, [2, 1])
@@ -279,8 +280,7 @@ def _int_env():
     cache = gqakv.KVCache(2, 1, 8, 4, dtype="float64", backend="numpy")
     model = gqakv.ModelKVCache(2, 2, 1, 8, 4, dtype="float64", backend="numpy")
     for c in (cache, model):
-        c.k[...] = np.nan
-        c.v[...] = np.nan
+        c.store.fill(np.nan)
     kv = rng.standard_normal((2, 1, 4, 4))
     cache.append(kv, kv, [4, 2])
     with model.step([4, 2]) as s:

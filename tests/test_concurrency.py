@@ -217,7 +217,7 @@ class _BlockingWrites:
     def __getattr__(self, name):
         return getattr(self._backend, name)
 
-    def write_kv(self, *args):
+    def write_kv(self, *args):  # (store, k_new, v_new, inputs)
         if not self.entered.is_set():
             self.entered.set()
             assert self.release.wait(30), "never released"

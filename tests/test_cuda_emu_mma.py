@@ -27,6 +27,7 @@ import pytest
 from gqakv_backends.cupy_backend import plan as planmod
 from gqakv_backends.cupy_backend import sources
 
+from . import hot_ops
 from .cuda_emu import cases, harness
 
 STORAGE = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -244,10 +245,10 @@ def test_backend_passes_the_device_compute_capability(monkeypatch, capability, e
     D, n = 64, np.array([7])
     k_buf, v_buf = backend.empty((1, 1, 16, D), "float16"), backend.empty((1, 1, 16, D), "float16")
     kv = [backend.from_numpy(rng.standard_normal((1, 1, 7, D)), "float16") for _ in range(2)]
-    backend.write_kv(k_buf, v_buf, kv[0], kv[1], np.array([0]), np.array([0]), n)
+    hot_ops.write_kv(backend, k_buf, v_buf, kv[0], kv[1], np.array([0]), np.array([0]), n)
     q = backend.from_numpy(rng.standard_normal((1, 2, 7, D)), "float16")
-    out = backend.attention(q, k_buf, v_buf, np.array([0]), n, n, scale=1 / math.sqrt(D),
-                            return_lse=False)
+    out = hot_ops.attention(backend, q, k_buf, v_buf, np.array([0]), n, n,
+                            scale=1 / math.sqrt(D), return_lse=False)
     out = out[0] if isinstance(out, tuple) else out
     assert seen == [expected]
     ref, _ = reference_attention(q.astype(np.float64), [k_buf[0, :, :7]], [v_buf[0, :, :7]], n)

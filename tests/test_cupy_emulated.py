@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from . import hot_ops
 from .cuda_emu import cases, harness
 
 if harness.compiler() is None:
@@ -147,10 +148,10 @@ def test_backend_glue_on_the_emulator(emulated_backend):
         T = int(n_new.max())
         k_new = backend.from_numpy(rng.standard_normal((B, Hkv, T, D)), "bfloat16")
         v_new = backend.from_numpy(rng.standard_normal((B, Hkv, T, D)), "bfloat16")
-        backend.write_kv(k_buf, v_buf, k_new, v_new, rows, lens[rows], n_new)
+        hot_ops.write_kv(backend, k_buf, v_buf, k_new, v_new, rows, lens[rows], n_new)
         lens[rows] += n_new
         q = backend.from_numpy(rng.standard_normal((B, Hkv * G, T, D)), "bfloat16")
-        out, lse = backend.attention(q, k_buf, v_buf, rows, lens[rows], n_new,
+        out, lse = hot_ops.attention(backend, q, k_buf, v_buf, rows, lens[rows], n_new,
                                      scale=1 / math.sqrt(D), return_lse=True)
         ref, ref_lse = reference_attention(
             q.astype(np.float64), [k_buf[r, :, :lens[r]] for r in rows],
@@ -174,6 +175,7 @@ def test_row_ops_through_copy_tokens_on_the_emulator(emulated_backend, dtype):
 
     from gqakv import row_ops
     from gqakv.cache import Lengths
+    from gqakv.store import KVStore
 
     backend = emulated_backend
     rng = np.random.default_rng(1)
@@ -195,14 +197,14 @@ def test_row_ops_through_copy_tokens_on_the_emulator(emulated_backend, dtype):
     waves = row_ops.plan_reorder(src, lens)
     assert any(w.dst_rows[0] == row_ops.TEMP for w in waves)
     before = backend.launches
-    row_ops.reorder(backend, k, v, lengths, src)
+    row_ops.reorder(backend, KVStore.of(k, v), lengths, src)
     rows = [rows[s] for s in src]
     check()
     fused = sum(1 for w in waves if w.n_tokens.max() > 0)
     assert backend.launches - before == (fused if dtype == "bfloat16" else 0)
 
     before = backend.launches
-    row_ops.fork(backend, k, v, lengths, 3, [1, 5, 3])  # row 3 holds old row 4 (9 tokens)
+    row_ops.fork(backend, KVStore.of(k, v), lengths, 3, [1, 5, 3])  # row 3 holds old row 4 (9 tokens)
     rows[1] = rows[5] = rows[3]
     check()
     assert backend.launches - before == (1 if dtype == "bfloat16" else 0)
@@ -224,8 +226,7 @@ def test_strided_and_unaligned_inputs_through_the_glue(emulated_backend, dtype):
     rng = np.random.default_rng(2)
     B, Hkv, G, D = 2, 2, 3, 64
     cache = gqakv.KVCache(B, Hkv, 24, D, dtype=dtype, backend=backend)
-    cache.k[...] = np.nan
-    cache.v[...] = np.nan
+    cache.store.fill(np.nan)
     host = {"k": [np.zeros((Hkv, 0, D))] * B, "v": [np.zeros((Hkv, 0, D))] * B}
     before = backend.launches
     for step, n_new in enumerate(([5, 2], [1, 1], [3, 0])):
@@ -340,14 +341,14 @@ def test_calls_run_what_their_route_names(monkeypatch):
             v_buf[...] = 0
             q = backend.from_numpy(np.ones((1, 2, t_q, d)), dtype)
             launched.clear()
-            backend.attention(q, k_buf, v_buf, np.array([0]), np.array([t_q]), np.array([t_q]),
-                              scale=0.1, return_lse=False)
+            hot_ops.attention(backend, q, k_buf, v_buf, np.array([0]), np.array([t_q]),
+                              np.array([t_q]), scale=0.1, return_lse=False)
             route = backend.route("attention", dtype=dtype, head_dim=d, t_q=t_q,
                                   capability=int(capability))
             assert launched == ([] if route.impl == GENERIC else [route.impl]), (dtype, d, t_q, route)
             launched.clear()
-            backend.write_kv(k_buf, v_buf, q[:, :1], q[:, :1], np.array([0]), np.array([0]),
-                             np.array([1]))
+            hot_ops.write_kv(backend, k_buf, v_buf, q[:, :1], q[:, :1], np.array([0]),
+                             np.array([0]), np.array([1]))
             route = backend.route("write_kv", dtype=dtype, head_dim=d)
             assert launched == ([] if route.impl == GENERIC else [route.impl]), (dtype, d, route)
     assert backend.route("attention", dtype="bfloat16", head_dim=128, t_q=1,
@@ -365,11 +366,11 @@ def test_calls_run_what_their_route_names(monkeypatch):
     v_buf = backend.from_numpy(rng.standard_normal((1, 1, 16, 64)), "float16")
     q = backend.from_numpy(rng.standard_normal((1, 2, 1, 64)), "float16")
     args = (q, k_buf, v_buf, np.array([0]), np.array([9]), np.array([1]))
-    fused = backend.attention(*args, scale=0.125, return_lse=False)
+    fused = hot_ops.attention(backend, *args, scale=0.125, return_lse=False)
     assert backend.launches == 1
     monkeypatch.setattr(cupy_backend._plan, "plan_attention", refusing)
     backend = EmulatedCupyBackend()  # no kept plan
-    generic = backend.attention(*args, scale=0.125, return_lse=False)
+    generic = hot_ops.attention(backend, *args, scale=0.125, return_lse=False)
     assert backend.launches == 0  # nothing launched: the generic code ran
     np.testing.assert_allclose(np.asarray(generic, np.float32), np.asarray(fused, np.float32),
                                atol=2e-3)

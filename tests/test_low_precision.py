@@ -78,8 +78,7 @@ def test_model_cache_low_precision_parity(dtype, backend, arrays):
     rng = np.random.default_rng(7)
     layers, B, hkv, G, d, S = 2, 3, 2, 3, 32, 48
     cache = gqakv.ModelKVCache(layers, B, hkv, S, d, dtype, backend)
-    cache.k[...] = float("nan")
-    cache.v[...] = float("nan")
+    cache.store.fill(float("nan"))
     rows_k = [[np.zeros((hkv, 0, d))] * B for _ in range(layers)]
     rows_v = [[np.zeros((hkv, 0, d))] * B for _ in range(layers)]
     final = [40, 17, 1]

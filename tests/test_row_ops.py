@@ -88,8 +88,7 @@ def assert_unchanged(cache, arrays, before):
 
 def fill_nan(cache):
     """Poison every slot: a dead token that leaks into live data or attention shows up."""
-    cache.k[...] = float("nan")
-    cache.v[...] = float("nan")
+    cache.store.fill(float("nan"))
 
 
 def make_cache(kind, backend, *, layers=2, batch=4, kv_heads=2, max_len=12, head_dim=3,
@@ -136,9 +135,9 @@ def copies(monkeypatch, backend):
     calls = []
     original = backend.copy_tokens
 
-    def recording(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens):
+    def recording(dst, dst_rows, src, src_rows, n_tokens):
         calls.append((list(map(int, dst_rows)), list(map(int, src_rows)), list(map(int, n_tokens))))
-        return original(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens)
+        return original(dst, dst_rows, src, src_rows, n_tokens)
 
     monkeypatch.setattr(backend, "copy_tokens", recording)
     return calls

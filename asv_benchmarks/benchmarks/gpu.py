@@ -20,6 +20,7 @@ import numpy as np
 import gqakv
 from gqakv import bench
 from gqakv.backend import Backend
+from gqakv.inputs import validate_attention
 
 from .common import D, HKV, HQ, backend_or_skip, best_seconds, filled_cache, queries, ratio
 
@@ -51,8 +52,8 @@ class GpuDecode:
 
     def _array_api(self):
         c = self.cache
-        Backend.attention(self.backend, self.q, c.k, c.v, np.arange(c.batch), c.host_lens,
-                          self.n_new, scale=D ** -0.5, return_lse=False)
+        inp = validate_attention(c, self.q, self.n_new, None, D ** -0.5)
+        Backend.attention(self.backend, self.q, c.store, inp, inp.params, return_lse=False)
         self.backend.synchronize()
 
     def time_decode(self, batch, live_len):

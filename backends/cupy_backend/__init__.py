@@ -40,6 +40,8 @@ from collections import OrderedDict
 import numpy as np
 
 from gqakv.backend import GENERIC, Backend, Route
+from gqakv.semantics import FAST_PATH_VARIANTS
+from gqakv.store import CONTIGUOUS
 
 from . import plan as _plan
 from . import limits, routing, sources
@@ -167,21 +169,27 @@ class CupyBackend(Backend):
     # Each routes the call (routing.py) from its facts, then runs the chosen kernel's kept
     # plan or, when the route says so, the generic array-API code (Backend's method). A
     # planner refusal (grid beyond CUDA's limits) is routed again as the ``grid`` fact.
+    # The kernels read contiguous storage of plain causal attention: another storage kind
+    # or variant is a ``layout`` fact (``_store_rejection``), so its route says why.
 
-    def write_kv(self, k_buf, v_buf, k_new, v_new, rows, starts, n_new) -> None:
+    def write_kv(self, store, k_new, v_new, inputs) -> None:
         """One launch for all rows; see ``Backend.write_kv``. k/v_new are [B, Hkv, T, d]."""
-        with self._device_of(k_buf):
-            self._write_kv(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
+        with self._device_of(store.k):
+            self._write_kv(store, k_new, v_new, inputs)
 
-    def _write_kv(self, k_buf, v_buf, k_new, v_new, rows, starts, n_new) -> None:
+    def _write_kv(self, store, k_new, v_new, inputs) -> None:
+        k_buf, v_buf = store.k, store.v
+        rows, starts, n_new = inputs.rows, inputs.starts, inputs.n_new
         dtype, d = _dtype_name(k_buf), int(k_buf.shape[-1])
         layout = None
         if routing.route_write_kv(dtype, d).impl != GENERIC:
-            k_new, v_new = self._aligned(k_new, dtype, d), self._aligned(v_new, dtype, d)
-            layout = _write_layout_rejection(k_buf, v_buf, k_new, v_new, dtype, d)
+            layout = _store_rejection(store)
+            if layout is None:
+                k_new, v_new = self._aligned(k_new, dtype, d), self._aligned(v_new, dtype, d)
+                layout = _write_layout_rejection(k_buf, v_buf, k_new, v_new, dtype, d)
         route = routing.route_write_kv(dtype, d, layout)
         if route.impl == GENERIC:
-            return super().write_kv(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
+            return super().write_kv(store, k_new, v_new, inputs)
         n_new = np.asarray(n_new, dtype=np.int64)
         args = (dtype, d, n_new, int(k_buf.shape[1]), int(k_new.shape[2]), _strides(k_new)[:3],
                 _strides(k_buf)[:3])
@@ -190,7 +198,7 @@ class CupyBackend(Backend):
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
             route = routing.route_write_kv(dtype, d, layout, plan)
         if route.impl == GENERIC:
-            return super().write_kv(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
+            return super().write_kv(store, k_new, v_new, inputs)
         if not plan.launches:
             return
         rows_d, starts_d, n_new_d = self._upload_ints(rows, starts, n_new)
@@ -198,32 +206,34 @@ class CupyBackend(Backend):
                                      "v_buf": v_buf, "rows": rows_d, "starts": starts_d,
                                      "n_new": n_new_d}, dtype, d)
 
-    def copy_tokens(self, dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens) -> None:
+    def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
         """All copies of the call in one launch; see ``Backend.copy_tokens``.
 
-        Buffers are ``[layers, rows, Hkv, S, d]`` (dst and src may differ in rows and S).
+        Stores hold ``[layers, rows, Hkv, S, d]`` (dst and src may differ in rows and S).
         Layouts the kernel does not take (not CuPy arrays, mixed dtypes, float64, d > 256,
-        unaligned rows, K and V strided differently) use the generic slice copies; the
-        route (``routing.route_copy_tokens``) says which.
+        unaligned rows, K and V strided differently, storage that is not contiguous) use
+        the generic copies; the route (``routing.route_copy_tokens``) says which.
         """
-        with self._device_of(dst_k):
-            self._copy_tokens(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens)
+        with self._device_of(dst.k):
+            self._copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
 
-    def _copy_tokens(self, dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens) -> None:
+    def _copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
+        dst_k, dst_v, src_k, src_v = dst.k, dst.v, src.k, src.v
         n_tokens = np.asarray(n_tokens, dtype=np.int64)
         dtype, d = _dtype_name(dst_k), int(dst_k.shape[-1])
         layout = None
         if routing.route_copy_tokens(dtype, d).impl != GENERIC:
-            layout = self._copy_layout_rejection(dst_k, dst_v, src_k, src_v)
+            layout = (_store_rejection(dst) or _store_rejection(src)
+                      or self._copy_layout_rejection(dst_k, dst_v, src_k, src_v))
         route = routing.route_copy_tokens(dtype, d, layout)
         if route.impl == GENERIC:
-            return super().copy_tokens(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens)
+            return super().copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
         plan = _plan_or_refusal(_plan.plan_copy_tokens, dtype, d, n_tokens, int(dst_k.shape[0]),
                                 int(dst_k.shape[2]), _strides(dst_k)[:4], _strides(src_k)[:4])
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
             route = routing.route_copy_tokens(dtype, d, layout, plan)
         if route.impl == GENERIC:
-            return super().copy_tokens(dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens)
+            return super().copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
         if not plan.launches:
             return
         pairs = _pack_ints(dst_rows, src_rows, n_tokens)  # [3, P]: one upload
@@ -249,23 +259,24 @@ class CupyBackend(Backend):
             return "rows not aligned for the kernel's vector loads"
         return None
 
-    def attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
+    def attention(self, q, store, inputs, params, *, return_lse: bool):
         """Fused GQA attention; see ``gqakv.gqa_attention``. q, out: [B, Hq, T, d]."""
-        with self._device_of(k_buf):
-            return self._attention(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
-                                   return_lse=return_lse)
+        with self._device_of(store.k):
+            return self._attention(q, store, inputs, params, return_lse=return_lse)
 
-    def _attention(self, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
+    def _attention(self, q, store, inputs, params, *, return_lse: bool):
+        k_buf, v_buf = store.k, store.v
+        rows, lens, n_new, scale = inputs.rows, inputs.lens, inputs.n_new, params.scale
         dtype, d = _dtype_name(k_buf), int(k_buf.shape[-1])
         B, Hq, T, _ = (int(s) for s in q.shape)
         layout = capability = None
         if routing.route_attention(dtype, d, T).impl != GENERIC:
-            layout = _attention_layout_rejection(k_buf, v_buf, dtype, d)
+            layout = (_store_rejection(store, params)
+                      or _attention_layout_rejection(k_buf, v_buf, dtype, d))
             sm_count, capability = self._facts()
         route = routing.route_attention(dtype, d, T, capability, layout)
         if route.impl == GENERIC:
-            return super().attention(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
-                                     return_lse=return_lse)
+            return super().attention(q, store, inputs, params, return_lse=return_lse)
         cp = self.runtime.cp
         q = self._aligned(q, dtype, d)
         Hkv = int(k_buf.shape[1])
@@ -288,8 +299,7 @@ class CupyBackend(Backend):
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
             route = routing.route_attention(dtype, d, T, capability, layout, plan)
         if route.impl == GENERIC:
-            return super().attention(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
-                                     return_lse=return_lse)
+            return super().attention(q, store, inputs, params, return_lse=return_lse)
         if plan.launches:
             rows_d, lens_d, n_new_d = self._upload_ints(rows, lens, n_new)
             self.runtime.run_plan(plan, {"q": q, "k_buf": k_buf, "v_buf": v_buf, "rows": rows_d,
@@ -378,6 +388,16 @@ def _plan_or_refusal(planner, *args, **kwargs):
         return planner(*args, **kwargs)
     except NotImplementedError as exc:
         return str(exc)
+
+
+def _store_rejection(store, params=None) -> str | None:
+    """Why the kernels cannot serve this storage kind or attention variant (None: they can);
+    the kernels implement what ``semantics.FAST_PATH_VARIANTS["cupy kernels"]`` lists."""
+    if store.kind != CONTIGUOUS:
+        return f"storage kind {store.kind!r} (the kernels read {CONTIGUOUS} rows)"
+    if params is not None and params.variant not in FAST_PATH_VARIANTS["cupy kernels"]:
+        return f"attention variant {params.variant!r} (the kernels implement plain causal)"
+    return None
 
 
 def _write_layout_rejection(k_buf, v_buf, k_new, v_new, dtype: str, d: int) -> str | None:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gqakv import semantics
+
 from . import limits, sources
 
 # The kernels' limits (declared once in limits.py, which the kernels read too).
@@ -239,7 +241,10 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     live = n_new > 0
     if batch == 0 or t_q == 0 or not live.any():
         return plan
-    max_len = int(lens[live].max())
+    # Keys each entry's queries read (the one definition, gqakv.semantics): what splits
+    # are sized by. The kernels apply the same causal rule on the device.
+    keys_read = semantics.keys_read(semantics.AttentionParams(scale=scale), lens, n_new)
+    max_len = int(keys_read[live].max())
     max_n = int(n_new.max())
     strides = (*_i64(*q_strides), *_i64(*buf_strides), *_i64(*out_strides))
     bufs = (Buf("q"), Buf("k_buf"), Buf("v_buf"), Buf("rows"), Buf("lens"), Buf("n_new"),
@@ -251,7 +256,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
             keys = -(-max_len // force_splits)
             splits = -(-max_len // keys)
         else:
-            splits, keys = choose_splits(lens[live], kv_heads * n_qchunks, sm_count, per_sm,
+            splits, keys = choose_splits(keys_read[live], kv_heads * n_qchunks, sm_count, per_sm,
                                          min_keys_per_split)
         _check_grid(kernel, f"{batch} entries x {kv_heads} KV heads x {n_qchunks} query chunks, "
                     f"{splits} splits", ctas, splits)

@@ -1,0 +1,196 @@
+"""KV storage: how a cache's keys and values are laid out, typed, sized, allocated and read.
+
+A ``KVStore`` is what the backends' hot operations take (``attention(q, store, ...)``,
+``write_kv(store, ...)``, ``copy_tokens(dst, ..., src, ...)``). It owns:
+
+- the layout (``spec.kind``): ``"contiguous"`` rows today, K and V each
+  ``[*leading, rows, Hkv, max_len, d]`` (``leading`` is ``()`` for a KVCache and
+  ``(layers,)`` for a ModelKVCache); a paged kind would hold pages and a page table;
+- the dtypes (``StorageSpec``): the storage dtype of K/V, separate from the dtype of
+  queries and outputs (``q_dtype``) and of the new keys/values (``input_dtype``); all
+  three are equal today, a quantized kind would store narrower values plus scales;
+- the byte count (``nbytes``, the one formula every size in gqakv comes from);
+- allocation (``KVStore.allocate``);
+- reading for the generic path (``blocks``): key/value blocks ``[Hkv, keys, d]`` of a
+  row, views for contiguous storage (a quantized kind would dequantize here).
+
+Fast paths read ``k``/``v`` directly, and only for the kinds they declare; any other
+kind runs on the generic array-API path, which reads through ``blocks`` and so works
+on every backend before a fast path exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from . import dtypes as _dtypes
+
+#: Storage kinds. Contiguous: K and V are dense arrays, row r's token j of KV head h at
+#: ``[..., r, h, j, :]``.
+CONTIGUOUS = "contiguous"
+KINDS = (CONTIGUOUS,)
+
+#: Largest buffer, in bytes, any backend can address (a signed 64-bit byte count;
+#: NumPy's and torch's limit on 64-bit platforms).
+MAX_BUFFER_BYTES = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """How K/V are stored: the layout ``kind`` and the dtypes (canonical names).
+
+    dtype: the storage dtype of K and V. q_dtype: the dtype of queries and outputs.
+    input_dtype: the dtype of the k_new/v_new an append takes. ``of(dtype)`` makes the
+    contiguous spec whose three dtypes are equal (every cache today).
+    """
+
+    kind: str
+    dtype: str
+    q_dtype: str
+    input_dtype: str
+
+    @classmethod
+    def of(cls, dtype, kind: str = CONTIGUOUS) -> "StorageSpec":
+        name = _dtypes.canonical_name(dtype)
+        if kind not in KINDS:
+            raise ValueError(f"storage kind={kind!r} (known: {', '.join(KINDS)})")
+        return cls(kind, name, name, name)
+
+    def bytes_per_slot(self, kv_heads: int, head_dim: int) -> int:
+        """Bytes of K plus V for one token slot of one row of one layer. The one byte-count
+        formula: every size gqakv reports or checks is a multiple of it (Python ints,
+        exact). A kind with per-token scales adds their bytes here."""
+        return 2 * int(kv_heads) * int(head_dim) * _dtypes.itemsize(self.dtype)
+
+    def nbytes(self, slots: int, kv_heads: int, head_dim: int) -> int:
+        """Bytes of K and V for ``slots`` token slots (layers x rows x max_len)."""
+        return int(slots) * self.bytes_per_slot(kv_heads, head_dim)
+
+
+def nbytes(dtype, slots: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes of a contiguous store of ``dtype`` with ``slots`` token slots (see ``StorageSpec``)."""
+    return StorageSpec.of(dtype).nbytes(slots, kv_heads, head_dim)
+
+
+class KVStore:
+    """K/V storage of a cache (see the module docstring).
+
+    Attributes:
+        spec: the StorageSpec.
+        k, v: contiguous kind: the buffers ``[*leading, rows, Hkv, max_len, d]``.
+        leading: ``()`` or ``(layers,)``; rows, kv_heads, max_len, head_dim: ints.
+    """
+
+    __slots__ = ("spec", "k", "v", "leading", "rows", "kv_heads", "max_len", "head_dim")
+
+    def __init__(self, spec: StorageSpec, k, v):
+        self.spec = spec
+        self.k, self.v = k, v
+        shape = tuple(int(s) for s in k.shape)
+        self.leading = shape[:-4]
+        self.rows, self.kv_heads, self.max_len, self.head_dim = shape[-4:]
+
+    @classmethod
+    def of(cls, k, v) -> "KVStore":
+        """A contiguous store over existing buffers ``k``, ``v`` (``[*leading, rows, Hkv,
+        max_len, d]``, same shape and dtype), e.g. to call a backend's hot operations on
+        buffers made elsewhere; nothing is copied."""
+        if tuple(k.shape) != tuple(v.shape) or k.dtype != v.dtype or len(k.shape) < 4:
+            raise ValueError(f"K {list(k.shape)} {k.dtype} and V {list(v.shape)} {v.dtype} must "
+                             "be equal shapes [..., rows, Hkv, max_len, d] of one dtype")
+        return cls(StorageSpec.of(k.dtype), k, v)
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def dtype(self) -> str:
+        """The storage dtype's name."""
+        return self.spec.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes(math.prod(self.leading) * self.rows * self.max_len,
+                                self.kv_heads, self.head_dim)
+
+    # -- allocation ------------------------------------------------------------------------
+
+    @classmethod
+    def allocate(cls, backend, spec: StorageSpec, shape: tuple[int, ...], what: str,
+                 device=None) -> "KVStore":
+        """A store of ``shape`` = ``(*leading, rows, Hkv, max_len, d)`` on ``backend``
+        (uninitialized); a MemoryError names the bytes asked for."""
+        *_, kv_heads, _, head_dim = shape
+        total = spec.nbytes(math.prod(shape[:-4]) * shape[-4] * shape[-2], kv_heads, head_dim)
+
+        def fail(why: str):
+            from .cache import human_bytes
+
+            return MemoryError(
+                f"cannot allocate a {what} of {total:,} bytes ({human_bytes(total)}; K and V "
+                f"each {list(shape)} {spec.dtype}) on backend {backend.name!r}: {why}"
+            )
+
+        if total // 2 > MAX_BUFFER_BYTES:
+            raise fail(f"each buffer exceeds the {MAX_BUFFER_BYTES:,} bytes a 64-bit size can address")
+        try:
+            k = backend.empty(shape, spec.dtype, device=device)
+            v = backend.empty(shape, spec.dtype, device=device)
+        except MemoryError as exc:
+            raise fail(str(exc)) from None
+        return cls(spec, k, v)
+
+    def temporary(self, backend, tokens: int) -> "KVStore":
+        """A one-row store like this one, ``[*leading, 1, Hkv, tokens, d]`` (a row operation's
+        temporary), on the same device."""
+        shape = (*self.leading, 1, self.kv_heads, max(1, tokens), self.head_dim)
+        return KVStore.allocate(backend, self.spec, shape, "temporary row",
+                                device=backend.device_of(self.k))
+
+    # -- views -----------------------------------------------------------------------------
+
+    def layer(self, layer: int) -> "KVStore":
+        """Layer ``layer`` of a store with one leading axis, as a store of its own (views)."""
+        return KVStore(self.spec, self.k[layer, ...], self.v[layer, ...])
+
+    def with_layers(self, xp) -> "KVStore":
+        """This store with a leading layer axis (of 1 when it has none): the layout the row
+        operations work on."""
+        if self.leading:
+            return self
+        return KVStore(self.spec, xp.expand_dims(self.k, axis=0), xp.expand_dims(self.v, axis=0))
+
+    # -- reading (the generic path) --------------------------------------------------------
+
+    def blocks(self, row: int, j0: int, j1: int):
+        """Keys and values ``j0 <= j < j1`` of ``row`` of a store without leading axes, as
+        ``[Hkv, j1 - j0, d]`` arrays in the storage dtype: views for contiguous storage."""
+        return self.k[row, :, j0:j1, :], self.v[row, :, j0:j1, :]
+
+    # -- writing (the generic path) --------------------------------------------------------
+
+    def put(self, row: int, start: int, k, v) -> None:
+        """Store ``k``, ``v`` ``[Hkv, n, d]`` (the input dtype) as tokens ``start..start+n-1``
+        of ``row`` of a store without leading axes, in place."""
+        n = int(k.shape[1])
+        self.k[row, :, start:start + n, :] = k
+        self.v[row, :, start:start + n, :] = v
+
+    def copy_row(self, dst_row: int, src: "KVStore", src_row: int, n: int) -> None:
+        """Tokens ``0..n-1`` of ``src``'s row ``src_row`` into this store's row ``dst_row``,
+        every layer (both stores have the same leading axes)."""
+        self.k[..., dst_row, :, :n, :] = src.k[..., src_row, :, :n, :]
+        self.v[..., dst_row, :, :n, :] = src.v[..., src_row, :, :n, :]
+
+    def fill(self, value, v_value=None) -> None:
+        """Set every K slot, live or not, to ``value`` and every V slot to ``v_value``
+        (default: ``value``). The supported way for tests to poison the slots no reader
+        may see; nothing else should write storage except through the backend."""
+        self.k[...] = value
+        self.v[...] = value if v_value is None else v_value
+
+    def __repr__(self) -> str:
+        return (f"KVStore({self.kind}, {self.dtype}, leading={self.leading}, rows={self.rows}, "
+                f"kv_heads={self.kv_heads}, max_len={self.max_len}, head_dim={self.head_dim})")
