@@ -267,3 +267,45 @@ def test_emulated_split_decode_other_queries_unharmed_by_a_nan_query(dtype, d):
 def test_emulated_split_decode_keeps_a_nan_query_nan(dtype, d):
     out, lse, _ref, _ref_lse, bad, _tol = _split_decode_with_a_nan_query(dtype, d)
     assert np.isnan(out[bad]).all() and np.isnan(lse[bad]).all()
+
+
+def test_softmax_state_with_fully_masked_blocks(backend, arrays):
+    """gqakv.merge.SoftmaxState: a key block that masks every key of some query (as a
+    window or a key piece will) leaves that query's state empty instead of NaN; blocks in
+    either order, and states merged with an empty one, give the plain softmax; a query
+    that saw no key at all gives out 0 and lse -inf."""
+    from gqakv.merge import SoftmaxState
+
+    xp = backend.namespace()
+    rng = np.random.default_rng(5)
+    s = rng.standard_normal((2, 3, 6)) * 4  # [heads, queries, keys]
+    v = rng.standard_normal((2, 6, 4))
+    visible = np.ones((3, 6), dtype=bool)
+    visible[0, :3] = False  # query 0 sees no key of the first block
+    visible[1, 3:] = False  # query 1 sees no key of the second block
+    visible[2, :] = False  # query 2 sees nothing
+    masked = np.where(visible, s, -np.inf)
+    want_p = np.where(visible, np.exp(masked - np.max(np.where(visible, s, -1e300), axis=-1,
+                                                           keepdims=True)), 0.0)
+    want_l = want_p.sum(axis=-1, keepdims=True)
+    want_out = np.where(want_l > 0, want_p @ v / np.where(want_l > 0, want_l, 1), 0.0)
+    want_lse = np.log(want_l) + np.max(np.where(visible, s, -1e300), axis=-1, keepdims=True)
+
+    def run(order):
+        state = SoftmaxState(xp)
+        for j0, j1 in order:
+            state.add(arrays.asarray(masked[..., j0:j1].copy(), "float64"),  # consumed
+                      arrays.asarray(v[:, j0:j1], "float64"))
+        return state
+
+    for order in (((0, 3), (3, 6)), ((3, 6), (0, 3)), ((0, 6),)):
+        out, lse = run(order).result()
+        out, lse = arrays.to_numpy(out), arrays.to_numpy(lse)
+        np.testing.assert_allclose(out[:, :2], want_out[:, :2], atol=1e-12)
+        np.testing.assert_allclose(lse[:, :2], want_lse[:, :2], atol=1e-12)
+        assert (out[:, 2] == 0).all() and (lse[:, 2] == -np.inf).all(), order
+    merged = SoftmaxState.merge(xp, [run(((0, 3),)), run(((3, 6),))])
+    out, lse = merged.result()
+    np.testing.assert_allclose(arrays.to_numpy(out)[:, :2], want_out[:, :2], atol=1e-12)
+    np.testing.assert_allclose(arrays.to_numpy(lse)[:, :2], want_lse[:, :2], atol=1e-12)
+    assert (arrays.to_numpy(out)[:, 2] == 0).all()

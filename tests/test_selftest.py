@@ -4,6 +4,7 @@ with the test suite's independent loop reference."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -50,27 +51,27 @@ def _broken(monkeypatch, method, wrap):
     monkeypatch.setattr(NumpyBackend, method, lambda self, *a, **kw: wrap(original, self, *a, **kw))
 
 
-def _perturb_one_output(original, self, q, k, v, rows, lens, n_new, **kw):
-    out, lse = original(self, q, k, v, rows, lens, n_new, **kw)
-    if int(n_new[0]) > 0:
+def _perturb_one_output(original, self, q, store, inputs, params, **kw):
+    out, lse = original(self, q, store, inputs, params, **kw)
+    if int(inputs.n_new[0]) > 0:
         out[0, 0, 0, 0] += 0.05  # one element of one real query
     return out, lse
 
 
-def _read_one_key_too_many(original, self, q, k, v, rows, lens, n_new, **kw):
+def _read_one_key_too_many(original, self, q, store, inputs, params, **kw):
     # reads the slot past each row's length (NaN in the selftest's buffers)
-    return original(self, q, k, v, rows, np.asarray(lens) + 1, np.asarray(n_new) + 0, **kw)
+    return original(self, q, store, dataclasses.replace(inputs, lens=inputs.lens + 1), params, **kw)
 
 
-def _write_padding_too(original, self, k_buf, v_buf, k_new, v_new, rows, starts, n_new):
+def _write_padding_too(original, self, store, k_new, v_new, inputs):
     T = k_new.shape[2]
-    return original(self, k_buf, v_buf, k_new, v_new, rows, starts,
-                    np.minimum(np.asarray(n_new) + 1, np.minimum(T, k_buf.shape[2] - np.asarray(starts))))
+    n = np.minimum(inputs.n_new + 1, np.minimum(T, store.max_len - inputs.starts))
+    return original(self, store, k_new, v_new, dataclasses.replace(inputs, n_new=n))
 
 
-def _copy_one_token_more(original, self, dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n_tokens):
-    n = np.minimum(np.asarray(n_tokens) + 1, min(dst_k.shape[3], src_k.shape[3]))
-    return original(self, dst_k, dst_v, dst_rows, src_k, src_v, src_rows, n)
+def _copy_one_token_more(original, self, dst, dst_rows, src, src_rows, n_tokens):
+    n = np.minimum(np.asarray(n_tokens) + 1, min(dst.max_len, src.max_len))
+    return original(self, dst, dst_rows, src, src_rows, n)
 
 
 @pytest.mark.parametrize("method, wrap, families", [
