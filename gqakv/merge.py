@@ -17,10 +17,18 @@ import numpy as np
 from array_api_compat import array_namespace
 
 
+_LOWEST = {np.dtype(t).char: np.finfo(t).min for t in (np.float32, np.float64)}
+_TINY = {np.dtype(t).char: np.finfo(t).tiny for t in (np.float32, np.float64)}
+
+
 def _shift(xp, m):
     """The value exponentials are taken relative to: ``m``, or 0 where ``m`` is -inf (no
     key seen: every score is -inf and exp(-inf - 0) = 0, where -inf - -inf would be NaN).
     A NaN max stays NaN, so a NaN score reaches the result."""
+    if isinstance(m, np.ndarray):
+        # the lowest finite value instead of 0: the same exponentials, one ufunc, no copy
+        lowest = _LOWEST.get(m.dtype.char)
+        return np.maximum(m, np.finfo(m.dtype).min if lowest is None else lowest)
     return xp.where(m == -math.inf, xp.zeros_like(m), m)
 
 
@@ -45,15 +53,19 @@ class SoftmaxState:
         """Fold in one key block: ``s`` ``[..., q, k]`` scores (masked keys -inf; consumed:
         its memory may be reused), ``v`` ``[..., k, d]`` the block's values (compute dtype)."""
         xp = self.xp
-        s_max = xp.max(s, axis=-1, keepdims=True)
-        m_new = s_max if self.m is None else xp.maximum(self.m, s_max)
-        shift = _shift(xp, m_new)
-        if isinstance(s, np.ndarray):
+        if isinstance(s, np.ndarray):  # NumPy: array methods and in-place ufuncs (hot path)
+            s_max = s.max(axis=-1, keepdims=True)
+            m_new = s_max if self.m is None else np.maximum(self.m, s_max)
+            shift = _shift(xp, m_new)
             s -= shift
             p = np.exp(s, out=s)
+            l_blk = p.sum(axis=-1, keepdims=True)
         else:
+            s_max = xp.max(s, axis=-1, keepdims=True)
+            m_new = s_max if self.m is None else xp.maximum(self.m, s_max)
+            shift = _shift(xp, m_new)
             p = xp.exp(s - shift)
-        l_blk = xp.sum(p, axis=-1, keepdims=True)
+            l_blk = xp.sum(p, axis=-1, keepdims=True)
         o_blk = p @ v
         if self.m is None:
             self.l, self.o = l_blk, o_blk
@@ -91,16 +103,17 @@ class SoftmaxState:
         """``(out, lse)``: ``out = o / l`` ``[..., q, d]`` (in place: the state is spent) and
         ``lse = m + log(l)`` ``[..., q, 1]``; a query that saw no key gives out 0 and lse -inf."""
         xp = self.xp
-        l = self.l
+        l, out = self.l, self.o
+        if isinstance(out, np.ndarray):
+            # A query that saw a key has l >= 1 (its max term is exp(0)); one that saw none
+            # has l = 0, o = 0, m = -inf: the smallest positive l gives it out 0, lse -inf.
+            tiny = _TINY.get(l.dtype.char)
+            l = np.maximum(l, np.finfo(l.dtype).tiny if tiny is None else tiny)
+            out /= l
+            return out, self.m + np.log(l)
         unseen = l == 0  # (a NaN sum is "seen": its NaN reaches out and lse)
         l = xp.where(unseen, xp.ones_like(l), l)
-        out = self.o
-        if isinstance(out, np.ndarray):
-            out /= l
-        else:
-            out = out / l
-        lse = xp.where(unseen, xp.full_like(l, -math.inf), self.m + xp.log(l))
-        return out, lse
+        return out / l, xp.where(unseen, xp.full_like(l, -math.inf), self.m + xp.log(l))
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):

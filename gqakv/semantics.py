@@ -53,7 +53,7 @@ def query_position(L, n, t):
 
 def key_range(params: AttentionParams, L, n, t):
     """``(lo, hi)``: query ``t`` sees the keys ``lo <= j < hi`` (``hi <= L``)."""
-    return 0 * L, query_position(L, n, t) + 1
+    return 0, L - n + t + 1  # (query_position inlined: planners call this per block)
 
 
 def block_keys(params: AttentionParams, L, n, t0: int, t1: int):
@@ -91,4 +91,6 @@ def visible_mask(params: AttentionParams, L: int, n: int, t0: int, t1: int, j0: 
         key = xp.arange(j0, j1, device=device)[None, :]
         query = xp.arange(t0, t1, device=device)[:, None]
     q_lo, q_hi = key_range(params, L, n, query)
+    if isinstance(q_lo, int) and q_lo <= j0:  # no query's range starts inside the block
+        return key < q_hi
     return (key >= q_lo) & (key < q_hi)
