@@ -28,6 +28,7 @@ import pytest
 
 from gqakv_backends.cupy_backend import plan as planmod
 
+from . import hot_ops
 from .cuda_emu import cases, harness
 
 if harness.compiler() is None:
@@ -207,8 +208,8 @@ def test_attention_with_an_unaligned_v_buffer_takes_the_generic_path():
         assert (route.impl == "gqakv_decode_mma") == (bad is None), route
         q = backend.from_numpy(rng.standard_normal((B, Hkv * G, T, D)), dtype)
         before = backend.launches
-        out, lse = backend.attention(q, k_buf, v_buf, np.array([0]), np.array(lens), np.array([T]),
-                                     scale=D ** -0.5, return_lse=True)
+        out, lse = hot_ops.attention(backend, q, k_buf, v_buf, np.array([0]), np.array(lens),
+                                     np.array([T]), scale=D ** -0.5, return_lse=True)
         assert backend.launches - before == (0 if bad else 1)  # one decode launch, no split
         ref, ref_lse = reference_attention(q.get().astype(np.float64),
                                            [k_buf.get()[0, :, :lens[0]].astype(np.float64)],
