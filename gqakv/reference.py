@@ -1,10 +1,12 @@
 """Reference attention for ``gqakv selftest``: float64, one query at a time, from the definition.
 
-Written independently of the library's attention code (no blocking, no online softmax, no
+Written apart from the library's attention code (no blocking, no online softmax, no
 backend): for every batch entry, query token and query head, take KV head ``h // G`` and the
-keys ``0..p`` with ``p = L - n + t``, and do the softmax in float64. Only the sum over keys
-is vectorized (the test suite's ``tests/reference.py`` loops over keys too; the two are
-checked against each other in tests/test_selftest.py).
+keys ``gqakv.semantics.key_range`` gives (``0..p`` with ``p = L - n + t`` for plain causal
+attention; taken from that one definition so a variant reaches the self-test too), and do
+the softmax in float64. Only the sum over keys is vectorized. The test suite's
+``tests/reference.py`` shares nothing with the library, not even the key rule (it loops
+over keys); the two are checked against each other in tests/test_selftest.py.
 
 ``naive_low_precision`` is the same computation done the plain way in a narrow dtype, every
 intermediate rounded to it: its error against the reference is the yardstick of the
