@@ -47,10 +47,7 @@ _KERNEL_DTYPES = ("float32", "float16", "bfloat16")
 class NumbaBackend(NumpyBackend):
     name = "numba"
     priority = 20  # above numpy (10): the CPU default when numba imports; below cupy (100)
-    array_library = "numpy"
-    device_kind = "cpu"
-    dtypes = ("float32", "float64", "float16", "bfloat16")
-    head_dims = None
+    # array_library, device_kind, dtypes and head_dims are NumpyBackend's (same arrays)
     features = frozenset({
         "numba kernels: decode and chunks <= 16 queries (float32, float16, bfloat16)",
         "float16/bfloat16 converted in registers, computed in float32",

@@ -46,14 +46,9 @@ FAST_PATH_VARIANTS: dict[str, frozenset[str]] = {
 }
 
 
-def query_position(L, n, t):
-    """Absolute position of query ``t`` of a row holding ``L`` tokens after appending ``n``."""
-    return L - n + t
-
-
 def key_range(params: AttentionParams, L, n, t):
     """``(lo, hi)``: query ``t`` sees the keys ``lo <= j < hi`` (``hi <= L``)."""
-    return 0, L - n + t + 1  # (query_position inlined: planners call this per block)
+    return 0, L - n + t + 1  # query t sits at p = L - n + t and sees keys 0..p
 
 
 def block_keys(params: AttentionParams, L, n, t0: int, t1: int):
