@@ -25,7 +25,7 @@ import os
 
 import numpy as np
 
-from gqakv.semantics import FAST_PATH_VARIANTS
+from gqakv.semantics import unsupported
 
 from .cpu_plan import ENV_THREADS, _plan, _share, _threads
 from .numpy_backend import NumpyBackend
@@ -86,7 +86,7 @@ class NumbaBackend(NumpyBackend):
         """Compiled decode/short-chunk attention, else the NumPy path (``attention_route``);
         storage kinds and variants the kernels do not implement take the NumPy backend's
         route (which hands them on to the generic path)."""
-        if store.kind != "contiguous" or params.variant not in FAST_PATH_VARIANTS["numba kernel"]:
+        if store.kind != "contiguous" or unsupported(params, "numba kernel"):
             return super().attention(q, store, inputs, params, return_lse=return_lse)
         k_buf, v_buf = store.k, store.v
         rows, lens, n_new, scale = inputs.rows, inputs.lens, inputs.n_new, params.scale

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gqakv.backend import Backend
-from gqakv.semantics import FAST_PATH_VARIANTS
+from gqakv.semantics import unsupported
 from gqakv.store import CONTIGUOUS
 
 
@@ -48,7 +48,7 @@ class NumpyBackend(Backend):
     def attention(self, q, store, inputs, params, *, return_lse: bool):
         """BLAS matmuls on live views, shared among threads (see ``numpy_attention``), for
         contiguous storage and the variants it implements; otherwise the generic path."""
-        if store.kind != CONTIGUOUS or params.variant not in FAST_PATH_VARIANTS["numpy BLAS"]:
+        if store.kind != CONTIGUOUS or unsupported(params, "numpy BLAS"):
             return super().attention(q, store, inputs, params, return_lse=return_lse)
         from .numpy_attention import attention_numpy
 

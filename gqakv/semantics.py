@@ -7,7 +7,8 @@ sinks) is one change here plus the fast paths that declare they implement it.
 
 Positions (bottom-right causal): in a row holding ``L`` tokens after appending ``n``,
 query ``t`` (0 <= t < n) sits at absolute position ``p = L - n + t`` and sees the keys
-``[lo, hi)`` with ``lo = 0`` and ``hi = p + 1``. Every function below works on Python
+``[lo, hi)`` with ``hi = p + 1`` and ``lo = 0`` (``lo = max(0, p - W + 1)`` with a
+sliding window of W). Every function below works on Python
 ints and, elementwise, on NumPy int arrays.
 """
 
@@ -19,36 +20,71 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class AttentionParams:
     """How scores are formed and masked; validated (``gqakv.inputs``) before any backend
-    sees it.
+    sees it. Every field but ``scale`` defaults to "off", so a call that asks for no
+    variant is the plain causal attention.
 
     scale: the softmax scale applied to ``q . k`` (a Python float).
-    Later fields (window, softcap, sinks) default to "off", so a call that does not ask
-    for them is the plain causal attention every fast path implements.
+    window: None, or W >= 1: the query at absolute position p sees only the keys
+        ``max(0, p - W + 1) .. p`` (the W most recent positions, its own included).
+    softcap: None, or c > 0: each scaled score s becomes ``c * tanh(s / c)`` before the
+        mask and the softmax (Gemma 2's order).
+    sinks: None, or one logit per query head (a tuple of Hq Python floats, float32
+        values): an extra softmax term without a value,
+        ``out = sum_j e^{s_j} v_j / (e^{sink_h} + sum_j e^{s_j})``. Applied once, after
+        every key is summed (``gqakv.merge.apply_sinks``), never per key block or split.
     """
 
     scale: float
+    window: int | None = None
+    softcap: float | None = None
+    sinks: tuple[float, ...] | None = None
 
-    #: Name of the variant, checked against what each fast path implements
-    #: (``FAST_PATH_VARIANTS``); the generic path implements every variant.
+    @property
+    def features(self) -> frozenset[str]:
+        """The variant features this call uses (empty: plain causal), checked against
+        what each fast path implements (``FAST_PATH_VARIANTS``)."""
+        return frozenset(name for name, on in (("window", self.window is not None),
+                                               ("softcap", self.softcap is not None),
+                                               ("sinks", self.sinks is not None)) if on)
+
     @property
     def variant(self) -> str:
-        return "causal"
+        """A readable name of the variant: ``"causal"`` or e.g. ``"causal+softcap+window"``."""
+        return "+".join(("causal", *sorted(self.features)))
 
 
-#: Which variants each fast path implements (the planner's table): a call whose
-#: ``params.variant`` is not listed for a fast path takes the generic array-API path
-#: (a backend's route says so). A new variant adds its name to the fast paths that
-#: implement it, nowhere else.
+#: Which variant features each fast path implements (the planner's table): a call that
+#: uses a feature not listed for a fast path takes the generic array-API path (the
+#: backend's route says so, with ``unsupported``'s sentence). A new variant adds its
+#: name to the fast paths that implement it, nowhere else.
 FAST_PATH_VARIANTS: dict[str, frozenset[str]] = {
-    "numpy BLAS": frozenset({"causal"}),
-    "numba kernel": frozenset({"causal"}),
-    "cupy kernels": frozenset({"causal"}),
+    "numpy BLAS": frozenset(),
+    "numba kernel": frozenset(),
+    "cupy kernels": frozenset(),
 }
 
 
+def unsupported(params: AttentionParams, fast_path: str) -> str | None:
+    """None when ``fast_path`` implements every feature ``params`` uses, else the reason."""
+    missing = params.features - FAST_PATH_VARIANTS[fast_path]
+    if not missing:
+        return None
+    return (f"attention variant {params.variant!r}: {fast_path} does not implement "
+            f"{', '.join(sorted(missing))}")
+
+
 def key_range(params: AttentionParams, L, n, t):
-    """``(lo, hi)``: query ``t`` sees the keys ``lo <= j < hi`` (``hi <= L``)."""
-    return 0, L - n + t + 1  # query t sits at p = L - n + t and sees keys 0..p
+    """``(lo, hi)``: query ``t`` sees the keys ``lo <= j < hi`` (``0 <= lo``, ``hi <= L``;
+    ``lo < hi`` for every real query)."""
+    p = L - n + t  # query t's absolute position: it sees keys up to p
+    if params.window is None:
+        return 0, p + 1
+    lo = p - (params.window - 1)
+    if isinstance(lo, int):
+        return max(0, lo), p + 1
+    import numpy as np
+
+    return np.maximum(lo, 0), p + 1
 
 
 def block_keys(params: AttentionParams, L, n, t0: int, t1: int):
@@ -64,10 +100,21 @@ def common_keys(params: AttentionParams, L, n, t0: int, t1: int):
 
 
 def keys_read(params: AttentionParams, lens, n_new):
-    """Keys an entry's queries read at most (the span of its last query; 0 for an entry
-    without queries): what a planner sizes key splits by. ``lens``, ``n_new``: [B]."""
+    """Keys an entry's queries read together (the span from its first query's first key
+    to its last query's last key; 0 for an entry without queries): what a planner sizes
+    key splits by. ``lens``, ``n_new``: [B]."""
+    lo = key_range(params, lens, n_new, 0 * n_new)[0]
     hi = key_range(params, lens, n_new, n_new - 1)[1]
-    return hi * (n_new > 0)
+    return (hi - lo) * (n_new > 0)
+
+
+def transform_scores(params: AttentionParams, s, xp):
+    """The score modifier: ``s`` (the scaled scores ``scale * q . k``, any shape) as the
+    softmax takes them, before the mask. Identity unless ``params.softcap``."""
+    if params.softcap is None:
+        return s
+    c = params.softcap
+    return xp.tanh(s * (1.0 / c)) * c
 
 
 def visible_mask(params: AttentionParams, L: int, n: int, t0: int, t1: int, j0: int, j1: int,

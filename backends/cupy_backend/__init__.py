@@ -40,7 +40,7 @@ from collections import OrderedDict
 import numpy as np
 
 from gqakv.backend import GENERIC, Backend, Route
-from gqakv.semantics import FAST_PATH_VARIANTS
+from gqakv.semantics import unsupported
 from gqakv.store import CONTIGUOUS
 
 from . import plan as _plan
@@ -395,8 +395,8 @@ def _store_rejection(store, params=None) -> str | None:
     the kernels implement what ``semantics.FAST_PATH_VARIANTS["cupy kernels"]`` lists."""
     if store.kind != CONTIGUOUS:
         return f"storage kind {store.kind!r} (the kernels read {CONTIGUOUS} rows)"
-    if params is not None and params.variant not in FAST_PATH_VARIANTS["cupy kernels"]:
-        return f"attention variant {params.variant!r} (the kernels implement plain causal)"
+    if params is not None:
+        return unsupported(params, "cupy kernels")
     return None
 
 
