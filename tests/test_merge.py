@@ -310,3 +310,20 @@ def test_softmax_state_with_fully_masked_blocks(backend, arrays):
     np.testing.assert_allclose(arrays.to_numpy(out)[:, :2], want_out[:, :2], atol=1e-12)
     np.testing.assert_allclose(arrays.to_numpy(lse)[:, :2], want_lse[:, :2], atol=1e-12)
     assert (arrays.to_numpy(out)[:, 2] == 0).all()
+
+
+def test_merge_ignores_the_output_of_a_part_that_saw_no_key(backend, arrays):
+    """A part with lse = -inf contributes nothing, even when its output slots hold NaN
+    (a kernel's uninitialized output for an empty key split)."""
+    d = 4
+    out_a = arrays.asarray(np.full((3, d), np.nan, np.float32))
+    lse_a = arrays.asarray(np.array([-np.inf, -np.inf, 0.25], np.float32))
+    vals = np.arange(3 * d, dtype=np.float32).reshape(3, d)
+    out_b = arrays.asarray(vals)
+    lse_b = arrays.asarray(np.array([0.5, -np.inf, -np.inf], np.float32))
+    out, lse = gqakv.merge_attention(out_a, lse_a, out_b, lse_b)
+    out = arrays.to_numpy(out)
+    np.testing.assert_array_equal(out[0], vals[0])
+    np.testing.assert_array_equal(out[1], 0.0)
+    assert np.isnan(out[2]).all()  # a part that saw keys keeps its (NaN) output
+    np.testing.assert_allclose(arrays.to_numpy(lse), [0.5, -np.inf, 0.25])
