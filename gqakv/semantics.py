@@ -58,7 +58,7 @@ class AttentionParams:
 #: backend's route says so, with ``unsupported``'s sentence). A new variant adds its
 #: name to the fast paths that implement it, nowhere else.
 FAST_PATH_VARIANTS: dict[str, frozenset[str]] = {
-    "numpy BLAS": frozenset(),
+    "numpy BLAS": frozenset({"window", "softcap", "sinks"}),
     "numba kernel": frozenset(),
     "cupy kernels": frozenset(),
 }
