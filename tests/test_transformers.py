@@ -650,7 +650,7 @@ def _spy_variants(monkeypatch):
     real = gqakv.gqa_attention
 
     def spy(*a, **k):
-        seen.append((k.get("window"), k.get("softcap"), None if k.get("sinks") is None else tuple(k["sinks"].tolist())))
+        seen.append((k.get("window"), k.get("softcap"), k.get("sinks")))
         return real(*a, **k)
 
     monkeypatch.setattr(gqakv, "gqa_attention", spy)
@@ -765,3 +765,21 @@ def test_unsupported_layer_types_and_bidirectional_attention_are_refused():
     config.layer_types = ["sliding_attention", "chunked_attention"]
     with pytest.raises(ValueError, match=r"layer types \['full_attention', 'sliding_attention'\].*\['chunked_attention'\]"):
         GqakvCache(config, max_cache_len=8)
+
+
+def test_sinks_updated_in_place_are_used(float64_softmax):
+    """The sinks' host copy follows in-place updates of the parameter (its version counter)."""
+    model = _variant_model("gpt_oss")
+    ids = _ids(batch=2, length=9, seed=25)
+    with torch.no_grad():
+        for step in range(2):
+            logits = {}
+            for impl in ("eager", "gqakv"):
+                model.set_attn_implementation(impl)
+                logits[impl] = model(ids, use_cache=False).logits
+            assert (logits["gqakv"] - logits["eager"]).abs().max().item() <= F64_ATOL
+            if step == 0:
+                before = logits["gqakv"]
+                for layer in model.model.layers:
+                    layer.self_attn.sinks.mul_(-2.0)  # float32 values stay float32 values
+    assert (logits["gqakv"] - before).abs().max().item() > 1e-4

@@ -46,7 +46,8 @@
   the ``"sliding_attention"`` layers of Gemma 2/3 and gpt-oss) becomes gqakv's
   ``window=W`` (the query at position p sees keys p-W+1..p, transformers' convention),
   ``softcap=c`` (Gemma 2's ``attn_logit_softcapping``) becomes ``softcap=c``, and
-  ``s_aux`` (gpt-oss's learned per-head sink logits ``[Hq]``) becomes ``sinks=``.
+  ``s_aux`` (gpt-oss's learned per-head sink logits ``[Hq]``) becomes ``sinks=``
+  (as float32 values, read to the host once per weight update).
   ``scaling`` is the model's own (e.g. Gemma's ``query_pre_attn_scalar ** -0.5``).
   Memory: a sliding layer's GqakvLayer keeps the whole history (``max_cache_len`` real
   tokens per row, like a full layer); the window limits what attention *reads*
@@ -506,10 +507,23 @@ def gqakv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         query = padding.pack(query)
     # [B, Hq, T, d], real slots first
     out = gqakv.gqa_attention(query, kv, n_new, scale=scaling, window=sliding_window, softcap=softcap,
-                              sinks=s_aux, rows=rows)
+                              sinks=_host_sinks(s_aux), rows=rows)
     if padding is not None:
         out = padding.unpack(out)
     return out.transpose(1, 2), None
+
+
+def _host_sinks(s_aux):
+    """gpt-oss's sink logits ``[Hq]`` (a parameter, maybe on a GPU) as a tuple of Python floats,
+    kept on the tensor until it changes in place: one device-to-host copy per weight update, not
+    one per layer and forward. gqakv takes sinks as float32 values (gpt-oss stores bfloat16)."""
+    if s_aux is None or not torch.is_tensor(s_aux):
+        return s_aux
+    held = getattr(s_aux, "_gqakv_host", None)
+    if held is None or held[0] != s_aux._version:
+        held = (s_aux._version, tuple(s_aux.detach().to("cpu", torch.float32).tolist()))
+        s_aux._gqakv_host = held
+    return held[1]
 
 
 def gqakv_mask(*, attention_mask=None, q_offset=0, q_length=None, local_size=None, **kwargs):
