@@ -59,7 +59,7 @@ class AttentionParams:
 #: name to the fast paths that implement it, nowhere else.
 FAST_PATH_VARIANTS: dict[str, frozenset[str]] = {
     "numpy BLAS": frozenset({"window", "softcap", "sinks"}),
-    "numba kernel": frozenset(),
+    "numba kernel": frozenset({"window", "softcap", "sinks"}),
     "cupy kernels": frozenset(),
 }
 
