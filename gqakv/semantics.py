@@ -84,7 +84,12 @@ def key_range(params: AttentionParams, L, n, t):
         return max(0, lo), p + 1
     import numpy as np
 
-    return np.maximum(lo, 0), p + 1
+    if isinstance(lo, (np.ndarray, np.generic)):
+        return np.maximum(lo, 0), p + 1
+    from array_api_compat import array_namespace  # another library's array (visible_mask's xp)
+
+    xp = array_namespace(lo)
+    return xp.where(lo > 0, lo, xp.zeros_like(lo)), p + 1
 
 
 def block_keys(params: AttentionParams, L, n, t0: int, t1: int):
