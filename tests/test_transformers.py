@@ -573,6 +573,8 @@ def test_second_generate_without_reset_is_refused_with_the_hint():
 # attention with its cache; its float32 softmax upcast (``softmax(..., dtype=torch.float32)``) is
 # kept in float64 for float64 inputs (in both runs, so the MoE router of gpt-oss matches too), which
 # makes float64 eager exact to ~1e-15 and a 1e-10 reference; the tokens also equal plain eager's.
+# Observed: gqakv's attention outputs within ~2e-16 of eager's and the logits identical (0.0), while
+# dropping the variant moves the logits by 0.7-0.8 (logits are O(0.6)).
 
 WINDOW = 5
 _VARIANT_COMMON = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -686,8 +688,14 @@ def test_variant_models_generate_as_eager_float64(family, float64_softmax, monke
     assert (got_logits - want_logits).abs().max().item() <= F64_ATOL
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
     assert seen[:layers] == _expected_variants(model) and len(seen) == 8 * layers
-    # A sliding layer keeps the whole history: every layer holds prompt + 7 fed tokens.
-    assert all(kv.host_lens.tolist() == [11 + 7] * 2 for kv in cache.kv_caches)
+    # A sliding layer keeps the whole history: every layer holds prompt + 7 fed tokens, in buffers
+    # of max_cache_len = 19 tokens per row (transformers' DynamicSlidingWindowLayer keeps W - 1).
+    import gqakv
+
+    text = model.config.get_text_config(decoder=True)
+    d = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_layer = gqakv.KVCache.nbytes_for(2, text.num_key_value_heads, 11 + 8, d, "float64")
+    assert all(kv.host_lens.tolist() == [11 + 7] * 2 and kv.nbytes == per_layer for kv in cache.kv_caches)
     monkeypatch.undo()  # plain eager (float32 softmax upcast) picks the same tokens
     plain_seq, _ = _variant_generate(model, ids, mask, "eager")
     assert torch.equal(got_seq, plain_seq)
@@ -783,3 +791,38 @@ def test_sinks_updated_in_place_are_used(float64_softmax):
                 for layer in model.model.layers:
                     layer.self_attn.sinks.mul_(-2.0)  # float32 values stay float32 values
     assert (logits["gqakv"] - before).abs().max().item() > 1e-4
+
+
+def test_variant_model_beam_search_and_assisted_decoding(float64_softmax, monkeypatch):
+    """gpt-oss (windows + sinks): beam search on a left-padded batch and assisted decoding (crops)
+    give eager's beams/scores and greedy tokens/logits, with the sliding layers' history moved and
+    truncated like the full layers'."""
+    model = _variant_model("gpt_oss")
+    ids, mask = _left_padded([9, 2, 6], seed=26)
+    want_seq, want_scores = _beam_search(model, ids, mask, "eager", 3, 6)
+    cache = GqakvCache(model.config, max_cache_len=9 + 6)
+    got_seq, got_scores = _beam_search(model, ids, mask, "gqakv", 3, 6, cache=cache)
+    assert torch.equal(got_seq, want_seq)
+    assert (got_scores - want_scores).abs().max().item() <= F64_ATOL
+
+    assistant = _variant_model("gpt_oss")
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in assistant.parameters():
+            p.add_(0.03 * torch.randn_like(p))
+    assistant.set_attn_implementation("eager")
+    assistant.generation_config.num_assistant_tokens = 4
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    ids = _ids(batch=1, length=8, seed=27)
+    want_seq, want_logits = _variant_generate(model, ids, torch.ones_like(ids), "eager", n=10)
+    from gqakv.integrations.transformers import GqakvLayer
+
+    crops = []
+    _spy(monkeypatch, GqakvLayer, "crop", crops)
+    got_seq, got_logits = _variant_generate(model, ids, torch.ones_like(ids), "gqakv", n=10,
+                                            cache=GqakvCache(model.config, max_cache_len=8 + 10 + 4),
+                                            assistant_model=assistant)
+    assert torch.equal(got_seq, want_seq)
+    assert (got_logits - want_logits).abs().max().item() <= F64_ATOL
+    assert max(-a[0] for _, a in crops) > 1  # drafts of several tokens were rejected and cropped
