@@ -340,6 +340,6 @@ def check_sinks(sinks, hq: int) -> tuple[float, ...] | None:
     if bad.size:
         i = int(bad[0])
         why = "NaN" if np.isnan(a[i]) else ("+inf" if a[i] == np.inf else "beyond float32's range")
-        raise ValueError(f"sinks[{i}]={a[i]!r} is not allowed ({why}): sinks must be real "
+        raise ValueError(f"sinks[{i}]={float(a[i])!r} is not allowed ({why}): sinks must be real "
                          "logits, finite or -inf (-inf: no sink for that head)")
     return tuple(float(x) for x in a32)
