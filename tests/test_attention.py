@@ -304,7 +304,9 @@ def test_attention_over_the_product(case):
     rows_v = [np.concatenate([v0[b, :, :lens_before[b]], v1[b, :, :n_new[b]]], axis=1) for b in range(B)]
     scale = 0.3
     params = AttentionParams(scale=scale, **case.params)
-    want, want_lse = reference_attention(q, rows_k, rows_v, n_new, scale=params.scale)
+    want, want_lse = reference_attention(q, rows_k, rows_v, n_new, scale=params.scale,
+                                         window=params.window, softcap=params.softcap,
+                                         sinks=params.sinks)
     out, lse = gqakv.gqa_attention(arrays.asarray(q, "float64"), cache, n_new,
                                    return_lse=True, params=params)
     with model.step(n_new) as step:
