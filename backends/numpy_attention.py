@@ -159,14 +159,16 @@ def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
                     query_block: int = QUERY_BLOCK,
                     min_key_split: int = MIN_KEY_SPLIT,
                     parallel_min_work: int = PARALLEL_MIN_WORK,
-                    params: AttentionParams | None = None):
+                    params: AttentionParams | None = None, attend_item=None):
     """NumPy attention over validated inputs; see ``gqakv.gqa_attention`` for the semantics.
 
     q: [B, Hq, T, d]; k_buf, v_buf: [rows_total, Hkv, max_len, d]; rows, lens, n_new:
     host int arrays [B]. ``workers`` threads (default: GQAKV_NUM_THREADS, else the
     BLAS thread count) share the items; the remaining keywords expose the blocking
     so tests can drive every split on small shapes. ``params``: the call's
-    ``AttentionParams`` (default: plain causal with ``scale``).
+    ``AttentionParams`` (default: plain causal with ``scale``). ``attend_item``: the
+    per-item kernel (default ``_attend_item``; ``numpy_quantized`` passes one that
+    dequantizes each K/V block).
     """
     if params is None:
         params = AttentionParams(scale=scale)
@@ -189,8 +191,9 @@ def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
         """Compute a run of items; finish whole ones, hand back key pieces for merging."""
         pieces = []
         for item in batch:
-            state = _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, params=params,
-                                 acc=acc, score_block_elements=score_block_elements)
+            state = (attend_item or _attend_item)(q, k_buf, v_buf, rows, lens, n_new, item,
+                                                  params=params, acc=acc,
+                                                  score_block_elements=score_block_elements)
             i, t0, t1, j0, j1 = item[0], item[3], item[4], item[5], item[6]
             if (j0, j1) == block_keys(params, int(lens[i]), int(n_new[i]), t0, t1):  # all its keys
                 _finish(out, lse, item, state, G, sinks)  # items write disjoint parts of out
