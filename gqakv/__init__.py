@@ -11,6 +11,8 @@ from .attention import gqa_attention
 from .backend import Backend
 from .cache import KVCache
 from .model_cache import ModelKVCache, Step
+from .paged import OutOfPages
+from .paged_cache import PagedKVCache
 from .merge import merge_attention
 from .semantics import AttentionParams
 from .store import KVStore, StorageSpec
@@ -33,6 +35,8 @@ __all__ = [
     "KVCache",
     "KVStore",
     "ModelKVCache",
+    "OutOfPages",
+    "PagedKVCache",
     "Step",
     "StorageSpec",
     "describe_backends",

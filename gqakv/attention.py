@@ -157,8 +157,7 @@ def _attend_row(xp, q_row, store, row, L, params, *, acc, score_block_elements, 
         lo, hi = block_keys(params, L, n, t0, t1)
         k_block = max(1, score_block_elements // max(1, Hkv * G * nq))
         state = SoftmaxState(xp)
-        for j0 in range(lo, hi, k_block):
-            j1 = min(hi, j0 + k_block)
+        for j0, j1 in store.key_blocks(row, lo, hi, k_block):  # page-aligned when paged
             kb, vb = store.blocks(row, j0, j1)
             if kb.dtype != acc:
                 kb, vb = xp.astype(kb, acc), xp.astype(vb, acc)

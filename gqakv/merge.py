@@ -193,9 +193,10 @@ def apply_sinks(out, lse, sinks):
     sink = xp.astype(sinks, acc)[:, None]  # [Hq, 1] against lse's [..., Hq, T]
     unseen = lse == neg_inf
     base = xp.where(unseen, zero, lse)  # no -inf - -inf below
-    # e^{sink - lse} overflows to inf for a sink far above the keys: factor 0, lse = sink
-    with np.errstate(over="ignore"):
+    # e^{sink - lse} overflows to inf for a sink far above the keys: factor 0, lse = sink.
+    # A NaN lse (a NaN score) is meant to come out NaN: no warning for it.
+    with np.errstate(over="ignore", invalid="ignore"):
         factor = xp.where(unseen, one, one / (one + xp.exp(sink - base)))
-    lse_out = xp.where(unseen, lse, xp.logaddexp(base, sink))
+        lse_out = xp.where(unseen, lse, xp.logaddexp(base, sink))
     out_acc = xp.astype(out, acc) * factor[..., None]
     return xp.astype(out_acc, out.dtype), lse_out

@@ -26,7 +26,7 @@ from . import attention as _attention
 from . import cache as _cache
 from .cache import KVCache, Lengths, RowsAndLengths, _check_dim, _check_dims, human_bytes
 from .inputs import _rows, check_capacity, check_flag, host_ints, validate_append, validate_attention
-from .store import StorageSpec
+from .store import PAGED, StorageSpec
 
 _LAYER_VIEW = ("it is one layer of a ModelKVCache, whose lengths are shared by all layers; "
                "write through ModelKVCache.step(...) and move rows with the ModelKVCache's "
@@ -42,7 +42,13 @@ class ModelKVCache(RowsAndLengths):
         kv_heads: Hkv; max_len: capacity in tokens of every row; head_dim: d.
         dtype: "float32" (default), "float16", "bfloat16", "float64" or a dtype object.
         backend: a backend name, a Backend, "auto" or None (see ``gqakv.get_backend``).
-        storage: the storage kind (``gqakv.store.KINDS``; "contiguous", the only one today).
+        storage: the storage kind (``gqakv.store.KINDS``): "contiguous" (default) or "paged".
+        page_size: tokens per page; giving it makes the storage paged (``gqakv.paged``):
+            every layer pages through one shared page table, and a step takes its pages
+            once, for all layers, when it opens (``gqakv.OutOfPages`` there, with nothing
+            changed, when the pool is short). Default for ``storage="paged"``: 16.
+        num_pages: paged storage: pages in the pool (each page holds ``page_size`` tokens
+            of every layer); default every row at ``max_len`` (no overcommit).
 
     Attributes:
         store: the KVStore, leading axis ``(layers,)``; what the backend's operations take.
@@ -53,10 +59,13 @@ class ModelKVCache(RowsAndLengths):
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype="float32", backend=None, *, storage: str = "contiguous"):
+                 dtype="float32", backend=None, *, storage: str | None = None,
+                 page_size: int | None = None, num_pages: int | None = None):
         self.layers = _check_dim("layers", layers, 1)
+        if storage is None:
+            storage = PAGED if page_size is not None else "contiguous"
         self._allocate((self.layers,), batch, kv_heads, max_len, head_dim, dtype, backend,
-                       "model KV cache", storage)
+                       "model KV cache", storage, page_size, num_pages)
         self._layer_stores = [self.store.layer(l) for l in range(self.layers)]
         self._views = [KVCache.view_of(st, self._lengths, backend=self.backend, frozen=_LAYER_VIEW)
                        for st in self._layer_stores]
@@ -134,6 +143,10 @@ class ModelKVCache(RowsAndLengths):
                 if n[i] < 0:
                     raise ValueError(f"n_new[{i}]={int(n[i])} is negative (row {int(r[i])})")
             check_capacity(r, starts, n, self.max_len)
+            if self.store.kind == PAGED:  # pages for every layer, once (OutOfPages: no change)
+                from .paged import reserve
+
+                reserve(self.backend, self.store, r, starts, n)
             step = Step(self, r, starts, n)
             self._open_step = step
         return step
@@ -282,6 +295,9 @@ class Step:
 
     def _close(self, state: str) -> None:
         self._state = state
+        store = self.cache.store
+        if state == "aborted" and store.kind == PAGED:  # give back the pages the step took
+            store.table.trim(self.rows, self.starts)
         self.cache._open_step = None
 
     def _check_open(self) -> None:

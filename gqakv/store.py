@@ -36,7 +36,10 @@ from . import quantize as _quantize
 #: Storage kinds. Contiguous: K and V are dense arrays, row r's token j of KV head h at
 #: ``[..., r, h, j, :]``.
 CONTIGUOUS = "contiguous"
-KINDS = (CONTIGUOUS,)
+#: Paged: a pool of pages ``[*leading, num_pages, Hkv, page_size, d]`` and a page table
+#: per row (``gqakv.paged.PagedStore``).
+PAGED = "paged"
+KINDS = (CONTIGUOUS, PAGED)
 
 #: Largest buffer, in bytes, any backend can address (a signed 64-bit byte count;
 #: NumPy's and torch's limit on 64-bit platforms).
@@ -232,10 +235,36 @@ class KVStore:
 
     # -- reading (the generic path) --------------------------------------------------------
 
+    def key_blocks(self, row: int, lo: int, hi: int, max_keys: int):
+        """Spans ``(j0, j1)``, in order, covering keys ``lo..hi-1`` of ``row`` with at most
+        ``max_keys`` keys each, that ``blocks`` reads without copying (the generic path
+        walks a row through them; a paged kind ends every span at a page boundary)."""
+        step = max(1, int(max_keys))
+        if self.quantized:  # each span is dequantized as a whole: keep it small
+            step = min(step, max(1, DEQUANT_BLOCK_ELEMENTS // (self.kv_heads * self.head_dim)))
+        for j0 in range(lo, hi, step):
+            yield j0, min(hi, j0 + step)
+
     def blocks(self, row: int, j0: int, j1: int):
         """Keys and values ``j0 <= j < j1`` of ``row`` of a store without leading axes, as
-        ``[Hkv, j1 - j0, d]`` arrays in the storage dtype: views for contiguous storage."""
+        ``[Hkv, j1 - j0, d]`` arrays in the storage dtype: views for contiguous storage;
+        quantized: new float32 arrays, dequantized (keep ``j1 - j0`` small, as
+        ``key_blocks`` does)."""
+        if self.quantized:
+            return (self._dequantize(self.k[row, :, j0:j1, :], self.k_scale[row, :, j0:j1]),
+                    self._dequantize(self.v[row, :, j0:j1, :], self.v_scale[row, :, j0:j1]))
         return self.k[row, :, j0:j1, :], self.v[row, :, j0:j1, :]
+
+    def _dequantize(self, codes, scales):
+        from array_api_compat import array_namespace
+
+        xp = array_namespace(codes)
+        table = None
+        if self.dtype == "float8_e4m3fn" and not isinstance(codes, _np.ndarray):
+            if self._table is None:
+                self._table = xp.asarray(_quantize.e4m3_table(), device=getattr(codes, "device", None))
+            table = self._table
+        return _quantize.dequantize(xp, codes, scales, self.dtype, table)
 
     # -- writing (the generic path) --------------------------------------------------------
 
@@ -243,6 +272,15 @@ class KVStore:
         """Store ``k``, ``v`` ``[Hkv, n, d]`` (the input dtype) as tokens ``start..start+n-1``
         of ``row`` of a store without leading axes, in place."""
         n = int(k.shape[1])
+        if self.quantized:  # each token's codes and scale, from that token alone
+            from array_api_compat import array_namespace
+
+            xp = array_namespace(k)
+            for buf, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+                codes, scale = _quantize.quantize(xp, x, self.dtype)
+                buf[row, :, start:start + n, :] = codes
+                scales[row, :, start:start + n] = scale
+            return
         self.k[row, :, start:start + n, :] = k
         self.v[row, :, start:start + n, :] = v
 

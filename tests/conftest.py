@@ -70,7 +70,8 @@ def arrays(backend):
 # (backend, storage) and every (backend, params) pair still runs (CI time stays bounded).
 
 #: Storage specs under test: name -> keyword arguments of KVCache / ModelKVCache.
-STORAGE_SPECS = {"contiguous": {"storage": "contiguous"}}
+STORAGE_SPECS = {"contiguous": {"storage": "contiguous"},
+                 "paged": {"storage": "paged", "page_size": 4}}
 #: Attention params under test: name -> the fields of ``gqakv.AttentionParams`` besides
 #: ``scale`` (tests build ``AttentionParams(scale=..., **fields)`` and pass ``params=``).
 ATTENTION_PARAMS = {"causal": {}, "window": {"window": 3}, "softcap": {"softcap": 0.5},
