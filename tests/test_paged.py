@@ -1,0 +1,333 @@
+"""Paged KV cache: the same results as KVCache, row operations as page bookkeeping.
+
+Every test checks the pool's accounting (``PageTable.audit``: each page's reference
+count equals the table entries naming it, the free list holds exactly the pages no row
+names, no page twice, and each row holds ``ceil(L / page_size)`` pages), so a leaked
+or doubly freed page fails where it happens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import gqakv
+from gqakv.paged import OutOfPages, PagedStore, pages_for
+
+from .conftest import BackendArrays
+from .reference import reference_attention
+
+
+def audit(cache):
+    problems = cache.store.table.audit(cache.host_lens)
+    assert problems == []
+    reachable = {int(p) for b in range(cache.batch) for p in cache.store.table.row_pages(b)}
+    assert cache.pages_used == len(reachable)
+    assert cache.pages_used + cache.pages_free == cache.num_pages
+
+
+def state(cache, arrays):
+    """Everything an operation may change: lengths, tables, counts, free list, the pool."""
+    t = cache.store.table
+    return (cache.host_lens.copy(), t.table.copy(), t.held.copy(), t.refs.copy(), list(t._free),
+            arrays.to_numpy(cache.k).copy(), arrays.to_numpy(cache.v).copy())
+
+
+def assert_same_state(a, b):
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+class Direct:
+    """What a cache holds, per row, as float64 ``[Hkv, L, d]`` arrays (no gqakv)."""
+
+    def __init__(self, batch, kv_heads, head_dim):
+        empty = np.zeros((kv_heads, 0, head_dim))
+        self.k, self.v = [empty] * batch, [empty] * batch
+
+    def append(self, rows, k, v, n):
+        for i, r in enumerate(rows):
+            self.k[r] = np.concatenate([self.k[r], k[i, :, :n[i]]], axis=1)
+            self.v[r] = np.concatenate([self.v[r], v[i, :, :n[i]]], axis=1)
+
+    def reorder(self, src):
+        self.k, self.v = [self.k[s] for s in src], [self.v[s] for s in src]
+
+    def fork(self, src, dst):
+        for d in dst:
+            self.k[d], self.v[d] = self.k[src], self.v[src]
+
+    def truncate(self, rows, lens):
+        for r, n in zip(rows, lens):
+            self.k[r], self.v[r] = self.k[r][:, :n], self.v[r][:, :n]
+
+
+def assert_rows(cache, direct, arrays):
+    np.testing.assert_array_equal(cache.host_lens, [k.shape[1] for k in direct.k])
+    for b in range(cache.batch):
+        k, v = cache.live_kv(b)
+        np.testing.assert_array_equal(arrays.to_numpy(k), direct.k[b], err_msg=f"K row {b}")
+        np.testing.assert_array_equal(arrays.to_numpy(v), direct.v[b], err_msg=f"V row {b}")
+
+
+# -- the same results as KVCache ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_paged_matches_contiguous(backend, arrays, page_size):
+    """Ragged prefill chunks, then decode steps with an idle row, on both caches: outputs
+    and LSE agree within float64 rounding of a different key blocking; dead pool slots
+    hold NaN, so a read past a row's length fails."""
+    if "float64" not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no float64")
+    rng = np.random.default_rng(page_size)
+    B, Hkv, G, d, S = 3, 2, 2, 8, 48
+    plain = gqakv.KVCache(B, Hkv, S, d, dtype="float64", backend=backend)
+    paged = gqakv.PagedKVCache(B, Hkv, S, d, dtype="float64", backend=backend, page_size=page_size)
+    paged.store.fill(math.nan)
+    direct = Direct(B, Hkv, d)
+    for T, n in [(9, [9, 4, 0]), (9, [7, 9, 2]), (1, [1, 1, 0]), (1, [1, 0, 1]), (5, [3, 5, 5])]:
+        k, v = rng.standard_normal((2, B, Hkv, T, d))
+        q = rng.standard_normal((B, Hkv * G, T, d))
+        for c in (plain, paged):
+            c.append(arrays.asarray(k, "float64"), arrays.asarray(v, "float64"), n)
+        direct.append(range(B), k, v, n)
+        want, _ = reference_attention(q, direct.k, direct.v, n)
+        got = [gqakv.gqa_attention(arrays.asarray(q, "float64"), c, n, return_lse=True)
+               for c in (plain, paged)]
+        for (o, lse) in got:
+            np.testing.assert_allclose(arrays.to_numpy(o), want, atol=1e-12)
+        np.testing.assert_allclose(arrays.to_numpy(got[1][0]), arrays.to_numpy(got[0][0]), atol=1e-13)
+        a, b = arrays.to_numpy(got[0][1]), arrays.to_numpy(got[1][1])
+        np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
+        np.testing.assert_allclose(b[np.isfinite(a)], a[np.isfinite(a)], atol=1e-13)
+        audit(paged)
+    assert_rows(paged, direct, arrays)
+    assert paged.pages_used == sum(pages_for(L, page_size) for L in paged.host_lens)
+
+
+def test_generic_path_reads_one_page_per_block(backend, arrays, monkeypatch):
+    """Every backend's attention on a paged cache runs the generic path walking pages:
+    each block it reads lies inside one page (a view), never a gathered row."""
+    if "float32" not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no float32")
+    spans = []
+    blocks = PagedStore.blocks
+
+    def recording(self, row, j0, j1):
+        spans.append((row, j0, j1, self.page_size))
+        return blocks(self, row, j0, j1)
+
+    monkeypatch.setattr(PagedStore, "blocks", recording)
+    rng = np.random.default_rng(3)
+    cache = gqakv.PagedKVCache(2, 1, 40, 4, backend=backend, page_size=5)
+    k = arrays.asarray(rng.standard_normal((2, 1, 23, 4)), "float32")
+    cache.append(k, k, [23, 11])
+    q = arrays.asarray(rng.standard_normal((2, 2, 1, 4)), "float32")
+    spans.clear()
+    gqakv.gqa_attention(q, cache, [1, 1])
+    assert spans and all(j0 // P == (j1 - 1) // P for _, j0, j1, P in spans)
+    for row, L in ((0, 23), (1, 11)):  # each row's keys read exactly once
+        got = sorted((j0, j1) for r, j0, j1, _ in spans if r == row)
+        assert got[0][0] == 0 and got[-1][1] == L
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
+
+
+# -- randomized operations against the direct model -------------------------------------------
+
+
+def _random_ops(backend, seed, steps, page_size, num_pages):
+    arrays = BackendArrays(backend)
+    rng = np.random.default_rng(seed)
+    B, Hkv, d, S = 4, 1, 3, 24
+    cache = gqakv.PagedKVCache(B, Hkv, S, d, dtype="float64", backend=backend,
+                               page_size=page_size, num_pages=num_pages)
+    cache.store.fill(math.nan)
+    direct = Direct(B, Hkv, d)
+    seen = set()
+    for _ in range(steps):
+        op = rng.choice(["append", "append", "reorder", "fork", "truncate", "reset", "attend"])
+        before = state(cache, arrays)
+        if op == "append":
+            sub = rng.permutation(B)[:rng.integers(1, B + 1)]
+            T = int(rng.integers(1, 7))
+            room = S - cache.host_lens[sub]
+            n = np.minimum(rng.integers(0, T + 1, sub.size), room)
+            k, v = rng.standard_normal((2, sub.size, Hkv, T, d))
+            try:
+                cache.append(arrays.asarray(k, "float64"), arrays.asarray(v, "float64"), n,
+                             rows=sub)
+            except OutOfPages:
+                assert_same_state(before, state(cache, arrays))
+                op = "out of pages"
+            else:
+                direct.append(sub, k, v, n)
+        elif op == "reorder":
+            src = rng.integers(0, B, B)
+            cache.reorder(src)
+            direct.reorder(src)
+        elif op == "fork":
+            src = int(rng.integers(0, B))
+            dst = rng.permutation(B)[:rng.integers(1, B)]
+            cache.fork(src, dst)
+            direct.fork(src, dst)
+        elif op == "truncate":
+            rows = rng.permutation(B)[:rng.integers(1, B + 1)]
+            lens = [int(rng.integers(0, cache.host_lens[r] + 1)) for r in rows]
+            cache.truncate(rows, lens)
+            direct.truncate(rows, lens)
+        elif op == "reset":
+            rows = rng.permutation(B)[:rng.integers(1, B + 1)]
+            cache.reset(rows)
+            direct.truncate(rows, [0] * rows.size)
+        else:
+            n = np.minimum(rng.integers(0, 3, B), cache.host_lens)
+            q = rng.standard_normal((B, 2 * Hkv, 2, d))
+            want, _ = reference_attention(q, direct.k, direct.v, n)
+            got = gqakv.gqa_attention(arrays.asarray(q, "float64"), cache, n)
+            np.testing.assert_allclose(arrays.to_numpy(got), want, atol=1e-12)
+        seen.add(op)
+        audit(cache)
+        assert_rows(cache, direct, arrays)
+        shared = (cache.store.table.refs > 1).any()
+        if shared:
+            seen.add("shared pages")
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operations_numpy(seed):
+    """Long random sequences on NumPy: forks of forks, truncation below shared page
+    boundaries, writes into shared partly filled pages, an overcommitted pool."""
+    backend = gqakv.get_backend("numpy")
+    seen = _random_ops(backend, seed, steps=150, page_size=int([2, 3, 4, 5, 1, 8][seed]),
+                       num_pages=[12, 20, None, 14, 40, 8][seed])
+    assert {"append", "reorder", "fork", "truncate", "reset", "attend", "shared pages"} <= seen
+
+
+def test_random_operations_every_backend(backend):
+    if "float64" not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no float64")
+    seen = _random_ops(backend, 100, steps=40, page_size=3, num_pages=14)
+    assert "append" in seen
+
+
+def test_out_of_pages_is_reported_and_changes_nothing(backend, arrays):
+    if "float32" not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no float32")
+    cache = gqakv.PagedKVCache(3, 1, 32, 2, backend=backend, page_size=4, num_pages=5)
+    x = arrays.asarray(np.ones((3, 1, 8, 2)), "float32")
+    cache.append(x, x, [8, 4, 0])  # 2 + 1 pages
+    before = state(cache, arrays)
+    with pytest.raises(OutOfPages, match=r"cannot supply 3 pages \(row 1 needs 1, row 2 needs 2\).*2 of 5"):
+        cache.append(x, x, [0, 4, 8])
+    assert isinstance(OutOfPages("x"), MemoryError)
+    assert_same_state(before, state(cache, arrays))
+    audit(cache)
+    cache.append(x, x, [0, 4, 4])  # exactly the 2 free pages
+    assert cache.pages_free == 0
+    audit(cache)
+
+
+def test_fork_shares_pages_and_copies_only_a_partial_last_page(monkeypatch):
+    backend = gqakv.get_backend("numpy")
+    copies = []
+    orig = type(backend).copy_tokens
+
+    def recording(self, dst, dst_rows, src, src_rows, n_tokens):
+        copies.append(list(np.asarray(n_tokens)))
+        return orig(self, dst, dst_rows, src, src_rows, n_tokens)
+
+    monkeypatch.setattr(type(backend), "copy_tokens", recording)
+    rng = np.random.default_rng(0)
+    cache = gqakv.PagedKVCache(9, 2, 64, 4, backend=backend, page_size=8)
+    k = rng.standard_normal((1, 2, 37, 4)).astype(np.float32)
+    cache.append(k, k, [37], rows=[0])
+    used = cache.pages_used
+    cache.fork(0, range(1, 9))
+    assert copies == [] and cache.pages_used == used == 5
+    one = np.ones((9, 2, 1, 4), np.float32)
+    cache.append(one, one, [1] * 9)  # 8 forks write into the shared last page: copy on write
+    # 37 % 8 = 5 live tokens each, for 8 of the 9 rows: the last row naming the page
+    # writes into it in place
+    assert [[int(n) for n in c] for c in copies] == [[5] * 8]
+    assert cache.pages_used == used + 8
+    audit(cache)
+    for b in range(9):
+        kb, _ = cache.live_kv(b)
+        np.testing.assert_array_equal(kb[:, :37], k[0])
+        np.testing.assert_array_equal(kb[:, 37], 1)
+
+
+def test_truncate_below_a_shared_page_then_write(arrays, backend):
+    if "float64" not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no float64")
+    cache = gqakv.PagedKVCache(2, 1, 16, 1, dtype="float64", backend=backend, page_size=4)
+    x = arrays.asarray(np.arange(10, dtype=float).reshape(1, 1, 10, 1), "float64")
+    cache.append(x, x, [10], rows=[0])
+    cache.fork(0, [1])
+    cache.truncate([1], [5])  # row 1 keeps pages 0, 1 (shared); page 2 stays row 0's only
+    audit(cache)
+    y = arrays.asarray(np.full((1, 1, 3, 1), -1.0), "float64")
+    cache.append(y, y, [3], rows=[1])
+    audit(cache)
+    got0, got1 = (arrays.to_numpy(cache.live_kv(b)[0]).ravel() for b in (0, 1))
+    np.testing.assert_array_equal(got0, np.arange(10))
+    np.testing.assert_array_equal(got1, [0, 1, 2, 3, 4, -1, -1, -1])
+    cache.reset()
+    assert cache.pages_used == 0
+    audit(cache)
+
+
+def test_bad_inputs_change_nothing(arrays, backend):
+    if "float32" not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no float32")
+    cache = gqakv.PagedKVCache(2, 1, 8, 2, backend=backend, page_size=4)
+    x = arrays.asarray(np.ones((2, 1, 5, 2)), "float32")
+    cache.append(x, x, [5, 3])
+    cache.fork(0, [1])
+    before = state(cache, arrays)
+    bad = [
+        (lambda: cache.append(x, x, [4, 6]), ValueError, "n_new"),
+        (lambda: cache.append(x, x, [4, 4]), ValueError, "max_len=8"),
+        (lambda: cache.reorder([0, 2]), ValueError, "src_rows"),
+        (lambda: cache.fork(0, [1, 1]), ValueError, "distinct"),
+        (lambda: cache.fork(5, [1]), ValueError, "src=5"),
+        (lambda: cache.truncate([0], [6]), ValueError, "new_lens"),
+        (lambda: cache.reset([3]), ValueError, "rows"),
+    ]
+    for call, error, words in bad:
+        with pytest.raises(error, match=words):
+            call()
+        assert_same_state(before, state(cache, arrays))
+        audit(cache)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(page_size=0), ValueError, "page_size must be >= 1, got 0"),
+    (dict(page_size=2.0), TypeError, "page_size must be an int, got 2.0"),
+    (dict(page_size=True), TypeError, "page_size must be an int"),
+    (dict(num_pages=-1), ValueError, "num_pages must be >= 0"),
+])
+def test_bad_page_arguments(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        gqakv.PagedKVCache(1, 1, 8, 2, backend="numpy", **kwargs)
+    with pytest.raises(ValueError, match="apply to storage='paged' only"):
+        gqakv.KVCache(1, 1, 8, 2, backend="numpy", page_size=4)
+
+
+def test_contiguous_cache_has_no_pages():
+    with pytest.raises(TypeError, match="pages exist only for storage='paged'"):
+        gqakv.KVCache(1, 1, 8, 2, backend="numpy").pages_used
+
+
+def test_sizes():
+    cache = gqakv.PagedKVCache(2, 8, 131_072, 128, dtype="bfloat16", backend="numpy",
+                               page_size=16, num_pages=pages_for(100, 16) + pages_for(100_000, 16))
+    assert cache.num_pages == 7 + 6250
+    assert cache.nbytes == 6257 * 16 * 2 * 8 * 128 * 2
+    assert cache.nbytes + cache.store.table.nbytes <= 1.02 * 100_112 * 2 * 8 * 128 * 2
+    default = gqakv.PagedKVCache(3, 1, 10, 2, backend="numpy", page_size=4)
+    assert default.num_pages == 3 * 3  # every row at max_len
