@@ -175,3 +175,76 @@ def test_float64_logits_match_transformers(checkpoint, hf_float64, torch_mod):
             want = hf_float64(seq, use_cache=False).logits[0, len(PROMPT) - 1:].numpy()  # [33, V]
         np.testing.assert_array_equal(want.argmax(-1), got.tokens[0], err_msg=impl)
         np.testing.assert_allclose(got.logits[:, 0], want, rtol=0, atol=F64_ATOL, err_msg=impl)
+
+
+# -- tokenizer ---------------------------------------------------------------------------------
+
+_FRAGMENTS = [
+    "The capital of France is", " Paris", "hello", "Hello", " world", "HELLO", "don't", "I'll", "we've",
+    "123", "4567890", " 42", "3.14159", "1,000,000", "x=1+2", "naïve", "café", "Ærøskøbing", "straße",
+    "日本語のテキスト", "中文", "한국어", "Здравствуй", "مرحبا", "שלום", "🙂", "👩‍💻", "🇫🇷", "∑∫√∞",
+    "\u00a0", "\u200b", "\t", "\n", "\r\n", "  ", "    ", "\n\n\n", " \t \n ", "def f(x):\n    return x",
+    "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<im_start>", "<|im_start", "<repo_name>", "</s>",
+    "http://example.com/a?b=c", "e-mail@example.org", "...", "!!!", "?!", "''", '"quoted"', "`code`",
+    "\\n", "{}", "[]()", "ＡＢＣ", "ﬁ", "e\u0301", "\x00", "\x7f", "\U0010ffff",
+]
+
+
+def _corpus(n=300, seed=0) -> list[str]:
+    """The fragments alone, then random joins of 1-6 of them (with and without spaces)."""
+    rng = np.random.default_rng(seed)
+    out = list(_FRAGMENTS)
+    while len(out) < n:
+        parts = rng.choice(len(_FRAGMENTS), size=int(rng.integers(1, 7)))
+        sep = ["", " ", "  ", "\n"][int(rng.integers(0, 4))]
+        out.append(sep.join(_FRAGMENTS[i] for i in parts))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    from gqakv.examples.tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer.from_reader(checkpoint.reader)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(torch_mod):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(SMOLLM2), gguf_file=os.path.basename(SMOLLM2))
+
+
+def test_tokenizer_matches_transformers_id_for_id(tokenizer, hf_tokenizer):
+    corpus = _corpus()
+    assert len(corpus) >= 300
+    mismatches = [(s, tokenizer.encode(s), hf_tokenizer.encode(s)) for s in corpus
+                  if tokenizer.encode(s) != hf_tokenizer.encode(s)]
+    assert not mismatches, mismatches[:3]
+    for s in corpus:  # byte-level BPE round-trips every string exactly
+        assert tokenizer.decode(tokenizer.encode(s)) == s
+        assert tokenizer.decode(tokenizer.encode(s)) == hf_tokenizer.decode(hf_tokenizer.encode(s))
+
+
+def test_tokenizer_special_tokens(tokenizer, hf_tokenizer):
+    assert tokenizer.encode("The capital of France is") == PROMPT
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (1, 2, 2)
+    assert tokenizer.encode("<|im_start|>user<|im_end|>")[::2] == [1, 2]  # matched whole
+    assert tokenizer.decode([1, 2], skip_special_tokens=True) == ""
+    assert hf_tokenizer.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
+
+
+def test_chat_template_matches_transformers(tokenizer, hf_tokenizer):
+    conversations = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+         {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another, in 日本語?"}],
+    ]
+    for messages in conversations:
+        for gen in (True, False):
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=gen)
+            want_text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert text == want_text
+            want_ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)
+            want_ids = want_ids["input_ids"] if isinstance(want_ids, dict) or hasattr(want_ids, "keys") else want_ids
+            assert tokenizer.encode(text) == list(want_ids)
