@@ -55,6 +55,7 @@ class NumbaBackend(NumpyBackend):
         "float16/bfloat16 converted in registers, computed in float32",
         "float64 and long prefill chunks: the numpy backend's BLAS path",
         "threads: GQAKV_NUM_THREADS, else all cores",
+        "variants in the kernels: window (reads min(L, W) keys), softcap, sinks",
     })
 
     def __init__(self):
