@@ -776,11 +776,11 @@ def test_unsupported_layer_types_and_bidirectional_attention_are_refused():
 
 
 def test_sinks_updated_in_place_are_used(float64_softmax):
-    """The sinks' host copy follows in-place updates of the parameter (its version counter)."""
+    """The sinks' host copy follows in-place updates of the parameter and replaced data."""
     model = _variant_model("gpt_oss")
     ids = _ids(batch=2, length=9, seed=25)
     with torch.no_grad():
-        for step in range(2):
+        for step in range(3):
             logits = {}
             for impl in ("eager", "gqakv"):
                 model.set_attn_implementation(impl)
@@ -790,6 +790,11 @@ def test_sinks_updated_in_place_are_used(float64_softmax):
                 before = logits["gqakv"]
                 for layer in model.model.layers:
                     layer.self_attn.sinks.mul_(-2.0)  # float32 values stay float32 values
+            elif step == 1:
+                assert (logits["gqakv"] - before).abs().max().item() > 1e-4
+                before = logits["gqakv"]
+                for layer in model.model.layers:  # new data, not an in-place update
+                    layer.self_attn.sinks.data = layer.self_attn.sinks.data * 0.5
     assert (logits["gqakv"] - before).abs().max().item() > 1e-4
 
 

@@ -515,13 +515,15 @@ def gqakv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 
 def _host_sinks(s_aux):
     """gpt-oss's sink logits ``[Hq]`` (a parameter, maybe on a GPU) as a tuple of Python floats,
-    kept on the tensor until it changes in place: one device-to-host copy per weight update, not
-    one per layer and forward. gqakv takes sinks as float32 values (gpt-oss stores bfloat16)."""
+    kept on the tensor until it changes (in place or its data replaced): one device-to-host copy
+    per weight update, not one per layer and forward. gqakv takes sinks as float32 values
+    (gpt-oss stores bfloat16)."""
     if s_aux is None or not torch.is_tensor(s_aux):
         return s_aux
+    key = (s_aux._version, s_aux.data_ptr())  # in-place updates bump the version; .data = moves the pointer
     held = getattr(s_aux, "_gqakv_host", None)
-    if held is None or held[0] != s_aux._version:
-        held = (s_aux._version, tuple(s_aux.detach().to("cpu", torch.float32).tolist()))
+    if held is None or held[0] != key:
+        held = (key, tuple(s_aux.detach().to("cpu", torch.float32).tolist()))
         s_aux._gqakv_host = held
     return held[1]
 
