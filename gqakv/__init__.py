@@ -13,7 +13,7 @@ from .cache import KVCache
 from .model_cache import ModelKVCache, Step
 from .paged import OutOfPages
 from .paged_cache import PagedKVCache
-from .merge import merge_attention
+from .merge import apply_sinks, merge_attention
 from .semantics import AttentionParams
 from .store import KVStore, StorageSpec
 from .registry import (
@@ -39,6 +39,7 @@ __all__ = [
     "PagedKVCache",
     "Step",
     "StorageSpec",
+    "apply_sinks",
     "describe_backends",
     "get_backend",
     "gqa_attention",
