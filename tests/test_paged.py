@@ -331,3 +331,72 @@ def test_sizes():
     assert cache.nbytes + cache.store.table.nbytes <= 1.02 * 100_112 * 2 * 8 * 128 * 2
     default = gqakv.PagedKVCache(3, 1, 10, 2, backend="numpy", page_size=4)
     assert default.num_pages == 3 * 3  # every row at max_len
+
+
+# -- ModelKVCache over one shared page table ---------------------------------------------------
+
+
+def test_model_cache_pages_once_for_all_layers(backend, arrays):
+    """A paged ModelKVCache gives the contiguous one's results through Step.attend on every
+    layer; a step takes each page once for all layers; row operations, an aborted step and
+    OutOfPages at step() keep the pool's accounting sound."""
+    if "float64" not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no float64")
+    rng = np.random.default_rng(5)
+    layers, B, Hkv, G, d, S, P = 3, 3, 2, 2, 4, 32, 4
+    plain = gqakv.ModelKVCache(layers, B, Hkv, S, d, dtype="float64", backend=backend)
+    paged = gqakv.ModelKVCache(layers, B, Hkv, S, d, dtype="float64", backend=backend,
+                               page_size=P, num_pages=16)
+    assert paged.store.kind == "paged" and paged.nbytes == layers * 16 * P * 2 * Hkv * d * 8
+    paged.store.fill(math.nan)
+    directs = [Direct(B, Hkv, d) for _ in range(layers)]
+
+    def step(n, T):
+        data = rng.standard_normal((layers, 3, B, Hkv * G, T, d))
+        outs = []
+        for c in (plain, paged):
+            with c.step(n) as st:
+                outs.append([st.attend(l, arrays.asarray(data[l, 0], "float64"),
+                                       arrays.asarray(data[l, 1, :, :Hkv], "float64"),
+                                       arrays.asarray(data[l, 2, :, :Hkv], "float64"))
+                             for l in range(layers)])
+        for l in range(layers):
+            directs[l].append(range(B), data[l, 1, :, :Hkv], data[l, 2, :, :Hkv], n)
+            want, _ = reference_attention(data[l, 0], directs[l].k, directs[l].v, n)
+            for o in (outs[0][l], outs[1][l]):
+                np.testing.assert_allclose(arrays.to_numpy(o), want, atol=1e-12)
+        audit(paged)
+
+    step(np.array([6, 3, 0]), 6)
+    assert paged.pages_used == 2 + 1  # once for all 3 layers
+    step(np.array([1, 1, 1]), 1)
+    for c in (plain, paged):
+        c.fork(0, [2])
+    for dr in directs:
+        dr.fork(0, [2])
+    audit(paged)
+    step(np.array([2, 0, 3]), 3)  # rows 0 and 2 write into their shared last page
+    for c in (plain, paged):
+        c.reorder([2, 2, 1])
+    for dr in directs:
+        dr.reorder([2, 2, 1])
+    audit(paged)
+    step(np.array([1, 1, 1]), 1)
+    for l in range(layers):
+        for b in range(B):
+            k, v = paged.live_kv(l, b)
+            np.testing.assert_array_equal(arrays.to_numpy(k), directs[l].k[b])
+
+    used = paged.pages_used
+    with pytest.raises(KeyError):
+        with paged.step([4, 4, 4]) as st:  # takes pages, then the block raises
+            assert paged.pages_used > used
+            raise KeyError("model failed")
+    assert paged.pages_used == used
+    audit(paged)
+    before = state(paged, arrays)
+    with pytest.raises(OutOfPages, match="cannot supply"):
+        paged.step([20, 20, 20])
+    assert_same_state(before[:5], state(paged, arrays)[:5])
+    paged.step([1, 0, 0]).abort()  # no step was left open
+    audit(paged)
