@@ -69,8 +69,9 @@ class LlamaConfig:
         if self.global_every is not None and self.sliding_window is None:
             raise ValueError(f"global_every={self.global_every} alternates sliding and global layers; "
                              "it needs a sliding_window")
-        if self.softcap is not None and not (isinstance(self.softcap, (int, float)) and not isinstance(self.softcap, bool)
-                                             and math.isfinite(self.softcap) and self.softcap > 0):
+        c = self.softcap
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                              or not (math.isfinite(c) and c > 0)):
             raise ValueError(f"softcap={self.softcap!r} must be None or a finite number > 0")
 
     def layer_window(self, layer: int) -> int | None:
