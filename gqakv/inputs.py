@@ -313,7 +313,7 @@ def _sinks_to_numpy(sinks, what: str) -> np.ndarray:
                                 "one real logit per query head")
         return np.array([_as_float(v) for v in sinks], dtype=np.float64)
     if hasattr(sinks, "detach"):  # a torch tensor (maybe requiring grad, maybe bfloat16)
-        sinks = sinks.detach().cpu().float()
+        sinks = sinks.detach().cpu().double()
     try:
         a = _to_numpy(sinks)
     except Exception as exc:
