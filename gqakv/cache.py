@@ -113,14 +113,15 @@ class RowsAndLengths:
 
     def _allocate(self, leading: tuple[int, ...], batch, kv_heads, max_len, head_dim, dtype,
                   backend, what: str, storage: str = "contiguous", page_size=None,
-                  num_pages=None) -> None:
+                  num_pages=None, kv_dtype=None) -> None:
         """Check the dimensions, pick the backend, allocate K and V
         ``[*leading, B, Hkv, max_len, d]`` once (paged storage: a pool of ``num_pages``
         pages of ``page_size`` tokens, ``gqakv.paged``) and start every row empty."""
         self.batch, self.kv_heads, self.max_len, self.head_dim = _check_dims(
             batch, kv_heads, max_len, head_dim)
         self.dtype = _dtypes.canonical_name(dtype)
-        spec = StorageSpec.of(self.dtype, storage)
+        spec = StorageSpec.of(self.dtype, storage, kv_dtype)
+        self.kv_dtype = spec.dtype if spec.quantized else None
         if spec.kind == PAGED:
             from . import paged
 
@@ -230,6 +231,11 @@ class KVCache(RowsAndLengths):
             "paged" (see ``gqakv.PagedKVCache``).
         page_size, num_pages: paged storage only: tokens per page (default 16) and pages in
             the pool (default: every row at ``max_len``).
+        kv_dtype: how K and V are stored: None (as ``dtype``), "int8" or "float8_e4m3fn"
+            (8-bit codes plus a float32 scale per row, KV head and token, ``gqakv.quantize``;
+            contiguous storage, dtype float32/float16/bfloat16). ``dtype`` stays the dtype
+            of q, k_new/v_new and the output; appends quantize, attention dequantizes
+            block by block as it reads, row operations carry the scales.
 
     Attributes:
         store: the KVStore (layout, dtypes, bytes); what the backend's operations take.
@@ -241,9 +247,9 @@ class KVCache(RowsAndLengths):
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype="float32", backend=None, *, storage: str = "contiguous",
-                 page_size: int | None = None, num_pages: int | None = None):
+                 page_size: int | None = None, num_pages: int | None = None, kv_dtype=None):
         self._allocate((), batch, kv_heads, max_len, head_dim, dtype, backend, "KV cache",
-                       storage, page_size, num_pages)
+                       storage, page_size, num_pages, kv_dtype)
         self._frozen = None  # why this cache cannot change its own lengths (layer views)
 
     @classmethod
@@ -254,7 +260,8 @@ class KVCache(RowsAndLengths):
         self = cls.__new__(cls)
         self.batch, self.kv_heads, self.max_len, self.head_dim = (
             store.rows, store.kv_heads, store.max_len, store.head_dim)
-        self.dtype = store.dtype
+        self.dtype = store.spec.q_dtype
+        self.kv_dtype = store.dtype if store.quantized else None
         self.backend = backend
         self.store = store
         self._lengths = lengths
@@ -264,11 +271,13 @@ class KVCache(RowsAndLengths):
     # -- sizing ----------------------------------------------------------------------------
 
     @staticmethod
-    def nbytes_for(batch: int, kv_heads: int, max_len: int, head_dim: int, dtype="float32") -> int:
-        """Bytes the K and V buffers of such a cache take together, computed before allocating
-        (each dimension checked as the constructor checks it; exact Python ints, no wrap-around)."""
+    def nbytes_for(batch: int, kv_heads: int, max_len: int, head_dim: int, dtype="float32",
+                   kv_dtype=None) -> int:
+        """Bytes the K and V buffers of such a cache take together (with ``kv_dtype``: codes
+        plus scales), computed before allocating (each dimension checked as the constructor
+        checks it; exact Python ints, no wrap-around)."""
         batch, kv_heads, max_len, head_dim = _check_dims(batch, kv_heads, max_len, head_dim)
-        return StorageSpec.of(dtype).nbytes(batch * max_len, kv_heads, head_dim)
+        return StorageSpec.of(dtype, kv_dtype=kv_dtype).nbytes(batch * max_len, kv_heads, head_dim)
 
     @property
     def nbytes(self) -> int:
@@ -334,8 +343,9 @@ class KVCache(RowsAndLengths):
 
     def __repr__(self) -> str:
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, max_len={self.max_len}, "
-                f"head_dim={self.head_dim}, dtype={self.dtype!r}, backend={self.backend.name!r}, "
-                f"{human_bytes(self.nbytes)})")
+                f"head_dim={self.head_dim}, dtype={self.dtype!r}, "
+                + (f"kv_dtype={self.kv_dtype!r}, " if self.kv_dtype else "")
+                + f"backend={self.backend.name!r}, {human_bytes(self.nbytes)})")
 
 
 def human_bytes(nbytes: int) -> str:

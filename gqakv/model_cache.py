@@ -49,6 +49,8 @@ class ModelKVCache(RowsAndLengths):
             changed, when the pool is short). Default for ``storage="paged"``: 16.
         num_pages: paged storage: pages in the pool (each page holds ``page_size`` tokens
             of every layer); default every row at ``max_len`` (no overcommit).
+        kv_dtype: None, "int8" or "float8_e4m3fn": K/V stored quantized with per-token
+            scales, as in ``KVCache``.
 
     Attributes:
         store: the KVStore, leading axis ``(layers,)``; what the backend's operations take.
@@ -60,12 +62,12 @@ class ModelKVCache(RowsAndLengths):
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype="float32", backend=None, *, storage: str | None = None,
-                 page_size: int | None = None, num_pages: int | None = None):
+                 page_size: int | None = None, num_pages: int | None = None, kv_dtype=None):
         self.layers = _check_dim("layers", layers, 1)
         if storage is None:
             storage = PAGED if page_size is not None else "contiguous"
         self._allocate((self.layers,), batch, kv_heads, max_len, head_dim, dtype, backend,
-                       "model KV cache", storage, page_size, num_pages)
+                       "model KV cache", storage, page_size, num_pages, kv_dtype=kv_dtype)
         self._layer_stores = [self.store.layer(l) for l in range(self.layers)]
         self._views = [KVCache.view_of(st, self._lengths, backend=self.backend, frozen=_LAYER_VIEW)
                        for st in self._layer_stores]
@@ -84,13 +86,15 @@ class ModelKVCache(RowsAndLengths):
 
     @staticmethod
     def nbytes_for(layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                   dtype="float32") -> int:
+                   dtype="float32", kv_dtype=None) -> int:
         """Bytes of K and V for all layers, computed before allocating:
-        ``2 * layers * batch * kv_heads * max_len * head_dim * itemsize`` (every dimension
-        checked as the constructor checks it; exact Python ints)."""
+        ``2 * layers * batch * kv_heads * max_len * head_dim * itemsize`` (with ``kv_dtype``:
+        ``2 * layers * batch * kv_heads * max_len * (head_dim + 4)``, codes plus scales;
+        every dimension checked as the constructor checks it; exact Python ints)."""
         layers = _check_dim("layers", layers, 1)
         batch, kv_heads, max_len, head_dim = _check_dims(batch, kv_heads, max_len, head_dim)
-        return StorageSpec.of(dtype).nbytes(layers * batch * max_len, kv_heads, head_dim)
+        return StorageSpec.of(dtype, kv_dtype=kv_dtype).nbytes(layers * batch * max_len,
+                                                               kv_heads, head_dim)
 
     @property
     def nbytes(self) -> int:
