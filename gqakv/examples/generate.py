@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from . import real_model
 from .llama import CONFIGS, LlamaModel, generate, generate_uncached
 
 
@@ -44,6 +45,7 @@ def add_arguments(parser) -> None:
                           help="soft-cap each scaled attention score s to C * tanh(s / C) (Gemma 2 uses 50)")
     variants.add_argument("--sinks", action="store_true",
                           help="a learned sink logit per query head and layer (gpt-oss), drawn with the weights")
+    real_model.add_arguments(parser)  # --model / --gguf: real weights and text (real_model.py)
 
 
 def _check_variant_options(args, UsageError) -> None:
@@ -69,6 +71,8 @@ def _say(msg: str) -> None:
 
 
 def run(args) -> int:
+    if real_model.wants_real_model(args):
+        return real_model.run(args)
     from gqakv.cli import UsageError
     from gqakv.registry import get_backend
 
