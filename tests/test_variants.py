@@ -422,3 +422,36 @@ def test_generic_path_blocks_masked_whole(backend, score_block_elements, query_b
         np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
         fin = np.isfinite(want_lse)
         np.testing.assert_allclose(got_lse[fin], want_lse[fin], atol=10 * ATOL[dtype], rtol=1e-6)
+
+
+def test_several_appends_then_one_attention(backend):
+    """Chunks appended over several calls without attending, then one call whose queries
+    are the last tokens of several appends (n_new up to the row's length; one row idle)."""
+    dtype = "float64" if "float64" in backend.dtypes else "float32"
+    arrays = BackendArrays(backend)
+    rng = np.random.default_rng(9)
+    B, hkv, G, d = 3, 2, 2, 8
+    cache = gqakv.KVCache(B, hkv, 24, d, dtype=dtype, backend=backend)
+    cache.store.fill(math.nan)
+    ks, vs = [np.zeros((hkv, 0, d)) for _ in range(B)], [np.zeros((hkv, 0, d)) for _ in range(B)]
+    for n_new in ([5, 3, 0], [4, 0, 2], [3, 6, 1]):
+        k = rng.standard_normal((B, hkv, 6, d))
+        v = rng.standard_normal((B, hkv, 6, d))
+        cache.append(arrays.asarray(k, dtype), arrays.asarray(v, dtype), n_new)
+        for b, n in enumerate(n_new):
+            ks[b] = np.concatenate([ks[b], k[b, :, :n]], axis=1)
+            vs[b] = np.concatenate([vs[b], v[b, :, :n]], axis=1)
+    n_q = [10, 9, 0]  # row 0: its last two appends and one token before; row 1: all of it
+    q = rng.standard_normal((B, hkv * G, 10, d))
+    sinks = _sinks(rng, hkv * G, "normal")
+    for variant in (dict(window=4), dict(window=1, sinks=sinks),
+                    dict(window=3, softcap=0.2, sinks=sinks)):
+        out, lse = gqakv.gqa_attention(arrays.asarray(q, dtype), cache, n_q, return_lse=True,
+                                       **variant)
+        want, want_lse = reference_attention(q, ks, vs, n_q, **variant)
+        np.testing.assert_allclose(arrays.to_numpy(out), want, atol=ATOL[dtype], rtol=0)
+        assert (arrays.to_numpy(out)[2] == 0).all()
+        got_lse = arrays.to_numpy(lse)
+        np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+        fin = np.isfinite(want_lse)
+        np.testing.assert_allclose(got_lse[fin], want_lse[fin], atol=10 * ATOL[dtype], rtol=1e-6)
