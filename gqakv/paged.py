@@ -39,6 +39,11 @@ from .store import CONTIGUOUS, PAGED, KVStore, StorageSpec
 
 #: Default tokens per page.
 DEFAULT_PAGE_SIZE = 16
+#: Most keys one generic-path key block gathers from several small pages (a bounded copy,
+#: never a whole row): per-block overhead (a matmul launch, the online softmax's rescale)
+#: would otherwise dominate with pages of 16 keys. Pages of at least this size are read
+#: one page per block, as views.
+GATHER_KEYS = 256
 
 
 class OutOfPages(MemoryError):
@@ -76,8 +81,17 @@ class PageTable:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of the bookkeeping (table, held counts, reference counts, free list)."""
-        return int(self.table.nbytes + self.held.nbytes + self.refs.nbytes) + 8 * self.num_pages
+        """Host bytes of the bookkeeping (``nbytes_for`` of this table's sizes)."""
+        return self.nbytes_for(self.table.shape[0], self.pages_per_row * self.page_size,
+                               self.page_size, self.num_pages)
+
+    @staticmethod
+    def nbytes_for(batch: int, max_len: int, page_size: int, num_pages: int) -> int:
+        """Host bytes of the bookkeeping of such a pool: the table ``[B, ceil(max_len / P)]``
+        int32, ``held`` ``[B]`` int64, ``refs`` ``[num_pages]`` int32 and a free list of up
+        to ``num_pages`` 8-byte entries."""
+        return (4 * batch * pages_for(max_len, page_size) + 8 * batch
+                + (4 + 8) * num_pages)
 
     def row_pages(self, row: int) -> np.ndarray:
         """Row ``row``'s pages in token order (a view)."""
@@ -283,13 +297,18 @@ class PagedStore(KVStore):
     # -- reading -----------------------------------------------------------------------------
 
     def key_blocks(self, row: int, lo: int, hi: int, max_keys: int):
-        """Spans ``(j0, j1)`` covering keys ``lo..hi-1`` that never cross a page (and hold at
-        most ``max_keys``), so ``blocks`` of each is a view of one page."""
+        """Spans ``(j0, j1)`` covering keys ``lo..hi-1``, each of at most ``max_keys`` keys
+        and ending at a page boundary (or ``hi``): one page (a view) when pages hold at
+        least ``GATHER_KEYS`` keys, else up to ``GATHER_KEYS // page_size`` whole pages
+        (``blocks`` gathers them: a bounded copy)."""
         P = self.page_size
-        step = max(1, min(P, int(max_keys)))
+        span = P * max(1, GATHER_KEYS // P)
+        if max_keys < span:
+            span = max(1, min(P, int(max_keys)))
         j0 = lo
         while j0 < hi:
-            j1 = min(hi, (j0 // P + 1) * P, j0 + step)
+            end = (j0 // P) * P + span if span >= P else j0 + span
+            j1 = min(hi, end, (j0 // P + 1) * P if span <= P else end)
             yield j0, j1
             j0 = j1
 
@@ -304,11 +323,16 @@ class PagedStore(KVStore):
             return (xp.empty(shape, dtype=self.k.dtype, device=dev),
                     xp.empty(shape, dtype=self.v.dtype, device=dev))
         if j0 // P == (j1 - 1) // P:
-            page, o = int(self.table.table[row, j0 // P]), (j0 // P) * P
-            return self.k[page, :, j0 - o:j1 - o, :], self.v[page, :, j0 - o:j1 - o, :]
-        parts = [self.blocks(row, a, b) for a, b in self.key_blocks(row, j0, j1, P)]
+            return self._page_view(row, j0, j1)
+        parts = [self._page_view(row, a, b) for a, b in self.key_blocks(row, j0, j1, P)]
         return (xp.concat([kb for kb, _ in parts], axis=1),
                 xp.concat([vb for _, vb in parts], axis=1))
+
+    def _page_view(self, row: int, j0: int, j1: int):
+        """Keys/values ``j0..j1-1`` (inside one page) of ``row``: views of the pool."""
+        P = self.page_size
+        page, o = int(self.table.table[row, j0 // P]), (j0 // P) * P
+        return self.k[page, :, j0 - o:j1 - o, :], self.v[page, :, j0 - o:j1 - o, :]
 
     # -- writing (the generic path) ----------------------------------------------------------
 

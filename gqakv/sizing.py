@@ -11,6 +11,11 @@ Llama 3.1 8B in bfloat16: 2 x 32 x 8 x 128 x 2 = 131,072 bytes (128 KiB), so a
 With ``kv_dtype="int8"`` or ``"float8_e4m3fn"`` K and V take one byte per value plus a
 float32 scale per token and KV head each: ``2 x layers x kv_heads x (head_dim + 4)``
 (Llama 3.1 8B: 67,584 bytes per token, 0.52x of bfloat16).
+
+A paged cache (``gqakv.PagedKVCache``, ``ModelKVCache(page_size=...)``) holds each row's
+live tokens rounded up to whole pages, ``sum(ceil(L_b / page_size)) x page_size x
+bytes_per_token``, plus a small page table on the host; ``paged_cache_bytes`` compares
+it with the contiguous cache for a mix of row lengths (``gqakv size --rows``).
 """
 
 from __future__ import annotations
@@ -147,6 +152,52 @@ def cache_bytes(model, *, max_len: int, batch: int = 1, dtype="bfloat16", kv_dty
             * cfg.bytes_per_token(dtype, kv_dtype))
 
 
+@dataclass(frozen=True)
+class PagedSize:
+    """Memory of a paged cache holding rows of given lengths, beside the contiguous cache.
+
+    pages: pages the rows hold (``sum(ceil(L_b / page_size))``, no sharing).
+    pool_bytes: K/V bytes of exactly those pages, all layers (a pool sized to the rows).
+    metadata_bytes: host bytes of the page table, counts and free list.
+    live_bytes: K/V bytes of the live tokens alone.
+    contiguous_bytes: the contiguous cache of the same rows at ``max_len``.
+    """
+
+    page_size: int
+    row_lens: tuple[int, ...]
+    max_len: int
+    pages: int
+    pool_bytes: int
+    metadata_bytes: int
+    live_bytes: int
+    contiguous_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.pool_bytes + self.metadata_bytes
+
+
+def paged_cache_bytes(model, row_lens, *, max_len: int, page_size: int = 16,
+                      dtype="bfloat16") -> PagedSize:
+    """Paged memory for rows holding ``row_lens`` tokens (capacity ``max_len`` each) against
+    the contiguous cache of ``len(row_lens)`` rows of ``max_len`` tokens."""
+    from .paged import PageTable, check_page_args, pages_for
+
+    cfg = resolve_model(model)
+    max_len = _positive("max_len", max_len)
+    lens = tuple(_positive(f"row_lens[{i}]", n) for i, n in enumerate(row_lens))
+    for i, n in enumerate(lens):
+        if n > max_len:
+            raise ValueError(f"row_lens[{i}]={n} exceeds max_len={max_len}")
+    page_size, _ = check_page_args(page_size, None, len(lens), max_len)
+    per = cfg.bytes_per_token(dtype)
+    pages = sum(pages_for(n, page_size) for n in lens)
+    return PagedSize(page_size=page_size, row_lens=lens, max_len=max_len, pages=pages,
+                     pool_bytes=pages * page_size * per,
+                     metadata_bytes=PageTable.nbytes_for(len(lens), max_len, page_size, pages),
+                     live_bytes=sum(lens) * per, contiguous_bytes=len(lens) * max_len * per)
+
+
 def max_batch(model, *, max_len: int, budget: int, dtype="bfloat16", kv_dtype=None) -> int:
     """Largest batch of ``max_len``-token rows whose cache fits in ``budget`` bytes."""
     per_row = cache_bytes(model, max_len=max_len, batch=1, dtype=dtype, kv_dtype=kv_dtype)
@@ -194,6 +245,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--budget", help="memory for the cache (e.g. 40GiB): print the largest "
                         "batch at --max-len and the largest max-len at --batch that fit")
     parser.add_argument("--list", action="store_true", help="list the presets and their per-token size")
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated live lengths of the rows (e.g. 100,100000): print "
+                        "the paged cache's memory for them beside the contiguous cache at --max-len")
+    parser.add_argument("--page-size", type=int, default=16,
+                        help="tokens per page for --rows (default 16)")
 
 
 def run(args) -> int:
@@ -219,6 +275,7 @@ def run(args) -> int:
     total = cache_bytes(cfg, max_len=args.max_len, batch=args.batch, dtype=args.dtype,
                         kv_dtype=kv_dtype)
     budget = _cli_budget(args.budget) if args.budget is not None else None
+    rows = _paged_rows(args)  # checked before any output
     item = _dtypes.itemsize(stored)
     per = cfg.bytes_per_token(args.dtype, kv_dtype)
     what = args.dtype if kv_dtype is None else f"{args.dtype}, K/V stored as {kv_dtype}"
@@ -237,6 +294,8 @@ def run(args) -> int:
     if cfg.max_position and args.max_len > cfg.max_position:
         print(f"  note      : max_len {args.max_len:,} exceeds the model's context "
               f"{cfg.max_position:,}")
+    if rows is not None:
+        _print_paged(cfg, args, rows)
     if budget is not None:
         b = max_batch(cfg, max_len=args.max_len, budget=budget, dtype=args.dtype, kv_dtype=kv_dtype)
         n = max_len_for(cfg, batch=args.batch, budget=budget, dtype=args.dtype, kv_dtype=kv_dtype)
@@ -244,6 +303,39 @@ def run(args) -> int:
         print(f"    largest batch at max_len {args.max_len:,}: {b:,}")
         print(f"    largest max_len at batch {args.batch}: {n:,} tokens")
     return 0
+
+
+def _paged_rows(args) -> list[int] | None:
+    """``--rows`` as a list of ints (None when not given), or a UsageError naming the flag."""
+    from .cli import UsageError
+
+    if getattr(args, "rows", None) is None:
+        return None
+    try:
+        lens = [int(x) for x in str(args.rows).split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--rows must be comma-separated ints >= 0, got {args.rows!r}") from None
+    if not lens or min(lens) < 0:
+        raise UsageError(f"--rows must be comma-separated ints >= 0, got {args.rows!r}")
+    if max(lens) > args.max_len:
+        raise UsageError(f"--rows has a row of {max(lens):,} tokens > --max-len {args.max_len:,}")
+    if args.page_size < 1:
+        raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
+    if getattr(args, "kv_dtype", None):
+        raise UsageError("--rows with --kv-dtype: paged storage holds K/V as --dtype only")
+    return lens
+
+
+def _print_paged(cfg: ModelConfig, args, lens: list[int]) -> None:
+    p = paged_cache_bytes(cfg, lens, max_len=args.max_len, page_size=args.page_size, dtype=args.dtype)
+    shown = ", ".join(f"{n:,}" for n in lens[:8]) + (" ..." if len(lens) > 8 else "")
+    print(f"  paged     : rows of {shown} tokens, page_size {p.page_size}: {p.pages:,} pages = "
+          f"{p.pages * p.page_size:,} token slots (live {sum(lens):,})")
+    print(f"              K/V {p.pool_bytes:,} bytes ({human_bytes(p.pool_bytes)}) + page table "
+          f"{p.metadata_bytes:,} bytes on the host ({100 * p.metadata_bytes / max(1, p.pool_bytes):.3f}%)")
+    print(f"  contiguous: {len(lens)} rows x max_len {args.max_len:,} = {p.contiguous_bytes:,} bytes "
+          f"({human_bytes(p.contiguous_bytes)}), {p.contiguous_bytes / max(1, p.total_bytes):.2f}x "
+          "the paged cache")
 
 
 def _cli_budget(text: str) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv.paged import OutOfPages, PagedStore, pages_for
+from gqakv.paged import GATHER_KEYS, OutOfPages, PagedStore, pages_for
 
 from .conftest import BackendArrays
 from .reference import reference_attention
@@ -108,9 +108,11 @@ def test_paged_matches_contiguous(backend, arrays, page_size):
     assert paged.pages_used == sum(pages_for(L, page_size) for L in paged.host_lens)
 
 
-def test_generic_path_reads_one_page_per_block(backend, arrays, monkeypatch):
-    """Every backend's attention on a paged cache runs the generic path walking pages:
-    each block it reads lies inside one page (a view), never a gathered row."""
+@pytest.mark.parametrize("page_size, length", [(5, 23), (3, 700), (300, 700)])
+def test_generic_path_walks_pages(backend, arrays, monkeypatch, page_size, length):
+    """Every backend's attention on a paged cache walks the row in key blocks that end at
+    page boundaries and never hold more than GATHER_KEYS keys (a bounded gather of small
+    pages) or one page (pages of GATHER_KEYS keys or more: views), never the whole row."""
     if "float32" not in backend.dtypes:
         pytest.skip(f"{backend.name} has no float32")
     spans = []
@@ -122,14 +124,19 @@ def test_generic_path_reads_one_page_per_block(backend, arrays, monkeypatch):
 
     monkeypatch.setattr(PagedStore, "blocks", recording)
     rng = np.random.default_rng(3)
-    cache = gqakv.PagedKVCache(2, 1, 40, 4, backend=backend, page_size=5)
-    k = arrays.asarray(rng.standard_normal((2, 1, 23, 4)), "float32")
-    cache.append(k, k, [23, 11])
+    cache = gqakv.PagedKVCache(2, 1, length, 4, backend=backend, page_size=page_size)
+    k = arrays.asarray(rng.standard_normal((2, 1, length, 4)), "float32")
+    cache.append(k, k, [length, 11])
     q = arrays.asarray(rng.standard_normal((2, 2, 1, 4)), "float32")
     spans.clear()
     gqakv.gqa_attention(q, cache, [1, 1])
-    assert spans and all(j0 // P == (j1 - 1) // P for _, j0, j1, P in spans)
-    for row, L in ((0, 23), (1, 11)):  # each row's keys read exactly once
+    most = page_size if page_size >= GATHER_KEYS else GATHER_KEYS
+    assert spans and all(j1 - j0 <= most for _, j0, j1, _ in spans)
+    for row, L in ((0, length), (1, 11)):
+        assert all(j1 % page_size == 0 or j1 == L for r, _, j1, _ in spans if r == row)
+    if page_size >= GATHER_KEYS:
+        assert all(j0 // P == (j1 - 1) // P for _, j0, j1, P in spans)
+    for row, L in ((0, length), (1, 11)):  # each row's keys read exactly once
         got = sorted((j0, j1) for r, j0, j1, _ in spans if r == row)
         assert got[0][0] == 0 and got[-1][1] == L
         assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
@@ -400,3 +407,65 @@ def test_model_cache_pages_once_for_all_layers(backend, arrays):
     assert_same_state(before[:5], state(paged, arrays)[:5])
     paged.step([1, 0, 0]).abort()  # no step was left open
     audit(paged)
+
+
+# -- sizing and the bench ------------------------------------------------------------------------
+
+
+def test_memory_target_rows_of_100_and_100000():
+    """The founding notes' case: rows of 100 and 100,000 tokens, max_len 131,072. The paged
+    cache holds the live tokens rounded up to pages plus under 2% of metadata; the
+    contiguous cache reserves 2 x 131,072 token slots."""
+    from gqakv import sizing
+
+    for P in (16, 256):
+        p = sizing.paged_cache_bytes("llama-3.1-8b", [100, 100_000], max_len=131_072, page_size=P)
+        per = 131_072  # bytes per token, bfloat16, all 32 layers
+        rounded = (pages_for(100, P) + pages_for(100_000, P)) * P
+        assert p.pool_bytes == rounded * per
+        assert p.total_bytes <= 1.02 * rounded * per
+        assert p.contiguous_bytes == 2 * 131_072 * per
+        assert p.contiguous_bytes / p.total_bytes > 2.6
+    # the allocated cache agrees with the sizing (one layer, so 1/32 of the pool)
+    cache = gqakv.PagedKVCache(2, 8, 131_072, 128, dtype="bfloat16", backend="numpy",
+                               page_size=16, num_pages=pages_for(100, 16) + pages_for(100_000, 16))
+    p = sizing.paged_cache_bytes("llama-3.1-8b", [100, 100_000], max_len=131_072, page_size=16)
+    assert cache.nbytes * 32 == p.pool_bytes
+    assert cache.store.table.nbytes == p.metadata_bytes
+    with pytest.raises(ValueError, match=r"row_lens\[1\]=200000 exceeds max_len=131072"):
+        sizing.paged_cache_bytes("gpt2", [1, 200_000], max_len=131_072)
+
+
+def test_size_command_prints_paged_and_contiguous(capsys):
+    from gqakv import cli
+
+    assert cli.main(["size", "llama-3.1-8b", "--max-len", "131072", "--rows", "100,100000"]) == 0
+    out = capsys.readouterr().out
+    assert "6,257 pages = 100,112 token slots (live 100,100)" in out
+    assert "2 rows x max_len 131,072 = 34,359,738,368 bytes (32.0 GiB), 2.62x the paged cache" in out
+    assert cli.main(["size", "--rows", "1,x"]) == 2
+    assert capsys.readouterr().err.startswith("gqakv: error: --rows must be comma-separated")
+    assert cli.main(["size", "--rows", "5", "--page-size", "0"]) == 2
+
+
+def test_bench_on_a_paged_cache(capsys):
+    import json
+
+    from gqakv import cli
+
+    argv = ["bench", "--backend", "numpy", "--batch", "3", "--prompt-lens", "5,9,5", "--chunk", "4",
+            "--steps", "3", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+            "--no-bandwidth", "--quiet"]
+    assert cli.main(argv + ["--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli.main(argv + ["--json", "--page-size", "4"]) == 0
+    paged = json.loads(capsys.readouterr().out)
+    # rows end at 8, 12, 8 tokens: 2 + 3 + 2 pages of 4, against 3 rows x 12 slots
+    assert paged["pages"] == 7 and paged["cache_bytes"] == 7 * 4 * 2 * 2 * 8 * 4
+    assert paged["contiguous_bytes"] == plain["cache_bytes"] == 3 * 12 * 2 * 2 * 8 * 4
+    for key in ("live_bytes", "concat_bytes"):
+        assert paged[key] == plain[key]
+    assert paged["decode"]["kv_bytes_read"] == plain["decode"]["kv_bytes_read"]
+    assert cli.main(argv + ["--page-size", "4"]) == 0
+    assert "paged: 7 pages of 4 tokens (3,584 bytes)" in capsys.readouterr().out
+    assert cli.main(argv + ["--page-size", "0"]) == 2
