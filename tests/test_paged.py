@@ -110,9 +110,12 @@ def test_paged_matches_contiguous(backend, arrays, page_size):
 
 @pytest.mark.parametrize("page_size, length", [(5, 23), (3, 700), (300, 700)])
 def test_generic_path_walks_pages(backend, arrays, monkeypatch, page_size, length):
-    """Every backend's attention on a paged cache walks the row in key blocks that end at
-    page boundaries and never hold more than GATHER_KEYS keys (a bounded gather of small
-    pages) or one page (pages of GATHER_KEYS keys or more: views), never the whole row."""
+    """The generic path (every backend's arrays) walks a paged row in key blocks that end
+    at page boundaries and never hold more than GATHER_KEYS keys (a bounded gather of
+    small pages) or one page (pages of GATHER_KEYS keys or more: views), never the row."""
+    from gqakv.attention import attention_array_api
+    from gqakv.inputs import validate_attention
+
     if "float32" not in backend.dtypes:
         pytest.skip(f"{backend.name} has no float32")
     spans = []
@@ -129,7 +132,8 @@ def test_generic_path_walks_pages(backend, arrays, monkeypatch, page_size, lengt
     cache.append(k, k, [length, 11])
     q = arrays.asarray(rng.standard_normal((2, 2, 1, 4)), "float32")
     spans.clear()
-    gqakv.gqa_attention(q, cache, [1, 1])
+    inputs = validate_attention(cache, q, [1, 1])
+    attention_array_api(q, cache.store, inputs, inputs.params, return_lse=False)
     most = page_size if page_size >= GATHER_KEYS else GATHER_KEYS
     assert spans and all(j1 - j0 <= most for _, j0, j1, _ in spans)
     for row, L in ((0, length), (1, 11)):
@@ -469,3 +473,70 @@ def test_bench_on_a_paged_cache(capsys):
     assert cli.main(argv + ["--page-size", "4"]) == 0
     assert "paged: 7 pages of 4 tokens (3,584 bytes)" in capsys.readouterr().out
     assert cli.main(argv + ["--page-size", "0"]) == 2
+
+
+# -- the NumPy page-table kernel (numpy and numba backends) ---------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("page_size", [1, 3, 16, 64])
+def test_numpy_paged_kernel_matches_contiguous(dtype, page_size, monkeypatch):
+    """backends/numpy_paged: decode and chunks over shuffled pages (rows forked, so pages
+    are shared and out of order), forced key splits on 2 workers, gathered blocks smaller
+    than a row, against attention_numpy on a contiguous cache with the same tokens."""
+    from gqakv_backends import numpy_paged
+    from gqakv_backends.numpy_attention import attention_numpy
+    from gqakv.inputs import validate_attention
+
+    monkeypatch.setattr(numpy_paged, "GATHER_ELEMENTS", 4 * 8 * 8)  # a few pages per gather
+    rng = np.random.default_rng(page_size)
+    B, Hkv, G, d, S = 4, 2, 3, 8, 300
+    plain = gqakv.KVCache(B, Hkv, S, d, dtype=dtype, backend="numpy")
+    paged = gqakv.PagedKVCache(B, Hkv, S, d, dtype=dtype, backend="numpy", page_size=page_size)
+    paged.store.fill(np.nan)
+    for n in ([70, 0, 13, 200], [5, 1, 0, 31]):
+        k, v = rng.standard_normal((2, B, Hkv, max(n), d)).astype(dtype)
+        for c in (plain, paged):
+            c.append(k, v, n)
+    for c in (plain, paged):
+        c.fork(3, [1])
+    for T, n in ((1, [1, 1, 1, 0]), (9, [9, 4, 0, 9])):
+        k, v = rng.standard_normal((2, B, Hkv, T, d)).astype(dtype)
+        q = rng.standard_normal((B, Hkv * G, T, d)).astype(dtype)
+        for c in (plain, paged):
+            c.append(k, v, n)
+        inputs = validate_attention(paged, q, n)
+        kw = dict(workers=2, min_key_split=16, parallel_min_work=0, score_block_elements=256)
+        want = attention_numpy(q, plain.k, plain.v, inputs.rows, inputs.lens, inputs.n_new,
+                               scale=inputs.scale, return_lse=True, **kw)
+        got = numpy_paged.attention_numpy_paged(q, paged.store, inputs, inputs.params,
+                                                return_lse=True, **kw)
+        tol = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3}[dtype]
+        for a, b in zip(got, want):
+            a, b = a.astype(np.float64), b.astype(np.float64)
+            np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
+            np.testing.assert_allclose(a[np.isfinite(b)], b[np.isfinite(b)], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", ["numpy", "numba"])
+def test_cpu_backends_route_paged_storage_to_the_page_table_kernel(name, monkeypatch):
+    from gqakv_backends import numpy_paged
+
+    backend = gqakv.get_backend(name) if name == "numpy" else None
+    if backend is None:
+        b = [x for x in gqakv.list_backends() if x.name == name][0]
+        if b.unavailable_reason():
+            pytest.skip(b.unavailable_reason())
+        backend = b
+    calls = []
+    real = numpy_paged.attention_numpy_paged
+    monkeypatch.setattr(numpy_paged, "attention_numpy_paged",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache = gqakv.PagedKVCache(2, 1, 40, 4, backend=backend, page_size=4)
+    x = np.random.default_rng(0).standard_normal((2, 1, 9, 4)).astype(np.float32)
+    cache.append(x, x, [9, 5])
+    q = np.random.default_rng(1).standard_normal((2, 2, 1, 4)).astype(np.float32)
+    out = gqakv.gqa_attention(q, cache, [1, 1])
+    assert calls == [1]
+    want, _ = reference_attention(q, [x[0], x[1, :, :5]], [x[0], x[1, :, :5]], [1, 1])
+    np.testing.assert_allclose(out, want, atol=1e-5)
