@@ -168,6 +168,14 @@ def _dequantized(x: np.ndarray, kv_dtype: str) -> np.ndarray:
     return (values * scale[..., None]).astype(np.float32)
 
 
+def held(x: np.ndarray, storage: dict) -> np.ndarray:
+    """What a cache made with the keyword arguments ``storage`` (a conftest STORAGE_SPECS
+    entry) holds for the values ``x`` [..., d] appended: ``x`` itself, or for a
+    ``kv_dtype`` its dequantized values (float32). For the product tests' references."""
+    kv_dtype = storage.get("kv_dtype")
+    return x if kv_dtype is None else _dequantized(np.asarray(x, np.float32), kv_dtype)
+
+
 def _dtypes_of(backend) -> list[str]:
     return [d for d in ("float32", "bfloat16") if d in backend.dtypes]
 
