@@ -543,3 +543,25 @@ def test_numpy_quantized_path_under_every_split(kv_dtype, split):
         np.testing.assert_array_equal(got.astype(np.float64),
                                       attention_numpy_quantized(q, cache.store, inputs, inputs.params,
                                                                 return_lse=False).astype(np.float64))
+
+
+def test_quantization_error_against_the_float32_cache():
+    """What the 8 bits cost (README, Quantized cache): decode over Gaussian K/V against the
+    same call over an unquantized float32 cache. Measured rms relative error ~0.9% (int8)
+    and ~3.7% (e4m3) at this shape; the bounds leave about 2x (this guards the scheme, e.g.
+    a scale per row instead of per token, or a lost rounding mode, would break them)."""
+    rng = np.random.default_rng(12)
+    B, hkv, G, d, L = 2, 4, 4, 128, 512
+    k, v = rng.standard_normal((2, B, hkv, L, d)).astype(np.float32)
+    q = rng.standard_normal((B, hkv * G, 1, d)).astype(np.float32)
+    plain = gqakv.KVCache(B, hkv, L, d, "float32", backend="numpy")
+    plain.append(k, v, [L] * B)
+    want = gqakv.gqa_attention(q, plain, [1] * B).astype(np.float64)
+    rms = {}
+    for kv_dtype in KV_DTYPES:
+        cache = gqakv.KVCache(B, hkv, L, d, "float32", backend="numpy", kv_dtype=kv_dtype)
+        cache.append(k, v, [L] * B)
+        err = gqakv.gqa_attention(q, cache, [1] * B).astype(np.float64) - want
+        rms[kv_dtype] = np.sqrt((err ** 2).mean() / (want ** 2).mean())
+    assert 1e-3 < rms["int8"] < 0.02, rms
+    assert 1e-2 < rms["float8_e4m3fn"] < 0.075, rms
