@@ -548,9 +548,9 @@ def test_numpy_quantized_path_under_every_split(kv_dtype, split):
 def test_quantization_error_against_the_float32_cache():
     """What the 8 bits cost (README, Quantized cache): decode over Gaussian K/V against the
     same call over an unquantized float32 cache. Measured rms relative error ~0.9% (int8)
-    and ~3.8% (e4m3) at this shape; the bounds leave about 2x either way, so they catch a
-    gross change of the error (e.g. half the int8 levels), not a subtle one (the exact
-    rule is tested above)."""
+    and ~3.8% (e4m3) at this shape (seeded: the same every run); the upper bounds leave
+    about 1.5x, so they catch a gross change of the error (e.g. half the int8 levels),
+    not a subtle one (the exact rule is tested above)."""
     rng = np.random.default_rng(12)
     B, hkv, G, d, L = 2, 4, 4, 128, 512
     k, v = rng.standard_normal((2, B, hkv, L, d)).astype(np.float32)
@@ -564,5 +564,5 @@ def test_quantization_error_against_the_float32_cache():
         cache.append(k, v, [L] * B)
         err = gqakv.gqa_attention(q, cache, [1] * B).astype(np.float64) - want
         rms[kv_dtype] = np.sqrt((err ** 2).mean() / (want ** 2).mean())
-    assert 1e-3 < rms["int8"] < 0.02, rms
-    assert 1e-2 < rms["float8_e4m3fn"] < 0.075, rms
+    assert 1e-3 < rms["int8"] < 0.014, rms
+    assert 1e-2 < rms["float8_e4m3fn"] < 0.055, rms
