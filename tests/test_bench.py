@@ -127,6 +127,7 @@ MY_MODULES = ["attention", "append", "generation"]
 SMOKE = {
     "Decode": (("numpy", "2x40"), {}),
     "DecodeHalf": (("numpy", "bfloat16"), {"SIZE": (2, 40)}),
+    "WindowedDecode": (("numpy",), {"L": 64, "W": 16}),
     "RaggedDecode": (("numpy",), {"LENS": (3, 50)}),
     "ChunkedPrefill": (("numpy", "4096 in 8"), {"CASES": {"4096 in 8": (4, 16)}}),
     "VsTorch": (("decode 4x4096",), {"CASES": {"decode 4x4096": (2, 40, 1)}}),
