@@ -49,7 +49,7 @@ class NumpyBackend(Backend):
         """BLAS matmuls on live views, shared among threads (see ``numpy_attention``), for
         contiguous storage and the variants it implements (quantized storage: each K/V block
         dequantized as it is read, ``numpy_quantized``); otherwise the generic path."""
-        if store.kind == PAGED and not unsupported(params, "numpy BLAS"):
+        if store.kind == PAGED and not store.quantized and not unsupported(params, "numpy BLAS"):
             from .numpy_paged import attention_numpy_paged  # reads through the page table
 
             return attention_numpy_paged(q, store, inputs, params, return_lse=return_lse)

@@ -26,6 +26,12 @@ Reading. ``PagedStore.key_blocks`` walks a row in page-aligned spans and ``block
 one page's span are views of the pool, so the generic attention path reads a row page
 by page without gathering it. ``blocks`` over several pages (``live_kv``) gathers them
 into new arrays: copies.
+
+Quantized pages (``kv_dtype``, ``gqakv.quantize``): the pool holds codes and the scales
+are paged with their tokens, ``k_scale``/``v_scale`` ``[*leading, num_pages, Hkv,
+page_size]`` float32: token j's scale sits at the same (page, slot) as its codes, so
+sharing, copy on write and releasing a page carry its scales with no bookkeeping of
+their own. ``blocks`` then returns dequantized float32 copies (never views).
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ import math
 import numpy as np
 from array_api_compat import array_namespace
 
-from .store import CONTIGUOUS, PAGED, KVStore, StorageSpec
+import dataclasses
+
+from .store import CONTIGUOUS, DEQUANT_BLOCK_ELEMENTS, PAGED, KVStore, StorageSpec
 
 #: Default tokens per page.
 DEFAULT_PAGE_SIZE = 16
@@ -242,13 +250,15 @@ class PageTable:
 
 class PagedStore(KVStore):
     """A KVStore of kind ``"paged"``: the pool ``k``, ``v`` ``[*leading, num_pages, Hkv,
-    page_size, d]`` and the shared ``PageTable`` (``table``). ``rows`` and ``max_len`` are
-    the cache's, not the pool's."""
+    page_size, d]`` (codes when quantized, with ``k_scale``, ``v_scale`` ``[*leading,
+    num_pages, Hkv, page_size]``) and the shared ``PageTable`` (``table``). ``rows`` and
+    ``max_len`` are the cache's, not the pool's."""
 
     __slots__ = ("table", "page_size", "num_pages")
 
-    def __init__(self, spec: StorageSpec, k, v, table: PageTable, rows: int, max_len: int):
-        super().__init__(spec, k, v)  # leading, kv_heads, head_dim (and the base's defaults)
+    def __init__(self, spec: StorageSpec, k, v, table: PageTable, rows: int, max_len: int,
+                 k_scale=None, v_scale=None):
+        super().__init__(spec, k, v, k_scale, v_scale)  # leading, kv_heads, head_dim
         self.num_pages, self.page_size = int(k.shape[-4]), int(k.shape[-2])
         self.rows, self.max_len = int(rows), int(max_len)
         self.table = table
@@ -262,11 +272,11 @@ class PagedStore(KVStore):
         *leading, rows, kv_heads, max_len, head_dim = shape
         if num_pages is None:
             num_pages = rows * pages_for(max_len, page_size)
-        pool = KVStore.allocate(backend, StorageSpec.of(spec.dtype),
+        pool = KVStore.allocate(backend, dataclasses.replace(spec, kind=CONTIGUOUS),
                                 (*leading, num_pages, kv_heads, page_size, head_dim),
                                 f"{what} page pool", device=device)
         return cls(spec, pool.k, pool.v, PageTable(rows, max_len, page_size, num_pages),
-                   rows, max_len)
+                   rows, max_len, pool.k_scale, pool.v_scale)
 
     @property
     def nbytes(self) -> int:
@@ -277,19 +287,25 @@ class PagedStore(KVStore):
     def pool_rows(self, xp) -> KVStore:
         """The pool as a contiguous store whose rows are pages (``[layers, num_pages, Hkv,
         page_size, d]``): page copies run through ``Backend.copy_tokens`` on it."""
-        return KVStore(StorageSpec.of(self.dtype, CONTIGUOUS), self.k, self.v).with_layers(xp)
+        return KVStore(dataclasses.replace(self.spec, kind=CONTIGUOUS), self.k, self.v,
+                       self.k_scale, self.v_scale).with_layers(xp)
 
     # -- views -------------------------------------------------------------------------------
 
     def layer(self, layer: int) -> "PagedStore":
+        scales = ((self.k_scale[layer, ...], self.v_scale[layer, ...]) if self.quantized
+                  else (None, None))
         return PagedStore(self.spec, self.k[layer, ...], self.v[layer, ...], self.table,
-                          self.rows, self.max_len)
+                          self.rows, self.max_len, *scales)
 
     def with_layers(self, xp) -> "PagedStore":
         if self.leading:
             return self
+        scales = ((xp.expand_dims(self.k_scale, axis=0), xp.expand_dims(self.v_scale, axis=0))
+                  if self.quantized else (None, None))
         return PagedStore(self.spec, xp.expand_dims(self.k, axis=0),
-                          xp.expand_dims(self.v, axis=0), self.table, self.rows, self.max_len)
+                          xp.expand_dims(self.v, axis=0), self.table, self.rows, self.max_len,
+                          *scales)
 
     def temporary(self, backend, tokens: int):
         raise TypeError("paged storage moves rows by bookkeeping; it has no row temporaries")
@@ -303,6 +319,8 @@ class PagedStore(KVStore):
         (``blocks`` gathers them: a bounded copy)."""
         P = self.page_size
         span = P * max(1, GATHER_KEYS // P)
+        if self.quantized:  # each span is dequantized as a whole: keep it small
+            max_keys = min(max_keys, max(1, DEQUANT_BLOCK_ELEMENTS // (self.kv_heads * self.head_dim)))
         if max_keys < span:
             span = max(1, min(P, int(max_keys)))
         j0 = lo
@@ -314,14 +332,15 @@ class PagedStore(KVStore):
 
     def blocks(self, row: int, j0: int, j1: int):
         """Keys and values ``j0 <= j < j1`` of ``row`` (no leading axes), ``[Hkv, j1 - j0, d]``:
-        views of the pool within one page, gathered copies across pages."""
+        views of the pool within one page, gathered copies across pages; quantized:
+        dequantized float32 copies."""
         P = self.page_size
         xp = array_namespace(self.k)
         if j1 <= j0:
             shape = (self.kv_heads, 0, self.head_dim)
             dev = getattr(self.k, "device", None)
-            return (xp.empty(shape, dtype=self.k.dtype, device=dev),
-                    xp.empty(shape, dtype=self.v.dtype, device=dev))
+            dt = xp.float32 if self.quantized else self.k.dtype
+            return xp.empty(shape, dtype=dt, device=dev), xp.empty(shape, dtype=dt, device=dev)
         if j0 // P == (j1 - 1) // P:
             return self._page_view(row, j0, j1)
         parts = [self._page_view(row, a, b) for a, b in self.key_blocks(row, j0, j1, P)]
@@ -329,10 +348,15 @@ class PagedStore(KVStore):
                 xp.concat([vb for _, vb in parts], axis=1))
 
     def _page_view(self, row: int, j0: int, j1: int):
-        """Keys/values ``j0..j1-1`` (inside one page) of ``row``: views of the pool."""
+        """Keys/values ``j0..j1-1`` (inside one page) of ``row``: views of the pool
+        (quantized: the page's codes x scales, dequantized copies)."""
         P = self.page_size
         page, o = int(self.table.table[row, j0 // P]), (j0 // P) * P
-        return self.k[page, :, j0 - o:j1 - o, :], self.v[page, :, j0 - o:j1 - o, :]
+        a, b = j0 - o, j1 - o
+        if self.quantized:
+            return (self._dequantize(self.k[page, :, a:b, :], self.k_scale[page, :, a:b]),
+                    self._dequantize(self.v[page, :, a:b, :], self.v_scale[page, :, a:b]))
+        return self.k[page, :, a:b, :], self.v[page, :, a:b, :]
 
     # -- writing (the generic path) ----------------------------------------------------------
 
@@ -341,11 +365,21 @@ class PagedStore(KVStore):
         axes), page by page; the pages must have been reserved (``PageTable.reserve``)."""
         P = self.page_size
         n = int(k.shape[1])
+        if self.quantized:  # each token's codes and scale, from that token alone
+            from . import quantize as _quantize
+
+            xp = array_namespace(k)
+            (kc, ks), (vc, vs) = (_quantize.quantize(xp, x, self.dtype) for x in (k, v))
         for j0, j1 in self.key_blocks(row, start, start + n, P):
             page = int(self.table.table[row, j0 // P])
-            o = (j0 // P) * P
-            self.k[page, :, j0 - o:j1 - o, :] = k[:, j0 - start:j1 - start, :]
-            self.v[page, :, j0 - o:j1 - o, :] = v[:, j0 - start:j1 - start, :]
+            a, b = j0 - (j0 // P) * P, j1 - (j0 // P) * P
+            src = slice(j0 - start, j1 - start)
+            if self.quantized:
+                self.k[page, :, a:b, :], self.k_scale[page, :, a:b] = kc[:, src, :], ks[:, src]
+                self.v[page, :, a:b, :], self.v_scale[page, :, a:b] = vc[:, src, :], vs[:, src]
+                continue
+            self.k[page, :, a:b, :] = k[:, src, :]
+            self.v[page, :, a:b, :] = v[:, src, :]
 
     def copy_row(self, dst_row, src, src_row, n) -> None:
         raise TypeError("paged rows are copied by sharing pages (PageTable.fork/reorder), "

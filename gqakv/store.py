@@ -15,7 +15,9 @@ A ``KVStore`` is what the backends' hot operations take (``attention(q, store, .
   row, views for contiguous storage; a quantized store (``spec.quantized``: int8 or
   float8_e4m3fn codes plus per-token float32 scales ``k_scale``/``v_scale``
   ``[*leading, rows, Hkv, max_len]``, ``gqakv.quantize``) dequantizes each block here,
-  in blocks of at most ``DEQUANT_BLOCK_ELEMENTS``, and quantizes in ``put``.
+  in blocks of at most ``DEQUANT_BLOCK_ELEMENTS``, and quantizes in ``put``. Quantized
+  storage combines with either layout (paged: the scales are paged with their tokens,
+  ``[*leading, num_pages, Hkv, page_size]``).
 
 Fast paths read ``k``/``v`` directly, and only for the kinds they declare (a quantized
 store's ``k``/``v`` hold codes: fast paths without a dequantizing reader must refuse
@@ -78,9 +80,6 @@ class StorageSpec:
                 raise ValueError(f"kv_dtype={stored!r} needs dtype float32, float16 or bfloat16, "
                                  "got dtype=float64 (a float64 cache is the reference precision; "
                                  "use dtype='float32' to quantize)")
-            if kind != CONTIGUOUS:
-                raise ValueError(f"kv_dtype={stored!r} with storage kind={kind!r}: quantized "
-                                 f"K/V are implemented for {CONTIGUOUS!r} storage only")
         return cls(kind, stored or name, name, name)
 
     @property

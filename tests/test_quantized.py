@@ -440,7 +440,6 @@ def test_bytes_count_codes_and_scales(kv_dtype):
     ({"kv_dtype": 8}, ValueError, ["kv_dtype=8"]),
     ({"kv_dtype": "int8", "dtype": "float64"}, ValueError, ["kv_dtype='int8'", "dtype=float64",
                                                              "float32, float16 or bfloat16"]),
-    ({"kv_dtype": "int8", "storage": "paged"}, ValueError, ["kv_dtype='int8'", "storage kind='paged'"]),
 ])
 def test_bad_kv_dtype_is_named(kwargs, error, words):
     args = dict(dtype="float32", backend="numpy")
@@ -452,8 +451,9 @@ def test_bad_kv_dtype_is_named(kwargs, error, words):
     with pytest.raises(error):
         gqakv.ModelKVCache(2, 2, 1, 4, 8, **args)
     with pytest.raises(error):
-        gqakv.KVCache.nbytes_for(2, 1, 4, 8, args["dtype"], kv_dtype=args["kv_dtype"]) \
-            if "storage" not in kwargs else (_ for _ in ()).throw(error("paged"))
+        gqakv.KVCache.nbytes_for(2, 1, 4, 8, args["dtype"], kv_dtype=args["kv_dtype"])
+    with pytest.raises(error):
+        gqakv.PagedKVCache(2, 1, 4, 8, **args)
 
 
 def test_kv_dtype_objects_are_accepted():
@@ -566,3 +566,164 @@ def test_quantization_error_against_the_float32_cache():
         rms[kv_dtype] = np.sqrt((err ** 2).mean() / (want ** 2).mean())
     assert 1e-3 < rms["int8"] < 0.014, rms
     assert 1e-2 < rms["float8_e4m3fn"] < 0.055, rms
+
+
+# -- paged quantized storage ---------------------------------------------------------------------
+
+
+def _page_slots(arrays, pool, table, row: int, L: int) -> np.ndarray:
+    """Row ``row``'s first L tokens read from ``pool`` ``[num_pages, Hkv, P, ...]`` through
+    its pages, as float64 ``[Hkv, L, ...]`` (codes or scales, on the host)."""
+    host = arrays.to_numpy(pool, np.float64)
+    pages = host[table.row_pages(row)]  # [n_pages, Hkv, P, ...]
+    joined = np.concatenate(list(pages), axis=1) if len(pages) else host[:0].sum(axis=0)
+    return joined[:, :L]
+
+
+@pytest.mark.parametrize("page_size", [1, 5])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_paged_quantized_cache(backend, kv_dtype, page_size):
+    """PagedKVCache(kv_dtype=...): ragged chunks of hard tokens, a fork (rows sharing a
+    partly filled last page), appends into the shared page (copy on write must carry the
+    scales), a reorder with duplicates, a truncate inside a shared page and appends after
+    it. After every operation: each row's codes and scales, read through its pages, are
+    the rule's for the tokens it holds; live_kv gives exactly their dequantized values;
+    the pool's accounting is sound. Every attention call matches the float64 reference on
+    the dequantized values within 2x the error the same call shows over an unquantized
+    paged cache of ``dtype`` (or the output dtype's rounding) plus 1e-6."""
+    from .test_paged import Direct, audit
+
+    arrays = BackendArrays(backend)
+    rng = np.random.default_rng(11)
+    B, hkv, G, d, S = 3, 2, 3, 16, 40
+    for dtype in _dtypes_of(backend):
+        quant = gqakv.PagedKVCache(B, hkv, S, d, dtype, backend=backend, page_size=page_size,
+                                   kv_dtype=kv_dtype)
+        plain = gqakv.PagedKVCache(B, hkv, S, d, dtype, backend=backend, page_size=page_size)
+        assert quant.kv_dtype == kv_dtype and plain.kv_dtype is None
+        for c in (quant, plain):
+            c.store.fill(math.nan)
+        direct = Direct(B, hkv, d)  # the input values (float32) each row holds
+
+        def check_rows():
+            audit(quant)
+            np.testing.assert_array_equal(quant.host_lens, [k.shape[1] for k in direct.k])
+            for b in range(B):
+                L = int(quant.host_lens[b])
+                for pool, scales, x in ((quant.store.k, quant.store.k_scale, direct.k[b]),
+                                        (quant.store.v, quant.store.v_scale, direct.v[b])):
+                    want_codes, want_scale = _reference_quantize(x, kv_dtype)
+                    np.testing.assert_array_equal(_page_slots(arrays, pool, quant.store.table, b, L),
+                                                  want_codes.astype(np.float64))
+                    np.testing.assert_array_equal(_page_slots(arrays, scales, quant.store.table, b, L),
+                                                  want_scale.astype(np.float64))
+                k_live, v_live = quant.live_kv(b)
+                np.testing.assert_array_equal(arrays.to_numpy(k_live, np.float32),
+                                              _dequantized(direct.k[b], kv_dtype))
+                np.testing.assert_array_equal(arrays.to_numpy(v_live, np.float32),
+                                              _dequantized(direct.v[b], kv_dtype))
+
+        def append(n_new, T):
+            k = _hard_tokens(rng, (B, hkv, T, d), dtype)
+            v = _hard_tokens(rng, (B, hkv, T, d), dtype)
+            kx, vx = arrays.asarray(k, dtype), arrays.asarray(v, dtype)
+            for c in (quant, plain):
+                c.append(kx, vx, n_new)
+            direct.append(range(B), arrays.to_numpy(kx, np.float32), arrays.to_numpy(vx, np.float32),
+                          n_new)
+            check_rows()
+
+        def attend(n_new, T):
+            q = rng.standard_normal((B, hkv * G, T, d))
+            qx = arrays.asarray(q, dtype)
+            q_in = arrays.to_numpy(qx)
+            want_q, lse_q = reference_attention(q_in, [_dequantized(x, kv_dtype) for x in direct.k],
+                                                [_dequantized(x, kv_dtype) for x in direct.v], n_new)
+            want_p, _ = reference_attention(q_in, direct.k, direct.v, n_new)
+            out_q, lse = gqakv.gqa_attention(qx, quant, n_new, return_lse=True)
+            inp = validate_attention(plain, qx, n_new)
+            out_p = attention_array_api(qx, plain.store, inp, inp.params, return_lse=False)
+            err_q = _error(arrays.to_numpy(out_q), want_q)
+            err_p = _error(arrays.to_numpy(out_p), want_p)
+            err_round = _error(_round_to(want_q, dtype), want_q)
+            assert err_q <= 2 * max(err_p, err_round) + 1e-6, (dtype, n_new, err_q, err_p, err_round)
+            lse = arrays.to_numpy(lse)
+            finite = np.isfinite(lse_q)
+            np.testing.assert_array_equal(np.isfinite(lse), finite)
+            np.testing.assert_allclose(lse[finite], lse_q[finite], rtol=1e-5, atol=1e-5)
+            for b in range(B):
+                assert (arrays.to_numpy(out_q)[b, :, n_new[b]:] == 0).all()
+
+        append([9, 0, 13], 13)
+        append([4, 3, 0], 5)
+        attend([4, 3, 0], 5)
+        for c in (quant, plain):
+            c.fork(0, [1])  # row 0's 13 tokens: a partly filled last page at page size 5
+        direct.fork(0, [1])
+        check_rows()
+        append([1, 1, 1], 1)  # rows 0 and 1 write into their shared last page
+        attend([1, 1, 1], 1)
+        for c in (quant, plain):
+            c.reorder([2, 0, 0])
+        direct.reorder([2, 0, 0])
+        check_rows()
+        for c in (quant, plain):
+            c.truncate([1], [7])  # inside a page row 2 still shares
+        direct.truncate([1], [7])
+        check_rows()
+        append([2, 5, 1], 5)
+        attend([2, 5, 1], 5)
+        append([1, 1, 0], 1)
+        attend([1, 1, 0], 1)
+        for c in (quant, plain):
+            c.reset()
+        direct = Direct(B, hkv, d)
+        check_rows()
+        assert quant.pages_used == 0
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_paged_quantized_model_cache(backend, kv_dtype):
+    """A paged ModelKVCache with kv_dtype: every layer's step.attend matches the float64
+    reference on the dequantized values (float32 tolerance: the generic path's float32
+    accumulation), forks share pages across layers, and the pool counts scales."""
+    from .test_paged import Direct, audit
+
+    arrays = BackendArrays(backend)
+    rng = np.random.default_rng(12)
+    layers, B, hkv, G, d, S, P = 2, 3, 2, 2, 8, 24, 4
+    cache = gqakv.ModelKVCache(layers, B, hkv, S, d, "float32", backend=backend, page_size=P,
+                               num_pages=14, kv_dtype=kv_dtype)
+    assert cache.store.kind == "paged" and cache.kv_dtype == kv_dtype
+    assert cache.nbytes == layers * 14 * P * 2 * hkv * (d + 4)  # codes of 1 byte + a float32 scale
+    cache.store.fill(math.nan)
+    directs = [Direct(B, hkv, d) for _ in range(layers)]
+
+    def step(n, T):
+        data = rng.standard_normal((layers, 3, B, hkv * G, T, d)).astype(np.float32)
+        with cache.step(n) as st:
+            outs = [st.attend(l, arrays.asarray(data[l, 0], "float32"),
+                              arrays.asarray(data[l, 1, :, :hkv], "float32"),
+                              arrays.asarray(data[l, 2, :, :hkv], "float32")) for l in range(layers)]
+        for l in range(layers):
+            directs[l].append(range(B), data[l, 1, :, :hkv], data[l, 2, :, :hkv], n)
+            deq_k = [_dequantized(x.astype(np.float32), kv_dtype) for x in directs[l].k]
+            deq_v = [_dequantized(x.astype(np.float32), kv_dtype) for x in directs[l].v]
+            want, _ = reference_attention(data[l, 0].astype(np.float64), deq_k, deq_v, n)
+            np.testing.assert_allclose(arrays.to_numpy(outs[l]), want, atol=2e-5, rtol=1e-5)
+            for b in range(B):
+                k, v = cache.live_kv(l, b)
+                np.testing.assert_array_equal(arrays.to_numpy(k, np.float32), deq_k[b])
+                np.testing.assert_array_equal(arrays.to_numpy(v, np.float32), deq_v[b])
+        audit(cache)
+
+    step(np.array([6, 3, 0]), 6)
+    assert cache.pages_used == 2 + 1  # once for all layers
+    cache.fork(0, [2])
+    for dr in directs:
+        dr.fork(0, [2])
+    step(np.array([2, 1, 3]), 3)  # rows 0 and 2 write into their shared last page
+    cache.reorder([2, 2, 1])
+    for dr in directs:
+        dr.reorder([2, 2, 1])
+    step(np.array([1, 1, 1]), 1)
