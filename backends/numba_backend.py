@@ -15,7 +15,9 @@ Which implementation serves a call, and why, is ``attention_route(...)``:
 Work is cut by the CPU planner shared with the numpy backend (``cpu_plan``): items of
 about equal cost, key splits when rows x KV heads are too few to fill the threads,
 consecutive runs of items per thread; key pieces are merged through their
-log-sum-exp. Threads: GQAKV_NUM_THREADS, else every core numba may use
+log-sum-exp. Attention variants: items start at a sliding window's first key (so a
+decode reads min(L, W) keys), the kernels mask within it and soft-cap each score, and
+sinks join once per query after its pieces are merged (``numba_kernels``). Threads: GQAKV_NUM_THREADS, else every core numba may use
 (``numba.set_num_threads`` per call), with BLAS held to one thread meanwhile.
 """
 
@@ -25,7 +27,7 @@ import os
 
 import numpy as np
 
-from gqakv.semantics import unsupported
+from gqakv.semantics import AttentionParams, block_keys, unsupported
 
 from .cpu_plan import ENV_THREADS, _plan, _share, _threads
 from .numpy_backend import NumpyBackend
@@ -53,6 +55,7 @@ class NumbaBackend(NumpyBackend):
         "float16/bfloat16 converted in registers, computed in float32",
         "float64 and long prefill chunks: the numpy backend's BLAS path",
         "threads: GQAKV_NUM_THREADS, else all cores",
+        "variants in the kernels: window (reads min(L, W) keys), softcap, sinks",
     })
 
     def __init__(self):
@@ -86,7 +89,7 @@ class NumbaBackend(NumpyBackend):
         """Compiled decode/short-chunk attention, else the NumPy path (``attention_route``);
         storage kinds and variants the kernels do not implement take the NumPy backend's
         route (which hands them on to the generic path)."""
-        if store.kind != "contiguous" or unsupported(params, "numba kernel"):
+        if store.kind != "contiguous" or store.quantized or unsupported(params, "numba kernel"):
             return super().attention(q, store, inputs, params, return_lse=return_lse)
         k_buf, v_buf = store.k, store.v
         rows, lens, n_new, scale = inputs.rows, inputs.lens, inputs.n_new, params.scale
@@ -94,7 +97,7 @@ class NumbaBackend(NumpyBackend):
         if route != "numba kernel":
             return super().attention(q, store, inputs, params, return_lse=return_lse)
         return attention_numba(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
-                               return_lse=return_lse)
+                               return_lse=return_lse, params=params)
 
 
 def _dtype_name(dtype) -> str:
@@ -116,22 +119,30 @@ def default_workers() -> int:
 def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool,
                     workers: int | None = None, query_block: int = QUERY_BLOCK,
                     min_key_split: int = MIN_KEY_SPLIT, key_block: int | None = None,
-                    parallel_min_work: int = PARALLEL_MIN_WORK):
+                    parallel_min_work: int = PARALLEL_MIN_WORK,
+                    params: AttentionParams | None = None):
     """Attention through the numba kernels; see ``gqakv.gqa_attention`` for the semantics.
 
     q: [B, Hq, T, d] (the cache's dtype); k_buf, v_buf: [rows_total, Hkv, max_len, d]
     C-contiguous float32/float16/bfloat16; rows, lens, n_new: host ints [B]. Returns
     out [B, Hq, T, d] in q's dtype and, with ``return_lse``, lse [B, Hq, T] float32
     (padded queries: 0 and -inf). The keywords expose the blocking so tests can force
-    every split on small shapes.
+    every split on small shapes. ``params``: the call's ``AttentionParams`` (default:
+    plain causal with ``scale``; when given, its scale is the one used), its variants included.
     """
     import numba
 
     from . import numba_kernels as nk
 
+    if params is None:
+        params = AttentionParams(scale=scale)
     B, Hq, T, d = q.shape
     Hkv = k_buf.shape[1]
     G = Hq // Hkv
+    window = nk.NO_WINDOW if params.window is None else params.window
+    softcap = np.float32(0.0 if params.softcap is None else params.softcap)
+    sinks = np.full(Hq, -np.inf, np.float32) if params.sinks is None else \
+        np.asarray(params.sinks, dtype=np.float32)
     rows = np.asarray(rows, dtype=np.int64)
     lens = np.asarray(lens, dtype=np.int64)
     n_new = np.asarray(n_new, dtype=np.int64)
@@ -140,7 +151,7 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
     if workers is None:
         workers = default_workers()
     workers = max(1, min(workers, numba.config.NUMBA_NUM_THREADS))
-    items, total = _plan(lens, n_new, Hkv, G, workers, query_block, min_key_split)
+    items, total = _plan(lens, n_new, Hkv, G, workers, query_block, min_key_split, params=params)
     if items:
         if total < parallel_min_work:
             workers = 1
@@ -151,7 +162,7 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
         groups: dict[tuple, list[int]] = {}
         n_part = 0
         for x, (i, h0, h1, t0, t1, j0, j1, _) in enumerate(order):
-            if j0 != 0 or j1 != int(lens[i]) - int(n_new[i]) + t1:  # a key piece: merged later
+            if (j0, j1) != block_keys(params, int(lens[i]), int(n_new[i]), t0, t1):  # a key piece
                 part_rows[x] = n_part
                 groups.setdefault((i, h0, h1, t0, t1), []).append(n_part)
                 n_part += (h1 - h0) * G * (t1 - t0)
@@ -164,14 +175,16 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
         items_arr = np.array([it[:7] for it in order], dtype=np.int64).reshape(-1, 7)
         with _threads:  # BLAS idle at one thread while numba's threads run
             numba.set_num_threads(workers)
-            nk.attention_items(q32, kb, vb, rows, lens, n_new, items_arr, run_starts,
-                               part_rows, np.float32(scale), key_block, out, lse, o_part, ml_part)
+            nk.attention_items(q32, kb, vb, rows, lens, n_new, items_arr, run_starts, part_rows,
+                               np.float32(params.scale), softcap, window, sinks, key_block,
+                               out, lse, o_part, ml_part)
             if groups:
                 keys = list(groups)
                 group_arr = np.array(keys, dtype=np.int64).reshape(-1, 5)
                 group_starts = np.cumsum([0] + [len(groups[k]) for k in keys], dtype=np.int64)
                 piece_rows = np.array([p for k in keys for p in groups[k]], dtype=np.int64)
-                nk.merge_pieces(group_arr, group_starts, piece_rows, o_part, ml_part, G, out, lse)
+                nk.merge_pieces(group_arr, group_starts, piece_rows, o_part, ml_part, G, sinks,
+                                out, lse)
     if q.dtype != np.float32:
         out = out.astype(q.dtype)
     return (out, lse) if return_lse else out

@@ -8,10 +8,14 @@ so later storage kinds and attention variants replace one piece, not the loop:
   stored element into float32, chosen at compile time by the buffer's element type
   (float32 as is; float16 bits as uint16 and bfloat16 bits as int16, converted in
   registers: ``half_to_float``, ``bfloat16_to_float``);
-- which keys a query sees: ``visible_keys(q_pos)`` gives the key range ``lo, hi``
-  (bottom-right causal: ``0, q_pos + 1``);
-- how a score is modified: ``score(dot, scale)`` (plain scaling now; a soft-cap
-  would act on this natural scaled score).
+- which keys a query sees: ``visible_keys(q_pos, window)`` gives the key range
+  ``lo, hi`` (bottom-right causal, ``0, q_pos + 1``, with a sliding window's first key
+  as ``lo``: ``gqakv.semantics.key_range`` in kernel form; the planner's items already
+  start at the window, so only the first block of a query block is masked by it);
+- how a score is modified: ``score(dot, scale, softcap)`` (scaling, then the soft-cap
+  ``c * tanh(s / c)`` when softcap > 0, through the vectorizable ``tanh_f32``);
+- sinks: ``join_sink`` adds a query head's sink to a finished (m, l) once every key
+  of the query is summed (an item's own keys, or its merged key pieces).
 
 Per block of keys (``key_block``, about 32): the dots of the whole tile (G heads x
 queries) against the block with the loop over d vectorized (``_block_dots``: two keys
@@ -184,6 +188,26 @@ def exp_nonpos(x):
     return y * _bits_to_float32((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
+@njit(cache=True)
+def tanh_f32(x):
+    """tanh(x) in float32 (Cephes' tanhf: about 2 ulp), vectorizable: a degree-9 odd
+    polynomial for |x| < 0.625, else (1 - e) / (1 + e) with e = exp(-2|x|) <= 0.29 (no
+    cancellation); +-inf gives +-1, NaN stays NaN. Without fastmath, as ``exp_nonpos``."""
+    z = abs(x)
+    e = exp_nonpos(np.float32(-2.0) * z)
+    big = (np.float32(1.0) - e) / (np.float32(1.0) + e)
+    if x < 0:
+        big = -big
+    zz = x * x
+    p = np.float32(-5.70498872745e-3)
+    p = p * zz + np.float32(2.06390887954e-2)
+    p = p * zz + np.float32(-5.37397155531e-2)
+    p = p * zz + np.float32(1.33314422036e-1)
+    p = p * zz + np.float32(-3.33332819422e-1)
+    small = p * zz * x + x
+    return big if z >= np.float32(0.625) else small
+
+
 # -- the pieces: reader, visibility, score --------------------------------------------------
 
 def decode(x):
@@ -213,16 +237,38 @@ def key_row(buf, r, h, j):
     return buf[r, h, j]
 
 
-@njit(cache=True)
-def visible_keys(q_pos):
-    """Keys [lo, hi) seen by the query at absolute position q_pos: bottom-right causal."""
-    return 0, q_pos + 1
+#: ``window`` of a call without a sliding window: no query's first key moves.
+NO_WINDOW = 1 << 62
 
 
 @njit(cache=True)
-def score(dot, scale):
-    """The score of one (query, key) pair from its dot product."""
-    return dot * scale
+def visible_keys(q_pos, window):
+    """Keys [lo, hi) seen by the query at absolute position q_pos: bottom-right causal,
+    within the last ``window`` positions (``NO_WINDOW``: all); as ``semantics.key_range``."""
+    return max(0, q_pos - window + 1), q_pos + 1
+
+
+@njit(cache=True)
+def score(dot, scale, softcap):
+    """The score of one (query, key) pair from its dot product: scaled, then soft-capped
+    (``c * tanh(s / c)``) when softcap > 0, before the mask (``semantics.transform_scores``)."""
+    x = dot * scale
+    if softcap > 0:
+        x = softcap * tanh_f32(x / softcap)
+    return x
+
+
+@njit(cache=True)
+def join_sink(m, l, sink):
+    """The sink logit joined to a finished row (max m > -inf or NaN, sum l; every key of
+    the query summed): ``(a, l', m')`` with the row's output scaled by ``a`` and the sum
+    and max now ``l'`` = l a + e^{sink - m'} and ``m' = max(m, sink)`` (exponentials
+    relative to the larger, so a sink of 1e38 neither overflows nor loses the keys'
+    share). A sink of -inf gives (1, l, m); a NaN row stays NaN."""
+    if sink > m:
+        a = exp_nonpos(m - sink)
+        return a, l * a + np.float32(1.0), sink
+    return np.float32(1.0), l + exp_nonpos(sink - m), m
 
 
 # -- attention -----------------------------------------------------------------------------
@@ -352,7 +398,27 @@ def _accumulate4(a0, a1, a2, a3, s0, s1, s2, s3, v_buf, r, h, js, n):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, key_block, s, acc, m, l):
+def _score_row(s_row, n, js, lo, hi, scale, softcap):
+    """In place, s_row[jj] (the dot with key js + jj, jj < n) becomes its score, or -inf
+    outside the query's keys [lo, hi); returns (the block max, whether a score is NaN).
+    The max and the NaN test are integer reductions, so the loop vectorizes."""
+    km = _NEG_INF_KEY
+    nan = False
+    for jj in range(n):
+        j = js + jj
+        x = score(s_row[jj], scale, softcap)
+        if (j < lo) | (j >= hi):
+            x = _NEG_INF
+        s_row[jj] = x
+        b = _float32_bits(x)
+        nan |= (b & 0x7FFFFFFF) > 0x7F800000
+        km = max(km, _order_key(b))
+    return _bits_to_float32(_order_key(km)), nan
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, window, key_block,
+            s, acc, m, l):
     """Online softmax of one tile (KV head h of row r, queries t0..t0+nq) over keys j0:j1.
 
     qt: [nq * G, d] float32, row t * G + g is query t0 + t of query head h * G + g;
@@ -361,9 +427,9 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, key_block, 
     A row with a NaN score (a NaN query, or a NaN in a live key it sees) ends with m
     and l NaN (its output is NaN, as in the reference); other rows are unaffected.
 
-    Per block of keys: all dots of the tile (``_block_dots``), then per row the
-    visibility mask, the block max (one rescale per block) and the exponentials, then
-    the P V update of the whole tile (``_accumulate``).
+    Per block of keys: all dots of the tile (``_block_dots``), then per row the score
+    (``_score_row``: scale, soft-cap, visibility mask), the block max (one rescale per
+    block) and the exponentials, then the P V update of the whole tile (``_accumulate``).
     """
     d = qt.shape[1]
     R = nq * G
@@ -380,19 +446,11 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, key_block, 
                 for jj in range(n):
                     s[rr, jj] = 0.0
                 continue
-            lo, hi = visible_keys(start + t0 + rr // G)
-            km = _NEG_INF_KEY  # the block max and the NaN test as integer reductions,
-            nan = False        # so this loop vectorizes
-            for jj in range(n):
-                j = js + jj
-                x = score(s[rr, jj], scale)
-                if (j < lo) | (j >= hi):
-                    x = _NEG_INF
-                s[rr, jj] = x
-                b = _float32_bits(x)
-                nan |= (b & 0x7FFFFFFF) > 0x7F800000
-                km = max(km, _order_key(b))
-            bm = _bits_to_float32(_order_key(km))
+            lo, hi = visible_keys(start + t0 + rr // G, window)
+            if softcap > 0:
+                bm, nan = _score_row(s[rr], n, js, lo, hi, scale, softcap)
+            else:  # the soft-cap's branch folds away in this copy
+                bm, nan = _score_row(s[rr], n, js, lo, hi, scale, np.float32(0.0))
             if nan:
                 m[rr] = np.float32(np.nan)
                 l[rr] = np.float32(np.nan)
@@ -421,7 +479,7 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, key_block, 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_rows,
-                    scale, key_block, out, lse, o_part, ml_part):
+                    scale, softcap, window, sinks, key_block, out, lse, o_part, ml_part):
     """Every item of the plan; runs of items go to threads (one prange index per run).
 
     q: [B, Hq, T, d] float32; k_buf, v_buf: [rows_total, Hkv, max_len, d] float32,
@@ -430,7 +488,9 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
     part_rows[it]: -1 when the item covers every key its queries see (it writes
     out [B, Hq, T, d] and lse [B, Hq, T] itself), else the first row of its
     (h1-h0) * nq * G rows in o_part [P, d] (unnormalized output) and ml_part [P, 2]
-    (running max, sum), merged by ``merge_pieces``.
+    (running max, sum), merged by ``merge_pieces``. scale, softcap (0: none): float32;
+    window: int (``NO_WINDOW``: none); sinks: float32 [Hq] (-inf: none), joined to an
+    item that covers every key of its queries, else after the merge.
     """
     d = q.shape[3]
     Hkv = k_buf.shape[1]
@@ -457,19 +517,20 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
                     for g in range(G):
                         for c in range(d):
                             qt[t * G + g, c] = q[i, h * G + g, t0 + t, c]
-                _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, key_block,
-                        s, acc, m, l)
+                _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, window,
+                        key_block, s, acc, m, l)
                 base = part_rows[it]
                 for t in range(nq):
                     for g in range(G):
                         rr = t * G + g
                         if base < 0:
-                            if m[rr] == _NEG_INF:  # saw no key (cannot happen when causal)
+                            if m[rr] == _NEG_INF:  # saw no key (no real query does)
                                 continue
-                            inv = np.float32(1.0) / l[rr]
+                            a, tot, mx = join_sink(m[rr], l[rr], sinks[h * G + g])
+                            inv = a / tot
                             for c in range(d):
                                 out[i, h * G + g, t0 + t, c] = acc[rr, c] * inv
-                            lse[i, h * G + g, t0 + t] = m[rr] + np.log(l[rr])
+                            lse[i, h * G + g, t0 + t] = mx + np.log(tot)
                         else:
                             p = base + (h - h0) * R + rr
                             for c in range(d):
@@ -479,8 +540,9 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def merge_pieces(groups, group_starts, piece_rows, o_part, ml_part, G, out, lse):
-    """Combine the key pieces of split items through their log-sum-exp.
+def merge_pieces(groups, group_starts, piece_rows, o_part, ml_part, G, sinks, out, lse):
+    """Combine the key pieces of split items through their log-sum-exp, then join each
+    query head's sink (float32 [Hq], -inf: none) once to the merged sum.
 
     groups: int64 [n_groups, 5] (i, h0, h1, t0, t1); group gi's pieces start at rows
     piece_rows[group_starts[gi]:group_starts[gi+1]] of o_part / ml_part (layout of
@@ -509,7 +571,10 @@ def merge_pieces(groups, group_starts, piece_rows, o_part, ml_part, G, out, lse)
                     continue
                 if mx == _NEG_INF:  # no piece saw a key: the query stays 0 / -inf
                     continue
-                tot = np.float32(0.0)
+                sink = sinks[hq]
+                # relative to max(mx, sink): the sink's term is e^{sink - mx}
+                tot = exp_nonpos(sink - mx) if sink <= mx else np.float32(1.0)
+                mx = mx if sink <= mx else sink
                 for pi in range(group_starts[gi], group_starts[gi + 1]):
                     p = piece_rows[pi] + row
                     w = exp_nonpos(ml_part[p, 0] - mx)

@@ -27,6 +27,11 @@ Work and memory:
   fly into a reused float32 buffer (NumPy's half-precision matmul is about 10x slower
   than float32, and its float16 cast is scalar code, so ``to_float32`` converts
   float16 through its bits), and the result is cast back to the cache's dtype.
+
+Attention variants (``gqakv.semantics``): a sliding window moves each query block's
+first key (the planner's items start at ``block_keys``), so work and bytes read follow
+min(L, W); a soft-cap is ``transform_scores`` on each block of scaled scores before the
+mask; sinks join once per query, after its key pieces are merged (``_with_sinks``).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from gqakv.merge import SoftmaxState
-from gqakv.semantics import AttentionParams, block_keys, visible_mask
+from gqakv.semantics import AttentionParams, block_keys, transform_scores, visible_mask
 
 # Threads, work items and their sharing are planned in cpu_plan (shared with the numba
 # backend); the names stay importable from here.
@@ -112,6 +117,7 @@ def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, params, acc, score
             s = np.ascontiguousarray(np.matmul(kb, qb.swapaxes(-1, -2)).swapaxes(-1, -2))
         else:
             s = np.matmul(qb, kb.swapaxes(-1, -2))  # [hh, G*nq, je-js]
+        s = transform_scores(params, s, np)  # the soft-cap, if any: before the mask
         visible = visible_mask(params, L, n, t0, t1, js, je)  # None: nothing masked
         if visible is not None:
             np.copyto(s.reshape(hh, G, nq, je - js), -np.inf, where=~visible)
@@ -119,9 +125,27 @@ def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, params, acc, score
     return state
 
 
-def _finish(out, lse, item, state, G):
-    """Normalize and store one item's (merged) result into out [B, Hq, T, d] and lse."""
+def _with_sinks(state, sinks, h0, h1, G, nq):
+    """``state`` (every key of its queries summed) with the sink logits joined: a
+    softmax term of value 0, i.e. a merge with a state of max ``sink``, sum 1, output 0.
+
+    sinks: [Hq] in the compute dtype; the state's rows are [h1 - h0, G * nq] (query
+    head h0 * G + row // nq). A query that saw no key (m = -inf) keeps out 0 and lse
+    -inf (its sink is taken as -inf); a NaN max stays NaN.
+    """
+    m = state.m  # [hh, G * nq, 1]
+    sink = np.repeat(sinks[h0 * G:h1 * G], nq).reshape(m.shape)
+    sink = np.where(m > -np.inf, sink, -np.inf)
+    pseudo = SoftmaxState(np, sink, np.ones_like(m), np.zeros_like(m))  # o broadcasts over d
+    return SoftmaxState.merge(np, [state, pseudo])
+
+
+def _finish(out, lse, item, state, G, sinks=None):
+    """Normalize and store one item's (merged) result into out [B, Hq, T, d] and lse;
+    ``sinks`` ([Hq] or None) join here, once every key of the item's queries is summed."""
     i, h0, h1, t0, t1 = item[:5]
+    if sinks is not None:
+        state = _with_sinks(state, sinks, h0, h1, G, t1 - t0)
     o, lse_item = state.result()
     hh, nq, d = h1 - h0, t1 - t0, o.shape[-1]
     out[i, h0 * G:h1 * G, t0:t1, :] = o.reshape(hh * G, nq, d)
@@ -135,14 +159,16 @@ def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
                     query_block: int = QUERY_BLOCK,
                     min_key_split: int = MIN_KEY_SPLIT,
                     parallel_min_work: int = PARALLEL_MIN_WORK,
-                    params: AttentionParams | None = None):
+                    params: AttentionParams | None = None, attend_item=None):
     """NumPy attention over validated inputs; see ``gqakv.gqa_attention`` for the semantics.
 
     q: [B, Hq, T, d]; k_buf, v_buf: [rows_total, Hkv, max_len, d]; rows, lens, n_new:
     host int arrays [B]. ``workers`` threads (default: GQAKV_NUM_THREADS, else the
     BLAS thread count) share the items; the remaining keywords expose the blocking
     so tests can drive every split on small shapes. ``params``: the call's
-    ``AttentionParams`` (default: plain causal with ``scale``).
+    ``AttentionParams`` (default: plain causal with ``scale``). ``attend_item``: the
+    per-item kernel (default ``_attend_item``; ``numpy_quantized`` passes one that
+    dequantizes each K/V block).
     """
     if params is None:
         params = AttentionParams(scale=scale)
@@ -152,6 +178,7 @@ def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
     acc = np.float64 if q.dtype == np.float64 else np.float32
     out = np.zeros((B, Hq, T, d), dtype=q.dtype)
     lse = np.full((B, Hq, T), -np.inf, dtype=acc) if return_lse else None
+    sinks = None if params.sinks is None else np.asarray(params.sinks, dtype=acc)  # [Hq]
     if workers is None:
         workers = _threads.default_workers()
     items, total = _plan(lens, n_new, Hkv, G, workers, query_block, min_key_split, params=params)
@@ -164,11 +191,12 @@ def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
         """Compute a run of items; finish whole ones, hand back key pieces for merging."""
         pieces = []
         for item in batch:
-            state = _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, params=params,
-                                 acc=acc, score_block_elements=score_block_elements)
+            state = (attend_item or _attend_item)(q, k_buf, v_buf, rows, lens, n_new, item,
+                                                  params=params, acc=acc,
+                                                  score_block_elements=score_block_elements)
             i, t0, t1, j0, j1 = item[0], item[3], item[4], item[5], item[6]
             if (j0, j1) == block_keys(params, int(lens[i]), int(n_new[i]), t0, t1):  # all its keys
-                _finish(out, lse, item, state, G)  # items write disjoint parts of out
+                _finish(out, lse, item, state, G, sinks)  # items write disjoint parts of out
             else:
                 pieces.append((item, state))
         return pieces
@@ -179,14 +207,15 @@ def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
         with _threads:
             futures = [_threads.pool(workers).submit(run, batch) for batch in _share(items, workers)]
             pieces = [p for f in futures for p in f.result()]
-    _merge(out, lse, pieces, G)
+    _merge(out, lse, pieces, G, sinks)
     return (out, lse) if return_lse else out
 
 
-def _merge(out, lse, pieces, G):
-    """Combine the key pieces of split items (``SoftmaxState.merge``) and store them."""
+def _merge(out, lse, pieces, G, sinks=None):
+    """Combine the key pieces of split items (``SoftmaxState.merge``) and store them
+    (sinks join after the merge, never per piece)."""
     groups: dict[tuple, list] = {}
     for item, state in pieces:
         groups.setdefault(item[:5], []).append(state)
     for key, states in groups.items():
-        _finish(out, lse, key, SoftmaxState.merge(np, states), G)
+        _finish(out, lse, key, SoftmaxState.merge(np, states), G, sinks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gqakv.backend import Backend
 from gqakv.semantics import unsupported
-from gqakv.store import CONTIGUOUS
+from gqakv.store import CONTIGUOUS, PAGED
 
 
 class NumpyBackend(Backend):
@@ -47,9 +47,18 @@ class NumpyBackend(Backend):
 
     def attention(self, q, store, inputs, params, *, return_lse: bool):
         """BLAS matmuls on live views, shared among threads (see ``numpy_attention``), for
-        contiguous storage and the variants it implements; otherwise the generic path."""
+        contiguous storage and the variants it implements (quantized storage: each K/V block
+        dequantized as it is read, ``numpy_quantized``); otherwise the generic path."""
+        if store.kind == PAGED and not unsupported(params, "numpy BLAS"):
+            from .numpy_paged import attention_numpy_paged  # reads through the page table
+
+            return attention_numpy_paged(q, store, inputs, params, return_lse=return_lse)
         if store.kind != CONTIGUOUS or unsupported(params, "numpy BLAS"):
             return super().attention(q, store, inputs, params, return_lse=return_lse)
+        if store.quantized:
+            from .numpy_quantized import attention_numpy_quantized
+
+            return attention_numpy_quantized(q, store, inputs, params, return_lse=return_lse)
         from .numpy_attention import attention_numpy
 
         return attention_numpy(q, store.k, store.v, inputs.rows, inputs.lens, inputs.n_new,

@@ -17,7 +17,8 @@ class StrictBackend(Backend):
     device_kind = "cpu"
     dtypes = ("float32", "float64")
     head_dims = None
-    features = frozenset({"array_api"})
+    features = frozenset({"array_api",
+                          "attention variants (window, softcap, sinks) on the generic array-API path"})
 
     def unavailable_reason(self):
         try:

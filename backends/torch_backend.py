@@ -42,6 +42,8 @@ class TorchBackend(Backend):
         "cuda where torch.cuda.is_available()",
         "dlpack zero-copy exchange (numpy on CPU, cupy on CUDA)",
         "float16/bfloat16 computed in float32",
+        # no fused kernel of its own: every call, variants included, is the generic path
+        "attention variants (window, softcap, sinks) on the generic array-API path",
     })
 
     def __init__(self, device=None):

@@ -11,7 +11,9 @@ from .attention import gqa_attention
 from .backend import Backend
 from .cache import KVCache
 from .model_cache import ModelKVCache, Step
-from .merge import merge_attention
+from .paged import OutOfPages
+from .paged_cache import PagedKVCache
+from .merge import apply_sinks, merge_attention
 from .semantics import AttentionParams
 from .store import KVStore, StorageSpec
 from .registry import (
@@ -33,8 +35,11 @@ __all__ = [
     "KVCache",
     "KVStore",
     "ModelKVCache",
+    "OutOfPages",
+    "PagedKVCache",
     "Step",
     "StorageSpec",
+    "apply_sinks",
     "describe_backends",
     "get_backend",
     "gqa_attention",

@@ -12,8 +12,8 @@ import math
 from array_api_compat import array_namespace
 
 from .inputs import check_flag, validate_attention
-from .merge import SoftmaxState
-from .semantics import block_keys, visible_mask
+from .merge import SoftmaxState, apply_sinks
+from .semantics import block_keys, transform_scores, visible_mask
 
 # Upper bound, in elements, of one block of attention scores [Hkv, G * q_block, k_block].
 # It bounds the temporaries of a long prefill chunk (16 MiB of float32 by default)
@@ -22,9 +22,11 @@ SCORE_BLOCK_ELEMENTS = 1 << 22
 QUERY_BLOCK = 256
 
 
-def gqa_attention(q, cache, n_new, *, scale: float | None = None, return_lse: bool = False,
+def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | None = None,
+                  softcap: float | None = None, sinks=None, return_lse: bool = False,
                   rows=None, params=None):
-    """Causal grouped-query attention of the newest tokens over a KVCache.
+    """Causal grouped-query attention of the newest tokens over a KVCache, optionally with
+    a sliding window, a logit soft-cap and per-head sinks.
 
     Args:
         q: ``[B, Hq, T, d]`` queries of the tokens just appended, in the cache's dtype.
@@ -35,12 +37,21 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, return_lse: bo
         n_new: ``[B]`` ints: entry i's real queries are ``q[i, :, :n_new[i]]``; slots
             ``t >= n_new[i]`` are padding and return exactly 0.
         scale: softmax scale, default ``1 / sqrt(d)`` (a Python float).
-        return_lse: (a bool) also return the natural-log log-sum-exp of the scaled scores per
+        window: None, or W >= 1 (an int): query position p sees only keys
+            ``max(0, p - W + 1) .. p``, the W most recent (transformers' ``sliding_window``);
+            only those keys are read.
+        softcap: None, or c > 0: each scaled score s becomes ``c * tanh(s / c)`` before the
+            mask and the softmax (Gemma 2).
+        sinks: None, or ``[Hq]`` real logits (array of any library or sequence; held as
+            float32; -inf allowed): per query head an extra softmax term without a value,
+            ``out = sum_j e^{s_j} v_j / (e^{sink_h} + sum_j e^{s_j})`` (gpt-oss).
+        return_lse: (a bool) also return the natural-log log-sum-exp of the scores per
             query, ``[B, Hq, T]`` (float32, or float64 for float64 caches), ``-inf`` for
-            padded queries, so partial results over disjoint key sets can be merged.
+            padded queries, so partial results over disjoint key sets can be merged. With
+            sinks it is the full denominator's ``log(e^{sink_h} + sum_j e^{s_j})``.
         rows: optional ``[B]`` cache rows read by each entry (default ``0..B-1``).
-        params: optional ``gqakv.AttentionParams`` instead of ``scale`` (the attention's
-            parameters, variants included; see ``gqakv.semantics``).
+        params: optional ``gqakv.AttentionParams`` carrying scale, window, softcap and
+            sinks instead of those keywords (not both; see ``gqakv.semantics``).
 
     Mask (bottom-right causal, defined once in ``gqakv.semantics``): with ``L = lens[rows[i]]`` and ``n = n_new[i]``, query
     t sits at absolute position ``p = L - n + t`` and sees keys ``0..p``. For L = 6,
@@ -51,13 +62,23 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, return_lse: bo
         query 1 (p=4)   x x x x x .
         query 2 (p=5)   x x x x x x
 
-    Keys at or past ``L`` are never read, whatever the buffer holds there.
+    Keys at or past ``L`` are never read, whatever the buffer holds there. With
+    ``window=2`` the same call sees (query p: keys p-1 and p)::
+
+                 keys 0 1 2 3 4 5
+        query 0 (p=3)   . . x x . .
+        query 1 (p=4)   . . . x x .
+        query 2 (p=5)   . . . . x x
+
+    A query that sees no key (a padded slot) returns exactly 0 (and lse -inf), with or
+    without sinks.
 
     Returns:
         ``out`` ``[B, Hq, T, d]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
     """
     return_lse = check_flag(return_lse, "return_lse")
-    inputs = validate_attention(cache, q, n_new, rows, scale, params)
+    inputs = validate_attention(cache, q, n_new, rows, scale, params,
+                                window=window, softcap=softcap, sinks=sinks)
     return attend(cache, q, inputs, return_lse)
 
 
@@ -83,6 +104,9 @@ def attention_array_api(q, store, inputs, params, *, return_lse: bool,
     at a time over the keys its queries see (``gqakv.semantics``), so work follows the
     sum of live lengths, and blocks over queries and keys with an online softmax
     (``gqakv.merge.SoftmaxState``) so temporaries stay within ``score_block_elements``.
+    Variants: scores are soft-capped before the mask, a window narrows the keys read
+    (both through ``gqakv.semantics``), and sinks join each row's result once, after all
+    its keys (``gqakv.merge.apply_sinks``).
     """
     rows, lens, n_new = inputs.rows, inputs.lens, inputs.n_new
     xp = array_namespace(q)
@@ -93,6 +117,7 @@ def attention_array_api(q, store, inputs, params, *, return_lse: bool,
     dev = getattr(q, "device", None)
     out = xp.zeros((B, Hq, T, d), dtype=q.dtype, device=dev)
     lse = xp.full((B, Hq, T), -math.inf, dtype=acc, device=dev) if return_lse else None
+    sinks = None if params.sinks is None else xp.asarray(params.sinks, dtype=acc, device=dev)
     for i in range(B):
         n, L = int(n_new[i]), int(lens[i])
         if n == 0:
@@ -102,9 +127,12 @@ def attention_array_api(q, store, inputs, params, *, return_lse: bool,
         o_row, lse_row = _attend_row(xp, q_row, store, int(rows[i]), L, params, acc=acc,
                                      score_block_elements=score_block_elements,
                                      query_block=query_block)
-        out[i, :, :n, :] = xp.astype(xp.reshape(o_row, (Hq, n, d)), q.dtype)
+        o_row, lse_row = xp.reshape(o_row, (Hq, n, d)), xp.reshape(lse_row, (Hq, n))
+        if sinks is not None:  # once per query, after every key (never per key block)
+            o_row, lse_row = apply_sinks(o_row, lse_row, sinks)
+        out[i, :, :n, :] = xp.astype(o_row, q.dtype)
         if return_lse:
-            lse[i, :, :n] = xp.reshape(lse_row, (Hq, n))
+            lse[i, :, :n] = lse_row
     return (out, lse) if return_lse else out
 
 
@@ -129,12 +157,12 @@ def _attend_row(xp, q_row, store, row, L, params, *, acc, score_block_elements, 
         lo, hi = block_keys(params, L, n, t0, t1)
         k_block = max(1, score_block_elements // max(1, Hkv * G * nq))
         state = SoftmaxState(xp)
-        for j0 in range(lo, hi, k_block):
-            j1 = min(hi, j0 + k_block)
+        for j0, j1 in store.key_blocks(row, lo, hi, k_block):  # page-aligned when paged
             kb, vb = store.blocks(row, j0, j1)
             if kb.dtype != acc:
                 kb, vb = xp.astype(kb, acc), xp.astype(vb, acc)
             s = qb @ xp.matrix_transpose(kb)  # [Hkv, G*nq, j1-j0]
+            s = transform_scores(params, s, xp)  # the soft-cap, before the mask
             visible = visible_mask(params, L, n, t0, t1, j0, j1, xp=xp, device=dev)
             if visible is not None:  # [nq, j1-j0]
                 s = xp.reshape(xp.where(visible, xp.reshape(s, (Hkv, G, nq, j1 - j0)), neg_inf),

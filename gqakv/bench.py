@@ -149,6 +149,7 @@ class Config:
     dtype: str = "float32"
     backend: str | None = None
     seed: int = 0
+    page_size: int | None = None  # a paged cache (gqakv.PagedKVCache) with pages of this size
 
     def row_prompts(self) -> list[int]:
         """Prompt length of each row: the given lengths, cycled over the batch."""
@@ -173,6 +174,8 @@ class Result:
     threads: str
     cache_bytes: int
     live_bytes: int
+    contiguous_bytes: int = 0  # a contiguous cache of the same rows at max_len
+    pages: int | None = None  # pages in a paged cache's pool
     prefill: Phase = field(default_factory=Phase)
     decode: Phase = field(default_factory=Phase)
     wall_s: float = 0.0
@@ -207,13 +210,22 @@ def prefill_chunk(cfg: Config) -> int:
 
 
 def make_cache(cfg: Config):
-    """The workload's KVCache: every row holds its prompt plus ``cfg.steps`` tokens.
+    """The workload's KVCache: every row holds its prompt plus ``cfg.steps`` tokens. With
+    ``cfg.page_size``, a PagedKVCache whose pool holds exactly the pages the run's rows end
+    with (``sum(ceil((prompt + steps) / page_size))``): memory follows the live tokens.
 
     Raises BackendError (backend unknown or unable to run) or MemoryError (too big) before
     anything has run."""
     from .cache import KVCache
 
     max_len = max(cfg.row_prompts(), default=0) + cfg.steps
+    if cfg.page_size is not None:
+        from .paged import pages_for
+        from .paged_cache import PagedKVCache
+
+        pages = sum(pages_for(p + cfg.steps, cfg.page_size) for p in cfg.row_prompts())
+        return PagedKVCache(cfg.batch, cfg.kv_heads, max_len, cfg.head_dim, dtype=cfg.dtype,
+                            backend=cfg.backend, page_size=cfg.page_size, num_pages=pages)
     return KVCache(cfg.batch, cfg.kv_heads, max_len, cfg.head_dim, dtype=cfg.dtype,
                    backend=cfg.backend)
 
@@ -234,8 +246,12 @@ def run_workload(cfg: Config, progress=None, cache=None) -> Result:
     def data(T, heads):  # one random block, reused: values do not change the work
         return backend.from_numpy(rng.standard_normal((B, heads, T, d), dtype=np.float32), cfg.dtype)
 
+    from .cache import KVCache
+
     res = Result(config=asdict(cfg), backend=backend.name, threads=_threads_line(backend),
-                 cache_bytes=cache.nbytes, live_bytes=0)
+                 cache_bytes=cache.nbytes, live_bytes=0,
+                 contiguous_bytes=KVCache.nbytes_for(B, Hkv, cache.max_len, d, cfg.dtype),
+                 pages=cache.num_pages if cache.store.kind == "paged" else None)
     t_start = time.perf_counter()
 
     def step(phase: Phase, k_new, q, n_new):
@@ -311,6 +327,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--backend", default=None,
                         help="backend name (default: GQAKV_BACKEND, else the automatic choice)")
     parser.add_argument("--seed", type=int, default=c.seed)
+    parser.add_argument("--page-size", type=int, default=None,
+                        help="run on a paged cache (gqakv.PagedKVCache) with pages of this many "
+                             "tokens, its pool sized to the run's final rows")
     parser.add_argument("--compare", choices=["torch"], default=None,
                         help="also time torch SDPA (enable_gqa) over the same live views")
     parser.add_argument("--no-bandwidth", action="store_true",
@@ -333,11 +352,16 @@ def _config(args) -> Config:
             raise UsageError(f"{name} must be >= {low}, got {value}")
     if not prompts or min(prompts) < 1:
         raise UsageError(f"--prompt-lens must be comma-separated ints >= 1, got {args.prompt_lens!r}")
+    page_size = getattr(args, "page_size", None)
+    if page_size is not None and page_size < 1:
+        raise UsageError(f"--page-size must be >= 1, got {page_size}")
+    if page_size is not None and args.compare == "torch":
+        raise UsageError("--compare torch reads contiguous rows; it cannot run with --page-size")
     if args.heads % args.kv_heads:
         raise UsageError(f"--heads={args.heads} must be a multiple of --kv-heads={args.kv_heads}")
     return Config(batch=args.batch, prompt_lens=prompts, chunk=args.chunk, steps=args.steps,
                   heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                  dtype=args.dtype, backend=args.backend, seed=args.seed)
+                  dtype=args.dtype, backend=args.backend, seed=args.seed, page_size=page_size)
 
 
 def run(args) -> int:
@@ -413,6 +437,7 @@ def _report(res: Result, bw, compare, times: dict | None = None) -> dict:
     report = {
         "config": res.config, "backend": res.backend, "threads": res.threads,
         "cache_bytes": res.cache_bytes, "live_bytes": res.live_bytes, "wall_s": res.wall_s,
+        "contiguous_bytes": res.contiguous_bytes, "pages": res.pages,
         "times": times,
         "prefill": asdict(res.prefill), "decode": asdict(d),
         "concat_bytes": res.prefill.concat_bytes + d.concat_bytes,
@@ -429,6 +454,11 @@ def _print_report(r: dict) -> None:
     print(f"\nbackend: {r['backend']} ({r['threads']})")
     print(f"cache: {human_bytes(r['cache_bytes'])} allocated once (K and V), {human_bytes(r['live_bytes'])} "
           "live at the end")
+    if r.get("pages") is not None:
+        ps = r["config"]["page_size"]
+        print(f"  paged: {r['pages']:,} pages of {ps} tokens ({r['cache_bytes']:,} bytes); a contiguous "
+              f"cache of the same rows at max_len would allocate {r['contiguous_bytes']:,} bytes "
+              f"({human_bytes(r['contiguous_bytes'])}, {r['contiguous_bytes'] / max(1, r['cache_bytes']):.2f}x)")
     print(f"\n{'phase':<20}{'calls':>7}{'tokens':>9}{'total s':>10}{'per call ms':>13}")
     for name, ph, what in (("prefill", p, "chunk"), ("decode", d, "step")):
         for part in ("append", "attention"):

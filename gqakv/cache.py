@@ -7,12 +7,13 @@ advance it; nothing is ever concatenated, stacked, repeated or reallocated.
 Storage is a ``gqakv.store.KVStore`` (``cache.store``): it owns the layout, the
 dtypes, the byte count and allocation, and it is what the backends' hot operations
 take. Public contract of the buffers: ``cache.k`` / ``cache.v`` (and ``live_kv``) are
-the store's arrays, and for contiguous storage (the only kind today) they are *views*
+the store's arrays, and for contiguous storage they are *views*
 of the live memory, never copies: reading them is supported, writing them bypasses
 validation and the lengths (tests poison dead slots through ``cache.store.fill``).
 A storage kind that is not contiguous (paged, quantized) will not promise views: there
-``live_kv`` returns the store's reader output (``KVStore.blocks``, dequantized copies)
-and ``k`` / ``v`` are not dense buffers.
+``live_kv`` returns the store's reader output (``KVStore.blocks``: copies gathered from
+a paged row's pages, dequantized copies) and ``k`` / ``v`` are not dense per-row buffers
+(paged: the page pool ``[num_pages, Hkv, page_size, d]``).
 
 A KVCache is either *standalone* (it allocated its own buffers) or a *layer view* of
 a ``gqakv.ModelKVCache``: then ``k`` and ``v`` are views ``k[layer]`` of the model's
@@ -31,7 +32,7 @@ from . import dtypes as _dtypes
 from . import row_ops
 from .inputs import validate_append
 from .registry import get_backend
-from .store import MAX_BUFFER_BYTES, KVStore, StorageSpec  # noqa: F401  (MAX_BUFFER_BYTES: re-exported)
+from .store import MAX_BUFFER_BYTES, PAGED, KVStore, StorageSpec  # noqa: F401  (MAX_BUFFER_BYTES: re-exported)
 
 
 def _check_dim(name: str, value, minimum: int) -> int:
@@ -111,15 +112,32 @@ class RowsAndLengths:
     """
 
     def _allocate(self, leading: tuple[int, ...], batch, kv_heads, max_len, head_dim, dtype,
-                  backend, what: str, storage: str = "contiguous") -> None:
+                  backend, what: str, storage: str = "contiguous", page_size=None,
+                  num_pages=None, kv_dtype=None) -> None:
         """Check the dimensions, pick the backend, allocate K and V
-        ``[*leading, B, Hkv, max_len, d]`` once and start every row empty."""
+        ``[*leading, B, Hkv, max_len, d]`` once (paged storage: a pool of ``num_pages``
+        pages of ``page_size`` tokens, ``gqakv.paged``) and start every row empty."""
         self.batch, self.kv_heads, self.max_len, self.head_dim = _check_dims(
             batch, kv_heads, max_len, head_dim)
         self.dtype = _dtypes.canonical_name(dtype)
+        spec = StorageSpec.of(self.dtype, storage, kv_dtype)
+        self.kv_dtype = spec.dtype if spec.quantized else None
+        if spec.kind == PAGED:
+            from . import paged
+
+            page_size, num_pages = paged.check_page_args(
+                paged.DEFAULT_PAGE_SIZE if page_size is None else page_size, num_pages,
+                self.batch, self.max_len)
+        elif page_size is not None or num_pages is not None:
+            raise ValueError(f"page_size={page_size!r} and num_pages={num_pages!r} apply to "
+                             f"storage='paged' only, not storage={storage!r}")
         self.backend = get_backend(backend, dtype=self.dtype, head_dim=self.head_dim)
         shape = (*leading, self.batch, self.kv_heads, self.max_len, self.head_dim)
-        self.store = KVStore.allocate(self.backend, StorageSpec.of(self.dtype, storage), shape, what)
+        if spec.kind == PAGED:
+            self.store = paged.PagedStore.allocate(self.backend, spec, shape, what,
+                                                   page_size=page_size, num_pages=num_pages)
+        else:
+            self.store = KVStore.allocate(self.backend, spec, shape, what)
         self._lengths = Lengths(self.batch)
 
     @property
@@ -132,6 +150,34 @@ class RowsAndLengths:
     def v(self):
         """V, as ``k``."""
         return self.store.v
+
+    # -- pages (paged storage) ---------------------------------------------------------------
+
+    def _table(self):
+        if self.store.kind != PAGED:
+            raise TypeError(f"this cache's storage is {self.store.kind!r}; pages exist only "
+                            "for storage='paged' (gqakv.PagedKVCache)")
+        return self.store.table
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (paged storage only)."""
+        return self._table().page_size
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool (paged storage only)."""
+        return self._table().num_pages
+
+    @property
+    def pages_used(self) -> int:
+        """Pages some row's table names (paged storage only)."""
+        return self._table().pages_used
+
+    @property
+    def pages_free(self) -> int:
+        """Pages on the free list (paged storage only)."""
+        return self._table().pages_free
 
     @property
     def host_lens(self) -> np.ndarray:
@@ -162,13 +208,13 @@ class RowsAndLengths:
         """Shorten ``rows[i]`` to ``new_lens[i] <= lens[rows[i]]`` tokens: O(1), no data moves."""
         with self._lengths.lock:
             self._check_can_change("truncate rows")
-            row_ops.truncate(self._lengths, rows, new_lens)
+            row_ops.truncate(self._lengths, rows, new_lens, store=self.store)
 
     def reset(self, rows=None) -> None:
         """Empty ``rows`` (distinct; default every row) for reuse by new requests."""
         with self._lengths.lock:
             self._check_can_change("reset rows")
-            row_ops.reset(self._lengths, rows)
+            row_ops.reset(self._lengths, rows, store=self.store)
 
 
 class KVCache(RowsAndLengths):
@@ -181,7 +227,15 @@ class KVCache(RowsAndLengths):
         head_dim: d.
         dtype: "float32" (default), "float16", "bfloat16", "float64" or a dtype object.
         backend: a backend name, a Backend, "auto" or None (see ``gqakv.get_backend``).
-        storage: the storage kind (``gqakv.store.KINDS``; "contiguous", the only one today).
+        storage: the storage kind (``gqakv.store.KINDS``): "contiguous" (default) or
+            "paged" (see ``gqakv.PagedKVCache``).
+        page_size, num_pages: paged storage only: tokens per page (default 16) and pages in
+            the pool (default: every row at ``max_len``).
+        kv_dtype: how K and V are stored: None (as ``dtype``), "int8" or "float8_e4m3fn"
+            (8-bit codes plus a float32 scale per row, KV head and token, ``gqakv.quantize``;
+            contiguous storage, dtype float32/float16/bfloat16). ``dtype`` stays the dtype
+            of q, k_new/v_new and the output; appends quantize, attention dequantizes
+            block by block as it reads, row operations carry the scales.
 
     Attributes:
         store: the KVStore (layout, dtypes, bytes); what the backend's operations take.
@@ -192,9 +246,10 @@ class KVCache(RowsAndLengths):
     """
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype="float32", backend=None, *, storage: str = "contiguous"):
+                 dtype="float32", backend=None, *, storage: str = "contiguous",
+                 page_size: int | None = None, num_pages: int | None = None, kv_dtype=None):
         self._allocate((), batch, kv_heads, max_len, head_dim, dtype, backend, "KV cache",
-                       storage)
+                       storage, page_size, num_pages, kv_dtype)
         self._frozen = None  # why this cache cannot change its own lengths (layer views)
 
     @classmethod
@@ -205,7 +260,8 @@ class KVCache(RowsAndLengths):
         self = cls.__new__(cls)
         self.batch, self.kv_heads, self.max_len, self.head_dim = (
             store.rows, store.kv_heads, store.max_len, store.head_dim)
-        self.dtype = store.dtype
+        self.dtype = store.spec.q_dtype
+        self.kv_dtype = store.dtype if store.quantized else None
         self.backend = backend
         self.store = store
         self._lengths = lengths
@@ -215,11 +271,13 @@ class KVCache(RowsAndLengths):
     # -- sizing ----------------------------------------------------------------------------
 
     @staticmethod
-    def nbytes_for(batch: int, kv_heads: int, max_len: int, head_dim: int, dtype="float32") -> int:
-        """Bytes the K and V buffers of such a cache take together, computed before allocating
-        (each dimension checked as the constructor checks it; exact Python ints, no wrap-around)."""
+    def nbytes_for(batch: int, kv_heads: int, max_len: int, head_dim: int, dtype="float32",
+                   kv_dtype=None) -> int:
+        """Bytes the K and V buffers of such a cache take together (with ``kv_dtype``: codes
+        plus scales), computed before allocating (each dimension checked as the constructor
+        checks it; exact Python ints, no wrap-around)."""
         batch, kv_heads, max_len, head_dim = _check_dims(batch, kv_heads, max_len, head_dim)
-        return StorageSpec.of(dtype).nbytes(batch * max_len, kv_heads, head_dim)
+        return StorageSpec.of(dtype, kv_dtype=kv_dtype).nbytes(batch * max_len, kv_heads, head_dim)
 
     @property
     def nbytes(self) -> int:
@@ -247,11 +305,16 @@ class KVCache(RowsAndLengths):
                 to cache row ``rows[i]`` (continuous batching over a larger cache).
 
         Everything is validated before anything is written: on error (TypeError or
-        ValueError naming the row and the numbers) no row's data or length changes.
+        ValueError naming the row and the numbers; ``gqakv.OutOfPages`` when a paged
+        cache's pool cannot supply the pages) no row's data or length changes.
         """
         with self._lengths.lock:  # validate, write and advance as one step (see Lengths)
             self._check_can_change("append")
             inputs = validate_append(self, k_new, v_new, n_new, rows)
+            if self.store.kind == PAGED:  # take pages (OutOfPages changes nothing)
+                from .paged import reserve
+
+                reserve(self.backend, self.store, inputs.rows, inputs.starts, inputs.n_new)
             write(self.backend, self.store, k_new, v_new, inputs)
             self._set_lens(inputs.rows, inputs.starts + inputs.n_new)
 
@@ -266,17 +329,23 @@ class KVCache(RowsAndLengths):
     def live_kv(self, row: int):
         """Row ``row``'s live keys and values, ``[Hkv, L, d]`` each, in the storage dtype:
         for contiguous storage the views ``k[row, :, :L]`` and ``v[row, :, :L]`` (they
-        change when the row is written; copy them to keep them). Other storage kinds
-        return what ``KVStore.blocks`` reads (possibly copies). See the module docstring."""
+        change when the row is written; copy them to keep them). Paged storage returns
+        copies gathered from the row's pages (the pages are shared and move between rows);
+        other kinds return what ``KVStore.blocks`` reads. See the module docstring."""
         if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.batch:
             raise ValueError(f"row={row!r} is not a row of this cache (0..{self.batch - 1})")
         n = int(self._lengths.host[row])
-        return self.store.blocks(int(row), 0, n)
+        k, v = self.store.blocks(int(row), 0, n)
+        if self.store.kind == PAGED:  # copies even when the row fits in one page
+            xp = self.backend.namespace()
+            k, v = xp.asarray(k, copy=True), xp.asarray(v, copy=True)
+        return k, v
 
     def __repr__(self) -> str:
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, max_len={self.max_len}, "
-                f"head_dim={self.head_dim}, dtype={self.dtype!r}, backend={self.backend.name!r}, "
-                f"{human_bytes(self.nbytes)})")
+                f"head_dim={self.head_dim}, dtype={self.dtype!r}, "
+                + (f"kv_dtype={self.kv_dtype!r}, " if self.kv_dtype else "")
+                + f"backend={self.backend.name!r}, {human_bytes(self.nbytes)})")
 
 
 def human_bytes(nbytes: int) -> str:

@@ -23,7 +23,8 @@ SUBCOMMANDS = {
     "bench": ("gqakv.bench", "run a Llama-3.1-8B-shaped prefill + decode workload (default)"),
     "info": ("gqakv.info", "list the backends, whether each can run here, and why not"),
     "size": ("gqakv.sizing", "KV cache bytes for a model, and the largest batch/length that fit"),
-    "generate": ("gqakv.examples.generate", "greedy generation with the example Llama model"),
+    "generate": ("gqakv.examples.generate", "greedy generation with the example Llama model (random "
+                                            "weights, or real ones: --model smollm2-135m, --gguf PATH)"),
     "selftest": ("gqakv.selftest", "check every kernel family of a backend against the float64 "
                                    "reference (run this first on new hardware)"),
 }

@@ -197,22 +197,29 @@ class AttentionInputs:
     lens: np.ndarray  # [B] int64, live tokens of each row (after the append)
     n_new: np.ndarray  # [B] int64, queries of entry i are the last n_new[i] tokens of its row
     group: int  # G = Hq // Hkv
-    params: AttentionParams  # scale (and, later, the variant's fields)
+    params: AttentionParams  # scale, window, softcap, sinks (all checked)
 
     @property
     def scale(self) -> float:
         return self.params.scale
 
 
-def validate_attention(cache, q, n_new, rows=None, scale=None, params=None) -> AttentionInputs:
-    """The checked call; ``params`` (an AttentionParams) is an alternative to ``scale``
-    that carries a variant's fields too (not both)."""
+def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
+                       window=None, softcap=None, sinks=None) -> AttentionInputs:
+    """The checked call; ``params`` (an AttentionParams) is an alternative to ``scale``,
+    ``window``, ``softcap`` and ``sinks`` that carries them all (not both). Every field of
+    the resulting params is checked here (``check_window``, ``check_softcap``,
+    ``check_sinks``), whichever way it was given."""
     if params is not None:
         if not isinstance(params, AttentionParams):
             raise TypeError(f"params must be a gqakv.AttentionParams, got {params!r}")
-        if scale is not None:
-            raise TypeError(f"give scale={scale!r} or params={params!r}, not both")
-        scale = params.scale
+        given = [f"{name}={value!r}" for name, value in (("scale", scale), ("window", window),
+                                                         ("softcap", softcap), ("sinks", sinks))
+                 if value is not None]
+        if given:
+            raise TypeError(f"give {', '.join(given)} or params={params!r}, not both "
+                            "(params carries scale, window, softcap and sinks)")
+        scale, window, softcap, sinks = params.scale, params.window, params.softcap, params.sinks
     _check_same_library(cache, q, "q")
     if q.ndim != 4:
         raise ValueError(f"q must be [B, Hq, T, d], got {q.ndim} dims {list(q.shape)}")
@@ -245,6 +252,94 @@ def validate_attention(cache, q, n_new, rows=None, scale=None, params=None) -> A
     # A Python float keeps the computation in the cache's dtype (a NumPy float64 scalar
     # would promote a float32 step to a float64 copy of every block it touches).
     scale = float(scale)
-    params = AttentionParams(scale=scale) if params is None else dataclasses.replace(params, scale=scale)
+    params = AttentionParams(scale=scale, window=check_window(window),
+                             softcap=check_softcap(softcap), sinks=check_sinks(sinks, hq))
     return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, group=hq // cache.kv_heads,
                            params=params)
+
+
+# -- attention variants (gqakv.semantics.AttentionParams) -------------------------------------
+
+#: The soft-cap's allowed range: both ``c`` and ``1 / c`` must be normal float32 numbers
+#: (scores are soft-capped in float32 for every narrower cache), so ``tanh(s / c) * c``
+#: never meets an infinite factor (``0 * inf`` would be NaN).
+SOFTCAP_RANGE = (1e-30, 1e30)
+
+
+def check_window(window) -> int | None:
+    """None, or the sliding window W as a Python int >= 1; TypeError/ValueError otherwise."""
+    if window is None:
+        return None
+    if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
+        raise TypeError(f"window must be an int >= 1 (the number of most recent keys a query "
+                        f"sees, its own included) or None, got {window!r}")
+    w = int(window)
+    if w < 1:
+        raise ValueError(f"window={w} is not allowed: window must be an int >= 1 "
+                         "(1: each query sees only its own key) or None for no window")
+    if w > np.iinfo(np.int64).max:
+        raise ValueError(f"window={w} is out of range (at most 2**63 - 1; None means no window)")
+    return w
+
+
+def check_softcap(softcap) -> float | None:
+    """None, or the soft-cap c as a Python float in ``SOFTCAP_RANGE``."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(
+            softcap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"softcap must be a finite real number > 0 or None, got {softcap!r}")
+    c = _as_float(softcap)
+    lo, hi = SOFTCAP_RANGE
+    if not math.isfinite(c) or c <= 0:
+        raise ValueError(f"softcap={softcap!r} is not allowed: softcap must be a finite real "
+                         "number > 0 (scores s become softcap * tanh(s / softcap)) or None")
+    if not lo <= c <= hi:
+        raise ValueError(f"softcap={softcap!r} is outside the supported range {lo:g}..{hi:g} "
+                         "(softcap and 1 / softcap must be normal float32 numbers)")
+    return c
+
+
+def _sinks_to_numpy(sinks, what: str) -> np.ndarray:
+    """A host copy of a sinks array/sequence from any library (bool elements refused)."""
+    if isinstance(sinks, (bool, np.bool_, str, bytes)) or np.isscalar(sinks):
+        raise TypeError(f"{what} must be a [Hq] array or sequence of real numbers (one logit "
+                        f"per query head) or None, got {sinks!r}")
+    if isinstance(sinks, (list, tuple)):
+        for i, v in enumerate(sinks):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(
+                    v, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{what}[{i}]={v!r} is not a real number; {what} must hold "
+                                "one real logit per query head")
+        return np.array([_as_float(v) for v in sinks], dtype=np.float64)
+    if hasattr(sinks, "detach"):  # a torch tensor (maybe requiring grad, maybe bfloat16)
+        sinks = sinks.detach().cpu().double()
+    try:
+        a = _to_numpy(sinks)
+    except Exception as exc:
+        raise TypeError(f"{what} must be a [Hq] array or sequence of real numbers, got "
+                        f"{type(sinks).__name__} ({exc})") from None
+    if a.dtype.kind not in "iuf" and not _is_float(a.dtype):
+        raise TypeError(f"{what} must have a real (integer or floating) dtype, got {a.dtype}")
+    return np.asarray(a, dtype=np.float64)
+
+
+def check_sinks(sinks, hq: int) -> tuple[float, ...] | None:
+    """None, or the sinks as a tuple of ``hq`` Python floats holding float32 values: one
+    logit per query head, -inf allowed (no effect), NaN, +inf and values past float32's
+    range refused."""
+    if sinks is None:
+        return None
+    a = _sinks_to_numpy(sinks, "sinks")
+    if a.shape != (hq,):
+        raise ValueError(f"sinks must have shape [Hq={hq}] (one logit per query head of q), "
+                         f"got {list(a.shape)}")
+    with np.errstate(over="ignore"):
+        a32 = a.astype(np.float32)
+    bad = np.flatnonzero(np.isnan(a32) | (a32 == np.inf))
+    if bad.size:
+        i = int(bad[0])
+        why = "NaN" if np.isnan(a[i]) else ("+inf" if a[i] == np.inf else "beyond float32's range")
+        raise ValueError(f"sinks[{i}]={float(a[i])!r} is not allowed ({why}): sinks must be real "
+                         "logits, finite or -inf (-inf: no sink for that head)")
+    return tuple(float(x) for x in a32)

@@ -7,6 +7,9 @@ exponentials ``l`` and weighted values ``o``, all relative to ``m``) or *normali
 (``merge_attention``: ``out = o / l`` and ``lse = m + log(l)``). A query that has seen
 no key yet has ``m = -inf``, ``l = 0``, ``o = 0``; nothing assumes any key is visible,
 so a block that masks every key of some query (a window, a key piece) is exact.
+
+Sinks (``AttentionParams.sinks``) are not keys: partials over keys are computed and
+merged without them, and ``apply_sinks`` adds each head's sink term once, at the end.
 """
 
 from __future__ import annotations
@@ -161,3 +164,39 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     out = xp.where(bad[..., None], nan, part_a + part_b)
     lse_out = xp.where(bad, nan, xp.where(seen, base + xp.log(total), -inf))
     return xp.astype(out, out_a.dtype), lse_out
+
+
+def apply_sinks(out, lse, sinks):
+    """Add each query head's sink to a finished attention (every key already summed).
+
+    Args:
+        out: ``[..., Hq, T, d]`` attention normalized over the keys only.
+        lse: ``[..., Hq, T]`` natural-log log-sum-exp of those keys' scores (``-inf``
+            where a query saw no key).
+        sinks: ``[Hq]`` sink logits, an array of lse's library (-inf: no sink).
+
+    Returns ``(out * 1 / (1 + e^{sink - lse}), logaddexp(lse, sink))`` (out in its own
+    dtype, computed in lse's): the softmax with the extra valueless term ``e^{sink}`` in
+    its denominator, and the log of that full denominator. A query whose lse is -inf is
+    left as it is (out 0, lse -inf): a query that sees no key returns 0 with or without a
+    sink. A NaN lse stays NaN and makes the query's out NaN (never hidden).
+
+    In the unnormalized form of ``SoftmaxState`` (``m``, ``l``, ``o``) the same step is
+    ``l += e^{sink - m}``; apply it once per query, never per key block or split.
+    """
+    xp = array_namespace(out, lse, sinks)
+    acc = lse.dtype
+    dev = getattr(lse, "device", None)
+    neg_inf = xp.asarray(-math.inf, dtype=acc, device=dev)
+    zero = xp.zeros((), dtype=acc, device=dev)
+    one = xp.ones((), dtype=acc, device=dev)
+    sink = xp.astype(sinks, acc)[:, None]  # [Hq, 1] against lse's [..., Hq, T]
+    unseen = lse == neg_inf
+    base = xp.where(unseen, zero, lse)  # no -inf - -inf below
+    # e^{sink - lse} overflows to inf for a sink far above the keys: factor 0, lse = sink.
+    # A NaN lse (a NaN score) is meant to come out NaN: no warning for it.
+    with np.errstate(over="ignore", invalid="ignore"):
+        factor = xp.where(unseen, one, one / (one + xp.exp(sink - base)))
+        lse_out = xp.where(unseen, lse, xp.logaddexp(base, sink))
+    out_acc = xp.astype(out, acc) * factor[..., None]
+    return xp.astype(out_acc, out.dtype), lse_out

@@ -26,7 +26,7 @@ from . import attention as _attention
 from . import cache as _cache
 from .cache import KVCache, Lengths, RowsAndLengths, _check_dim, _check_dims, human_bytes
 from .inputs import _rows, check_capacity, check_flag, host_ints, validate_append, validate_attention
-from .store import StorageSpec
+from .store import PAGED, StorageSpec
 
 _LAYER_VIEW = ("it is one layer of a ModelKVCache, whose lengths are shared by all layers; "
                "write through ModelKVCache.step(...) and move rows with the ModelKVCache's "
@@ -42,7 +42,15 @@ class ModelKVCache(RowsAndLengths):
         kv_heads: Hkv; max_len: capacity in tokens of every row; head_dim: d.
         dtype: "float32" (default), "float16", "bfloat16", "float64" or a dtype object.
         backend: a backend name, a Backend, "auto" or None (see ``gqakv.get_backend``).
-        storage: the storage kind (``gqakv.store.KINDS``; "contiguous", the only one today).
+        storage: the storage kind (``gqakv.store.KINDS``): "contiguous" (default) or "paged".
+        page_size: tokens per page; giving it makes the storage paged (``gqakv.paged``):
+            every layer pages through one shared page table, and a step takes its pages
+            once, for all layers, when it opens (``gqakv.OutOfPages`` there, with nothing
+            changed, when the pool is short). Default for ``storage="paged"``: 16.
+        num_pages: paged storage: pages in the pool (each page holds ``page_size`` tokens
+            of every layer); default every row at ``max_len`` (no overcommit).
+        kv_dtype: None, "int8" or "float8_e4m3fn": K/V stored quantized with per-token
+            scales, as in ``KVCache``.
 
     Attributes:
         store: the KVStore, leading axis ``(layers,)``; what the backend's operations take.
@@ -53,10 +61,13 @@ class ModelKVCache(RowsAndLengths):
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype="float32", backend=None, *, storage: str = "contiguous"):
+                 dtype="float32", backend=None, *, storage: str | None = None,
+                 page_size: int | None = None, num_pages: int | None = None, kv_dtype=None):
         self.layers = _check_dim("layers", layers, 1)
+        if storage is None:
+            storage = PAGED if page_size is not None else "contiguous"
         self._allocate((self.layers,), batch, kv_heads, max_len, head_dim, dtype, backend,
-                       "model KV cache", storage)
+                       "model KV cache", storage, page_size, num_pages, kv_dtype=kv_dtype)
         self._layer_stores = [self.store.layer(l) for l in range(self.layers)]
         self._views = [KVCache.view_of(st, self._lengths, backend=self.backend, frozen=_LAYER_VIEW)
                        for st in self._layer_stores]
@@ -75,13 +86,15 @@ class ModelKVCache(RowsAndLengths):
 
     @staticmethod
     def nbytes_for(layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                   dtype="float32") -> int:
+                   dtype="float32", kv_dtype=None) -> int:
         """Bytes of K and V for all layers, computed before allocating:
-        ``2 * layers * batch * kv_heads * max_len * head_dim * itemsize`` (every dimension
-        checked as the constructor checks it; exact Python ints)."""
+        ``2 * layers * batch * kv_heads * max_len * head_dim * itemsize`` (with ``kv_dtype``:
+        ``2 * layers * batch * kv_heads * max_len * (head_dim + 4)``, codes plus scales;
+        every dimension checked as the constructor checks it; exact Python ints)."""
         layers = _check_dim("layers", layers, 1)
         batch, kv_heads, max_len, head_dim = _check_dims(batch, kv_heads, max_len, head_dim)
-        return StorageSpec.of(dtype).nbytes(layers * batch * max_len, kv_heads, head_dim)
+        return StorageSpec.of(dtype, kv_dtype=kv_dtype).nbytes(layers * batch * max_len,
+                                                               kv_heads, head_dim)
 
     @property
     def nbytes(self) -> int:
@@ -134,6 +147,10 @@ class ModelKVCache(RowsAndLengths):
                 if n[i] < 0:
                     raise ValueError(f"n_new[{i}]={int(n[i])} is negative (row {int(r[i])})")
             check_capacity(r, starts, n, self.max_len)
+            if self.store.kind == PAGED:  # pages for every layer, once (OutOfPages: no change)
+                from .paged import reserve
+
+                reserve(self.backend, self.store, r, starts, n)
             step = Step(self, r, starts, n)
             self._open_step = step
         return step
@@ -205,6 +222,7 @@ class Step:
             self._write(l, k_new, v_new, inputs)
 
     def attend(self, layer: int, q, k_new, v_new, *, scale: float | None = None,
+               window: int | None = None, softcap: float | None = None, sinks=None,
                return_lse: bool = False, params=None):
         """Write layer ``layer``'s new K/V, then grouped-query attention of ``q`` over the
         row's live tokens plus this step's (bottom-right causal; see ``gqa_attention``).
@@ -214,7 +232,8 @@ class Step:
             k_new, v_new: ``[B', Hkv, T, d]``; entry i's first ``n_new[i]`` slots are real.
 
         Returns ``out`` ``[B', Hq, T, d]`` (padded query slots exactly 0), or
-        ``(out, lse)`` with ``return_lse`` (a bool). ``params``: as in ``gqa_attention``.
+        ``(out, lse)`` with ``return_lse`` (a bool). ``window``, ``softcap``, ``sinks``,
+        ``params``: as in ``gqa_attention``.
         Everything is validated before the write.
         """
         c = self.cache
@@ -230,7 +249,8 @@ class Step:
                     f"q {list(q_shape)} does not match k_new {list(k_new.shape)}: q must have the "
                     f"same batch B'={int(k_new.shape[0])} (dim 0) and tokens T={int(k_new.shape[2])} "
                     "(dim 2)")
-            att = validate_attention(view, q, self.n_new, self.rows, scale, params)
+            att = validate_attention(view, q, self.n_new, self.rows, scale, params,
+                                     window=window, softcap=softcap, sinks=sinks)
             self._write(l, k_new, v_new, inputs)
         # Attention reads only this step's rows up to their pending lengths, which no other
         # writer touches while the step is open, so it runs outside the lock.
@@ -279,6 +299,9 @@ class Step:
 
     def _close(self, state: str) -> None:
         self._state = state
+        store = self.cache.store
+        if state == "aborted" and store.kind == PAGED:  # give back the pages the step took
+            store.table.trim(self.rows, self.starts)
         self.cache._open_step = None
 
     def _check_open(self) -> None:

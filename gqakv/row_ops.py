@@ -2,7 +2,9 @@
 truncate (speculative-decoding rollback) and reset (row reuse).
 
 They act on a ``KVStore`` with a leading layer axis (a standalone KVCache passes its
-store with a leading axis of 1) and on the shared ``Lengths``. Every
+store with a leading axis of 1) and on the shared ``Lengths``. On paged storage
+(``gqakv.paged``) they move no data: reorder and fork share pages through the page
+table, truncate and reset release the pages no row names any more. Every
 operation validates all of its arguments before it touches anything, so a rejected
 call changes nothing. Only live tokens move: row ``b``'s copy costs ``lens[b]``
 tokens per layer, never ``max_len``; truncate and reset move no data at all.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .inputs import check_rows, host_ints
+from .store import PAGED
 
 #: Row index meaning "the one-row temporary" in a reorder plan.
 TEMP = -1
@@ -166,7 +169,11 @@ def reorder(backend, store, lengths, src_rows) -> int:
     if src.size != batch:
         raise ValueError(f"src_rows must have one entry per cache row ({batch}), got {src.size}")
     old = lengths.host.copy()
-    copied = run_waves(backend, store, plan_reorder(src, old))
+    if store.kind == PAGED:
+        store.table.reorder(src)
+        copied = 0
+    else:
+        copied = run_waves(backend, store, plan_reorder(src, old))
     lengths.set(np.arange(batch), old[src])
     return copied
 
@@ -180,16 +187,21 @@ def fork(backend, store, lengths, src: int, dst_rows) -> int:
     dst = _row_list(dst_rows, "dst_rows", batch, distinct=True)
     dst = dst[dst != s]
     n = int(lengths.host[s])
+    if store.kind == PAGED:  # shared pages; the last is copied when a row writes into it
+        store.table.fork(s, dst)
+        lengths.set(dst, np.full(dst.size, n))
+        return 0
     backend.copy_tokens(store, dst, store, np.full(dst.size, s), np.full(dst.size, n))
     lengths.set(dst, np.full(dst.size, n))
     return n * int(dst.size)
 
 
-def truncate(lengths, rows, new_lens) -> None:
+def truncate(lengths, rows, new_lens, *, store=None) -> None:
     """Shorten row ``rows[i]`` to ``new_lens[i]`` tokens: O(1), no data moves.
 
     ``0 <= new_lens[i] <= lens[rows[i]]``; the dropped tokens stay in the buffer but are
-    no longer live, and the next append overwrites them.
+    no longer live, and the next append overwrites them. A paged ``store`` releases the
+    row's pages past ``ceil(new_lens[i] / page_size)``.
     """
     batch = len(lengths.host)
     r = _row_list(rows, "rows", batch, distinct=True)
@@ -203,11 +215,16 @@ def truncate(lengths, rows, new_lens) -> None:
                 f"new_lens[{i}]={int(n[i])} is outside 0..{have} for row {int(r[i])}, which "
                 f"holds {have} tokens (truncate only shortens rows)"
             )
+    if store is not None and store.kind == PAGED:
+        store.table.trim(r, n)
     lengths.set(r, n)
 
 
-def reset(lengths, rows=None) -> None:
-    """Empty ``rows`` (distinct; default every row) so new requests can reuse them."""
+def reset(lengths, rows=None, *, store=None) -> None:
+    """Empty ``rows`` (distinct; default every row) so new requests can reuse them (a
+    paged ``store`` releases their pages)."""
     batch = len(lengths.host)
     r = np.arange(batch) if rows is None else _row_list(rows, "rows", batch, distinct=True)
+    if store is not None and store.kind == PAGED:
+        store.table.trim(r, np.zeros(r.size, dtype=np.int64))
     lengths.set(r, np.zeros(r.size, dtype=np.int64))

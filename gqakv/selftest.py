@@ -27,7 +27,12 @@ the one gqakv would pick here; ``all``: every backend that can run):
      ones), ragged, padded and finished rows;
    - ``row copies``: ``reorder`` (with duplicates) and ``fork`` on a 2-layer
      ModelKVCache: copied rows bit-exact, slots past the copied length and rows not
-     copied to untouched.
+     copied to untouched;
+   - ``variants``: sliding window, soft-cap and sinks, alone and combined (W = 1, W
+     shorter than the chunk, W past every row; softcaps where tanh saturates; sinks far
+     above the scores and -inf), over chunked prefill and decode with ragged, padded
+     and empty rows, and a windowed decode over long rows (what a key-split planner
+     must start at the window).
 
 Tolerances (attention outputs and LSEs, at the queries that are not padding; padded
 queries must give exactly 0 and -inf): float16/bfloat16 follow FlashAttention's rule,
@@ -66,7 +71,7 @@ PAD_KV = 1000.0
 HEAD_DIMS = {True: (128, 72), False: (64, 128, 80, 72)}
 #: Cases per family and dtype (quick, full).
 CASES = {True: 2, False: 12}
-FAMILIES = ("compile", "append", "decode", "split+merge", "prefill", "row copies")
+FAMILIES = ("compile", "append", "decode", "split+merge", "prefill", "row copies", "variants")
 
 
 # -- bookkeeping -------------------------------------------------------------------------------
@@ -206,11 +211,14 @@ class Mirror:
         return dev, self.host(dev)
 
 
-def _compare(check: Check, what: str, mirror: Mirror, q_host, n_new, out, lse) -> None:
-    """Score one attention call against the reference (out and lse, padding exactly)."""
+def _compare(check: Check, what: str, mirror: Mirror, q_host, n_new, out, lse,
+             variant: dict | None = None) -> None:
+    """Score one attention call against the reference (out and lse, padding exactly);
+    ``variant``: the call's window / softcap / sinks keywords."""
     n_new = np.asarray(n_new)
+    variant = variant or {}
     q_ref = np.nan_to_num(q_host)  # padded queries: any finite value, their rows are masked
-    ref_out, ref_lse = reference_attention(q_ref, mirror.k, mirror.v, n_new)
+    ref_out, ref_lse = reference_attention(q_ref, mirror.k, mirror.v, n_new, **variant)
     got_out = mirror.host(out)
     got_lse = np.asarray(mirror.backend.to_numpy(lse), dtype=np.float64)
     T = q_host.shape[2]
@@ -220,7 +228,7 @@ def _compare(check: Check, what: str, mirror: Mirror, q_host, n_new, out, lse) -
     naive_out = naive_lse = None
     round_to = _rounder(mirror.dtype)
     if round_to is not None:
-        n_out, n_lse = naive_low_precision(q_ref, mirror.k, mirror.v, n_new, round_to)
+        n_out, n_lse = naive_low_precision(q_ref, mirror.k, mirror.v, n_new, round_to, **variant)
         naive_out, naive_lse = _max_err(n_out, ref_out, real_o), _max_err(n_lse, ref_lse, real_q)
     check.add(f"{what} out", _max_err(got_out, ref_out, real_o),
               _tolerance(mirror.dtype, ref_out[real_o], naive_out))
@@ -455,6 +463,70 @@ def _row_copies(backend, dtype, rng, quick, checks) -> None:
             check.exact(what, bad, total)
 
 
+def _variant(rng, s: Shape, T: int, longest: int) -> dict:
+    """Random window / softcap / sinks keywords, at least one of them."""
+    while True:
+        kw = {}
+        window = rng.choice([0, 1, max(1, T - 1), 7, longest + 3])
+        if window:
+            kw["window"] = int(window)
+        softcap = rng.choice([0.0, 0.02, 1.0, 30.0])
+        if softcap:
+            kw["softcap"] = float(softcap)
+        if rng.random() < 0.5:
+            hq = s.kv_heads * s.group
+            sinks = rng.normal(0.0, 2.0, hq).astype(np.float32)
+            sinks[rng.integers(hq)] = 40.0  # far above the scores: that head's out ~ 0
+            sinks[rng.integers(hq)] = -np.inf  # no sink
+            kw["sinks"] = sinks
+        if kw:
+            return kw
+
+
+def _variants(backend, dtype, rng, quick, checks) -> None:
+    """Window / softcap / sinks: chunked prefill then decode (ragged, padded, one row empty),
+    and one windowed decode over long rows per case."""
+    from .attention import gqa_attention
+
+    check = checks["variants"]
+    for c in range(CASES[quick]):
+        s = _shape(rng, quick)
+        T = int(rng.choice([1, 4, 9]))
+        prompts = rng.integers(1, 3 * T + 2, s.batch)
+        if s.batch > 1:
+            prompts[rng.integers(s.batch)] = 0
+        variant = _variant(rng, s, T, int(prompts.max()) + 1)
+        m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + 1, s.head_dim, rng)
+        chunks = [np.clip(prompts - i * T, 0, T) for i in range(-(-int(prompts.max()) // T))]
+        for i, n_new in enumerate(chunks + [(rng.random(s.batch) < 0.7).astype(np.int64)]):
+            width = T if i < len(chunks) else 1
+            n_new = np.minimum(n_new, m.cache.max_len - m.cache.host_lens)
+            m.append(n_new, width, None, "")
+            q_dev, q_host = m.queries(s.kv_heads * s.group, width, n_new)
+            out, lse = gqa_attention(q_dev, m.cache, n_new, return_lse=True, **variant)
+            check.cases += 1
+            _compare(check, f"case {c} ({s}) {_describe(variant)} T={width} n_new {list(n_new)}",
+                     m, q_host, n_new, out, lse, variant)
+        # a windowed decode over long rows: the keys read start at the window
+        s = _shape(rng, quick, batch=(1, 3))
+        lens = rng.integers(300, 900, s.batch)
+        variant = _variant(rng, s, 1, int(lens.max()))
+        variant["window"] = int(rng.integers(16, 200))
+        m = Mirror(backend, dtype, s.batch, s.kv_heads, int(lens.max()), s.head_dim, rng)
+        m.append(lens - 1, int(lens.max()), None, "")
+        n_new = np.ones(s.batch, dtype=np.int64)
+        m.append(n_new, 1, None, "")
+        q_dev, q_host = m.queries(s.kv_heads * s.group, 1, n_new)
+        out, lse = gqa_attention(q_dev, m.cache, n_new, return_lse=True, **variant)
+        check.cases += 1
+        _compare(check, f"case {c} ({s}) long rows {list(lens)} {_describe(variant)}", m,
+                 q_host, n_new, out, lse, variant)
+
+
+def _describe(variant: dict) -> str:
+    return " ".join(f"{k}={v if k != 'sinks' else list(np.round(v, 2))}" for k, v in variant.items())
+
+
 def _compile(backend, dtypes, quick) -> Check:
     """Build every kernel of the backend (see the module docstring)."""
     check = Check("compile", "all")
@@ -484,7 +556,7 @@ def _compile(backend, dtypes, quick) -> Check:
 
 
 _FAMILY_RUNNERS = (("append/decode", _decode), ("split+merge", _split), ("prefill", _prefill),
-                   ("row copies", _row_copies))
+                   ("row copies", _row_copies), ("variants", _variants))
 
 
 def selftest_backend(backend, *, quick: bool = False, seed: int = 0, say=print) -> list[Check]:

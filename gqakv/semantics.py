@@ -58,8 +58,8 @@ class AttentionParams:
 #: backend's route says so, with ``unsupported``'s sentence). A new variant adds its
 #: name to the fast paths that implement it, nowhere else.
 FAST_PATH_VARIANTS: dict[str, frozenset[str]] = {
-    "numpy BLAS": frozenset(),
-    "numba kernel": frozenset(),
+    "numpy BLAS": frozenset({"window", "softcap", "sinks"}),
+    "numba kernel": frozenset({"window", "softcap", "sinks"}),
     "cupy kernels": frozenset(),
 }
 
@@ -84,7 +84,12 @@ def key_range(params: AttentionParams, L, n, t):
         return max(0, lo), p + 1
     import numpy as np
 
-    return np.maximum(lo, 0), p + 1
+    if isinstance(lo, (np.ndarray, np.generic)):
+        return np.maximum(lo, 0), p + 1
+    from array_api_compat import array_namespace  # another library's array (visible_mask's xp)
+
+    xp = array_namespace(lo)
+    return xp.where(lo > 0, lo, xp.zeros_like(lo)), p + 1
 
 
 def block_keys(params: AttentionParams, L, n, t0: int, t1: int):

@@ -7,6 +7,15 @@ Per token, a model's cache holds K and V for every layer and KV head:
 Llama 3.1 8B in bfloat16: 2 x 32 x 8 x 128 x 2 = 131,072 bytes (128 KiB), so a
 4,096-token row takes 512 MiB. A cache of ``batch`` rows of ``max_len`` tokens takes
 ``batch x max_len x bytes_per_token`` (what ``ModelKVCache.nbytes_for`` computes).
+
+With ``kv_dtype="int8"`` or ``"float8_e4m3fn"`` K and V take one byte per value plus a
+float32 scale per token and KV head each: ``2 x layers x kv_heads x (head_dim + 4)``
+(Llama 3.1 8B: 67,584 bytes per token, 0.52x of bfloat16).
+
+A paged cache (``gqakv.PagedKVCache``, ``ModelKVCache(page_size=...)``) holds each row's
+live tokens rounded up to whole pages, ``sum(ceil(L_b / page_size)) x page_size x
+bytes_per_token``, plus a small page table on the host; ``paged_cache_bytes`` compares
+it with the contiguous cache for a mix of row lengths (``gqakv size --rows``).
 """
 
 from __future__ import annotations
@@ -36,9 +45,10 @@ class ModelConfig:
     max_position: int  # context length the model's config declares
     source: str = ""  # where the numbers come from (a Hugging Face repo's config.json)
 
-    def bytes_per_token(self, dtype="bfloat16") -> int:
-        """K + V bytes of one token over all layers."""
-        return _store.nbytes(dtype, self.layers, self.kv_heads, self.head_dim)  # the one formula
+    def bytes_per_token(self, dtype="bfloat16", kv_dtype=None) -> int:
+        """K + V bytes of one token over all layers (with ``kv_dtype``: codes plus scales)."""
+        spec = _store.StorageSpec.of(dtype, kv_dtype=kv_dtype)
+        return spec.nbytes(self.layers, self.kv_heads, self.head_dim)  # the one formula
 
 
 # From each model's published config.json (num_hidden_layers, num_attention_heads,
@@ -134,21 +144,69 @@ def _positive(name: str, value) -> int:
     return int(value)
 
 
-def cache_bytes(model, *, max_len: int, batch: int = 1, dtype="bfloat16") -> int:
-    """Bytes of K and V for ``batch`` rows of ``max_len`` tokens over all layers."""
+def cache_bytes(model, *, max_len: int, batch: int = 1, dtype="bfloat16", kv_dtype=None) -> int:
+    """Bytes of K and V for ``batch`` rows of ``max_len`` tokens over all layers
+    (``kv_dtype``: None, "int8" or "float8_e4m3fn", as ``KVCache``'s)."""
     cfg = resolve_model(model)
-    return _positive("batch", batch) * _positive("max_len", max_len) * cfg.bytes_per_token(dtype)
+    return (_positive("batch", batch) * _positive("max_len", max_len)
+            * cfg.bytes_per_token(dtype, kv_dtype))
 
 
-def max_batch(model, *, max_len: int, budget: int, dtype="bfloat16") -> int:
+@dataclass(frozen=True)
+class PagedSize:
+    """Memory of a paged cache holding rows of given lengths, beside the contiguous cache.
+
+    pages: pages the rows hold (``sum(ceil(L_b / page_size))``, no sharing).
+    pool_bytes: K/V bytes of exactly those pages, all layers (a pool sized to the rows).
+    metadata_bytes: host bytes of the page table, counts and free list.
+    live_bytes: K/V bytes of the live tokens alone.
+    contiguous_bytes: the contiguous cache of the same rows at ``max_len``.
+    """
+
+    page_size: int
+    row_lens: tuple[int, ...]
+    max_len: int
+    pages: int
+    pool_bytes: int
+    metadata_bytes: int
+    live_bytes: int
+    contiguous_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.pool_bytes + self.metadata_bytes
+
+
+def paged_cache_bytes(model, row_lens, *, max_len: int, page_size: int = 16,
+                      dtype="bfloat16") -> PagedSize:
+    """Paged memory for rows holding ``row_lens`` tokens (capacity ``max_len`` each) against
+    the contiguous cache of ``len(row_lens)`` rows of ``max_len`` tokens."""
+    from .paged import PageTable, check_page_args, pages_for
+
+    cfg = resolve_model(model)
+    max_len = _positive("max_len", max_len)
+    lens = tuple(_positive(f"row_lens[{i}]", n) for i, n in enumerate(row_lens))
+    for i, n in enumerate(lens):
+        if n > max_len:
+            raise ValueError(f"row_lens[{i}]={n} exceeds max_len={max_len}")
+    page_size, _ = check_page_args(page_size, None, len(lens), max_len)
+    per = cfg.bytes_per_token(dtype)
+    pages = sum(pages_for(n, page_size) for n in lens)
+    return PagedSize(page_size=page_size, row_lens=lens, max_len=max_len, pages=pages,
+                     pool_bytes=pages * page_size * per,
+                     metadata_bytes=PageTable.nbytes_for(len(lens), max_len, page_size, pages),
+                     live_bytes=sum(lens) * per, contiguous_bytes=len(lens) * max_len * per)
+
+
+def max_batch(model, *, max_len: int, budget: int, dtype="bfloat16", kv_dtype=None) -> int:
     """Largest batch of ``max_len``-token rows whose cache fits in ``budget`` bytes."""
-    per_row = cache_bytes(model, max_len=max_len, batch=1, dtype=dtype)
+    per_row = cache_bytes(model, max_len=max_len, batch=1, dtype=dtype, kv_dtype=kv_dtype)
     return _positive("budget", parse_bytes(budget)) // per_row if per_row else 0
 
 
-def max_len_for(model, *, batch: int, budget: int, dtype="bfloat16") -> int:
+def max_len_for(model, *, batch: int, budget: int, dtype="bfloat16", kv_dtype=None) -> int:
     """Largest per-row capacity in tokens for ``batch`` rows within ``budget`` bytes."""
-    per_token = cache_bytes(model, max_len=1, batch=batch, dtype=dtype)
+    per_token = cache_bytes(model, max_len=1, batch=batch, dtype=dtype, kv_dtype=kv_dtype)
     return _positive("budget", parse_bytes(budget)) // per_token if per_token else 0
 
 
@@ -181,17 +239,27 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, default=1, help="rows (default 1)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_dtypes.ITEMSIZE),
                         help="cache dtype (default bfloat16)")
+    parser.add_argument("--kv-dtype", default=None, choices=sorted(_dtypes.QUANTIZED_ITEMSIZE),
+                        help="store K/V quantized: 1 byte per value plus a float32 scale per "
+                        "token and KV head (default: K/V stored as --dtype)")
     parser.add_argument("--budget", help="memory for the cache (e.g. 40GiB): print the largest "
                         "batch at --max-len and the largest max-len at --batch that fit")
     parser.add_argument("--list", action="store_true", help="list the presets and their per-token size")
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated live lengths of the rows (e.g. 100,100000): print "
+                        "the paged cache's memory for them beside the contiguous cache at --max-len")
+    parser.add_argument("--page-size", type=int, default=16,
+                        help="tokens per page for --rows (default 16)")
 
 
 def run(args) -> int:
+    kv_dtype = getattr(args, "kv_dtype", None)
+    stored = kv_dtype or args.dtype  # what K/V are stored as
     if args.list:
         print(f"{'model':16} {'layers':>6} {'Hq':>4} {'Hkv':>4} {'d':>4} {'context':>8} "
-              f"{'bytes/token':>12}  {'4,096 tokens':>12}  ({args.dtype})")
+              f"{'bytes/token':>12}  {'4,096 tokens':>12}  ({stored})")
         for c in PRESETS.values():
-            per = c.bytes_per_token(args.dtype)
+            per = c.bytes_per_token(args.dtype, kv_dtype)
             print(f"{c.name:16} {c.layers:6d} {c.q_heads:4d} {c.kv_heads:4d} {c.head_dim:4d} "
                   f"{c.max_position:8d} {per:12,d}  {human_bytes(per * 4096):>12}")
         return 0
@@ -204,26 +272,70 @@ def run(args) -> int:
         cfg = resolve_model(args.model)
     except OSError as exc:  # a config.json that cannot be read
         raise UsageError(f"cannot read the model config {args.model!r}: {exc}") from exc
-    total = cache_bytes(cfg, max_len=args.max_len, batch=args.batch, dtype=args.dtype)
+    total = cache_bytes(cfg, max_len=args.max_len, batch=args.batch, dtype=args.dtype,
+                        kv_dtype=kv_dtype)
     budget = _cli_budget(args.budget) if args.budget is not None else None
-    item = _dtypes.itemsize(args.dtype)
-    per = cfg.bytes_per_token(args.dtype)
+    rows = _paged_rows(args)  # checked before any output
+    item = _dtypes.itemsize(stored)
+    per = cfg.bytes_per_token(args.dtype, kv_dtype)
+    what = args.dtype if kv_dtype is None else f"{args.dtype}, K/V stored as {kv_dtype}"
     print(f"{cfg.name}: {cfg.layers} layers, {cfg.q_heads} query heads, {cfg.kv_heads} KV heads, "
-          f"head dim {cfg.head_dim}, {args.dtype}" + (f"  [{cfg.source}]" if cfg.source else ""))
-    print(f"  per token : {per:,} bytes ({human_bytes(per)}) = 2 x {cfg.layers} layers x "
-          f"{cfg.kv_heads} KV heads x {cfg.head_dim} x {item} bytes")
+          f"head dim {cfg.head_dim}, {what}" + (f"  [{cfg.source}]" if cfg.source else ""))
+    if kv_dtype is None:
+        print(f"  per token : {per:,} bytes ({human_bytes(per)}) = 2 x {cfg.layers} layers x "
+              f"{cfg.kv_heads} KV heads x {cfg.head_dim} x {item} bytes")
+    else:
+        plain = cfg.bytes_per_token(args.dtype)
+        print(f"  per token : {per:,} bytes ({human_bytes(per)}) = 2 x {cfg.layers} layers x "
+              f"{cfg.kv_heads} KV heads x ({cfg.head_dim} x {item} byte + 4-byte scale); "
+              f"{per / plain:.2f}x of {args.dtype}'s {plain:,}")
     print(f"  cache     : {total:,} bytes ({human_bytes(total)}) for batch {args.batch} x "
           f"max_len {args.max_len:,}")
     if cfg.max_position and args.max_len > cfg.max_position:
         print(f"  note      : max_len {args.max_len:,} exceeds the model's context "
               f"{cfg.max_position:,}")
+    if rows is not None:
+        _print_paged(cfg, args, rows)
     if budget is not None:
-        b = max_batch(cfg, max_len=args.max_len, budget=budget, dtype=args.dtype)
-        n = max_len_for(cfg, batch=args.batch, budget=budget, dtype=args.dtype)
+        b = max_batch(cfg, max_len=args.max_len, budget=budget, dtype=args.dtype, kv_dtype=kv_dtype)
+        n = max_len_for(cfg, batch=args.batch, budget=budget, dtype=args.dtype, kv_dtype=kv_dtype)
         print(f"  budget    : {budget:,} bytes ({human_bytes(budget)})")
         print(f"    largest batch at max_len {args.max_len:,}: {b:,}")
         print(f"    largest max_len at batch {args.batch}: {n:,} tokens")
     return 0
+
+
+def _paged_rows(args) -> list[int] | None:
+    """``--rows`` as a list of ints (None when not given), or a UsageError naming the flag."""
+    from .cli import UsageError
+
+    if getattr(args, "rows", None) is None:
+        return None
+    try:
+        lens = [int(x) for x in str(args.rows).split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--rows must be comma-separated ints >= 0, got {args.rows!r}") from None
+    if not lens or min(lens) < 0:
+        raise UsageError(f"--rows must be comma-separated ints >= 0, got {args.rows!r}")
+    if max(lens) > args.max_len:
+        raise UsageError(f"--rows has a row of {max(lens):,} tokens > --max-len {args.max_len:,}")
+    if args.page_size < 1:
+        raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
+    if getattr(args, "kv_dtype", None):
+        raise UsageError("--rows with --kv-dtype: paged storage holds K/V as --dtype only")
+    return lens
+
+
+def _print_paged(cfg: ModelConfig, args, lens: list[int]) -> None:
+    p = paged_cache_bytes(cfg, lens, max_len=args.max_len, page_size=args.page_size, dtype=args.dtype)
+    shown = ", ".join(f"{n:,}" for n in lens[:8]) + (" ..." if len(lens) > 8 else "")
+    print(f"  paged     : rows of {shown} tokens, page_size {p.page_size}: {p.pages:,} pages = "
+          f"{p.pages * p.page_size:,} token slots (live {sum(lens):,})")
+    print(f"              K/V {p.pool_bytes:,} bytes ({human_bytes(p.pool_bytes)}) + page table "
+          f"{p.metadata_bytes:,} bytes on the host ({100 * p.metadata_bytes / max(1, p.pool_bytes):.3f}%)")
+    print(f"  contiguous: {len(lens)} rows x max_len {args.max_len:,} = {p.contiguous_bytes:,} bytes "
+          f"({human_bytes(p.contiguous_bytes)}), {p.contiguous_bytes / max(1, p.total_bytes):.2f}x "
+          "the paged cache")
 
 
 def _cli_budget(text: str) -> int:

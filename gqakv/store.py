@@ -12,10 +12,14 @@ A ``KVStore`` is what the backends' hot operations take (``attention(q, store, .
 - the byte count (``nbytes``, the one formula every size in gqakv comes from);
 - allocation (``KVStore.allocate``);
 - reading for the generic path (``blocks``): key/value blocks ``[Hkv, keys, d]`` of a
-  row, views for contiguous storage (a quantized kind would dequantize here).
+  row, views for contiguous storage; a quantized store (``spec.quantized``: int8 or
+  float8_e4m3fn codes plus per-token float32 scales ``k_scale``/``v_scale``
+  ``[*leading, rows, Hkv, max_len]``, ``gqakv.quantize``) dequantizes each block here,
+  in blocks of at most ``DEQUANT_BLOCK_ELEMENTS``, and quantizes in ``put``.
 
-Fast paths read ``k``/``v`` directly, and only for the kinds they declare; any other
-kind runs on the generic array-API path, which reads through ``blocks`` and so works
+Fast paths read ``k``/``v`` directly, and only for the kinds they declare (a quantized
+store's ``k``/``v`` hold codes: fast paths without a dequantizing reader must refuse
+``store.quantized``); any other kind runs on the generic array-API path, which reads through ``blocks`` and so works
 on every backend before a fast path exists.
 """
 
@@ -24,16 +28,27 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as _np
+
 from . import dtypes as _dtypes
+from . import quantize as _quantize
 
 #: Storage kinds. Contiguous: K and V are dense arrays, row r's token j of KV head h at
 #: ``[..., r, h, j, :]``.
 CONTIGUOUS = "contiguous"
-KINDS = (CONTIGUOUS,)
+#: Paged: a pool of pages ``[*leading, num_pages, Hkv, page_size, d]`` and a page table
+#: per row (``gqakv.paged.PagedStore``).
+PAGED = "paged"
+KINDS = (CONTIGUOUS, PAGED)
 
 #: Largest buffer, in bytes, any backend can address (a signed 64-bit byte count;
 #: NumPy's and torch's limit on 64-bit platforms).
 MAX_BUFFER_BYTES = 2**63 - 1
+
+#: Largest dequantized block, in elements of K (and as many of V), a quantized store's
+#: reader hands the generic path at once (4 MiB of float32 each): attention never holds
+#: a dequantized copy of a whole row.
+DEQUANT_BLOCK_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -42,7 +57,9 @@ class StorageSpec:
 
     dtype: the storage dtype of K and V. q_dtype: the dtype of queries and outputs.
     input_dtype: the dtype of the k_new/v_new an append takes. ``of(dtype)`` makes the
-    contiguous spec whose three dtypes are equal (every cache today).
+    spec whose three dtypes are equal; ``of(dtype, kv_dtype="int8")`` (or
+    ``"float8_e4m3fn"``) one that stores K/V quantized with per-token scales
+    (``quantized``) while queries, inputs and outputs stay ``dtype``.
     """
 
     kind: str
@@ -51,21 +68,56 @@ class StorageSpec:
     input_dtype: str
 
     @classmethod
-    def of(cls, dtype, kind: str = CONTIGUOUS) -> "StorageSpec":
+    def of(cls, dtype, kind: str = CONTIGUOUS, kv_dtype=None) -> "StorageSpec":
         name = _dtypes.canonical_name(dtype)
         if kind not in KINDS:
             raise ValueError(f"storage kind={kind!r} (known: {', '.join(KINDS)})")
-        return cls(kind, name, name, name)
+        stored = _dtypes.kv_dtype_name(kv_dtype)
+        if stored is not None:
+            if name == "float64":
+                raise ValueError(f"kv_dtype={stored!r} needs dtype float32, float16 or bfloat16, "
+                                 "got dtype=float64 (a float64 cache is the reference precision; "
+                                 "use dtype='float32' to quantize)")
+            if kind != CONTIGUOUS:
+                raise ValueError(f"kv_dtype={stored!r} with storage kind={kind!r}: quantized "
+                                 f"K/V are implemented for {CONTIGUOUS!r} storage only")
+        return cls(kind, stored or name, name, name)
+
+    @property
+    def quantized(self) -> bool:
+        """True when K/V are stored as 8-bit codes with per-token float32 scales."""
+        return self.dtype in _dtypes.QUANTIZED_ITEMSIZE
 
     def bytes_per_slot(self, kv_heads: int, head_dim: int) -> int:
         """Bytes of K plus V for one token slot of one row of one layer. The one byte-count
         formula: every size gqakv reports or checks is a multiple of it (Python ints,
-        exact). A kind with per-token scales adds their bytes here."""
-        return 2 * int(kv_heads) * int(head_dim) * _dtypes.itemsize(self.dtype)
+        exact). A quantized spec adds each token's two float32 scales (K and V) per KV
+        head: ``2 x Hkv x (d x 1 + 4)``."""
+        per_head = int(head_dim) * _dtypes.itemsize(self.dtype)
+        if self.quantized:
+            per_head += _quantize.SCALE_BYTES
+        return 2 * int(kv_heads) * per_head
 
     def nbytes(self, slots: int, kv_heads: int, head_dim: int) -> int:
         """Bytes of K and V for ``slots`` token slots (layers x rows x max_len)."""
         return int(slots) * self.bytes_per_slot(kv_heads, head_dim)
+
+
+def _allocate_quantized(backend, spec: StorageSpec, shape: tuple[int, ...], device):
+    """Codes (int8, or uint8 e4m3fn patterns) ``shape`` and float32 scales ``shape[:-1]``
+    for K and V, all on one device: the scales through the backend, the codes through its
+    namespace on the scales' device (backends only know float dtypes by name)."""
+    k_scale = backend.empty(shape[:-1], "float32", device=device)
+    v_scale = backend.empty(shape[:-1], "float32", device=device)
+    xp = backend.namespace()
+    dt = _quantize.code_dtype(xp, spec.dtype)
+    dev = getattr(k_scale, "device", None)
+    try:
+        k = xp.empty(shape, dtype=dt, device=dev)
+        v = xp.empty(shape, dtype=dt, device=dev)
+    except RuntimeError as exc:  # torch's CPU out-of-memory
+        raise MemoryError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+    return k, v, k_scale, v_scale
 
 
 def nbytes(dtype, slots: int, kv_heads: int, head_dim: int) -> int:
@@ -78,15 +130,21 @@ class KVStore:
 
     Attributes:
         spec: the StorageSpec.
-        k, v: contiguous kind: the buffers ``[*leading, rows, Hkv, max_len, d]``.
+        k, v: contiguous kind: the buffers ``[*leading, rows, Hkv, max_len, d]`` (codes
+            when quantized).
+        k_scale, v_scale: quantized only: float32 ``[*leading, rows, Hkv, max_len]``, the
+            scale of each token's codes (None otherwise).
         leading: ``()`` or ``(layers,)``; rows, kv_heads, max_len, head_dim: ints.
     """
 
-    __slots__ = ("spec", "k", "v", "leading", "rows", "kv_heads", "max_len", "head_dim")
+    __slots__ = ("spec", "k", "v", "leading", "rows", "kv_heads", "max_len", "head_dim",
+                 "k_scale", "v_scale", "_table")
 
-    def __init__(self, spec: StorageSpec, k, v):
+    def __init__(self, spec: StorageSpec, k, v, k_scale=None, v_scale=None):
         self.spec = spec
         self.k, self.v = k, v
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self._table = None  # float8_e4m3fn off NumPy: the 256 code values, made on first read
         shape = tuple(int(s) for s in k.shape)
         self.leading = shape[:-4]
         self.rows, self.kv_heads, self.max_len, self.head_dim = shape[-4:]
@@ -109,6 +167,11 @@ class KVStore:
     def dtype(self) -> str:
         """The storage dtype's name."""
         return self.spec.dtype
+
+    @property
+    def quantized(self) -> bool:
+        """True when ``k``/``v`` hold 8-bit codes with per-token scales (``gqakv.quantize``)."""
+        return self.spec.quantized
 
     @property
     def nbytes(self) -> int:
@@ -136,6 +199,8 @@ class KVStore:
         if total // 2 > MAX_BUFFER_BYTES:
             raise fail(f"each buffer exceeds the {MAX_BUFFER_BYTES:,} bytes a 64-bit size can address")
         try:
+            if spec.quantized:
+                return cls(spec, *_allocate_quantized(backend, spec, shape, device))
             k = backend.empty(shape, spec.dtype, device=device)
             v = backend.empty(shape, spec.dtype, device=device)
         except MemoryError as exc:
@@ -153,6 +218,9 @@ class KVStore:
 
     def layer(self, layer: int) -> "KVStore":
         """Layer ``layer`` of a store with one leading axis, as a store of its own (views)."""
+        if self.quantized:
+            return KVStore(self.spec, self.k[layer, ...], self.v[layer, ...],
+                           self.k_scale[layer, ...], self.v_scale[layer, ...])
         return KVStore(self.spec, self.k[layer, ...], self.v[layer, ...])
 
     def with_layers(self, xp) -> "KVStore":
@@ -160,14 +228,43 @@ class KVStore:
         operations work on."""
         if self.leading:
             return self
+        if self.quantized:
+            return KVStore(self.spec, xp.expand_dims(self.k, axis=0), xp.expand_dims(self.v, axis=0),
+                           xp.expand_dims(self.k_scale, axis=0), xp.expand_dims(self.v_scale, axis=0))
         return KVStore(self.spec, xp.expand_dims(self.k, axis=0), xp.expand_dims(self.v, axis=0))
 
     # -- reading (the generic path) --------------------------------------------------------
 
+    def key_blocks(self, row: int, lo: int, hi: int, max_keys: int):
+        """Spans ``(j0, j1)``, in order, covering keys ``lo..hi-1`` of ``row`` with at most
+        ``max_keys`` keys each, that ``blocks`` reads without copying (the generic path
+        walks a row through them; a paged kind ends every span at a page boundary)."""
+        step = max(1, int(max_keys))
+        if self.quantized:  # each span is dequantized as a whole: keep it small
+            step = min(step, max(1, DEQUANT_BLOCK_ELEMENTS // (self.kv_heads * self.head_dim)))
+        for j0 in range(lo, hi, step):
+            yield j0, min(hi, j0 + step)
+
     def blocks(self, row: int, j0: int, j1: int):
         """Keys and values ``j0 <= j < j1`` of ``row`` of a store without leading axes, as
-        ``[Hkv, j1 - j0, d]`` arrays in the storage dtype: views for contiguous storage."""
+        ``[Hkv, j1 - j0, d]`` arrays in the storage dtype: views for contiguous storage;
+        quantized: new float32 arrays, dequantized (keep ``j1 - j0`` small, as
+        ``key_blocks`` does)."""
+        if self.quantized:
+            return (self._dequantize(self.k[row, :, j0:j1, :], self.k_scale[row, :, j0:j1]),
+                    self._dequantize(self.v[row, :, j0:j1, :], self.v_scale[row, :, j0:j1]))
         return self.k[row, :, j0:j1, :], self.v[row, :, j0:j1, :]
+
+    def _dequantize(self, codes, scales):
+        from array_api_compat import array_namespace
+
+        xp = array_namespace(codes)
+        table = None
+        if self.dtype == "float8_e4m3fn" and not isinstance(codes, _np.ndarray):
+            if self._table is None:
+                self._table = xp.asarray(_quantize.e4m3_table(), device=getattr(codes, "device", None))
+            table = self._table
+        return _quantize.dequantize(xp, codes, scales, self.dtype, table)
 
     # -- writing (the generic path) --------------------------------------------------------
 
@@ -175,6 +272,15 @@ class KVStore:
         """Store ``k``, ``v`` ``[Hkv, n, d]`` (the input dtype) as tokens ``start..start+n-1``
         of ``row`` of a store without leading axes, in place."""
         n = int(k.shape[1])
+        if self.quantized:  # each token's codes and scale, from that token alone
+            from array_api_compat import array_namespace
+
+            xp = array_namespace(k)
+            for buf, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+                codes, scale = _quantize.quantize(xp, x, self.dtype)
+                buf[row, :, start:start + n, :] = codes
+                scales[row, :, start:start + n] = scale
+            return
         self.k[row, :, start:start + n, :] = k
         self.v[row, :, start:start + n, :] = v
 
@@ -183,11 +289,23 @@ class KVStore:
         every layer (both stores have the same leading axes)."""
         self.k[..., dst_row, :, :n, :] = src.k[..., src_row, :, :n, :]
         self.v[..., dst_row, :, :n, :] = src.v[..., src_row, :, :n, :]
+        if self.quantized:  # the scales travel with their tokens
+            self.k_scale[..., dst_row, :, :n] = src.k_scale[..., src_row, :, :n]
+            self.v_scale[..., dst_row, :, :n] = src.v_scale[..., src_row, :, :n]
 
     def fill(self, value, v_value=None) -> None:
         """Set every K slot, live or not, to ``value`` and every V slot to ``v_value``
         (default: ``value``). The supported way for tests to poison the slots no reader
-        may see; nothing else should write storage except through the backend."""
+        may see; nothing else should write storage except through the backend.
+        Quantized: every code is the code of 1 and every scale the value, so each slot
+        dequantizes to exactly the value (NaN and inf too)."""
+        if self.quantized:
+            one = 1 if self.dtype == "int8" else 0x38  # 1.0 in e4m3fn
+            self.k[...] = one
+            self.v[...] = one
+            self.k_scale[...] = value
+            self.v_scale[...] = value if v_value is None else v_value
+            return
         self.k[...] = value
         self.v[...] = value if v_value is None else v_value
 

@@ -70,10 +70,15 @@ def arrays(backend):
 # (backend, storage) and every (backend, params) pair still runs (CI time stays bounded).
 
 #: Storage specs under test: name -> keyword arguments of KVCache / ModelKVCache.
-STORAGE_SPECS = {"contiguous": {"storage": "contiguous"}}
+STORAGE_SPECS = {"contiguous": {"storage": "contiguous"},
+                 "paged": {"storage": "paged", "page_size": 4}}
 #: Attention params under test: name -> the fields of ``gqakv.AttentionParams`` besides
 #: ``scale`` (tests build ``AttentionParams(scale=..., **fields)`` and pass ``params=``).
-ATTENTION_PARAMS = {"causal": {}}
+ATTENTION_PARAMS = {"causal": {}, "window": {"window": 3}, "softcap": {"softcap": 0.5},
+                    # one sink per query head: the tests that take ``case`` use Hq = 6
+                    "sinks": {"sinks": (0.5, -1.0, 2.0, float("-inf"), 4.0, 0.0)},
+                    "window+softcap+sinks": {"window": 2, "softcap": 0.5,
+                                             "sinks": (1.0, 0.0, -2.0, 3.0, float("-inf"), 0.5)}}
 #: Largest product run in full.
 PRODUCT_LIMIT = 64
 

@@ -1,7 +1,10 @@
 """Direct reference attention, written independently of gqakv: loops and float64.
 
 It follows the definition literally: for every row, query token and query head,
-pick KV head h // G, take keys 0..pos where pos = L - n + t, softmax in float64.
+pick KV head h // G, take keys lo..pos where pos = L - n + t (lo = 0, or
+max(0, pos - window + 1) with a sliding window), soft-cap each scaled score
+(c * tanh(s / c)), and softmax in float64 with the head's sink logit as one more
+term of the denominator that carries no value.
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ import math
 import numpy as np
 
 
-def reference_attention(q, k_rows, v_rows, n_new, scale=None):
-    """q: [B, Hq, T, d]; k_rows[b], v_rows[b]: [Hkv, L_b, d] live tokens of row b.
+def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, softcap=None,
+                        sinks=None):
+    """q: [B, Hq, T, d]; k_rows[b], v_rows[b]: [Hkv, L_b, d] live tokens of row b;
+    window: None or W >= 1; softcap: None or c > 0; sinks: None or [Hq] logits (-inf: none).
 
-    Returns out [B, Hq, T, d] and lse [B, Hq, T], both float64; padded queries give
-    out = 0 and lse = -inf.
+    Returns out [B, Hq, T, d] and lse [B, Hq, T], both float64 (lse: the log of the whole
+    denominator, sink included); padded queries give out = 0 and lse = -inf.
     """
     q = np.asarray(q, dtype=np.float64)
     B, Hq, T, d = q.shape
@@ -30,13 +35,22 @@ def reference_attention(q, k_rows, v_rows, n_new, scale=None):
         n = int(n_new[b])
         for t in range(n):
             pos = L - n + t
+            first = 0 if window is None else max(0, pos - window + 1)
             for h in range(Hq):
                 kv = h // G
-                scores = [scale * float(np.dot(q[b, h, t], k[kv, j])) for j in range(pos + 1)]
-                m = max(scores)
-                weights = [math.exp(s - m) for s in scores]
-                total = sum(weights)
-                for j, w in enumerate(weights):
-                    out[b, h, t] += (w / total) * v[kv, j]
+                scores = []
+                for j in range(first, pos + 1):
+                    s = scale * float(np.dot(q[b, h, t], k[kv, j]))
+                    if softcap is not None:
+                        s = softcap * math.tanh(s / softcap)
+                    scores.append(s)
+                terms = list(scores)
+                sink = None if sinks is None else float(sinks[h])
+                if sink is not None and sink != -math.inf:
+                    terms.append(sink)
+                m = max(terms)
+                total = sum(math.exp(s - m) for s in terms)
+                for j, s in enumerate(scores):
+                    out[b, h, t] += (math.exp(s - m) / total) * v[kv, first + j]
                 lse[b, h, t] = m + math.log(total)
     return out, lse

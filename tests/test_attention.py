@@ -304,7 +304,9 @@ def test_attention_over_the_product(case):
     rows_v = [np.concatenate([v0[b, :, :lens_before[b]], v1[b, :, :n_new[b]]], axis=1) for b in range(B)]
     scale = 0.3
     params = AttentionParams(scale=scale, **case.params)
-    want, want_lse = reference_attention(q, rows_k, rows_v, n_new, scale=params.scale)
+    want, want_lse = reference_attention(q, rows_k, rows_v, n_new, scale=params.scale,
+                                         window=params.window, softcap=params.softcap,
+                                         sinks=params.sinks)
     out, lse = gqakv.gqa_attention(arrays.asarray(q, "float64"), cache, n_new,
                                    return_lse=True, params=params)
     with model.step(n_new) as step:
@@ -332,3 +334,24 @@ def test_params_argument_is_checked():
         gqakv.gqa_attention(x, cache, [1], params=gqakv.AttentionParams(scale=math.inf))
     same = gqakv.gqa_attention(x, cache, [1], params=gqakv.AttentionParams(scale=0.5))
     np.testing.assert_array_equal(same, gqakv.gqa_attention(x, cache, [1], scale=0.5))
+
+
+def test_transposed_query_view_and_extreme_scales(backend, arrays):
+    """q as a transposed (non-contiguous) view, scale 0 and a huge scale, d = 1, G = 3."""
+    rng = np.random.default_rng(7)
+    B, Hkv, G, T, d = 3, 2, 3, 7, 1
+    cache = gqakv.KVCache(B, Hkv, 40, d, dtype="float64", backend=backend)
+    k, v = rng.standard_normal((2, B, Hkv, T, d))
+    n_new = [3, 0, 7]
+    cache.append(arrays.asarray(k), arrays.asarray(v), n_new)
+    q_np = rng.standard_normal((B, T, Hkv * G, d)) * 3
+    q_t = arrays.asarray(q_np)
+    q = q_t.permute(0, 2, 1, 3) if hasattr(q_t, "permute") else arrays.xp.permute_dims(q_t, (0, 2, 1, 3))
+    k_rows = [arrays.to_numpy(cache.live_kv(b)[0]) for b in range(B)]
+    v_rows = [arrays.to_numpy(cache.live_kv(b)[1]) for b in range(B)]
+    for scale in (None, 0.0, 1e3):
+        out, lse = gqakv.gqa_attention(q, cache, n_new, scale=scale, return_lse=True)
+        want, want_lse = reference_attention(q_np.transpose(0, 2, 1, 3), k_rows, v_rows, n_new,
+                                             scale=scale)
+        np.testing.assert_allclose(arrays.to_numpy(out), want, rtol=0, atol=1e-10)
+        np.testing.assert_allclose(arrays.to_numpy(lse), want_lse, rtol=1e-12, atol=1e-9)

@@ -425,3 +425,46 @@ def test_config_integers_are_checked(key, value):
     with pytest.raises(ValueError) as info:
         sizing.config_from_hf(config)
     assert f"{key}={value!r}" in str(info.value)
+
+
+def test_lens_is_a_snapshot_that_cannot_write_the_cache(backend, arrays):
+    """``cache.lens`` on torch/array_api_strict used to alias the host lengths and be
+    writable: ``cache.lens[0] = 7`` silently set row 0's length past its data, and an
+    old ``lens`` object changed under its holder after the next append."""
+    cache = gqakv.KVCache(2, 1, 8, 4, backend=backend)
+    kv = arrays.asarray(np.ones((2, 1, 3, 4), np.float32))
+    cache.append(kv, kv, [2, 3])
+    lens = cache.lens
+    try:
+        lens[0] = 7
+    except (ValueError, TypeError, RuntimeError):
+        pass  # a read-only array is fine too
+    np.testing.assert_array_equal(cache.host_lens, [2, 3])
+    cache.reset()
+    cache.append(kv, kv, [1, 1])
+    np.testing.assert_array_equal(cache.host_lens, [1, 1])
+    np.testing.assert_array_equal(arrays.to_numpy(cache.lens, np.int64), [1, 1])
+    if int(arrays.to_numpy(lens, np.int64)[0]) != 7:  # a read-only array refused the write
+        np.testing.assert_array_equal(arrays.to_numpy(lens, np.int64), [2, 3])
+
+
+def test_huge_unsigned_n_new_is_reported_as_given(backend, arrays):
+    """A uint64 n_new above the int64 range was reported as a negative number."""
+    cache = gqakv.KVCache(2, 1, 8, 4, backend=backend)
+    kv = arrays.asarray(np.ones((2, 1, 3, 4), np.float32))
+    before = _snapshot(arrays, cache)
+    with pytest.raises(ValueError, match="9223372036854775809"):
+        cache.append(kv, kv, np.array([2**63 + 1, 0], dtype=np.uint64))
+    _assert_unchanged(arrays, cache, before)
+
+
+@pytest.mark.parametrize("n_new", [[2**70, 0], [0, -(2**64)]])
+def test_python_ints_beyond_int64_are_reported_as_given(backend, arrays, n_new):
+    """Python ints NumPy cannot hold were refused as 'integer dtype, got object'."""
+    cache = gqakv.KVCache(2, 1, 8, 4, backend=backend)
+    kv = arrays.asarray(np.ones((2, 1, 3, 4), np.float32))
+    before = _snapshot(arrays, cache)
+    i = 0 if n_new[0] else 1
+    with pytest.raises(ValueError, match=rf"n_new\[{i}\]={n_new[i]} is out of range"):
+        cache.append(kv, kv, n_new)
+    _assert_unchanged(arrays, cache, before)

@@ -310,3 +310,84 @@ def test_softmax_state_with_fully_masked_blocks(backend, arrays):
     np.testing.assert_allclose(arrays.to_numpy(out)[:, :2], want_out[:, :2], atol=1e-12)
     np.testing.assert_allclose(arrays.to_numpy(lse)[:, :2], want_lse[:, :2], atol=1e-12)
     assert (arrays.to_numpy(out)[:, 2] == 0).all()
+
+
+def test_merge_ignores_the_output_of_a_part_that_saw_no_key(backend, arrays):
+    """A part with lse = -inf contributes nothing, even when its output slots hold NaN
+    (a kernel's uninitialized output for an empty key split)."""
+    d = 4
+    out_a = arrays.asarray(np.full((3, d), np.nan, np.float32))
+    lse_a = arrays.asarray(np.array([-np.inf, -np.inf, 0.25], np.float32))
+    vals = np.arange(3 * d, dtype=np.float32).reshape(3, d)
+    out_b = arrays.asarray(vals)
+    lse_b = arrays.asarray(np.array([0.5, -np.inf, -np.inf], np.float32))
+    out, lse = gqakv.merge_attention(out_a, lse_a, out_b, lse_b)
+    out = arrays.to_numpy(out)
+    np.testing.assert_array_equal(out[0], vals[0])
+    np.testing.assert_array_equal(out[1], 0.0)
+    assert np.isnan(out[2]).all()  # a part that saw keys keeps its (NaN) output
+    np.testing.assert_allclose(arrays.to_numpy(lse), [0.5, -np.inf, 0.25])
+
+
+# -- sinks: applied once, after every key is merged --------------------------------------------
+
+# (name, lse, out, sink, expected out, expected lse): one query head each, d = 2.
+SINK_CASES = [
+    ("no_sink", 0.5, [1.0, -2.0], -INF, [1.0, -2.0], 0.5),
+    ("sink_equals_lse", 0.5, [1.0, -2.0], 0.5, [0.5, -1.0], 0.5 + math.log(2)),
+    ("sink_takes_all", 0.0, [1.0, -2.0], 1e4, [0.0, 0.0], 1e4),
+    ("sink_negligible", 3.0, [1.0, -2.0], -1e4, [1.0, -2.0], 3.0),
+    ("no_key_seen", -INF, [0.0, 0.0], 5.0, [0.0, 0.0], -INF),
+    ("nan_lse", NAN, [1.0, 1.0], 0.0, [NAN, NAN], NAN),
+    ("nan_out_element", 0.0, [NAN, 2.0], 0.0, [NAN, 1.0], math.log(2)),
+    ("finite", 1.0, [2.0, 4.0], 0.0, [2 / (1 + math.exp(-1)), 4 / (1 + math.exp(-1))],
+     math.log(math.exp(1) + 1)),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_apply_sinks_table(backend, arrays, dtype):
+    """apply_sinks on every case at once (heads of one query): the sink's share of the
+    denominator, -inf sinks and unseen queries untouched, NaN never hidden."""
+    from gqakv.merge import apply_sinks
+
+    if dtype not in backend.dtypes:
+        pytest.skip(f"backend {backend.name} has no {dtype}")
+    lse = arrays.asarray(np.array([[[c[1]] for c in SINK_CASES]], dtype))  # [1, Hq, 1]
+    out = arrays.asarray(np.array([[[c[2]] for c in SINK_CASES]], dtype))  # [1, Hq, 1, 2]
+    sinks = arrays.asarray(np.array([c[3] for c in SINK_CASES], dtype))
+    got_out, got_lse = apply_sinks(out, lse, sinks)
+    assert got_out.dtype == out.dtype and got_lse.dtype == lse.dtype
+    got_out, got_lse = arrays.to_numpy(got_out), arrays.to_numpy(got_lse)
+    tol = 1e-6 if dtype == "float32" else 1e-12
+    for i, (name, *_, want_out, want_lse) in enumerate(SINK_CASES):
+        np.testing.assert_allclose(got_out[0, i, 0], want_out, rtol=tol, atol=tol, err_msg=name)
+        np.testing.assert_allclose(got_lse[0, i, 0], want_lse, rtol=tol, atol=tol, err_msg=name)
+
+
+def test_apply_sinks_random_matches_the_definition(backend, arrays):
+    """[B, Hq, T, d] partial results with random lse and sinks (some -inf, some queries
+    unseen): out * e^lse / (e^lse + e^sink) and log(e^lse + e^sink) in float64."""
+    from gqakv.merge import apply_sinks
+
+    rng = np.random.default_rng(4)
+    B, hq, T, d = 2, 5, 3, 4
+    out = rng.standard_normal((B, hq, T, d))
+    lse = rng.standard_normal((B, hq, T)) * 20
+    lse[:, :, 2] = -INF
+    out[:, :, 2] = 0.0
+    sinks = (rng.standard_normal(hq) * 20).astype(np.float32).astype(np.float64)
+    sinks[1] = -INF
+    dtype = "float64" if "float64" in backend.dtypes else "float32"
+    got_out, got_lse = apply_sinks(arrays.asarray(out, dtype), arrays.asarray(lse, dtype),
+                                   arrays.asarray(sinks, dtype))
+    s = sinks[None, :, None]
+    with np.errstate(invalid="ignore"):
+        want_lse = np.where(np.isneginf(lse), -INF, np.logaddexp(lse, s))
+        want_out = np.where(np.isneginf(lse)[..., None], 0.0,
+                            out * np.exp(lse - np.maximum(lse, s))[..., None]
+                            / (np.exp(lse - np.maximum(lse, s)) + np.exp(s - np.maximum(lse, s)))[..., None])
+    tol = 1e-12 if dtype == "float64" else 1e-5
+    np.testing.assert_allclose(arrays.to_numpy(got_out), want_out, atol=tol, rtol=tol)
+    np.testing.assert_array_equal(arrays.to_numpy(got_lse) == -INF, want_lse == -INF)
+    np.testing.assert_allclose(arrays.to_numpy(got_lse), want_lse, atol=tol, rtol=tol)

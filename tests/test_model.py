@@ -163,3 +163,109 @@ def test_generate_command_tiny(capsys):
     assert rc == 0, out
     assert "greedy tokens identical: yes" in out
     assert "time to first token" in out and "KV cache (gqakv)" in out
+
+
+# -- attention variants: sliding windows (alternating with global layers), soft-cap, sinks ------
+
+VARIANTS = {  # name -> LlamaConfig changes; windows shorter than the longest prompt (11)
+    "window-3": dict(sliding_window=3),
+    "window-1": dict(sliding_window=1),
+    "window-4-global-every-2": dict(sliding_window=4, global_every=2),
+    "softcap-0.3": dict(softcap=0.3),
+    "sinks": dict(sinks=True),
+    "all": dict(sliding_window=5, global_every=2, softcap=2.0, sinks=True),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_causal_attention_variants_match_loop_reference(variant):
+    """The uncached path's attention (window, softcap, sinks) equals the independent float64 loop."""
+    changes = dict(VARIANTS[variant])
+    rng = np.random.default_rng(1)
+    B, Hq, Hkv, S, d = 2, 6, 2, 9, 4
+    q = 2 * rng.standard_normal((B, Hq, S, d))
+    k = rng.standard_normal((B, Hkv, S, d))
+    v = rng.standard_normal((B, Hkv, S, d))
+    sinks = np.array([-np.inf, 3.0, -1.0, 0.5, 20.0, -4.0]) if changes.get("sinks") else None
+    import array_api_compat.numpy as xp
+
+    got = causal_attention(xp, q, k, v, 0.5, window=changes.get("sliding_window"),
+                           softcap=changes.get("softcap"), sinks=sinks)
+    want, _ = reference_attention(q, list(k), list(v), [S] * B, 0.5, window=changes.get("sliding_window"),
+                                  softcap=changes.get("softcap"), sinks=sinks)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_model_cached_equals_uncached(backend, variant):
+    """Chunked prefill of ragged prompts longer than the window, then ragged decode, through
+    gqakv (each layer its own AttentionParams) equals the uncached variant forward."""
+    if "float64" not in backend.dtypes:
+        pytest.skip(f"backend {backend.name} has no float64")
+    model = _model(backend, **VARIANTS[variant])
+    cached = generate(model, RAGGED_PROMPTS, 6, chunks=[3, 1, 5, 2])
+    _assert_same_generation(cached, generate_uncached(model, RAGGED_PROMPTS, 6), F64_ATOL)
+    assert len(np.unique(cached.tokens)) > 4
+    # The variant changes the model: the plain model (same weights) generates other logits.
+    plain = generate_uncached(_model("numpy"), RAGGED_PROMPTS, 6)
+    assert np.max(np.abs(plain.logits - cached.logits)) > 1e-3
+
+
+def test_variant_layers_and_weights():
+    c = TINY.replace(n_layers=6, sliding_window=4, global_every=3)
+    assert [c.layer_window(i) for i in range(6)] == [4, 4, None, 4, 4, None]  # Gemma-3-like: layers 2, 5 global
+    assert [TINY.replace(sliding_window=2).layer_window(i) for i in range(2)] == [2, 2]
+    assert c.variant == "window 4 (every 3rd layer global)"
+    assert TINY.replace(softcap=20.0, sinks=True).variant == "softcap 20, sinks"
+    # Sinks come from their own stream: every other weight is the plain model's.
+    plain, sunk = _model("numpy"), _model("numpy", sinks=True)
+    assert plain.sink_logits is None and len(sunk.sink_logits) == TINY.n_layers
+    assert all(len(s) == TINY.n_heads and all(float(np.float32(x)) == x for x in s) for s in sunk.sink_logits)
+    for a, b in zip(plain.layers, sunk.layers):
+        assert all(np.array_equal(a[key], b[key]) for key in a)
+    assert sunk.config.n_params == plain.config.n_params + TINY.n_layers * TINY.n_heads
+
+
+def test_variant_limits_equal_the_plain_model():
+    """W >= every sequence is no window; sinks of -inf add nothing; the cached path agrees."""
+    plain = generate(_model("numpy"), RAGGED_PROMPTS, 5, chunks=4)
+    wide = generate(_model("numpy", sliding_window=11 + 5, global_every=2), RAGGED_PROMPTS, 5, chunks=4)
+    _assert_same_generation(wide, plain, F64_ATOL)
+    silent = _model("numpy", sinks=True)
+    silent.sink_logits = [(-math.inf,) * TINY.n_heads] * TINY.n_layers
+    _assert_same_generation(generate(silent, RAGGED_PROMPTS, 5, chunks=4), plain, F64_ATOL)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(sliding_window=0), r"sliding_window=0 must be None or an int >= 1"),
+    (dict(sliding_window=2.5), r"sliding_window=2.5 must be None or an int >= 1"),
+    (dict(global_every=2), r"global_every=2 .* needs a sliding_window"),
+    (dict(sliding_window=4, global_every=1), r"global_every=1 must be None or an int >= 2"),
+    (dict(softcap=0.0), r"softcap=0.0 must be None or a finite number > 0"),
+    (dict(softcap=math.inf), r"softcap=inf must be None or a finite number > 0"),
+])
+def test_bad_variant_configs(changes, match):
+    with pytest.raises(ValueError, match=match):
+        TINY.replace(**changes)
+
+
+def test_generate_command_with_variants(capsys):
+    rc = cli_main(["generate", "--config", "tiny", "--batch", "3", "--prompt-len", "9", "--new-tokens", "4",
+                   "--chunk", "4", "--dtype", "float64", "--window", "3", "--global-every", "2",
+                   "--softcap", "5", "--sinks"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "attention: window 3 (every 2nd layer global), softcap 5, sinks" in out
+    assert "greedy tokens identical: yes" in out
+
+
+@pytest.mark.parametrize("options, match", [
+    (["--window", "0"], "--window must be >= 1, got 0"),
+    (["--global-every", "2"], "--global-every 2: needs --window"),
+    (["--window", "3", "--global-every", "1"], "--global-every 1: needs --window and a value >= 2"),
+    (["--softcap", "0"], "--softcap must be a finite number > 0, got 0.0"),
+])
+def test_generate_command_bad_variant_options(capsys, options, match):
+    rc = cli_main(["generate", "--config", "tiny", *options])
+    captured = capsys.readouterr()
+    assert rc == 2 and match in captured.err and captured.out == ""

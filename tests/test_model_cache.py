@@ -301,3 +301,23 @@ def test_step_layer_view_only_after_the_layer_is_written(backend, arrays):
         np.testing.assert_allclose(arrays.to_numpy(out), 1.0, atol=1e-6)
         step.attend(1, arrays.asarray(np.ones((1, 2, 2, 2)), "float32"), kv, kv)
     assert list(cache.host_lens) == [2]
+
+
+def test_model_cache_lens_snapshot(backend, arrays):
+    cache = gqakv.ModelKVCache(2, 2, 1, 4, 2, backend=backend)
+    lens = cache.lens
+    try:
+        lens[1] = 3
+    except (ValueError, TypeError, RuntimeError):
+        pass
+    np.testing.assert_array_equal(cache.host_lens, [0, 0])
+    with pytest.raises(ValueError, match="holds 0 tokens"):
+        cache.truncate([1], [1])
+
+
+@pytest.mark.parametrize("rows", [np.array(1), 1])
+def test_step_rows_without_length_is_a_clear_error(backend, rows):
+    cache = gqakv.ModelKVCache(1, 3, 1, 4, 2, backend=backend)
+    with pytest.raises((TypeError, ValueError), match="rows"):
+        cache.step(np.array([1]), rows=rows)
+    cache.step([0, 0, 0]).abort()  # no step was left open by the refused call

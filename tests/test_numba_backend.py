@@ -4,7 +4,8 @@ The backend-parametrized parity suite (test_attention.py and others) also runs o
 numba; here: the in-register float16/bfloat16 conversions bit for bit over every
 pattern, randomized ragged chunks in float32/float16/bfloat16 with every split forced
 on small shapes (NaN past each row's length, empty rows, padded queries), float16
-special values, and which implementation serves a call and why.
+special values, the attention variants (window, softcap, sinks) against the float64
+loop reference of test_numpy_attention, and which implementation serves a call and why.
 
 Compile cost: every call here uses the same argument types, so the suite compiles
 each kernel once per process (float32 buffers, uint16 buffers, the merge); with
@@ -26,7 +27,10 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 from gqakv_backends import numba_kernels as nk  # noqa: E402
 from gqakv_backends.numba_backend import NumbaBackend, attention_numba, default_workers  # noqa: E402
 
+from gqakv.semantics import AttentionParams, key_range  # noqa: E402
+
 from .reference import reference_attention  # noqa: E402
+from .test_numpy_attention import _variant_params, variant_reference  # noqa: E402
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 SPLIT_EVERYTHING = dict(workers=3, query_block=2, min_key_split=2, key_block=3, parallel_min_work=0)
@@ -239,3 +243,146 @@ def test_threads_follow_gqakv_num_threads(monkeypatch):
     assert default_workers() == 1
     monkeypatch.delenv("GQAKV_NUM_THREADS")
     assert default_workers() == numba.config.NUMBA_NUM_THREADS
+
+
+# -- attention variants: window, softcap, sinks -----------------------------------------------
+
+def test_tanh_matches_float64_within_three_ulp():
+    x = np.concatenate([np.logspace(-30, 1.5, 30001), [0.0, 0.6249, 0.625, 0.6251, 9.0, 1e30]])
+    x = np.concatenate([x, -x]).astype(np.float32)
+    got = np.array([nk.tanh_f32(v) for v in x], dtype=np.float32)
+    want = np.tanh(x.astype(np.float64))
+    ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    assert (np.abs(got - want) <= 3 * ulp).all()
+    assert nk.tanh_f32(np.float32(np.inf)) == 1.0 and nk.tanh_f32(np.float32(-np.inf)) == -1.0
+    assert np.isnan(nk.tanh_f32(np.float32(np.nan)))
+
+
+def test_kernel_key_range_is_the_semantics_rule():
+    """``visible_keys`` is ``semantics.key_range`` written for the kernel."""
+    for window in (None, 1, 2, 5, 64):
+        params = AttentionParams(scale=1.0, window=window)
+        w = nk.NO_WINDOW if window is None else window
+        for L in (1, 7, 70):
+            for n in range(1, L + 1, 3):
+                for t in range(n):
+                    assert nk.visible_keys(L - n + t, w) == key_range(params, L, n, t)
+
+
+def _variant_check(out, lse, want, want_lse, n_new, dtype):
+    """_check's rule, with lse relative to its size (a sink of 1e4 is the whole lse)."""
+    got = out.astype(np.float64)
+    naive = np.abs(want.astype(dtype).astype(np.float64) - want).max(initial=0.0)
+    assert np.abs(got - want).max(initial=0.0) <= 2 * naive + 1e-5
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=1e-6, atol=1e-5)
+    assert np.isfinite(got).all()
+    for b, n in enumerate(n_new):  # padded queries are exactly 0
+        assert not out[b, :, n:].any()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("seed", range(8))
+def test_random_variants_match_reference(dtype, seed):
+    """Random mixes of window (1, 2, past every row, random), softcap (tiny, small,
+    large) and sinks (normal, 60, -inf) on ragged chunks, default plan and split everywhere."""
+    rng = np.random.default_rng(300 + seed)
+    hkv, G = int(rng.choice([1, 2])), int(rng.integers(1, 6))
+    d = [16, 64, 80, 128][seed % 4]
+    B = int(rng.integers(1, 4))
+    lens = [int(x) for x in rng.integers(0, 60, B)]
+    n_new = [int(rng.integers(0, min(L, 8) + 1)) if L else 0 for L in lens]
+    q, k, v = _case(rng, lens, n_new, hkv, G, d, DTYPES[dtype])
+    variant = _variant_params(rng, hkv * G, max(lens))
+    scale = 1.0 / math.sqrt(d)
+    want, want_lse = variant_reference(q, k, v, lens, n_new, scale, **variant)
+    for knobs in ({}, SPLIT_EVERYTHING):
+        out, lse = _run(q, k, v, lens, n_new, params=AttentionParams(scale=scale, **variant), **knobs)
+        _variant_check(out, lse, want, want_lse, n_new, DTYPES[dtype])
+
+
+@pytest.mark.parametrize("window", [1, 3, 200])
+def test_window_smaller_than_the_chunk_with_softcap_and_sinks(window):
+    """A 14-query chunk in blocks of 4 (windows inside one block, across blocks, past
+    the row), keys split into pieces, in float32."""
+    rng = np.random.default_rng(window)
+    lens, n_new = [60, 20], [14, 9]
+    q, k, v = _case(rng, lens, n_new, 2, 2, 16, np.float32)
+    sinks = (0.5, -np.inf, 3.0, -1.0)
+    for variant in (dict(window=window), dict(window=window, softcap=2.0, sinks=sinks)):
+        want, want_lse = variant_reference(q, k, v, lens, n_new, 0.3, **variant)
+        out, lse = _run(q, k, v, lens, n_new, params=AttentionParams(scale=0.3, **variant),
+                        workers=3, query_block=4, key_block=3, min_key_split=2, parallel_min_work=0)
+        _variant_check(out, lse, want, want_lse, n_new, np.float32)
+
+
+def test_sink_extremes():
+    """-inf sinks give exactly the plain result; a sink of 3e38 (or 1e4 over key pieces)
+    takes the whole softmax: out 0, lse the sink, no NaN; empty rows stay 0 / -inf."""
+    rng = np.random.default_rng(31)
+    lens, n_new = [300, 9, 0], [1, 2, 0]
+    q, k, v = _case(rng, lens, n_new, 2, 2, 32, np.float32)
+    knobs = dict(workers=3, min_key_split=16, parallel_min_work=0)  # the long row in pieces
+    plain, plain_lse = _run(q, k, v, lens, n_new, **knobs)
+    out, lse = _run(q, k, v, lens, n_new, params=AttentionParams(scale=1 / math.sqrt(32),
+                                                                   sinks=(-np.inf,) * 4), **knobs)
+    np.testing.assert_array_equal(out, plain)
+    np.testing.assert_array_equal(lse, plain_lse)
+    sinks = (1e4, 3e38, -np.inf, 0.5)
+    out, lse = _run(q, k, v, lens, n_new, params=AttentionParams(scale=1 / math.sqrt(32), sinks=sinks),
+                    **knobs)
+    want, want_lse = variant_reference(q, k, v, lens, n_new, 1 / math.sqrt(32), sinks=sinks)
+    _variant_check(out, lse, want, want_lse, n_new, np.float32)
+    assert not out[:, :2].any() and (lse[0, :2, 0] == np.float32(sinks[:2])).all()
+    assert not out[2].any() and np.isneginf(lse[2]).all()
+
+
+def test_a_windowed_decode_reads_only_the_window(monkeypatch):
+    """A decode on a row of 100,000 tokens with W = 4096: the kernel's items cover keys
+    L - W .. L and nothing else (the same keys for every head, each once)."""
+    L, W = 100_000, 4096
+    rng = np.random.default_rng(32)
+    k = np.zeros((1, 2, L, 8), np.float32)
+    k[:, :, L - W:] = rng.standard_normal((1, 2, W, 8))
+    v = k.copy()
+    q = rng.standard_normal((1, 4, 1, 8)).astype(np.float32)
+    seen = []
+    real = nk.attention_items
+
+    def spy(q, k_buf, v_buf, rows, lens, n_new, items, *rest):
+        seen.append(items.copy())
+        return real(q, k_buf, v_buf, rows, lens, n_new, items, *rest)
+
+    monkeypatch.setattr(nk, "attention_items", spy)
+    out, lse = _run(q, k, v, [L], [1], params=AttentionParams(scale=0.35, window=W),
+                    workers=4, min_key_split=256, parallel_min_work=0)
+    (items,) = seen
+    for h in range(2):
+        spans = sorted((int(j0), int(j1)) for _, h0, h1, _, _, j0, j1 in items if h0 <= h < h1)
+        assert spans[0][0] == L - W and spans[-1][1] == L
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    want, want_lse = variant_reference(q, k[:, :, L - W:], v[:, :, L - W:], [W], [1], 0.35)
+    _variant_check(out, lse, want, want_lse, [1], np.float32)
+
+
+def test_variants_run_the_kernel_through_the_public_api(monkeypatch):
+    """gqa_attention(params=...) with every variant on a float16 numba cache runs the
+    kernels (not the NumPy or generic path) and matches the reference."""
+    import gqakv_backends.numba_backend as nb
+
+    calls = []
+    real = nb.attention_numba
+    monkeypatch.setattr(nb, "attention_numba", lambda *a, **kw: calls.append(kw["params"]) or real(*a, **kw))
+    rng = np.random.default_rng(33)
+    cache = gqakv.KVCache(2, 2, 20, 16, dtype="float16", backend="numba")
+    k = rng.standard_normal((2, 2, 9, 16)).astype(np.float16)
+    v = rng.standard_normal((2, 2, 9, 16)).astype(np.float16)
+    cache.append(k, v, [9, 6])
+    q = rng.standard_normal((2, 4, 2, 16)).astype(np.float16)
+    params = AttentionParams(scale=0.25, window=3, softcap=1.5, sinks=(0.5, -np.inf, 2.0, 8.0))
+    out, lse = gqakv.gqa_attention(q, cache, [2, 1], params=params, return_lse=True)
+    assert calls == [params]
+    want, want_lse = variant_reference(q, k, v, [9, 6], [2, 1], 0.25, window=3, softcap=1.5,
+                                       sinks=params.sinks)
+    _variant_check(out, lse, want, want_lse, [2, 1], np.float16)

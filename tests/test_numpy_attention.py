@@ -4,6 +4,8 @@ Tiny blocks, several workers and no size thresholds force the planner to cut row
 over KV heads, keys and queries on small shapes, so each merge path is checked
 against tests/reference.py. Also: float16/bfloat16 computed in float32, bounded
 temporaries (tracemalloc), work that follows live lengths, and BLAS threads restored.
+The attention variants (window, softcap, sinks) are checked against ``variant_reference``
+below (loops over every key, float64), under the same forced splits.
 """
 
 from __future__ import annotations
@@ -39,6 +41,56 @@ def _run(q, k, v, lens, n_new, **kw):
     B = len(lens)
     return na.attention_numpy(q, k, v, np.arange(B), np.asarray(lens), np.asarray(n_new),
                               scale=1.0 / math.sqrt(q.shape[-1]), return_lse=True, **kw)
+
+
+def variant_reference(q, k, v, lens, n_new, scale, window=None, softcap=None, sinks=None):
+    """The attention variants from their definitions, one (query, head, key) at a time in
+    float64, sharing nothing with gqakv: query t of a row of L tokens sits at p = L - n + t
+    and sees key j when j <= p and (no window or j > p - window); each scaled score s
+    becomes softcap * tanh(s / softcap); the sink of head h adds e^{sink} to the
+    denominator. q: [B, Hq, T, d]; k, v: [B, Hkv, >= L, d]. Returns out [B, Hq, T, d] and
+    lse [B, Hq, T] (log of the whole denominator); padded queries give 0 and -inf."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    B, Hq, T, d = q.shape
+    G = Hq // k.shape[1]
+    out = np.zeros((B, Hq, T, d))
+    lse = np.full((B, Hq, T), -math.inf)
+    for b in range(B):
+        L, n = int(lens[b]), int(n_new[b])
+        for t in range(n):
+            p = L - n + t
+            for h in range(Hq):
+                terms = []  # (score, value row or None for the sink)
+                for j in range(L):
+                    if j > p or (window is not None and j <= p - window):
+                        continue
+                    x = scale * float(np.dot(q[b, h, t], k[b, h // G, j]))
+                    if softcap is not None:
+                        x = softcap * math.tanh(x / softcap)
+                    terms.append((x, v[b, h // G, j]))
+                if sinks is not None:
+                    terms.append((float(sinks[h]), None))
+                m = max(x for x, _ in terms)
+                total = sum(math.exp(x - m) for x, _ in terms)
+                for x, row in terms:
+                    if row is not None:
+                        out[b, h, t] += math.exp(x - m) / total * row
+                lse[b, h, t] = m + math.log(total)
+    return out, lse
+
+
+def _variant_params(rng, Hq, max_len):
+    """A random mix of the variants, with their edge values: W = 1, W past every row,
+    tiny (saturating) and large soft-caps, large and -inf sinks."""
+    window = [None, 1, 2, int(rng.integers(1, max_len + 2)), max_len + 50][int(rng.integers(5))]
+    softcap = [None, None, 1e-3, 0.3, float(rng.uniform(1, 30))][int(rng.integers(5))]
+    sinks = None
+    if rng.integers(3):
+        sinks = rng.standard_normal(Hq) * 3
+        sinks[rng.random(Hq) < 0.25] = -np.inf
+        sinks[rng.random(Hq) < 0.15] = 60.0  # dominates every score
+        sinks = tuple(float(np.float32(x)) for x in sinks)
+    return dict(window=window, softcap=softcap, sinks=sinks)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -242,3 +294,160 @@ def test_threaded_attention_works_in_a_forked_child():
         proc.join(5)
         if proc.is_alive():
             proc.kill()
+
+
+# -- attention variants: window, softcap, sinks -----------------------------------------------
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("knobs", [SPLIT_EVERYTHING,
+                                   dict(workers=1, score_block_elements=5, query_block=2)],
+                         ids=["split-everything", "serial-tiny-blocks"])
+def test_variants_under_every_split_match_reference(seed, knobs):
+    rng = np.random.default_rng(1000 + seed)
+    hkv, G, d = int(rng.choice([1, 2])), int(rng.integers(1, 4)), int(rng.choice([1, 4, 8]))
+    B = int(rng.integers(1, 4))
+    lens = [int(x) for x in rng.integers(0, 40, B)]
+    n_new = [int(rng.integers(0, L + 1)) if L else 0 for L in lens]
+    q, k, v = _case(rng, lens, n_new, hkv, G, d)
+    variant = _variant_params(rng, hkv * G, max(lens))
+    scale = 1.0 / math.sqrt(d)
+    params = gqakv.AttentionParams(scale=scale, **variant)
+    out, lse = _run(q, k, v, lens, n_new, params=params, **knobs)
+    want, want_lse = variant_reference(q, k, v, lens, n_new, scale, **variant)
+    np.testing.assert_allclose(out, want, atol=1e-10, err_msg=str(variant))
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], atol=1e-10, err_msg=str(variant))
+    assert np.isfinite(out).all()  # no NaN from a masked-out block or an extreme sink
+    for b, n in enumerate(n_new):
+        assert not out[b, :, n:].any()  # padded queries are exactly 0
+
+
+@pytest.mark.parametrize("window", [1, 3, 5, 200])
+def test_window_smaller_than_the_chunk(window):
+    """A 40-query chunk in blocks of 8 over a 60-token row: windows inside one block,
+    across blocks and past the row; with softcap and sinks on too."""
+    rng = np.random.default_rng(window)
+    lens, n_new = [60, 45], [40, 33]
+    q, k, v = _case(rng, lens, n_new, 2, 2, 8)
+    sinks = (0.5, -np.inf, 3.0, -1.0)
+    scale = 0.3
+    for variant in (dict(window=window), dict(window=window, softcap=2.0, sinks=sinks)):
+        params = gqakv.AttentionParams(scale=scale, **variant)
+        out, lse = _run(q, k, v, lens, n_new, params=params, workers=3, query_block=8,
+                        score_block_elements=40, min_key_split=2, parallel_min_work=0)
+        want, want_lse = variant_reference(q, k, v, lens, n_new, scale, **variant)
+        np.testing.assert_allclose(out, want, atol=1e-10)
+        np.testing.assert_allclose(lse, want_lse, atol=1e-10)
+
+
+def test_window_of_one_returns_each_querys_own_value():
+    rng = np.random.default_rng(21)
+    lens, n_new = [9, 4], [3, 4]
+    q, k, v = _case(rng, lens, n_new, 1, 3, 4)
+    out, lse = _run(q, k, v, lens, n_new, params=gqakv.AttentionParams(scale=0.5, window=1),
+                    **SPLIT_EVERYTHING)
+    for b, (L, n) in enumerate(zip(lens, n_new)):
+        for t in range(n):
+            np.testing.assert_allclose(out[b, :, t], np.broadcast_to(v[b, 0, L - n + t], (3, 4)),
+                                       atol=1e-12)
+            np.testing.assert_allclose(lse[b, :, t], 0.5 * q[b, :, t] @ k[b, 0, L - n + t], atol=1e-12)
+
+
+def test_sinks_extremes_and_lse_holds_the_whole_denominator():
+    """-inf sinks change nothing; a dominating sink sends out to 0 and lse to the sink;
+    lse = log(e^sink + sum_j e^{s_j}) and out is scaled by the keys' share of it."""
+    rng = np.random.default_rng(22)
+    lens, n_new = [30, 7, 0], [2, 1, 0]
+    q, k, v = _case(rng, lens, n_new, 2, 2, 8)
+    scale = 1 / math.sqrt(8)
+    plain, plain_lse = _run(q, k, v, lens, n_new, **SPLIT_EVERYTHING)
+    params = gqakv.AttentionParams(scale=scale, sinks=(-np.inf,) * 4)
+    out, lse = _run(q, k, v, lens, n_new, params=params, **SPLIT_EVERYTHING)
+    np.testing.assert_allclose(out, plain, atol=1e-14)
+    np.testing.assert_array_equal(lse, plain_lse)
+    sinks = (1e4, 0.25, -3.0, 3.0e38)  # 3e38: near float32's max
+    out, lse = _run(q, k, v, lens, n_new, params=gqakv.AttentionParams(scale=scale, sinks=sinks),
+                    **SPLIT_EVERYTHING)
+    real = np.array([[t < n for t in range(q.shape[2])] for n in n_new])  # [B, T]
+    for h, sink in enumerate(sinks):
+        got_lse, keys_lse = lse[:, h][real], plain_lse[:, h][real]
+        np.testing.assert_allclose(got_lse, np.logaddexp(keys_lse, sink), rtol=1e-15)
+        share = np.exp(keys_lse - got_lse)[:, None]  # the keys' part of the denominator
+        np.testing.assert_allclose(out[:, h][real], plain[:, h][real] * share, atol=1e-14)
+    assert not out[:, 0].any() and not out[:, 3].any()  # the sink takes everything
+    assert not out[2].any() and np.isneginf(lse[2]).all()  # an empty row stays 0 / -inf
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_variants_in_narrow_dtypes_match_reference(dtype):
+    """Computed in float32 (lse float32), the output rounded once to the cache's dtype."""
+    np_dtype = gqakv.get_backend("numpy").dtype(dtype)
+    rng = np.random.default_rng(23)
+    lens, n_new = [50, 20, 9], [7, 1, 1]
+    q, k, v = (x.astype(np_dtype) for x in _case(rng, lens, n_new, 2, 4, 16, dtype=np.float32))
+    variant = dict(window=6, softcap=0.8, sinks=tuple(float(np.float32(x)) for x in rng.standard_normal(8)))
+    out, lse = _run(q, k, v, lens, n_new, params=gqakv.AttentionParams(scale=0.25, **variant),
+                    **SPLIT_EVERYTHING)
+    assert out.dtype == np_dtype and lse.dtype == np.float32
+    want, want_lse = variant_reference(q, k, v, lens, n_new, 0.25, **variant)
+    rounding = np.abs(want.astype(np_dtype).astype(np.float64) - want).max()
+    assert np.abs(out.astype(np.float64) - want).max() <= 2 * rounding + 1e-6
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], atol=1e-5, rtol=0)
+
+
+def test_tiny_softcap_saturates_without_nan():
+    """softcap 1e-6: every score is +-1e-6 after tanh; the softmax is nearly uniform."""
+    rng = np.random.default_rng(24)
+    lens, n_new = [25], [3]
+    q, k, v = _case(rng, lens, n_new, 1, 2, 8)
+    q *= 1e3  # scores far into tanh's saturation
+    params = gqakv.AttentionParams(scale=1.0, softcap=1e-6, window=10)
+    out, lse = _run(q, k, v, lens, n_new, params=params, **SPLIT_EVERYTHING)
+    want, want_lse = variant_reference(q, k, v, lens, n_new, 1.0, softcap=1e-6, window=10)
+    np.testing.assert_allclose(out, want, atol=1e-10)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-10)
+    np.testing.assert_allclose(lse, math.log(10), atol=1e-5)  # ten keys of score ~0
+
+
+def test_window_bounds_the_work_of_a_long_decode():
+    """A decode on a row of 100,000 tokens with W = 4096: the items read exactly the last
+    4096 keys (their key ranges tile L - W .. L once per KV head), whatever the split."""
+    L, W, hkv, G = 100_000, 4096, 8, 4
+    params = gqakv.AttentionParams(scale=1.0, window=W)
+    for workers, min_key_split in ((1, 1024), (2, 1024), (16, 256)):
+        items, total = na._plan(np.array([L]), np.array([1]), hkv, G, workers, na.QUERY_BLOCK,
+                                min_key_split, params=params)
+        assert total == hkv * G * W
+        assert sum(it[-1] for it in items) == total
+        for h in range(hkv):
+            spans = sorted((it[5], it[6]) for it in items if it[1] <= h < it[2])
+            assert spans[0][0] == L - W and spans[-1][1] == L
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_variants_take_the_threaded_path_through_the_public_api(monkeypatch):
+    """gqa_attention(params=...) with every variant on the numpy backend runs
+    attention_numpy (not the generic path) and matches the reference."""
+    seen = []
+    real = na.attention_numpy
+
+    def spy(*args, **kw):
+        seen.append(kw["params"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(na, "attention_numpy", spy)
+    rng = np.random.default_rng(25)
+    lens, n_new = [12, 5], [3, 1]
+    q, k, v = _case(rng, lens, n_new, 2, 2, 4, nan_tail=False)
+    cache = gqakv.KVCache(2, 2, 16, 4, dtype="float64", backend="numpy")
+    cache.append(k[:, :, :12], v[:, :, :12], lens)
+    params = gqakv.AttentionParams(scale=0.5, window=4, softcap=3.0, sinks=(0.125, -np.inf, 2.0, 40.0))
+    out, lse = gqakv.gqa_attention(q, cache, n_new, params=params, return_lse=True)
+    assert seen == [params]
+    want, want_lse = variant_reference(q, k, v, lens, n_new, 0.5, window=4, softcap=3.0,
+                                       sinks=params.sinks)
+    np.testing.assert_allclose(out, want, atol=1e-10)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-10)

@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 from importlib.metadata import entry_points
 
+import numpy as np
 import pytest
 
 import gqakv
@@ -182,3 +183,11 @@ def test_info_command_lists_backends_and_reasons(cmd):
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     assert "numpy" in out and "array_api_strict" in out and "available" in out
     assert "auto/default choice here" in out
+
+
+def test_from_numpy_takes_negative_strides(backend):
+    """``Backend.from_numpy`` of a reversed NumPy view (torch refuses negative strides)."""
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)[:, ::-1, ::-2]
+    got = backend.from_numpy(a)
+    np.testing.assert_array_equal(np.asarray(backend.to_numpy(got)), a)
+    np.testing.assert_array_equal(np.asarray(backend.to_numpy(backend.from_numpy(a, "float64"))), a)

@@ -172,3 +172,43 @@ def test_tolerance_rule():
     c.add("x", 0.5, 1.0)
     c.add("y", float("nan"), 1.0)  # a NaN output is a failure, never a pass
     assert not c.passed and "FAIL" in c.line()
+
+
+def _ignore_the_variant(original, self, q, store, inputs, params, **kw):
+    # plain causal attention whatever window / softcap / sinks were asked for
+    plain = dataclasses.replace(params, window=None, softcap=None, sinks=None)
+    return original(self, q, store, dataclasses.replace(inputs, params=plain), plain, **kw)
+
+
+def test_an_attention_ignoring_the_variant_fails_only_the_variants_line(capsys, monkeypatch):
+    _broken(monkeypatch, "attention", _ignore_the_variant)
+    status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "6")
+    assert status == 1, out
+    failed = {(f, d) for f, d, _, _, result, _ in result_lines(out) if result == "FAIL"}
+    assert failed == {("variants", d) for d in gqakv.get_backend("numpy").dtypes}, out
+
+
+@pytest.mark.parametrize("variant", [dict(window=1), dict(window=3, softcap=0.2),
+                                     dict(softcap=1e-3, sinks=[0.5, -np.inf, 40.0, -2.0, 0.0, 1.0]),
+                                     dict(window=2, softcap=4.0, sinks=[1.0] * 6)],
+                         ids=["w1", "w3+softcap", "softcap+sinks", "all"])
+def test_references_agree_on_the_variants(variant):
+    """gqakv.reference (key rule from gqakv.semantics, vectorized over keys) against the
+    suite's loop reference, and the naive low-precision yardstick close to both."""
+    rng = np.random.default_rng(1)
+    Hq, Hkv, d, T = 6, 2, 8, 4
+    lens, n_new = [9, 3, 0], [4, 2, 0]
+    k = [rng.standard_normal((Hkv, L, d)) * 2 for L in lens]
+    v = [rng.standard_normal((Hkv, L, d)) for L in lens]
+    q = rng.standard_normal((3, Hq, T, d)) * 2
+    out, lse = reference_attention(q, k, v, n_new, 0.4, **variant)
+    want_out, want_lse = loop_reference(q, k, v, n_new, 0.4, **variant)
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-13)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(want_lse))
+    np.testing.assert_allclose(lse[np.isfinite(lse)], want_lse[np.isfinite(want_lse)], rtol=1e-12)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    naive, naive_lse = naive_low_precision(q, k, v, n_new, f32, 0.4, **variant)
+    np.testing.assert_allclose(naive, want_out, atol=1e-5)
+    np.testing.assert_array_equal(np.isinf(naive_lse), np.isinf(want_lse))
+    np.testing.assert_allclose(naive_lse[np.isfinite(want_lse)], want_lse[np.isfinite(want_lse)],
+                               atol=1e-4)

@@ -564,3 +564,271 @@ def test_second_generate_without_reset_is_refused_with_the_hint():
     cache.reset()
     again_seq, again_logits = _generate(model, ids, "gqakv", n=4, cache=cache)
     assert torch.equal(again_seq, first_seq) and torch.equal(again_logits, first_logits)
+
+
+# -- attention variants: sliding windows, logit soft-capping, sinks --------------------------------
+#
+# Tiny random models of each family that uses a variant, with a window W = 5 shorter than the
+# prompts, so every sliding layer really drops keys. The reference is transformers' own eager
+# attention with its cache; its float32 softmax upcast (``softmax(..., dtype=torch.float32)``) is
+# kept in float64 for float64 inputs (in both runs, so the MoE router of gpt-oss matches too), which
+# makes float64 eager exact to ~1e-15 and a 1e-10 reference; the tokens also equal plain eager's.
+# Observed: gqakv's attention outputs within ~2e-16 of eager's and the logits identical (0.0), while
+# dropping the variant moves the logits by 0.7-0.8 (logits are O(0.6)).
+
+WINDOW = 5
+_VARIANT_COMMON = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=8, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2)
+
+
+def _variant_model(family: str, dtype=torch.float64, seed=0, **changes):
+    """A tiny random model of ``family``; the variant it exercises is in VARIANT_FAMILIES."""
+    import transformers as tf
+
+    names = {"mistral": ("MistralConfig", "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+             "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+             "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}[family]
+    if not all(hasattr(tf, name) for name in names):
+        pytest.skip(f"transformers {tf.__version__} has no {names[1]}")
+    config_cls, model_cls = getattr(tf, names[0]), getattr(tf, names[1])
+    kwargs = dict(_VARIANT_COMMON, sliding_window=WINDOW)
+    if family == "qwen2":  # layer 0 full, layer 1 sliding
+        kwargs.update(use_sliding_window=True, max_window_layers=1)
+    elif family == "gemma2":  # sliding/full alternation; a soft-cap small enough to bite on tiny scores
+        kwargs.update(head_dim=8, query_pre_attn_scalar=8, attn_logit_softcapping=0.5)
+    elif family == "gemma3":
+        kwargs.update(head_dim=8, query_pre_attn_scalar=8, layer_types=["sliding_attention", "full_attention"])
+    elif family == "gpt_oss":  # sliding/full alternation, sinks; 4 experts, 2 per token
+        kwargs.update(head_dim=8, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+    kwargs.update(changes)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).to(dtype).eval()
+    if family == "gpt_oss":
+        model.set_experts_implementation("eager")  # grouped_mm has no float64 on the CPU
+        with torch.no_grad():  # sinks that matter (init gives ~0.02); float32 values, as gqakv takes sinks
+            for layer in model.model.layers:
+                sinks = layer.self_attn.sinks
+                sinks.copy_((2 * torch.randn(sinks.shape, dtype=torch.float32)).to(dtype))
+    return model
+
+
+VARIANT_FAMILIES = {  # family -> the variants its tiny config exercises
+    "mistral": "window on every layer",
+    "qwen2": "full layer 0, sliding layer 1",
+    "gemma2": "sliding/full alternation + softcap 0.5",
+    "gemma3": "sliding/full alternation, query_pre_attn_scalar scaling",
+    "gpt_oss": "sliding/full alternation + sinks",
+}
+
+
+@pytest.fixture
+def float64_softmax(monkeypatch):
+    """Eager attention's softmax stays in float64 for float64 scores (see the section comment)."""
+    real = torch.nn.functional.softmax
+
+    def softmax(x, dim=None, _stacklevel=3, dtype=None):
+        if dtype == torch.float32 and x.dtype == torch.float64:
+            dtype = torch.float64
+        return real(x, dim=dim, dtype=dtype)
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", softmax)
+
+
+def _variant_generate(model, ids, mask, impl, n=8, cache=None, **extra):
+    model.set_attn_implementation(impl)
+    kwargs = {} if cache is None else {CACHE_KWARG: cache}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0, **kwargs, **extra)
+    return out.sequences, torch.stack(out.logits)  # [B, W+n], [n, B, V]
+
+
+def _spy_variants(monkeypatch):
+    """Record the window/softcap/sinks of every gqa_attention call and let it run."""
+    import gqakv
+
+    seen = []
+    real = gqakv.gqa_attention
+
+    def spy(*a, **k):
+        seen.append((k.get("window"), k.get("softcap"), k.get("sinks")))
+        return real(*a, **k)
+
+    monkeypatch.setattr(gqakv, "gqa_attention", spy)
+    return seen
+
+
+def _expected_variants(model):
+    """Per layer, the (window, softcap, sinks) the model's config asks for."""
+    text = model.config.get_text_config(decoder=True)
+    types = getattr(text, "layer_types", None) or ["sliding_attention"] * text.num_hidden_layers
+    out = []
+    for i, t in enumerate(types):
+        attn = model.model.layers[i].self_attn
+        sinks = getattr(attn, "sinks", None)
+        softcap = getattr(text, "attn_logit_softcapping", None) if type(text).__name__ == "Gemma2Config" else None
+        out.append((WINDOW if t == "sliding_attention" else None, softcap,
+                    None if sinks is None else tuple(sinks.tolist())))
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(VARIANT_FAMILIES))
+def test_variant_models_generate_as_eager_float64(family, float64_softmax, monkeypatch):
+    """Greedy generate from 11-token prompts (window 5): gqakv's tokens equal eager's (plain and
+    float64-softmax), logits within 1e-10 of float64 eager; each layer got its own variant."""
+    model = _variant_model(family)
+    ids = _ids(batch=2, length=11, seed=21)
+    mask = torch.ones_like(ids)
+    want_seq, want_logits = _variant_generate(model, ids, mask, "eager")
+    seen = _spy_variants(monkeypatch)
+    cache = GqakvCache(model.config, max_cache_len=11 + 8)
+    got_seq, got_logits = _variant_generate(model, ids, mask, "gqakv", cache=cache)
+    assert torch.equal(got_seq, want_seq)
+    assert (got_logits - want_logits).abs().max().item() <= F64_ATOL
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    assert seen[:layers] == _expected_variants(model) and len(seen) == 8 * layers
+    # A sliding layer keeps the whole history: every layer holds prompt + 7 fed tokens, in buffers
+    # of max_cache_len = 19 tokens per row (transformers' DynamicSlidingWindowLayer keeps W - 1).
+    import gqakv
+
+    text = model.config.get_text_config(decoder=True)
+    d = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_layer = gqakv.KVCache.nbytes_for(2, text.num_key_value_heads, 11 + 8, d, "float64")
+    assert all(kv.host_lens.tolist() == [11 + 7] * 2 and kv.nbytes == per_layer for kv in cache.kv_caches)
+    monkeypatch.undo()  # plain eager (float32 softmax upcast) picks the same tokens
+    plain_seq, _ = _variant_generate(model, ids, mask, "eager")
+    assert torch.equal(got_seq, plain_seq)
+
+
+@pytest.mark.parametrize("family", sorted(VARIANT_FAMILIES))
+def test_variant_models_left_padded_and_chunked_as_eager_float64(family, float64_softmax):
+    """Left-padded rows of 13, 2, 7 and 1 tokens (window 5), then the same prompts through
+    prefill chunks of 4 (some all padding for the short rows): tokens equal eager's and logits
+    agree to 1e-10 (eager's float64 softmax gives pad queries finite uniform weights, no NaN)."""
+    model = _variant_model(family)
+    ids, mask = _left_padded([13, 2, 7, 1], seed=22)
+    want_seq, want_logits = _variant_generate(model, ids, mask, "eager")
+    for extra in ({}, {"prefill_chunk_size": 4}):
+        cache = GqakvCache(model.config, max_cache_len=13 + 8)
+        got_seq, got_logits = _variant_generate(model, ids, mask, "gqakv", cache=cache, **extra)
+        assert torch.equal(got_seq, want_seq), extra
+        assert (got_logits - want_logits).abs().max().item() <= F64_ATOL, extra
+        assert cache.kv_caches[-1].host_lens.tolist() == [13 + 7, 2 + 7, 7 + 7, 1 + 7]
+
+
+@pytest.mark.parametrize("family", sorted(VARIANT_FAMILIES))
+def test_variant_models_need_their_variant(family, float64_softmax, monkeypatch):
+    """Control: gqakv attention with the variant keywords dropped (plain causal) misses eager's
+    logits by far more than 1e-10, so the tests above really check windows, soft-caps and sinks."""
+    import gqakv
+
+    model = _variant_model(family)
+    ids = _ids(batch=2, length=11, seed=21)
+    mask = torch.ones_like(ids)
+    _, want_logits = _variant_generate(model, ids, mask, "eager", n=3)
+    real = gqakv.gqa_attention
+    monkeypatch.setattr(gqakv, "gqa_attention", lambda q, kv, n, **k: real(
+        q, kv, n, scale=k["scale"], rows=k["rows"]))
+    _, plain_logits = _variant_generate(model, ids, mask, "gqakv", n=3,
+                                        cache=GqakvCache(model.config, max_cache_len=16))
+    assert (plain_logits - want_logits).abs().max().item() > 1e-4
+
+
+def test_float32_variant_model_error_is_that_of_eager_float32():
+    """gpt-oss (windows + sinks) in float32: gqakv's error against the float64 model is at most 4x
+    eager float32's + 1e-6, same tokens."""
+    ids, mask = _left_padded([13, 2, 7, 1], seed=23)
+    ref_seq, ref_logits = _variant_generate(_variant_model("gpt_oss"), ids, mask, "eager")
+    model = _variant_model("gpt_oss", dtype=torch.float32)
+    eager_seq, eager_logits = _variant_generate(model, ids, mask, "eager")
+    got_seq, got_logits = _variant_generate(model, ids, mask, "gqakv", cache=GqakvCache(model.config, max_cache_len=21))
+    assert torch.equal(got_seq, ref_seq) and torch.equal(eager_seq, ref_seq)
+    err_gqakv = (got_logits.double() - ref_logits).abs().max().item()
+    err_eager = (eager_logits.double() - ref_logits).abs().max().item()
+    assert err_gqakv <= 4 * err_eager + 1e-6, (err_gqakv, err_eager)
+
+
+def test_sliding_model_refuses_a_pad_after_a_real_token():
+    """transformers counts a window in token slots, gqakv in real tokens: a gap would make them
+    differ, so it is refused (naming the row) before anything is written."""
+    model = _variant_model("mistral")
+    model.set_attn_implementation("gqakv")
+    ids = _ids(batch=2, length=8, seed=24)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0  # right padding
+    cache = GqakvCache(model.config, max_cache_len=16)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"row 1 has a pad after a real token \(slot 5\).*"
+                                                           r"sliding_window=5.*left padding only"):
+        model(ids, attention_mask=mask, use_cache=True, **{CACHE_KWARG: cache})
+    assert all(kv is None or kv.host_lens.tolist() == [0, 0] for kv in cache.kv_caches)
+
+
+def test_unsupported_layer_types_and_bidirectional_attention_are_refused():
+    model = _variant_model("gemma3", use_bidirectional_attention=True)
+    model.set_attn_implementation("gqakv")
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="is_causal=False"):
+        model(_ids(batch=1, length=4), use_cache=False)
+    config = model.config
+    config.layer_types = ["sliding_attention", "chunked_attention"]
+    with pytest.raises(ValueError, match=r"layer types \['full_attention', 'sliding_attention'\], "
+                                         r"the model also has \['chunked_attention'\]"):
+        GqakvCache(config, max_cache_len=8)
+
+
+def test_sinks_updated_in_place_are_used(float64_softmax):
+    """The sinks' host copy follows in-place updates of the parameter and replaced data."""
+    model = _variant_model("gpt_oss")
+    ids = _ids(batch=2, length=9, seed=25)
+    with torch.no_grad():
+        for step in range(3):
+            logits = {}
+            for impl in ("eager", "gqakv"):
+                model.set_attn_implementation(impl)
+                logits[impl] = model(ids, use_cache=False).logits
+            assert (logits["gqakv"] - logits["eager"]).abs().max().item() <= F64_ATOL
+            if step == 0:
+                before = logits["gqakv"]
+                for layer in model.model.layers:
+                    layer.self_attn.sinks.mul_(-2.0)  # float32 values stay float32 values
+            elif step == 1:
+                assert (logits["gqakv"] - before).abs().max().item() > 1e-4
+                before = logits["gqakv"]
+                for layer in model.model.layers:  # new data, not an in-place update
+                    layer.self_attn.sinks.data = layer.self_attn.sinks.data * 0.5
+    assert (logits["gqakv"] - before).abs().max().item() > 1e-4
+
+
+def test_variant_model_beam_search_and_assisted_decoding(float64_softmax, monkeypatch):
+    """gpt-oss (windows + sinks): beam search on a left-padded batch and assisted decoding (crops)
+    give eager's beams/scores and greedy tokens/logits, with the sliding layers' history moved and
+    truncated like the full layers'."""
+    model = _variant_model("gpt_oss")
+    ids, mask = _left_padded([9, 2, 6], seed=26)
+    want_seq, want_scores = _beam_search(model, ids, mask, "eager", 3, 6)
+    cache = GqakvCache(model.config, max_cache_len=9 + 6)
+    got_seq, got_scores = _beam_search(model, ids, mask, "gqakv", 3, 6, cache=cache)
+    assert torch.equal(got_seq, want_seq)
+    assert (got_scores - want_scores).abs().max().item() <= F64_ATOL
+
+    assistant = _variant_model("gpt_oss")
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in assistant.parameters():
+            p.add_(0.03 * torch.randn_like(p))
+    assistant.set_attn_implementation("eager")
+    assistant.generation_config.num_assistant_tokens = 4
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    ids = _ids(batch=1, length=8, seed=27)
+    want_seq, want_logits = _variant_generate(model, ids, torch.ones_like(ids), "eager", n=10)
+    from gqakv.integrations.transformers import GqakvLayer
+
+    crops = []
+    _spy(monkeypatch, GqakvLayer, "crop", crops)
+    got_seq, got_logits = _variant_generate(model, ids, torch.ones_like(ids), "gqakv", n=10,
+                                            cache=GqakvCache(model.config, max_cache_len=8 + 10 + 4),
+                                            assistant_model=assistant)
+    assert torch.equal(got_seq, want_seq)
+    assert (got_logits - want_logits).abs().max().item() <= F64_ATOL
+    assert max(-a[0] for _, a in crops) > 1  # drafts of several tokens were rejected and cropped

@@ -1,5 +1,5 @@
-"""Attention: decode at three Llama-3.1-8B sizes, half precision, ragged rows, chunked prefill,
-torch SDPA as a peer, and the temporaries a call allocates.
+"""Attention: decode at three Llama-3.1-8B sizes, half precision, ragged rows, a sliding
+window on a long row, chunked prefill, torch SDPA as a peer, and the temporaries a call allocates.
 
 Targets (issue 4): decode no slower than torch SDPA(enable_gqa) over the same live
 views and >= 70% of the machine's read bandwidth (``track_x_read_bound`` <= 1.43); prefill
@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
+import gqakv
+
 from .common import (BACKENDS, D, HKV, attend, backend_or_skip, best_seconds, filled_cache, live_kv_bytes,
-                     queries, ratio, reader, temp_mib, timing, torch_or_skip)
+                     queries, ratio, reader, sync, temp_mib, timing, torch_or_skip)
 
 DECODE_SIZES = ["4x4096", "1x32768", "32x1024"]  # batch x live length
 
@@ -50,6 +52,58 @@ class Decode:
         return ratio(self._call, reader(live_kv_bytes(self.cache)), self.backend, repeats=9)
 
     track_x_read_bound.unit = "x read-bound time"
+
+
+def _windowed(window: int):
+    """gqa_attention's parameters with a sliding window (scale 1/sqrt(D)), or
+    NotImplementedError (asv: skipped) in a commit without attention variants."""
+    import dataclasses
+    import math
+
+    params = getattr(gqakv, "AttentionParams", None)
+    if params is None or "window" not in {f.name for f in dataclasses.fields(params)}:
+        raise NotImplementedError("gqakv.AttentionParams has no window in this commit (added later)")
+    return params(scale=1.0 / math.sqrt(D), window=window)
+
+
+@timing
+class WindowedDecode:
+    """Decode on one row of 32,768 tokens with a sliding window of 4,096 (issue 13): work
+    and bytes read follow min(L, W). ``track_ratio_to_full``: about W / L = 0.125 against
+    the same step without a window; ``track_ratio_to_window_length``: about 1.0 against a
+    step without a window over a row of W tokens (the same keys read)."""
+
+    params = [BACKENDS]
+    param_names = ["backend"]
+    timeout = 300
+    L, W = 32768, 4096
+
+    def setup(self, backend):
+        self.backend = backend_or_skip(backend)
+        self.params = _windowed(self.W)
+        self.cache = filled_cache(self.backend, [self.L])
+        self.q = queries(self.backend, 1, 1)
+        self.n_new = np.ones(1, dtype=np.int64)
+
+    def _call(self):
+        gqakv.gqa_attention(self.q, self.cache, self.n_new, params=self.params)
+        sync(self.backend)
+
+    def time_decode_window(self, backend):
+        self._call()
+
+    def track_ratio_to_full(self, backend):
+        return ratio(self._call, lambda: attend(self.backend, self.q, self.cache, self.n_new),
+                     self.backend, repeats=9)
+
+    track_ratio_to_full.unit = "x time without a window"
+
+    def track_ratio_to_window_length(self, backend):
+        short = filled_cache(self.backend, [self.W])
+        return ratio(self._call, lambda: attend(self.backend, self.q, short, self.n_new),
+                     self.backend, repeats=9)
+
+    track_ratio_to_window_length.unit = "x time of an unwindowed [4096] row"
 
 
 @timing

@@ -405,6 +405,8 @@ def _store_rejection(store, params=None) -> str | None:
     the kernels implement what ``semantics.FAST_PATH_VARIANTS["cupy kernels"]`` lists."""
     if store.kind != CONTIGUOUS:
         return f"storage kind {store.kind!r} (the kernels read {CONTIGUOUS} rows)"
+    if store.quantized:
+        return f"kv_dtype={store.dtype!r} (the kernels read unquantized K/V)"
     if params is not None:
         return unsupported(params, "cupy kernels")
     return None

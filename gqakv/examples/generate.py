@@ -8,10 +8,12 @@ both, and whether the greedy tokens agree.
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
+from . import real_model
 from .llama import CONFIGS, LlamaModel, generate, generate_uncached
 
 
@@ -33,6 +35,27 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the uncached (re-run the full prefix) comparison")
+    variants = parser.add_argument_group("attention variants (default: plain causal)")
+    variants.add_argument("--window", type=int, default=None, metavar="W",
+                          help="sliding window: each query sees the W most recent positions, its own included")
+    variants.add_argument("--global-every", type=int, default=None, metavar="K",
+                          help="with --window: every K-th layer attends to everything "
+                               "(K=2: Gemma 2 / gpt-oss alternation, K=6: Gemma 3)")
+    variants.add_argument("--softcap", type=float, default=None, metavar="C",
+                          help="soft-cap each scaled attention score s to C * tanh(s / C) (Gemma 2 uses 50)")
+    variants.add_argument("--sinks", action="store_true",
+                          help="a learned sink logit per query head and layer (gpt-oss), drawn with the weights")
+    real_model.add_arguments(parser)  # --model / --gguf: real weights and text (real_model.py)
+
+
+def _check_variant_options(args, UsageError) -> None:
+    if args.window is not None and args.window < 1:
+        raise UsageError(f"--window must be >= 1, got {args.window}")
+    if args.global_every is not None and (args.global_every < 2 or args.window is None):
+        raise UsageError(f"--global-every {args.global_every}: needs --window and a value >= 2 "
+                         "(every K-th layer global, the others sliding)")
+    if args.softcap is not None and not (math.isfinite(args.softcap) and args.softcap > 0):
+        raise UsageError(f"--softcap must be a finite number > 0, got {args.softcap}")
 
 
 def _prompt_lengths(batch: int, longest: int) -> list[int]:
@@ -48,6 +71,8 @@ def _say(msg: str) -> None:
 
 
 def run(args) -> int:
+    if real_model.wants_real_model(args):
+        return real_model.run(args)
     from gqakv.cli import UsageError
     from gqakv.registry import get_backend
 
@@ -63,6 +88,9 @@ def run(args) -> int:
         changes["vocab_size"] = args.vocab
     if args.tied:
         changes["tie_embeddings"] = True
+    _check_variant_options(args, UsageError)
+    changes.update(sliding_window=args.window, global_every=args.global_every, softcap=args.softcap,
+                   sinks=args.sinks)
     config = config.replace(**changes)
     # An unknown backend, or one that cannot run here, fails before any output.
     get_backend(args.backend, dtype=args.dtype, head_dim=config.head_dim)
@@ -72,6 +100,7 @@ def run(args) -> int:
          f"MLP {config.intermediate_size}, vocab {config.vocab_size} "
          f"({config.n_params / 1e6:.1f}M params, {args.dtype}, "
          f"{'tied' if config.tie_embeddings else 'untied'} head)")
+    _say(f"  attention: {config.variant}")
     t = time.perf_counter()
     model = LlamaModel(config, seed=args.seed, dtype=args.dtype, backend=args.backend)
     _say(f"  weights drawn from seed {args.seed} in {time.perf_counter() - t:.1f} s; "

@@ -6,6 +6,12 @@ attention with RoPE -> residual -> RMSNorm -> SwiGLU MLP -> residual, final RMSN
 and a tied or untied output head. Weights are drawn from a fixed seed (no checkpoint
 is needed or loaded).
 
+Attention variants (off by default; ``LlamaConfig`` fields, ``gqakv generate`` options):
+a sliding window of W keys (``sliding_window``) on every layer or, with ``global_every=K``,
+on all but every K-th layer (Gemma 2 and gpt-oss: K = 2; Gemma 3: K = 6), logit
+soft-capping (``softcap``) and learned per-head sink logits (``sinks``), passed to
+gqakv per layer as an ``AttentionParams`` (see ``gqakv.semantics`` for the formulas).
+
 Two forward passes share every weight and op except attention:
 
 - ``forward`` (cached): the new tokens of each row are written to the model-wide
@@ -45,12 +51,51 @@ class LlamaConfig:
     rope_theta: float = 500_000.0
     rms_eps: float = 1e-5
     tie_embeddings: bool = False
+    # Attention variants (None/False: plain causal attention).
+    sliding_window: int | None = None  # W: a query sees the W most recent positions, its own included
+    global_every: int | None = None  # K: layers K-1, 2K-1, ... attend to everything (need sliding_window)
+    softcap: float | None = None  # c: each scaled score s becomes c * tanh(s / c)
+    sinks: bool = False  # a learned sink logit per query head and layer (drawn with the weights)
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        for name, low in (("sliding_window", 1), ("global_every", 2)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{name}={value!r} must be None or an int >= {low}")
+        if self.global_every is not None and self.sliding_window is None:
+            raise ValueError(f"global_every={self.global_every} alternates sliding and global layers; "
+                             "it needs a sliding_window")
+        c = self.softcap
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                              or not (math.isfinite(c) and c > 0)):
+            raise ValueError(f"softcap={self.softcap!r} must be None or a finite number > 0")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it attends to every earlier position).
+        With ``global_every=K`` layer i is global when (i + 1) % K == 0, as Gemma's and gpt-oss's
+        ``layer_types`` are laid out (sliding first)."""
+        if self.sliding_window is None:
+            return None
+        if self.global_every is not None and (layer + 1) % self.global_every == 0:
+            return None
+        return self.sliding_window
+
+    @property
+    def variant(self) -> str:
+        """A readable summary of the attention variants, e.g. ``"window 8 (every 2nd layer global), softcap 20"``."""
+        parts = []
+        if self.sliding_window is not None:
+            parts.append(f"window {self.sliding_window}" + (
+                "" if self.global_every is None else f" (every {_ordinal(self.global_every)} layer global)"))
+        if self.softcap is not None:
+            parts.append(f"softcap {self.softcap:g}")
+        if self.sinks:
+            parts.append("sinks")
+        return ", ".join(parts) or "plain causal"
 
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)
@@ -58,9 +103,13 @@ class LlamaConfig:
     @property
     def n_params(self) -> int:
         D, F, V, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
-        attn = D * d * (self.n_heads * 2 + self.n_kv_heads * 2)
+        attn = D * d * (self.n_heads * 2 + self.n_kv_heads * 2) + (self.n_heads if self.sinks else 0)
         per_layer = attn + 3 * D * F + 2 * D
         return V * D * (1 if self.tie_embeddings else 2) + self.n_layers * per_layer + D
+
+
+def _ordinal(k: int) -> str:
+    return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
 
 
 #: A few-thousand-parameter model for tests: 8 query heads over 2 KV heads (G = 4).
@@ -78,28 +127,42 @@ LLAMA31_8B_SHAPED = LlamaConfig(vocab_size=32_768, hidden_size=4096, n_layers=2,
 CONFIGS = {"tiny": TINY, "llama3-8b-shaped": LLAMA31_8B_SHAPED}
 
 
-def causal_attention(xp, q, k, v, scale: float):
-    """Plain causal GQA attention over a whole sequence, no cache (the reference path).
+def causal_attention(xp, q, k, v, scale: float, *, window: int | None = None,
+                     softcap: float | None = None, sinks=None):
+    """Causal GQA attention over a whole sequence, no cache (the reference path).
 
     q ``[B, Hq, S, d]``, k, v ``[B, Hkv, S, d]`` -> ``[B, Hq, S, d]``. Query head h reads
-    KV head h // G; query i sees keys 0..i. Right-padded rows are fine: a real query
-    never sees a key after it.
+    KV head h // G; query i sees keys 0..i, or ``max(0, i - window + 1)..i`` with a
+    window. ``softcap``: each scaled score s becomes ``softcap * tanh(s / softcap)``
+    before the mask. ``sinks``: ``[Hq]`` logits (an array of ``xp``) added to each
+    softmax denominator as ``e^{sink_h}``, with no value. Right-padded rows are fine: a
+    real query never sees a key after it.
     """
     B, Hq, S, d = (int(s) for s in q.shape)
     Hkv = int(k.shape[1])
     G = Hq // Hkv
+    dev = getattr(q, "device", None)
     q5 = xp.reshape(q, (B, Hkv, G, S, d))
     k5 = xp.expand_dims(k, axis=2)  # [B, Hkv, 1, S, d] broadcasts over the G query heads
     v5 = xp.expand_dims(v, axis=2)
     scores = (q5 @ xp.matrix_transpose(k5)) * scale  # [B, Hkv, G, S, S]
-    pos = xp.arange(S, device=getattr(q, "device", None))
+    if softcap is not None:
+        scores = xp.tanh(scores / softcap) * softcap
+    pos = xp.arange(S, device=dev)
     visible = pos[None, :] <= pos[:, None]  # [S query, S key]
-    neg_inf = xp.asarray(-math.inf, dtype=scores.dtype, device=getattr(q, "device", None))
+    if window is not None:
+        visible = visible & (pos[None, :] > pos[:, None] - window)
+    neg_inf = xp.asarray(-math.inf, dtype=scores.dtype, device=dev)
     scores = xp.where(visible, scores, neg_inf)
-    scores = scores - xp.max(scores, axis=-1, keepdims=True)  # key 0 is always visible
-    p = xp.exp(scores)
-    p = p / xp.sum(p, axis=-1, keepdims=True)
-    return xp.reshape(p @ v5, (B, Hq, S, d))
+    m = xp.max(scores, axis=-1, keepdims=True)  # finite: a query always sees its own key
+    if sinks is not None:
+        sink = xp.reshape(sinks, (1, Hkv, G, 1, 1))
+        m = xp.maximum(m, sink)  # the sink joins the max, so e^{sink - m} cannot overflow
+    p = xp.exp(scores - m)
+    denom = xp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + xp.exp(sink - m)
+    return xp.reshape((p @ v5) / denom, (B, Hq, S, d))
 
 
 class LlamaModel:
@@ -154,6 +217,22 @@ class LlamaModel:
         self.head = self.xp.matrix_transpose(self.embed) if c.tie_embeddings else dense(D, c.vocab_size)
         self.inv_freq = c.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)  # [d/2]
         self.scale = 1.0 / math.sqrt(d)
+        if c.sinks:
+            # From their own stream, so a model with sinks has the same other weights as one
+            # without; float32 values (what gqakv takes), gpt-oss-like magnitudes.
+            sink_rng = np.random.default_rng([seed, 1])
+            self.sink_logits = [tuple(float(x) for x in (2.0 * sink_rng.standard_normal(c.n_heads)).astype(np.float32))
+                                for _ in range(c.n_layers)]
+
+    #: Per layer, the ``[Hq]`` sink logits as Python floats (float32 values), or None.
+    sink_logits: list | None = None
+
+    def attention_params(self, layer: int) -> gqakv.AttentionParams:
+        """What layer ``layer`` attends with: the scale and the config's variants."""
+        c = self.config
+        return gqakv.AttentionParams(
+            scale=self.scale, window=c.layer_window(layer), softcap=None if c.softcap is None else float(c.softcap),
+            sinks=None if self.sink_logits is None else self.sink_logits[layer])
 
     # -- cache ------------------------------------------------------------------------------
 
@@ -248,9 +327,11 @@ class LlamaModel:
         B, T = tokens.shape
         # One step: each layer writes its K/V at the rows' lengths and attends; the
         # lengths advance once, after the last layer (nothing advances on an error).
+        params = [self.attention_params(i) for i in range(self.config.n_layers)]
         with cache.step(n_new) as step:
             positions = step.starts[:, None] + np.arange(T)  # continue from each row's length
-            x = self._decoder(tokens, positions, step.attend)
+            x = self._decoder(tokens, positions,
+                              lambda i, q, k, v: step.attend(i, q, k, v, params=params[i]))
         return self._logits(x, np.maximum(n_new - 1, 0) if last_only else None)
 
     def forward_uncached(self, tokens, lengths=None, *, last_only: bool = False) -> np.ndarray:
@@ -263,8 +344,13 @@ class LlamaModel:
         B, S = tokens.shape
         lengths = np.full(B, S) if lengths is None else np.asarray(lengths, dtype=np.int64)
         positions = np.broadcast_to(np.arange(S), (B, S))
-        x = self._decoder(tokens, positions,
-                          lambda i, q, k, v: causal_attention(self.xp, q, k, v, self.scale))
+
+        def attend(i, q, k, v):
+            p = self.attention_params(i)
+            sinks = None if p.sinks is None else self.backend.from_numpy(np.array(p.sinks), self.dtype)
+            return causal_attention(self.xp, q, k, v, p.scale, window=p.window, softcap=p.softcap, sinks=sinks)
+
+        x = self._decoder(tokens, positions, attend)
         return self._logits(x, lengths - 1 if last_only else None)
 
 

@@ -41,9 +41,26 @@
   so each row loses only its own real tokens when slots are cropped.
   ``generate`` expands the prompts for beams before the first forward, so the cache is
   simply allocated with ``batch x num_beams`` rows.
-- Refused, with the reason: explicit 4D masks, attention dropout, non-full-attention
-  layers, a GqakvCache used with another attention implementation (or gqakv attention
-  with another cache), a batch that outgrows the rows allocated.
+- Attention variants, taken from the keywords a model's attention layer passes to the
+  attention function: ``sliding_window=W`` (Mistral, Qwen2 with ``use_sliding_window``,
+  the ``"sliding_attention"`` layers of Gemma 2/3 and gpt-oss) becomes gqakv's
+  ``window=W`` (the query at position p sees keys p-W+1..p, transformers' convention),
+  ``softcap=c`` (Gemma 2's ``attn_logit_softcapping``) becomes ``softcap=c``, and
+  ``s_aux`` (gpt-oss's learned per-head sink logits ``[Hq]``) becomes ``sinks=``
+  (as float32 values, read to the host once per weight update).
+  ``scaling`` is the model's own (e.g. Gemma's ``query_pre_attn_scalar ** -0.5``).
+  Memory: a sliding layer's GqakvLayer keeps the whole history (``max_cache_len`` real
+  tokens per row, like a full layer); the window limits what attention *reads*
+  (min(L, W) keys per query), not what is stored. A model of F full and S sliding
+  layers thus holds ``(F + S) * rows * max_cache_len * Hkv * d * 2 * itemsize`` bytes,
+  where transformers' own DynamicCache keeps about ``W`` tokens in a sliding layer.
+  Sliding windows count positions (real tokens); transformers counts token slots, which
+  is the same for left padding but not for pads between real tokens, so such a mask is
+  refused for a model with sliding layers.
+- Refused, with the reason: explicit 4D masks, attention dropout, layer types other
+  than ``"full_attention"``/``"sliding_attention"``, bidirectional attention
+  (``is_causal=False``), a GqakvCache used with another attention implementation (or
+  gqakv attention with another cache), a batch that outgrows the rows allocated.
 
 Supported transformers versions: see ``SUPPORTED_TRANSFORMERS`` (the ``gqakv[transformers]``
 extra pins the same range; install torch for your hardware alongside it). The cache keyword of ``forward``/``generate`` is ``cache``
@@ -81,6 +98,10 @@ def _cache_kwarg() -> str:
 
 
 CACHE_KWARG = _cache_kwarg()
+
+# The transformers layer types gqakv runs: a sliding layer is a full one attending with
+# gqakv's window= (its cache keeps the whole history, see the module docstring).
+LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 # Attribute set on the key tensor returned by GqakvLayer.update: the layer that will write it.
 _HANDLE = "_gqakv_layer"
@@ -136,6 +157,20 @@ class Padding:
             order = torch.argsort((~chunk).to(torch.uint8), dim=1, stable=True)
             inverse = torch.argsort(order, dim=1)
         return cls(n_new, n_past, order, inverse, real)
+
+    def check_left_padded(self, mask: torch.Tensor, window: int) -> None:
+        """For sliding-window layers: every row's pads come before its first real token.
+        transformers' window spans ``window`` token slots and gqakv's ``window`` positions
+        (real tokens); they agree exactly when no pad follows a real token."""
+        host = mask.to(device="cpu", dtype=torch.bool).numpy()
+        gap = (np.cumsum(host, axis=1) > 0) & ~host  # a pad after the row's first real token
+        rows = np.flatnonzero(gap.any(axis=1))
+        if rows.size:
+            b = int(rows[0])
+            raise ValueError(
+                f"attention_mask row {b} has a pad after a real token (slot {int(np.argmax(gap[b]))}); with "
+                f"sliding-window layers (sliding_window={window}) gqakv takes left padding only: transformers "
+                "counts the window in token slots, pads included, gqakv in real tokens")
 
     @staticmethod
     def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
@@ -408,8 +443,9 @@ class GqakvCache(Cache):
                  max_batch_size: int | None = None):
         text = config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-        if any(t != "full_attention" for t in types):
-            raise ValueError(f"GqakvCache supports full-attention layers only, the model has {sorted(set(types))}")
+        other = sorted(set(types) - LAYER_TYPES)
+        if other:
+            raise ValueError(f"GqakvCache supports the layer types {sorted(LAYER_TYPES)}, the model also has {other}")
         super().__init__(layers=[GqakvLayer(max_cache_len, batch_size, max_batch_size) for _ in types])
         self.max_cache_len = int(max_cache_len)
 
@@ -420,9 +456,15 @@ class GqakvCache(Cache):
 
 
 def gqakv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
+                    attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    s_aux: torch.Tensor | None = None, **kwargs):
     """transformers attention function: query ``[B, Hq, T, d]``, key/value ``[B, Hkv, T, d]``
     (this call's tokens), ``attention_mask`` a ``Padding`` from ``gqakv_mask`` or None.
+
+    ``sliding_window``, ``softcap`` and ``s_aux`` (sink logits ``[Hq]``) are what the
+    model's attention layer passes; they become gqakv's ``window``, ``softcap`` and
+    ``sinks`` (validated by gqakv: W >= 1, c > 0, Hq finite-or--inf float32 logits).
 
     Returns ``(out [B, T, Hq, d], None)``, 0 at pad slots. With a GqakvCache the real
     tokens are appended to the cache and gqakv attends over it; otherwise over a
@@ -430,6 +472,9 @@ def gqakv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     """
     if dropout:
         raise NotImplementedError("gqakv attention is inference-only (attention dropout must be 0; call model.eval())")
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError(f"gqakv attention is causal; {type(module).__name__} has is_causal=False "
+                                  "(bidirectional attention, e.g. use_bidirectional_attention=True)")
     if attention_mask is not None and not isinstance(attention_mask, Padding):
         raise ValueError("gqakv attention computes its own causal mask; got an explicit attention mask "
                          f"({type(attention_mask).__name__}; pass a 2D padding mask [batch, tokens], and set the "
@@ -460,20 +505,43 @@ def gqakv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         query = query.to(kv.k.dtype)
     if padding is not None:
         query = padding.pack(query)
-    out = gqakv.gqa_attention(query, kv, n_new, scale=scaling, rows=rows)  # [B, Hq, T, d], real slots first
+    # [B, Hq, T, d], real slots first
+    out = gqakv.gqa_attention(query, kv, n_new, scale=scaling, window=sliding_window, softcap=softcap,
+                              sinks=_host_sinks(s_aux), rows=rows)
     if padding is not None:
         out = padding.unpack(out)
     return out.transpose(1, 2), None
 
 
-def gqakv_mask(*, attention_mask=None, q_offset=0, q_length=None, **kwargs):
+def _host_sinks(s_aux):
+    """gpt-oss's sink logits ``[Hq]`` (a parameter, maybe on a GPU) as a tuple of Python floats,
+    kept on the tensor until it changes (in place or its data replaced): one device-to-host copy
+    per weight update, not one per layer and forward. gqakv takes sinks as float32 values
+    (gpt-oss stores bfloat16)."""
+    if s_aux is None or not torch.is_tensor(s_aux):
+        return s_aux
+    key = (s_aux._version, s_aux.data_ptr())  # in-place updates bump the version; .data = moves the pointer
+    held = getattr(s_aux, "_gqakv_host", None)
+    if held is None or held[0] != key:
+        held = (key, tuple(s_aux.detach().to("cpu", torch.float32).tolist()))
+        s_aux._gqakv_host = held
+    return held[1]
+
+
+def gqakv_mask(*, attention_mask=None, q_offset=0, q_length=None, local_size=None, **kwargs):
     """transformers mask function: no mask tensor is built; a 2D padding mask becomes a
-    ``Padding`` (real slots per row), or None when nothing is padded."""
+    ``Padding`` (real slots per row), or None when nothing is padded.
+
+    ``local_size`` is set for the sliding-window layers' mask: there a pad after a real
+    token is refused, since transformers' window counts slots and gqakv's positions."""
     if attention_mask is None:
         return None
     if attention_mask.ndim != 2:
         raise ValueError(f"gqakv takes a 2D padding mask [batch, tokens], got shape {list(attention_mask.shape)}")
-    return Padding.from_mask(attention_mask, int(q_offset), int(q_length))
+    padding = Padding.from_mask(attention_mask, int(q_offset), int(q_length))
+    if padding is not None and local_size is not None:
+        padding.check_left_padded(attention_mask, int(local_size))
+    return padding
 
 
 def register() -> None:

@@ -1,0 +1,386 @@
+"""Paged KV storage: memory that follows the live tokens, rows that share pages.
+
+Layout. One pool of pages is allocated once: K and V each
+``[*leading, num_pages, Hkv, page_size, d]`` (heads-major inside a page, so one head's
+``page_size`` tokens are contiguous; ``leading`` is ``()`` for a cache, ``(layers,)``
+for a ModelKVCache, whose layers all page through one table). Row ``b``'s token ``j``
+of KV head ``h`` is at ``[..., table[b, j // P], h, j % P, :]`` (``P = page_size``).
+
+Bookkeeping (``PageTable``, host NumPy, shared by every layer):
+
+- ``table`` ``[B, pages_per_row]`` int32: row b's pages in token order, ``-1`` past the
+  ``held[b]`` pages it holds; ``pages_per_row = ceil(max_len / P)``;
+- ``refs`` ``[num_pages]`` int32: how many table entries name each page;
+- a free list of the pages no entry names (``refs == 0``).
+
+Invariant outside an open model step: row b holds exactly ``ceil(lens[b] / P)`` pages.
+Every page a row holds is full except perhaps its last, so the only page a write can
+land in that another row may also name is that partly filled last page: it is copied
+first (copy on write), and only its live tokens are copied. Row operations are
+bookkeeping: ``reorder`` and ``fork`` copy table entries and bump reference counts,
+``truncate`` and ``reset`` release pages no row names any more. Appends take pages
+from the free list; when it cannot supply a call's pages, ``OutOfPages`` (a MemoryError)
+is raised before anything changes.
+
+Reading. ``PagedStore.key_blocks`` walks a row in page-aligned spans and ``blocks`` of
+one page's span are views of the pool, so the generic attention path reads a row page
+by page without gathering it. ``blocks`` over several pages (``live_kv``) gathers them
+into new arrays: copies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from array_api_compat import array_namespace
+
+from .store import CONTIGUOUS, PAGED, KVStore, StorageSpec
+
+#: Default tokens per page.
+DEFAULT_PAGE_SIZE = 16
+#: Most keys one generic-path key block gathers from several small pages (a bounded copy,
+#: never a whole row): per-block overhead (a matmul launch, the online softmax's rescale)
+#: would otherwise dominate with pages of 16 keys. Pages of at least this size are read
+#: one page per block, as views.
+GATHER_KEYS = 256
+
+
+class OutOfPages(MemoryError):
+    """The page pool cannot supply the pages a call needs; nothing was changed."""
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages holding ``tokens`` tokens: ``ceil(tokens / page_size)``."""
+    return -(-int(tokens) // int(page_size))
+
+
+class PageTable:
+    """Page tables, reference counts and the free list of one pool (see the module
+    docstring). Host NumPy only; every mutation is called under the cache's writer lock,
+    after the caller validated its arguments."""
+
+    def __init__(self, batch: int, max_len: int, page_size: int, num_pages: int):
+        self.page_size, self.num_pages = int(page_size), int(num_pages)
+        self.pages_per_row = pages_for(max_len, page_size)
+        self.table = np.full((batch, self.pages_per_row), -1, dtype=np.int32)
+        self.held = np.zeros(batch, dtype=np.int64)
+        self.refs = np.zeros(self.num_pages, dtype=np.int32)
+        # A stack: pop() hands out the lowest free page first (deterministic layouts).
+        self._free = list(range(self.num_pages - 1, -1, -1))
+
+    # -- counts ----------------------------------------------------------------------------
+
+    @property
+    def pages_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def pages_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the bookkeeping (``nbytes_for`` of this table's sizes)."""
+        return self.nbytes_for(self.table.shape[0], self.pages_per_row * self.page_size,
+                               self.page_size, self.num_pages)
+
+    @staticmethod
+    def nbytes_for(batch: int, max_len: int, page_size: int, num_pages: int) -> int:
+        """Host bytes of the bookkeeping of such a pool: the table ``[B, ceil(max_len / P)]``
+        int32, ``held`` ``[B]`` int64, ``refs`` ``[num_pages]`` int32 and a free list of up
+        to ``num_pages`` 8-byte entries."""
+        return (4 * batch * pages_for(max_len, page_size) + 8 * batch
+                + (4 + 8) * num_pages)
+
+    def row_pages(self, row: int) -> np.ndarray:
+        """Row ``row``'s pages in token order (a view)."""
+        return self.table[row, :self.held[row]]
+
+    # -- taking and releasing --------------------------------------------------------------
+
+    def _take(self) -> int:
+        page = self._free.pop()
+        self.refs[page] = 1
+        return page
+
+    def _release(self, pages) -> None:
+        """Drop one reference to each of ``pages``; pages no entry names go back to the pool."""
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.size == 0:
+            return
+        np.subtract.at(self.refs, pages, 1)
+        dead = np.unique(pages[self.refs[pages] == 0])
+        self._free.extend(int(p) for p in dead[::-1])
+
+    def _share(self, pages) -> None:
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.size:
+            np.add.at(self.refs, pages, 1)
+
+    # -- appends -----------------------------------------------------------------------------
+
+    def reserve(self, rows, starts, n_new) -> tuple[list, list, list]:
+        """Give each row ``rows[i]`` (holding ``starts[i]`` tokens) the pages for
+        ``n_new[i]`` more tokens: fresh pages past its last, and a private copy of its last
+        page when that page is partly filled and shared (copy on write).
+
+        Raises OutOfPages, with nothing changed, when the free list is too short. Returns
+        the copies to make before writing, as (new pages, old pages, tokens) lists; the
+        table already names the new pages."""
+        P = self.page_size
+        plan = []  # (row, start, fresh pages, copy-on-write?)
+        need = {}
+        names = {}  # shared last page -> names left once this call's earlier rows copied it
+        for i in range(len(rows)):
+            n = int(n_new[i])
+            if n == 0:
+                continue
+            r, s = int(rows[i]), int(starts[i])
+            fresh = pages_for(s + n, P) - int(self.held[r])
+            cow = False
+            if s % P:
+                page = int(self.table[r, s // P])
+                left = names.get(page, int(self.refs[page]))
+                cow = left > 1  # the last row naming it writes in place
+                names[page] = left - 1
+            plan.append((r, s, fresh, cow))
+            if fresh + cow:
+                need[r] = fresh + int(cow)
+        total = sum(need.values())
+        if total > len(self._free):
+            shown = ", ".join(f"row {r} needs {k}" for r, k in list(need.items())[:8])
+            more = " ..." if len(need) > 8 else ""
+            raise OutOfPages(
+                f"the page pool cannot supply {total} pages ({shown}{more}): {len(self._free)} of "
+                f"{self.num_pages} pages (page_size {P}) are free; nothing was written and no "
+                "length changed (truncate or reset rows, or make the cache with more num_pages)")
+        new, old, count = [], [], []
+        for r, s, fresh, cow in plan:
+            if cow:  # only the live tokens of the shared last page are copied
+                j = s // P
+                src = int(self.table[r, j])
+                dst = self._take()
+                self.table[r, j] = dst
+                self._release([src])  # still named by another row: stays allocated
+                new.append(dst), old.append(src), count.append(s % P)
+            h = int(self.held[r])
+            for j in range(h, h + fresh):
+                self.table[r, j] = self._take()
+            self.held[r] = h + fresh
+        return new, old, count
+
+    # -- row operations ----------------------------------------------------------------------
+
+    def trim(self, rows, new_lens) -> None:
+        """Row ``rows[i]`` keeps the pages of ``new_lens[i]`` tokens and releases the rest."""
+        for r, n in zip(rows, new_lens):
+            r, keep = int(r), pages_for(n, self.page_size)
+            h = int(self.held[r])
+            if keep < h:
+                self._release(self.table[r, keep:h].copy())
+                self.table[r, keep:h] = -1
+                self.held[r] = keep
+
+    def reorder(self, src) -> None:
+        """Row b takes row ``src[b]``'s pages (``[B]``, duplicates allowed)."""
+        src = np.asarray(src, dtype=np.int64)
+        table, held = self.table[src].copy(), self.held[src].copy()
+        self._share(np.concatenate([table[b, :held[b]] for b in range(len(src))] or [[]]))
+        self._release(np.concatenate([self.row_pages(b) for b in range(len(src))] or [[]]))
+        self.table[...] = table
+        self.held[...] = held
+
+    def fork(self, src: int, dst) -> None:
+        """Each row of ``dst`` (distinct, without ``src``) takes ``src``'s pages."""
+        pages = self.row_pages(src).copy()
+        for r in dst:
+            r = int(r)
+            self._share(pages)  # before releasing, in case r already names some of them
+            self._release(self.row_pages(r).copy())
+            self.table[r, :] = -1
+            self.table[r, :pages.size] = pages
+            self.held[r] = pages.size
+
+    # -- checks ------------------------------------------------------------------------------
+
+    def audit(self, lens=None) -> list[str]:
+        """Every broken invariant of the bookkeeping, as sentences (empty: sound). With
+        ``lens`` (``[B]``), also that row b holds exactly ``ceil(lens[b] / P)`` pages."""
+        problems = []
+        counted = np.zeros(self.num_pages, dtype=np.int64)
+        for b in range(self.table.shape[0]):
+            h = int(self.held[b])
+            live, rest = self.table[b, :h], self.table[b, h:]
+            if (live < 0).any() or (live >= self.num_pages).any():
+                problems.append(f"row {b} names pages outside the pool: {live.tolist()}")
+                continue
+            if (rest != -1).any():
+                problems.append(f"row {b} has entries past its {h} pages: {rest.tolist()}")
+            if np.unique(live).size != live.size:
+                problems.append(f"row {b} names a page twice: {live.tolist()}")
+            np.add.at(counted, live, 1)
+            if lens is not None and h != pages_for(lens[b], self.page_size):
+                problems.append(f"row {b} holds {h} pages for {int(lens[b])} tokens "
+                                f"(page_size {self.page_size})")
+        bad = np.flatnonzero(counted != self.refs)
+        if bad.size:
+            p = int(bad[0])
+            problems.append(f"page {p} has refcount {int(self.refs[p])} but {int(counted[p])} "
+                            f"table entries ({bad.size} pages disagree)")
+        free = np.asarray(self._free, dtype=np.int64)
+        if np.unique(free).size != free.size:
+            problems.append("a page is on the free list twice (double free)")
+        unnamed = set(np.flatnonzero(counted == 0).tolist())
+        if set(free.tolist()) != unnamed:
+            leaked = sorted(unnamed - set(free.tolist()))[:8]
+            wrong = sorted(set(free.tolist()) - unnamed)[:8]
+            problems.append(f"free list disagrees with the tables: leaked {leaked}, "
+                            f"free but named {wrong}")
+        return problems
+
+
+class PagedStore(KVStore):
+    """A KVStore of kind ``"paged"``: the pool ``k``, ``v`` ``[*leading, num_pages, Hkv,
+    page_size, d]`` and the shared ``PageTable`` (``table``). ``rows`` and ``max_len`` are
+    the cache's, not the pool's."""
+
+    __slots__ = ("table", "page_size", "num_pages")
+
+    def __init__(self, spec: StorageSpec, k, v, table: PageTable, rows: int, max_len: int):
+        super().__init__(spec, k, v)  # leading, kv_heads, head_dim (and the base's defaults)
+        self.num_pages, self.page_size = int(k.shape[-4]), int(k.shape[-2])
+        self.rows, self.max_len = int(rows), int(max_len)
+        self.table = table
+
+    @classmethod
+    def allocate(cls, backend, spec: StorageSpec, shape: tuple[int, ...], what: str,
+                 device=None, *, page_size: int = DEFAULT_PAGE_SIZE,
+                 num_pages: int | None = None) -> "PagedStore":
+        """A paged store for a cache of ``shape`` = ``(*leading, rows, Hkv, max_len, d)``:
+        a pool of ``num_pages`` pages (default: every row at ``max_len``, no overcommit)."""
+        *leading, rows, kv_heads, max_len, head_dim = shape
+        if num_pages is None:
+            num_pages = rows * pages_for(max_len, page_size)
+        pool = KVStore.allocate(backend, StorageSpec.of(spec.dtype),
+                                (*leading, num_pages, kv_heads, page_size, head_dim),
+                                f"{what} page pool", device=device)
+        return cls(spec, pool.k, pool.v, PageTable(rows, max_len, page_size, num_pages),
+                   rows, max_len)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K and V pool (the page bookkeeping is ``table.nbytes``, on the host)."""
+        return self.spec.nbytes(math.prod(self.leading) * self.num_pages * self.page_size,
+                                self.kv_heads, self.head_dim)
+
+    def pool_rows(self, xp) -> KVStore:
+        """The pool as a contiguous store whose rows are pages (``[layers, num_pages, Hkv,
+        page_size, d]``): page copies run through ``Backend.copy_tokens`` on it."""
+        return KVStore(StorageSpec.of(self.dtype, CONTIGUOUS), self.k, self.v).with_layers(xp)
+
+    # -- views -------------------------------------------------------------------------------
+
+    def layer(self, layer: int) -> "PagedStore":
+        return PagedStore(self.spec, self.k[layer, ...], self.v[layer, ...], self.table,
+                          self.rows, self.max_len)
+
+    def with_layers(self, xp) -> "PagedStore":
+        if self.leading:
+            return self
+        return PagedStore(self.spec, xp.expand_dims(self.k, axis=0),
+                          xp.expand_dims(self.v, axis=0), self.table, self.rows, self.max_len)
+
+    def temporary(self, backend, tokens: int):
+        raise TypeError("paged storage moves rows by bookkeeping; it has no row temporaries")
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def key_blocks(self, row: int, lo: int, hi: int, max_keys: int):
+        """Spans ``(j0, j1)`` covering keys ``lo..hi-1``, each of at most ``max_keys`` keys
+        and ending at a page boundary (or ``hi``): one page (a view) when pages hold at
+        least ``GATHER_KEYS`` keys, else up to ``GATHER_KEYS // page_size`` whole pages
+        (``blocks`` gathers them: a bounded copy)."""
+        P = self.page_size
+        span = P * max(1, GATHER_KEYS // P)
+        if max_keys < span:
+            span = max(1, min(P, int(max_keys)))
+        j0 = lo
+        while j0 < hi:
+            end = (j0 // P) * P + span if span >= P else j0 + span
+            j1 = min(hi, end, (j0 // P + 1) * P if span <= P else end)
+            yield j0, j1
+            j0 = j1
+
+    def blocks(self, row: int, j0: int, j1: int):
+        """Keys and values ``j0 <= j < j1`` of ``row`` (no leading axes), ``[Hkv, j1 - j0, d]``:
+        views of the pool within one page, gathered copies across pages."""
+        P = self.page_size
+        xp = array_namespace(self.k)
+        if j1 <= j0:
+            shape = (self.kv_heads, 0, self.head_dim)
+            dev = getattr(self.k, "device", None)
+            return (xp.empty(shape, dtype=self.k.dtype, device=dev),
+                    xp.empty(shape, dtype=self.v.dtype, device=dev))
+        if j0 // P == (j1 - 1) // P:
+            return self._page_view(row, j0, j1)
+        parts = [self._page_view(row, a, b) for a, b in self.key_blocks(row, j0, j1, P)]
+        return (xp.concat([kb for kb, _ in parts], axis=1),
+                xp.concat([vb for _, vb in parts], axis=1))
+
+    def _page_view(self, row: int, j0: int, j1: int):
+        """Keys/values ``j0..j1-1`` (inside one page) of ``row``: views of the pool."""
+        P = self.page_size
+        page, o = int(self.table.table[row, j0 // P]), (j0 // P) * P
+        return self.k[page, :, j0 - o:j1 - o, :], self.v[page, :, j0 - o:j1 - o, :]
+
+    # -- writing (the generic path) ----------------------------------------------------------
+
+    def put(self, row: int, start: int, k, v) -> None:
+        """Store ``k``, ``v`` ``[Hkv, n, d]`` as tokens ``start..`` of ``row`` (no leading
+        axes), page by page; the pages must have been reserved (``PageTable.reserve``)."""
+        P = self.page_size
+        n = int(k.shape[1])
+        for j0, j1 in self.key_blocks(row, start, start + n, P):
+            page = int(self.table.table[row, j0 // P])
+            o = (j0 // P) * P
+            self.k[page, :, j0 - o:j1 - o, :] = k[:, j0 - start:j1 - start, :]
+            self.v[page, :, j0 - o:j1 - o, :] = v[:, j0 - start:j1 - start, :]
+
+    def copy_row(self, dst_row, src, src_row, n) -> None:
+        raise TypeError("paged rows are copied by sharing pages (PageTable.fork/reorder), "
+                        "not token by token")
+
+    def __repr__(self) -> str:
+        return (f"PagedStore({self.dtype}, leading={self.leading}, rows={self.rows}, "
+                f"kv_heads={self.kv_heads}, max_len={self.max_len}, head_dim={self.head_dim}, "
+                f"page_size={self.page_size}, num_pages={self.num_pages})")
+
+
+def reserve(backend, store: PagedStore, rows, starts, n_new) -> None:
+    """Take the pages an append of ``n_new[i]`` tokens at ``starts[i]`` to ``rows[i]``
+    needs (every layer of ``store``), copying shared partly filled last pages first.
+    OutOfPages, with nothing changed, when the pool is short."""
+    new, old, count = store.table.reserve(rows, starts, n_new)
+    if new:
+        pool = store.pool_rows(backend.namespace())
+        backend.copy_tokens(pool, np.asarray(new), pool, np.asarray(old), np.asarray(count))
+
+
+def check_page_args(page_size, num_pages, batch: int, max_len: int) -> tuple[int, int | None]:
+    """``page_size`` >= 1 and ``num_pages`` (None or >= 0) as ints; TypeError/ValueError
+    naming the argument otherwise."""
+    for name, value in (("page_size", page_size), ("num_pages", num_pages)):
+        if value is None and name == "num_pages":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {int(page_size)}")
+    if num_pages is not None and num_pages < 0:
+        raise ValueError(f"num_pages must be >= 0 (or None: every row at max_len), got {int(num_pages)}")
+    return int(page_size), None if num_pages is None else int(num_pages)
+
+
+__all__ = ["DEFAULT_PAGE_SIZE", "OutOfPages", "PAGED", "PageTable", "PagedStore", "pages_for",
+           "reserve"]
