@@ -67,8 +67,10 @@ __global__ void __launch_bounds__(128) gqakv_merge(
     // The sink term, relative to mx (m_rel = 0: weights are 2^((lse_s - mx) log2 e)); its
     // factor `corr` scales the summed outputs. Nothing changes without it or without keys.
     float m_rel = 0.f, corr = 1.f;
-    if (V::SINKS && seen && !bad)
-        corr = add_sink_log2(m_rel, total, (params.sinks[h] - mx) * GQAKV_LOG2E);
+    if (V::SINKS) {
+        const float sink = seen && !bad ? (params.sinks[h] - mx) * GQAKV_LOG2E : GQAKV_NEG_INF;
+        corr = add_sink_log2(m_rel, total, sink);  // -inf: nothing changes
+    }
 
     // This thread's split group and vector slots (slot v covers d = VEC * (lane + 128 v)).
     const int grp = S::NGRP > 1 ? threadIdx.x / S::LANES : 0;

@@ -80,13 +80,15 @@ __device__ __forceinline__ float merge_weight_lse(float lse_s, float mx) {
 // lse -inf, as without sinks); a sink of -inf changes nothing.
 __device__ __forceinline__ float add_sink_log2(float& m, float& total, float sink) {
     if (total == 0.f || !(sink > GQAKV_NEG_INF)) return 1.f;
+    // One exponential either way (2^-|sink - m|), the approximate instruction as in the
+    // key loops: a second accurate exp2f call costs the merge kernel a stack frame.
+    const float w = fast_exp2(-fabsf(sink - m));
     if (sink > m) {
-        const float corr = exp2f(m - sink);
-        total = total * corr + 1.f;
+        total = total * w + 1.f;
         m = sink;
-        return corr;
+        return w;
     }
-    total += exp2f(sink - m);
+    total += w;
     return 1.f;
 }
 
