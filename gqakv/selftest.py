@@ -32,7 +32,19 @@ the one gqakv would pick here; ``all``: every backend that can run):
      shorter than the chunk, W past every row; softcaps where tanh saturates; sinks far
      above the scores and -inf), over chunked prefill and decode with ragged, padded
      and empty rows, and a windowed decode over long rows (what a key-split planner
-     must start at the window).
+     must start at the window);
+   - ``paged P=1``, ``paged P=16``: a ``PagedKVCache`` of that page size (its whole pool
+     NaN): ragged prompts, a fork of one row into others (pages shared, partly filled
+     last pages among them), then a prefill chunk and decode steps writing into the
+     shared pages (copy on write): after every append each row read back through its
+     pages bit-exact and the pool's accounting audited (``PageTable.audit``), every
+     attention call against the reference;
+   - ``quant int8``, ``quant e4m3``: a ``KVCache`` with ``kv_dtype`` int8 /
+     float8_e4m3fn (not for float64, which refuses it: SKIP): chunked prefill and decode
+     with a large (x 20) and an all-zero token per append; after every append the stored
+     codes x scales equal the scheme applied on the host (``gqakv.quantize`` through
+     NumPy/ml_dtypes) and every slot past a row's length has scale NaN; attention
+     against the reference on the dequantized values, with the tolerances of ``dtype``.
 
 Tolerances (attention outputs and LSEs, at the queries that are not padding; padded
 queries must give exactly 0 and -inf): float16/bfloat16 follow FlashAttention's rule,
@@ -50,6 +62,7 @@ and the worst case of any failing line; exit status 0 when everything passed, 1 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -71,7 +84,13 @@ PAD_KV = 1000.0
 HEAD_DIMS = {True: (128, 72), False: (64, 128, 80, 72)}
 #: Cases per family and dtype (quick, full).
 CASES = {True: 2, False: 12}
-FAMILIES = ("compile", "append", "decode", "split+merge", "prefill", "row copies", "variants")
+#: Page sizes of the paged families (one line each): 1 (every token its own page) and 16
+#: (the default; forks share a partly filled last page, copied on write).
+PAGE_SIZES = (1, 16)
+#: Quantized storage of the quantized families (one line each): kv_dtype -> line name.
+KV_DTYPES = {"int8": "quant int8", "float8_e4m3fn": "quant e4m3"}
+FAMILIES = ("compile", "append", "decode", "split+merge", "prefill", "row copies", "variants",
+            *(f"paged P={p}" for p in PAGE_SIZES), *KV_DTYPES.values())
 
 
 # -- bookkeeping -------------------------------------------------------------------------------
@@ -146,21 +165,48 @@ def _rounder(dtype: str):
     return None
 
 
+def _dequantize_host(codes: np.ndarray, scales: np.ndarray, kv_dtype: str) -> np.ndarray:
+    """float64 of float32 ``value(code) x scale`` (the scheme's dequantization, on the host)."""
+    from .quantize import e4m3_table
+
+    values = codes.astype(np.float32) if kv_dtype == "int8" else e4m3_table()[codes]
+    return (values * scales.astype(np.float32)[..., None]).astype(np.float64)
+
+
+def _dequantized_rule(x: np.ndarray, kv_dtype: str) -> np.ndarray:
+    """What a quantized cache must hold for float32 tokens ``x`` [..., d]: the scheme of
+    ``gqakv.quantize`` applied on the host (NumPy, ml_dtypes), then dequantized."""
+    from .quantize import quantize
+
+    codes, scales = quantize(np, x, kv_dtype)
+    return _dequantize_host(np.asarray(codes), np.asarray(scales), kv_dtype)
+
+
 # -- a cache with a host mirror ------------------------------------------------------------------
 
 class Mirror:
     """A KVCache (or one layer of a ModelKVCache) filled with NaN, and the float64 values
     every row should hold. Data go in through the backend and come back through it, so
-    the mirror holds exactly the values of the cache's dtype."""
+    the mirror holds exactly the values of the cache's dtype. ``page_size``: a
+    PagedKVCache (its whole pool NaN); ``kv_dtype``: a quantized cache, the mirror holding
+    the dequantized values of the scheme (``gqakv.quantize``, computed here on the host)."""
 
-    def __init__(self, backend, dtype, batch, kv_heads, max_len, head_dim, rng):
+    def __init__(self, backend, dtype, batch, kv_heads, max_len, head_dim, rng, *,
+                 page_size=None, kv_dtype=None):
         from .cache import KVCache
+        from .paged_cache import PagedKVCache
 
         self.backend, self.dtype, self.rng = backend, dtype, rng
-        self.cache = KVCache(batch, kv_heads, max_len, head_dim, dtype=dtype, backend=backend)
+        self.kv_dtype = kv_dtype
+        if page_size is not None:
+            self.cache = PagedKVCache(batch, kv_heads, max_len, head_dim, dtype=dtype,
+                                      backend=backend, page_size=page_size)
+        else:
+            self.cache = KVCache(batch, kv_heads, max_len, head_dim, dtype=dtype, backend=backend,
+                                 kv_dtype=kv_dtype)
         nan = np.full((batch, kv_heads, max_len, head_dim), np.nan, dtype=np.float32)
         dev = backend.from_numpy(nan, dtype)
-        self.cache.append(dev, dev, np.full(batch, max_len))  # every slot NaN ...
+        self.cache.append(dev, dev, np.full(batch, max_len))  # every slot (page) NaN ...
         self.cache.reset()  # ... and every row empty
         self.k = [np.zeros((kv_heads, 0, head_dim)) for _ in range(batch)]
         self.v = [np.zeros((kv_heads, 0, head_dim)) for _ in range(batch)]
@@ -169,19 +215,27 @@ class Mirror:
         return np.asarray(self.backend.to_numpy(x)).astype(np.float64)
 
     def tokens(self, shape, n_new):
-        """Random [B, H, T, d] data (device, host float64); slots t >= n_new[i] hold
-        PAD_KV (never to be written)."""
+        """Random [B, H, T, d] data (device, host float64 of what the cache should hold:
+        quantized, the dequantized values); slots t >= n_new[i] hold PAD_KV (never to be
+        written). Quantized: a few real tokens are large (x 20) or all zero."""
         x = self.rng.standard_normal(shape, dtype=np.float32)
+        if self.kv_dtype is not None:
+            for factor in (20.0, 0.0):
+                i, h, t = (int(self.rng.integers(n)) for n in shape[:3])
+                x[i, h, t] *= factor
         for i, n in enumerate(n_new):
             x[i, :, n:] = PAD_KV
         dev = self.backend.from_numpy(x, self.dtype)
-        return dev, self.host(dev)
+        host = self.host(dev)
+        if self.kv_dtype is not None:
+            host = _dequantized_rule(host.astype(np.float32), self.kv_dtype).astype(np.float64)
+        return dev, host
 
     def append(self, n_new, T: int, check: Check | None, what: str):
         """Append random tokens (n_new[i] of T slots real) and check the buffers."""
-        B, Hkv, _, d = self.cache.k.shape
-        k_dev, k_host = self.tokens((B, Hkv, T, d), n_new)
-        v_dev, v_host = self.tokens((B, Hkv, T, d), n_new)
+        c = self.cache
+        k_dev, k_host = self.tokens((c.batch, c.kv_heads, T, c.head_dim), n_new)
+        v_dev, v_host = self.tokens((c.batch, c.kv_heads, T, c.head_dim), n_new)
         self.cache.append(k_dev, v_dev, np.asarray(n_new, dtype=np.int64))
         for b, n in enumerate(n_new):
             self.k[b] = np.concatenate([self.k[b], k_host[b, :, :n]], axis=1)
@@ -190,9 +244,27 @@ class Mirror:
             check.cases += 1
             self.check_buffers(check, what)
 
+    def fork(self, src: int, dst) -> None:
+        """``cache.fork`` and the same copies in the mirror."""
+        self.cache.fork(src, dst)
+        for b in dst:
+            self.k[b], self.v[b] = self.k[src].copy(), self.v[src].copy()
+
     def check_buffers(self, check: Check, what: str) -> None:
-        """Live tokens equal the mirror bit for bit; every slot past the length is NaN."""
-        k, v = self.host(self.cache.k), self.host(self.cache.v)
+        """Live tokens equal the mirror bit for bit; every slot past the length is NaN.
+        Paged: each row read back through its pages (``live_kv``) and the pool's accounting
+        sound (``PageTable.audit``); quantized: codes x scales (dequantized here) equal
+        the mirror's dequantized values, and the scale of every slot past the length NaN."""
+        store = self.cache.store
+        if store.kind != "contiguous":
+            self._check_paged(check, what)
+            return
+        if store.quantized:
+            raw = lambda x: np.asarray(self.backend.to_numpy(x))  # noqa: E731
+            k = _dequantize_host(raw(store.k), raw(store.k_scale), self.kv_dtype)
+            v = _dequantize_host(raw(store.v), raw(store.v_scale), self.kv_dtype)
+        else:
+            k, v = self.host(self.cache.k), self.host(self.cache.v)
         bad = total = 0
         for b, L in enumerate(self.cache.host_lens):
             for buf, want in ((k, self.k[b]), (v, self.v[b])):
@@ -201,9 +273,22 @@ class Mirror:
                 total += live.size + tail.size
         check.exact(what, bad, total)
 
+    def _check_paged(self, check: Check, what: str) -> None:
+        bad = total = 0
+        for b in range(self.cache.batch):
+            k, v = self.cache.live_kv(b)
+            for got, want in ((self.host(k), self.k[b]), (self.host(v), self.v[b])):
+                bad += got.size if got.shape != want.shape else int((got != want).sum())
+                total += want.size
+        check.exact(what, bad, total)
+        problems = self.cache.store.table.audit(self.cache.host_lens)
+        if problems:
+            check.worst = math.inf
+            check.worst_what = f"{what}: page accounting: {'; '.join(problems[:3])}"
+
     def queries(self, Hq: int, T: int, n_new):
         """Random queries [B, Hq, T, d]; padded slots NaN (their outputs must be 0)."""
-        B, _, _, d = self.cache.k.shape
+        B, d = self.cache.batch, self.cache.head_dim
         x = self.rng.standard_normal((B, Hq, T, d), dtype=np.float32)
         for i, n in enumerate(n_new):
             x[i, :, n:] = np.nan
@@ -523,6 +608,70 @@ def _variants(backend, dtype, rng, quick, checks) -> None:
                  q_host, n_new, out, lse, variant)
 
 
+def _paged(page_size, backend, dtype, rng, quick, checks) -> None:
+    """A PagedKVCache of ``page_size``: ragged prompts, a fork of one row into others
+    (pages shared, a partly filled last page among them), then a prefill chunk and decode
+    steps that write into the shared pages (copy on write): after every append each row
+    read back through its pages and the pool's accounting audited; every attention call
+    against the reference."""
+    from .attention import gqa_attention
+
+    check = checks[f"paged P={page_size}"]
+    for c in range(CASES[quick]):
+        s = _shape(rng, quick, batch=(3, 6))
+        prompts = rng.integers(1, 70, s.batch)
+        T, steps = int(rng.choice([3, 16])), 2
+        m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + T + steps,
+                   s.head_dim, rng, page_size=page_size)
+        what = f"case {c} ({s}) page_size {page_size}"
+        m.append(prompts, int(prompts.max()), check, f"{what} prompt append")
+        source = int(rng.integers(s.batch))
+        dst = [r for r in rng.permutation(s.batch)[: max(1, s.batch // 2)].tolist() if r != source]
+        dst = dst or [(source + 1) % s.batch]
+        m.fork(source, dst)
+        check.cases += 1
+        m.check_buffers(check, f"{what} after fork {source} -> {dst}")
+        what += f" forked {source} -> {dst}"
+        chunk = rng.integers(0, T + 1, s.batch)
+        chunk[source] = T  # the source writes into its (shared) last page too
+        for step, (width, n_new) in enumerate(
+                [(T, chunk)] + [(1, (rng.random(s.batch) < 0.8).astype(np.int64)) for _ in range(steps)]):
+            m.append(n_new, width, check, f"{what} append {step}")
+            q_dev, q_host = m.queries(s.kv_heads * s.group, width, n_new)
+            out, lse = gqa_attention(q_dev, m.cache, n_new, return_lse=True)
+            check.cases += 1
+            _compare(check, f"{what} T={width} n_new {list(n_new)} lens {list(m.cache.host_lens)}",
+                     m, q_host, n_new, out, lse)
+
+
+def _quantized(kv_dtype, backend, dtype, rng, quick, checks) -> None:
+    """A KVCache with ``kv_dtype`` storage: ragged prompts in chunks (one row empty, padded
+    slots, a huge and an all-zero token per append), then decode steps: the stored codes x
+    scales equal the scheme's after every append, and every attention call matches the
+    reference on the dequantized values."""
+    from .attention import gqa_attention
+
+    check = checks[KV_DTYPES[kv_dtype]]
+    for c in range(CASES[quick]):
+        s = _shape(rng, quick)
+        T = int(rng.choice([1, 5, 16]))
+        prompts = rng.integers(1, 3 * T + 2, s.batch)
+        if s.batch > 1:
+            prompts[rng.integers(s.batch)] = 0
+        m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + 2, s.head_dim, rng,
+                   kv_dtype=kv_dtype)
+        chunks = [np.clip(prompts - i * T, 0, T) for i in range(-(-int(prompts.max()) // T))]
+        steps = [(rng.random(s.batch) < 0.75).astype(np.int64) for _ in range(2)]
+        for i, n_new in enumerate(chunks + steps):
+            width = T if i < len(chunks) else 1
+            what = f"case {c} ({s}) {kv_dtype} T={width} n_new {list(n_new)}"
+            m.append(n_new, width, check, what + " append")
+            q_dev, q_host = m.queries(s.kv_heads * s.group, width, n_new)
+            out, lse = gqa_attention(q_dev, m.cache, n_new, return_lse=True)
+            check.cases += 1
+            _compare(check, what, m, q_host, n_new, out, lse)
+
+
 def _describe(variant: dict) -> str:
     return " ".join(f"{k}={v if k != 'sinks' else list(np.round(v, 2))}" for k, v in variant.items())
 
@@ -556,7 +705,9 @@ def _compile(backend, dtypes, quick) -> Check:
 
 
 _FAMILY_RUNNERS = (("append/decode", _decode), ("split+merge", _split), ("prefill", _prefill),
-                   ("row copies", _row_copies), ("variants", _variants))
+                   ("row copies", _row_copies), ("variants", _variants),
+                   *((f"paged P={p}", functools.partial(_paged, p)) for p in PAGE_SIZES),
+                   *((line, functools.partial(_quantized, kv)) for kv, line in KV_DTYPES.items()))
 
 
 def selftest_backend(backend, *, quick: bool = False, seed: int = 0, say=print) -> list[Check]:
@@ -578,8 +729,13 @@ def selftest_backend(backend, *, quick: bool = False, seed: int = 0, say=print) 
             for chk in checks.values():
                 chk.skipped = "; ".join(reasons)
         else:
+            if dtype == "float64":  # StorageSpec refuses it: float64 is the reference precision
+                for line in KV_DTYPES.values():
+                    checks[line].skipped = "quantized K/V take dtype float32, float16 or bfloat16"
             rng = np.random.default_rng([seed, len(lines)])
             for family, runner in _FAMILY_RUNNERS:
+                if family in checks and checks[family].skipped:
+                    continue
                 try:
                     runner(backend, dtype, rng, quick, checks)
                 except Exception as exc:  # a crash inside a family fails that family

@@ -19,8 +19,8 @@ A ``KVStore`` is what the backends' hot operations take (``attention(q, store, .
 
 Fast paths read ``k``/``v`` directly, and only for the kinds they declare (a quantized
 store's ``k``/``v`` hold codes: fast paths without a dequantizing reader must refuse
-``store.quantized``); any other kind runs on the generic array-API path, which reads through ``blocks`` and so works
-on every backend before a fast path exists.
+``store.quantized``); any other kind runs on the generic array-API path, which reads
+through ``blocks`` and so works on every backend before a fast path exists.
 """
 
 from __future__ import annotations

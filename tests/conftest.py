@@ -71,7 +71,11 @@ def arrays(backend):
 
 #: Storage specs under test: name -> keyword arguments of KVCache / ModelKVCache.
 STORAGE_SPECS = {"contiguous": {"storage": "contiguous"},
-                 "paged": {"storage": "paged", "page_size": 4}}
+                 "paged": {"storage": "paged", "page_size": 4},
+                 # quantized K/V: the cache's dtype must be float32/float16/bfloat16, and it
+                 # holds tests/test_quantized.held(x) for the values x appended
+                 "int8": {"kv_dtype": "int8"},
+                 "fp8": {"kv_dtype": "float8_e4m3fn"}}
 #: Attention params under test: name -> the fields of ``gqakv.AttentionParams`` besides
 #: ``scale`` (tests build ``AttentionParams(scale=..., **fields)`` and pass ``params=``).
 ATTENTION_PARAMS = {"causal": {}, "window": {"window": 3}, "softcap": {"softcap": 0.5},

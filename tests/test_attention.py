@@ -19,6 +19,7 @@ from gqakv import attention as attention_module
 
 from .conftest import BackendArrays
 from .reference import reference_attention
+from .test_quantized import held
 
 # float32: inputs are O(1), so outputs are O(1) convex combinations of V; a correct
 # float32 computation is within a few ulps x log(L) of float64. 2e-5 is ~170 ulps.
@@ -287,37 +288,41 @@ def test_attention_over_the_product(case):
     B, hkv, G, d, S = 3, 2, 3, 8, 40
     lens_before, n_new = np.array([17, 0, 30]), np.array([3, 2, 0])
     T = 4
-    cache = gqakv.KVCache(B, hkv, S, d, dtype="float64", backend=case.backend, **case.storage)
-    model = gqakv.ModelKVCache(2, B, hkv, S, d, dtype="float64", backend=case.backend,
+    # quantized storage takes float32 (the reference then reads the values it holds)
+    dtype, tol = ("float32", TOL["float32"]) if "kv_dtype" in case.storage else ("float64", 1e-10)
+    cache = gqakv.KVCache(B, hkv, S, d, dtype=dtype, backend=case.backend, **case.storage)
+    model = gqakv.ModelKVCache(2, B, hkv, S, d, dtype=dtype, backend=case.backend,
                                **case.storage)
     for c in (cache, model):
         c.store.fill(math.nan)
-    k0, v0 = rng.standard_normal((2, B, hkv, 30, d))
-    cache.append(arrays.asarray(k0, "float64"), arrays.asarray(v0, "float64"), lens_before)
+    k0, v0 = rng.standard_normal((2, B, hkv, 30, d)).astype(dtype)
+    cache.append(arrays.asarray(k0, dtype), arrays.asarray(v0, dtype), lens_before)
     with model.step(lens_before) as step:
         for l in range(2):
-            step.write(l, arrays.asarray(k0, "float64"), arrays.asarray(v0, "float64"))
-    k1, v1 = rng.standard_normal((2, B, hkv, T, d))
-    q = rng.standard_normal((B, hkv * G, T, d))
-    cache.append(arrays.asarray(k1, "float64"), arrays.asarray(v1, "float64"), n_new)
-    rows_k = [np.concatenate([k0[b, :, :lens_before[b]], k1[b, :, :n_new[b]]], axis=1) for b in range(B)]
-    rows_v = [np.concatenate([v0[b, :, :lens_before[b]], v1[b, :, :n_new[b]]], axis=1) for b in range(B)]
+            step.write(l, arrays.asarray(k0, dtype), arrays.asarray(v0, dtype))
+    k1, v1 = rng.standard_normal((2, B, hkv, T, d)).astype(dtype)
+    q = rng.standard_normal((B, hkv * G, T, d)).astype(dtype)
+    cache.append(arrays.asarray(k1, dtype), arrays.asarray(v1, dtype), n_new)
+    rows_k = [held(np.concatenate([k0[b, :, :lens_before[b]], k1[b, :, :n_new[b]]], axis=1),
+                   case.storage) for b in range(B)]
+    rows_v = [held(np.concatenate([v0[b, :, :lens_before[b]], v1[b, :, :n_new[b]]], axis=1),
+                   case.storage) for b in range(B)]
     scale = 0.3
     params = AttentionParams(scale=scale, **case.params)
     want, want_lse = reference_attention(q, rows_k, rows_v, n_new, scale=params.scale,
                                          window=params.window, softcap=params.softcap,
                                          sinks=params.sinks)
-    out, lse = gqakv.gqa_attention(arrays.asarray(q, "float64"), cache, n_new,
+    out, lse = gqakv.gqa_attention(arrays.asarray(q, dtype), cache, n_new,
                                    return_lse=True, params=params)
     with model.step(n_new) as step:
-        outs = [step.attend(l, arrays.asarray(q, "float64"), arrays.asarray(k1, "float64"),
-                            arrays.asarray(v1, "float64"), params=params)
+        outs = [step.attend(l, arrays.asarray(q, dtype), arrays.asarray(k1, dtype),
+                            arrays.asarray(v1, dtype), params=params)
                 for l in range(2)]
     for got in (out, *outs):
-        np.testing.assert_allclose(arrays.to_numpy(got), want, atol=1e-10)
+        np.testing.assert_allclose(arrays.to_numpy(got), want, atol=tol)
     finite = np.isfinite(want_lse)
     np.testing.assert_array_equal(np.isfinite(arrays.to_numpy(lse)), finite)
-    np.testing.assert_allclose(arrays.to_numpy(lse)[finite], want_lse[finite], atol=1e-10)
+    np.testing.assert_allclose(arrays.to_numpy(lse)[finite], want_lse[finite], atol=tol)
 
 
 def test_params_argument_is_checked():

@@ -122,11 +122,12 @@ def test_bench_rejects_bad_flags(argv, message, capsys):
 
 # -- asv ------------------------------------------------------------------------------------
 
-MY_MODULES = ["attention", "append", "generation"]
+MY_MODULES = ["attention", "append", "generation", "storage"]
 # class -> (setup args at tiny sizes, class attributes to shrink)
 SMOKE = {
     "Decode": (("numpy", "2x40"), {}),
     "DecodeHalf": (("numpy", "bfloat16"), {"SIZE": (2, 40)}),
+    "WindowedDecode": (("numpy",), {"L": 64, "W": 16}),
     "RaggedDecode": (("numpy",), {"LENS": (3, 50)}),
     "ChunkedPrefill": (("numpy", "4096 in 8"), {"CASES": {"4096 in 8": (4, 16)}}),
     "VsTorch": (("decode 4x4096",), {"CASES": {"decode 4x4096": (2, 40, 1)}}),
@@ -134,6 +135,9 @@ SMOKE = {
     "Append": (("numpy", "ragged chunk 4 rows x <=512"), {}),
     "GenerationLoop": (("numpy", "2x9"), {}),
     "ConcatBaseline": (("2x9",), {}),
+    "PagedDecode": (("numpy", "4x4096", 16), {"CASES": {"4x4096": (2, 40)}}),
+    "PagedFork": (("numpy",), {"L": 40, "ROWS": 3}),
+    "QuantizedDecode": (("numpy", "4x4096", "int8"), {"CASES": {"4x4096": (2, 40)}}),
 }
 
 

@@ -51,6 +51,16 @@ def _need_model():
         pytest.skip(_MISSING)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_blas_thread():
+    """BLAS's worker threads spin for these small matrices: on a loaded 2-core machine one
+    thread runs this module about 4x faster (threadpoolctl, restored afterwards)."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
 @pytest.fixture(scope="module")
 def checkpoint():
     _need_model()
@@ -413,3 +423,27 @@ def test_transformers_integration_assisted_decoding_matches_greedy(hf_model, lef
     cache = GqakvCache(hf_model.config, max_cache_len=ids1.shape[1] + n + 5)
     got = _hf_generate(hf_model, ids1, torch.ones_like(ids1), "gqakv", n, cache=cache, assistant_model=assistant)
     assert got[0].tolist() == sdpa_greedy[row, : ids1.shape[1] + n].tolist()
+
+
+def test_compare_cache_tool(checkpoint, monkeypatch, capsys):
+    """--compare-cache int8: the float32 log-likelihood it prints equals the paragraph's mean
+    log-probability from one uncached forward pass; the int8 cache really changes it."""
+    import re
+
+    import gqakv.examples.gguf as gguf_module
+    from gqakv.examples.real_model import COMPARE_PARAGRAPH
+    from gqakv.examples.tokenizer import GGUFTokenizer
+
+    monkeypatch.setattr(gguf_module, "read_checkpoint", lambda path: checkpoint)
+    assert cli_main(["generate", "--model", "smollm2-135m", "--backend", "numpy", "--compare-cache", "int8",
+                     "--new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "5 prompts x 2 greedy tokens" in out and "greedy tokens equal:" in out
+    ll32, ll8, diff = (float(x) for x in re.search(
+        r"float32 (-?[\d.]+), int8 (-?[\d.]+), difference ([-+][\d.e+-]+)", out).groups())
+    ids = np.array(GGUFTokenizer.from_reader(checkpoint.reader).encode(COMPARE_PARAGRAPH))
+    logits = GGUFLlamaModel(checkpoint, dtype="float64", backend="numpy").forward_uncached(ids[None])[0, :-1]
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    assert abs(ll32 - logp[np.arange(len(ids) - 1), ids[1:]].mean()) < 1e-4  # float32 vs float64
+    assert diff != 0 and abs(diff) < 0.1 and abs(ll8 - ll32 - diff) < 2e-6

@@ -38,6 +38,9 @@ def test_numpy_quick_passes_with_one_line_per_family_and_dtype(capsys):
     want = [("compile", "all")] + [(f, d) for d in backend.dtypes for f in selftest.FAMILIES[1:]]
     assert [(f, d) for f, d, *_ in lines] == want
     for family, dtype, cases, worst, result, note in lines:
+        if family.startswith("quant") and dtype == "float64":  # StorageSpec refuses it
+            assert result == "SKIP" and "float32, float16 or bfloat16" in note
+            continue
         assert result == "PASS"
         if family != "compile":
             assert int(cases) > 0 and 0 <= float(worst) <= 1.0
@@ -104,6 +107,76 @@ def test_forced_split_path_is_checked(capsys, monkeypatch):
     assert status == 1
     failed = {f for f, _, _, _, result, _ in result_lines(out) if result == "FAIL"}
     assert "split+merge" in failed
+
+
+PAGED_LINES = {f"paged P={p}" for p in selftest.PAGE_SIZES}
+QUANT_LINES = set(selftest.KV_DTYPES.values())
+
+
+def _failed_lines(out):
+    return {(f, d) for f, d, _, _, result, _ in result_lines(out) if result == "FAIL"}
+
+
+def test_paged_and_quantized_lines_exist():
+    assert PAGED_LINES == {"paged P=1", "paged P=16"}
+    assert QUANT_LINES == {"quant int8", "quant e4m3"}
+    assert PAGED_LINES | QUANT_LINES <= set(selftest.FAMILIES)
+
+
+def test_a_broken_paged_read_fails_only_the_paged_lines(capsys, monkeypatch):
+    """The NumPy paged kernel reading a row's second page in place of its first (a swap
+    would not do: attention over all of a row's keys does not depend on their order);
+    every other family runs on contiguous storage and must still pass."""
+    from gqakv_backends import numpy_paged
+
+    original = numpy_paged._attend_item_paged
+
+    def wrong_first_page(*args, table, **kw):
+        bad = table.copy()
+        two = (bad >= 0).sum(axis=1) >= 2
+        bad[two, 0] = table[two, 1]
+        return original(*args, table=bad, **kw)
+    monkeypatch.setattr(numpy_paged, "_attend_item_paged", wrong_first_page)
+    status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "7")
+    assert status == 1, out
+    dtypes = set(gqakv.get_backend("numpy").dtypes)
+    assert _failed_lines(out) == {(f, d) for f in PAGED_LINES for d in dtypes}, out
+    assert any(l.startswith("FAIL paged P=") and "worst case" in l for l in out.splitlines())
+
+
+def test_a_broken_dequantization_fails_only_the_quantized_lines(capsys, monkeypatch):
+    """The NumPy quantized kernel dequantizing each token with its neighbour's scale."""
+    from gqakv_backends import numpy_quantized
+
+    original = numpy_quantized._dequantize_into
+    monkeypatch.setattr(numpy_quantized, "_dequantize_into",
+                        lambda codes, scales, kv_dtype, out: original(
+                            codes, np.roll(scales, 1, axis=-1), kv_dtype, out))
+    status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "8")
+    assert status == 1, out
+    dtypes = set(gqakv.get_backend("numpy").dtypes) - {"float64"}  # float64: SKIP
+    assert _failed_lines(out) == {(f, d) for f in QUANT_LINES for d in dtypes}, out
+
+
+def test_a_broken_quantizing_append_fails_the_quantized_lines(capsys, monkeypatch):
+    """Appends storing every token with scale x 1.01: the buffer check catches it."""
+    from gqakv import quantize
+
+    original = quantize.quantize
+
+    def off_scale(xp, x, kv_dtype):
+        codes, scale = original(xp, x, kv_dtype)
+        return codes, scale * 1.01
+    monkeypatch.setattr(quantize, "quantize", off_scale)
+    monkeypatch.setattr(selftest, "_dequantized_rule", lambda x, kv: _honest_rule(original, x, kv))
+    status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "9")
+    assert status == 1, out
+    assert {f for f, _ in _failed_lines(out)} == QUANT_LINES, out
+
+
+def _honest_rule(quantize_fn, x, kv_dtype):
+    codes, scales = quantize_fn(np, x, kv_dtype)
+    return selftest._dequantize_host(np.asarray(codes), np.asarray(scales), kv_dtype)
 
 
 class _ProbeBackend(NumpyBackend):

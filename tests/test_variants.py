@@ -16,6 +16,7 @@ from gqakv.semantics import AttentionParams
 
 from .conftest import BackendArrays
 from .reference import reference_attention
+from .test_quantized import held
 
 #: Tolerances against the float64 reference (outputs are O(1), lse O(10)).
 ATOL = {"float64": 1e-10, "float32": 2e-5}
@@ -52,6 +53,7 @@ class Rows:
         self.arrays = BackendArrays(backend)
         self.dtype, self.rng = dtype, rng
         storage = storage or {}
+        self.storage = storage
         self.cache = gqakv.KVCache(B, hkv, max_len, d, dtype=dtype, backend=backend, **storage)
         self.model = gqakv.ModelKVCache(2, B, hkv, max_len, d, dtype=dtype, backend=backend,
                                         **storage)
@@ -82,8 +84,8 @@ class Rows:
         # the data as the cache's dtype holds them
         k, v, q = self.host(kd), self.host(vd), self.host(qd)
         for i, n in enumerate(n_new):
-            self.k[i] = np.concatenate([self.k[i], k[i, :, :n]], axis=1)
-            self.v[i] = np.concatenate([self.v[i], v[i, :, :n]], axis=1)
+            self.k[i] = np.concatenate([self.k[i], held(k[i, :, :n], self.storage)], axis=1)
+            self.v[i] = np.concatenate([self.v[i], held(v[i, :, :n], self.storage)], axis=1)
         self.cache.append(kd, vd, n_new)
         out, lse = gqakv.gqa_attention(qd, self.cache, n_new, scale=scale, return_lse=True,
                                        **variant)
@@ -282,7 +284,8 @@ def test_partials_merged_then_sinks_equal_the_whole(backend, window):
 def test_attention_over_the_product_with_variants(case):
     """Every point of backend x storage x params (tests/conftest.py) through chunked
     prefill, decode and a fork, with the case's params given as params= and as keywords."""
-    dtype = "float64" if "float64" in case.backend.dtypes else "float32"
+    dtype = ("float64" if "float64" in case.backend.dtypes and "kv_dtype" not in case.storage
+             else "float32")  # quantized storage takes float32
     rng = np.random.default_rng(3)
     B, hkv, G, d = 3, 2, 3, 8
     hq = hkv * G

@@ -80,13 +80,13 @@ class WindowedDecode:
 
     def setup(self, backend):
         self.backend = backend_or_skip(backend)
-        self.params = _windowed(self.W)
+        self.attn_params = _windowed(self.W)  # (not self.params: asv's parameter list)
         self.cache = filled_cache(self.backend, [self.L])
         self.q = queries(self.backend, 1, 1)
         self.n_new = np.ones(1, dtype=np.int64)
 
     def _call(self):
-        gqakv.gqa_attention(self.q, self.cache, self.n_new, params=self.params)
+        gqakv.gqa_attention(self.q, self.cache, self.n_new, params=self.attn_params)
         sync(self.backend)
 
     def time_decode_window(self, backend):

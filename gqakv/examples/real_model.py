@@ -38,6 +38,117 @@ def add_arguments(parser) -> None:
                    help="store K/V quantized: int8 or float8_e4m3fn (float32 model only)")
     g.add_argument("--page-size", type=int, default=None, metavar="N",
                    help="a paged KV cache with pages of N tokens")
+    g.add_argument("--compare-cache", default=None, choices=sorted(COMPARE_DTYPES), metavar="DTYPE",
+                   help="accuracy of a K/V cache in DTYPE (float16, bfloat16, int8, float8_e4m3fn) against "
+                        "the float32 cache: greedy agreement on 5 prompts over --new-tokens tokens, and "
+                        "the mean log-likelihood of a fixed paragraph")
+
+
+#: --compare-cache dtypes: stored by the cache (quantized kinds) or K/V rounded to it before
+#: they are stored (float16/bfloat16: what a cache of that dtype would hold; attention in float32).
+COMPARE_DTYPES = {"float16": "rounded", "bfloat16": "rounded", "int8": "kv_dtype", "float8_e4m3fn": "kv_dtype"}
+COMPARE_PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
+                   "The three most important inventions of the twentieth century were",
+                   "Water boils at a temperature of"]
+#: The fixed paragraph whose mean log-likelihood --compare-cache reports (written for this tool).
+COMPARE_PARAGRAPH = (
+    "A cache of keys and values lets a language model generate text without recomputing the past. "
+    "Each new token attends to every earlier one, so the stored keys and values are read at every step, "
+    "and their precision decides how much the output can drift. Storing them in fewer bits saves memory "
+    "and bandwidth, which matters most when many long conversations share one machine. The question is "
+    "how much accuracy that costs: whether the model still chooses the same words, and how much less "
+    "likely it finds a paragraph it has never seen, like this one, written only to be measured.")
+
+
+class _RoundedStep:
+    """A model step whose K/V are rounded to ``dtype`` before being written (float32 values)."""
+
+    def __init__(self, step, dtype):
+        self._step, self._dtype = step, dtype
+
+    def __enter__(self):
+        self._inner = self._step.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._step.__exit__(*exc)
+
+    def attend(self, layer, q, k, v, **kw):
+        r = lambda x: np.asarray(x).astype(self._dtype).astype(np.asarray(x).dtype)  # noqa: E731
+        return self._inner.attend(layer, q, r(k), r(v), **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _RoundedCache:
+    """A ModelKVCache whose steps round K/V to a narrower dtype (NumPy-array backends)."""
+
+    def __init__(self, cache, dtype):
+        self._cache, self._dtype = cache, dtype
+
+    def step(self, *a, **kw):
+        return _RoundedStep(self._cache.step(*a, **kw), self._dtype)
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
+def _compare_cache(model, tokenizer, kv: str, new_tokens: int, chunk: int) -> None:
+    """Greedy agreement and paragraph log-likelihood: float32 cache vs one in ``kv``."""
+    import gqakv
+
+    c = model.config
+    prompts = [tokenizer.encode(t) for t in COMPARE_PROMPTS]
+    para = tokenizer.encode(COMPARE_PARAGRAPH)
+    max_len = max(max(map(len, prompts)) + new_tokens, len(para))
+
+    def cache(B, which):
+        """A cache of B rows: float32 (which=None), or stored in / rounded to ``which``."""
+        if which is None:
+            return model.new_cache(B, max_len)
+        if COMPARE_DTYPES[which] == "kv_dtype":
+            return gqakv.ModelKVCache(c.n_layers, B, c.n_kv_heads, max_len, c.head_dim, dtype=model.dtype,
+                                      backend=model.backend, kv_dtype=which)
+        import ml_dtypes
+
+        return _RoundedCache(model.new_cache(B, max_len), np.float16 if which == "float16" else ml_dtypes.bfloat16)
+
+    def loglik(kv_cache):
+        """Mean log p(token | earlier tokens) over the paragraph, fed in chunks through the cache."""
+        total, fed = 0.0, 0
+        ids = np.array(para)
+        while fed < len(ids):
+            n = min(chunk, len(ids) - fed)
+            logits = model.forward(ids[None, fed:fed + n], [n], kv_cache).astype(np.float64)[0]  # [n, V]
+            logp = logits - logits.max(-1, keepdims=True)
+            logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+            nxt = ids[fed + 1:fed + n + 1]
+            total += float(logp[np.arange(len(nxt)), nxt].sum())
+            fed += n
+        return total / (len(ids) - 1)
+
+    runs = {}
+    for name in (None, kv):
+        t = time.perf_counter()
+        gen = generate_text(model, prompts, new_tokens, chunk=chunk, cache=cache(len(prompts), name))
+        runs[name] = (gen.tokens, loglik(cache(1, name)), time.perf_counter() - t)
+    ref, got = runs[None][0], runs[kv][0]
+    print(f"K/V cache {kv} vs float32 ({'stored as ' + kv if COMPARE_DTYPES[kv] == 'kv_dtype' else 'K/V rounded to ' + kv + ' before storing'}), "
+          f"{len(prompts)} prompts x {new_tokens} greedy tokens, model float32, backend {model.backend.name}")
+    same_all = 0
+    for b, text in enumerate(COMPARE_PROMPTS):
+        diverge = next((i for i, (x, y) in enumerate(zip(ref[b], got[b])) if x != y), None)
+        same = sum(x == y for x, y in zip(ref[b], got[b]))
+        same_all += same
+        print(f"  prompt {b}: {'identical' if diverge is None else f'first difference at token {diverge}'}"
+              f" ({same}/{len(ref[b])} positions equal)  {text!r}")
+    total = sum(len(r) for r in ref)
+    print(f"  greedy tokens equal: {same_all}/{total} ({100 * same_all / total:.1f}%), "
+          f"{sum(r == g for r, g in zip(ref, got))}/{len(ref)} prompts identical throughout")
+    ll32, llkv = runs[None][1], runs[kv][1]
+    print(f"  paragraph ({len(para)} tokens) mean log-likelihood: float32 {ll32:.6f}, {kv} {llkv:.6f}, "
+          f"difference {llkv - ll32:+.2e}")
 
 
 def wants_real_model(args) -> bool:
@@ -161,6 +272,8 @@ def run(args) -> int:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.compare_cache is not None and args.dtype != "float32":
+        raise UsageError(f"--compare-cache compares against a float32 cache: needs --dtype float32, got {args.dtype}")
     if args.kv_dtype is not None and args.dtype != "float32":
         raise UsageError(f"--kv-dtype {args.kv_dtype} needs --dtype float32, got --dtype {args.dtype}")
     for package in ("gguf", "tokenizers"):
@@ -183,6 +296,11 @@ def run(args) -> int:
           f"{c.n_kv_heads} KV heads, head dim {c.head_dim}), read in {time.perf_counter() - t:.1f} s; "
           f"backend {model.backend.name}, {args.dtype}", flush=True)
 
+    if args.compare_cache is not None:
+        if model.backend.name not in ("numpy", "numba"):
+            raise UsageError(f"--compare-cache runs on the numpy or numba backend, got --backend {model.backend.name}")
+        _compare_cache(model, tokenizer, args.compare_cache, args.new_tokens, args.chunk)
+        return 0
     if args.chat:
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     prompts = [tokenizer.encode(t) for t in texts]

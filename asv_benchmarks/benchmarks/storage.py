@@ -1,0 +1,150 @@
+"""Storage kinds: paged and quantized caches, each timed beside its contiguous / bfloat16
+peer in the same run (one attention layer of Llama-3.1-8B, as everywhere in this suite).
+
+Targets: paged decode at most 1.15x the contiguous time at page_size 16 and 1.05x at
+page_size 256 (issue 12; ``PagedDecode.track_ratio_to_contiguous``); forking a
+4,096-token row into 8 rows at least 50x faster paged than contiguous (issue 12;
+``PagedFork.track_ratio_to_contiguous`` <= 0.02); decode over an int8 cache at most 0.6x
+the time over a bfloat16 cache (issue 14; ``QuantizedDecode.track_ratio_to_bfloat16``).
+Every number is lower-is-better; ratios interleave the two sides' calls (``common.ratio``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import gqakv
+
+from .common import BACKENDS, D, FULL, HKV, attend, backend_or_skip, queries, ratio, require, sync, timing
+
+
+def _filled(backend, lens, *, max_len=None, dtype="float32", seed=0, **kwargs):
+    """A cache whose row b holds lens[b] random tokens, appended 512 at a time (the same
+    tokens for the same ``seed`` whatever the storage): ``kwargs`` with ``page_size``
+    make it a PagedKVCache, with ``kv_dtype`` a quantized KVCache, else a KVCache."""
+    B = len(lens)
+    max_len = max_len or max(lens)
+    if "page_size" in kwargs:
+        require(gqakv, "PagedKVCache")
+        cache = gqakv.PagedKVCache(B, HKV, max_len, D, dtype=dtype, backend=backend, **kwargs)
+    else:
+        try:
+            cache = gqakv.KVCache(B, HKV, max_len, D, dtype=dtype, backend=backend, **kwargs)
+        except TypeError as exc:  # commits before kv_dtype
+            raise NotImplementedError(f"gqakv.KVCache does not take {sorted(kwargs)} in this commit: {exc}")
+    rng = np.random.default_rng(seed)
+    block = min(512, max(1, max(lens)))
+    data = backend.from_numpy(rng.standard_normal((B, HKV, block, D), dtype=np.float32), dtype)
+    lens = np.asarray(lens)
+    while (left := lens - cache.host_lens).any():
+        cache.append(data, data, np.minimum(left, block))
+    sync(backend)
+    return cache
+
+
+@timing
+class PagedDecode:
+    """One decode step over a PagedKVCache, against the same step over a contiguous
+    KVCache holding the same tokens."""
+
+    CASES = {"4x4096": (4, 4096)}  # label -> (batch, live length)
+    if FULL:
+        CASES["32x1024"] = (32, 1024)
+    params = [BACKENDS, list(CASES), [16, 256]]
+    param_names = ["backend", "batch x length", "page_size"]
+    timeout = 300
+
+    def setup(self, backend, case, page_size):
+        self.backend = backend_or_skip(backend)
+        B, L = self.CASES[case]
+        self.paged = _filled(self.backend, [L] * B, max_len=L + 1, page_size=page_size)
+        self.contiguous = _filled(self.backend, [L] * B, max_len=L + 1)
+        self.q = queries(self.backend, B, 1)
+        self.n_new = np.ones(B, dtype=np.int64)
+
+    def _paged(self):
+        attend(self.backend, self.q, self.paged, self.n_new)
+
+    def time_decode_paged(self, backend, case, page_size):
+        self._paged()
+
+    def track_ratio_to_contiguous(self, backend, case, page_size):
+        return ratio(self._paged, lambda: attend(self.backend, self.q, self.contiguous, self.n_new),
+                     self.backend, repeats=9)
+
+    track_ratio_to_contiguous.unit = "x contiguous time"
+
+
+@timing
+class PagedFork:
+    """``fork`` of one row of L = 4,096 tokens into 8 rows: paged, a bookkeeping
+    operation (page-table entries and reference counts; no K/V bytes copied: a shared,
+    partly filled last page is copied only when a row writes into it), against the
+    contiguous cache's copy of the row's tokens into each row."""
+
+    L, ROWS, PAGE_SIZE = 4096, 8, 16
+    params = [BACKENDS]
+    param_names = ["backend"]
+    timeout = 300
+
+    def setup(self, backend):
+        self.backend = backend_or_skip(backend)
+        B, L = self.ROWS + 1, self.L
+        lens = [L] + [0] * self.ROWS
+        pages = -(-L // self.PAGE_SIZE)  # the source's pages: forks share them
+        self.paged = _filled(self.backend, lens, page_size=self.PAGE_SIZE, num_pages=pages)
+        self.contiguous = _filled(self.backend, lens)
+        self.dst = list(range(1, B))
+
+    def _fork_paged(self):
+        self.paged.fork(0, self.dst)
+        sync(self.backend)
+
+    def _fork_contiguous(self):
+        self.contiguous.fork(0, self.dst)
+        sync(self.backend)
+
+    def time_fork_paged(self, backend):
+        self._fork_paged()
+
+    def time_fork_contiguous(self, backend):
+        self._fork_contiguous()
+
+    def track_ratio_to_contiguous(self, backend):
+        return ratio(self._fork_paged, self._fork_contiguous, self.backend, repeats=9)
+
+    track_ratio_to_contiguous.unit = "x contiguous fork time"
+
+
+@timing
+class QuantizedDecode:
+    """One decode step over an int8 / float8_e4m3fn cache (queries and outputs bfloat16),
+    against the same step over a bfloat16 cache holding the same input tokens."""
+
+    CASES = {"4x4096": (4, 4096), "1x32768": (1, 32768)}  # label -> (batch, live length)
+    params = [BACKENDS, list(CASES), ["int8", "float8_e4m3fn"]]
+    param_names = ["backend", "batch x length", "kv_dtype"]
+    timeout = 300
+    DTYPE = "bfloat16"
+
+    def setup(self, backend, case, kv_dtype):
+        self.backend = backend_or_skip(backend)
+        if self.DTYPE not in getattr(self.backend, "dtypes", ()):
+            raise NotImplementedError(f"{backend} does not declare {self.DTYPE}")
+        B, L = self.CASES[case]
+        self.quantized = _filled(self.backend, [L] * B, dtype=self.DTYPE, kv_dtype=kv_dtype)
+        self.plain = _filled(self.backend, [L] * B, dtype=self.DTYPE)
+        self.q = queries(self.backend, B, 1, self.DTYPE)
+        self.n_new = np.ones(B, dtype=np.int64)
+
+    def _quantized(self):
+        attend(self.backend, self.q, self.quantized, self.n_new)
+
+    def time_decode_quantized(self, backend, case, kv_dtype):
+        self._quantized()
+
+    def track_ratio_to_bfloat16(self, backend, case, kv_dtype):
+        return ratio(self._quantized, lambda: attend(self.backend, self.q, self.plain, self.n_new),
+                     self.backend, repeats=9)
+
+    track_ratio_to_bfloat16.unit = "x bfloat16 cache time"
