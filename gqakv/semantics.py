@@ -60,7 +60,7 @@ class AttentionParams:
 FAST_PATH_VARIANTS: dict[str, frozenset[str]] = {
     "numpy BLAS": frozenset({"window", "softcap", "sinks"}),
     "numba kernel": frozenset({"window", "softcap", "sinks"}),
-    "cupy kernels": frozenset(),
+    "cupy kernels": frozenset({"window", "softcap", "sinks"}),
 }
 
 

@@ -13,6 +13,8 @@
    same backend's non-fused array-API path.
 3. Chunked prefill, a 512-token chunk on a 3k..32k cache: TFLOP/s against GQAKV_PEAK_TFLOPS
    (default 989, an H200's dense bf16 tensor-core peak).
+4. Attention variants (window / softcap / sinks): decode, split decode and prefill against
+   the float64 reference, and windowed decode time against the full row.
 Designed to finish in under 8 minutes on one H200. Exit status: 0 when the parity suite
 passed, 1 when it failed, 2 when cupy cannot run here (the reason is printed).
 """
@@ -174,6 +176,62 @@ def prefill_bench(backend, lens, peak_tflops) -> None:
         del cache
 
 
+def variant_check(backend, quick: bool) -> bool:
+    """The attention variants (window / softcap / sinks, kernels/variant.cuh) on the device:
+    decode, split decode and prefill of each variant against the float64 reference
+    (tests/reference.py), then decode time with a window of 4,096 against none on a long
+    row (it must follow min(L, W)). Returns whether every parity check passed."""
+    import math
+
+    import ml_dtypes
+
+    import gqakv
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from reference import reference_attention
+
+    rng = np.random.default_rng(2)
+    hq = HQ
+    variants = {"window": dict(window=37), "softcap": dict(softcap=20.0),
+                "sinks": dict(sinks=[float(np.float32(x)) for x in rng.standard_normal(hq)]),
+                "all": dict(window=1, softcap=0.01, sinks=[-math.inf, 30.0] * (hq // 2))}
+    ok = True
+    print("\nattention variants, bf16 (max |out - ref|, tolerance 2 x rounding + 2e-6):")
+    for name, kw in variants.items():
+        for T, live in ((1, 300), (1, 5000), (40, 300)):
+            cache = gqakv.KVCache(2, HKV, live + 64, D, dtype=DTYPE, backend=backend)
+            k = rng.standard_normal((2, HKV, live, D)).astype(np.float32)
+            v = rng.standard_normal((2, HKV, live, D)).astype(np.float32)
+            cache.append(backend.from_numpy(k, DTYPE), backend.from_numpy(v, DTYPE), np.array([live, live - 7]))
+            qh = rng.standard_normal((2, HQ, T, D)).astype(np.float32)
+            n_new = np.array([T, max(1, T - 3)])
+            out, lse = gqakv.gqa_attention(backend.from_numpy(qh, DTYPE), cache, n_new, return_lse=True, **kw)
+            got = backend.to_numpy(out).astype(np.float64)
+
+            q64 = qh.astype(ml_dtypes.bfloat16).astype(np.float64)
+            lens = np.asarray(cache.host_lens)
+            kr = [k[b, :, :lens[b]].astype(ml_dtypes.bfloat16).astype(np.float64) for b in range(2)]
+            vr = [v[b, :, :lens[b]].astype(ml_dtypes.bfloat16).astype(np.float64) for b in range(2)]
+            ref, _ = reference_attention(q64, kr, vr, n_new, D ** -0.5, **kw)
+            real = np.arange(T)[None, None, :, None] < n_new[:, None, None, None]
+            real = np.broadcast_to(real, ref.shape)
+            rounding = np.abs(ref.astype(ml_dtypes.bfloat16).astype(np.float64) - ref)[real].max()
+            err = np.abs(got.astype(np.float64) - ref)[real].max()
+            good = err <= 2 * rounding + 2e-6 and not np.isnan(got).any() and (got[~real] == 0).all()
+            ok &= bool(good)
+            print(f"  {name:8s} T={T:3d} L={live:5d}: {err:.3g} ({'ok' if good else 'FAILED'})", flush=True)
+            del cache
+    live = 32768 if quick else 131072
+    cache = filled(backend, 1, live)
+    q = backend.from_numpy(rng.standard_normal((1, HQ, 1, D), dtype=np.float32), DTYPE)
+    n_new = np.ones(1, dtype=np.int64)
+    full = timed(lambda: gqakv.gqa_attention(q, cache, n_new), backend.synchronize)
+    win = timed(lambda: gqakv.gqa_attention(q, cache, n_new, window=4096), backend.synchronize)
+    print(f"decode on a {live}-token row: {full * 1e6:.1f} us without a window, {win * 1e6:.1f} us "
+          f"with window=4096 (keys {live} vs 4096: ratio {full / win:.1f}x)", flush=True)
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller benchmark grid")
@@ -215,6 +273,8 @@ def main() -> int:
         grid = [(b, L) for b in (1, 8, 64) for L in (1024, 8192, 32768)]
         decode_bench(backend, grid, peak_tbs)
         prefill_bench(backend, [3072, 8192, 32768], peak_tflops)
+    if not variant_check(backend, args.quick):
+        status = 1
     print("\nparity suite: " + ("passed" if status == 0 else "FAILED"))
     return status
 

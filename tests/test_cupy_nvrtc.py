@@ -39,7 +39,21 @@ def _params():
                                        id=f"{kernel}-{dtype}-d{d}" + (f"-qb{tile}" if tile else ""))
 
 
-@pytest.mark.parametrize("kernel,dtype,head_dim,name", list(_params()))
+def _variant_params():
+    """The variant instantiations with every feature on (flags 7: window, softcap, sinks;
+    gqakv_merge 4: sinks) at the fast head dims 64 and 128."""
+    for kernel in sources.VARIANT_KERNELS:
+        flags = 4 if kernel == "gqakv_merge" else 7
+        for dtype in sources.CTYPES:
+            for d in (64, 128):
+                for base in sources.instantiations(kernel, dtype, d):
+                    tile = base.rsplit(", ", 1)[1].rstrip(">") if kernel == "gqakv_decode" else None
+                    name = sources.name_expression(kernel, dtype, d, int(tile) if tile else None, variant=flags)
+                    yield pytest.param(kernel, dtype, d, name, id=f"{kernel}-{dtype}-d{d}-v{flags}"
+                                       + (f"-qb{tile}" if tile else ""))
+
+
+@pytest.mark.parametrize("kernel,dtype,head_dim,name", list(_params()) + list(_variant_params()))
 def test_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
     for arch in ARCHS:
         r = NVRTC.compile(kernel, dtype, head_dim, arch, name=name)
@@ -74,6 +88,11 @@ def test_name_expressions_reject_unsupported():
         sources.name_expression("gqakv_decode", "float16", 64, 16)
     with pytest.raises(KeyError, match="takes no query_tile"):
         sources.name_expression("gqakv_merge", "float16", 64, 8)
+    with pytest.raises(KeyError, match="no variant=8"):
+        sources.name_expression("gqakv_prefill", "float16", 64, variant=8)
+    with pytest.raises(KeyError, match="no variant=1"):
+        sources.name_expression("gqakv_write_kv", "float16", 64, variant=1)
+    assert sources.name_expression("gqakv_decode", "float16", 64, 8, variant=5) == "gqakv_decode<gqakv_half, 64, 8, 5>"
 
 
 def test_kernels_need_the_declared_limits(monkeypatch):

@@ -187,9 +187,9 @@ def test_cuda_merge_kernel_non_finite_partials(dtype, d):
     strides = tuple(np.int64(s // out.itemsize) for s in out.strides[:3])
     launch = planmod.Launch("gqakv_merge", sources.name_expression("gqakv_merge", dtype, d),
                             (Hq, 1, 1), planmod.BLOCK,
-                            (planmod.Buf("part_o"), planmod.Buf("part_lse"), planmod.Buf("lens"),
-                             planmod.Buf("n_new"), planmod.Buf("out"), planmod.Buf("lse"),
-                             np.int32(Hq), np.int32(1), np.int32(S), np.int64(keys), *strides))
+                            (planmod.Buf("part_o"), planmod.Buf("part_lse"), planmod.Buf("n_new"),
+                             planmod.Buf("out"), planmod.Buf("lse"), np.int32(Hq), np.int32(1),
+                             np.int32(S), planmod.KernelParams(scale=1.0), *strides))
     emu = harness.Emulator(harness.build(asan=False))
     emu.run(planmod.Plan(launches=[launch]),
             {"part_o": part_o, "part_lse": part_lse, "lens": lens, "n_new": n_new,

@@ -266,7 +266,7 @@ class CupyBackend(Backend):
 
     def _attention(self, q, store, inputs, params, *, return_lse: bool):
         k_buf, v_buf = store.k, store.v
-        rows, lens, n_new, scale = inputs.rows, inputs.lens, inputs.n_new, params.scale
+        rows, lens, n_new = inputs.rows, inputs.lens, inputs.n_new
         dtype, d = _dtype_name(k_buf), int(k_buf.shape[-1])
         B, Hq, T, _ = (int(s) for s in q.shape)
         layout = capability = None
@@ -291,7 +291,7 @@ class CupyBackend(Backend):
             out = cp.zeros((B, Hq, T, d), dtype=q.dtype)
             lse = cp.full((B, Hq, T), -math.inf, dtype=cp.float32)
         kwargs = dict(batch=B, kv_heads=Hkv, group=Hq // Hkv, t_q=T, lens=lens, n_new=n_new,
-                      scale=scale, q_strides=_strides(q)[:3], buf_strides=_strides(k_buf)[:3],
+                      params=params, q_strides=_strides(q)[:3], buf_strides=_strides(k_buf)[:3],
                       out_strides=_strides(out)[:3], sm_count=sm_count,
                       tensor_cores=capability >= limits.MMA_MIN_CAPABILITY)
         plan = self._plans.get(("attention", dtype, d, *_hashable(kwargs.values())),
@@ -302,9 +302,11 @@ class CupyBackend(Backend):
             return super().attention(q, store, inputs, params, return_lse=return_lse)
         if plan.launches:
             rows_d, lens_d, n_new_d = self._upload_ints(rows, lens, n_new)
-            self.runtime.run_plan(plan, {"q": q, "k_buf": k_buf, "v_buf": v_buf, "rows": rows_d,
-                                         "lens": lens_d, "n_new": n_new_d, "out": out,
-                                         "lse": lse}, dtype, d)
+            arrays = {"q": q, "k_buf": k_buf, "v_buf": v_buf, "rows": rows_d, "lens": lens_d,
+                      "n_new": n_new_d, "out": out, "lse": lse}
+            if params.sinks is not None:  # [Hq] float32 on the device, kept by value
+                arrays["sinks"] = self._upload_floats(params.sinks)
+            self.runtime.run_plan(plan, arrays, dtype, d)
         return (out, lse) if return_lse else out
 
     def synchronize(self) -> None:
@@ -335,6 +337,14 @@ class CupyBackend(Backend):
         key = (rt.device().id, rt.stream_ptr(), packed.shape, packed.tobytes())
         device = self._uploads.get(key, lambda: rt.cp.asarray(packed))
         return tuple(device[i] for i in range(len(host_arrays)))
+
+    def _upload_floats(self, values):
+        """A device float32 copy of a tuple of floats (the sink logits), kept by value per
+        device and stream like ``_upload_ints``."""
+        rt = self.runtime
+        host = np.asarray(values, dtype=np.float32)
+        key = (rt.device().id, rt.stream_ptr(), "f4", host.tobytes())
+        return self._uploads.get(key, lambda: rt.cp.asarray(host))
 
     def _aligned(self, x, dtype: str, d: int):
         """x itself when the kernels can read it in place, else a contiguous copy (inputs only)."""

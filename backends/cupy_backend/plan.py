@@ -14,7 +14,11 @@ Buffers a plan refers to:
   attention: q ``[B, Hq, T, d]``; k_buf, v_buf; rows, lens, n_new ``[B]`` int64;
              out ``[B, Hq, T, d]`` (pre-filled with 0); lse ``[B, Hq, T]`` fp32
              (pre-filled with -inf); workspace part_o ``[B, Hq, T, splits, d]`` and
-             part_lse ``[B, Hq, T, splits]`` fp32 when split-KV is used; dummy (1 fp32).
+             part_lse ``[B, Hq, T, splits]`` fp32 when split-KV is used; dummy (1 fp32);
+             sinks ``[Hq]`` fp32 (only under the sinks variant).
+The attention kernels take their runtime parameters as one struct (``KernelParams``, the
+kernels' ``AttnParams`` in kernels/variant.cuh) and the variant as a template flag
+(``variant_flags``): which of window / softcap / sinks the instantiation implements.
 Strides are in elements; the head-dim stride is 1 and row strides keep vector alignment.
 """
 
@@ -70,6 +74,44 @@ class Launch:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     args: tuple
+
+
+#: The variant trait's flags (kernels/variant.cuh: GQAKV_VARIANT_*), by feature name of
+#: ``gqakv.semantics.AttentionParams.features``.
+VARIANT_FLAGS = {"window": 1, "softcap": 2, "sinks": 4}
+
+#: The kernels' ``AttnParams`` (kernels/variant.cuh), field for field: 24 bytes, 8-aligned.
+PARAMS_DTYPE = np.dtype([("scale", "<f4"), ("softcap", "<f4"), ("window", "<i8"), ("sinks", "<u8")],
+                        align=True)
+
+
+def variant_flags(params: semantics.AttentionParams) -> int:
+    """The template flag of the kernels implementing ``params``' variant (0: causal)."""
+    return sum(VARIANT_FLAGS[f] for f in params.features)
+
+
+@dataclass(frozen=True)
+class KernelParams:
+    """The attention kernels' parameter struct (``AttnParams``), with the sinks array named
+    symbolically: the executor packs it with the array's device address (``record``)."""
+
+    scale: float
+    softcap: float = 0.0
+    window: int = 0
+    sinks: Buf | None = None
+
+    @classmethod
+    def of(cls, params: semantics.AttentionParams) -> "KernelParams":
+        return cls(scale=float(params.scale), softcap=float(params.softcap or 0.0),
+                   window=int(params.window or 0), sinks=Buf("sinks") if params.sinks is not None else None)
+
+    def record(self, address) -> np.void:
+        """The struct as a NumPy record of ``PARAMS_DTYPE``; ``address(buf)`` gives a Buf's
+        device address."""
+        r = np.zeros((), PARAMS_DTYPE)
+        r["scale"], r["softcap"], r["window"] = self.scale, self.softcap, self.window
+        r["sinks"] = 0 if self.sinks is None else int(address(self.sinks))
+        return r[()]
 
 
 @dataclass
@@ -223,11 +265,12 @@ def choose_splits(lens, ctas_per_row: int, sm_count: int, ctas_per_sm: int = 1,
 
 
 def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, group: int,
-                   t_q: int, lens: np.ndarray, n_new: np.ndarray, scale: float,
+                   t_q: int, lens: np.ndarray, n_new: np.ndarray, scale: float | None = None,
                    q_strides, buf_strides, out_strides, sm_count: int,
                    min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
                    force_splits: int | None = None,
-                   tensor_cores: bool = True) -> Plan:
+                   tensor_cores: bool = True,
+                   params: semantics.AttentionParams | None = None) -> Plan:
     """Launches computing attention of q over the cache into out and lse.
 
     lens, n_new: host int arrays [B] (lens are post-append lengths of each entry's row).
@@ -235,15 +278,21 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     small to fill the GPU), chunked-prefill kernel otherwise. Entries with n_new = 0
     need no work: out and lse are pre-filled by the caller. tensor_cores: whether the
     device runs mma.m16n8k16 on float16 / bfloat16 (compute capability 8.0+); without,
-    the prefill and the decode stay on the fp32-FMA kernels.
+    the prefill and the decode stay on the fp32-FMA kernels. params: the attention
+    parameters (default: plain causal at ``scale``); its variant picks the kernels' flag.
+    Decode splits start at each entry's first visible key (a window's start).
     """
+    if params is None:
+        params = semantics.AttentionParams(scale=scale)
+    variant = variant_flags(params)
+    kparams = KernelParams.of(params)
     plan = Plan()
     live = n_new > 0
     if batch == 0 or t_q == 0 or not live.any():
         return plan
     # Keys each entry's queries read (the one definition, gqakv.semantics): what splits
-    # are sized by. The kernels apply the same causal rule on the device.
-    keys_read = semantics.keys_read(semantics.AttentionParams(scale=scale), lens, n_new)
+    # are sized by. The kernels apply the same rule on the device (variant.cuh).
+    keys_read = semantics.keys_read(params, lens, n_new)
     max_len = int(keys_read[live].max())
     max_n = int(n_new.max())
     strides = (*_i64(*q_strides), *_i64(*buf_strides), *_i64(*out_strides))
@@ -273,15 +322,19 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
             part = (Buf("part_o"), Buf("part_lse"))
         plan.num_splits, plan.keys_per_split = splits, keys
         args = (*bufs, *part, np.int32(kv_heads), np.int32(group), np.int32(t_q),
-                np.int32(n_qchunks), np.int32(splits), np.int64(keys), np.float32(scale), *strides)
-        plan.launches.append(Launch(kernel, sources.name_expression(kernel, dtype, head_dim, tile),
+                np.int32(n_qchunks), np.int32(splits), np.int64(keys), kparams, *strides)
+        plan.launches.append(Launch(kernel, sources.name_expression(kernel, dtype, head_dim, tile,
+                                                                    variant=variant),
                                     (ctas, splits, 1), BLOCK, args))
         if splits > 1:
-            margs = (Buf("part_o"), Buf("part_lse"), Buf("lens"), Buf("n_new"), Buf("out"),
-                     Buf("lse"), np.int32(kv_heads * group), np.int32(t_q), np.int32(splits),
-                     np.int64(keys), *_i64(*out_strides))
-            plan.launches.append(Launch("gqakv_merge",
-                                        sources.name_expression("gqakv_merge", dtype, head_dim),
+            # The merge reads every split of this layout (a split past an entry's keys
+            # wrote lse -inf) and adds the sink term once, after all of them.
+            margs = (Buf("part_o"), Buf("part_lse"), Buf("n_new"), Buf("out"), Buf("lse"),
+                     np.int32(kv_heads * group), np.int32(t_q), np.int32(splits), kparams,
+                     *_i64(*out_strides))
+            name = sources.name_expression("gqakv_merge", dtype, head_dim,
+                                           variant=variant & VARIANT_FLAGS["sinks"])
+            plan.launches.append(Launch("gqakv_merge", name,
                                         (batch * kv_heads * group * t_q, 1, 1), BLOCK, margs))
         return plan
     kernel = prefill_kernel(dtype, head_dim, tensor_cores)
@@ -296,8 +349,8 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     _check_grid(kernel, f"{batch} entries x {kv_heads} KV heads x {n_gchunks} group chunks",
                 batch * kv_heads * n_gchunks, n_tblocks)
     args = (*bufs, np.int32(kv_heads), np.int32(group), np.int32(t_q), np.int32(gc), np.int32(bq),
-            np.int32(n_gchunks), np.float32(scale), *strides)
-    plan.launches.append(Launch(kernel, sources.name_expression(kernel, dtype, head_dim),
+            np.int32(n_gchunks), kparams, *strides)
+    plan.launches.append(Launch(kernel, sources.name_expression(kernel, dtype, head_dim, variant=variant),
                                 (batch * kv_heads * n_gchunks, n_tblocks, 1), BLOCK, args))
     return plan
 
@@ -313,6 +366,6 @@ def aligned_for_vectors(ptr: int, strides_el: tuple[int, ...], dtype: str, head_
     return strides_el[-1] == 1 and ptr % nbytes == 0 and all(s % vec == 0 for s in strides_el[:-1])
 
 
-__all__ = ["Buf", "Launch", "Plan", "plan_write_kv", "plan_copy_tokens", "plan_attention",
+__all__ = ["Buf", "KernelParams", "Launch", "Plan", "PARAMS_DTYPE", "VARIANT_FLAGS", "variant_flags", "plan_write_kv", "plan_copy_tokens", "plan_attention",
            "choose_splits", "choose_query_tile", "decode_kernel", "prefill_kernel", "prefill_rows", "aligned_for_vectors",
            "element_strides"]

@@ -87,9 +87,24 @@ def decode_mma_supported(dtype: str, head_dim: int) -> bool:
     return limits.decode_mma_rejection(dtype, head_dim) is None
 
 
-def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None) -> str:
+#: Kernels composed with the variant trait (kernels/variant.cuh): their last template
+#: parameter is the variant's flags (plan.VARIANT_FLAGS), left out when 0 (plain causal).
+VARIANT_KERNELS = ("gqakv_decode", "gqakv_decode_mma", "gqakv_merge", "gqakv_prefill",
+                   "gqakv_prefill_mma")
+
+
+def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None,
+                    variant: int = 0) -> str:
     """The template instantiation, e.g. ``gqakv_write_kv<gqakv_bf16, 128>`` or
-    ``gqakv_decode<gqakv_bf16, 128, 4>`` (decode needs ``query_tile``, others refuse it)."""
+    ``gqakv_decode<gqakv_bf16, 128, 4>`` (decode needs ``query_tile``, others refuse it);
+    ``variant``: the variant trait's flags (1 window, 2 softcap, 4 sinks), appended when
+    not 0, e.g. ``gqakv_prefill<float, 64, 3>``."""
+    if variant:
+        if kernel not in VARIANT_KERNELS or not 0 < variant < 8:
+            raise KeyError(f"{kernel} has no variant={variant} (variants: flags 1..7 of "
+                           f"{', '.join(VARIANT_KERNELS)})")
+        base = name_expression(kernel, dtype, head_dim, query_tile)
+        return f"{base[:-1]}, {int(variant)}>"
     if kernel not in KERNEL_FILES:
         raise KeyError(f"unknown kernel {kernel!r} (known: {', '.join(KERNEL_FILES)})")
     if dtype not in CTYPES:

@@ -137,6 +137,35 @@ void register_decode(const char* type_name) {
     GQAKV_REG_PREFILL_MMA(T, D)
 #define GQAKV_REG_DIM(D) GQAKV_REG_ALL(float, D) GQAKV_REG_ALL(gqakv_half, D) GQAKV_REG_ALL(gqakv_bf16, D)
 
+// The variant instantiations (kernels/variant.cuh flags 1..7: window 1, softcap 2, sinks 4)
+// of the attention kernels, named as sources.name_expression spells them ("..., flags>");
+// gqakv_merge only with the sinks flag (the planner passes it flags & 4).
+template <class T, int D, int V, int... QB>
+void register_variant_decode(const std::string& td, const std::string& v) {
+    ((registry()["gqakv_decode<" + td + ", " + std::to_string(QB) + v] = make_entry(&gqakv_decode<T, D, QB, V>)),
+     ...);
+}
+template <class T, int D, int V>
+void register_variant(const std::string& type_name) {
+    const std::string td = type_name + ", " + std::to_string(D);
+    const std::string v = ", " + std::to_string(V) + ">";
+    register_variant_decode<T, D, V, GQAKV_DECODE_QUERY_TILES>(td, v);
+    registry()["gqakv_prefill<" + td + v] = make_entry(&gqakv_prefill<T, D, V>);
+    if constexpr (sizeof(T) == 2 && gqakv_one_of(D, GQAKV_DECODE_MMA_HEAD_DIMS))
+        registry()["gqakv_decode_mma<" + td + v] = make_entry(&gqakv_decode_mma<T, D, V>);
+    if constexpr (sizeof(T) == 2 && D % GQAKV_PREFILL_MMA_HEAD_DIM_MULTIPLE == 0)
+        registry()["gqakv_prefill_mma<" + td + v] = make_entry(&gqakv_prefill_mma<T, D, V>);
+    if constexpr (V == GQAKV_VARIANT_SINKS)
+        registry()["gqakv_merge<" + td + v] = make_entry(&gqakv_merge<T, D, V>);
+}
+template <class T, int D, int... V>
+void register_variants(const char* type_name) {
+    (register_variant<T, D, V>(type_name), ...);
+}
+#define GQAKV_REG_VARIANTS(T, D) register_variants<T, D, 1, 2, 3, 4, 5, 6, 7>(#T);
+#define GQAKV_REG_VARIANTS_DIM(D) \
+    GQAKV_REG_VARIANTS(float, D) GQAKV_REG_VARIANTS(gqakv_half, D) GQAKV_REG_VARIANTS(gqakv_bf16, D)
+
 // Emulator self-test (tests/test_cuda_emu_mma.py): one warp runs one mma_m16n8k16 on the
 // fragment registers given per lane: a [32][4], b [32][2], c [32][4] in, d [32][4] out.
 template <class T>

@@ -29,6 +29,9 @@ from gqakv_backends.cupy_backend import sources
 HERE = Path(__file__).resolve().parent
 #: Head dims instantiated in the emulation library (tests pick among these).
 HEAD_DIMS = (20, 64, 128, 80, 256)  # 80, 256: the tensor-core prefill's other tile shapes
+#: Head dims the variant kernels (window / softcap / sinks) are instantiated at in the
+#: emulation library: 64 (vector loads, both tensor-core kernels) and 20 (scalar loads).
+VARIANT_HEAD_DIMS = (64, 20)
 
 
 def kernel_dir() -> Path:
@@ -51,6 +54,8 @@ def asan_runtime() -> str | None:
 
 def _flags(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS) -> list[str]:
     dims = " ".join(f"GQAKV_REG_DIM({d})" for d in head_dims)
+    # The variant instantiations (window / softcap / sinks flags 1..7) at VARIANT_HEAD_DIMS.
+    dims += " " + " ".join(f"GQAKV_REG_VARIANTS_DIM({d})" for d in VARIANT_HEAD_DIMS if d in head_dims)
     # The kernels' limits as -D options, as NVRTC gets them (sources.COMPILE_OPTIONS).
     flags = ["-std=c++20", "-g", "-pthread", "-shared", "-fPIC", f"-I{kernel_dir()}",
              f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={dims}",
@@ -89,6 +94,16 @@ def build(asan: bool = False, head_dims: tuple[int, ...] = HEAD_DIMS) -> Path:
         raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{proc.stderr}")
     os.replace(tmp, out)
     return out
+
+
+class _AttnParams(ctypes.Structure):
+    """kernels/variant.cuh's AttnParams (plan.PARAMS_DTYPE), aligned as the C++ struct."""
+
+    _fields_ = [("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int64),
+                ("sinks", ctypes.c_uint64)]
+
+
+assert ctypes.sizeof(_AttnParams) == planmod.PARAMS_DTYPE.itemsize
 
 
 class Emulator:
@@ -164,6 +179,10 @@ class Emulator:
                 holders.append(c.c_int64(int(a)))
             elif isinstance(a, np.float32):
                 holders.append(c.c_float(float(a)))
+            elif isinstance(a, planmod.KernelParams):
+                rec = a.record(lambda buf: ptrs[buf.name])
+                holders.append(_AttnParams(float(rec["scale"]), float(rec["softcap"]),
+                                           int(rec["window"]), int(rec["sinks"])))
             else:
                 raise TypeError(f"{launch.name}: argument {a!r} has no explicit CUDA type")
         argv = (c.c_void_p * len(holders))(*[c.cast(c.pointer(h), c.c_void_p) for h in holders])

@@ -11,8 +11,10 @@
 // lanes of one key reduce its dot products with full-mask xor shuffles; each lane group
 // keeps an online-softmax state per query, merged through shared memory at the end.
 //
-// Keys: split s covers [s * keys_per_split, min(L, (s + 1) * keys_per_split)); nothing at
-// or past L = lens[b] is ever read. Query t sits at position L - n + t and sees keys 0..it.
+// Keys: split s covers [lo + s * keys_per_split, min(L, lo + (s + 1) * keys_per_split)),
+// lo the first key the entry's first query sees (0, or the sliding window's start);
+// nothing at or past L = lens[b] is ever read. Query t sits at position p = L - n + t and
+// sees the keys the variant trait allows (variant.cuh: 0..p, or p - W + 1..p).
 // With num_splits == 1 the CTA writes out (in T) and lse directly; otherwise it writes
 // fp32 partials (normalized output and natural-log LSE) for gqakv_merge.
 //
@@ -27,8 +29,8 @@
 // PIPE steps stay in flight: 4 x 32 B x 128 threads = 16 KB per CTA, 48 KB per SM at the
 // 3 resident CTAs of tile 4 and 32 KB at the 2 of tile 8.
 //
-// Math per key: scores live in the log2 domain (q pre-scaled by scale * log2(e), one
-// exp2 per query and key), the accumulator is rescaled only when the running max grows,
+// Math per key: scores live in the log2 domain (softmax.cuh; q pre-scaled by the variant's
+// fold, scale * log2(e) without a soft-cap, one exp2 per query and key), the accumulator is rescaled only when the running max grows,
 // which after the first keys is rare (exactly the same result: the skipped factor is
 // exp2(0) = 1), the QB score reductions are interleaved (independent shuffle chains), and
 // the causal limit of each query is a precomputed key count. Still ~170 warp instructions
@@ -109,54 +111,66 @@ struct KVRaw {
     RawVec<T, VEC> v[CPL];
 };
 
-// Issue the loads of one key step (nothing when the key is not live: no byte at or past
-// the split's end is read). Lanes past the row's last vector keep their zeros.
-template <class S, class T>
-__device__ __forceinline__ void fetch_kv(KVRaw<T, S::VEC, S::CPL>& r, const T* __restrict__ kp,
-                                         const T* __restrict__ vp, bool live, int sub) {
+// Issue the loads of key `key`'s vectors of this lane (nothing when the key is not live:
+// no byte at or past the split's end is read), asking the K/V reader for the key's rows.
+// Lanes past the row's last vector keep their zeros.
+template <class S, class T, class Reader>
+__device__ __forceinline__ void fetch_kv(KVRaw<T, S::VEC, S::CPL>& r, const Reader& kv, i64 key,
+                                         bool live, int sub) {
+    if (!live) return;
+    const T* kp = kv.k_row(key) + sub * S::VEC;
+    const T* vp = kv.v_row(key) + sub * S::VEC;
 #pragma unroll
     for (int c = 0; c < S::CPL; ++c) {
         const int ch = sub + c * S::LPK;
-        if (live && ch < S::NCH) {
+        if (ch < S::NCH) {
             r.k[c].load(kp + c * S::LPK * S::VEC);
             r.v[c].load(vp + c * S::LPK * S::VEC);
         }
     }
 }
 
-// Online-softmax update of one query's state (log2 domain) with one key: score s, value v.
-// The state is rescaled only when the running max grows, rare after the first keys (the
-// factor skipped otherwise is exactly exp2(0) = 1). A NaN score leaves m as it is and
+// Online-softmax update of one query's state (softmax.cuh) with one key: score s, value v.
+// The accumulator is rescaled only when the running max grows, rare after the first keys
+// (the factor skipped otherwise is exactly exp2(0) = 1). A NaN score leaves m as it is and
 // makes p, l and acc NaN; write_decode_rows turns that state into NaN out and lse.
 template <int EPL>
-__device__ __forceinline__ void softmax_update(float s, const float* v, float& m, float& l, float* acc) {
-    if (s > m) {
-        const float corr = fast_exp2(m - s);  // 0 while the state is empty (m = -inf)
-        l *= corr;
+__device__ __forceinline__ void softmax_update(float s, const float* v, SoftmaxState<true>& st, float* acc) {
+    if (s > st.m) {
+        const float corr = st.raise(s);  // 0 while the state is empty (m = -inf)
 #pragma unroll
         for (int e = 0; e < EPL; ++e) acc[e] *= corr;
-        m = s;
     }
-    const float p = fast_exp2(s - m);
-    l += p;
+    const float p = st.weight_raised(s);
+    st.l += p;
 #pragma unroll
     for (int e = 0; e < EPL; ++e) acc[e] += p * v[e];
 }
 
-template <class T, int D, int QB>
+// T: the storage type (KernelTypes names its q / K/V / output roles); VARIANT: the
+// variant trait's flags (variant.cuh; 0 is plain causal).
+template <class T, int D, int QB, int VARIANT = 0>
 __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
-    const T* __restrict__ q, const T* __restrict__ k_buf, const T* __restrict__ v_buf,
+    const typename KernelTypes<T>::Q* __restrict__ q, const typename KernelTypes<T>::KV* __restrict__ k_buf,
+    const typename KernelTypes<T>::KV* __restrict__ v_buf,
     const i64* __restrict__ rows, const i64* __restrict__ lens, const i64* __restrict__ n_new,
-    T* __restrict__ out, float* __restrict__ lse,
+    typename KernelTypes<T>::Out* __restrict__ out, float* __restrict__ lse,
     float* __restrict__ part_o, float* __restrict__ part_lse,
-    int Hkv, int G, int Tq, int n_qchunks, int num_splits, i64 keys_per_split, float scale,
+    int Hkv, int G, int Tq, int n_qchunks, int num_splits, i64 keys_per_split, AttnParams params,
     i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
     i64 o_sb, i64 o_sh, i64 o_st) {
-    typedef DecodeShape<T, D, QB> S;
-    const DecodeCta cta = decode_cta(lens, n_new, Hkv, n_qchunks, keys_per_split);
+    typedef KernelTypes<T> Ty;
+    typedef typename Ty::KV KV;
+    typedef DecodeShape<KV, D, QB> S;
+    typedef Variant<VARIANT> V;
+    const DecodeCta cta = decode_cta<V>(lens, n_new, Hkv, n_qchunks, keys_per_split, params);
     const int qc = cta.qc, kvh = cta.kvh, b = cta.b, split = cta.split;
     const i64 L = cta.L, n = cta.n, k_begin = cta.k_begin, k_end = cta.k_end;
-    if (n == 0 || k_begin >= k_end) return;  // uniform over the CTA
+    if (n == 0) return;  // uniform over the CTA
+    if (k_begin >= k_end) {  // uniform too: a split past this entry's keys
+        write_empty_split(b, kvh, qc, S::QB, Hkv, G, Tq, n, num_splits, split, part_lse);
+        return;
+    }
     // Keys of this split, counted from k_begin: fits an int (the planner keeps
     // keys_per_split below 2^30).
     const int n_keys = (int)(k_end - k_begin);
@@ -165,13 +179,11 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
     const int grp = (threadIdx.x / 32) * S::KPW + lane / S::LPK;  // key slot of this lane
     const int sub = lane % S::LPK;                                // position within the key row
 
-    // Start the K/V stream before anything else: the first PIPE steps of this lane.
-    const i64 head_off = rows[b] * buf_sb + (i64)kvh * buf_sh;
-    const i64 step_stride = (i64)S::NG * buf_st;
-    const i64 first = head_off + (k_begin + grp) * buf_st + (i64)sub * S::VEC;
-    const T* kp = k_buf + first;  // this lane's vectors of the next key step to fetch
-    const T* vp = v_buf + first;
-    KVRaw<T, S::VEC, S::CPL> ring[S::PIPE];
+    // Start the K/V stream before anything else: the first PIPE steps of this lane. Step
+    // `step` of this lane is key k_begin + step * NG + grp, read through the K/V reader.
+    const ContiguousKV<KV> kv(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st);
+    const i64 lane_key = k_begin + grp;
+    KVRaw<KV, S::VEC, S::CPL> ring[S::PIPE];
 #pragma unroll
     for (int u = 0; u < S::PIPE; ++u) {
 #pragma unroll
@@ -179,30 +191,33 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
             ring[u].k[c].zero();
             ring[u].v[c].zero();
         }
-        fetch_kv<S>(ring[u], kp, vp, u * S::NG + grp < n_keys, sub);
-        kp += step_stride;
-        vp += step_stride;
+        fetch_kv<S>(ring[u], kv, lane_key + u * S::NG, u * S::NG + grp < n_keys, sub);
     }
 
-    // Queries of this tile, scaled by scale * log2(e) (scores in the log2 domain), in
-    // registers: this lane's vectors of each query. lim[i]: keys (from k_begin) query i
-    // sees, min(n_keys, pos + 1 - k_begin); 0 for a padding slot.
-    const float qscale = scale * 1.4426950408889634f;
+    // Queries of this tile, scaled by the variant's fold (scale * log2(e) without a
+    // soft-cap: scores in the log2 domain), in registers: this lane's vectors of each
+    // query. Query i sees the keys lo[i] <= j < lim[i] (from k_begin): lim[i] =
+    // min(n_keys, key_hi - k_begin), lo[i] = max(0, key_lo - k_begin) (0 without a
+    // window); lim[i] = 0 for a padding slot.
+    const float qscale = V::fold(params);
     float qr[S::QB][S::EPL];
-    int lim[S::QB];
+    int lim[S::QB], lo[S::QB];
 #pragma unroll
     for (int i = 0; i < S::QB; ++i) {
         const int qi = qc * S::QB + i;
         const int g = qi / Tq, t = qi % Tq;
         const bool valid = qi < G * Tq && t < n;
-        const i64 seen = L - n + t + 1 - k_begin;  // keys up to the query's position
+        const i64 pos = L - n + t;
+        const i64 seen = V::key_hi(pos) - k_begin;  // keys up to the query's position
         lim[i] = !valid || seen <= 0 ? 0 : (seen < n_keys ? (int)seen : n_keys);
+        const i64 first = V::key_lo(params, pos) - k_begin;
+        lo[i] = !V::WINDOW || first <= 0 ? 0 : (first < n_keys ? (int)first : n_keys);
         const i64 q_off = (i64)b * q_sb + (i64)(kvh * G + g) * q_sh + (i64)t * q_st;
 #pragma unroll
         for (int c = 0; c < S::CPL; ++c) {
             const int ch = sub + c * S::LPK;
             if (valid && ch < S::NCH) {
-                load_vec<T, S::VEC>(q + q_off + ch * S::VEC, &qr[i][c * S::VEC]);
+                load_vec<typename Ty::Q, S::VEC>(q + q_off + ch * S::VEC, &qr[i][c * S::VEC]);
 #pragma unroll
                 for (int e = 0; e < S::VEC; ++e) qr[i][c * S::VEC + e] *= qscale;
             } else {
@@ -212,25 +227,29 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
         }
     }
 
-    // Keys every real query sees / some query sees. Padding slots count for neither (their
-    // state is never written out); a real query may see none of this split's keys (small T,
-    // a last split shorter than T), and then lim_all is 0.
-    int lim_all = n_keys, lim_any = 0;
+    // Keys every real query sees, [lo_all, lim_all), and some query sees, [lo_any,
+    // lim_any). Padding slots count for neither (their state is never written out); a real
+    // query may see none of this split's keys (small T, a last split shorter than T, a
+    // window), and then the first range is empty.
+    int lim_all = n_keys, lim_any = 0, lo_all = 0, lo_any = n_keys;
 #pragma unroll
     for (int i = 0; i < S::QB; ++i) {
         const int qi = qc * S::QB + i;
         if (qi < G * Tq && qi % Tq < n) {
             lim_all = lim[i] < lim_all ? lim[i] : lim_all;
             lim_any = lim[i] > lim_any ? lim[i] : lim_any;
+            lo_all = lo[i] > lo_all ? lo[i] : lo_all;
+            lo_any = lo[i] < lo_any ? lo[i] : lo_any;
         }
     }
+    if (!V::WINDOW) lo_all = lo_any = 0;
 
-    // Online-softmax state per query, log2 domain (empty: m = -inf, l = 0, acc = 0).
-    float m[S::QB], l[S::QB], acc[S::QB][S::EPL];
+    // Online-softmax state per query (softmax.cuh; empty: m = -inf, l = 0, acc = 0).
+    SoftmaxState<true> st[S::QB];
+    float acc[S::QB][S::EPL];
 #pragma unroll
     for (int i = 0; i < S::QB; ++i) {
-        m[i] = GQAKV_NEG_INF;
-        l[i] = 0.f;
+        st[i].init();
 #pragma unroll
         for (int e = 0; e < S::EPL; ++e) acc[i][e] = 0.f;
     }
@@ -254,9 +273,7 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
                 }
             }
             // Refill the slot with step + PIPE before computing this one.
-            fetch_kv<S>(ring[u], kp, vp, jr + S::PIPE * S::NG < n_keys, sub);
-            kp += step_stride;
-            vp += step_stride;
+            fetch_kv<S>(ring[u], kv, k_begin + jr + S::PIPE * S::NG, jr + S::PIPE * S::NG < n_keys, sub);
             // Scores of all QB queries first, their reductions interleaved (QB independent
             // shuffle chains hide each other's latency), then the softmax updates.
             float sc[S::QB];
@@ -275,13 +292,17 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
 #pragma unroll
                 for (int i = 0; i < S::QB; ++i) sc[i] += __shfl_xor_sync(GQAKV_FULL_MASK, sc[i], off);
             }
-            if (jr < lim_all) {  // every real query sees this key (always, for T = 1)
+            if (V::SOFTCAP) {  // the score modifier sees the whole dot product
 #pragma unroll
-                for (int i = 0; i < S::QB; ++i) softmax_update<S::EPL>(sc[i], vf, m[i], l[i], acc[i]);
-            } else if (jr < lim_any) {  // small-T decode: the last keys are hidden from early queries
+                for (int i = 0; i < S::QB; ++i) sc[i] = V::transform(params, sc[i]);
+            }
+            if (jr < lim_all && jr >= lo_all) {  // every real query sees this key (always, for T = 1)
+#pragma unroll
+                for (int i = 0; i < S::QB; ++i) softmax_update<S::EPL>(sc[i], vf, st[i], acc[i]);
+            } else if (jr < lim_any && jr >= lo_any) {  // small T: keys hidden from some queries
 #pragma unroll
                 for (int i = 0; i < S::QB; ++i)
-                    if (jr < lim[i]) softmax_update<S::EPL>(sc[i], vf, m[i], l[i], acc[i]);
+                    if (jr < lim[i] && jr >= lo[i]) softmax_update<S::EPL>(sc[i], vf, st[i], acc[i]);
             }
         }
     }
@@ -293,8 +314,8 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
 #pragma unroll
     for (int i = 0; i < S::QB; ++i) {
         if (sub == 0) {
-            sm_m[grp][i] = m[i];
-            sm_l[grp][i] = l[i];
+            sm_m[grp][i] = st[i].m;
+            sm_l[grp][i] = st[i].l;
         }
 #pragma unroll
         for (int c = 0; c < S::CPL; ++c) {
@@ -307,6 +328,7 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
     }
     __syncthreads();
 
-    write_decode_rows<T, D, S::QB, S::NG>(sm_m, sm_l, sm_acc, b, kvh, qc, Hkv, G, Tq, n, num_splits,
-                                          split, out, lse, part_o, part_lse, o_sb, o_sh, o_st);
+    write_decode_rows<V, typename Ty::Out, D, S::QB, S::NG>(sm_m, sm_l, sm_acc, b, kvh, qc, Hkv, G, Tq, n,
+                                                           num_splits, split, params, out, lse, part_o,
+                                                           part_lse, o_sb, o_sh, o_st);
 }

@@ -1,30 +1,22 @@
 // Helpers shared by the decode kernels (decode.cu: fp32 FMA; decode_mma.cu: tensor cores).
 #pragma once
-#include "common.cuh"
-
-// 2^x in fp32 (one MUFU.EX2 on the GPU; the flush of results below 2^-126 to 0 is far
-// below the fp32 accumulation error of a softmax weight).
-__device__ __forceinline__ float fast_exp2(float x) {
-#ifdef GQAKV_EMULATION
-    return exp2f(x);
-#else
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-#endif
-}
+#include "variant.cuh"
 
 // The work of one decode CTA in the grid (B * Hkv * n_qchunks, num_splits) that
 // plan.plan_attention launches: entry b, KV head kvh, query chunk qc, split, the entry's
-// length L and new tokens n, and the split's keys [k_begin, k_end) (empty past L).
+// length L and new tokens n, and the split's keys [k_begin, k_end) (empty past L). Splits
+// start at the first key any query of the entry sees (the variant's key_lo of its first
+// query: 0 for causal, the window's start otherwise), so work and bytes follow the window.
 struct DecodeCta {
     int qc, kvh, b, split;
     i64 L, n, k_begin, k_end;
 };
 
+template <class V>
 __device__ __forceinline__ DecodeCta decode_cta(const i64* __restrict__ lens,
                                                 const i64* __restrict__ n_new, int Hkv,
-                                                int n_qchunks, i64 keys_per_split) {
+                                                int n_qchunks, i64 keys_per_split,
+                                                const AttnParams& params) {
     DecodeCta w;
     w.qc = blockIdx.x % n_qchunks;
     w.kvh = (blockIdx.x / n_qchunks) % Hkv;
@@ -32,9 +24,25 @@ __device__ __forceinline__ DecodeCta decode_cta(const i64* __restrict__ lens,
     w.split = blockIdx.y;
     w.L = lens[w.b];
     w.n = n_new[w.b];
-    w.k_begin = (i64)w.split * keys_per_split;
+    w.k_begin = V::key_lo(params, w.L - w.n) + (i64)w.split * keys_per_split;
     w.k_end = w.L < w.k_begin + keys_per_split ? w.L : w.k_begin + keys_per_split;
     return w;
+}
+
+// A split that holds no key of its entry (the planner sizes splits for the longest span
+// of the batch): its partials say so (lse -inf, never read by gqakv_merge), so the merge
+// takes the planner's split layout as it is and needs no per-row split count.
+__device__ __forceinline__ void write_empty_split(int b, int kvh, int qc, int QB, int Hkv, int G,
+                                                  int Tq, i64 n, int num_splits, int split,
+                                                  float* __restrict__ part_lse) {
+    if (num_splits == 1) return;  // out and lse keep the caller's 0 / -inf
+    for (int i = threadIdx.x; i < QB; i += blockDim.x) {
+        const int qi = qc * QB + i;
+        const int g = qi / Tq, t = qi % Tq;
+        if (qi >= G * Tq || t >= n) continue;
+        const i64 qidx = ((i64)b * Hkv * G + kvh * G + g) * Tq + t;
+        part_lse[qidx * num_splits + split] = GQAKV_NEG_INF;
+    }
 }
 
 // NW 32-bit words loaded with the widest aligned vector accesses (16 bytes when NW is a
@@ -71,12 +79,12 @@ __device__ __forceinline__ void load_chunks(Words<NW>& dst, const T* __restrict_
 // (its weight is exp2(NaN) = NaN, and NaN * 0 is NaN at every later rescale), so a query
 // whose scores include NaN is recognised here, once per CTA, and written as NaN out and
 // lse: the key loops pay nothing for it.
-template <class T, int D, int QB, int NS>
+template <class V, class TO, int D, int QB, int NS>
 __device__ __forceinline__ void write_decode_rows(
     const float (&sm_m)[NS][QB], const float (&sm_l)[NS][QB], const float (&sm_acc)[NS][QB][D],
     int b, int kvh, int qc, int Hkv, int G, int Tq, i64 n, int num_splits, int split,
-    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_o,
-    float* __restrict__ part_lse, i64 o_sb, i64 o_sh, i64 o_st) {
+    const AttnParams& params, TO* __restrict__ out, float* __restrict__ lse,
+    float* __restrict__ part_o, float* __restrict__ part_lse, i64 o_sb, i64 o_sh, i64 o_st) {
     const int Hq = Hkv * G;
     for (int idx = threadIdx.x; idx < QB * D; idx += blockDim.x) {
         const int i = idx / D, d = idx % D;
@@ -90,7 +98,7 @@ __device__ __forceinline__ void write_decode_rows(
         if (mx != GQAKV_NEG_INF) {
             for (int s = 0; s < NS; ++s) {
                 // w is 0 for states that saw no finite score; w * NaN is still NaN.
-                const float w = fast_exp2(sm_m[s][i] - mx);
+                const float w = merge_weight_log2(sm_m[s][i], mx);
                 total += w * sm_l[s][i];
                 o += w * sm_acc[s][i][d];
             }
@@ -98,14 +106,16 @@ __device__ __forceinline__ void write_decode_rows(
             // No state saw a finite score: each l is 0 (no key) or NaN (only NaN scores).
             for (int s = 0; s < NS; ++s) total += sm_l[s][i];
         }
+        // The sink term joins once, after every key of the query is summed: here when the
+        // CTA saw all of them, in gqakv_merge when split.
+        if (V::SINKS && num_splits == 1) o *= add_sink_log2(mx, total, V::sink_log2(params, h));
         // total > 0: keys seen; 0: none (out 0, lse -inf); NaN: a NaN score (out and lse
         // NaN, never hidden: o / NaN and log2f(NaN) are NaN).
         const float o_val = total != 0.f ? o / total : 0.f;
-        // Natural-log LSE of the unscaled-by-log2(e) scores: (m + log2 total) * ln 2.
-        const float lse_val = total != 0.f ? (mx + log2f(total)) * 0.6931471805599453f : GQAKV_NEG_INF;
+        const float lse_val = finished_lse(mx, total);
         const i64 qidx = ((i64)b * Hq + h) * Tq + t;
         if (num_splits == 1) {
-            out[(i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st + d] = from_float<T>(o_val);
+            out[(i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st + d] = from_float<TO>(o_val);
             if (d == 0) lse[qidx] = lse_val;
         } else {
             part_o[(qidx * num_splits + split) * D + d] = o_val;

@@ -1,9 +1,9 @@
 // Decode attention on tensor cores (float16 / bfloat16 K and V, head dims 64 and 128).
 //
 // Same launch, arguments, split and output contract as gqakv_decode (decode.cu): one CTA
-// per (entry b, KV head, query chunk, split), nothing at or past L = lens[b] read, query t
-// at position L - n + t seeing keys 0..it, fp32 partials plus natural-log LSE for
-// gqakv_merge when split. Only the math inside a CTA differs; the query chunk is 16 rows
+// per (entry b, KV head, query chunk, split; splits start at the entry's first visible key),
+// nothing at or past L = lens[b] read, query t at position L - n + t seeing the keys of the
+// variant trait (variant.cuh), fp32 partials plus natural-log LSE for gqakv_merge when split. Only the math inside a CTA differs; the query chunk is 16 rows
 // (the mma's m), so G * T <= 16 (every Llama-style decode) takes one chunk.
 //
 // Why tensor cores for a bandwidth-bound kernel: the fp32-FMA kernel issues ~170 warp
@@ -26,8 +26,8 @@
 //   of keys 2c, 2c + 1, 2c + 8, 2c + 9 (one load instruction: 128 contiguous bytes of 4 key
 //   rows), pairs the two keys of each B register with a byte permute, and output column j
 //   of n8 block nb is d = 64 (nb / 8) + 8 j + nb % 8.
-// Softmax: scores from the mma are fp32, scaled by scale * log2(e) (log2 domain, as in
-// decode.cu); a row's max over a step takes two xor shuffles among its 4 lanes; its state
+// Softmax: scores from the mma are fp32, scaled by the variant's fold and transformed by its
+// score modifier (log2 domain, softmax.cuh); a row's max over a step takes two xor shuffles among its 4 lanes; its state
 // is rescaled only when the max grows. Row sums stay per lane until the end.
 // Precision: K, V and Q enter the mma exactly; every product is accumulated in fp32. A
 // weight p in [0, 1] is split into hi = round16(p) and lo = round16(p - hi) and P V runs
@@ -97,20 +97,30 @@ __device__ __forceinline__ unsigned pair_of(unsigned x, unsigned y, int hi) {
     return hi ? (x >> 16) | (y & 0xffff0000u) : (x & 0xffffu) | (y << 16);
 }
 
-template <class T, int D>
+// T: the storage type (q and K/V enter the mma together, so KernelTypes' Q and KV are the
+// same here); VARIANT: the variant trait's flags (variant.cuh; 0 is plain causal).
+template <class T, int D, int VARIANT = 0>
 __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_decode_mma(
-    const T* __restrict__ q, const T* __restrict__ k_buf, const T* __restrict__ v_buf,
+    const typename KernelTypes<T>::Q* __restrict__ q, const typename KernelTypes<T>::KV* __restrict__ k_buf,
+    const typename KernelTypes<T>::KV* __restrict__ v_buf,
     const i64* __restrict__ rows, const i64* __restrict__ lens, const i64* __restrict__ n_new,
-    T* __restrict__ out, float* __restrict__ lse,
+    typename KernelTypes<T>::Out* __restrict__ out, float* __restrict__ lse,
     float* __restrict__ part_o, float* __restrict__ part_lse,
-    int Hkv, int G, int Tq, int n_qchunks, int num_splits, i64 keys_per_split, float scale,
+    int Hkv, int G, int Tq, int n_qchunks, int num_splits, i64 keys_per_split, AttnParams params,
     i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
     i64 o_sb, i64 o_sh, i64 o_st) {
-    typedef DecodeMmaShape<T, D> S;
-    const DecodeCta cta = decode_cta(lens, n_new, Hkv, n_qchunks, keys_per_split);
+    typedef KernelTypes<T> Ty;
+    typedef typename Ty::KV KV;
+    typedef DecodeMmaShape<KV, D> S;
+    typedef Variant<VARIANT> V;
+    const DecodeCta cta = decode_cta<V>(lens, n_new, Hkv, n_qchunks, keys_per_split, params);
     const int qc = cta.qc, kvh = cta.kvh, b = cta.b, split = cta.split;
     const i64 L = cta.L, n = cta.n, k_begin = cta.k_begin, k_end = cta.k_end;
-    if (n == 0 || k_begin >= k_end) return;  // uniform over the CTA
+    if (n == 0) return;  // uniform over the CTA
+    if (k_begin >= k_end) {  // uniform too: a split past this entry's keys
+        write_empty_split(b, kvh, qc, S::QB, Hkv, G, Tq, n, num_splits, split, part_lse);
+        return;
+    }
     const int n_keys = (int)(k_end - k_begin);  // < 2^30 (the planner splits longer rows)
     const int n_blocks = (n_keys + S::KEYS - 1) / S::KEYS;
 
@@ -120,9 +130,7 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
     // Start this warp's first K/V step before anything else. kw[t]: key 16 blk + 8 t + fr,
     // chunks at d = 32 i + 8 fc; vw[j]: key 16 blk + 2 fc + (j & 1) + 8 (j >> 1), chunks at
     // d = 64 i + 8 fr.
-    const i64 head_off = rows[b] * buf_sb + (i64)kvh * buf_sh + k_begin * buf_st;
-    const T* k_lane = k_buf + head_off + fc * 8;
-    const T* v_lane = v_buf + head_off + fr * 8;
+    const ContiguousKV<KV> kv(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st);
     Words<S::KW> kw[2];
     Words<S::VW> vw[4];
 #pragma unroll
@@ -134,57 +142,57 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
     }
     // Keys past the split's end are never loaded (their registers keep older, finite
     // values whose scores are masked to -inf, so their weights are exactly 0). Each load
-    // address is this lane's row pointer of the block's first key plus a per-lane offset.
-    const i64 step_stride = (i64)S::KEYS * buf_st;
-    const i64 k_off0 = (i64)fr * buf_st, k_off1 = (i64)(8 + fr) * buf_st;
-    const i64 v_off0 = (i64)(2 * fc) * buf_st, v_off2 = (i64)(2 * fc + 8) * buf_st;
+    // asks the K/V reader for one key's row (per key block, no running pointers).
     auto fetch_k = [&](int blk) {
-        const T* base = k_lane + (i64)blk * step_stride;
         const int key = blk * S::KEYS + fr;
-        if (key < n_keys) load_chunks(kw[0], base + k_off0, 32);
-        if (key + 8 < n_keys) load_chunks(kw[1], base + k_off1, 32);
+        if (key < n_keys) load_chunks(kw[0], kv.k_row(k_begin + key) + fc * 8, 32);
+        if (key + 8 < n_keys) load_chunks(kw[1], kv.k_row(k_begin + key + 8) + fc * 8, 32);
     };
     auto fetch_v = [&](int blk) {
-        const T* base = v_lane + (i64)blk * step_stride;
         const int key = blk * S::KEYS + 2 * fc;
-        if (key < n_keys) load_chunks(vw[0], base + v_off0, 64);
-        if (key + 1 < n_keys) load_chunks(vw[1], base + v_off0 + buf_st, 64);
-        if (key + 8 < n_keys) load_chunks(vw[2], base + v_off2, 64);
-        if (key + 9 < n_keys) load_chunks(vw[3], base + v_off2 + buf_st, 64);
+        if (key < n_keys) load_chunks(vw[0], kv.v_row(k_begin + key) + fr * 8, 64);
+        if (key + 1 < n_keys) load_chunks(vw[1], kv.v_row(k_begin + key + 1) + fr * 8, 64);
+        if (key + 8 < n_keys) load_chunks(vw[2], kv.v_row(k_begin + key + 8) + fr * 8, 64);
+        if (key + 9 < n_keys) load_chunks(vw[3], kv.v_row(k_begin + key + 9) + fr * 8, 64);
     };
     if (warp < n_blocks) {
         fetch_k(warp);
         fetch_v(warp);
     }
 
-    // Keys (from k_begin) each query row sees: min(n_keys, pos + 1 - k_begin); 0 for a
-    // padding row. lim_all: the fewest any real row sees (masking is needed past it).
-    auto row_limit = [&](int r, bool& valid, int& g, int& t) {
+    // Keys (from k_begin) each query row sees: lo <= j < lim with lim = min(n_keys,
+    // key_hi - k_begin) (0 for a padding row) and lo = max(0, key_lo - k_begin) (0 without
+    // a window). Blocks inside [lo_all, lim_all) need no mask.
+    auto row_limit = [&](int r, bool& valid, int& g, int& t, int& lo) {
         const int qi = qc * S::QB + r;
         g = qi / Tq;
         t = qi % Tq;
         valid = qi < G * Tq && t < n;
-        const i64 seen = L - n + t + 1 - k_begin;
+        const i64 pos = L - n + t;
+        const i64 first = V::key_lo(params, pos) - k_begin;
+        lo = !V::WINDOW || first <= 0 ? 0 : (first < n_keys ? (int)first : n_keys);
+        const i64 seen = V::key_hi(pos) - k_begin;
         return !valid || seen <= 0 ? 0 : (seen < n_keys ? (int)seen : n_keys);
     };
-    int lim_all = n_keys;
+    int lim_all = n_keys, lo_all = 0;
 #pragma unroll 1
     for (int r = 0; r < S::QB; ++r) {
         bool valid;
-        int g, t;
-        const int lr = row_limit(r, valid, g, t);
+        int g, t, lo_r;
+        const int lr = row_limit(r, valid, g, t, lo_r);
         if (valid && lr < lim_all) lim_all = lr;
+        if (valid && lo_r > lo_all) lo_all = lo_r;
     }
 
     // Q rows fr and fr + 8 as A fragments (zeros for padding rows), unscaled: the scores
     // are scaled in fp32 after the mma.
     unsigned qa[S::KK][4];
-    int lim[2];
+    int lim[2], lo[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         bool valid;
         int g, t;
-        lim[h] = row_limit(fr + 8 * h, valid, g, t);
+        lim[h] = row_limit(fr + 8 * h, valid, g, t, lo[h]);
         Words<S::KW> qw;
 #pragma unroll
         for (int i = 0; i < S::KW; ++i) qw.w[i] = 0u;
@@ -197,9 +205,11 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
         }
     }
 
-    const float qscale = scale * 1.4426950408889634f;  // log2 domain
+    const float qscale = V::fold(params);  // then V::transform: the log2 domain
     float o[S::NB][4];  // O rows fr (0, 1) and fr + 8 (2, 3), columns 2 fc, 2 fc + 1
-    float m[2] = {GQAKV_NEG_INF, GQAKV_NEG_INF}, l[2] = {0.f, 0.f};
+    SoftmaxState<true> st[2];
+    st[0].init();
+    st[1].init();
 #pragma unroll
     for (int nb = 0; nb < S::NB; ++nb) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.f;
 
@@ -218,13 +228,14 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
         if (blk + S::WARPS < n_blocks) fetch_k(blk + S::WARPS);  // K registers are free again
 
         const int kb = blk * S::KEYS;
-        const bool masked = kb + S::KEYS > lim_all;  // uniform over the warp
+        const bool masked = kb + S::KEYS > lim_all || kb < lo_all;  // uniform over the warp
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                s[t][e] *= qscale;
-                if (masked && kb + 8 * t + 2 * fc + (e & 1) >= lim[e >> 1]) s[t][e] = GQAKV_NEG_INF;
+                s[t][e] = V::transform(params, s[t][e] * qscale);
+                const int j = kb + 8 * t + 2 * fc + (e & 1);
+                if (masked && (j >= lim[e >> 1] || j < lo[e >> 1])) s[t][e] = GQAKV_NEG_INF;
             }
         }
         float p[2][4];
@@ -233,25 +244,23 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
             float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(GQAKV_FULL_MASK, mx, 1));  // the row's 4 lanes
             mx = fmaxf(mx, __shfl_xor_sync(GQAKV_FULL_MASK, mx, 2));
-            if (mx > m[h]) {  // the running max grows: rescale (rare after the first keys)
-                const float corr = fast_exp2(m[h] - mx);  // 0 while the row is empty
-                l[h] *= corr;
+            if (mx > st[h].m) {  // the running max grows: rescale (rare after the first keys)
+                const float corr = st[h].raise(mx);  // 0 while the row is empty
 #pragma unroll
                 for (int nb = 0; nb < S::NB; ++nb) {
                     o[nb][2 * h] *= corr;
                     o[nb][2 * h + 1] *= corr;
                 }
-                m[h] = mx;
             }
             // No key yet: every p is exp2(-inf) = 0. A NaN score (skipped by the max) gives
             // p = NaN, so l turns NaN and write_decode_rows writes NaN out and lse.
-            const float mu = m[h] == GQAKV_NEG_INF ? 0.f : m[h];
+            const float mu = st[h].base();
 #pragma unroll
             for (int t = 0; t < 2; ++t) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    p[t][2 * h + e] = fast_exp2(s[t][2 * h + e] - mu);
-                    l[h] += p[t][2 * h + e];
+                    p[t][2 * h + e] = st[h].weight(s[t][2 * h + e], mu);
+                    st[h].l += p[t][2 * h + e];
                 }
             }
         }
@@ -276,8 +285,8 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
     // Row sums over the row's 4 lanes, then the 4 warps' states merged per row.
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(GQAKV_FULL_MASK, l[h], 1);
-        l[h] += __shfl_xor_sync(GQAKV_FULL_MASK, l[h], 2);
+        st[h].l += __shfl_xor_sync(GQAKV_FULL_MASK, st[h].l, 1);
+        st[h].l += __shfl_xor_sync(GQAKV_FULL_MASK, st[h].l, 2);
     }
     __shared__ float sm_m[S::WARPS][S::QB];
     __shared__ float sm_l[S::WARPS][S::QB];
@@ -285,8 +294,8 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
     if (fc == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            sm_m[warp][fr + 8 * h] = m[h];
-            sm_l[warp][fr + 8 * h] = l[h];
+            sm_m[warp][fr + 8 * h] = st[h].m;
+            sm_l[warp][fr + 8 * h] = st[h].l;
         }
     }
 #pragma unroll
@@ -297,7 +306,7 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
     }
     __syncthreads();
 
-    write_decode_rows<T, D, S::QB, S::WARPS>(sm_m, sm_l, sm_o, b, kvh, qc, Hkv, G, Tq, n,
-                                             num_splits, split, out, lse, part_o, part_lse,
-                                             o_sb, o_sh, o_st);
+    write_decode_rows<V, typename Ty::Out, D, S::QB, S::WARPS>(sm_m, sm_l, sm_o, b, kvh, qc, Hkv, G, Tq, n,
+                                                              num_splits, split, params, out, lse,
+                                                              part_o, part_lse, o_sb, o_sh, o_st);
 }

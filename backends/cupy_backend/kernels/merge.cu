@@ -3,8 +3,11 @@
 // Split s of query (b, h, t) holds o_s (its normalized output) and lse_s (natural-log
 // LSE of its scaled scores, -inf when it saw no key). The result is
 //   out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M),  lse = M + log(sum_s exp(lse_s - M))
-// with M = max_s lse_s. Only the splits that hold keys of row b, ceil(L / keys_per_split)
-// of them, are read. Padded queries (t >= n_new[b]) are skipped: out stays 0, lse -inf.
+// with M = max_s lse_s (weights and the sink term through softmax.cuh). Every split of the
+// planner's layout is read: a split that held no key of row b wrote lse -inf
+// (write_empty_split), so no split count is derived here. Padded queries (t >= n_new[b])
+// are skipped: out stays 0, lse -inf. Under the sinks variant the sink logit of head h
+// joins once, here, after all splits (a query that saw no key keeps 0 / -inf).
 //
 // Non-finite partials follow gqakv.merge_attention: a split with lse -inf saw no key and
 // is skipped (its o_s is never read); a NaN or +inf lse_s makes the query's out and lse
@@ -20,7 +23,7 @@
 //
 // Launch: grid (B * Hq * Tq), block 128. part_o is [B, Hq, Tq, num_splits, D],
 // part_lse [B, Hq, Tq, num_splits], lse [B, Hq, Tq] (all contiguous fp32).
-#include "common.cuh"
+#include "variant.cuh"
 
 template <int D>
 struct MergeShape {
@@ -30,22 +33,21 @@ struct MergeShape {
     static constexpr int PER = (LANES + 127) / 128;          // vectors per thread (D > 512 / VEC)
 };
 
-template <class T, int D>
+// VARIANT: the variant trait's flags (variant.cuh); only the sink term matters here.
+template <class T, int D, int VARIANT = 0>
 __global__ void __launch_bounds__(128) gqakv_merge(
     const float* __restrict__ part_o, const float* __restrict__ part_lse,
-    const i64* __restrict__ lens, const i64* __restrict__ n_new,
-    T* __restrict__ out, float* __restrict__ lse,
-    int Hq, int Tq, int num_splits, i64 keys_per_split,
+    const i64* __restrict__ n_new, typename KernelTypes<T>::Out* __restrict__ out,
+    float* __restrict__ lse, int Hq, int Tq, int num_splits, AttnParams params,
     i64 o_sb, i64 o_sh, i64 o_st) {
     typedef MergeShape<D> S;
+    typedef Variant<VARIANT> V;
     const i64 qidx = blockIdx.x;
     const int t = (int)(qidx % Tq);
     const int h = (int)((qidx / Tq) % Hq);
     const int b = (int)(qidx / ((i64)Tq * Hq));
     if (t >= n_new[b]) return;  // uniform over the CTA
-    const i64 L = lens[b];
-    const i64 splits64 = (L + keys_per_split - 1) / keys_per_split;
-    const int splits = (int)(splits64 < num_splits ? splits64 : num_splits);
+    const int splits = num_splits;
     const float* lse_s = part_lse + qidx * num_splits;
     float mx = GQAKV_NEG_INF;
     bool bad = false;  // a NaN or +inf lse_s (fmaxf alone would skip a NaN)
@@ -59,9 +61,16 @@ __global__ void __launch_bounds__(128) gqakv_merge(
     if (bad) {
         total = qnan;
     } else if (mx != GQAKV_NEG_INF) {
-        for (int s = 0; s < splits; ++s) total += expf(lse_s[s] - mx);
+        for (int s = 0; s < splits; ++s) total += merge_weight_lse(lse_s[s], mx);
     }
     const bool seen = bad || mx != GQAKV_NEG_INF;  // else: no split saw a key, out 0, lse -inf
+    // The sink term, relative to mx (m_rel = 0: weights are 2^((lse_s - mx) log2 e)); its
+    // factor `corr` scales the summed outputs. Nothing changes without it or without keys.
+    float m_rel = 0.f, corr = 1.f;
+    if (V::SINKS) {
+        const float sink = seen && !bad ? (params.sinks[h] - mx) * GQAKV_LOG2E : GQAKV_NEG_INF;
+        corr = add_sink_log2(m_rel, total, sink);  // -inf: nothing changes
+    }
 
     // This thread's split group and vector slots (slot v covers d = VEC * (lane + 128 v)).
     const int grp = S::NGRP > 1 ? threadIdx.x / S::LANES : 0;
@@ -77,7 +86,7 @@ __global__ void __launch_bounds__(128) gqakv_merge(
 #pragma unroll 4
         for (int s = grp; s < splits; s += S::NGRP) {
             if (lse_s[s] == GQAKV_NEG_INF) continue;  // saw no key: its o_s may be anything
-            const float w = expf(lse_s[s] - mx);
+            const float w = merge_weight_lse(lse_s[s], mx);
 #pragma unroll
             for (int v = 0; v < S::PER; ++v) {
                 const int c = lane + 128 * v;
@@ -98,12 +107,12 @@ __global__ void __launch_bounds__(128) gqakv_merge(
         }
         __syncthreads();
     }
-    T* o_row = out + (i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st;
+    typename KernelTypes<T>::Out* o_row = out + (i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st;
     if (S::NGRP > 1) {
         for (int d = threadIdx.x; d < D; d += blockDim.x) {
             float o = 0.f;
             for (int g = 0; g < S::NGRP; ++g) o += sm_acc[g][d];
-            o_row[d] = from_float<T>(seen ? o / total : 0.f);
+            o_row[d] = from_float<typename KernelTypes<T>::Out>(seen ? o * corr / total : 0.f);
         }
     } else {
 #pragma unroll
@@ -112,9 +121,9 @@ __global__ void __launch_bounds__(128) gqakv_merge(
             if (c < S::LANES) {
 #pragma unroll
                 for (int e = 0; e < S::VEC; ++e)
-                    o_row[c * S::VEC + e] = from_float<T>(seen ? acc[v][e] / total : 0.f);
+                    o_row[c * S::VEC + e] = from_float<typename KernelTypes<T>::Out>(seen ? acc[v][e] * corr / total : 0.f);
             }
         }
     }
-    if (threadIdx.x == 0) lse[qidx] = bad ? qnan : seen ? mx + logf(total) : GQAKV_NEG_INF;
+    if (threadIdx.x == 0) lse[qidx] = bad ? qnan : seen ? mx + finished_lse(m_rel, total) : GQAKV_NEG_INF;
 }

@@ -3,8 +3,10 @@
 // One CTA per (entry b, KV head, group chunk, query block). Its ROWS query rows are
 // (group head g, token t) pairs: GC heads of the group times BQ tokens (GC * BQ <= ROWS),
 // so a K/V tile in shared memory serves every head of the group. Query t of entry b sits
-// at absolute position L - n + t (bottom-right causal) and sees keys 0..L - n + t; key
-// tiles past the block's last visible key are skipped and nothing at or past L is read.
+// at absolute position p = L - n + t (bottom-right causal) and sees the keys the variant
+// trait allows (variant.cuh: 0..p, or p - W + 1..p); key tiles outside the block's span
+// are skipped and nothing at or past L is read. Scores and the online softmax are in the
+// log2 domain (softmax.cuh): q is scaled by the variant's fold on load.
 // Padded rows (t >= n, g >= G) are computed as fully masked and never written.
 //
 // Threads: 8 row groups x 16 column lanes (tid = tr * 16 + tc); thread (tr, tc) owns rows
@@ -30,15 +32,18 @@ struct PrefillShape {
     static constexpr int NCH = D / VEC;
 };
 
-template <class T, int D>
-__device__ __forceinline__ void load_tile(float* __restrict__ tile, const T* __restrict__ src,
-                                          i64 row0, i64 row_end, i64 stride, int nrows, int tstride) {
+// Key rows row0 .. row0 + nrows of K (IS_V false) or V through the K/V reader, as fp32
+// into tile[r * tstride + ...]; rows at or past row_end are zero-filled (never read).
+template <class T, int D, bool IS_V, class Reader>
+__device__ __forceinline__ void load_tile(float* __restrict__ tile, const Reader& kv,
+                                          i64 row0, i64 row_end, int nrows, int tstride) {
     typedef PrefillShape<T, D> S;
     for (int idx = threadIdx.x; idx < nrows * S::NCH; idx += blockDim.x) {
         const int r = idx / S::NCH, ch = idx % S::NCH;
         float* dst = tile + r * tstride + ch * S::VEC;
         if (row0 + r < row_end) {
-            load_vec<T, S::VEC>(src + (row0 + r) * stride + ch * S::VEC, dst);
+            const T* src = IS_V ? kv.v_row(row0 + r) : kv.k_row(row0 + r);
+            load_vec<T, S::VEC>(src + ch * S::VEC, dst);
         } else {
 #pragma unroll
             for (int e = 0; e < S::VEC; ++e) dst[e] = 0.f;
@@ -46,34 +51,42 @@ __device__ __forceinline__ void load_tile(float* __restrict__ tile, const T* __r
     }
 }
 
-template <class T, int D>
+// T: the storage type (KernelTypes names its q / K/V / output roles); VARIANT: the
+// variant trait's flags (variant.cuh; 0 is plain causal).
+template <class T, int D, int VARIANT = 0>
 __global__ void __launch_bounds__(128, 1) gqakv_prefill(
-    const T* __restrict__ q, const T* __restrict__ k_buf, const T* __restrict__ v_buf,
+    const typename KernelTypes<T>::Q* __restrict__ q, const typename KernelTypes<T>::KV* __restrict__ k_buf,
+    const typename KernelTypes<T>::KV* __restrict__ v_buf,
     const i64* __restrict__ rows, const i64* __restrict__ lens, const i64* __restrict__ n_new,
-    T* __restrict__ out, float* __restrict__ lse,
-    int Hkv, int G, int Tq, int GC, int BQ, int n_gchunks, float scale,
+    typename KernelTypes<T>::Out* __restrict__ out, float* __restrict__ lse,
+    int Hkv, int G, int Tq, int GC, int BQ, int n_gchunks, AttnParams params,
     i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
     i64 o_sb, i64 o_sh, i64 o_st) {
-    typedef PrefillShape<T, D> S;
-    const PrefillCta cta = prefill_cta(lens, n_new, Hkv, n_gchunks, BQ);
+    typedef KernelTypes<T> Ty;
+    typedef typename Ty::KV KV;
+    typedef PrefillShape<KV, D> S;
+    typedef Variant<VARIANT> V;
+    const PrefillCta cta = prefill_cta<V>(lens, n_new, Hkv, n_gchunks, BQ, params);
     const int gc = cta.gc, kvh = cta.kvh, b = cta.b, t0 = cta.t0;
-    const i64 n = cta.n, start = cta.start, k_end = cta.k_end;
+    const i64 n = cta.n, start = cta.start, k_begin = cta.k_begin, k_end = cta.k_end;
     if (t0 >= n) return;  // uniform over the CTA
 
     __shared__ float sQ[S::ROWS][D];
     __shared__ float sKV[S::BK * S::KSTR];
     __shared__ float sP[S::ROWS][S::BK];
 
-    // Load the query rows, scaled; padded rows are zero (and fully masked below).
+    // Load the query rows, scaled by the variant's fold; padded rows are zero (and fully
+    // masked below).
+    const float qscale = V::fold(params);
     for (int idx = threadIdx.x; idx < S::ROWS * S::NCH; idx += blockDim.x) {
         const int r = idx / S::NCH, ch = idx % S::NCH;
         const int gi = r / BQ, t = t0 + r % BQ, g = gc * GC + gi;
         float* dst = &sQ[r][ch * S::VEC];
         if (gi < GC && g < G && t < n) {
-            load_vec<T, S::VEC>(q + (i64)b * q_sb + (i64)(kvh * G + g) * q_sh + (i64)t * q_st +
-                                    ch * S::VEC, dst);
+            load_vec<typename Ty::Q, S::VEC>(q + (i64)b * q_sb + (i64)(kvh * G + g) * q_sh +
+                                                 (i64)t * q_st + ch * S::VEC, dst);
 #pragma unroll
-            for (int e = 0; e < S::VEC; ++e) dst[e] *= scale;
+            for (int e = 0; e < S::VEC; ++e) dst[e] *= qscale;
         } else {
 #pragma unroll
             for (int e = 0; e < S::VEC; ++e) dst[e] = 0.f;
@@ -82,22 +95,24 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
 
     const int tr = threadIdx.x / S::TC, tc = threadIdx.x % S::TC;
     i64 pos[S::RPT];  // absolute position of each owned row; -1 for padding
-    float m[S::RPT], l[S::RPT], acc[S::RPT][S::CPT];
+    i64 first[S::RPT];  // its first visible key (the window's start; 0 without a window)
+    SoftmaxState<false> st[S::RPT];
+    float acc[S::RPT][S::CPT];
 #pragma unroll
     for (int i = 0; i < S::RPT; ++i) {
         const int r = tr * S::RPT + i;
         const int gi = r / BQ, t = t0 + r % BQ, g = gc * GC + gi;
         pos[i] = (gi < GC && g < G && t < n) ? start + t : -1;
-        m[i] = GQAKV_NEG_INF;
-        l[i] = 0.f;
+        first[i] = V::key_lo(params, pos[i]);
+        st[i].init();
 #pragma unroll
         for (int cc = 0; cc < S::CPT; ++cc) acc[i][cc] = 0.f;
     }
 
-    const i64 head_off = rows[b] * buf_sb + (i64)kvh * buf_sh;
-    for (i64 j0 = 0; j0 < k_end; j0 += S::BK) {
+    const ContiguousKV<KV> kv(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st);
+    for (i64 j0 = k_begin; j0 < k_end; j0 += S::BK) {
         __syncthreads();  // previous tile's readers are done with sKV and sP
-        load_tile<T, D>(sKV, k_buf + head_off, j0, k_end, buf_st, S::BK, S::KSTR);
+        load_tile<KV, D, false>(sKV, kv, j0, k_end, S::BK, S::KSTR);
         __syncthreads();
 
         // Dot products in blocks of DB head-dim elements, each block summed on its own and
@@ -138,32 +153,32 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
 #pragma unroll
             for (int jj = 0; jj < S::SPT; ++jj) {
                 const i64 j = j0 + tc + S::TC * jj;
-                if (j > pos[i]) s[i][jj] = GQAKV_NEG_INF;  // causal mask; padded rows mask all
+                s[i][jj] = V::transform(params, s[i][jj]);
+                // The variant's key range; padded rows (pos -1) mask all.
+                if (j > pos[i] || (V::WINDOW && j < first[i])) s[i][jj] = GQAKV_NEG_INF;
                 row_max = fmaxf(row_max, s[i][jj]);
             }
             row_max = group_max<S::TC>(row_max);
-            const float m_new = fmaxf(m[i], row_max);
             // A row that has seen no visible key keeps the empty state (no -inf - -inf: its
-            // masked scores get exp(-inf - 0) = 0). fmaxf skips NaN scores, but exp(NaN - mu)
+            // masked scores get 2^(-inf - 0) = 0). fmaxf skips NaN scores, but 2^(NaN - mu)
             // is NaN: l, then out and lse, turn NaN (never 0 / -inf) and stay so.
-            const float corr = m_new == GQAKV_NEG_INF ? 1.f : expf(m[i] - m_new);
-            const float mu = m_new == GQAKV_NEG_INF ? 0.f : m_new;
+            const float corr = st[i].raise(row_max);
+            const float mu = st[i].base();
             float p_sum = 0.f;
 #pragma unroll
             for (int jj = 0; jj < S::SPT; ++jj) {
-                const float p = expf(s[i][jj] - mu);
+                const float p = st[i].weight(s[i][jj], mu);
                 sP[tr * S::RPT + i][tc + S::TC * jj] = p;
                 p_sum += p;
             }
             p_sum = group_sum<S::TC>(p_sum);
-            l[i] = l[i] * corr + p_sum;
-            m[i] = m_new;
+            st[i].l += p_sum;
 #pragma unroll
             for (int cc = 0; cc < S::CPT; ++cc) acc[i][cc] *= corr;
         }
 
         __syncthreads();  // everyone is done reading K
-        load_tile<T, D>(sKV, v_buf + head_off, j0, k_end, buf_st, S::BK, S::KSTR);
+        load_tile<KV, D, true>(sKV, kv, j0, k_end, S::BK, S::KSTR);
         __syncthreads();
 
 #pragma unroll 4
@@ -186,13 +201,16 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
         if (pos[i] < 0) continue;
         const int r = tr * S::RPT + i;
         const int g = gc * GC + r / BQ, t = t0 + r % BQ, h = kvh * G + g;
-        const float inv = 1.f / l[i];  // l > 0 (every real query sees key 0), or NaN
-        T* o = out + (i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st;
+        // The sink term joins once, after every key (none without the sinks variant).
+        float mx = st[i].m, total = st[i].l;
+        const float corr = V::SINKS ? add_sink_log2(mx, total, V::sink_log2(params, h)) : 1.f;
+        const float inv = corr / total;  // total > 0 (every real query sees its own key), or NaN
+        typename Ty::Out* o = out + (i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st;
 #pragma unroll
         for (int cc = 0; cc < S::CPT; ++cc) {
             const int col = tc + S::TC * cc;
-            if (col < D) o[col] = from_float<T>(acc[i][cc] * inv);
+            if (col < D) o[col] = from_float<typename Ty::Out>(acc[i][cc] * inv);
         }
-        if (tc == 0) lse[((i64)b * Hq + h) * Tq + t] = m[i] + logf(l[i]);
+        if (tc == 0) lse[((i64)b * Hq + h) * Tq + t] = finished_lse(mx, total);
     }
 }

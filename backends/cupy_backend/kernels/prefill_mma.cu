@@ -4,13 +4,14 @@
 // Same work split and semantics as gqakv_prefill (prefill.cu): one CTA per (entry b, KV
 // head, group chunk, query block); its ROWS = 64 query rows are (group head g, token t)
 // pairs, GC heads times BQ tokens (GC * BQ <= 64). Query t of entry b sits at absolute
-// position L - n + t and sees keys 0..L - n + t; key tiles past the block's last visible
-// key are skipped, nothing at or past L is read, and padded rows (t >= n, g >= G) are
+// position L - n + t and sees the keys of the variant trait (variant.cuh); key tiles
+// outside the block's span are skipped, nothing at or past L is read, and padded rows (t >= n, g >= G) are
 // fully masked and never written. Offsets are 64-bit.
 //
 // Warps: 4, warp w owns query rows 16w..16w+15 (the M of every mma). Per key tile of BK keys:
 //   S (16 x BK per warp) = Q K^T: D/16 k-steps x BK/8 mma over Q and K in shared memory,
-//       then scaled in fp32 (Q stays unscaled in 16 bits, so no extra rounding);
+//       then scaled in fp32 by the variant's fold and transformed by its score modifier
+//       (log2 domain, softmax.cuh; Q stays unscaled in 16 bits, so no extra rounding);
 //   online softmax in registers: each lane holds rows groupID and groupID + 8 and two
 //       columns per 8-key n-tile; row max / sum reduce over the 4 lanes of a quad;
 //   P is rounded to T (as FlashAttention does) and reused straight from the S accumulators
@@ -37,8 +38,6 @@
 // Launch: grid (B * Hkv * n_gchunks, n_tblocks), block 128.
 #include "prefill_common.cuh"
 #include "mma.cuh"
-
-#define GQAKV_LOG2E 1.4426950408889634f
 
 template <int D, int BK, bool KV_SHARED>
 struct PrefillMmaSmem {
@@ -79,17 +78,16 @@ struct alignas(16) Words4 {
     unsigned w[4];
 };
 
-// Rows row0 .. row0 + nrows of a [*, D] 16-bit matrix (row stride `stride` elements) into
-// shared words dst[r * dst_words + ...], rows at or past row_end zero-filled (never read).
-template <class T, int D>
+// K rows row0 .. row0 + nrows (16-bit, through the K/V reader) into shared words
+// dst[r * dst_words + ...], rows at or past row_end zero-filled (never read).
+template <class T, int D, class Reader>
 __device__ __forceinline__ void load_rows_16(unsigned* __restrict__ dst, int dst_words,
-                                             const T* __restrict__ src, i64 row0, i64 row_end,
-                                             i64 stride, int nrows) {
+                                             const Reader& kv, i64 row0, i64 row_end, int nrows) {
     constexpr int NCH = D / 8;
     for (int idx = threadIdx.x; idx < nrows * NCH; idx += blockDim.x) {
         const int r = idx / NCH, ch = idx % NCH;
         Words4 x = {{0u, 0u, 0u, 0u}};
-        if (row0 + r < row_end) x = *reinterpret_cast<const Words4*>(src + (row0 + r) * stride + ch * 8);
+        if (row0 + r < row_end) x = *reinterpret_cast<const Words4*>(kv.k_row(row0 + r) + ch * 8);
         *reinterpret_cast<Words4*>(dst + r * dst_words + ch * 4) = x;
     }
 }
@@ -97,16 +95,16 @@ __device__ __forceinline__ void load_rows_16(unsigned* __restrict__ dst, int dst
 // V rows row0 .. row0 + BK, transposed: dst[c * VW + k / 2] packs V[k][c] (low half) and
 // V[k + 1][c] (high half), the k-pair of a B fragment register. Lanes run over key pairs,
 // so the scattered 32-bit stores hit distinct banks.
-template <class T, int D, int BK, int VW>
-__device__ __forceinline__ void load_v_transposed(unsigned* __restrict__ dst, const T* __restrict__ src,
-                                                  i64 row0, i64 row_end, i64 stride) {
+template <class T, int D, int BK, int VW, class Reader>
+__device__ __forceinline__ void load_v_transposed(unsigned* __restrict__ dst, const Reader& kv,
+                                                  i64 row0, i64 row_end) {
     constexpr int NCH = D / 8, PAIRS = BK / 2;
     for (int idx = threadIdx.x; idx < PAIRS * NCH; idx += blockDim.x) {
         const int kp = idx % PAIRS, ch = idx / PAIRS;
         const i64 k0 = row0 + 2 * kp;
         Words4 lo = {{0u, 0u, 0u, 0u}}, hi = {{0u, 0u, 0u, 0u}};
-        if (k0 < row_end) lo = *reinterpret_cast<const Words4*>(src + k0 * stride + ch * 8);
-        if (k0 + 1 < row_end) hi = *reinterpret_cast<const Words4*>(src + (k0 + 1) * stride + ch * 8);
+        if (k0 < row_end) lo = *reinterpret_cast<const Words4*>(kv.v_row(k0) + ch * 8);
+        if (k0 + 1 < row_end) hi = *reinterpret_cast<const Words4*>(kv.v_row(k0 + 1) + ch * 8);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const unsigned a = (lo.w[e / 2] >> (16 * (e % 2))) & 0xffffu;
@@ -116,19 +114,25 @@ __device__ __forceinline__ void load_v_transposed(unsigned* __restrict__ dst, co
     }
 }
 
-template <class T, int D>
+// T: the storage type (q and K/V enter the mma together, so KernelTypes' Q and KV are the
+// same here); VARIANT: the variant trait's flags (variant.cuh; 0 is plain causal).
+template <class T, int D, int VARIANT = 0>
 __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_prefill_mma(
-    const T* __restrict__ q, const T* __restrict__ k_buf, const T* __restrict__ v_buf,
+    const typename KernelTypes<T>::Q* __restrict__ q, const typename KernelTypes<T>::KV* __restrict__ k_buf,
+    const typename KernelTypes<T>::KV* __restrict__ v_buf,
     const i64* __restrict__ rows, const i64* __restrict__ lens, const i64* __restrict__ n_new,
-    T* __restrict__ out, float* __restrict__ lse,
-    int Hkv, int G, int Tq, int GC, int BQ, int n_gchunks, float scale,
+    typename KernelTypes<T>::Out* __restrict__ out, float* __restrict__ lse,
+    int Hkv, int G, int Tq, int GC, int BQ, int n_gchunks, AttnParams params,
     i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
     i64 o_sb, i64 o_sh, i64 o_st) {
-    typedef PrefillMmaShape<T, D> S;
+    typedef KernelTypes<T> Ty;
+    typedef typename Ty::KV KV;
+    typedef PrefillMmaShape<KV, D> S;
     typedef typename S::Smem M;
-    const PrefillCta cta = prefill_cta(lens, n_new, Hkv, n_gchunks, BQ);
+    typedef Variant<VARIANT> V;
+    const PrefillCta cta = prefill_cta<V>(lens, n_new, Hkv, n_gchunks, BQ, params);
     const int gc = cta.gc, kvh = cta.kvh, b = cta.b, t0 = cta.t0;
-    const i64 n = cta.n, start = cta.start, k_end = cta.k_end;
+    const i64 n = cta.n, start = cta.start, k_begin = cta.k_begin, k_end = cta.k_end;
     if (t0 >= n) return;  // uniform over the CTA
 
     // Words4 storage: 16-byte aligned (QW, KW, VW are multiples of 4 words, so is K_WORDS).
@@ -154,14 +158,16 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
     const int grp = lane >> 2, tig = lane % 4;  // the fragment layout's groupID, threadID_in_group
     const int r0 = warp * 16;                   // first query row of this warp
     i64 pos[2];  // absolute position of rows r0 + grp (h = 0) and r0 + grp + 8 (h = 1); -1: padding
-    float m[2], l[2], lr[2];  // running max, sum of fp32 P, sum of P rounded to T
+    i64 first[2];  // their first visible key (the window's start; 0 without a window)
+    SoftmaxState<false> st[2];  // running max and sum of fp32 P
+    float lr[2];  // sum of P rounded to T
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = r0 + grp + 8 * h;
         const int gi = r / BQ, t = t0 + r % BQ, g = gc * GC + gi;
         pos[h] = (gi < GC && g < G && t < n) ? start + t : -1;
-        m[h] = GQAKV_NEG_INF;
-        l[h] = 0.f;
+        first[h] = V::key_lo(params, pos[h]);
+        st[h].init();
         lr[h] = 0.f;
     }
     // The warp's last visible key (-1 when all its rows are padding), for skipping tiles.
@@ -177,12 +183,13 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
 #pragma unroll
         for (int i = 0; i < 4; ++i) o[nt][i] = 0.f;
 
-    const i64 head_off = rows[b] * buf_sb + (i64)kvh * buf_sh;
-    for (i64 j0 = 0; j0 < k_end; j0 += S::BK) {
+    const ContiguousKV<KV> kv(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st);
+    const float qscale = V::fold(params);
+    for (i64 j0 = k_begin; j0 < k_end; j0 += S::BK) {
         __syncthreads();  // previous tile's readers are done with sKV
-        load_rows_16<T, D>(sK, M::KW, k_buf + head_off, j0, k_end, buf_st, S::BK);
+        load_rows_16<KV, D>(sK, M::KW, kv, j0, k_end, S::BK);
         if (!S::KV_SHARED)
-            load_v_transposed<T, D, S::BK, M::VW>(sVt, v_buf + head_off, j0, k_end, buf_st);
+            load_v_transposed<KV, D, S::BK, M::VW>(sVt, kv, j0, k_end);
         __syncthreads();
         const bool active = j0 <= warp_last;  // uniform over the warp
 
@@ -213,25 +220,24 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const i64 j = j0 + nt * 8 + 2 * tig + e;
-                        float x = s[nt][2 * h + e] * scale;
-                        if (j > pos[h]) x = GQAKV_NEG_INF;  // causal mask; padded rows mask all
+                        float x = V::transform(params, s[nt][2 * h + e] * qscale);
+                        // The variant's key range; padded rows (pos -1) mask all.
+                        if (j > pos[h] || (V::WINDOW && j < first[h])) x = GQAKV_NEG_INF;
                         s[nt][2 * h + e] = x;
                         row_max = fmaxf(row_max, x);
                     }
                 row_max = group_max<4>(row_max);
-                const float m_new = fmaxf(m[h], row_max);
                 // A row that has seen no visible key keeps the empty state (no -inf - -inf:
-                // its masked scores get exp(-inf - 0) = 0). fmaxf skips NaN scores, but
-                // exp(NaN - mu) is NaN: l and lr, then out and lse, turn NaN and stay so.
-                // exp(x) as exp2(x * log2 e): one multiply and the hardware exp2.
-                const float corr = m_new == GQAKV_NEG_INF ? 1.f : exp2f((m[h] - m_new) * GQAKV_LOG2E);
-                const float mu = m_new == GQAKV_NEG_INF ? 0.f : m_new;
+                // its masked scores get 2^(-inf - 0) = 0). fmaxf skips NaN scores, but
+                // 2^(NaN - mu) is NaN: l and lr, then out and lse, turn NaN and stay so.
+                const float corr = st[h].raise(row_max);
+                const float mu = st[h].base();
                 float p_sum = 0.f, pr_sum = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < S::NT_S; ++nt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float p = exp2f((s[nt][2 * h + e] - mu) * GQAKV_LOG2E);
+                        const float p = st[h].weight(s[nt][2 * h + e], mu);
                         const float pr = to_float(from_float<T>(p));  // what P V will use
                         s[nt][2 * h + e] = pr;
                         p_sum += p;
@@ -239,9 +245,8 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
                     }
                 p_sum = group_sum<4>(p_sum);
                 pr_sum = group_sum<4>(pr_sum);
-                l[h] = l[h] * corr + p_sum;
+                st[h].l += p_sum;  // raise() rescaled it
                 lr[h] = lr[h] * corr + pr_sum;
-                m[h] = m_new;
 #pragma unroll
                 for (int nt = 0; nt < S::NT_O; ++nt) {
                     o[nt][2 * h] *= corr;
@@ -259,7 +264,7 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
 
         if (S::KV_SHARED) {
             __syncthreads();  // everyone is done reading K
-            load_v_transposed<T, D, S::BK, M::VW>(sVt, v_buf + head_off, j0, k_end, buf_st);
+            load_v_transposed<KV, D, S::BK, M::VW>(sVt, kv, j0, k_end);
             __syncthreads();
         }
         if (active) {
@@ -281,15 +286,26 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
         if (pos[h] < 0) continue;
         const int r = r0 + grp + 8 * h;
         const int g = gc * GC + r / BQ, t = t0 + r % BQ, hq = kvh * G + g;
-        const float inv = 1.f / lr[h];  // lr >= 1 (every real query sees key 0, P = 1 at the max), or NaN
-        T* orow = out + (i64)b * o_sb + (i64)hq * o_sh + (i64)t * o_st;
+        // The sink term joins once, after every key, in both denominators (none without the
+        // sinks variant): lr by the same factor and weight as l.
+        float mx = st[h].m, total = st[h].l, denom = lr[h], corr = 1.f;
+        if (V::SINKS) {
+            const float sink = V::sink_log2(params, hq);
+            float m_r = mx;
+            corr = add_sink_log2(mx, total, sink);
+            add_sink_log2(m_r, denom, sink);
+        }
+        // lr >= 1 (every real query sees its own key, P = 1 at the max), or NaN.
+        const float inv = corr / denom;
+        typedef typename Ty::Out TO;
+        TO* orow = out + (i64)b * o_sb + (i64)hq * o_sh + (i64)t * o_st;
 #pragma unroll
         for (int nt = 0; nt < S::NT_O; ++nt) {
-            Vec<T, 2> pair;
-            pair.v[0] = from_float<T>(o[nt][2 * h] * inv);
-            pair.v[1] = from_float<T>(o[nt][2 * h + 1] * inv);
-            *reinterpret_cast<Vec<T, 2>*>(orow + nt * 8 + 2 * tig) = pair;
+            Vec<TO, 2> pair;
+            pair.v[0] = from_float<TO>(o[nt][2 * h] * inv);
+            pair.v[1] = from_float<TO>(o[nt][2 * h + 1] * inv);
+            *reinterpret_cast<Vec<TO, 2>*>(orow + nt * 8 + 2 * tig) = pair;
         }
-        if (tig == 0) lse[((i64)b * Hq + hq) * Tq + t] = m[h] + logf(l[h]);
+        if (tig == 0) lse[((i64)b * Hq + hq) * Tq + t] = finished_lse(mx, total);
     }
 }

@@ -1,0 +1,89 @@
+// Compile-time traits the attention kernels are composed from:
+//   AttnParams      the runtime parameters of a call, one struct passed by value;
+//   Variant<FLAGS>  which keys a query sees, how a score is formed (score transform and the
+//                   scale folded into it) and the sink term: causal, plus the sliding
+//                   window, soft-cap and sinks as compile-time switches (never copies);
+//   ContiguousKV    how K and V rows are read (the address arithmetic): contiguous rows of
+//                   a dense [rows, Hkv, S, d] cache now; a paged reader replaces it later;
+//   KernelTypes<T>  the q, K/V and output element types (one storage type today).
+// The Python side (plan.py: variant_flags, KernelParams) fills the same struct and picks
+// the same flags; gqakv.semantics holds the definitions every path implements.
+#pragma once
+#include "softmax.cuh"
+
+// Runtime attention parameters (plan.KernelParams packs the same layout: 24 bytes).
+//   scale:   the softmax scale applied to q . k;
+//   softcap: c > 0 (read only under VARIANT_SOFTCAP);
+//   window:  W >= 1 (read only under VARIANT_WINDOW);
+//   sinks:   [Hq] float32 logits on the device (read only under VARIANT_SINKS).
+struct AttnParams {
+    float scale;
+    float softcap;
+    i64 window;
+    const float* sinks;
+};
+
+// Variant flags (plan.VARIANT_FLAGS spells the same bits).
+#define GQAKV_VARIANT_WINDOW 1
+#define GQAKV_VARIANT_SOFTCAP 2
+#define GQAKV_VARIANT_SINKS 4
+
+template <int FLAGS>
+struct Variant {
+    static_assert(FLAGS >= 0 && FLAGS < 8, "variant flags: window 1, softcap 2, sinks 4");
+    static constexpr bool WINDOW = (FLAGS & GQAKV_VARIANT_WINDOW) != 0;
+    static constexpr bool SOFTCAP = (FLAGS & GQAKV_VARIANT_SOFTCAP) != 0;
+    static constexpr bool SINKS = (FLAGS & GQAKV_VARIANT_SINKS) != 0;
+
+    // Keys [key_lo(pos), key_hi(pos)) are visible to the query at absolute position pos
+    // (gqakv.semantics.key_range): 0 .. pos, or the window's W most recent positions.
+    static __device__ __forceinline__ i64 key_lo(const AttnParams& p, i64 pos) {
+        if (!WINDOW) return 0;
+        const i64 lo = pos - p.window + 1;
+        return lo > 0 ? lo : 0;
+    }
+    static __device__ __forceinline__ i64 key_hi(i64 pos) { return pos + 1; }
+
+    // The factor a raw dot product q . k is multiplied by (kernels fold it into q where q
+    // is held in fp32): scale * log2(e) when the score goes straight to the softmax (log2
+    // domain, softmax.cuh); the bare scale when the soft-cap must see the natural score.
+    static __device__ __forceinline__ float fold(const AttnParams& p) {
+        return SOFTCAP ? p.scale : p.scale * GQAKV_LOG2E;
+    }
+    // A folded score x as the softmax takes it (log2 domain): x itself, or the soft-cap
+    // c * tanh(x / c) (gqakv.semantics.transform_scores) times log2(e). x / c, not
+    // x * (1 / c): a tiny c saturates tanh instead of making 0 * inf.
+    static __device__ __forceinline__ float transform(const AttnParams& p, float x) {
+        return SOFTCAP ? (p.softcap * GQAKV_LOG2E) * tanhf(x / p.softcap) : x;
+    }
+    // Query head h's sink logit in the log2 domain (-inf: no sink term).
+    static __device__ __forceinline__ float sink_log2(const AttnParams& p, int h) {
+        return SINKS ? p.sinks[h] * GQAKV_LOG2E : GQAKV_NEG_INF;
+    }
+};
+
+// Contiguous K/V rows: key `key` of the (cache row, KV head) the reader was made for sits
+// at base + key * stride. Kernels ask for whole key rows by key index (never advance a
+// pointer), so a page-table reader can stand in with the same two calls.
+template <class TKV>
+struct ContiguousKV {
+    const TKV* __restrict__ k;
+    const TKV* __restrict__ v;
+    i64 stride;  // elements between consecutive keys
+
+    __device__ __forceinline__ ContiguousKV(const TKV* __restrict__ k_buf, const TKV* __restrict__ v_buf,
+                                            i64 row, int kvh, i64 buf_sb, i64 buf_sh, i64 buf_st)
+        : k(k_buf + row * buf_sb + (i64)kvh * buf_sh), v(v_buf + row * buf_sb + (i64)kvh * buf_sh),
+          stride(buf_st) {}
+    __device__ __forceinline__ const TKV* k_row(i64 key) const { return k + key * stride; }
+    __device__ __forceinline__ const TKV* v_row(i64 key) const { return v + key * stride; }
+};
+
+// Element types of one kernel instantiation: q, K/V storage and output. One storage type
+// serves all three today; kernels name each role so a quantized K/V type can differ.
+template <class T>
+struct KernelTypes {
+    typedef T Q;
+    typedef T KV;
+    typedef T Out;
+};

@@ -1,0 +1,188 @@
+"""The attention variants (sliding window, soft-cap, sinks) in the CUDA kernels, emulated.
+
+Each kernel family is one template composed with the variant trait (kernels/variant.cuh:
+compile-time flags window 1, softcap 2, sinks 4); the planner picks the flags from the
+call's ``AttentionParams`` (plan.variant_flags) and starts decode splits and prefill key
+tiles at the window (semantics.keys_read / block_keys). Every scenario runs the plan the
+backend builds on the CPU emulator (tests/cuda_emu) and is compared with the independent
+float64 loop reference (tests/reference.py, which takes window=, softcap=, sinks=) with
+the suite's rule (tests/cuda_emu/cases._check_out): out within 2 x the reference's rounding
+to the dtype + 2e-6, lse within 1e-5, padded queries exactly 0 / -inf, no NaN anywhere.
+
+Covered: decode (fp32 FMA and tensor-core), split decode + merge (splits start at the
+window; the sink joins once in the merge), small-T decode whose queries see different
+windows, both chunked prefills; float32 / float16 / bfloat16; d = 64 and 20; W = 1, W
+larger than every row, W smaller than the chunk; a tiny soft-cap (tanh saturates); sinks
+large, -inf and mixed; ragged rows with padding and an idle entry.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import numpy as np
+import pytest
+
+from gqakv import semantics
+
+from .cuda_emu import cases, harness
+from .reference import reference_attention
+
+if harness.compiler() is None:
+    pytest.skip("no C++ compiler (g++) for the CUDA emulation harness", allow_module_level=True)
+
+from gqakv_backends.cupy_backend import plan as planmod  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    return harness.Emulator(harness.build(asan=False))
+
+
+def run_variant(emu, *, dtype, d, kv_heads, group, lens, n_new, params, pad=1,
+                force_splits=None, tensor_cores=True, max_len=None, seed=0):
+    """One attention call of ``params`` on a cache holding ``lens[b]`` tokens (after the
+    append of ``n_new[b]``), checked against the reference; returns the plan."""
+    rng = np.random.default_rng(seed)
+    st = cases.STORAGE[dtype]
+    lens = np.asarray(lens, np.int64)
+    n_new = np.asarray(n_new, np.int64)
+    B, Hq = len(lens), kv_heads * group
+    S = max_len or int(lens.max()) + 3
+    T = int(n_new.max()) + pad
+    k_buf = np.full((B, kv_heads, S, d), np.nan, st)  # dead tails NaN: never read
+    v_buf = np.full_like(k_buf, np.nan)
+    for b in range(B):
+        k_buf[b, :, :lens[b]] = rng.standard_normal((kv_heads, lens[b], d)).astype(st)
+        v_buf[b, :, :lens[b]] = rng.standard_normal((kv_heads, lens[b], d)).astype(st)
+    q = (2.0 * rng.standard_normal((B, Hq, T, d))).astype(st)  # scores of a few units
+    for b in range(B):
+        q[b, :, n_new[b]:] = np.nan
+    out = np.zeros((B, Hq, T, d), st)
+    lse = np.full((B, Hq, T), -np.inf, np.float32)
+    strides = lambda a: tuple(s // a.itemsize for s in a.strides)[:3]  # noqa: E731
+    plan = planmod.plan_attention(dtype, d, batch=B, kv_heads=kv_heads, group=group, t_q=T,
+                                  lens=lens, n_new=n_new, params=params, q_strides=strides(q),
+                                  buf_strides=strides(k_buf), out_strides=strides(out),
+                                  sm_count=132, force_splits=force_splits,
+                                  tensor_cores=tensor_cores)
+    arrays = {"q": q, "k_buf": k_buf, "v_buf": v_buf, "rows": np.arange(B, dtype=np.int64),
+              "lens": lens, "n_new": n_new, "out": out, "lse": lse}
+    if params.sinks is not None:
+        arrays["sinks"] = np.asarray(params.sinks, np.float32)
+    emu.run(plan, arrays)
+    k_rows = [k_buf[b, :, :lens[b]] for b in range(B)]
+    v_rows = [v_buf[b, :, :lens[b]] for b in range(B)]
+    ref_out, ref_lse = reference_attention(q.astype(np.float64), k_rows, v_rows, n_new, params.scale,
+                                           window=params.window, softcap=params.softcap,
+                                           sinks=params.sinks)
+    assert not np.isnan(ref_out).any() and not np.isnan(out.astype(np.float64)).any()
+    assert not np.isnan(lse).any()
+    stats = {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0}
+    case = types.SimpleNamespace(name=f"{dtype} d={d} {params.variant}", dtype=dtype)
+    cases._check_out(case, 0, out, lse, ref_out, ref_lse, n_new, stats)
+    return plan
+
+
+def _params(d, hq, window=None, softcap=None, sinks=None):
+    if isinstance(sinks, str):  # a named pattern over the Hq heads
+        sinks = {"large": [40.0 + h for h in range(hq)],
+                 "-inf": [-math.inf] * hq,
+                 "mixed": [(-math.inf, 0.5, -3.0, 25.0)[h % 4] for h in range(hq)]}[sinks]
+    sinks = None if sinks is None else tuple(float(np.float32(s)) for s in sinks)
+    return semantics.AttentionParams(scale=1.0 / math.sqrt(d), window=window, softcap=softcap,
+                                     sinks=sinks)
+
+
+DTYPES = ("float32", "float16", "bfloat16")
+# (window, softcap, sinks): each feature alone, the pairs and all three; W = 1, W larger
+# than every row, tiny soft-caps where tanh saturates, large / -inf / mixed sinks.
+VARIANTS = [
+    (1, None, None), (5, None, None), (1000, None, None), (None, 0.001, None), (None, 3.0, None),
+    (None, None, "large"), (None, None, "-inf"), (None, None, "mixed"), (7, 2.0, None),
+    (4, None, "mixed"), (None, 0.5, "mixed"), (3, 1.5, "mixed"), (1, 1e-3, "large"),
+]
+VIDS = [f"W{w}-c{c}-s{s}" for w, c, s in VARIANTS]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS, ids=VIDS)
+def test_decode_variants(emulator, dtype, variant):
+    """T = 1 decode, one CTA per (row, KV head): ragged rows, an idle entry, padding."""
+    d, Hkv, G = 64, 2, 4
+    params = _params(d, Hkv * G, *variant)
+    plan = run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[37, 9, 20],
+                       n_new=[1, 1, 0], params=params, seed=VARIANTS.index(variant))
+    assert plan.launches[0].name.endswith(f", {planmod.variant_flags(params)}>") or not params.features
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", [(6, None, "mixed"), (1, 2.0, "large"), (1000, None, "-inf"),
+                                     (None, 0.01, "mixed"), (13, None, None)],
+                         ids=["W6-sinks", "W1-cap-sinks", "Wbig-sinks-inf", "cap-sinks", "W13"])
+def test_split_decode_variants(emulator, dtype, variant):
+    """Split decode + merge: splits start at each row's window (a row's splits past its
+    keys write lse -inf, the merge reads the planner's layout) and the sink joins once,
+    in the merge; also small T = 3, where queries of one row see different windows."""
+    d, Hkv, G = 64, 1, 4
+    params = _params(d, Hkv * G, *variant)
+    for T, lens, n in ((1, [70, 12, 41], [1, 1, 1]), (3, [50, 3, 29], [3, 2, 3])):
+        plan = run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=lens, n_new=n,
+                           params=params, force_splits=4, seed=T)
+        keys = semantics.keys_read(params, np.array(lens), np.array(n))
+        assert plan.num_splits * plan.keys_per_split >= keys.max()  # sized by the window's span
+        if keys.max() < 4:  # W = 1, T = 1: one key per row, nothing to split
+            continue
+        assert plan.num_splits > 1 and plan.launches[-1].kernel == "gqakv_merge"
+        if params.sinks is not None:
+            assert plan.launches[-1].name.endswith(", 4>")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", [(1, None, None), (7, None, None), (1000, 0.001, None),
+                                     (None, 2.0, "mixed"), (5, 1.0, "large"), (3, None, "-inf")],
+                         ids=["W1", "W7", "Wbig-tinycap", "cap-sinks", "W5-cap-sinks", "W3-sinks-inf"])
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["mma", "fma"])
+def test_prefill_variants(emulator, dtype, variant, tensor_cores):
+    """Chunked prefill (W smaller than the chunk of 21 tokens), ragged rows with padding;
+    the tensor-core prefill for 16-bit dtypes and the fp32-FMA one."""
+    if tensor_cores and dtype == "float32":
+        pytest.skip("float32 has only the fp32-FMA prefill")
+    d, Hkv, G = 64, 2, 2
+    params = _params(d, Hkv * G, *variant)
+    plan = run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[30, 21, 8],
+                       n_new=[21, 9, 0], params=params, tensor_cores=tensor_cores, seed=3)
+    want = "gqakv_prefill_mma" if tensor_cores else "gqakv_prefill"
+    assert plan.launches[0].kernel == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_variants_scalar_head_dim(emulator, dtype):
+    """d = 20 (scalar loads; the fp32-FMA kernels for every dtype): decode, split decode
+    and prefill with every feature on."""
+    d, Hkv, G = 20, 1, 3
+    params = _params(d, Hkv * G, 4, 1.5, "mixed")
+    run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[19, 6], n_new=[1, 1],
+                params=params)
+    run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[40, 6], n_new=[1, 1],
+                params=params, force_splits=3)
+    run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[25, 6], n_new=[12, 6],
+                params=params)
+
+
+def test_window_reads_only_the_window():
+    """Work follows the window: a 100,000-token row decoded with W = 4,096 is planned over
+    4,096 keys (the split planner sizes splits by semantics.keys_read)."""
+    params = semantics.AttentionParams(scale=0.125, window=4096)
+    lens, n = np.array([100_000]), np.array([1])
+    plan = planmod.plan_attention("bfloat16", 128, batch=1, kv_heads=8, group=4, t_q=1, lens=lens,
+                                  n_new=n, params=params, q_strides=(4096, 128, 128),
+                                  buf_strides=(8 * 2**17 * 128, 2**17 * 128, 128),
+                                  out_strides=(4096, 128, 128), sm_count=132)
+    assert plan.num_splits * plan.keys_per_split < 4096 + plan.keys_per_split
+    full = planmod.plan_attention("bfloat16", 128, batch=1, kv_heads=8, group=4, t_q=1, lens=lens,
+                                  n_new=n, scale=0.125, q_strides=(4096, 128, 128),
+                                  buf_strides=(8 * 2**17 * 128, 2**17 * 128, 128),
+                                  out_strides=(4096, 128, 128), sm_count=132)
+    assert full.num_splits * full.keys_per_split >= 100_000
