@@ -727,3 +727,63 @@ def test_paged_quantized_model_cache(backend, kv_dtype):
     for dr in directs:
         dr.reorder([2, 2, 1])
     step(np.array([1, 1, 1]), 1)
+
+
+# -- transformers: GqakvCache(kv_dtype=...) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_transformers_cache_with_kv_dtype(kv_dtype, monkeypatch):
+    """A tiny Llama generating through GqakvCache(kv_dtype=...) equals the same model on
+    transformers' sdpa attention with each K/V token replaced by its dequantized value
+    (the rule, applied to the whole DynamicCache every call: per-token, so the past comes
+    out the same): the same greedy tokens, logits within float32 rounding, far closer
+    than either is to the unquantized model (so the quantization did happen)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from gqakv.integrations.transformers import GqakvCache
+
+    from .test_transformers import _generate, _ids, _model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: torch's spinning pool only slows it
+    try:
+        model, ids = _model(torch.float32), _ids(batch=2, length=9, seed=3)
+        plain_seq, plain_logits = _generate(model, ids, "sdpa", n=8)
+        sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+        def held(x):
+            return torch.from_numpy(_dequantized(x.detach().numpy(), kv_dtype))
+
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa",
+                            lambda module, q, k, v, *a, **kw: sdpa(module, q, held(k), held(v), *a, **kw))
+        want_seq, want_logits = _generate(model, ids, "sdpa", n=8)
+        monkeypatch.undo()
+        cache = GqakvCache(model.config, max_cache_len=17, kv_dtype=kv_dtype)
+        got_seq, got_logits = _generate(model, ids, "gqakv", n=8, cache=cache)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(kv.kv_dtype == kv_dtype and kv.host_lens.tolist() == [9 + 7] * 2 for kv in cache.kv_caches)
+    assert torch.equal(got_seq, want_seq)
+    err = (got_logits - want_logits).abs().max().item()
+    quantization = (want_logits - plain_logits).abs().max().item()
+    print(f"{kv_dtype}: logits vs fake-quantized sdpa {err:.3g}, vs unquantized {quantization:.3g}")
+    assert err <= 1e-5 and quantization >= 100 * err, (err, quantization)
+
+
+def test_transformers_cache_refuses_a_bad_kv_dtype():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from gqakv.integrations.transformers import CACHE_KWARG, GqakvCache
+
+    from .test_transformers import _ids, _model
+
+    model = _model(torch.float32)
+    with pytest.raises(ValueError, match=r"kv_dtype='int4'.*allowed"):
+        GqakvCache(model.config, max_cache_len=8, kv_dtype="int4")
+    model = _model(torch.float64)
+    model.set_attn_implementation("gqakv")
+    with pytest.raises(ValueError, match="dtype=float64"), torch.no_grad():
+        model(_ids(batch=1, length=3), **{CACHE_KWARG: GqakvCache(model.config, 8, kv_dtype="int8")})

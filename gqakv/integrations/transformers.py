@@ -29,7 +29,10 @@
   place. ``update`` hands the new chunk to ``gqakv_attention``, which writes it (it
   knows the padding); query head h reads KV head h // G, K/V are never repeated.
   ``get_seq_length()`` counts token slots including pads, as transformers' caches do;
-  ``kv_caches[i].host_lens`` gives the real tokens of each row.
+  ``kv_caches[i].host_lens`` gives the real tokens of each row. ``kv_dtype="int8"`` or
+  ``"float8_e4m3fn"`` stores every layer's K/V quantized (``gqakv.quantize``: 8-bit
+  codes and a float32 scale per token and KV head); queries and outputs keep the
+  model's dtype. The layer's ``keys``/``values`` are then the code buffers.
 - Without a cache (``use_cache=False``), ``gqakv_attention`` attends through a
   temporary cache that holds just that call's real keys and values.
 - Beam search (``num_beams > 1``), assisted decoding (``assistant_model=``) and
@@ -225,9 +228,11 @@ class GqakvLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, max_cache_len: int, batch_size: int | None = None, max_batch_size: int | None = None):
+    def __init__(self, max_cache_len: int, batch_size: int | None = None, max_batch_size: int | None = None,
+                 kv_dtype=None):
         super().__init__()
         self.max_cache_len = int(max_cache_len)
+        self.kv_dtype = kv_dtype  # None, "int8" or "float8_e4m3fn" (validated by GqakvCache)
         self.batch_size = batch_size
         self.max_batch_size = max_batch_size
         self.kv: gqakv.KVCache | None = None
@@ -247,7 +252,7 @@ class GqakvLayer(CacheLayerMixin):
         self.batch_size = int(B)
         self.device = key_states.device
         self.kv = gqakv.KVCache(rows, int(hkv), self.max_cache_len, int(d), dtype=key_states.dtype,
-                                backend=TorchBackend(device=key_states.device))
+                                backend=TorchBackend(device=key_states.device), kv_dtype=self.kv_dtype)
         self.keys, self.values = self.kv.k, self.kv.v
         self.is_initialized = True
 
@@ -434,20 +439,26 @@ class GqakvCache(Cache):
         max_batch_size: rows allocated per layer (default: the first batch's size). More
             rows let ``batch_repeat_interleave`` grow the batch in place, and let a reset
             cache take a different batch size.
+        kv_dtype: how K/V are stored: None (in the model's dtype), "int8" or
+            "float8_e4m3fn" (``gqakv.KVCache``'s ``kv_dtype``: per-token scales; the model's
+            dtype must be float32, float16 or bfloat16, checked at the first forward).
 
     Beam search, batch selection and crop are gqakv row operations on the buffers
     allocated at the first forward (see ``GqakvLayer``); nothing is ever reallocated.
     """
 
     def __init__(self, config, max_cache_len: int, batch_size: int | None = None,
-                 max_batch_size: int | None = None):
+                 max_batch_size: int | None = None, kv_dtype=None):
+        kv_dtype = gqakv.dtypes.kv_dtype_name(kv_dtype)  # a bad name is refused here, naming it
         text = config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         other = sorted(set(types) - LAYER_TYPES)
         if other:
             raise ValueError(f"GqakvCache supports the layer types {sorted(LAYER_TYPES)}, the model also has {other}")
-        super().__init__(layers=[GqakvLayer(max_cache_len, batch_size, max_batch_size) for _ in types])
+        super().__init__(layers=[GqakvLayer(max_cache_len, batch_size, max_batch_size, kv_dtype)
+                                 for _ in types])
         self.max_cache_len = int(max_cache_len)
+        self.kv_dtype = kv_dtype
 
     @property
     def kv_caches(self) -> list[gqakv.KVCache | None]:
@@ -501,8 +512,9 @@ def gqakv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             padding.check_rows(int(B), int(S), [0] * int(B))
             key, value, n_new = padding.pack(key), padding.pack(value), padding.n_new
         kv.append(key, value, n_new)
-    if query.dtype != kv.k.dtype:  # e.g. autocast: gqakv never casts silently, so do it here explicitly
-        query = query.to(kv.k.dtype)
+    q_dtype = kv.backend.dtype(kv.dtype)  # the cache's query dtype (its K/V may be stored quantized)
+    if query.dtype != q_dtype:  # e.g. autocast: gqakv never casts silently, so do it here explicitly
+        query = query.to(q_dtype)
     if padding is not None:
         query = padding.pack(query)
     # [B, Hq, T, d], real slots first
