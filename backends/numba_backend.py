@@ -4,13 +4,19 @@ Buffers are the NumPy arrays the numpy backend would hold (this class extends it
 caches, writes and row copies are the same; attention over float32, float16 and
 bfloat16 caches runs the kernels of ``numba_kernels``: one pass over each live K/V
 row, the G query heads of a KV head (times the queries of a small chunk) folded into
-one tile, online softmax in float32, float16/bfloat16 converted in registers.
+one tile, online softmax in float32, float16/bfloat16 converted in registers. Paged
+and quantized stores run the same kernels over their ``kernel_layout``: the pool read
+through the page table a page run at a time; int8 / float8_e4m3fn codes decoded in
+registers with each token's scale folded into its score and its p.
 
 Which implementation serves a call, and why, is ``attention_route(...)``:
-- "numba kernel": float32/float16/bfloat16 caches with C-contiguous buffers and
-  chunks of at most ``KERNEL_MAX_QUERIES`` queries (decode and short chunks);
-- "numpy BLAS" otherwise: float64 (no kernel is compiled for it), strided buffers,
-  and long prefill chunks (compute-bound, where BLAS's matmuls are faster).
+- "numba kernel": float32/float16/bfloat16 contiguous or paged storage, or int8 /
+  float8_e4m3fn quantized contiguous storage, with C-contiguous buffers and chunks of
+  at most ``KERNEL_MAX_QUERIES`` queries (decode and short chunks);
+- "numpy BLAS" otherwise (the numpy backend's path for the kind: ``numpy_attention``,
+  ``numpy_paged``, ``numpy_quantized``): float64 (no kernel is compiled for it),
+  strided buffers, and long prefill chunks (compute-bound, where BLAS's matmuls are
+  faster).
 
 Work is cut by the CPU planner shared with the numpy backend (``cpu_plan``): items of
 about equal cost, key splits when rows x KV heads are too few to fill the threads,
@@ -28,6 +34,7 @@ import os
 import numpy as np
 
 from gqakv.semantics import AttentionParams, block_keys, unsupported
+from gqakv.store import CONTIGUOUS, PAGED
 
 from .cpu_plan import ENV_THREADS, _plan, _share, _threads
 from .numpy_backend import NumpyBackend
@@ -44,6 +51,8 @@ KEY_BLOCK_BYTES = 16 << 10
 PARALLEL_MIN_WORK = 1 << 16
 
 _KERNEL_DTYPES = ("float32", "float16", "bfloat16")
+#: Quantized storage dtypes the kernels decode (codes x per-token scale).
+_KERNEL_KV_DTYPES = ("int8", "float8_e4m3fn")
 
 
 class NumbaBackend(NumpyBackend):
@@ -52,6 +61,8 @@ class NumbaBackend(NumpyBackend):
     # array_library, device_kind, dtypes and head_dims are NumpyBackend's (same arrays)
     features = frozenset({
         "numba kernels: decode and chunks <= 16 queries (float32, float16, bfloat16)",
+        "paged storage in the kernels (page table read once per page run)",
+        "int8 / float8_e4m3fn storage in the kernels (decoded in registers, scales folded)",
         "float16/bfloat16 converted in registers, computed in float32",
         "float64 and long prefill chunks: the numpy backend's BLAS path",
         "threads: GQAKV_NUM_THREADS, else all cores",
@@ -71,13 +82,25 @@ class NumbaBackend(NumpyBackend):
                 self._reason = None
         return self._reason
 
-    def attention_route(self, q, k_buf, v_buf) -> tuple[str, str]:
+    def attention_route(self, q, k_buf, v_buf, store=None) -> tuple[str, str]:
         """(implementation, why) for an attention call over these arrays: "numba kernel"
-        with an empty reason, or "numpy BLAS" with the reason the kernel is not used."""
-        name = _dtype_name(k_buf.dtype)
-        if name not in _KERNEL_DTYPES:
-            return "numpy BLAS", f"dtype={name} (kernels: {', '.join(_KERNEL_DTYPES)})"
-        if not (k_buf.flags.c_contiguous and v_buf.flags.c_contiguous):
+        with an empty reason, or "numpy BLAS" with the reason the kernel is not used.
+        ``store``: the call's KVStore, when its kind (paged: ``k_buf``/``v_buf`` are the
+        pool) or quantized storage (``k_buf``/``v_buf`` hold codes) matters."""
+        paged = store is not None and store.kind == PAGED
+        quantized = store is not None and store.quantized
+        if store is not None and store.kind not in (CONTIGUOUS, PAGED):
+            return "numpy BLAS", f"storage kind={store.kind!r} (kernels: {CONTIGUOUS}, {PAGED})"
+        if paged and quantized:
+            return "numpy BLAS", "paged quantized storage: the kernels read paged or quantized"
+        name = store.dtype if quantized else _dtype_name(k_buf.dtype)
+        kinds = _KERNEL_DTYPES + _KERNEL_KV_DTYPES
+        if name not in kinds:
+            return "numpy BLAS", f"dtype={name} (kernels: {', '.join(kinds)})"
+        arrays = [k_buf, v_buf]
+        if quantized:
+            arrays += [store.k_scale, store.v_scale]
+        if not all(a.flags.c_contiguous for a in arrays):
             return "numpy BLAS", "K/V buffers are not C-contiguous (kernels read contiguous rows)"
         T = q.shape[2]
         if T > KERNEL_MAX_QUERIES:
@@ -86,18 +109,18 @@ class NumbaBackend(NumpyBackend):
         return "numba kernel", ""
 
     def attention(self, q, store, inputs, params, *, return_lse: bool):
-        """Compiled decode/short-chunk attention, else the NumPy path (``attention_route``);
-        storage kinds and variants the kernels do not implement take the NumPy backend's
+        """Compiled decode/short-chunk attention over contiguous, paged or quantized
+        storage, else the NumPy path (``attention_route``; it serves paged and quantized
+        storage too); variants the kernels do not implement take the NumPy backend's
         route (which hands them on to the generic path)."""
-        if store.kind != "contiguous" or store.quantized or unsupported(params, "numba kernel"):
+        if unsupported(params, "numba kernel"):
             return super().attention(q, store, inputs, params, return_lse=return_lse)
-        k_buf, v_buf = store.k, store.v
-        rows, lens, n_new, scale = inputs.rows, inputs.lens, inputs.n_new, params.scale
-        route, _ = self.attention_route(q, k_buf, v_buf)
+        route, _ = self.attention_route(q, store.k, store.v, store)
         if route != "numba kernel":
             return super().attention(q, store, inputs, params, return_lse=return_lse)
-        return attention_numba(q, k_buf, v_buf, rows, lens, n_new, scale=scale,
-                               return_lse=return_lse, params=params)
+        k_buf, v_buf = kernel_layout(store)
+        return attention_numba(q, k_buf, v_buf, inputs.rows, inputs.lens, inputs.n_new,
+                               scale=params.scale, return_lse=return_lse, params=params)
 
 
 def _dtype_name(dtype) -> str:
@@ -124,7 +147,8 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
     """Attention through the numba kernels; see ``gqakv.gqa_attention`` for the semantics.
 
     q: [B, Hq, T, d] (the cache's dtype); k_buf, v_buf: [rows_total, Hkv, max_len, d]
-    C-contiguous float32/float16/bfloat16; rows, lens, n_new: host ints [B]. Returns
+    C-contiguous float32/float16/bfloat16, or a store's layout from ``kernel_layout``
+    (paged, quantized); rows, lens, n_new: host ints [B]. Returns
     out [B, Hq, T, d] in q's dtype and, with ``return_lse``, lse [B, Hq, T] float32
     (padded queries: 0 and -inf). The keywords expose the blocking so tests can force
     every split on small shapes. ``params``: the call's ``AttentionParams`` (default:
@@ -137,7 +161,9 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
     if params is None:
         params = AttentionParams(scale=scale)
     B, Hq, T, d = q.shape
-    Hkv = k_buf.shape[1]
+    if isinstance(k_buf, np.ndarray):  # contiguous arrays: float16/bfloat16 as their bits
+        k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
+    Hkv = _kv_heads(k_buf)
     G = Hq // Hkv
     window = nk.NO_WINDOW if params.window is None else params.window
     softcap = np.float32(0.0 if params.softcap is None else params.softcap)
@@ -168,14 +194,13 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
                 n_part += (h1 - h0) * G * (t1 - t0)
         o_part = np.empty((n_part, d), dtype=np.float32)
         ml_part = np.empty((n_part, 2), dtype=np.float32)
-        kb, vb = _kernel_buffers(k_buf, v_buf, nk)
         if key_block is None:
             key_block = max(8, KEY_BLOCK_BYTES // (4 * d))
         q32 = np.ascontiguousarray(q, dtype=np.float32)
         items_arr = np.array([it[:7] for it in order], dtype=np.int64).reshape(-1, 7)
         with _threads:  # BLAS idle at one thread while numba's threads run
             numba.set_num_threads(workers)
-            nk.attention_items(q32, kb, vb, rows, lens, n_new, items_arr, run_starts, part_rows,
+            nk.attention_items(q32, k_buf, v_buf, rows, lens, n_new, items_arr, run_starts, part_rows,
                                np.float32(params.scale), softcap, window, sinks, key_block,
                                out, lse, o_part, ml_part)
             if groups:
@@ -195,3 +220,31 @@ def _kernel_buffers(k_buf, v_buf, nk):
     as int16 bits (the element type selects the conversion at compile time)."""
     view = nk.BITS_VIEW[_dtype_name(k_buf.dtype)]
     return k_buf.view(view), v_buf.view(view)
+
+
+def _kv_heads(buf) -> int:
+    """Hkv of an array or of a ``kernel_layout`` layout."""
+    from . import numba_kernels as nk
+
+    if isinstance(buf, nk.Paged):
+        return _kv_heads(buf.pool)
+    if isinstance(buf, nk.Quantized):
+        return _kv_heads(buf.codes)
+    return int(buf.shape[1])
+
+
+def kernel_layout(store):
+    """(K, V) of a KVStore (no leading axes) as the kernels read them (``key_row``):
+    contiguous: the arrays [rows, Hkv, max_len, d] themselves; paged (float16/bfloat16
+    pools as their bits):
+    ``Paged`` (pool [num_pages, Hkv, page_size, d], table [rows, pages_per_row] int32);
+    quantized: ``Quantized(codes, scales [rows, Hkv, max_len])``. Views, no copies."""
+    from . import numba_kernels as nk
+
+    if store.quantized:
+        return (nk.Quantized(store.k, store.k_scale), nk.Quantized(store.v, store.v_scale))
+    if store.kind == PAGED:
+        k, v = _kernel_buffers(store.k, store.v, nk)
+        table = np.ascontiguousarray(store.table.table, dtype=np.int32)
+        return nk.paged(k, table), nk.paged(v, table)
+    return store.k, store.v  # attention_numba takes their bits

@@ -3,11 +3,16 @@
 The attention loop is composed of small ``@njit`` pieces that LLVM inlines into it,
 so later storage kinds and attention variants replace one piece, not the loop:
 
-- how K/V are read: ``key_row(buf, r, h, j)`` gives the stored row of key j of KV
-  head h of cache row r (contiguous rows: a view), and ``decode(x)`` turns one
-  stored element into float32, chosen at compile time by the buffer's element type
-  (float32 as is; float16 bits as uint16 and bfloat16 bits as int16, converted in
-  registers: ``half_to_float``, ``bfloat16_to_float``);
+- how K/V are read: ``key_run(buf, r, h, j, n)`` gives the stored rows of keys
+  j .. j + m - 1 of KV head h of cache row r that lie together in storage (m <= n),
+  chosen at compile time by the layout's type: contiguous rows (an array: all n keys,
+  a view), ``Paged`` (a pool and page table: up to the end of j's page, one table lookup
+  per run), ``Quantized`` (codes and a per-token scale, either of those layouts); and
+  ``decode(x)`` turns one stored element into float32, chosen by the element type
+  (float32 as is; float16 bits as uint16 and bfloat16 bits as int16, int8 codes, and
+  float8_e4m3fn bits as uint8, converted in registers: ``half_to_float``,
+  ``bfloat16_to_float``, ``e4m3_to_float``). A quantized token's scale never touches its
+  row: ``factor`` multiplies its dot product (K) and its p (V), 1 otherwise (folded away);
 - which keys a query sees: ``visible_keys(q_pos, window)`` gives the key range
   ``lo, hi`` (bottom-right causal, ``0, q_pos + 1``, with a sliding window's first key
   as ``lo``: ``gqakv.semantics.key_range`` in kernel form; the planner's items already
@@ -21,8 +26,9 @@ Per block of keys (``key_block``, about 32): the dots of the whole tile (G heads
 queries) against the block with the loop over d vectorized (``_block_dots``: two keys
 x four rows of accumulators in registers), then per row the mask, one max and rescale
 per block and the exponentials, then O += P V with the loop over d vectorized
-(``_accumulate``: four values into four rows per pass). Each K/V element is read and
-converted once per four tile rows, straight from the cache (no scratch copy).
+(``_accumulate``: four values into four rows per pass); both walk the block one storage
+run at a time. Each K/V element is read and converted once per four tile rows, straight
+from the cache or pool (no scratch copy, no dequantized copy).
 
 The online softmax keeps a running max ``m`` and sum ``l`` in float32 per tile row and
 is correct when a whole key block is masked (rows whose max is still -inf add
@@ -38,6 +44,8 @@ the reference. The vector loops ask LLVM for 512-bit vectors where the CPU has t
 """
 
 from __future__ import annotations
+
+from collections import namedtuple
 
 import numpy as np
 from llvmlite import ir
@@ -155,9 +163,24 @@ def bfloat16_to_float(h):
 
 
 @njit(cache=True)
+def e4m3_to_float(x):
+    """float8_e4m3fn bits (uint8) -> float32, exact (zeros, subnormals, normals, the NaN
+    patterns 0x7F/0xFF), branch-free: a normal's exponent is rebiased (7 -> 127) and its
+    mantissa moved up in the bits, a subnormal (exponent 0) is its 3-bit mantissa x 2**-9
+    (computed so, never as a float32 subnormal), the sign is bit 7."""
+    b = np.int32(x)
+    a = b & np.int32(0x7F)
+    normal = _bits_to_float32((a << np.int32(20)) + np.int32(120 << 23))
+    mag = np.float32(a) * np.float32(2.0 ** -9) if a < np.int32(8) else normal
+    if a == np.int32(0x7F):
+        mag = np.float32(np.nan)
+    return _bits_to_float32(_float32_bits(mag) | ((b & np.int32(0x80)) << np.int32(24)))
+
+
+@njit(cache=True)
 def convert_bits(src, dst):
-    """dst[:] = float32 values of the 16-bit patterns src, by src's dtype (``decode``):
-    uint16 float16 bits, int16 bfloat16 bits."""
+    """dst[:] = float32 values of the stored elements src, by src's dtype (``decode``):
+    uint16 float16 bits, int16 bfloat16 bits, int8 codes, uint8 e4m3fn bits."""
     _prefer_512_bit_vectors()
     for x in range(src.size):
         dst[x] = decode(src[x])
@@ -213,8 +236,9 @@ def tanh_f32(x):
 def decode(x):
     """One stored K/V element as float32, by the buffer's element type (implemented by
     the overload below; plain Python cannot call it): float32 as is, uint16 as float16
-    bits (``half_to_float``), int16 as bfloat16 bits (``bfloat16_to_float``). The
-    type picks the conversion at compile time, so the loops over d stay branch-free."""
+    bits (``half_to_float``), int16 as bfloat16 bits (``bfloat16_to_float``), int8 codes
+    as their value, uint8 as float8_e4m3fn codes (``e4m3_to_float``). The type picks
+    the conversion at compile time, so the loops over d stay branch-free."""
     raise NotImplementedError
 
 
@@ -226,15 +250,101 @@ def _decode(x):
         return lambda x: half_to_float(x)
     if x == types.int16:
         return lambda x: bfloat16_to_float(x)
+    if x == types.int8:
+        return lambda x: np.float32(x)
+    if x == types.uint8:
+        return lambda x: e4m3_to_float(x)
     return None
 
 
-@njit(cache=True)
-def key_row(buf, r, h, j):
-    """The stored row of key (or value) j of KV head h of cache row r: a [d] view of
-    buf [rows, Hkv, max_len, d] (contiguous rows; a paged reader maps j through its
-    page table here). Elements are read through ``decode``."""
-    return buf[r, h, j]
+#: Paged storage as the kernels take it: ``pool`` [num_pages, Hkv, page_size, ...] and
+#: ``table`` [rows, pages_per_row] int32 (row r's pages in token order; token j of head
+#: h is ``pool[table[r, j // page_size], h, j % page_size]``); ``shift``: log2(page_size)
+#: when it is a power of two (j's page and place by shift and mask), else -1. Make it
+#: with ``paged(pool, table)``.
+Paged = namedtuple("Paged", ["pool", "table", "shift"])
+
+
+def paged(pool, table) -> Paged:
+    """The ``Paged`` layout of ``pool`` [num_pages, Hkv, page_size, ...] and ``table``."""
+    P = int(pool.shape[2])
+    return Paged(pool, table, np.int64(P.bit_length() - 1 if P & (P - 1) == 0 else -1))
+#: Quantized storage as the kernels take it: ``codes`` (int8, or uint8 e4m3fn patterns;
+#: an array [rows, Hkv, max_len, d] or a ``Paged`` of them) and ``scales`` (float32, one
+#: per token: [rows, Hkv, max_len] or a ``Paged`` of them).
+Quantized = namedtuple("Quantized", ["codes", "scales"])
+
+
+def _is(buf, cls):
+    return isinstance(buf, types.BaseNamedTuple) and buf.instance_class is cls
+
+
+def key_run(buf, r, h, j, n):
+    """``(rows, scales, m)``: keys (or values) j .. j + m - 1 of KV head h of cache row r,
+    1 <= m <= n, as they lie together in storage (overloaded below by the layout's type):
+
+    - rows: a [m, d] view of the stored rows, elements read through ``decode``;
+    - scales: the [m] per-token scales of ``Quantized`` codes, else None (``factor``);
+    - an array [rows, Hkv, max_len, d] gives all n keys (m = n); ``Paged`` up to the end
+      of j's page: one page-table lookup per run, never per key.
+    """
+    raise NotImplementedError
+
+
+@overload(key_run, jit_options={"cache": True})
+def _key_run(buf, r, h, j, n):
+    if isinstance(buf, types.Array):
+        return lambda buf, r, h, j, n: (buf[r, h, j:j + n], None, n)
+    if _is(buf, Paged):
+        def paged_run(buf, r, h, j, n):
+            P = buf.pool.shape[2]
+            if buf.shift >= 0:  # page_size 2**shift: no division
+                page, at = j >> buf.shift, j & (P - 1)
+            else:
+                page = j // P
+                at = j - page * P
+            m = min(n, P - at)
+            return buf.pool[buf.table[r, page], h, at:at + m], None, m
+        return paged_run
+    if _is(buf, Quantized):
+        def quantized_run(buf, r, h, j, n):
+            rows, _, m = key_run(buf.codes, r, h, j, n)
+            scales, _, _ = key_run(buf.scales, r, h, j, m)
+            return rows, scales, m
+        return quantized_run
+    return None
+
+
+def factor(scales, jj):
+    """The factor of a run's key jj's decoded row (overloaded below): its per-token scale,
+    or 1 where ``scales`` is None (a constant: the multiply folds away). The kernels fold
+    it into the dot product (K) and into p (V), never into the row."""
+    raise NotImplementedError
+
+
+@overload(factor, jit_options={"cache": True})
+def _factor(scales, jj):
+    if isinstance(scales, types.NoneType):
+        return lambda scales, jj: np.float32(1.0)
+    if isinstance(scales, types.Array):
+        return lambda scales, jj: scales[jj]
+    return None
+
+
+def kv_heads(buf):
+    """Hkv of a layout (overloaded below)."""
+    raise NotImplementedError
+
+
+@overload(kv_heads, jit_options={"cache": True})
+def _kv_heads(buf):
+    if isinstance(buf, types.Array):
+        return lambda buf: buf.shape[1]
+    if _is(buf, Paged):
+        return lambda buf: buf.pool.shape[1]
+    if _is(buf, Quantized):
+        return lambda buf: kv_heads(buf.codes)
+    return None
 
 
 #: ``window`` of a call without a sliding window: no query's first key moves.
@@ -274,8 +384,9 @@ def join_sink(m, l, sink):
 # -- attention -----------------------------------------------------------------------------
 
 @njit(fastmath=FASTMATH, cache=True)
-def _block_dots(qt, R, k_buf, r, h, js, n, s):
-    """s[rr, jj] = qt[rr] . key js + jj, for rr < R and jj < n (raw dot products).
+def _block_dots(qt, R, krows, kscales, n, s, o):
+    """s[rr, o + jj] = qt[rr] . key jj of a run (``key_run``: rows krows [n, d], scales
+    kscales), for rr < R and jj < n: raw dot products, times a quantized key's scale.
 
     Two keys against four query rows per pass over d: eight accumulators in registers,
     each key element loaded and converted once per four rows. Rows and keys are views
@@ -287,8 +398,10 @@ def _block_dots(qt, R, k_buf, r, h, js, n, s):
     jj = 0
     while jj < n:
         two = jj + 1 < n
-        k0 = key_row(k_buf, r, h, js + jj)
-        k1 = key_row(k_buf, r, h, js + jj + 1) if two else k0
+        k0 = krows[jj]
+        k1 = krows[jj + 1] if two else k0
+        f0 = factor(kscales, jj)
+        f1 = factor(kscales, jj + 1) if two else f0
         rr = 0
         while rr + 4 <= R:
             q0, q1, q2, q3 = qt[rr], qt[rr + 1], qt[rr + 2], qt[rr + 3]
@@ -311,15 +424,15 @@ def _block_dots(qt, R, k_buf, r, h, js, n, s):
                 b1 += q1[c] * y
                 b2 += q2[c] * y
                 b3 += q3[c] * y
-            s[rr, jj] = a0
-            s[rr + 1, jj] = a1
-            s[rr + 2, jj] = a2
-            s[rr + 3, jj] = a3
+            s[rr, o + jj] = a0 * f0
+            s[rr + 1, o + jj] = a1 * f0
+            s[rr + 2, o + jj] = a2 * f0
+            s[rr + 3, o + jj] = a3 * f0
             if two:
-                s[rr, jj + 1] = b0
-                s[rr + 1, jj + 1] = b1
-                s[rr + 2, jj + 1] = b2
-                s[rr + 3, jj + 1] = b3
+                s[rr, o + jj + 1] = b0 * f1
+                s[rr + 1, o + jj + 1] = b1 * f1
+                s[rr + 2, o + jj + 1] = b2 * f1
+                s[rr + 3, o + jj + 1] = b3 * f1
             rr += 4
         while rr < R:
             q0 = qt[rr]
@@ -328,16 +441,18 @@ def _block_dots(qt, R, k_buf, r, h, js, n, s):
             for c in range(d):
                 a0 += q0[c] * decode(k0[c])
                 b0 += q0[c] * decode(k1[c])
-            s[rr, jj] = a0
+            s[rr, o + jj] = a0 * f0
             if two:
-                s[rr, jj + 1] = b0
+                s[rr, o + jj + 1] = b0 * f1
             rr += 1
         jj += 2
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _accumulate(acc, R, s, v_buf, r, h, js, n):
-    """acc[rr] += sum_jj s[rr, jj] * value js + jj, for rr < R and jj < n.
+def _accumulate(acc, R, s, o, vrows, vscales, n):
+    """acc[rr] += sum_jj s[rr, o + jj] * value jj of a run (``key_run``: rows vrows
+    [n, d], scales vscales), for rr < R and jj < n (a quantized value's scale multiplies
+    its p here; s itself is not changed).
 
     Four values into four rows per pass over d: each value element is loaded and
     converted once for four rows, each accumulator element loaded and stored once per
@@ -346,35 +461,39 @@ def _accumulate(acc, R, s, v_buf, r, h, js, n):
     _prefer_512_bit_vectors()
     rr = 0
     while rr + 4 <= R:
-        _accumulate4(acc[rr], acc[rr + 1], acc[rr + 2], acc[rr + 3], s[rr], s[rr + 1],
-                     s[rr + 2], s[rr + 3], v_buf, r, h, js, n)
+        _accumulate4(acc[rr], acc[rr + 1], acc[rr + 2], acc[rr + 3], s[rr, o:], s[rr + 1, o:],
+                     s[rr + 2, o:], s[rr + 3, o:], vrows, vscales, n)
         rr += 4
     while rr < R:  # rows left over when G * queries is not a multiple of 4
-        a0, p = acc[rr], s[rr]
+        a0, p = acc[rr], s[rr, o:]
         d = a0.size
         for jj in range(n):
-            v0 = key_row(v_buf, r, h, js + jj)
-            p0 = p[jj]
+            v0 = vrows[jj]
+            p0 = p[jj] * factor(vscales, jj)
             for c in range(d):
                 a0[c] += p0 * decode(v0[c])
         rr += 1
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _accumulate4(a0, a1, a2, a3, s0, s1, s2, s3, v_buf, r, h, js, n):
-    """Four rows of ``_accumulate``: a_i [d] += sum_jj s_i[jj] * value js + jj."""
+def _accumulate4(a0, a1, a2, a3, s0, s1, s2, s3, vrows, vscales, n):
+    """Four rows of ``_accumulate``: a_i [d] += sum_jj s_i[jj] * value jj of the run."""
     _prefer_512_bit_vectors()
     d = a0.size
     jj = 0
     while jj + 4 <= n:
-        v0 = key_row(v_buf, r, h, js + jj)
-        v1 = key_row(v_buf, r, h, js + jj + 1)
-        v2 = key_row(v_buf, r, h, js + jj + 2)
-        v3 = key_row(v_buf, r, h, js + jj + 3)
-        p00, p01, p02, p03 = s0[jj], s0[jj + 1], s0[jj + 2], s0[jj + 3]
-        p10, p11, p12, p13 = s1[jj], s1[jj + 1], s1[jj + 2], s1[jj + 3]
-        p20, p21, p22, p23 = s2[jj], s2[jj + 1], s2[jj + 2], s2[jj + 3]
-        p30, p31, p32, p33 = s3[jj], s3[jj + 1], s3[jj + 2], s3[jj + 3]
+        v0 = vrows[jj]
+        v1 = vrows[jj + 1]
+        v2 = vrows[jj + 2]
+        v3 = vrows[jj + 3]
+        f0 = factor(vscales, jj)
+        f1 = factor(vscales, jj + 1)
+        f2 = factor(vscales, jj + 2)
+        f3 = factor(vscales, jj + 3)
+        p00, p01, p02, p03 = s0[jj] * f0, s0[jj + 1] * f1, s0[jj + 2] * f2, s0[jj + 3] * f3
+        p10, p11, p12, p13 = s1[jj] * f0, s1[jj + 1] * f1, s1[jj + 2] * f2, s1[jj + 3] * f3
+        p20, p21, p22, p23 = s2[jj] * f0, s2[jj + 1] * f1, s2[jj + 2] * f2, s2[jj + 3] * f3
+        p30, p31, p32, p33 = s3[jj] * f0, s3[jj + 1] * f1, s3[jj + 2] * f2, s3[jj + 3] * f3
         for c in range(d):
             x0 = decode(v0[c])
             x1 = decode(v1[c])
@@ -386,8 +505,9 @@ def _accumulate4(a0, a1, a2, a3, s0, s1, s2, s3, v_buf, r, h, js, n):
             a3[c] += p30 * x0 + p31 * x1 + p32 * x2 + p33 * x3
         jj += 4
     while jj < n:
-        v0 = key_row(v_buf, r, h, js + jj)
-        p00, p10, p20, p30 = s0[jj], s1[jj], s2[jj], s3[jj]
+        v0 = vrows[jj]
+        f0 = factor(vscales, jj)
+        p00, p10, p20, p30 = s0[jj] * f0, s1[jj] * f0, s2[jj] * f0, s3[jj] * f0
         for c in range(d):
             x0 = decode(v0[c])
             a0[c] += p00 * x0
@@ -440,7 +560,11 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
             acc[rr, c] = 0.0
     for js in range(j0, j1, key_block):
         n = min(key_block, j1 - js)
-        _block_dots(qt, R, k_buf, r, h, js, n, s)
+        o = 0
+        while o < n:  # the block's keys, one storage run at a time
+            krows, kscales, w = key_run(k_buf, r, h, js + o, n - o)
+            _block_dots(qt, R, krows, kscales, w, s, o)
+            o += w
         for rr in range(R):
             if m[rr] != m[rr]:  # NaN already: nothing can change it
                 for jj in range(n):
@@ -474,7 +598,11 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
                 s[rr, jj] = p
                 tot += p
             l[rr] += tot
-        _accumulate(acc, R, s, v_buf, r, h, js, n)
+        o = 0
+        while o < n:
+            vrows, vscales, w = key_run(v_buf, r, h, js + o, n - o)
+            _accumulate(acc, R, s, o, vrows, vscales, w)
+            o += w
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -482,8 +610,10 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
                     scale, softcap, window, sinks, key_block, out, lse, o_part, ml_part):
     """Every item of the plan; runs of items go to threads (one prange index per run).
 
-    q: [B, Hq, T, d] float32; k_buf, v_buf: [rows_total, Hkv, max_len, d] float32,
-    float16 bits as uint16 or bfloat16 bits as int16 (``decode``); items: int64 [n_items, 7] rows
+    q: [B, Hq, T, d] float32; k_buf, v_buf: the layout (``key_run``): arrays
+    [rows_total, Hkv, max_len, d], a ``Paged`` pool and table, or ``Quantized`` codes and
+    scales; elements float32, float16 bits as uint16, bfloat16 bits as int16, int8 codes
+    or e4m3fn bits as uint8 (``decode``); items: int64 [n_items, 7] rows
     (i, h0, h1, t0, t1, j0, j1), run r being items run_starts[r]:run_starts[r+1];
     part_rows[it]: -1 when the item covers every key its queries see (it writes
     out [B, Hq, T, d] and lse [B, Hq, T] itself), else the first row of its
@@ -493,7 +623,7 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
     item that covers every key of its queries, else after the merge.
     """
     d = q.shape[3]
-    Hkv = k_buf.shape[1]
+    Hkv = kv_heads(k_buf)
     G = q.shape[1] // Hkv
     qmax = 1
     for it in range(items.shape[0]):

@@ -518,7 +518,9 @@ def test_numpy_paged_kernel_matches_contiguous(dtype, page_size, monkeypatch):
             np.testing.assert_allclose(a[np.isfinite(b)], b[np.isfinite(b)], atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("name", ["numpy", "numba"])
+# numba serves paged decode with its own kernels (tests/test_numba_storage.py) and hands
+# long chunks here (test_long_chunks_over_paged_and_quantized_take_the_numpy_paths there)
+@pytest.mark.parametrize("name", ["numpy"])
 def test_cpu_backends_route_paged_storage_to_the_page_table_kernel(name, monkeypatch):
     from gqakv_backends import numpy_paged
 

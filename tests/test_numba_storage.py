@@ -1,0 +1,261 @@
+"""The numba kernels over paged and quantized storage, against the float64 reference.
+
+The kernels read a ``Paged`` pool through its page table one page run at a time and
+decode ``Quantized`` codes in registers with each token's scale folded into its score
+(K) and its p (V) (``numba_kernels.key_run``). Checked here: ragged rows, padded
+queries, empty rows, chunked prefill then decode, pages of 1, 3, 16 and 256 tokens,
+pages shared after a fork, every split forced on small shapes, sliding windows whose
+first key falls inside a page, soft-caps and sinks, unused pool pages and dead slots
+poisoned with NaN; int8 and float8_e4m3fn codes against the reference on the
+dequantized values (``test_quantized.held``), e4m3 decoding over all 256 patterns, and
+which implementation serves each storage kind and why.
+
+Compile cost: one compilation of the kernels per layout type (float32 and bfloat16
+pools, int8 and uint8 codes), cached in __pycache__ for later processes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import gqakv
+
+numba = pytest.importorskip("numba")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+from gqakv_backends import numba_kernels as nk  # noqa: E402
+from gqakv_backends.numba_backend import NumbaBackend, attention_numba, kernel_layout  # noqa: E402
+
+from gqakv.inputs import validate_attention  # noqa: E402
+from gqakv.semantics import AttentionParams  # noqa: E402
+
+from .test_numpy_attention import variant_reference  # noqa: E402
+from .test_quantized import _error, _hard_tokens, _round_to, held  # noqa: E402
+
+SPLIT_EVERYTHING = dict(workers=3, query_block=2, min_key_split=2, key_block=5, parallel_min_work=0)
+NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+VARIANTS = {"causal": {}, "window 5": dict(window=5),
+            "window 19 + softcap + sinks": dict(window=19, softcap=2.0,
+                                                sinks=(0.5, -np.inf, 3.0, -1.0, 60.0, 0.0))}
+
+
+def _grow(rng, cache, model, chunks, dtype, hard=False):
+    """Append each n_new list to ``cache`` and to ``model`` (per row, the [Hkv, L, d]
+    float64 values the cache holds: ``held`` of what was appended)."""
+    B, hkv, d = cache.batch, cache.kv_heads, cache.head_dim
+    storage = {"kv_dtype": cache.store.dtype} if cache.store.quantized else {}
+    for n_new in chunks:
+        T = max(max(n_new), 1)
+        kv = [(_hard_tokens(rng, (B, hkv, T, d), dtype) if hard else
+               rng.standard_normal((B, hkv, T, d))).astype(NP[dtype]) for _ in range(2)]
+        cache.append(kv[0], kv[1], n_new)
+        for x, rows in zip(kv, model):
+            h = held(x.astype(np.float32), storage)
+            for b, n in enumerate(n_new):
+                rows[b] = np.concatenate([rows[b], h[b, :, :n].astype(np.float64)], axis=1)
+
+
+def _dense(model, S):
+    """model rows as [B, Hkv, S, d] float64, zeros past each row."""
+    B, (hkv, _, d) = len(model), model[0].shape
+    out = np.zeros((B, hkv, S, d))
+    for b, x in enumerate(model):
+        out[b, :, :x.shape[1]] = x
+    return out
+
+
+def _check(out, lse, want, want_lse, n_new, dtype, err_base=0.0):
+    """The kernels compute in float32 and round once: the error is at most twice the
+    larger of rounding the exact result to ``dtype`` and ``err_base`` (the same kernel's
+    error over a float32 cache of the same values: quantized storage adds nothing), plus
+    1e-5; lse as test_numba_backend's."""
+    err_round = _error(_round_to(want, dtype), want)
+    bound = 2 * max(err_round, err_base) + 1e-5
+    assert _error(out, want) <= bound, (_error(out, want), err_round, err_base)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=1e-6, atol=1e-5)
+    assert not np.isnan(np.asarray(out, np.float32)).any()  # no poisoned slot was read
+    for b, n in enumerate(n_new):  # padded queries are exactly 0
+        assert not np.asarray(out[b, :, n:], np.float32).any()
+
+
+def _attend_both_ways(rng, cache, model, n_new, T, G, variant, dtype):
+    """Through gqa_attention (the backend's route: the kernel, checked by a spy) and
+    through attention_numba on kernel_layout with every split forced; both against the
+    float64 reference."""
+    B, hkv, d = cache.batch, cache.kv_heads, cache.head_dim
+    q = rng.standard_normal((B, hkv * G, T, d)).astype(NP[dtype])
+    lens = [x.shape[1] for x in model[0]]
+    scale = 1.0 / math.sqrt(d)
+    params = AttentionParams(scale=scale, **variant)
+    want, want_lse = variant_reference(q, _dense(model[0], max(lens) + 1),
+                                       _dense(model[1], max(lens) + 1), lens, n_new, scale,
+                                       **variant)
+    err_base = 0.0
+    if cache.store.quantized:  # the same kernel over float32 storage of the same values
+        plain = gqakv.KVCache(B, hkv, max(lens) + 1, d, "float32", backend="numba")
+        plain.append(*(_dense(m, max(lens)).astype(np.float32) for m in model), lens)
+        base = gqakv.gqa_attention(q.astype(np.float32), plain, n_new, params=params)
+        err_base = _error(base, want)
+    out, lse = gqakv.gqa_attention(q, cache, n_new, params=params, return_lse=True)
+    assert out.dtype == q.dtype
+    _check(out, lse, want, want_lse, n_new, dtype, err_base)
+    inputs = validate_attention(cache, q, n_new, params=params)
+    k_buf, v_buf = kernel_layout(cache.store)
+    out, lse = attention_numba(q, k_buf, v_buf, inputs.rows, inputs.lens, inputs.n_new,
+                               scale=scale, return_lse=True, params=params, **SPLIT_EVERYTHING)
+    _check(out, lse, want, want_lse, n_new, dtype, err_base)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The layouts the kernel was called with, by type name (Paged / Quantized / ndarray)."""
+    seen = []
+    real = nk.attention_items
+
+    def spy(q, k_buf, v_buf, *rest):
+        seen.append(type(k_buf).__name__)
+        return real(q, k_buf, v_buf, *rest)
+
+    monkeypatch.setattr(nk, "attention_items", spy)
+    return seen
+
+
+# -- paged ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("page_size", [1, 3, 16, 256])
+def test_paged_matches_reference(page_size, variant, kernel_calls):
+    """Ragged rows (one empty), chunked prefill then decode, a fork sharing the prompt's
+    pages (then both rows growing apart through copy on write), unused pages NaN."""
+    rng = np.random.default_rng(page_size)
+    dtype = "float32" if page_size != 16 else "bfloat16"
+    B, hkv, G, d, S = 4, 2, 3, 16, 600
+    cache = gqakv.PagedKVCache(B, hkv, S, d, dtype, backend="numba", page_size=page_size)
+    cache.store.fill(np.nan)
+    model = ([np.zeros((hkv, 0, d))] * B, [np.zeros((hkv, 0, d))] * B)
+    model = (list(model[0]), list(model[1]))
+    _grow(rng, cache, model, [[300, 0, 37, 5], [13, 0, 16, 250]], dtype)
+    cache.fork(0, [1])
+    for m in model:
+        m[1] = m[0].copy()
+    calls = 0
+    for n_new, T in (([9, 4, 0, 16], 16), ([1, 1, 1, 1], 1), ([1, 1, 0, 1], 1)):
+        _grow(rng, cache, model, [n_new], dtype)
+        _attend_both_ways(rng, cache, model, n_new, T, G, VARIANTS[variant], dtype)
+        calls += 1
+    assert cache.store.table.audit(cache.host_lens) == []
+    assert kernel_calls == ["Paged"] * (2 * calls)
+
+
+def test_paged_window_starts_inside_a_page_and_crosses_pages():
+    """Decodes whose window starts at every offset of a page of 16 and spans 1 to 3 page
+    boundaries, G = 4 (full tiles) and d = 64, keys split into pieces."""
+    rng = np.random.default_rng(7)
+    B, hkv, G, d, P = 2, 1, 4, 64, 16
+    cache = gqakv.PagedKVCache(B, hkv, 200, d, "float32", backend="numba", page_size=P)
+    cache.store.fill(np.nan)
+    model = ([np.zeros((hkv, 0, d))] * B, [np.zeros((hkv, 0, d))] * B)
+    model = (list(model[0]), list(model[1]))
+    _grow(rng, cache, model, [[100, 77]], "float32")
+    for step in range(P + 1):
+        _grow(rng, cache, model, [[1, 1]], "float32")
+        for window in (P - 1 + step, 2 * P + 3, 3 * P + step % 5):
+            _attend_both_ways(rng, cache, model, [1, 1], 1, G, dict(window=window), "float32")
+
+
+def test_paged_pool_of_huge_pages_and_kernel_layout():
+    """kernel_layout: views of the pool (no copy) and the shared table; the shift is
+    log2(page_size) for powers of two, else -1 (division)."""
+    for P, shift in ((1, 0), (3, -1), (16, 4), (256, 8), (48, -1)):
+        cache = gqakv.PagedKVCache(2, 2, 300, 8, "bfloat16", backend="numba", page_size=P)
+        k, v = kernel_layout(cache.store)
+        assert isinstance(k, nk.Paged) and k.shift == shift
+        assert k.pool.dtype == np.int16 and np.shares_memory(k.pool, cache.store.k)
+        assert np.shares_memory(k.table, cache.store.table.table) and v.table is k.table
+
+
+# -- quantized -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_decode_of_codes_is_exact_for_every_pattern(kv_dtype):
+    """The kernels' decode of every code: int8 values, and e4m3fn bits (zeros,
+    subnormals, normals, both NaN patterns) to exactly ml_dtypes' float32."""
+    codes = np.arange(256, dtype=np.uint8)
+    if kv_dtype == "int8":
+        codes = codes.view(np.int8)
+        want = codes.astype(np.float32)
+    else:
+        want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = np.empty(256, np.float32)
+    nk.convert_bits(codes, got)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_matches_reference_on_dequantized_values(kv_dtype, variant, kernel_calls):
+    """Hard tokens (an outlier channel, all-zero, huge and tiny tokens), ragged rows,
+    chunked prefill then decode, dead slots NaN, float32 and bfloat16 queries."""
+    rng = np.random.default_rng(len(variant) + len(kv_dtype))
+    B, hkv, G, d, S = 3, 2, 3, 64, 400
+    calls = 0
+    for dtype in ("float32", "bfloat16"):
+        cache = gqakv.KVCache(B, hkv, S, d, dtype, backend="numba", kv_dtype=kv_dtype)
+        cache.store.fill(np.nan)
+        model = ([np.zeros((hkv, 0, d))] * B, [np.zeros((hkv, 0, d))] * B)
+        model = (list(model[0]), list(model[1]))
+        _grow(rng, cache, model, [[300, 0, 37], [13, 0, 16]], dtype, hard=True)
+        for n_new, T in (([9, 4, 0], 9), ([1, 1, 1], 1)):
+            _grow(rng, cache, model, [n_new], dtype, hard=True)
+            _attend_both_ways(rng, cache, model, n_new, T, G, VARIANTS[variant], dtype)
+            calls += 1
+    assert kernel_calls == ["ndarray", "Quantized", "Quantized"] * calls  # baseline first
+
+
+# -- routing -------------------------------------------------------------------------------------
+
+def test_route_of_each_storage_kind():
+    """Paged and quantized stores take the kernel; float64 pools and long chunks keep the
+    NumPy paths, with the reason."""
+    b = NumbaBackend()
+    q1 = np.zeros((1, 4, 1, 8), np.float32)
+    for cache in (gqakv.PagedKVCache(1, 2, 64, 8, "bfloat16", backend="numba", page_size=16),
+                  gqakv.KVCache(1, 2, 64, 8, "float32", backend="numba", kv_dtype="int8"),
+                  gqakv.KVCache(1, 2, 64, 8, "bfloat16", backend="numba",
+                                kv_dtype="float8_e4m3fn")):
+        s = cache.store
+        assert b.attention_route(q1, s.k, s.v, s) == ("numba kernel", "")
+        route, why = b.attention_route(np.zeros((1, 4, 17, 8), np.float32), s.k, s.v, s)
+        assert route == "numpy BLAS" and "T=17" in why
+    s = gqakv.PagedKVCache(1, 2, 64, 8, "float64", backend="numba").store
+    route, why = b.attention_route(q1, s.k, s.v, s)
+    assert route == "numpy BLAS" and "dtype=float64" in why
+
+
+def test_long_chunks_over_paged_and_quantized_take_the_numpy_paths(monkeypatch, kernel_calls):
+    """A 20-query chunk goes to numpy_paged / numpy_quantized (BLAS), not the kernel."""
+    from gqakv_backends import numpy_paged, numpy_quantized
+
+    used = []
+    for mod, name in ((numpy_paged, "attention_numpy_paged"),
+                      (numpy_quantized, "attention_numpy_quantized")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: used.append(_n) or _r(*a, **k))
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 1, 20, 8)).astype(np.float32)
+    q = rng.standard_normal((1, 2, 20, 8)).astype(np.float32)
+    for cache in (gqakv.PagedKVCache(1, 1, 40, 8, backend="numba", page_size=4),
+                  gqakv.KVCache(1, 1, 40, 8, backend="numba", kv_dtype="int8")):
+        cache.append(x, x, [20])
+        out = gqakv.gqa_attention(q, cache, [20])
+        kx = held(x, {"kv_dtype": "int8"} if cache.store.quantized else {})
+        want, _ = variant_reference(q, kx, kx, [20], [20], 1 / math.sqrt(8))
+        np.testing.assert_allclose(out, want, atol=1e-5)
+    assert used == ["attention_numpy_paged", "attention_numpy_quantized"] and kernel_calls == []
