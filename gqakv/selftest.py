@@ -44,7 +44,9 @@ the one gqakv would pick here; ``all``: every backend that can run):
      with a large (x 20) and an all-zero token per append; after every append the stored
      codes x scales equal the scheme applied on the host (``gqakv.quantize`` through
      NumPy/ml_dtypes) and every slot past a row's length has scale NaN; attention
-     against the reference on the dequantized values, with the tolerances of ``dtype``.
+     against the reference on the dequantized values, with the tolerances of ``dtype``;
+   - ``paged int8``: the paged case at page size 16 over int8 pages (scales paged with
+     their tokens), rows read back as their dequantized values.
 
 Tolerances (attention outputs and LSEs, at the queries that are not padding; padded
 queries must give exactly 0 and -inf): float16/bfloat16 follow FlashAttention's rule,
@@ -89,8 +91,10 @@ CASES = {True: 2, False: 12}
 PAGE_SIZES = (1, 16)
 #: Quantized storage of the quantized families (one line each): kv_dtype -> line name.
 KV_DTYPES = {"int8": "quant int8", "float8_e4m3fn": "quant e4m3"}
+#: Paged and quantized at once (page size 16, int8): the scales paged with their tokens.
+PAGED_QUANT = "paged int8"
 FAMILIES = ("compile", "append", "decode", "split+merge", "prefill", "row copies", "variants",
-            *(f"paged P={p}" for p in PAGE_SIZES), *KV_DTYPES.values())
+            *(f"paged P={p}" for p in PAGE_SIZES), *KV_DTYPES.values(), PAGED_QUANT)
 
 
 # -- bookkeeping -------------------------------------------------------------------------------
@@ -200,7 +204,7 @@ class Mirror:
         self.kv_dtype = kv_dtype
         if page_size is not None:
             self.cache = PagedKVCache(batch, kv_heads, max_len, head_dim, dtype=dtype,
-                                      backend=backend, page_size=page_size)
+                                      backend=backend, page_size=page_size, kv_dtype=kv_dtype)
         else:
             self.cache = KVCache(batch, kv_heads, max_len, head_dim, dtype=dtype, backend=backend,
                                  kv_dtype=kv_dtype)
@@ -608,22 +612,23 @@ def _variants(backend, dtype, rng, quick, checks) -> None:
                  q_host, n_new, out, lse, variant)
 
 
-def _paged(page_size, backend, dtype, rng, quick, checks) -> None:
-    """A PagedKVCache of ``page_size``: ragged prompts, a fork of one row into others
+def _paged(page_size, backend, dtype, rng, quick, checks, kv_dtype=None) -> None:
+    """A PagedKVCache of ``page_size`` (and ``kv_dtype``: the ``paged int8`` line, the
+    mirror holding dequantized values as for the quantized lines): ragged prompts, a fork of one row into others
     (pages shared, a partly filled last page among them), then a prefill chunk and decode
     steps that write into the shared pages (copy on write): after every append each row
     read back through its pages and the pool's accounting audited; every attention call
     against the reference."""
     from .attention import gqa_attention
 
-    check = checks[f"paged P={page_size}"]
+    check = checks[PAGED_QUANT if kv_dtype else f"paged P={page_size}"]
     for c in range(CASES[quick]):
         s = _shape(rng, quick, batch=(3, 6))
         prompts = rng.integers(1, 70, s.batch)
         T, steps = int(rng.choice([3, 16])), 2
         m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + T + steps,
-                   s.head_dim, rng, page_size=page_size)
-        what = f"case {c} ({s}) page_size {page_size}"
+                   s.head_dim, rng, page_size=page_size, kv_dtype=kv_dtype)
+        what = f"case {c} ({s}) page_size {page_size}" + (f" {kv_dtype}" if kv_dtype else "")
         m.append(prompts, int(prompts.max()), check, f"{what} prompt append")
         source = int(rng.integers(s.batch))
         dst = [r for r in rng.permutation(s.batch)[: max(1, s.batch // 2)].tolist() if r != source]
@@ -707,7 +712,8 @@ def _compile(backend, dtypes, quick) -> Check:
 _FAMILY_RUNNERS = (("append/decode", _decode), ("split+merge", _split), ("prefill", _prefill),
                    ("row copies", _row_copies), ("variants", _variants),
                    *((f"paged P={p}", functools.partial(_paged, p)) for p in PAGE_SIZES),
-                   *((line, functools.partial(_quantized, kv)) for kv, line in KV_DTYPES.items()))
+                   *((line, functools.partial(_quantized, kv)) for kv, line in KV_DTYPES.items()),
+                   (PAGED_QUANT, functools.partial(_paged, 16, kv_dtype="int8")))
 
 
 def selftest_backend(backend, *, quick: bool = False, seed: int = 0, say=print) -> list[Check]:
@@ -730,7 +736,7 @@ def selftest_backend(backend, *, quick: bool = False, seed: int = 0, say=print) 
                 chk.skipped = "; ".join(reasons)
         else:
             if dtype == "float64":  # StorageSpec refuses it: float64 is the reference precision
-                for line in KV_DTYPES.values():
+                for line in (*KV_DTYPES.values(), PAGED_QUANT):
                     checks[line].skipped = "quantized K/V take dtype float32, float16 or bfloat16"
             rng = np.random.default_rng([seed, len(lines)])
             for family, runner in _FAMILY_RUNNERS:

@@ -38,7 +38,7 @@ def test_numpy_quick_passes_with_one_line_per_family_and_dtype(capsys):
     want = [("compile", "all")] + [(f, d) for d in backend.dtypes for f in selftest.FAMILIES[1:]]
     assert [(f, d) for f, d, *_ in lines] == want
     for family, dtype, cases, worst, result, note in lines:
-        if family.startswith("quant") and dtype == "float64":  # StorageSpec refuses it
+        if family in QUANT_LINES | {selftest.PAGED_QUANT} and dtype == "float64":  # refused
             assert result == "SKIP" and "float32, float16 or bfloat16" in note
             continue
         assert result == "PASS"
@@ -120,7 +120,7 @@ def _failed_lines(out):
 def test_paged_and_quantized_lines_exist():
     assert PAGED_LINES == {"paged P=1", "paged P=16"}
     assert QUANT_LINES == {"quant int8", "quant e4m3"}
-    assert PAGED_LINES | QUANT_LINES <= set(selftest.FAMILIES)
+    assert PAGED_LINES | QUANT_LINES | {selftest.PAGED_QUANT} <= set(selftest.FAMILIES)
 
 
 def test_a_broken_paged_read_fails_only_the_paged_lines(capsys, monkeypatch):
@@ -159,7 +159,8 @@ def test_a_broken_dequantization_fails_only_the_quantized_lines(capsys, monkeypa
 
 
 def test_a_broken_quantizing_append_fails_the_quantized_lines(capsys, monkeypatch):
-    """Appends storing every token with scale x 1.01: the buffer check catches it."""
+    """Appends storing every token with scale x 1.01 (contiguous and paged stores both
+    quantize through gqakv.quantize): the buffer checks catch it."""
     from gqakv import quantize
 
     original = quantize.quantize
@@ -171,7 +172,30 @@ def test_a_broken_quantizing_append_fails_the_quantized_lines(capsys, monkeypatc
     monkeypatch.setattr(selftest, "_dequantized_rule", lambda x, kv: _honest_rule(original, x, kv))
     status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "9")
     assert status == 1, out
-    assert {f for f, _ in _failed_lines(out)} == QUANT_LINES, out
+    assert {f for f, _ in _failed_lines(out)} == QUANT_LINES | {selftest.PAGED_QUANT}, out
+
+
+def test_a_broken_paged_dequantization_fails_only_the_paged_int8_line(capsys, monkeypatch):
+    """Quantized pages read with each token's scale taken from its neighbour (the generic
+    path and live_kv both read through PagedStore._page_view)."""
+    from gqakv import quantize
+    from gqakv.paged import PagedStore
+
+    original = PagedStore._page_view
+
+    def neighbour_scale(self, row, j0, j1):
+        if not self.quantized:
+            return original(self, row, j0, j1)
+        P = self.page_size
+        page, a, b = int(self.table.table[row, j0 // P]), j0 % P, j0 % P + (j1 - j0)
+        shift = lambda s: np.roll(np.asarray(s), 1, axis=-1)  # noqa: E731
+        return (quantize.dequantize(np, self.k[page, :, a:b, :], shift(self.k_scale[page, :, a:b]), self.dtype),
+                quantize.dequantize(np, self.v[page, :, a:b, :], shift(self.v_scale[page, :, a:b]), self.dtype))
+    monkeypatch.setattr(PagedStore, "_page_view", neighbour_scale)
+    status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "10")
+    assert status == 1, out
+    dtypes = set(gqakv.get_backend("numpy").dtypes) - {"float64"}
+    assert _failed_lines(out) == {(selftest.PAGED_QUANT, d) for d in dtypes}, out
 
 
 def _honest_rule(quantize_fn, x, kv_dtype):
