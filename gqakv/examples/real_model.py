@@ -38,10 +38,10 @@ def add_arguments(parser) -> None:
                    help="store K/V quantized: int8 or float8_e4m3fn (float32 model only)")
     g.add_argument("--page-size", type=int, default=None, metavar="N",
                    help="a paged KV cache with pages of N tokens")
-    g.add_argument("--compare-cache", default=None, choices=sorted(COMPARE_DTYPES), metavar="DTYPE",
-                   help="accuracy of a K/V cache in DTYPE (float16, bfloat16, int8, float8_e4m3fn) against "
-                        "the float32 cache: greedy agreement on 5 prompts over --new-tokens tokens, and "
-                        "the mean log-likelihood of a fixed paragraph")
+    g.add_argument("--compare-cache", default=None, nargs="+", choices=sorted(COMPARE_DTYPES), metavar="DTYPE",
+                   help="accuracy of a K/V cache in DTYPE (float16, bfloat16, int8, float8_e4m3fn; several "
+                        "share one float32 run) against the float32 cache: greedy agreement on 5 prompts "
+                        "over --new-tokens tokens, and the mean log-likelihood of a fixed paragraph")
 
 
 #: --compare-cache dtypes: stored by the cache (quantized kinds) or K/V rounded to it before
@@ -94,8 +94,9 @@ class _RoundedCache:
         return getattr(self._cache, name)
 
 
-def _compare_cache(model, tokenizer, kv: str, new_tokens: int, chunk: int) -> None:
-    """Greedy agreement and paragraph log-likelihood: float32 cache vs one in ``kv``."""
+def _compare_cache(model, tokenizer, kvs: list[str], new_tokens: int, chunk: int) -> None:
+    """Greedy agreement and paragraph log-likelihood: float32 cache vs one in each of ``kvs``
+    (the float32 run is done once and shared)."""
     import gqakv
 
     c = model.config
@@ -129,13 +130,20 @@ def _compare_cache(model, tokenizer, kv: str, new_tokens: int, chunk: int) -> No
         return total / (len(ids) - 1)
 
     runs = {}
-    for name in (None, kv):
+    for name in (None, *kvs):
+        if name in runs:
+            continue
         t = time.perf_counter()
         gen = generate_text(model, prompts, new_tokens, chunk=chunk, cache=cache(len(prompts), name))
         runs[name] = (gen.tokens, loglik(cache(1, name)), time.perf_counter() - t)
+        if name is not None:
+            _report_compare(runs, name, prompts, para, new_tokens, model.backend.name)
+
+
+def _report_compare(runs, kv, prompts, para, new_tokens, backend_name) -> None:
     ref, got = runs[None][0], runs[kv][0]
     print(f"K/V cache {kv} vs float32 ({'stored as ' + kv if COMPARE_DTYPES[kv] == 'kv_dtype' else 'K/V rounded to ' + kv + ' before storing'}), "
-          f"{len(prompts)} prompts x {new_tokens} greedy tokens, model float32, backend {model.backend.name}")
+          f"{len(prompts)} prompts x {new_tokens} greedy tokens, model float32, backend {backend_name}")
     same_all = 0
     for b, text in enumerate(COMPARE_PROMPTS):
         diverge = next((i for i, (x, y) in enumerate(zip(ref[b], got[b])) if x != y), None)
@@ -148,7 +156,7 @@ def _compare_cache(model, tokenizer, kv: str, new_tokens: int, chunk: int) -> No
           f"{sum(r == g for r, g in zip(ref, got))}/{len(ref)} prompts identical throughout")
     ll32, llkv = runs[None][1], runs[kv][1]
     print(f"  paragraph ({len(para)} tokens) mean log-likelihood: float32 {ll32:.6f}, {kv} {llkv:.6f}, "
-          f"difference {llkv - ll32:+.2e}")
+          f"difference {llkv - ll32:+.2e}", flush=True)
 
 
 def wants_real_model(args) -> bool:
