@@ -162,19 +162,35 @@ def bfloat16_to_float(h):
     return _bits_to_float32(np.uint32(h) << np.uint32(16))
 
 
+@intrinsic
+def _e4m3_bits_to_float32(typingctx, bits):
+    """float8_e4m3fn bits (uint8) -> float32 in a few narrow vector ops (see
+    ``e4m3_to_float``), written in IR on 16-bit lanes so LLVM keeps them narrow."""
+    if bits != types.uint8:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i16 = ir.IntType(16)
+        b = builder.zext(args[0], i16)
+        a = builder.and_(b, ir.Constant(i16, 0x7F))
+        h = builder.or_(builder.shl(a, ir.Constant(i16, 7)),
+                        builder.shl(builder.and_(b, ir.Constant(i16, 0x80)), ir.Constant(i16, 8)))
+        nan = builder.icmp_unsigned("==", a, ir.Constant(i16, 0x7F))
+        h = builder.select(nan, ir.Constant(i16, 0x7E00), h)  # float16's quiet NaN
+        f = builder.fpext(builder.bitcast(h, ir.HalfType()), ir.FloatType())
+        return builder.fmul(f, ir.Constant(ir.FloatType(), 256.0))
+
+    return types.float32(bits), codegen
+
+
 @njit(cache=True)
 def e4m3_to_float(x):
-    """float8_e4m3fn bits (uint8) -> float32, exact (zeros, subnormals, normals, the NaN
-    patterns 0x7F/0xFF), branch-free: a normal's exponent is rebiased (7 -> 127) and its
-    mantissa moved up in the bits, a subnormal (exponent 0) is its 3-bit mantissa x 2**-9
-    (computed so, never as a float32 subnormal), the sign is bit 7."""
-    b = np.int32(x)
-    a = b & np.int32(0x7F)
-    normal = _bits_to_float32((a << np.int32(20)) + np.int32(120 << 23))
-    mag = np.float32(a) * np.float32(2.0 ** -9) if a < np.int32(8) else normal
-    if a == np.int32(0x7F):
-        mag = np.float32(np.nan)
-    return _bits_to_float32(_float32_bits(mag) | ((b & np.int32(0x80)) << np.int32(24)))
+    """float8_e4m3fn bits (uint8) -> float32, exact (zeros, subnormals, normals; the NaN
+    patterns 0x7F/0xFF give NaN), branch-free: e4m3fn's exponent and mantissa fields,
+    moved up 7 bits, are the float16 bits of the value / 256 (float16's bias 15 is
+    e4m3fn's 7 + 8, and its subnormals cover e4m3fn's), converted by one vcvtph2ps per
+    vector and scaled back by 256 (exact); the NaN patterns become float16's quiet NaN."""
+    return _e4m3_bits_to_float32(x)
 
 
 @njit(cache=True)
