@@ -465,3 +465,56 @@ def test_info_lists_the_kernels_and_their_limits(capsys):
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["cupy"]["implementations"] == CupyBackend().implementations()
     assert rows["numpy"]["implementations"] == {}
+
+
+# ---- 3. launch grids within CUDA's limits -------------------------------------------------
+# gridDim.x < 2^31 and gridDim.y <= 65535. The planner checked only the prefill's query
+# blocks and copy_tokens' CTAs; a decode, merge, prefill or append grid past the limits
+# went to the device as planned (an invalid launch there). It now raises
+# NotImplementedError naming the kernel, which CupyBackend.attention turns into the
+# generic path (as it did for the prefill's query blocks). Many KV heads stand in for a
+# large batch here so the host arrays stay small.
+
+_ATTN = dict(scale=0.1, q_strides=(64, 64, 64), buf_strides=(64, 64, 64),
+             out_strides=(64, 64, 64), sm_count=132)
+
+
+def test_decode_grid_beyond_the_x_limit_is_refused():
+    hkv = 2**30  # 2 entries x 2^30 KV heads = 2^31 CTAs
+    with pytest.raises(NotImplementedError, match=r"gqakv_decode.*2147483648"):
+        plan.plan_attention("float32", 64, batch=2, kv_heads=hkv, group=1, t_q=1,
+                               lens=np.array([5, 5]), n_new=np.array([1, 1]), **_ATTN)
+    # One fewer KV head fits.
+    p = plan.plan_attention("float32", 64, batch=1, kv_heads=2**31 - 1, group=1, t_q=1,
+                               lens=np.array([5]), n_new=np.array([1]), **_ATTN)
+    assert p.launches[0].grid[0] == 2**31 - 1
+
+
+def test_forced_splits_beyond_the_y_limit_are_refused():
+    lens = np.array([200000])
+    with pytest.raises(NotImplementedError, match=r"gqakv_decode.*66667 splits"):
+        plan.plan_attention("float16", 64, batch=1, kv_heads=1, group=4, t_q=1, lens=lens,
+                               n_new=np.array([1]), force_splits=70000, **_ATTN)
+    p = plan.plan_attention("float16", 64, batch=1, kv_heads=1, group=4, t_q=1, lens=lens,
+                               n_new=np.array([1]), force_splits=50000, **_ATTN)
+    assert p.num_splits <= plan.MAX_GRID_Y and p.launches[1].kernel == "gqakv_merge"
+
+
+def test_merge_grid_beyond_the_x_limit_is_refused():
+    # Decode CTAs fit (2^27 KV heads x 1 chunk of 16 queries) but the merge's one CTA per
+    # query (2^27 x 4 heads x 4 tokens = 2^31) does not.
+    with pytest.raises(NotImplementedError, match=r"gqakv_merge.*2147483648"):
+        plan.plan_attention("float16", 64, batch=1, kv_heads=2**27, group=4, t_q=4,
+                               lens=np.array([4096]), n_new=np.array([4]), force_splits=2,
+                               **_ATTN)
+
+
+def test_prefill_grid_beyond_the_x_limit_is_refused():
+    with pytest.raises(NotImplementedError, match=r"gqakv_prefill.*2147483648"):
+        plan.plan_attention("float32", 64, batch=2, kv_heads=2**30, group=1, t_q=8,
+                               lens=np.array([8, 8]), n_new=np.array([8, 8]), **_ATTN)
+
+
+def test_append_grid_beyond_the_x_limit_is_refused():
+    with pytest.raises(NotImplementedError, match=r"gqakv_write_kv.*2147483648"):
+        plan.plan_write_kv("float32", 64, np.array([1, 1]), 2**30, 1, (64, 64, 64), (64, 64, 64))
