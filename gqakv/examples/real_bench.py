@@ -172,9 +172,13 @@ def main(argv=None) -> int:
     checkpoint = read_checkpoint(model_path("smollm2-135m"))
     ours = GGUFLlamaModel(checkpoint, dtype="float32", backend=args.backend)
     theirs = _hf_model(checkpoint)
-    from threadpoolctl import threadpool_info
+    try:
+        from threadpoolctl import threadpool_info
 
-    blas = [f"{i['internal_api']} {i['num_threads']} threads" for i in threadpool_info() if i["user_api"] == "blas"]
+        blas = [f"{i['internal_api']} {i['num_threads']} threads" for i in threadpool_info()
+                if i["user_api"] == "blas"]
+    except ImportError:
+        blas = ["threads unknown (threadpoolctl missing)"]
     print(f"SmolLM2-135M float32, prompts of {args.prompt_len} tokens, {args.steps} decode steps, {args.repeats} "
           f"alternating blocks; gqakv backend {ours.backend.name} (BLAS: {', '.join(blas)}), torch "
           f"{torch.__version__} with {torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}")
