@@ -11,7 +11,7 @@ registers with each token's scale folded into its score and its p.
 
 Which implementation serves a call, and why, is ``attention_route(...)``:
 - "numba kernel": float32/float16/bfloat16 contiguous or paged storage, or int8 /
-  float8_e4m3fn quantized contiguous storage, with C-contiguous buffers and chunks of
+  float8_e4m3fn quantized storage (contiguous or paged), with C-contiguous buffers and chunks of
   at most ``KERNEL_MAX_QUERIES`` queries (decode and short chunks);
 - "numpy BLAS" otherwise (the numpy backend's path for the kind: ``numpy_attention``,
   ``numpy_paged``, ``numpy_quantized``): float64 (no kernel is compiled for it),
@@ -91,8 +91,6 @@ class NumbaBackend(NumpyBackend):
         quantized = store is not None and store.quantized
         if store is not None and store.kind not in (CONTIGUOUS, PAGED):
             return "numpy BLAS", f"storage kind={store.kind!r} (kernels: {CONTIGUOUS}, {PAGED})"
-        if paged and quantized:
-            return "numpy BLAS", "paged quantized storage: the kernels read paged or quantized"
         name = store.dtype if quantized else _dtype_name(k_buf.dtype)
         kinds = _KERNEL_DTYPES + _KERNEL_KV_DTYPES
         if name not in kinds:
@@ -228,7 +226,7 @@ def _kv_heads(buf) -> int:
 
     if isinstance(buf, nk.Paged):
         return _kv_heads(buf.pool)
-    if isinstance(buf, nk.Quantized):
+    if isinstance(buf, (nk.Quantized, nk.PagedQuantized)):
         return _kv_heads(buf.codes)
     return int(buf.shape[1])
 
@@ -238,13 +236,19 @@ def kernel_layout(store):
     contiguous: the arrays [rows, Hkv, max_len, d] themselves; paged (float16/bfloat16
     pools as their bits):
     ``Paged`` (pool [num_pages, Hkv, page_size, d], table [rows, pages_per_row] int32);
-    quantized: ``Quantized(codes, scales [rows, Hkv, max_len])``. Views, no copies."""
+    quantized: ``Quantized(codes, scales [rows, Hkv, max_len])``; paged and quantized:
+    ``PagedQuantized(codes pool, scales pool [num_pages, Hkv, page_size], table, shift)``.
+    Views, no copies."""
     from . import numba_kernels as nk
 
+    if store.kind == PAGED:
+        table = np.ascontiguousarray(store.table.table, dtype=np.int32)
+        if store.quantized:  # codes and scales, both paged through the one table
+            shift = nk.paged(store.k, table).shift
+            return (nk.PagedQuantized(store.k, store.k_scale, table, shift),
+                    nk.PagedQuantized(store.v, store.v_scale, table, shift))
+        k, v = _kernel_buffers(store.k, store.v, nk)
+        return nk.paged(k, table), nk.paged(v, table)
     if store.quantized:
         return (nk.Quantized(store.k, store.k_scale), nk.Quantized(store.v, store.v_scale))
-    if store.kind == PAGED:
-        k, v = _kernel_buffers(store.k, store.v, nk)
-        table = np.ascontiguousarray(store.table.table, dtype=np.int32)
-        return nk.paged(k, table), nk.paged(v, table)
     return store.k, store.v  # attention_numba takes their bits

@@ -289,6 +289,10 @@ def paged(pool, table) -> Paged:
 #: an array [rows, Hkv, max_len, d] or a ``Paged`` of them) and ``scales`` (float32, one
 #: per token: [rows, Hkv, max_len] or a ``Paged`` of them).
 Quantized = namedtuple("Quantized", ["codes", "scales"])
+#: Paged quantized storage: ``codes`` [num_pages, Hkv, page_size, d] and ``scales``
+#: [num_pages, Hkv, page_size] paged through one ``table`` (``shift`` as ``Paged``'s).
+#: Flat, not a Quantized of Paged: numba's parallel loops take no nested tuples of arrays.
+PagedQuantized = namedtuple("PagedQuantized", ["codes", "scales", "table", "shift"])
 
 
 def _is(buf, cls):
@@ -300,7 +304,8 @@ def key_run(buf, r, h, j, n):
     1 <= m <= n, as they lie together in storage (overloaded below by the layout's type):
 
     - rows: a [m, d] view of the stored rows, elements read through ``decode``;
-    - scales: the [m] per-token scales of ``Quantized`` codes, else None (``factor``);
+    - scales: the [m] per-token scales of ``Quantized`` / ``PagedQuantized`` codes, else
+      None (``factor``);
     - an array [rows, Hkv, max_len, d] gives all n keys (m = n); ``Paged`` up to the end
       of j's page: one page-table lookup per run, never per key.
     """
@@ -322,6 +327,12 @@ def _key_run(buf, r, h, j, n):
             m = min(n, P - at)
             return buf.pool[buf.table[r, page], h, at:at + m], None, m
         return paged_run
+    if _is(buf, PagedQuantized):
+        def paged_quantized_run(buf, r, h, j, n):
+            rows, _, m = key_run(Paged(buf.codes, buf.table, buf.shift), r, h, j, n)
+            scales, _, _ = key_run(Paged(buf.scales, buf.table, buf.shift), r, h, j, m)
+            return rows, scales, m
+        return paged_quantized_run
     if _is(buf, Quantized):
         def quantized_run(buf, r, h, j, n):
             rows, _, m = key_run(buf.codes, r, h, j, n)
@@ -358,8 +369,8 @@ def _kv_heads(buf):
         return lambda buf: buf.shape[1]
     if _is(buf, Paged):
         return lambda buf: buf.pool.shape[1]
-    if _is(buf, Quantized):
-        return lambda buf: kv_heads(buf.codes)
+    if _is(buf, Quantized) or _is(buf, PagedQuantized):
+        return lambda buf: buf.codes.shape[1]
     return None
 
 

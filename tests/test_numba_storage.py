@@ -7,8 +7,9 @@ queries, empty rows, chunked prefill then decode, pages of 1, 3, 16 and 256 toke
 pages shared after a fork, every split forced on small shapes, sliding windows whose
 first key falls inside a page, soft-caps and sinks, unused pool pages and dead slots
 poisoned with NaN; int8 and float8_e4m3fn codes against the reference on the
-dequantized values (``test_quantized.held``), e4m3 decoding over all 256 patterns, and
-which implementation serves each storage kind and why.
+dequantized values (``test_quantized.held``), paged and quantized at once (codes and
+scales paged through one table), e4m3 decoding over all 256 patterns, and which
+implementation serves each storage kind and why.
 
 Compile cost: one compilation of the kernels per layout type (float32 and bfloat16
 pools, int8 and uint8 codes), cached in __pycache__ for later processes.
@@ -219,6 +220,32 @@ def test_quantized_matches_reference_on_dequantized_values(kv_dtype, variant, ke
     assert kernel_calls == ["ndarray", "Quantized", "Quantized"] * calls  # baseline first
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_paged_quantized_matches_reference(kv_dtype, page_size, kernel_calls):
+    """Quantized pages (codes and scales paged through one table): hard tokens, a fork
+    sharing pages, chunked prefill then decode with every variant, unused pages NaN."""
+    rng = np.random.default_rng(page_size + len(kv_dtype))
+    B, hkv, G, d, S = 3, 2, 3, 32, 300
+    cache = gqakv.PagedKVCache(B, hkv, S, d, "bfloat16", backend="numba", page_size=page_size,
+                               kv_dtype=kv_dtype)
+    cache.store.fill(np.nan)
+    model = ([np.zeros((hkv, 0, d))] * B, [np.zeros((hkv, 0, d))] * B)
+    model = (list(model[0]), list(model[1]))
+    _grow(rng, cache, model, [[200, 0, 37], [13, 0, 16]], "bfloat16", hard=True)
+    cache.fork(0, [1])
+    for m in model:
+        m[1] = m[0].copy()
+    calls = 0
+    for variant in VARIANTS.values():
+        for n_new, T in (([9, 4, 0], 9), ([1, 1, 1], 1)):
+            _grow(rng, cache, model, [n_new], "bfloat16", hard=True)
+            _attend_both_ways(rng, cache, model, n_new, T, G, variant, "bfloat16")
+            calls += 1
+    assert cache.store.table.audit(cache.host_lens) == []
+    assert kernel_calls == ["ndarray", "PagedQuantized", "PagedQuantized"] * calls
+
+
 # -- routing -------------------------------------------------------------------------------------
 
 def test_route_of_each_storage_kind():
@@ -229,7 +256,9 @@ def test_route_of_each_storage_kind():
     for cache in (gqakv.PagedKVCache(1, 2, 64, 8, "bfloat16", backend="numba", page_size=16),
                   gqakv.KVCache(1, 2, 64, 8, "float32", backend="numba", kv_dtype="int8"),
                   gqakv.KVCache(1, 2, 64, 8, "bfloat16", backend="numba",
-                                kv_dtype="float8_e4m3fn")):
+                                kv_dtype="float8_e4m3fn"),
+                  gqakv.PagedKVCache(1, 2, 64, 8, "float32", backend="numba", page_size=4,
+                                     kv_dtype="int8")):
         s = cache.store
         assert b.attention_route(q1, s.k, s.v, s) == ("numba kernel", "")
         route, why = b.attention_route(np.zeros((1, 4, 17, 8), np.float32), s.k, s.v, s)
