@@ -426,8 +426,9 @@ def test_transformers_integration_assisted_decoding_matches_greedy(hf_model, lef
 
 
 def test_compare_cache_tool(checkpoint, monkeypatch, capsys):
-    """--compare-cache int8: the float32 log-likelihood it prints equals the paragraph's mean
-    log-probability from one uncached forward pass; the int8 cache really changes it."""
+    """--compare-cache int8 bfloat16: the float32 log-likelihood it prints equals the paragraph's
+    mean log-probability from one uncached forward pass; the int8 cache really changes it; both
+    dtypes are reported against the same float32 run."""
     import re
 
     import gqakv.examples.gguf as gguf_module
@@ -436,9 +437,11 @@ def test_compare_cache_tool(checkpoint, monkeypatch, capsys):
 
     monkeypatch.setattr(gguf_module, "read_checkpoint", lambda path: checkpoint)
     assert cli_main(["generate", "--model", "smollm2-135m", "--backend", "numpy", "--compare-cache", "int8",
-                     "--new-tokens", "2"]) == 0
+                     "bfloat16", "--new-tokens", "2"]) == 0
     out = capsys.readouterr().out
-    assert "5 prompts x 2 greedy tokens" in out and "greedy tokens equal:" in out
+    assert out.count("5 prompts x 2 greedy tokens") == 2 and out.count("greedy tokens equal:") == 2
+    assert "K/V cache int8 vs float32" in out and "K/V cache bfloat16 vs float32" in out
+    ll32_bf16 = float(re.search(r"float32 (-?[\d.]+), bfloat16", out).group(1))
     ll32, ll8, diff = (float(x) for x in re.search(
         r"float32 (-?[\d.]+), int8 (-?[\d.]+), difference ([-+][\d.e+-]+)", out).groups())
     ids = np.array(GGUFTokenizer.from_reader(checkpoint.reader).encode(COMPARE_PARAGRAPH))
@@ -447,3 +450,25 @@ def test_compare_cache_tool(checkpoint, monkeypatch, capsys):
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     assert abs(ll32 - logp[np.arange(len(ids) - 1), ids[1:]].mean()) < 1e-4  # float32 vs float64
     assert diff != 0 and abs(diff) < 0.1 and abs(ll8 - ll32 - diff) < 2e-6
+    assert ll32_bf16 == ll32  # both dtypes are compared with the same float32 numbers
+
+
+def test_decode_blas_threads_same_tokens_and_restored(checkpoint):
+    """decode_blas_threads=1 (what `gqakv generate` uses on numba) holds BLAS to one thread
+    during decode only: the same greedy tokens as BLAS left alone, and BLAS's thread count
+    restored afterwards."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from gqakv.examples.real_model import generate_text
+
+    def blas_threads():
+        return [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+
+    model = GGUFLlamaModel(checkpoint, dtype="float32", backend="numpy")
+    prompts = [[1, 504, 3575, 282], [1, 2]]
+    before = blas_threads()
+    seen = []
+    got = generate_text(model, prompts, 4, decode_blas_threads=1,
+                        on_token=lambda row, tok: seen.append(blas_threads()))
+    assert blas_threads() == before
+    assert seen[-1] and all(n == 1 for n in seen[-1])  # inside the decode loop
+    assert got.tokens == generate_text(model, prompts, 4).tokens

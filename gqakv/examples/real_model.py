@@ -181,7 +181,7 @@ class RealGeneration:
 
 def generate_text(model, prompts: list[list[int]], max_new_tokens: int, *, chunk: int = 32,
                   eos_id: int | None = None, cache=None, on_token=None,
-                  keep_logits: bool = False) -> RealGeneration:
+                  keep_logits: bool = False, decode_blas_threads: int | None = None) -> RealGeneration:
     """Greedy generation: chunked prefill of ragged rows, then one-token decode steps.
 
     Args:
@@ -194,7 +194,12 @@ def generate_text(model, prompts: list[list[int]], max_new_tokens: int, *, chunk
             (default: ``model.new_cache``).
         on_token: ``on_token(row, token_id)`` called as each token is chosen.
         keep_logits: keep each step's ``[B, V]`` logits (finished rows' values meaningless).
+        decode_blas_threads: hold BLAS to this many threads during the decode steps
+            (threadpoolctl; None: leave BLAS as it is). Decode's matmuls are matrix-vector
+            sized, and BLAS's spinning threads slow them several-fold on a loaded machine.
     """
+    import contextlib
+
     from .llama import _check_prompts
 
     if max_new_tokens < 1:
@@ -241,14 +246,20 @@ def generate_text(model, prompts: list[list[int]], max_new_tokens: int, *, chunk
         return int(active.sum())
 
     choose(first_logits)
+    limit = contextlib.nullcontext()
+    if decode_blas_threads is not None:
+        from threadpoolctl import threadpool_limits
+
+        limit = threadpool_limits(decode_blas_threads, user_api="blas")
     t1 = time.perf_counter()
     produced = 0
-    while active.any():
-        n_new = active.astype(np.int64)  # finished rows stay in the batch with no new token
-        n_active = int(n_new.sum())
-        logits = model.forward(last[:, None], n_new, cache, last_only=True)
-        choose(logits)
-        produced += n_active
+    with limit:
+        while active.any():
+            n_new = active.astype(np.int64)  # finished rows stay in the batch with no new token
+            n_active = int(n_new.sum())
+            logits = model.forward(last[:, None], n_new, cache, last_only=True)
+            choose(logits)
+            produced += n_active
     t2 = time.perf_counter()
     return RealGeneration(out, t1 - t0, t2 - t1, produced, cache.nbytes, kept if keep_logits else None)
 
@@ -319,14 +330,19 @@ def run(args) -> int:
     cache = gqakv.ModelKVCache(c.n_layers, B, c.n_kv_heads, max_len, c.head_dim, dtype=args.dtype,
                                backend=model.backend, page_size=args.page_size, kv_dtype=args.kv_dtype)
     eos = tokenizer.eos_id
+    # numba's decode kernels run on numba's own threads; the numpy backend sizes its attention
+    # workers from BLAS's thread count, so only numba's decode holds BLAS to one thread.
+    one = 1 if model.backend.name == "numba" and importlib.util.find_spec("threadpoolctl") else None
     if B == 1:
         sys.stdout.write(texts[0])
         sys.stdout.flush()
         streamer = _Streamer(tokenizer)
-        gen = generate_text(model, prompts, max_new, chunk=args.chunk, eos_id=eos, cache=cache, on_token=streamer)
+        gen = generate_text(model, prompts, max_new, chunk=args.chunk, eos_id=eos, cache=cache, on_token=streamer,
+                            decode_blas_threads=one)
         print()
     else:
-        gen = generate_text(model, prompts, max_new, chunk=args.chunk, eos_id=eos, cache=cache)
+        gen = generate_text(model, prompts, max_new, chunk=args.chunk, eos_id=eos, cache=cache,
+                            decode_blas_threads=one)
         for b in range(B):
             print(f"[{b}] {texts[b]}{tokenizer.decode(gen.tokens[b])}")
     n_tokens = sum(len(t) for t in gen.tokens)
