@@ -13,6 +13,7 @@ from .cache import KVCache
 from .model_cache import ModelKVCache, Step
 from .paged import OutOfPages
 from .paged_cache import PagedKVCache
+from .paged_functional import paged_append, paged_attention
 from .merge import apply_sinks, merge_attention
 from .semantics import AttentionParams
 from .store import KVStore, StorageSpec
@@ -45,6 +46,8 @@ __all__ = [
     "gqa_attention",
     "list_backends",
     "merge_attention",
+    "paged_append",
+    "paged_attention",
     "register_backend",
     "unregister_backend",
     "use_backend",
