@@ -15,7 +15,8 @@ float32 scale per token and KV head each: ``2 x layers x kv_heads x (head_dim + 
 A paged cache (``gqakv.PagedKVCache``, ``ModelKVCache(page_size=...)``) holds each row's
 live tokens rounded up to whole pages, ``sum(ceil(L_b / page_size)) x page_size x
 bytes_per_token``, plus a small page table on the host; ``paged_cache_bytes`` compares
-it with the contiguous cache for a mix of row lengths (``gqakv size --rows``).
+it with the contiguous cache for a mix of row lengths (``gqakv size --rows``); with a
+``kv_dtype`` each page slot holds the codes and the float32 scales of its token.
 """
 
 from __future__ import annotations
@@ -178,9 +179,12 @@ class PagedSize:
 
 
 def paged_cache_bytes(model, row_lens, *, max_len: int, page_size: int = 16,
-                      dtype="bfloat16") -> PagedSize:
+                      dtype="bfloat16", kv_dtype=None) -> PagedSize:
     """Paged memory for rows holding ``row_lens`` tokens (capacity ``max_len`` each) against
-    the contiguous cache of ``len(row_lens)`` rows of ``max_len`` tokens."""
+    the contiguous cache of ``len(row_lens)`` rows of ``max_len`` tokens. With ``kv_dtype``
+    ("int8" or "float8_e4m3fn", as ``PagedKVCache``'s) every byte count is of codes plus
+    the float32 scales (paged with their tokens: a scale per token slot and KV head, for K
+    and for V), on both sides."""
     from .paged import PageTable, check_page_args, pages_for
 
     cfg = resolve_model(model)
@@ -190,7 +194,7 @@ def paged_cache_bytes(model, row_lens, *, max_len: int, page_size: int = 16,
         if n > max_len:
             raise ValueError(f"row_lens[{i}]={n} exceeds max_len={max_len}")
     page_size, _ = check_page_args(page_size, None, len(lens), max_len)
-    per = cfg.bytes_per_token(dtype)
+    per = cfg.bytes_per_token(dtype, kv_dtype)  # the scales' slots are paged too
     pages = sum(pages_for(n, page_size) for n in lens)
     return PagedSize(page_size=page_size, row_lens=lens, max_len=max_len, pages=pages,
                      pool_bytes=pages * page_size * per,
@@ -321,17 +325,17 @@ def _paged_rows(args) -> list[int] | None:
         raise UsageError(f"--rows has a row of {max(lens):,} tokens > --max-len {args.max_len:,}")
     if args.page_size < 1:
         raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
-    if getattr(args, "kv_dtype", None):
-        raise UsageError("--rows with --kv-dtype: paged storage holds K/V as --dtype only")
     return lens
 
 
 def _print_paged(cfg: ModelConfig, args, lens: list[int]) -> None:
-    p = paged_cache_bytes(cfg, lens, max_len=args.max_len, page_size=args.page_size, dtype=args.dtype)
+    p = paged_cache_bytes(cfg, lens, max_len=args.max_len, page_size=args.page_size,
+                          dtype=args.dtype, kv_dtype=getattr(args, "kv_dtype", None))
     shown = ", ".join(f"{n:,}" for n in lens[:8]) + (" ..." if len(lens) > 8 else "")
     print(f"  paged     : rows of {shown} tokens, page_size {p.page_size}: {p.pages:,} pages = "
           f"{p.pages * p.page_size:,} token slots (live {sum(lens):,})")
-    print(f"              K/V {p.pool_bytes:,} bytes ({human_bytes(p.pool_bytes)}) + page table "
+    kv = "K/V" if getattr(args, "kv_dtype", None) is None else "K/V codes + scales"
+    print(f"              {kv} {p.pool_bytes:,} bytes ({human_bytes(p.pool_bytes)}) + page table "
           f"{p.metadata_bytes:,} bytes on the host ({100 * p.metadata_bytes / max(1, p.pool_bytes):.3f}%)")
     print(f"  contiguous: {len(lens)} rows x max_len {args.max_len:,} = {p.contiguous_bytes:,} bytes "
           f"({human_bytes(p.contiguous_bytes)}), {p.contiguous_bytes / max(1, p.total_bytes):.2f}x "

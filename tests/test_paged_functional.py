@@ -228,3 +228,31 @@ def test_bad_input_raises_and_changes_nothing(backend, arrays):
             gqakv.paged_attention(backend=backend, **args)
     # the valid call still runs on the untouched pools
     gqakv.paged_attention(q, pools.k, pools.v, table, lens, [1, 1, 0], backend=backend)
+
+
+# -- sizing a quantized paged cache -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_paged_sizing_counts_the_scales(kv_dtype, capsys):
+    """paged_cache_bytes with a kv_dtype: each page slot holds its token's codes and two
+    float32 scales per KV head and layer; the allocated quantized PagedKVCache agrees."""
+    from gqakv import cli, sizing
+
+    lens, P = [100, 100_000], 16
+    p = sizing.paged_cache_bytes("llama-3.1-8b", lens, max_len=131_072, page_size=P,
+                                 kv_dtype=kv_dtype)
+    per = 2 * 32 * 8 * (128 * 1 + 4)  # codes plus a float32 scale, K and V, every layer
+    slots = (pages_for(100, P) + pages_for(100_000, P)) * P
+    assert (p.pool_bytes, p.live_bytes, p.contiguous_bytes) == (
+        slots * per, sum(lens) * per, 2 * 131_072 * per)
+    plain = sizing.paged_cache_bytes("llama-3.1-8b", lens, max_len=131_072, page_size=P)
+    assert p.metadata_bytes == plain.metadata_bytes and p.pages == plain.pages
+    cache = gqakv.PagedKVCache(2, 8, 131_072, 128, dtype="bfloat16", backend="numpy",
+                               page_size=P, num_pages=p.pages, kv_dtype=kv_dtype)
+    assert cache.nbytes * 32 == p.pool_bytes
+    assert cli.main(["size", "llama-3.1-8b", "--max-len", "131072", "--rows", "100,100000",
+                     "--kv-dtype", kv_dtype]) == 0
+    out = capsys.readouterr().out
+    assert f"K/V codes + scales {slots * per:,} bytes" in out
+    assert f"2 rows x max_len 131,072 = {2 * 131_072 * per:,} bytes" in out
