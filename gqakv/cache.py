@@ -233,7 +233,7 @@ class KVCache(RowsAndLengths):
             the pool (default: every row at ``max_len``).
         kv_dtype: how K and V are stored: None (as ``dtype``), "int8" or "float8_e4m3fn"
             (8-bit codes plus a float32 scale per row, KV head and token, ``gqakv.quantize``;
-            contiguous storage, dtype float32/float16/bfloat16). ``dtype`` stays the dtype
+            contiguous or paged storage, dtype float32/float16/bfloat16). ``dtype`` stays the dtype
             of q, k_new/v_new and the output; appends quantize, attention dequantizes
             block by block as it reads, row operations carry the scales.
 

@@ -179,18 +179,29 @@ def apply_sinks(out, lse, sinks):
     dtype, computed in lse's): the softmax with the extra valueless term ``e^{sink}`` in
     its denominator, and the log of that full denominator. A query whose lse is -inf is
     left as it is (out 0, lse -inf): a query that sees no key returns 0 with or without a
-    sink. A NaN lse stays NaN and makes the query's out NaN (never hidden).
+    sink. A NaN lse stays NaN and makes the query's out NaN (never hidden); a ``+inf`` sink
+    or lse is not a logit any softmax has, so, as in ``merge_attention``, that query's out
+    and lse are NaN. Nothing is raised for values (no device sync); a ``sinks`` whose shape
+    is not ``[Hq]`` raises a ValueError.
 
     In the unnormalized form of ``SoftmaxState`` (``m``, ``l``, ``o``) the same step is
     ``l += e^{sink - m}``; apply it once per query, never per key block or split.
     """
     xp = array_namespace(out, lse, sinks)
+    if lse.ndim < 2 or tuple(sinks.shape) != (lse.shape[-2],):
+        raise ValueError(f"sinks must be [Hq] = [{lse.shape[-2] if lse.ndim >= 2 else '?'}] logits "
+                         f"(one per query head of lse {list(lse.shape)}), got shape {list(sinks.shape)}")
     acc = lse.dtype
     dev = getattr(lse, "device", None)
     neg_inf = xp.asarray(-math.inf, dtype=acc, device=dev)
     zero = xp.zeros((), dtype=acc, device=dev)
     one = xp.ones((), dtype=acc, device=dev)
     sink = xp.astype(sinks, acc)[:, None]  # [Hq, 1] against lse's [..., Hq, T]
+    pos_inf = -neg_inf
+    bad = (sink == pos_inf) | (lse == pos_inf)  # [..., Hq, T]: NaN out and lse
+    nan = xp.asarray(math.nan, dtype=acc, device=dev)
+    sink = xp.where(sink == pos_inf, zero, sink)
+    lse = xp.where(lse == pos_inf, zero, lse)
     unseen = lse == neg_inf
     base = xp.where(unseen, zero, lse)  # no -inf - -inf below
     # e^{sink - lse} overflows to inf for a sink far above the keys: factor 0, lse = sink.
@@ -198,5 +209,7 @@ def apply_sinks(out, lse, sinks):
     with np.errstate(over="ignore", invalid="ignore"):
         factor = xp.where(unseen, one, one / (one + xp.exp(sink - base)))
         lse_out = xp.where(unseen, lse, xp.logaddexp(base, sink))
+    factor = xp.where(bad, nan, factor)
+    lse_out = xp.where(bad, nan, lse_out)
     out_acc = xp.astype(out, acc) * factor[..., None]
     return xp.astype(out_acc, out.dtype), lse_out

@@ -339,6 +339,8 @@ SINK_CASES = [
     ("sink_negligible", 3.0, [1.0, -2.0], -1e4, [1.0, -2.0], 3.0),
     ("no_key_seen", -INF, [0.0, 0.0], 5.0, [0.0, 0.0], -INF),
     ("nan_lse", NAN, [1.0, 1.0], 0.0, [NAN, NAN], NAN),
+    ("inf_sink", 0.0, [1.0, 1.0], INF, [NAN, NAN], NAN),  # not a logit: NaN, as merge's +inf lse
+    ("inf_lse", INF, [1.0, 1.0], 0.0, [NAN, NAN], NAN),
     ("nan_out_element", 0.0, [NAN, 2.0], 0.0, [NAN, 1.0], math.log(2)),
     ("finite", 1.0, [2.0, 4.0], 0.0, [2 / (1 + math.exp(-1)), 4 / (1 + math.exp(-1))],
      math.log(math.exp(1) + 1)),
@@ -391,3 +393,17 @@ def test_apply_sinks_random_matches_the_definition(backend, arrays):
     np.testing.assert_allclose(arrays.to_numpy(got_out), want_out, atol=tol, rtol=tol)
     np.testing.assert_array_equal(arrays.to_numpy(got_lse) == -INF, want_lse == -INF)
     np.testing.assert_allclose(arrays.to_numpy(got_lse), want_lse, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("sinks_shape", [(1,), (2, 4), (5,), ()])
+def test_apply_sinks_refuses_sinks_not_one_per_head(backend, arrays, sinks_shape):
+    """sinks must be [Hq]: a length-1 array is not broadcast to every head, a 2-D one is
+    named, not left to a broadcasting error."""
+    from gqakv.merge import apply_sinks
+
+    out = arrays.asarray(np.ones((2, 4, 3, 8), np.float32))
+    lse = arrays.asarray(np.zeros((2, 4, 3), np.float32))
+    sinks = arrays.asarray(np.zeros(sinks_shape, np.float32))
+    with pytest.raises(ValueError, match=r"sinks must be \[Hq\] = \[4\] logits .* got shape"):
+        apply_sinks(out, lse, sinks)
+

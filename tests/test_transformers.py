@@ -776,6 +776,25 @@ def test_unsupported_layer_types_and_bidirectional_attention_are_refused():
         GqakvCache(config, max_cache_len=8)
 
 
+def test_chunked_attention_layers_are_refused_without_a_cache_too():
+    """A layer type gqakv does not compute is refused in the attention call itself: Llama 4's
+    chunked_attention passes no window, so without a GqakvCache it would silently run as
+    full causal attention (logits 0.26 off eager's at chunk 4 before this check)."""
+    config_cls = getattr(transformers, "Llama4TextConfig", None)
+    if config_cls is None:
+        pytest.skip("the pinned transformers has no Llama 4")
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=128, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        attention_chunk_size=4, num_local_experts=1, moe_layers=[], no_rope_layers=[1, 1],
+                        interleave_moe_layer_step=0, max_position_embeddings=64)
+    assert list(config.layer_types) == ["chunked_attention"] * 2
+    model = transformers.Llama4ForCausalLM(config).eval()
+    model.set_attn_implementation("gqakv")
+    with torch.no_grad(), pytest.raises(NotImplementedError, match=r"layer 0 .* is 'chunked_attention'"):
+        model(_ids(batch=1, length=12), use_cache=False)
+
+
 def test_sinks_updated_in_place_are_used(float64_softmax):
     """The sinks' host copy follows in-place updates of the parameter and replaced data."""
     model = _variant_model("gpt_oss")

@@ -483,6 +483,7 @@ def gqakv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     """
     if dropout:
         raise NotImplementedError("gqakv attention is inference-only (attention dropout must be 0; call model.eval())")
+    _check_layer_type(module)
     if not getattr(module, "is_causal", True):
         raise NotImplementedError(f"gqakv attention is causal; {type(module).__name__} has is_causal=False "
                                   "(bidirectional attention, e.g. use_bidirectional_attention=True)")
@@ -523,6 +524,19 @@ def gqakv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if padding is not None:
         out = padding.unpack(out)
     return out.transpose(1, 2), None
+
+
+def _check_layer_type(module) -> None:
+    """Refuse a layer whose config names a type gqakv does not compute (e.g. Llama 4's
+    ``chunked_attention``, which passes no window of its own and would otherwise run as
+    full causal attention), with or without a GqakvCache."""
+    types = getattr(getattr(module, "config", None), "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if types is None or idx is None or not 0 <= idx < len(types):
+        return
+    if types[idx] not in LAYER_TYPES:
+        raise NotImplementedError(f"gqakv attention supports the layer types {sorted(LAYER_TYPES)}; layer {idx} "
+                                  f"({type(module).__name__}) is {types[idx]!r}")
 
 
 def _host_sinks(s_aux):
