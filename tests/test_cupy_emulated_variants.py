@@ -41,9 +41,12 @@ def emulator():
 
 
 def run_variant(emu, *, dtype, d, kv_heads, group, lens, n_new, params, pad=1,
-                force_splits=None, tensor_cores=True, max_len=None, seed=0):
+                force_splits=None, tensor_cores=True, max_len=None, seed=0, poison=False):
     """One attention call of ``params`` on a cache holding ``lens[b]`` tokens (after the
-    append of ``n_new[b]``), checked against the reference; returns the plan."""
+    append of ``n_new[b]``), checked against the reference; returns the plan. With
+    ``poison`` (the AddressSanitizer build) every K/V byte no query of a row sees is
+    poisoned, the keys before the row's first window as well as the dead tail, so a
+    kernel that reads them (instead of starting at the window) fails."""
     rng = np.random.default_rng(seed)
     st = cases.STORAGE[dtype]
     lens = np.asarray(lens, np.int64)
@@ -71,7 +74,17 @@ def run_variant(emu, *, dtype, d, kv_heads, group, lens, n_new, params, pad=1,
               "lens": lens, "n_new": n_new, "out": out, "lse": lse}
     if params.sinks is not None:
         arrays["sinks"] = np.asarray(params.sinks, np.float32)
-    emu.run(plan, arrays)
+    ranges = None
+    if poison:
+        kv_ranges = []
+        for b in range(B):
+            lo = semantics.key_range(params, int(lens[b]), int(n_new[b]), 0)[0] if n_new[b] else lens[b]
+            for h in range(kv_heads):
+                kv_ranges += [cases._token_ranges(k_buf, b, h, 0, int(lo)),
+                              cases._token_ranges(k_buf, b, h, int(lens[b]), S)]
+        q_ranges = [cases._token_ranges(q, b, h, int(n_new[b]), T) for b in range(B) for h in range(Hq)]
+        ranges = {"k_buf": kv_ranges, "v_buf": kv_ranges, "q": q_ranges, "out": q_ranges}
+    emu.run(plan, arrays, poison=ranges)
     k_rows = [k_buf[b, :, :lens[b]] for b in range(B)]
     v_rows = [v_buf[b, :, :lens[b]] for b in range(B)]
     ref_out, ref_lse = reference_attention(q.astype(np.float64), k_rows, v_rows, n_new, params.scale,
@@ -186,3 +199,51 @@ def test_window_reads_only_the_window():
                                   buf_strides=(8 * 2**17 * 128, 2**17 * 128, 128),
                                   out_strides=(4096, 128, 128), sm_count=132)
     assert full.num_splits * full.keys_per_split >= 100_000
+
+
+# ---- AddressSanitizer: the keys before each row's window are never touched ----------------
+
+#: (dtype, tensor_cores, force_splits, lens, n_new, (window, softcap, sinks)) run under ASan:
+#: decode, split decode + merge, both prefills, with windows that start inside the rows.
+ASAN_SCENARIOS = [
+    ("float16", True, None, [37, 9, 20], [1, 1, 0], (5, None, "mixed")),
+    ("float32", False, None, [37, 9, 20], [1, 1, 0], (4, 0.5, None)),
+    ("bfloat16", True, 3, [70, 12, 41], [1, 1, 1], (20, None, "large")),
+    ("float32", False, None, [30, 21, 8], [21, 9, 0], (3, 1.5, "mixed")),
+    ("bfloat16", True, None, [30, 21, 8], [21, 9, 0], (6, None, "mixed")),
+]
+
+
+def asan_main() -> int:
+    """Run ASAN_SCENARIOS on the AddressSanitizer build with the out-of-window keys poisoned
+    (started by the test below with LD_PRELOAD=libasan); prints 'N passed'."""
+    emu = harness.Emulator(harness.build(asan=True))
+    for i, (dtype, tc, splits, lens, n_new, variant) in enumerate(ASAN_SCENARIOS):
+        d, Hkv, G = 64, 2, 2
+        run_variant(emu, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=lens, n_new=n_new,
+                    params=_params(d, Hkv * G, *variant), tensor_cores=tc, force_splits=splits,
+                    seed=i, poison=True)
+        print(f"ok {dtype} tc={tc} splits={splits} variant={variant}", flush=True)
+    print(f"{len(ASAN_SCENARIOS)} passed")
+    return 0
+
+
+def test_variants_under_address_sanitizer():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    runtime = harness.asan_runtime()
+    if runtime is None:
+        pytest.skip("AddressSanitizer runtime (libasan) not found for g++")
+    harness.build(asan=True)  # here, without a time limit; the child only loads it
+    env = dict(os.environ, LD_PRELOAD=runtime, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", "import sys; from tests import test_cupy_emulated_variants as m; "
+                           "sys.exit(m.asan_main())"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=900)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, f"AddressSanitizer run failed:\n{tail}"
+    assert f"{len(ASAN_SCENARIOS)} passed" in proc.stdout, tail
+
