@@ -82,23 +82,48 @@ def to_float32(x, out):
     return out
 
 
-def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, params, acc, score_block_elements):
-    """Online softmax of one item; returns its ``SoftmaxState`` (o unnormalized).
-
-    o: [hh, G * nq, d]; m, l: [hh, G * nq, 1] (running max and sum of exp), in ``acc``.
-    """
-    i, h0, h1, t0, t1, j0, j1, _ = item
-    Hq, d = q.shape[1], q.shape[3]
-    G = Hq // k_buf.shape[1]
-    hh, nq = h1 - h0, t1 - t0
-    r, L, n = int(rows[i]), int(lens[i]), int(n_new[i])
-    # [hh*G, nq, d] -> [hh, G*nq, d]: query head h0*G + kv*G + g reads KV head h0 + kv.
+def item_queries(q, item, G: int, params, acc):
+    """An item's queries as one tile per KV head, scaled, in the compute dtype ``acc``:
+    ``[hh, G * nq, d]`` (query head h0*G + kv*G + g reads KV head h0 + kv)."""
+    i, h0, h1, t0, t1 = item[:5]
     qb = q[i, h0 * G:h1 * G, t0:t1, :].astype(acc)
     qb *= params.scale  # a Python float: no promotion
-    qb = qb.reshape(hh, G * nq, d)
+    return qb.reshape(h1 - h0, G * (t1 - t0), q.shape[3])
+
+
+def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, js: int, je: int):
+    """Fold keys ``js..je-1`` into ``state``: ``qb`` [hh, G*nq, d] from ``item_queries``,
+    ``kb``/``vb`` [hh, je-js, d] in the compute dtype (however the storage was read).
+    Scores, the soft-cap (before the mask), the mask of the row's last ``n`` of ``L``
+    queries ``t0..t1-1`` (``gqakv.semantics``), then the online softmax. The one block
+    step every NumPy item kernel (contiguous, paged, quantized) shares."""
+    hh, rows_, _ = qb.shape
+    nq = t1 - t0
+    if rows_ <= THIN_QUERIES and _threads.k_major_scores():
+        # same scores through the faster kernel; made contiguous because P @ V on a
+        # transposed P is slow there too (the copy is only [hh, G*nq, keys])
+        s = np.ascontiguousarray(np.matmul(kb, qb.swapaxes(-1, -2)).swapaxes(-1, -2))
+    else:
+        s = np.matmul(qb, kb.swapaxes(-1, -2))  # [hh, G*nq, je-js]
+    s = transform_scores(params, s, np)  # the soft-cap, if any: before the mask
+    visible = visible_mask(params, L, n, t0, t1, js, je)  # None: nothing masked
+    if visible is not None:
+        np.copyto(s.reshape(hh, rows_ // nq, nq, je - js), -np.inf, where=~visible)
+    state.add(s, vb)
+
+
+def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, params, acc, score_block_elements):
+    """Online softmax of one item over contiguous storage; returns its ``SoftmaxState``
+    (o unnormalized). o: [hh, G * nq, d]; m, l: [hh, G * nq, 1], in ``acc``.
+    """
+    i, h0, h1, t0, t1, j0, j1, _ = item
+    G = q.shape[1] // k_buf.shape[1]
+    d = q.shape[3]
+    hh, nq = h1 - h0, t1 - t0
+    r, L, n = int(rows[i]), int(lens[i]), int(n_new[i])
+    qb = item_queries(q, item, G, params, acc)
     k_rows, v_rows = k_buf[r, h0:h1], v_buf[r, h0:h1]  # [hh, max_len, d] views
     kb_len = max(16, score_block_elements // (hh * G * nq))
-    thin = G * nq <= THIN_QUERIES
     cast = k_rows.dtype != acc  # float16/bfloat16: each K/V block is computed in float32
     if cast:
         kb_len = min(kb_len, max(16, score_block_elements // (hh * d)))
@@ -111,17 +136,7 @@ def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, params, acc, score
         if cast:
             kb = to_float32(kb, k32[:, :je - js])
             vb = to_float32(vb, v32[:, :je - js])
-        if thin and _threads.k_major_scores():
-            # same scores through the faster kernel; made contiguous because P @ V on a
-            # transposed P is slow there too (the copy is only [hh, G*nq, keys])
-            s = np.ascontiguousarray(np.matmul(kb, qb.swapaxes(-1, -2)).swapaxes(-1, -2))
-        else:
-            s = np.matmul(qb, kb.swapaxes(-1, -2))  # [hh, G*nq, je-js]
-        s = transform_scores(params, s, np)  # the soft-cap, if any: before the mask
-        visible = visible_mask(params, L, n, t0, t1, js, je)  # None: nothing masked
-        if visible is not None:
-            np.copyto(s.reshape(hh, G, nq, je - js), -np.inf, where=~visible)
-        state.add(s, vb)
+        fold_block(state, qb, kb, vb, params=params, L=L, n=n, t0=t0, t1=t1, js=js, je=je)
     return state
 
 

@@ -20,9 +20,8 @@ import functools
 import numpy as np
 
 from gqakv.merge import SoftmaxState
-from gqakv.semantics import transform_scores, visible_mask
 
-from .numpy_attention import _threads, THIN_QUERIES, attention_numpy, to_float32
+from .numpy_attention import attention_numpy, fold_block, item_queries, to_float32
 
 #: Most K values (heads x keys x d) one gathered block holds.
 GATHER_ELEMENTS = 1 << 18
@@ -40,9 +39,7 @@ def _attend_item_paged(q, k_pool, v_pool, rows, lens, n_new, item, *, params, ac
     r, L, n = int(rows[i]), int(lens[i]), int(n_new[i])
     P = page_size
     pages = table[r]
-    qb = q[i, h0 * G:h1 * G, t0:t1, :].astype(acc)
-    qb *= params.scale
-    qb = qb.reshape(hh, G * nq, d)
+    qb = item_queries(q, item, G, params, acc)
     kp = k_pool[:, h0:h1].transpose(1, 0, 2, 3)  # [hh, num_pages, P, d] views
     vp = v_pool[:, h0:h1].transpose(1, 0, 2, 3)
     kb_len = max(16, score_block_elements // (hh * G * nq))
@@ -59,7 +56,6 @@ def _attend_item_paged(q, k_pool, v_pool, rows, lens, n_new, item, *, params, ac
     if cast:
         k32 = np.empty((hh, min(kb_len, j1 - j0), d), dtype=acc)
         v32 = np.empty_like(k32)
-    thin = G * nq <= THIN_QUERIES
     state = SoftmaxState(np)
     js = j0
     while js < j1:
@@ -78,15 +74,7 @@ def _attend_item_paged(q, k_pool, v_pool, rows, lens, n_new, item, *, params, ac
         if cast:
             kb = to_float32(kb, k32[:, :je - js])
             vb = to_float32(vb, v32[:, :je - js])
-        if thin and _threads.k_major_scores():
-            s = np.ascontiguousarray(np.matmul(kb, qb.swapaxes(-1, -2)).swapaxes(-1, -2))
-        else:
-            s = np.matmul(qb, kb.swapaxes(-1, -2))  # [hh, G*nq, je-js]
-        s = transform_scores(params, s, np)
-        visible = visible_mask(params, L, n, t0, t1, js, je)
-        if visible is not None:
-            np.copyto(s.reshape(hh, G, nq, je - js), -np.inf, where=~visible)
-        state.add(s, vb)
+        fold_block(state, qb, kb, vb, params=params, L=L, n=n, t0=t0, t1=t1, js=js, je=je)
         js = je
     return state
 

@@ -17,9 +17,8 @@ import numpy as np
 
 from gqakv import quantize as _quantize
 from gqakv.merge import SoftmaxState
-from gqakv.semantics import transform_scores, visible_mask
 
-from .numpy_attention import _threads, THIN_QUERIES, attention_numpy
+from .numpy_attention import attention_numpy, fold_block, item_queries
 
 
 @functools.cache
@@ -47,14 +46,11 @@ def _attend_item_quantized(q, k_buf, v_buf, rows, lens, n_new, item, *, params, 
     G = Hq // k_buf.shape[1]
     hh, nq = h1 - h0, t1 - t0
     r, L, n = int(rows[i]), int(lens[i]), int(n_new[i])
-    qb = q[i, h0 * G:h1 * G, t0:t1, :].astype(acc)
-    qb *= params.scale
-    qb = qb.reshape(hh, G * nq, d)
+    qb = item_queries(q, item, G, params, acc)
     kc, vc = k_buf[r, h0:h1], v_buf[r, h0:h1]  # [hh, S, d] code views
     ks, vs = k_scale[r, h0:h1], v_scale[r, h0:h1]  # [hh, S]
     kb_len = max(16, score_block_elements // (hh * G * nq))
     kb_len = min(kb_len, max(16, score_block_elements // (hh * d)))
-    thin = G * nq <= THIN_QUERIES
     k32 = np.empty((hh, min(kb_len, j1 - j0), d), dtype=np.float32)
     v32 = np.empty_like(k32)
     state = SoftmaxState(np)
@@ -62,15 +58,7 @@ def _attend_item_quantized(q, k_buf, v_buf, rows, lens, n_new, item, *, params, 
         je = min(j1, js + kb_len)
         kb = _dequantize_into(kc[:, js:je], ks[:, js:je], kv_dtype, k32[:, :je - js])
         vb = _dequantize_into(vc[:, js:je], vs[:, js:je], kv_dtype, v32[:, :je - js])
-        if thin and _threads.k_major_scores():
-            s = np.ascontiguousarray(np.matmul(kb, qb.swapaxes(-1, -2)).swapaxes(-1, -2))
-        else:
-            s = np.matmul(qb, kb.swapaxes(-1, -2))
-        s = transform_scores(params, s, np)
-        visible = visible_mask(params, L, n, t0, t1, js, je)
-        if visible is not None:
-            np.copyto(s.reshape(hh, G, nq, je - js), -np.inf, where=~visible)
-        state.add(s, vb)
+        fold_block(state, qb, kb, vb, params=params, L=L, n=n, t0=t0, t1=t1, js=js, je=je)
     return state
 
 
