@@ -94,9 +94,15 @@ def filled_cache(backend, lens, max_len=None, dtype="float32", seed=0):
     B = len(lens)
     max_len = max_len or max(lens)
     cache = gqakv.KVCache(B, HKV, max_len, D, dtype=dtype, backend=backend)
+    return fill(cache, backend, lens, dtype, seed)
+
+
+def fill(cache, backend, lens, dtype="float32", seed=0):
+    """Append random tokens, 512 at a time, until row b holds lens[b] (the same tokens for
+    the same ``seed`` whatever the cache's storage); returns the cache."""
     rng = np.random.default_rng(seed)
     block = min(512, max(1, max(lens)))
-    data = backend.from_numpy(rng.standard_normal((B, HKV, block, D), dtype=np.float32), dtype)
+    data = backend.from_numpy(rng.standard_normal((len(lens), HKV, block, D), dtype=np.float32), dtype)
     lens = np.asarray(lens)
     while (left := lens - cache.host_lens).any():
         cache.append(data, data, np.minimum(left, block))

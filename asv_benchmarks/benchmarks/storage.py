@@ -15,7 +15,7 @@ import numpy as np
 
 import gqakv
 
-from .common import BACKENDS, D, FULL, HKV, attend, backend_or_skip, queries, ratio, require, sync, timing
+from .common import BACKENDS, D, FULL, HKV, attend, backend_or_skip, fill, queries, ratio, require, sync, timing
 
 
 def _filled(backend, lens, *, max_len=None, dtype="float32", seed=0, **kwargs):
@@ -32,14 +32,7 @@ def _filled(backend, lens, *, max_len=None, dtype="float32", seed=0, **kwargs):
             cache = gqakv.KVCache(B, HKV, max_len, D, dtype=dtype, backend=backend, **kwargs)
         except TypeError as exc:  # commits before kv_dtype
             raise NotImplementedError(f"gqakv.KVCache does not take {sorted(kwargs)} in this commit: {exc}")
-    rng = np.random.default_rng(seed)
-    block = min(512, max(1, max(lens)))
-    data = backend.from_numpy(rng.standard_normal((B, HKV, block, D), dtype=np.float32), dtype)
-    lens = np.asarray(lens)
-    while (left := lens - cache.host_lens).any():
-        cache.append(data, data, np.minimum(left, block))
-    sync(backend)
-    return cache
+    return fill(cache, backend, lens, dtype, seed)
 
 
 @timing
