@@ -218,6 +218,27 @@ def _error(out, want) -> float:
     return float(np.abs(np.asarray(out, np.float64) - want).max())
 
 
+def _assert_within_quantization(arrays, qx, plain, n_new, dtype, out_q, lse, want_q, lse_q, want_p):
+    """A quantized cache's attention (``out_q``, ``lse``) against the float64 reference on its
+    dequantized values (``want_q``, ``lse_q``): its error at most twice that of the same
+    computation (the generic path, which every backend runs for quantized storage) over the
+    unquantized cache ``plain`` (reference ``want_p``), or of the exact result rounded to
+    ``dtype``, plus 1e-6; the lse where finite within 1e-5, -inf in the same places."""
+    inp = validate_attention(plain, qx, n_new)
+    out_p = attention_array_api(qx, plain.store, inp, inp.params, return_lse=False)
+    err_q = _error(arrays.to_numpy(out_q), want_q)
+    err_p = _error(arrays.to_numpy(out_p), want_p)
+    # No output in ``dtype`` beats the exact result rounded to ``dtype``: over a bfloat16
+    # cache a one-hot softmax returns a stored (bfloat16) value exactly, while a dequantized
+    # value is float32 and must be rounded.
+    err_round = _error(_round_to(want_q, dtype), want_q)
+    assert err_q <= 2 * max(err_p, err_round) + 1e-6, (dtype, n_new, err_q, err_p, err_round)
+    lse = arrays.to_numpy(lse)
+    finite = np.isfinite(lse_q)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], lse_q[finite], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_attention_matches_reference_on_dequantized_values(backend, kv_dtype):
     """Ragged rows, padded query slots, an idle entry, a chunked prefill then a decode,
@@ -259,22 +280,7 @@ def test_attention_matches_reference_on_dequantized_values(backend, kv_dtype):
             want_q, lse_q = reference_attention(q_in, deq_k, deq_v, n_new)
             want_p, _ = reference_attention(q_in, ins_p[0], ins_p[1], n_new)
             out_q, lse = gqakv.gqa_attention(qx, quant, n_new, return_lse=True)
-            # The baseline is the same computation (the generic path, which every backend
-            # runs for quantized storage) over the unquantized cache.
-            out_p = attention_array_api(qx, plain.store, validate_attention(plain, qx, n_new),
-                                        validate_attention(plain, qx, n_new).params,
-                                        return_lse=False)
-            err_q = _error(arrays.to_numpy(out_q), want_q)
-            err_p = _error(arrays.to_numpy(out_p), want_p)
-            # No output in ``dtype`` beats the exact result rounded to ``dtype``: over a
-            # bfloat16 cache a one-hot softmax returns a stored (bfloat16) value exactly,
-            # while a dequantized value is float32 and must be rounded.
-            err_round = _error(_round_to(want_q, dtype), want_q)
-            assert err_q <= 2 * max(err_p, err_round) + 1e-6, (dtype, n_new, err_q, err_p, err_round)
-            lse = arrays.to_numpy(lse)
-            finite = np.isfinite(lse_q)
-            np.testing.assert_array_equal(np.isfinite(lse), finite)
-            np.testing.assert_allclose(lse[finite], lse_q[finite], rtol=1e-5, atol=1e-5)
+            _assert_within_quantization(arrays, qx, plain, n_new, dtype, out_q, lse, want_q, lse_q, want_p)
             assert not np.isnan(arrays.to_numpy(out_q)).any()
             # Padded query slots are exactly 0.
             for b in range(B):
@@ -642,16 +648,7 @@ def test_paged_quantized_cache(backend, kv_dtype, page_size):
                                                 [_dequantized(x, kv_dtype) for x in direct.v], n_new)
             want_p, _ = reference_attention(q_in, direct.k, direct.v, n_new)
             out_q, lse = gqakv.gqa_attention(qx, quant, n_new, return_lse=True)
-            inp = validate_attention(plain, qx, n_new)
-            out_p = attention_array_api(qx, plain.store, inp, inp.params, return_lse=False)
-            err_q = _error(arrays.to_numpy(out_q), want_q)
-            err_p = _error(arrays.to_numpy(out_p), want_p)
-            err_round = _error(_round_to(want_q, dtype), want_q)
-            assert err_q <= 2 * max(err_p, err_round) + 1e-6, (dtype, n_new, err_q, err_p, err_round)
-            lse = arrays.to_numpy(lse)
-            finite = np.isfinite(lse_q)
-            np.testing.assert_array_equal(np.isfinite(lse), finite)
-            np.testing.assert_allclose(lse[finite], lse_q[finite], rtol=1e-5, atol=1e-5)
+            _assert_within_quantization(arrays, qx, plain, n_new, dtype, out_q, lse, want_q, lse_q, want_p)
             for b in range(B):
                 assert (arrays.to_numpy(out_q)[b, :, n_new[b]:] == 0).all()
 

@@ -48,6 +48,20 @@ def _model(dtype=torch.float32, seed=0, layers=2):
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
+def _perturbed_assistant(model, attn: str, drafts: int):
+    """``model`` with its weights perturbed (seeded), as an assistant drafting ``drafts``
+    tokens per step with ``attn`` attention: some drafts accepted, some not."""
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.03 * torch.randn_like(p))
+    model.set_attn_implementation(attn)
+    model.generation_config.num_assistant_tokens = drafts
+    model.generation_config.num_assistant_tokens_schedule = "constant"
+    model.generation_config.assistant_confidence_threshold = 0.0
+    return model
+
+
 def _ids(batch=2, length=11, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 101, (batch, length), generator=g)
@@ -412,15 +426,8 @@ def test_assisted_decoding_matches_greedy(monkeypatch):
     from gqakv.integrations.transformers import GqakvLayer
 
     model = _model(torch.float64)
-    assistant = _model(torch.float64)  # the same weights, perturbed: some drafts accepted, some not
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for p in assistant.parameters():
-            p.add_(0.03 * torch.randn_like(p))
-    assistant.set_attn_implementation("sdpa")
-    assistant.generation_config.num_assistant_tokens = 5
-    assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    assistant.generation_config.assistant_confidence_threshold = 0.0
+    # the same weights, perturbed: some drafts accepted, some not
+    assistant = _perturbed_assistant(_model(torch.float64), "sdpa", drafts=5)
     ids = _ids(batch=1, length=7, seed=14)
     n = 12
     want_seq, want_logits = _generate(model, ids, "sdpa", n=n)
@@ -830,15 +837,7 @@ def test_variant_model_beam_search_and_assisted_decoding(float64_softmax, monkey
     assert torch.equal(got_seq, want_seq)
     assert (got_scores - want_scores).abs().max().item() <= F64_ATOL
 
-    assistant = _variant_model("gpt_oss")
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for p in assistant.parameters():
-            p.add_(0.03 * torch.randn_like(p))
-    assistant.set_attn_implementation("eager")
-    assistant.generation_config.num_assistant_tokens = 4
-    assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    assistant.generation_config.assistant_confidence_threshold = 0.0
+    assistant = _perturbed_assistant(_variant_model("gpt_oss"), "eager", drafts=4)
     ids = _ids(batch=1, length=8, seed=27)
     want_seq, want_logits = _variant_generate(model, ids, torch.ones_like(ids), "eager", n=10)
     from gqakv.integrations.transformers import GqakvLayer
