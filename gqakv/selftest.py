@@ -471,6 +471,15 @@ def _merge_halves(backend, dtype, m, q_dev, q_host, n_new, rng, check, what) -> 
     _compare(check, what + f" merged at {cuts}", m, q_host, n_new, out, lse)
 
 
+def _ragged_prompts(rng, batch: int, T: int):
+    """Prompt lengths ``[batch]`` of 1..3T+1 tokens with one row empty all along (batch > 1),
+    and the chunks ``[batch]`` of at most T new tokens each that append them."""
+    prompts = rng.integers(1, 3 * T + 2, batch)
+    if batch > 1:
+        prompts[rng.integers(batch)] = 0  # an empty row all along
+    return prompts, [np.clip(prompts - i * T, 0, T) for i in range(-(-int(prompts.max()) // T))]
+
+
 def _prefill(backend, dtype, rng, quick, checks) -> None:
     """Prompts appended in T-token chunks over several calls; rows ragged, padded in the
     last chunk, finished (idle) or empty."""
@@ -480,12 +489,9 @@ def _prefill(backend, dtype, rng, quick, checks) -> None:
     for c in range(CASES[quick]):
         s = _shape(rng, quick)
         T = int(rng.choice([2, 5, 16, 37]))
-        prompts = rng.integers(1, 3 * T + 2, s.batch)
-        if s.batch > 1:
-            prompts[rng.integers(s.batch)] = 0  # an empty row all along
+        prompts, chunks = _ragged_prompts(rng, s.batch, T)
         m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + 1, s.head_dim, rng)
-        for chunk in range(-(-int(prompts.max()) // T)):
-            n_new = np.clip(prompts - chunk * T, 0, T)
+        for chunk, n_new in enumerate(chunks):
             m.append(n_new, T, append, f"case {c} ({s}) chunk {chunk} append")
             q_dev, q_host = m.queries(s.kv_heads * s.group, T, n_new)
             out, lse = gqa_attention(q_dev, m.cache, n_new, return_lse=True)
@@ -581,12 +587,9 @@ def _variants(backend, dtype, rng, quick, checks) -> None:
     for c in range(CASES[quick]):
         s = _shape(rng, quick)
         T = int(rng.choice([1, 4, 9]))
-        prompts = rng.integers(1, 3 * T + 2, s.batch)
-        if s.batch > 1:
-            prompts[rng.integers(s.batch)] = 0
+        prompts, chunks = _ragged_prompts(rng, s.batch, T)
         variant = _variant(rng, s, T, int(prompts.max()) + 1)
         m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + 1, s.head_dim, rng)
-        chunks = [np.clip(prompts - i * T, 0, T) for i in range(-(-int(prompts.max()) // T))]
         for i, n_new in enumerate(chunks + [(rng.random(s.batch) < 0.7).astype(np.int64)]):
             width = T if i < len(chunks) else 1
             n_new = np.minimum(n_new, m.cache.max_len - m.cache.host_lens)
@@ -660,12 +663,9 @@ def _quantized(kv_dtype, backend, dtype, rng, quick, checks) -> None:
     for c in range(CASES[quick]):
         s = _shape(rng, quick)
         T = int(rng.choice([1, 5, 16]))
-        prompts = rng.integers(1, 3 * T + 2, s.batch)
-        if s.batch > 1:
-            prompts[rng.integers(s.batch)] = 0
+        prompts, chunks = _ragged_prompts(rng, s.batch, T)
         m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + 2, s.head_dim, rng,
                    kv_dtype=kv_dtype)
-        chunks = [np.clip(prompts - i * T, 0, T) for i in range(-(-int(prompts.max()) // T))]
         steps = [(rng.random(s.batch) < 0.75).astype(np.int64) for _ in range(2)]
         for i, n_new in enumerate(chunks + steps):
             width = T if i < len(chunks) else 1
