@@ -5,8 +5,10 @@ the chosen backend: a batch of ragged prompts is prefilled in chunks, then every
 decodes token by token. The report gives the time of each phase, the decode step's
 achieved bandwidth (bytes of live K/V read per step / time) against the machine's
 measured read bandwidth, the cache's memory, and how many bytes a cache grown by
-concatenation would have copied for the same run. ``--compare torch`` times torch's
-``scaled_dot_product_attention(enable_gqa=True)`` over the same live views.
+concatenation would have copied for the same run. ``--kv-dtype int8|float8_e4m3fn`` runs
+it over a quantized cache (alone or with ``--page-size``): every byte count is of what the
+cache actually stores, 8-bit codes plus each token's float32 scales. ``--compare torch``
+times torch's ``scaled_dot_product_attention(enable_gqa=True)`` over the same live views.
 
 The measuring helpers here (``read_bandwidth``, ``concat_bytes``, ``torch_sdpa``,
 ``median_time``) are shared with the asv benchmarks; timings wait for the device through
@@ -69,9 +71,11 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def token_bytes(kv_heads: int, head_dim: int, dtype) -> int:
-    """Bytes of K plus V for one token of one layer."""
-    return _store.nbytes(dtype, 1, kv_heads, head_dim)  # the one formula (gqakv.store)
+def token_bytes(kv_heads: int, head_dim: int, dtype, kv_dtype=None) -> int:
+    """Bytes of K plus V for one token of one layer as stored (``kv_dtype``: the codes plus
+    the token's float32 scales, ``2 x Hkv x (d + 4)``)."""
+    # the one formula (gqakv.store)
+    return _store.StorageSpec.of(dtype, kv_dtype=kv_dtype).bytes_per_slot(kv_heads, head_dim)
 
 
 def concat_bytes(lens_before, n_new, tok_bytes: int) -> int:
@@ -150,6 +154,7 @@ class Config:
     backend: str | None = None
     seed: int = 0
     page_size: int | None = None  # a paged cache (gqakv.PagedKVCache) with pages of this size
+    kv_dtype: str | None = None  # K/V stored quantized: "int8" or "float8_e4m3fn"
 
     def row_prompts(self) -> list[int]:
         """Prompt length of each row: the given lengths, cycled over the batch."""
@@ -225,9 +230,10 @@ def make_cache(cfg: Config):
 
         pages = sum(pages_for(p + cfg.steps, cfg.page_size) for p in cfg.row_prompts())
         return PagedKVCache(cfg.batch, cfg.kv_heads, max_len, cfg.head_dim, dtype=cfg.dtype,
-                            backend=cfg.backend, page_size=cfg.page_size, num_pages=pages)
+                            backend=cfg.backend, page_size=cfg.page_size, num_pages=pages,
+                            kv_dtype=cfg.kv_dtype)
     return KVCache(cfg.batch, cfg.kv_heads, max_len, cfg.head_dim, dtype=cfg.dtype,
-                   backend=cfg.backend)
+                   backend=cfg.backend, kv_dtype=cfg.kv_dtype)
 
 
 def run_workload(cfg: Config, progress=None, cache=None) -> Result:
@@ -240,7 +246,7 @@ def run_workload(cfg: Config, progress=None, cache=None) -> Result:
     B, Hq, Hkv, d = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim
     cache = make_cache(cfg) if cache is None else cache
     backend = cache.backend
-    tok = token_bytes(Hkv, d, cfg.dtype)
+    tok = token_bytes(Hkv, d, cfg.dtype, cfg.kv_dtype)  # as stored: codes + scales if quantized
     rng = np.random.default_rng(cfg.seed)
 
     def data(T, heads):  # one random block, reused: values do not change the work
@@ -250,7 +256,8 @@ def run_workload(cfg: Config, progress=None, cache=None) -> Result:
 
     res = Result(config=asdict(cfg), backend=backend.name, threads=_threads_line(backend),
                  cache_bytes=cache.nbytes, live_bytes=0,
-                 contiguous_bytes=KVCache.nbytes_for(B, Hkv, cache.max_len, d, cfg.dtype),
+                 contiguous_bytes=KVCache.nbytes_for(B, Hkv, cache.max_len, d, cfg.dtype,
+                                                     kv_dtype=cfg.kv_dtype),
                  pages=cache.num_pages if cache.store.kind == "paged" else None)
     t_start = time.perf_counter()
 
@@ -330,6 +337,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--page-size", type=int, default=None,
                         help="run on a paged cache (gqakv.PagedKVCache) with pages of this many "
                              "tokens, its pool sized to the run's final rows")
+    parser.add_argument("--kv-dtype", choices=["int8", "float8_e4m3fn"], default=None,
+                        help="store K and V quantized (8-bit codes plus a float32 scale per "
+                             "token and KV head); --dtype stays the dtype of q, new K/V and the "
+                             "output. Byte counts and bandwidth are of what is stored")
     parser.add_argument("--compare", choices=["torch"], default=None,
                         help="also time torch SDPA (enable_gqa) over the same live views")
     parser.add_argument("--no-bandwidth", action="store_true",
@@ -357,11 +368,19 @@ def _config(args) -> Config:
         raise UsageError(f"--page-size must be >= 1, got {page_size}")
     if page_size is not None and args.compare == "torch":
         raise UsageError("--compare torch reads contiguous rows; it cannot run with --page-size")
+    kv_dtype = getattr(args, "kv_dtype", None)
+    if kv_dtype is not None and args.dtype == "float64":
+        raise UsageError(f"--kv-dtype {kv_dtype} needs --dtype float32, float16 or bfloat16, "
+                         "got float64 (the reference precision is never quantized)")
+    if kv_dtype is not None and args.compare == "torch":
+        raise UsageError(f"--compare torch reads K/V as {args.dtype} values; it cannot run with "
+                         f"--kv-dtype {kv_dtype} (the cache holds 8-bit codes and scales)")
     if args.heads % args.kv_heads:
         raise UsageError(f"--heads={args.heads} must be a multiple of --kv-heads={args.kv_heads}")
     return Config(batch=args.batch, prompt_lens=prompts, chunk=args.chunk, steps=args.steps,
                   heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                  dtype=args.dtype, backend=args.backend, seed=args.seed, page_size=page_size)
+                  dtype=args.dtype, backend=args.backend, seed=args.seed, page_size=page_size,
+                  kv_dtype=kv_dtype)
 
 
 def run(args) -> int:
@@ -377,6 +396,11 @@ def run(args) -> int:
         clamped = f" (--chunk {cfg.chunk} clamped to the longest prompt)" if chunk != cfg.chunk else ""
         print(f"gqakv bench: one attention layer, Hq={cfg.heads} Hkv={cfg.kv_heads} d={cfg.head_dim} "
               f"(Llama-3.1-8B: 32/8/128), {cfg.dtype}")
+        if cfg.kv_dtype:
+            tok = token_bytes(cfg.kv_heads, cfg.head_dim, cfg.dtype, cfg.kv_dtype)
+            print(f"  K/V stored as {cfg.kv_dtype} with per-token float32 scales: {tok:,} bytes "
+                  f"per token (codes + scales) against "
+                  f"{token_bytes(cfg.kv_heads, cfg.head_dim, cfg.dtype):,} as {cfg.dtype}")
         print(f"  batch {cfg.batch}, prompts {'/'.join(map(str, prompts))} tokens, prefill chunk "
               f"{chunk}{clamped}, then {cfg.steps} decode steps per row", flush=True)
     res = run_workload(cfg, progress, cache=cache)
@@ -438,6 +462,10 @@ def _report(res: Result, bw, compare, times: dict | None = None) -> dict:
         "config": res.config, "backend": res.backend, "threads": res.threads,
         "cache_bytes": res.cache_bytes, "live_bytes": res.live_bytes, "wall_s": res.wall_s,
         "contiguous_bytes": res.contiguous_bytes, "pages": res.pages,
+        # K + V bytes of one token as stored (codes + scales when quantized): every byte
+        # count and the decode bandwidth are multiples of it
+        "token_bytes": token_bytes(res.config["kv_heads"], res.config["head_dim"],
+                                   res.config["dtype"], res.config.get("kv_dtype")),
         "times": times,
         "prefill": asdict(res.prefill), "decode": asdict(d),
         "concat_bytes": res.prefill.concat_bytes + d.concat_bytes,
@@ -451,8 +479,9 @@ def _report(res: Result, bw, compare, times: dict | None = None) -> dict:
 
 def _print_report(r: dict) -> None:
     p, d = r["prefill"], r["decode"]
+    kv = "K and V" if not r["config"].get("kv_dtype") else "K and V codes + scales"
     print(f"\nbackend: {r['backend']} ({r['threads']})")
-    print(f"cache: {human_bytes(r['cache_bytes'])} allocated once (K and V), {human_bytes(r['live_bytes'])} "
+    print(f"cache: {human_bytes(r['cache_bytes'])} allocated once ({kv}), {human_bytes(r['live_bytes'])} "
           "live at the end")
     if r.get("pages") is not None:
         ps = r["config"]["page_size"]
@@ -471,7 +500,8 @@ def _print_report(r: dict) -> None:
     bw = r["read_bandwidth"]
     if r["decode_bytes_per_s"]:
         per_step = d["kv_bytes_read"] / d["calls"]
-        line = (f"decode attention: {r['decode_bytes_per_s'] / 1e9:.1f} GB/s of live K/V "
+        stored = "K/V" if not r["config"].get("kv_dtype") else "K/V codes + scales"
+        line = (f"decode attention: {r['decode_bytes_per_s'] / 1e9:.1f} GB/s of live {stored} "
                 f"({human_bytes(per_step)} read per step)")
         if bw:
             line += (f",\n  {100 * r['decode_bytes_per_s'] / bw['best']:.0f}% of the best measured read "
@@ -494,7 +524,7 @@ def _print_report(r: dict) -> None:
                       f"   gqakv/torch {x['ratio']:.2f}x")
     cfg = r["config"]
     concat = r["concat_bytes"]
-    tok = token_bytes(cfg["kv_heads"], cfg["head_dim"], cfg["dtype"])
+    tok = token_bytes(cfg["kv_heads"], cfg["head_dim"], cfg["dtype"], cfg.get("kv_dtype"))
     print(f"\nconcatenation: a cache grown by concatenation copies every cached token at each append;"
           f"\n  for this run it would have copied {concat:,} bytes ({human_bytes(concat)}) "
           f"= {concat / max(1, r['live_bytes']):.0f}x the final live cache; gqakv copied 0.")

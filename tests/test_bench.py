@@ -66,6 +66,52 @@ def test_bench_json_counts(capsys):
     assert report["decode_bytes_per_s"] > 0 and report["read_bandwidth"] is None
 
 
+QUANT_TOKEN_BYTES = 2 * 2 * (8 + 4)  # K and V, 2 KV heads, 8 one-byte codes + a float32 scale
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_bench_kv_dtype_counts_the_bytes_stored(capsys, kv_dtype, page_size):
+    """Over a quantized cache every byte count, and so the bandwidth, is of codes + scales."""
+    argv = ["bench", *TINY, "--json", "--kv-dtype", kv_dtype]
+    if page_size:
+        argv += ["--page-size", str(page_size)]
+    report = json.loads(run_cli(capsys, argv).out)
+    assert report["config"]["kv_dtype"] == kv_dtype
+    assert report["token_bytes"] == QUANT_TOKEN_BYTES
+    decode = report["decode"]
+    assert decode["kv_bytes_read"] == sum(p + s + 1 for p in (5, 9, 5) for s in range(3)) * QUANT_TOKEN_BYTES
+    assert report["decode_bytes_per_s"] == decode["kv_bytes_read"] / decode["attention_s"]
+    assert report["live_bytes"] == (8 + 12 + 8) * QUANT_TOKEN_BYTES
+    assert report["contiguous_bytes"] == 3 * 12 * QUANT_TOKEN_BYTES
+    # pages: ceil(8 / 4) + ceil(12 / 4) + ceil(8 / 4) = 7 of 4 slots
+    assert report["cache_bytes"] == (3 * 12 if page_size is None else 7 * 4) * QUANT_TOKEN_BYTES
+    assert report["concat_bytes"] == expected_concat_bytes([5, 9, 5], 4, 3) // TOKEN_BYTES * QUANT_TOKEN_BYTES
+
+
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_bench_kv_dtype_runs_on_a_quantized_cache(page_size):
+    """The workload really stores 8-bit codes and scales, on the CPU default backend too,
+    and the reported cache bytes are the allocated store's."""
+    for backend in ("numpy", None):
+        cfg = bench.Config(batch=3, prompt_lens=(5, 9), chunk=4, steps=2, heads=4, kv_heads=2,
+                           head_dim=8, backend=backend, kv_dtype="int8", page_size=page_size)
+        res = bench.run_workload(cfg)
+        cache = res._cache
+        assert cache.kv_dtype == "int8" and cache.store.quantized
+        assert str(cache.store.k.dtype) == "int8" and cache.store.k_scale is not None
+        assert res.cache_bytes == cache.nbytes
+        assert list(cache.host_lens) == [7, 11, 7]
+
+
+def test_bench_kv_dtype_text_report(capsys):
+    out = run_cli(capsys, ["bench", *TINY, "--quiet", "--kv-dtype", "int8"]).out
+    assert ("K/V stored as int8 with per-token float32 scales: 48 bytes per token (codes + scales) "
+            "against 128 as float32") in out
+    assert "allocated once (K and V codes + scales)" in out
+    assert "GB/s of live K/V codes + scales" in out
+
+
 def test_bench_progress_and_bandwidth(capsys, monkeypatch):
     monkeypatch.setattr(bench, "read_bandwidth", lambda: {"numpy_sum_1thread": 1e10, "blas_gemv": 2e10, "best": 2e10})
     captured = run_cli(capsys, ["bench", *[a for a in TINY if a != "--no-bandwidth"]])
@@ -113,6 +159,12 @@ def test_torch_sdpa_peer_computes_the_same_attention():
     (["--batch", "0"], "--batch must be >= 1, got 0"),
     (["--prompt-lens", "4,x"], "--prompt-lens must be comma-separated ints >= 1, got '4,x'"),
     (["--heads", "6", "--kv-heads", "4"], "--heads=6 must be a multiple of --kv-heads=4"),
+    (["--kv-dtype", "int8", "--dtype", "float64"],
+     "--kv-dtype int8 needs --dtype float32, float16 or bfloat16, got float64 (the reference "
+     "precision is never quantized)"),
+    (["--kv-dtype", "float8_e4m3fn", "--compare", "torch"],
+     "--compare torch reads K/V as float32 values; it cannot run with --kv-dtype float8_e4m3fn "
+     "(the cache holds 8-bit codes and scales)"),
 ])
 def test_bench_rejects_bad_flags(argv, message, capsys):
     assert cli.main(["bench", *argv]) == 2
