@@ -8,10 +8,13 @@ measured read bandwidth, the cache's memory, and how many bytes a cache grown by
 concatenation would have copied for the same run. ``--kv-dtype int8|float8_e4m3fn`` runs
 it over a quantized cache (alone or with ``--page-size``): every byte count is of what the
 cache actually stores, 8-bit codes plus each token's float32 scales. ``--compare torch``
-times torch's ``scaled_dot_product_attention(enable_gqa=True)`` over the same live views.
+times torch's ``scaled_dot_product_attention(enable_gqa=True)`` over the same live views;
+``--compare onnxruntime`` times ONNX Runtime's ``com.microsoft.GroupQueryAttention`` on its
+CPU provider against gqakv's decode step on the same state, after checking that both
+compute the same outputs.
 
 The measuring helpers here (``read_bandwidth``, ``concat_bytes``, ``torch_sdpa``,
-``median_time``) are shared with the asv benchmarks; timings wait for the device through
+``onnxruntime_gqa``, ``alternating_blocks``, ``median_time``) are shared with the asv benchmarks; timings wait for the device through
 ``Backend.synchronize``.
 """
 
@@ -123,6 +126,228 @@ def _as_torch(x):
             return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
         return torch.from_numpy(x)
     return torch.from_dlpack(x)
+
+
+#: The pip command that installs the ONNX Runtime peer (the ``compare`` extra).
+ORT_INSTALL = "pip install 'gqakv[compare]'  (or: pip install onnx onnxruntime)"
+
+
+def import_onnxruntime():
+    """``(onnx, onnxruntime)``, or ImportError whose one-line message names the pip command."""
+    try:
+        import onnx
+        import onnxruntime
+    except ImportError as exc:
+        raise ImportError(f"--compare onnxruntime needs the {exc.name} package: {ORT_INSTALL}") from None
+    return onnx, onnxruntime
+
+
+def onnxruntime_gqa(q, k_new, v_new, k_buf, v_buf, past_lens, *, threads: int | None = None):
+    """ONNX Runtime's ``com.microsoft.GroupQueryAttention`` (CPU provider) for one decode
+    step: each row b attends from its new token over its ``past_lens[b]`` cached tokens
+    plus the new one, and the op writes the new K/V at position ``past_lens[b]``. Returns
+    ``(run, out)``: ``run()`` executes the step, ``out`` is ``[B, Hq, 1, d]`` (a view of
+    the op's ``[B, 1, Hq * d]`` output buffer, refreshed by every ``run()``).
+
+    Shapes: q ``[B, Hq, 1, d]``; k_new, v_new ``[B, Hkv, 1, d]``; k_buf, v_buf
+    ``[B, Hkv, max_len, d]``, float32 or float16 NumPy arrays, C-contiguous (ONNX
+    Runtime's past/present layout, BNSH, is gqakv's contiguous cache layout), written in
+    place: past and present are bound to one buffer of ``max_len`` tokens (ONNX Runtime
+    then appends in place instead of copying the cache). ``seqlens_k`` is
+    ``past_lens`` (the op wants total length - 1) and ``total_sequence_length``
+    ``max(past_lens) + 1``; no rotary embedding, scale ``1/sqrt(d)``. ``threads``: ONNX
+    Runtime's intra-op threads (spinning off, so that an idle peer does not take the
+    cores from the other side of an interleaved timing). Raises ImportError (with the pip
+    command) without onnx/onnxruntime, ValueError for another dtype or layout.
+    """
+    onnx, ort = import_onnxruntime()
+    from onnx import TensorProto, helper
+
+    elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}.get(np.dtype(k_buf.dtype).name)
+    if elem is None:
+        raise ValueError(f"onnxruntime's GroupQueryAttention on the CPU takes float32 or float16, "
+                         f"not {np.dtype(k_buf.dtype).name}")
+    B, Hkv, M, d = k_buf.shape
+    Hq = q.shape[1]
+    past_lens = np.asarray(past_lens, dtype=np.int64)
+    arrays = {"query": q, "key": k_new, "value": v_new, "past_key": k_buf, "past_value": v_buf}
+    for name, a in arrays.items():
+        if not isinstance(a, np.ndarray) or a.dtype != k_buf.dtype or not a.flags.c_contiguous:
+            raise ValueError(f"onnxruntime_gqa: {name} must be a C-contiguous NumPy array of "
+                             f"{k_buf.dtype}, got {type(a).__name__} "
+                             f"{getattr(a, 'dtype', '?')}")
+    if q.shape != (B, Hq, 1, d) or k_new.shape != (B, Hkv, 1, d) or v_new.shape != k_new.shape \
+            or v_buf.shape != k_buf.shape or Hq % Hkv:
+        raise ValueError(f"onnxruntime_gqa: shapes q {q.shape}, k_new {k_new.shape}, v_new "
+                         f"{v_new.shape}, buffers {k_buf.shape}/{v_buf.shape} are not one decode step")
+    if past_lens.shape != (B,) or past_lens.min(initial=0) < 0 or past_lens.max(initial=0) >= M:
+        raise ValueError(f"onnxruntime_gqa: past_lens={past_lens.tolist()} must be [B={B}] ints "
+                         f"in [0, max_len - 1 = {M - 1}] (room for the new token)")
+
+    def info(name, shape, kind=elem):
+        return helper.make_tensor_value_info(name, kind, list(shape))
+
+    node = helper.make_node(
+        "GroupQueryAttention", domain="com.microsoft", num_heads=Hq, kv_num_heads=Hkv,
+        scale=1.0 / math.sqrt(d), do_rotary=0,
+        inputs=["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
+        outputs=["output", "present_key", "present_value"])
+    graph = helper.make_graph(
+        [node], "gqakv_compare_decode",
+        [info("query", (B, 1, Hq * d)), info("key", (B, 1, Hkv * d)), info("value", (B, 1, Hkv * d)),
+         info("past_key", k_buf.shape), info("past_value", v_buf.shape),
+         info("seqlens_k", (B,), TensorProto.INT32), info("total_sequence_length", (1,), TensorProto.INT32)],
+        [info("output", (B, 1, Hq * d)), info("present_key", k_buf.shape),
+         info("present_value", v_buf.shape)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8  # readable by every onnxruntime since 1.10
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = int(threads or 0)
+    opts.inter_op_num_threads = 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # e.g. an onnxruntime without this op or dtype on the CPU
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"onnxruntime {ort.__version__} cannot run GroupQueryAttention in "
+                         f"{np.dtype(k_buf.dtype).name} on the CPU ({first})") from None
+
+    out = np.empty((B, 1, Hq * d), dtype=k_buf.dtype)
+    values = {
+        "query": q.reshape(B, 1, Hq * d), "key": k_new.reshape(B, 1, Hkv * d),
+        "value": v_new.reshape(B, 1, Hkv * d), "past_key": k_buf, "past_value": v_buf,
+        "seqlens_k": past_lens.astype(np.int32),
+        "total_sequence_length": np.array([int(past_lens.max(initial=0)) + 1], dtype=np.int32),
+    }
+    # OrtValues over the NumPy memory (no copies); present_* bound to the past_* buffers.
+    ort_values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in values.items()}
+    binding = sess.io_binding()
+    for name, value in ort_values.items():
+        binding.bind_ortvalue_input(name, value)
+    binding.bind_ortvalue_output("output", ort.OrtValue.ortvalue_from_numpy(out))
+    binding.bind_ortvalue_output("present_key", ort_values["past_key"])
+    binding.bind_ortvalue_output("present_value", ort_values["past_value"])
+
+    def run():
+        sess.run_with_iobinding(binding)
+
+    run._keep = (values, ort_values, sess)  # the memory the binding points at
+    return run, out.reshape(B, 1, Hq, d).transpose(0, 2, 1, 3)
+
+
+def alternating_blocks(fns: dict, backend=None, *, rounds: int = 5, block_s: float = 0.1) -> dict:
+    """Seconds per call of each callable, timed in alternating blocks (a block of calls of
+    the first, then of the second, ..., ``rounds`` times) so that a burst of other load on
+    the machine hits every side alike. A block repeats its call enough times to last about
+    ``block_s`` (after a warm-up call, sized from a second, timed one). Returns ``{name: {"median_s", "min_s",
+    "blocks"}}``: the median and the minimum over blocks of the block's time per call."""
+    sync = backend.synchronize if backend is not None else (lambda: None)
+    reps = {}
+    for name, fn in fns.items():
+        fn()
+        sync()
+        reps[name] = max(1, int(block_s / max(_timed(lambda: (fn(), sync())), 1e-6)))
+    per_call = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(reps[name]):
+                fn()
+            sync()
+            per_call[name].append((time.perf_counter() - t) / reps[name])
+    return {name: {"median_s": float(np.median(ts)), "min_s": min(ts), "blocks": len(ts),
+                   "calls_per_block": reps[name]} for name, ts in per_call.items()}
+
+
+def compare_onnxruntime(cache, heads: int, *, seed: int = 0, rounds: int = 5, block_s: float = 0.1) -> dict:
+    """gqakv's decode step against ONNX Runtime's GroupQueryAttention on the same state.
+
+    From ``cache`` (a contiguous, unquantized KVCache on a backend holding NumPy arrays,
+    every row with at least one token), each row's last token is dropped, and both sides
+    run one decode step from there: a new token's K/V written at ``lens - 1`` and its
+    ``heads`` query heads attending over the row (gqakv: ``append`` + ``gqa_attention``,
+    then ``truncate`` back, outside the timing; ONNX Runtime: one GroupQueryAttention call
+    over its own copy of the buffers, past and present sharing them). The outputs are
+    checked to agree first (ValueError otherwise); then both are timed in alternating
+    blocks with the same number of threads. ``ratio`` is ONNX Runtime time / gqakv time
+    (above 1: gqakv is faster), on the medians.
+    """
+    from .attention import gqa_attention
+
+    import_onnxruntime()
+    backend = cache.backend
+    if cache.store.kind != _store.CONTIGUOUS or cache.store.quantized:
+        raise ValueError("--compare onnxruntime reads a contiguous cache of float32 or float16 values; "
+                         "it cannot run with --page-size or --kv-dtype")
+    if not isinstance(cache.k, np.ndarray):
+        raise ValueError(f"--compare onnxruntime needs a backend holding NumPy arrays (numpy, numba), "
+                         f"got backend {backend.name!r}")
+    if cache.dtype not in ("float32", "float16"):
+        raise ValueError(f"--compare onnxruntime: onnxruntime's GroupQueryAttention on the CPU takes "
+                         f"float32 or float16, got --dtype {cache.dtype}")
+    lens = cache.host_lens.copy()
+    if lens.min(initial=1) < 1:
+        raise ValueError(f"compare_onnxruntime: every row needs a token to re-decode, lens={lens.tolist()}")
+    B, Hkv, d = cache.batch, cache.kv_heads, cache.head_dim
+    rows, base = np.arange(B), lens - 1
+    cache.truncate(rows, base)
+    rng = np.random.default_rng(seed)
+
+    def draw(h):
+        return rng.standard_normal((B, h, 1, d), dtype=np.float32).astype(cache.dtype)
+
+    q, k_new, v_new = draw(heads), draw(Hkv), draw(Hkv)
+    ones = np.ones(B, dtype=np.int64)
+    threads = _backend_threads(backend)
+    k_ort, v_ort = np.ascontiguousarray(cache.k), np.ascontiguousarray(cache.v)  # ORT's own copies
+    ort_step, ort_out = onnxruntime_gqa(q, k_new, v_new, k_ort, v_ort, base, threads=threads)
+
+    def gqakv_step():
+        cache.append(k_new, v_new, ones)
+        return gqa_attention(q, cache, ones)
+
+    # -- agreement: same outputs, same cache contents written
+    ours = np.asarray(gqakv_step(), dtype=np.float32)
+    cache.truncate(rows, base)
+    ort_step()
+    theirs = np.asarray(ort_out, dtype=np.float32)
+    eps = float(np.finfo(cache.dtype).eps)
+    # a few roundings of the output plus float32 accumulation over the row's keys
+    tol = (4 * eps + 64 * float(np.finfo(np.float32).eps)) * max(1.0, float(np.abs(ours).max()))
+    err = float(np.abs(ours - theirs).max())
+    written = all(np.array_equal(buf[b, :, base[b]], new[b, :, 0])
+                  for buf, new in ((k_ort, k_new), (v_ort, v_new)) for b in range(B))
+    if not (err <= tol) or not written:
+        raise ValueError(f"onnxruntime's GroupQueryAttention and gqakv disagree on this decode step "
+                         f"(max |difference| {err:.3g}, allowed {tol:.3g}; new K/V written at the right "
+                         f"slots: {written}): not timing different computations")
+
+    def gqakv_timed():
+        gqakv_step()
+        cache.truncate(rows, base)  # O(1) bookkeeping: back to the same state
+
+    times = alternating_blocks({"gqakv": gqakv_timed, "onnxruntime": ort_step}, backend,
+                               rounds=rounds, block_s=block_s)
+    cache.truncate(rows, base)
+    cache.append(k_new, v_new, ones)  # the cache ends as it started, lengths-wise
+    import onnxruntime
+
+    return {"decode": {"batch": B, "lens": lens.tolist(), "dtype": cache.dtype, "threads": threads,
+                       "max_abs_difference": err, "tolerance": tol, **{f"{k}_s": v["median_s"]
+                       for k, v in times.items()}, "blocks": times,
+                       "ratio": times["onnxruntime"]["median_s"] / times["gqakv"]["median_s"]},
+            "onnxruntime": f"onnxruntime {onnxruntime.__version__}, CPUExecutionProvider, "
+                           f"{threads} intra-op threads"}
+
+
+def _backend_threads(backend) -> int:
+    """The threads gqakv's CPU backend runs a call on (the peer gets as many)."""
+    if backend.name == "numba":
+        from gqakv_backends.numba_backend import default_workers
+        return default_workers()
+    from gqakv_backends.numpy_attention import _threads
+    return _threads.default_workers()
 
 
 def median_time(fn, backend, repeats: int = 5) -> float:
@@ -341,8 +566,11 @@ def add_arguments(parser) -> None:
                         help="store K and V quantized (8-bit codes plus a float32 scale per "
                              "token and KV head); --dtype stays the dtype of q, new K/V and the "
                              "output. Byte counts and bandwidth are of what is stored")
-    parser.add_argument("--compare", choices=["torch"], default=None,
-                        help="also time torch SDPA (enable_gqa) over the same live views")
+    parser.add_argument("--compare", choices=["torch", "onnxruntime"], default=None,
+                        help="torch: also time torch SDPA (enable_gqa) over the same live views; "
+                             "onnxruntime: ONNX Runtime's GroupQueryAttention (CPU provider, "
+                             "float32/float16) against gqakv's decode step on the final rows, "
+                             "outputs checked to agree first (needs: " + ORT_INSTALL + ")")
     parser.add_argument("--no-bandwidth", action="store_true",
                         help="skip measuring the machine's read bandwidth (about 1 s)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -375,6 +603,17 @@ def _config(args) -> Config:
     if kv_dtype is not None and args.compare == "torch":
         raise UsageError(f"--compare torch reads K/V as {args.dtype} values; it cannot run with "
                          f"--kv-dtype {kv_dtype} (the cache holds 8-bit codes and scales)")
+    if args.compare == "onnxruntime":
+        if page_size is not None or kv_dtype is not None:
+            raise UsageError("--compare onnxruntime reads a contiguous cache of --dtype values; it "
+                             "cannot run with --page-size or --kv-dtype")
+        if args.dtype not in ("float32", "float16"):
+            raise UsageError(f"--compare onnxruntime: onnxruntime's GroupQueryAttention on the CPU "
+                             f"takes --dtype float32 or float16, got {args.dtype}")
+        try:
+            import_onnxruntime()
+        except ImportError as exc:
+            raise UsageError(str(exc)) from None
     if args.heads % args.kv_heads:
         raise UsageError(f"--heads={args.heads} must be a multiple of --kv-heads={args.kv_heads}")
     return Config(batch=args.batch, prompt_lens=prompts, chunk=args.chunk, steps=args.steps,
@@ -390,6 +629,9 @@ def run(args) -> int:
     # backend (--backend, GQAKV_BACKEND), the cache's size, GQAKV_NUM_THREADS.
     cache = make_cache(cfg)
     _threads_line(cache.backend)
+    if args.compare == "onnxruntime" and not isinstance(cache.k, np.ndarray):
+        raise ValueError(f"--compare onnxruntime needs a backend holding NumPy arrays (numpy, "
+                         f"numba), got --backend {cache.backend.name}")
     progress = _Progress(not args.quiet and not args.json)
     if not args.json:
         prompts, chunk = cfg.row_prompts(), prefill_chunk(cfg)
@@ -407,7 +649,9 @@ def run(args) -> int:
     t_bw = time.perf_counter()
     bw = None if args.no_bandwidth else read_bandwidth()
     t_compare = time.perf_counter()
-    compare = _compare_torch(res, cfg) if args.compare == "torch" else None
+    compare = (_compare_torch(res, cfg) if args.compare == "torch" else
+               compare_onnxruntime(res._cache, cfg.heads, seed=cfg.seed + 1)
+               if args.compare == "onnxruntime" else None)
     t_end = time.perf_counter()
     times = {"workload_s": res.wall_s, "bandwidth_s": t_compare - t_bw if bw else None,
              "compare_s": t_end - t_compare if compare else None,
@@ -512,7 +756,17 @@ def _print_report(r: dict) -> None:
         parts = ", ".join(f"{k.replace('_', ' ')} {v / 1e9:.1f} GB/s" for k, v in bw.items() if k != "best")
         print(f"read bandwidth (reading 256 MiB): {parts}")
     c = r["compare"]
-    if c:
+    if c and "onnxruntime" in c:
+        x = c["decode"]
+        print(f"\nvs ONNX Runtime GroupQueryAttention, one decode step of the final rows "
+              f"({c['onnxruntime']}):")
+        print(f"  outputs agree: max |difference| {x['max_abs_difference']:.2g} "
+              f"(allowed {x['tolerance']:.2g})")
+        print(f"  decode step  gqakv {1e3 * x['gqakv_s']:8.3f} ms   onnxruntime "
+              f"{1e3 * x['onnxruntime_s']:8.3f} ms   onnxruntime/gqakv {x['ratio']:.2f}x "
+              f"(medians of {x['blocks']['gqakv']['blocks']} alternating blocks; above 1: gqakv "
+              f"is faster)")
+    elif c:
         if "error" in c:
             print(f"torch comparison: {c['error']}")
         else:
@@ -537,5 +791,6 @@ def _print_report(r: dict) -> None:
     if t["bandwidth_s"] is not None:
         parts.append(f"read bandwidth {t['bandwidth_s']:.1f} s")
     if t["compare_s"] is not None:
-        parts.append(f"torch comparison {t['compare_s']:.1f} s")
+        peer = "onnxruntime" if r["compare"] and "onnxruntime" in r["compare"] else "torch"
+        parts.append(f"{peer} comparison {t['compare_s']:.1f} s")
     print(f"\ntotal {t['total_s']:.1f} s (the whole command: {', '.join(parts)})")

@@ -155,6 +155,128 @@ def test_torch_sdpa_peer_computes_the_same_attention():
     assert callable(bench.torch_sdpa(q, cache.k, cache.v, cache.host_lens, [3, 3]))
 
 
+# -- the ONNX Runtime peer -------------------------------------------------------------------
+
+def _onnxruntime_or_skip():
+    try:
+        bench.import_onnxruntime()
+    except ImportError as exc:
+        pytest.skip(f"{exc} (the 'compare' extra is not part of the test extra)")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_onnxruntime_peer_computes_the_same_decode_step(dtype):
+    """The GroupQueryAttention the ratio is taken against is the same decode step: the
+    float64 reference over each row's past plus its new token, the new K/V written at
+    the row's length in the shared past/present buffer and nothing else touched."""
+    _onnxruntime_or_skip()
+    from tests.reference import reference_attention
+
+    rng = np.random.default_rng(0)
+    B, Hq, Hkv, M, d = 3, 4, 2, 12, 8
+    past = np.array([0, 5, 11])
+
+    def draw(*shape):
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+    k_buf, v_buf = draw(B, Hkv, M, d), draw(B, Hkv, M, d)
+    q, k_new, v_new = draw(B, Hq, 1, d), draw(B, Hkv, 1, d), draw(B, Hkv, 1, d)
+    k_before, v_before = k_buf.copy(), v_buf.copy()
+    run, out = bench.onnxruntime_gqa(q, k_new, v_new, k_buf, v_buf, past, threads=1)
+    run()
+    k_rows = [np.concatenate([k_before[b, :, :past[b]], k_new[b]], axis=1) for b in range(B)]
+    v_rows = [np.concatenate([v_before[b, :, :past[b]], v_new[b]], axis=1) for b in range(B)]
+    want, _ = reference_attention(q, k_rows, v_rows, [1] * B)
+    got = np.asarray(out, dtype=np.float64)
+    assert out.shape == (B, Hq, 1, d) and out.dtype == dtype
+    # one rounding to dtype plus float32 accumulation
+    bound = float(np.finfo(dtype).eps) * np.abs(want) + 1e-5
+    assert (np.abs(got - want) <= bound).all(), np.abs(got - want).max()
+    for buf, before, new in ((k_buf, k_before, k_new), (v_buf, v_before, v_new)):
+        expected = before.copy()
+        for b in range(B):
+            expected[b, :, past[b]] = new[b, :, 0]
+        np.testing.assert_array_equal(buf, expected)
+
+
+@pytest.mark.parametrize("backend_name, dtype", [("numpy", "float32"), ("numba", "float16")])
+def test_bench_compare_onnxruntime(capsys, dtype, backend_name):
+    _onnxruntime_or_skip()
+    if backend_name == "numba":
+        pytest.importorskip("numba")
+    argv = [a if a != "numpy" else backend_name for a in TINY] + ["--dtype", dtype,
+                                                                  "--compare", "onnxruntime"]
+    report = json.loads(run_cli(capsys, ["bench", *argv, "--json"]).out)
+    x = report["compare"]["decode"]
+    assert x["lens"] == [8, 12, 8] and x["dtype"] == dtype
+    assert 0 <= x["max_abs_difference"] <= x["tolerance"]
+    assert x["ratio"] == x["onnxruntime_s"] / x["gqakv_s"] > 0
+    assert x["blocks"]["gqakv"]["blocks"] == x["blocks"]["onnxruntime"]["blocks"] == 5
+    assert "onnxruntime" in report["compare"]["onnxruntime"] and report["times"]["compare_s"] > 0
+    out = run_cli(capsys, ["bench", *argv, "--quiet"]).out
+    assert "vs ONNX Runtime GroupQueryAttention" in out and "outputs agree: max |difference|" in out
+    assert "onnxruntime/gqakv" in out and "onnxruntime comparison" in out.strip().splitlines()[-1]
+
+
+def test_compare_onnxruntime_leaves_the_cache_as_it_was():
+    _onnxruntime_or_skip()
+    import gqakv
+
+    rng = np.random.default_rng(1)
+    cache = gqakv.KVCache(2, 2, 10, 8, backend="numpy")
+    kv = rng.standard_normal((2, 2, 6, 8), dtype=np.float32)
+    cache.append(kv, kv, [6, 3])
+    k_live = [cache.k[b, :, :n].copy() for b, n in enumerate((5, 2))]  # all but the last token
+    result = bench.compare_onnxruntime(cache, 4, rounds=1, block_s=0.001)
+    assert list(cache.host_lens) == [6, 3] and result["decode"]["lens"] == [6, 3]
+    for b, n in enumerate((5, 2)):
+        np.testing.assert_array_equal(cache.k[b, :, :n], k_live[b])
+
+
+def test_compare_onnxruntime_refuses_to_time_different_outputs(monkeypatch):
+    """A peer whose output differs (here: one query head's output zeroed) stops the
+    comparison before any timing."""
+    _onnxruntime_or_skip()
+    import gqakv
+
+    real = bench.onnxruntime_gqa
+
+    def wrong(*args, **kwargs):
+        run, out = real(*args, **kwargs)
+
+        def broken():
+            run()
+            out[:, 0] = 0
+
+        return broken, out
+
+    monkeypatch.setattr(bench, "onnxruntime_gqa", wrong)
+    monkeypatch.setattr(bench, "alternating_blocks", lambda *a, **k: pytest.fail("timed"))
+    cache = gqakv.KVCache(2, 2, 10, 8, backend="numpy")
+    kv = np.random.default_rng(2).standard_normal((2, 2, 6, 8), dtype=np.float32)
+    cache.append(kv, kv, [6, 3])
+    with pytest.raises(ValueError, match="GroupQueryAttention and gqakv disagree on this decode step"):
+        bench.compare_onnxruntime(cache, 4)
+
+
+def test_compare_onnxruntime_missing_names_the_pip_command(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime -> ImportError
+    assert cli.main(["bench", *TINY, "--compare", "onnxruntime"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("gqakv: error: --compare onnxruntime needs the onnxruntime package: "
+                            "pip install 'gqakv[compare]'  (or: pip install onnx onnxruntime)\n")
+
+
+def test_alternating_blocks_alternates():
+    calls = []
+    times = bench.alternating_blocks({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                                     rounds=3, block_s=0.0)
+    # a warm-up call and a timed one (sizing the blocks) each, then 3 rounds of blocks of 1
+    assert calls == ["a", "a", "b", "b"] + ["a", "b"] * 3
+    assert times["a"]["blocks"] == 3 and times["b"]["min_s"] <= times["b"]["median_s"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--batch", "0"], "--batch must be >= 1, got 0"),
     (["--prompt-lens", "4,x"], "--prompt-lens must be comma-separated ints >= 1, got '4,x'"),
@@ -162,6 +284,12 @@ def test_torch_sdpa_peer_computes_the_same_attention():
     (["--kv-dtype", "int8", "--dtype", "float64"],
      "--kv-dtype int8 needs --dtype float32, float16 or bfloat16, got float64 (the reference "
      "precision is never quantized)"),
+    (["--compare", "onnxruntime", "--page-size", "4"],
+     "--compare onnxruntime reads a contiguous cache of --dtype values; it cannot run with "
+     "--page-size or --kv-dtype"),
+    (["--compare", "onnxruntime", "--dtype", "bfloat16"],
+     "--compare onnxruntime: onnxruntime's GroupQueryAttention on the CPU takes --dtype float32 or "
+     "float16, got bfloat16"),
     (["--kv-dtype", "float8_e4m3fn", "--compare", "torch"],
      "--compare torch reads K/V as float32 values; it cannot run with --kv-dtype float8_e4m3fn "
      "(the cache holds 8-bit codes and scales)"),
