@@ -17,10 +17,17 @@ live tokens rounded up to whole pages, ``sum(ceil(L_b / page_size)) x page_size 
 bytes_per_token``, plus a small page table on the host; ``paged_cache_bytes`` compares
 it with the contiguous cache for a mix of row lengths (``gqakv size --rows``); with a
 ``kv_dtype`` each page slot holds the codes and the float32 scales of its token.
+
+Split over P devices by heads (``gqakv.distributed``, ``gqakv size --tensor-parallel P``)
+each device holds ``Hkv / P`` KV heads (one, replicated, when P > Hkv), so its cache is
+the formula above with ``kv_heads`` replaced by that (``ModelConfig.per_device``);
+``tensor_parallel_traffic`` sets the two all-reduces per layer and token against the
+K/V bytes each device reads per decode step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -50,6 +57,22 @@ class ModelConfig:
         """K + V bytes of one token over all layers (with ``kv_dtype``: codes plus scales)."""
         spec = _store.StorageSpec.of(dtype, kv_dtype=kv_dtype)
         return spec.nbytes(self.layers, self.kv_heads, self.head_dim)  # the one formula
+
+    def per_device(self, tensor_parallel: int) -> "ModelConfig":
+        """The heads one of ``tensor_parallel`` devices holds (``HeadShard.plan``'s split:
+        ``Hkv / P`` KV heads and ``Hq / P`` query heads; one replicated KV head when P >
+        Hkv); ValueError when the heads do not split over P."""
+        from .distributed import HeadShard
+
+        shard = HeadShard.plan(self.q_heads, self.kv_heads, tensor_parallel)
+        return dataclasses.replace(self, q_heads=shard.local_heads, kv_heads=shard.local_kv_heads)
+
+    @property
+    def hidden_size(self) -> int:
+        """``Hq x d``: the hidden size of the Llama family (what each all-reduce carries
+        per token); a model whose hidden size differs needs ``tensor_parallel_traffic``'s
+        ``hidden_size=``."""
+        return self.q_heads * self.head_dim
 
 
 # From each model's published config.json (num_hidden_layers, num_attention_heads,
@@ -202,6 +225,51 @@ def paged_cache_bytes(model, row_lens, *, max_len: int, page_size: int = 16,
                      live_bytes=sum(lens) * per, contiguous_bytes=len(lens) * max_len * per)
 
 
+@dataclass(frozen=True)
+class TensorParallelTraffic:
+    """Per layer, what one of P devices sends (all-reduces) and reads (K/V) per token.
+
+    all_reduce_bytes: the two all-reduced activations of one token, ``2 x D x
+        activation bytes`` (attention output and MLP down projection).
+    ring_send_bytes: what each device sends for them in a ring all-reduce,
+        ``2 (P - 1) / P`` of ``all_reduce_bytes`` (0 for P = 1).
+    kv_read_bytes: K/V bytes this device reads to decode one token of a row holding
+        ``context`` tokens, ``context x bytes per token`` of its own heads.
+    """
+
+    world_size: int
+    layers: int
+    hidden_size: int
+    context: int
+    all_reduce_bytes: int
+    ring_send_bytes: int
+    kv_read_bytes: int
+
+    @property
+    def per_token(self) -> dict[str, int]:
+        """The same three numbers over all layers."""
+        return {"all_reduce_bytes": self.layers * self.all_reduce_bytes,
+                "ring_send_bytes": self.layers * self.ring_send_bytes,
+                "kv_read_bytes": self.layers * self.kv_read_bytes}
+
+
+def tensor_parallel_traffic(model, tensor_parallel: int, *, context: int, dtype="bfloat16",
+                            kv_dtype=None, hidden_size: int | None = None) -> TensorParallelTraffic:
+    """Communication against K/V reads per layer and decoded token, on one of
+    ``tensor_parallel`` devices (activations in ``dtype``; ``hidden_size`` default
+    ``Hq x d``)."""
+    cfg = resolve_model(model)
+    P = _positive("tensor_parallel", tensor_parallel)
+    dev = cfg.per_device(P)
+    D = cfg.hidden_size if hidden_size is None else _positive("hidden_size", hidden_size)
+    msg = 2 * D * _dtypes.itemsize(dtype)
+    one_layer = dataclasses.replace(dev, layers=1)
+    return TensorParallelTraffic(world_size=P, layers=cfg.layers, hidden_size=D,
+                                 context=_positive("context", context), all_reduce_bytes=msg,
+                                 ring_send_bytes=msg * 2 * (P - 1) // P,
+                                 kv_read_bytes=context * one_layer.bytes_per_token(dtype, kv_dtype))
+
+
 def max_batch(model, *, max_len: int, budget: int, dtype="bfloat16", kv_dtype=None) -> int:
     """Largest batch of ``max_len``-token rows whose cache fits in ``budget`` bytes."""
     per_row = cache_bytes(model, max_len=max_len, batch=1, dtype=dtype, kv_dtype=kv_dtype)
@@ -254,6 +322,10 @@ def add_arguments(parser) -> None:
                         "the paged cache's memory for them beside the contiguous cache at --max-len")
     parser.add_argument("--page-size", type=int, default=16,
                         help="tokens per page for --rows (default 16)")
+    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="P",
+                        help="split the heads over P devices (gqakv.distributed): print the "
+                        "bytes per device (every number below, --budget included, is per "
+                        "device) and the all-reduce bytes per token")
 
 
 def run(args) -> int:
@@ -276,6 +348,14 @@ def run(args) -> int:
         cfg = resolve_model(args.model)
     except OSError as exc:  # a config.json that cannot be read
         raise UsageError(f"cannot read the model config {args.model!r}: {exc}") from exc
+    full, P = cfg, getattr(args, "tensor_parallel", None)
+    if P is not None:
+        if P < 1:
+            raise UsageError(f"--tensor-parallel must be >= 1, got {P}")
+        try:
+            cfg = full.per_device(P)  # every count below is one device's
+        except ValueError as exc:
+            raise UsageError(f"--tensor-parallel {P}: {exc}") from None
     total = cache_bytes(cfg, max_len=args.max_len, batch=args.batch, dtype=args.dtype,
                         kv_dtype=kv_dtype)
     budget = _cli_budget(args.budget) if args.budget is not None else None
@@ -283,8 +363,10 @@ def run(args) -> int:
     item = _dtypes.itemsize(stored)
     per = cfg.bytes_per_token(args.dtype, kv_dtype)
     what = args.dtype if kv_dtype is None else f"{args.dtype}, K/V stored as {kv_dtype}"
-    print(f"{cfg.name}: {cfg.layers} layers, {cfg.q_heads} query heads, {cfg.kv_heads} KV heads, "
+    print(f"{cfg.name}: {cfg.layers} layers, {full.q_heads} query heads, {full.kv_heads} KV heads, "
           f"head dim {cfg.head_dim}, {what}" + (f"  [{cfg.source}]" if cfg.source else ""))
+    if P is not None:
+        _print_tensor_parallel(full, cfg, P, args, kv_dtype)
     if kv_dtype is None:
         print(f"  per token : {per:,} bytes ({human_bytes(per)}) = 2 x {cfg.layers} layers x "
               f"{cfg.kv_heads} KV heads x {cfg.head_dim} x {item} bytes")
@@ -307,6 +389,23 @@ def run(args) -> int:
         print(f"    largest batch at max_len {args.max_len:,}: {b:,}")
         print(f"    largest max_len at batch {args.batch}: {n:,} tokens")
     return 0
+
+
+def _print_tensor_parallel(full: ModelConfig, dev: ModelConfig, P: int, args, kv_dtype) -> None:
+    rep = full.kv_heads < P
+    held = (f"1 KV head (each KV head replicated on {P // full.kv_heads} devices)" if rep
+            else f"{dev.kv_heads} of {full.kv_heads} KV heads")
+    print(f"  tensor parallel: {P} devices, each holding {held} and {dev.q_heads} of "
+          f"{full.q_heads} query heads; every size below is per device")
+    t = tensor_parallel_traffic(full, P, context=args.max_len, dtype=args.dtype, kv_dtype=kv_dtype)
+    tot = t.per_token
+    print(f"  all-reduce: 2 per layer of hidden {t.hidden_size:,} x {_dtypes.itemsize(args.dtype)} "
+          f"bytes = {t.all_reduce_bytes:,} bytes per token and layer, {tot['all_reduce_bytes']:,} "
+          f"({human_bytes(tot['all_reduce_bytes'])}) over {t.layers} layers; a ring sends "
+          f"{tot['ring_send_bytes']:,} of them per device")
+    ratio = f"{tot['kv_read_bytes'] / tot['all_reduce_bytes']:,.0f}x" if tot["all_reduce_bytes"] else "-"
+    print(f"  K/V read : {tot['kv_read_bytes']:,} bytes ({human_bytes(tot['kv_read_bytes'])}) per "
+          f"device to decode one token of a row at {args.max_len:,} tokens ({ratio} the all-reduced bytes)")
 
 
 def _paged_rows(args) -> list[int] | None:

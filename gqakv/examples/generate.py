@@ -4,6 +4,14 @@ Runs a batch of prompts of different lengths through chunked prefill and batched
 ragged decode on gqakv's KV cache, then the same generation re-running the full
 prefix every step (no cache), and reports time to first token and tokens/s for
 both, and whether the greedy tokens agree.
+
+``--tensor-parallel P`` splits the model over P processes by heads
+(``gqakv.distributed``); start them with torch's launcher, one per device::
+
+    torchrun --standalone --nproc-per-node 2 -m gqakv generate --tensor-parallel 2 --config tiny
+
+Every rank runs the same generation on its shard (all-reducing the projections'
+partial sums) and rank 0 prints.
 """
 
 from __future__ import annotations
@@ -35,6 +43,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the uncached (re-run the full prefix) comparison")
+    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="P",
+                        help="split the model by heads over P processes started by torchrun "
+                             "(torchrun --standalone --nproc-per-node P -m gqakv generate "
+                             "--tensor-parallel P ...); needs torch")
+    parser.add_argument("--tp-timeout", type=float, default=300.0, metavar="S",
+                        help="with --tensor-parallel: seconds a collective waits for the other "
+                             "ranks before failing (default 300)")
     variants = parser.add_argument_group("attention variants (default: plain causal)")
     variants.add_argument("--window", type=int, default=None, metavar="W",
                           help="sliding window: each query sees the W most recent positions, its own included")
@@ -70,8 +85,48 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
+def _silent(*args, **kwargs) -> None:
+    pass
+
+
+def _tensor_parallel(args, config, UsageError):
+    """The TensorParallel of ``--tensor-parallel`` (None without it), the split checked
+    against the model before any weight is drawn."""
+    P = args.tensor_parallel
+    if P is None:
+        return None
+    if P < 1:
+        raise UsageError(f"--tensor-parallel must be >= 1, got {P}")
+    if not args.tp_timeout > 0:
+        raise UsageError(f"--tp-timeout must be > 0 seconds, got {args.tp_timeout}")
+    from gqakv.distributed import HeadShard, even_slice
+
+    try:  # the same split on every rank: refuse it before joining the group
+        HeadShard.plan(config.n_heads, config.n_kv_heads, P)
+        even_slice(config.intermediate_size, P, 0, "intermediate_size")
+    except ValueError as exc:
+        raise UsageError(f"--tensor-parallel {P}: {exc}") from None
+    try:
+        import torch
+
+        from gqakv import distributed
+    except ImportError as exc:
+        raise UsageError(f"--tensor-parallel needs torch.distributed: {exc}") from None
+    from gqakv.registry import get_backend
+
+    # GPU arrays (torch on CUDA, CuPy) communicate over NCCL, host arrays over gloo.
+    name = get_backend(args.backend, dtype=args.dtype, head_dim=config.head_dim).name
+    gpu = name in ("torch", "cupy") and torch.cuda.is_available()
+    return distributed.init(P, device_kind="cuda" if gpu else "cpu", timeout_s=args.tp_timeout)
+
+
 def run(args) -> int:
     if real_model.wants_real_model(args):
+        if getattr(args, "tensor_parallel", None) is not None:
+            from gqakv.cli import UsageError
+
+            raise UsageError("--tensor-parallel runs the example model (random weights, --config); "
+                             "it does not split --model / --gguf")
         return real_model.run(args)
     from gqakv.cli import UsageError
     from gqakv.registry import get_backend
@@ -94,47 +149,70 @@ def run(args) -> int:
     config = config.replace(**changes)
     # An unknown backend, or one that cannot run here, fails before any output.
     get_backend(args.backend, dtype=args.dtype, head_dim=config.head_dim)
+    if args.page_size is not None and args.page_size < 1:
+        raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
+    cache_options = {k: v for k, v in (("page_size", args.page_size), ("kv_dtype", args.kv_dtype))
+                     if v is not None}
+    tp = _tensor_parallel(args, config, UsageError)
+    try:
+        return _run(args, config, tp, cache_options)
+    finally:
+        if tp is not None:
+            import torch.distributed as dist
 
-    _say(f"gqakv generate: {args.config} model, {config.n_layers} layers, {config.n_heads} query / "
-         f"{config.n_kv_heads} KV heads, head dim {config.head_dim}, hidden {config.hidden_size}, "
-         f"MLP {config.intermediate_size}, vocab {config.vocab_size} "
-         f"({config.n_params / 1e6:.1f}M params, {args.dtype}, "
-         f"{'tied' if config.tie_embeddings else 'untied'} head)")
-    _say(f"  attention: {config.variant}")
+            dist.destroy_process_group()
+
+
+def _run(args, config, tp, cache_options) -> int:
+    speaks = tp is None or tp.rank == 0  # under tensor parallelism rank 0 prints, the others compute
+    say = _say if speaks else _silent
+    out = print if speaks else _silent
+    say(f"gqakv generate: {args.config} model, {config.n_layers} layers, {config.n_heads} query / "
+        f"{config.n_kv_heads} KV heads, head dim {config.head_dim}, hidden {config.hidden_size}, "
+        f"MLP {config.intermediate_size}, vocab {config.vocab_size} "
+        f"({config.n_params / 1e6:.1f}M params, {args.dtype}, "
+        f"{'tied' if config.tie_embeddings else 'untied'} head)")
+    say(f"  attention: {config.variant}")
     t = time.perf_counter()
-    model = LlamaModel(config, seed=args.seed, dtype=args.dtype, backend=args.backend)
-    _say(f"  weights drawn from seed {args.seed} in {time.perf_counter() - t:.1f} s; "
-         f"backend {model.backend.name}")
+    model = LlamaModel(config, seed=args.seed, dtype=args.dtype, backend=args.backend, tensor_parallel=tp)
+    say(f"  weights drawn from seed {args.seed} in {time.perf_counter() - t:.1f} s; "
+        f"backend {model.backend.name}")
+    if tp is not None:
+        F = config.intermediate_size // tp.world_size
+        say(f"  tensor parallel: {tp.world_size} ranks ({tp.comm_backend}); {model.shard}; "
+            f"MLP columns {tp.rank * F}..{(tp.rank + 1) * F - 1}; 2 all-reduces of "
+            f"[B, T, {config.hidden_size}] per layer")
 
     lengths = _prompt_lengths(args.batch, args.prompt_len)
     rng = np.random.default_rng(args.seed + 1)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]
-    _say(f"  {args.batch} rows, prompts of {', '.join(map(str, lengths))} tokens, "
-         f"{args.new_tokens} new tokens each, prefill in chunks of {args.chunk}")
+    say(f"  {args.batch} rows, prompts of {', '.join(map(str, lengths))} tokens, "
+        f"{args.new_tokens} new tokens each, prefill in chunks of {args.chunk}")
 
     # Warm-up (BLAS threads, first touch of the weights) so neither run pays it.
     generate(model, [prompts[0][:4]], 2)
     generate_uncached(model, [prompts[0][:4]], 2)
-    _say("  running with the gqakv KV cache ...")
-    cached = generate(model, prompts, args.new_tokens, chunks=args.chunk)
+    say("  running with the gqakv KV cache ...")
+    cached = generate(model, prompts, args.new_tokens, chunks=args.chunk, cache_options=cache_options)
     rows = [("KV cache (gqakv)", cached)]
     if not args.no_baseline:
-        _say("  running without a cache (re-running the full prefix every step) ...")
+        say("  running without a cache (re-running the full prefix every step) ...")
         uncached = generate_uncached(model, prompts, args.new_tokens)
         rows.append(("full prefix each step", uncached))
 
-    print()
-    print(f"  {'':<24}{'time to first token':>21}{'decode tokens/s':>18}{'overall tokens/s':>19}")
+    out()
+    out(f"  {'':<24}{'time to first token':>21}{'decode tokens/s':>18}{'overall tokens/s':>19}")
     for name, g in rows:
-        print(f"  {name:<24}{g.time_to_first_token:>19.3f} s{g.decode_tokens_per_s:>18.1f}"
-              f"{g.tokens_per_s:>19.1f}")
-    print(f"  KV cache: {cached.cache_nbytes / 2**20:.1f} MiB, allocated once")
+        out(f"  {name:<24}{g.time_to_first_token:>19.3f} s{g.decode_tokens_per_s:>18.1f}"
+            f"{g.tokens_per_s:>19.1f}")
+    per = "" if tp is None else f" on each of {tp.world_size} ranks"
+    out(f"  KV cache: {cached.cache_nbytes / 2**20:.1f} MiB{per}, allocated once")
     if not args.no_baseline:
         same = bool((cached.tokens == uncached.tokens).all())
         diff = float(np.max(np.abs(cached.logits - uncached.logits)))
         speedup = cached.decode_tokens_per_s / uncached.decode_tokens_per_s
-        print(f"  decode speedup from the cache: x{speedup:.1f}; greedy tokens identical: "
-              f"{'yes' if same else 'NO'}; max |logit difference| {diff:.2e}")
+        out(f"  decode speedup from the cache: x{speedup:.1f}; greedy tokens identical: "
+            f"{'yes' if same else 'NO'}; max |logit difference| {diff:.2e}")
         if not same:
             return 1
     return 0

@@ -12,6 +12,15 @@ on all but every K-th layer (Gemma 2 and gpt-oss: K = 2; Gemma 3: K = 6), logit
 soft-capping (``softcap``) and learned per-head sink logits (``sinks``), passed to
 gqakv per layer as an ``AttentionParams`` (see ``gqakv.semantics`` for the formulas).
 
+Tensor parallel (``tensor_parallel=``, a ``gqakv.distributed.TensorParallel``): every rank
+draws the same full weights from the seed and keeps its shard: the Q/K/V columns of its
+heads (``HeadShard``) and its ``F / P`` gate/up columns (column-parallel), the matching
+rows of the attention output and MLP down projections (row-parallel, their partial sums
+joined by one all-reduce each), the embedding, norms and head whole. Attention runs on
+the rank's own heads through its own ``ModelKVCache`` (``new_cache``), so the logits
+equal one process's up to the order of the all-reduce's sums; a step that fails on one
+rank aborts on all of them (``gqakv.distributed.StepGuard``).
+
 Two forward passes share every weight and op except attention:
 
 - ``forward`` (cached): the new tokens of each row are written to the model-wide
@@ -173,44 +182,64 @@ class LlamaModel:
         seed: weights are a deterministic function of (config, seed).
         dtype: "float32" or "float64".
         backend: a gqakv backend (name or instance); None uses gqakv's choice.
+        tensor_parallel: None (one process), or a ``gqakv.distributed.TensorParallel``:
+            this rank keeps its shard of the weights (the module docstring says which).
     """
 
-    def __init__(self, config: LlamaConfig, *, seed: int = 0, dtype="float32", backend=None):
+    def __init__(self, config: LlamaConfig, *, seed: int = 0, dtype="float32", backend=None,
+                 tensor_parallel=None):
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype={dtype!r}: the example model runs in float32 or float64")
         self.config = c = config
         self.dtype = dtype
+        self.tp = tp = tensor_parallel
+        # Checked before anything is drawn: the head split and the MLP columns.
+        self.shard = None if tp is None else tp.heads(c.n_heads, c.n_kv_heads)
+        mlp = slice(None) if tp is None else tp.columns(c.intermediate_size, "intermediate_size")
+        if tp is not None and not isinstance(backend, gqakv.Backend):  # on this rank's device
+            from gqakv.distributed import rank_backend
+
+            backend = rank_backend(backend, dtype=dtype, head_dim=c.head_dim)
         self.backend = gqakv.get_backend(backend, dtype=dtype, head_dim=c.head_dim)
         self.xp = self.backend.namespace()
+        whole = slice(None)
+        d = c.head_dim
+        q_cols = kv_cols = whole
+        if self.shard is not None:  # this rank's heads' columns of Q, K, V (rows of the output)
+            q_cols = slice(self.shard.q_start * d, self.shard.q_stop * d)
+            kv_cols = slice(self.shard.kv_start * d, self.shard.kv_stop * d)
+        #: Heads this process computes (all of them without tensor parallelism).
+        self.local_heads = c.n_heads if self.shard is None else self.shard.local_heads
+        self.local_kv_heads = c.n_kv_heads if self.shard is None else self.shard.local_kv_heads
         rng = np.random.default_rng(seed)
 
-        def uniform(shape, std):  # uniform is ~3x faster to draw than normal at 8B shapes
-            w = rng.random(shape, dtype=np.float32)
+        def uniform(shape, std, rows=whole, cols=whole):  # uniform: ~3x faster to draw than normal
+            w = rng.random(shape, dtype=np.float32)  # the full matrix on every rank: same stream
             w -= np.float32(0.5)
             w *= np.float32(std * math.sqrt(12.0))
-            return self.backend.from_numpy(w, dtype)
+            return self.backend.from_numpy(np.ascontiguousarray(w[rows, cols]), dtype)
 
-        def dense(fan_in, fan_out):  # [in, out], unit-variance outputs for unit inputs
-            return uniform((fan_in, fan_out), 1.0 / math.sqrt(fan_in))
+        def dense(fan_in, fan_out, rows=whole, cols=whole):  # [in, out], unit-variance outputs
+            return uniform((fan_in, fan_out), 1.0 / math.sqrt(fan_in), rows, cols)
 
         def norm_weight():
             return self.backend.from_numpy(1.0 + 0.1 * rng.standard_normal(c.hidden_size), dtype)
 
-        D, d = c.hidden_size, c.head_dim
+        D = c.hidden_size
         # Embedding rows of norm ~1, so a tied head gives logits of unit scale too.
         self.embed = uniform((c.vocab_size, D), 1.0 / math.sqrt(D))
         self.layers = []
         for _ in range(c.n_layers):
             self.layers.append({
                 "attn_norm": norm_weight(),
-                "wq": dense(D, c.n_heads * d),
-                "wk": dense(D, c.n_kv_heads * d),
-                "wv": dense(D, c.n_kv_heads * d),
-                "wo": dense(c.n_heads * d, D),
+                "wq": dense(D, c.n_heads * d, cols=q_cols),  # column-parallel
+                "wk": dense(D, c.n_kv_heads * d, cols=kv_cols),
+                "wv": dense(D, c.n_kv_heads * d, cols=kv_cols),
+                "wo": dense(c.n_heads * d, D, rows=q_cols),  # row-parallel: all-reduced
                 "mlp_norm": norm_weight(),
-                "w_gate": dense(D, c.intermediate_size),
-                "w_up": dense(D, c.intermediate_size),
-                "w_down": dense(c.intermediate_size, D),
+                "w_gate": dense(D, c.intermediate_size, cols=mlp),  # column-parallel
+                "w_up": dense(D, c.intermediate_size, cols=mlp),
+                "w_down": dense(c.intermediate_size, D, rows=mlp),  # row-parallel: all-reduced
             })
         self.final_norm = norm_weight()
         # Tied: the head is the embedding's transpose (a view, no second copy).
@@ -228,19 +257,36 @@ class LlamaModel:
     sink_logits: list | None = None
 
     def attention_params(self, layer: int) -> gqakv.AttentionParams:
-        """What layer ``layer`` attends with: the scale and the config's variants."""
+        """What layer ``layer`` attends with: the scale and the config's variants (the sinks
+        of this process's query heads)."""
         c = self.config
+        sinks = None
+        if self.sink_logits is not None:
+            sinks = self.sink_logits[layer]
+            if self.shard is not None:
+                sinks = sinks[self.shard.q_start:self.shard.q_stop]
         return gqakv.AttentionParams(
             scale=self.scale, window=c.layer_window(layer), softcap=None if c.softcap is None else float(c.softcap),
-            sinks=None if self.sink_logits is None else self.sink_logits[layer])
+            sinks=sinks)
 
     # -- cache ------------------------------------------------------------------------------
 
-    def new_cache(self, batch: int, max_len: int) -> gqakv.ModelKVCache:
-        """All layers' K/V in one allocation, ``[layers, B, Hkv, max_len, d]`` each."""
+    def new_cache(self, batch: int, max_len: int, **options) -> gqakv.ModelKVCache:
+        """All layers' K/V in one allocation, ``[layers, B, Hkv, max_len, d]`` each (tensor
+        parallel: this rank's ``Hkv_local`` heads only). ``options``: ModelKVCache's
+        (``page_size``, ``num_pages``, ``kv_dtype``, ``storage``)."""
         c = self.config
+        if self.tp is not None:
+            return self.tp.model_cache(c.n_layers, batch, c.n_heads, c.n_kv_heads, max_len, c.head_dim,
+                                       dtype=self.dtype, backend=self.backend, **options)
         return gqakv.ModelKVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim,
-                                  dtype=self.dtype, backend=self.backend)
+                                  dtype=self.dtype, backend=self.backend, **options)
+
+    def _guard(self, B: int, T: int):
+        """How one forward pass runs its local work and joins partial sums (see _decoder)."""
+        if self.tp is None:
+            return _OneProcess()
+        return self.tp.guard(self.backend, (B, T, self.config.hidden_size), self.dtype)
 
     # -- building blocks --------------------------------------------------------------------
 
@@ -274,28 +320,42 @@ class LlamaModel:
                                           device=self.backend.device_of(self.embed))
         return self.xp.reshape(self.xp.take(self.embed, ids, axis=0), (B, T, self.config.hidden_size))
 
-    def _decoder(self, tokens: np.ndarray, positions: np.ndarray, attend):
+    def _decoder(self, tokens: np.ndarray, positions, attend, guard):
         """Shared trunk: tokens ``[B, T]`` -> final hidden states ``[B, T, D]``.
 
-        ``attend(layer, q, k, v)`` maps q ``[B, Hq, T, d]``, k, v ``[B, Hkv, T, d]`` (RoPE
-        applied) to the attention output ``[B, Hq, T, d]``.
+        ``positions()`` gives the ``[B, T]`` RoPE positions; ``attend(layer, q, k, v)`` maps
+        q ``[B, Hq, T, d]``, k, v ``[B, Hkv, T, d]`` (RoPE applied; this process's heads) to
+        the attention output ``[B, Hq, T, d]``. ``guard`` runs the local work
+        (``guard.run``) and adds each row-parallel projection's partial sum, all-reduced
+        under tensor parallelism (``guard.add_reduced``); with a StepGuard a failed rank
+        gets None here and every other rank too, once the flags are reduced.
         """
         xp, c = self.xp, self.config
         B, T = tokens.shape
-        cos, sin = self._rope_tables(positions)
-        x = self._embed(tokens)
-        for i, w in enumerate(self.layers):
+        Hq, Hkv, d = self.local_heads, self.local_kv_heads, c.head_dim
+
+        def start():
+            return self._rope_tables(positions()), self._embed(tokens)
+
+        def attention_part(i, w, x, cos, sin):  # [B, T, D], this process's heads' share
             h = self._rmsnorm(x, w["attn_norm"])
-            q = self._rope(self._heads(h @ w["wq"], B, T, c.n_heads), cos, sin)
-            k = self._rope(self._heads(h @ w["wk"], B, T, c.n_kv_heads), cos, sin)
-            v = self._heads(h @ w["wv"], B, T, c.n_kv_heads)
+            q = self._rope(self._heads(h @ w["wq"], B, T, Hq), cos, sin)
+            k = self._rope(self._heads(h @ w["wk"], B, T, Hkv), cos, sin)
+            v = self._heads(h @ w["wv"], B, T, Hkv)
             o = attend(i, q, k, v)  # [B, Hq, T, d]
-            o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, T, c.n_heads * c.head_dim))
-            x = x + o @ w["wo"]
+            return xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, T, Hq * d)) @ w["wo"]
+
+        def mlp_part(w, x):  # [B, T, D], this process's MLP columns' share
             h = self._rmsnorm(x, w["mlp_norm"])
             gate = h @ w["w_gate"]
-            x = x + ((gate / (1.0 + xp.exp(-gate))) * (h @ w["w_up"])) @ w["w_down"]  # SwiGLU
-        return self._rmsnorm(x, self.final_norm)
+            return ((gate / (1.0 + xp.exp(-gate))) * (h @ w["w_up"])) @ w["w_down"]  # SwiGLU
+
+        started = guard.run(start)
+        (cos, sin), x = started if started is not None else ((None, None), None)
+        for i, w in enumerate(self.layers):
+            x = guard.add_reduced(x, lambda: attention_part(i, w, x, cos, sin))
+            x = guard.add_reduced(x, lambda: mlp_part(w, x))
+        return guard.run(lambda: self._rmsnorm(x, self.final_norm))
 
     def _logits(self, x, last: np.ndarray | None):
         """x ``[B, T, D]`` -> logits ``[B, T, V]``, or ``[B, V]`` at index ``last[b]`` of each row."""
@@ -326,13 +386,23 @@ class LlamaModel:
         n_new = np.asarray(n_new, dtype=np.int64)
         B, T = tokens.shape
         # One step: each layer writes its K/V at the rows' lengths and attends; the
-        # lengths advance once, after the last layer (nothing advances on an error).
+        # lengths advance once, after the last layer and the logits (nothing advances on
+        # an error, here or, under tensor parallelism, on any rank).
         params = [self.attention_params(i) for i in range(self.config.n_layers)]
-        with cache.step(n_new) as step:
-            positions = step.starts[:, None] + np.arange(T)  # continue from each row's length
-            x = self._decoder(tokens, positions,
-                              lambda i, q, k, v: step.attend(i, q, k, v, params=params[i]))
-        return self._logits(x, np.maximum(n_new - 1, 0) if last_only else None)
+        guard = self._guard(B, T)
+        step = None
+        try:
+            step = guard.run(lambda: cache.step(n_new))
+            x = self._decoder(tokens, lambda: step.starts[:, None] + np.arange(T),  # continue from each row's length
+                              lambda i, q, k, v: step.attend(i, q, k, v, params=params[i]), guard)
+            logits = guard.run(lambda: self._logits(x, np.maximum(n_new - 1, 0) if last_only else None))
+            guard.finish()  # tensor parallel: raises on every rank if any rank failed
+        except BaseException:
+            if step is not None:
+                step.abort()
+            raise
+        step.commit()
+        return logits
 
     def forward_uncached(self, tokens, lengths=None, *, last_only: bool = False) -> np.ndarray:
         """Whole sequences at once, plain causal attention, no cache.
@@ -350,8 +420,28 @@ class LlamaModel:
             sinks = None if p.sinks is None else self.backend.from_numpy(np.array(p.sinks), self.dtype)
             return causal_attention(self.xp, q, k, v, p.scale, window=p.window, softcap=p.softcap, sinks=sinks)
 
-        x = self._decoder(tokens, positions, attend)
-        return self._logits(x, lengths - 1 if last_only else None)
+        guard = self._guard(B, S)
+        x = self._decoder(tokens, lambda: positions, attend, guard)
+        logits = guard.run(lambda: self._logits(x, lengths - 1 if last_only else None))
+        guard.finish()
+        return logits
+
+
+class _OneProcess:
+    """The single-process counterpart of ``gqakv.distributed.StepGuard``: local work runs
+    as is (exceptions propagate) and partial sums are already whole."""
+
+    @staticmethod
+    def run(fn):
+        return fn()
+
+    @staticmethod
+    def add_reduced(x, fn):
+        return x + fn()
+
+    @staticmethod
+    def finish():
+        pass
 
 
 # -- generation -------------------------------------------------------------------------------
@@ -403,13 +493,14 @@ def _check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
 
 
 def generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-             chunks=None, pad_id: int = 0) -> Generation:
+             chunks=None, pad_id: int = 0, cache_options: dict | None = None) -> Generation:
     """Greedy generation through the KV cache: chunked prefill, then batched ragged decode.
 
     Prefill feeds every row its next ``chunk`` prompt tokens per call (rows whose prompt
     is consumed get n_new = 0 and are padding), so rows of different prompt lengths
     share each call. A row's first token comes from its last prompt token's logits;
     then every row decodes one token per step, each at its own position.
+    ``cache_options``: passed to ``model.new_cache`` (``page_size``, ``kv_dtype``, ...).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -422,7 +513,7 @@ def generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens
     out_logits = np.empty((max_new_tokens, B, V), dtype=np.float64)
 
     t0 = time.perf_counter()
-    cache = model.new_cache(B, int(lens.max()) + max_new_tokens)
+    cache = model.new_cache(B, int(lens.max()) + max_new_tokens, **(cache_options or {}))
     fed = np.zeros(B, dtype=np.int64)
     step = 0
     while (fed < lens).any():
