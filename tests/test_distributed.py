@@ -49,15 +49,18 @@ NEW_TOKENS = 5
 WORKER_TIMEOUT_S = 240  # the whole 4-process run; each collective is bounded by 60 s
 TP_VARIANT = dict(n_kv_heads=4, sliding_window=4, global_every=2, softcap=3.0, sinks=True)
 
-# name -> (ranks of the group, LlamaConfig changes, cache options)
+# name -> (ranks of the group, LlamaConfig changes, cache options[, gqakv backend of the ranks])
 SCENARIOS = {
     "p2-contiguous": ((0, 1), {}, {}),
     "p2-paged": ((2, 3), {}, {"page_size": 4}),
     "p2-variants": ((0, 1), TP_VARIANT, {}),  # 2 KV heads per rank
+    "p2-torch-paged": ((2, 3), {}, {"page_size": 4}, "torch"),  # torch tensors all-reduced as they are
     "p4-replicated": ((0, 1, 2, 3), {}, {}),
     "p4-variants-int8": ((0, 1, 2, 3), TP_VARIANT, {"kv_dtype": "int8"}),
     "p4-variants-paged-int8": ((0, 1, 2, 3), TP_VARIANT, {"page_size": 3, "kv_dtype": "int8"}),
 }
+
+FAILURE_SCENARIOS = ["p2-contiguous", "p2-paged", "p4-replicated", "p2-torch-paged"]
 
 torch = pytest.importorskip("torch", reason="gqakv.distributed needs torch")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
@@ -139,18 +142,19 @@ def _worker(rank: int, world: int, outdir: str) -> None:
         for ranks in sorted({s[0] for s in SCENARIOS.values()}):
             # every rank creates every group, in the same order (torch's rule)
             groups[ranks] = dist.new_group(list(ranks)) if len(ranks) < world else None
-        for name, (ranks, changes, cache_options) in SCENARIOS.items():
+        for name, (ranks, changes, cache_options, *backend) in SCENARIOS.items():
             if rank not in ranks:
                 continue
             tp = distributed.TensorParallel(groups[ranks])
             model = LlamaModel(TINY.replace(**changes), seed=3, dtype=_dtype_for(cache_options),
-                               backend="numpy", tensor_parallel=tp)
+                               backend=(backend or ["numpy"])[0], tensor_parallel=tp)
+            assert model.backend.name == (backend or ["numpy"])[0]
             g = generate(model, PROMPTS, NEW_TOKENS, chunks=CHUNKS, cache_options=cache_options)
             cache = model.new_cache(len(PROMPTS), 20, **cache_options)
             out[name] = {"tokens": g.tokens, "logits": g.logits, "shard": model.shard,
                          "cache_kv_heads": cache.kv_heads, "cache_nbytes": cache.nbytes,
                          "world_size": tp.world_size, "rank": tp.rank}
-            if name in ("p2-contiguous", "p2-paged", "p4-replicated"):
+            if name in FAILURE_SCENARIOS:
                 _failure_checks(tp, groups[ranks], model, out[name], cache_options)
         dist.barrier()
         dist.destroy_process_group()
@@ -221,8 +225,8 @@ def _float32_error(changes) -> float:
     return float(np.max(np.abs(got.logits - want.logits)))
 
 
-def _one_process(name):
-    _, changes, cache_options = SCENARIOS[name]
+def _one_process(name):  # always NumPy: the torch ranks are checked against it too
+    _, changes, cache_options = SCENARIOS[name][:3]
     model = LlamaModel(TINY.replace(**changes), seed=3, dtype=_dtype_for(cache_options), backend="numpy")
     return model, generate(model, PROMPTS, NEW_TOKENS, chunks=CHUNKS, cache_options=cache_options)
 
@@ -232,7 +236,7 @@ def _one_process(name):
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_tensor_parallel_generation_equals_one_process(ranks, name):
-    group, changes, cache_options = SCENARIOS[name]
+    group, changes, cache_options = SCENARIOS[name][:3]
     model, want = _one_process(name)
     assert len(np.unique(want.tokens)) > 4  # a degenerate model would prove little
     for r in group:
@@ -272,7 +276,7 @@ def test_replication_rule_when_ranks_outnumber_kv_heads(ranks):
     assert {s.replicas for s in shards} == {2}
 
 
-@pytest.mark.parametrize("name", ["p2-contiguous", "p2-paged", "p4-replicated"])
+@pytest.mark.parametrize("name", FAILURE_SCENARIOS)
 def test_a_failing_rank_aborts_the_step_on_every_rank(ranks, name):
     group = SCENARIOS[name][0]
     for where, culprit in (("mid-step", group[1]), ("after-last-all-reduce", group[0])):
