@@ -400,5 +400,25 @@ def test_torchrun_generate_command(tmp_path):
     assert "greedy tokens identical: yes" in out
 
 
+def test_scaling_guide_code_runs_as_written(capsys):
+    """docs/guides/scaling.md: every ```python block runs (a one-process group where it
+    communicates) and prints what the ```text block after it shows."""
+    import re
+
+    text = (ROOT / "docs" / "guides" / "scaling.md").read_text()
+    blocks = re.findall(r"```(python|text)\n(.*?)```", text, flags=re.S)
+    assert sum(kind == "python" for kind, _ in blocks) >= 4
+    for i, (kind, code) in enumerate(blocks):
+        if kind != "python":
+            continue
+        exec(compile(code, f"scaling.md python block {i}", "exec"), {"__name__": "__doc__"})
+        printed = capsys.readouterr().out
+        shown = next((body for k, body in blocks[i + 1:i + 2] if k == "text"), None)
+        if shown is not None:
+            assert printed == shown, (printed, shown)
+        else:
+            assert printed  # the script example prints its tokens
+
+
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "worker":
     _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
