@@ -174,7 +174,7 @@ def init(world_size: int | None = None, *, backend: str | None = None, device_ki
     dead peer makes the others raise instead of hanging. ``world_size``, when given, must
     be the group's size.
     """
-    torch, dist = _torch()
+    _, dist = _torch()
     if world_size is not None:
         world_size = _int("world_size", world_size, 1)
     if timeout_s is None or not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
@@ -234,7 +234,7 @@ class TensorParallel:
     """
 
     def __init__(self, group=None):
-        torch, dist = _torch()
+        _, dist = _torch()
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call gqakv.distributed.init() "
                                "or torch.distributed.init_process_group first")

@@ -47,6 +47,7 @@ PROMPTS = [[5, 17, 3, 88, 42, 9, 61, 2, 30, 77, 14], [8, 1], [64, 23, 23, 5, 90,
 CHUNKS = [3, 1, 5, 2]
 NEW_TOKENS = 5
 WORKER_TIMEOUT_S = 240  # the whole 4-process run; each collective is bounded by 60 s
+DEAD_PEER_TIMEOUT_S = 20  # the group whose rank 3 dies
 TP_VARIANT = dict(n_kv_heads=4, sliding_window=4, global_every=2, softcap=3.0, sinks=True)
 
 # name -> (ranks of the group, LlamaConfig changes, cache options[, gqakv backend of the ranks])
@@ -125,7 +126,33 @@ def _failure_checks(tp, group, model, out, cache_options):
     out["failures"] = results
 
 
+def _dead_peer_check(tp, rank: int, out: dict, outdir: str) -> None:
+    """Ranks 2 and 3 prefill together; then rank 3's process ends and rank 2's next step
+    must raise within the group's timeout, its cache unchanged."""
+    model = LlamaModel(TINY, seed=3, dtype="float64", backend="numpy", tensor_parallel=tp)
+    cache = model.new_cache(len(PROMPTS), 16, page_size=4)
+    model.forward(np.array([[p[0]] for p in PROMPTS]), [1, 1, 1, 1], cache)
+    if rank == 3:
+        _write(out, outdir)
+        os._exit(0)  # dies without a word to its peer
+    before = _snapshot(cache)
+    t0 = time.monotonic()
+    try:
+        model.forward(np.array([[1], [2], [3], [4]]), [1, 1, 1, 1], cache)
+        out["dead peer"] = ("no error", None, None, None)
+    except Exception as exc:
+        out["dead peer"] = (f"{type(exc).__name__}: {exc}", time.monotonic() - t0,
+                            _snapshot(cache) == before, cache._open_step is None)
+
+
+def _write(out: dict, outdir: str) -> None:
+    with open(os.path.join(outdir, f"rank{out['rank']}.pkl"), "wb") as f:
+        pickle.dump(out, f)
+
+
 def _worker(rank: int, world: int, outdir: str) -> None:
+    import datetime
+
     import torch.distributed as dist
 
     from gqakv import distributed
@@ -142,6 +169,7 @@ def _worker(rank: int, world: int, outdir: str) -> None:
         for ranks in sorted({s[0] for s in SCENARIOS.values()}):
             # every rank creates every group, in the same order (torch's rule)
             groups[ranks] = dist.new_group(list(ranks)) if len(ranks) < world else None
+        dying = dist.new_group([2, 3], timeout=datetime.timedelta(seconds=DEAD_PEER_TIMEOUT_S))
         for name, (ranks, changes, cache_options, *backend) in SCENARIOS.items():
             if rank not in ranks:
                 continue
@@ -157,13 +185,14 @@ def _worker(rank: int, world: int, outdir: str) -> None:
             if name in FAILURE_SCENARIOS:
                 _failure_checks(tp, groups[ranks], model, out[name], cache_options)
         dist.barrier()
-        dist.destroy_process_group()
+        if rank in (2, 3):
+            _dead_peer_check(distributed.TensorParallel(dying), rank, out, outdir)
     except BaseException:
         import traceback
 
         out["error"] = traceback.format_exc()
-    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(out, f)
+    _write(out, outdir)
+    os._exit(0)  # no teardown handshake with a peer that is gone
 
 
 # -- starting the processes -------------------------------------------------------------------
@@ -299,6 +328,13 @@ def test_a_failing_rank_aborts_the_step_on_every_rank(ranks, name):
     for r in group:
         assert ranks[r][name]["failures"]["lens after"] == cache.host_lens.tolist() == [4, 3, 3, 1]
         np.testing.assert_allclose(ranks[r][name]["failures"]["after"], want, rtol=0, atol=F64_ATOL)
+
+
+def test_a_dead_rank_makes_its_peer_raise_within_the_timeout(ranks):
+    message, seconds, unchanged, closed = ranks[2]["dead peer"]
+    assert message != "no error" and seconds is not None
+    assert seconds < DEAD_PEER_TIMEOUT_S + 10, (seconds, message)
+    assert unchanged is True and closed is True, message
 
 
 def test_init_refuses_a_size_that_is_not_the_groups(ranks):
