@@ -413,10 +413,29 @@ def test_traffic_numbers():
     assert t.ring_send_bytes == 2 * 32_768 * 7 // 8
 
 
-def test_generate_refuses_a_bad_split(capsys):
-    assert cli_main(["generate", "--config", "tiny", "--tensor-parallel", "3"]) == 2
-    err = capsys.readouterr().err
-    assert "--tensor-parallel 3: world_size=3 cannot split n_kv_heads=2" in err
+@pytest.mark.parametrize("argv, match", [
+    (["--tensor-parallel", "3"], "--tensor-parallel 3: world_size=3 cannot split n_kv_heads=2"),
+    (["--tensor-parallel", "0"], "--tensor-parallel must be >= 1, got 0"),
+    (["--tensor-parallel", "2"], "tensor parallel size 2 needs 2 processes started by a launcher, "
+                                 "e.g. torchrun --nproc-per-node 2 -m gqakv generate --tensor-parallel 2"),
+    (["--tensor-parallel", "2", "--tp-timeout", "0"], "--tp-timeout must be > 0 seconds, got 0.0"),
+    (["--tensor-parallel", "2", "--model", "smollm2-135m"], "--tensor-parallel runs the example model"),
+])
+def test_generate_refuses_bad_tensor_parallel_options(capsys, argv, match):
+    assert cli_main(["generate", "--config", "tiny", *argv]) == 2
+    captured = capsys.readouterr()
+    assert match in captured.err and captured.out == ""
+
+
+def test_generate_one_rank_without_a_launcher(capsys):
+    """--tensor-parallel 1 makes a one-process group (no launcher) and tears it down."""
+    rc = cli_main(["generate", "--config", "tiny", "--tensor-parallel", "1", "--dtype", "float64",
+                   "--backend", "numpy", "--batch", "2", "--prompt-len", "6", "--new-tokens", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "tensor parallel: 1 ranks (gloo); rank 0/1: query heads 0..7, KV heads 0..1" in out
+    assert "greedy tokens identical: yes" in out
+    assert not torch.distributed.is_initialized()
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
