@@ -111,7 +111,8 @@ class HeadShard:
             g = hq // hkv
             return cls(P, r, hq, hkv, r * per * g, (r + 1) * per * g, r * per, (r + 1) * per, 1)
         if P % hkv:
-            works = sorted({p for p in range(1, hkv + 1) if hkv % p == 0} | {hkv * m for m in (2, 4, 8)})
+            works = sorted(p for p in {*range(1, hkv + 1), *(hkv * m for m in (2, 4, 8))}
+                           if (hkv % p == 0 or p % hkv == 0) and hq % p == 0)
             raise ValueError(
                 f"world_size={P} cannot split n_kv_heads={hkv}: it must divide the KV heads (each rank "
                 f"holds Hkv / P of them) or be a multiple of them (each KV head replicated on P / Hkv "
