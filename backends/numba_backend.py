@@ -1,7 +1,10 @@
 """The numba backend: the NumPy backend's arrays, with compiled attention kernels.
 
-Buffers are the NumPy arrays the numpy backend would hold (this class extends it), so
-caches, writes and row copies are the same; attention over float32, float16 and
+Buffers are the NumPy arrays the numpy backend would hold (this class extends it).
+Appends and row copies into contiguous, unquantized storage run one compiled call for
+all their rows (``write_tokens``, ``copy_rows``: a ``memmove`` per contiguous run, so
+the bytes move at memcpy speed and a decode step's append skips the per-row Python
+round trip); paged and quantized writes take the NumPy path. Attention over float32, float16 and
 bfloat16 caches runs the kernels of ``numba_kernels``: one pass over each live K/V
 row, the G query heads of a KV head (times the queries of a small chunk) folded into
 one tile, online softmax in float32, float16/bfloat16 converted in registers. Paged
@@ -106,6 +109,39 @@ class NumbaBackend(NumpyBackend):
                                   "compute-bound, BLAS matmuls are faster there")
         return "numba kernel", ""
 
+    def write_kv(self, store, k_new, v_new, inputs) -> None:
+        """Contiguous, unquantized storage: every entry's tokens written by one compiled
+        call (``numba_kernels.write_tokens``) instead of a slice assignment per row; paged
+        and quantized storage: the NumPy path (pages to look up, codes to compute)."""
+        bits = None
+        if (store.kind == CONTIGUOUS and not store.quantized
+                and k_new.dtype == store.k.dtype == v_new.dtype
+                and store.k.flags.c_contiguous and store.v.flags.c_contiguous
+                and all(x.strides[3] == x.itemsize for x in (k_new, v_new))):
+            bits = _copy_bits(store.k, store.v, k_new, v_new)
+        if bits is None:
+            return super().write_kv(store, k_new, v_new, inputs)
+        from . import numba_kernels as nk
+
+        nk.write_tokens(*bits, *(np.asarray(a, dtype=np.int64) for a in
+                                 (inputs.rows, inputs.starts, inputs.n_new)))
+
+    def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
+        """Contiguous, unquantized stores (rows, or a paged pool's pages as rows): every copy
+        of the call by one compiled call (``numba_kernels.copy_rows``); quantized stores
+        (scales travel too): the NumPy path."""
+        bits = None
+        if (dst.kind == src.kind == CONTIGUOUS and not dst.quantized and not src.quantized
+                and dst.k.dtype == src.k.dtype
+                and all(x.flags.c_contiguous for x in (dst.k, dst.v, src.k, src.v))):
+            bits = _copy_bits(dst.k, dst.v, src.k, src.v)
+        if bits is None:
+            return super().copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
+        from . import numba_kernels as nk
+
+        nk.copy_rows(*bits, *(np.asarray(a, dtype=np.int64).reshape(-1) for a in
+                              (dst_rows, src_rows, n_tokens)))
+
     def attention(self, q, store, inputs, params, *, return_lse: bool):
         """Compiled decode/short-chunk attention over contiguous, paged or quantized
         storage, else the NumPy path (``attention_route``; it serves paged and quantized
@@ -135,6 +171,18 @@ def default_workers() -> int:
     if os.environ.get(ENV_THREADS):
         return min(_threads.default_workers(), limit)
     return limit
+
+
+def _copy_bits(*arrays):
+    """The arrays as unsigned integers of their element width (views; ``COPY_VIEW``), or
+    None when they do not share one width the copy kernels take."""
+    from . import numba_kernels as nk
+
+    widths = {a.dtype.itemsize for a in arrays}
+    if len(widths) != 1 or not all(isinstance(a, np.ndarray) for a in arrays):
+        return None
+    view = nk.COPY_VIEW.get(widths.pop())
+    return None if view is None else [a.view(view) for a in arrays]
 
 
 def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool,

@@ -41,6 +41,10 @@ fastmath is limited to {contract, reassoc, arcp}: never 'nnan'/'ninf', since mas
 scores are -inf and a NaN in a live K/V value must reach the output as it does in
 the reference. The vector loops ask LLVM for 512-bit vectors where the CPU has them
 (``_prefer_512_bit_vectors``).
+
+Appends and row copies (``write_tokens``, ``copy_rows``) move each contiguous run of
+tokens with one C-library ``memmove`` (``_move``): one compiled call per append or
+wave of copies, at memcpy speed.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from collections import namedtuple
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 FASTMATH = {"contract", "reassoc", "arcp"}
@@ -742,3 +747,87 @@ def merge_pieces(groups, group_starts, piece_rows, o_part, ml_part, G, sinks, ou
                 for c in range(d):
                     out[i, hq, t0 + t, c] *= inv
                 lse[i, hq, t0 + t] = mx + np.log(tot)
+
+
+# -- writes and row copies -----------------------------------------------------------------
+
+#: How the write and copy kernels take a buffer: its elements as unsigned integers of the
+#: same width (a copy moves bits; one compiled loop per width serves every float dtype).
+COPY_VIEW = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@intrinsic
+def _move(typingctx, dst, dst_at, src, src_at, n):
+    """Copy n elements from ``src[src_at]`` on to ``dst[dst_at]`` on: one ``memmove`` (the C
+    library's, as fast as NumPy's own copies), for element runs contiguous in both arrays
+    (the caller's guarantee). ``dst_at``, ``src_at``: full index tuples."""
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array)
+            and dst.dtype == src.dtype and isinstance(dst_at, types.UniTuple)
+            and isinstance(src_at, types.UniTuple) and len(dst_at) == dst.ndim
+            and len(src_at) == src.ndim):
+        return None
+
+    def codegen(context, builder, signature, args):
+        dty, dat, sty, sat, _ = signature.args
+
+        def pointer(aryty, ary, at_ty, at):
+            arr = context.make_array(aryty)(context, builder, ary)
+            idx = [context.cast(builder, builder.extract_value(at, k), at_ty.dtype, types.intp)
+                   for k in range(len(at_ty))]
+            return cgutils.get_item_pointer(context, builder, aryty, arr, idx, wraparound=False)
+
+        dp = pointer(dty, args[0], dat, args[1])
+        sp = pointer(sty, args[2], sat, args[3])
+        count = context.cast(builder, args[4], signature.args[4], types.intp)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(dty.dtype)))
+        cgutils.raw_memmove(builder, dp, sp, count, itemsize)
+        return context.get_dummy_value()
+
+    return types.none(dst, dst_at, src, src_at, n), codegen
+
+
+@njit(cache=True)
+def write_tokens(k_buf, v_buf, k_new, v_new, rows, starts, n_new):
+    """k_buf[rows[i], h, starts[i] + t] = k_new[i, h, t] (and V) for t < n_new[i]: every
+    entry of an append in one call, a ``memmove`` per contiguous run (what this saves over
+    the NumPy path is its Python round trip per row; the bytes move at memcpy speed either way).
+
+    k_buf, v_buf: [rows_total, Hkv, max_len, d] C-contiguous; k_new, v_new: [B, Hkv, T, d]
+    with contiguous last axes (any other strides); all four of one element width
+    (``COPY_VIEW``). Inputs are validated by the caller (distinct rows, capacity), so no
+    write overlaps another.
+    """
+    B, H, _, d = k_new.shape
+    for src, dst in ((k_new, k_buf), (v_new, v_buf)):
+        block = src.strides[2] == d * src.itemsize  # an entry's tokens of a head lie together
+        for i in range(B):
+            r, s0, n = rows[i], starts[i], n_new[i]
+            if n <= 0:
+                continue
+            for h in range(H):
+                if block:
+                    _move(dst, (r, h, s0, 0), src, (i, h, 0, 0), n * d)
+                else:
+                    for t in range(n):
+                        _move(dst, (r, h, s0 + t, 0), src, (i, h, t, 0), d)
+
+
+@njit(cache=True)
+def copy_rows(dst_k, dst_v, src_k, src_v, dst_rows, src_rows, n_tokens):
+    """dst[l, dst_rows[i], h, :n_tokens[i]] = src[l, src_rows[i], h, :n_tokens[i]] for every
+    layer l and KV head h (K and V): the copies of a row operation's wave, a ``memmove``
+    of n_tokens[i] x d elements each.
+
+    All four [layers, rows, Hkv, max_len, d] C-contiguous, of one element width; dst and
+    src may be the same buffers: the copies of one call are independent (no copy reads a
+    row another writes, ``Backend.copy_tokens``), so their order does not matter.
+    """
+    layers, _, H, _, d = dst_k.shape
+    for dst, src in ((dst_k, src_k), (dst_v, src_v)):
+        for i in range(dst_rows.size):
+            a, b, n = dst_rows[i], src_rows[i], n_tokens[i]
+            if n <= 0:
+                continue
+            for layer in range(layers):
+                for h in range(H):
+                    _move(dst, (layer, a, h, 0, 0), src, (layer, b, h, 0, 0), n * d)

@@ -288,3 +288,114 @@ def test_long_chunks_over_paged_and_quantized_take_the_numpy_paths(monkeypatch, 
         want, _ = variant_reference(q, kx, kx, [20], [20], 1 / math.sqrt(8))
         np.testing.assert_allclose(out, want, atol=1e-5)
     assert used == ["attention_numpy_paged", "attention_numpy_quantized"] and kernel_calls == []
+
+
+# -- writes and row copies (numba_kernels.write_tokens / copy_rows) ----------------------------
+
+BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(BITS[a.itemsize])
+
+
+def _spy(monkeypatch, name):
+    """Count calls of kernel ``name`` (the backend looks it up on the module at each call)."""
+    calls = []
+    real = getattr(nk, name)
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(nk, name, spy)
+    return calls
+
+
+def _twin(make, dtype):
+    """The same cache on numba and on numpy (the reference path), every slot NaN first,
+    so a write outside the live tokens shows."""
+    caches = [make(backend) for backend in ("numba", "numpy")]
+    for c in caches:
+        c.store.fill(np.nan)
+    return caches
+
+
+def _same_storage(a, b):
+    assert np.array_equal(a.host_lens, b.host_lens)
+    for x, y in ((a.store.k, b.store.k), (a.store.v, b.store.v)):
+        assert np.array_equal(_bits(x), _bits(y))  # bit for bit, NaN slots included
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_append_kernel_writes_what_the_numpy_path_writes(dtype, monkeypatch):
+    """Ragged appends (a row of 0), ``rows=``, a strided k_new (one run per token) and a
+    k_new whose last axis is strided (the NumPy path): bit-identical buffers."""
+    calls = _spy(monkeypatch, "write_tokens")
+    rng = np.random.default_rng(0)
+    caches = _twin(lambda b: gqakv.KVCache(4, 2, 24, 8, dtype=dtype, backend=b), dtype)
+    x = rng.standard_normal((3, 2, 12, 8)).astype(NP.get(dtype, dtype))
+    y = rng.standard_normal((3, 2, 8, 12)).astype(NP.get(dtype, dtype)).transpose(0, 1, 3, 2)
+    for c in caches:
+        c.append(x[:, :, :6], x[:, :, 6:], [6, 0, 3], rows=[0, 1, 2])
+        c.append(x[:, :, ::2], x[:, :, 1::2], [2, 6, 1], rows=[3, 0, 1])
+        c.append(y, y, [1, 2, 3], rows=[2, 1, 0])  # last axis strided
+    _same_storage(*caches)
+    assert len(calls) == 2  # the strided-last-axis append took the NumPy path
+
+
+def test_append_kernel_leaves_paged_and_quantized_storage_to_the_numpy_path(monkeypatch):
+    calls = _spy(monkeypatch, "write_tokens")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 2, 5, 8)).astype(np.float32)
+    for kwargs in (dict(storage="paged", page_size=4), dict(kv_dtype="int8")):
+        a, b = (gqakv.KVCache(2, 2, 16, 8, backend=be, **kwargs) for be in ("numba", "numpy"))
+        for c in (a, b):
+            c.append(x, x, [5, 2])
+        for row in range(2):
+            for u, w in zip(a.live_kv(row), b.live_kv(row)):
+                assert np.array_equal(np.asarray(u), np.asarray(w))
+    assert calls == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_row_copy_kernel_copies_what_the_numpy_path_copies(dtype, monkeypatch):
+    """fork, reorder with a cycle (through the one-row temporary) and duplicates, on a
+    KVCache and on a ModelKVCache (every layer): bit-identical buffers and lengths."""
+    calls = _spy(monkeypatch, "copy_rows")
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 2, 9, 8)).astype(NP[dtype])
+    caches = _twin(lambda b: gqakv.KVCache(5, 2, 20, 8, dtype=dtype, backend=b), dtype)
+    for c in caches:
+        c.append(x, x * 2, [9, 4, 0, 7], rows=[0, 1, 2, 3])
+        c.fork(0, [4])
+        c.reorder([1, 3, 0, 3, 2])  # a cycle 0 <- 1 <- 3 ... and a duplicate
+    _same_storage(*caches)
+    models = _twin(lambda b: gqakv.ModelKVCache(3, 4, 2, 20, 8, dtype=dtype, backend=b), dtype)
+    for m in models:
+        with m.step([9, 4, 0, 7]) as step:
+            for layer in range(3):
+                step.write(layer, x + layer, x - layer)
+        m.reorder([2, 0, 1, 0])
+        m.fork(1, [3])
+    _same_storage(*models)
+    assert len(calls) >= 4
+
+
+def test_paged_page_copies_run_through_the_row_copy_kernel(monkeypatch):
+    """A fork shares a partly filled last page; the next append copies it first (a pool
+    page copy, ``paged.reserve``): through the kernel, with the NumPy path's result."""
+    calls = _spy(monkeypatch, "copy_rows")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 2, 6, 8)).astype(np.float32)
+    caches = [gqakv.PagedKVCache(3, 2, 24, 8, backend=b, page_size=4) for b in ("numba", "numpy")]
+    for c in caches:
+        c.append(x, x, [6, 0, 0])  # row 0: a full page and a half-filled one
+        c.fork(0, [1, 2])
+        c.append(x[:, :, :2], x[:, :, 2:4], [1, 2, 1])  # each row writes into the shared page
+    assert calls, "the shared last page was not copied through the kernel"
+    for row in range(3):
+        for u, w in zip(caches[0].live_kv(row), caches[1].live_kv(row)):
+            assert np.array_equal(np.asarray(u), np.asarray(w))
+    assert caches[0].pages_used == caches[1].pages_used
