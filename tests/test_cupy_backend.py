@@ -518,3 +518,19 @@ def test_prefill_grid_beyond_the_x_limit_is_refused():
 def test_append_grid_beyond_the_x_limit_is_refused():
     with pytest.raises(NotImplementedError, match=r"gqakv_write_kv.*2147483648"):
         plan.plan_write_kv("float32", 64, np.array([1, 1]), 2**30, 1, (64, 64, 64), (64, 64, 64))
+
+
+def test_rows_beyond_32_bit_key_offsets_go_generic():
+    """The readers address key j at j * key_stride in 32 bits (limits.MAX_KEY_SPAN): a
+    cache whose rows span more elements is refused with the numbers, one that fits is not."""
+    from gqakv_backends.cupy_backend import _attention_layout_rejection, limits
+
+    assert limits.key_span_rejection(2**23 - 1, 256, 256) is None  # 2^31 - 256 elements
+    why = limits.key_span_rejection(2**23, 256, 256)  # exactly 2^31
+    assert why == ("a row's keys span 2147483648 elements (max_len=8388608 x key stride 256; "
+                   "the kernels address keys in 32 bits: at most 2147483647)")
+    base = np.zeros(256, dtype=np.float32)  # [1, 1, 2^23, 256] views of one row: no memory
+    for max_len, expect in ((2**23 - 1, None), (2**23, why)):
+        buf = np.lib.stride_tricks.as_strided(base, shape=(1, 1, max_len, 256),
+                                              strides=(0, 0, 256 * 4, 4))
+        assert _attention_layout_rejection(buf, buf, "float32", 256) == expect

@@ -427,7 +427,7 @@ def _attention_layout_rejection(k_buf, v_buf, dtype: str, d: int) -> str | None:
         return "cache rows not aligned for the kernel's vector loads"
     if k_buf.strides != v_buf.strides:
         return "K and V strided differently"
-    return None
+    return limits.key_span_rejection(int(k_buf.shape[2]), _strides(k_buf)[2], d)
 
 
 class _LruCache:

@@ -32,6 +32,10 @@ DECODE_QUERY_TILES = (4, 8)
 DECODE_CTAS_PER_SM = {4: 3, 8: 2}
 #: The decode kernel counts the keys of one split in an int.
 MAX_KEYS_PER_SPLIT = 2**30
+#: The K/V readers (kernels/variant.cuh) find key j of a (row, KV head) at element offset
+#: j * key_stride in 32-bit arithmetic (64-bit offsets cost registers in every kernel), so
+#: the last key's row must end within this many elements of the first key's.
+MAX_KEY_SPAN = 2**31 - 1
 
 #: Tensor-core kernels run mma.m16n8k16 with 16-bit inputs: compute capability 8.0+
 #: (CuPy's spelling: 80).
@@ -100,6 +104,16 @@ def head_dim_rejection(head_dim: int) -> str | None:
     if 1 <= head_dim <= MAX_FUSED_HEAD_DIM:
         return None
     return f"head_dim={head_dim} (supported: 1..{MAX_FUSED_HEAD_DIM})"
+
+
+def key_span_rejection(max_len: int, key_stride: int, head_dim: int) -> str | None:
+    """Why the readers' 32-bit key offsets cannot address a cache whose rows hold
+    ``max_len`` keys ``key_stride`` elements apart (None: they can)."""
+    span = (max_len - 1) * key_stride + head_dim if max_len > 0 else 0
+    if span <= MAX_KEY_SPAN:
+        return None
+    return (f"a row's keys span {span} elements (max_len={max_len} x key stride {key_stride}; "
+            f"the kernels address keys in 32 bits: at most {MAX_KEY_SPAN})")
 
 
 def capability_rejection(capability: int | None) -> str | None:

@@ -64,19 +64,21 @@ struct Variant {
 
 // Contiguous K/V rows: key `key` of the (cache row, KV head) the reader was made for sits
 // at base + key * stride. Kernels ask for whole key rows by key index (never advance a
-// pointer), so a page-table reader can stand in with the same two calls.
+// pointer), so a page-table reader can stand in with the same two calls. The offset is
+// 32-bit (64-bit products cost registers in every kernel): the routing step sends caches
+// whose rows span more than limits.MAX_KEY_SPAN elements to the generic path.
 template <class TKV>
 struct ContiguousKV {
     const TKV* __restrict__ k;
     const TKV* __restrict__ v;
-    i64 stride;  // elements between consecutive keys
+    int stride;  // elements between consecutive keys
 
     __device__ __forceinline__ ContiguousKV(const TKV* __restrict__ k_buf, const TKV* __restrict__ v_buf,
                                             i64 row, int kvh, i64 buf_sb, i64 buf_sh, i64 buf_st)
         : k(k_buf + row * buf_sb + (i64)kvh * buf_sh), v(v_buf + row * buf_sb + (i64)kvh * buf_sh),
-          stride(buf_st) {}
-    __device__ __forceinline__ const TKV* k_row(i64 key) const { return k + key * stride; }
-    __device__ __forceinline__ const TKV* v_row(i64 key) const { return v + key * stride; }
+          stride((int)buf_st) {}
+    __device__ __forceinline__ const TKV* k_row(i64 key) const { return k + (int)key * stride; }
+    __device__ __forceinline__ const TKV* v_row(i64 key) const { return v + (int)key * stride; }
 };
 
 // Element types of one kernel instantiation: q, K/V storage and output. One storage type
