@@ -224,7 +224,7 @@ class KVCache(RowsAndLengths):
         batch: B, number of rows (sequences).
         kv_heads: Hkv, number of key/value heads.
         max_len: capacity in tokens of every row.
-        head_dim: d.
+        head_dim: d, the head dimension.
         dtype: "float32" (default), "float16", "bfloat16", "float64" or a dtype object.
         backend: a backend name, a Backend, "auto" or None (see ``gqakv.get_backend``).
         storage: the storage kind (``gqakv.store.KINDS``): "contiguous" (default) or
