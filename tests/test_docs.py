@@ -22,8 +22,6 @@ import importlib.util
 import io
 import re
 import shlex
-import subprocess
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -144,16 +142,23 @@ def test_every_guide_has_examples_that_run():
 # -- the build ---------------------------------------------------------------------------------
 
 
+# Sphinx's warnings are the test's subject (-W makes each one an error); Python's deprecation
+# warnings that Sphinx extensions raise about Sphinx's own next versions are not.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning")
 def test_sphinx_build_has_no_warnings(tmp_path):
     """The site builds with warnings as errors and nitpicky references; every public name of
     gqakv (``gqakv.__all__``) and of its documented modules is on a reference page."""
     pytest.importorskip("sphinx", reason="sphinx not installed (pip install -e '.[docs]')")
+    from sphinx.cmd.build import build_main
+
     out = tmp_path / "html"
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q",
-                           "-b", "html", "-d", str(tmp_path / "doctrees"), str(DOCS), str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert done.returncode == 0, done.stderr + done.stdout
+    # In this process: gqakv, torch and transformers (the integration's reference imports
+    # them) are already imported by the examples above, which saves seconds of imports.
+    log = tmp_path / "warnings.txt"
+    status = build_main(["-W", "--keep-going", "-n", "-q", "-w", str(log), "-b", "html",
+                         "-d", str(tmp_path / "doctrees"), str(DOCS), str(out)])
+    assert status == 0, log.read_text()
     print(f"sphinx-build: {time.perf_counter() - start:.1f} s")
     names = _inventory(out / "objects.inv")
     import gqakv

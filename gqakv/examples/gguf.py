@@ -227,6 +227,8 @@ class GGUFLlamaModel(LlamaModel):
         self.checkpoint = checkpoint
         self.config = c = checkpoint.config
         self.dtype = dtype
+        self.tp, self.shard = None, None  # one process holds every head
+        self.local_heads, self.local_kv_heads = c.n_heads, c.n_kv_heads
         self.backend = gqakv.get_backend(backend, dtype=dtype, head_dim=c.head_dim)
         self.xp = self.backend.namespace()
         put = lambda w: self.backend.from_numpy(w, dtype)  # noqa: E731
