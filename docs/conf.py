@@ -67,6 +67,7 @@ html_theme = "furo"
 html_title = f"gqakv {release}"
 html_static_path: list[str] = []
 html_show_sourcelink = False
+html_copy_source = False
 
 suppress_warnings: list[str] = []
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import io
 import re
 import shlex
@@ -165,6 +166,8 @@ def test_sphinx_build_has_no_warnings(tmp_path):
 
     missing = [n for n in gqakv.__all__ if f"gqakv.{n}" not in names]
     assert not missing, f"public names with no reference entry: {missing}"
+    undocumented = [n for n in gqakv.__all__ if not inspect.getdoc(getattr(gqakv, n))]
+    assert not undocumented, f"public names without a docstring: {undocumented}"
     from gqakv import sizing
 
     for name in ("cache_bytes", "paged_cache_bytes", "max_batch", "max_len_for", "parse_bytes"):
@@ -172,10 +175,17 @@ def test_sphinx_build_has_no_warnings(tmp_path):
     for name in ("reorder", "fork", "truncate", "reset", "append", "live_kv"):
         assert f"gqakv.KVCache.{name}" in names
     if (ROOT / "gqakv" / "distributed.py").exists():
+        from gqakv import distributed
+
         assert "gqakv.distributed" in names
-    for page in ("index.html", "guides/rules.html", "reference/caches.html"):
-        html = (out / page).read_text()
-        assert "```" not in html and "{autoclass}" not in html, f"raw markup in {page}"
+        public = [n for n, o in vars(distributed).items() if not n.startswith("_")
+                  and (inspect.isclass(o) or inspect.isfunction(o)) and o.__module__ == distributed.__name__]
+        missing = [n for n in public if f"gqakv.distributed.{n}" not in names]
+        assert public and not missing, f"gqakv.distributed names with no reference entry: {missing}"
+    for page in out.rglob("*.html"):  # MyST or reStructuredText that was not parsed
+        html = page.read_text()
+        for raw in ("```", "{eval-rst}", ".. auto", ":param ", "{py:"):
+            assert raw not in html, f"raw markup {raw!r} in {page.relative_to(out)}"
     for figure in ("decode_bandwidth.png", "cache_memory.png", "concat_bytes.png"):
         assert list(out.rglob(figure)), f"figure {figure} missing from the built site"
     assert sizing
