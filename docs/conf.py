@@ -34,7 +34,6 @@ root_doc = "index"
 exclude_patterns = ["_build", "README.md", "figures/data"]
 
 # -- MyST (Markdown) ---------------------------------------------------------------------------
-myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3  # [text](page.md#a-heading) links are checked like references
 
 # -- autodoc / napoleon ------------------------------------------------------------------------
@@ -42,7 +41,7 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_default_options = {"members": True}
 autoclass_content = "both"  # the class docstring and __init__'s
-# napoleon reads the Google-style sections (Args:, Returns:, Attributes:); it is called from
+# napoleon reads the Google-style sections (Args:, Returns:, Raises:); it is called from
 # _docstring below rather than on its own, so that properties skip it (it would read a
 # property's first line "K: the buffer ..." as "type: description").
 napoleon_google_docstring = False
@@ -68,35 +67,6 @@ html_title = f"gqakv {release}"
 html_static_path: list[str] = []
 html_show_sourcelink = False
 html_copy_source = False
-
-suppress_warnings: list[str] = []
-
-# -- pages whose subject may not exist yet ---------------------------------------------------
-# guides/scaling.md and gqakv/distributed.py are written by the tensor-parallel work; until
-# they are in the tree, the toctree leaves scaling out and the reference page says so in a
-# marked box instead of failing the build on a missing document or module.
-SCALING = DOCS / "guides" / "scaling.md"
-DISTRIBUTED = ROOT / "gqakv" / "distributed.py"
-PENDING = """
-:::{{admonition}} Not written yet: {what}
-:class: warning
-
-This place is kept for {what}, which is not in this checkout yet. It appears here once
-the file `{path}` exists.
-:::
-"""
-
-
-def _pending_pages(app, docname, source):
-    if docname == "index" and not SCALING.exists():
-        source[0] = source[0].replace("guides/scaling\n", "")
-    if docname == "guides/index" and not SCALING.exists():  # (no guides index today)
-        source[0] = source[0].replace("scaling\n", "")
-    if docname == "reference/distributed" and not DISTRIBUTED.exists():
-        head, _, _ = source[0].partition("```{eval-rst}")
-        source[0] = head + PENDING.format(what="the `gqakv.distributed` reference",
-                                          path="gqakv/distributed.py")
-
 
 # -- the docstrings' own conventions ---------------------------------------------------------
 # gqakv's docstrings list fields as "name: description" lines, continued on indented lines
@@ -165,5 +135,4 @@ def _docstring(app, what, name, obj, options, lines):
 
 
 def setup(app):
-    app.connect("source-read", _pending_pages)
     app.connect("autodoc-process-docstring", _docstring)
