@@ -335,12 +335,14 @@ class StepGuard:
         None once the step failed on any rank."""
         if self.failed_ranks:  # every rank knows: no more collectives in this step
             return None
-        part = self.run(fn)
+        xp = self.backend.namespace()
+        # The flattening and the sum run guarded too: a part of the wrong shape on one rank
+        # must set its flag, not leave the others waiting in the collective until the timeout.
+        part = self.run(lambda: xp.reshape(fn(), (self.size,)))
         buf = self._reduce(part)
         if self.failed:
             return None
-        xp = self.backend.namespace()
-        return x + xp.reshape(buf[: self.size], self.shape)
+        return self.run(lambda: x + xp.reshape(buf[: self.size], self.shape))
 
     def finish(self) -> None:
         """End the step's communication: raise ``TensorParallelError`` on every rank when
@@ -367,7 +369,7 @@ class StepGuard:
         device = None if part is None else self.backend.device_of(part)
         buf = self._zeros(xp, self.size + P, device)
         if part is not None and self.error is None:
-            buf[: self.size] = xp.reshape(part, (self.size,))
+            buf[: self.size] = part  # [size], flattened by add_reduced
         if self.error is not None:
             buf[self.size + rank] = 1
         self.tp.all_reduce(buf)

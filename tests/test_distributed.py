@@ -14,9 +14,11 @@ compare it with one process of the same model (NumPy, float64):
   quantization would show);
 - P = 2 with Hkv = 2 (one KV head per rank) and Hkv = 4 (two), P = 4 with Hkv = 2 (each
   KV head replicated on 2 ranks) and Hkv = 4; windows, soft-cap and sinks;
-- a rank that raises mid-step (inside layer 1's attention), or after the last
-  all-reduce (in the logits), leaves every rank's lengths, pages and live K/V bytes
-  unchanged and every rank raises TensorParallelError naming it; the next step works;
+- a rank that raises mid-step (inside layer 1's attention), hands the all-reduce a
+  partial sum of the wrong shape (layer 1's output projection one column too wide), or
+  raises after the last all-reduce (in the logits), leaves every rank's lengths, pages
+  and live K/V bytes unchanged and every rank raises TensorParallelError naming it
+  (not a timeout); the next step works;
 - bad splits raise before anything is allocated.
 
 ``torchrun`` itself runs ``python -m gqakv generate --tensor-parallel 2`` once.
@@ -62,6 +64,10 @@ SCENARIOS = {
 }
 
 FAILURE_SCENARIOS = ["p2-contiguous", "p2-paged", "p4-replicated", "p2-torch-paged"]
+# (where, the failing rank within the group); what the failing rank's message says of its error
+FAILURES = (("mid-step", 1), ("wrong-shape", 1), ("after-last-all-reduce", 0))
+OWN_ERROR = {"mid-step": "injected failure", "wrong-shape": "shape",
+             "after-last-all-reduce": "injected failure"}
 
 torch = pytest.importorskip("torch", reason="gqakv.distributed needs torch")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
@@ -107,9 +113,15 @@ def _failure_checks(tp, group, model, out, cache_options):
     def logits_failing(*args):
         raise RuntimeError("injected failure in the logits")
 
-    for where, rank in (("mid-step", 1), ("after-last-all-reduce", 0)):  # ranks within the group
+    real_wo = model.layers[1]["wo"]
+    wide_wo = model.backend.from_numpy(  # its partial sum is [B, T, D + 1]: not the reduced shape
+        np.zeros((int(real_wo.shape[0]), model.config.hidden_size + 1)), model.dtype)
+
+    for where, rank in FAILURES:  # ranks within the group
         if where == "mid-step" and tp.rank == rank:
             Step.attend = attend_failing_in_layer_1
+        if where == "wrong-shape" and tp.rank == rank:
+            model.layers[1]["wo"] = wide_wo
         if where == "after-last-all-reduce" and tp.rank == rank:
             model._logits = logits_failing
         try:
@@ -119,6 +131,7 @@ def _failure_checks(tp, group, model, out, cache_options):
             results[where] = (str(exc), exc.failed_ranks, _snapshot(cache) == before)
         finally:
             Step.attend, model._logits = real_attend, real_logits
+            model.layers[1]["wo"] = real_wo
         results[where + ": open step"] = cache._open_step is not None
     # The cache still works: the same step now succeeds on every rank.
     results["after"] = model.forward(step_tokens, [2, 2, 1, 0], cache)
@@ -308,7 +321,8 @@ def test_replication_rule_when_ranks_outnumber_kv_heads(ranks):
 @pytest.mark.parametrize("name", FAILURE_SCENARIOS)
 def test_a_failing_rank_aborts_the_step_on_every_rank(ranks, name):
     group = SCENARIOS[name][0]
-    for where, culprit in (("mid-step", group[1]), ("after-last-all-reduce", group[0])):
+    for where, culprit_index in FAILURES:
+        culprit = group[culprit_index]
         for r in group:
             message, failed, unchanged = ranks[r][name]["failures"][where]
             local = ranks[r][name]["rank"]
@@ -318,7 +332,7 @@ def test_a_failing_rank_aborts_the_step_on_every_rank(ranks, name):
             assert unchanged is True, f"rank {r}: cache changed by the aborted step ({where})"
             assert ranks[r][name]["failures"][where + ": open step"] is False
             if local == culprit_local:
-                assert "injected failure" in message
+                assert OWN_ERROR[where] in message.split("; here: ")[1], message
     # The same step afterwards succeeds everywhere, from the unchanged cache.
     model, _ = _one_process(name)
     cache = model.new_cache(len(PROMPTS), 16, **SCENARIOS[name][2])
