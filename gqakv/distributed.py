@@ -31,7 +31,9 @@ failure flag carried in the all-reduced buffer (P extra elements, one per rank);
 the flags show a failure every rank aborts its cache step (``Step.abort``: lengths and
 pages as before; only dead slots past the lengths were written) and raises
 ``TensorParallelError`` naming the failing ranks. A rank that dies is caught by the
-process group's timeout (``init``): the collective raises on the survivors, who abort too.
+process group's timeout (``init``): over gloo the collective raises on the survivors, who
+abort too; over NCCL torch's watchdog ends the survivors' processes instead (its default
+``TORCH_NCCL_ASYNC_ERROR_HANDLING``), as the timed-out collective never returns an error.
 
 Planning (``HeadShard.plan``) needs no torch; everything that communicates does.
 """
@@ -172,8 +174,9 @@ def init(world_size: int | None = None, *, backend: str | None = None, device_ki
     environment) it joins through ``env://``; with no launcher and ``world_size`` 1 it
     makes a one-process group. ``backend``: "gloo" or "nccl" (default: nccl for
     ``device_kind="cuda"``, gloo otherwise). ``timeout_s`` bounds every collective, so a
-    dead peer makes the others raise instead of hanging. ``world_size``, when given, must
-    be the group's size.
+    dead peer does not leave the others hanging: over gloo their collective raises, over
+    NCCL torch's watchdog ends their processes. ``world_size``, when given, must be the
+    group's size.
     """
     _, dist = _torch()
     if world_size is not None:
