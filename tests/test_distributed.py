@@ -471,10 +471,21 @@ def test_torchrun_generate_command(tmp_path):
 
 def test_scaling_guide_code_runs_as_written(capsys):
     """docs/guides/scaling.md: every ```python block runs (a one-process group where it
-    communicates) and prints what the ```text block after it shows."""
+    communicates) and prints what the ```text block after it shows; every ``$ gqakv``
+    command of a ```console block prints what the block shows (the torchrun commands are
+    test_torchrun_generate_command's)."""
     import re
+    import shlex
 
     text = (ROOT / "docs" / "guides" / "scaling.md").read_text()
+    consoles = re.findall(r"```console\n(.*?)```", text, flags=re.S)
+    commands = [block.split("\n$ ") for block in consoles if block.startswith("$ gqakv ")]
+    assert commands, "the guide's gqakv size example"
+    for block in commands:
+        for entry in block:
+            command, _, shown = entry.removeprefix("$ ").partition("\n")
+            assert cli_main(shlex.split(command)[1:]) == 0, command
+            assert capsys.readouterr().out == shown, (command, shown)
     blocks = re.findall(r"```(python|text)\n(.*?)```", text, flags=re.S)
     assert sum(kind == "python" for kind, _ in blocks) >= 4
     for i, (kind, code) in enumerate(blocks):
