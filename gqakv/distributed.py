@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .cache import _check_dim as _int  # the int-argument check every gqakv constructor uses
+
 #: Seconds a collective may wait for its peers before it raises (``init``'s default).
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -61,14 +63,6 @@ def _torch():
     if not dist.is_available():
         raise ImportError("gqakv.distributed needs a torch built with torch.distributed")
     return torch, dist
-
-
-def _int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name}={int(value)} must be >= {low}")
-    return int(value)
 
 
 @dataclass(frozen=True)

@@ -363,7 +363,7 @@ def test_init_refuses_a_size_that_is_not_the_groups(ranks):
     (32, 8, 12, r"world_size=12 cannot split n_kv_heads=8"),
     (12, 4, 8, r"n_heads=12 must be a multiple of world_size=8"),
     (8, 3, 1, r"n_heads=8 must be a multiple of n_kv_heads=3"),
-    (8, 2, 0, r"world_size=0 must be >= 1"),
+    (8, 2, 0, r"world_size must be >= 1, got 0"),
 ])
 def test_bad_splits_are_refused(hq, hkv, world, match):
     with pytest.raises(ValueError, match=match):
