@@ -95,11 +95,9 @@ class HeadShard:
         Anything else raises ValueError saying which P would work.
         """
         P = _int("world_size", world_size, 1)
-        r = _int("rank", rank, 0)
+        r = _rank(rank, P)
         hq = _int("n_heads", n_heads, 1)
         hkv = _int("n_kv_heads", n_kv_heads, 1)
-        if r >= P:
-            raise ValueError(f"rank={r} is out of range for world_size={P} (ranks 0..{P - 1})")
         if hq % hkv:
             raise ValueError(f"n_heads={hq} must be a multiple of n_kv_heads={hkv} (grouped-query attention)")
         if hkv % P == 0:
@@ -138,11 +136,20 @@ class HeadShard:
                 f"KV heads {self.kv_start}..{self.kv_stop - 1}{rep}")
 
 
+def _rank(rank, world_size: int) -> int:
+    r = _int("rank", rank, 0)
+    if r >= world_size:
+        raise ValueError(f"rank={r} is out of range for world_size={world_size} (ranks 0..{world_size - 1})")
+    return r
+
+
 def even_slice(n: int, world_size: int, rank: int, what: str = "size") -> slice:
     """Rank ``rank``'s contiguous ``n / world_size`` share of ``range(n)`` (the columns of a
-    column-parallel projection); ValueError unless ``world_size`` divides ``n``."""
+    column-parallel projection); ValueError unless ``world_size`` divides ``n`` and
+    ``0 <= rank < world_size``."""
     n = _int(what, n, 1)
     P = _int("world_size", world_size, 1)
+    rank = _rank(rank, P)
     if n % P:
         raise ValueError(f"{what}={n} is not divisible by world_size={P}: every rank takes an equal share")
     per = n // P

@@ -380,6 +380,11 @@ def test_split_rules():
         HeadShard.plan(32, 8, 4, 4)
     with pytest.raises(ValueError, match="intermediate_size=64 is not divisible by world_size=3"):
         even_slice(64, 3, 0, "intermediate_size")
+    assert even_slice(64, 4, 3) == slice(48, 64)
+    with pytest.raises(ValueError, match="rank=4 is out of range for world_size=4"):
+        even_slice(64, 4, 4)  # was slice(64, 80): an empty share, no error
+    with pytest.raises(ValueError, match="rank must be >= 0, got -1"):
+        even_slice(64, 4, -1)
 
 
 def test_model_refuses_a_bad_split_before_drawing():
