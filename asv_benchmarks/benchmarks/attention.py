@@ -13,7 +13,7 @@ import numpy as np
 
 import gqakv
 
-from .common import (BACKENDS, D, HKV, attend, backend_or_skip, best_seconds, filled_cache, live_kv_bytes,
+from .common import (BACKENDS, D, HKV, HQ, attend, backend_or_skip, best_seconds, filled_cache, live_kv_bytes,
                      queries, ratio, reader, sync, temp_mib, timing, torch_or_skip)
 
 DECODE_SIZES = ["4x4096", "1x32768", "32x1024"]  # batch x live length
@@ -239,6 +239,54 @@ class VsTorch:
                      repeats=5)
 
     track_ratio_to_torch.unit = "gqakv/torch time"
+
+
+class VsOnnxRuntime:
+    """gqakv's decode step (append + attention on the CPU default backend) / ONNX Runtime's
+    ``com.microsoft.GroupQueryAttention`` (CPU provider, past and present sharing one
+    buffer, as many threads) from the same state, calls interleaved (issue 11: below 1,
+    gqakv is faster). ``setup`` first checks that both compute the same step
+    (``gqakv.bench.compare_onnxruntime``). Skipped, saying so, without onnxruntime."""
+
+    CASES = {s: _sizes(s) for s in DECODE_SIZES}  # case -> (batch, live length)
+    params = [list(CASES), ["float32", "float16"]]
+    param_names = ["batch x length", "dtype"]
+    timeout = 600
+
+    def setup(self, case, dtype):
+        name = "numba" if "numba" in BACKENDS else "numpy"
+        self.backend = backend_or_skip(name)
+        from gqakv import bench
+
+        if not hasattr(bench, "onnxruntime_gqa"):
+            raise NotImplementedError("gqakv.bench.onnxruntime_gqa does not exist in this commit (added later)")
+        try:
+            bench.import_onnxruntime()
+        except ImportError as exc:
+            raise NotImplementedError(str(exc)) from None
+        B, L = self.CASES[case]
+        cache = filled_cache(self.backend, [L] * B, dtype=dtype)
+        bench.compare_onnxruntime(cache, HQ, rounds=1, block_s=0.0)  # ValueError if they differ
+        rows, base = np.arange(B), cache.host_lens - 1
+        cache.truncate(rows, base)
+        q = queries(self.backend, B, 1, dtype)
+        kv = np.ascontiguousarray(q[:, :HKV])
+        ones = np.ones(B, dtype=np.int64)
+        self.ort, _ = bench.onnxruntime_gqa(q, kv, kv, np.ascontiguousarray(cache.k),
+                                            np.ascontiguousarray(cache.v), base,
+                                            threads=bench._backend_threads(self.backend))
+
+        def step():
+            cache.append(kv, kv, ones)
+            attend(self.backend, q, cache, ones)
+            cache.truncate(rows, base)  # O(1): the same state for the next call
+
+        self.step = step
+
+    def track_ratio_to_onnxruntime(self, case, dtype):
+        return ratio(self.step, self.ort, self.backend, repeats=7)
+
+    track_ratio_to_onnxruntime.unit = "gqakv/onnxruntime time"
 
 
 class TempMemory:
