@@ -124,6 +124,18 @@ def _stamp(fig, data: dict, measured: bool = True) -> None:
     fig.text(0.01, 0.005, f"{what}, gqakv {data.get('gqakv', '?')}", fontsize=7, color="0.35")
 
 
+def _save(fig, data: dict, path: Path, *, measured: bool = True, bottom: float = 0.03) -> Path:
+    """Stamp ``fig`` (``_stamp``), leave ``bottom`` of its height for the stamp, write it
+    to ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
+    _stamp(fig, data, measured)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot(data: dict, out: Path) -> list[Path]:
     import matplotlib
 
@@ -160,11 +172,7 @@ def plot(data: dict, out: Path) -> list[Path]:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _stamp(fig, data)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    written.append(out / "decode_bandwidth.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(fig, data, out / "decode_bandwidth.png"))
 
     # 2. memory of the storage choices
     mem = data["memory"]
@@ -179,11 +187,7 @@ def plot(data: dict, out: Path) -> list[Path]:
     ax.set_title(f"{mem['model']}: rows of {', '.join(f'{n:,}' for n in mem['row_lens'])} tokens,\n"
                  f"max_len {mem['max_len']:,}, pages of {mem['page_size']} tokens", fontsize=9)
     ax.set_xlim(right=max(values) * 1.2)
-    _stamp(fig, data, measured=False)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    written.append(out / "cache_memory.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(fig, data, out / "cache_memory.png", measured=False, bottom=0.04))
 
     # 3. concatenation's copies against gqakv's writes
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -201,11 +205,7 @@ def plot(data: dict, out: Path) -> list[Path]:
     ax.set_title(f"Bytes moved to build one row's cache ({first[0]['config']['dtype']})")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    _stamp(fig, data)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    written.append(out / "concat_bytes.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(fig, data, out / "concat_bytes.png"))
     return written
 
 
