@@ -182,8 +182,12 @@ def init(world_size: int | None = None, *, backend: str | None = None, device_ki
     _, dist = _torch()
     if world_size is not None:
         world_size = _int("world_size", world_size, 1)
-    if timeout_s is None or not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s)
+                                           and timeout_s > 0):
         raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
+    if device_kind not in ("cpu", "cuda"):
+        raise ValueError(f"device_kind={device_kind!r} must be 'cpu' or 'cuda' (it picks the default "
+                         "communication backend: gloo or nccl)")
     if not dist.is_initialized():
         backend = backend or ("nccl" if device_kind == "cuda" else "gloo")
         timeout = datetime.timedelta(seconds=float(timeout_s))

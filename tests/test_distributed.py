@@ -387,6 +387,20 @@ def test_split_rules():
         even_slice(64, 4, -1)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"device_kind": "gpu"}, "device_kind='gpu' must be 'cpu' or 'cuda'"),
+    ({"timeout_s": True}, "timeout_s=True must be a finite number of seconds > 0"),
+    ({"timeout_s": float("inf")}, "timeout_s=inf must be"),
+    ({"world_size": 0}, "world_size must be >= 1, got 0"),
+])
+def test_init_refuses_bad_arguments_before_joining(kwargs, match):
+    from gqakv import distributed
+
+    with pytest.raises(ValueError, match=match):
+        distributed.init(**kwargs)
+    assert not torch.distributed.is_initialized()
+
+
 def test_model_refuses_a_bad_split_before_drawing():
     class FakeGroup:  # what LlamaModel asks of a TensorParallel before any communication
         world_size, rank = 3, 0
