@@ -171,7 +171,8 @@ def test_sphinx_build_has_no_warnings(tmp_path):
     assert not missing, f"public names with no reference entry: {missing}"
     undocumented = [n for n in gqakv.__all__ if not inspect.getdoc(getattr(gqakv, n))]
     assert not undocumented, f"public names without a docstring: {undocumented}"
-    for name in ("cache_bytes", "paged_cache_bytes", "max_batch", "max_len_for", "parse_bytes"):
+    for name in ("cache_bytes", "paged_cache_bytes", "max_batch", "max_len_for", "parse_bytes",
+                 "tensor_parallel_traffic", "TensorParallelTraffic", "ModelConfig.per_device"):
         assert f"gqakv.sizing.{name}" in names
     for name in ("reorder", "fork", "truncate", "reset", "append", "live_kv"):
         assert f"gqakv.KVCache.{name}" in names
