@@ -301,7 +301,7 @@ def compare_onnxruntime(cache, heads: int, *, seed: int = 0, rounds: int = 5, bl
 
     q, k_new, v_new = draw(heads), draw(Hkv), draw(Hkv)
     ones = np.ones(B, dtype=np.int64)
-    threads = _backend_threads(backend)
+    threads = backend_threads(backend)
     k_ort, v_ort = np.ascontiguousarray(cache.k), np.ascontiguousarray(cache.v)  # ORT's own copies
     ort_step, ort_out = onnxruntime_gqa(q, k_new, v_new, k_ort, v_ort, base, threads=threads)
 
@@ -369,7 +369,7 @@ def decode_reference(q, k, v, lens):
     return exact, plain.astype(q.dtype).astype(np.float64)
 
 
-def _backend_threads(backend) -> int:
+def backend_threads(backend) -> int:
     """The threads gqakv's CPU backend runs a call on (the peer gets as many)."""
     if backend.name == "numba":
         from gqakv_backends.numba_backend import default_workers

@@ -274,7 +274,7 @@ class VsOnnxRuntime:
         ones = np.ones(B, dtype=np.int64)
         self.ort, _ = bench.onnxruntime_gqa(q, kv, kv, np.ascontiguousarray(cache.k),
                                             np.ascontiguousarray(cache.v), base,
-                                            threads=bench._backend_threads(self.backend))
+                                            threads=bench.backend_threads(self.backend))
 
         def step():
             cache.append(kv, kv, ones)
