@@ -52,6 +52,7 @@ class ModelConfig:
     head_dim: int
     max_position: int  # context length the model's config declares
     source: str = ""  # where the numbers come from (a Hugging Face repo's config.json)
+    hidden: int = 0  # the model's hidden size D, when its config gives one that is not Hq x d
 
     def bytes_per_token(self, dtype="bfloat16", kv_dtype=None) -> int:
         """K + V bytes of one token over all layers (with ``kv_dtype``: codes plus scales)."""
@@ -69,10 +70,10 @@ class ModelConfig:
 
     @property
     def hidden_size(self) -> int:
-        """``Hq x d``: the hidden size of the Llama family (what each all-reduce carries
-        per token); a model whose hidden size differs needs ``tensor_parallel_traffic``'s
-        ``hidden_size=``."""
-        return self.q_heads * self.head_dim
+        """What each all-reduce carries per token: ``hidden`` where the config gave it
+        (``config_from_hf``), else ``Hq x d``, the hidden size of the Llama family (every
+        preset's; Gemma 2's or Mistral Nemo's config.json differ, and say so)."""
+        return self.hidden or self.q_heads * self.head_dim
 
 
 # From each model's published config.json (num_hidden_layers, num_attention_heads,
@@ -144,7 +145,7 @@ def config_from_hf(config, name: str | None = None) -> ModelConfig:
         raise ValueError("config gives neither head_dim nor hidden_size")
     max_pos = first("max_position_embeddings", "n_positions", "n_ctx", default=0, minimum=0)
     return ModelConfig(name or config.get("model_type", "model"), layers, q_heads, kv_heads,
-                       head_dim, max_pos, "config.json")
+                       head_dim, max_pos, "config.json", hidden=hidden)
 
 
 def resolve_model(model) -> ModelConfig:

@@ -444,6 +444,14 @@ def test_traffic_numbers():
     t = sizing.tensor_parallel_traffic("llama-3.1-70b", 8, context=4096)
     assert t.per_token["all_reduce_bytes"] == 80 * 2 * 8192 * 2
     assert t.ring_send_bytes == 2 * 32_768 * 7 // 8
+    # A config.json whose hidden size is not Hq x d (Gemma 2 9B: 3,584 against 16 x 256):
+    # the all-reduce carries the hidden size.
+    gemma = sizing.config_from_hf({"num_hidden_layers": 42, "num_attention_heads": 16,
+                                   "num_key_value_heads": 8, "head_dim": 256, "hidden_size": 3584})
+    t = sizing.tensor_parallel_traffic(gemma, 2, context=16)
+    assert (t.hidden_size, t.all_reduce_bytes) == (3584, 2 * 3584 * 2)
+    assert t.kv_read_bytes == 16 * 2 * 4 * 256 * 2
+    assert sizing.tensor_parallel_traffic(gemma, 2, context=16, hidden_size=100).all_reduce_bytes == 400
 
 
 @pytest.mark.parametrize("argv, match", [
