@@ -553,7 +553,7 @@ def test_numpy_quantized_path_under_every_split(kv_dtype, split):
 
 
 def test_quantization_error_against_the_float32_cache():
-    """What the 8 bits cost (README, Quantized cache): decode over Gaussian K/V against the
+    """What the 8 bits cost (docs/guides/storage.md, "8-bit cache"): decode over Gaussian K/V against the
     same call over an unquantized float32 cache. Measured rms relative error ~0.9% (int8)
     and ~3.8% (e4m3) at this shape (seeded: the same every run); the upper bounds leave
     about 1.5x, so they catch a gross change of the error (e.g. half the int8 levels),

@@ -1,1 +1,1 @@
-"""asv benchmarks for gqakv (see asv_benchmarks/asv.conf.json and the README)."""
+"""asv benchmarks for gqakv (see asv_benchmarks/asv.conf.json and docs/guides/performance.md, "Benchmarks (asv)")."""

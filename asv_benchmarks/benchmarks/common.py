@@ -197,7 +197,7 @@ def temp_mib(fn) -> float:
 
 # asv timing attributes shared by the time_ benchmarks: samples of at least 20 ms, 5 to 15 of
 # them within 2 s (more only for fast calls), one process. Sized so that three runs of the same
-# code agree within asv's 10% on a shared 2-core machine (see the README), at about 6 minutes
+# code agree within asv's 10% on a shared 2-core machine (see docs/guides/performance.md, "Benchmarks (asv)"), at about 6 minutes
 # for the suite; classes with long calls set their own.
 TIMING = dict(sample_time=0.02, repeat=(5, 15, 2.0), rounds=1, warmup_time=0.1, min_run_count=5)
 
