@@ -34,10 +34,12 @@ def add_arguments(parser) -> None:
     g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help=f"prompt text; repeat for a ragged batch (default: {DEFAULT_PROMPT!r})")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the file's chat template")
-    g.add_argument("--kv-dtype", default=None, metavar="DTYPE",
-                   help="store K/V quantized: int8 or float8_e4m3fn (float32 model only)")
-    g.add_argument("--page-size", type=int, default=None, metavar="N",
-                   help="a paged KV cache with pages of N tokens")
+    # Cache storage applies to the example model (random weights) as well.
+    storage = parser.add_argument_group("KV cache storage (random or real weights)")
+    storage.add_argument("--kv-dtype", default=None, metavar="DTYPE",
+                         help="store K/V quantized: int8 or float8_e4m3fn (real model: float32 only)")
+    storage.add_argument("--page-size", type=int, default=None, metavar="N",
+                         help="a paged KV cache with pages of N tokens")
     g.add_argument("--compare-cache", default=None, nargs="+", choices=sorted(COMPARE_DTYPES), metavar="DTYPE",
                    help="accuracy of a K/V cache in DTYPE (float16, bfloat16, int8, float8_e4m3fn; several "
                         "share one float32 run) against the float32 cache: greedy agreement on 5 prompts "
