@@ -459,7 +459,9 @@ def test_traffic_numbers():
     (["--tensor-parallel", "0"], "--tensor-parallel must be >= 1, got 0"),
     (["--tensor-parallel", "2"], "tensor parallel size 2 needs 2 processes started by a launcher, "
                                  "e.g. torchrun --nproc-per-node 2 -m gqakv generate --tensor-parallel 2"),
-    (["--tensor-parallel", "2", "--tp-timeout", "0"], "--tp-timeout must be > 0 seconds, got 0.0"),
+    (["--tensor-parallel", "2", "--tp-timeout", "0"], "--tp-timeout must be a finite number of seconds > 0, got 0.0"),
+    (["--tensor-parallel", "2", "--tp-timeout", "inf"], "--tp-timeout must be a finite number of seconds > 0, got inf"),
+    (["--tensor-parallel", "2", "--tp-timeout", "nan"], "--tp-timeout must be a finite number of seconds > 0, got nan"),
     (["--tensor-parallel", "2", "--model", "smollm2-135m"], "--tensor-parallel runs the example model"),
 ])
 def test_generate_refuses_bad_tensor_parallel_options(capsys, argv, match):

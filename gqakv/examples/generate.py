@@ -97,8 +97,8 @@ def _tensor_parallel(args, config, UsageError):
         return None
     if P < 1:
         raise UsageError(f"--tensor-parallel must be >= 1, got {P}")
-    if not args.tp_timeout > 0:
-        raise UsageError(f"--tp-timeout must be > 0 seconds, got {args.tp_timeout}")
+    if not (math.isfinite(args.tp_timeout) and args.tp_timeout > 0):
+        raise UsageError(f"--tp-timeout must be a finite number of seconds > 0, got {args.tp_timeout}")
     from gqakv.distributed import HeadShard, even_slice
 
     try:  # the same split on every rank: refuse it before joining the group
