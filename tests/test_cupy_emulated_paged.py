@@ -202,7 +202,7 @@ def test_paged_variants(dtype, page_size, capability, variant):
 
 def test_paged_split_decode_with_sinks(monkeypatch):
     """The sink joins once, in the merge, after the paged splits."""
-    names = run_paged(dtype="bfloat16", page_size=16, window=6, sinks="large", force_splits=3,
+    names = run_paged(dtype="bfloat16", page_size=16, window=6, softcap=3.0, sinks="large", force_splits=3,
                       monkeypatch=monkeypatch, seed=5)
     assert any(n.startswith("gqakv_merge") and n.endswith(", 4>") for n in names)
 
@@ -393,12 +393,13 @@ def _params(d, hq, window=None, softcap=None, sinks=None):
 
 
 #: (dtype, tensor_cores, force_splits, page_size, lens, n_new, (window, softcap, sinks)):
-#: decode, split decode + merge, both prefills, over shuffled pages of sizes 1, 5, 16, 64.
+#: decode, split decode + merge, both prefills, over shuffled pages of sizes 1, 5, 16, 64
+#: (variant flags among harness.PAGED_VARIANTS, the paged ones built).
 PLAN_SCENARIOS = [
     ("float16", True, None, 16, [37, 9, 20], [1, 1, 0], (None, None, None)),
-    ("float32", False, None, 5, [37, 9, 20], [3, 1, 2], (4, 0.5, None)),
+    ("float32", False, None, 5, [37, 9, 20], [3, 1, 2], (4, 0.5, "mixed")),
     ("bfloat16", True, 3, 1, [70, 12, 41], [1, 1, 1], (None, None, "large")),
-    ("bfloat16", False, 4, 16, [70, 12, 41], [1, 1, 1], (20, None, "mixed")),
+    ("bfloat16", False, 4, 16, [70, 12, 41], [1, 1, 1], (20, 1.0, "mixed")),
     ("float32", False, None, 64, [30, 21, 8], [21, 9, 0], (None, None, None)),
     ("bfloat16", True, None, 5, [30, 21, 8], [21, 9, 0], (6, 1.5, "mixed")),
 ]
