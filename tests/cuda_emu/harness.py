@@ -60,9 +60,13 @@ def _flags(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS) -> list[str]:
     dims = " ".join(f"GQAKV_REG_DIM({d})" for d in head_dims)
     # The variant instantiations (window / softcap / sinks flags 1..7) at VARIANT_HEAD_DIMS.
     dims += " " + " ".join(f"GQAKV_REG_VARIANTS_DIM({d})" for d in VARIANT_HEAD_DIMS if d in head_dims)
+    # The paged instantiations: PAGED_VARIANTS at PAGED_HEAD_DIMS, plain causal at any other
+    # head dim of a library of its own (the paged caches of the parity suite, e.g. d = 4).
     flags_list = ", ".join(map(str, PAGED_VARIANTS))
     dims += " " + " ".join(f"GQAKV_REG_PAGED_DIM({d}, {flags_list})" for d in PAGED_HEAD_DIMS
                            if d in head_dims)
+    if tuple(head_dims) != HEAD_DIMS:
+        dims += "".join(f" GQAKV_REG_PAGED_DIM({d}, 0)" for d in head_dims if d not in PAGED_HEAD_DIMS)
     # The kernels' limits as -D options, as NVRTC gets them (sources.COMPILE_OPTIONS).
     flags = ["-std=c++20", "-g", "-pthread", "-shared", "-fPIC", f"-I{kernel_dir()}",
              f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={dims}",
