@@ -477,3 +477,31 @@ def test_selftest_paged_lines_run_the_paged_kernels(monkeypatch, page_size):
     assert checks[line].cases > 0 and checks[line].passed, checks[line].line()
     attn = [n for n in names if n.startswith(("gqakv_decode", "gqakv_prefill", "gqakv_write_kv"))]
     assert attn and all(n.endswith("KVPages>") for n in attn), attn
+
+
+def test_paged_routes_and_rejections():
+    """What the route table says about pages: the kernels take them; quantized pages and
+    rows the kernels' 32-bit key index cannot hold keep the generic path, with the reason;
+    copy_tokens copies contiguous rows only (pages move as rows of the pool)."""
+    from gqakv_backends.cupy_backend import _store_rejection, routing
+
+    be, names = _backend()
+    cache = gqakv.PagedKVCache(2, 1, 32, 64, dtype="float32", backend=be, page_size=8)
+    assert _store_rejection(cache.store) is None
+    assert "paged" in _store_rejection(cache.store, paged=False)
+    impls = routing.implementations()
+    assert all("paged" in impls[k] for k in ("gqakv_write_kv", "gqakv_decode", "gqakv_decode_mma",
+                                             "gqakv_prefill", "gqakv_prefill_mma"))
+    quant = gqakv.PagedKVCache(2, 1, 32, 64, dtype="float32", backend=be, page_size=8, kv_dtype="int8")
+    assert "kv_dtype='int8'" in _store_rejection(quant.store)
+    huge = gqakv.PagedKVCache(1, 1, 8, 64, dtype="float32", backend=be, page_size=8, num_pages=1)
+    huge.store.table.table = np.zeros((1, 2**28), np.int32)  # 2^31 slots per row, never allocated
+    assert "32 bits" in _store_rejection(huge.store)
+    with pytest.raises(NotImplementedError, match="32 bits"):
+        planmod.PageTableArg(table_stride=2**28, page_size=8)
+    x = be.from_numpy(np.ones((2, 1, 3, 64), np.float32))
+    names.clear()
+    quant.append(x, x, [3, 1])  # generic path: no launch
+    assert names == []
+    cache.append(x, x, [3, 1])
+    assert names == ["gqakv_write_kv<float, 64, KVPages>"]

@@ -431,6 +431,9 @@ def _store_rejection(store, params=None, paged: bool = True) -> str | None:
                 "move by sharing pages, and a page copy is a row copy of the pool)")
     if store.kind not in (CONTIGUOUS, PAGED):
         return f"storage kind {store.kind!r} (the kernels read {CONTIGUOUS} or {PAGED} K/V)"
+    if store.kind == PAGED and store.table.table.shape[1] * store.page_size >= _plan.MAX_PAGED_ROW_SLOTS:
+        return (f"paged rows of {store.table.table.shape[1] * store.page_size} slots (the paged "
+                f"kernels index a row's keys in 32 bits: fewer than {_plan.MAX_PAGED_ROW_SLOTS})")
     if store.quantized:
         return f"kv_dtype={store.dtype!r} (the kernels read unquantized K/V)"
     if params is not None:
