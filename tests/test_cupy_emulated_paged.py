@@ -505,3 +505,19 @@ def test_paged_routes_and_rejections():
     assert names == []
     cache.append(x, x, [3, 1])
     assert names == ["gqakv_write_kv<float, 64, KVPages>"]
+
+
+def test_page_divisor_is_exact():
+    """The kernels' key / P (multiply-high, add, shift; kernels/paged_kv.cuh page_of) equals
+    the division for every page size up to 4,096 and its tricky keys (multiples of P and
+    their neighbours, the largest keys below 2^31), and for a few huge page sizes."""
+    rng = np.random.default_rng(0)
+    for P in [*range(1, 4097), 65_537, 1_000_003, 2**30, 2**31 - 1]:
+        magic, shift = planmod.page_divisor(P)
+        assert 0 < magic < 2**32
+        edges = [m * P + e for m in (1, 2, 2**31 // P - 1, 2**31 // P) for e in (-1, 0, 1)]
+        keys = [k for k in edges + [0, 2**31 - 1, *rng.integers(0, 2**31, 8).tolist()]
+                if 0 <= k < 2**31]
+        keys = np.array(keys, dtype=np.uint64)
+        got = (((np.uint64(magic) * keys) >> np.uint64(32)) + keys) >> np.uint64(shift)
+        assert np.array_equal(got, keys // np.uint64(P)), P
