@@ -10,8 +10,8 @@
 // The switch: every kernel that reads or writes K/V ends its parameter list with a pack
 // `Pages... pages` (its last template parameter, as CUDA requires of a __global__ pack).
 // The contiguous instantiations leave it empty (their names and arguments are unchanged);
-// the paged ones name KVPages (sources.name_expression(..., paged=True)) and the planner
-// appends the struct. kv_reader / kv_slot overload on the pack, so a kernel body says
+// the paged ones name KVPages (sources.paged_name_expression) and the planner appends
+// the struct (plan.PageTableArg). kv_reader / kv_slot overload on the pack, so a kernel body says
 // `kv_reader(k_buf, v_buf, row, kvh, buf_sb, buf_sh, buf_st, pages...)` once and serves both.
 //
 // Only the pages a row holds for its live tokens are ever looked up (the kernels never
@@ -37,8 +37,9 @@ struct KVPages {
 // with l = ceil(log2 P) and magic = floor(2^32 (2^l - P) / P) + 1, key / P is
 // (mulhi(magic, key) + key) >> l (the sum stays below 2^32 for key < 2^31; P a power of two
 // gives magic 1, mulhi 0: a plain shift). A division here costs the decode kernels ~25
-// registers (a spill at their occupancy); the planner keeps every row below 2^31 slots
-// (plan.PageTableArg), and plan.page_divisor computes the constants.
+// registers (a spill at their occupancy). Rows of 2^31 slots or more stay on the generic
+// path (the backend's layout check; plan.PageTableArg refuses them), and
+// plan.page_divisor computes the constants.
 __device__ __forceinline__ int page_of(const KVPages& p, i64 key) {
     const unsigned k = (unsigned)key;
     const unsigned hi = (unsigned)(((unsigned long long)p.page_magic * k) >> 32);

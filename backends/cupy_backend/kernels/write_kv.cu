@@ -2,6 +2,9 @@
 //
 // Entry b writes k_new[b, h, t, :] (t < n_new[b]) to k_buf[rows[b], h, starts[b] + t, :],
 // and the same for V. Padding slots t >= n_new[b] are never read or written.
+// Paged (the KVPages instantiation, paged_kv.cuh): k_buf, v_buf are the page pools and
+// token j of row r goes to pool[table[r, j / P], h, j % P, :]; the pages were taken on the
+// host before the launch (gqakv.paged.reserve), the kernel only writes into them.
 //
 // Launch: grid (B * Hkv, min(65535, ceil(Tn * D / VEC / 128))), block 128. Grid-stride over
 // the (token, vector) pairs of one (entry, head), so any Tn is covered.
