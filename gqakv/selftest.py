@@ -697,7 +697,9 @@ def _compile(backend, dtypes, quick) -> Check:
                 if dtype not in sources.CTYPES:
                     continue  # float64 runs the array-API code: nothing to compile
                 for d in HEAD_DIMS[quick]:
-                    for name in sources.instantiations(kernel, dtype, d):
+                    # the paged instantiations too (the paged lines run them)
+                    for name in (sources.instantiations(kernel, dtype, d)
+                                 + sources.paged_instantiations(kernel, dtype, d)):
                         modules.get_function(kernel, name)
                         names.append(name)
     else:

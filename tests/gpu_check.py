@@ -15,6 +15,11 @@
    (default 989, an H200's dense bf16 tensor-core peak).
 4. Attention variants (window / softcap / sinks): decode, split decode and prefill against
    the float64 reference, and windowed decode time against the full row.
+5. Paged caches (page sizes 1, 16, 256): the paged kernels (kernels/paged_kv.cuh) against
+   the float64 reference through ragged prefill, a fork (copy on write of a shared last
+   page) and decode, then paged decode / chunked prefill time against the contiguous
+   cache on the same tokens (the issue's targets: at most 1.15x at page size 16, 1.05x at
+   256 for decode; 1.1x for chunked prefill).
 Designed to finish in under 8 minutes on one H200. Exit status: 0 when the parity suite
 passed, 1 when it failed, 2 when cupy cannot run here (the reason is printed).
 """
@@ -232,6 +237,95 @@ def variant_check(backend, quick: bool) -> bool:
     return ok
 
 
+def paged_check(backend, quick: bool) -> bool:
+    """PagedKVCache on the paged kernels: parity with the float64 reference (ragged prefill,
+    a fork whose shared last page is copied on write, decode; every launch must be a paged
+    instantiation), then paged / contiguous time for decode and a 512-token chunk on the
+    same tokens. Returns whether every parity check passed."""
+    import ml_dtypes
+
+    import gqakv
+    from gqakv_backends.cupy_backend import modules
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from reference import reference_attention
+
+    rng = np.random.default_rng(3)
+    bf16 = lambda x: x.astype(ml_dtypes.bfloat16)  # noqa: E731
+    names: list[str] = []
+    run_plan = modules.run_plan
+
+    def recording(plan, arrays, dtype, head_dim):
+        names.extend(launch.name for launch in plan.launches)
+        return run_plan(plan, arrays, dtype, head_dim)
+
+    ok = True
+    print("\npaged caches, bf16 (max |out - ref|, tolerance 2 x rounding + 2e-6):")
+    modules.run_plan = recording
+    try:
+        for P in (1, 16, 256):
+            B, S = 4, 700
+            cache = gqakv.PagedKVCache(B, HKV, S, D, dtype=DTYPE, backend=backend, page_size=P)
+            rows_k = [np.zeros((HKV, 0, D))] * B
+            rows_v = [np.zeros((HKV, 0, D))] * B
+            names.clear()
+            for step, n in enumerate(([300, 0, 517, 45], "fork", [40, 37, 1, 0], [1, 1, 1, 1])):
+                if n == "fork":  # row 0's 300 tokens into rows 1 and 3 (a partly filled last page)
+                    cache.fork(0, [1, 3])
+                    rows_k[1] = rows_k[3] = rows_k[0]
+                    rows_v[1] = rows_v[3] = rows_v[0]
+                    continue
+                n = np.asarray(n, np.int64)
+                T = int(n.max())
+                k = bf16(rng.standard_normal((B, HKV, T, D), dtype=np.float32))
+                v = bf16(rng.standard_normal((B, HKV, T, D), dtype=np.float32))
+                q = bf16(rng.standard_normal((B, HQ, T, D), dtype=np.float32))
+                dev = lambda x: backend.from_numpy(x.astype(np.float32), DTYPE)  # noqa: E731 (exact)
+                cache.append(dev(k), dev(v), n)
+                for b in range(B):
+                    rows_k[b] = np.concatenate([rows_k[b], k[b, :, :n[b]].astype(np.float64)], axis=1)
+                    rows_v[b] = np.concatenate([rows_v[b], v[b, :, :n[b]].astype(np.float64)], axis=1)
+                out = backend.to_numpy(gqakv.gqa_attention(dev(q), cache, n)).astype(np.float64)
+                ref, _ = reference_attention(q.astype(np.float64), rows_k, rows_v, n, D ** -0.5)
+                real = np.broadcast_to(np.arange(T)[None, None, :, None] < n[:, None, None, None], ref.shape)
+                rounding = np.abs(bf16(ref).astype(np.float64) - ref)[real].max()
+                err = np.abs(out - ref)[real].max()
+                good = err <= 2 * rounding + 2e-6 and not np.isnan(out).any() and (out[~real] == 0).all()
+                ok &= bool(good)
+                print(f"  P={P:3d} step {step} T={T:3d}: {err:.3g} ({'ok' if good else 'FAILED'})", flush=True)
+            attn = [x for x in names if x.startswith(("gqakv_decode", "gqakv_prefill", "gqakv_write_kv"))]
+            paged = bool(attn) and all(x.endswith("KVPages>") for x in attn)
+            ok &= paged
+            print(f"  P={P:3d} kernels: {sorted(set(x.split('<')[0] for x in attn))} "
+                  f"{'all paged' if paged else 'NOT ALL PAGED: ' + str(attn)}", flush=True)
+            del cache
+    finally:
+        modules.run_plan = run_plan
+
+    print("\npaged / contiguous time, same tokens (decode: B=4 L=4096, B=32 L=1024; prefill: 512 "
+          "tokens on 8192)")
+    shapes = [(4, 4096, 1), (32, 1024, 1)] + ([] if quick else [(1, 8192, 512)])
+    for batch, live, T in shapes:
+        k = backend.from_numpy(rng.standard_normal((batch, HKV, live, D), dtype=np.float32), DTYPE)
+        v = backend.from_numpy(rng.standard_normal((batch, HKV, live, D), dtype=np.float32), DTYPE)
+        q = backend.from_numpy(rng.standard_normal((batch, HQ, T, D), dtype=np.float32), DTYPE)
+        n_new = np.full(batch, T, dtype=np.int64)
+        caches = {"contiguous": gqakv.KVCache(batch, HKV, live, D, dtype=DTYPE, backend=backend)}
+        for P in (16, 256):
+            caches[f"P={P}"] = gqakv.PagedKVCache(batch, HKV, live, D, dtype=DTYPE, backend=backend,
+                                                  page_size=P)
+        times = {}
+        for name, c in caches.items():
+            c.append(k, v, np.full(batch, live, dtype=np.int64))
+            times[name] = timed(lambda: gqakv.gqa_attention(q, c, n_new), backend.synchronize)
+        base = times["contiguous"]
+        print(f"  B={batch:2d} L={live:5d} T={T:3d}: contiguous {base * 1e6:8.1f} us; "
+              + "; ".join(f"{n} {t * 1e6:8.1f} us ({t / base:.2f}x)" for n, t in times.items()
+                          if n != "contiguous"), flush=True)
+        del caches
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller benchmark grid")
@@ -274,6 +368,8 @@ def main() -> int:
         decode_bench(backend, grid, peak_tbs)
         prefill_bench(backend, [3072, 8192, 32768], peak_tflops)
     if not variant_check(backend, args.quick):
+        status = 1
+    if not paged_check(backend, args.quick):
         status = 1
     print("\nparity suite: " + ("passed" if status == 0 else "FAILED"))
     return status

@@ -69,6 +69,36 @@ def test_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
             assert r.spill_stores == 0 and r.spill_loads == 0, f"local-memory spills: {line}"
 
 
+def _paged_params():
+    """The paged instantiations (kernels/paged_kv.cuh: the page-table reader) at the fast
+    head dims 64 and 128 in float32 and bfloat16, plain causal, and with every feature on
+    (flags 7) for bfloat16 at 128; sm_90 only (the reader's arithmetic is the same on
+    sm_80, and these double the compile time of the kernels they shadow)."""
+    for kernel in sources.PAGED_KERNELS:
+        for dtype, d, flags in (("float32", 64, 0), ("float32", 128, 0), ("bfloat16", 64, 0),
+                                ("bfloat16", 128, 0), ("bfloat16", 128, 7)):
+            if flags and kernel not in sources.VARIANT_KERNELS:
+                continue
+            for name in sources.paged_instantiations(kernel, dtype, d, variant=flags):
+                tile = name.split(", ")[2] if kernel == "gqakv_decode" else ""
+                yield pytest.param(kernel, dtype, d, name, id=f"{kernel}-{dtype}-d{d}-v{flags}-paged"
+                                   + (f"-qb{tile}" if tile else ""))
+
+
+@pytest.mark.parametrize("kernel,dtype,head_dim,name", list(_paged_params()))
+def test_paged_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
+    """Reading K/V through the page table costs registers (the table row, the page size);
+    the paged instantiations must still fit their __launch_bounds__ occupancy unspilled."""
+    r = NVRTC.compile(kernel, dtype, head_dim, "sm_90", name=name)
+    line = (f"{r.name:46s} sm_90: {r.registers:3d} regs, {r.spill_stores}/{r.spill_loads} B "
+            f"spill st/ld, {r.stack_bytes} B stack, {r.shared_bytes} B smem")
+    REPORT.append(line)
+    print(line)
+    assert r.cubin_bytes > 0 and r.registers <= 255
+    assert r.shared_bytes <= 48 * 1024, line
+    assert r.spill_stores == 0 and r.spill_loads == 0, f"local-memory spills: {line}"
+
+
 def test_ptxas_report_parsing_sees_spills():
     """The spill check can fail: a kernel forced into local memory reports its spills."""
     log = ("ptxas info    : Compiling entry function '_Z1kv' for 'sm_90'\n"
@@ -93,6 +123,11 @@ def test_name_expressions_reject_unsupported():
     with pytest.raises(KeyError, match="no variant=1"):
         sources.name_expression("gqakv_write_kv", "float16", 64, variant=1)
     assert sources.name_expression("gqakv_decode", "float16", 64, 8, variant=5) == "gqakv_decode<gqakv_half, 64, 8, 5>"
+    assert (sources.paged_name_expression("gqakv_decode", "float16", 64, 8)
+            == "gqakv_decode<gqakv_half, 64, 8, 0, KVPages>")
+    assert sources.paged_name_expression("gqakv_write_kv", "bfloat16", 128) == "gqakv_write_kv<gqakv_bf16, 128, KVPages>"
+    with pytest.raises(KeyError, match="no paged instantiation"):
+        sources.paged_name_expression("gqakv_merge", "float16", 64)
 
 
 def test_kernels_need_the_declared_limits(monkeypatch):

@@ -9,6 +9,11 @@
   kernel (FlashAttention-style tiles, bottom-right causal mask) for longer chunks.
 * Fused kernels exist for float32, float16 and bfloat16 and any head dim up to 256; float64
   and larger head dims use the generic array-API code on CuPy arrays (still correct, not fused).
+* Paged caches (``gqakv.PagedKVCache``): the append and every attention kernel have a paged
+  instantiation that reads or writes K/V through the page table (kernels/paged_kv.cuh),
+  uploaded with the call; pages are taken on the host (``gqakv.paged.reserve``) and the
+  copy on write of a shared last page is a ``copy_tokens`` over the pool's pages as rows.
+  Quantized pages stay on the generic path (the kernels read unquantized K/V).
 
 Devices: the cache lives on the device that was current when it was made (or the one
 passed to ``empty``). Every hot operation makes the device of the cache buffers current
@@ -41,7 +46,7 @@ import numpy as np
 
 from gqakv.backend import GENERIC, Backend, Route
 from gqakv.semantics import unsupported
-from gqakv.store import CONTIGUOUS
+from gqakv.store import CONTIGUOUS, PAGED
 
 from . import plan as _plan
 from . import limits, routing, sources
@@ -60,7 +65,7 @@ class CupyBackend(Backend):
     head_dims = None  # fused for d <= 256, generic array-API above
     features = frozenset({
         "fused_append", "fused_row_copies", "fused_decode", "split_kv", "fused_chunked_prefill",
-        "fp32 accumulation", "float64 and head_dim > 256 via array API",
+        "fp32 accumulation", "float64 and head_dim > 256 via array API", "paged_kv",
     })
 
     def __init__(self, runtime: CupyRuntime | None = None):
@@ -169,8 +174,9 @@ class CupyBackend(Backend):
     # Each routes the call (routing.py) from its facts, then runs the chosen kernel's kept
     # plan or, when the route says so, the generic array-API code (Backend's method). A
     # planner refusal (grid beyond CUDA's limits) is routed again as the ``grid`` fact.
-    # The kernels read contiguous storage of plain causal attention: another storage kind
-    # or variant is a ``layout`` fact (``_store_rejection``), so its route says why.
+    # The kernels read contiguous or paged storage (a paged call adds the page table) of
+    # the variants they implement: another storage kind or variant is a ``layout`` fact
+    # (``_store_rejection``), so its route says why.
 
     def write_kv(self, store, k_new, v_new, inputs) -> None:
         """One launch for all rows; see ``Backend.write_kv``. k/v_new are [B, Hkv, T, d]."""
@@ -191,8 +197,9 @@ class CupyBackend(Backend):
         if route.impl == GENERIC:
             return super().write_kv(store, k_new, v_new, inputs)
         n_new = np.asarray(n_new, dtype=np.int64)
+        pages = _pages_arg(store)
         args = (dtype, d, n_new, int(k_buf.shape[1]), int(k_new.shape[2]), _strides(k_new)[:3],
-                _strides(k_buf)[:3])
+                _strides(k_buf)[:3], pages)
         plan = self._plans.get(("write_kv", *_hashable(args)),
                                lambda: _plan_or_refusal(_plan.plan_write_kv, *args))
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
@@ -202,9 +209,11 @@ class CupyBackend(Backend):
         if not plan.launches:
             return
         rows_d, starts_d, n_new_d = self._upload_ints(rows, starts, n_new)
-        self.runtime.run_plan(plan, {"k_new": k_new, "v_new": v_new, "k_buf": k_buf,
-                                     "v_buf": v_buf, "rows": rows_d, "starts": starts_d,
-                                     "n_new": n_new_d}, dtype, d)
+        arrays = {"k_new": k_new, "v_new": v_new, "k_buf": k_buf, "v_buf": v_buf, "rows": rows_d,
+                  "starts": starts_d, "n_new": n_new_d}
+        if pages is not None:
+            arrays["table"] = self._upload_table(store)
+        self.runtime.run_plan(plan, arrays, dtype, d)
 
     def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
         """All copies of the call in one launch; see ``Backend.copy_tokens``.
@@ -223,7 +232,7 @@ class CupyBackend(Backend):
         dtype, d = _dtype_name(dst_k), int(dst_k.shape[-1])
         layout = None
         if routing.route_copy_tokens(dtype, d).impl != GENERIC:
-            layout = (_store_rejection(dst) or _store_rejection(src)
+            layout = (_store_rejection(dst, paged=False) or _store_rejection(src, paged=False)
                       or self._copy_layout_rejection(dst_k, dst_v, src_k, src_v))
         route = routing.route_copy_tokens(dtype, d, layout)
         if route.impl == GENERIC:
@@ -293,7 +302,8 @@ class CupyBackend(Backend):
         kwargs = dict(batch=B, kv_heads=Hkv, group=Hq // Hkv, t_q=T, lens=lens, n_new=n_new,
                       params=params, q_strides=_strides(q)[:3], buf_strides=_strides(k_buf)[:3],
                       out_strides=_strides(out)[:3], sm_count=sm_count,
-                      tensor_cores=capability >= limits.MMA_MIN_CAPABILITY)
+                      tensor_cores=capability >= limits.MMA_MIN_CAPABILITY,
+                      pages=_pages_arg(store))
         plan = self._plans.get(("attention", dtype, d, *_hashable(kwargs.values())),
                                lambda: _plan_or_refusal(_plan.plan_attention, dtype, d, **kwargs))
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
@@ -306,6 +316,8 @@ class CupyBackend(Backend):
                       "n_new": n_new_d, "out": out, "lse": lse}
             if params.sinks is not None:  # [Hq] float32 on the device, kept by value
                 arrays["sinks"] = self._upload_floats(params.sinks)
+            if kwargs["pages"] is not None:
+                arrays["table"] = self._upload_table(store)
             self.runtime.run_plan(plan, arrays, dtype, d)
         return (out, lse) if return_lse else out
 
@@ -344,6 +356,15 @@ class CupyBackend(Backend):
         rt = self.runtime
         host = np.asarray(values, dtype=np.float32)
         key = (rt.device().id, rt.stream_ptr(), "f4", host.tobytes())
+        return self._uploads.get(key, lambda: rt.cp.asarray(host))
+
+    def _upload_table(self, store):
+        """A device int32 copy of a paged store's page table ``[rows, pages_per_row]``, kept
+        by value per device and stream like ``_upload_ints`` (every layer of a model step
+        pages through one table: one upload per step)."""
+        rt = self.runtime
+        host = np.ascontiguousarray(store.table.table, dtype=np.int32)
+        key = (rt.device().id, rt.stream_ptr(), "i4", host.shape, host.tobytes())
         return self._uploads.get(key, lambda: rt.cp.asarray(host))
 
     def _aligned(self, x, dtype: str, d: int):
@@ -400,16 +421,32 @@ def _plan_or_refusal(planner, *args, **kwargs):
         return str(exc)
 
 
-def _store_rejection(store, params=None) -> str | None:
+def _store_rejection(store, params=None, paged: bool = True) -> str | None:
     """Why the kernels cannot serve this storage kind or attention variant (None: they can);
-    the kernels implement what ``semantics.FAST_PATH_VARIANTS["cupy kernels"]`` lists."""
-    if store.kind != CONTIGUOUS:
-        return f"storage kind {store.kind!r} (the kernels read {CONTIGUOUS} rows)"
+    the kernels implement what ``semantics.FAST_PATH_VARIANTS["cupy kernels"]`` lists.
+    ``paged``: whether the operation has paged kernels (copy_tokens has not: it copies
+    contiguous rows, and a paged pool's pages as such rows)."""
+    if store.kind == PAGED and not paged:
+        return (f"storage kind {PAGED!r} (gqakv_copy_tokens copies {CONTIGUOUS} rows; paged rows "
+                "move by sharing pages, and a page copy is a row copy of the pool)")
+    if store.kind not in (CONTIGUOUS, PAGED):
+        return f"storage kind {store.kind!r} (the kernels read {CONTIGUOUS} or {PAGED} K/V)"
+    if store.kind == PAGED and store.table.table.shape[1] * store.page_size >= _plan.MAX_PAGED_ROW_SLOTS:
+        return (f"paged rows of {store.table.table.shape[1] * store.page_size} slots (the paged "
+                f"kernels index a row's keys in 32 bits: fewer than {_plan.MAX_PAGED_ROW_SLOTS})")
     if store.quantized:
         return f"kv_dtype={store.dtype!r} (the kernels read unquantized K/V)"
     if params is not None:
         return unsupported(params, "cupy kernels")
     return None
+
+
+def _pages_arg(store) -> "_plan.PageTableArg | None":
+    """The paged kernels' page-table argument for a paged store (None: contiguous)."""
+    if store.kind != PAGED:
+        return None
+    return _plan.PageTableArg(table_stride=int(store.table.table.shape[1]),
+                              page_size=int(store.page_size))
 
 
 def _write_layout_rejection(k_buf, v_buf, k_new, v_new, dtype: str, d: int) -> str | None:

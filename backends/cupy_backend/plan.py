@@ -16,6 +16,11 @@ Buffers a plan refers to:
              (pre-filled with -inf); workspace part_o ``[B, Hq, T, splits, d]`` and
              part_lse ``[B, Hq, T, splits]`` fp32 when split-KV is used; dummy (1 fp32);
              sinks ``[Hq]`` fp32 (only under the sinks variant).
+  paged (write_kv, attention with ``pages``): k_buf, v_buf are the page pools
+             ``[num_pages, Hkv, page_size, d]`` (their strides: page, head, token) and
+             table the page table ``[R, pages_per_row]`` int32 (kernels/paged_kv.cuh);
+             the launch is the kernel's paged instantiation, its last argument a
+             ``PageTableArg`` (the kernels' ``KVPages``, by value).
 The attention kernels take their runtime parameters as one struct (``KernelParams``, the
 kernels' ``AttnParams`` in kernels/variant.cuh) and the variant as a template flag
 (``variant_flags``): which of window / softcap / sinks the instantiation implements.
@@ -114,6 +119,48 @@ class KernelParams:
         return r[()]
 
 
+#: The kernels' ``KVPages`` (kernels/paged_kv.cuh), field for field: 32 bytes, 8-aligned.
+PAGES_DTYPE = np.dtype([("table", "<u8"), ("table_stride", "<i8"), ("page_size", "<i4"),
+                        ("page_magic", "<u4"), ("page_shift", "<i4")], align=True)
+#: The paged kernels compute a key's page in 32 bits: rows hold fewer slots than this.
+MAX_PAGED_ROW_SLOTS = 2**31
+
+
+def page_divisor(page_size: int) -> tuple[int, int]:
+    """(magic, shift) with ``key // page_size == ((magic * key >> 32) + key) >> shift`` for
+    every ``0 <= key < 2**31`` (kernels/paged_kv.cuh: page_of)."""
+    P = int(page_size)
+    shift = (P - 1).bit_length()  # ceil(log2 P)
+    return (2**32 * (2**shift - P)) // P + 1, shift
+
+
+@dataclass(frozen=True)
+class PageTableArg:
+    """The paged kernels' last argument (``KVPages``): the page table ``[R, table_stride]``
+    int32 named symbolically (``table``), packed with its device address by ``record``.
+    Raises NotImplementedError for rows of ``MAX_PAGED_ROW_SLOTS`` slots or more (the
+    kernels' 32-bit page arithmetic; the backend then takes the generic path)."""
+
+    table_stride: int
+    page_size: int
+    table: Buf = Buf("table")
+
+    def __post_init__(self):
+        if int(self.table_stride) * int(self.page_size) >= MAX_PAGED_ROW_SLOTS:
+            raise NotImplementedError(
+                f"paged rows of {int(self.table_stride)} pages x {int(self.page_size)} tokens reach "
+                f"{MAX_PAGED_ROW_SLOTS} slots (the paged kernels index a row's keys in 32 bits)")
+
+    def record(self, address) -> np.void:
+        """The struct as a NumPy record of ``PAGES_DTYPE``; ``address(buf)`` gives the
+        table's device address."""
+        r = np.zeros((), PAGES_DTYPE)
+        r["table"] = int(address(self.table))
+        r["table_stride"], r["page_size"] = self.table_stride, self.page_size
+        r["page_magic"], r["page_shift"] = page_divisor(self.page_size)
+        return r[()]
+
+
 @dataclass
 class Plan:
     launches: list[Launch] = field(default_factory=list)
@@ -154,10 +201,12 @@ def _check_grid(kernel: str, what: str, grid_x: int, grid_y: int = 1) -> None:
 
 
 def plan_write_kv(dtype: str, head_dim: int, n_new: np.ndarray, kv_heads: int, t_new: int,
-                  new_strides, buf_strides) -> Plan:
+                  new_strides, buf_strides, pages: PageTableArg | None = None) -> Plan:
     """One launch writing every entry's first n_new[b] tokens (nothing when all are 0).
 
-    new_strides, buf_strides: element strides (batch, head, token) of k_new and k_buf.
+    new_strides, buf_strides: element strides (batch, head, token) of k_new and k_buf
+    (paged: of the pool, page / head / token). pages: the page table of a paged cache
+    (the pages were taken on the host; the kernel only writes into them).
     """
     plan = Plan()
     B = int(n_new.shape[0])
@@ -171,6 +220,9 @@ def plan_write_kv(dtype: str, head_dim: int, n_new: np.ndarray, kv_heads: int, t
             Buf("n_new"), np.int32(kv_heads), np.int32(t_new), *_i64(*new_strides),
             *_i64(*buf_strides))
     name = sources.name_expression("gqakv_write_kv", dtype, head_dim)
+    if pages is not None:
+        args += (pages,)
+        name = sources.paged_name_expression("gqakv_write_kv", dtype, head_dim)
     plan.launches.append(Launch("gqakv_write_kv", name, (B * kv_heads, grid_y, 1), BLOCK, args))
     return plan
 
@@ -270,7 +322,8 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
                    min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
                    force_splits: int | None = None,
                    tensor_cores: bool = True,
-                   params: semantics.AttentionParams | None = None) -> Plan:
+                   params: semantics.AttentionParams | None = None,
+                   pages: PageTableArg | None = None) -> Plan:
     """Launches computing attention of q over the cache into out and lse.
 
     lens, n_new: host int arrays [B] (lens are post-append lengths of each entry's row).
@@ -280,7 +333,9 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     device runs mma.m16n8k16 on float16 / bfloat16 (compute capability 8.0+); without,
     the prefill and the decode stay on the fp32-FMA kernels. params: the attention
     parameters (default: plain causal at ``scale``); its variant picks the kernels' flag.
-    Decode splits start at each entry's first visible key (a window's start).
+    Decode splits start at each entry's first visible key (a window's start). pages: the
+    page table of a paged cache (buf_strides are then the pool's): the same launches with
+    the kernels' paged instantiations.
     """
     if params is None:
         params = semantics.AttentionParams(scale=scale)
@@ -323,9 +378,11 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
         plan.num_splits, plan.keys_per_split = splits, keys
         args = (*bufs, *part, np.int32(kv_heads), np.int32(group), np.int32(t_q),
                 np.int32(n_qchunks), np.int32(splits), np.int64(keys), kparams, *strides)
-        plan.launches.append(Launch(kernel, sources.name_expression(kernel, dtype, head_dim, tile,
-                                                                    variant=variant),
-                                    (ctas, splits, 1), BLOCK, args))
+        name = sources.name_expression(kernel, dtype, head_dim, tile, variant=variant)
+        if pages is not None:
+            args += (pages,)
+            name = sources.paged_name_expression(kernel, dtype, head_dim, tile, variant)
+        plan.launches.append(Launch(kernel, name, (ctas, splits, 1), BLOCK, args))
         if splits > 1:
             # The merge reads every split of this layout (a split past an entry's keys
             # wrote lse -inf) and adds the sink term once, after all of them.
@@ -350,8 +407,11 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
                 batch * kv_heads * n_gchunks, n_tblocks)
     args = (*bufs, np.int32(kv_heads), np.int32(group), np.int32(t_q), np.int32(gc), np.int32(bq),
             np.int32(n_gchunks), kparams, *strides)
-    plan.launches.append(Launch(kernel, sources.name_expression(kernel, dtype, head_dim, variant=variant),
-                                (batch * kv_heads * n_gchunks, n_tblocks, 1), BLOCK, args))
+    name = sources.name_expression(kernel, dtype, head_dim, variant=variant)
+    if pages is not None:
+        args += (pages,)
+        name = sources.paged_name_expression(kernel, dtype, head_dim, variant=variant)
+    plan.launches.append(Launch(kernel, name, (batch * kv_heads * n_gchunks, n_tblocks, 1), BLOCK, args))
     return plan
 
 
@@ -366,6 +426,6 @@ def aligned_for_vectors(ptr: int, strides_el: tuple[int, ...], dtype: str, head_
     return strides_el[-1] == 1 and ptr % nbytes == 0 and all(s % vec == 0 for s in strides_el[:-1])
 
 
-__all__ = ["Buf", "KernelParams", "Launch", "Plan", "PARAMS_DTYPE", "VARIANT_FLAGS", "variant_flags", "plan_write_kv", "plan_copy_tokens", "plan_attention",
+__all__ = ["Buf", "KernelParams", "PageTableArg", "PAGES_DTYPE", "page_divisor", "Launch", "Plan", "PARAMS_DTYPE", "VARIANT_FLAGS", "variant_flags", "plan_write_kv", "plan_copy_tokens", "plan_attention",
            "choose_splits", "choose_query_tile", "decode_kernel", "prefill_kernel", "prefill_rows", "aligned_for_vectors",
            "element_strides"]

@@ -15,7 +15,11 @@ Facts (all hashable; the routes are kept, so a routed call costs one cache looku
   capability: the device's compute capability as CuPy spells it (90 for 9.0); None when
               not known (then the tensor-core kernels are not ruled out by it).
   layout:     why the buffers' layout does not suit the kernels (unaligned rows, K and V
-              strided differently, ...), None when it does.
+              strided differently, a storage kind without kernels (quantized pages),
+              paged stores given to copy_tokens, ...), None when it does. Paged storage
+              is no reason: every kernel below but gqakv_copy_tokens and gqakv_merge has
+              a paged instantiation (kernels/paged_kv.cuh) reading the page table, and
+              copy on write copies pages as rows of the pool with gqakv_copy_tokens.
   grid:       the planner's refusal of the launch grid (beyond CUDA's limits), None when
               it fits (or before planning).
 """
@@ -108,18 +112,20 @@ def implementations() -> dict[str, str]:
     mma_cc = f"compute capability {limits.MMA_MIN_CAPABILITY // 10}.{limits.MMA_MIN_CAPABILITY % 10}+"
     mma = ", ".join(limits.MMA_DTYPES)
     t = limits.DECODE_MAX_T
+    paged = "contiguous or paged K/V (page table read per key)"
     return {
-        "gqakv_write_kv": f"{fused}; rows aligned for vector loads",
-        "gqakv_copy_tokens": f"{fused}; rows aligned for vector loads",
+        "gqakv_write_kv": f"{fused}; rows aligned for vector loads; {paged}",
+        "gqakv_copy_tokens": (f"{fused}; rows aligned for vector loads; contiguous rows (paged: "
+                              "pages as rows of the pool, the copy on write of a shared last page)"),
         "gqakv_decode_mma": (f"t_q <= {t}; {mma}; head_dim in "
-                             f"{', '.join(map(str, limits.DECODE_MMA_HEAD_DIMS))}; {mma_cc}"),
+                             f"{', '.join(map(str, limits.DECODE_MMA_HEAD_DIMS))}; {mma_cc}; {paged}"),
         "gqakv_decode": (f"t_q <= {t}; {fused}; query tiles "
-                         f"{', '.join(map(str, limits.DECODE_QUERY_TILES))}"),
+                         f"{', '.join(map(str, limits.DECODE_QUERY_TILES))}; {paged}"),
         "gqakv_merge": "joins split-KV decode partials",
         "gqakv_prefill_mma": (f"t_q > {t}; {mma}; head_dim a multiple of "
                               f"{limits.PREFILL_MMA_HEAD_DIM_MULTIPLE} up to "
-                              f"{limits.MAX_FUSED_HEAD_DIM}; {mma_cc}"),
-        "gqakv_prefill": f"t_q > {t}; {fused}",
+                              f"{limits.MAX_FUSED_HEAD_DIM}; {mma_cc}; {paged}"),
+        "gqakv_prefill": f"t_q > {t}; {fused}; {paged}",
         GENERIC: "everything else (float64, larger head dims, other layouts, grids past "
                  f"CUDA's limits of {limits.MAX_GRID_X} x {limits.MAX_GRID_Y} CTAs)",
     }

@@ -128,6 +128,38 @@ def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | No
     return f"{kernel}<{CTYPES[dtype]}, {int(head_dim)}>"
 
 
+#: Kernels with a paged instantiation (kernels/paged_kv.cuh): their K/V pack names
+#: ``PAGES_CTYPE`` and they read or write K/V through the page table. Page copies need no
+#: kernel of their own: gqakv_copy_tokens copies pages as rows of the pool.
+PAGED_KERNELS = ("gqakv_write_kv", "gqakv_decode", "gqakv_decode_mma", "gqakv_prefill",
+                 "gqakv_prefill_mma")
+PAGES_CTYPE = "KVPages"
+
+
+def paged_name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None,
+                          variant: int = 0) -> str:
+    """The paged instantiation of ``kernel``: ``name_expression``'s with the variant flags
+    spelled out (0 too) and ``KVPages`` appended, e.g. ``gqakv_decode<float, 64, 4, 0,
+    KVPages>`` or ``gqakv_write_kv<gqakv_bf16, 128, KVPages>``."""
+    if kernel not in PAGED_KERNELS:
+        raise KeyError(f"{kernel} has no paged instantiation (paged: {', '.join(PAGED_KERNELS)})")
+    base = name_expression(kernel, dtype, head_dim, query_tile, variant)
+    if kernel in VARIANT_KERNELS and not variant:
+        base = f"{base[:-1]}, 0>"
+    return f"{base[:-1]}, {PAGES_CTYPE}>"
+
+
+def paged_instantiations(kernel: str, dtype: str, head_dim: int, variant: int = 0) -> list[str]:
+    """``instantiations`` of ``kernel``, paged (empty for kernels without a paged one)."""
+    if kernel not in PAGED_KERNELS:
+        return []
+    out = []
+    for name in instantiations(kernel, dtype, head_dim):
+        tile = int(name.rsplit(", ", 1)[1].rstrip(">")) if kernel == "gqakv_decode" else None
+        out.append(paged_name_expression(kernel, dtype, head_dim, tile, variant))
+    return out
+
+
 def instantiations(kernel: str, dtype: str, head_dim: int) -> list[str]:
     """Every name expression of ``kernel`` for one dtype and head dim (decode: one per tile;
     none for gqakv_prefill_mma where it does not apply)."""

@@ -166,6 +166,37 @@ void register_variants(const char* type_name) {
 #define GQAKV_REG_VARIANTS_DIM(D) \
     GQAKV_REG_VARIANTS(float, D) GQAKV_REG_VARIANTS(gqakv_half, D) GQAKV_REG_VARIANTS(gqakv_bf16, D)
 
+// The paged instantiations (kernels/paged_kv.cuh: the K/V pack names KVPages) of the
+// append and the attention kernels, named as sources.paged_name_expression spells them
+// ("..., flags, KVPages>"; the append has no flags), for the variant flags listed.
+template <class T, int D, int V, int... QB>
+void register_paged_decode(const std::string& td, const std::string& v) {
+    ((registry()["gqakv_decode<" + td + ", " + std::to_string(QB) + v] =
+          make_entry(&gqakv_decode<T, D, QB, V, KVPages>)),
+     ...);
+}
+template <class T, int D, int V>
+void register_paged(const std::string& type_name) {
+    const std::string td = type_name + ", " + std::to_string(D);
+    const std::string v = ", " + std::to_string(V) + ", KVPages>";
+    if constexpr (V == 0)
+        registry()["gqakv_write_kv<" + td + ", KVPages>"] = make_entry(&gqakv_write_kv<T, D, KVPages>);
+    register_paged_decode<T, D, V, GQAKV_DECODE_QUERY_TILES>(td, v);
+    registry()["gqakv_prefill<" + td + v] = make_entry(&gqakv_prefill<T, D, V, KVPages>);
+    if constexpr (sizeof(T) == 2 && gqakv_one_of(D, GQAKV_DECODE_MMA_HEAD_DIMS))
+        registry()["gqakv_decode_mma<" + td + v] = make_entry(&gqakv_decode_mma<T, D, V, KVPages>);
+    if constexpr (sizeof(T) == 2 && D % GQAKV_PREFILL_MMA_HEAD_DIM_MULTIPLE == 0)
+        registry()["gqakv_prefill_mma<" + td + v] = make_entry(&gqakv_prefill_mma<T, D, V, KVPages>);
+}
+template <class T, int D, int... V>
+void register_paged_variants(const char* type_name) {
+    (register_paged<T, D, V>(type_name), ...);
+}
+#define GQAKV_REG_PAGED(T, D, ...) register_paged_variants<T, D, __VA_ARGS__>(#T);
+#define GQAKV_REG_PAGED_DIM(D, ...)                                     \
+    GQAKV_REG_PAGED(float, D, __VA_ARGS__) GQAKV_REG_PAGED(gqakv_half, D, __VA_ARGS__) \
+    GQAKV_REG_PAGED(gqakv_bf16, D, __VA_ARGS__)
+
 // Emulator self-test (tests/test_cuda_emu_mma.py): one warp runs one mma_m16n8k16 on the
 // fragment registers given per lane: a [32][4], b [32][2], c [32][4] in, d [32][4] out.
 template <class T>

@@ -32,6 +32,11 @@ HEAD_DIMS = (20, 64, 128, 80, 256)  # 80, 256: the tensor-core prefill's other t
 #: Head dims the variant kernels (window / softcap / sinks) are instantiated at in the
 #: emulation library: 64 (vector loads, both tensor-core kernels) and 20 (scalar loads).
 VARIANT_HEAD_DIMS = (64, 20)
+#: Head dims the paged instantiations (kernels/paged_kv.cuh) are built at, and the variant
+#: flags each is built for: plain causal and all three features (window 1 + softcap 2 +
+#: sinks 4; the reader is orthogonal to the variant trait, and each flag doubles the build).
+PAGED_HEAD_DIMS = (64, 20)
+PAGED_VARIANTS = (0, 7)
 
 
 def kernel_dir() -> Path:
@@ -56,6 +61,13 @@ def _flags(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS) -> list[str]:
     dims = " ".join(f"GQAKV_REG_DIM({d})" for d in head_dims)
     # The variant instantiations (window / softcap / sinks flags 1..7) at VARIANT_HEAD_DIMS.
     dims += " " + " ".join(f"GQAKV_REG_VARIANTS_DIM({d})" for d in VARIANT_HEAD_DIMS if d in head_dims)
+    # The paged instantiations: PAGED_VARIANTS at PAGED_HEAD_DIMS, plain causal at any other
+    # head dim of a library of its own (the paged caches of the parity suite, e.g. d = 4).
+    flags_list = ", ".join(map(str, PAGED_VARIANTS))
+    dims += " " + " ".join(f"GQAKV_REG_PAGED_DIM({d}, {flags_list})" for d in PAGED_HEAD_DIMS
+                           if d in head_dims)
+    if tuple(head_dims) != HEAD_DIMS:
+        dims += "".join(f" GQAKV_REG_PAGED_DIM({d}, 0)" for d in head_dims if d not in PAGED_HEAD_DIMS)
     # The kernels' limits as -D options, as NVRTC gets them (sources.COMPILE_OPTIONS).
     flags = ["-std=c++20", "-g", "-pthread", "-shared", "-fPIC", f"-I{kernel_dir()}",
              f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={dims}",
@@ -104,6 +116,17 @@ class _AttnParams(ctypes.Structure):
 
 
 assert ctypes.sizeof(_AttnParams) == planmod.PARAMS_DTYPE.itemsize
+
+
+class _KVPages(ctypes.Structure):
+    """kernels/paged_kv.cuh's KVPages (plan.PAGES_DTYPE), aligned as the C++ struct."""
+
+    _fields_ = [("table", ctypes.c_uint64), ("table_stride", ctypes.c_int64),
+                ("page_size", ctypes.c_int32), ("page_magic", ctypes.c_uint32),
+                ("page_shift", ctypes.c_int32)]
+
+
+assert ctypes.sizeof(_KVPages) == planmod.PAGES_DTYPE.itemsize
 
 
 class Emulator:
@@ -183,6 +206,11 @@ class Emulator:
                 rec = a.record(lambda buf: ptrs[buf.name])
                 holders.append(_AttnParams(float(rec["scale"]), float(rec["softcap"]),
                                            int(rec["window"]), int(rec["sinks"])))
+            elif isinstance(a, planmod.PageTableArg):
+                rec = a.record(lambda buf: ptrs[buf.name])
+                holders.append(_KVPages(int(rec["table"]), int(rec["table_stride"]),
+                                        int(rec["page_size"]), int(rec["page_magic"]),
+                                        int(rec["page_shift"])))
             else:
                 raise TypeError(f"{launch.name}: argument {a!r} has no explicit CUDA type")
         argv = (c.c_void_p * len(holders))(*[c.cast(c.pointer(h), c.c_void_p) for h in holders])

@@ -39,6 +39,7 @@
 //
 // Launch: grid (B * Hkv * n_qchunks, num_splits), block 128 (4 warps).
 #include "decode_common.cuh"
+#include "paged_kv.cuh"
 
 template <class T, int D, int QB_>
 struct DecodeShape {
@@ -149,7 +150,7 @@ __device__ __forceinline__ void softmax_update(float s, const float* v, SoftmaxS
 
 // T: the storage type (KernelTypes names its q / K/V / output roles); VARIANT: the
 // variant trait's flags (variant.cuh; 0 is plain causal).
-template <class T, int D, int QB, int VARIANT = 0>
+template <class T, int D, int QB, int VARIANT = 0, class... Pages>
 __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
     const typename KernelTypes<T>::Q* __restrict__ q, const typename KernelTypes<T>::KV* __restrict__ k_buf,
     const typename KernelTypes<T>::KV* __restrict__ v_buf,
@@ -158,7 +159,7 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
     float* __restrict__ part_o, float* __restrict__ part_lse,
     int Hkv, int G, int Tq, int n_qchunks, int num_splits, i64 keys_per_split, AttnParams params,
     i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
-    i64 o_sb, i64 o_sh, i64 o_st) {
+    i64 o_sb, i64 o_sh, i64 o_st, Pages... pages) {
     typedef KernelTypes<T> Ty;
     typedef typename Ty::KV KV;
     typedef DecodeShape<KV, D, QB> S;
@@ -181,7 +182,7 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
 
     // Start the K/V stream before anything else: the first PIPE steps of this lane. Step
     // `step` of this lane is key k_begin + step * NG + grp, read through the K/V reader.
-    const ContiguousKV<KV> kv(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st);
+    const auto kv = kv_reader(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, pages...);
     const i64 lane_key = k_begin + grp;
     KVRaw<KV, S::VEC, S::CPL> ring[S::PIPE];
 #pragma unroll

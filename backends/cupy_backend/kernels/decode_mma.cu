@@ -41,6 +41,7 @@
 // Launch: grid (B * Hkv * n_qchunks, num_splits), block 128 (4 warps, each streaming
 // every 4th 16-key block of the split).
 #include "decode_common.cuh"
+#include "paged_kv.cuh"
 #include "mma.cuh"
 
 template <class T, int D>
@@ -99,7 +100,7 @@ __device__ __forceinline__ unsigned pair_of(unsigned x, unsigned y, int hi) {
 
 // T: the storage type (q and K/V enter the mma together, so KernelTypes' Q and KV are the
 // same here); VARIANT: the variant trait's flags (variant.cuh; 0 is plain causal).
-template <class T, int D, int VARIANT = 0>
+template <class T, int D, int VARIANT = 0, class... Pages>
 __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_decode_mma(
     const typename KernelTypes<T>::Q* __restrict__ q, const typename KernelTypes<T>::KV* __restrict__ k_buf,
     const typename KernelTypes<T>::KV* __restrict__ v_buf,
@@ -108,7 +109,7 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
     float* __restrict__ part_o, float* __restrict__ part_lse,
     int Hkv, int G, int Tq, int n_qchunks, int num_splits, i64 keys_per_split, AttnParams params,
     i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
-    i64 o_sb, i64 o_sh, i64 o_st) {
+    i64 o_sb, i64 o_sh, i64 o_st, Pages... pages) {
     typedef KernelTypes<T> Ty;
     typedef typename Ty::KV KV;
     typedef DecodeMmaShape<KV, D> S;
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
     // Start this warp's first K/V step before anything else. kw[t]: key 16 blk + 8 t + fr,
     // chunks at d = 32 i + 8 fc; vw[j]: key 16 blk + 2 fc + (j & 1) + 8 (j >> 1), chunks at
     // d = 64 i + 8 fr.
-    const ContiguousKV<KV> kv(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st);
+    const auto kv = kv_reader(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, pages...);
     Words<S::KW> kw[2];
     Words<S::VW> vw[4];
 #pragma unroll

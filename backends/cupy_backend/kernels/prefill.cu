@@ -15,6 +15,7 @@
 //
 // Launch: grid (B * Hkv * n_gchunks, n_tblocks), block 128.
 #include "prefill_common.cuh"
+#include "paged_kv.cuh"
 
 template <class T, int D>
 struct PrefillShape {
@@ -53,7 +54,7 @@ __device__ __forceinline__ void load_tile(float* __restrict__ tile, const Reader
 
 // T: the storage type (KernelTypes names its q / K/V / output roles); VARIANT: the
 // variant trait's flags (variant.cuh; 0 is plain causal).
-template <class T, int D, int VARIANT = 0>
+template <class T, int D, int VARIANT = 0, class... Pages>
 __global__ void __launch_bounds__(128, 1) gqakv_prefill(
     const typename KernelTypes<T>::Q* __restrict__ q, const typename KernelTypes<T>::KV* __restrict__ k_buf,
     const typename KernelTypes<T>::KV* __restrict__ v_buf,
@@ -61,7 +62,7 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
     typename KernelTypes<T>::Out* __restrict__ out, float* __restrict__ lse,
     int Hkv, int G, int Tq, int GC, int BQ, int n_gchunks, AttnParams params,
     i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
-    i64 o_sb, i64 o_sh, i64 o_st) {
+    i64 o_sb, i64 o_sh, i64 o_st, Pages... pages) {
     typedef KernelTypes<T> Ty;
     typedef typename Ty::KV KV;
     typedef PrefillShape<KV, D> S;
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
         for (int cc = 0; cc < S::CPT; ++cc) acc[i][cc] = 0.f;
     }
 
-    const ContiguousKV<KV> kv(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st);
+    const auto kv = kv_reader(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, pages...);
     for (i64 j0 = k_begin; j0 < k_end; j0 += S::BK) {
         __syncthreads();  // previous tile's readers are done with sKV and sP
         load_tile<KV, D, false>(sKV, kv, j0, k_end, S::BK, S::KSTR);

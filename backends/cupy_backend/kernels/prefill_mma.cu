@@ -37,6 +37,7 @@
 //
 // Launch: grid (B * Hkv * n_gchunks, n_tblocks), block 128.
 #include "prefill_common.cuh"
+#include "paged_kv.cuh"
 #include "mma.cuh"
 
 template <int D, int BK, bool KV_SHARED>
@@ -116,7 +117,7 @@ __device__ __forceinline__ void load_v_transposed(unsigned* __restrict__ dst, co
 
 // T: the storage type (q and K/V enter the mma together, so KernelTypes' Q and KV are the
 // same here); VARIANT: the variant trait's flags (variant.cuh; 0 is plain causal).
-template <class T, int D, int VARIANT = 0>
+template <class T, int D, int VARIANT = 0, class... Pages>
 __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_prefill_mma(
     const typename KernelTypes<T>::Q* __restrict__ q, const typename KernelTypes<T>::KV* __restrict__ k_buf,
     const typename KernelTypes<T>::KV* __restrict__ v_buf,
@@ -124,7 +125,7 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
     typename KernelTypes<T>::Out* __restrict__ out, float* __restrict__ lse,
     int Hkv, int G, int Tq, int GC, int BQ, int n_gchunks, AttnParams params,
     i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
-    i64 o_sb, i64 o_sh, i64 o_st) {
+    i64 o_sb, i64 o_sh, i64 o_st, Pages... pages) {
     typedef KernelTypes<T> Ty;
     typedef typename Ty::KV KV;
     typedef PrefillMmaShape<KV, D> S;
@@ -183,7 +184,7 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
 #pragma unroll
         for (int i = 0; i < 4; ++i) o[nt][i] = 0.f;
 
-    const ContiguousKV<KV> kv(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st);
+    const auto kv = kv_reader(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, pages...);
     const float qscale = V::fold(params);
     for (i64 j0 = k_begin; j0 < k_end; j0 += S::BK) {
         __syncthreads();  // previous tile's readers are done with sKV

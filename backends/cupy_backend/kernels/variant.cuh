@@ -4,7 +4,7 @@
 //                   scale folded into it) and the sink term: causal, plus the sliding
 //                   window, soft-cap and sinks as compile-time switches (never copies);
 //   ContiguousKV    how K and V rows are read (the address arithmetic): contiguous rows of
-//                   a dense [rows, Hkv, S, d] cache now; a paged reader replaces it later;
+//                   a dense [rows, Hkv, S, d] cache (PagedKV in paged_kv.cuh reads pages);
 //   KernelTypes<T>  the q, K/V and output element types (one storage type today).
 // The Python side (plan.py: variant_flags, KernelParams) fills the same struct and picks
 // the same flags; gqakv.semantics holds the definitions every path implements.
