@@ -32,6 +32,8 @@ HEAD_DIMS = (20, 64, 128, 80, 256)  # 80, 256: the tensor-core prefill's other t
 #: Head dims the variant kernels (window / softcap / sinks) are instantiated at in the
 #: emulation library: 64 (vector loads, both tensor-core kernels) and 20 (scalar loads).
 VARIANT_HEAD_DIMS = (64, 20)
+#: Head dims the variant kernels over quantized K/V are instantiated at (q float32 / bfloat16).
+QUANTIZED_VARIANT_HEAD_DIMS = (64,)
 
 
 def kernel_dir() -> Path:
@@ -56,6 +58,11 @@ def _flags(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS) -> list[str]:
     dims = " ".join(f"GQAKV_REG_DIM({d})" for d in head_dims)
     # The variant instantiations (window / softcap / sinks flags 1..7) at VARIANT_HEAD_DIMS.
     dims += " " + " ".join(f"GQAKV_REG_VARIANTS_DIM({d})" for d in VARIANT_HEAD_DIMS if d in head_dims)
+    # The quantized (int8 / e4m3 K/V) instantiations at every head dim, their variants at
+    # QUANTIZED_VARIANT_HEAD_DIMS.
+    dims += " " + " ".join(f"GQAKV_REG_QUANTIZED_DIM({d})" for d in head_dims)
+    dims += " " + " ".join(f"GQAKV_REG_QUANTIZED_VARIANTS_DIM({d})" for d in QUANTIZED_VARIANT_HEAD_DIMS
+                           if d in head_dims)
     # The kernels' limits as -D options, as NVRTC gets them (sources.COMPILE_OPTIONS).
     flags = ["-std=c++20", "-g", "-pthread", "-shared", "-fPIC", f"-I{kernel_dir()}",
              f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={dims}",
@@ -100,7 +107,7 @@ class _AttnParams(ctypes.Structure):
     """kernels/variant.cuh's AttnParams (plan.PARAMS_DTYPE), aligned as the C++ struct."""
 
     _fields_ = [("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int64),
-                ("sinks", ctypes.c_uint64)]
+                ("sinks", ctypes.c_uint64), ("k_scale", ctypes.c_uint64), ("v_scale", ctypes.c_uint64)]
 
 
 assert ctypes.sizeof(_AttnParams) == planmod.PARAMS_DTYPE.itemsize
@@ -182,7 +189,8 @@ class Emulator:
             elif isinstance(a, planmod.KernelParams):
                 rec = a.record(lambda buf: ptrs[buf.name])
                 holders.append(_AttnParams(float(rec["scale"]), float(rec["softcap"]),
-                                           int(rec["window"]), int(rec["sinks"])))
+                                           int(rec["window"]), int(rec["sinks"]),
+                                           int(rec["k_scale"]), int(rec["v_scale"])))
             else:
                 raise TypeError(f"{launch.name}: argument {a!r} has no explicit CUDA type")
         argv = (c.c_void_p * len(holders))(*[c.cast(c.pointer(h), c.c_void_p) for h in holders])

@@ -94,6 +94,10 @@ struct RawVec<T, N, true> {
 
   private:
     static __device__ __forceinline__ float word_to_float(unsigned w, int, float*) { return __uint_as_float(w); }
+    template <class C>  // 8-bit codes (quantized_kv.cuh): byte e % 4 of the word
+    static __device__ __forceinline__ float word_to_float(unsigned w, int e, C*) {
+        return code_to_float((w >> (8 * (e % 4))) & 0xffu, (C*)0);
+    }
     static __device__ __forceinline__ float word_to_float(unsigned w, int e, gqakv_bf16*) {
         return __uint_as_float(e % 2 ? w & 0xffff0000u : w << 16);  // little-endian halves
     }
@@ -109,6 +113,7 @@ template <class T, int VEC, int CPL>
 struct KVRaw {
     RawVec<T, VEC> k[CPL];
     RawVec<T, VEC> v[CPL];
+    float ks = 0.f, vs = 0.f;  // the key's K and V scales (quantized readers only)
 };
 
 // Issue the loads of key `key`'s vectors of this lane (nothing when the key is not live:
@@ -118,6 +123,10 @@ template <class S, class T, class Reader>
 __device__ __forceinline__ void fetch_kv(KVRaw<T, S::VEC, S::CPL>& r, const Reader& kv, i64 key,
                                          bool live, int sub) {
     if (!live) return;
+    if constexpr (Reader::SCALED) {
+        r.ks = kv.k_scale(key);
+        r.vs = kv.v_scale(key);
+    }
     const T* kp = kv.k_row(key) + sub * S::VEC;
     const T* vp = kv.v_row(key) + sub * S::VEC;
 #pragma unroll
@@ -134,8 +143,10 @@ __device__ __forceinline__ void fetch_kv(KVRaw<T, S::VEC, S::CPL>& r, const Read
 // The accumulator is rescaled only when the running max grows, rare after the first keys
 // (the factor skipped otherwise is exactly exp2(0) = 1). A NaN score leaves m as it is and
 // makes p, l and acc NaN; write_decode_rows turns that state into NaN out and lse.
+// vscale: the key's V scale (quantized caches), folded into its weight for acc only.
 template <int EPL>
-__device__ __forceinline__ void softmax_update(float s, const float* v, SoftmaxState<true>& st, float* acc) {
+__device__ __forceinline__ void softmax_update(float s, const float* v, SoftmaxState<true>& st, float* acc,
+                                               float vscale = 1.f) {
     if (s > st.m) {
         const float corr = st.raise(s);  // 0 while the state is empty (m = -inf)
 #pragma unroll
@@ -143,8 +154,9 @@ __device__ __forceinline__ void softmax_update(float s, const float* v, SoftmaxS
     }
     const float p = st.weight_raised(s);
     st.l += p;
+    const float pv = p * vscale;
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[e] += p * v[e];
+    for (int e = 0; e < EPL; ++e) acc[e] += pv * v[e];
 }
 
 // T: the storage type (KernelTypes names its q / K/V / output roles); VARIANT: the
@@ -181,7 +193,7 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
 
     // Start the K/V stream before anything else: the first PIPE steps of this lane. Step
     // `step` of this lane is key k_begin + step * NG + grp, read through the K/V reader.
-    const ContiguousKV<KV> kv(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st);
+    const typename Ty::Reader kv(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D);
     const i64 lane_key = k_begin + grp;
     KVRaw<KV, S::VEC, S::CPL> ring[S::PIPE];
 #pragma unroll
@@ -272,6 +284,8 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
                     vf[c * S::VEC + e] = ring[u].v[c].get(e);
                 }
             }
+            // Quantized: this key's scales (vs 1 otherwise: the weight is used as it is).
+            const float ks = ring[u].ks, vs = Ty::Reader::SCALED ? ring[u].vs : 1.f;
             // Refill the slot with step + PIPE before computing this one.
             fetch_kv<S>(ring[u], kv, k_begin + jr + S::PIPE * S::NG, jr + S::PIPE * S::NG < n_keys, sub);
             // Scores of all QB queries first, their reductions interleaved (QB independent
@@ -292,17 +306,21 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
 #pragma unroll
                 for (int i = 0; i < S::QB; ++i) sc[i] += __shfl_xor_sync(GQAKV_FULL_MASK, sc[i], off);
             }
+            if constexpr (Ty::Reader::SCALED) {  // q . (codes x ks) = (q . codes) x ks
+#pragma unroll
+                for (int i = 0; i < S::QB; ++i) sc[i] *= ks;
+            }
             if (V::SOFTCAP) {  // the score modifier sees the whole dot product
 #pragma unroll
                 for (int i = 0; i < S::QB; ++i) sc[i] = V::transform(params, sc[i]);
             }
             if (jr < lim_all && jr >= lo_all) {  // every real query sees this key (always, for T = 1)
 #pragma unroll
-                for (int i = 0; i < S::QB; ++i) softmax_update<S::EPL>(sc[i], vf, st[i], acc[i]);
+                for (int i = 0; i < S::QB; ++i) softmax_update<S::EPL>(sc[i], vf, st[i], acc[i], vs);
             } else if (jr < lim_any && jr >= lo_any) {  // small T: keys hidden from some queries
 #pragma unroll
                 for (int i = 0; i < S::QB; ++i)
-                    if (jr < lim[i] && jr >= lo[i]) softmax_update<S::EPL>(sc[i], vf, st[i], acc[i]);
+                    if (jr < lim[i] && jr >= lo[i]) softmax_update<S::EPL>(sc[i], vf, st[i], acc[i], vs);
             }
         }
     }
