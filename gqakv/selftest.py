@@ -697,9 +697,10 @@ def _compile(backend, dtypes, quick) -> Check:
                 if dtype not in sources.CTYPES:
                     continue  # float64 runs the array-API code: nothing to compile
                 for d in HEAD_DIMS[quick]:
-                    for name in sources.instantiations(kernel, dtype, d):
-                        modules.get_function(kernel, name)
-                        names.append(name)
+                    for kv_dtype in (None, *sources.CODE_CTYPES):  # and over quantized K/V
+                        for name in sources.instantiations(kernel, dtype, d, kv_dtype):
+                            modules.get_function(kernel, name)
+                            names.append(name)
     else:
         check.note = "nothing to build ahead (no kernel sources; a JIT builds on first call)"
         check.required = False

@@ -9,6 +9,11 @@
   kernel (FlashAttention-style tiles, bottom-right causal mask) for longer chunks.
 * Fused kernels exist for float32, float16 and bfloat16 and any head dim up to 256; float64
   and larger head dims use the generic array-API code on CuPy arrays (still correct, not fused).
+* Quantized caches (``kv_dtype`` int8 / float8_e4m3fn, contiguous): the append quantizes
+  on the device (gqakv_write_kv_quantized, gqakv.quantize's rule bit for bit), copies
+  carry the scales, and the fp32-FMA decode / prefill kernels read codes and scales
+  through the QuantizedKV reader (kernels/quantized_kv.cuh: scales folded in per key, no
+  dequantized row); paged + quantized storage takes the generic path.
 
 Devices: the cache lives on the device that was current when it was made (or the one
 passed to ``empty``). Every hot operation makes the device of the cache buffers current
@@ -431,7 +436,8 @@ def _plan_or_refusal(planner, *args, **kwargs):
 
 def _store_rejection(store, params=None) -> str | None:
     """Why the kernels cannot serve this storage kind or attention variant (None: they can);
-    the kernels implement what ``semantics.FAST_PATH_VARIANTS["cupy kernels"]`` lists."""
+    the kernels implement what ``semantics.FAST_PATH_VARIANTS["cupy kernels"]`` lists, over
+    contiguous rows, unquantized or quantized (QuantizedKV)."""
     if store.quantized and store.kind != CONTIGUOUS:
         return (f"storage kind {store.kind!r} with kv_dtype={store.dtype!r} (the quantized "
                 f"reader reads {CONTIGUOUS} rows; paged quantized K/V take the generic path)")

@@ -173,9 +173,17 @@ def quantized_instantiations(kernel: str, dtype: str, head_dim: int, kv_dtype: s
     return [name_expression(kernel, dtype, head_dim, kv_dtype=kv_dtype)]
 
 
-def instantiations(kernel: str, dtype: str, head_dim: int) -> list[str]:
+def instantiations(kernel: str, dtype: str, head_dim: int, kv_dtype: str | None = None) -> list[str]:
     """Every name expression of ``kernel`` for one dtype and head dim (decode: one per tile;
-    none for gqakv_prefill_mma where it does not apply)."""
+    none for gqakv_prefill_mma where it does not apply); with ``kv_dtype`` those over a
+    cache of that quantized storage (none for kernels without quantized instantiations),
+    without it none for gqakv_write_kv_quantized."""
+    if kv_dtype is not None:
+        if kernel not in QUANTIZED_KERNELS:
+            return []
+        return quantized_instantiations(kernel, dtype, head_dim, kv_dtype)
+    if kernel == "gqakv_write_kv_quantized":
+        return []
     if kernel == "gqakv_prefill_mma" and not prefill_mma_supported(dtype, head_dim):
         return []
     if kernel == "gqakv_decode_mma" and not decode_mma_supported(dtype, head_dim):

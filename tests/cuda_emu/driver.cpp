@@ -204,6 +204,9 @@ void register_quantized_variants(const char* type_name, const char* code_name) {
 #define GQAKV_REG_QUANTIZED_VARIANTS_DIM(D) \
     GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_i8, D) GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_e4m3, D) \
     GQAKV_REG_QUANTIZED_VARIANTS(gqakv_bf16, gqakv_i8, D) GQAKV_REG_QUANTIZED_VARIANTS(gqakv_bf16, gqakv_e4m3, D)
+// q in float32 only (what the product suite's quantized caches take).
+#define GQAKV_REG_QUANTIZED_VARIANTS_F32_DIM(D) \
+    GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_i8, D) GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_e4m3, D)
 
 // Emulator self-test (tests/test_cuda_emu_mma.py): one warp runs one mma_m16n8k16 on the
 // fragment registers given per lane: a [32][4], b [32][2], c [32][4] in, d [32][4] out.

@@ -63,6 +63,10 @@ def _flags(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS) -> list[str]:
     dims += " " + " ".join(f"GQAKV_REG_QUANTIZED_DIM({d})" for d in head_dims)
     dims += " " + " ".join(f"GQAKV_REG_QUANTIZED_VARIANTS_DIM({d})" for d in QUANTIZED_VARIANT_HEAD_DIMS
                            if d in head_dims)
+    if len(head_dims) == 1 and head_dims[0] not in QUANTIZED_VARIANT_HEAD_DIMS:
+        # A one-dim library (emulated_backend.emulator: the parity suite's small head dims)
+        # serves quantized float32 caches under every variant (tests/conftest.py's product).
+        dims += f" GQAKV_REG_QUANTIZED_VARIANTS_F32_DIM({head_dims[0]})"
     # The kernels' limits as -D options, as NVRTC gets them (sources.COMPILE_OPTIONS).
     flags = ["-std=c++20", "-g", "-pthread", "-shared", "-fPIC", f"-I{kernel_dir()}",
              f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={dims}",

@@ -143,3 +143,11 @@ __device__ __forceinline__ C quantize_value(float x, float scale) {
     y = fminf(fmaxf(y, -qmax), qmax);
     return encode_code<C>(y);
 }
+
+// A code holding f itself (scale 1): what a zeroed raw vector of codes holds (decode.cu).
+template <> __device__ __forceinline__ gqakv_i8 from_float<gqakv_i8>(float f) {
+    return encode_code<gqakv_i8>(fminf(fmaxf(f, -127.f), 127.f));
+}
+template <> __device__ __forceinline__ gqakv_e4m3 from_float<gqakv_e4m3>(float f) {
+    return encode_code<gqakv_e4m3>(fminf(fmaxf(f, -448.f), 448.f));
+}
