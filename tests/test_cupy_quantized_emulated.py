@@ -178,32 +178,37 @@ def test_attention_within_the_kernel_exactness_bound(backend, kv_dtype, dtype, d
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_row_copies_carry_scales(backend, kv_dtype):
-    """fork and reorder (duplicates, a permutation cycle through the temporary) on the
-    kernels move each token's codes and both scales together: the result equals the
+    """fork and reorder (duplicates, a permutation cycle through the temporary) of a
+    two-layer model cache on the kernels (gqakv_copy_tokens for the codes, <float, 1> for
+    the scales) move each token's codes and both scales together: the result equals the
     numpy backend's cache after the same operations, byte for byte."""
     rng = np.random.default_rng(3)
-    B, H, S = 4, 2, 24
+    layers, B, H, S = 2, 4, 2, 24
     ref_be = gqakv.get_backend("numpy")
-    caches = [gqakv.KVCache(B, H, S, D, "float32", backend=be, kv_dtype=kv_dtype)
+    caches = [gqakv.ModelKVCache(layers, B, H, S, D, "float32", backend=be, kv_dtype=kv_dtype)
               for be in (backend, ref_be)]
     lens = [5, 9, 3, 7]
-    k = rng.standard_normal((B, H, 9, D)) * np.array([1e-3, 1.0, 40.0, 1e4])[:, None, None, None]
-    v = rng.standard_normal((B, H, 9, D)) * np.array([7.0, 1e-2, 3.0, 1e3])[:, None, None, None]
+    mags = np.array([1e-3, 1.0, 40.0, 1e4])[:, None, None, None]  # a scale that moved alone shows
+    k = rng.standard_normal((layers, B, H, 9, D)) * mags
+    v = rng.standard_normal((layers, B, H, 9, D)) * mags[::-1]
     for c, be in zip(caches, (backend, ref_be)):
-        c.append(be.from_numpy(k, "float32"), be.from_numpy(v, "float32"), lens)
+        with c.step(lens) as step:
+            for layer in range(layers):
+                step.write(layer, be.from_numpy(k[layer], "float32"), be.from_numpy(v[layer], "float32"))
         c.fork(1, [0, 3])
         c.reorder([3, 0, 0, 2])
         c.reorder([1, 2, 3, 0])
-    assert any(k.startswith("gqakv_copy_tokens<gqakv_") for k in backend.kernels)
-    assert any(k == "gqakv_copy_tokens<float, 1>" for k in backend.kernels)
+    assert any(k.startswith("gqakv_copy_tokens<gqakv_") for k in backend.kernels), backend.kernels
+    assert "gqakv_copy_tokens<float, 1>" in backend.kernels
     got, want = caches
     np.testing.assert_array_equal(got.host_lens, want.host_lens)
-    for b in range(B):
-        n = int(want.host_lens[b])
-        for name in ("k", "v", "k_scale", "v_scale"):
-            g = np.asarray(backend.to_numpy(getattr(got.store, name)))[b, :, :n]
-            w = np.asarray(getattr(want.store, name))[b, :, :n]
-            assert g.tobytes() == w.tobytes(), (name, b)
+    for layer in range(layers):
+        for b in range(B):
+            n = int(want.host_lens[b])
+            for name in ("k", "v", "k_scale", "v_scale"):
+                g = np.asarray(backend.to_numpy(getattr(got.store, name)))[layer, b, :, :n]
+                w = np.asarray(getattr(want.store, name))[layer, b, :, :n]
+                assert g.tobytes() == w.tobytes(), (name, layer, b)
 
 
 def test_routes_for_quantized_caches(backend):

@@ -12,8 +12,9 @@
 * Quantized caches (``kv_dtype`` int8 / float8_e4m3fn, contiguous): the append quantizes
   on the device (gqakv_write_kv_quantized, gqakv.quantize's rule bit for bit), copies
   carry the scales, and the fp32-FMA decode / prefill kernels read codes and scales
-  through the QuantizedKV reader (kernels/quantized_kv.cuh: scales folded in per key, no
-  dequantized row); paged + quantized storage takes the generic path.
+  through the QuantizedKV reader (kernels/quantized_kv.cuh: code x scale in registers or
+  per key-tile row as read, never a dequantized row); paged + quantized storage takes the
+  generic path.
 
 Devices: the cache lives on the device that was current when it was made (or the one
 passed to ``empty``). Every hot operation makes the device of the cache buffers current

@@ -66,10 +66,8 @@ def route_write_kv(dtype: str, head_dim: int, layout: str | None = None,
                    grid: str | None = None, kv_dtype: str | None = None) -> Route:
     """gqakv_write_kv (one launch for all rows), gqakv_write_kv_quantized (the same for a
     quantized cache, quantizing on the device) or the generic slice writes."""
-    kernel, other = ("gqakv_write_kv_quantized", "gqakv_write_kv") if kv_dtype else (
-        "gqakv_write_kv", "gqakv_write_kv_quantized")
-    rejected = {other: (f"kv_dtype={kv_dtype!r}: the codes are quantized on the device" if kv_dtype
-                        else "the cache is not quantized")}
+    kernel = "gqakv_write_kv_quantized" if kv_dtype else "gqakv_write_kv"
+    rejected = {"gqakv_write_kv": f"kv_dtype={kv_dtype!r}: the codes are quantized on the device"} if kv_dtype else {}
     why = _fused_rejection(dtype, head_dim) or _kv_dtype_rejection(kv_dtype) or layout or grid
     if why:
         return Route(GENERIC, {kernel: why, **rejected})
@@ -141,7 +139,7 @@ def implementations() -> dict[str, str]:
                              f"{', '.join(map(str, limits.DECODE_MMA_HEAD_DIMS))}; {mma_cc}"),
         "gqakv_decode": (f"t_q <= {t}; {fused}; query tiles "
                          f"{', '.join(map(str, limits.DECODE_QUERY_TILES))}; also over "
-                         f"{', '.join(QUANTIZED_DTYPES)} K/V (scales folded in per key)"),
+                         f"{', '.join(QUANTIZED_DTYPES)} K/V (dequantized in registers)"),
         "gqakv_merge": "joins split-KV decode partials",
         "gqakv_prefill_mma": (f"t_q > {t}; {mma}; head_dim a multiple of "
                               f"{limits.PREFILL_MMA_HEAD_DIM_MULTIPLE} up to "

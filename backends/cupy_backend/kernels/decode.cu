@@ -143,10 +143,8 @@ __device__ __forceinline__ void fetch_kv(KVRaw<T, S::VEC, S::CPL>& r, const Read
 // The accumulator is rescaled only when the running max grows, rare after the first keys
 // (the factor skipped otherwise is exactly exp2(0) = 1). A NaN score leaves m as it is and
 // makes p, l and acc NaN; write_decode_rows turns that state into NaN out and lse.
-// vscale: the key's V scale (quantized caches), folded into its weight for acc only.
 template <int EPL>
-__device__ __forceinline__ void softmax_update(float s, const float* v, SoftmaxState<true>& st, float* acc,
-                                               float vscale = 1.f) {
+__device__ __forceinline__ void softmax_update(float s, const float* v, SoftmaxState<true>& st, float* acc) {
     if (s > st.m) {
         const float corr = st.raise(s);  // 0 while the state is empty (m = -inf)
 #pragma unroll
@@ -154,9 +152,8 @@ __device__ __forceinline__ void softmax_update(float s, const float* v, SoftmaxS
     }
     const float p = st.weight_raised(s);
     st.l += p;
-    const float pv = p * vscale;
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[e] += pv * v[e];
+    for (int e = 0; e < EPL; ++e) acc[e] += p * v[e];
 }
 
 // T: the storage type (KernelTypes names its q / K/V / output roles); VARIANT: the
@@ -284,8 +281,15 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
                     vf[c * S::VEC + e] = ring[u].v[c].get(e);
                 }
             }
-            // Quantized: this key's scales (vs 1 otherwise: the weight is used as it is).
-            const float ks = ring[u].ks, vs = Ty::Reader::SCALED ? ring[u].vs : 1.f;
+            // Quantized: code x scale in registers, exactly the stored (dequantized) value,
+            // so everything after is the unquantized kernel's arithmetic.
+            if constexpr (Ty::Reader::SCALED) {
+#pragma unroll
+                for (int e = 0; e < S::EPL; ++e) {
+                    kf[e] *= ring[u].ks;
+                    vf[e] *= ring[u].vs;
+                }
+            }
             // Refill the slot with step + PIPE before computing this one.
             fetch_kv<S>(ring[u], kv, k_begin + jr + S::PIPE * S::NG, jr + S::PIPE * S::NG < n_keys, sub);
             // Scores of all QB queries first, their reductions interleaved (QB independent
@@ -306,21 +310,17 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
 #pragma unroll
                 for (int i = 0; i < S::QB; ++i) sc[i] += __shfl_xor_sync(GQAKV_FULL_MASK, sc[i], off);
             }
-            if constexpr (Ty::Reader::SCALED) {  // q . (codes x ks) = (q . codes) x ks
-#pragma unroll
-                for (int i = 0; i < S::QB; ++i) sc[i] *= ks;
-            }
             if (V::SOFTCAP) {  // the score modifier sees the whole dot product
 #pragma unroll
                 for (int i = 0; i < S::QB; ++i) sc[i] = V::transform(params, sc[i]);
             }
             if (jr < lim_all && jr >= lo_all) {  // every real query sees this key (always, for T = 1)
 #pragma unroll
-                for (int i = 0; i < S::QB; ++i) softmax_update<S::EPL>(sc[i], vf, st[i], acc[i], vs);
+                for (int i = 0; i < S::QB; ++i) softmax_update<S::EPL>(sc[i], vf, st[i], acc[i]);
             } else if (jr < lim_any && jr >= lo_any) {  // small T: keys hidden from some queries
 #pragma unroll
                 for (int i = 0; i < S::QB; ++i)
-                    if (jr < lim[i] && jr >= lo[i]) softmax_update<S::EPL>(sc[i], vf, st[i], acc[i], vs);
+                    if (jr < lim[i] && jr >= lo[i]) softmax_update<S::EPL>(sc[i], vf, st[i], acc[i]);
             }
         }
     }

@@ -6,11 +6,13 @@
 //   gqakv_quantized<TQ, C>    the KernelTypes tag of a kernel over a quantized cache: q,
 //                              inputs and outputs in TQ, K/V as codes C;
 //   QuantizedKV<C>            the K/V reader: rows of codes like ContiguousKV, plus each
-//                              key's K and V scale. Kernels fold the scale in per key (the
-//                              decode kernel multiplies the key's score by its K scale and
-//                              its softmax weight by its V scale; the prefill kernel scales
-//                              each key row as it converts its BK-key tile to fp32), so no
-//                              dequantized copy of a row exists anywhere;
+//                              key's K and V scale. Kernels dequantize as they read: the
+//                              decode kernel multiplies a lane's converted codes by the
+//                              key's scale in registers, the prefill kernel each key row of
+//                              its BK-key fp32 tile as it lands in shared memory. Both give
+//                              exactly the stored values (code x scale in fp32), so the
+//                              arithmetic after is the unquantized kernels'; no dequantized
+//                              copy of a row exists anywhere;
 //   quantize_token / encode_e4m3_bits   the append's rule, bit for bit gqakv.quantize's:
 //                              the same float32 operations (IEEE division, no fast math),
 //                              round half to even, e4m3 rounding by exact power-of-two scaling.
