@@ -75,7 +75,7 @@ def _hard_tokens(dtype: str, kv_dtype: str) -> np.ndarray:
     big = 6e4 if dtype == "float16" else 1e30
     tiny = 1e-7 if dtype == "float16" else 1e-40
     toks = [np.zeros(D), -np.zeros(D), np.r_[-0.0, 0.0, np.zeros(D - 2)],
-            rng.standard_normal(D) * big, rng.standard_normal(D) * tiny,
+            rng.uniform(-1, 1, D) * big, rng.standard_normal(D) * tiny,
             np.r_[big, rng.standard_normal(D - 1)], np.r_[1.0, np.zeros(D - 1)] * tiny * 1e-10,
             np.r_[np.nan, np.ones(D - 1)], np.r_[np.ones(D - 1), np.inf], np.r_[-np.inf, np.ones(D - 1)]]
     if dtype != "float16":
