@@ -697,11 +697,12 @@ def _compile(backend, dtypes, quick) -> Check:
                 if dtype not in sources.CTYPES:
                     continue  # float64 runs the array-API code: nothing to compile
                 for d in HEAD_DIMS[quick]:
-                    # the paged instantiations too (the paged lines run them)
-                    for name in (sources.instantiations(kernel, dtype, d)
-                                 + sources.paged_instantiations(kernel, dtype, d)):
-                        modules.get_function(kernel, name)
-                        names.append(name)
+                    # over quantized K/V too, and the paged instantiations (the paged lines run them)
+                    for kv_dtype in (None, *sources.CODE_CTYPES):
+                        paged = sources.paged_instantiations(kernel, dtype, d) if kv_dtype is None else []
+                        for name in sources.instantiations(kernel, dtype, d, kv_dtype) + paged:
+                            modules.get_function(kernel, name)
+                            names.append(name)
     else:
         check.note = "nothing to build ahead (no kernel sources; a JIT builds on first call)"
         check.required = False

@@ -53,7 +53,26 @@ def _variant_params():
                                        + (f"-qb{tile}" if tile else ""))
 
 
-@pytest.mark.parametrize("kernel,dtype,head_dim,name", list(_params()) + list(_variant_params()))
+def _quantized_params():
+    """The instantiations over quantized K/V at d = 128, two pairings (q bfloat16 over int8
+    codes, q float32 over e4m3 codes) to keep the compile time modest: decode (every query
+    tile), prefill, the quantizing append and the code copy; decode (tile 4) and prefill
+    with every variant feature (flags 7, int8); and the scale copy
+    gqakv_copy_tokens<float, 1>. (gqakv_merge reads fp32 partials: its plain
+    instantiations serve quantized caches.)"""
+    for dtype, kv_dtype in (("bfloat16", "int8"), ("float32", "float8_e4m3fn")):
+        for kernel in ("gqakv_decode", "gqakv_prefill", "gqakv_write_kv_quantized", "gqakv_copy_tokens"):
+            names = sources.instantiations(kernel, dtype, 128, kv_dtype)
+            if kernel in ("gqakv_decode", "gqakv_prefill") and kv_dtype == "int8":
+                names += [names[0][:-1] + ", 7>"]  # window + softcap + sinks
+            for name in names:
+                yield pytest.param(kernel, dtype, 128, name, id=name)
+    yield pytest.param("gqakv_copy_tokens", "float32", 1, "gqakv_copy_tokens<float, 1>",
+                       id="gqakv_copy_tokens<float, 1>")
+
+
+@pytest.mark.parametrize("kernel,dtype,head_dim,name",
+                         list(_params()) + list(_variant_params()) + list(_quantized_params()))
 def test_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
     for arch in ARCHS:
         r = NVRTC.compile(kernel, dtype, head_dim, arch, name=name)

@@ -14,6 +14,12 @@
   uploaded with the call; pages are taken on the host (``gqakv.paged.reserve``) and the
   copy on write of a shared last page is a ``copy_tokens`` over the pool's pages as rows.
   Quantized pages stay on the generic path (the kernels read unquantized K/V).
+* Quantized caches (``kv_dtype`` int8 / float8_e4m3fn, contiguous): the append quantizes
+  on the device (gqakv_write_kv_quantized, gqakv.quantize's rule bit for bit), copies
+  carry the scales, and the fp32-FMA decode / prefill kernels read codes and scales
+  through the QuantizedKV reader (kernels/quantized_kv.cuh: code x scale in registers or
+  per key-tile row as read, never a dequantized row); paged + quantized storage takes the
+  generic path.
 
 Devices: the cache lives on the device that was current when it was made (or the one
 passed to ``empty``). Every hot operation makes the device of the cache buffers current
@@ -186,24 +192,28 @@ class CupyBackend(Backend):
     def _write_kv(self, store, k_new, v_new, inputs) -> None:
         k_buf, v_buf = store.k, store.v
         rows, starts, n_new = inputs.rows, inputs.starts, inputs.n_new
-        dtype, d = _dtype_name(k_buf), int(k_buf.shape[-1])
+        dtype, kv_dtype = _dtypes_of(store)
+        d = int(k_buf.shape[-1])
         layout = None
-        if routing.route_write_kv(dtype, d).impl != GENERIC:
+        if routing.route_write_kv(dtype, d, kv_dtype=kv_dtype).impl != GENERIC:
             layout = _store_rejection(store)
             if layout is None:
                 k_new, v_new = self._aligned(k_new, dtype, d), self._aligned(v_new, dtype, d)
-                layout = _write_layout_rejection(k_buf, v_buf, k_new, v_new, dtype, d)
-        route = routing.route_write_kv(dtype, d, layout)
+                layout = (_write_layout_rejection(k_buf, v_buf, k_new, v_new, kv_dtype or dtype, d)
+                          or _input_dtype_rejection(k_new, v_new, dtype)
+                          or (_scales_rejection(store, d) if kv_dtype else None))
+        route = routing.route_write_kv(dtype, d, layout, kv_dtype=kv_dtype)
         if route.impl == GENERIC:
             return super().write_kv(store, k_new, v_new, inputs)
         n_new = np.asarray(n_new, dtype=np.int64)
         pages = _pages_arg(store)
         args = (dtype, d, n_new, int(k_buf.shape[1]), int(k_new.shape[2]), _strides(k_new)[:3],
-                _strides(k_buf)[:3], pages)
+                _strides(k_buf)[:3], pages, kv_dtype,
+                _strides(store.k_scale)[:3] if kv_dtype else None)
         plan = self._plans.get(("write_kv", *_hashable(args)),
                                lambda: _plan_or_refusal(_plan.plan_write_kv, *args))
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
-            route = routing.route_write_kv(dtype, d, layout, plan)
+            route = routing.route_write_kv(dtype, d, layout, plan, kv_dtype=kv_dtype)
         if route.impl == GENERIC:
             return super().write_kv(store, k_new, v_new, inputs)
         if not plan.launches:
@@ -213,6 +223,8 @@ class CupyBackend(Backend):
                   "starts": starts_d, "n_new": n_new_d}
         if pages is not None:
             arrays["table"] = self._upload_table(store)
+        if kv_dtype:
+            arrays.update(k_scale=store.k_scale, v_scale=store.v_scale)
         self.runtime.run_plan(plan, arrays, dtype, d)
 
     def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
@@ -229,33 +241,53 @@ class CupyBackend(Backend):
     def _copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
         dst_k, dst_v, src_k, src_v = dst.k, dst.v, src.k, src.v
         n_tokens = np.asarray(n_tokens, dtype=np.int64)
-        dtype, d = _dtype_name(dst_k), int(dst_k.shape[-1])
+        dtype, kv_dtype = _dtypes_of(dst)
+        d = int(dst_k.shape[-1])
         layout = None
-        if routing.route_copy_tokens(dtype, d).impl != GENERIC:
+        if routing.route_copy_tokens(dtype, d, kv_dtype=kv_dtype).impl != GENERIC:
             layout = (_store_rejection(dst, paged=False) or _store_rejection(src, paged=False)
-                      or self._copy_layout_rejection(dst_k, dst_v, src_k, src_v))
-        route = routing.route_copy_tokens(dtype, d, layout)
+                      or ("src and dst stored differently" if src.spec != dst.spec else None)
+                      or self._copy_layout_rejection(dst_k, dst_v, src_k, src_v, kv_dtype)
+                      or (self._copy_scales_rejection(dst, src) if kv_dtype else None))
+        route = routing.route_copy_tokens(dtype, d, layout, kv_dtype=kv_dtype)
         if route.impl == GENERIC:
             return super().copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
+        scale_strides = ((_strides(dst.k_scale)[:4], _strides(src.k_scale)[:4]) if kv_dtype
+                         else (None, None))
         plan = _plan_or_refusal(_plan.plan_copy_tokens, dtype, d, n_tokens, int(dst_k.shape[0]),
-                                int(dst_k.shape[2]), _strides(dst_k)[:4], _strides(src_k)[:4])
+                                int(dst_k.shape[2]), _strides(dst_k)[:4], _strides(src_k)[:4],
+                                kv_dtype, *scale_strides)
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
-            route = routing.route_copy_tokens(dtype, d, layout, plan)
+            route = routing.route_copy_tokens(dtype, d, layout, plan, kv_dtype=kv_dtype)
         if route.impl == GENERIC:
             return super().copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
         if not plan.launches:
             return
         pairs = _pack_ints(dst_rows, src_rows, n_tokens)  # [3, P]: one upload
-        self.runtime.run_plan(plan, {"dst_k": dst_k, "dst_v": dst_v, "src_k": src_k,
-                                     "src_v": src_v, "pairs": self.runtime.cp.asarray(pairs)},
-                              dtype, d)
+        arrays = {"dst_k": dst_k, "dst_v": dst_v, "src_k": src_k, "src_v": src_v,
+                  "pairs": self.runtime.cp.asarray(pairs)}
+        if kv_dtype:
+            arrays.update(dst_k_scale=dst.k_scale, dst_v_scale=dst.v_scale,
+                          src_k_scale=src.k_scale, src_v_scale=src.v_scale)
+        self.runtime.run_plan(plan, arrays, dtype, d)
 
-    def _copy_layout_rejection(self, dst_k, dst_v, src_k, src_v) -> str | None:
+    def _copy_scales_rejection(self, dst, src) -> str | None:
+        """Why the scale copy (gqakv_copy_tokens<float, 1>) cannot move these scales."""
+        scales = (dst.k_scale, dst.v_scale, src.k_scale, src.v_scale)
+        if not all(self.owns(x) and x.ndim == 4 and _dtype_name(x) == "float32" for x in scales):
+            return "scales that are not 4-d float32 CuPy arrays"
+        if any(self.device_of(x) != self.device_of(dst.k) for x in scales):
+            return "scales on another device than their codes"
+        if dst.k_scale.strides != dst.v_scale.strides or src.k_scale.strides != src.v_scale.strides:
+            return "K and V scales strided differently"
+        return None
+
+    def _copy_layout_rejection(self, dst_k, dst_v, src_k, src_v, kv_dtype=None) -> str | None:
         """Why the copy kernel cannot read src and write dst in place (None: it can)."""
         bufs = (dst_k, dst_v, src_k, src_v)
         if not all(self.owns(x) and x.ndim == 5 for x in bufs):
             return "buffers that are not 5-d CuPy arrays"
-        dtype, d = _dtype_name(dst_k), int(dst_k.shape[-1])
+        dtype, d = kv_dtype or _dtype_name(dst_k), int(dst_k.shape[-1])
         if any(x.dtype != dst_k.dtype or self.device_of(x) != self.device_of(dst_k) for x in bufs):
             return "buffers of mixed dtypes or devices"
         if (dst_v.shape != dst_k.shape or src_v.shape != src_k.shape
@@ -276,14 +308,16 @@ class CupyBackend(Backend):
     def _attention(self, q, store, inputs, params, *, return_lse: bool):
         k_buf, v_buf = store.k, store.v
         rows, lens, n_new = inputs.rows, inputs.lens, inputs.n_new
-        dtype, d = _dtype_name(k_buf), int(k_buf.shape[-1])
+        dtype, kv_dtype = _dtypes_of(store)
+        d = int(k_buf.shape[-1])
         B, Hq, T, _ = (int(s) for s in q.shape)
         layout = capability = None
-        if routing.route_attention(dtype, d, T).impl != GENERIC:
+        if routing.route_attention(dtype, d, T, kv_dtype=kv_dtype).impl != GENERIC:
             layout = (_store_rejection(store, params)
-                      or _attention_layout_rejection(k_buf, v_buf, dtype, d))
+                      or _attention_layout_rejection(k_buf, v_buf, kv_dtype or dtype, d)
+                      or (_scales_rejection(store, d) if kv_dtype else None))
             sm_count, capability = self._facts()
-        route = routing.route_attention(dtype, d, T, capability, layout)
+        route = routing.route_attention(dtype, d, T, capability, layout, kv_dtype=kv_dtype)
         if route.impl == GENERIC:
             return super().attention(q, store, inputs, params, return_lse=return_lse)
         cp = self.runtime.cp
@@ -303,11 +337,11 @@ class CupyBackend(Backend):
                       params=params, q_strides=_strides(q)[:3], buf_strides=_strides(k_buf)[:3],
                       out_strides=_strides(out)[:3], sm_count=sm_count,
                       tensor_cores=capability >= limits.MMA_MIN_CAPABILITY,
-                      pages=_pages_arg(store))
+                      pages=_pages_arg(store), kv_dtype=kv_dtype)
         plan = self._plans.get(("attention", dtype, d, *_hashable(kwargs.values())),
                                lambda: _plan_or_refusal(_plan.plan_attention, dtype, d, **kwargs))
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
-            route = routing.route_attention(dtype, d, T, capability, layout, plan)
+            route = routing.route_attention(dtype, d, T, capability, layout, plan, kv_dtype=kv_dtype)
         if route.impl == GENERIC:
             return super().attention(q, store, inputs, params, return_lse=return_lse)
         if plan.launches:
@@ -318,6 +352,8 @@ class CupyBackend(Backend):
                 arrays["sinks"] = self._upload_floats(params.sinks)
             if kwargs["pages"] is not None:
                 arrays["table"] = self._upload_table(store)
+            if kv_dtype:
+                arrays.update(k_scale=store.k_scale, v_scale=store.v_scale)
             self.runtime.run_plan(plan, arrays, dtype, d)
         return (out, lse) if return_lse else out
 
@@ -423,7 +459,8 @@ def _plan_or_refusal(planner, *args, **kwargs):
 
 def _store_rejection(store, params=None, paged: bool = True) -> str | None:
     """Why the kernels cannot serve this storage kind or attention variant (None: they can);
-    the kernels implement what ``semantics.FAST_PATH_VARIANTS["cupy kernels"]`` lists.
+    the kernels implement what ``semantics.FAST_PATH_VARIANTS["cupy kernels"]`` lists, over
+    contiguous or paged rows (PagedKV), unquantized, or contiguous quantized rows (QuantizedKV).
     ``paged``: whether the operation has paged kernels (copy_tokens has not: it copies
     contiguous rows, and a paged pool's pages as such rows)."""
     if store.kind == PAGED and not paged:
@@ -431,11 +468,12 @@ def _store_rejection(store, params=None, paged: bool = True) -> str | None:
                 "move by sharing pages, and a page copy is a row copy of the pool)")
     if store.kind not in (CONTIGUOUS, PAGED):
         return f"storage kind {store.kind!r} (the kernels read {CONTIGUOUS} or {PAGED} K/V)"
+    if store.quantized and store.kind != CONTIGUOUS:
+        return (f"storage kind {store.kind!r} with kv_dtype={store.dtype!r} (the quantized "
+                f"reader reads {CONTIGUOUS} rows; paged quantized K/V take the generic path)")
     if store.kind == PAGED and store.table.table.shape[1] * store.page_size >= _plan.MAX_PAGED_ROW_SLOTS:
         return (f"paged rows of {store.table.table.shape[1] * store.page_size} slots (the paged "
                 f"kernels index a row's keys in 32 bits: fewer than {_plan.MAX_PAGED_ROW_SLOTS})")
-    if store.quantized:
-        return f"kv_dtype={store.dtype!r} (the kernels read unquantized K/V)"
     if params is not None:
         return unsupported(params, "cupy kernels")
     return None
@@ -447,6 +485,35 @@ def _pages_arg(store) -> "_plan.PageTableArg | None":
         return None
     return _plan.PageTableArg(table_stride=int(store.table.table.shape[1]),
                               page_size=int(store.page_size))
+
+
+def _dtypes_of(store) -> tuple[str, str | None]:
+    """(dtype, kv_dtype) as routing takes them: the buffers' dtype and None, or for a
+    quantized cache the dtype of q / inputs / outputs and the storage ("int8", ...)."""
+    if store.quantized:
+        return store.spec.q_dtype, store.dtype
+    return _dtype_name(store.k), None
+
+
+def _input_dtype_rejection(k_new, v_new, dtype: str) -> str | None:
+    """Why the quantizing append cannot read these inputs (it is built for ``dtype``)."""
+    if _dtype_name(k_new) != dtype or _dtype_name(v_new) != dtype:
+        return f"k_new / v_new of dtype {_dtype_name(k_new)} / {_dtype_name(v_new)} (the kernel reads {dtype})"
+    return None
+
+
+def _scales_rejection(store, d: int) -> str | None:
+    """Why the quantized kernels cannot find each token's scales (None: they can): float32
+    scales of the codes' device laid out like the codes without the head-dim axis (the
+    attention reader finds a key's scale at its code offset / d)."""
+    ks, vs = store.k_scale, store.v_scale
+    if _dtype_name(ks) != "float32" or _dtype_name(vs) != "float32":
+        return "scales that are not float32"
+    code = _strides(store.k)[:-1]
+    if not (_strides(ks) == _strides(vs) and tuple(s * d for s in _strides(ks)) == code
+            and _strides(store.v)[:-1] == code):
+        return "scales not laid out like their codes (strides x head_dim)"
+    return None
 
 
 def _write_layout_rejection(k_buf, v_buf, k_new, v_new, dtype: str, d: int) -> str | None:

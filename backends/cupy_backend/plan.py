@@ -21,6 +21,11 @@ Buffers a plan refers to:
              table the page table ``[R, pages_per_row]`` int32 (kernels/paged_kv.cuh);
              the launch is the kernel's paged instantiation, its last argument a
              ``PageTableArg`` (the kernels' ``KVPages``, by value).
+  quantized caches (``kv_dtype``): k_buf, v_buf hold codes and k_scale, v_scale
+             ``[R, Hkv, S]`` fp32 their scales (copy_tokens: dst_k_scale, dst_v_scale,
+             src_k_scale, src_v_scale ``[layers, R, Hkv, S]``); attention reaches them
+             through ``KernelParams`` (laid out like the codes: scale strides x d equal
+             the code strides, checked by the caller).
 The attention kernels take their runtime parameters as one struct (``KernelParams``, the
 kernels' ``AttnParams`` in kernels/variant.cuh) and the variant as a template flag
 (``variant_flags``): which of window / softcap / sinks the instantiation implements.
@@ -85,9 +90,9 @@ class Launch:
 #: ``gqakv.semantics.AttentionParams.features``.
 VARIANT_FLAGS = {"window": 1, "softcap": 2, "sinks": 4}
 
-#: The kernels' ``AttnParams`` (kernels/variant.cuh), field for field: 24 bytes, 8-aligned.
-PARAMS_DTYPE = np.dtype([("scale", "<f4"), ("softcap", "<f4"), ("window", "<i8"), ("sinks", "<u8")],
-                        align=True)
+#: The kernels' ``AttnParams`` (kernels/variant.cuh), field for field: 40 bytes, 8-aligned.
+PARAMS_DTYPE = np.dtype([("scale", "<f4"), ("softcap", "<f4"), ("window", "<i8"), ("sinks", "<u8"),
+                         ("k_scale", "<u8"), ("v_scale", "<u8")], align=True)
 
 
 def variant_flags(params: semantics.AttentionParams) -> int:
@@ -104,18 +109,24 @@ class KernelParams:
     softcap: float = 0.0
     window: int = 0
     sinks: Buf | None = None
+    k_scale: Buf | None = None  # a quantized cache's scales
+    v_scale: Buf | None = None
 
     @classmethod
-    def of(cls, params: semantics.AttentionParams) -> "KernelParams":
+    def of(cls, params: semantics.AttentionParams, quantized: bool = False) -> "KernelParams":
+        scales = (Buf("k_scale"), Buf("v_scale")) if quantized else (None, None)
         return cls(scale=float(params.scale), softcap=float(params.softcap or 0.0),
-                   window=int(params.window or 0), sinks=Buf("sinks") if params.sinks is not None else None)
+                   window=int(params.window or 0), sinks=Buf("sinks") if params.sinks is not None else None,
+                   k_scale=scales[0], v_scale=scales[1])
 
     def record(self, address) -> np.void:
         """The struct as a NumPy record of ``PARAMS_DTYPE``; ``address(buf)`` gives a Buf's
         device address."""
         r = np.zeros((), PARAMS_DTYPE)
         r["scale"], r["softcap"], r["window"] = self.scale, self.softcap, self.window
-        r["sinks"] = 0 if self.sinks is None else int(address(self.sinks))
+        for name in ("sinks", "k_scale", "v_scale"):
+            buf = getattr(self, name)
+            r[name] = 0 if buf is None else int(address(buf))
         return r[()]
 
 
@@ -201,19 +212,35 @@ def _check_grid(kernel: str, what: str, grid_x: int, grid_y: int = 1) -> None:
 
 
 def plan_write_kv(dtype: str, head_dim: int, n_new: np.ndarray, kv_heads: int, t_new: int,
-                  new_strides, buf_strides, pages: PageTableArg | None = None) -> Plan:
+                  new_strides, buf_strides, pages: PageTableArg | None = None,
+                  kv_dtype: str | None = None, scale_strides=None) -> Plan:
     """One launch writing every entry's first n_new[b] tokens (nothing when all are 0).
 
     new_strides, buf_strides: element strides (batch, head, token) of k_new and k_buf
     (paged: of the pool, page / head / token). pages: the page table of a paged cache
     (the pages were taken on the host; the kernel only writes into them).
+    kv_dtype: a quantized cache's storage (gqakv_write_kv_quantized quantizes on the
+    device, one warp per token); scale_strides: then the (row, head, token) strides of
+    k_scale (and v_scale). Paged and quantized at once has no kernel (the caller routes
+    it to the generic path).
     """
+    if pages is not None and kv_dtype is not None:
+        raise NotImplementedError(f"paged {kv_dtype} K/V: no kernel instantiation (generic path)")
     plan = Plan()
     B = int(n_new.shape[0])
     max_n = int(n_new.max()) if B else 0
     if max_n == 0:
         return plan
     _check_grid("gqakv_write_kv", f"{B} entries x {kv_heads} heads", B * kv_heads)
+    if kv_dtype is not None:
+        kernel = "gqakv_write_kv_quantized"
+        grid_y = min(MAX_GRID_Y, -(-max_n // (BLOCK[0] // 32)))  # a warp per token
+        args = (Buf("k_new"), Buf("v_new"), Buf("k_buf"), Buf("v_buf"), Buf("k_scale"),
+                Buf("v_scale"), Buf("rows"), Buf("starts"), Buf("n_new"), np.int32(kv_heads),
+                np.int32(t_new), *_i64(*new_strides), *_i64(*buf_strides), *_i64(*scale_strides))
+        name = sources.name_expression(kernel, dtype, head_dim, kv_dtype=kv_dtype)
+        plan.launches.append(Launch(kernel, name, (B * kv_heads, grid_y, 1), BLOCK, args))
+        return plan
     vectors = max_n * (head_dim // sources.vec_width(dtype, head_dim))
     grid_y = min(MAX_GRID_Y, -(-vectors // BLOCK[0]))
     args = (Buf("k_new"), Buf("v_new"), Buf("k_buf"), Buf("v_buf"), Buf("rows"), Buf("starts"),
@@ -228,11 +255,14 @@ def plan_write_kv(dtype: str, head_dim: int, n_new: np.ndarray, kv_heads: int, t
 
 
 def plan_copy_tokens(dtype: str, head_dim: int, n_tokens: np.ndarray, layers: int, kv_heads: int,
-                     dst_strides, src_strides) -> Plan:
+                     dst_strides, src_strides, kv_dtype: str | None = None,
+                     dst_scale_strides=None, src_scale_strides=None) -> Plan:
     """One launch for every copy of a ``Backend.copy_tokens`` call (nothing when all n are 0).
 
     n_tokens: host int array [P]; dst_strides, src_strides: element strides (layer, row,
     head, token) of dst_k and src_k. Raises NotImplementedError beyond the grid limits.
+    kv_dtype: a quantized cache: the codes' launch, then a second one (the same kernel at
+    ``<float, 1>``) moving the scales (``*_scale_strides``: their element strides).
     """
     plan = Plan()
     P = int(n_tokens.shape[0])
@@ -243,12 +273,19 @@ def plan_copy_tokens(dtype: str, head_dim: int, n_tokens: np.ndarray, layers: in
     if ctas > MAX_GRID_X:
         raise NotImplementedError(f"{P} copies x {layers} layers x {kv_heads} heads = {ctas} CTAs "
                                   f"(grid limit {MAX_GRID_X})")
-    vectors = max_n * (head_dim // sources.vec_width(dtype, head_dim))
+    vectors = max_n * (head_dim // sources.vec_width(kv_dtype or dtype, head_dim))
     grid_y = min(MAX_GRID_Y, -(-vectors // BLOCK[0]))
     args = (Buf("dst_k"), Buf("dst_v"), Buf("src_k"), Buf("src_v"), Buf("pairs"), np.int32(P),
             np.int32(layers), np.int32(kv_heads), *_i64(*dst_strides), *_i64(*src_strides))
-    name = sources.name_expression("gqakv_copy_tokens", dtype, head_dim)
+    name = sources.name_expression("gqakv_copy_tokens", dtype, head_dim, kv_dtype=kv_dtype)
     plan.launches.append(Launch("gqakv_copy_tokens", name, (ctas, grid_y, 1), BLOCK, args))
+    if kv_dtype is not None:  # the scales travel with their tokens: [.., S] as d = 1 rows
+        args = (Buf("dst_k_scale"), Buf("dst_v_scale"), Buf("src_k_scale"), Buf("src_v_scale"),
+                Buf("pairs"), np.int32(P), np.int32(layers), np.int32(kv_heads),
+                *_i64(*dst_scale_strides), *_i64(*src_scale_strides))
+        name = sources.name_expression("gqakv_copy_tokens", "float32", 1)
+        grid_y = min(MAX_GRID_Y, -(-max_n // BLOCK[0]))
+        plan.launches.append(Launch("gqakv_copy_tokens", name, (ctas, grid_y, 1), BLOCK, args))
     return plan
 
 
@@ -323,7 +360,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
                    force_splits: int | None = None,
                    tensor_cores: bool = True,
                    params: semantics.AttentionParams | None = None,
-                   pages: PageTableArg | None = None) -> Plan:
+                   pages: PageTableArg | None = None, kv_dtype: str | None = None) -> Plan:
     """Launches computing attention of q over the cache into out and lse.
 
     lens, n_new: host int arrays [B] (lens are post-append lengths of each entry's row).
@@ -335,12 +372,19 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     parameters (default: plain causal at ``scale``); its variant picks the kernels' flag.
     Decode splits start at each entry's first visible key (a window's start). pages: the
     page table of a paged cache (buf_strides are then the pool's): the same launches with
-    the kernels' paged instantiations.
+    the kernels' paged instantiations. kv_dtype: a quantized cache's storage: the fp32-FMA
+    kernels over its codes and scales (the tensor-core kernels have no quantized
+    instantiation, see routing.py). Not both (the caller routes paged quantized K/V to the
+    generic path).
     """
+    if pages is not None and kv_dtype is not None:
+        raise NotImplementedError(f"paged {kv_dtype} K/V: no kernel instantiation (generic path)")
     if params is None:
         params = semantics.AttentionParams(scale=scale)
     variant = variant_flags(params)
-    kparams = KernelParams.of(params)
+    kparams = KernelParams.of(params, quantized=kv_dtype is not None)
+    if kv_dtype is not None:
+        tensor_cores = False
     plan = Plan()
     live = n_new > 0
     if batch == 0 or t_q == 0 or not live.any():
@@ -378,7 +422,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
         plan.num_splits, plan.keys_per_split = splits, keys
         args = (*bufs, *part, np.int32(kv_heads), np.int32(group), np.int32(t_q),
                 np.int32(n_qchunks), np.int32(splits), np.int64(keys), kparams, *strides)
-        name = sources.name_expression(kernel, dtype, head_dim, tile, variant=variant)
+        name = sources.name_expression(kernel, dtype, head_dim, tile, variant=variant, kv_dtype=kv_dtype)
         if pages is not None:
             args += (pages,)
             name = sources.paged_name_expression(kernel, dtype, head_dim, tile, variant)
@@ -407,7 +451,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
                 batch * kv_heads * n_gchunks, n_tblocks)
     args = (*bufs, np.int32(kv_heads), np.int32(group), np.int32(t_q), np.int32(gc), np.int32(bq),
             np.int32(n_gchunks), kparams, *strides)
-    name = sources.name_expression(kernel, dtype, head_dim, variant=variant)
+    name = sources.name_expression(kernel, dtype, head_dim, variant=variant, kv_dtype=kv_dtype)
     if pages is not None:
         args += (pages,)
         name = sources.paged_name_expression(kernel, dtype, head_dim, variant=variant)
@@ -422,7 +466,7 @@ def element_strides(shape, byte_strides, itemsize: int) -> tuple[int, ...]:
 def aligned_for_vectors(ptr: int, strides_el: tuple[int, ...], dtype: str, head_dim: int) -> bool:
     """True when every row start is aligned for the kernels' vector loads."""
     vec = sources.vec_width(dtype, head_dim)
-    nbytes = vec * sources.ITEMSIZE[dtype]
+    nbytes = vec * (1 if dtype in sources.CODE_CTYPES else sources.ITEMSIZE[dtype])  # codes: 1 byte
     return strides_el[-1] == 1 and ptr % nbytes == 0 and all(s % vec == 0 for s in strides_el[:-1])
 
 

@@ -22,6 +22,8 @@ Facts (all hashable; the routes are kept, so a routed call costs one cache looku
               copy on write copies pages as rows of the pool with gqakv_copy_tokens.
   grid:       the planner's refusal of the launch grid (beyond CUDA's limits), None when
               it fits (or before planning).
+  kv_dtype:   a quantized cache's storage ("int8", "float8_e4m3fn"), None when K/V are
+              stored as ``dtype``; ``dtype`` is then the dtype of q, the inputs and the output.
 """
 
 from __future__ import annotations
@@ -43,6 +45,20 @@ def _fused_rejection(dtype: str, head_dim: int) -> str | None:
     return limits.dtype_rejection(dtype, FUSED_DTYPES) or limits.head_dim_rejection(head_dim)
 
 
+#: Quantized storage the kernels read (kernels/quantized_kv.cuh).
+QUANTIZED_DTYPES = tuple(sources.CODE_CTYPES)
+#: Why the tensor-core kernels do not serve a quantized cache.
+MMA_QUANTIZED_REJECTION = ("kv_dtype={kv_dtype!r}: the tensor-core kernels take 16-bit K/V fragments; "
+                           "a quantized cache would need its tiles dequantized into a 16-bit copy "
+                           "(rounding code x scale to {dtype}), so the fp32-FMA kernel serves it")
+
+
+def _kv_dtype_rejection(kv_dtype: str | None) -> str | None:
+    if kv_dtype is None or kv_dtype in QUANTIZED_DTYPES:
+        return None
+    return f"kv_dtype={kv_dtype!r} (the kernels read {', '.join(QUANTIZED_DTYPES)} or unquantized K/V)"
+
+
 def _chosen(impl: str, rejected: dict[str, str]) -> Route:
     if impl != GENERIC:
         rejected[GENERIC] = f"{impl} serves this call (fused kernels come first)"
@@ -51,19 +67,23 @@ def _chosen(impl: str, rejected: dict[str, str]) -> Route:
 
 @functools.lru_cache(maxsize=1024)
 def route_write_kv(dtype: str, head_dim: int, layout: str | None = None,
-                   grid: str | None = None) -> Route:
-    """gqakv_write_kv (one launch for all rows) or the generic slice writes."""
-    why = _fused_rejection(dtype, head_dim) or layout or grid
+                   grid: str | None = None, kv_dtype: str | None = None) -> Route:
+    """gqakv_write_kv (one launch for all rows), gqakv_write_kv_quantized (the same for a
+    quantized cache, quantizing on the device) or the generic slice writes."""
+    kernel = "gqakv_write_kv_quantized" if kv_dtype else "gqakv_write_kv"
+    rejected = {"gqakv_write_kv": f"kv_dtype={kv_dtype!r}: the codes are quantized on the device"} if kv_dtype else {}
+    why = _fused_rejection(dtype, head_dim) or _kv_dtype_rejection(kv_dtype) or layout or grid
     if why:
-        return Route(GENERIC, {"gqakv_write_kv": why})
-    return _chosen("gqakv_write_kv", {})
+        return Route(GENERIC, {kernel: why, **rejected})
+    return _chosen(kernel, rejected)
 
 
 @functools.lru_cache(maxsize=1024)
 def route_copy_tokens(dtype: str, head_dim: int, layout: str | None = None,
-                      grid: str | None = None) -> Route:
-    """gqakv_copy_tokens (every layer and row pair in one launch) or the generic copies."""
-    why = _fused_rejection(dtype, head_dim) or layout or grid
+                      grid: str | None = None, kv_dtype: str | None = None) -> Route:
+    """gqakv_copy_tokens (every layer and row pair in one launch; a quantized cache's
+    scales in a second launch of it) or the generic copies."""
+    why = _fused_rejection(dtype, head_dim) or _kv_dtype_rejection(kv_dtype) or layout or grid
     if why:
         return Route(GENERIC, {"gqakv_copy_tokens": why})
     return _chosen("gqakv_copy_tokens", {})
@@ -71,7 +91,8 @@ def route_copy_tokens(dtype: str, head_dim: int, layout: str | None = None,
 
 @functools.lru_cache(maxsize=1024)
 def route_attention(dtype: str, head_dim: int, t_q: int = 1, capability: int | None = None,
-                    layout: str | None = None, grid: str | None = None) -> Route:
+                    layout: str | None = None, grid: str | None = None,
+                    kv_dtype: str | None = None) -> Route:
     """The decode kernels for t_q <= DECODE_MAX_T, the prefill kernels above; in each
     family the tensor-core kernel where it serves (dtype, head_dim) and the device has
     mma.m16n8k16, else the fp32-FMA one; the generic code when neither can run.
@@ -83,13 +104,14 @@ def route_attention(dtype: str, head_dim: int, t_q: int = 1, capability: int | N
                   f"t_q={t_q} (the decode kernels serve up to {limits.DECODE_MAX_T} query tokens)")
     for kernel in other:
         rejected[kernel] = why_family
-    why = _fused_rejection(dtype, head_dim) or layout
+    why = _fused_rejection(dtype, head_dim) or _kv_dtype_rejection(kv_dtype) or layout
     if why:
         rejected.update((kernel, why) for kernel in family)
         return Route(GENERIC, rejected)
     mma, fma = family
     mma_instance = limits.decode_mma_rejection if decode else limits.prefill_mma_rejection
-    why_mma = mma_instance(dtype, head_dim) or limits.capability_rejection(capability)
+    why_mma = ((MMA_QUANTIZED_REJECTION.format(kv_dtype=kv_dtype, dtype=dtype) if kv_dtype else None)
+               or mma_instance(dtype, head_dim) or limits.capability_rejection(capability))
     if why_mma:
         rejected[mma] = why_mma
         chosen = fma
@@ -115,17 +137,21 @@ def implementations() -> dict[str, str]:
     paged = "contiguous or paged K/V (page table read per key)"
     return {
         "gqakv_write_kv": f"{fused}; rows aligned for vector loads; {paged}",
+        "gqakv_write_kv_quantized": (f"{fused}; kv_dtype {', '.join(QUANTIZED_DTYPES)} (quantizes "
+                                     "on the device, gqakv.quantize's rule bit for bit); contiguous K/V"),
         "gqakv_copy_tokens": (f"{fused}; rows aligned for vector loads; contiguous rows (paged: "
                               "pages as rows of the pool, the copy on write of a shared last page)"),
         "gqakv_decode_mma": (f"t_q <= {t}; {mma}; head_dim in "
                              f"{', '.join(map(str, limits.DECODE_MMA_HEAD_DIMS))}; {mma_cc}; {paged}"),
         "gqakv_decode": (f"t_q <= {t}; {fused}; query tiles "
-                         f"{', '.join(map(str, limits.DECODE_QUERY_TILES))}; {paged}"),
+                         f"{', '.join(map(str, limits.DECODE_QUERY_TILES))}; {paged}; also over "
+                         f"{', '.join(QUANTIZED_DTYPES)} K/V (contiguous; dequantized in registers)"),
         "gqakv_merge": "joins split-KV decode partials",
         "gqakv_prefill_mma": (f"t_q > {t}; {mma}; head_dim a multiple of "
                               f"{limits.PREFILL_MMA_HEAD_DIM_MULTIPLE} up to "
                               f"{limits.MAX_FUSED_HEAD_DIM}; {mma_cc}; {paged}"),
-        "gqakv_prefill": f"t_q > {t}; {fused}; {paged}",
+        "gqakv_prefill": (f"t_q > {t}; {fused}; {paged}; also over {', '.join(QUANTIZED_DTYPES)} K/V "
+                          "(contiguous)"),
         GENERIC: "everything else (float64, larger head dims, other layouts, grids past "
                  f"CUDA's limits of {limits.MAX_GRID_X} x {limits.MAX_GRID_Y} CTAs)",
     }

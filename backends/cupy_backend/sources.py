@@ -21,6 +21,7 @@ from . import limits
 #: gqakv_prefill_mma (tensor cores) exists only where ``prefill_mma_supported``.
 KERNEL_FILES = {
     "gqakv_write_kv": "write_kv.cu",
+    "gqakv_write_kv_quantized": "write_kv_quantized.cu",
     "gqakv_copy_tokens": "copy_tokens.cu",
     "gqakv_decode": "decode.cu",
     "gqakv_decode_mma": "decode_mma.cu",
@@ -32,6 +33,15 @@ KERNEL_FILES = {
 #: gqakv dtype name -> C++ storage type in the kernels (16-bit types are raw bits).
 CTYPES = {"float32": "float", "float16": "gqakv_half", "bfloat16": "gqakv_bf16"}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+#: Quantized K/V storage (gqakv.quantize) -> the kernels' code type (kernels/quantized_kv.cuh).
+#: A kernel over a quantized cache names ``gqakv_quantized<q type, code type>`` where others
+#: name the storage type; gqakv_write_kv_quantized names both, ``<input type, code type, D>``;
+#: copy_tokens moves codes as ``<code type, D>`` and scales as ``<float, 1>``.
+CODE_CTYPES = {"int8": "gqakv_i8", "float8_e4m3fn": "gqakv_e4m3"}
+#: Kernels with quantized instantiations (the tensor-core ones have none: routing.py says why).
+QUANTIZED_KERNELS = ("gqakv_write_kv_quantized", "gqakv_copy_tokens", "gqakv_decode", "gqakv_merge",
+                     "gqakv_prefill")
 
 #: Query tiles (queries per CTA) gqakv_decode is instantiated for, smallest first.
 DECODE_QUERY_TILES = limits.DECODE_QUERY_TILES
@@ -94,11 +104,14 @@ VARIANT_KERNELS = ("gqakv_decode", "gqakv_decode_mma", "gqakv_merge", "gqakv_pre
 
 
 def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None,
-                    variant: int = 0) -> str:
+                    variant: int = 0, kv_dtype: str | None = None) -> str:
     """The template instantiation, e.g. ``gqakv_write_kv<gqakv_bf16, 128>`` or
     ``gqakv_decode<gqakv_bf16, 128, 4>`` (decode needs ``query_tile``, others refuse it);
     ``variant``: the variant trait's flags (1 window, 2 softcap, 4 sinks), appended when
-    not 0, e.g. ``gqakv_prefill<float, 64, 3>``."""
+    not 0, e.g. ``gqakv_prefill<float, 64, 3>``; ``kv_dtype``: a quantized storage dtype
+    (CODE_CTYPES), e.g. ``gqakv_decode<gqakv_quantized<gqakv_bf16, gqakv_i8>, 128, 4>``."""
+    if kv_dtype is not None or kernel == "gqakv_write_kv_quantized":
+        return _quantized_name(kernel, dtype, head_dim, query_tile, variant, kv_dtype)
     if variant:
         if kernel not in VARIANT_KERNELS or not 0 < variant < 8:
             raise KeyError(f"{kernel} has no variant={variant} (variants: flags 1..7 of "
@@ -160,9 +173,49 @@ def paged_instantiations(kernel: str, dtype: str, head_dim: int, variant: int = 
     return out
 
 
-def instantiations(kernel: str, dtype: str, head_dim: int) -> list[str]:
+def _quantized_name(kernel: str, dtype: str, head_dim: int, query_tile: int | None,
+                    variant: int, kv_dtype: str | None) -> str:
+    """name_expression for a quantized cache: the unquantized name with the storage type
+    replaced (the code type for copies, the gqakv_quantized tag for attention; merge
+    reads only fp32 partials and writes dtype, so it keeps its plain name)."""
+    if kernel not in QUANTIZED_KERNELS:
+        raise KeyError(f"{kernel} has no quantized instantiation (quantized: "
+                       f"{', '.join(QUANTIZED_KERNELS)})")
+    if kv_dtype not in CODE_CTYPES:
+        raise KeyError(f"kv_dtype={kv_dtype!r} (quantized: {', '.join(CODE_CTYPES)})")
+    code = CODE_CTYPES[kv_dtype]
+    if kernel == "gqakv_copy_tokens":
+        base = name_expression(kernel, "float32", head_dim)
+        return base.replace("<float,", f"<{code},", 1)
+    if kernel == "gqakv_write_kv_quantized":
+        base = name_expression("gqakv_write_kv", dtype, head_dim)
+        return base.replace("gqakv_write_kv<", "gqakv_write_kv_quantized<", 1).replace(
+            f"<{CTYPES[dtype]},", f"<{CTYPES[dtype]}, {code},", 1)
+    if kernel == "gqakv_merge":
+        return name_expression(kernel, dtype, head_dim, query_tile, variant)
+    base = name_expression(kernel, dtype, head_dim, query_tile, variant)
+    return base.replace(f"<{CTYPES[dtype]},", f"<gqakv_quantized<{CTYPES[dtype]}, {code}>,", 1)
+
+
+def quantized_instantiations(kernel: str, dtype: str, head_dim: int, kv_dtype: str) -> list[str]:
+    """Every quantized name expression of ``kernel`` for one q dtype, head dim and kv_dtype."""
+    if kernel == "gqakv_decode":
+        return [name_expression(kernel, dtype, head_dim, qb, kv_dtype=kv_dtype)
+                for qb in DECODE_QUERY_TILES]
+    return [name_expression(kernel, dtype, head_dim, kv_dtype=kv_dtype)]
+
+
+def instantiations(kernel: str, dtype: str, head_dim: int, kv_dtype: str | None = None) -> list[str]:
     """Every name expression of ``kernel`` for one dtype and head dim (decode: one per tile;
-    none for gqakv_prefill_mma where it does not apply)."""
+    none for gqakv_prefill_mma where it does not apply); with ``kv_dtype`` those over a
+    cache of that quantized storage (none for kernels without quantized instantiations),
+    without it none for gqakv_write_kv_quantized."""
+    if kv_dtype is not None:
+        if kernel not in QUANTIZED_KERNELS:
+            return []
+        return quantized_instantiations(kernel, dtype, head_dim, kv_dtype)
+    if kernel == "gqakv_write_kv_quantized":
+        return []
     if kernel == "gqakv_prefill_mma" and not prefill_mma_supported(dtype, head_dim):
         return []
     if kernel == "gqakv_decode_mma" and not decode_mma_supported(dtype, head_dim):
@@ -173,6 +226,9 @@ def instantiations(kernel: str, dtype: str, head_dim: int) -> list[str]:
 
 
 def vec_width(dtype: str, head_dim: int) -> int:
-    """Elements per vector access; mirrors ``VecWidth`` in common.cuh."""
+    """Elements per vector access; mirrors ``VecWidth`` in common.cuh (and its 8-byte
+    specialisation for codes in quantized_kv.cuh)."""
+    if dtype in CODE_CTYPES:
+        return 8 if head_dim % 8 == 0 else 1
     size = ITEMSIZE[dtype]
     return 16 // size if (head_dim * size) % 16 == 0 else 1

@@ -313,7 +313,12 @@ def run_copy_case(emu, case: CopyCase, poison: bool = False) -> dict:
 
 
 def run_any(emu, case, poison: bool = False) -> dict:
-    """Run an attention scenario (Case) or a row-copy call (CopyCase)."""
+    """Run an attention scenario (Case, or QuantCase over a quantized cache) or a row-copy
+    call (CopyCase)."""
+    from .quantized_cases import QuantCase, run_quantized_case
+
+    if isinstance(case, QuantCase):
+        return run_quantized_case(emu, case, poison)
     if isinstance(case, CopyCase):
         return run_copy_case(emu, case, poison)
     return run_case(emu, case, poison)
@@ -492,4 +497,6 @@ def all_cases() -> list:
     cases.append(Case("mma-decode-rows-bfloat16-G3T4-d64", "bfloat16", 64, 2, 3,
                       ((9, 33), (4, 1), (2, 4)), max_len=48, cache_rows=4, rows=(3, 1), pad=0,
                       expect_kernels=("gqakv_decode_mma",), seed=23))
-    return cases + prefill_mma_cases() + nan_cases() + copy_cases()
+    from .quantized_cases import quantized_cases
+
+    return cases + prefill_mma_cases() + nan_cases() + copy_cases() + quantized_cases()

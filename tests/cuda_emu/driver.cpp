@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "write_kv.cu"
+#include "write_kv_quantized.cu"
 #include "copy_tokens.cu"
 #include "decode.cu"
 #include "decode_mma.cu"
@@ -196,6 +197,46 @@ void register_paged_variants(const char* type_name) {
 #define GQAKV_REG_PAGED_DIM(D, ...)                                     \
     GQAKV_REG_PAGED(float, D, __VA_ARGS__) GQAKV_REG_PAGED(gqakv_half, D, __VA_ARGS__) \
     GQAKV_REG_PAGED(gqakv_bf16, D, __VA_ARGS__)
+// The quantized-cache instantiations (kernels/quantized_kv.cuh), named as
+// sources.name_expression spells them with kv_dtype: the quantizing append
+// <T, C, D>, the code and scale copies <C, D> and <float, 1>, decode and prefill over
+// gqakv_quantized<T, C> (merge reads fp32 partials: its plain instantiations serve).
+template <class T, class C, int D, int... QB>
+void register_quantized(const std::string& type_name, const std::string& code_name) {
+    const std::string d = std::to_string(D);
+    const std::string qt = "gqakv_quantized<" + type_name + ", " + code_name + ">, " + d;
+    registry()["gqakv_write_kv_quantized<" + type_name + ", " + code_name + ", " + d + ">"] =
+        make_entry(&gqakv_write_kv_quantized<T, C, D>);
+    registry()["gqakv_copy_tokens<" + code_name + ", " + d + ">"] = make_entry(&gqakv_copy_tokens<C, D>);
+    registry()["gqakv_copy_tokens<float, 1>"] = make_entry(&gqakv_copy_tokens<float, 1>);
+    ((registry()["gqakv_decode<" + qt + ", " + std::to_string(QB) + ">"] =
+          make_entry(&gqakv_decode<gqakv_quantized<T, C>, D, QB>)),
+     ...);
+    registry()["gqakv_prefill<" + qt + ">"] = make_entry(&gqakv_prefill<gqakv_quantized<T, C>, D>);
+}
+template <class T, class C, int D, int V>
+void register_quantized_variant(const std::string& type_name, const std::string& code_name) {
+    const std::string qt = "gqakv_quantized<" + type_name + ", " + code_name + ">, " + std::to_string(D);
+    const std::string v = ", " + std::to_string(V) + ">";
+    register_variant_decode<gqakv_quantized<T, C>, D, V, GQAKV_DECODE_QUERY_TILES>(qt, v);
+    registry()["gqakv_prefill<" + qt + v] = make_entry(&gqakv_prefill<gqakv_quantized<T, C>, D, V>);
+}
+template <class T, class C, int D, int... V>
+void register_quantized_variants(const char* type_name, const char* code_name) {
+    (register_quantized_variant<T, C, D, V>(type_name, code_name), ...);
+}
+#define GQAKV_REG_QUANTIZED(T, C, D) register_quantized<T, C, D, GQAKV_DECODE_QUERY_TILES>(#T, #C);
+#define GQAKV_REG_QUANTIZED_DIM(D)                                                          \
+    GQAKV_REG_QUANTIZED(float, gqakv_i8, D) GQAKV_REG_QUANTIZED(float, gqakv_e4m3, D)       \
+    GQAKV_REG_QUANTIZED(gqakv_half, gqakv_i8, D) GQAKV_REG_QUANTIZED(gqakv_half, gqakv_e4m3, D) \
+    GQAKV_REG_QUANTIZED(gqakv_bf16, gqakv_i8, D) GQAKV_REG_QUANTIZED(gqakv_bf16, gqakv_e4m3, D)
+#define GQAKV_REG_QUANTIZED_VARIANTS(T, C, D) register_quantized_variants<T, C, D, 1, 2, 3, 4, 5, 6, 7>(#T, #C);
+#define GQAKV_REG_QUANTIZED_VARIANTS_DIM(D) \
+    GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_i8, D) GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_e4m3, D) \
+    GQAKV_REG_QUANTIZED_VARIANTS(gqakv_bf16, gqakv_i8, D) GQAKV_REG_QUANTIZED_VARIANTS(gqakv_bf16, gqakv_e4m3, D)
+// q in float32 only (what the product suite's quantized caches take).
+#define GQAKV_REG_QUANTIZED_VARIANTS_F32_DIM(D) \
+    GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_i8, D) GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_e4m3, D)
 
 // Emulator self-test (tests/test_cuda_emu_mma.py): one warp runs one mma_m16n8k16 on the
 // fragment registers given per lane: a [32][4], b [32][2], c [32][4] in, d [32][4] out.

@@ -166,6 +166,21 @@ def _library(head_dims: tuple[int, ...]) -> harness.Emulator:
     return harness.Emulator(harness.build(asan=False, head_dims=head_dims))
 
 
+class _DeviceNamespace:
+    """array_api_compat.numpy whose ``empty`` allocates on the current emulated device, as
+    CuPy's namespace allocates on the device (a quantized store allocates its codes there:
+    gqakv.store._allocate_quantized); everything else is NumPy's."""
+
+    def __init__(self, xp):
+        self._xp = xp
+
+    def __getattr__(self, name):
+        return getattr(self._xp, name)
+
+    def empty(self, shape, dtype=None, device=None):
+        return _on_device(self._xp.empty(shape, dtype=dtype))
+
+
 class EmulatedCupyBackend(CupyBackend):
     """CupyBackend on the CPU: NumPy-backed device arrays, kernels on the emulator."""
 
@@ -192,7 +207,7 @@ class EmulatedCupyBackend(CupyBackend):
     def namespace(self):
         import array_api_compat.numpy as xp  # the stand-in arrays are NumPy arrays
 
-        return xp
+        return _DeviceNamespace(xp)
 
     def _run_plan(self, plan, arrays: dict, dtype: str, head_dim: int) -> None:
         """The runtime's launcher: ``modules.run_plan``'s contract on the emulator: same

@@ -37,6 +37,8 @@ VARIANT_HEAD_DIMS = (64, 20)
 #: sinks 4; the reader is orthogonal to the variant trait, and each flag doubles the build).
 PAGED_HEAD_DIMS = (64, 20)
 PAGED_VARIANTS = (0, 7)
+#: Head dims the variant kernels over quantized K/V are instantiated at (q float32 / bfloat16).
+QUANTIZED_VARIANT_HEAD_DIMS = (64,)
 
 
 def kernel_dir() -> Path:
@@ -68,6 +70,15 @@ def _flags(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS) -> list[str]:
                            if d in head_dims)
     if tuple(head_dims) != HEAD_DIMS:
         dims += "".join(f" GQAKV_REG_PAGED_DIM({d}, 0)" for d in head_dims if d not in PAGED_HEAD_DIMS)
+    # The quantized (int8 / e4m3 K/V) instantiations at every head dim, their variants at
+    # QUANTIZED_VARIANT_HEAD_DIMS.
+    dims += " " + " ".join(f"GQAKV_REG_QUANTIZED_DIM({d})" for d in head_dims)
+    dims += " " + " ".join(f"GQAKV_REG_QUANTIZED_VARIANTS_DIM({d})" for d in QUANTIZED_VARIANT_HEAD_DIMS
+                           if d in head_dims)
+    if len(head_dims) == 1 and head_dims[0] not in QUANTIZED_VARIANT_HEAD_DIMS:
+        # A one-dim library (emulated_backend.emulator: the parity suite's small head dims)
+        # serves quantized float32 caches under every variant (tests/conftest.py's product).
+        dims += f" GQAKV_REG_QUANTIZED_VARIANTS_F32_DIM({head_dims[0]})"
     # The kernels' limits as -D options, as NVRTC gets them (sources.COMPILE_OPTIONS).
     flags = ["-std=c++20", "-g", "-pthread", "-shared", "-fPIC", f"-I{kernel_dir()}",
              f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={dims}",
@@ -112,7 +123,7 @@ class _AttnParams(ctypes.Structure):
     """kernels/variant.cuh's AttnParams (plan.PARAMS_DTYPE), aligned as the C++ struct."""
 
     _fields_ = [("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int64),
-                ("sinks", ctypes.c_uint64)]
+                ("sinks", ctypes.c_uint64), ("k_scale", ctypes.c_uint64), ("v_scale", ctypes.c_uint64)]
 
 
 assert ctypes.sizeof(_AttnParams) == planmod.PARAMS_DTYPE.itemsize
@@ -205,7 +216,8 @@ class Emulator:
             elif isinstance(a, planmod.KernelParams):
                 rec = a.record(lambda buf: ptrs[buf.name])
                 holders.append(_AttnParams(float(rec["scale"]), float(rec["softcap"]),
-                                           int(rec["window"]), int(rec["sinks"])))
+                                           int(rec["window"]), int(rec["sinks"]),
+                                           int(rec["k_scale"]), int(rec["v_scale"])))
             elif isinstance(a, planmod.PageTableArg):
                 rec = a.record(lambda buf: ptrs[buf.name])
                 holders.append(_KVPages(int(rec["table"]), int(rec["table_stride"]),

@@ -14,6 +14,8 @@
 // Strides are in elements (layer, row, head, token); the head-dim stride is 1 and every
 // token row start is VEC-aligned (checked by the planner's caller), offsets are 64-bit.
 #include "common.cuh"
+// variant.cuh: the code types of quantized caches (quantized_kv.cuh).
+#include "variant.cuh"
 
 template <class T, int D>
 __global__ void __launch_bounds__(128) gqakv_copy_tokens(

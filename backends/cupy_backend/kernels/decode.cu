@@ -95,6 +95,10 @@ struct RawVec<T, N, true> {
 
   private:
     static __device__ __forceinline__ float word_to_float(unsigned w, int, float*) { return __uint_as_float(w); }
+    template <class C>  // 8-bit codes (quantized_kv.cuh): byte e % 4 of the word
+    static __device__ __forceinline__ float word_to_float(unsigned w, int e, C*) {
+        return code_to_float((w >> (8 * (e % 4))) & 0xffu, (C*)0);
+    }
     static __device__ __forceinline__ float word_to_float(unsigned w, int e, gqakv_bf16*) {
         return __uint_as_float(e % 2 ? w & 0xffff0000u : w << 16);  // little-endian halves
     }
@@ -110,6 +114,7 @@ template <class T, int VEC, int CPL>
 struct KVRaw {
     RawVec<T, VEC> k[CPL];
     RawVec<T, VEC> v[CPL];
+    float ks = 0.f, vs = 0.f;  // the key's K and V scales (quantized readers only)
 };
 
 // Issue the loads of key `key`'s vectors of this lane (nothing when the key is not live:
@@ -119,6 +124,10 @@ template <class S, class T, class Reader>
 __device__ __forceinline__ void fetch_kv(KVRaw<T, S::VEC, S::CPL>& r, const Reader& kv, i64 key,
                                          bool live, int sub) {
     if (!live) return;
+    if constexpr (Reader::SCALED) {
+        r.ks = kv.k_scale(key);
+        r.vs = kv.v_scale(key);
+    }
     const T* kp = kv.k_row(key) + sub * S::VEC;
     const T* vp = kv.v_row(key) + sub * S::VEC;
 #pragma unroll
@@ -182,7 +191,7 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
 
     // Start the K/V stream before anything else: the first PIPE steps of this lane. Step
     // `step` of this lane is key k_begin + step * NG + grp, read through the K/V reader.
-    const auto kv = kv_reader(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, pages...);
+    const auto kv = typed_kv_reader<Ty>(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D, pages...);
     const i64 lane_key = k_begin + grp;
     KVRaw<KV, S::VEC, S::CPL> ring[S::PIPE];
 #pragma unroll
@@ -271,6 +280,15 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
                 for (int e = 0; e < S::VEC; ++e) {
                     kf[c * S::VEC + e] = ring[u].k[c].get(e);
                     vf[c * S::VEC + e] = ring[u].v[c].get(e);
+                }
+            }
+            // Quantized: code x scale in registers, exactly the stored (dequantized) value,
+            // so everything after is the unquantized kernel's arithmetic.
+            if constexpr (Ty::Reader::SCALED) {
+#pragma unroll
+                for (int e = 0; e < S::EPL; ++e) {
+                    kf[e] *= ring[u].ks;
+                    vf[e] *= ring[u].vs;
                 }
             }
             // Refill the slot with step + PIPE before computing this one.

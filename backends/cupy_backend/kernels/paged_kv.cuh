@@ -51,6 +51,7 @@ __device__ __forceinline__ int page_of(const KVPages& p, i64 key) {
 // ContiguousKV; each costs one table load (cached: consecutive keys share a page).
 template <class TKV>
 struct PagedKV {
+    static constexpr bool SCALED = false;  // no per-key scales (paged quantized K/V: generic path)
     const TKV* __restrict__ k;      // pool + kvh * head stride
     const TKV* __restrict__ v;
     const int* __restrict__ pages;  // the row's table entries
@@ -82,6 +83,23 @@ template <class TKV>
 __device__ __forceinline__ PagedKV<TKV> kv_reader(const TKV* __restrict__ k_buf,
                                                   const TKV* __restrict__ v_buf, i64 row, int kvh,
                                                   i64 sb, i64 sh, i64 st, const KVPages& pages) {
+    return PagedKV<TKV>(k_buf, v_buf, row, kvh, sb, sh, st, pages);
+}
+
+// The same switch for kernels whose types pick their reader (KernelTypes<T>::Reader:
+// ContiguousKV, or QuantizedKV for 8-bit codes with scales, which needs the call's scale
+// pointers and d): that reader without pages, PagedKV with them (paged quantized storage
+// is not instantiated: it takes the generic path).
+template <class Ty, class TKV>
+__device__ __forceinline__ typename Ty::Reader typed_kv_reader(
+    const TKV* __restrict__ k_buf, const TKV* __restrict__ v_buf, i64 row, int kvh, i64 sb, i64 sh,
+    i64 st, const AttnParams& params, int d) {
+    return typename Ty::Reader(k_buf, v_buf, row, kvh, sb, sh, st, params, d);
+}
+template <class Ty, class TKV>
+__device__ __forceinline__ PagedKV<TKV> typed_kv_reader(
+    const TKV* __restrict__ k_buf, const TKV* __restrict__ v_buf, i64 row, int kvh, i64 sb, i64 sh,
+    i64 st, const AttnParams&, int, const KVPages& pages) {
     return PagedKV<TKV>(k_buf, v_buf, row, kvh, sb, sh, st, pages);
 }
 

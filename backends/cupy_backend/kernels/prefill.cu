@@ -45,6 +45,11 @@ __device__ __forceinline__ void load_tile(float* __restrict__ tile, const Reader
         if (row0 + r < row_end) {
             const T* src = IS_V ? kv.v_row(row0 + r) : kv.k_row(row0 + r);
             load_vec<T, S::VEC>(src + ch * S::VEC, dst);
+            if constexpr (Reader::SCALED) {  // quantized: this tile's row dequantized as it lands
+                const float sc = IS_V ? kv.v_scale(row0 + r) : kv.k_scale(row0 + r);
+#pragma unroll
+                for (int e = 0; e < S::VEC; ++e) dst[e] *= sc;
+            }
         } else {
 #pragma unroll
             for (int e = 0; e < S::VEC; ++e) dst[e] = 0.f;
@@ -110,7 +115,7 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
         for (int cc = 0; cc < S::CPT; ++cc) acc[i][cc] = 0.f;
     }
 
-    const auto kv = kv_reader(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, pages...);
+    const auto kv = typed_kv_reader<Ty>(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D, pages...);
     for (i64 j0 = k_begin; j0 < k_end; j0 += S::BK) {
         __syncthreads();  // previous tile's readers are done with sKV and sP
         load_tile<KV, D, false>(sKV, kv, j0, k_end, S::BK, S::KSTR);

@@ -15,12 +15,16 @@
 //   scale:   the softmax scale applied to q . k;
 //   softcap: c > 0 (read only under VARIANT_SOFTCAP);
 //   window:  W >= 1 (read only under VARIANT_WINDOW);
-//   sinks:   [Hq] float32 logits on the device (read only under VARIANT_SINKS).
+//   sinks:   [Hq] float32 logits on the device (read only under VARIANT_SINKS);
+//   k_scale, v_scale: a quantized cache's per-token scales (quantized_kv.cuh; null and
+//            never read for other caches). 40 bytes in all.
 struct AttnParams {
     float scale;
     float softcap;
     i64 window;
     const float* sinks;
+    const float* k_scale;
+    const float* v_scale;
 };
 
 // Variant flags (plan.VARIANT_FLAGS spells the same bits).
@@ -69,6 +73,7 @@ struct Variant {
 // whose rows span more than limits.MAX_KEY_SPAN elements to the generic path.
 template <class TKV>
 struct ContiguousKV {
+    static constexpr bool SCALED = false;  // no per-key scales (QuantizedKV has them)
     const TKV* __restrict__ k;
     const TKV* __restrict__ v;
     int stride;  // elements between consecutive keys
@@ -77,6 +82,11 @@ struct ContiguousKV {
                                             i64 row, int kvh, i64 buf_sb, i64 buf_sh, i64 buf_st)
         : k(k_buf + row * buf_sb + (i64)kvh * buf_sh), v(v_buf + row * buf_sb + (i64)kvh * buf_sh),
           stride((int)buf_st) {}
+    // The readers' common constructor (KernelTypes::Reader): the parameters are not needed.
+    __device__ __forceinline__ ContiguousKV(const TKV* __restrict__ k_buf, const TKV* __restrict__ v_buf,
+                                            i64 row, int kvh, i64 buf_sb, i64 buf_sh, i64 buf_st,
+                                            const AttnParams&, int)
+        : ContiguousKV(k_buf, v_buf, row, kvh, buf_sb, buf_sh, buf_st) {}
     __device__ __forceinline__ const TKV* k_row(i64 key) const { return k + (int)key * stride; }
     __device__ __forceinline__ const TKV* v_row(i64 key) const { return v + (int)key * stride; }
 };
@@ -88,4 +98,8 @@ struct KernelTypes {
     typedef T Q;
     typedef T KV;
     typedef T Out;
+    typedef ContiguousKV<T> Reader;  // how the kernels read K/V
 };
+
+#include "quantized_kv.cuh"
+
