@@ -293,7 +293,6 @@ def compare_onnxruntime(cache, heads: int, *, seed: int = 0, rounds: int = 5, bl
         raise ValueError(f"compare_onnxruntime: every row needs a token to re-decode, lens={lens.tolist()}")
     B, Hkv, d = cache.batch, cache.kv_heads, cache.head_dim
     rows, base = np.arange(B), lens - 1
-    cache.truncate(rows, base)
     rng = np.random.default_rng(seed)
 
     def draw(h):
@@ -301,40 +300,44 @@ def compare_onnxruntime(cache, heads: int, *, seed: int = 0, rounds: int = 5, bl
 
     q, k_new, v_new = draw(heads), draw(Hkv), draw(Hkv)
     ones = np.ones(B, dtype=np.int64)
-    threads = backend_threads(backend)
-    k_ort, v_ort = np.ascontiguousarray(cache.k), np.ascontiguousarray(cache.v)  # ORT's own copies
-    ort_step, ort_out = onnxruntime_gqa(q, k_new, v_new, k_ort, v_ort, base, threads=threads)
+    cache.truncate(rows, base)
+    try:
+        threads = backend_threads(backend)
+        k_ort, v_ort = np.ascontiguousarray(cache.k), np.ascontiguousarray(cache.v)  # ORT's own copies
+        ort_step, ort_out = onnxruntime_gqa(q, k_new, v_new, k_ort, v_ort, base, threads=threads)
 
-    def gqakv_step():
+        def gqakv_step():
+            cache.append(k_new, v_new, ones)
+            return gqa_attention(q, cache, ones)
+
+        # -- agreement: both outputs as close to the float64 result as FlashAttention's rule
+        # allows (2x the error of a plain float32 computation rounded to dtype, + 1e-6), and the
+        # new K/V written where gqakv wrote them
+        ours = np.asarray(gqakv_step(), dtype=np.float64)
+        cache.truncate(rows, base)
+        ort_step()
+        theirs = np.asarray(ort_out, dtype=np.float64)
+        exact, plain = decode_reference(q, cache.k, cache.v, lens)  # the appended token is in place
+        tol = 2 * float(np.abs(plain - exact).max()) + 1e-6
+        err_g, err_o = (float(np.abs(x - exact).max()) for x in (ours, theirs))
+        written = all(np.array_equal(buf[b, :, base[b]], new[b, :, 0])
+                      for buf, new in ((k_ort, k_new), (v_ort, v_new)) for b in range(B))
+        if not (err_g <= tol and err_o <= tol and written):
+            raise ValueError(f"onnxruntime's GroupQueryAttention and gqakv disagree on this decode step "
+                             f"(max |error| against float64: onnxruntime {err_o:.3g}, gqakv {err_g:.3g}, "
+                             f"allowed {tol:.3g}; new K/V written at the right slots: {written}): "
+                             "not timing different computations")
+
+        def gqakv_timed():
+            gqakv_step()
+            cache.truncate(rows, base)  # O(1) bookkeeping: back to the same state
+
+        times = alternating_blocks({"gqakv": gqakv_timed, "onnxruntime": ort_step}, backend,
+                                   rounds=rounds, block_s=block_s)
+    finally:  # success or not, the cache ends as documented: every row's lengths as they
+        # started, its last token replaced by the step's new one
+        cache.truncate(rows, base)
         cache.append(k_new, v_new, ones)
-        return gqa_attention(q, cache, ones)
-
-    # -- agreement: both outputs as close to the float64 result as FlashAttention's rule
-    # allows (2x the error of a plain float32 computation rounded to dtype, + 1e-6), and the
-    # new K/V written where gqakv wrote them
-    ours = np.asarray(gqakv_step(), dtype=np.float64)
-    cache.truncate(rows, base)
-    ort_step()
-    theirs = np.asarray(ort_out, dtype=np.float64)
-    exact, plain = decode_reference(q, cache.k, cache.v, lens)  # the appended token is in place
-    tol = 2 * float(np.abs(plain - exact).max()) + 1e-6
-    err_g, err_o = (float(np.abs(x - exact).max()) for x in (ours, theirs))
-    written = all(np.array_equal(buf[b, :, base[b]], new[b, :, 0])
-                  for buf, new in ((k_ort, k_new), (v_ort, v_new)) for b in range(B))
-    if not (err_g <= tol and err_o <= tol and written):
-        raise ValueError(f"onnxruntime's GroupQueryAttention and gqakv disagree on this decode step "
-                         f"(max |error| against float64: onnxruntime {err_o:.3g}, gqakv {err_g:.3g}, "
-                         f"allowed {tol:.3g}; new K/V written at the right slots: {written}): "
-                         "not timing different computations")
-
-    def gqakv_timed():
-        gqakv_step()
-        cache.truncate(rows, base)  # O(1) bookkeeping: back to the same state
-
-    times = alternating_blocks({"gqakv": gqakv_timed, "onnxruntime": ort_step}, backend,
-                               rounds=rounds, block_s=block_s)
-    cache.truncate(rows, base)
-    cache.append(k_new, v_new, ones)  # the cache ends as it started, lengths-wise
     import onnxruntime
 
     return {"decode": {"batch": B, "lens": lens.tolist(), "dtype": cache.dtype, "threads": threads,
