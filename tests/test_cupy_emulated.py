@@ -24,7 +24,6 @@ suite (tests/conftest.py).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -103,13 +102,9 @@ def test_emulator_rejects_wrong_argument_types(emulator):
 
 
 def test_emulated_kernels_under_address_sanitizer():
-    runtime = harness.asan_runtime()
-    if runtime is None:
+    proc = harness.run_asan_child([str(HERE / "cuda_emu" / "run_cases.py"), "--asan"])
+    if proc is None:
         pytest.skip("AddressSanitizer runtime (libasan) not found for g++")
-    harness.build(asan=True)
-    env = dict(os.environ, LD_PRELOAD=runtime, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
-    proc = subprocess.run([sys.executable, str(HERE / "cuda_emu" / "run_cases.py"), "--asan"],
-                          env=env, capture_output=True, text=True, timeout=900)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, f"AddressSanitizer run failed:\n{tail}"
     assert f"{len(CASES)} passed, 0 failed" in proc.stdout, tail

@@ -376,7 +376,7 @@ def run_paged_write(emu, *, dtype, d=64, P, lens, n_new, kv_heads=2, seed=0, poi
             want_v[table[b, j // P], :, j % P] = v_new[b, :, t]
     strides = lambda a: tuple(s // a.itemsize for s in a.strides)[:3]  # noqa: E731
     plan = planmod.plan_write_kv(dtype, d, n_new, kv_heads, T, strides(k_new), strides(k),
-                                 planmod.PageTableArg(table.shape[1], P))
+                                 pages=planmod.PageTableArg(table.shape[1], P))
     arrays = {"k_new": k_new, "v_new": v_new, "k_buf": k, "v_buf": v,
               "rows": np.arange(B, dtype=np.int64), "starts": starts, "n_new": n_new, "table": table}
     ranges = None
@@ -446,20 +446,12 @@ def asan_main() -> int:
 
 
 def test_paged_kernels_under_address_sanitizer():
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    runtime = harness.asan_runtime()
-    if runtime is None:
+    proc = harness.run_asan_child(["-c", "import sys; from tests import test_cupy_emulated_paged as m; sys.exit(m.asan_main())"],
+                                  cwd=Path(__file__).resolve().parents[1])
+    if proc is None:
         pytest.skip("AddressSanitizer runtime (libasan) not found for g++")
-    harness.build(asan=True)  # here, without a time limit; the child only loads it
-    env = dict(os.environ, LD_PRELOAD=runtime, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-c", "import sys; from tests import test_cupy_emulated_paged as m; "
-                           "sys.exit(m.asan_main())"], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=900)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, f"AddressSanitizer run failed:\n{tail}"
     assert f"{len(PLAN_SCENARIOS) + len(WRITE_SCENARIOS)} passed" in proc.stdout, tail

@@ -229,20 +229,12 @@ def asan_main() -> int:
 
 
 def test_variants_under_address_sanitizer():
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    runtime = harness.asan_runtime()
-    if runtime is None:
+    proc = harness.run_asan_child(["-c", "import sys; from tests import test_cupy_emulated_variants as m; sys.exit(m.asan_main())"],
+                                  cwd=Path(__file__).resolve().parents[1])
+    if proc is None:
         pytest.skip("AddressSanitizer runtime (libasan) not found for g++")
-    harness.build(asan=True)  # here, without a time limit; the child only loads it
-    env = dict(os.environ, LD_PRELOAD=runtime, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-c", "import sys; from tests import test_cupy_emulated_variants as m; "
-                           "sys.exit(m.asan_main())"], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=900)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, f"AddressSanitizer run failed:\n{tail}"
     assert f"{len(ASAN_SCENARIOS)} passed" in proc.stdout, tail

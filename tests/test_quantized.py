@@ -400,9 +400,10 @@ def test_model_cache_step_and_row_ops(backend, kv_dtype):
             np.testing.assert_array_equal(arrays.to_numpy(vb, np.float32), hist[l][1 - b][1])
 
 
-def test_emulated_cupy_kernels_refuse_quantized_storage_with_a_reason():
-    """The cupy kernels do not read codes: writes, copies and attention of a quantized
-    cache take the generic path (no launch), and the route says why."""
+def test_emulated_cupy_kernels_read_contiguous_quantized_storage_and_refuse_paged():
+    """The cupy kernels read codes and scales of a contiguous 8-bit cache (writes, copies and
+    attention all launch); paged 8-bit storage takes the generic path (no launch) and the
+    route says why."""
     from .conftest import _emulated_cupy
 
     backend = _emulated_cupy()
@@ -410,13 +411,21 @@ def test_emulated_cupy_kernels_refuse_quantized_storage_with_a_reason():
         pytest.skip(backend.unavailable_reason())
     from gqakv_backends.cupy_backend import _store_rejection
 
-    cache = gqakv.KVCache(2, 1, 8, 16, "float32", backend=backend, kv_dtype="int8")
-    assert "kv_dtype='int8'" in _store_rejection(cache.store)
     x = backend.from_numpy(np.ones((2, 1, 3, 16), np.float32))
+    q = backend.from_numpy(np.ones((2, 2, 1, 16), np.float32))
+    cache = gqakv.KVCache(2, 1, 8, 16, "float32", backend=backend, kv_dtype="int8")
+    assert _store_rejection(cache.store) is None
+    for op in (lambda: cache.append(x, x, [3, 2]), lambda: cache.reorder([1, 0]),
+               lambda: gqakv.gqa_attention(q, cache, [1, 1])):
+        before = backend.launches
+        op()
+        assert backend.launches > before
+    paged = gqakv.PagedKVCache(2, 1, 8, 16, "float32", backend=backend, page_size=4, kv_dtype="int8")
+    assert "kv_dtype='int8'" in _store_rejection(paged.store)
     before = backend.launches
-    cache.append(x, x, [3, 2])
-    cache.reorder([1, 0])
-    gqakv.gqa_attention(backend.from_numpy(np.ones((2, 2, 1, 16), np.float32)), cache, [1, 1])
+    paged.append(x, x, [3, 2])
+    paged.reorder([1, 0])
+    gqakv.gqa_attention(q, paged, [1, 1])
     assert backend.launches == before
 
 

@@ -208,10 +208,11 @@ class CupyBackend(Backend):
         n_new = np.asarray(n_new, dtype=np.int64)
         pages = _pages_arg(store)
         args = (dtype, d, n_new, int(k_buf.shape[1]), int(k_new.shape[2]), _strides(k_new)[:3],
-                _strides(k_buf)[:3], pages, kv_dtype,
-                _strides(store.k_scale)[:3] if kv_dtype else None)
-        plan = self._plans.get(("write_kv", *_hashable(args)),
-                               lambda: _plan_or_refusal(_plan.plan_write_kv, *args))
+                _strides(k_buf)[:3])
+        options = dict(pages=pages, kv_dtype=kv_dtype,
+                       scale_strides=_strides(store.k_scale)[:3] if kv_dtype else None)
+        plan = self._plans.get(("write_kv", *_hashable(args), *options.values()),
+                               lambda: _plan_or_refusal(_plan.plan_write_kv, *args, **options))
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
             route = routing.route_write_kv(dtype, d, layout, plan, kv_dtype=kv_dtype)
         if route.impl == GENERIC:

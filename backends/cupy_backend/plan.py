@@ -212,7 +212,7 @@ def _check_grid(kernel: str, what: str, grid_x: int, grid_y: int = 1) -> None:
 
 
 def plan_write_kv(dtype: str, head_dim: int, n_new: np.ndarray, kv_heads: int, t_new: int,
-                  new_strides, buf_strides, pages: PageTableArg | None = None,
+                  new_strides, buf_strides, *, pages: PageTableArg | None = None,
                   kv_dtype: str | None = None, scale_strides=None) -> Plan:
     """One launch writing every entry's first n_new[b] tokens (nothing when all are 0).
 

@@ -154,16 +154,29 @@ def memory_span(a: np.ndarray) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_ubyte * extent).from_address(a.ctypes.data))
 
 
-def emulator(head_dim: int) -> harness.Emulator:
+def emulator(head_dim: int, families: tuple[str, ...] = harness.FAMILIES) -> harness.Emulator:
     """An emulation library holding every kernel x dtype for ``head_dim``: the harness's
-    default one for its head dims, else one for this head dim alone (g++, ~3 s, cached
-    on disk by the harness)."""
-    return _library(harness.HEAD_DIMS if head_dim in harness.HEAD_DIMS else (head_dim,))
+    default one for its head dims, else one for this head dim alone with the kernel
+    ``families`` asked for beside the plain ones (g++, seconds, cached on disk by the
+    harness)."""
+    if head_dim in harness.HEAD_DIMS:
+        return _library(harness.HEAD_DIMS, harness.FAMILIES)
+    return _library((head_dim,), tuple(f for f in harness.FAMILIES if f in families))
+
+
+#: What in a launch's name says which kernel family (harness.FAMILIES) it belongs to.
+_FAMILY_MARKS = {"paged": ("KVPages",), "quantized": ("gqakv_i8", "gqakv_e4m3")}
+
+
+def plan_families(plan) -> tuple[str, ...]:
+    """The kernel families ``plan``'s launches need (plain kernels are always there)."""
+    names = " ".join(launch.name for launch in plan.launches)
+    return tuple(f for f, marks in _FAMILY_MARKS.items() if any(m in names for m in marks))
 
 
 @functools.cache
-def _library(head_dims: tuple[int, ...]) -> harness.Emulator:
-    return harness.Emulator(harness.build(asan=False, head_dims=head_dims))
+def _library(head_dims: tuple[int, ...], families: tuple[str, ...]) -> harness.Emulator:
+    return harness.Emulator(harness.build(asan=False, head_dims=head_dims, families=families))
 
 
 class _DeviceNamespace:
@@ -222,5 +235,6 @@ class EmulatedCupyBackend(CupyBackend):
                 raise RuntimeError(f"illegal address: {name} is on device {where}, the kernel "
                                    f"was launched on device {current}")
         with _launch_lock:
-            emulator(head_dim).run(plan, {name: memory_span(a) for name, a in arrays.items()})
+            emulator(head_dim, plan_families(plan)).run(plan, {name: memory_span(a)
+                                                               for name, a in arrays.items()})
             self.launches += len(plan.launches)

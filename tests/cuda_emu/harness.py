@@ -17,6 +17,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -39,6 +40,10 @@ PAGED_HEAD_DIMS = (64, 20)
 PAGED_VARIANTS = (0, 7)
 #: Head dims the variant kernels over quantized K/V are instantiated at (q float32 / bfloat16).
 QUANTIZED_VARIANT_HEAD_DIMS = (64,)
+#: Kernel families a library holds beside the plain (contiguous, unquantized) kernels. The
+#: default library holds both; a one-head-dim library (emulated_backend) is built with the
+#: families its launches name, so a small head dim pays only for what its tests run.
+FAMILIES = ("paged", "quantized")
 
 
 def kernel_dir() -> Path:
@@ -47,6 +52,19 @@ def kernel_dir() -> Path:
 
 def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def run_asan_child(argv: list[str], cwd=None, timeout: float = 900):
+    """``python *argv`` with libasan preloaded (leak checks off), after building the ASan
+    library here without a time limit (the child only loads it): its CompletedProcess
+    (text output captured), or None when g++ has no AddressSanitizer runtime."""
+    runtime = asan_runtime()
+    if runtime is None:
+        return None
+    build(asan=True)
+    env = dict(os.environ, LD_PRELOAD=runtime, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def asan_runtime() -> str | None:
@@ -59,26 +77,29 @@ def asan_runtime() -> str | None:
     return path if out.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
 
 
-def _flags(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS) -> list[str]:
+def _flags(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS,
+           families: tuple[str, ...] = FAMILIES) -> list[str]:
     dims = " ".join(f"GQAKV_REG_DIM({d})" for d in head_dims)
     # The variant instantiations (window / softcap / sinks flags 1..7) at VARIANT_HEAD_DIMS.
     dims += " " + " ".join(f"GQAKV_REG_VARIANTS_DIM({d})" for d in VARIANT_HEAD_DIMS if d in head_dims)
-    # The paged instantiations: PAGED_VARIANTS at PAGED_HEAD_DIMS, plain causal at any other
-    # head dim of a library of its own (the paged caches of the parity suite, e.g. d = 4).
-    flags_list = ", ".join(map(str, PAGED_VARIANTS))
-    dims += " " + " ".join(f"GQAKV_REG_PAGED_DIM({d}, {flags_list})" for d in PAGED_HEAD_DIMS
-                           if d in head_dims)
-    if tuple(head_dims) != HEAD_DIMS:
-        dims += "".join(f" GQAKV_REG_PAGED_DIM({d}, 0)" for d in head_dims if d not in PAGED_HEAD_DIMS)
-    # The quantized (int8 / e4m3 K/V) instantiations at every head dim, their variants at
-    # QUANTIZED_VARIANT_HEAD_DIMS.
-    dims += " " + " ".join(f"GQAKV_REG_QUANTIZED_DIM({d})" for d in head_dims)
-    dims += " " + " ".join(f"GQAKV_REG_QUANTIZED_VARIANTS_DIM({d})" for d in QUANTIZED_VARIANT_HEAD_DIMS
-                           if d in head_dims)
-    if len(head_dims) == 1 and head_dims[0] not in QUANTIZED_VARIANT_HEAD_DIMS:
-        # A one-dim library (emulated_backend.emulator: the parity suite's small head dims)
-        # serves quantized float32 caches under every variant (tests/conftest.py's product).
-        dims += f" GQAKV_REG_QUANTIZED_VARIANTS_F32_DIM({head_dims[0]})"
+    if "paged" in families:
+        # The paged instantiations: PAGED_VARIANTS at PAGED_HEAD_DIMS, plain causal at any other
+        # head dim of a library of its own (the paged caches of the parity suite, e.g. d = 4).
+        flags_list = ", ".join(map(str, PAGED_VARIANTS))
+        dims += " " + " ".join(f"GQAKV_REG_PAGED_DIM({d}, {flags_list})" for d in PAGED_HEAD_DIMS
+                               if d in head_dims)
+        if tuple(head_dims) != HEAD_DIMS:
+            dims += "".join(f" GQAKV_REG_PAGED_DIM({d}, 0)" for d in head_dims if d not in PAGED_HEAD_DIMS)
+    if "quantized" in families:
+        # The quantized (int8 / e4m3 K/V) instantiations at every head dim, their variants at
+        # QUANTIZED_VARIANT_HEAD_DIMS.
+        dims += " " + " ".join(f"GQAKV_REG_QUANTIZED_DIM({d})" for d in head_dims)
+        dims += " " + " ".join(f"GQAKV_REG_QUANTIZED_VARIANTS_DIM({d})" for d in QUANTIZED_VARIANT_HEAD_DIMS
+                               if d in head_dims)
+        if len(head_dims) == 1 and head_dims[0] not in QUANTIZED_VARIANT_HEAD_DIMS:
+            # A one-dim library (emulated_backend.emulator: the parity suite's small head dims)
+            # serves quantized float32 caches under every variant (tests/conftest.py's product).
+            dims += f" GQAKV_REG_QUANTIZED_VARIANTS_F32_DIM({head_dims[0]})"
     # The kernels' limits as -D options, as NVRTC gets them (sources.COMPILE_OPTIONS).
     flags = ["-std=c++20", "-g", "-pthread", "-shared", "-fPIC", f"-I{kernel_dir()}",
              f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={dims}",
@@ -92,18 +113,21 @@ def _flags(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS) -> list[str]:
     return flags
 
 
-def library_path(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS) -> Path:
+def library_path(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS,
+                 families: tuple[str, ...] = FAMILIES) -> Path:
     digest = hashlib.sha256()
     for p in sorted(kernel_dir().glob("*.cu*")) + [HERE / "cuda_emu.h", HERE / "driver.cpp"]:
         digest.update(p.name.encode() + p.read_bytes())
-    digest.update(" ".join(_flags(asan, head_dims)).encode())
+    digest.update(" ".join(_flags(asan, head_dims, families)).encode())
     tag = "asan" if asan else "opt"
     return Path(tempfile.gettempdir()) / "gqakv_cuda_emu" / f"libgqakv_emu_{tag}_{digest.hexdigest()[:16]}.so"
 
 
-def build(asan: bool = False, head_dims: tuple[int, ...] = HEAD_DIMS) -> Path:
-    """Compile (once per source version and head-dim set) and return the library path."""
-    out = library_path(asan, head_dims)
+def build(asan: bool = False, head_dims: tuple[int, ...] = HEAD_DIMS,
+          families: tuple[str, ...] = FAMILIES) -> Path:
+    """Compile (once per source version, head-dim set and families) and return the
+    library path."""
+    out = library_path(asan, head_dims, families)
     if out.exists():
         return out
     cxx = compiler()
@@ -111,7 +135,7 @@ def build(asan: bool = False, head_dims: tuple[int, ...] = HEAD_DIMS) -> Path:
         raise RuntimeError("no C++ compiler (g++) found")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *_flags(asan, head_dims), str(HERE / "driver.cpp"), "-o", str(tmp)]
+    cmd = [cxx, *_flags(asan, head_dims, families), str(HERE / "driver.cpp"), "-o", str(tmp)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{proc.stderr}")

@@ -87,7 +87,8 @@ def run_quantized_case(emu, case: QuantCase, poison: bool = False) -> dict:
                 codes[rows[b], :, s:s + m] = c.view(code_dtype)
                 scales[rows[b], :, s:s + m] = sc
         wplan = planmod.plan_write_kv(case.dtype, D, n_new, Hkv, T, strides(k_new)[:3],
-                                      strides(k_buf)[:3], case.kv_dtype, strides(k_scale)[:3])
+                                      strides(k_buf)[:3], kv_dtype=case.kv_dtype,
+                                      scale_strides=strides(k_scale)[:3])
         bufs = {"k_new": k_new, "v_new": v_new, "k_buf": k_buf, "v_buf": v_buf,
                 "k_scale": k_scale, "v_scale": v_scale, "rows": rows, "starts": starts, "n_new": n_new}
         wpoison = None
