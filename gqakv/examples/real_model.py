@@ -66,7 +66,8 @@ class _RoundedStep:
     """A model step whose K/V are rounded to ``dtype`` before being written (float32 values)."""
 
     def __init__(self, step, dtype):
-        self._step, self._dtype = step, dtype
+        # Used with or without `with` (LlamaModel.forward commits or aborts the step itself).
+        self._step, self._inner, self._dtype = step, step, dtype
 
     def __enter__(self):
         self._inner = self._step.__enter__()
