@@ -138,7 +138,8 @@ def import_onnxruntime():
         import onnx
         import onnxruntime
     except ImportError as exc:
-        raise ImportError(f"--compare onnxruntime needs the {exc.name} package: {ORT_INSTALL}") from None
+        raise ImportError(f"--compare onnxruntime needs the onnx and onnxruntime packages ({exc.name} "
+                          f"is missing): {ORT_INSTALL}") from None
     return onnx, onnxruntime
 
 

@@ -5,6 +5,7 @@ in the benchmarks themselves.)"""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import json
 import math
@@ -12,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -277,13 +279,20 @@ def test_compare_onnxruntime_refuses_to_time_different_outputs(monkeypatch):
         np.testing.assert_array_equal(cache.k[b, :, :n], kv[b, :, :n])
 
 
-def test_compare_onnxruntime_missing_names_the_pip_command(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime -> ImportError
+@pytest.mark.parametrize("missing", ["onnx", "onnxruntime"])
+def test_compare_onnxruntime_missing_names_the_pip_command(capsys, monkeypatch, missing):
+    # Whether or not the extra is installed here: the named module fails to import.
+    for name in ("onnx", "onnxruntime"):
+        if name == missing:
+            monkeypatch.setitem(sys.modules, name, None)  # import name -> ImportError
+        elif importlib.util.find_spec(name) is None:
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))  # present, for the test
     assert cli.main(["bench", *TINY, "--compare", "onnxruntime"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == ("gqakv: error: --compare onnxruntime needs the onnxruntime package: "
-                            "pip install 'gqakv[compare]'  (or: pip install onnx onnxruntime)\n")
+    assert captured.err == (f"gqakv: error: --compare onnxruntime needs the onnx and onnxruntime packages "
+                            f"({missing} is missing): pip install 'gqakv[compare]'  (or: pip install onnx "
+                            "onnxruntime)\n")
 
 
 def test_alternating_blocks_alternates():
