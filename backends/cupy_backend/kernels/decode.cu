@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
 
     // Start the K/V stream before anything else: the first PIPE steps of this lane. Step
     // `step` of this lane is key k_begin + step * NG + grp, read through the K/V reader.
-    const auto kv = typed_kv_reader<Ty>(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D, pages...);
+    const auto kv = kv_reader<Ty>(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D, pages...);
     const i64 lane_key = k_begin + grp;
     KVRaw<KV, S::VEC, S::CPL> ring[S::PIPE];
 #pragma unroll

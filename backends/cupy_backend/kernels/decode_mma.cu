@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
     // Start this warp's first K/V step before anything else. kw[t]: key 16 blk + 8 t + fr,
     // chunks at d = 32 i + 8 fc; vw[j]: key 16 blk + 2 fc + (j & 1) + 8 (j >> 1), chunks at
     // d = 64 i + 8 fr.
-    const auto kv = kv_reader(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, pages...);
+    const auto kv = kv_reader<Ty>(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D, pages...);
     Words<S::KW> kw[2];
     Words<S::VW> vw[4];
 #pragma unroll

@@ -12,7 +12,8 @@
 // The contiguous instantiations leave it empty (their names and arguments are unchanged);
 // the paged ones name KVPages (sources.paged_name_expression) and the planner appends
 // the struct (plan.PageTableArg). kv_reader / kv_slot overload on the pack, so a kernel body says
-// `kv_reader(k_buf, v_buf, row, kvh, buf_sb, buf_sh, buf_st, pages...)` once and serves both.
+// `kv_reader<Ty>(k_buf, v_buf, row, kvh, buf_sb, buf_sh, buf_st, params, D, pages...)` once
+// and serves both.
 //
 // Only the pages a row holds for its live tokens are ever looked up (the kernels never
 // ask for a key at or past L), so table entries past them (-1) are never read.
@@ -72,32 +73,18 @@ struct PagedKV {
     __device__ __forceinline__ const TKV* v_row(i64 key) const { return v + offset(key); }
 };
 
-// The reader of a kernel instantiation: contiguous rows (no pages), or through the table.
-template <class TKV>
-__device__ __forceinline__ ContiguousKV<TKV> kv_reader(const TKV* __restrict__ k_buf,
-                                                       const TKV* __restrict__ v_buf, i64 row,
-                                                       int kvh, i64 sb, i64 sh, i64 st) {
-    return ContiguousKV<TKV>(k_buf, v_buf, row, kvh, sb, sh, st);
-}
-template <class TKV>
-__device__ __forceinline__ PagedKV<TKV> kv_reader(const TKV* __restrict__ k_buf,
-                                                  const TKV* __restrict__ v_buf, i64 row, int kvh,
-                                                  i64 sb, i64 sh, i64 st, const KVPages& pages) {
-    return PagedKV<TKV>(k_buf, v_buf, row, kvh, sb, sh, st, pages);
-}
-
-// The same switch for kernels whose types pick their reader (KernelTypes<T>::Reader:
-// ContiguousKV, or QuantizedKV for 8-bit codes with scales, which needs the call's scale
-// pointers and d): that reader without pages, PagedKV with them (paged quantized storage
-// is not instantiated: it takes the generic path).
+// The reader of a kernel instantiation: without pages the one its types pick
+// (KernelTypes<T>::Reader: ContiguousKV, or QuantizedKV for 8-bit codes with scales, which
+// needs the call's scale pointers and d), with pages PagedKV through the table (paged
+// quantized storage is not instantiated: it takes the generic path).
 template <class Ty, class TKV>
-__device__ __forceinline__ typename Ty::Reader typed_kv_reader(
+__device__ __forceinline__ typename Ty::Reader kv_reader(
     const TKV* __restrict__ k_buf, const TKV* __restrict__ v_buf, i64 row, int kvh, i64 sb, i64 sh,
     i64 st, const AttnParams& params, int d) {
     return typename Ty::Reader(k_buf, v_buf, row, kvh, sb, sh, st, params, d);
 }
 template <class Ty, class TKV>
-__device__ __forceinline__ PagedKV<TKV> typed_kv_reader(
+__device__ __forceinline__ PagedKV<TKV> kv_reader(
     const TKV* __restrict__ k_buf, const TKV* __restrict__ v_buf, i64 row, int kvh, i64 sb, i64 sh,
     i64 st, const AttnParams&, int, const KVPages& pages) {
     return PagedKV<TKV>(k_buf, v_buf, row, kvh, sb, sh, st, pages);

@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
         for (int cc = 0; cc < S::CPT; ++cc) acc[i][cc] = 0.f;
     }
 
-    const auto kv = typed_kv_reader<Ty>(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D, pages...);
+    const auto kv = kv_reader<Ty>(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D, pages...);
     for (i64 j0 = k_begin; j0 < k_end; j0 += S::BK) {
         __syncthreads();  // previous tile's readers are done with sKV and sP
         load_tile<KV, D, false>(sKV, kv, j0, k_end, S::BK, S::KSTR);
