@@ -27,8 +27,10 @@ queries) against the block with the loop over d vectorized (``_block_dots``: two
 x four rows of accumulators in registers), then per row the mask, one max and rescale
 per block and the exponentials, then O += P V with the loop over d vectorized
 (``_accumulate``: four values into four rows per pass); both walk the block one storage
-run at a time. Each K/V element is read and converted once per four tile rows, straight
-from the cache or pool (no scratch copy, no dequantized copy). The per-block pieces
+run at a time and prefetch the rows ``PREFETCH_BYTES`` ahead where they lie right after
+the run (contiguous rows; within a page). Each K/V element is read and converted once
+per four tile rows, straight from the cache or pool (no scratch copy, no dequantized
+copy). The per-block pieces
 (``_block_dots``, ``_score_row``, ``_accumulate``) are inlined into ``_attend`` by numba
 (``inline="always"``), so the array views of each storage run (one per page when paged)
 are not passed through calls with their reference counting on the shared buffers
@@ -68,6 +70,53 @@ FASTMATH = {"contract", "reassoc", "arcp"}
 BITS_VIEW = {"float32": np.float32, "float16": np.uint16, "bfloat16": np.int16}
 
 _NEG_INF = np.float32(-np.inf)
+
+
+#: How far ahead of the key (or value) being read the rows stored after it are
+#: prefetched, in bytes (16 rows of a float32 d=128 head, 32 of float16). Measured on
+#: the 2-core Xeon (decode, B=4 L=4,096, alternating processes): 4 KB and 8 KB alike,
+#: contiguous decode 1.2-1.5x faster than without (one core's demand misses alone read
+#: ~7 GB/s: between the loop's bursts of loads the line fill buffers sit idle unless
+#: the next rows are already on their way).
+PREFETCH_BYTES = 8 << 10
+
+
+@intrinsic
+def _prefetch_row(typingctx, rows, i):
+    """Start loading row i of a [n, d] view (d contiguous) into the cache: one
+    ``llvm.prefetch`` per 64-byte line (kept in every cache level). A hint, never a
+    fault; callers stay inside the view so that no load is wasted on other rows."""
+    if not (isinstance(rows, types.Array) and rows.ndim == 2 and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aryty, ity = signature.args
+        arr = context.make_array(aryty)(context, builder, args[0])
+        at = [context.cast(builder, args[1], ity, types.intp), context.get_constant(types.intp, 0)]
+        ptr = cgutils.get_item_pointer(context, builder, aryty, arr, at, wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        base = builder.bitcast(ptr, i8p)
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        prefetch = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        itemsize = context.get_abi_sizeof(context.get_data_type(aryty.dtype))
+        nbytes = builder.mul(builder.extract_value(arr.shape, 1),
+                             context.get_constant(types.intp, itemsize))
+        line = context.get_constant(types.intp, 64)
+        with cgutils.for_range_slice(builder, context.get_constant(types.intp, 0), nbytes,
+                                     line) as (offset, _):
+            # read (0), keep in all cache levels (3), data cache (1)
+            builder.call(prefetch, [builder.gep(base, [offset]), ir.Constant(i32, 0),
+                                    ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(rows, i), codegen
+
+
+@njit(cache=True)
+def prefetch_distance(rows):
+    """``PREFETCH_BYTES`` in rows of a [n, d] view (at least 1)."""
+    return max(1, PREFETCH_BYTES // (rows.shape[1] * rows.itemsize))
 
 
 # -- bits ----------------------------------------------------------------------------------
@@ -313,9 +362,12 @@ def key_run(buf, r, h, j, n):
     """``(rows, scales, m)``: keys (or values) j .. j + m - 1 of KV head h of cache row r,
     1 <= m <= n, as they lie together in storage (overloaded below by the layout's type):
 
-    - rows: a [m, d] view of the stored rows, elements read through ``decode``;
-    - scales: the [m] per-token scales of ``Quantized`` / ``PagedQuantized`` codes, else
-      None (``factor``);
+    - rows: a view of the stored rows from key j on, [>= m, d], elements read through
+      ``decode``; the run is its first m rows, and rows past them lie in storage right
+      after it (how far ``_prefetch_row`` may look ahead): contiguous rows to the row's
+      capacity, a page's run alone (the next page is elsewhere);
+    - scales: the per-token scales of ``Quantized`` / ``PagedQuantized`` codes, [>= m]
+      likewise, else None (``factor``);
     - an array [rows, Hkv, max_len, d] gives all n keys (m = n); ``Paged`` up to the end
       of j's page: one page-table lookup per run, never per key.
     """
@@ -325,7 +377,7 @@ def key_run(buf, r, h, j, n):
 @overload(key_run, jit_options={"cache": True})
 def _key_run(buf, r, h, j, n):
     if isinstance(buf, types.Array):
-        return lambda buf, r, h, j, n: (buf[r, h, j:j + n], None, n)
+        return lambda buf, r, h, j, n: (buf[r, h, j:], None, n)
     if _is(buf, Paged):
         def paged_run(buf, r, h, j, n):
             P = buf.pool.shape[2]
@@ -432,6 +484,7 @@ def _block_dots(qt, R, krows, kscales, n, s, o):
     """
     _prefer_512_bit_vectors()
     d = qt.shape[1]
+    ahead = prefetch_distance(krows)
     jj = 0
     while jj < n:
         two = jj + 1 < n
@@ -439,6 +492,9 @@ def _block_dots(qt, R, krows, kscales, n, s, o):
         k1 = krows[jj + 1] if two else k0
         f0 = factor(kscales, jj)
         f1 = factor(kscales, jj + 1) if two else f0
+        if jj + ahead + 1 < krows.shape[0]:  # rows stored together with this run
+            _prefetch_row(krows, jj + ahead)
+            _prefetch_row(krows, jj + ahead + 1)
         rr = 0
         while rr + 4 <= R:
             q0, q1, q2, q3 = qt[rr], qt[rr + 1], qt[rr + 2], qt[rr + 3]
@@ -501,11 +557,14 @@ def _accumulate(acc, R, s, o, vrows, vscales, n):
         _accumulate4(acc[rr], acc[rr + 1], acc[rr + 2], acc[rr + 3], s[rr, o:], s[rr + 1, o:],
                      s[rr + 2, o:], s[rr + 3, o:], vrows, vscales, n)
         rr += 4
+    ahead = prefetch_distance(vrows)
     while rr < R:  # rows left over when G * queries is not a multiple of 4
         a0, p = acc[rr], s[rr, o:]
         d = a0.size
         for jj in range(n):
             v0 = vrows[jj]
+            if R < 4 and jj + ahead < vrows.shape[0]:  # first pass (else _accumulate4's)
+                _prefetch_row(vrows, jj + ahead)
             p0 = p[jj] * factor(vscales, jj)
             for c in range(d):
                 a0[c] += p0 * decode(v0[c])
@@ -517,8 +576,12 @@ def _accumulate4(a0, a1, a2, a3, s0, s1, s2, s3, vrows, vscales, n):
     """Four rows of ``_accumulate``: a_i [d] += sum_jj s_i[jj] * value jj of the run."""
     _prefer_512_bit_vectors()
     d = a0.size
+    ahead = prefetch_distance(vrows)
     jj = 0
     while jj + 4 <= n:
+        if jj + ahead + 3 < vrows.shape[0]:  # rows stored together with this run
+            for k in range(4):
+                _prefetch_row(vrows, jj + ahead + k)
         v0 = vrows[jj]
         v1 = vrows[jj + 1]
         v2 = vrows[jj + 2]
