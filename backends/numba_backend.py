@@ -43,7 +43,12 @@ from .cpu_plan import ENV_THREADS, _plan, _share, _threads
 from .numpy_backend import NumpyBackend
 
 #: Chunks of more queries than this take the NumPy BLAS path (see ``attention_route``).
-KERNEL_MAX_QUERIES = 16
+#: Where the two cross (both paths alternating in one process, Llama-3.1-8B layer):
+#: kernel / BLAS time at T = 4, 8, 12, 16 queries: float32 B=1 L=4,096 0.93, 0.91, 1.27,
+#: 1.34; bfloat16 B=4 L=2,048 0.65, 1.06, -, 1.42; int8 0.74 (T=8), 1.16 (12), 1.04 (16);
+#: paged (16) 0.77, 0.97, 1.06. The kernel's work grows with the G x T rows of its tile
+#: while BLAS's matmuls stay efficient, so past 8 queries BLAS is faster.
+KERNEL_MAX_QUERIES = 8
 #: Queries of one item: the tile holds G * QUERY_BLOCK rows.
 QUERY_BLOCK = 16
 #: A row's keys are split across threads only into pieces at least this long.
@@ -63,7 +68,7 @@ class NumbaBackend(NumpyBackend):
     priority = 20  # above numpy (10): the CPU default when numba imports; below cupy (100)
     # array_library, device_kind, dtypes and head_dims are NumpyBackend's (same arrays)
     features = frozenset({
-        "numba kernels: decode and chunks <= 16 queries (float32, float16, bfloat16)",
+        f"numba kernels: decode and chunks <= {KERNEL_MAX_QUERIES} queries (float32, float16, bfloat16)",
         "paged storage in the kernels (page table read once per page run)",
         "int8 / float8_e4m3fn storage in the kernels (decoded in registers, scales folded)",
         "float16/bfloat16 converted in registers, computed in float32",

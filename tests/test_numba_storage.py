@@ -28,7 +28,8 @@ numba = pytest.importorskip("numba")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from gqakv_backends import numba_kernels as nk  # noqa: E402
-from gqakv_backends.numba_backend import NumbaBackend, attention_numba, kernel_layout  # noqa: E402
+from gqakv_backends.numba_backend import (KERNEL_MAX_QUERIES, NumbaBackend, attention_numba,  # noqa: E402
+                                         kernel_layout)
 
 from gqakv.inputs import validate_attention  # noqa: E402
 from gqakv.semantics import AttentionParams  # noqa: E402
@@ -145,7 +146,8 @@ def test_paged_matches_reference(page_size, variant, kernel_calls):
     for m in model:
         m[1] = m[0].copy()
     calls = 0
-    for n_new, T in (([9, 4, 0, 16], 16), ([1, 1, 1, 1], 1), ([1, 1, 0, 1], 1)):
+    Tk = KERNEL_MAX_QUERIES  # the longest chunk gqa_attention hands the kernel
+    for n_new, T in (([Tk - 1, 4, 0, Tk], Tk), ([1, 1, 1, 1], 1), ([1, 1, 0, 1], 1)):
         _grow(rng, cache, model, [n_new], dtype)
         _attend_both_ways(rng, cache, model, n_new, T, G, VARIANTS[variant], dtype)
         calls += 1
@@ -213,7 +215,7 @@ def test_quantized_matches_reference_on_dequantized_values(kv_dtype, variant, ke
         model = ([np.zeros((hkv, 0, d))] * B, [np.zeros((hkv, 0, d))] * B)
         model = (list(model[0]), list(model[1]))
         _grow(rng, cache, model, [[300, 0, 37], [13, 0, 16]], dtype, hard=True)
-        for n_new, T in (([9, 4, 0], 9), ([1, 1, 1], 1)):
+        for n_new, T in (([KERNEL_MAX_QUERIES, 4, 0], KERNEL_MAX_QUERIES), ([1, 1, 1], 1)):
             _grow(rng, cache, model, [n_new], dtype, hard=True)
             _attend_both_ways(rng, cache, model, n_new, T, G, VARIANTS[variant], dtype)
             calls += 1
@@ -238,7 +240,7 @@ def test_paged_quantized_matches_reference(kv_dtype, page_size, kernel_calls):
         m[1] = m[0].copy()
     calls = 0
     for variant in VARIANTS.values():
-        for n_new, T in (([9, 4, 0], 9), ([1, 1, 1], 1)):
+        for n_new, T in (([KERNEL_MAX_QUERIES, 4, 0], KERNEL_MAX_QUERIES), ([1, 1, 1], 1)):
             _grow(rng, cache, model, [n_new], "bfloat16", hard=True)
             _attend_both_ways(rng, cache, model, n_new, T, G, variant, "bfloat16")
             calls += 1
