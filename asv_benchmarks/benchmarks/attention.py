@@ -178,9 +178,10 @@ class ChunkedPrefill:
     params = [BACKENDS, ["512 onto 3000", "4096 in 8"]]
     param_names = ["backend", "case"]
     timeout = 600
-    # Calls of 0.1 to 1 s (more on a busy machine): a few samples, no separate warm-up
-    # (each call of '4096 in 8' resets and refills the cache; the set-up ran one of '512 onto 3000').
-    repeat = (3, 5, 3.0)
+    # Calls of 0.1 to 1 s (more on a busy machine): a few samples per round (two rounds,
+    # common.TIMING), no separate warm-up (each call of '4096 in 8' resets and refills the
+    # cache; the set-up ran one of '512 onto 3000').
+    repeat = (2, 3, 1.5)
     min_run_count = 3
     warmup_time = 0.0
     CASES = {"512 onto 3000": (512, 3512), "4096 in 8": (512, 4096)}  # chunk, final length

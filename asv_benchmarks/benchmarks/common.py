@@ -164,22 +164,27 @@ def best_seconds(fn, backend, repeats=7) -> float:
     return best
 
 
-def ratio(fn_a, fn_b, backend, repeats=7) -> float:
-    """min time of ``fn_a`` / min time of ``fn_b``, their calls interleaved (a, b, a, b, ...)."""
+def ratio(fn_a, fn_b, backend, repeats=7, min_seconds=0.5, max_pairs=60) -> float:
+    """min time of ``fn_a`` / min time of ``fn_b``, their calls interleaved (a, b, a, b, ...):
+    at least ``repeats`` pairs, more (up to ``max_pairs``) until each side has run
+    ``min_seconds``. A track_ value has no samples for asv's statistics, so its minimum
+    must be stable by itself: fast calls get many pairs, so that each side's minimum
+    comes from a moment when the machine's other load let it run undisturbed."""
     fn_a(), fn_b()
     sync(backend)
-    best_a = best_b = math.inf
-    for _ in range(repeats):
-        for fn, which in ((fn_a, 0), (fn_b, 1)):
+    best = [math.inf, math.inf]
+    spent = [0.0, 0.0]
+    pairs = 0
+    while pairs < repeats or (pairs < max_pairs and min(spent) < min_seconds):
+        for which, fn in enumerate((fn_a, fn_b)):
             t = time.perf_counter()
             fn()
             sync(backend)
             dt = time.perf_counter() - t
-            if which:
-                best_b = min(best_b, dt)
-            else:
-                best_a = min(best_a, dt)
-    return best_a / best_b
+            best[which] = min(best[which], dt)
+            spent[which] += dt
+        pairs += 1
+    return best[0] / best[1]
 
 
 def temp_mib(fn) -> float:
@@ -195,18 +200,26 @@ def temp_mib(fn) -> float:
         tracemalloc.stop()
 
 
-# asv timing attributes shared by the time_ benchmarks: samples of at least 20 ms, 5 to 15 of
-# them within 2 s (more only for fast calls), one process. Sized so that three runs of the same
-# code agree within asv's 10% on a shared 2-core machine (see docs/guides/performance.md, "Benchmarks (asv)"), at about 6 minutes
-# for the suite; classes with long calls set their own.
-TIMING = dict(sample_time=0.02, repeat=(5, 15, 2.0), rounds=1, warmup_time=0.1, min_run_count=5)
+# asv timing attributes shared by the time_ benchmarks: two rounds (two processes), each with
+# samples of at least 20 ms, 3 to 8 of them within 1 s (more only for fast calls). Two rounds
+# because `asv continuous` interleaves rounds across the two commits (base round 1, head round
+# 1, base round 2, head round 2): a change in the machine's load between the first and second
+# half of a run then falls on both commits, where with one round it fell on one commit and
+# read as a 10-40% "regression" on this shared 2-core machine. track_ methods keep one round
+# (their values are ratios whose two sides are already interleaved in one call, or counts):
+# the suite's time stays about what one round of 5 to 15 samples within 2 s took.
+TIMING = dict(sample_time=0.02, repeat=(3, 8, 1.0), rounds=2, warmup_time=0.1, min_run_count=5)
 
 
 def timing(cls):
-    """Class decorator: the shared timing attributes, unless the class sets its own."""
+    """Class decorator: the shared timing attributes, unless the class sets its own; each
+    track_ method runs in one round (a method attribute, which asv reads before the class's)."""
     for k, v in TIMING.items():
         if k not in cls.__dict__:
             setattr(cls, k, v)
+    for name, fn in list(cls.__dict__.items()):
+        if name.startswith("track_") and callable(fn) and not hasattr(fn, "rounds"):
+            fn.rounds = 1
     return cls
 
 

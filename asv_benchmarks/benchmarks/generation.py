@@ -37,7 +37,7 @@ class GenerationLoop:
     params = [BACKENDS, SIZES]
     param_names = ["backend", "batch x prompt"]
     timeout = 600
-    repeat = (3, 8, 4.0)  # calls of 0.2 s to seconds
+    repeat = (2, 4, 2.0)  # calls of 0.2 s to seconds; two rounds (common.TIMING)
 
     def setup(self, backend, size):
         self.backend = backend_or_skip(backend)
