@@ -30,12 +30,12 @@ per block and the exponentials, then O += P V with the loop over d vectorized
 run at a time and prefetch the rows ``PREFETCH_BYTES`` ahead where they lie right after
 the run (contiguous rows; within a page). Each K/V element is read and converted once
 per four tile rows, straight from the cache or pool (no scratch copy, no dequantized
-copy). The per-block pieces
-(``_block_dots``, ``_score_row``, ``_accumulate``) are inlined into ``_attend`` by numba
-(``inline="always"``), so the array views of each storage run (one per page when paged)
-are not passed through calls with their reference counting on the shared buffers
-(measured on the loaded 2-core machine against the called version: contiguous decode
-0.92-0.96x the time, paged at 16-token pages 0.90-1.01x; B=32 L=1024 and B=4 L=4096).
+copy). The per-block pieces (``_block_dots``, ``_score_row``, ``_accumulate``) are
+inlined into ``_attend`` by numba (``inline="always"``), so the array views of each
+storage run (one per page when paged) are not passed through calls with their reference
+counting on the shared buffers (measured on the loaded 2-core machine against the called
+version: contiguous decode 0.92-0.96x the time, paged at 16-token pages 0.90-1.01x;
+B=32 L=1024 and B=4 L=4096).
 
 The online softmax keeps a running max ``m`` and sum ``l`` in float32 per tile row and
 is correct when a whole key block is masked (rows whose max is still -inf add

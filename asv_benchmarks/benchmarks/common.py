@@ -204,10 +204,11 @@ def temp_mib(fn) -> float:
 # samples of at least 20 ms, 3 to 8 of them within 1 s (more only for fast calls). Two rounds
 # because `asv continuous` interleaves rounds across the two commits (base round 1, head round
 # 1, base round 2, head round 2): a change in the machine's load between the first and second
-# half of a run then falls on both commits, where with one round it fell on one commit and
-# read as a 10-40% "regression" on this shared 2-core machine. track_ methods keep one round
-# (their values are ratios whose two sides are already interleaved in one call, or counts):
-# the suite's time stays about what one round of 5 to 15 samples within 2 s took.
+# half of a run then falls on both commits instead of one. (It does not remove the swings
+# of minutes on this shared 2-core VM: docs/guides/performance.md, "Benchmarks (asv)".)
+# track_ methods keep one round (their values are ratios whose two sides are already
+# interleaved in one call, or counts): the suite's time stays about what one round of 5 to
+# 15 samples within 2 s took (asv continuous, two commits: 764-812 s with the builds).
 TIMING = dict(sample_time=0.02, repeat=(3, 8, 1.0), rounds=2, warmup_time=0.1, min_run_count=5)
 
 
