@@ -188,7 +188,7 @@ def prefill_bench(backend, lens, peak_tflops) -> None:
 def variant_check(backend, quick: bool) -> bool:
     """The attention variants (window / softcap / sinks, kernels/variant.cuh) on the device:
     decode, split decode and prefill of each variant against the float64 reference
-    (tests/reference.py), then decode time with a window of 4,096 against none on a long
+    (tests/support/reference.py), then decode time with a window of 4,096 against none on a long
     row (it must follow min(L, W)). Returns whether every parity check passed."""
     import math
 

@@ -2,7 +2,7 @@
 
 Randomized chunked, ragged trials: each trial builds a cache, feeds rows in chunks of
 1..8 tokens (some rows get none in some calls), and after every append compares the
-attention of the chunk's queries with tests/reference.py.
+attention of the chunk's queries with tests/support/reference.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import gqakv
 from gqakv import attention as attention_module
 
 from .conftest import BackendArrays
-from .reference import reference_attention
+from .support.reference import reference_attention
 from .test_quantized import held
 
 # float32: inputs are O(1), so outputs are O(1) convex combinations of V; a correct

@@ -172,7 +172,7 @@ def test_onnxruntime_peer_computes_the_same_decode_step(dtype):
     float64 reference over each row's past plus its new token, the new K/V written at
     the row's length in the shared past/present buffer and nothing else touched."""
     _onnxruntime_or_skip()
-    from tests.reference import reference_attention
+    from tests.support.reference import reference_attention
 
     rng = np.random.default_rng(0)
     B, Hq, Hkv, M, d = 3, 4, 2, 12, 8
@@ -221,8 +221,8 @@ def test_bench_compare_onnxruntime(capsys, dtype, backend_name):
 
 
 def test_decode_reference_is_the_reference():
-    """The yardstick of the agreement check: its float64 result is tests/reference.py's."""
-    from tests.reference import reference_attention
+    """The yardstick of the agreement check: its float64 result is tests/support/reference.py's."""
+    from tests.support.reference import reference_attention
 
     rng = np.random.default_rng(3)
     q = rng.standard_normal((2, 4, 1, 8), dtype=np.float32).astype(np.float16)

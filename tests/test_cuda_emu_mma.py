@@ -229,7 +229,7 @@ def test_backend_passes_the_device_compute_capability(monkeypatch, capability, e
     from gqakv_backends import cupy_backend
 
     from .cuda_emu.emulated_backend import EmulatedCupyBackend, EmulatedDevice
-    from .reference import reference_attention
+    from .support.reference import reference_attention
 
     seen = []
     real = planmod.plan_attention

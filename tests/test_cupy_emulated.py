@@ -130,7 +130,7 @@ def test_backend_glue_on_the_emulator(emulated_backend):
     import ml_dtypes
     import numpy as np
 
-    from .reference import reference_attention
+    from .support.reference import reference_attention
 
     backend = emulated_backend
     rng = np.random.default_rng(0)
@@ -216,7 +216,7 @@ def test_strided_and_unaligned_inputs_through_the_glue(emulated_backend, dtype):
     import gqakv
     from gqakv_backends import cupy_backend
 
-    from .reference import reference_attention
+    from .support.reference import reference_attention
 
     backend = emulated_backend
     rng = np.random.default_rng(2)
@@ -429,7 +429,7 @@ def test_attention_with_an_unaligned_v_buffer_takes_the_generic_path():
     from gqakv_backends.cupy_backend import routing
 
     from .cuda_emu.emulated_backend import EmulatedCupyBackend
-    from .reference import reference_attention
+    from .support.reference import reference_attention
 
     backend = EmulatedCupyBackend()
     rng = np.random.default_rng(4)

@@ -16,7 +16,7 @@ import pytest
 import gqakv
 
 from .cuda_emu import harness
-from .reference import reference_attention
+from .support.reference import reference_attention
 
 if harness.compiler() is None:
     pytest.skip("no C++ compiler (g++) for the CUDA emulation harness", allow_module_level=True)

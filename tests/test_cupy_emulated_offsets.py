@@ -26,7 +26,7 @@ from gqakv_backends.cupy_backend import plan as planmod
 
 from .cuda_emu import harness
 from .cuda_emu.cases import STORAGE, _check_out
-from .reference import reference_attention
+from .support.reference import reference_attention
 
 if harness.compiler() is None:
     pytest.skip("no C++ compiler (g++) for the CUDA emulation harness", allow_module_level=True)

@@ -5,7 +5,7 @@ A ``PagedKVCache`` (and a paged ``ModelKVCache``) on the emulated cupy backend
 goes through a serving sequence: chunked prefill of ragged rows (an idle row), a fork
 that shares the prompt's pages (its partly filled last page copied on write by
 gqakv_copy_tokens over the pool's pages), small-T and T = 1 decode. Every attention is
-compared with the float64 loop reference (tests/reference.py) on a direct per-row model
+compared with the float64 loop reference (tests/support/reference.py) on a direct per-row model
 of the appended tokens, with the rule of the other emulated suites (cases._check_out),
 and every row's pages with the model (``live_kv``); the launches must be the paged
 instantiations (``..., KVPages>``), never the generic path.
@@ -31,7 +31,7 @@ import pytest
 import gqakv
 
 from .cuda_emu import cases, harness
-from .reference import reference_attention
+from .support.reference import reference_attention
 
 if harness.compiler() is None:
     pytest.skip("no C++ compiler (g++) for the CUDA emulation harness", allow_module_level=True)

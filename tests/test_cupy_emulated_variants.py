@@ -5,7 +5,7 @@ compile-time flags window 1, softcap 2, sinks 4); the planner picks the flags fr
 call's ``AttentionParams`` (plan.variant_flags) and starts decode splits and prefill key
 tiles at the window (semantics.keys_read / block_keys). Every scenario runs the plan the
 backend builds on the CPU emulator (tests/cuda_emu) and is compared with the independent
-float64 loop reference (tests/reference.py, which takes window=, softcap=, sinks=) with
+float64 loop reference (tests/support/reference.py, which takes window=, softcap=, sinks=) with
 the suite's rule (tests/cuda_emu/cases._check_out): out within 2 x the reference's rounding
 to the dtype + 2e-6, lse within 1e-5, padded queries exactly 0 / -inf, no NaN anywhere.
 
@@ -27,7 +27,7 @@ import pytest
 from gqakv import semantics
 
 from .cuda_emu import cases, harness
-from .reference import reference_attention
+from .support.reference import reference_attention
 
 if harness.compiler() is None:
     pytest.skip("no C++ compiler (g++) for the CUDA emulation harness", allow_module_level=True)

@@ -34,7 +34,7 @@ from gqakv import quantize as Q
 from gqakv.backend import Backend
 
 from .cuda_emu import harness
-from .reference import reference_attention
+from .support.reference import reference_attention
 
 if harness.compiler() is None:
     pytest.skip("no C++ compiler (g++) for the CUDA emulation harness", allow_module_level=True)

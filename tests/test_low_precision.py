@@ -17,7 +17,7 @@ import pytest
 
 import gqakv
 
-from .reference import reference_attention
+from .support.reference import reference_attention
 
 K_ERR = 2.0
 EPS = 1e-6

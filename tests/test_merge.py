@@ -17,7 +17,7 @@ import pytest
 
 import gqakv
 
-from .reference import reference_attention
+from .support.reference import reference_attention
 
 NAN, INF = math.nan, math.inf
 

@@ -25,7 +25,7 @@ from gqakv.examples.llama import (
     generate_uncached,
 )
 
-from .reference import reference_attention
+from .support.reference import reference_attention
 
 F64_ATOL = 1e-10
 

@@ -11,7 +11,7 @@ import pytest
 
 import gqakv
 
-from .reference import reference_attention
+from .support.reference import reference_attention
 from .test_row_ops import DirectCache, assert_matches, assert_unchanged, fill_nan, snapshot
 
 TOL = {"float64": 1e-10, "float32": 2e-5}  # as in test_attention: O(1) data, ~170 float32 ulps

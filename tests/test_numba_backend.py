@@ -29,7 +29,7 @@ from gqakv_backends.numba_backend import NumbaBackend, attention_numba, default_
 
 from gqakv.semantics import AttentionParams, key_range  # noqa: E402
 
-from .reference import reference_attention  # noqa: E402
+from .support.reference import reference_attention  # noqa: E402
 from .test_numpy_attention import _variant_params, variant_reference  # noqa: E402
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}

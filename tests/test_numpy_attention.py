@@ -2,7 +2,7 @@
 
 Tiny blocks, several workers and no size thresholds force the planner to cut rows
 over KV heads, keys and queries on small shapes, so each merge path is checked
-against tests/reference.py. Also: float16/bfloat16 computed in float32, bounded
+against tests/support/reference.py. Also: float16/bfloat16 computed in float32, bounded
 temporaries (tracemalloc), work that follows live lengths, and BLAS threads restored.
 The attention variants (window, softcap, sinks) are checked against ``variant_reference``
 below (loops over every key, float64), under the same forced splits.
@@ -19,7 +19,7 @@ import pytest
 import gqakv
 from gqakv_backends import numpy_attention as na
 
-from .reference import reference_attention
+from .support.reference import reference_attention
 
 SPLIT_EVERYTHING = dict(workers=3, score_block_elements=24, query_block=3, min_key_split=2,
                         parallel_min_work=0)

@@ -17,7 +17,7 @@ import gqakv
 from gqakv.paged import GATHER_KEYS, OutOfPages, PagedStore, pages_for
 
 from .conftest import BackendArrays
-from .reference import reference_attention
+from .support.reference import reference_attention
 
 
 def audit(cache):

@@ -13,7 +13,7 @@ import pytest
 import gqakv
 from gqakv.paged import pages_for
 
-from .reference import reference_attention
+from .support.reference import reference_attention
 
 B, HKV, G, D, P, NUM_PAGES, MAX_LEN = 3, 2, 2, 8, 4, 24, 32
 

@@ -158,7 +158,7 @@ from gqakv.attention import attention_array_api  # noqa: E402
 from gqakv.inputs import validate_attention  # noqa: E402
 
 from .conftest import BackendArrays  # noqa: E402
-from .reference import reference_attention  # noqa: E402
+from .support.reference import reference_attention  # noqa: E402
 
 
 def _dequantized(x: np.ndarray, kv_dtype: str) -> np.ndarray:

@@ -15,7 +15,7 @@ from gqakv import cli, selftest
 from gqakv.reference import naive_low_precision, reference_attention
 from gqakv_backends.numpy_backend import NumpyBackend
 
-from .reference import reference_attention as loop_reference
+from .support.reference import reference_attention as loop_reference
 
 LINE = re.compile(r"^(\S+(?: \S+)?)\s+(all|float16|bfloat16|float32|float64)\s+(\d+|-)\s+(\S+)\s+"
                   r"(PASS|FAIL|SKIP)(?:  (.*))?$")

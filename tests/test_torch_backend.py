@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="torch not installed (pip install 'g
 import gqakv  # noqa: E402
 from gqakv_backends.torch_backend import TorchBackend  # noqa: E402
 
-from .reference import reference_attention  # noqa: E402
+from .support.reference import reference_attention  # noqa: E402
 
 
 def test_registered_through_entry_point_below_numpy(monkeypatch):

@@ -1,5 +1,5 @@
 """Attention variants (sliding window, soft-cap, sinks; issue 13) on every backend, against
-the independent float64 loop reference (tests/reference.py): each alone and combined,
+the independent float64 loop reference (tests/support/reference.py): each alone and combined,
 over ragged rows, padding, chunked prefill, row operations and split-then-merged keys;
 and their validation (a bad value is named and changes nothing)."""
 
@@ -15,7 +15,7 @@ from gqakv.merge import apply_sinks, merge_attention
 from gqakv.semantics import AttentionParams
 
 from .conftest import BackendArrays
-from .reference import reference_attention
+from .support.reference import reference_attention
 from .test_quantized import held
 
 #: Tolerances against the float64 reference (outputs are O(1), lse O(10)).

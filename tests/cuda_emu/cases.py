@@ -1,5 +1,5 @@
 """Scenarios that drive the emulated kernels exactly as the cupy backend would, and
-check every result against the float64 loop reference (tests/reference.py).
+check every result against the float64 loop reference (tests/support/reference.py).
 
 A scenario is a cache (``cache_rows`` rows of ``max_len`` tokens, NaN everywhere it has
 not been written) and a list of steps; each step appends ``n_new`` tokens per batch entry
@@ -29,10 +29,10 @@ import numpy as np
 from gqakv_backends.cupy_backend import plan as planmod
 
 try:
-    from ..reference import reference_attention  # imported as tests.cuda_emu.cases
+    from ..support.reference import reference_attention  # imported as tests.cuda_emu.cases
 except ImportError:  # run_cases.py: tests/ itself is on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from reference import reference_attention  # noqa: E402
+    from support.reference import reference_attention  # noqa: E402
 
 STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
            "bfloat16": np.dtype(ml_dtypes.bfloat16)}
