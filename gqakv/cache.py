@@ -30,7 +30,7 @@ import numpy as np
 
 from . import dtypes as _dtypes
 from . import row_ops
-from .inputs import validate_append
+from .inputs import immutable_ints, validate_append
 from .registry import get_backend
 from .store import MAX_BUFFER_BYTES, PAGED, KVStore, StorageSpec  # noqa: F401  (MAX_BUFFER_BYTES: re-exported)
 
@@ -47,7 +47,9 @@ class Lengths:
     """Live tokens per row, shared by every view of the same buffers.
 
     The host int64 copy is the source of truth: validation reads it without a device
-    round trip. The backend's array of it is made on demand and cached until a change.
+    round trip. Callers are handed copies (``read_only``, ``device``), never it or an
+    array another caller also holds, so nothing a caller does to what it got (a write,
+    NumPy's ``setflags(write=True)``) reaches the lengths or the next caller.
 
     ``lock`` serializes the writers of one set of buffers (an append, a step's open,
     writes and commit, a row operation: validate, write, advance the lengths), shared by
@@ -58,8 +60,6 @@ class Lengths:
     def __init__(self, batch: int):
         self.host = np.zeros(batch, dtype=np.int64)
         self.lock = threading.RLock()
-        self._version = 0  # bumped after each change, so a device copy made meanwhile is not kept
-        self._device = None  # (version, backend array) or None
 
     @classmethod
     def of(cls, values: np.ndarray) -> "Lengths":
@@ -69,25 +69,17 @@ class Lengths:
 
     def set(self, rows: np.ndarray, values: np.ndarray) -> None:
         self.host[rows] = values
-        self._version += 1
 
     def read_only(self) -> np.ndarray:
-        view = self.host.view()
-        view.flags.writeable = False
-        return view
+        """A snapshot ``[B]`` int64 that cannot be made writable (``immutable_ints``)."""
+        return immutable_ints(self.host)
 
     def device(self, backend, like):
-        cached = self._device
-        if cached is not None and cached[0] == self._version:
-            return cached[1]
-        # The version is read before the host copy: if a writer changes the lengths
-        # meanwhile, the copy is tagged with the older version and never reused.
-        version = self._version
-        # A copy: the array handed out must neither change under its holder after the
-        # next append nor, where the library's arrays are writable, write the lengths.
-        arr = backend.from_host_ints(self.host.copy(), device=backend.device_of(like))
-        self._device = (version, arr)
-        return arr
+        """A new backend array of a snapshot, on ``like``'s device, for each caller: never
+        cached, since torch, CuPy and array-API arrays are writable (a shared one let one
+        caller's write change what the next read) and it must not change under its
+        holder after the next append."""
+        return backend.from_host_ints(self.host.copy(), device=backend.device_of(like))
 
 
 def write(backend, store: KVStore, k_new, v_new, inputs) -> None:
@@ -181,12 +173,15 @@ class RowsAndLengths:
 
     @property
     def host_lens(self) -> np.ndarray:
-        """Live tokens per row as a read-only NumPy int64 ``[B]`` array (no device round trip)."""
+        """Live tokens per row as a NumPy int64 ``[B]`` array (no device round trip): a
+        snapshot of its own for each call, which cannot be made writable."""
         return self._lengths.read_only()
 
     @property
     def lens(self):
-        """Live tokens per row, ``[B]`` int64, as an array of the cache's backend."""
+        """Live tokens per row, ``[B]`` int64, as an array of the cache's backend: a new
+        snapshot for each call (NumPy: one that cannot be made writable), so writing it
+        changes nothing else."""
         return self._lengths.device(self.backend, self.store.k)
 
     def reorder(self, src_rows) -> None:
@@ -229,8 +224,8 @@ class KVCache(RowsAndLengths):
         backend: a backend name, a Backend, "auto" or None (see ``gqakv.get_backend``).
         storage: the storage kind (``gqakv.store.KINDS``): "contiguous" (default) or
             "paged" (see ``gqakv.PagedKVCache``).
-        page_size, num_pages: paged storage only: tokens per page (default 16) and pages in
-            the pool (default: every row at ``max_len``).
+        page_size: paged storage only: tokens per page (default 16).
+        num_pages: paged storage only: pages in the pool (default: every row at ``max_len``).
         kv_dtype: how K and V are stored: None (as ``dtype``), "int8" or "float8_e4m3fn"
             (8-bit codes plus a float32 scale per row, KV head and token, ``gqakv.quantize``;
             contiguous or paged storage, dtype float32/float16/bfloat16). ``dtype`` stays the dtype
@@ -253,7 +248,7 @@ class KVCache(RowsAndLengths):
         self._frozen = None  # why this cache cannot change its own lengths (layer views)
 
     @classmethod
-    def view_of(cls, store: KVStore, lengths: Lengths, *, backend, frozen: str) -> "KVCache":
+    def _view_of(cls, store: KVStore, lengths: Lengths, *, backend, frozen: str) -> "KVCache":
         """A cache over an existing ``store`` without leading axes (``[B, Hkv, max_len, d]``
         views) with shared ``lengths``; it reads like any cache, and ``append`` and the row
         operations raise RuntimeError(``frozen``). Used for ModelKVCache's layer views."""
@@ -311,11 +306,20 @@ class KVCache(RowsAndLengths):
         with self._lengths.lock:  # validate, write and advance as one step (see Lengths)
             self._check_can_change("append")
             inputs = validate_append(self, k_new, v_new, n_new, rows)
+            reservation = None
             if self.store.kind == PAGED:  # take pages (OutOfPages changes nothing)
                 from .paged import reserve
 
-                reserve(self.backend, self.store, inputs.rows, inputs.starts, inputs.n_new)
-            write(self.backend, self.store, k_new, v_new, inputs)
+                reservation = reserve(self.backend, self.store, inputs.rows, inputs.starts,
+                                      inputs.n_new)
+            try:
+                write(self.backend, self.store, k_new, v_new, inputs)
+            except BaseException:
+                # the write landed only past live tokens: giving the pages back restores the
+                # table, and no length has moved
+                if reservation is not None:
+                    self.store.table.undo(reservation)
+                raise
             self._set_lens(inputs.rows, inputs.starts + inputs.n_new)
 
     # -- row operations (RowsAndLengths) ---------------------------------------------------------

@@ -20,12 +20,15 @@ live token and no length has changed (only dead slots past the lengths were writ
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 
 from . import attention as _attention
 from . import cache as _cache
 from .cache import KVCache, Lengths, RowsAndLengths, _check_dim, _check_dims, human_bytes
-from .inputs import _rows, check_capacity, check_flag, host_ints, validate_append, validate_attention
+from .inputs import (_rows, check_capacity, check_flag, host_ints, immutable_ints, validate_append,
+                     validate_attention)
 from .store import PAGED, StorageSpec
 
 _LAYER_VIEW = ("it is one layer of a ModelKVCache, whose lengths are shared by all layers; "
@@ -69,9 +72,9 @@ class ModelKVCache(RowsAndLengths):
         self._allocate((self.layers,), batch, kv_heads, max_len, head_dim, dtype, backend,
                        "model KV cache", storage, page_size, num_pages, kv_dtype=kv_dtype)
         self._layer_stores = [self.store.layer(l) for l in range(self.layers)]
-        self._views = [KVCache.view_of(st, self._lengths, backend=self.backend, frozen=_LAYER_VIEW)
+        self._views = [KVCache._view_of(st, self._lengths, backend=self.backend, frozen=_LAYER_VIEW)
                        for st in self._layer_stores]
-        self._open_step = None
+        self._open_step: Step | None = None
 
     @classmethod
     def for_model(cls, model, *, batch: int, max_len: int, dtype="bfloat16", backend=None):
@@ -147,11 +150,17 @@ class ModelKVCache(RowsAndLengths):
                 if n[i] < 0:
                     raise ValueError(f"n_new[{i}]={int(n[i])} is negative (row {int(r[i])})")
             check_capacity(r, starts, n, self.max_len)
+            reservation = None
             if self.store.kind == PAGED:  # pages for every layer, once (OutOfPages: no change)
                 from .paged import reserve
 
-                reserve(self.backend, self.store, r, starts, n)
-            step = Step(self, r, starts, n)
+                reservation = reserve(self.backend, self.store, r, starts, n)
+            try:
+                step = Step(self, r, starts, n, reservation)
+            except BaseException:
+                if reservation is not None:
+                    self.store.table.undo(reservation)
+                raise
             self._open_step = step
         return step
 
@@ -181,18 +190,19 @@ class Step:
         lens: ``[B']`` each row's length after the step (``starts + n_new``).
     """
 
-    def __init__(self, cache: ModelKVCache, rows, starts, n_new):
+    def __init__(self, cache: ModelKVCache, rows, starts, n_new, reservation=None):
         self.cache = cache
-        self.rows, self.starts, self.n_new = rows, starts, n_new
-        self.lens = starts + n_new
+        self._reservation = reservation  # paged: the pages the step took (abort returns them)
+        # immutable copies (gqakv.inputs.immutable_ints): a read-only flag can be undone,
+        # and commit writes ``lens`` into the cache's lengths
+        self.rows, self.starts, self.n_new = (immutable_ints(a) for a in (rows, starts, n_new))
+        self.lens = immutable_ints(starts + n_new)
         pending = cache._lengths.host.copy()
         pending[rows] = self.lens
         self._pending = Lengths.of(pending)
         self._written = np.zeros(cache.layers, dtype=bool)
         self._state = "open"
         self._lock = cache._lengths.lock  # the cache's writer lock (see Lengths)
-        for a in (self.rows, self.starts, self.n_new, self.lens):
-            a.flags.writeable = False
 
     # -- per layer -------------------------------------------------------------------------
 
@@ -209,7 +219,7 @@ class Step:
 
     def _view(self, l: int) -> KVCache:
         c = self.cache
-        return KVCache.view_of(c._layer_stores[l], self._pending, backend=c.backend,
+        return KVCache._view_of(c._layer_stores[l], self._pending, backend=c.backend,
                                frozen="it is a step's view of one layer")
 
     def write(self, layer: int, k_new, v_new) -> None:
@@ -292,7 +302,9 @@ class Step:
             self._close("committed")
 
     def abort(self) -> None:
-        """End the step without advancing any length (the written slots stay dead)."""
+        """End the step without advancing any length (the written slots stay dead). Paged
+        storage: every page the step took (fresh pages and copies on write) goes back to the
+        pool and the page tables are as they were when the step opened."""
         with self._lock:
             if self._state == "open":
                 self._close("aborted")
@@ -300,8 +312,10 @@ class Step:
     def _close(self, state: str) -> None:
         self._state = state
         store = self.cache.store
-        if state == "aborted" and store.kind == PAGED:  # give back the pages the step took
-            store.table.trim(self.rows, self.starts)
+        if state == "aborted" and store.kind == PAGED and self._reservation is not None:
+            # every page the step took, copies on write included; the tables as they were
+            store.table.undo(self._reservation)
+        self._reservation = None
         self.cache._open_step = None
 
     def _check_open(self) -> None:
@@ -311,7 +325,7 @@ class Step:
     def __enter__(self) -> "Step":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         if exc_type is not None:
             self.abort()
         elif self._state == "open":

@@ -16,7 +16,10 @@ Bookkeeping (``PageTable``, host NumPy, shared by every layer):
 Invariant outside an open model step: row b holds exactly ``ceil(lens[b] / P)`` pages.
 Every page a row holds is full except perhaps its last, so the only page a write can
 land in that another row may also name is that partly filled last page: it is copied
-first (copy on write), and only its live tokens are copied. Row operations are
+first (copy on write), and only its live tokens are copied; the table names the copy
+only once it holds them, so a reader running alongside an append sees the shared page or
+the filled copy. An aborted model step gives back every page it took, copies included
+(``PageTable.undo``). Row operations are
 bookkeeping: ``reorder`` and ``fork`` copy table entries and bump reference counts,
 ``truncate`` and ``reset`` release pages no row names any more. Appends take pages
 from the free list; when it cannot supply a call's pages, ``OutOfPages`` (a MemoryError)
@@ -63,6 +66,24 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-int(tokens) // int(page_size))
 
 
+@dataclasses.dataclass
+class Reservation:
+    """What one ``PageTable.reserve`` took, so it can be finished (``point``) or given back
+    (``undo``) exactly.
+
+    copies: ``(row, j, old page, new page, tokens)``: entry ``j`` of ``row`` is to name
+        ``new`` once the first ``tokens`` slots of ``old`` are copied into it.
+    grown: ``(row, held before)`` for each row that took fresh pages (or none).
+    taken: every page taken from the free list, in the order taken.
+    pointed: whether ``point`` made the table name the copies.
+    """
+
+    copies: list[tuple[int, int, int, int, int]] = dataclasses.field(default_factory=list)
+    grown: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    taken: list[int] = dataclasses.field(default_factory=list)
+    pointed: bool = False
+
+
 class PageTable:
     """Page tables, reference counts and the free list of one pool (see the module
     docstring). Host NumPy only; every mutation is called under the cache's writer lock,
@@ -107,9 +128,10 @@ class PageTable:
 
     # -- taking and releasing --------------------------------------------------------------
 
-    def _take(self) -> int:
+    def _take(self, res: "Reservation") -> int:
         page = self._free.pop()
         self.refs[page] = 1
+        res.taken.append(page)
         return page
 
     def _release(self, pages) -> None:
@@ -128,30 +150,37 @@ class PageTable:
 
     # -- appends -----------------------------------------------------------------------------
 
-    def reserve(self, rows, starts, n_new) -> tuple[list, list, list]:
-        """Give each row ``rows[i]`` (holding ``starts[i]`` tokens) the pages for
-        ``n_new[i]`` more tokens: fresh pages past its last, and a private copy of its last
-        page when that page is partly filled and shared (copy on write).
+    def reserve(self, rows, starts, n_new) -> "Reservation":
+        """Take the pages an append of ``n_new[i]`` tokens to row ``rows[i]`` (holding
+        ``starts[i]`` tokens; rows distinct) needs: fresh pages past its last, and a private
+        copy of its last page when that page is partly filled and shared (copy on write).
 
-        Raises OutOfPages, with nothing changed, when the free list is too short. Returns
-        the copies to make before writing, as (new pages, old pages, tokens) lists; the
-        table already names the new pages."""
+        Raises OutOfPages, with nothing changed, when the free list is too short. The table
+        names the fresh pages at once (past the live tokens, where no reader looks) but not
+        the copies: the caller fills them (``Reservation.copies``), then ``point`` makes the
+        table name them, so a reader never sees a page before it holds its tokens.
+        ``undo`` gives everything back."""
         P = self.page_size
+        # A shared last page is kept (written in place) by one of this call's rows only when
+        # every row naming it is in the call, and then by the one with the most tokens in it:
+        # its writes land past every other namer's live slots, so they stay intact for a
+        # reader still holding the old page and for an abort that points a row back at it.
+        writers: dict[int, list[tuple[int, int]]] = {}
+        for i in range(len(rows)):
+            s = int(starts[i])
+            if int(n_new[i]) and s % P:
+                page = int(self.table[int(rows[i]), s // P])
+                writers.setdefault(page, []).append((s, i))
+        keeps = {max(w)[1] for page, w in writers.items() if len(w) == int(self.refs[page])}
         plan = []  # (row, start, fresh pages, copy-on-write?)
         need = {}
-        names = {}  # shared last page -> names left once this call's earlier rows copied it
         for i in range(len(rows)):
             n = int(n_new[i])
             if n == 0:
                 continue
             r, s = int(rows[i]), int(starts[i])
             fresh = pages_for(s + n, P) - int(self.held[r])
-            cow = False
-            if s % P:
-                page = int(self.table[r, s // P])
-                left = names.get(page, int(self.refs[page]))
-                cow = left > 1  # the last row naming it writes in place
-                names[page] = left - 1
+            cow = bool(s % P) and i not in keeps
             plan.append((r, s, fresh, cow))
             if fresh + cow:
                 need[r] = fresh + int(cow)
@@ -163,20 +192,44 @@ class PageTable:
                 f"the page pool cannot supply {total} pages ({shown}{more}): {len(self._free)} of "
                 f"{self.num_pages} pages (page_size {P}) are free; nothing was written and no "
                 "length changed (truncate or reset rows, or make the cache with more num_pages)")
-        new, old, count = [], [], []
+        res = Reservation()
         for r, s, fresh, cow in plan:
             if cow:  # only the live tokens of the shared last page are copied
                 j = s // P
-                src = int(self.table[r, j])
-                dst = self._take()
-                self.table[r, j] = dst
-                self._release([src])  # still named by another row: stays allocated
-                new.append(dst), old.append(src), count.append(s % P)
+                res.copies.append((r, j, int(self.table[r, j]), self._take(res), s % P))
             h = int(self.held[r])
             for j in range(h, h + fresh):
-                self.table[r, j] = self._take()
+                self.table[r, j] = self._take(res)
+            res.grown.append((r, h))
             self.held[r] = h + fresh
-        return new, old, count
+        return res
+
+    def point(self, res: "Reservation") -> None:
+        """Make the table name ``res``'s copies (filled by now) instead of the shared pages
+        they copy; each shared page loses one reference (other rows still name it)."""
+        for r, j, old, new, _ in res.copies:
+            self.table[r, j] = new
+            self._release([old])
+        res.pointed = True
+
+    def undo(self, res: "Reservation") -> None:
+        """Give back everything ``res`` took: the table, held counts, reference counts and
+        free list return exactly to what they were before ``reserve`` (nothing else may have
+        changed the table in between; an open step or the writer lock sees to that)."""
+        if res.pointed:
+            for r, j, old, new, _ in reversed(res.copies):
+                if self.refs[old] == 0:  # freed by point(): it is named again
+                    self._free.remove(old)
+                self.refs[old] += 1
+                self.table[r, j] = old
+            res.pointed = False
+        for r, h in reversed(res.grown):
+            self.table[r, h:int(self.held[r])] = -1
+            self.held[r] = h
+        for page in res.taken:
+            self.refs[page] = 0
+        self._free.extend(reversed(res.taken))  # the stack as it was: same pages, same order
+        res.taken, res.copies, res.grown = [], [], []
 
     # -- row operations ----------------------------------------------------------------------
 
@@ -194,8 +247,9 @@ class PageTable:
         """Row b takes row ``src[b]``'s pages (``[B]``, duplicates allowed)."""
         src = np.asarray(src, dtype=np.int64)
         table, held = self.table[src].copy(), self.held[src].copy()
-        self._share(np.concatenate([table[b, :held[b]] for b in range(len(src))] or [[]]))
-        self._release(np.concatenate([self.row_pages(b) for b in range(len(src))] or [[]]))
+        none = [np.zeros(0, dtype=np.int32)]
+        self._share(np.concatenate([table[b, :held[b]] for b in range(len(src))] or none))
+        self._release(np.concatenate([self.row_pages(b) for b in range(len(src))] or none))
         self.table[...] = table
         self.held[...] = held
 
@@ -391,14 +445,26 @@ class PagedStore(KVStore):
                 f"page_size={self.page_size}, num_pages={self.num_pages})")
 
 
-def reserve(backend, store: PagedStore, rows, starts, n_new) -> None:
+def reserve(backend, store: PagedStore, rows, starts, n_new) -> Reservation:
     """Take the pages an append of ``n_new[i]`` tokens at ``starts[i]`` to ``rows[i]``
     needs (every layer of ``store``), copying shared partly filled last pages first.
-    OutOfPages, with nothing changed, when the pool is short."""
-    new, old, count = store.table.reserve(rows, starts, n_new)
-    if new:
+    OutOfPages, with nothing changed, when the pool is short.
+
+    Each copy is filled before the table names it (a reader running alongside sees the
+    shared page or the filled copy, never an empty one); if the copy fails, everything is
+    given back. Returns the ``Reservation`` (``store.table.undo`` gives it back)."""
+    res = store.table.reserve(rows, starts, n_new)
+    if res.copies:
+        new, old, count = (np.asarray([c[i] for c in res.copies], dtype=np.int64)
+                           for i in (3, 2, 4))
         pool = store.pool_rows(backend.namespace())
-        backend.copy_tokens(pool, np.asarray(new), pool, np.asarray(old), np.asarray(count))
+        try:
+            backend.copy_tokens(pool, new, pool, old, count)
+        except BaseException:
+            store.table.undo(res)
+            raise
+    store.table.point(res)
+    return res
 
 
 def check_page_args(page_size, num_pages, batch: int, max_len: int) -> tuple[int, int | None]:
@@ -416,5 +482,5 @@ def check_page_args(page_size, num_pages, batch: int, max_len: int) -> tuple[int
     return int(page_size), None if num_pages is None else int(num_pages)
 
 
-__all__ = ["DEFAULT_PAGE_SIZE", "OutOfPages", "PAGED", "PageTable", "PagedStore", "pages_for",
-           "reserve"]
+__all__ = ["DEFAULT_PAGE_SIZE", "OutOfPages", "PAGED", "PageTable", "PagedStore", "Reservation",
+           "pages_for", "reserve"]

@@ -10,7 +10,12 @@ serves it and the results equal a ``PagedKVCache`` holding the same tokens.
 Layout (as ``gqakv.paged``): K and V pools ``[num_pages, Hkv, page_size, d]`` each;
 row b's token j of KV head h is at ``pool[page_table[b, j // P], h, j % P, :]``
 (``P = page_size``). Entries of ``page_table[b]`` past the ``ceil(L / P)`` pages a row's
-``L`` tokens need are never read (they may hold anything, e.g. -1).
+``L`` tokens need are never read (they may hold anything, e.g. -1); the entries a row
+does use name distinct pages.
+
+One convention for both calls: ``lens[b]`` is row b's length *after* this step's tokens
+(its ``n_new[b]`` newest included), as in ``gqa_attention``. A step passes
+``paged_append`` and ``paged_attention`` the same ``page_table``, ``lens`` and ``n_new``.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ def _check_pools(k_pages, v_pages) -> tuple[str, tuple[int, int, int, int]]:
         if len(x.shape) != 4:
             raise ValueError(f"{what} must be [num_pages, Hkv, page_size, d], got "
                              f"{len(x.shape)} dims {list(x.shape)}")
-    shape = tuple(int(s) for s in k_pages.shape)
+    num_pages, kv_heads, page_size, head_dim = (int(s) for s in k_pages.shape)
+    shape = (num_pages, kv_heads, page_size, head_dim)
     if shape != tuple(int(s) for s in v_pages.shape) or type(k_pages) is not type(v_pages):
         raise ValueError(f"k_pages {list(k_pages.shape)} ({type(k_pages).__name__}) and v_pages "
                          f"{list(v_pages.shape)} ({type(v_pages).__name__}) must be arrays of "
@@ -112,6 +118,32 @@ def _check_pages(table: np.ndarray, ends: np.ndarray, page_size: int, num_pages:
                 f"page_table[{b}, {j}]={int(live[j])} is not a page of the pool (0.."
                 f"{num_pages - 1}); row {b} {what} {int(ends[b])} tokens, so its first "
                 f"{need} entries must name pages")
+
+
+def _check_distinct(table: np.ndarray, ends: np.ndarray, page_size: int) -> None:
+    """Row b's first ``ceil(ends[b] / P)`` entries name distinct pages (two entries naming
+    one page would put two of the row's tokens in one slot); ValueError naming the row,
+    the page, its two entries and the tokens that would share its slots otherwise."""
+    need = -(-ends.astype(np.int64) // page_size)  # [B] entries each row's tokens use
+    width = int(need.max(initial=0))
+    if width < 2:
+        return
+    col = np.arange(width)
+    # entries past a row's need become distinct negatives, so only live entries can collide
+    keyed = np.where(col[None, :] < need[:, None], table[:, :width], -1 - col[None, :])
+    order = np.argsort(keyed, axis=1, kind="stable")
+    ranked = np.take_along_axis(keyed, order, axis=1)
+    dup = (ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] >= 0)
+    if not dup.any():
+        return
+    b, i = (int(x) for x in np.argwhere(dup)[0])
+    j1, j2 = int(order[b, i]), int(order[b, i + 1])  # j1 < j2: a stable sort
+    page, P, end = int(ranked[b, i]), page_size, int(ends[b])
+    span = [f"{j * P}..{min((j + 1) * P, end) - 1}" for j in (j1, j2)]
+    raise ValueError(
+        f"row {b} names page {page} twice (page_table[{b}, {j1}] and page_table[{b}, {j2}]): "
+        f"its tokens {span[0]} and {span[1]} (of {end}) would share that page's slots, so "
+        f"writing one would overwrite the other; a row's pages must be distinct")
 
 
 def _wrap(k_pages, v_pages, page_table, lens, batch: int, backend):
@@ -165,10 +197,12 @@ def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: floa
             of KV head h is ``k_pages[page_table[b, j // P], h, j % P, :]``. Read only.
         page_table: ``[B, pages_per_row]`` integers (int32), any library (read on the host):
             row b's pages in token order. Only its first ``ceil(lens[b] / P)`` entries are
-            read and each must be in ``0..num_pages-1``; later entries may hold anything
-            (-1). Rows may name the same pages (a shared prefix, beams).
-        lens: ``[B]`` ints: tokens in row b *after* the append of these queries' tokens
-            (``gqa_attention``'s convention; ``paged_append`` takes them before).
+            read; each must be in ``0..num_pages-1``, and distinct within the row; later
+            entries may hold anything (-1). Rows may name the same pages (a shared prefix,
+            beams).
+        lens: ``[B]`` ints: tokens in row b *after* the append of these queries' tokens,
+            i.e. including its ``n_new[b]`` newest (``gqa_attention``'s convention, and
+            ``paged_append``'s: one step passes both calls the same ``lens`` and ``n_new``).
         n_new: ``[B]`` ints, ``0 <= n_new[b] <= min(T, lens[b])``: row b's queries are
             ``q[b, :, :n_new[b]]``, its tokens ``lens[b] - n_new[b] .. lens[b] - 1``; slots
             ``t >= n_new[b]`` are padding and return exactly 0.
@@ -202,57 +236,67 @@ def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: floa
     inputs = validate_attention(view, q, n_new, None, scale, None, window=window,
                                 softcap=softcap, sinks=sinks)
     _check_pages(table, L, store.page_size, store.num_pages, "holds")
+    _check_distinct(table, L, store.page_size)
     return attend(view, q, inputs, return_lse)
 
 
 def paged_append(k_pages, v_pages, page_table, lens, k_new, v_new, n_new, *, backend=None) -> None:
-    """Write each row's new tokens into caller-owned page pools, in place (the caller
-    advances its lengths by ``n_new`` afterwards; nothing is returned).
+    """Write each row's new tokens into caller-owned page pools, in place (nothing is
+    returned).
+
+    ``lens`` and ``n_new`` are what ``paged_attention`` takes for the same step: advance
+    the lengths and allocate the pages first, then ``paged_append(..., lens, ...)`` and
+    ``paged_attention(..., lens, n_new)`` with the same arrays.
 
     Args:
         k_pages, v_pages: the pools, ``[num_pages, Hkv, P, d]`` each, as ``paged_attention``;
             written in place.
         page_table: ``[B, pages_per_row]`` integers (int32): row b's pages in token order;
-            its first ``ceil((lens[b] + n_new[b]) / P)`` entries must name pages of the pool
+            its first ``ceil(lens[b] / P)`` entries must name distinct pages of the pool
             (the caller allocates the pages before the call).
-        lens: ``[B]`` ints: tokens in row b *before* this append (its new tokens land at
-            ``lens[b] .. lens[b] + n_new[b] - 1``).
+        lens: ``[B]`` ints: tokens in row b *after* this append, its new ones included
+            (``paged_attention``'s convention): the new tokens land at
+            ``lens[b] - n_new[b] .. lens[b] - 1``, so ``n_new[b] <= lens[b]``.
         k_new, v_new: ``[B, Hkv, T, d]`` in the pools' dtype and library.
-        n_new: ``[B]`` ints, ``0 <= n_new[b] <= T``: the first ``n_new[b]`` slots of entry b
-            are real tokens; the rest is padding and is not written.
+        n_new: ``[B]`` ints, ``0 <= n_new[b] <= min(T, lens[b])``: the first ``n_new[b]``
+            slots of entry b are real tokens; the rest is padding and is not written.
         backend: as ``paged_attention``.
 
     Sharing: gqakv writes exactly the slots above. A page that other rows also name must
     be copied by the caller before a row writes into it (copy on write, as
     ``PagedKVCache`` does for a shared, partly filled last page); a page two rows of one
-    call would write is refused (ValueError).
+    call would write is refused (ValueError), and so is a row naming one page twice.
 
     Everything is validated before anything is written: on error (TypeError/ValueError
     naming the argument, row and numbers) the pools are unchanged.
     """
     B = _batch_of(k_new, "k_new", "[B, Hkv, T, d]")
     backend, store, L, table = _wrap(k_pages, v_pages, page_table, lens, B, backend)
-    view = _PoolView(backend, store, L)
-    _check_pages(table, L, store.page_size, store.num_pages, "holds")
     n = host_ints(n_new, "n_new", B)
-    if (n >= 0).all():  # the table's room before validate_append's capacity check
-        _check_pages(table, L + n, store.page_size, store.num_pages, "would hold")
+    for b in range(B):
+        if n[b] > L[b]:
+            raise ValueError(
+                f"n_new[{b}]={int(n[b])} is more than lens[{b}]={int(L[b])}: lens counts row "
+                f"{b}'s tokens after this append, its n_new[{b}] new ones included (as "
+                "paged_attention takes it); the new tokens land at lens - n_new .. lens - 1")
+    P = store.page_size
+    _check_pages(table, L, P, store.num_pages, "holds after this append")
+    _check_distinct(table, L, P)
+    # validate_append reads the lengths before the append (negative n_new: it raises)
+    view = _PoolView(backend, store, L - np.maximum(n, 0))
     inputs = validate_append(view, k_new, v_new, n_new)
     ends = inputs.starts + inputs.n_new
-    P, writer = store.page_size, {}
+    writer: dict[int, int] = {}  # page -> the row writing it
     for b in range(B):  # the pages this call writes: each by one row only
         if inputs.n_new[b] == 0:
             continue
         for j in range(int(inputs.starts[b]) // P, pages_for(int(ends[b]), P)):
             page = int(table[b, j])
-            if page in writer and writer[page] != b:
+            if page in writer:  # another row's: a row's own pages are distinct (checked)
                 raise ValueError(
                     f"page {page} would be written by rows {writer[page]} and {b} "
                     f"(page_table[{writer[page]}, ...] and page_table[{b}, {j}]); copy a "
                     "shared page before a row writes into it")
-            if page in writer:
-                raise ValueError(f"row {b} names page {page} twice among the pages it writes "
-                                 f"(page_table[{b}, {j}])")
             writer[page] = b
     write(backend, store, k_new, v_new, inputs)
 

@@ -82,7 +82,7 @@ def plan_reorder(src_rows: np.ndarray, lens: np.ndarray) -> list[Wave]:
     """
     src = [int(s) for s in src_rows]
     pending = {b for b, s in enumerate(src) if s != b}  # rows still to be written
-    readers = {}  # row -> number of pending rows that still read it
+    readers: dict[int, int] = {}  # row -> number of pending rows that still read it
     for b in pending:
         readers[src[b]] = readers.get(src[b], 0) + 1
     waves: list[Wave] = []
@@ -137,15 +137,15 @@ def copy_tokens_array_api(dst, dst_rows, src, src_rows, n_tokens) -> None:
 
 def run_waves(backend, store, waves: list[Wave]) -> int:
     """Run a plan on ``store`` (leading layer axis); returns tokens copied per layer. The
-    temporary is one row (``KVStore.temporary``), allocated only when a cycle needs it."""
-    temp = None
+    temporary is one row (``KVStore.temporary``) of the longest row any cycle saves,
+    allocated only when a cycle needs it and before the first copy, so a MemoryError there
+    leaves the store untouched."""
+    saved = [int(w.n_tokens[0]) for w in waves if w.dst_rows[0] == TEMP]
+    temp = store.temporary(backend, max(saved)) if saved else None
     copied = 0
     for w in waves:
         copied += int(w.n_tokens.sum())
         if w.dst_rows[0] == TEMP:
-            n = int(w.n_tokens[0])
-            if temp is None or temp.max_len < n:
-                temp = store.temporary(backend, n)
             backend.copy_tokens(temp, [0], store, w.src_rows, w.n_tokens)
         elif w.src_rows[0] == TEMP:
             backend.copy_tokens(store, w.dst_rows, temp, [0], w.n_tokens)
@@ -162,7 +162,8 @@ def reorder(backend, store, lengths, src_rows) -> int:
 
     In place in the preallocated buffers; copies ``lens[src_rows[b]]`` tokens for each
     row with ``src_rows[b] != b`` (plus the shortest row of each permutation cycle once
-    more, through a one-row temporary). Returns tokens copied per layer.
+    more, through a one-row temporary, allocated before the first copy: a MemoryError
+    there changes nothing). Returns tokens copied per layer.
     """
     batch = len(lengths.host)
     src = _row_list(src_rows, "src_rows", batch, distinct=False)
