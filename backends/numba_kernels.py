@@ -875,23 +875,31 @@ def write_tokens(k_buf, v_buf, k_new, v_new, rows, starts, n_new):
     the NumPy path is its Python round trip per row; the bytes move at memcpy speed either way).
 
     k_buf, v_buf: [rows_total, Hkv, max_len, d] C-contiguous; k_new, v_new: [B, Hkv, T, d]
-    with contiguous last axes (any other strides); all four of one element width
+    with contiguous last axes (any other strides, read-only or not: K and V are typed
+    apart, so they need not share a layout or writability); all four of one element width
     (``COPY_VIEW``). Inputs are validated by the caller (distinct rows, capacity), so no
     write overlaps another.
     """
-    B, H, _, d = k_new.shape
-    for src, dst in ((k_new, k_buf), (v_new, v_buf)):
-        block = src.strides[2] == d * src.itemsize  # an entry's tokens of a head lie together
-        for i in range(B):
-            r, s0, n = rows[i], starts[i], n_new[i]
-            if n <= 0:
-                continue
-            for h in range(H):
-                if block:
-                    _move(dst, (r, h, s0, 0), src, (i, h, 0, 0), n * d)
-                else:
-                    for t in range(n):
-                        _move(dst, (r, h, s0 + t, 0), src, (i, h, t, 0), d)
+    _write_one(k_buf, k_new, rows, starts, n_new)
+    _write_one(v_buf, v_new, rows, starts, n_new)
+
+
+@njit(cache=True)
+def _write_one(dst, src, rows, starts, n_new):
+    """write_tokens for one of K and V: ``dst`` the buffer, ``src`` the new tokens (its own
+    array type: a loop over the (K, V) pair would need both to have one)."""
+    B, H, _, d = src.shape
+    block = src.strides[2] == d * src.itemsize  # an entry's tokens of a head lie together
+    for i in range(B):
+        r, s0, n = rows[i], starts[i], n_new[i]
+        if n <= 0:
+            continue
+        for h in range(H):
+            if block:
+                _move(dst, (r, h, s0, 0), src, (i, h, 0, 0), n * d)
+            else:
+                for t in range(n):
+                    _move(dst, (r, h, s0 + t, 0), src, (i, h, t, 0), d)
 
 
 @njit(cache=True)

@@ -52,6 +52,20 @@ from .cache import _check_dim as _int  # the int-argument check every gqakv cons
 #: Seconds a collective may wait for its peers before it raises (``init``'s default).
 DEFAULT_TIMEOUT_S = 300.0
 
+#: The largest head count, world size or rank ``HeadShard.plan`` takes (2**31 - 1):
+#: torch.distributed's ranks and world sizes are 32-bit ints, and so are the head counts
+#: and indices the CUDA kernels take.
+PLAN_INT_MAX = 2**31 - 1
+
+
+def _plan_int(name: str, value, minimum: int) -> int:
+    """``value`` as a Python int in ``minimum..PLAN_INT_MAX``; TypeError/ValueError naming ``name``."""
+    v = _int(name, value, minimum)
+    if v > PLAN_INT_MAX:
+        raise ValueError(f"{name}={v} is out of range: {name} must be at most {PLAN_INT_MAX} "
+                         "(2**31 - 1: ranks, world sizes and head counts are 32-bit ints)")
+    return v
+
 
 def _torch():
     try:
@@ -92,12 +106,14 @@ class HeadShard:
         ``n_kv_heads % world_size == 0``: each rank gets ``Hkv / P`` KV heads and their
         ``Hq / P`` query heads. ``world_size % n_kv_heads == 0`` (P > Hkv): each KV head is
         replicated on ``P / Hkv`` ranks, each of which takes ``Hq / P`` of its query heads.
-        Anything else raises ValueError saying which P would work.
+        Anything else raises ValueError saying which P would work. Each argument must be an
+        int (bools refused; NumPy ints taken): ``n_heads``, ``n_kv_heads`` and
+        ``world_size`` in ``1..PLAN_INT_MAX``, ``rank`` in ``0..world_size - 1``.
         """
-        P = _int("world_size", world_size, 1)
-        r = _rank(rank, P)
-        hq = _int("n_heads", n_heads, 1)
-        hkv = _int("n_kv_heads", n_kv_heads, 1)
+        P = _plan_int("world_size", world_size, 1)
+        r = _rank(rank, P)  # 0 <= rank < world_size <= PLAN_INT_MAX
+        hq = _plan_int("n_heads", n_heads, 1)
+        hkv = _plan_int("n_kv_heads", n_kv_heads, 1)
         if hq % hkv:
             raise ValueError(f"n_heads={hq} must be a multiple of n_kv_heads={hkv} (grouped-query attention)")
         if hkv % P == 0:
@@ -105,8 +121,8 @@ class HeadShard:
             g = hq // hkv
             return cls(P, r, hq, hkv, r * per * g, (r + 1) * per * g, r * per, (r + 1) * per, 1)
         if P % hkv:
-            works = sorted(p for p in {*range(1, hkv + 1), *(hkv * m for m in (2, 4, 8))}
-                           if (hkv % p == 0 or p % hkv == 0) and hq % p == 0)
+            works = sorted(p for p in {*_divisors(hkv), *(hkv * m for m in (2, 4, 8))}
+                           if p <= PLAN_INT_MAX and hq % p == 0)
             raise ValueError(
                 f"world_size={P} cannot split n_kv_heads={hkv}: it must divide the KV heads (each rank "
                 f"holds Hkv / P of them) or be a multiple of them (each KV head replicated on P / Hkv "
@@ -134,6 +150,13 @@ class HeadShard:
         rep = "" if self.replicas == 1 else f" (each KV head on {self.replicas} ranks)"
         return (f"rank {self.rank}/{self.world_size}: query heads {self.q_start}..{self.q_stop - 1}, "
                 f"KV heads {self.kv_start}..{self.kv_stop - 1}{rep}")
+
+
+def _divisors(n: int) -> list[int]:
+    """Every divisor of ``n >= 1`` (trial division up to sqrt(n): at most 46,341 steps for
+    n <= PLAN_INT_MAX, where a scan of 1..n would take minutes)."""
+    small = [p for p in range(1, math.isqrt(n) + 1) if n % p == 0]
+    return small + [n // p for p in small]
 
 
 def _rank(rank, world_size: int) -> int:
@@ -226,7 +249,7 @@ def rank_backend(backend=None, *, dtype=None, head_dim: int | None = None):
     if chosen.name == "torch" and getattr(chosen, "_device", None) is None:
         torch, _ = _torch()
         if torch.cuda.is_available():
-            chosen = type(chosen)(device=f"cuda:{local_device_index()}")
+            chosen = type(chosen)(device=f"cuda:{local_device_index()}")  # type: ignore[call-arg]  # TorchBackend
     elif chosen.name == "cupy":
         import cupy
 

@@ -8,7 +8,6 @@ per-row bookkeeping) and do not check again.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -28,6 +27,14 @@ def _to_numpy(x) -> np.ndarray:
         return np.from_dlpack(x)
     except Exception:
         return np.asarray(x)
+
+
+def immutable_ints(a) -> np.ndarray:
+    """An int64 copy of ``a`` (same shape) that cannot be written: its memory is a
+    ``bytes`` object, so even ``setflags(write=True)`` is refused (a read-only *view* of
+    an array, or a copy marked read-only, can be made writable again)."""
+    a = np.asarray(a, dtype=np.int64)
+    return np.frombuffer(a.tobytes(), dtype=np.int64).reshape(a.shape)
 
 
 def check_no_bools(x, what: str) -> None:
@@ -208,8 +215,8 @@ def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
                        window=None, softcap=None, sinks=None) -> AttentionInputs:
     """The checked call; ``params`` (an AttentionParams) is an alternative to ``scale``,
     ``window``, ``softcap`` and ``sinks`` that carries them all (not both). Every field of
-    the resulting params is checked here (``check_window``, ``check_softcap``,
-    ``check_sinks``), whichever way it was given."""
+    the resulting params is checked here (``check_scale``, ``check_window``,
+    ``check_softcap``, ``check_sinks``), whichever way it was given."""
     if params is not None:
         if not isinstance(params, AttentionParams):
             raise TypeError(f"params must be a gqakv.AttentionParams, got {params!r}")
@@ -244,14 +251,7 @@ def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
                 f"n_new[{i}]={int(n[i])} but row {int(r[i])} holds only {int(lens[i])} tokens "
                 "(attention takes the lengths after the append)"
             )
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    elif (isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating))
-          or not math.isfinite(_as_float(scale))):
-        raise TypeError(f"scale must be a finite real number, got {scale!r}")
-    # A Python float keeps the computation in the cache's dtype (a NumPy float64 scalar
-    # would promote a float32 step to a float64 copy of every block it touches).
-    scale = float(scale)
+    scale = 1.0 / math.sqrt(d) if scale is None else check_scale(scale)
     params = AttentionParams(scale=scale, window=check_window(window),
                              softcap=check_softcap(softcap), sinks=check_sinks(sinks, hq))
     return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, group=hq // cache.kv_heads,
@@ -259,6 +259,31 @@ def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
 
 
 # -- attention variants (gqakv.semantics.AttentionParams) -------------------------------------
+
+#: The largest ``|scale|`` taken. Every fast path multiplies in float32 (the numba kernels
+#: take ``float32(scale)``, the CUDA kernels fold ``scale * log2(e)`` in float32), where
+#: 1e39 is inf (``inf * 0`` is NaN) and ``3.4e38 * log2(e)`` overflows; 1e38 keeps both
+#: finite. Within it a result is still only as good as its scores: a query whose scaled
+#: score ``scale * q . k`` overflows float32 (``|s| > 3.4e38``, a huge scale or huge q)
+#: gets NaN when its largest score is +inf (never hidden), and 0 when every score is -inf.
+#: Values are not checked here (that would read q and K: a device sync).
+SCALE_MAX = 1e38
+
+
+def check_scale(scale) -> float:
+    """The softmax scale as a Python float: any finite real number with ``|scale| <=
+    SCALE_MAX`` (0 and negative scales included; NumPy scalars and ints taken);
+    TypeError for a non-number or a non-finite one, ValueError past the range."""
+    if (isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating))
+            or not math.isfinite(_as_float(scale))):
+        raise TypeError(f"scale must be a finite real number, got {scale!r}")
+    # A Python float keeps the computation in the cache's dtype (a NumPy float64 scalar
+    # would promote a float32 step to a float64 copy of every block it touches).
+    value = _as_float(scale)
+    if not abs(value) <= SCALE_MAX:
+        raise ValueError(f"scale={scale!r} is outside the supported range |scale| <= {SCALE_MAX:g} "
+                         "(scores are formed in float32, where a larger scale overflows)")
+    return value
 
 #: The soft-cap's allowed range: both ``c`` and ``1 / c`` must be normal float32 numbers
 #: (scores are soft-capped in float32 for every narrower cache), so ``tanh(s / c) * c``

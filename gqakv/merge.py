@@ -19,6 +19,8 @@ import math
 import numpy as np
 from array_api_compat import array_namespace
 
+from . import dtypes as _dtypes
+
 
 _LOWEST = {np.dtype(t).char: np.finfo(t).min for t in (np.float32, np.float64)}
 _TINY = {np.dtype(t).char: np.finfo(t).tiny for t in (np.float32, np.float64)}
@@ -33,6 +35,62 @@ def _shift(xp, m):
         lowest = _LOWEST.get(m.dtype.char)
         return np.maximum(m, np.finfo(m.dtype).min if lowest is None else lowest)
     return xp.where(m == -math.inf, xp.zeros_like(m), m)
+
+
+# -- argument checks (merge_attention, apply_sinks): every shape exact, nothing broadcast ---
+
+
+def _kind(x) -> str:
+    """``x``'s type as ``library.Type`` (``numpy.ndarray``, ``torch.Tensor``, ...)."""
+    return f"{type(x).__module__.split('.')[0]}.{type(x).__name__}"
+
+
+def _namespace(args: dict, role: dict):
+    """The one array namespace of ``args`` (name -> value, in the order they are named
+    in errors); TypeError naming the first argument that is not an array of a supported
+    library, or of another library than the first. ``role``: name -> what it holds."""
+    xp = first = None
+    for name, x in args.items():
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"{name} must be an array {role[name]}, got {type(x).__name__} {x!r:.80}")
+        try:
+            x_xp = array_namespace(x)
+        except TypeError as exc:
+            raise TypeError(f"{name} is a {_kind(x)}, not an array of a supported library ({exc})") from None
+        if xp is None:
+            xp, first = x_xp, name
+        elif x_xp is not xp:
+            raise TypeError(f"{name} is a {_kind(x)}, but {first} is a {_kind(args[first])}: "
+                            "every argument must be an array of one library")
+    return xp
+
+
+def _float_dtype(x, name: str) -> str:
+    """The canonical name of ``x``'s floating dtype; TypeError naming ``name`` otherwise."""
+    try:
+        return _dtypes.canonical_name(x.dtype)
+    except TypeError:
+        raise TypeError(f"{name} has dtype {x.dtype}; it must be a floating dtype "
+                        f"({', '.join(_dtypes.ITEMSIZE)})") from None
+
+
+def _dims(shape) -> list:
+    return [int(s) for s in shape]
+
+
+def _same_shape(x, name: str, want, want_what: str) -> None:
+    """ValueError naming ``name``, its shape, the shape ``want`` (``want_what`` says why)
+    and the first dim that differs, unless ``x.shape == want`` exactly."""
+    got, want = _dims(x.shape), _dims(want)
+    if got == want:
+        return
+    if len(got) != len(want):
+        where = f"{len(got)} dims, not {len(want)}"
+    else:
+        i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        where = f"dim {i} is {got[i]}, not {want[i]}"
+    raise ValueError(f"{name} has shape {got}, but {want_what} of shape {want} ({where}; "
+                     "nothing is broadcast)")
 
 
 # NumPy temporaries are updated in place (the CPU hot path); other libraries' arrays are
@@ -119,6 +177,28 @@ class SoftmaxState:
         return out / l, xp.where(unseen, xp.full_like(l, -math.inf), self.m + xp.log(l))
 
 
+def _check_merge_args(out_a, lse_a, out_b, lse_b):
+    """merge_attention's argument checks (see its docstring); returns their namespace."""
+    part = "(the partial attention [..., d] of part {})"
+    lse = "(the log-sum-exp [...] of part {}'s scores, one per query of out_{})"
+    args = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
+    xp = _namespace(args, {"out_a": part.format("a"), "out_b": part.format("b"),
+                      "lse_a": lse.format("a", "a"), "lse_b": lse.format("b", "b")})
+    for name, x in args.items():
+        _float_dtype(x, name)
+    if lse_a.dtype != lse_b.dtype:
+        raise TypeError(f"lse_b has dtype {_float_dtype(lse_b, 'lse_b')} but lse_a has "
+                        f"{_float_dtype(lse_a, 'lse_a')}; the parts' lse must share one dtype "
+                        "(the merged lse's)")
+    if len(out_a.shape) < 1:
+        raise ValueError(f"out_a must be [..., d] (at least one dim), got shape {_dims(out_a.shape)}")
+    _same_shape(out_b, "out_b", out_a.shape, f"out_a {_dims(out_a.shape)} needs out_b")
+    queries = tuple(out_a.shape)[:-1]
+    _same_shape(lse_a, "lse_a", queries, f"out_a {_dims(out_a.shape)} needs lse_a")
+    _same_shape(lse_b, "lse_b", queries, f"out_b {_dims(out_b.shape)} needs lse_b")
+    return xp
+
+
 def merge_attention(out_a, lse_a, out_b, lse_b):
     """Combine two partial attentions of the same queries over disjoint keys.
 
@@ -135,9 +215,14 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     of a part that saw keys, gives NaN in the merged output (a NaN lse: the whole query's
     output and lse; a NaN output element: that element). An lse of ``+inf`` is not a
     result any softmax produces (its scores overflowed), so it is treated as NaN: that
-    query's merged output and lse are NaN. Nothing is raised, so no device sync is needed.
+    query's merged output and lse are NaN. Nothing is raised for values, so no device sync
+    is needed; arguments are checked (TypeError/ValueError naming the argument): all four
+    arrays of one library, floating dtypes, ``lse_a`` and ``lse_b`` of one dtype, and the
+    shapes exactly ``out_b == out_a`` (``[..., d]``, at least one dim) and
+    ``lse_a == lse_b == out_a.shape[:-1]``: nothing is broadcast (an ``out`` laid out
+    ``[B, T, Hq, d]`` against an lse ``[B, Hq, T]``, or an lse of batch 1, is refused).
     """
-    xp = array_namespace(out_a, lse_a, out_b, lse_b)
+    xp = _check_merge_args(out_a, lse_a, out_b, lse_b)
     acc = lse_a.dtype
     dev = getattr(lse_a, "device", None)
     inf = xp.asarray(math.inf, dtype=acc, device=dev)
@@ -166,6 +251,26 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     return xp.astype(out, out_a.dtype), lse_out
 
 
+def _check_sinks_args(out, lse, sinks):
+    """apply_sinks's argument checks (see its docstring); returns their namespace."""
+    xp = _namespace({"lse": lse, "out": out, "sinks": sinks},
+               {"out": "(the attention [..., Hq, T, d] normalized over the keys)",
+                "lse": "(the log-sum-exp [..., Hq, T] of the keys' scores)",
+                "sinks": "of lse's library ([Hq] sink logits, one per query head)"})
+    for name, x in (("out", out), ("lse", lse), ("sinks", sinks)):
+        _float_dtype(x, name)
+    lse_dims = _dims(lse.shape)
+    if len(lse_dims) < 2:
+        raise ValueError(f"lse must be [..., Hq, T] (at least two dims), got shape {lse_dims}")
+    if len(out.shape) < 1:
+        raise ValueError(f"out must be [..., Hq, T, d], got shape {_dims(out.shape)}")
+    _same_shape(lse, "lse", tuple(out.shape)[:-1], f"out {_dims(out.shape)} needs lse")
+    if _dims(sinks.shape) != [lse_dims[-2]]:
+        raise ValueError(f"sinks must be [Hq] = [{lse_dims[-2]}] logits (one per query head of "
+                         f"lse {lse_dims}), got shape {_dims(sinks.shape)}")
+    return xp
+
+
 def apply_sinks(out, lse, sinks):
     """Add each query head's sink to a finished attention (every key already summed).
 
@@ -186,11 +291,12 @@ def apply_sinks(out, lse, sinks):
 
     In the unnormalized form of ``SoftmaxState`` (``m``, ``l``, ``o``) the same step is
     ``l += e^{sink - m}``; apply it once per query, never per key block or split.
+
+    Arguments are checked (TypeError/ValueError naming the argument): all three arrays of
+    one library (a list of sinks is refused: ``xp.asarray`` it), floating dtypes, ``lse``
+    ``[..., Hq, T]`` (at least two dims) with ``out.shape == (*lse.shape, d)`` exactly.
     """
-    xp = array_namespace(out, lse, sinks)
-    if lse.ndim < 2 or tuple(sinks.shape) != (lse.shape[-2],):
-        raise ValueError(f"sinks must be [Hq] = [{lse.shape[-2] if lse.ndim >= 2 else '?'}] logits "
-                         f"(one per query head of lse {list(lse.shape)}), got shape {list(sinks.shape)}")
+    xp = _check_sinks_args(out, lse, sinks)
     acc = lse.dtype
     dev = getattr(lse, "device", None)
     neg_inf = xp.asarray(-math.inf, dtype=acc, device=dev)
