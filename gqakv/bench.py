@@ -26,10 +26,10 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
-from . import dtypes as _dtypes
 from . import store as _store
 from .cache import human_bytes
 
@@ -128,6 +128,9 @@ def _as_torch(x):
     return torch.from_dlpack(x)
 
 
+#: How to install the torch peer: the exact CPU pin of the test extra (a range admitting newer
+#: releases pulls multi-GB CUDA builds); the torch backend's own hint.
+TORCH_INSTALL = "pip install torch==2.13.0 (CPU build) or a CUDA build from pytorch.org"
 #: The pip command that installs the ONNX Runtime peer (the ``compare`` extra).
 ORT_INSTALL = "pip install 'gqakv[compare]'  (or: pip install onnx onnxruntime)"
 
@@ -235,7 +238,7 @@ def onnxruntime_gqa(q, k_new, v_new, k_buf, v_buf, past_lens, *, threads: int | 
     def run():
         sess.run_with_iobinding(binding)
 
-    run._keep = (values, ort_values, sess)  # the memory the binding points at
+    setattr(run, "_keep", (values, ort_values, sess))  # the memory the binding points at
     return run, out.reshape(B, 1, Hq, d).transpose(0, 2, 1, 3)
 
 
@@ -251,7 +254,7 @@ def alternating_blocks(fns: dict, backend=None, *, rounds: int = 5, block_s: flo
         fn()
         sync()
         reps[name] = max(1, int(block_s / max(_timed(lambda: (fn(), sync())), 1e-6)))
-    per_call = {name: [] for name in fns}
+    per_call: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             t = time.perf_counter()
@@ -433,7 +436,9 @@ class Phase:
 class Result:
     config: dict
     backend: str
-    threads: str
+    device: str  # where the cache lives: "cpu", "cuda:0", ...
+    threads: int | None  # the threads gqakv's CPU backend runs a call on (None: a GPU, or not set by gqakv)
+    threads_detail: str  # how those threads are set (numpy: BLAS library and kernel), or ""
     cache_bytes: int
     live_bytes: int
     contiguous_bytes: int = 0  # a contiguous cache of the same rows at max_len
@@ -441,6 +446,7 @@ class Result:
     prefill: Phase = field(default_factory=Phase)
     decode: Phase = field(default_factory=Phase)
     wall_s: float = 0.0
+    _cache: Any = field(default=None, repr=False, compare=False)  # the run's cache, kept for --compare
 
 
 class _Progress:
@@ -449,7 +455,7 @@ class _Progress:
     def __init__(self, enabled: bool, stream=None):
         self.enabled, self.stream = enabled, stream or sys.stderr
         self.tty = enabled and self.stream.isatty()
-        self._last = {}
+        self._last: dict[str, int] = {}
 
     def __call__(self, phase: str, i: int, total: int) -> None:
         if not self.enabled:
@@ -511,7 +517,9 @@ def run_workload(cfg: Config, progress=None, cache=None) -> Result:
 
     from .cache import KVCache
 
-    res = Result(config=asdict(cfg), backend=backend.name, threads=_threads_line(backend),
+    device = cache_device(cache)
+    res = Result(config=asdict(cfg), backend=backend.name, device=device,
+                 threads=thread_count(backend, device), threads_detail=_threads_line(backend),
                  cache_bytes=cache.nbytes, live_bytes=0,
                  contiguous_bytes=KVCache.nbytes_for(B, Hkv, cache.max_len, d, cfg.dtype,
                                                      kv_dtype=cfg.kv_dtype),
@@ -555,22 +563,48 @@ def run_workload(cfg: Config, progress=None, cache=None) -> Result:
     return res
 
 
+def cache_device(cache) -> str:
+    """Where the cache's buffers live: ``"cpu"`` for NumPy arrays, else the array's device
+    (``"cpu"``, ``"cuda:0"``: torch's spelling; CuPy's device as ``"cuda:N"``)."""
+    if isinstance(cache.k, np.ndarray):
+        return "cpu"
+    dev = getattr(cache.k, "device", None)
+    if dev is None:
+        return "cpu"
+    if not hasattr(dev, "type") and hasattr(dev, "id"):  # a CuPy Device
+        return f"cuda:{dev.id}"
+    return str(dev)
+
+
+def thread_count(backend, device: str) -> int | None:
+    """The threads a call runs on (the JSON field ``threads``): numpy's and numba's workers,
+    torch's intra-op threads on the CPU; None on a GPU or for a backend gqakv does not thread."""
+    if device != "cpu":
+        return None
+    if backend.name in ("numpy", "numba"):
+        return backend_threads(backend)
+    if backend.name == "torch":
+        import torch
+
+        return int(torch.get_num_threads())
+    return None
+
+
 def _threads_line(backend) -> str:
+    """The numpy backend's BLAS library and kernel (it holds BLAS to one thread while its
+    own workers run), or "" for the other backends. Raises ValueError for a bad
+    GQAKV_NUM_THREADS (``run`` calls it before any output)."""
     if backend.name != "numpy":
-        return backend.device_kind
+        return ""
     from gqakv_backends.numpy_attention import _threads
 
-    parts = [f"{_threads.default_workers()} worker threads"]
+    _threads.default_workers()  # validates GQAKV_NUM_THREADS
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
-        parts.append("BLAS threads not controlled (threadpoolctl missing)")
-    else:
-        for info in threadpool_info():
-            if info.get("user_api") == "blas":
-                parts.append(f"{info.get('internal_api')} {info.get('version')} "
-                             f"kernel {info.get('architecture')}")
-    return ", ".join(parts)
+        return "BLAS threads not controlled (threadpoolctl missing)"
+    return ", ".join(f"{info.get('internal_api')} {info.get('version')} kernel {info.get('architecture')}"
+                     for info in threadpool_info() if info.get("user_api") == "blas")
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -635,6 +669,11 @@ def _config(args) -> Config:
     if kv_dtype is not None and args.compare == "torch":
         raise UsageError(f"--compare torch reads K/V as {args.dtype} values; it cannot run with "
                          f"--kv-dtype {kv_dtype} (the cache holds 8-bit codes and scales)")
+    if args.compare == "torch":
+        try:
+            import torch  # noqa: F401
+        except ImportError as exc:
+            raise UsageError(f"--compare torch needs torch ({exc}): {TORCH_INSTALL}") from None
     if args.compare == "onnxruntime":
         if page_size is not None or kv_dtype is not None:
             raise UsageError("--compare onnxruntime reads a contiguous cache of --dtype values; it "
@@ -701,14 +740,10 @@ def _compare_torch(res: Result, cfg: Config) -> dict:
     """Time gqakv and torch SDPA on the final cache: one decode step, one prefill chunk."""
     from .attention import gqa_attention
 
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return {"error": "torch is not installed (pip install 'gqakv[bench]' torch)"}
     cache, backend = res._cache, res._cache.backend
     lens = cache.host_lens.copy()
     rng = np.random.default_rng(cfg.seed + 1)
-    out = {}
+    out: dict[str, Any] = {}
     # Prefill-shaped: each row's last `chunk` tokens as the queries (nothing is appended).
     chunk = max(1, min(cfg.chunk, int(lens.min())))
     for name, T in (("decode", 1), ("prefill_chunk", chunk)):
@@ -721,7 +756,8 @@ def _compare_torch(res: Result, cfg: Config) -> dict:
             return {"error": f"torch cannot view {backend.name} arrays: {exc}"}
         t_g = median_time(lambda: gqa_attention(q, cache, n_new), backend, repeats=3)
         t_t = median_time(sdpa, backend, repeats=3)
-        out[name] = {"tokens_per_row": T, "gqakv_s": t_g, "torch_s": t_t, "ratio": t_g / t_t}
+        # peer time / gqakv time, as for onnxruntime: above 1, gqakv is faster
+        out[name] = {"tokens_per_row": T, "gqakv_s": t_g, "torch_s": t_t, "ratio": t_t / t_g}
     import torch
 
     out["torch"] = f"torch {torch.__version__}, {torch.get_num_threads()} threads"
@@ -735,7 +771,8 @@ def _report(res: Result, bw, compare, times: dict | None = None) -> dict:
     times = times or {"workload_s": res.wall_s, "bandwidth_s": None, "compare_s": None,
                       "total_s": res.wall_s}
     report = {
-        "config": res.config, "backend": res.backend, "threads": res.threads,
+        "config": res.config, "backend": res.backend, "device": res.device, "threads": res.threads,
+        "threads_detail": res.threads_detail,
         "cache_bytes": res.cache_bytes, "live_bytes": res.live_bytes, "wall_s": res.wall_s,
         "contiguous_bytes": res.contiguous_bytes, "pages": res.pages,
         # K + V bytes of one token as stored (codes + scales when quantized): every byte
@@ -756,7 +793,11 @@ def _report(res: Result, bw, compare, times: dict | None = None) -> dict:
 def _print_report(r: dict) -> None:
     p, d = r["prefill"], r["decode"]
     kv = "K and V" if not r["config"].get("kv_dtype") else "K and V codes + scales"
-    print(f"\nbackend: {r['backend']} ({r['threads']})")
+    where = [r["device"]]
+    if r["threads"] is not None:
+        where.append(f"{r['threads']} thread{'s' if r['threads'] != 1 else ''}")
+    detail = f"; {r['threads_detail']}" if r["threads_detail"] else ""
+    print(f"\nbackend: {r['backend']} ({', '.join(where)}{detail})")
     print(f"cache: {human_bytes(r['cache_bytes'])} allocated once ({kv}), {human_bytes(r['live_bytes'])} "
           "live at the end")
     if r.get("pages") is not None:
@@ -785,8 +826,8 @@ def _print_report(r: dict) -> None:
                      "core's NumPy sum")
         print(line)
     if bw:
-        parts = ", ".join(f"{k.replace('_', ' ')} {v / 1e9:.1f} GB/s" for k, v in bw.items() if k != "best")
-        print(f"read bandwidth (reading 256 MiB): {parts}")
+        rates = ", ".join(f"{k.replace('_', ' ')} {v / 1e9:.1f} GB/s" for k, v in bw.items() if k != "best")
+        print(f"read bandwidth (reading 256 MiB): {rates}")
     c = r["compare"]
     if c and "onnxruntime" in c:
         x = c["decode"]
@@ -795,9 +836,9 @@ def _print_report(r: dict) -> None:
         print(f"  outputs agree: max |error| against float64 gqakv {x['error_gqakv']:.2g}, "
               f"onnxruntime {x['error_onnxruntime']:.2g} (allowed {x['tolerance']:.2g})")
         print(f"  decode step  gqakv {1e3 * x['gqakv_s']:8.3f} ms   onnxruntime "
-              f"{1e3 * x['onnxruntime_s']:8.3f} ms   onnxruntime/gqakv {x['ratio']:.2f}x "
-              f"(medians of {x['blocks']['gqakv']['blocks']} alternating blocks; above 1: gqakv "
-              f"is faster)")
+              f"{1e3 * x['onnxruntime_s']:8.3f} ms   onnxruntime/gqakv {x['ratio']:.2f}x")
+        print(f"  (ratio: peer time / gqakv time, above 1: gqakv is faster; medians of "
+              f"{x['blocks']['gqakv']['blocks']} alternating blocks)")
     elif c:
         if "error" in c:
             print(f"torch comparison: {c['error']}")
@@ -807,7 +848,8 @@ def _print_report(r: dict) -> None:
                 x = c[name]
                 label = "decode step" if name == "decode" else f"{x['tokens_per_row']}-token chunk"
                 print(f"  {label:<18} gqakv {1e3 * x['gqakv_s']:8.2f} ms   torch {1e3 * x['torch_s']:8.2f} ms"
-                      f"   gqakv/torch {x['ratio']:.2f}x")
+                      f"   torch/gqakv {x['ratio']:.2f}x")
+            print("  (ratio: peer time / gqakv time, above 1: gqakv is faster)")
     cfg = r["config"]
     concat = r["concat_bytes"]
     tok = token_bytes(cfg["kv_heads"], cfg["head_dim"], cfg["dtype"], cfg.get("kv_dtype"))

@@ -130,7 +130,50 @@ def test_bench_compare_torch(capsys):
     pytest.importorskip("torch")
     out = run_cli(capsys, ["bench", *TINY, "--quiet", "--compare", "torch"]).out
     assert "vs torch SDPA (enable_gqa=True)" in out
-    assert "decode step" in out and "4-token chunk" in out and "gqakv/torch" in out
+    assert "decode step" in out and "4-token chunk" in out and "torch/gqakv" in out
+
+
+def test_every_compare_ratio_is_peer_time_over_gqakv_time(capsys):
+    """One direction for every peer (onnxruntime's is checked in test_bench_compare_onnxruntime):
+    the torch ratio is torch time / gqakv time, and the output says which way it reads."""
+    pytest.importorskip("torch")
+    report = json.loads(run_cli(capsys, ["bench", *TINY, "--compare", "torch", "--json"]).out)
+    for name in ("decode", "prefill_chunk"):
+        x = report["compare"][name]
+        assert x["ratio"] == x["torch_s"] / x["gqakv_s"] > 0
+    out = run_cli(capsys, ["bench", *TINY, "--quiet", "--compare", "torch"]).out
+    assert "gqakv/torch" not in out
+    assert "(ratio: peer time / gqakv time, above 1: gqakv is faster)" in out
+
+
+def test_compare_torch_without_torch_fails_at_once_with_the_pinned_command(capsys, monkeypatch):
+    """As --compare onnxruntime does: one line, exit 2, before any output or work; the pip
+    command is the README's exact CPU pin, not an unpinned `pip install torch`."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    ran = []
+    monkeypatch.setattr(bench, "run_workload", lambda *a, **k: ran.append(1))
+    assert cli.main(["bench", *TINY, "--compare", "torch"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not ran
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gqakv: error: --compare torch needs torch ("), lines
+    assert "pip install torch==2.13.0 (CPU build)" in lines[0]
+    assert "`torch==2.13.0`\n(CPU build" in (ROOT / "README.md").read_text()  # the same pin
+
+
+def test_bench_json_threads_is_a_number_and_device_is_its_own_field(capsys):
+    for backend in ("numpy", "numba"):
+        if backend == "numba":
+            pytest.importorskip("numba")
+        argv = [a if a != "numpy" else backend for a in TINY]
+        report = json.loads(run_cli(capsys, ["bench", *argv, "--json"]).out)
+        assert report["device"] == "cpu"
+        assert isinstance(report["threads"], int) and report["threads"] == bench.backend_threads(
+            __import__("gqakv").get_backend(backend))
+        assert isinstance(report["threads_detail"], str)
+        out = run_cli(capsys, ["bench", *argv, "--quiet"]).out
+        n = report["threads"]
+        assert f"backend: {backend} (cpu, {n} thread{'s' if n != 1 else ''}" in out
 
 
 def test_torch_sdpa_peer_computes_the_same_attention():
@@ -218,6 +261,7 @@ def test_bench_compare_onnxruntime(capsys, dtype, backend_name):
     out = run_cli(capsys, ["bench", *argv, "--quiet"]).out
     assert "vs ONNX Runtime GroupQueryAttention" in out and "outputs agree: max |error| against" in out
     assert "onnxruntime/gqakv" in out and "onnxruntime comparison" in out.strip().splitlines()[-1]
+    assert "(ratio: peer time / gqakv time, above 1: gqakv is faster;" in out
 
 
 def test_decode_reference_is_the_reference():

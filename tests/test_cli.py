@@ -126,3 +126,79 @@ def test_console_script_one_line_and_status():
         "gqakv: error: unknown backend 'bogus', chosen by GQAKV_BACKEND=bogus (registered: "
         + done.stderr.split("(registered: ", 1)[1].rstrip("\n")]
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "--gguf", "/no/such/model.gguf"], "--gguf '/no/such/model.gguf': no such file"),
+    (["generate", "--gguf", "/"], "--gguf '/' is not a file (a GGUF file is needed)"),
+])
+def test_generate_gguf_path_is_checked_first(capsys, argv, expected):
+    """A missing or wrong --gguf file: one line, exit 2, before anything is read or printed."""
+    pytest.importorskip("gguf", reason="gguf not installed (pip install gguf)")
+    pytest.importorskip("tokenizers", reason="tokenizers not installed (pip install tokenizers)")
+    assert one_line_error(capsys, argv) == f"gqakv: error: {expected}"
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--prompt", "Hello"], "--prompt needs"),
+    (["--chat"], "--chat needs"),
+    (["--prompt", "Hello", "--chat"], "--prompt and --chat need"),
+    (["--compare-cache", "int8"], "--compare-cache needs"),
+])
+def test_generate_real_model_flags_without_a_model_are_refused(capsys, monkeypatch, flags, named):
+    """--prompt/--chat/--compare-cache without --model/--gguf would be ignored while the
+    random-weight demo runs for minutes: refused before any weight is drawn."""
+    from gqakv.examples import generate
+
+    drawn = []
+    monkeypatch.setattr(generate, "LlamaModel", lambda *a, **k: drawn.append(1))
+    line = one_line_error(capsys, ["generate", *flags])
+    assert line.startswith(f"gqakv: error: {named} a real model: add --model smollm2-135m or --gguf PATH")
+    assert not drawn
+
+
+def test_selftest_compile_line_tells_numba_compiles_on_first_call(tmp_path):
+    """numba builds nothing ahead, but compiles every kernel specialization on its first
+    call and caches it on disk: the compile line says so (not "nothing to build ahead"),
+    names the cache folder and whether it holds kernels yet."""
+    pytest.importorskip("numba")
+    from gqakv import selftest
+    from gqakv.registry import get_backend
+
+    check = selftest._compile(get_backend("numba"), ["float32"], quick=True)
+    assert "nothing to build ahead" not in check.note
+    assert check.note.startswith("built on first call: numba compiles each kernel specialization")
+    assert "caches it on disk (" in check.note and not check.required
+    empty = selftest._numba_jit_note(tmp_path)
+    assert f"({tmp_path})" in empty and "none cached there yet: this run compiles them" in empty
+    for name in ("numba_kernels._attend-652.py311.nbi", "numba_kernels._decode-1.py311.nbi"):
+        (tmp_path / name).write_text("")
+    assert "2 kernel cache indexes found there" in selftest._numba_jit_note(tmp_path)
+
+
+def test_generate_prefills_the_default_prompts_in_one_forward_call(capsys, monkeypatch):
+    """Every prefill call reads all the weights once, so the cached run's time to first
+    token must not pay for small chunks: with the defaults, the ragged prompts (up to
+    --prompt-len 64) go in one forward call, as the uncached run feeds them; the header
+    says so. An explicit small --chunk still splits them (and the header says what it costs)."""
+    import numpy as np
+
+    from gqakv.examples import llama
+
+    calls = []
+    real = llama.LlamaModel.forward
+
+    def spy(self, tokens, n_new, cache, **kw):
+        calls.append(np.asarray(n_new).tolist())
+        return real(self, tokens, n_new, cache, **kw)
+
+    monkeypatch.setattr(llama.LlamaModel, "forward", spy)
+    base = ["generate", "--config", "tiny", "--backend", "numpy", "--no-baseline", "--new-tokens", "2"]
+    assert cli.main(base) == 0
+    prefill = [n for n in calls if len(n) == 4 and max(n) > 1]  # the 4-row run's prefill calls
+    assert prefill == [[64, 48, 32, 16]], calls
+    assert "prefill in one forward call (--chunk 512 covers the longest prompt)" in capsys.readouterr().out
+    calls.clear()
+    assert cli.main([*base, "--chunk", "32"]) == 0
+    assert [n for n in calls if len(n) == 4 and max(n) > 1] == [[32, 32, 32, 16], [32, 16, 0, 0]]
+    assert "prefill in 2 forward calls of up to 32 tokens per row" in capsys.readouterr().out

@@ -18,105 +18,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import inspect
-import io
 import re
-import shlex
 import time
 import zlib
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sybil", reason="sybil not installed (pip install -e '.[docs]'; the test extra has it)")
-from sybil import Sybil  # noqa: E402
-from sybil.evaluators.python import pad  # noqa: E402
-from sybil.parsers.markdown import CodeBlockParser, SkipParser  # noqa: E402
+from .support.docs import run_page  # skips this module where sybil is not installed
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PRINTS = re.compile(r"#\s*prints (.*)$")
-
-
-# -- running the examples of a page ----------------------------------------------------------
-
-
-def run_python(example) -> None:
-    """exec the block in the page's namespace; its ``# prints`` lines must be its output."""
-    __tracebackhide__ = True
-    source = example.parsed
-    out = io.StringIO()
-    code = compile(pad(source, example.line + source.line_offset), example.path, "exec")
-    with contextlib.redirect_stdout(out):
-        exec(code, example.namespace)
-    example.namespace.pop("__builtins__", None)
-    expected = [m.group(1).rstrip() for line in source.splitlines() if (m := PRINTS.search(line))]
-    got = [line.rstrip() for line in out.getvalue().splitlines()]
-    assert got == expected, (f"{example.path}, line {example.line}: the block printed {got}, "
-                             f"its '# prints' comments say {expected}")
-
-
-def _matches(expected: list[str], got: list[str]) -> bool:
-    """Line for line, a line '...' standing for any number of lines."""
-    if not expected:
-        return not got
-    if expected[0].strip() == "...":
-        return any(_matches(expected[1:], got[i:]) for i in range(len(got) + 1))
-    return bool(got) and expected[0] == got[0] and _matches(expected[1:], got[1:])
-
-
-def run_console(example) -> None:
-    """Each ``$ gqakv ARGS`` line runs ``gqakv.cli.main(ARGS)`` here; the lines after it,
-    up to the next ``$``, are its whole output (stdout then stderr)."""
-    __tracebackhide__ = True
-    from gqakv import cli
-
-    commands: list[tuple[str, list[str]]] = []
-    for line in example.parsed.splitlines():
-        if line.startswith("$ "):
-            commands.append((line[2:], []))
-        elif commands:
-            commands[-1][1].append(line.rstrip())
-    assert commands, f"{example.path}, line {example.line}: a console block without a '$ ' command"
-    for command, expected in commands:
-        argv = shlex.split(command, comments=True)
-        assert argv[0] == "gqakv", f"console blocks run gqakv commands only, not {command!r}"
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = cli.main(argv[1:])
-        got = (out.getvalue() + err.getvalue()).rstrip("\n").splitlines()
-        while expected and not expected[-1]:
-            expected.pop()
-        if not expected:
-            assert rc == 0, f"$ {command}: exit status {rc}\n{err.getvalue()}"
-            continue
-        errors = any(line.startswith("gqakv: error:") for line in expected)
-        assert rc == (2 if errors else 0), f"$ {command}: exit status {rc}"
-        assert _matches(expected, [g.rstrip() for g in got]), (
-            f"$ {command}\nthe page shows:\n" + "\n".join(expected) + "\nit printed:\n" + "\n".join(got))
-
-
-SYBIL = Sybil(
-    parsers=[CodeBlockParser("python", run_python), CodeBlockParser("console", run_console),
-             SkipParser()],
-    patterns=["*.md"],
-)
-
-
-def run_page(path: Path) -> dict:
-    """Every example of one Markdown page, in order; returns the page's namespace after them
-    (with ``__examples_run__``: how many examples ran)."""
-    document = SYBIL.parse(path)
-    ran = 0
-    try:
-        for example in document.examples():
-            example.evaluate()
-            ran += 1
-        return {**document.namespace, "__examples_run__": ran}
-    finally:
-        document.namespace.clear()
 
 
 # guides/scaling.md is run by tests/test_distributed.py (its blocks need torch.distributed
@@ -189,6 +103,20 @@ def test_sphinx_build_has_no_warnings(tmp_path):
             assert raw not in html, f"raw markup {raw!r} in {page.relative_to(out)}"
     for figure in ("decode_bandwidth.png", "cache_memory.png", "concat_bytes.png"):
         assert list(out.rglob(figure)), f"figure {figure} missing from the built site"
+    _check_reference_details(out, names)
+
+
+def _check_reference_details(out: Path, names: set[str]) -> None:
+    """Internal helpers stay off the reference; each argument has its own description; code
+    blocks wrap long lines (no horizontal scroll)."""
+    assert "gqakv.KVCache.view_of" not in names and "gqakv.KVCache._view_of" not in names
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", (out / "reference" / "caches.html").read_text()))
+    described = re.findall(r"num_pages – ([^.]*)", text)
+    assert described and not any("tokens per page" in d for d in described), described
+    index = (out / "index.html").read_text()
+    assert "code-wrap.css" in index
+    css = next(out.rglob("code-wrap.css")).read_text()
+    assert re.search(r"\.highlight pre,\s*pre\.literal-block \{[^}]*white-space: pre-wrap", css), css
 
 
 def _inventory(path: Path) -> set[str]:
@@ -222,6 +150,35 @@ def test_figure_script_runs_on_tiny_inputs(tmp_path, capsys):
     mem = data["memory"]["bytes"]
     assert mem["live tokens bfloat16"] < mem["paged bfloat16"] < mem["contiguous bfloat16"]
     assert mem["contiguous int8"] < mem["contiguous bfloat16"]
+    # each point: its start time and the load average just before and after it, on the figure
+    for r in data["runs"]:
+        assert {"date", "load_before", "load_after"} <= set(r) and r["date"].endswith("UTC")
+        assert len(r["loads_of_repeats"]) == r["repeats"]
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure()
+    module._stamp(fig, data)
+    stamp = " ".join(t.get_text() for t in fig.texts)
+    plt.close(fig)
+    lo = min(min(r["load_before"], r["load_after"]) for r in data["runs"])
+    assert data["machine"]["started"] in stamp and data["machine"]["date"] in stamp
+    assert f"1-minute load average before/after each point: {lo:g} to" in stamp, stamp
+
+
+def test_figure_script_waits_for_a_quiet_machine(monkeypatch):
+    """--max-load: before a point, the script waits until the load average falls to the
+    value (or the wait runs out), and returns the load it measured at."""
+    script = DOCS / "figures" / "make_figures.py"
+    spec = importlib.util.spec_from_file_location("make_figures", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loads, slept = iter([9.0, 6.0, 1.5, 0.5]), []
+    monkeypatch.setattr(module, "load_average", lambda: next(loads))
+    monkeypatch.setattr(time, "sleep", slept.append)
+    assert module.wait_for_load(2.0, max_wait_s=100, poll_s=10) == 1.5 and slept == [10, 10]
+    loads = iter([9.0, 9.0, 9.0])
+    assert module.wait_for_load(2.0, max_wait_s=10, poll_s=10) == 9.0  # measured anyway
+    assert module.wait_for_load(None, max_wait_s=10) == 9.0
 
 
 def test_committed_figures_come_from_the_committed_data():
@@ -236,3 +193,53 @@ def test_committed_figures_come_from_the_committed_data():
     assert shapes == {(32, 8, 128)}
     for name in ("decode_bandwidth.png", "cache_memory.png", "concat_bytes.png"):
         assert (DOCS / "figures" / name).stat().st_size > 10_000
+
+
+# Run in a child process: torch and transformers made unimportable (as in a venv with only
+# the docs extra), then sphinx-build as the README runs it.
+_HIDDEN_BUILD = r"""
+import sys
+
+HIDDEN = ("torch", "transformers")
+tried = []
+
+
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            tried.append(name)
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Hide())
+from sphinx.cmd.build import build_main
+
+status = build_main(sys.argv[1:])
+real = [n for n in HIDDEN if n in sys.modules and getattr(sys.modules[n], "__file__", None)]
+print("real modules imported:", real)
+sys.exit(status)
+"""
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_sphinx_build_without_torch_or_transformers(tmp_path):
+    """The README's docs build with only the docs extra: torch and transformers cannot be
+    imported, the build still has no warnings, and the Integrations page documents the
+    transformers integration (autodoc reads it against mocked torch/transformers)."""
+    pytest.importorskip("sphinx", reason="sphinx not installed (pip install -e '.[docs]')")
+    import subprocess
+    import sys
+
+    out, log = tmp_path / "html", tmp_path / "warnings.txt"
+    done = subprocess.run([sys.executable, "-c", _HIDDEN_BUILD, "-W", "--keep-going", "-n", "-q", "-w", str(log),
+                           "-b", "html", "-d", str(tmp_path / "doctrees"), str(DOCS), str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, log.read_text() if log.exists() else done.stderr
+    assert "real modules imported: []" in done.stdout, done.stdout
+    names = _inventory(out / "objects.inv")
+    for name in ("register", "GqakvCache", "GqakvLayer", "GqakvLayer.reorder_cache", "gqakv_attention",
+                 "gqakv_mask", "CACHE_KWARG"):
+        assert f"gqakv.integrations.transformers.{name}" in names, name
+    page = (out / "reference" / "integrations.html").read_text()
+    assert "max_cache_len" in page and "beam" in page.lower()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .test_docs import run_page
+from .support.docs import run_page
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

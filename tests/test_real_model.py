@@ -317,6 +317,28 @@ def test_generate_command_ragged_batch(checkpoint, monkeypatch, capsys):
     assert "3 rows, prompts of 5, 4, 1 tokens, 18 tokens generated; time to first token" in out
 
 
+def test_generate_command_chat_prints_the_reply_not_the_template(checkpoint, monkeypatch, capsys):
+    """--chat: the model reads the file's chat template (system turn, special tokens), but
+    what is printed is the user's prompt and the reply, without the template's tokens."""
+    pytest.importorskip("jinja2", reason="jinja2 not installed (pip install 'gqakv[gguf]')")
+    import gqakv.examples.gguf as gguf_module
+
+    monkeypatch.setattr(gguf_module, "read_checkpoint", lambda path: checkpoint)
+    base = ["generate", "--model", "smollm2-135m", "--backend", "numpy", "--new-tokens", "10", "--chat"]
+    assert cli_main([*base, "--prompt", "What is the capital of France?"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[1] == "user: What is the capital of France?", out
+    assert lines[2].startswith("assistant: ") and "Paris" in lines[2], out
+    for raw in ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "You are a helpful"):
+        assert raw not in out, out
+    assert "1 row, prompts of " in out  # the token count is the templated prompt's
+    assert cli_main([*base, "--prompt", "What is the capital of France?", "--prompt", "Hi"]) == 0
+    out = capsys.readouterr().out
+    assert "\n[0] user: What is the capital of France?\nassistant: " in out and "\n[1] user: Hi\nassistant: " in out
+    assert "<|im_" not in out, out
+
+
 # -- float32 ragged batch, and the transformers integration on the real model --------------------
 
 TEXTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):"]

@@ -22,9 +22,11 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch not installed (pip install 'gqakv[test]')")
 transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install 'gqakv[transformers]')")
 
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 from gqakv.integrations.transformers import CACHE_KWARG, GqakvCache, register  # noqa: E402
+
+from .support.hf import greedy_generate, tiny_llama, token_ids  # noqa: E402
 
 F64_ATOL = 1e-10
 register()
@@ -38,14 +40,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def _model(dtype=torch.float32, seed=0, layers=2):
-    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
 def _perturbed_assistant(model, attn: str, drafts: int):
@@ -62,32 +56,18 @@ def _perturbed_assistant(model, attn: str, drafts: int):
     return model
 
 
-def _ids(batch=2, length=11, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 101, (batch, length), generator=g)
-
-
-def _generate(model, ids, impl, n=10, cache=None):
-    model.set_attn_implementation(impl)
-    kwargs = {} if cache is None else {CACHE_KWARG: cache}
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, eos_token_id=None, **kwargs)
-    return out.sequences, torch.stack(out.logits)  # [B, S+n], [n, B, V]
-
-
 def test_generate_matches_transformers_attention_float64(monkeypatch):
     import gqakv
 
-    model = _model(torch.float64)
-    ids = _ids()
-    sdpa_seq, sdpa_logits = _generate(model, ids, "sdpa")
-    eager_seq, eager_logits = _generate(model, ids, "eager")
+    model = tiny_llama(torch.float64)
+    ids = token_ids()
+    sdpa_seq, sdpa_logits = greedy_generate(model, ids, "sdpa")
+    eager_seq, eager_logits = greedy_generate(model, ids, "eager")
     calls = []
     real = gqakv.gqa_attention
     monkeypatch.setattr(gqakv, "gqa_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     cache = GqakvCache(model.config, max_cache_len=32)
-    got_seq, got_logits = _generate(model, ids, "gqakv", cache=cache)
+    got_seq, got_logits = greedy_generate(model, ids, "gqakv", cache=cache)
     assert len(calls) == 2 * 10  # gqakv did the attention: 2 layers x 10 forward calls
     assert torch.equal(got_seq, sdpa_seq) and torch.equal(got_seq, eager_seq)
     assert (got_logits - sdpa_logits).abs().max().item() <= F64_ATOL
@@ -98,11 +78,11 @@ def test_generate_matches_transformers_attention_float64(monkeypatch):
 
 
 def test_generate_float32_error_is_that_of_eager_float32():
-    ids = _ids(batch=3, length=7, seed=5)
-    ref_seq, ref_logits = _generate(_model(torch.float64), ids, "eager")
-    model = _model(torch.float32)
-    eager_seq, eager_logits = _generate(model, ids, "eager")
-    got_seq, got_logits = _generate(model, ids, "gqakv", cache=GqakvCache(model.config, max_cache_len=24))
+    ids = token_ids(batch=3, length=7, seed=5)
+    ref_seq, ref_logits = greedy_generate(tiny_llama(torch.float64), ids, "eager")
+    model = tiny_llama(torch.float32)
+    eager_seq, eager_logits = greedy_generate(model, ids, "eager")
+    got_seq, got_logits = greedy_generate(model, ids, "gqakv", cache=GqakvCache(model.config, max_cache_len=24))
     assert torch.equal(got_seq, ref_seq) and torch.equal(eager_seq, ref_seq)
     err_gqakv = (got_logits.double() - ref_logits).abs().max().item()
     err_eager = (eager_logits.double() - ref_logits).abs().max().item()
@@ -112,8 +92,8 @@ def test_generate_float32_error_is_that_of_eager_float32():
 def test_chunked_prefill_through_repeated_forward_calls():
     """Uneven prompt chunks, then decode steps, each through model(...) with the gqakv cache;
     every position's logits equal the sdpa model's single full forward pass."""
-    model = _model(torch.float64)
-    ids = _ids(batch=2, length=14, seed=7)
+    model = tiny_llama(torch.float64)
+    ids = token_ids(batch=2, length=14, seed=7)
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
         full = model(ids, use_cache=False).logits  # [B, 14, V]
@@ -133,8 +113,8 @@ def test_chunked_prefill_through_repeated_forward_calls():
 
 
 def test_forward_without_cache_matches_sdpa():
-    model = _model(torch.float64)
-    ids = _ids(batch=2, length=9, seed=3)
+    model = tiny_llama(torch.float64)
+    ids = token_ids(batch=2, length=9, seed=3)
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
         want = model(ids, use_cache=False).logits
@@ -176,7 +156,7 @@ def test_left_padded_generate_matches_sdpa_float64(monkeypatch):
     spreads through 0 * NaN in the next layer.)"""
     import gqakv
 
-    model = _model(torch.float64)
+    model = tiny_llama(torch.float64)
     ids, mask = _left_padded(PADDED_LENS)
     n = 8
     sdpa_seq, sdpa_logits = _generate_padded(model, ids, mask, "sdpa", n=n)
@@ -208,8 +188,8 @@ def test_left_padded_generate_matches_sdpa_float64(monkeypatch):
 
 def test_left_padded_generate_float32_error_is_that_of_sdpa_and_eager():
     ids, mask = _left_padded(PADDED_LENS, seed=4)
-    ref_seq, ref_logits = _generate_padded(_model(torch.float64), ids, mask, "sdpa")
-    model = _model(torch.float32)
+    ref_seq, ref_logits = _generate_padded(tiny_llama(torch.float64), ids, mask, "sdpa")
+    model = tiny_llama(torch.float32)
     got_seq, got_logits = _generate_padded(model, ids, mask, "gqakv", cache=GqakvCache(model.config, max_cache_len=48))
     assert torch.equal(got_seq, ref_seq)
     err_gqakv = (got_logits.double() - ref_logits).abs().max().item()
@@ -223,7 +203,7 @@ def test_left_padded_generate_float32_error_is_that_of_sdpa_and_eager():
 def test_left_padded_generate_with_chunked_prefill_float64():
     """generate(prefill_chunk_size=4): the padded prompt goes through several forward calls,
     some of which hold only padding for the short rows."""
-    model = _model(torch.float64)
+    model = tiny_llama(torch.float64)
     ids, mask = _left_padded([13, 2, 7, 1], seed=6)
     want_seq, want_logits = _generate_padded(model, ids, mask, "sdpa")
     cache = GqakvCache(model.config, max_cache_len=24)
@@ -241,7 +221,7 @@ def _positions(mask):
 def _check_padded_chunks(ids, mask, sizes):
     """Feed ``ids`` through model(...) in chunks of ``sizes`` with the gqakv cache and the mask
     seen so far; logits at every real position equal sdpa's single full forward pass."""
-    model = _model(torch.float64)
+    model = tiny_llama(torch.float64)
     positions = _positions(mask)
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
@@ -285,7 +265,7 @@ def test_right_padded_and_gapped_masks_through_forward_calls():
 
 
 def test_padded_forward_without_cache_matches_sdpa():
-    model = _model(torch.float64)
+    model = tiny_llama(torch.float64)
     ids, mask = _left_padded([9, 4, 1], seed=11)
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
@@ -296,7 +276,7 @@ def test_padded_forward_without_cache_matches_sdpa():
 
 
 def test_mask_that_disagrees_with_the_cache_is_refused():
-    model = _model(torch.float64)
+    model = tiny_llama(torch.float64)
     model.set_attn_implementation("gqakv")
     ids, mask = _left_padded([6, 3], seed=12)
     cache = GqakvCache(model.config, max_cache_len=16)
@@ -319,11 +299,11 @@ def test_mask_that_disagrees_with_the_cache_is_refused():
 
 
 def test_cache_capacity_error_names_the_numbers():
-    model = _model()
+    model = tiny_llama()
     model.set_attn_implementation("gqakv")
     cache = GqakvCache(model.config, max_cache_len=8)
     with torch.no_grad(), pytest.raises(ValueError, match="max_len=8"):
-        model(_ids(batch=1, length=9), use_cache=True, **{CACHE_KWARG: cache})
+        model(token_ids(batch=1, length=9), use_cache=True, **{CACHE_KWARG: cache})
 
 
 def _spy(monkeypatch, cls, name, record):
@@ -350,7 +330,7 @@ def test_beam_search_matches_sdpa_with_dynamic_cache(monkeypatch, lens, beams):
     prompts before the first forward); beams move by KVCache.reorder, in place."""
     import gqakv
 
-    model = _model(torch.float64)
+    model = tiny_llama(torch.float64)
     ids, mask = _left_padded(lens, seed=13)
     n = 6
     want_seq, want_scores = _beam_search(model, ids, mask, "sdpa", beams, n)
@@ -379,7 +359,7 @@ def test_beam_search_with_finished_beams_then_reuse_for_a_smaller_batch():
     """Beams that end on EOS (length penalty 0.7, 3 beams) match sdpa; the reset cache then
     serves a greedy batch of 2 in the first 2 of its 9 rows, same buffers; a batch change
     mid-sequence or beyond the rows allocated is refused."""
-    model = _model(torch.float64)
+    model = tiny_llama(torch.float64)
     ids, mask = _left_padded([9, 2, 5], seed=13)
     eos = [2, 5, 7, 9, 11, 13]
     outs = {}
@@ -403,8 +383,8 @@ def test_beam_search_with_finished_beams_then_reuse_for_a_smaller_batch():
     with torch.no_grad(), pytest.raises(ValueError, match=r"holds a batch of 2 rows \(9 allocated, 16 token slots"):
         model(ids[:, :1], use_cache=True, **{CACHE_KWARG: cache})
     cache.reset()
-    with torch.no_grad(), pytest.raises(ValueError, match="at most 9 rows"):
-        model(_ids(batch=10, length=2), use_cache=True, **{CACHE_KWARG: cache})
+    with torch.no_grad(), pytest.raises(ValueError, match=r"allocated 9 rows .*max_batch_size=10 or more"):
+        model(token_ids(batch=10, length=2), use_cache=True, **{CACHE_KWARG: cache})
 
 
 def test_beam_search_is_sensitive_to_the_reorder(monkeypatch):
@@ -412,7 +392,7 @@ def test_beam_search_is_sensitive_to_the_reorder(monkeypatch):
     really checks the reorder."""
     from gqakv.integrations.transformers import GqakvLayer
 
-    model = _model(torch.float64)
+    model = tiny_llama(torch.float64)
     ids, mask = _left_padded([9, 2, 5], seed=13)
     want_seq, _ = _beam_search(model, ids, mask, "sdpa", 2, 6)
     monkeypatch.setattr(GqakvLayer, "reorder_cache", lambda self, beam_idx: None)
@@ -425,12 +405,12 @@ def test_assisted_decoding_matches_greedy(monkeypatch):
     rejected ones (KVCache.truncate); tokens and logits equal plain greedy sdpa generation."""
     from gqakv.integrations.transformers import GqakvLayer
 
-    model = _model(torch.float64)
+    model = tiny_llama(torch.float64)
     # the same weights, perturbed: some drafts accepted, some not
-    assistant = _perturbed_assistant(_model(torch.float64), "sdpa", drafts=5)
-    ids = _ids(batch=1, length=7, seed=14)
+    assistant = _perturbed_assistant(tiny_llama(torch.float64), "sdpa", drafts=5)
+    ids = token_ids(batch=1, length=7, seed=14)
     n = 12
-    want_seq, want_logits = _generate(model, ids, "sdpa", n=n)
+    want_seq, want_logits = greedy_generate(model, ids, "sdpa", n=n)
     crops = []
     _spy(monkeypatch, GqakvLayer, "crop", crops)
     cache = GqakvCache(model.config, max_cache_len=ids.shape[1] + n + 5)
@@ -454,7 +434,7 @@ def test_crop_takes_only_the_real_tokens_of_each_row():
     """Forward calls on a padded batch, then crop slots of which some are padding in some rows:
     each row loses only its real tokens among them; what follows equals sdpa's full forward pass
     over the kept tokens."""
-    model = _model(torch.float64)
+    model = tiny_llama(torch.float64)
     ids, mask = _left_padded([6, 2, 4], seed=15)          # prefill, W = 6
     g = torch.Generator().manual_seed(16)
     draft = torch.randint(3, 101, (3, 3), generator=g)     # 3 slots, later 2 of them cropped
@@ -487,7 +467,7 @@ def test_batch_repeat_interleave_and_select_as_row_operations():
     """batch_repeat_interleave / batch_select_indices move rows within the rows allocated
     (max_batch_size), and the next step's logits equal sdpa with a DynamicCache given the
     same operations; beyond the rows allocated a clear error, nothing changed."""
-    model = _model(torch.float64)
+    model = tiny_llama(torch.float64)
     ids, mask = _left_padded([5, 3], seed=17)
     step = torch.tensor([[11], [12], [13]])
     caches, logits = {}, {}
@@ -516,9 +496,9 @@ def test_batch_repeat_interleave_and_select_as_row_operations():
 
 
 def test_cache_with_another_attention_is_refused():
-    model = _model()
+    model = tiny_llama()
     model.set_attn_implementation("eager")
-    ids = _ids(batch=1, length=4)
+    ids = token_ids(batch=1, length=4)
     cache = GqakvCache(model.config, max_cache_len=16)
     with torch.no_grad():
         model(ids, use_cache=True, **{CACHE_KWARG: cache})
@@ -528,8 +508,8 @@ def test_cache_with_another_attention_is_refused():
 
 def test_eager_reference_is_independent_of_gqakv():
     """The reference really uses transformers' own cache and attention (control for the tests above)."""
-    model = _model(torch.float64)
-    ids = _ids()
+    model = tiny_llama(torch.float64)
+    ids = token_ids()
     model.set_attn_implementation("eager")
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -539,14 +519,14 @@ def test_eager_reference_is_independent_of_gqakv():
 
 
 def test_reset_reuses_the_buffers():
-    model = _model(torch.float64)
-    ids = _ids(batch=2, length=6, seed=9)
+    model = tiny_llama(torch.float64)
+    ids = token_ids(batch=2, length=6, seed=9)
     cache = GqakvCache(model.config, max_cache_len=20)
-    first_seq, first_logits = _generate(model, ids, "gqakv", n=4, cache=cache)
+    first_seq, first_logits = greedy_generate(model, ids, "gqakv", n=4, cache=cache)
     ptr = cache.kv_caches[0].k.data_ptr()
     cache.reset()
     assert cache.get_seq_length() == 0
-    again_seq, again_logits = _generate(model, ids, "gqakv", n=4, cache=cache)
+    again_seq, again_logits = greedy_generate(model, ids, "gqakv", n=4, cache=cache)
     assert torch.equal(again_seq, first_seq) and torch.equal(again_logits, first_logits)
     assert cache.kv_caches[0].k.data_ptr() == ptr
 
@@ -554,22 +534,22 @@ def test_reset_reuses_the_buffers():
 def test_second_generate_without_reset_is_refused_with_the_hint():
     """A GqakvCache serves one generation: a second generate from a new prompt is refused,
     naming cache.reset(), writes nothing, and works once the cache is reset."""
-    model = _model(torch.float64)
-    ids = _ids(batch=2, length=6, seed=9)
+    model = tiny_llama(torch.float64)
+    ids = token_ids(batch=2, length=6, seed=9)
     cache = GqakvCache(model.config, max_cache_len=40)
-    first_seq, first_logits = _generate(model, ids, "gqakv", n=4, cache=cache)
+    first_seq, first_logits = greedy_generate(model, ids, "gqakv", n=4, cache=cache)
     held = [kv.host_lens.tolist() for kv in cache.kv_caches]
     assert held == [[6 + 3, 6 + 3]] * 2  # the last new token is never fed back
     # Unpadded prompt: its positions restart while the cache still holds 9 tokens per row.
     with pytest.raises(ValueError, match=r"start at position .* already holds 9 tokens.*call cache\.reset\(\)"):
-        _generate(model, ids, "gqakv", n=4, cache=cache)
+        greedy_generate(model, ids, "gqakv", n=4, cache=cache)
     # Left-padded prompt: the mask's width no longer fits the slots the cache has seen.
     padded, mask = _left_padded([6, 4], seed=3)
     with pytest.raises(ValueError, match=r"attention_mask has 6 columns.*call cache\.reset\(\)"), torch.no_grad():
         model.generate(padded, attention_mask=mask, max_new_tokens=2, do_sample=False, **{CACHE_KWARG: cache})
     assert [kv.host_lens.tolist() for kv in cache.kv_caches] == held  # nothing was written
     cache.reset()
-    again_seq, again_logits = _generate(model, ids, "gqakv", n=4, cache=cache)
+    again_seq, again_logits = greedy_generate(model, ids, "gqakv", n=4, cache=cache)
     assert torch.equal(again_seq, first_seq) and torch.equal(again_logits, first_logits)
 
 
@@ -685,7 +665,7 @@ def test_variant_models_generate_as_eager_float64(family, float64_softmax, monke
     """Greedy generate from 11-token prompts (window 5): gqakv's tokens equal eager's (plain and
     float64-softmax), logits within 1e-10 of float64 eager; each layer got its own variant."""
     model = _variant_model(family)
-    ids = _ids(batch=2, length=11, seed=21)
+    ids = token_ids(batch=2, length=11, seed=21)
     mask = torch.ones_like(ids)
     want_seq, want_logits = _variant_generate(model, ids, mask, "eager")
     seen = _spy_variants(monkeypatch)
@@ -731,7 +711,7 @@ def test_variant_models_need_their_variant(family, float64_softmax, monkeypatch)
     import gqakv
 
     model = _variant_model(family)
-    ids = _ids(batch=2, length=11, seed=21)
+    ids = token_ids(batch=2, length=11, seed=21)
     mask = torch.ones_like(ids)
     _, want_logits = _variant_generate(model, ids, mask, "eager", n=3)
     real = gqakv.gqa_attention
@@ -761,7 +741,7 @@ def test_sliding_model_refuses_a_pad_after_a_real_token():
     differ, so it is refused (naming the row) before anything is written."""
     model = _variant_model("mistral")
     model.set_attn_implementation("gqakv")
-    ids = _ids(batch=2, length=8, seed=24)
+    ids = token_ids(batch=2, length=8, seed=24)
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0  # right padding
     cache = GqakvCache(model.config, max_cache_len=16)
@@ -775,7 +755,7 @@ def test_unsupported_layer_types_and_bidirectional_attention_are_refused():
     model = _variant_model("gemma3", use_bidirectional_attention=True)
     model.set_attn_implementation("gqakv")
     with torch.no_grad(), pytest.raises(NotImplementedError, match="is_causal=False"):
-        model(_ids(batch=1, length=4), use_cache=False)
+        model(token_ids(batch=1, length=4), use_cache=False)
     config = model.config
     config.layer_types = ["sliding_attention", "chunked_attention"]
     with pytest.raises(ValueError, match=r"layer types \['full_attention', 'sliding_attention'\], "
@@ -799,13 +779,13 @@ def test_chunked_attention_layers_are_refused_without_a_cache_too():
     model = transformers.Llama4ForCausalLM(config).eval()
     model.set_attn_implementation("gqakv")
     with torch.no_grad(), pytest.raises(NotImplementedError, match=r"layer 0 .* is 'chunked_attention'"):
-        model(_ids(batch=1, length=12), use_cache=False)
+        model(token_ids(batch=1, length=12), use_cache=False)
 
 
 def test_sinks_updated_in_place_are_used(float64_softmax):
     """The sinks' host copy follows in-place updates of the parameter and replaced data."""
     model = _variant_model("gpt_oss")
-    ids = _ids(batch=2, length=9, seed=25)
+    ids = token_ids(batch=2, length=9, seed=25)
     with torch.no_grad():
         for step in range(3):
             logits = {}
@@ -838,7 +818,7 @@ def test_variant_model_beam_search_and_assisted_decoding(float64_softmax, monkey
     assert (got_scores - want_scores).abs().max().item() <= F64_ATOL
 
     assistant = _perturbed_assistant(_variant_model("gpt_oss"), "eager", drafts=4)
-    ids = _ids(batch=1, length=8, seed=27)
+    ids = token_ids(batch=1, length=8, seed=27)
     want_seq, want_logits = _variant_generate(model, ids, torch.ones_like(ids), "eager", n=10)
     from gqakv.integrations.transformers import GqakvLayer
 
@@ -850,3 +830,21 @@ def test_variant_model_beam_search_and_assisted_decoding(float64_softmax, monkey
     assert torch.equal(got_seq, want_seq)
     assert (got_logits - want_logits).abs().max().item() <= F64_ATOL
     assert max(-a[0] for _, a in crops) > 1  # drafts of several tokens were rejected and cropped
+
+
+def test_larger_batch_after_reset_names_max_batch_size():
+    """After reset() the rows are empty but as many as the first batch: a larger batch is
+    refused, and the error says how to allow it (max_batch_size=), not to reset again."""
+    model = tiny_llama(torch.float32)
+    model.set_attn_implementation("gqakv")
+    cache = GqakvCache(model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(token_ids(batch=2, length=4, seed=1), use_cache=True, **{CACHE_KWARG: cache})
+        cache.reset()
+        with pytest.raises(ValueError) as err:
+            model(token_ids(batch=3, length=4, seed=2), use_cache=True, **{CACHE_KWARG: cache})
+    assert "allocated 2 rows" in str(err.value) and "max_batch_size=3" in str(err.value)
+    assert "call cache.reset()" not in str(err.value)
+    with torch.no_grad():  # a smaller batch still fits the rows after reset
+        model(token_ids(batch=1, length=4, seed=3), use_cache=True, **{CACHE_KWARG: cache})
+    assert cache.kv_caches[0].host_lens.tolist()[:1] == [4]

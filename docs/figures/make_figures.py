@@ -3,11 +3,17 @@
     python docs/figures/make_figures.py              # measure on this machine, save, draw
     python docs/figures/make_figures.py --from-data  # redraw from docs/figures/data/*.json
     python docs/figures/make_figures.py --tiny --out /tmp/figs   # seconds: the tests' check
+    python docs/figures/make_figures.py --max-load 2.5   # wait for a quiet machine before each point
 
 Measuring runs ``gqakv bench --json`` once per (backend, dtype, cache length) in a fresh
 process (a Llama-3.1-8B layer: Hq 32, Hkv 8, d 128; one row prefilled to the length, then
 decode steps) and takes memory from ``gqakv.sizing`` (the numbers ``gqakv size`` prints).
-Every figure carries the machine, its load and the date of the measurement, from the data.
+Every figure carries the machine, its load and the date of the measurement, from the data:
+each point's run records the 1-minute load average just before and just after it and its
+start time (UTC), and the stamp gives the first and last time and the range of those loads.
+On the bandwidth figure a point measured while the load average exceeded the machine's
+cores (other work competing for them) is drawn hollow. On a shared machine, ``--max-load``
+waits before each point until the load average is at most that value.
 
 Figures (PNG, beside this script unless ``--out``):
 
@@ -35,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 
 # (backends, dtypes, cache lengths, bench's shape flags, decode steps)
 FULL = dict(backends=("numpy", "numba"), dtypes=("float32", "bfloat16"),
-            lengths=(512, 2048, 8192), shape=(), steps=128, chunk=2048, repeats=2)
+            lengths=(256, 512, 1024, 2048, 4096, 8192, 16384), shape=(), steps=128, chunk=2048, repeats=2)
 TINY = dict(backends=("numpy",), dtypes=("float32",), lengths=(16, 48),
             shape=("--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--no-bandwidth"), steps=2,
             chunk=16, in_process=True)
@@ -43,6 +49,30 @@ TINY = dict(backends=("numpy",), dtypes=("float32",), lengths=(16, 48),
 # The mix of rows for the memory figure: a chat, a few medium requests, one long document.
 MEMORY_ROWS = (100, 700, 2_500, 9_000, 30_000, 100_000)
 MEMORY_MODEL, MEMORY_MAX_LEN = "llama-3.1-8b", 131_072
+
+
+def load_average() -> float:
+    """The 1-minute load average (NaN where the OS has none)."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else float("nan")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def wait_for_load(max_load: float | None, max_wait_s: float, poll_s: float = 10.0) -> float:
+    """Sleep until the 1-minute load average is at most ``max_load`` (None: do not wait),
+    at most ``max_wait_s`` seconds; returns the load average then (measured anyway)."""
+    import time
+
+    load, waited = load_average(), 0.0
+    while max_load is not None and load > max_load and waited < max_wait_s:
+        if waited == 0:
+            print(f"  waiting for the load average ({load}) to fall to {max_load} ...", file=sys.stderr, flush=True)
+        time.sleep(poll_s)
+        waited += poll_s
+        load = load_average()
+    return load
 
 
 def machine() -> dict:
@@ -55,10 +85,8 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_1min": round(load, 1),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "python": platform.python_version()}
+    return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_1min": round(load_average(), 1),
+            "date": _now(), "python": platform.python_version()}
 
 
 def bench_run(backend: str, dtype: str, length: int, plan: dict) -> dict:
@@ -82,22 +110,37 @@ def bench_run(backend: str, dtype: str, length: int, plan: dict) -> dict:
     return json.loads(done.stdout)
 
 
-def measure(plan: dict) -> dict:
+def measure(plan: dict, max_load: float | None = None, max_wait_s: float = 1800.0) -> dict:
     runs = []
+    started = _now()
     for backend in plan["backends"]:
         for dtype in plan["dtypes"]:
             for length in plan["lengths"]:
                 # On a shared machine other load only slows a run down: keep the fastest
-                # decode of the repeats (each run's load average is saved with it).
+                # decode of the repeats. Each run saves its start time and the load average
+                # just before and just after it.
                 tries = []
                 for _ in range(plan.get("repeats", 1)):
-                    print(f"bench {backend} {dtype} L={length}", file=sys.stderr, flush=True)
-                    tries.append(bench_run(backend, dtype, length, plan))
-                    tries[-1]["load_avg_1min"] = machine()["load_avg_1min"]
+                    before = wait_for_load(max_load, max_wait_s)
+                    date = _now()
+                    print(f"bench {backend} {dtype} L={length} (load average {before})", file=sys.stderr, flush=True)
+                    run = bench_run(backend, dtype, length, plan)
+                    after = load_average()
+                    run.update(date=date, load_before=before, load_after=after,
+                               load_avg_1min=max(before, after))
+                    tries.append(run)
                 best = max(tries, key=lambda r: r["decode_bytes_per_s"])
                 best["repeats"] = len(tries)
+                best["loads_of_repeats"] = [[r["load_before"], r["load_after"]] for r in tries]
                 runs.append(best)
-    return {"machine": machine(), "runs": runs, "memory": memory_table()}
+    data = {"machine": machine(), "runs": runs, "memory": memory_table()}
+    data["machine"]["started"] = started
+    return data
+
+
+def _run_load(run: dict) -> float:
+    """The highest load average recorded around a run (older data: the one after it)."""
+    return max(run.get("load_before", run["load_avg_1min"]), run.get("load_after", run["load_avg_1min"]))
 
 
 def memory_table() -> dict:
@@ -117,14 +160,20 @@ def memory_table() -> dict:
 
 def _stamp(fig, data: dict, measured: bool = True) -> None:
     m = data["machine"]
-    loads = [r["load_avg_1min"] for r in data["runs"] if "load_avg_1min" in r] or [m["load_avg_1min"]]
-    what = (f"measured {m['date']} on {m['cpu']} ({m['cores']} cores, load average "
-            f"{min(loads)}-{max(loads)})" if measured else
-            f"computed {m['date']} by gqakv.sizing (the numbers gqakv size prints)")
-    fig.text(0.01, 0.005, f"{what}, gqakv {data.get('gqakv', '?')}", fontsize=7, color="0.35")
+    if measured:
+        loads = [v for r in data["runs"] if "load_avg_1min" in r
+                 for v in (r.get("load_before", r["load_avg_1min"]), r.get("load_after", r["load_avg_1min"]))]
+        loads = loads or [m["load_avg_1min"]]
+        when = f"{m['started']} to {m['date']}" if m.get("started") else m["date"]
+        what = (f"measured {when} on {m['cpu']} ({m['cores']} cores), gqakv {data.get('gqakv', '?')}\n"
+                f"1-minute load average before/after each point: {min(loads):g} to {max(loads):g}")
+    else:
+        what = (f"computed {m['date']} by gqakv.sizing (the numbers gqakv size prints), "
+                f"gqakv {data.get('gqakv', '?')}")
+    fig.text(0.01, 0.005, what, fontsize=7, color="0.35", va="bottom")
 
 
-def _save(fig, data: dict, path: Path, *, measured: bool = True, bottom: float = 0.03) -> Path:
+def _save(fig, data: dict, path: Path, *, measured: bool = True, bottom: float = 0.06) -> Path:
     """Stamp ``fig`` (``_stamp``), leave ``bottom`` of its height for the stamp, write it
     to ``path`` and close it."""
     import matplotlib.pyplot as plt
@@ -153,10 +202,20 @@ def plot(data: dict, out: Path) -> list[Path]:
         key = (r["backend"], r["config"]["dtype"])
         series.setdefault(key, []).append((r["config"]["prompt_lens"][0],
                                            r["decode_bytes_per_s"] / 1e9))
+    cores = data["machine"].get("cores") or 1
+    loaded = {(r["backend"], r["config"]["dtype"], r["config"]["prompt_lens"][0])
+              for r in runs if _run_load(r) > cores}
     for (backend, dtype), points in sorted(series.items()):
         points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                label=f"{backend}, {dtype}")
+        line, = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                        label=f"{backend}, {dtype}")
+        busy = [p for p in points if (backend, dtype, p[0]) in loaded]
+        if busy:  # hollow: other work was competing for the cores
+            ax.plot([p[0] for p in busy], [p[1] for p in busy], linestyle="none", marker="o",
+                    markersize=9, markerfacecolor="white", markeredgecolor=line.get_color())
+    if loaded:
+        ax.plot([], [], linestyle="none", marker="o", markerfacecolor="white", markeredgecolor="0.3",
+                label=f"hollow: load average above the {cores} cores during the run")
     best = [r["read_bandwidth"]["best"] / 1e9 for r in runs if r.get("read_bandwidth")]
     if best:
         best.sort()
@@ -214,6 +273,11 @@ def main(argv=None) -> int:
     p.add_argument("--from-data", action="store_true", help="redraw from the saved data")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, numpy only (seconds)")
     p.add_argument("--out", type=Path, default=HERE, help="folder for the PNGs and data")
+    p.add_argument("--max-load", type=float, default=None, metavar="LOAD",
+                   help="before each point, wait until the 1-minute load average is at most LOAD")
+    p.add_argument("--max-wait", type=float, default=1800.0, metavar="S",
+                   help="with --max-load: wait at most S seconds per point, then measure anyway "
+                        "(the load is recorded either way; default 1800)")
     args = p.parse_args(argv)
     data_file = args.out / "data" / "figures.json"
     if args.from_data:
@@ -221,7 +285,7 @@ def main(argv=None) -> int:
     else:
         import gqakv
 
-        data = measure(TINY if args.tiny else FULL)
+        data = measure(TINY if args.tiny else FULL, args.max_load, args.max_wait)
         data["gqakv"] = gqakv.__version__
         data_file.parent.mkdir(parents=True, exist_ok=True)
         data_file.write_text(json.dumps(data, indent=1) + "\n")

@@ -25,6 +25,13 @@ from . import real_model
 from .llama import CONFIGS, LlamaModel, generate, generate_uncached
 
 
+#: Prefill chunk of ``gqakv generate`` (random or real weights). Each forward call reads every
+#: weight once (the 8B-shaped example: 2.8 GB in float32), so a prompt cut into 32-token chunks
+#: paid that read once per chunk and reached its first token later than the uncached run,
+#: which feeds the whole prompt at once. 512 puts the default prompts in one call.
+DEFAULT_CHUNK = 512
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="llama3-8b-shaped",
                         help="model shape (default: Llama-3.1-8B layer shapes, fewer layers)")
@@ -37,7 +44,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt-len", type=int, default=64,
                         help="longest prompt; rows get ragged lengths down to 1/4 of it (default 64)")
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per row (default 16)")
-    parser.add_argument("--chunk", type=int, default=32, help="prefill chunk size (default 32)")
+    parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
+                        help=f"prefill chunk: prompt tokens of each row per forward call (default {DEFAULT_CHUNK}). "
+                             "Every call reads all the weights once, so fewer, larger chunks reach the first "
+                             "token sooner; smaller ones bound the activations' memory")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--backend", default=None, help="gqakv backend (default: gqakv's choice)")
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed")
@@ -71,6 +81,18 @@ def _check_variant_options(args, UsageError) -> None:
                          "(every K-th layer global, the others sliding)")
     if args.softcap is not None and not (math.isfinite(args.softcap) and args.softcap > 0):
         raise UsageError(f"--softcap must be a finite number > 0, got {args.softcap}")
+
+
+def _refuse_real_model_options(args, UsageError) -> None:
+    """--prompt, --chat and --compare-cache need real weights and a tokenizer: without
+    --model/--gguf they would be ignored while the random-weight demo runs."""
+    given = [flag for flag, value in (("--prompt", getattr(args, "prompt", None)),
+                                      ("--chat", getattr(args, "chat", False)),
+                                      ("--compare-cache", getattr(args, "compare_cache", None))) if value]
+    if given:
+        raise UsageError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} a real model: add "
+                         "--model smollm2-135m or --gguf PATH (without them gqakv generate runs the example "
+                         "model with random weights and no tokenizer)")
 
 
 def _prompt_lengths(batch: int, longest: int) -> list[int]:
@@ -131,6 +153,7 @@ def run(args) -> int:
     from gqakv.cli import UsageError
     from gqakv.registry import get_backend
 
+    _refuse_real_model_options(args, UsageError)
     for name in ("batch", "prompt_len", "new_tokens", "chunk", "layers", "vocab"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -186,8 +209,12 @@ def _run(args, config, tp, cache_options) -> int:
     lengths = _prompt_lengths(args.batch, args.prompt_len)
     rng = np.random.default_rng(args.seed + 1)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]
+    calls = math.ceil(max(lengths) / args.chunk)
+    prefill = (f"prefill in one forward call (--chunk {args.chunk} covers the longest prompt)" if calls == 1 else
+               f"prefill in {calls} forward calls of up to {args.chunk} tokens per row (each call reads every "
+               "weight once, so the first token comes later than with one call)")
     say(f"  {args.batch} rows, prompts of {', '.join(map(str, lengths))} tokens, "
-        f"{args.new_tokens} new tokens each, prefill in chunks of {args.chunk}")
+        f"{args.new_tokens} new tokens each, {prefill}")
 
     # Warm-up (BLAS threads, first touch of the weights) so neither run pays it.
     generate(model, [prompts[0][:4]], 2)

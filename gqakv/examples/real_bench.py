@@ -188,8 +188,8 @@ def main(argv=None) -> int:
         prompts = rng.integers(100, checkpoint.config.vocab_size, (B, args.prompt_len))
         _gqakv_decode(ours, prompts[:, :8], 2)  # warm-up: first touch, JIT, thread pools
         _hf_decode(theirs, prompts[:, :8], 2)
-        secs = {s: [] for s in sides}
-        attn = {s: [] for s in sides}
+        secs: dict[str, list[float]] = {s: [] for s in sides}
+        attn: dict[str, list[float]] = {s: [] for s in sides}
         same, loads = True, []
         for _ in range(args.repeats):  # alternating blocks
             runs = {"gqakv": _gqakv_decode(ours, prompts, args.steps)}

@@ -182,7 +182,7 @@ class RealGeneration:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 
-def generate_text(model, prompts: list[list[int]], max_new_tokens: int, *, chunk: int = 32,
+def generate_text(model, prompts: list[list[int]], max_new_tokens: int, *, chunk: int = 512,
                   eos_id: int | None = None, cache=None, on_token=None,
                   keep_logits: bool = False, decode_blas_threads: int | None = None) -> RealGeneration:
     """Greedy generation: chunked prefill of ragged rows, then one-token decode steps.
@@ -191,7 +191,8 @@ def generate_text(model, prompts: list[list[int]], max_new_tokens: int, *, chunk
         model: a ``LlamaModel`` (``GGUFLlamaModel`` for real weights).
         prompts: B token-id lists (each non-empty).
         max_new_tokens: at most this many new tokens per row.
-        chunk: prefill chunk size (tokens of each row per forward call).
+        chunk: prefill chunk size (tokens of each row per forward call). Each call reads
+            every weight once, so the default (512) prefills most prompts in one call.
         eos_id: a row stops after producing this id (None: never).
         cache: a ``ModelKVCache`` with B rows and room for the longest prompt + max_new_tokens
             (default: ``model.new_cache``).
@@ -215,7 +216,7 @@ def generate_text(model, prompts: list[list[int]], max_new_tokens: int, *, chunk
     t0 = time.perf_counter()
     if cache is None:
         cache = model.new_cache(B, int(lens.max()) + max_new_tokens)
-    out = [[] for _ in range(B)]
+    out: list[list[int]] = [[] for _ in range(B)]
     kept = []
     last = np.zeros(B, dtype=np.int64)
     fed = np.zeros(B, dtype=np.int64)
@@ -270,17 +271,32 @@ def generate_text(model, prompts: list[list[int]], max_new_tokens: int, *, chunk
 class _Streamer:
     """Prints one row's text as its tokens arrive, holding back an incomplete UTF-8 character."""
 
-    def __init__(self, tokenizer, stream=sys.stdout):
-        self.tokenizer, self.stream = tokenizer, stream
-        self.ids, self.shown = [], 0
+    def __init__(self, tokenizer, stream=None, *, skip_special_tokens: bool = False):
+        self.tokenizer, self.stream = tokenizer, stream or sys.stdout
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.shown = 0
 
     def __call__(self, row, token_id):
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         if not text.endswith("\ufffd"):  # a byte-level token may end mid-character
             self.stream.write(text[self.shown:])
             self.stream.flush()
             self.shown = len(text)
+
+
+def _gguf_file(path: str, UsageError) -> str:
+    """``--gguf PATH`` checked before anything is read or printed: an existing, readable file."""
+    import os
+
+    if not os.path.exists(path):
+        raise UsageError(f"--gguf {path!r}: no such file")
+    if not os.path.isfile(path):
+        raise UsageError(f"--gguf {path!r} is not a file (a GGUF file is needed)")
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"--gguf {path!r}: permission denied (the file is not readable)")
+    return path
 
 
 def run(args) -> int:
@@ -304,7 +320,7 @@ def run(args) -> int:
     texts = args.prompt or [DEFAULT_PROMPT]
     if any(not t for t in texts):
         raise UsageError("--prompt must not be empty")
-    path = model_path(args.model) if args.model is not None else args.gguf
+    path = model_path(args.model) if args.model is not None else _gguf_file(args.gguf, UsageError)
     # An unknown backend, or one that cannot run here, fails before any output.
     get_backend(args.backend, dtype=args.dtype, head_dim=64)
 
@@ -323,6 +339,9 @@ def run(args) -> int:
             raise UsageError(f"--compare-cache runs on the numpy or numba backend, got --backend {model.backend.name}")
         _compare_cache(model, tokenizer, args.compare_cache, args.new_tokens, args.chunk)
         return 0
+    # What is printed before each reply: the prompt as typed, or with --chat the user's turn
+    # (the model reads the whole template, special tokens included; they are not printed).
+    shown = [f"user: {t}\nassistant: " for t in texts] if args.chat else list(texts)
     if args.chat:
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     prompts = [tokenizer.encode(t) for t in texts]
@@ -336,10 +355,11 @@ def run(args) -> int:
     # numba's decode kernels run on numba's own threads; the numpy backend sizes its attention
     # workers from BLAS's thread count, so only numba's decode holds BLAS to one thread.
     one = 1 if model.backend.name == "numba" and importlib.util.find_spec("threadpoolctl") else None
+    skip = bool(args.chat)  # a chat reply ends with the template's end-of-turn token: not shown
     if B == 1:
-        sys.stdout.write(texts[0])
+        sys.stdout.write(shown[0])
         sys.stdout.flush()
-        streamer = _Streamer(tokenizer)
+        streamer = _Streamer(tokenizer, skip_special_tokens=skip)
         gen = generate_text(model, prompts, max_new, chunk=args.chunk, eos_id=eos, cache=cache, on_token=streamer,
                             decode_blas_threads=one)
         print()
@@ -347,7 +367,7 @@ def run(args) -> int:
         gen = generate_text(model, prompts, max_new, chunk=args.chunk, eos_id=eos, cache=cache,
                             decode_blas_threads=one)
         for b in range(B):
-            print(f"[{b}] {texts[b]}{tokenizer.decode(gen.tokens[b])}")
+            print(f"[{b}] {shown[b]}{tokenizer.decode(gen.tokens[b], skip_special_tokens=skip)}")
     n_tokens = sum(len(t) for t in gen.tokens)
     print(f"\n{B} row{'s' if B > 1 else ''}, prompts of {', '.join(str(len(p)) for p in prompts)} tokens, "
           f"{n_tokens} tokens generated; time to first token {gen.time_to_first_token:.3f} s, "

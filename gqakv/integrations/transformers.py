@@ -93,11 +93,17 @@ SUPPORTED_TRANSFORMERS = ">=5.23,<5.25"
 # The keyword ``forward``/``generate`` take the cache under: ``cache`` from transformers
 # 5.24 (``past_key_values`` still accepted there, with a deprecation warning), and
 # ``past_key_values`` before. ``model.generate(ids, **{CACHE_KWARG: cache})`` works on both.
+# A version without a leading "major.minor" (the docs build's mocked transformers) counts as
+# the newest supported.
 def _cache_kwarg() -> str:
+    import re
+
     import transformers
 
-    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    return "cache" if (major, minor) >= (5, 24) else "past_key_values"
+    m = re.match(r"(\d+)\.(\d+)", str(getattr(transformers, "__version__", "")))
+    if m is None:
+        return "cache"
+    return "cache" if (int(m.group(1)), int(m.group(2))) >= (5, 24) else "past_key_values"
 
 
 CACHE_KWARG = _cache_kwarg()
@@ -235,7 +241,7 @@ class GqakvLayer(CacheLayerMixin):
         self.kv_dtype = kv_dtype  # None, "int8" or "float8_e4m3fn" (validated by GqakvCache)
         self.batch_size = batch_size
         self.max_batch_size = max_batch_size
-        self.kv: gqakv.KVCache | None = None
+        self.kv: gqakv.KVCache = None  # type: ignore[assignment]  # made at the first forward
         self.seen = 0  # token slots seen by this layer, padding included
         # Per call, in order: T (every slot real in every row) or a host bool [B, T] of real slots.
         self._calls: list = []
@@ -273,11 +279,16 @@ class GqakvLayer(CacheLayerMixin):
                 "Call cache.reset() to start over")
         B = int(key_states.shape[0])
         if B != self.batch_size:
-            if self.seen or B > self.kv.batch:
+            if B > self.kv.batch:  # the buffers were allocated at the first forward: they cannot grow
+                raise ValueError(
+                    f"GqakvCache allocated {self.kv.batch} rows at its first forward, got keys for {B} rows: "
+                    f"make the cache with max_batch_size={B} or more (GqakvCache(config, max_cache_len, "
+                    f"max_batch_size={B})); reset() empties the rows but keeps their number")
+            if self.seen:
                 raise ValueError(
                     f"GqakvCache holds a batch of {self.batch_size} rows ({self.kv.batch} allocated, {self.seen} token "
-                    f"slots seen), got keys for {B} rows; a new batch size needs an empty cache (cache.reset()) and "
-                    f"at most {self.kv.batch} rows")
+                    f"slots seen), got keys "
+                    f"for {B} rows; a new batch size needs an empty cache: call cache.reset() first")
             self.batch_size = B  # an empty cache takes any batch that fits its rows
         self._unwritten = True
         setattr(key_states, _HANDLE, self)
@@ -326,6 +337,7 @@ class GqakvLayer(CacheLayerMixin):
         return self.seen
 
     def get_max_length(self) -> int:
+        """The real tokens each row can hold: ``max_cache_len``."""
         return self.max_cache_len
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -392,6 +404,7 @@ class GqakvLayer(CacheLayerMixin):
                 self.batch_size *= int(repeats)
             return
         r = int(repeats)
+        assert self.batch_size is not None  # set at the first forward
         self._take_rows(np.arange(self.batch_size * r, dtype=np.int64) // r)  # 0,0,..,1,1,..
 
     def batch_select_indices(self, indices) -> None:
@@ -413,6 +426,7 @@ class GqakvLayer(CacheLayerMixin):
         if drop > self.seen:
             raise ValueError(f"crop({tokens_to_remove}): the cache holds only {self.seen} token slots")
         B = self.batch_size
+        assert B is not None  # set at the first forward
         removed = np.zeros(B, dtype=np.int64)
         calls, left = list(self._calls), drop
         while left:
