@@ -166,7 +166,9 @@ def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key
 def _share(items, workers: int):
     """Split the item list into ``workers`` consecutive runs of about equal cost."""
     total = sum(it[-1] for it in items)
-    runs, run, acc = [], [], 0.0
+    runs: list[list[tuple]] = []
+    run: list[tuple] = []
+    acc = 0.0
     for it in items:
         run.append(it)
         acc += it[-1]

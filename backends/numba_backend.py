@@ -12,14 +12,16 @@ and quantized stores run the same kernels over their ``kernel_layout``: the pool
 through the page table a page run at a time; int8 / float8_e4m3fn codes decoded in
 registers with each token's scale folded into its score and its p.
 
-Which implementation serves a call, and why, is ``attention_route(...)``:
+Which implementation serves a call, and why, is ``route_attention`` (asked by the dispatch,
+by ``route`` and by ``attention_route(...)``):
 - "numba kernel": float32/float16/bfloat16 contiguous or paged storage, or int8 /
   float8_e4m3fn quantized storage (contiguous or paged), with C-contiguous buffers and chunks of
   at most ``KERNEL_MAX_QUERIES`` queries (decode and short chunks);
-- "numpy BLAS" otherwise (the numpy backend's path for the kind: ``numpy_attention``,
-  ``numpy_paged``, ``numpy_quantized``): float64 (no kernel is compiled for it),
-  strided buffers, and long prefill chunks (compute-bound, where BLAS's matmuls are
-  faster).
+- otherwise the numpy backend's decision for the call (``numpy_backend.route_attention``:
+  "numpy BLAS", "numpy BLAS paged", "numpy BLAS quantized", or the generic code for
+  paged quantized storage): float64 (no kernel is compiled for it), strided buffers,
+  and long prefill chunks (compute-bound, where BLAS's matmuls are faster).
+Appends and row copies: ``route_write_kv``, ``route_copy_tokens``.
 
 Work is cut by the CPU planner shared with the numpy backend (``cpu_plan``): items of
 about equal cost, key splits when rows x KV heads are too few to fill the threads,
@@ -32,17 +34,20 @@ sinks join once per query after its pieces are merged (``numba_kernels``). Threa
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
 
-from gqakv.semantics import AttentionParams, block_keys, unsupported
+from gqakv.backend import GENERIC, Route, route_facts, variant_rejection
+from gqakv.semantics import AttentionParams, block_keys
 from gqakv.store import CONTIGUOUS, PAGED
 
+from . import numpy_backend as _numpy
 from .cpu_plan import ENV_THREADS, _plan, _share, _threads
 from .numpy_backend import NumpyBackend
 
-#: Chunks of more queries than this take the NumPy BLAS path (see ``attention_route``).
+#: Chunks of more queries than this take the NumPy BLAS path (see ``route_attention``).
 #: Where the two cross (both paths alternating in one process, Llama-3.1-8B layer):
 #: kernel / BLAS time at T = 4, 8, 12, 16 queries: float32 B=1 L=4,096 0.93, 0.91, 1.27,
 #: 1.34; bfloat16 B=4 L=2,048 0.65, 1.06, -, 1.42; int8 0.74 (T=8), 1.16 (12), 1.04 (16);
@@ -61,6 +66,66 @@ PARALLEL_MIN_WORK = 1 << 16
 _KERNEL_DTYPES = ("float32", "float16", "bfloat16")
 #: Quantized storage dtypes the kernels decode (codes x per-token scale).
 _KERNEL_KV_DTYPES = ("int8", "float8_e4m3fn")
+
+#: Implementation names in routes: the attention kernels, the compiled append, the
+#: compiled row copy.
+KERNEL = "numba kernel"
+WRITE_KERNEL = "numba write_tokens"
+COPY_KERNEL = "numba copy_rows"
+#: Why the buffers do not suit the attention kernels (the ``layout`` fact).
+NOT_CONTIGUOUS = "K/V buffers are not C-contiguous (kernels read contiguous rows)"
+
+
+@functools.lru_cache(maxsize=1024)
+def route_attention(dtype: str, kv_dtype: str | None, storage: str, t_q: int,
+                    layout: str | None, features: frozenset) -> Route:
+    """The numba backend's attention decision (its dispatch, ``attention_route`` and
+    ``route`` all ask it): the kernels, else the NumPy backend's decision for the call
+    (``numpy_backend.route_attention``), with the reason the kernels do not serve it."""
+    name = kv_dtype or dtype
+    kinds = _KERNEL_DTYPES + _KERNEL_KV_DTYPES
+    why = (variant_rejection(features, KERNEL)
+           or (f"storage kind={storage!r} (kernels: {CONTIGUOUS}, {PAGED})"
+               if storage not in (CONTIGUOUS, PAGED) else None)
+           or (f"dtype={name} (kernels: {', '.join(kinds)})" if name not in kinds else None)
+           or layout
+           or (f"T={t_q} queries > {KERNEL_MAX_QUERIES}: a prefill chunk is compute-bound, "
+               "BLAS matmuls are faster there" if t_q > KERNEL_MAX_QUERIES else None))
+    if why:
+        fallback = _numpy.route_attention(storage, kv_dtype, features)
+        return Route(fallback.impl, {KERNEL: why, **fallback.rejected})
+    served = f"{KERNEL} serves this call (kernels come first)"
+    return Route(KERNEL, {impl: served for impl in (*_numpy.BLAS_PATHS, GENERIC)})
+
+
+@functools.lru_cache(maxsize=256)
+def route_write_kv(storage: str, kv_dtype: str | None, layout: str | None) -> Route:
+    """The numba backend's append decision: one compiled call for every row
+    (``numba_kernels.write_tokens``) into contiguous, unquantized storage whose buffers
+    suit it (``layout`` None), else the generic writes."""
+    why = ((f"storage kind {storage!r} ({WRITE_KERNEL} writes {CONTIGUOUS} rows; a paged "
+            "append looks its pages up on the generic path)" if storage != CONTIGUOUS else None)
+           or (f"kv_dtype={kv_dtype!r} (codes and scales are computed on the generic path)"
+               if kv_dtype else None)
+           or layout)
+    if why:
+        return Route(GENERIC, {WRITE_KERNEL: why})
+    return Route(WRITE_KERNEL, {GENERIC: f"{WRITE_KERNEL} serves this call (kernels come first)"})
+
+
+@functools.lru_cache(maxsize=256)
+def route_copy_tokens(storage: str, kv_dtype: str | None, layout: str | None) -> Route:
+    """The numba backend's row-copy decision: one compiled call for every copy
+    (``numba_kernels.copy_rows``) between contiguous, unquantized stores (a paged pool's
+    pages count as such rows) whose buffers suit it, else the generic copies."""
+    why = ((f"storage kind {storage!r} ({COPY_KERNEL} copies {CONTIGUOUS} rows)"
+            if storage != CONTIGUOUS else None)
+           or (f"kv_dtype={kv_dtype!r} (the scales travel too: the generic copies)"
+               if kv_dtype else None)
+           or layout)
+    if why:
+        return Route(GENERIC, {COPY_KERNEL: why})
+    return Route(COPY_KERNEL, {GENERIC: f"{COPY_KERNEL} serves this call (kernels come first)"})
 
 
 class NumbaBackend(NumpyBackend):
@@ -88,74 +153,119 @@ class NumbaBackend(NumpyBackend):
                 self._reason = f"numba is not importable ({type(exc).__name__}: {exc})"
             else:
                 self._reason = None
-        return self._reason
+        return None if isinstance(self._reason, bool) else self._reason  # checked: never a bool
+
+    def route(self, op: str, **facts) -> Route:
+        """The implementation that runs ``op`` for these facts (``numpy_backend.CPU_FACTS``;
+        those not given are taken as favourable), from the decisions the dispatch takes
+        (``route_attention``, ``route_write_kv``, ``route_copy_tokens``)."""
+        f = route_facts(op, facts, _numpy.CPU_FACTS)
+        if op == "attention":
+            route = route_attention(f["dtype"], f["kv_dtype"], f["storage"], int(f["t_q"]),
+                                    f["layout"], f["features"])
+        elif op == "write_kv":
+            route = route_write_kv(f["storage"], f["kv_dtype"], f["layout"])
+        else:
+            route = route_copy_tokens(f["storage"], f["kv_dtype"], f["layout"])
+        return Route(route.impl, dict(route.rejected))  # the kept route stays unshared
+
+    def implementations(self) -> dict[str, str]:
+        kinds = ", ".join(_KERNEL_DTYPES + _KERNEL_KV_DTYPES)
+        return {
+            KERNEL: (f"attention, t_q <= {KERNEL_MAX_QUERIES}; {kinds}; contiguous or paged "
+                     "C-contiguous buffers; window, softcap, sinks"),
+            WRITE_KERNEL: "appends to contiguous unquantized rows",
+            COPY_KERNEL: "row copies between contiguous unquantized stores (and page copies)",
+            **{impl: f"{why} (the numpy backend's)" for impl, why in super().implementations().items()
+               if impl != GENERIC},
+            GENERIC: "paged or quantized appends, quantized row copies, paged quantized "
+                     f"attention past {KERNEL_MAX_QUERIES} queries",
+        }
+
+    def _attention_decision(self, q, k_buf, v_buf, store=None, features=frozenset()) -> Route:
+        """``route_attention`` for a call's arrays (``store``: its KVStore, when its kind or
+        quantized storage matters; ``k_buf``/``v_buf`` are then the pool or the codes)."""
+        kind = CONTIGUOUS if store is None else store.kind
+        kv_dtype = store.dtype if store is not None and store.quantized else None
+        arrays = [k_buf, v_buf]
+        if kv_dtype:
+            arrays += [store.k_scale, store.v_scale]
+        layout = None if all(a.flags.c_contiguous for a in arrays) else NOT_CONTIGUOUS
+        return route_attention(_dtype_name(q.dtype if kv_dtype else k_buf.dtype), kv_dtype,
+                               kind, int(q.shape[2]), layout, frozenset(features))
 
     def attention_route(self, q, k_buf, v_buf, store=None) -> tuple[str, str]:
-        """(implementation, why) for an attention call over these arrays: "numba kernel"
-        with an empty reason, or "numpy BLAS" with the reason the kernel is not used.
+        """(implementation, why) for a plain causal attention call over these arrays:
+        "numba kernel" with an empty reason, or "numpy BLAS" (the NumPy backend's path for
+        the storage kind; ``route`` names which) with the reason the kernel is not used.
         ``store``: the call's KVStore, when its kind (paged: ``k_buf``/``v_buf`` are the
         pool) or quantized storage (``k_buf``/``v_buf`` hold codes) matters."""
-        paged = store is not None and store.kind == PAGED
-        quantized = store is not None and store.quantized
-        if store is not None and store.kind not in (CONTIGUOUS, PAGED):
-            return "numpy BLAS", f"storage kind={store.kind!r} (kernels: {CONTIGUOUS}, {PAGED})"
-        name = store.dtype if quantized else _dtype_name(k_buf.dtype)
-        kinds = _KERNEL_DTYPES + _KERNEL_KV_DTYPES
-        if name not in kinds:
-            return "numpy BLAS", f"dtype={name} (kernels: {', '.join(kinds)})"
-        arrays = [k_buf, v_buf]
-        if quantized:
-            arrays += [store.k_scale, store.v_scale]
-        if not all(a.flags.c_contiguous for a in arrays):
-            return "numpy BLAS", "K/V buffers are not C-contiguous (kernels read contiguous rows)"
-        T = q.shape[2]
-        if T > KERNEL_MAX_QUERIES:
-            return "numpy BLAS", (f"T={T} queries > {KERNEL_MAX_QUERIES}: a prefill chunk is "
-                                  "compute-bound, BLAS matmuls are faster there")
-        return "numba kernel", ""
+        route = self._attention_decision(q, k_buf, v_buf, store)
+        if route.impl == KERNEL:
+            return KERNEL, ""
+        return "numpy BLAS", route.rejected[KERNEL]
+
+    def _write_decision(self, store, k_new, v_new) -> tuple[Route, list | None]:
+        """``route_write_kv`` for an append, and the buffers as the copy kernel's bits."""
+        bits, layout = None, None
+        if store.kind == CONTIGUOUS and not store.quantized:
+            if not k_new.dtype == store.k.dtype == v_new.dtype:
+                layout = (f"k_new / v_new of dtype {k_new.dtype} / {v_new.dtype} "
+                          f"({WRITE_KERNEL} copies the cache's {store.k.dtype} values)")
+            elif not (store.k.flags.c_contiguous and store.v.flags.c_contiguous):
+                layout = "cache buffers are not C-contiguous"
+            elif not all(x.strides[3] == x.itemsize for x in (k_new, v_new)):
+                layout = "k_new / v_new head dim is strided (the kernel copies contiguous runs of d)"
+            else:
+                bits = _copy_bits(store.k, store.v, k_new, v_new)
+                if bits is None:
+                    layout = "buffers that are not NumPy arrays of one element width"
+        route = route_write_kv(store.kind, store.dtype if store.quantized else None, layout)
+        return route, bits
 
     def write_kv(self, store, k_new, v_new, inputs) -> None:
         """Contiguous, unquantized storage: every entry's tokens written by one compiled
         call (``numba_kernels.write_tokens``) instead of a slice assignment per row; paged
         and quantized storage: the NumPy path (pages to look up, codes to compute)."""
-        bits = None
-        if (store.kind == CONTIGUOUS and not store.quantized
-                and k_new.dtype == store.k.dtype == v_new.dtype
-                and store.k.flags.c_contiguous and store.v.flags.c_contiguous
-                and all(x.strides[3] == x.itemsize for x in (k_new, v_new))):
-            bits = _copy_bits(store.k, store.v, k_new, v_new)
-        if bits is None:
+        route, bits = self._write_decision(store, k_new, v_new)
+        if route.impl == GENERIC:
             return super().write_kv(store, k_new, v_new, inputs)
         from . import numba_kernels as nk
 
+        assert bits is not None  # the route chose the kernel: its buffers were viewed
         nk.write_tokens(*bits, *(np.asarray(a, dtype=np.int64) for a in
                                  (inputs.rows, inputs.starts, inputs.n_new)))
 
     def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
         """Contiguous, unquantized stores (rows, or a paged pool's pages as rows): every copy
         of the call by one compiled call (``numba_kernels.copy_rows``); quantized stores
-        (scales travel too): the NumPy path."""
-        bits = None
-        if (dst.kind == src.kind == CONTIGUOUS and not dst.quantized and not src.quantized
-                and dst.k.dtype == src.k.dtype
-                and all(x.flags.c_contiguous for x in (dst.k, dst.v, src.k, src.v))):
-            bits = _copy_bits(dst.k, dst.v, src.k, src.v)
-        if bits is None:
+        (scales travel too): the NumPy path (``route_copy_tokens`` decides)."""
+        bits, layout = None, None
+        if src.spec != dst.spec:
+            layout = "src and dst stored differently"
+        elif dst.kind == CONTIGUOUS and not dst.quantized:
+            if not all(x.flags.c_contiguous for x in (dst.k, dst.v, src.k, src.v)):
+                layout = "buffers are not C-contiguous"
+            else:
+                bits = _copy_bits(dst.k, dst.v, src.k, src.v)
+                if bits is None:
+                    layout = "buffers that are not NumPy arrays of one element width"
+        route = route_copy_tokens(dst.kind, dst.dtype if dst.quantized else None, layout)
+        if route.impl == GENERIC:
             return super().copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
         from . import numba_kernels as nk
 
+        assert bits is not None  # the route chose the kernel: its buffers were viewed
         nk.copy_rows(*bits, *(np.asarray(a, dtype=np.int64).reshape(-1) for a in
                               (dst_rows, src_rows, n_tokens)))
 
     def attention(self, q, store, inputs, params, *, return_lse: bool):
         """Compiled decode/short-chunk attention over contiguous, paged or quantized
-        storage, else the NumPy path (``attention_route``; it serves paged and quantized
-        storage too); variants the kernels do not implement take the NumPy backend's
-        route (which hands them on to the generic path)."""
-        if unsupported(params, "numba kernel"):
-            return super().attention(q, store, inputs, params, return_lse=return_lse)
-        route, _ = self.attention_route(q, store.k, store.v, store)
-        if route != "numba kernel":
+        storage with the variants the kernels implement, else the NumPy backend's path
+        (``route_attention`` decides; the NumPy backend hands what its BLAS paths do not
+        serve on to the generic code)."""
+        route = self._attention_decision(q, store.k, store.v, store, params.features)
+        if route.impl != KERNEL:
             return super().attention(q, store, inputs, params, return_lse=return_lse)
         k_buf, v_buf = kernel_layout(store)
         return attention_numba(q, k_buf, v_buf, inputs.rows, inputs.lens, inputs.n_new,

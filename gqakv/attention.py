@@ -131,7 +131,7 @@ def attention_array_api(q, store, inputs, params, *, return_lse: bool,
         if sinks is not None:  # once per query, after every key (never per key block)
             o_row, lse_row = apply_sinks(o_row, lse_row, sinks)
         out[i, :, :n, :] = xp.astype(o_row, q.dtype)
-        if return_lse:
+        if lse is not None:  # return_lse
             lse[i, :, :n] = lse_row
     return (out, lse) if return_lse else out
 

@@ -25,6 +25,8 @@ append or move rows on its own: lengths advance once per model step, for all lay
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -103,6 +105,13 @@ class RowsAndLengths:
     ``_check_can_change(what)`` (raises when the cache may not change now).
     """
 
+    # What a subclass provides (above), declared for the type checker. store: a KVStore, or
+    # its paged subclass (gqakv.paged.PagedStore) whose page table the paged paths read
+    # after checking the store's kind.
+    store: Any
+    _row_store: Callable[[], KVStore]
+    _check_can_change: Callable[[str], None]
+
     def _allocate(self, leading: tuple[int, ...], batch, kv_heads, max_len, head_dim, dtype,
                   backend, what: str, storage: str = "contiguous", page_size=None,
                   num_pages=None, kv_dtype=None) -> None:
@@ -113,7 +122,7 @@ class RowsAndLengths:
             batch, kv_heads, max_len, head_dim)
         self.dtype = _dtypes.canonical_name(dtype)
         spec = StorageSpec.of(self.dtype, storage, kv_dtype)
-        self.kv_dtype = spec.dtype if spec.quantized else None
+        self.kv_dtype: str | None = spec.dtype if spec.quantized else None
         if spec.kind == PAGED:
             from . import paged
 
@@ -245,7 +254,7 @@ class KVCache(RowsAndLengths):
                  page_size: int | None = None, num_pages: int | None = None, kv_dtype=None):
         self._allocate((), batch, kv_heads, max_len, head_dim, dtype, backend, "KV cache",
                        storage, page_size, num_pages, kv_dtype)
-        self._frozen = None  # why this cache cannot change its own lengths (layer views)
+        self._frozen: str | None = None  # why this cache cannot change its own lengths (layer views)
 
     @classmethod
     def _view_of(cls, store: KVStore, lengths: Lengths, *, backend, frozen: str) -> "KVCache":
@@ -352,7 +361,7 @@ class KVCache(RowsAndLengths):
                 + f"backend={self.backend.name!r}, {human_bytes(self.nbytes)})")
 
 
-def human_bytes(nbytes: int) -> str:
+def human_bytes(nbytes: float) -> str:
     """``536870912`` -> ``'512.0 MiB'`` (binary units)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
         if nbytes < 1024 or unit == "EiB":

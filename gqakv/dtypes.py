@@ -50,11 +50,10 @@ def _name_of(dtype) -> str:
     if isinstance(dtype, str):
         name = dtype
     else:
-        name = getattr(dtype, "name", None)
-        if not isinstance(name, str):
-            # numpy scalar types (np.float32), torch dtypes ("torch.float32") and
-            # array_api_strict dtypes ("array_api_strict.float32") end in the name.
-            name = getattr(dtype, "__name__", None) or str(dtype)
+        attr = getattr(dtype, "name", None)
+        # numpy scalar types (np.float32), torch dtypes ("torch.float32") and
+        # array_api_strict dtypes ("array_api_strict.float32") end in the name.
+        name = attr if isinstance(attr, str) else getattr(dtype, "__name__", None) or str(dtype)
         name = name.rsplit(".", 1)[-1]
     name = name.lower()
     if name not in ITEMSIZE:
@@ -77,9 +76,9 @@ def kv_dtype_name(kv_dtype) -> str | None:
     as ``numpy.int8``, ``torch.float8_e4m3fn``, ``ml_dtypes.float8_e4m3fn``)."""
     if kv_dtype is None:
         return None
-    name = kv_dtype if isinstance(kv_dtype, str) else (
-        getattr(kv_dtype, "name", None) if isinstance(getattr(kv_dtype, "name", None), str)
-        else getattr(kv_dtype, "__name__", None) or str(kv_dtype))
+    attr = getattr(kv_dtype, "name", None)
+    name: str = kv_dtype if isinstance(kv_dtype, str) else (
+        attr if isinstance(attr, str) else getattr(kv_dtype, "__name__", None) or str(kv_dtype))
     name = name.rsplit(".", 1)[-1].lower()
     if name not in QUANTIZED_ITEMSIZE:
         allowed = ", ".join(repr(n) for n in QUANTIZED_ITEMSIZE)

@@ -7,7 +7,7 @@ attention, ``max(0, p - W + 1)..p`` with a window; taken from that one definitio
 variant reaches the self-test too), soft-cap the scaled scores (``c * tanh(s / c)``), and
 do the softmax in float64 with the head's sink logit as one more denominator term that
 carries no value. Only the sum over keys is vectorized. The test suite's
-``tests/reference.py`` shares nothing with the library, not even the key rule (it loops
+``tests/support/reference.py`` shares nothing with the library, not even the key rule (it loops
 over keys); the two are checked against each other in tests/test_selftest.py.
 
 ``naive_low_precision`` is the same computation done the plain way in a narrow dtype, every

@@ -162,7 +162,7 @@ def decode_bench(backend, grid, peak_tbs) -> None:
         print(f"{batch:5d} {live:6d} {decode_grid(batch, live, sms):>8} {fused * 1e6:9.1f} {tbs:6.2f} "
               f"{100 * tbs / peak_tbs:5.1f}% {kern * 1e6:9.1f} {ktbs:6.2f} {100 * ktbs / peak_tbs:5.1f}% "
               f"{ratio:>13}", flush=True)
-        del cache
+        cache = None  # frees the device memory (a del would unbind the lambda's name)
 
 
 def prefill_bench(backend, lens, peak_tflops) -> None:
@@ -182,7 +182,7 @@ def prefill_bench(backend, lens, peak_tflops) -> None:
         flops = 4 * HQ * D * sum(cache_len - 512 + i + 1 for i in range(512))
         print(f"cache {cache_len:6d}: {t * 1e3:8.2f} ms  {flops / t / 1e12:6.2f} TFLOP/s "
               f"({100 * flops / t / 1e12 / peak_tflops:.1f}% of peak)", flush=True)
-        del cache
+        cache = None  # frees the device memory (a del would unbind the lambda's name)
 
 
 def variant_check(backend, quick: bool) -> bool:
@@ -197,7 +197,7 @@ def variant_check(backend, quick: bool) -> bool:
     import gqakv
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from reference import reference_attention
+    from support.reference import reference_attention
 
     rng = np.random.default_rng(2)
     hq = HQ
@@ -252,7 +252,7 @@ def paged_check(backend, quick: bool) -> bool:
     from gqakv_backends.cupy_backend import modules
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from reference import reference_attention
+    from support.reference import reference_attention
 
     rng = np.random.default_rng(3)
     bf16 = lambda x: x.astype(ml_dtypes.bfloat16)  # noqa: E731
@@ -339,7 +339,7 @@ def quantized_check(backend, quick: bool) -> bool:
     from gqakv import quantize as Q
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from reference import reference_attention
+    from support.reference import reference_attention
 
     rng = np.random.default_rng(3)
     ok = True
@@ -394,7 +394,7 @@ def quantized_check(backend, quick: bool) -> bool:
             data = backend.from_numpy(rng.standard_normal((batch, HKV, live, D), dtype=np.float32), DTYPE)
             cache.append(data, data, np.full(batch, live))
             times[kv] = timed(lambda: gqakv.gqa_attention(q, cache, n_new), backend.synchronize)
-            del cache, data
+            cache = data = None  # frees the device memory
         print(f"decode B={batch} L={live}: int8 {times['int8'] * 1e6:.1f} us, bf16 {times[None] * 1e6:.1f} us "
               f"(ratio {times['int8'] / times[None]:.2f}, target <= 0.6)", flush=True)
     return ok

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 import gqakv
 from gqakv import attention as attention_module
 
-from .conftest import BackendArrays
+from .support.arrays import BackendArrays
+from .support.quantization import held
 from .support.reference import reference_attention
-from .test_quantized import held
 
 # float32: inputs are O(1), so outputs are O(1) convex combinations of V; a correct
 # float32 computation is within a few ulps x log(L) of float64. 2e-5 is ~170 ulps.
@@ -277,31 +277,39 @@ def test_a_nan_query_stays_nan_and_alone(backend, arrays, request, T):
     assert np.isnan(out[bad]).all() and np.isnan(lse[bad]).all()
 
 
-def test_attention_over_the_product(case):
+def test_attention_over_the_product(case, route_spy):
     """gqa_attention and Step.attend on every point of backend x storage spec x attention
-    params (tests/conftest.py): ragged rows, a padded slot and an idle entry, dead slots
-    poisoned, against the float64 reference given the same params."""
+    params x dtype (tests/conftest.py): ragged rows, a padded slot and an idle entry, dead
+    slots poisoned, against the float64 reference given the same params (float16/bfloat16
+    by the same-dtype naive rule, tests/support/parity.py); each hot call ran what
+    ``route()`` names and the path meant (tests/support/routes.py)."""
     from gqakv.semantics import AttentionParams
 
+    from .support.parity import LOW_PRECISION, assert_matches_reference, low_precision_bounds
+    from .support.routes import assert_product_routes
+
+    spy = route_spy(case.backend)
     arrays = BackendArrays(case.backend)
     rng = np.random.default_rng(11)
     B, hkv, G, d, S = 3, 2, 3, 8, 40
     lens_before, n_new = np.array([17, 0, 30]), np.array([3, 2, 0])
     T = 4
-    # quantized storage takes float32 (the reference then reads the values it holds)
-    dtype, tol = ("float32", TOL["float32"]) if "kv_dtype" in case.storage else ("float64", 1e-10)
+    dtype = case.dtype
     cache = gqakv.KVCache(B, hkv, S, d, dtype=dtype, backend=case.backend, **case.storage)
     model = gqakv.ModelKVCache(2, B, hkv, S, d, dtype=dtype, backend=case.backend,
                                **case.storage)
     for c in (cache, model):
         c.store.fill(math.nan)
-    k0, v0 = rng.standard_normal((2, B, hkv, 30, d)).astype(dtype)
+    def held_in(x):  # the values a dtype array holds, as float64
+        return arrays.to_numpy(arrays.asarray(x, dtype))
+
+    k0, v0 = held_in(rng.standard_normal((2, B, hkv, 30, d)))
     cache.append(arrays.asarray(k0, dtype), arrays.asarray(v0, dtype), lens_before)
     with model.step(lens_before) as step:
         for l in range(2):
             step.write(l, arrays.asarray(k0, dtype), arrays.asarray(v0, dtype))
-    k1, v1 = rng.standard_normal((2, B, hkv, T, d)).astype(dtype)
-    q = rng.standard_normal((B, hkv * G, T, d)).astype(dtype)
+    k1, v1 = held_in(rng.standard_normal((2, B, hkv, T, d)))
+    q = held_in(rng.standard_normal((B, hkv * G, T, d)))
     cache.append(arrays.asarray(k1, dtype), arrays.asarray(v1, dtype), n_new)
     rows_k = [held(np.concatenate([k0[b, :, :lens_before[b]], k1[b, :, :n_new[b]]], axis=1),
                    case.storage) for b in range(B)]
@@ -318,11 +326,16 @@ def test_attention_over_the_product(case):
         outs = [step.attend(l, arrays.asarray(q, dtype), arrays.asarray(k1, dtype),
                             arrays.asarray(v1, dtype), params=params)
                 for l in range(2)]
+    bounds = None
+    if dtype in LOW_PRECISION:
+        bounds = low_precision_bounds(dtype, want, want_lse, q, rows_k, rows_v, n_new,
+                                      params.scale, window=params.window,
+                                      softcap=params.softcap, sinks=params.sinks)
     for got in (out, *outs):
-        np.testing.assert_allclose(arrays.to_numpy(got), want, atol=tol)
-    finite = np.isfinite(want_lse)
-    np.testing.assert_array_equal(np.isfinite(arrays.to_numpy(lse)), finite)
-    np.testing.assert_allclose(arrays.to_numpy(lse)[finite], want_lse[finite], atol=tol)
+        assert_matches_reference(arrays.to_numpy(got), None, want, want_lse, dtype, bounds)
+    assert_matches_reference(arrays.to_numpy(out), arrays.to_numpy(lse), want, want_lse, dtype,
+                             bounds, lse_atol=TOL.get(dtype), lse_rtol=1e-7)
+    assert_product_routes(spy)
 
 
 def test_params_argument_is_checked():

@@ -24,6 +24,8 @@ import pytest
 
 import gqakv
 
+from .support.routes import assert_product_routes
+
 T = 8  # tokens per chunk (every call appends one chunk per row)
 D = 8
 
@@ -94,6 +96,43 @@ def check_rows(k, v, lens, layer: int, threads: int, calls: int, copied_rows=(),
             pos += 1
 
 
+#: Storage and backends the hammer tests run on: the NumPy float64 contiguous cache, and
+#: paged (page size 3: a chunk of 8 leaves a shared, partly filled last page after a fork,
+#: so appends copy on write) and int8 caches in the kernels' dtypes, on the backends whose
+#: fast paths serve them (every hot call's route is checked against what ran). Token values
+#: are small integers: exact in bfloat16, and int8's per-token scale keeps each within
+#: 0.5 of its value (rounded back when read).
+CONCURRENT = {"numpy-contiguous-float64": ("numpy", {}, "float64"),
+              "numba-paged-float32": ("numba", {"storage": "paged", "page_size": 3}, "float32"),
+              "numpy-paged-bfloat16": ("numpy", {"storage": "paged", "page_size": 3}, "bfloat16"),
+              "numba-int8-bfloat16": ("numba", {"kv_dtype": "int8"}, "bfloat16"),
+              "numba-paged+int8-float32": ("numba", {"storage": "paged", "page_size": 3,
+                                                     "kv_dtype": "int8"}, "float32")}
+
+
+def concurrent_backend(name: str):
+    backend = next(b for b in gqakv.list_backends() if b.name == name)
+    if backend.unavailable_reason():
+        pytest.skip(f"backend {name}: {backend.unavailable_reason()}")
+    return backend
+
+
+def host_rows(cache, layer: int | None = None):
+    """(k, v) [R, 1, max_len, D] float64 of a cache's live rows (layer ``layer`` of a
+    ModelKVCache), read through ``live_kv`` (any storage); quantized values rounded back
+    to the integers appended. Dead slots are NaN."""
+    R = cache.batch
+    k = np.full((R, 1, cache.max_len, D), np.nan)
+    v = k.copy()
+    for b in range(R):
+        kb, vb = cache.live_kv(b) if layer is None else cache.live_kv(layer, b)
+        kb, vb = (np.asarray(cache.backend.to_numpy(x), np.float64) for x in (kb, vb))
+        if cache.store.quantized:
+            kb, vb = np.rint(kb), np.rint(vb)
+        k[b, :, :kb.shape[1]], v[b, :, :vb.shape[1]] = kb, vb
+    return k, v
+
+
 def run_threads(targets, timeout=120):
     errors = []
 
@@ -115,20 +154,27 @@ def run_threads(targets, timeout=120):
         raise errors[0]
 
 
-def test_appends_and_row_operations_from_many_threads(fast_switching):
-    """4 threads append 200 chunks to all 4 rows of one KVCache while a fifth forks row 0
-    into row 2, reorders row 0 into row 3 and truncates row 3 by whole chunks."""
-    threads, calls, R = 4, 200, 4
-    cache = gqakv.KVCache(R, 1, threads * calls * T, D, dtype="float64", backend="numpy")
-    start = threading.Barrier(threads + 1)
+@pytest.mark.parametrize("where", list(CONCURRENT))
+def test_appends_and_row_operations_from_many_threads(fast_switching, where, route_spy):
+    """4 threads append chunks to all 4 rows of one KVCache (200 each on the NumPy float64
+    cache, 30 on the others) while a fifth forks row 0 into row 2, reorders row 0 into row
+    3 and truncates row 3 by whole chunks, and a sixth reads rows 0 and 1 (their live
+    tokens: whole chunks only; a decode over them: finite)."""
+    name, spec, dtype = CONCURRENT[where]
+    backend = concurrent_backend(name)
+    spy = route_spy(backend)
+    threads, calls, R = 4, 200 if dtype == "float64" else 30, 4
+    cache = gqakv.KVCache(R, 1, threads * calls * T, D, dtype=dtype, backend=backend, **spec)
+    start = threading.Barrier(threads + 2)
     done = threading.Event()
+    reads = [0]
 
     def writer(t):
         def run():
             start.wait()
             for i in range(calls):
                 k = chunk(t, i, range(R))
-                cache.append(k, -k, [T] * R)
+                cache.append(backend.from_numpy(k, dtype), backend.from_numpy(-k, dtype), [T] * R)
         return run
 
     def row_ops():
@@ -140,25 +186,46 @@ def test_appends_and_row_operations_from_many_threads(fast_switching):
             if n >= 2 * T:
                 cache.truncate([3], [n - T])  # may race an append: still <= lens[3]
 
+    def reader():
+        start.wait()
+        q = backend.from_numpy(np.ones((2, 1, 1, D)), dtype)
+        while not done.is_set():
+            for r in (0, 1):
+                k, _ = cache.live_kv(r)
+                toks = np.asarray(backend.to_numpy(k), np.float64)[0]
+                chunks_of(np.rint(toks) if cache.store.quantized else toks, f"read of row {r}")
+            n = [1, 1] if min(cache.host_lens[:2]) else [0, 0]
+            out = gqakv.gqa_attention(q, cache, n, rows=[0, 1])
+            assert np.isfinite(np.asarray(backend.to_numpy(out), np.float64)).all()
+            reads[0] += 1
+
     def writers_then_done():
         run_threads([writer(t) for t in range(threads)])
         done.set()
 
-    run_threads([writers_then_done, row_ops])
+    run_threads([writers_then_done, row_ops, reader])
     lens = cache.host_lens.copy()
-    assert lens[0] == lens[1] == threads * calls * T
-    check_rows(cache.k, cache.v, lens, 0, threads, calls, copied_rows=[2], cut_rows=[3])
+    assert lens[0] == lens[1] == threads * calls * T and reads[0] > 0
+    k, v = host_rows(cache)
+    check_rows(k, v, lens, 0, threads, calls, copied_rows=[2], cut_rows=[3])
+    assert_product_routes(spy)
 
 
-def test_steps_and_row_operations_from_many_threads(fast_switching):
-    """3 threads run 20 steps each (all layers, all rows) on one ModelKVCache, retrying
-    when another thread's step is open; a fourth forks and truncates between steps."""
-    threads, calls, R, layers = 3, 20, 4, 3
-    cache = gqakv.ModelKVCache(layers, R, 1, threads * calls * T, D, dtype="float64",
-                               backend="numpy")
+@pytest.mark.parametrize("where", list(CONCURRENT))
+def test_steps_and_row_operations_from_many_threads(fast_switching, where, route_spy):
+    """3 threads run steps (all layers, all rows; 20 each on the NumPy float64 cache, 8 on
+    the others) on one ModelKVCache, retrying when another thread's step is open; a fourth
+    forks and truncates between steps."""
+    name, spec, dtype = CONCURRENT[where]
+    backend = concurrent_backend(name)
+    spy = route_spy(backend)
+    threads, calls, R, layers = 3, 20 if dtype == "float64" else 8, 4, 3
+    cache = gqakv.ModelKVCache(layers, R, 1, threads * calls * T, D, dtype=dtype,
+                               backend=backend, **spec)
     start = threading.Barrier(threads + 1)
     done = threading.Event()
     refused = [0]
+    q = backend.from_numpy(np.ones((R, 1, T, D)), dtype)
 
     def open_step():
         while True:
@@ -176,10 +243,11 @@ def test_steps_and_row_operations_from_many_threads(fast_switching):
                 with open_step() as step:
                     for l in range(layers):
                         k = chunk(t, i, range(R), layer=l)
+                        kd, vd = backend.from_numpy(k, dtype), backend.from_numpy(-k, dtype)
                         if l % 2:
-                            step.write(l, k, -k)
+                            step.write(l, kd, vd)
                         else:
-                            step.attend(l, np.ones((R, 1, T, D)), k, -k)
+                            step.attend(l, q, kd, vd)
         return run
 
     def row_ops():
@@ -201,8 +269,10 @@ def test_steps_and_row_operations_from_many_threads(fast_switching):
     lens = cache.host_lens.copy()
     assert lens[0] == lens[1] == threads * calls * T
     for l in range(layers):
-        check_rows(cache.k[l], cache.v[l], lens, l, threads, calls, copied_rows=[2], cut_rows=[3])
+        k, v = host_rows(cache, l)
+        check_rows(k, v, lens, l, threads, calls, copied_rows=[2], cut_rows=[3])
     assert cache._open_step is None
+    assert_product_routes(spy)
 
 
 class _BlockingWrites:

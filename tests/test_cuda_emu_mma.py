@@ -27,8 +27,8 @@ import pytest
 from gqakv_backends.cupy_backend import plan as planmod
 from gqakv_backends.cupy_backend import sources
 
-from . import hot_ops
 from .cuda_emu import cases, harness
+from .support import hot_ops
 
 STORAGE = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 CTYPE = {"float16": "gqakv_half", "bfloat16": "gqakv_bf16"}

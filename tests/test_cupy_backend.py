@@ -3,6 +3,8 @@ lazy import, packaged kernel sources, and the launch planner's decisions."""
 
 from __future__ import annotations
 
+import ast
+import operator
 import re
 import subprocess
 import sys
@@ -76,7 +78,7 @@ def test_importing_gqakv_does_not_import_cupy():
 @pytest.mark.parametrize("kernel", sorted(sources.KERNEL_FILES))
 def test_kernel_sources_ship_as_package_data(kernel):
     src = sources.compose_source(kernel)
-    assert f"void __launch_bounds__(128" in src and kernel in src
+    assert "void __launch_bounds__(128" in src and kernel in src
     assert '#include "' not in src  # local includes inlined: NVRTC needs no include path
     assert "to_float" in src
 
@@ -447,10 +449,113 @@ def test_limits_are_declared_once_and_reach_every_reader():
     uses += (Path(harness.__file__).parent / "driver.cpp").read_text()
     for name in defines:
         assert name in uses, f"{name} is declared but no kernel reads it"
-    # no hand-kept copy of a declared value left in the kernels or the driver
-    for copy in ("QB <= 4 ? 3 : 2", "D == 64 || D == 128", "D <= 64 ? 4 : 2",
-                 "D <= 64 ? 64 : (D <= 128 ? 32 : 16)", "GQAKV_REG_DECODE(T, D, 4)", "> 65535"):
-        assert copy not in uses, copy
+
+
+def _declared_limits() -> dict:
+    """limits.py's declarations: every upper-case module name and its value."""
+    from gqakv_backends.cupy_backend import limits
+
+    return {n: v for n, v in vars(limits).items() if n.isupper() and not n.startswith("_")}
+
+
+def _folded_int(node) -> int | None:
+    """The value of an integer constant expression (2**31 - 1, 1 << 30, 65535), else None."""
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Pow: operator.pow, ast.LShift: operator.lshift}
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in ops:
+        a, b = _folded_int(node.left), _folded_int(node.right)
+        return None if a is None or b is None else ops[type(node.op)](a, b)
+    return None
+
+
+def _python_copies(path, declared: dict) -> list[str]:
+    """In one Python module that reads the limits: every binding of a declared name whose
+    value does not read ``limits``, and every integer constant expression equal to a
+    declared scalar too large to be a coincidence (>= 1024: the grid, split and key-span
+    limits), with its line."""
+    tree = ast.parse(path.read_text())
+    distinctive = {v for v in declared.values() if type(v) is int and v >= 1024}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            reads_limits = any(isinstance(n, ast.Name) and n.id == "limits" for n in ast.walk(node.value))
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id in declared and not reads_limits:
+                    found.append(f"{path.name}:{node.lineno}: {t.id} bound without reading limits")
+        if isinstance(node, (ast.Constant, ast.BinOp)) and _folded_int(node) in distinctive:
+            found.append(f"{path.name}:{node.lineno}: the literal {_folded_int(node)} "
+                         f"({ast.unparse(node)})")
+    return sorted(set(found))
+
+
+#: Conditionals in the kernels that pick a value a limits table also holds, but for another
+#: quantity (reviewed): prefill.cu's keys per tile BK, not PREFILL_ROWS' rows per CTA.
+NOT_LIMIT_COPIES = {("prefill.cu", "D <= 128 ? 32")}
+
+
+def _kernel_copies(name: str, code: str, declared: dict) -> list[str]:
+    """In one kernel or driver source (comments removed): each spelling of a declared value
+    that is not its macro. From the declaration itself: a conditional that picks a table's
+    value for its key (``X <= k ? v`` / ``X == k ? v``, DECODE_CTAS_PER_SM, PREFILL_ROWS,
+    ...); a test of membership in a declared list (``X == a || X == b``); the decode kernel
+    instantiated at a literal query tile (DECODE_QUERY_TILES); the literal of a
+    scalar >= 1024 (grid and split limits), decimal or as a shift. (A shape the kernel's
+    arithmetic fixes, 128 threads or the mma's 16 rows, stays a literal there with a
+    static_assert against its macro: limits.py's rule.)"""
+    found = []
+    for table_name, table in declared.items():
+        pairs = table.items() if isinstance(table, dict) else (
+            table if isinstance(table, tuple) and table and all(
+                isinstance(p, tuple) and len(p) == 2 for p in table) else ())
+        for k, v in pairs:
+            for m in re.finditer(rf"\b[A-Za-z_]\w*\s*(?:==|<=)\s*{k}\s*\?\s*\(?\s*{v}\b", code):
+                if (name, m.group(0)) not in NOT_LIMIT_COPIES:
+                    found.append(f"{name}: {m.group(0)!r} copies {table_name}")
+        if isinstance(table, tuple) and all(type(x) is int for x in table):
+            for a in table:
+                for b in table:
+                    pattern = rf"\b(\w+)\s*==\s*{a}\s*\|\|\s*\1\s*==\s*{b}\b"
+                    found += [f"{name}: {m.group(0)!r} copies {table_name}"
+                              for m in re.finditer(pattern, code)]
+        if table_name == "DECODE_QUERY_TILES":  # the decode kernel instantiated at literal tiles
+            for m in re.finditer(r"\b(?:register_decode|GQAKV_REG_DECODE)\s*[<(]([^>)]*)[>)]", code):
+                if any(str(tile) in re.findall(r"\b\d+\b", m.group(1)) for tile in table):
+                    found.append(f"{name}: {m.group(0)!r} copies {table_name}")
+        if type(table) is int and table >= 1024:
+            for m in re.finditer(r"\b(\d+)u?l?l?\b(?:\s*<<\s*(\d+))?", code, flags=re.I):
+                value = int(m.group(1)) << int(m.group(2)) if m.group(2) else int(m.group(1))
+                if value in (table, table + 1):
+                    found.append(f"{name}: {m.group(0)!r} copies {table_name}")
+    return found
+
+
+def test_no_site_keeps_its_own_copy_of_a_limit():
+    """The limits exist once, in limits.py: every Python module of the cupy backend and of
+    the emulator binds a declared name only by reading ``limits`` and spells no large
+    declared value itself (AST), and no kernel or driver source spells a declared table,
+    list or large scalar in place of its macro (patterns generated from the declaration,
+    so a new entry is checked too)."""
+    from pathlib import Path
+
+    from gqakv_backends.cupy_backend import limits
+
+    from .cuda_emu import harness
+
+    declared = _declared_limits()
+    package = Path(limits.__file__).parent
+    readers = [p for p in package.glob("*.py") if p.name != "limits.py"]
+    readers += sorted(Path(harness.__file__).parent.glob("*.py"))
+    copies = [c for p in readers for c in _python_copies(p, declared)]
+    sources_ = sorted(harness.kernel_dir().glob("*.cu*")) + [Path(harness.__file__).parent / "driver.cpp"]
+    for path in sources_:
+        if path.name == "limits.cuh":
+            continue
+        code = re.sub(r"/\*.*?\*/|//[^\n]*", "", path.read_text(), flags=re.S)
+        copies += _kernel_copies(path.name, code, declared)
+    assert copies == [], "\n".join(copies)
 
 
 def test_info_lists_the_kernels_and_their_limits(capsys):
@@ -465,7 +570,11 @@ def test_info_lists_the_kernels_and_their_limits(capsys):
     assert cli.main(["info", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["cupy"]["implementations"] == CupyBackend().implementations()
-    assert rows["numpy"]["implementations"] == {}
+    from gqakv_backends.numpy_backend import NumpyBackend
+
+    assert rows["numpy"]["implementations"] == NumpyBackend().implementations()
+    assert {"numpy BLAS", "numpy BLAS paged", "generic array-API"} <= set(
+        rows["numpy"]["implementations"])  # its BLAS paths, as route() names them
 
 
 # ---- 3. launch grids within CUDA's limits -------------------------------------------------

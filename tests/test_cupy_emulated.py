@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from . import hot_ops
 from .cuda_emu import cases, harness
+from .support import hot_ops
 
 if harness.compiler() is None:
     pytest.skip("no C++ compiler (g++) for the CUDA emulation harness", allow_module_level=True)
@@ -261,8 +261,8 @@ def test_row_operations_parity_through_the_fused_copy(emulated_backend, kind, dt
     live token bit-equal to the direct model, every copy wave one fused launch."""
     import numpy as np
 
-    from .conftest import BackendArrays
-    from .test_row_ops import assert_matches, fill_rows, make_cache
+    from .support.arrays import BackendArrays
+    from .support.direct import assert_matches, fill_rows, make_cache
 
     backend, arrays = emulated_backend, BackendArrays(emulated_backend)
     lens = [5, 0, 7, 2]

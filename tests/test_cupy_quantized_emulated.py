@@ -23,8 +23,6 @@ part of test_cupy_emulated.py's grid.
 
 from __future__ import annotations
 
-import math
-
 import ml_dtypes
 import numpy as np
 import pytest

@@ -11,8 +11,8 @@ import pytest
 
 import gqakv
 
+from .support.direct import DirectCache, assert_matches, assert_unchanged, fill_nan, snapshot
 from .support.reference import reference_attention
-from .test_row_ops import DirectCache, assert_matches, assert_unchanged, fill_nan, snapshot
 
 TOL = {"float64": 1e-10, "float32": 2e-5}  # as in test_attention: O(1) data, ~170 float32 ulps
 
@@ -321,3 +321,97 @@ def test_step_rows_without_length_is_a_clear_error(backend, rows):
     with pytest.raises((TypeError, ValueError), match="rows"):
         cache.step(np.array([1]), rows=rows)
     cache.step([0, 0, 0]).abort()  # no step was left open by the refused call
+
+
+# -- the serving loop on the fast paths ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("storage", ["contiguous", "paged", "int8", "paged+int8"])
+def test_serving_loop_on_the_fast_paths(storage, dtype, backend, arrays, route_spy):
+    """A short random serving loop (steps of decode and short chunks over some rows, forks,
+    reorders, truncates, aborted steps, read-only attention over other rows) in the
+    kernels' dtypes, on contiguous, paged and 8-bit caches (tests/conftest.py
+    STORAGE_SPECS), against the direct model after every operation and the float64
+    reference at every step (bfloat16 by the same-dtype naive rule); every append, copy
+    and attention ran what ``route()`` names and the path meant."""
+    from .support.product import STORAGE_SPECS
+    from .support.parity import LOW_PRECISION, assert_matches_reference, low_precision_bounds
+    from .support.routes import assert_product_routes
+    from .support.quantization import held
+
+    if dtype not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no {dtype}")
+    spec = STORAGE_SPECS[storage]
+    spy = route_spy(backend)
+    rng = np.random.default_rng([len(storage), len(dtype)])
+    layers, B, hkv, S, d, group = 2, 4, 2, 16, 8, 2
+    cache = gqakv.ModelKVCache(layers, B, hkv, S, d, dtype, backend, **spec)
+    fill_nan(cache)
+    direct = DirectCache(layers, B, hkv, d)
+
+    def values(shape):  # random values as the dtype holds them (float64)
+        return arrays.to_numpy(arrays.asarray(rng.standard_normal(shape), dtype))
+
+    def check(out, lse, q, rows, n, layer, what):
+        k_rows = [direct.k[layer][r] for r in rows]
+        v_rows = [direct.v[layer][r] for r in rows]
+        want, want_lse = reference_attention(q, k_rows, v_rows, n)
+        bounds = (low_precision_bounds(dtype, want, want_lse, q, k_rows, v_rows, n, None)
+                  if dtype in LOW_PRECISION else None)
+        assert_matches_reference(arrays.to_numpy(out), None if lse is None else
+                                 arrays.to_numpy(lse), want, want_lse, dtype, bounds, what=what)
+
+    counts: dict[str, int] = {}
+    ops = 30 if backend.name == "cupy_emulated" else 60  # the emulator runs each launch slowly
+    for i in range(ops):
+        op = ["step", "step", "step", "fork", "reorder", "truncate", "attend",
+              "abort"][int(rng.integers(8))] if i >= 2 else "step"
+        counts[op] = counts.get(op, 0) + 1
+        lens = np.array(direct.lens)
+        if op == "step":
+            rows = _random_rows(rng, B, int(rng.integers(1, B + 1)))
+            n = [int(rng.integers(0 if i else 2, min(4, S - lens[r]) + 1)) for r in rows]
+            T = max(1, max(n))
+            with cache.step(n, rows=rows) as st:
+                for l in range(layers):
+                    q, k, v = (values(s) for s in ((len(rows), hkv * group, T, d),
+                                                   (len(rows), hkv, T, d), (len(rows), hkv, T, d)))
+                    out, lse = st.attend(l, *(arrays.asarray(x, dtype) for x in (q, k, v)),
+                                         return_lse=True)
+                    direct.append(l, rows, held(k, spec), held(v, spec), n)
+                    check(out, lse, q, rows, n, l, f"step {i} layer {l}")
+        elif op == "fork":
+            src = int(rng.integers(B))
+            dst = _random_rows(rng, B, int(rng.integers(1, B)))
+            cache.fork(src, dst)
+            direct.fork(src, [x for x in dst if x != src])
+        elif op == "reorder":
+            src = rng.integers(0, B, B).tolist()
+            cache.reorder(src)
+            direct.reorder(src)
+        elif op == "truncate":
+            rows = _random_rows(rng, B, int(rng.integers(1, B + 1)))
+            new = [int(rng.integers(0, lens[r] + 1)) for r in rows]
+            cache.truncate(rows, new)
+            direct.truncate(rows, new)
+        elif op == "attend":  # read-only, rows repeated
+            rows = rng.integers(0, B, 3).tolist()
+            n = [int(rng.integers(0, min(lens[r], 3) + 1)) for r in rows]
+            l = int(rng.integers(layers))
+            q = values((len(rows), hkv * group, max(1, max(n)), d))
+            out = gqakv.gqa_attention(arrays.asarray(q, dtype), cache.layer(l), n, rows=rows)
+            if max(n) > 0:
+                check(out, None, q, rows, n, l, f"attend {i}")
+        else:  # the model raises inside a step: nothing of it stays
+            rows = _random_rows(rng, B, 2)
+            n = [int(rng.integers(0, S - lens[r] + 1)) for r in rows]
+            k = arrays.asarray(values((len(rows), hkv, max(1, max(n)), d)), dtype)
+            with pytest.raises(KeyError):
+                with cache.step(n, rows=rows) as st:
+                    st.write(0, k, k)
+                    raise KeyError("model failed")
+        assert_matches(cache, direct, arrays)
+    assert counts["step"] > ops // 4 and all(counts.get(o, 0) >= 1 for o in ("fork", "reorder",
+                                                                          "abort"))
+    assert_product_routes(spy)

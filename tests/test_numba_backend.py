@@ -29,8 +29,8 @@ from gqakv_backends.numba_backend import NumbaBackend, attention_numba, default_
 
 from gqakv.semantics import AttentionParams, key_range  # noqa: E402
 
-from .support.reference import reference_attention  # noqa: E402
-from .test_numpy_attention import _variant_params, variant_reference  # noqa: E402
+from .support.reference import reference_attention, reference_on_buffers  # noqa: E402
+from .support.variants import random_variant  # noqa: E402
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 SPLIT_EVERYTHING = dict(workers=3, query_block=2, min_key_split=2, key_block=3, parallel_min_work=0)
@@ -294,9 +294,9 @@ def test_random_variants_match_reference(dtype, seed):
     lens = [int(x) for x in rng.integers(0, 60, B)]
     n_new = [int(rng.integers(0, min(L, 8) + 1)) if L else 0 for L in lens]
     q, k, v = _case(rng, lens, n_new, hkv, G, d, DTYPES[dtype])
-    variant = _variant_params(rng, hkv * G, max(lens))
+    variant = random_variant(rng, hkv * G, max(lens))
     scale = 1.0 / math.sqrt(d)
-    want, want_lse = variant_reference(q, k, v, lens, n_new, scale, **variant)
+    want, want_lse = reference_on_buffers(q, k, v, lens, n_new, scale, **variant)
     for knobs in ({}, SPLIT_EVERYTHING):
         out, lse = _run(q, k, v, lens, n_new, params=AttentionParams(scale=scale, **variant), **knobs)
         _variant_check(out, lse, want, want_lse, n_new, DTYPES[dtype])
@@ -311,7 +311,7 @@ def test_window_smaller_than_the_chunk_with_softcap_and_sinks(window):
     q, k, v = _case(rng, lens, n_new, 2, 2, 16, np.float32)
     sinks = (0.5, -np.inf, 3.0, -1.0)
     for variant in (dict(window=window), dict(window=window, softcap=2.0, sinks=sinks)):
-        want, want_lse = variant_reference(q, k, v, lens, n_new, 0.3, **variant)
+        want, want_lse = reference_on_buffers(q, k, v, lens, n_new, 0.3, **variant)
         out, lse = _run(q, k, v, lens, n_new, params=AttentionParams(scale=0.3, **variant),
                         workers=3, query_block=4, key_block=3, min_key_split=2, parallel_min_work=0)
         _variant_check(out, lse, want, want_lse, n_new, np.float32)
@@ -332,7 +332,7 @@ def test_sink_extremes():
     sinks = (1e4, 3e38, -np.inf, 0.5)
     out, lse = _run(q, k, v, lens, n_new, params=AttentionParams(scale=1 / math.sqrt(32), sinks=sinks),
                     **knobs)
-    want, want_lse = variant_reference(q, k, v, lens, n_new, 1 / math.sqrt(32), sinks=sinks)
+    want, want_lse = reference_on_buffers(q, k, v, lens, n_new, 1 / math.sqrt(32), sinks=sinks)
     _variant_check(out, lse, want, want_lse, n_new, np.float32)
     assert not out[:, :2].any() and (lse[0, :2, 0] == np.float32(sinks[:2])).all()
     assert not out[2].any() and np.isneginf(lse[2]).all()
@@ -362,7 +362,7 @@ def test_a_windowed_decode_reads_only_the_window(monkeypatch):
         spans = sorted((int(j0), int(j1)) for _, h0, h1, _, _, j0, j1 in items if h0 <= h < h1)
         assert spans[0][0] == L - W and spans[-1][1] == L
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    want, want_lse = variant_reference(q, k[:, :, L - W:], v[:, :, L - W:], [W], [1], 0.35)
+    want, want_lse = reference_on_buffers(q, k[:, :, L - W:], v[:, :, L - W:], [W], [1], 0.35)
     _variant_check(out, lse, want, want_lse, [1], np.float32)
 
 
@@ -383,6 +383,6 @@ def test_variants_run_the_kernel_through_the_public_api(monkeypatch):
     params = AttentionParams(scale=0.25, window=3, softcap=1.5, sinks=(0.5, -np.inf, 2.0, 8.0))
     out, lse = gqakv.gqa_attention(q, cache, [2, 1], params=params, return_lse=True)
     assert calls == [params]
-    want, want_lse = variant_reference(q, k, v, [9, 6], [2, 1], 0.25, window=3, softcap=1.5,
-                                       sinks=params.sinks)
+    want, want_lse = reference_on_buffers(q, k, v, [9, 6], [2, 1], 0.25, window=3, softcap=1.5,
+                                          sinks=params.sinks)
     _variant_check(out, lse, want, want_lse, [2, 1], np.float16)

@@ -4,8 +4,8 @@ Tiny blocks, several workers and no size thresholds force the planner to cut row
 over KV heads, keys and queries on small shapes, so each merge path is checked
 against tests/support/reference.py. Also: float16/bfloat16 computed in float32, bounded
 temporaries (tracemalloc), work that follows live lengths, and BLAS threads restored.
-The attention variants (window, softcap, sinks) are checked against ``variant_reference``
-below (loops over every key, float64), under the same forced splits.
+The attention variants (window, softcap, sinks) are checked against the same reference
+(``reference_on_buffers``: it on padded buffers), under the same forced splits.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import pytest
 import gqakv
 from gqakv_backends import numpy_attention as na
 
-from .support.reference import reference_attention
+from .support.reference import reference_attention, reference_on_buffers
+from .support.variants import random_variant
 
 SPLIT_EVERYTHING = dict(workers=3, score_block_elements=24, query_block=3, min_key_split=2,
                         parallel_min_work=0)
@@ -41,56 +42,6 @@ def _run(q, k, v, lens, n_new, **kw):
     B = len(lens)
     return na.attention_numpy(q, k, v, np.arange(B), np.asarray(lens), np.asarray(n_new),
                               scale=1.0 / math.sqrt(q.shape[-1]), return_lse=True, **kw)
-
-
-def variant_reference(q, k, v, lens, n_new, scale, window=None, softcap=None, sinks=None):
-    """The attention variants from their definitions, one (query, head, key) at a time in
-    float64, sharing nothing with gqakv: query t of a row of L tokens sits at p = L - n + t
-    and sees key j when j <= p and (no window or j > p - window); each scaled score s
-    becomes softcap * tanh(s / softcap); the sink of head h adds e^{sink} to the
-    denominator. q: [B, Hq, T, d]; k, v: [B, Hkv, >= L, d]. Returns out [B, Hq, T, d] and
-    lse [B, Hq, T] (log of the whole denominator); padded queries give 0 and -inf."""
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    B, Hq, T, d = q.shape
-    G = Hq // k.shape[1]
-    out = np.zeros((B, Hq, T, d))
-    lse = np.full((B, Hq, T), -math.inf)
-    for b in range(B):
-        L, n = int(lens[b]), int(n_new[b])
-        for t in range(n):
-            p = L - n + t
-            for h in range(Hq):
-                terms = []  # (score, value row or None for the sink)
-                for j in range(L):
-                    if j > p or (window is not None and j <= p - window):
-                        continue
-                    x = scale * float(np.dot(q[b, h, t], k[b, h // G, j]))
-                    if softcap is not None:
-                        x = softcap * math.tanh(x / softcap)
-                    terms.append((x, v[b, h // G, j]))
-                if sinks is not None:
-                    terms.append((float(sinks[h]), None))
-                m = max(x for x, _ in terms)
-                total = sum(math.exp(x - m) for x, _ in terms)
-                for x, row in terms:
-                    if row is not None:
-                        out[b, h, t] += math.exp(x - m) / total * row
-                lse[b, h, t] = m + math.log(total)
-    return out, lse
-
-
-def _variant_params(rng, Hq, max_len):
-    """A random mix of the variants, with their edge values: W = 1, W past every row,
-    tiny (saturating) and large soft-caps, large and -inf sinks."""
-    window = [None, 1, 2, int(rng.integers(1, max_len + 2)), max_len + 50][int(rng.integers(5))]
-    softcap = [None, None, 1e-3, 0.3, float(rng.uniform(1, 30))][int(rng.integers(5))]
-    sinks = None
-    if rng.integers(3):
-        sinks = rng.standard_normal(Hq) * 3
-        sinks[rng.random(Hq) < 0.25] = -np.inf
-        sinks[rng.random(Hq) < 0.15] = 60.0  # dominates every score
-        sinks = tuple(float(np.float32(x)) for x in sinks)
-    return dict(window=window, softcap=softcap, sinks=sinks)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -309,11 +260,11 @@ def test_variants_under_every_split_match_reference(seed, knobs):
     lens = [int(x) for x in rng.integers(0, 40, B)]
     n_new = [int(rng.integers(0, L + 1)) if L else 0 for L in lens]
     q, k, v = _case(rng, lens, n_new, hkv, G, d)
-    variant = _variant_params(rng, hkv * G, max(lens))
+    variant = random_variant(rng, hkv * G, max(lens))
     scale = 1.0 / math.sqrt(d)
     params = gqakv.AttentionParams(scale=scale, **variant)
     out, lse = _run(q, k, v, lens, n_new, params=params, **knobs)
-    want, want_lse = variant_reference(q, k, v, lens, n_new, scale, **variant)
+    want, want_lse = reference_on_buffers(q, k, v, lens, n_new, scale, **variant)
     np.testing.assert_allclose(out, want, atol=1e-10, err_msg=str(variant))
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     fin = np.isfinite(want_lse)
@@ -336,7 +287,7 @@ def test_window_smaller_than_the_chunk(window):
         params = gqakv.AttentionParams(scale=scale, **variant)
         out, lse = _run(q, k, v, lens, n_new, params=params, workers=3, query_block=8,
                         score_block_elements=40, min_key_split=2, parallel_min_work=0)
-        want, want_lse = variant_reference(q, k, v, lens, n_new, scale, **variant)
+        want, want_lse = reference_on_buffers(q, k, v, lens, n_new, scale, **variant)
         np.testing.assert_allclose(out, want, atol=1e-10)
         np.testing.assert_allclose(lse, want_lse, atol=1e-10)
 
@@ -391,7 +342,7 @@ def test_variants_in_narrow_dtypes_match_reference(dtype):
     out, lse = _run(q, k, v, lens, n_new, params=gqakv.AttentionParams(scale=0.25, **variant),
                     **SPLIT_EVERYTHING)
     assert out.dtype == np_dtype and lse.dtype == np.float32
-    want, want_lse = variant_reference(q, k, v, lens, n_new, 0.25, **variant)
+    want, want_lse = reference_on_buffers(q, k, v, lens, n_new, 0.25, **variant)
     rounding = np.abs(want.astype(np_dtype).astype(np.float64) - want).max()
     assert np.abs(out.astype(np.float64) - want).max() <= 2 * rounding + 1e-6
     fin = np.isfinite(want_lse)
@@ -406,7 +357,7 @@ def test_tiny_softcap_saturates_without_nan():
     q *= 1e3  # scores far into tanh's saturation
     params = gqakv.AttentionParams(scale=1.0, softcap=1e-6, window=10)
     out, lse = _run(q, k, v, lens, n_new, params=params, **SPLIT_EVERYTHING)
-    want, want_lse = variant_reference(q, k, v, lens, n_new, 1.0, softcap=1e-6, window=10)
+    want, want_lse = reference_on_buffers(q, k, v, lens, n_new, 1.0, softcap=1e-6, window=10)
     np.testing.assert_allclose(out, want, atol=1e-10)
     np.testing.assert_allclose(lse, want_lse, atol=1e-10)
     np.testing.assert_allclose(lse, math.log(10), atol=1e-5)  # ten keys of score ~0
@@ -447,7 +398,7 @@ def test_variants_take_the_threaded_path_through_the_public_api(monkeypatch):
     params = gqakv.AttentionParams(scale=0.5, window=4, softcap=3.0, sinks=(0.125, -np.inf, 2.0, 40.0))
     out, lse = gqakv.gqa_attention(q, cache, n_new, params=params, return_lse=True)
     assert seen == [params]
-    want, want_lse = variant_reference(q, k, v, lens, n_new, 0.5, window=4, softcap=3.0,
-                                       sinks=params.sinks)
+    want, want_lse = reference_on_buffers(q, k, v, lens, n_new, 0.5, window=4, softcap=3.0,
+                                          sinks=params.sinks)
     np.testing.assert_allclose(out, want, atol=1e-10)
     np.testing.assert_allclose(lse, want_lse, atol=1e-10)

@@ -16,16 +16,10 @@ import pytest
 import gqakv
 from gqakv.paged import GATHER_KEYS, OutOfPages, PagedStore, pages_for
 
-from .conftest import BackendArrays
+from .support.arrays import BackendArrays
+from .support.direct import Direct
+from .support.pages import audit
 from .support.reference import reference_attention
-
-
-def audit(cache):
-    problems = cache.store.table.audit(cache.host_lens)
-    assert problems == []
-    reachable = {int(p) for b in range(cache.batch) for p in cache.store.table.row_pages(b)}
-    assert cache.pages_used == len(reachable)
-    assert cache.pages_used + cache.pages_free == cache.num_pages
 
 
 def state(cache, arrays):
@@ -40,30 +34,6 @@ def assert_same_state(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-class Direct:
-    """What a cache holds, per row, as float64 ``[Hkv, L, d]`` arrays (no gqakv)."""
-
-    def __init__(self, batch, kv_heads, head_dim):
-        empty = np.zeros((kv_heads, 0, head_dim))
-        self.k, self.v = [empty] * batch, [empty] * batch
-
-    def append(self, rows, k, v, n):
-        for i, r in enumerate(rows):
-            self.k[r] = np.concatenate([self.k[r], k[i, :, :n[i]]], axis=1)
-            self.v[r] = np.concatenate([self.v[r], v[i, :, :n[i]]], axis=1)
-
-    def reorder(self, src):
-        self.k, self.v = [self.k[s] for s in src], [self.v[s] for s in src]
-
-    def fork(self, src, dst):
-        for d in dst:
-            self.k[d], self.v[d] = self.k[src], self.v[src]
-
-    def truncate(self, rows, lens):
-        for r, n in zip(rows, lens):
-            self.k[r], self.v[r] = self.k[r][:, :n], self.v[r][:, :n]
-
-
 def assert_rows(cache, direct, arrays):
     np.testing.assert_array_equal(cache.host_lens, [k.shape[1] for k in direct.k])
     for b in range(cache.batch):
@@ -75,37 +45,61 @@ def assert_rows(cache, direct, arrays):
 # -- the same results as KVCache ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 @pytest.mark.parametrize("page_size", [1, 3, 16])
-def test_paged_matches_contiguous(backend, arrays, page_size):
-    """Ragged prefill chunks, then decode steps with an idle row, on both caches: outputs
-    and LSE agree within float64 rounding of a different key blocking; dead pool slots
-    hold NaN, so a read past a row's length fails."""
-    if "float64" not in backend.dtypes:
-        pytest.skip(f"{backend.name} has no float64")
+def test_paged_matches_contiguous(backend, arrays, page_size, dtype, route_spy):
+    """Ragged prefill chunks, then decode steps with an idle row, on both caches: float64
+    outputs and LSE agree within float64 rounding of a different key blocking; float32 and
+    bfloat16 (the kernels' dtypes) each match the float64 reference (bfloat16 by the
+    same-dtype naive rule); every append and attention ran what ``route()`` names and the
+    path meant (tests/support/routes.py). Dead pool slots hold NaN, so a read past a row's
+    length fails."""
+    from .support.parity import LOW_PRECISION, assert_matches_reference, low_precision_bounds
+    from .support.routes import assert_product_routes
+
+    if dtype not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no {dtype}")
+    if backend.name == "cupy_emulated" and dtype == "float32" and page_size != 3:
+        pytest.skip("the emulator's time: float32 paged kernels run here at page size 3 "
+                    "(bfloat16 at every page size; the product runs both)")
+    spy = route_spy(backend)
     rng = np.random.default_rng(page_size)
     B, Hkv, G, d, S = 3, 2, 2, 8, 48
-    plain = gqakv.KVCache(B, Hkv, S, d, dtype="float64", backend=backend)
-    paged = gqakv.PagedKVCache(B, Hkv, S, d, dtype="float64", backend=backend, page_size=page_size)
+    plain = gqakv.KVCache(B, Hkv, S, d, dtype=dtype, backend=backend)
+    paged = gqakv.PagedKVCache(B, Hkv, S, d, dtype=dtype, backend=backend, page_size=page_size)
     paged.store.fill(math.nan)
     direct = Direct(B, Hkv, d)
+
+    def held(x):  # the values a dtype array holds, as float64
+        return arrays.to_numpy(arrays.asarray(x, dtype))
+
     for T, n in [(9, [9, 4, 0]), (9, [7, 9, 2]), (1, [1, 1, 0]), (1, [1, 0, 1]), (5, [3, 5, 5])]:
-        k, v = rng.standard_normal((2, B, Hkv, T, d))
-        q = rng.standard_normal((B, Hkv * G, T, d))
+        k, v = held(rng.standard_normal((2, B, Hkv, T, d)))
+        q = held(rng.standard_normal((B, Hkv * G, T, d)))
         for c in (plain, paged):
-            c.append(arrays.asarray(k, "float64"), arrays.asarray(v, "float64"), n)
+            c.append(arrays.asarray(k, dtype), arrays.asarray(v, dtype), n)
         direct.append(range(B), k, v, n)
-        want, _ = reference_attention(q, direct.k, direct.v, n)
-        got = [gqakv.gqa_attention(arrays.asarray(q, "float64"), c, n, return_lse=True)
+        want, want_lse = reference_attention(q, direct.k, direct.v, n)
+        got = [gqakv.gqa_attention(arrays.asarray(q, dtype), c, n, return_lse=True)
                for c in (plain, paged)]
-        for (o, lse) in got:
-            np.testing.assert_allclose(arrays.to_numpy(o), want, atol=1e-12)
-        np.testing.assert_allclose(arrays.to_numpy(got[1][0]), arrays.to_numpy(got[0][0]), atol=1e-13)
-        a, b = arrays.to_numpy(got[0][1]), arrays.to_numpy(got[1][1])
-        np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
-        np.testing.assert_allclose(b[np.isfinite(a)], a[np.isfinite(a)], atol=1e-13)
+        if dtype == "float64":
+            for (o, lse) in got:
+                np.testing.assert_allclose(arrays.to_numpy(o), want, atol=1e-12)
+            np.testing.assert_allclose(arrays.to_numpy(got[1][0]), arrays.to_numpy(got[0][0]),
+                                       atol=1e-13)
+            a, b = arrays.to_numpy(got[0][1]), arrays.to_numpy(got[1][1])
+            np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
+            np.testing.assert_allclose(b[np.isfinite(a)], a[np.isfinite(a)], atol=1e-13)
+        else:
+            bounds = (low_precision_bounds(dtype, want, want_lse, q, direct.k, direct.v, n, None)
+                      if dtype in LOW_PRECISION else None)
+            for name, (o, lse) in zip(("contiguous", "paged"), got):
+                assert_matches_reference(arrays.to_numpy(o), arrays.to_numpy(lse), want,
+                                         want_lse, dtype, bounds, what=f"{name} n={n}")
         audit(paged)
     assert_rows(paged, direct, arrays)
     assert paged.pages_used == sum(pages_for(L, page_size) for L in paged.host_lens)
+    assert_product_routes(spy)
 
 
 @pytest.mark.parametrize("page_size, length", [(5, 23), (3, 700), (300, 700)])
@@ -400,7 +394,7 @@ def test_model_cache_pages_once_for_all_layers(backend, arrays):
 
     used = paged.pages_used
     with pytest.raises(KeyError):
-        with paged.step([4, 4, 4]) as st:  # takes pages, then the block raises
+        with paged.step([4, 4, 4]):  # takes pages, then the block raises
             assert paged.pages_used > used
             raise KeyError("model failed")
     assert paged.pages_used == used

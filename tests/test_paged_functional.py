@@ -48,12 +48,21 @@ class Pools:
         return self.arrays.to_numpy(self.k), self.arrays.to_numpy(self.v)
 
 
-def test_functional_matches_caches_and_reference(backend, arrays):
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_functional_matches_caches_and_reference(backend, arrays, dtype, route_spy):
     """Ragged prefill, a shared two-page prefix (row 1 names row 0's first pages), chunks
     and decode steps with an idle row, then every variant: paged_attention equals a
     PagedKVCache and a KVCache fed the same tokens (forked where the table shares) and the
-    float64 reference; dead slots hold NaN, so a read past a length fails."""
-    dtype = _dtype(backend)
+    float64 reference (bfloat16: each within the same-dtype naive rule of it); dead slots
+    hold NaN, so a read past a length fails. float32 and bfloat16 are the kernels' dtypes:
+    every append and attention ran what ``route()`` names and the path meant
+    (tests/support/routes.py)."""
+    from .support.parity import LOW_PRECISION, assert_matches_reference, low_precision_bounds
+    from .support.routes import assert_product_routes
+
+    if dtype not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no {dtype}")
+    spy = route_spy(backend)
     tol = _tol(dtype)
     rng = np.random.default_rng(1)
     pools = Pools(arrays, dtype)
@@ -65,13 +74,13 @@ def test_functional_matches_caches_and_reference(backend, arrays):
     def step(T, n_new, share=False):
         nonlocal rows_k, rows_v
         k, v = rng.standard_normal((2, B, HKV, T, D))
-        if dtype != "float64":  # the reference sees the stored values
-            k, v = k.astype(np.float32).astype(np.float64), v.astype(np.float32).astype(np.float64)
+        # the reference sees the stored values
+        k, v = (arrays.to_numpy(arrays.asarray(x, dtype)) for x in (k, v))
         pools.grow(n_new)
+        pools.lens += n_new  # lengths after the append, for paged_append and paged_attention
         kn, vn = arrays.asarray(k, dtype), arrays.asarray(v, dtype)
         assert gqakv.paged_append(pools.k, pools.v, pools.table, pools.lens, kn, vn, n_new,
                                   backend=backend) is None
-        pools.lens += n_new
         for c in caches:
             c.append(kn, vn, n_new)
         rows_k = [np.concatenate([rows_k[b], k[b, :, :n_new[b]]], axis=1) for b in range(B)]
@@ -87,9 +96,7 @@ def test_functional_matches_caches_and_reference(backend, arrays):
         return T
 
     def check(T, n_new, **variant):
-        q = rng.standard_normal((B, HKV * G, T, D))
-        if dtype != "float64":
-            q = q.astype(np.float32).astype(np.float64)
+        q = arrays.to_numpy(arrays.asarray(rng.standard_normal((B, HKV * G, T, D)), dtype))
         qa = arrays.asarray(q, dtype)
         want, want_lse = reference_attention(q, rows_k, rows_v, n_new, **variant)
         table = pools.table.copy()
@@ -97,15 +104,25 @@ def test_functional_matches_caches_and_reference(backend, arrays):
                                          return_lse=True, backend=backend, **variant)
         np.testing.assert_array_equal(table, pools.table)  # the caller's table is not touched
         o, lse = arrays.to_numpy(out), arrays.to_numpy(lse)
-        np.testing.assert_allclose(o, want, atol=tol, rtol=tol)
-        np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(want_lse))
-        fin = np.isfinite(want_lse)
-        np.testing.assert_allclose(lse[fin], want_lse[fin], atol=tol, rtol=tol)
+        bounds = None
+        if dtype in LOW_PRECISION:
+            bounds = low_precision_bounds(dtype, want, want_lse, q, rows_k, rows_v, n_new,
+                                          variant.get("scale"),
+                                          **{k: x for k, x in variant.items() if k != "scale"})
+            assert_matches_reference(o, lse, want, want_lse, dtype, bounds, what=str(variant))
+        else:
+            np.testing.assert_allclose(o, want, atol=tol, rtol=tol)
+            np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(want_lse))
+            fin = np.isfinite(want_lse)
+            np.testing.assert_allclose(lse[fin], want_lse[fin], atol=tol, rtol=tol)
         for c in caches:
             np.testing.assert_array_equal(c.host_lens, pools.lens)
-            got = gqakv.gqa_attention(qa, c, n_new, **variant)
-            np.testing.assert_allclose(o, arrays.to_numpy(got), atol=tol, rtol=tol,
-                                       err_msg=type(c).__name__)
+            got = arrays.to_numpy(gqakv.gqa_attention(qa, c, n_new, **variant))
+            if dtype in LOW_PRECISION:  # other kernels: each within the rule of the reference
+                assert_matches_reference(got, None, want, want_lse, dtype, bounds,
+                                         what=f"{type(c).__name__} {variant}")
+            else:
+                np.testing.assert_allclose(o, got, atol=tol, rtol=tol, err_msg=type(c).__name__)
 
     check(step(9, [8, 0, 5], share=True), [8, 0, 5])
     check(step(6, [3, 6, 1]), [3, 6, 1])  # rows 0 and 1 grow apart past the shared pages
@@ -118,6 +135,7 @@ def test_functional_matches_caches_and_reference(backend, arrays):
                     {"window": 5, "softcap": 2.0, "sinks": sinks}, {"scale": 0.3}):
         check(1, [1, 1, 1], **variant)
         check(4, [4, 2, 0], **variant)
+    assert_product_routes(spy)
 
 
 def test_padding_and_idle_rows(backend, arrays):
@@ -127,7 +145,7 @@ def test_padding_and_idle_rows(backend, arrays):
     k = arrays.asarray(np.ones((B, HKV, 2, D)), dtype)
     pools.grow([2, 0, 0])
     # backend=None: the default backend, or the first registered one holding the library
-    gqakv.paged_append(pools.k, pools.v, pools.table, pools.lens, k, k, [2, 0, 0])
+    gqakv.paged_append(pools.k, pools.v, pools.table, [2, 0, 0], k, k, [2, 0, 0])
     q = arrays.asarray(np.ones((B, HKV * G, 2, D)), dtype)
     out, lse = gqakv.paged_attention(q, pools.k, pools.v, pools.table, [2, 0, 0], [1, 0, 0],
                                      return_lse=True, backend=backend)
@@ -144,16 +162,16 @@ def _filled(arrays, dtype):
     rng = np.random.default_rng(2)
     pools.grow([4, 0, 0])
     k = arrays.asarray(rng.standard_normal((B, HKV, 4, D)), dtype)
+    pools.lens[:] = [4, 0, 0]
     gqakv.paged_append(pools.k, pools.v, pools.table, pools.lens, k, k, [4, 0, 0],
                        backend=arrays.backend)
-    pools.lens[:] = [4, 0, 0]
     pools.table[1, 0] = pools.table[0, 0]
     pools.lens[1] = 4
     pools.grow([1, 2, 0])
     k = arrays.asarray(rng.standard_normal((B, HKV, 2, D)), dtype)
+    pools.lens += [1, 2, 0]
     gqakv.paged_append(pools.k, pools.v, pools.table, pools.lens, k, k, [1, 2, 0],
                        backend=arrays.backend)
-    pools.lens += [1, 2, 0]
     return pools
 
 
@@ -175,10 +193,17 @@ def test_bad_input_raises_and_changes_nothing(backend, arrays):
     appends = [
         # a page id outside the pool where row 0 writes (its second page)
         (ValueError, r"page_table\[0, 1\]=24 is not a page", dict(page_table=bad_table(0, 1, 24))),
-        (ValueError, r"page_table\[2, 0\]=-1 is not a page", dict(n_new=[0, 0, 1])),
+        (ValueError, r"page_table\[2, 0\]=-1 is not a page",
+         dict(lens=[5, 6, 1], n_new=[0, 0, 1])),
         # the table has no entries for row 0's tokens 8..
         (ValueError, r"page_table has 2 entries per row",
-         dict(page_table=table[:, :2].copy(), n_new=[4, 0, 0], k_new=new(4), v_new=new(4))),
+         dict(page_table=table[:, :2].copy(), lens=[9, 6, 0], n_new=[4, 0, 0], k_new=new(4),
+              v_new=new(4))),
+        # row 0 names its first page twice: token 5 would land on token 1
+        (ValueError, r"row 0 names page \d+ twice \(page_table\[0, 0\] and page_table\[0, 1\]\)",
+         dict(page_table=bad_table(0, 1, table[0, 0]))),
+        # lengths before the append: paged_append takes them after, as paged_attention
+        (ValueError, r"n_new\[0\]=1 is more than lens\[0\]=0", dict(lens=[0, 7, 0])),
         # rows 0 and 1 would both write into page 0 (shared, partly filled)
         (ValueError, r"would be written by rows 0 and 1",
          dict(page_table=bad_table(1, 1, table[0, 1]), n_new=[1, 1, 0])),
@@ -198,7 +223,7 @@ def test_bad_input_raises_and_changes_nothing(backend, arrays):
                     (TypeError, r"v_pages .*one dtype for both",
                      dict(v_pages=arrays.asarray(np.zeros((NUM_PAGES, HKV, P, D)), other)))]
     for error, match, changes in appends:
-        args = dict(k_pages=pools.k, v_pages=pools.v, page_table=table, lens=lens,
+        args = dict(k_pages=pools.k, v_pages=pools.v, page_table=table, lens=lens + [1, 1, 0],
                     k_new=new(), v_new=new(), n_new=[1, 1, 0])
         args.update(changes)
         with pytest.raises(error, match=match):
@@ -212,6 +237,7 @@ def test_bad_input_raises_and_changes_nothing(backend, arrays):
         (ValueError, r"page_table\[1, 1\]=-1 is not a page",
          dict(page_table=bad_table(1, 1, -1))),
         (ValueError, r"page_table has 1 entries per row", dict(page_table=table[:, :1].copy())),
+        (ValueError, r"row 1 names page \d+ twice", dict(page_table=bad_table(1, 1, table[1, 0]))),
         (ValueError, r"n_new\[2\]=1 but row 2 holds only 0", dict(n_new=[1, 1, 1])),
         (ValueError, r"query heads Hq=3", dict(q=arrays.asarray(np.ones((B, 3, 1, D)), dtype))),
         (ValueError, r"page_table must be \[B=3", dict(page_table=table[:2].copy())),

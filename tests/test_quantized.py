@@ -10,6 +10,9 @@ import pytest
 
 from gqakv import quantize as Q
 
+from .support.quantization import dequantized, hard_tokens, reference_quantize
+from .support.tolerance import max_error, round_to
+
 KV_DTYPES = ("int8", "float8_e4m3fn")
 
 
@@ -70,22 +73,6 @@ def test_encode_e4m3_matches_ml_dtypes_bit_for_bit(ns):
     assert to_np(Q.encode_e4m3(xp, to_xp(np.array([mid], dtype=np.float32))))[0] == 0x38
 
 
-def _reference_quantize(x: np.ndarray, kv_dtype: str):
-    """The issue's rule written directly in NumPy float32 (independent of gqakv.quantize)."""
-    x = x.astype(np.float32)
-    qmax = np.float32(127 if kv_dtype == "int8" else 448)
-    amax = np.abs(x).max(axis=-1)
-    scale = (amax / qmax).astype(np.float32)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        y = x / scale[..., None]
-    y = np.where(scale[..., None] > 0, y, np.float32(0)).astype(np.float32)
-    if kv_dtype == "int8":
-        codes = np.clip(np.rint(y), -127, 127).astype(np.int8)  # rint: half to even
-    else:
-        codes = np.clip(y, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    return codes, scale
-
-
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("ns", NAMESPACES, ids=[n[0] for n in NAMESPACES])
 def test_quantize_follows_the_rule_exactly(ns, kv_dtype):
@@ -95,7 +82,7 @@ def test_quantize_follows_the_rule_exactly(ns, kv_dtype):
     x[0, 0] = 0.0  # an all-zero token
     x[1, 2, 7] = 40.0  # an outlier channel
     codes, scale = Q.quantize(xp, to_xp(x), kv_dtype)
-    want_codes, want_scale = _reference_quantize(x, kv_dtype)
+    want_codes, want_scale = reference_quantize(x, kv_dtype)
     np.testing.assert_array_equal(to_np(scale), want_scale)
     np.testing.assert_array_equal(to_np(codes), want_codes)
     assert to_np(scale)[0, 0] == 0 and not to_np(codes)[0, 0].any()  # zeros: scale 0, codes 0
@@ -157,39 +144,12 @@ from gqakv import store as store_module  # noqa: E402
 from gqakv.attention import attention_array_api  # noqa: E402
 from gqakv.inputs import validate_attention  # noqa: E402
 
-from .conftest import BackendArrays  # noqa: E402
+from .support.arrays import BackendArrays  # noqa: E402
 from .support.reference import reference_attention  # noqa: E402
-
-
-def _dequantized(x: np.ndarray, kv_dtype: str) -> np.ndarray:
-    """What a quantized cache holds for input values ``x`` [..., d] (the reference rule)."""
-    codes, scale = _reference_quantize(x, kv_dtype)
-    values = codes.astype(np.float32) if kv_dtype == "int8" else Q.e4m3_table()[codes]
-    return (values * scale[..., None]).astype(np.float32)
-
-
-def held(x: np.ndarray, storage: dict) -> np.ndarray:
-    """What a cache made with the keyword arguments ``storage`` (a conftest STORAGE_SPECS
-    entry) holds for the values ``x`` [..., d] appended: ``x`` itself, or for a
-    ``kv_dtype`` its dequantized values (float32). For the product tests' references."""
-    kv_dtype = storage.get("kv_dtype")
-    return x if kv_dtype is None else _dequantized(np.asarray(x, np.float32), kv_dtype)
 
 
 def _dtypes_of(backend) -> list[str]:
     return [d for d in ("float32", "bfloat16") if d in backend.dtypes]
-
-
-def _hard_tokens(rng, shape, dtype: str) -> np.ndarray:
-    """Gaussian K/V [B, Hkv, T, d] with the tokens that test the scheme: an outlier channel,
-    an all-zero token, a huge token (near the input dtype's range), a tiny one."""
-    x = rng.standard_normal(shape)
-    x[..., 3] *= 20.0  # an outlier channel, as real keys have
-    T = shape[2]
-    x[0, 0, min(1, T - 1)] = 0.0
-    x[-1, -1, min(2, T - 1)] *= 3e4 if dtype == "float16" else 1e30
-    x[0, -1, 0] *= 1e-30 if dtype != "float16" else 1e-4
-    return x
 
 
 def _fill(arrays, cache, chunks, dtype):
@@ -209,15 +169,6 @@ def _fill(arrays, cache, chunks, dtype):
     return cat
 
 
-def _round_to(x: np.ndarray, dtype: str) -> np.ndarray:
-    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
-    return x.astype(np.float32).astype(np_dtype).astype(np.float64)
-
-
-def _error(out, want) -> float:
-    return float(np.abs(np.asarray(out, np.float64) - want).max())
-
-
 def _assert_within_quantization(arrays, qx, plain, n_new, dtype, out_q, lse, want_q, lse_q, want_p):
     """A quantized cache's attention (``out_q``, ``lse``) against the float64 reference on its
     dequantized values (``want_q``, ``lse_q``): its error at most twice that of the same
@@ -226,12 +177,12 @@ def _assert_within_quantization(arrays, qx, plain, n_new, dtype, out_q, lse, wan
     ``dtype``, plus 1e-6; the lse where finite within 1e-5, -inf in the same places."""
     inp = validate_attention(plain, qx, n_new)
     out_p = attention_array_api(qx, plain.store, inp, inp.params, return_lse=False)
-    err_q = _error(arrays.to_numpy(out_q), want_q)
-    err_p = _error(arrays.to_numpy(out_p), want_p)
+    err_q = max_error(arrays.to_numpy(out_q), want_q)
+    err_p = max_error(arrays.to_numpy(out_p), want_p)
     # No output in ``dtype`` beats the exact result rounded to ``dtype``: over a bfloat16
     # cache a one-hot softmax returns a stored (bfloat16) value exactly, while a dequantized
     # value is float32 and must be rounded.
-    err_round = _error(_round_to(want_q, dtype), want_q)
+    err_round = max_error(round_to(want_q, dtype), want_q)
     assert err_q <= 2 * max(err_p, err_round) + 1e-6, (dtype, n_new, err_q, err_p, err_round)
     lse = arrays.to_numpy(lse)
     finite = np.isfinite(lse_q)
@@ -256,8 +207,8 @@ def test_attention_matches_reference_on_dequantized_values(backend, kv_dtype):
             c.store.fill(math.nan)
         chunks = []
         for n_new, T in (([9, 0, 13], 13), ([4, 3, 0], 5), ([1, 1, 1], 1)):
-            k = _hard_tokens(rng, (B, hkv, T, d), dtype)
-            v = _hard_tokens(rng, (B, hkv, T, d), dtype)
+            k = hard_tokens(rng, (B, hkv, T, d), dtype)
+            v = hard_tokens(rng, (B, hkv, T, d), dtype)
             chunks.append((k, v, n_new))
         ins_q = _fill(arrays, quant, chunks, dtype)
         ins_p = _fill(arrays, plain, chunks, dtype)
@@ -266,7 +217,7 @@ def test_attention_matches_reference_on_dequantized_values(backend, kv_dtype):
             L = int(quant.host_lens[b])
             for buf, scales, x in ((quant.k, quant.store.k_scale, ins_q[0][b]),
                                    (quant.v, quant.store.v_scale, ins_q[1][b])):
-                want_codes, want_scale = _reference_quantize(x, kv_dtype)
+                want_codes, want_scale = reference_quantize(x, kv_dtype)
                 np.testing.assert_array_equal(arrays.to_numpy(buf[b, :, :L, :], np.float64),
                                               want_codes.astype(np.float64))
                 np.testing.assert_array_equal(arrays.to_numpy(scales[b, :, :L], np.float32),
@@ -275,8 +226,8 @@ def test_attention_matches_reference_on_dequantized_values(backend, kv_dtype):
             q = rng.standard_normal((B, hkv * G, T, d))
             qx = arrays.asarray(q, dtype)
             q_in = arrays.to_numpy(qx)
-            deq_k = [_dequantized(x, kv_dtype) for x in ins_q[0]]
-            deq_v = [_dequantized(x, kv_dtype) for x in ins_q[1]]
+            deq_k = [dequantized(x, kv_dtype) for x in ins_q[0]]
+            deq_v = [dequantized(x, kv_dtype) for x in ins_q[1]]
             want_q, lse_q = reference_attention(q_in, deq_k, deq_v, n_new)
             want_p, _ = reference_attention(q_in, ins_p[0], ins_p[1], n_new)
             out_q, lse = gqakv.gqa_attention(qx, quant, n_new, return_lse=True)
@@ -313,7 +264,7 @@ def test_attention_reads_small_dequantized_blocks(monkeypatch):
     q = rng.standard_normal((B, hkv * G, 5, d)).astype(np.float32)
     out = backend.to_numpy(gqakv.gqa_attention(backend.from_numpy(q), cache, [5]))
     assert spans and max(spans) <= 32 and len(spans) >= L // 32
-    want, _ = reference_attention(q, [_dequantized(k[0], "int8")], [_dequantized(v[0], "int8")], [5])
+    want, _ = reference_attention(q, [dequantized(k[0], "int8")], [dequantized(v[0], "int8")], [5])
     np.testing.assert_allclose(out, want, atol=2e-6)
 
 
@@ -331,8 +282,8 @@ def test_row_operations_carry_scales(backend, kv_dtype):
     k = rng.standard_normal((B, hkv, 9, d)) * np.array([1, 2, 4, 8])[:, None, None, None]
     v = rng.standard_normal((B, hkv, 9, d)) * np.array([3, 6, 12, 24])[:, None, None, None]
     cache.append(arrays.asarray(k, "float32"), arrays.asarray(v, "float32"), lens)
-    model = [(_dequantized(k[b, :, :lens[b]].astype(np.float32), kv_dtype),
-              _dequantized(v[b, :, :lens[b]].astype(np.float32), kv_dtype)) for b in range(B)]
+    model = [(dequantized(k[b, :, :lens[b]].astype(np.float32), kv_dtype),
+              dequantized(v[b, :, :lens[b]].astype(np.float32), kv_dtype)) for b in range(B)]
 
     def check():
         for b in range(B):
@@ -355,7 +306,7 @@ def test_row_operations_carry_scales(backend, kv_dtype):
     v2 = rng.standard_normal((B, hkv, 2, d)) * 2
     cache.append(arrays.asarray(k2, "float32"), arrays.asarray(v2, "float32"), [2, 2, 1, 2])
     for b, n in enumerate([2, 2, 1, 2]):
-        model[b] = tuple(np.concatenate([m, _dequantized(x[b, :, :n].astype(np.float32), kv_dtype)], axis=1)
+        model[b] = tuple(np.concatenate([m, dequantized(x[b, :, :n].astype(np.float32), kv_dtype)], axis=1)
                          for m, x in zip(model[b], (k2, v2)))
     check()
     q = rng.standard_normal((B, hkv * 2, 2, d))
@@ -383,8 +334,8 @@ def test_model_cache_step_and_row_ops(backend, kv_dtype):
             for l in range(layers):
                 k, v = rng.standard_normal((2, B, hkv, T, d)) * (l + 1)
                 for b in range(B):
-                    new = (_dequantized(k[b, :, :n_new[b]].astype(np.float32), kv_dtype),
-                           _dequantized(v[b, :, :n_new[b]].astype(np.float32), kv_dtype))
+                    new = (dequantized(k[b, :, :n_new[b]].astype(np.float32), kv_dtype),
+                           dequantized(v[b, :, :n_new[b]].astype(np.float32), kv_dtype))
                     hist[l][b] = new if hist[l][b] is None else tuple(
                         np.concatenate([h, x], axis=1) for h, x in zip(hist[l][b], new))
                 out = step.attend(l, arrays.asarray(q, "float32"), arrays.asarray(k, "float32"),
@@ -404,9 +355,9 @@ def test_emulated_cupy_kernels_read_contiguous_quantized_storage_and_refuse_page
     """The cupy kernels read codes and scales of a contiguous 8-bit cache (writes, copies and
     attention all launch); paged 8-bit storage takes the generic path (no launch) and the
     route says why."""
-    from .conftest import _emulated_cupy
+    from .cuda_emu.emulated_backend import EmulatedCupyBackend
 
-    backend = _emulated_cupy()
+    backend = EmulatedCupyBackend()
     if backend.unavailable_reason():
         pytest.skip(backend.unavailable_reason())
     from gqakv_backends.cupy_backend import _store_rejection
@@ -531,8 +482,8 @@ def test_numpy_quantized_path_under_every_split(kv_dtype, split):
     cache = gqakv.KVCache(B, hkv, S, d, "bfloat16", backend="numpy", kv_dtype=kv_dtype)
     cache.store.fill(np.nan)
     lens = [290, 0, 41]
-    k = _hard_tokens(rng, (B, hkv, 290, d), "bfloat16").astype(ml_dtypes.bfloat16)
-    v = _hard_tokens(rng, (B, hkv, 290, d), "bfloat16").astype(ml_dtypes.bfloat16)
+    k = hard_tokens(rng, (B, hkv, 290, d), "bfloat16").astype(ml_dtypes.bfloat16)
+    v = hard_tokens(rng, (B, hkv, 290, d), "bfloat16").astype(ml_dtypes.bfloat16)
     cache.append(k, v, lens)
     n_new = [5, 0, 3]
     q = rng.standard_normal((B, hkv * G, 5, d)).astype(ml_dtypes.bfloat16)
@@ -541,12 +492,12 @@ def test_numpy_quantized_path_under_every_split(kv_dtype, split):
     inputs = validate_attention(cache, q, n_new)
     out, lse = attention_numpy_quantized(q, cache.store, inputs, inputs.params, return_lse=True,
                                          **blocking)
-    deq = [(_dequantized(k[b, :, :lens[b]].astype(np.float32), kv_dtype),
-            _dequantized(v[b, :, :lens[b]].astype(np.float32), kv_dtype)) for b in range(B)]
+    deq = [(dequantized(k[b, :, :lens[b]].astype(np.float32), kv_dtype),
+            dequantized(v[b, :, :lens[b]].astype(np.float32), kv_dtype)) for b in range(B)]
     want, want_lse = reference_attention(q.astype(np.float32), [x[0] for x in deq],
                                          [x[1] for x in deq], n_new)
-    err_round = _error(_round_to(want, "bfloat16"), want)
-    assert _error(out.astype(np.float64), want) <= 2 * err_round + 1e-6
+    err_round = max_error(round_to(want, "bfloat16"), want)
+    assert max_error(out.astype(np.float64), want) <= 2 * err_round + 1e-6
     finite = np.isfinite(want_lse)
     np.testing.assert_array_equal(np.isfinite(lse), finite)
     np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-5)
@@ -607,7 +558,8 @@ def test_paged_quantized_cache(backend, kv_dtype, page_size):
     the pool's accounting is sound. Every attention call matches the float64 reference on
     the dequantized values within 2x the error the same call shows over an unquantized
     paged cache of ``dtype`` (or the output dtype's rounding) plus 1e-6."""
-    from .test_paged import Direct, audit
+    from .support.direct import Direct
+    from .support.pages import audit
 
     arrays = BackendArrays(backend)
     rng = np.random.default_rng(11)
@@ -628,20 +580,20 @@ def test_paged_quantized_cache(backend, kv_dtype, page_size):
                 L = int(quant.host_lens[b])
                 for pool, scales, x in ((quant.store.k, quant.store.k_scale, direct.k[b]),
                                         (quant.store.v, quant.store.v_scale, direct.v[b])):
-                    want_codes, want_scale = _reference_quantize(x, kv_dtype)
+                    want_codes, want_scale = reference_quantize(x, kv_dtype)
                     np.testing.assert_array_equal(_page_slots(arrays, pool, quant.store.table, b, L),
                                                   want_codes.astype(np.float64))
                     np.testing.assert_array_equal(_page_slots(arrays, scales, quant.store.table, b, L),
                                                   want_scale.astype(np.float64))
                 k_live, v_live = quant.live_kv(b)
                 np.testing.assert_array_equal(arrays.to_numpy(k_live, np.float32),
-                                              _dequantized(direct.k[b], kv_dtype))
+                                              dequantized(direct.k[b], kv_dtype))
                 np.testing.assert_array_equal(arrays.to_numpy(v_live, np.float32),
-                                              _dequantized(direct.v[b], kv_dtype))
+                                              dequantized(direct.v[b], kv_dtype))
 
         def append(n_new, T):
-            k = _hard_tokens(rng, (B, hkv, T, d), dtype)
-            v = _hard_tokens(rng, (B, hkv, T, d), dtype)
+            k = hard_tokens(rng, (B, hkv, T, d), dtype)
+            v = hard_tokens(rng, (B, hkv, T, d), dtype)
             kx, vx = arrays.asarray(k, dtype), arrays.asarray(v, dtype)
             for c in (quant, plain):
                 c.append(kx, vx, n_new)
@@ -653,8 +605,8 @@ def test_paged_quantized_cache(backend, kv_dtype, page_size):
             q = rng.standard_normal((B, hkv * G, T, d))
             qx = arrays.asarray(q, dtype)
             q_in = arrays.to_numpy(qx)
-            want_q, lse_q = reference_attention(q_in, [_dequantized(x, kv_dtype) for x in direct.k],
-                                                [_dequantized(x, kv_dtype) for x in direct.v], n_new)
+            want_q, lse_q = reference_attention(q_in, [dequantized(x, kv_dtype) for x in direct.k],
+                                                [dequantized(x, kv_dtype) for x in direct.v], n_new)
             want_p, _ = reference_attention(q_in, direct.k, direct.v, n_new)
             out_q, lse = gqakv.gqa_attention(qx, quant, n_new, return_lse=True)
             _assert_within_quantization(arrays, qx, plain, n_new, dtype, out_q, lse, want_q, lse_q, want_p)
@@ -694,7 +646,8 @@ def test_paged_quantized_model_cache(backend, kv_dtype):
     """A paged ModelKVCache with kv_dtype: every layer's step.attend matches the float64
     reference on the dequantized values (float32 tolerance: the generic path's float32
     accumulation), forks share pages across layers, and the pool counts scales."""
-    from .test_paged import Direct, audit
+    from .support.direct import Direct
+    from .support.pages import audit
 
     arrays = BackendArrays(backend)
     rng = np.random.default_rng(12)
@@ -714,8 +667,8 @@ def test_paged_quantized_model_cache(backend, kv_dtype):
                               arrays.asarray(data[l, 2, :, :hkv], "float32")) for l in range(layers)]
         for l in range(layers):
             directs[l].append(range(B), data[l, 1, :, :hkv], data[l, 2, :, :hkv], n)
-            deq_k = [_dequantized(x.astype(np.float32), kv_dtype) for x in directs[l].k]
-            deq_v = [_dequantized(x.astype(np.float32), kv_dtype) for x in directs[l].v]
+            deq_k = [dequantized(x.astype(np.float32), kv_dtype) for x in directs[l].k]
+            deq_v = [dequantized(x.astype(np.float32), kv_dtype) for x in directs[l].v]
             want, _ = reference_attention(data[l, 0].astype(np.float64), deq_k, deq_v, n)
             np.testing.assert_allclose(arrays.to_numpy(outs[l]), want, atol=2e-5, rtol=1e-5)
             for b in range(B):
@@ -752,24 +705,24 @@ def test_transformers_cache_with_kv_dtype(kv_dtype, monkeypatch):
 
     from gqakv.integrations.transformers import GqakvCache
 
-    from .test_transformers import _generate, _ids, _model
+    from .support.hf import greedy_generate, tiny_llama, token_ids
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny model: torch's spinning pool only slows it
     try:
-        model, ids = _model(torch.float32), _ids(batch=2, length=9, seed=3)
-        plain_seq, plain_logits = _generate(model, ids, "sdpa", n=8)
+        model, ids = tiny_llama(torch.float32), token_ids(batch=2, length=9, seed=3)
+        plain_seq, plain_logits = greedy_generate(model, ids, "sdpa", n=8)
         sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
         def held(x):
-            return torch.from_numpy(_dequantized(x.detach().numpy(), kv_dtype))
+            return torch.from_numpy(dequantized(x.detach().numpy(), kv_dtype))
 
         monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa",
                             lambda module, q, k, v, *a, **kw: sdpa(module, q, held(k), held(v), *a, **kw))
-        want_seq, want_logits = _generate(model, ids, "sdpa", n=8)
+        want_seq, want_logits = greedy_generate(model, ids, "sdpa", n=8)
         monkeypatch.undo()
         cache = GqakvCache(model.config, max_cache_len=17, kv_dtype=kv_dtype)
-        got_seq, got_logits = _generate(model, ids, "gqakv", n=8, cache=cache)
+        got_seq, got_logits = greedy_generate(model, ids, "gqakv", n=8, cache=cache)
     finally:
         torch.set_num_threads(threads)
     assert all(kv.kv_dtype == kv_dtype and kv.host_lens.tolist() == [9 + 7] * 2 for kv in cache.kv_caches)
@@ -785,12 +738,12 @@ def test_transformers_cache_refuses_a_bad_kv_dtype():
     pytest.importorskip("transformers")
     from gqakv.integrations.transformers import CACHE_KWARG, GqakvCache
 
-    from .test_transformers import _ids, _model
+    from .support.hf import tiny_llama, token_ids
 
-    model = _model(torch.float32)
+    model = tiny_llama(torch.float32)
     with pytest.raises(ValueError, match=r"kv_dtype='int4'.*allowed"):
         GqakvCache(model.config, max_cache_len=8, kv_dtype="int4")
-    model = _model(torch.float64)
+    model = tiny_llama(torch.float64)
     model.set_attn_implementation("gqakv")
     with pytest.raises(ValueError, match="dtype=float64"), torch.no_grad():
-        model(_ids(batch=1, length=3), **{CACHE_KWARG: GqakvCache(model.config, 8, kv_dtype="int8")})
+        model(token_ids(batch=1, length=3), **{CACHE_KWARG: GqakvCache(model.config, 8, kv_dtype="int8")})

@@ -191,3 +191,71 @@ def test_from_numpy_takes_negative_strides(backend):
     got = backend.from_numpy(a)
     np.testing.assert_array_equal(np.asarray(backend.to_numpy(got)), a)
     np.testing.assert_array_equal(np.asarray(backend.to_numpy(backend.from_numpy(a, "float64"))), a)
+
+
+# -- routing: route() names what runs, for every storage fact -----------------------------------
+
+ROUTE_STORAGE = {"contiguous": {}, "paged": {"storage": "paged", "page_size": 4},
+                 "int8": {"kv_dtype": "int8"}, "fp8": {"kv_dtype": "float8_e4m3fn"},
+                 "paged+int8": {"storage": "paged", "page_size": 4, "kv_dtype": "int8"}}
+
+
+@pytest.mark.parametrize("storage", list(ROUTE_STORAGE))
+def test_route_names_what_runs_for_every_storage_and_chunk(backend, storage, route_spy):
+    """On every backend, for contiguous, paged, 8-bit and paged 8-bit caches: appends
+    (prefill, then a fork's copy on write on a paged cache) and attention with a decode,
+    a short and a long chunk (both sides of numba's 8 and CuPy's 4 query tokens) and a
+    float64 cache where it is held; each call ran what ``route()`` names for its facts
+    (tests/support/routes.py spies on every implementation's entry)."""
+    from .support.routes import GENERIC, assert_routes_ran
+
+    spec = ROUTE_STORAGE[storage]
+    dtypes = [d for d in ("float32", "float64") if d in backend.dtypes
+              and not (d == "float64" and "kv_dtype" in spec)]  # 8-bit: a float32 cache
+    rng = np.random.default_rng(5)
+    spy = route_spy(backend)
+    for dtype in dtypes:
+        cache = gqakv.KVCache(2, 1, 40, 8, dtype=dtype, backend=backend, **spec)
+        x = backend.from_numpy(rng.standard_normal((2, 1, 10, 8)), dtype)
+        cache.append(x, x, [10, 6])
+        cache.fork(0, [1])
+        for t_q in (1, 5, 9):
+            q = backend.from_numpy(rng.standard_normal((2, 2, t_q, 8)), dtype)
+            y = backend.from_numpy(rng.standard_normal((2, 1, t_q, 8)), dtype)
+            cache.append(y, y, [t_q, t_q])  # the fork's shared last page: copied on write
+            gqakv.gqa_attention(q, cache, [t_q, t_q])
+    assert_routes_ran(spy)
+    ops = {c.op for c in spy.calls}
+    assert {"write_kv", "attention"} <= ops and ("copy_tokens" in ops or storage != "paged")
+    if storage == "paged+int8" and backend.name in ("numpy", "cupy_emulated"):
+        route = backend.route("attention", dtype="float32", head_dim=8, t_q=1,
+                              storage="paged", kv_dtype="int8")
+        assert route.impl == GENERIC and "paged" in str(route) and "kv_dtype='int8'" in str(route)
+
+
+@pytest.mark.parametrize("name", ["numpy", "numba"])
+def test_cpu_routes_check_their_facts(name):
+    """numpy and numba ``route`` know their facts (an unknown one is named) and say why
+    each other path was not taken."""
+    from gqakv.backend import GENERIC
+
+    backend = next(b for b in gqakv.list_backends() if b.name == name)
+    if backend.unavailable_reason():
+        pytest.skip(backend.unavailable_reason())
+    with pytest.raises(ValueError, match=r"attention facts colour \(known: dtype"):
+        backend.route("attention", dtype="float32", colour="red")
+    with pytest.raises(ValueError, match="op='prefill'"):
+        backend.route("prefill")
+    route = backend.route("attention", dtype="float64", head_dim=8, t_q=1, storage="paged")
+    assert route.impl == "numpy BLAS paged" and GENERIC in route.rejected
+    if name == "numba":
+        assert route.rejected["numba kernel"].startswith("dtype=float64")
+        t9 = backend.route("attention", dtype="bfloat16", t_q=9, kv_dtype="int8")
+        assert t9.impl == "numpy BLAS quantized" and "T=9" in t9.rejected["numba kernel"]
+        assert backend.route("attention", dtype="bfloat16", t_q=8, storage="paged",
+                             kv_dtype="int8").impl == "numba kernel"
+        assert backend.route("write_kv", dtype="float32").impl == "numba write_tokens"
+        assert "kv_dtype='int8'" in backend.route("write_kv", kv_dtype="int8").rejected[
+            "numba write_tokens"]
+    gen = backend.route("attention", storage="paged", kv_dtype="int8")
+    assert gen.impl == (GENERIC if name == "numpy" else "numba kernel")

@@ -1,9 +1,9 @@
 """Row operations (reorder, fork, truncate, reset) against a direct model of the cache.
 
-The direct model is what the operations mean, written without gqakv: per layer, a
-list of per-row float64 arrays ``[Hkv, L, d]`` that are concatenated, sliced and
-copied by plain Python. Every test compares the cache's lengths and live tokens with
-it exactly (copies must be bit-exact), and checks that only live tokens move.
+The direct model (tests/support/direct.py) is what the operations mean, written without
+gqakv: per layer, a list of per-row float64 arrays ``[Hkv, L, d]`` that are concatenated,
+sliced and copied by plain Python. Every test compares the cache's lengths and live tokens
+with it exactly (copies must be bit-exact), and checks that only live tokens move.
 """
 
 from __future__ import annotations
@@ -16,111 +16,7 @@ import pytest
 import gqakv
 from gqakv import row_ops
 
-
-class DirectCache:
-    """What a (model) KV cache should hold: ``k[layer][row]`` is ``[Hkv, L, d]`` float64."""
-
-    def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int):
-        empty = np.zeros((kv_heads, 0, head_dim))
-        self.k = [[empty] * batch for _ in range(layers)]
-        self.v = [[empty] * batch for _ in range(layers)]
-
-    @property
-    def lens(self) -> list[int]:
-        return [r.shape[1] for r in self.k[0]]
-
-    def append(self, layer, rows, k_new, v_new, n_new):
-        """k_new, v_new: [B', Hkv, T, d] float64; entry i's first n_new[i] go to rows[i]."""
-        for i, r in enumerate(rows):
-            n = int(n_new[i])
-            self.k[layer][r] = np.concatenate([self.k[layer][r], k_new[i, :, :n]], axis=1)
-            self.v[layer][r] = np.concatenate([self.v[layer][r], v_new[i, :, :n]], axis=1)
-
-    def reorder(self, src):
-        for kv in (self.k, self.v):
-            for layer in kv:
-                layer[:] = [layer[s].copy() for s in src]
-
-    def fork(self, src, dst):
-        for kv in (self.k, self.v):
-            for layer in kv:
-                for d in dst:
-                    layer[d] = layer[src].copy()
-
-    def truncate(self, rows, new_lens):
-        for kv in (self.k, self.v):
-            for layer in kv:
-                for r, n in zip(rows, new_lens):
-                    layer[r] = layer[r][:, :n]
-
-    def reset(self, rows):
-        self.truncate(rows, [0] * len(rows))
-
-
-def layer_caches(cache):
-    """Per-layer KVCache objects of a KVCache (itself) or a ModelKVCache (its views)."""
-    if isinstance(cache, gqakv.ModelKVCache):
-        return [cache.layer(l) for l in range(cache.layers)]
-    return [cache]
-
-
-def assert_matches(cache, direct: DirectCache, arrays):
-    """Lengths equal and every row's live K/V bit-equal to the direct model, on every layer."""
-    np.testing.assert_array_equal(cache.host_lens, direct.lens)
-    for l, layer in enumerate(layer_caches(cache)):
-        for b in range(layer.batch):
-            k, v = layer.live_kv(b)
-            np.testing.assert_array_equal(arrays.to_numpy(k), direct.k[l][b], err_msg=f"K layer {l} row {b}")
-            np.testing.assert_array_equal(arrays.to_numpy(v), direct.v[l][b], err_msg=f"V layer {l} row {b}")
-
-
-def snapshot(cache, arrays):
-    """Full copies of the buffers (dead slots too) and the lengths."""
-    return (arrays.to_numpy(cache.k).copy(), arrays.to_numpy(cache.v).copy(), cache.host_lens.copy())
-
-
-def assert_unchanged(cache, arrays, before):
-    k, v, lens = before
-    np.testing.assert_array_equal(cache.host_lens, lens)
-    np.testing.assert_array_equal(arrays.to_numpy(cache.k), k)  # NaN == NaN here
-    np.testing.assert_array_equal(arrays.to_numpy(cache.v), v)
-
-
-def fill_nan(cache):
-    """Poison every slot: a dead token that leaks into live data or attention shows up."""
-    cache.store.fill(float("nan"))
-
-
-def make_cache(kind, backend, *, layers=2, batch=4, kv_heads=2, max_len=12, head_dim=3,
-               dtype="float64"):
-    if kind == "model":
-        cache = gqakv.ModelKVCache(layers, batch, kv_heads, max_len, head_dim, dtype, backend)
-    else:
-        cache = gqakv.KVCache(batch, kv_heads, max_len, head_dim, dtype, backend)
-    fill_nan(cache)
-    nl = layers if kind == "model" else 1
-    return cache, DirectCache(nl, batch, kv_heads, head_dim)
-
-
-def fill_rows(cache, direct, arrays, lens, rng, dtype="float64"):
-    """Append ``lens[b]`` random tokens to each row (all layers) and mirror them."""
-    lens = np.asarray(lens)
-    T = max(1, int(lens.max()))
-    B, hkv, d = cache.batch, cache.kv_heads, cache.head_dim
-    layers = layer_caches(cache)
-    data = [(rng.standard_normal((B, hkv, T, d)), rng.standard_normal((B, hkv, T, d)))
-            for _ in layers]
-    # Round to the cache dtype first so the direct model holds exactly what is stored.
-    data = [tuple(arrays.to_numpy(arrays.asarray(x, dtype)) for x in kv) for kv in data]
-    if isinstance(cache, gqakv.ModelKVCache):
-        with cache.step(lens) as step:
-            for l, (k, v) in enumerate(data):
-                step.write(l, arrays.asarray(k, dtype), arrays.asarray(v, dtype))
-    else:
-        cache.append(arrays.asarray(data[0][0], dtype), arrays.asarray(data[0][1], dtype), lens)
-    for l, (k, v) in enumerate(data):
-        direct.append(l, range(B), k, v, lens)
-
+from .support.direct import assert_matches, assert_unchanged, fill_rows, make_cache, snapshot
 
 KINDS = ["model", "single"]
 # Copies are bit-exact in every dtype. On the cupy backend float64 takes the generic slice

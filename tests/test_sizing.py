@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 import gqakv
@@ -94,10 +95,16 @@ def test_config_from_hf_llama_and_gpt2(tmp_path):
     assert cfg.head_dim == 64
 
 
-def test_model_cache_for_model(backend):
+def test_model_cache_for_model(backend, arrays):
+    """for_model shapes the cache from the preset and allocates it on the backend it is
+    handed: its buffers are that backend's arrays (the cache's own behaviour on each backend
+    is tests/test_model_cache.py's)."""
     cache = gqakv.ModelKVCache.for_model("gpt2", batch=2, max_len=8, dtype="float32", backend=backend)
     assert (cache.layers, cache.kv_heads, cache.head_dim) == (12, 12, 64)
     assert cache.nbytes == sizing.cache_bytes("gpt2", max_len=8, batch=2, dtype="float32")
+    assert cache.backend is backend
+    assert type(cache.k) is type(arrays.asarray(np.zeros(1), "float32"))
+    assert (cache.dtype, cache.k.shape) == ("float32", (12, 2, 12, 8, 64))
 
 
 def test_size_command(capsys):

@@ -14,9 +14,12 @@ import gqakv
 from gqakv.merge import apply_sinks, merge_attention
 from gqakv.semantics import AttentionParams
 
-from .conftest import BackendArrays
+from .support.product import Case
+from .support.arrays import BackendArrays
+from .support.parity import LOW_PRECISION, assert_matches_reference, low_precision_bounds
+from .support.quantization import held
 from .support.reference import reference_attention
-from .test_quantized import held
+from .support.routes import assert_product_routes
 
 #: Tolerances against the float64 reference (outputs are O(1), lse O(10)).
 ATOL = {"float64": 1e-10, "float32": 2e-5}
@@ -101,21 +104,21 @@ class Rows:
                                              n_new, scale, **variant)
         T = q.shape[2]
         pad = np.arange(T)[None, :] >= np.asarray(n_new)[:, None]  # [B, T]
-        tol = ATOL[self.dtype]
+        bounds = None
+        if self.dtype in LOW_PRECISION:  # the same attention computed naively in the dtype
+            bounds = low_precision_bounds(self.dtype, want, want_lse,
+                                          np.where(np.isfinite(q), q, 0), self.k, self.v,
+                                          n_new, scale, **variant)
         for out, lse in results:
             got = self.host(out)
             assert not np.isnan(got).any(), variant
-            np.testing.assert_allclose(got, want, atol=tol, rtol=0, err_msg=str(variant))
             assert (got.transpose(0, 2, 1, 3)[pad] == 0).all()  # padded slots exactly 0
-            if lse is None:
-                continue
-            got_lse = self.host(lse)
-            assert not np.isnan(got_lse).any()
-            np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
-            assert np.isneginf(got_lse.transpose(0, 2, 1)[pad]).all()
-            fin = np.isfinite(want_lse)
-            np.testing.assert_allclose(got_lse[fin], want_lse[fin], atol=tol * 10,
-                                       rtol=tol, err_msg=str(variant))
+            got_lse = None if lse is None else self.host(lse)
+            if got_lse is not None:
+                assert not np.isnan(got_lse).any()
+                assert np.isneginf(got_lse.transpose(0, 2, 1)[pad]).all()
+            assert_matches_reference(got, got_lse, want, want_lse, self.dtype, bounds,
+                                     what=str(variant))
 
 
 def _as_params(variant: dict) -> dict:
@@ -281,15 +284,15 @@ def test_partials_merged_then_sinks_equal_the_whole(backend, window):
                                    atol=10 * ATOL[dtype])
 
 
-def test_attention_over_the_product_with_variants(case):
-    """Every point of backend x storage x params (tests/conftest.py) through chunked
-    prefill, decode and a fork, with the case's params given as params= and as keywords."""
-    dtype = ("float64" if "float64" in case.backend.dtypes and "kv_dtype" not in case.storage
-             else "float32")  # quantized storage takes float32
+def _product_point(case: Case, spy) -> None:
+    """One point of the product through chunked prefill (7 queries), a decode-sized
+    chunk, a fork (its copy on write on a paged cache) and decode, on a KVCache and a
+    2-layer ModelKVCache, the case's params given as params= and as keywords; every
+    result against the float64 reference, every hot call's route against what ran."""
     rng = np.random.default_rng(3)
     B, hkv, G, d = 3, 2, 3, 8
     hq = hkv * G
-    rows = Rows(case.backend, dtype, B, hkv, 32, d, rng, storage=case.storage)
+    rows = Rows(case.backend, case.dtype, B, hkv, 32, d, rng, storage=case.storage)
     variant = dict(case.params)
     rows.chunk([7, 0, 5], 7, hq, variant, 0.45)
     rows.chunk([3, 2, 0], 3, hq, variant, 0.45)
@@ -297,6 +300,119 @@ def test_attention_over_the_product_with_variants(case):
         c.fork(0, [2])
     rows.k[2], rows.v[2] = rows.k[0], rows.v[0]
     rows.chunk([1, 1, 1], 1, hq, variant, 0.45)
+    assert_product_routes(spy)
+
+
+def test_attention_over_the_product_with_variants(case, route_spy):
+    """Every point of backend x storage x params x dtype (tests/conftest.py): results
+    against the float64 reference (float16/bfloat16 by the same-dtype naive rule), and
+    each append, copy and attention ran what ``route()`` names and the path meant
+    (tests/support/routes.py: a kernel that silently falls back fails here)."""
+    _product_point(case, route_spy(case.backend))
+
+
+def test_the_product_sample_covers_every_pair():
+    """The sampled product still runs every (backend, storage), (backend, params) and
+    (backend, dtype) pair, and every (backend, storage, dtype) triple, for every backend's
+    declared product dtypes (no float64), within a bound that follows the axes."""
+    from .support.product import BACKENDS as _BACKENDS
+    from .support.product import ATTENTION_PARAMS, PRODUCT_DTYPES, STORAGE_SPECS, product_cases
+
+    cases = product_cases(_BACKENDS, STORAGE_SPECS, ATTENTION_PARAMS)
+    seen = {(b.name, s, p, d) for b, s, p, d in cases}
+    assert len(seen) == len(cases)
+    for b in _BACKENDS:
+        dtypes = [d for d in PRODUCT_DTYPES if d in b.dtypes]
+        mine = [(s, p, d) for name, s, p, d in seen if name == b.name]
+        assert {d for *_, d in mine} == set(dtypes) and "float64" not in dtypes
+        assert {(s, d) for s, _, d in mine} == {(s, d) for s in STORAGE_SPECS for d in dtypes}
+        assert {p for _, p, _ in mine} == set(ATTENTION_PARAMS)
+    assert len(cases) <= len(_BACKENDS) * len(STORAGE_SPECS) * len(PRODUCT_DTYPES)
+
+
+def _runnable(name: str):
+    from .support.product import BACKENDS as _BACKENDS
+
+    backend = next(b for b in _BACKENDS if b.name == name)
+    if backend.unavailable_reason():
+        pytest.skip(f"backend {name}: {backend.unavailable_reason()}")
+    return backend
+
+
+@pytest.mark.parametrize("storage", ["contiguous", "paged+int8"])
+def test_a_numba_kernel_that_falls_back_fails_the_product(storage, monkeypatch, route_spy):
+    """The product's route check catches a fast path that silently falls back: the numba
+    kernel entry (``attention_numba``) patched to return the NumPy backend's result for the
+    call (same numbers within tolerance, so only the route check can see it) makes the
+    product point fail, naming both paths; unpatched, the point passes."""
+    from gqakv_backends import numba_backend
+
+    from gqakv_backends.numpy_backend import NumpyBackend
+
+    backend = _runnable("numba")
+    current: dict = {}
+    real_attention = numba_backend.NumbaBackend.attention
+
+    def remember(self, q, store, inputs, params, *, return_lse):
+        current.update(store=store, inputs=inputs)  # for the fallback below
+        return real_attention(self, q, store, inputs, params, return_lse=return_lse)
+
+    def numpy_result(q, k_buf, v_buf, rows, lens, n_new, *, params, return_lse, **kw):
+        """What a silent fallback returns: the NumPy backend's result for the same call."""
+        return NumpyBackend.attention(backend, q, current["store"], current["inputs"], params,
+                                      return_lse=return_lse)
+
+    monkeypatch.setattr(numba_backend.NumbaBackend, "attention", remember)
+    case = Case(backend, storage, "window+softcap+sinks", "bfloat16")
+    _product_point(case, route_spy(backend))  # the kernel as it is: passes
+    monkeypatch.setattr(numba_backend, "attention_numba", numpy_result)
+    with pytest.raises(AssertionError, match=r"attention .*route says 'numba kernel', ran "
+                                             r"'(numpy BLAS|generic array-API)'"):
+        _product_point(case, route_spy(backend))
+
+
+def test_a_numba_decision_that_gives_up_the_kernel_fails_the_product(monkeypatch, route_spy):
+    """A fallback the route itself reports (the decision changed so that dispatch and
+    ``route()`` both hand decode to the NumPy path: they agree, nothing drifts) still
+    fails the product: the path the test means for a numba decode is the kernel."""
+    from gqakv_backends import numba_backend, numpy_backend
+
+    backend = _runnable("numba")
+
+    def numpy_only(dtype, kv_dtype, storage, t_q, layout, features):
+        return numpy_backend.route_attention(storage, kv_dtype, features)
+
+    monkeypatch.setattr(numba_backend, "route_attention", numpy_only)
+    case = Case(backend, "paged", "causal", "float32")
+    with pytest.raises(AssertionError, match=r"attention .*meant 'numba kernel', ran "
+                                             r"'numpy BLAS paged'"):
+        _product_point(case, route_spy(backend))
+
+
+@pytest.mark.parametrize("storage", ["contiguous", "paged"])
+def test_an_emulated_cupy_kernel_that_falls_back_fails_the_product(storage, monkeypatch,
+                                                                   route_spy):
+    """The same on the emulated CuPy backend: its attention planner made to refuse (so
+    the backend runs the generic code, as it does for a grid beyond CUDA's limits) makes
+    the product point fail on the route check; unpatched, the point passes."""
+    from gqakv_backends import cupy_backend
+
+    from .cuda_emu.emulated_backend import EmulatedCupyBackend
+
+    _runnable("cupy_emulated")
+    backend = EmulatedCupyBackend()  # its own plan cache: nothing kept from other tests
+    case = Case(backend, storage, "causal", "float16")
+    _product_point(case, route_spy(backend))
+
+    def refusing(*args, **kwargs):
+        raise NotImplementedError("gqakv_decode: a grid of (2147483648, 1) CTAs (test)")
+
+    monkeypatch.setattr(cupy_backend._plan, "plan_attention", refusing)
+    backend = EmulatedCupyBackend()
+    case = Case(backend, storage, "causal", "float16")
+    with pytest.raises(AssertionError, match=r"attention .*route says 'gqakv_\w+', ran "
+                                             r"'generic array-API'"):
+        _product_point(case, route_spy(backend))
 
 
 # -- validation ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import numpy as np
 
 import gqakv
 
-from .common import (BACKENDS, D, HKV, HQ, attend, backend_or_skip, best_seconds, filled_cache, live_kv_bytes,
+from .common import (BACKENDS, D, HKV, HQ, attend, backend_or_skip, filled_cache, live_kv_bytes,
                      queries, ratio, reader, sync, temp_mib, timing, torch_or_skip)
 
 DECODE_SIZES = ["4x4096", "1x32768", "32x1024"]  # batch x live length

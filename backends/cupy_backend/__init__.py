@@ -47,15 +47,16 @@ import inspect
 import math
 import threading
 from collections import OrderedDict
+from typing import cast
 
 import numpy as np
 
-from gqakv.backend import GENERIC, Backend, Route
-from gqakv.semantics import unsupported
+from gqakv.backend import GENERIC, Backend, Route, variant_rejection
 from gqakv.store import CONTIGUOUS, PAGED
 
 from . import plan as _plan
-from . import limits, routing, sources
+from . import limits, routing
+from . import sources as sources  # the kernel table, an attribute of the package
 from .runtime import CupyRuntime
 
 
@@ -95,26 +96,38 @@ class CupyBackend(Backend):
     def unavailable_reason(self) -> str | None:
         if self._reason is False:
             self._reason = _probe()
-        return self._reason
+        return cast("str | None", self._reason)  # checked: a reason or None
 
     # -- routing -------------------------------------------------------------------------
 
     def route(self, op: str, **facts) -> Route:
         """Which kernel (or the generic array-API code) runs ``op`` for these facts, and
         why each other implementation was not eligible; the facts are those of
-        ``routing`` (dtype, head_dim, t_q, capability, layout, grid). The hot operations
-        route every call through the same functions."""
+        ``routing`` (dtype, head_dim, t_q, capability, layout, grid, kv_dtype) and two of
+        the store: ``storage`` (its kind, default contiguous) and ``features`` (the
+        variant's ``AttentionParams.features``, attention only; default none), judged by
+        the rule the hot calls apply to a store (``_kind_rejection``, ``variant_rejection``)
+        and reported as the ``layout`` reason. The hot operations route every call
+        through the same functions."""
         super().route(op)  # checks op
         fn = routing.ROUTES[op]
-        known = inspect.signature(fn).parameters
-        unknown = sorted(set(facts) - set(known))
+        known = {**inspect.signature(fn).parameters}
+        store_facts = ("storage", "features") if op == "attention" else ("storage",)
+        unknown = sorted(set(facts) - set(known) - set(store_facts))
         if unknown:
-            raise ValueError(f"{op} facts {', '.join(unknown)} (known: {', '.join(known)})")
+            names = [*known, *store_facts]
+            raise ValueError(f"{op} facts {', '.join(unknown)} (known: {', '.join(names)})")
         missing = [k for k, p in known.items() if p.default is p.empty and k not in facts]
         if missing:
             raise ValueError(f"{op} needs the facts {', '.join(missing)}")
         if "dtype" in facts:
             facts["dtype"] = _canonical(facts["dtype"])
+        storage = facts.pop("storage", CONTIGUOUS)
+        features = frozenset(facts.pop("features", ()))
+        why = (_kind_rejection(storage, facts.get("kv_dtype"), paged=op != "copy_tokens")
+               or (variant_rejection(features, "cupy kernels") if features else None))
+        if why:  # the store's reason comes first, as in the hot calls
+            facts["layout"] = why
         route = fn(**facts)  # kept and shared by the hot calls: the caller gets its own copy
         return Route(route.impl, dict(route.rejected))
 
@@ -334,6 +347,7 @@ class CupyBackend(Backend):
         else:  # padded queries and idle rows keep these values: 0 and -inf
             out = cp.zeros((B, Hq, T, d), dtype=q.dtype)
             lse = cp.full((B, Hq, T), -math.inf, dtype=cp.float32)
+        assert capability is not None  # a kernel route: the device's facts were read above
         kwargs = dict(batch=B, kv_heads=Hkv, group=Hq // Hkv, t_q=T, lens=lens, n_new=n_new,
                       params=params, q_strides=_strides(q)[:3], buf_strides=_strides(k_buf)[:3],
                       out_strides=_strides(out)[:3], sm_count=sm_count,
@@ -464,19 +478,28 @@ def _store_rejection(store, params=None, paged: bool = True) -> str | None:
     contiguous or paged rows (PagedKV), unquantized, or contiguous quantized rows (QuantizedKV).
     ``paged``: whether the operation has paged kernels (copy_tokens has not: it copies
     contiguous rows, and a paged pool's pages as such rows)."""
-    if store.kind == PAGED and not paged:
-        return (f"storage kind {PAGED!r} (gqakv_copy_tokens copies {CONTIGUOUS} rows; paged rows "
-                "move by sharing pages, and a page copy is a row copy of the pool)")
-    if store.kind not in (CONTIGUOUS, PAGED):
-        return f"storage kind {store.kind!r} (the kernels read {CONTIGUOUS} or {PAGED} K/V)"
-    if store.quantized and store.kind != CONTIGUOUS:
-        return (f"storage kind {store.kind!r} with kv_dtype={store.dtype!r} (the quantized "
-                f"reader reads {CONTIGUOUS} rows; paged quantized K/V take the generic path)")
+    why = _kind_rejection(store.kind, store.dtype if store.quantized else None, paged)
+    if why:
+        return why
     if store.kind == PAGED and store.table.table.shape[1] * store.page_size >= _plan.MAX_PAGED_ROW_SLOTS:
         return (f"paged rows of {store.table.table.shape[1] * store.page_size} slots (the paged "
                 f"kernels index a row's keys in 32 bits: fewer than {_plan.MAX_PAGED_ROW_SLOTS})")
     if params is not None:
-        return unsupported(params, "cupy kernels")
+        return variant_rejection(params.features, "cupy kernels")
+    return None
+
+
+def _kind_rejection(kind: str, kv_dtype: str | None, paged: bool = True) -> str | None:
+    """``_store_rejection``'s rule for a store known by its kind and ``kv_dtype`` (None:
+    unquantized): the part ``route``'s ``storage`` fact is judged by."""
+    if kind == PAGED and not paged:
+        return (f"storage kind {PAGED!r} (gqakv_copy_tokens copies {CONTIGUOUS} rows; paged rows "
+                "move by sharing pages, and a page copy is a row copy of the pool)")
+    if kind not in (CONTIGUOUS, PAGED):
+        return f"storage kind {kind!r} (the kernels read {CONTIGUOUS} or {PAGED} K/V)"
+    if kv_dtype is not None and kind != CONTIGUOUS:
+        return (f"storage kind {kind!r} with kv_dtype={kv_dtype!r} (the quantized "
+                f"reader reads {CONTIGUOUS} rows; paged quantized K/V take the generic path)")
     return None
 
 

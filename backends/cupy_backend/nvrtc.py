@@ -111,7 +111,7 @@ class Nvrtc:
                         "nvrtcGetLoweredName")
             size = c.c_size_t()
             self._check(self.lib.nvrtcGetCUBINSize(prog, c.byref(size)), "nvrtcGetCUBINSize")
-            return _parse(name, lowered.value.decode(), arch, size.value, log)
+            return _parse(name, (lowered.value or b"").decode(), arch, size.value, log)
         finally:
             self.lib.nvrtcDestroyProgram(c.byref(prog))
 

@@ -35,6 +35,7 @@ Strides are in elements; the head-dim stride is 1 and row strides keep vector al
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -127,7 +128,7 @@ class KernelParams:
         for name in ("sinks", "k_scale", "v_scale"):
             buf = getattr(self, name)
             r[name] = 0 if buf is None else int(address(buf))
-        return r[()]
+        return cast(np.void, r[()])  # a 0-d record indexed by () is its np.void
 
 
 #: The kernels' ``KVPages`` (kernels/paged_kv.cuh), field for field: 32 bytes, 8-aligned.
@@ -169,7 +170,7 @@ class PageTableArg:
         r["table"] = int(address(self.table))
         r["table_stride"], r["page_size"] = self.table_stride, self.page_size
         r["page_magic"], r["page_shift"] = page_divisor(self.page_size)
-        return r[()]
+        return cast(np.void, r[()])  # a 0-d record indexed by () is its np.void
 
 
 @dataclass
@@ -380,6 +381,8 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     if pages is not None and kv_dtype is not None:
         raise NotImplementedError(f"paged {kv_dtype} K/V: no kernel instantiation (generic path)")
     if params is None:
+        if scale is None:
+            raise TypeError("plan_attention needs scale= or params=")
         params = semantics.AttentionParams(scale=scale)
     variant = variant_flags(params)
     kparams = KernelParams.of(params, quantized=kv_dtype is not None)

@@ -158,10 +158,56 @@ def emulator(head_dim: int, families: tuple[str, ...] = harness.FAMILIES) -> har
     """An emulation library holding every kernel x dtype for ``head_dim``: the harness's
     default one for its head dims, else one for this head dim alone with the kernel
     ``families`` asked for beside the plain ones (g++, seconds, cached on disk by the
-    harness)."""
+    harness); at PRODUCT_HEAD_DIM also the product's variants (``_product_library``)."""
     if head_dim in harness.HEAD_DIMS:
-        return _library(harness.HEAD_DIMS, harness.FAMILIES)
-    return _library((head_dim,), tuple(f for f in harness.FAMILIES if f in families))
+        # only the default library's units of this head dim: a test here need not wait for
+        # the rest of it
+        return _library(harness.HEAD_DIMS, harness.FAMILIES, head_dim)
+    wanted = tuple(f for f in harness.FAMILIES if f in families)
+    if head_dim == PRODUCT_HEAD_DIM:
+        return _product_library(wanted)
+    return _library((head_dim,), wanted)
+
+
+#: The head dim of the product suite's tests (tests/conftest.py ``case``: d = 8), whose
+#: one-dim library also holds the variant instantiations the product runs, in every
+#: dtype and family: window 1, softcap 2, sinks 4, all three 7 (kernels/variant.cuh
+#: flags). The harness's one-dim libraries hold plain causal kernels only (and quantized
+#: float32 variants), so without these the product's fast paths could not run here.
+PRODUCT_HEAD_DIM = 8
+PRODUCT_VARIANT_FLAGS = (1, 2, 4, 7)
+_TYPES = ("float", "gqakv_half", "gqakv_bf16")
+_CODES = ("gqakv_i8", "gqakv_e4m3")
+
+
+def product_registrations(families: tuple[str, ...], d: int = PRODUCT_HEAD_DIM) -> list[str]:
+    """driver.cpp registration calls of the product's variants at head dim ``d`` for
+    ``families`` (beside the plain kernels): one build unit each (harness.registrations'
+    sense), so they compile in parallel and are cached one by one."""
+    v = ", ".join(map(str, PRODUCT_VARIANT_FLAGS))
+    units = [f'register_variants<{t}, {d}, {v}>("{t}");' for t in _TYPES]
+    if "paged" in families:
+        units += [f'register_paged_variants<{t}, {d}, {v}>("{t}");' for t in _TYPES]
+    if "quantized" in families:
+        units += [f'register_quantized_variants<{t}, {c}, {d}, {v}>("{t}", "{c}");'
+                  for t in _TYPES for c in _CODES]
+    return units
+
+
+@functools.cache
+def _product_library(families: tuple[str, ...]) -> harness.Emulator:
+    """The PRODUCT_HEAD_DIM library of ``families`` (the harness's units) plus the units of
+    ``product_registrations``, compiled and cached by the harness's builder as its own
+    units are."""
+    paths = harness.build(asan=False, head_dims=(PRODUCT_HEAD_DIM,), families=families)
+    cxx, digest = str(harness.compiler()), harness._sources_digest()
+    jobs = [harness._builder.submit(harness._unit_path(False, unit, digest),
+                                    [cxx, *harness._flags(False, unit),
+                                     str(harness.HERE / "driver.cpp")], True)
+            for unit in product_registrations(families)]
+    for job in jobs:
+        job.wait()
+    return harness.Emulator([*paths, *(job.path for job in jobs)])
 
 
 #: What in a launch's name says which kernel family (harness.FAMILIES) it belongs to.
@@ -175,8 +221,64 @@ def plan_families(plan) -> tuple[str, ...]:
 
 
 @functools.cache
-def _library(head_dims: tuple[int, ...], families: tuple[str, ...]) -> harness.Emulator:
-    return harness.Emulator(harness.build(asan=False, head_dims=head_dims, families=families))
+def _library(head_dims: tuple[int, ...], families: tuple[str, ...],
+             only_head_dim: int | None = None) -> harness.Emulator:
+    return harness.Emulator(harness.build(asan=False, head_dims=head_dims, families=families,
+                                          only_head_dim=only_head_dim))
+
+
+#: One-head-dim libraries the suite's tests on this backend ask for (the small head dims of
+#: the parity and product tests), queued by ``prebuild_for`` in this order (the order the
+#: tests first need them). A stale entry costs a build no test waits for; a missing one, a
+#: build a test waits for.
+SMALL_LIBRARIES = ((1, ()), (16, ()), (8, ()), (4, ()), (8, ("paged",)), (8, ("quantized",)),
+                   (2, ()), (16, ("quantized",)), (4, ("paged",)), (2, ("paged",)), (16, ("paged",)))
+
+
+def prebuild_for(items) -> None:
+    """Queue, for background compiling, the emulation libraries that the collected pytest
+    ``items`` will load: with a test parametrized by this backend (``backend``, ``case``),
+    SMALL_LIBRARIES and the default library (the backend's head dims in harness.HEAD_DIMS);
+    with a test of a module that makes this backend itself, the one-dim library of its
+    ``head_dim`` parameter; with a test of a module that builds the default library, that
+    one; with an AddressSanitizer test, the ASan library (its child process loads it).
+    Anything else is compiled when first asked for (``build``: in parallel, waited for)."""
+    if harness.compiler() is None:
+        return
+    on_param = uses_default = asan = False
+    dims: list[int] = []
+    makes: dict[object, tuple[bool, bool]] = {}  # module -> its source makes a backend, a library
+    for item in items:
+        module = getattr(item, "module", None)
+        if module not in makes:
+            try:
+                with open(getattr(module, "__file__", None) or "") as f:
+                    text = f.read()
+            except OSError:
+                text = ""
+            makes[module] = ("EmulatedCupyBackend" in text, "harness.build(" in text)
+        makes_backend, builds = makes[module]
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        param = any(isinstance(v, EmulatedCupyBackend) or (isinstance(v, tuple) and v
+                                                          and isinstance(v[0], EmulatedCupyBackend))
+                    for v in params.values())
+        d = params.get("head_dim")
+        if makes_backend and isinstance(d, int) and d not in harness.HEAD_DIMS and d not in dims:
+            dims.append(d)
+        on_param |= param
+        uses_default |= param or builds
+        asan |= "address_sanitizer" in item.name
+    if on_param:
+        for d, families in SMALL_LIBRARIES:
+            harness.prebuild(head_dims=(d,), families=families)
+            if d == PRODUCT_HEAD_DIM:  # and the product's variants (_product_library)
+                harness.build_registrations(False, product_registrations(families), wait=False)
+    if uses_default:
+        harness.prebuild()
+    if asan and harness.asan_runtime() is not None:
+        harness.prebuild(asan=True)
+    for d in dims:
+        harness.prebuild(head_dims=(d,), families=())
 
 
 class _DeviceNamespace:

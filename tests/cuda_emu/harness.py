@@ -1,9 +1,12 @@
 """Build the CUDA kernels for the CPU and run cupy-backend launch plans on them.
 
 ``build(asan=False, head_dims=HEAD_DIMS)`` compiles driver.cpp (which includes the
-backend's .cu files unchanged) with g++ and the cuda_emu.h shim into a shared library
-with every kernel x dtype for those head dims, cached under the temp directory by a hash
-of the sources and flags. ``Emulator.run(plan, arrays)`` copies
+backend's .cu files unchanged) with g++ and the cuda_emu.h shim into a library with every
+kernel x dtype for those head dims: one shared object per kernel registration
+(``registrations``), compiled in parallel and cached under the temp directory by a hash of
+the sources, compiler and flags, so libraries that share a registration build it once;
+``prebuild`` queues a library's missing units to compile in the background (the test
+session starts them at collection, tests/conftest.py). ``Emulator.run(plan, arrays)`` copies
 NumPy arrays into exactly-sized malloc'd buffers, optionally poisons byte ranges (under
 AddressSanitizer any access there aborts with a report), performs every launch of a
 ``gqakv_backends.cupy_backend.plan.Plan`` with the plan's own grid, block and typed
@@ -12,13 +15,17 @@ arguments, and copies the buffers back.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +33,11 @@ import numpy as np
 from gqakv_backends.cupy_backend import limits
 from gqakv_backends.cupy_backend import plan as planmod
 from gqakv_backends.cupy_backend import sources
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: units are not locked against other processes
+    fcntl = None  # type: ignore[assignment]
 
 HERE = Path(__file__).resolve().parent
 #: Head dims instantiated in the emulation library (tests pick among these).
@@ -77,70 +89,252 @@ def asan_runtime() -> str | None:
     return path if out.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
 
 
-def _flags(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS,
-           families: tuple[str, ...] = FAMILIES) -> list[str]:
-    dims = " ".join(f"GQAKV_REG_DIM({d})" for d in head_dims)
+def registrations(head_dims: tuple[int, ...] = HEAD_DIMS,
+                  families: tuple[str, ...] = FAMILIES) -> list[str]:
+    """The kernel registrations (driver.cpp's GQAKV_REG_* macros) of the library for
+    ``head_dims`` and ``families``, one build unit each: every unit is compiled on its own
+    (in parallel, ``build``), cached on its own (libraries that share a unit, such as the
+    plain kernels of one head dim with and without its paged kernels, build it once)."""
+    units = [f"GQAKV_REG_DIM({d})" for d in head_dims]
     # The variant instantiations (window / softcap / sinks flags 1..7) at VARIANT_HEAD_DIMS.
-    dims += " " + " ".join(f"GQAKV_REG_VARIANTS_DIM({d})" for d in VARIANT_HEAD_DIMS if d in head_dims)
+    units += [f"GQAKV_REG_VARIANTS_DIM({d})" for d in VARIANT_HEAD_DIMS if d in head_dims]
     if "paged" in families:
         # The paged instantiations: PAGED_VARIANTS at PAGED_HEAD_DIMS, plain causal at any other
         # head dim of a library of its own (the paged caches of the parity suite, e.g. d = 4).
         flags_list = ", ".join(map(str, PAGED_VARIANTS))
-        dims += " " + " ".join(f"GQAKV_REG_PAGED_DIM({d}, {flags_list})" for d in PAGED_HEAD_DIMS
-                               if d in head_dims)
+        units += [f"GQAKV_REG_PAGED_DIM({d}, {flags_list})" for d in PAGED_HEAD_DIMS if d in head_dims]
         if tuple(head_dims) != HEAD_DIMS:
-            dims += "".join(f" GQAKV_REG_PAGED_DIM({d}, 0)" for d in head_dims if d not in PAGED_HEAD_DIMS)
+            units += [f"GQAKV_REG_PAGED_DIM({d}, 0)" for d in head_dims if d not in PAGED_HEAD_DIMS]
     if "quantized" in families:
         # The quantized (int8 / e4m3 K/V) instantiations at every head dim, their variants at
         # QUANTIZED_VARIANT_HEAD_DIMS.
-        dims += " " + " ".join(f"GQAKV_REG_QUANTIZED_DIM({d})" for d in head_dims)
-        dims += " " + " ".join(f"GQAKV_REG_QUANTIZED_VARIANTS_DIM({d})" for d in QUANTIZED_VARIANT_HEAD_DIMS
-                               if d in head_dims)
+        units += [f"GQAKV_REG_QUANTIZED_DIM({d})" for d in head_dims]
+        units += [f"GQAKV_REG_QUANTIZED_VARIANTS_DIM({d})" for d in QUANTIZED_VARIANT_HEAD_DIMS
+                  if d in head_dims]
         if len(head_dims) == 1 and head_dims[0] not in QUANTIZED_VARIANT_HEAD_DIMS:
             # A one-dim library (emulated_backend.emulator: the parity suite's small head dims)
             # serves quantized float32 caches under every variant (tests/conftest.py's product).
-            dims += f" GQAKV_REG_QUANTIZED_VARIANTS_F32_DIM({head_dims[0]})"
+            units.append(f"GQAKV_REG_QUANTIZED_VARIANTS_F32_DIM({head_dims[0]})")
+    return units
+
+
+def _flags(asan: bool, registration: str = "") -> list[str]:
+    """g++ options for driver.cpp holding the kernels ``registration`` names (one unit of
+    ``registrations``)."""
     # The kernels' limits as -D options, as NVRTC gets them (sources.COMPILE_OPTIONS).
-    flags = ["-std=c++20", "-g", "-pthread", "-shared", "-fPIC", f"-I{kernel_dir()}",
-             f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={dims}",
+    flags = ["-std=c++20", "-pthread", "-shared", "-fPIC", f"-I{kernel_dir()}",
+             f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={registration}",
              *limits.define_options()]
     if asan:
-        # alignment too: a misaligned 16-byte load faults on a GPU but runs on x86
-        flags += ["-O1", "-fsanitize=address,alignment", "-fno-sanitize-recover=alignment",
+        # alignment too: a misaligned 16-byte load faults on a GPU but runs on x86; -g: the
+        # reports name source lines
+        flags += ["-g", "-O1", "-fsanitize=address,alignment", "-fno-sanitize-recover=alignment",
                   "-fno-omit-frame-pointer"]
     else:
-        flags += ["-O2"]
+        flags += ["-O2"]  # no -g: debug info is a quarter of the compile time, and no test reads it
     return flags
 
 
-def library_path(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS,
-                 families: tuple[str, ...] = FAMILIES) -> Path:
-    digest = hashlib.sha256()
-    for p in sorted(kernel_dir().glob("*.cu*")) + [HERE / "cuda_emu.h", HERE / "driver.cpp"]:
-        digest.update(p.name.encode() + p.read_bytes())
-    digest.update(" ".join(_flags(asan, head_dims, families)).encode())
+def _unit_path(asan: bool, registration: str, sources_digest: str) -> Path:
+    digest = hashlib.sha256(sources_digest.encode())
+    digest.update(" ".join([str(compiler()), *_flags(asan, registration)]).encode())
     tag = "asan" if asan else "opt"
     return Path(tempfile.gettempdir()) / "gqakv_cuda_emu" / f"libgqakv_emu_{tag}_{digest.hexdigest()[:16]}.so"
 
 
+def _sources_digest() -> str:
+    digest = hashlib.sha256()
+    for p in sorted(kernel_dir().glob("*.cu*")) + [HERE / "cuda_emu.h", HERE / "driver.cpp"]:
+        digest.update(p.name.encode() + p.read_bytes())
+    return digest.hexdigest()
+
+
+def _units(asan: bool, head_dims: tuple[int, ...], families: tuple[str, ...],
+           only_head_dim: int | None = None) -> list[str]:
+    """What ``build`` compiles, one shared object each: the units of ``registrations``
+    (only those of ``only_head_dim`` if given); for AddressSanitizer, joined into one unit
+    per registration macro (five: each unit repeats the driver's and the kernels' parsing,
+    which takes longest under ASan, and its library is only ever built whole)."""
+    units = [r for r in registrations(head_dims, families)
+             if only_head_dim is None or _unit_head_dim(r) == only_head_dim]
+    if not asan:
+        return units
+    groups: dict[str, list[str]] = {}
+    for r in units:
+        groups.setdefault(r.split("(", 1)[0], []).append(r)
+    return [" ".join(g) for g in groups.values()]
+
+
+def library_paths(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS,
+                  families: tuple[str, ...] = FAMILIES) -> tuple[Path, ...]:
+    """The library's shared objects (one per unit ``build`` compiles), cached under the
+    temp directory by a hash of the sources, the compiler and the flags."""
+    sources_digest = _sources_digest()
+    return tuple(_unit_path(asan, r, sources_digest) for r in _units(asan, head_dims, families))
+
+
 def build(asan: bool = False, head_dims: tuple[int, ...] = HEAD_DIMS,
-          families: tuple[str, ...] = FAMILIES) -> Path:
+          families: tuple[str, ...] = FAMILIES, only_head_dim: int | None = None) -> tuple[Path, ...]:
     """Compile (once per source version, head-dim set and families) and return the
-    library path."""
-    out = library_path(asan, head_dims, families)
-    if out.exists():
-        return out
+    library's shared objects (``Emulator`` loads them as one library); with
+    ``only_head_dim``, only its units of that head dim (all a caller at that head dim
+    launches). Units not yet on disk are compiled in parallel, ahead of any that
+    ``prebuild`` queued."""
+    return build_registrations(asan, _units(asan, head_dims, families, only_head_dim))
+
+
+def prebuild(asan: bool = False, head_dims: tuple[int, ...] = HEAD_DIMS,
+             families: tuple[str, ...] = FAMILIES) -> None:
+    """Queue the library's missing units for compiling in the background (a later ``build``
+    of it waits only for what is left); nothing without a compiler."""
+    if compiler() is not None:
+        build_registrations(asan, _units(asan, head_dims, families), wait=False)
+
+
+def build_registrations(asan: bool, units: Sequence[str], wait: bool = True) -> tuple[Path, ...]:
+    """The shared objects of build units ``units`` (driver.cpp registration code, as
+    ``registrations`` gives), compiled where missing: waited for, ahead of queued units
+    (``wait``), or queued for the background (``wait=False``, what ``prebuild`` does)."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) found")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *_flags(asan, head_dims, families), str(HERE / "driver.cpp"), "-o", str(tmp)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{proc.stderr}")
-    os.replace(tmp, out)
-    return out
+    sources_digest = _sources_digest()
+    jobs = [_builder.submit(_unit_path(asan, r, sources_digest),
+                            [cxx, *_flags(asan, r), str(HERE / "driver.cpp")], urgent=wait)
+            for r in units]
+    if wait:
+        for job in jobs:
+            job.wait()
+    return tuple(job.path for job in jobs)
+
+
+def _unit_head_dim(registration: str) -> int:
+    """The head dim a unit instantiates: its macro's first argument."""
+    return int(registration.split("(", 1)[1].split(",", 1)[0].rstrip(")"))
+
+
+def build_jobs() -> int:
+    """Compilers run at once: GQAKV_EMU_BUILD_JOBS, else this process's CPUs (at most 8:
+    each g++ of a unit takes up to about a GiB)."""
+    env = os.environ.get("GQAKV_EMU_BUILD_JOBS")
+    if env:
+        return max(1, int(env))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cpus, 8))
+
+
+class _Job:
+    """One unit's compile: ``path`` once done, or the compiler's error."""
+
+    def __init__(self, path: Path, cmd: list[str], rank: tuple[int, int]):
+        self.path, self.cmd, self.rank = path, cmd, rank
+        self.done = threading.Event()
+        self.error: str | None = None
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+
+class _Builder:
+    """Compiles units on up to ``build_jobs()`` threads, each running one g++: urgent units
+    (a ``build`` waits for them) before queued ones (``prebuild``), each in submission order.
+    A unit another process is compiling is waited for (a lock file beside it), not compiled
+    twice. At exit the queue is dropped and running compilers are stopped."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._jobs: dict[Path, _Job] = {}
+        self._queue: list[_Job] = []
+        self._running: set[subprocess.Popen] = set()
+        self._threads = 0
+        self._seq = 0
+        self._closed = False
+
+    def submit(self, path: Path, cmd: list[str], urgent: bool) -> _Job:
+        with self._cv:
+            self._seq += 1
+            rank = (0 if urgent else 1, self._seq)
+            job = self._jobs.get(path)
+            if job is None:
+                job = self._jobs[path] = _Job(path, cmd, rank)
+                if path.exists():
+                    job.done.set()
+                else:
+                    self._queue.append(job)
+            elif job in self._queue and rank < job.rank:
+                job.rank = rank
+            if self._queue and self._threads < build_jobs() and not self._closed:
+                self._threads += 1
+                threading.Thread(target=self._work, name="gqakv-emu-build", daemon=True).start()
+            return job
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                if not self._queue or self._closed:
+                    self._threads -= 1
+                    return
+                job = min(self._queue, key=lambda j: j.rank)
+                self._queue.remove(job)
+            try:
+                self._compile(job)
+            except Exception as exc:  # reported to every waiter of this unit
+                job.error = str(exc)
+            job.done.set()
+
+    def _compile(self, job: _Job) -> None:
+        out = job.path
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out.with_suffix(".lock"), "w") as lock:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if out.exists():  # another process built it meanwhile
+                return
+            tmp = out.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            cmd = [*job.cmd, "-o", str(tmp)]
+            if job.rank[0] == 1 and _NICE is not None:
+                # queued ahead (no test waits for it yet): it takes only the CPU time the tests
+                # leave, so a test in the meantime runs (and times itself) as if alone
+                cmd = [_NICE, "-n", "10", *cmd]
+            with self._cv:
+                if self._closed:
+                    raise RuntimeError("the emulation build stopped: the interpreter is exiting")
+                # a session of its own: stopping it stops g++'s cc1plus and as too
+                proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                        start_new_session=hasattr(os, "killpg"))
+                self._running.add(proc)
+            try:
+                _, stderr = proc.communicate()
+            finally:
+                with self._cv:
+                    self._running.discard(proc)
+            if proc.returncode != 0:
+                tmp.unlink(missing_ok=True)
+                raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{stderr}")
+            os.replace(tmp, out)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            for job in self._queue:
+                job.error = "the emulation build stopped: the interpreter is exiting"
+                job.done.set()
+            self._queue.clear()
+            for proc in self._running:
+                try:
+                    if hasattr(os, "killpg"):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    else:
+                        proc.kill()
+                except OSError:  # already gone
+                    pass
+
+
+_NICE = shutil.which("nice")
+_builder = _Builder()
+atexit.register(_builder.close)
 
 
 class _AttnParams(ctypes.Structure):
@@ -164,17 +358,46 @@ class _KVPages(ctypes.Structure):
 assert ctypes.sizeof(_KVPages) == planmod.PAGES_DTYPE.itemsize
 
 
-class Emulator:
-    def __init__(self, path: Path):
-        self.lib = ctypes.CDLL(str(path))
+class _Library:
+    """A library's shared objects (``build``'s units) as one: ``emu_has_kernel`` asks every
+    part; allocation and poisoning (process-wide: malloc, AddressSanitizer's shadow) go
+    through the first. Each part holds the whole driver (its own registry and launch state,
+    loaded RTLD_LOCAL so that no part binds another's)."""
+
+    def __init__(self, paths: Sequence[Path]):
         c = ctypes
-        self.lib.emu_launch.argtypes = [c.c_char_p, c.POINTER(c.c_uint), c.POINTER(c.c_uint),
-                                        c.POINTER(c.c_void_p), c.POINTER(c.c_size_t), c.c_int]
-        self.lib.emu_alloc.restype = c.c_void_p
-        self.lib.emu_alloc.argtypes = [c.c_size_t]
-        self.lib.emu_free.argtypes = [c.c_void_p]
-        self.lib.emu_poison.argtypes = [c.c_void_p, c.c_size_t]
-        self.lib.emu_unpoison.argtypes = [c.c_void_p, c.c_size_t]
+        self.parts = [c.CDLL(str(p)) for p in paths]
+        for lib in self.parts:
+            lib.emu_launch.argtypes = [c.c_char_p, c.POINTER(c.c_uint), c.POINTER(c.c_uint),
+                                       c.POINTER(c.c_void_p), c.POINTER(c.c_size_t), c.c_int]
+            lib.emu_has_kernel.argtypes = [c.c_char_p]
+        first = self.parts[0]
+        first.emu_alloc.restype = c.c_void_p
+        first.emu_alloc.argtypes = [c.c_size_t]
+        first.emu_free.argtypes = [c.c_void_p]
+        first.emu_poison.argtypes = [c.c_void_p, c.c_size_t]
+        first.emu_unpoison.argtypes = [c.c_void_p, c.c_size_t]
+        self.emu_alloc, self.emu_free = first.emu_alloc, first.emu_free
+        self.emu_poison, self.emu_unpoison = first.emu_poison, first.emu_unpoison
+        self._owner: dict[bytes, ctypes.CDLL] = {}
+
+    def part_of(self, name: bytes) -> ctypes.CDLL | None:
+        """The part that instantiates kernel ``name`` (None: no part does)."""
+        if name not in self._owner:
+            lib = next((lib for lib in self.parts if lib.emu_has_kernel(name)), None)
+            if lib is None:
+                return None
+            self._owner[name] = lib
+        return self._owner[name]
+
+    def emu_has_kernel(self, name: bytes | str) -> int:
+        return int(self.part_of(name.encode() if isinstance(name, str) else name) is not None)
+
+
+class Emulator:
+    def __init__(self, paths: Path | Sequence[Path]):
+        """paths: ``build``'s shared objects (or one library's path)."""
+        self.lib = _Library([paths] if isinstance(paths, (str, os.PathLike)) else list(paths))
         self.launches = 0
 
     def run(self, plan: planmod.Plan, arrays: dict[str, np.ndarray],
@@ -253,7 +476,9 @@ class Emulator:
         sizes = (c.c_size_t * len(holders))(*[c.sizeof(h) for h in holders])
         grid = (c.c_uint * 3)(*launch.grid)
         block = (c.c_uint * 3)(*launch.block)
-        rc = self.lib.emu_launch(launch.name.encode(), grid, block, argv, sizes, len(holders))
+        name = launch.name.encode()
+        part = self.lib.part_of(name)
+        rc = 1 if part is None else part.emu_launch(name, grid, block, argv, sizes, len(holders))
         if rc == 1:
             raise KeyError(f"{launch.name} is not instantiated in the emulation library")
         if rc == 2:

@@ -54,3 +54,13 @@ def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, so
                     out[b, h, t] += (math.exp(s - m) / total) * v[kv, first + j]
                 lse[b, h, t] = m + math.log(total)
     return out, lse
+
+
+def reference_on_buffers(q, k, v, lens, n_new, scale=None, *, window=None, softcap=None,
+                         sinks=None):
+    """``reference_attention`` on padded buffers: k, v [B, Hkv, >= L_b, d] whose row b holds
+    ``lens[b]`` live tokens (the slots past them are never read, NaN or not). Same returns."""
+    k_rows = [np.asarray(k[b, :, :int(L)]) for b, L in enumerate(lens)]
+    v_rows = [np.asarray(v[b, :, :int(L)]) for b, L in enumerate(lens)]
+    return reference_attention(q, k_rows, v_rows, n_new, scale, window=window, softcap=softcap,
+                               sinks=sinks)

@@ -1,0 +1,57 @@
+"""The 8-bit K/V scheme's rule written directly in NumPy float32 (independent of
+gqakv.quantize's arithmetic), what a cache holds for the values appended, and the tokens
+that test the scheme."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from gqakv import quantize as Q
+
+
+def reference_quantize(x: np.ndarray, kv_dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., d] -> (codes [..., d], scale [...] float32): per token, scale = amax / QMAX
+    (127 for int8, 448 for float8_e4m3fn), codes = x / scale rounded half to even (int8)
+    or to the nearest e4m3fn (as uint8 bits), clipped; a zero token gets scale 0, codes 0."""
+    x = x.astype(np.float32)
+    qmax = np.float32(127 if kv_dtype == "int8" else 448)
+    amax = np.abs(x).max(axis=-1)
+    scale = (amax / qmax).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        y = x / scale[..., None]
+    y = np.where(scale[..., None] > 0, y, np.float32(0)).astype(np.float32)
+    if kv_dtype == "int8":
+        codes = np.clip(np.rint(y), -127, 127).astype(np.int8)  # rint: half to even
+    else:
+        codes = np.clip(y, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return codes, scale
+
+
+def dequantized(x: np.ndarray, kv_dtype: str) -> np.ndarray:
+    """What a quantized cache holds for input values ``x`` [..., d] (the reference rule),
+    float32: each code's value times its token's scale."""
+    codes, scale = reference_quantize(x, kv_dtype)
+    values = codes.astype(np.float32) if kv_dtype == "int8" else Q.e4m3_table()[codes]
+    return (values * scale[..., None]).astype(np.float32)
+
+
+def held(x: np.ndarray, storage: dict) -> np.ndarray:
+    """What a cache made with the keyword arguments ``storage`` (a conftest STORAGE_SPECS
+    entry) holds for the values ``x`` [..., d] appended: ``x`` itself, or for a
+    ``kv_dtype`` its dequantized values (float32). For the product tests' references."""
+    kv_dtype = storage.get("kv_dtype")
+    return x if kv_dtype is None else dequantized(np.asarray(x, np.float32), kv_dtype)
+
+
+def hard_tokens(rng: np.random.Generator, shape: tuple, dtype: str) -> np.ndarray:
+    """Gaussian K/V [B, Hkv, T, d] float64 with the tokens that test the scheme: an
+    outlier channel, an all-zero token, a huge token (near the input dtype's range), a
+    tiny one."""
+    x = rng.standard_normal(shape)
+    x[..., 3] *= 20.0  # an outlier channel, as real keys have
+    T = shape[2]
+    x[0, 0, min(1, T - 1)] = 0.0
+    x[-1, -1, min(2, T - 1)] *= 3e4 if dtype == "float16" else 1e30
+    x[0, -1, 0] *= 1e-30 if dtype != "float16" else 1e-4
+    return x

@@ -1,0 +1,258 @@
+"""Which implementation a backend's hot operations actually ran, and the checks that
+``Backend.route`` names it and that it is the path a test meant to exercise.
+
+``RouteSpy(backend, monkeypatch)`` wraps the backend's three hot operations (on the
+instance: ``write_kv``, ``copy_tokens``, ``attention``) and the entry of every
+implementation they can reach: the generic array-API functions, the NumPy BLAS paths
+(``numpy_attention``, ``numpy_paged``, ``numpy_quantized``), the numba kernels
+(``numba_kernels.attention_items``, ``write_tokens``, ``copy_rows``) and, for the
+emulated CuPy backend, its kernel launches (``EmulatedCupyBackend._run_plan``: the first
+launch's kernel). Each hot-operation call is recorded as a ``Call``: the operation, the
+facts ``route`` reads, worked out here from the call's arguments (not by the backend's
+code), and the implementations entered during it, first the one that ran.
+
+``assert_routes_ran(spy)`` asks ``backend.route(op, **facts)`` for every recorded call
+and fails unless it names the implementation that ran; ``assert_intended(spy)`` fails
+unless what ran is what the test means to exercise (``intended``: written from each
+backend's documentation, not its dispatch code), so a fast path that silently falls
+back to a slower one fails both.
+
+The spy is per thread (calls made from other threads are recorded too: each thread has
+its own open call).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+GENERIC = "generic array-API"
+#: The entries of the generic array-API code (gqakv's Backend defaults), by operation.
+GENERIC_ENTRIES = (("gqakv.attention", "attention_array_api"),
+                   ("gqakv.cache_ops", "write_kv_array_api"),
+                   ("gqakv.row_ops", "copy_tokens_array_api"))
+#: (module, function, implementation name) of the NumPy backend's BLAS paths.
+NUMPY_ENTRIES = (("gqakv_backends.numpy_attention", "attention_numpy", "numpy BLAS"),
+                 ("gqakv_backends.numpy_paged", "attention_numpy_paged", "numpy BLAS paged"),
+                 ("gqakv_backends.numpy_quantized", "attention_numpy_quantized",
+                  "numpy BLAS quantized"))
+#: ... and of the numba backend's kernels (it also reaches the NumPy paths).
+NUMBA_ENTRIES = (("gqakv_backends.numba_kernels", "attention_items", "numba kernel"),
+                 ("gqakv_backends.numba_kernels", "write_tokens", "numba write_tokens"),
+                 ("gqakv_backends.numba_kernels", "copy_rows", "numba copy_rows"))
+HOT_OPS = ("write_kv", "copy_tokens", "attention")
+
+
+@dataclass
+class Call:
+    """One hot-operation call: ``op``, the route ``facts`` of its arguments, whether it
+    had any token to write / copy / attend (``work``), and the implementations entered
+    while it ran (``ran``; the first is the one that ran)."""
+
+    op: str
+    facts: dict[str, Any]
+    work: bool
+    ran: list[str] = field(default_factory=list)
+
+
+class RouteSpy:
+    """Records what each hot-operation call of ``backend`` ran (see the module docstring);
+    undone with ``monkeypatch``."""
+
+    def __init__(self, backend, monkeypatch):
+        self.backend = backend
+        self.calls: list[Call] = []
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        for module, name in GENERIC_ENTRIES:
+            self._spy_entry(monkeypatch, module, name, GENERIC)
+        kind = _kind(backend)
+        if kind in ("numpy", "numba"):
+            for module, name, impl in NUMPY_ENTRIES:
+                self._spy_entry(monkeypatch, module, name, impl)
+        if kind == "numba":
+            for module, name, impl in NUMBA_ENTRIES:
+                self._spy_entry(monkeypatch, module, name, impl)
+        if kind == "cupy_emulated":
+            real_run = backend._run_plan
+
+            def run_plan(plan, *rest):
+                if plan.launches:
+                    self._entered(plan.launches[0].kernel)
+                return real_run(plan, *rest)
+
+            monkeypatch.setattr(backend, "_run_plan", run_plan)
+        for op in HOT_OPS:
+            monkeypatch.setattr(backend, op, self._spy_op(op, getattr(backend, op)))
+
+    def _frames(self) -> list[Call]:
+        frames = getattr(self._local, "frames", None)
+        if frames is None:
+            frames = self._local.frames = []
+        return frames
+
+    def _entered(self, impl: str) -> None:
+        frames = self._frames()
+        if frames:  # an entry reached outside a hot operation is not a route's business
+            frames[-1].ran.append(impl)
+
+    def _spy_entry(self, monkeypatch, module: str, name: str, impl: str) -> None:
+        mod = importlib.import_module(module)
+        real = getattr(mod, name)
+
+        def entry(*args, **kwargs):
+            self._entered(impl)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(mod, name, entry)
+
+    def _spy_op(self, op: str, real):
+        def hot(*args, **kwargs):
+            call = Call(op, call_facts(self.backend, op, args), _has_work(op, args))
+            self._frames().append(call)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self._frames().pop()
+                with self._lock:
+                    self.calls.append(call)
+
+        return hot
+
+    def ran(self, op: str) -> list[str | None]:
+        """What each recorded ``op`` call ran (None: nothing was entered)."""
+        return [c.ran[0] if c.ran else None for c in self.calls if c.op == op]
+
+
+def _kind(backend) -> str:
+    """Which entries a backend can reach: by its class, so a subclass is spied on too."""
+    names = {cls.__name__ for cls in type(backend).__mro__}
+    if "EmulatedCupyBackend" in names:
+        return "cupy_emulated"
+    if "NumbaBackend" in names:
+        return "numba"
+    if "NumpyBackend" in names:
+        return "numpy"
+    return "generic"
+
+
+def call_facts(backend, op: str, args: tuple) -> dict[str, Any]:
+    """The facts ``route`` reads, from a hot operation's positional arguments (attention:
+    q, store, inputs, params; write_kv: store, k_new, v_new, inputs; copy_tokens: dst,
+    dst_rows, src, src_rows, n_tokens)."""
+    store = args[1] if op == "attention" else args[0]
+    facts: dict[str, Any] = {
+        "dtype": store.spec.q_dtype, "head_dim": int(store.k.shape[-1]),
+        "storage": store.kind, "kv_dtype": store.dtype if store.quantized else None}
+    if op == "attention":
+        q, params = args[0], args[3]
+        facts.update(t_q=int(q.shape[2]), features=params.features)
+        if _kind(backend) == "cupy_emulated":
+            from ..cuda_emu.emulated_backend import EmulatedDevice
+
+            facts["capability"] = int(EmulatedDevice.compute_capability)
+    return facts
+
+
+def _has_work(op: str, args: tuple) -> bool:
+    if op == "copy_tokens":
+        return int(np.sum(np.asarray(args[4]))) > 0
+    inputs = args[2] if op == "attention" else args[3]
+    return int(np.sum(np.asarray(inputs.n_new))) > 0
+
+
+def assert_routes_ran(spy: RouteSpy, ops=HOT_OPS) -> None:
+    """Every recorded call of ``ops`` ran what ``backend.route`` names for its facts (a
+    call with no token to move may enter nothing)."""
+    calls = [c for c in spy.calls if c.op in ops]
+    assert calls, f"no {'/'.join(ops)} call was recorded on {spy.backend.name}"
+    for call in calls:
+        route = spy.backend.route(call.op, **call.facts)
+        ran = call.ran[0] if call.ran else None
+        if ran is None and not call.work:
+            continue
+        assert ran == route.impl, (f"{spy.backend.name} {call.op} {call.facts}: route says "
+                                   f"{route.impl!r}, ran {ran!r} (route: {route})")
+
+
+#: What the cross-cutting tests mean to exercise, from each backend's documentation
+#: (README / module docstrings), written apart from the dispatch code: backend name ->
+#: op -> function(facts) -> an implementation name, FAST (any path but the generic one),
+#: GENERIC (the backend has no other), or REFUSED(words) (the generic code, with a
+#: route naming why: every word in its sentence).
+FAST = "a fast path"
+
+
+@dataclass(frozen=True)
+class Refused:
+    words: tuple[str, ...]
+
+
+def _numpy_attention(f) -> Any:
+    if f["storage"] == "paged" and f["kv_dtype"]:
+        return Refused(("paged", "kv_dtype", "generic path"))
+    return FAST
+
+
+def _numba_attention(f) -> Any:
+    if f["t_q"] <= 8 and f["dtype"] != "float64":  # decode and short chunks: the kernels
+        return "numba kernel"
+    return _numpy_attention(f)
+
+
+def _plain_contiguous(impl):
+    return lambda f: impl if f["storage"] == "contiguous" and not f["kv_dtype"] else GENERIC
+
+
+def _cupy_store(f) -> Any:
+    if f["dtype"] == "float64":
+        return GENERIC
+    if f["storage"] == "paged" and f["kv_dtype"]:
+        return Refused(("paged", "kv_dtype", "generic path"))
+    return FAST
+
+
+INTENDED = {
+    "numpy": {"attention": _numpy_attention},
+    "numba": {"attention": _numba_attention, "write_kv": _plain_contiguous("numba write_tokens"),
+              "copy_tokens": _plain_contiguous("numba copy_rows")},
+    "cupy_emulated": {"attention": _cupy_store, "write_kv": _cupy_store,
+                      "copy_tokens": _cupy_store},
+}
+
+
+def intended(backend_name: str, op: str, facts: dict[str, Any]) -> Any:
+    """What a test means ``op`` with ``facts`` to run on ``backend_name`` (see INTENDED;
+    a backend or operation not listed has only the generic code)."""
+    rule = INTENDED.get(backend_name, {}).get(op)
+    return GENERIC if rule is None else rule(facts)
+
+
+def assert_intended(spy: RouteSpy, ops=HOT_OPS) -> None:
+    """Every recorded call of ``ops`` that had work ran the implementation the test meant
+    (``intended``); a refused one ran the generic code with a route saying why."""
+    calls = [c for c in spy.calls if c.op in ops and c.work]
+    assert calls, f"no {'/'.join(ops)} call with work was recorded on {spy.backend.name}"
+    for call in calls:
+        want = intended(spy.backend.name, call.op, call.facts)
+        ran = call.ran[0] if call.ran else None
+        where = f"{spy.backend.name} {call.op} {call.facts}"
+        if want == FAST:
+            assert ran not in (None, GENERIC), f"{where}: meant a fast path, ran {ran!r}"
+        elif isinstance(want, Refused):
+            why = str(spy.backend.route(call.op, **call.facts))
+            assert ran == GENERIC and all(w in why for w in want.words), (
+                f"{where}: meant the generic code with a refusal naming {want.words}, ran "
+                f"{ran!r} (route: {why})")
+        else:
+            assert ran == want, f"{where}: meant {want!r}, ran {ran!r}"
+
+
+def assert_product_routes(spy: RouteSpy, ops=HOT_OPS) -> None:
+    """Both checks: route() tells the truth, and the truth is the path meant."""
+    assert_routes_ran(spy, ops)
+    assert_intended(spy, ops)
