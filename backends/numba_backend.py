@@ -39,8 +39,8 @@ import os
 
 import numpy as np
 
-from gqakv.backend import GENERIC, Route, route_facts, variant_rejection
-from gqakv.semantics import AttentionParams, block_keys
+from gqakv.backend import GENERIC, Route, route_facts
+from gqakv.semantics import AttentionParams, block_keys, unsupported
 from gqakv.store import CONTIGUOUS, PAGED
 
 from . import numpy_backend as _numpy
@@ -84,7 +84,7 @@ def route_attention(dtype: str, kv_dtype: str | None, storage: str, t_q: int,
     (``numpy_backend.route_attention``), with the reason the kernels do not serve it."""
     name = kv_dtype or dtype
     kinds = _KERNEL_DTYPES + _KERNEL_KV_DTYPES
-    why = (variant_rejection(features, KERNEL)
+    why = (unsupported(features, KERNEL)
            or (f"storage kind={storage!r} (kernels: {CONTIGUOUS}, {PAGED})"
                if storage not in (CONTIGUOUS, PAGED) else None)
            or (f"dtype={name} (kernels: {', '.join(kinds)})" if name not in kinds else None)

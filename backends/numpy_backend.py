@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from gqakv.backend import GENERIC, Backend, Route, route_facts, variant_rejection
+from gqakv.backend import GENERIC, Backend, Route, route_facts
+from gqakv.semantics import unsupported
 from gqakv.inputs import immutable_ints
 from gqakv.store import CONTIGUOUS, PAGED
 
@@ -34,7 +35,7 @@ def route_attention(storage: str, kv_dtype: str | None, features: frozenset) -> 
     BLAS over contiguous rows, over paged rows (the page table read per block) or over
     quantized rows (each block dequantized as read); paged and quantized at once, other
     storage kinds and variants the BLAS paths do not implement: the generic code."""
-    why = variant_rejection(features, BLAS)
+    why = unsupported(features, BLAS)
     if why:
         return Route(GENERIC, {impl: why for impl in BLAS_PATHS})
     if storage not in (CONTIGUOUS, PAGED):

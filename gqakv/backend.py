@@ -47,22 +47,6 @@ class Route:
         return f"{self.impl}{why}"
 
 
-def variant_rejection(features, fast_path: str) -> str | None:
-    """Why ``fast_path`` cannot run an attention variant using the feature names
-    ``features`` (``AttentionParams.features``; ``semantics.unsupported``'s sentence),
-    None when it implements them all: the route fact ``features`` and a call's params
-    are judged by this one rule."""
-    from .semantics import FAST_PATH_VARIANTS
-
-    features = frozenset(features)
-    missing = features - FAST_PATH_VARIANTS[fast_path]
-    if not missing:
-        return None
-    variant = "+".join(("causal", *sorted(features)))
-    return (f"attention variant {variant!r}: {fast_path} does not implement "
-            f"{', '.join(sorted(missing))}")
-
-
 def route_facts(op: str, facts: dict, known: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """``facts`` checked against ``known`` (op -> fact name -> its favourable default) and
     completed with the defaults; ValueError naming the operation or the unknown facts."""

@@ -64,12 +64,16 @@ FAST_PATH_VARIANTS: dict[str, frozenset[str]] = {
 }
 
 
-def unsupported(params: AttentionParams, fast_path: str) -> str | None:
-    """None when ``fast_path`` implements every feature ``params`` uses, else the reason."""
-    missing = params.features - FAST_PATH_VARIANTS[fast_path]
+def unsupported(features, fast_path: str) -> str | None:
+    """None when ``fast_path`` implements every feature in ``features`` (a call's
+    ``AttentionParams.features``, or the ``features`` fact of a route), else the reason:
+    dispatch and ``route`` judge a variant by this one rule."""
+    features = frozenset(features)
+    missing = features - FAST_PATH_VARIANTS[fast_path]
     if not missing:
         return None
-    return (f"attention variant {params.variant!r}: {fast_path} does not implement "
+    variant = "+".join(("causal", *sorted(features)))  # AttentionParams.variant's name
+    return (f"attention variant {variant!r}: {fast_path} does not implement "
             f"{', '.join(sorted(missing))}")
 
 

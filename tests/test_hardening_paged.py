@@ -208,30 +208,11 @@ def test_readers_alongside_copies_on_write_read_whole_rows(name, through, monkey
     assert bad == [], f"{len(bad)} of {reads[0]} reads saw an unfilled page, e.g. {bad[:3]}"
 
 
-def test_a_failed_copy_gives_every_page_back(monkeypatch):
-    """The page copy raising inside an append leaves the tables, counts and free list
-    exactly as they were, and no length changed."""
-    backend = _backend("numpy")
-    cache = gqakv.PagedKVCache(3, HKV, 16, D, backend=backend, page_size=P)
-    cache.append(*_entry(range(6)), [6], rows=[0])
-    cache.fork(0, [1, 2])
-    before, lens = _table_state(cache.store.table), cache.host_lens.copy()
-
-    def broken(*args):
-        raise RuntimeError("copy failed")
-
-    monkeypatch.setattr(backend, "copy_tokens", broken)
-    with pytest.raises(RuntimeError, match="copy failed"):
-        cache.append(*_entry(range(6, 11)), [5], rows=[1])
-    _assert_same_state(before, _table_state(cache.store.table))
-    np.testing.assert_array_equal(cache.host_lens, lens)
-    audit(cache)
-
-
-def test_a_failed_write_gives_every_page_back(monkeypatch):
-    """The K/V write raising after the pages were reserved (copy on write done, fresh pages
-    named) gives every page back: tables, counts and free list as they were, no length
-    changed, and the next append works."""
+@pytest.mark.parametrize("op", ["copy_tokens", "write_kv"])
+def test_a_failed_copy_or_write_gives_every_page_back(op, monkeypatch):
+    """The page copy (copy on write) or the K/V write after it raising inside an append
+    leaves the tables, counts and free list exactly as they were, no length changed, and
+    the next append works."""
     backend = _backend("numpy")
     cache = gqakv.PagedKVCache(3, HKV, 16, D, backend=backend, page_size=P)
     cache.append(*_entry(range(6)), [6], rows=[0])
@@ -239,11 +220,11 @@ def test_a_failed_write_gives_every_page_back(monkeypatch):
     before, lens = _table_state(cache.store.table), cache.host_lens.copy()
 
     def broken(*args, **kwargs):
-        raise RuntimeError("write failed")
+        raise RuntimeError(f"{op} failed")
 
     with monkeypatch.context() as m:
-        m.setattr(backend, "write_kv", broken)
-        with pytest.raises(RuntimeError, match="write failed"):
+        m.setattr(backend, op, broken)
+        with pytest.raises(RuntimeError, match=f"{op} failed"):
             cache.append(*_entry(range(6, 11)), [5], rows=[1])
     _assert_same_state(before, _table_state(cache.store.table))
     np.testing.assert_array_equal(cache.host_lens, lens)

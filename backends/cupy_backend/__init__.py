@@ -51,7 +51,8 @@ from typing import cast
 
 import numpy as np
 
-from gqakv.backend import GENERIC, Backend, Route, variant_rejection
+from gqakv.backend import GENERIC, Backend, Route
+from gqakv.semantics import unsupported
 from gqakv.store import CONTIGUOUS, PAGED
 
 from . import plan as _plan
@@ -106,7 +107,7 @@ class CupyBackend(Backend):
         ``routing`` (dtype, head_dim, t_q, capability, layout, grid, kv_dtype) and two of
         the store: ``storage`` (its kind, default contiguous) and ``features`` (the
         variant's ``AttentionParams.features``, attention only; default none), judged by
-        the rule the hot calls apply to a store (``_kind_rejection``, ``variant_rejection``)
+        the rule the hot calls apply to a store (``_kind_rejection``, ``semantics.unsupported``)
         and reported as the ``layout`` reason. The hot operations route every call
         through the same functions."""
         super().route(op)  # checks op
@@ -125,7 +126,7 @@ class CupyBackend(Backend):
         storage = facts.pop("storage", CONTIGUOUS)
         features = frozenset(facts.pop("features", ()))
         why = (_kind_rejection(storage, facts.get("kv_dtype"), paged=op != "copy_tokens")
-               or (variant_rejection(features, "cupy kernels") if features else None))
+               or (unsupported(features, "cupy kernels") if features else None))
         if why:  # the store's reason comes first, as in the hot calls
             facts["layout"] = why
         route = fn(**facts)  # kept and shared by the hot calls: the caller gets its own copy
@@ -485,7 +486,7 @@ def _store_rejection(store, params=None, paged: bool = True) -> str | None:
         return (f"paged rows of {store.table.table.shape[1] * store.page_size} slots (the paged "
                 f"kernels index a row's keys in 32 bits: fewer than {_plan.MAX_PAGED_ROW_SLOTS})")
     if params is not None:
-        return variant_rejection(params.features, "cupy kernels")
+        return unsupported(params.features, "cupy kernels")
     return None
 
 
