@@ -198,16 +198,10 @@ def product_registrations(families: tuple[str, ...], d: int = PRODUCT_HEAD_DIM) 
 def _product_library(families: tuple[str, ...]) -> harness.Emulator:
     """The PRODUCT_HEAD_DIM library of ``families`` (the harness's units) plus the units of
     ``product_registrations``, compiled and cached by the harness's builder as its own
-    units are."""
+    units are (``harness.build_registrations``)."""
     paths = harness.build(asan=False, head_dims=(PRODUCT_HEAD_DIM,), families=families)
-    cxx, digest = str(harness.compiler()), harness._sources_digest()
-    jobs = [harness._builder.submit(harness._unit_path(False, unit, digest),
-                                    [cxx, *harness._flags(False, unit),
-                                     str(harness.HERE / "driver.cpp")], True)
-            for unit in product_registrations(families)]
-    for job in jobs:
-        job.wait()
-    return harness.Emulator([*paths, *(job.path for job in jobs)])
+    variants = harness.build_registrations(False, product_registrations(families), wait=True)
+    return harness.Emulator([*paths, *variants])
 
 
 #: What in a launch's name says which kernel family (harness.FAMILIES) it belongs to.
