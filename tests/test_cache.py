@@ -11,16 +11,7 @@ import pytest
 import gqakv
 from gqakv import sizing
 
-
-def _snapshot(arrays, cache):
-    return (arrays.to_numpy(cache.k).copy(), arrays.to_numpy(cache.v).copy(), cache.host_lens.copy())
-
-
-def _assert_unchanged(arrays, cache, before):
-    k, v, lens = _snapshot(arrays, cache)
-    np.testing.assert_array_equal(lens, before[2])
-    np.testing.assert_array_equal(k, before[0])  # live data and the tail, bit for bit (NaN == NaN)
-    np.testing.assert_array_equal(v, before[1])
+from .support.direct import assert_unchanged, snapshot
 
 
 @pytest.fixture
@@ -62,17 +53,17 @@ BAD_APPENDS = {
 def test_bad_append_raises_and_changes_nothing(arrays, cache_and_data, case):
     cache, rng = cache_and_data
     kshape, vshape, n_new, rows, error, words = BAD_APPENDS[case]
-    before = _snapshot(arrays, cache)
+    before = snapshot(cache, arrays)
     with pytest.raises(error) as info:
         cache.append(_new(arrays, kshape, rng=rng), _new(arrays, vshape, rng=rng), n_new, rows=rows)
     for w in words:
         assert w in str(info.value), (w, str(info.value))
-    _assert_unchanged(arrays, cache, before)
+    assert_unchanged(cache, arrays, before)
 
 
 def test_wrong_dtype_and_library_rejected(backend, arrays, cache_and_data):
     cache, _ = cache_and_data
-    before = _snapshot(arrays, cache)
+    before = snapshot(cache, arrays)
     with pytest.raises(TypeError, match="dtype float64, the cache holds float32"):
         x = _new(arrays, (3, 2, 1, 4), "float64")
         cache.append(x, x, [1, 1, 1])
@@ -86,7 +77,7 @@ def test_wrong_dtype_and_library_rejected(backend, arrays, cache_and_data):
         x = xs.zeros((3, 2, 1, 4), dtype=xs.float32)
         with pytest.raises(TypeError, match="numpy arrays"):
             cache.append(x, x, [1, 1, 1])
-    _assert_unchanged(arrays, cache, before)
+    assert_unchanged(cache, arrays, before)
 
 
 def test_append_writes_in_place_at_each_rows_length(backend, arrays):
@@ -475,10 +466,10 @@ def test_huge_unsigned_n_new_is_reported_as_given(backend, arrays):
     """A uint64 n_new above the int64 range was reported as a negative number."""
     cache = gqakv.KVCache(2, 1, 8, 4, backend=backend)
     kv = arrays.asarray(np.ones((2, 1, 3, 4), np.float32))
-    before = _snapshot(arrays, cache)
+    before = snapshot(cache, arrays)
     with pytest.raises(ValueError, match="9223372036854775809"):
         cache.append(kv, kv, np.array([2**63 + 1, 0], dtype=np.uint64))
-    _assert_unchanged(arrays, cache, before)
+    assert_unchanged(cache, arrays, before)
 
 
 @pytest.mark.parametrize("n_new", [[2**70, 0], [0, -(2**64)]])
@@ -486,8 +477,8 @@ def test_python_ints_beyond_int64_are_reported_as_given(backend, arrays, n_new):
     """Python ints NumPy cannot hold were refused as 'integer dtype, got object'."""
     cache = gqakv.KVCache(2, 1, 8, 4, backend=backend)
     kv = arrays.asarray(np.ones((2, 1, 3, 4), np.float32))
-    before = _snapshot(arrays, cache)
+    before = snapshot(cache, arrays)
     i = 0 if n_new[0] else 1
     with pytest.raises(ValueError, match=rf"n_new\[{i}\]={n_new[i]} is out of range"):
         cache.append(kv, kv, n_new)
-    _assert_unchanged(arrays, cache, before)
+    assert_unchanged(cache, arrays, before)

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-GENERIC = "generic array-API"
+from gqakv.backend import GENERIC, HOT_OPS
+
 #: The entries of the generic array-API code (gqakv's Backend defaults), by operation.
 GENERIC_ENTRIES = (("gqakv.attention", "attention_array_api"),
                    ("gqakv.cache_ops", "write_kv_array_api"),
@@ -44,7 +45,6 @@ NUMPY_ENTRIES = (("gqakv_backends.numpy_attention", "attention_numpy", "numpy BL
 NUMBA_ENTRIES = (("gqakv_backends.numba_kernels", "attention_items", "numba kernel"),
                  ("gqakv_backends.numba_kernels", "write_tokens", "numba write_tokens"),
                  ("gqakv_backends.numba_kernels", "copy_rows", "numba copy_rows"))
-HOT_OPS = ("write_kv", "copy_tokens", "attention")
 
 
 @dataclass
