@@ -39,8 +39,9 @@ import os
 
 import numpy as np
 
-from gqakv.backend import GENERIC, Route, route_facts
-from gqakv.semantics import AttentionParams, block_keys, unsupported
+from gqakv.backend import GENERIC, FastPath, Route, route_facts
+from gqakv.codecs import PLAIN_NAME
+from gqakv.semantics import AttentionParams, block_keys
 from gqakv.store import CONTIGUOUS, PAGED
 
 from . import numpy_backend as _numpy
@@ -76,18 +77,24 @@ COPY_KERNEL = "numba copy_rows"
 NOT_CONTIGUOUS = "K/V buffers are not C-contiguous (kernels read contiguous rows)"
 
 
+_CODECS = frozenset({PLAIN_NAME, *_KERNEL_KV_DTYPES})
+#: What the compiled paths implement (as data; ``route_*`` adds the per-call conditions:
+#: chunk length and buffer layout).
+KERNEL_PATH = FastPath(KERNEL, "attention", frozenset({CONTIGUOUS, PAGED}), _CODECS,
+                       frozenset({"window", "softcap", "sinks"}), frozenset(_KERNEL_DTYPES))
+WRITE_PATH = FastPath(WRITE_KERNEL, "write_kv", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}))
+COPY_PATH = FastPath(COPY_KERNEL, "copy_tokens", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}))
+
+
 @functools.lru_cache(maxsize=1024)
 def route_attention(dtype: str, kv_dtype: str | None, storage: str, t_q: int,
                     layout: str | None, features: frozenset) -> Route:
     """The numba backend's attention decision (its dispatch, ``attention_route`` and
-    ``route`` all ask it): the kernels, else the NumPy backend's decision for the call
+    ``route`` all ask it): the kernels (``KERNEL_PATH``, then the chunk and buffer
+    conditions), else the NumPy backend's decision for the call
     (``numpy_backend.route_attention``), with the reason the kernels do not serve it."""
-    name = kv_dtype or dtype
-    kinds = _KERNEL_DTYPES + _KERNEL_KV_DTYPES
-    why = (unsupported(features, KERNEL)
-           or (f"storage kind={storage!r} (kernels: {CONTIGUOUS}, {PAGED})"
-               if storage not in (CONTIGUOUS, PAGED) else None)
-           or (f"dtype={name} (kernels: {', '.join(kinds)})" if name not in kinds else None)
+    why = (KERNEL_PATH.rejection(layout=storage, codec=kv_dtype or PLAIN_NAME, features=features,
+                                 dtype=dtype)
            or layout
            or (f"T={t_q} queries > {KERNEL_MAX_QUERIES}: a prefill chunk is compute-bound, "
                "BLAS matmuls are faster there" if t_q > KERNEL_MAX_QUERIES else None))
@@ -98,34 +105,29 @@ def route_attention(dtype: str, kv_dtype: str | None, storage: str, t_q: int,
     return Route(KERNEL, {impl: served for impl in (*_numpy.BLAS_PATHS, GENERIC)})
 
 
+def _copy_route(path: FastPath, storage: str, kv_dtype: str | None, layout: str | None) -> Route:
+    why = path.rejection(layout=storage, codec=kv_dtype or PLAIN_NAME) or layout
+    if why:
+        return Route(GENERIC, {path.name: why})
+    return Route(path.name, {GENERIC: f"{path.name} serves this call (kernels come first)"})
+
+
 @functools.lru_cache(maxsize=256)
 def route_write_kv(storage: str, kv_dtype: str | None, layout: str | None) -> Route:
     """The numba backend's append decision: one compiled call for every row
-    (``numba_kernels.write_tokens``) into contiguous, unquantized storage whose buffers
-    suit it (``layout`` None), else the generic writes."""
-    why = ((f"storage kind {storage!r} ({WRITE_KERNEL} writes {CONTIGUOUS} rows; a paged "
-            "append looks its pages up on the generic path)" if storage != CONTIGUOUS else None)
-           or (f"kv_dtype={kv_dtype!r} (codes and scales are computed on the generic path)"
-               if kv_dtype else None)
-           or layout)
-    if why:
-        return Route(GENERIC, {WRITE_KERNEL: why})
-    return Route(WRITE_KERNEL, {GENERIC: f"{WRITE_KERNEL} serves this call (kernels come first)"})
+    (``numba_kernels.write_tokens``) into contiguous, plain storage whose buffers suit it
+    (``layout`` None), else the generic writes (a paged append looks its pages up there,
+    codes and scales are computed there)."""
+    return _copy_route(WRITE_PATH, storage, kv_dtype, layout)
 
 
 @functools.lru_cache(maxsize=256)
 def route_copy_tokens(storage: str, kv_dtype: str | None, layout: str | None) -> Route:
     """The numba backend's row-copy decision: one compiled call for every copy
-    (``numba_kernels.copy_rows``) between contiguous, unquantized stores (a paged pool's
-    pages count as such rows) whose buffers suit it, else the generic copies."""
-    why = ((f"storage kind {storage!r} ({COPY_KERNEL} copies {CONTIGUOUS} rows)"
-            if storage != CONTIGUOUS else None)
-           or (f"kv_dtype={kv_dtype!r} (the scales travel too: the generic copies)"
-               if kv_dtype else None)
-           or layout)
-    if why:
-        return Route(GENERIC, {COPY_KERNEL: why})
-    return Route(COPY_KERNEL, {GENERIC: f"{COPY_KERNEL} serves this call (kernels come first)"})
+    (``numba_kernels.copy_rows``) between contiguous, plain stores (a paged pool's pages
+    count as such rows) whose buffers suit it, else the generic copies (scales travel
+    with their codes there)."""
+    return _copy_route(COPY_PATH, storage, kv_dtype, layout)
 
 
 class NumbaBackend(NumpyBackend):
@@ -141,6 +143,8 @@ class NumbaBackend(NumpyBackend):
         "threads: GQAKV_NUM_THREADS, else all cores",
         "variants in the kernels: window (reads min(L, W) keys), softcap, sinks",
     })
+
+    fast_paths = (KERNEL_PATH, *_numpy.FAST_PATHS, WRITE_PATH, COPY_PATH)
 
     def __init__(self):
         self._reason: str | None | bool = False  # False: not checked yet

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from gqakv.backend import GENERIC, Backend, Route, route_facts
-from gqakv.semantics import unsupported
+from gqakv.backend import GENERIC, Backend, FastPath, Route, choose, route_facts
+from gqakv.codecs import PLAIN_NAME
 from gqakv.inputs import immutable_ints
 from gqakv.store import CONTIGUOUS, PAGED
 
@@ -29,36 +29,23 @@ CPU_FACTS: dict[str, dict] = {
 }
 
 
+#: The variant features the BLAS paths implement (numpy_attention's item kernel).
+BLAS_FEATURES = frozenset({"window", "softcap", "sinks"})
+#: The BLAS paths, in the order dispatch tries them (what each reads, as data).
+FAST_PATHS: tuple[FastPath, ...] = (
+    FastPath(BLAS, "attention", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}), BLAS_FEATURES),
+    FastPath(BLAS_PAGED, "attention", frozenset({PAGED}), frozenset({PLAIN_NAME}), BLAS_FEATURES),
+    FastPath(BLAS_QUANTIZED, "attention", frozenset({CONTIGUOUS}), frozenset({"int8", "float8_e4m3fn"}),
+             BLAS_FEATURES),
+)
+
+
 @functools.lru_cache(maxsize=256)
 def route_attention(storage: str, kv_dtype: str | None, features: frozenset) -> Route:
     """The NumPy backend's attention decision (its dispatch and ``route`` both ask it):
-    BLAS over contiguous rows, over paged rows (the page table read per block) or over
-    quantized rows (each block dequantized as read); paged and quantized at once, other
-    storage kinds and variants the BLAS paths do not implement: the generic code."""
-    why = unsupported(features, BLAS)
-    if why:
-        return Route(GENERIC, {impl: why for impl in BLAS_PATHS})
-    if storage not in (CONTIGUOUS, PAGED):
-        why = f"storage kind {storage!r} (the BLAS paths read {CONTIGUOUS} or {PAGED} K/V)"
-        return Route(GENERIC, {impl: why for impl in BLAS_PATHS})
-    paged, quantized = storage == PAGED, kv_dtype is not None
-    rejected = {
-        BLAS: (f"storage kind {storage!r} ({BLAS} reads {CONTIGUOUS} rows)" if paged else
-               f"kv_dtype={kv_dtype!r} ({BLAS} reads unquantized K/V)" if quantized else None),
-        BLAS_PAGED: (f"storage kind {storage!r} ({BLAS_PAGED} reads {PAGED} K/V)" if not paged else
-                     f"kv_dtype={kv_dtype!r} ({BLAS_PAGED} reads unquantized pages; paged "
-                     "quantized K/V take the generic path)" if quantized else None),
-        BLAS_QUANTIZED: (f"no kv_dtype ({BLAS_QUANTIZED} reads int8 / float8_e4m3fn codes)"
-                         if not quantized else
-                         f"storage kind {storage!r} ({BLAS_QUANTIZED} reads {CONTIGUOUS} "
-                         "quantized rows)" if paged else None),
-    }
-    chosen = [impl for impl, why in rejected.items() if why is None]
-    if not chosen:
-        return Route(GENERIC, {impl: str(why) for impl, why in rejected.items()})
-    impl = chosen[0]
-    return Route(impl, {**{i: str(w) for i, w in rejected.items() if i != impl},
-                        GENERIC: f"{impl} serves this call (BLAS paths come first)"})
+    the first BLAS path that declares the call's layout, codec and variant
+    (``FAST_PATHS``), else the generic code."""
+    return choose(FAST_PATHS, layout=storage, codec=kv_dtype or PLAIN_NAME, features=features)
 
 
 class NumpyBackend(Backend):
@@ -70,6 +57,7 @@ class NumpyBackend(Backend):
     head_dims = None
     features = frozenset({"array_api", "bfloat16 via ml_dtypes", "float16/bfloat16 computed in float32",
                           "threaded BLAS attention (GQAKV_NUM_THREADS)"})
+    fast_paths = FAST_PATHS
 
     def namespace(self):
         import array_api_compat.numpy as xp

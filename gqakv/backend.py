@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from . import dtypes as _dtypes
+from .codecs import PLAIN_NAME
 
 
 #: The implementation name of the generic array-API code (the ``Backend`` defaults).
@@ -45,6 +46,71 @@ class Route:
     def __str__(self) -> str:
         why = "".join(f"; not {name}: {reason}" for name, reason in self.rejected.items())
         return f"{self.impl}{why}"
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """What one fast path of a backend implements, declared as data on the backend class
+    (``Backend.fast_paths``): the hot operation it serves, the storage layouts
+    (``"contiguous"``, ``"paged"``) and codecs (``gqakv.codecs``: ``"none"`` for plain
+    values, ``"int8"``, ...) it reads or writes, the attention variant features it
+    implements (``AttentionParams.features``) and the dtypes of q / new K/V (None: every
+    dtype of the backend). A call it does not declare is refused by ``rejection`` with a
+    sentence, never computed: a new codec or variant is served by no fast path until one
+    declares it, and runs on the generic array-API path meanwhile.
+    """
+
+    name: str
+    op: str
+    layouts: frozenset[str]
+    codecs: frozenset[str]
+    features: frozenset[str] = frozenset()
+    dtypes: frozenset[str] | None = None
+
+    def rejection(self, *, layout: str, codec: str, features=frozenset(), dtype=None) -> str | None:
+        """None when this path implements a call over ``layout`` / ``codec`` storage with
+        these variant ``features`` and q dtype ``dtype``, else why not (one sentence)."""
+        features = frozenset(features)
+        missing = features - self.features
+        if missing:
+            variant = "+".join(("causal", *sorted(features)))  # AttentionParams.variant's name
+            return (f"attention variant {variant!r}: {self.name} does not implement "
+                    f"{', '.join(sorted(missing))}")
+        if layout not in self.layouts:
+            return f"storage layout {layout!r} ({self.name} reads {', '.join(sorted(self.layouts))})"
+        if codec not in self.codecs:
+            known = [("unquantized" if c == PLAIN_NAME else f"kv_dtype={c!r}") for c in sorted(self.codecs)]
+            what = "unquantized K/V" if codec == PLAIN_NAME else f"kv_dtype={codec!r}"
+            return f"{what} ({self.name} reads {', '.join(known)} K/V)"
+        if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
+            return f"dtype={dtype} ({self.name} computes {', '.join(sorted(self.dtypes))})"
+        return None
+
+    def describe(self) -> str:
+        """One line for ``gqakv info``: what this path declares."""
+        parts = [f"{self.op} over {'/'.join(sorted(self.layouts))} storage, codecs "
+                 f"{'/'.join(sorted(self.codecs))}"]
+        if self.features:
+            parts.append(f"variants {'/'.join(sorted(self.features))}")
+        if self.dtypes is not None:
+            parts.append(f"dtypes {'/'.join(sorted(self.dtypes))}")
+        return "; ".join(parts)
+
+
+def choose(paths, **request) -> Route:
+    """The first of ``paths`` (FastPaths, in priority order) that implements ``request``
+    (``FastPath.rejection``'s keywords), else the generic code; every path not chosen
+    with its reason."""
+    rejected: dict[str, str] = {}
+    paths = tuple(paths)
+    for i, path in enumerate(paths):
+        why = path.rejection(**request)
+        if why is None:
+            served = f"{path.name} serves this call (fast paths come first)"
+            later = {p.name: served for p in paths[i + 1:]}
+            return Route(path.name, {**rejected, **later, GENERIC: served})
+        rejected[path.name] = why
+    return Route(GENERIC, rejected)
 
 
 def route_facts(op: str, facts: dict, known: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -79,6 +145,9 @@ class Backend:
     head_dims: ClassVar[tuple[int, ...] | None] = None
     #: Free-form feature names shown by ``gqakv info`` (e.g. "fused_decode").
     features: ClassVar[frozenset[str]] = frozenset()
+    #: What each fast path implements (``FastPath``), in the order dispatch tries them;
+    #: empty: every call runs the generic array-API code.
+    fast_paths: ClassVar[tuple[FastPath, ...]] = ()
 
     # -- availability and capabilities ---------------------------------------------------
 

@@ -11,14 +11,6 @@ ITEMSIZE: dict[str, int] = {
 }
 
 
-#: Quantized storage dtypes of K/V (a cache's ``kv_dtype``): bytes per stored value. Each
-#: token also stores one float32 scale for K and one for V (``gqakv.quantize``).
-QUANTIZED_ITEMSIZE: dict[str, int] = {
-    "int8": 1,
-    "float8_e4m3fn": 1,
-}
-
-
 #: Names already worked out, by dtype object (every append and attention call asks twice,
 #: and NumPy's dtype.name is slow). Only the few dtype objects of real arrays end up here.
 _NAMES: dict = {}
@@ -64,23 +56,6 @@ def _name_of(dtype) -> str:
 
 
 def itemsize(dtype) -> int:
-    """Bytes per element of ``dtype`` (a name or a dtype object; quantized names too)."""
-    if isinstance(dtype, str) and dtype in QUANTIZED_ITEMSIZE:
-        return QUANTIZED_ITEMSIZE[dtype]
+    """Bytes per element of ``dtype`` (a name or a dtype object of a float dtype; a
+    codec's stored values: ``gqakv.codecs``)."""
     return ITEMSIZE[canonical_name(dtype)]
-
-
-def kv_dtype_name(kv_dtype) -> str | None:
-    """The canonical name of a ``kv_dtype`` argument: None (K/V stored as the cache's
-    dtype), ``"int8"`` or ``"float8_e4m3fn"`` (a name, or a dtype object of that name such
-    as ``numpy.int8``, ``torch.float8_e4m3fn``, ``ml_dtypes.float8_e4m3fn``)."""
-    if kv_dtype is None:
-        return None
-    attr = getattr(kv_dtype, "name", None)
-    name: str = kv_dtype if isinstance(kv_dtype, str) else (
-        attr if isinstance(attr, str) else getattr(kv_dtype, "__name__", None) or str(kv_dtype))
-    name = name.rsplit(".", 1)[-1].lower()
-    if name not in QUANTIZED_ITEMSIZE:
-        allowed = ", ".join(repr(n) for n in QUANTIZED_ITEMSIZE)
-        raise ValueError(f"kv_dtype={kv_dtype!r} is not supported (allowed: None, {allowed})")
-    return name

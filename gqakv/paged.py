@@ -420,10 +420,8 @@ class PagedStore(KVStore):
         P = self.page_size
         n = int(k.shape[1])
         if self.quantized:  # each token's codes and scale, from that token alone
-            from . import quantize as _quantize
-
             xp = array_namespace(k)
-            (kc, ks), (vc, vs) = (_quantize.quantize(xp, x, self.dtype) for x in (k, v))
+            (kc, ks), (vc, vs) = (self.spec.codec.quantize(xp, x) for x in (k, v))
         for j0, j1 in self.key_blocks(row, start, start + n, P):
             page = int(self.table.table[row, j0 // P])
             a, b = j0 - (j0 // P) * P, j1 - (j0 // P) * P

@@ -3,7 +3,8 @@
 Every implementation (the generic array-API path, the NumPy/numba planner, the CUDA
 planner, ``gqakv.reference``) asks this module which keys a query sees instead of
 writing the rule again, so an attention variant (a sliding window, a soft-cap,
-sinks) is one change here plus the fast paths that declare they implement it.
+sinks) is one change here plus the fast paths that declare they implement it
+(``gqakv.backend.FastPath.features``, class data of each backend).
 
 Positions (bottom-right causal): in a row holding ``L`` tokens after appending ``n``,
 query ``t`` (0 <= t < n) sits at absolute position ``p = L - n + t`` and sees the keys
@@ -42,7 +43,7 @@ class AttentionParams:
     @property
     def features(self) -> frozenset[str]:
         """The variant features this call uses (empty: plain causal), checked against
-        what each fast path implements (``FAST_PATH_VARIANTS``)."""
+        what each fast path declares it implements (``gqakv.backend.FastPath``)."""
         return frozenset(name for name, on in (("window", self.window is not None),
                                                ("softcap", self.softcap is not None),
                                                ("sinks", self.sinks is not None)) if on)
@@ -51,30 +52,6 @@ class AttentionParams:
     def variant(self) -> str:
         """A readable name of the variant: ``"causal"`` or e.g. ``"causal+softcap+window"``."""
         return "+".join(("causal", *sorted(self.features)))
-
-
-#: Which variant features each fast path implements (the planner's table): a call that
-#: uses a feature not listed for a fast path takes the generic array-API path (the
-#: backend's route says so, with ``unsupported``'s sentence). A new variant adds its
-#: name to the fast paths that implement it, nowhere else.
-FAST_PATH_VARIANTS: dict[str, frozenset[str]] = {
-    "numpy BLAS": frozenset({"window", "softcap", "sinks"}),
-    "numba kernel": frozenset({"window", "softcap", "sinks"}),
-    "cupy kernels": frozenset({"window", "softcap", "sinks"}),
-}
-
-
-def unsupported(features, fast_path: str) -> str | None:
-    """None when ``fast_path`` implements every feature in ``features`` (a call's
-    ``AttentionParams.features``, or the ``features`` fact of a route), else the reason:
-    dispatch and ``route`` judge a variant by this one rule."""
-    features = frozenset(features)
-    missing = features - FAST_PATH_VARIANTS[fast_path]
-    if not missing:
-        return None
-    variant = "+".join(("causal", *sorted(features)))  # AttentionParams.variant's name
-    return (f"attention variant {variant!r}: {fast_path} does not implement "
-            f"{', '.join(sorted(missing))}")
 
 
 def key_range(params: AttentionParams, L, n, t):

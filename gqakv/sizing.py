@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import codecs as _codecs
 from . import dtypes as _dtypes
 from . import store as _store
 from .cache import human_bytes
@@ -312,7 +313,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, default=1, help="rows (default 1)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_dtypes.ITEMSIZE),
                         help="cache dtype (default bfloat16)")
-    parser.add_argument("--kv-dtype", default=None, choices=sorted(_dtypes.QUANTIZED_ITEMSIZE),
+    parser.add_argument("--kv-dtype", default=None, choices=sorted(_codecs.names()),
                         help="store K/V quantized: 1 byte per value plus a float32 scale per "
                         "token and KV head (default: K/V stored as --dtype)")
     parser.add_argument("--budget", help="memory for the cache (e.g. 40GiB): print the largest "
@@ -361,7 +362,8 @@ def run(args) -> int:
                         kv_dtype=kv_dtype)
     budget = _cli_budget(args.budget) if args.budget is not None else None
     rows = _paged_rows(args)  # checked before any output
-    item = _dtypes.itemsize(stored)
+    codec = _codecs.of(stored)
+    item = codec.code_bytes if codec.scaled else _dtypes.itemsize(stored)
     per = cfg.bytes_per_token(args.dtype, kv_dtype)
     what = args.dtype if kv_dtype is None else f"{args.dtype}, K/V stored as {kv_dtype}"
     print(f"{cfg.name}: {cfg.layers} layers, {full.q_heads} query heads, {full.kv_heads} KV heads, "
@@ -374,7 +376,7 @@ def run(args) -> int:
     else:
         plain = cfg.bytes_per_token(args.dtype)
         print(f"  per token : {per:,} bytes ({human_bytes(per)}) = 2 x {cfg.layers} layers x "
-              f"{cfg.kv_heads} KV heads x ({cfg.head_dim} x {item} byte + 4-byte scale); "
+              f"{cfg.kv_heads} KV heads x ({cfg.head_dim} x {item} byte + {codec.scale_bytes}-byte scale); "
               f"{per / plain:.2f}x of {args.dtype}'s {plain:,}")
     print(f"  cache     : {total:,} bytes ({human_bytes(total)}) for batch {args.batch} x "
           f"max_len {args.max_len:,}")

@@ -30,10 +30,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as _np
 
+from . import codecs as _codecs
 from . import dtypes as _dtypes
-from . import quantize as _quantize
 
 #: Storage kinds. Contiguous: K and V are dense arrays, row r's token j of KV head h at
 #: ``[..., r, h, j, :]``.
@@ -74,7 +73,7 @@ class StorageSpec:
         name = _dtypes.canonical_name(dtype)
         if kind not in KINDS:
             raise ValueError(f"storage kind={kind!r} (known: {', '.join(KINDS)})")
-        stored = _dtypes.kv_dtype_name(kv_dtype)
+        stored = _codecs.kv_dtype_name(kv_dtype)
         if stored is not None:
             if name == "float64":
                 raise ValueError(f"kv_dtype={stored!r} needs dtype float32, float16 or bfloat16, "
@@ -83,19 +82,23 @@ class StorageSpec:
         return cls(kind, stored or name, name, name)
 
     @property
+    def codec(self) -> _codecs.Codec:
+        """How K/V values are stored (``gqakv.codecs``): ``PLAIN`` for a float dtype."""
+        return _codecs.of(self.dtype)
+
+    @property
     def quantized(self) -> bool:
-        """True when K/V are stored as 8-bit codes with per-token float32 scales."""
-        return self.dtype in _dtypes.QUANTIZED_ITEMSIZE
+        """True when K/V are stored as codes with per-token float32 scales."""
+        return self.codec.scaled
 
     def bytes_per_slot(self, kv_heads: int, head_dim: int) -> int:
         """Bytes of K plus V for one token slot of one row of one layer. The one byte-count
         formula: every size gqakv reports or checks is a multiple of it (Python ints,
         exact). A quantized spec adds each token's two float32 scales (K and V) per KV
         head: ``2 x Hkv x (d x 1 + 4)``."""
-        per_head = int(head_dim) * _dtypes.itemsize(self.dtype)
-        if self.quantized:
-            per_head += _quantize.SCALE_BYTES
-        return 2 * int(kv_heads) * per_head
+        codec = self.codec
+        value_bytes = 0 if codec.scaled else _dtypes.itemsize(self.dtype)
+        return 2 * int(kv_heads) * codec.bytes_per_token_head(head_dim, value_bytes)
 
     def nbytes(self, slots: int, kv_heads: int, head_dim: int) -> int:
         """Bytes of K and V for ``slots`` token slots (layers x rows x max_len)."""
@@ -109,7 +112,7 @@ def _allocate_quantized(backend, spec: StorageSpec, shape: tuple[int, ...], devi
     k_scale = backend.empty(shape[:-1], "float32", device=device)
     v_scale = backend.empty(shape[:-1], "float32", device=device)
     xp = backend.namespace()
-    dt = _quantize.code_dtype(xp, spec.dtype)
+    dt = spec.codec.code_dtype(xp)
     dev = getattr(k_scale, "device", None)
     try:
         k = xp.empty(shape, dtype=dt, device=dev)
@@ -143,7 +146,7 @@ class KVStore:
         self.spec = spec
         self.k, self.v = k, v
         self.k_scale, self.v_scale = k_scale, v_scale
-        self._table = None  # float8_e4m3fn off NumPy: the 256 code values, made on first read
+        self._table = None  # the codec's lookup table (e4m3 off NumPy), made on first read
         shape = tuple(int(s) for s in k.shape)
         self.leading = shape[:-4]
         self.rows, self.kv_heads, self.max_len, self.head_dim = shape[-4:]
@@ -258,12 +261,10 @@ class KVStore:
         from array_api_compat import array_namespace
 
         xp = array_namespace(codes)
-        table = None
-        if self.dtype == "float8_e4m3fn" and not isinstance(codes, _np.ndarray):
-            if self._table is None:
-                self._table = xp.asarray(_quantize.e4m3_table(), device=getattr(codes, "device", None))
-            table = self._table
-        return _quantize.dequantize(xp, codes, scales, self.dtype, table)
+        codec = self.spec.codec
+        if self._table is None:
+            self._table = codec.lookup_table(xp, getattr(codes, "device", None))
+        return codec.dequantize(xp, codes, scales, self._table)
 
     # -- writing (the generic path) --------------------------------------------------------
 
@@ -276,7 +277,7 @@ class KVStore:
 
             xp = array_namespace(k)
             for buf, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-                codes, scale = _quantize.quantize(xp, x, self.dtype)
+                codes, scale = self.spec.codec.quantize(xp, x)
                 buf[row, :, start:start + n, :] = codes
                 scales[row, :, start:start + n] = scale
             return
@@ -299,7 +300,7 @@ class KVStore:
         Quantized: every code is the code of 1 and every scale the value, so each slot
         dequantizes to exactly the value (NaN and inf too)."""
         if self.quantized:
-            one = 1 if self.dtype == "int8" else 0x38  # 1.0 in e4m3fn
+            one = self.spec.codec.fill_code
             self.k[...] = one
             self.v[...] = one
             self.k_scale[...] = value

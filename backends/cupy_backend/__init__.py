@@ -51,14 +51,21 @@ from typing import cast
 
 import numpy as np
 
-from gqakv.backend import GENERIC, Backend, Route
-from gqakv.semantics import unsupported
+from gqakv.backend import GENERIC, Backend, FastPath, Route
+from gqakv.codecs import PLAIN_NAME
 from gqakv.store import CONTIGUOUS, PAGED
 
 from . import plan as _plan
 from . import limits, routing
 from . import sources as sources  # the kernel table, an attribute of the package
 from .runtime import CupyRuntime
+
+
+#: The attention variants the kernels implement (variant.cuh's traits), as data; the
+#: layouts and codecs each kernel reads are ``_kind_rejection``'s and ``routing``'s.
+VARIANTS_PATH = FastPath("cupy kernels", "attention", frozenset({CONTIGUOUS, PAGED}),
+                         frozenset({PLAIN_NAME, "int8", "float8_e4m3fn"}),
+                         frozenset({"window", "softcap", "sinks"}))
 
 
 class CupyBackend(Backend):
@@ -107,7 +114,7 @@ class CupyBackend(Backend):
         ``routing`` (dtype, head_dim, t_q, capability, layout, grid, kv_dtype) and two of
         the store: ``storage`` (its kind, default contiguous) and ``features`` (the
         variant's ``AttentionParams.features``, attention only; default none), judged by
-        the rule the hot calls apply to a store (``_kind_rejection``, ``semantics.unsupported``)
+        the rule the hot calls apply to a store (``_kind_rejection``, ``VARIANTS_PATH``)
         and reported as the ``layout`` reason. The hot operations route every call
         through the same functions."""
         super().route(op)  # checks op
@@ -126,7 +133,8 @@ class CupyBackend(Backend):
         storage = facts.pop("storage", CONTIGUOUS)
         features = frozenset(facts.pop("features", ()))
         why = (_kind_rejection(storage, facts.get("kv_dtype"), paged=op != "copy_tokens")
-               or (unsupported(features, "cupy kernels") if features else None))
+               or (VARIANTS_PATH.rejection(layout=CONTIGUOUS, codec=PLAIN_NAME, features=features)
+                   if features else None))
         if why:  # the store's reason comes first, as in the hot calls
             facts["layout"] = why
         route = fn(**facts)  # kept and shared by the hot calls: the caller gets its own copy
@@ -475,7 +483,7 @@ def _plan_or_refusal(planner, *args, **kwargs):
 
 def _store_rejection(store, params=None, paged: bool = True) -> str | None:
     """Why the kernels cannot serve this storage kind or attention variant (None: they can);
-    the kernels implement what ``semantics.FAST_PATH_VARIANTS["cupy kernels"]`` lists, over
+    the kernels implement the variants ``VARIANTS_PATH`` declares, over
     contiguous or paged rows (PagedKV), unquantized, or contiguous quantized rows (QuantizedKV).
     ``paged``: whether the operation has paged kernels (copy_tokens has not: it copies
     contiguous rows, and a paged pool's pages as such rows)."""
@@ -486,7 +494,7 @@ def _store_rejection(store, params=None, paged: bool = True) -> str | None:
         return (f"paged rows of {store.table.table.shape[1] * store.page_size} slots (the paged "
                 f"kernels index a row's keys in 32 bits: fewer than {_plan.MAX_PAGED_ROW_SLOTS})")
     if params is not None:
-        return unsupported(params.features, "cupy kernels")
+        return VARIANTS_PATH.rejection(layout=CONTIGUOUS, codec=PLAIN_NAME, features=params.features)
     return None
 
 

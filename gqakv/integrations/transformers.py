@@ -463,7 +463,7 @@ class GqakvCache(Cache):
 
     def __init__(self, config, max_cache_len: int, batch_size: int | None = None,
                  max_batch_size: int | None = None, kv_dtype=None):
-        kv_dtype = gqakv.dtypes.kv_dtype_name(kv_dtype)  # a bad name is refused here, naming it
+        kv_dtype = gqakv.codecs.kv_dtype_name(kv_dtype)  # a bad name is refused here, naming it
         text = config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         other = sorted(set(types) - LAYER_TYPES)

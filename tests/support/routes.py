@@ -194,7 +194,7 @@ class Refused:
 
 def _numpy_attention(f) -> Any:
     if f["storage"] == "paged" and f["kv_dtype"]:
-        return Refused(("paged", "kv_dtype", "generic path"))
+        return Refused(("paged", "kv_dtype"))
     return FAST
 
 
