@@ -159,6 +159,27 @@ class NumbaBackend(NumpyBackend):
                 self._reason = None
         return None if isinstance(self._reason, bool) else self._reason  # checked: never a bool
 
+    # -- hooks for the tools (gqakv.backend.Backend) ----------------------------------------
+
+    def split_attention(self, dtype: str):
+        if dtype not in _KERNEL_DTYPES:  # float64: the numpy backend's BLAS path
+            return super().split_attention(dtype)
+
+        def split(q, k, v, rows, lens, n_new, *, scale, return_lse):
+            return attention_numba(q, k, v, rows, lens, n_new, scale=scale, return_lse=return_lse,
+                                   workers=2, min_key_split=16, parallel_min_work=0)
+        return split, "forced splits (attention_numba, 16-key pieces, 2 workers) + merge_attention"
+
+    def thread_count(self) -> int | None:
+        return default_workers()
+
+    def threads_line(self) -> str:
+        default_workers()  # validates GQAKV_NUM_THREADS
+        return ""
+
+    def compile_note(self) -> str | None:
+        return jit_note()
+
     def route(self, op: str, **facts) -> Route:
         """The implementation that runs ``op`` for these facts (``numpy_backend.CPU_FACTS``;
         those not given are taken as favourable), from the decisions the dispatch takes
@@ -280,6 +301,26 @@ def _dtype_name(dtype) -> str:
     from gqakv.dtypes import canonical_name
 
     return canonical_name(dtype)
+
+
+def jit_note(where=None) -> str:
+    """What ``gqakv selftest``'s compile line says for numba: nothing is built ahead, its
+    kernels compile (one specialization per dtype, layout and variant reached) on their
+    first call in the lines below, and numba caches them on disk, so a first run is far
+    slower. ``where``: the cache folder (default: the one numba's cache locator chose)."""
+    from pathlib import Path
+
+    if where is None:
+        from . import numba_kernels
+
+        where = numba_kernels._attend._cache._cache_path
+    folder = Path(where)
+    cached = len(list(folder.glob("numba_kernels.*.nbi"))) if folder.is_dir() else 0
+    state = (f"{cached} kernel cache indexes found there: compiled kernels load from it" if cached else
+             "none cached there yet: this run compiles them (a few minutes; about 3 on an idle 2-core machine, "
+             "where a cached run takes about 30 s)")
+    return (f"built on first call: numba compiles each kernel specialization the lines below reach and "
+            f"caches it on disk ({folder}); {state}")
 
 
 def default_workers() -> int:

@@ -87,6 +87,38 @@ class NumpyBackend(Backend):
         # then write ``a``: the cache's own lengths, once).
         return immutable_ints(a)
 
+    # -- hooks for the tools (gqakv.backend.Backend) ----------------------------------------
+
+    #: What forces the BLAS path's key splits on small shapes (the self-test's split line).
+    SPLIT_KNOBS: dict = dict(workers=2, min_key_split=16, parallel_min_work=0,
+                             score_block_elements=1 << 10)
+
+    def split_attention(self, dtype: str):
+        from .numpy_attention import attention_numpy
+
+        knobs = self.SPLIT_KNOBS
+
+        def split(q, k, v, rows, lens, n_new, *, scale, return_lse):
+            return attention_numpy(q, k, v, rows, lens, n_new, scale=scale, return_lse=return_lse,
+                                   **knobs)
+        return split, "forced splits (attention_numpy, 16-key pieces, 2 workers) + merge_attention"
+
+    def thread_count(self) -> int | None:
+        from .cpu_plan import _threads
+
+        return _threads.default_workers()
+
+    def threads_line(self) -> str:
+        """The BLAS library and kernel (held to one thread while the backend's own workers
+        run); validates GQAKV_NUM_THREADS first."""
+        self.thread_count()
+        try:
+            from threadpoolctl import threadpool_info
+        except ImportError:
+            return "BLAS threads not controlled (threadpoolctl missing)"
+        return ", ".join(f"{info.get('internal_api')} {info.get('version')} kernel {info.get('architecture')}"
+                         for info in threadpool_info() if info.get("user_api") == "blas")
+
     # -- routing ---------------------------------------------------------------------------
 
     def route(self, op: str, **facts) -> Route:

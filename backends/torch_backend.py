@@ -65,6 +65,28 @@ class TorchBackend(Backend):
                 return f"torch: device {dev} requested but torch.cuda.is_available() is False"
         return None
 
+    # -- hooks for the tools (gqakv.backend.Backend) ----------------------------------------
+
+    def for_device(self, device) -> "TorchBackend":
+        """A torch backend that allocates on ``device`` (a torch device or string)."""
+        return TorchBackend(device=device)
+
+    def for_local_device(self, index: int) -> "TorchBackend":
+        """``cuda:index`` when CUDA is available and no device was chosen, else this one."""
+        import torch
+
+        if self._device is None and torch.cuda.is_available():
+            return TorchBackend(device=f"cuda:{int(index)}")
+        return self
+
+    def thread_count(self) -> int | None:
+        """torch's intra-op threads on the CPU; None on CUDA."""
+        import torch
+
+        if self._device is not None and torch.device(self._device).type != "cpu":
+            return None
+        return int(torch.get_num_threads())
+
     # -- arrays --------------------------------------------------------------------------
 
     def namespace(self):

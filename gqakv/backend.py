@@ -278,6 +278,50 @@ class Backend:
 
         return attention_array_api(q, store, inputs, params, return_lse=return_lse)
 
+    # -- hooks for the tools (selftest, bench, distributed, integrations) ------------------
+    # The tools ask the backend instead of switching on its name, so a third-party backend
+    # can say the same things about itself.
+
+    def compile_kernels(self, dtypes, head_dims) -> list[str]:
+        """Build every kernel this backend would compile for caches of ``dtypes`` and
+        ``head_dims`` ahead of use; returns the names built (empty: nothing is built ahead,
+        see ``compile_note``)."""
+        return []
+
+    def compile_note(self) -> str | None:
+        """How kernels are built when ``compile_kernels`` builds none ahead (a JIT, ...),
+        for ``gqakv selftest``'s compile line; None: this backend has no kernels."""
+        return None
+
+    def split_attention(self, dtype: str):
+        """``(fn, note)`` for the self-test's split line: ``fn(q, k, v, rows, lens, n_new, *,
+        scale, return_lse)`` runs this backend's attention over contiguous buffers with its
+        key range forced into small pieces (None when the backend has no such knob), and
+        ``note`` says how the line exercises splits."""
+        return None, "long rows through the backend's attention + merge_attention"
+
+    def thread_count(self) -> int | None:
+        """The CPU threads a hot call runs on (``gqakv bench``'s ``threads``; a peer gets as
+        many), or None (a device backend, or one that does not thread)."""
+        return None
+
+    def threads_line(self) -> str:
+        """One line on how this backend threads, for ``gqakv bench`` ("" for nothing to
+        say); raises ValueError for a bad thread setting (GQAKV_NUM_THREADS)."""
+        return ""
+
+    def for_device(self, device) -> "Backend":
+        """This backend allocating on ``device`` (a device of its array library); the
+        default, for single-device backends: itself when ``device`` is None."""
+        if device is None:
+            return self
+        raise ValueError(f"backend {self.name!r} has one device; device={device!r} is not one of its own")
+
+    def for_local_device(self, index: int) -> "Backend":
+        """This backend bound to the process's device ``index`` on its node (torchrun's
+        LOCAL_RANK), for ``gqakv.distributed``: CPU backends are returned as they are."""
+        return self
+
     def synchronize(self) -> None:
         """Wait for work queued on the device (a no-op for synchronous CPU libraries), so
         that wall-clock timings are honest."""

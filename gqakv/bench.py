@@ -48,10 +48,10 @@ def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> dict[str, float
     threaded matrix-vector product, usually the fastest plain reader on the CPU.
     ``best`` is the largest: the honest reference for a percentage.
     """
-    from gqakv_backends.numpy_attention import _threads
+    from .registry import get_backend
 
     a = np.ones(nbytes // 4, dtype=np.float32)
-    workers = _threads.default_workers()
+    workers = get_backend("numpy").thread_count() or 1  # as many parts as NumPy's workers
     parts = np.array_split(a, workers)
 
     def best_time(fn):
@@ -377,12 +377,9 @@ def decode_reference(q, k, v, lens):
 
 
 def backend_threads(backend) -> int:
-    """The threads gqakv's CPU backend runs a call on (the peer gets as many)."""
-    if backend.name == "numba":
-        from gqakv_backends.numba_backend import default_workers
-        return default_workers()
-    from gqakv_backends.numpy_attention import _threads
-    return _threads.default_workers()
+    """The threads gqakv's CPU backend runs a call on (the peer gets as many): the
+    backend's ``thread_count`` (1 for a backend that does not thread)."""
+    return backend.thread_count() or 1
 
 
 def median_time(fn, backend, repeats: int = 5) -> float:
@@ -577,34 +574,18 @@ def cache_device(cache) -> str:
 
 
 def thread_count(backend, device: str) -> int | None:
-    """The threads a call runs on (the JSON field ``threads``): numpy's and numba's workers,
-    torch's intra-op threads on the CPU; None on a GPU or for a backend gqakv does not thread."""
+    """The threads a call runs on (the JSON field ``threads``): the backend's
+    ``thread_count`` on the CPU; None on a GPU or for a backend gqakv does not thread."""
     if device != "cpu":
         return None
-    if backend.name in ("numpy", "numba"):
-        return backend_threads(backend)
-    if backend.name == "torch":
-        import torch
-
-        return int(torch.get_num_threads())
-    return None
+    return backend.thread_count()
 
 
 def _threads_line(backend) -> str:
-    """The numpy backend's BLAS library and kernel (it holds BLAS to one thread while its
-    own workers run), or "" for the other backends. Raises ValueError for a bad
-    GQAKV_NUM_THREADS (``run`` calls it before any output)."""
-    if backend.name != "numpy":
-        return ""
-    from gqakv_backends.numpy_attention import _threads
-
-    _threads.default_workers()  # validates GQAKV_NUM_THREADS
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "BLAS threads not controlled (threadpoolctl missing)"
-    return ", ".join(f"{info.get('internal_api')} {info.get('version')} kernel {info.get('architecture')}"
-                     for info in threadpool_info() if info.get("user_api") == "blas")
+    """How the backend threads (numpy: its BLAS library and kernel, held to one thread
+    while its own workers run), or "". Raises ValueError for a bad GQAKV_NUM_THREADS
+    (``run`` calls it before any output)."""
+    return backend.threads_line()
 
 
 # -- the command ---------------------------------------------------------------------------

@@ -240,21 +240,14 @@ def local_device_index() -> int:
 
 
 def rank_backend(backend=None, *, dtype=None, head_dim: int | None = None):
-    """The gqakv backend for this rank, bound to the rank's device: torch on CUDA gets
-    ``cuda:LOCAL_RANK``; CuPy makes ``LOCAL_RANK`` its current device; CPU backends are
-    as ``gqakv.get_backend`` returns them."""
+    """The gqakv backend for this rank, bound to the rank's device by the backend itself
+    (``Backend.for_local_device(LOCAL_RANK)``: torch on CUDA gets ``cuda:LOCAL_RANK``, CuPy
+    makes ``LOCAL_RANK`` its current device; CPU backends are as ``gqakv.get_backend``
+    returns them)."""
     from .registry import get_backend
 
     chosen = get_backend(backend, dtype=dtype, head_dim=head_dim)
-    if chosen.name == "torch" and getattr(chosen, "_device", None) is None:
-        torch, _ = _torch()
-        if torch.cuda.is_available():
-            chosen = type(chosen)(device=f"cuda:{local_device_index()}")  # type: ignore[call-arg]  # TorchBackend
-    elif chosen.name == "cupy":
-        import cupy
-
-        cupy.cuda.Device(local_device_index()).use()
-    return chosen
+    return chosen.for_local_device(local_device_index())  # the backend's own binding
 
 
 class TensorParallel:

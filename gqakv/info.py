@@ -15,8 +15,11 @@ def run(args) -> int:
     rows = describe_backends()
     # Each backend's implementations (fused kernels, ...) and their declared limits.
     impls = {b.name: b.implementations() for b in list_backends()}
+    # What each fast path declares it implements (Backend.fast_paths, class data).
+    declared_paths = {b.name: {p.name: p.describe() for p in b.fast_paths} for b in list_backends()}
     for r in rows:
         r["implementations"] = impls.get(r["name"], {})
+        r["fast_paths"] = declared_paths.get(r["name"], {})
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -31,6 +34,8 @@ def run(args) -> int:
                 print(f"  {'':<18} features: {', '.join(r['features'])}")
         for impl, declared in r["implementations"].items():
             print(f"  {'':<18} {impl}: {declared}")
+        for impl, declared in r["fast_paths"].items():
+            print(f"  {'':<18} declares {impl}: {declared}")
     try:
         chosen = get_backend(None).name
     except Exception as exc:  # say why nothing could be chosen instead of a traceback

@@ -3,12 +3,12 @@
 The first command to run on new hardware. For the chosen backend (``--backend``; default
 the one gqakv would pick here; ``all``: every backend that can run):
 
-1. ``compile``: builds every kernel the backend has, in every dtype it declares (cupy:
-   each kernel source and template instantiation through the backend's module cache, at
-   the head dims tested below; a backend with a ``compile_kernels()`` method: that;
-   numba: nothing ahead, its kernels compile on their first call in the lines below and
-   are cached on disk, which the line says, with the cache folder; the others have
-   nothing to compile).
+1. ``compile``: builds every kernel the backend has, in every dtype it declares, at the
+   head dims tested below (``Backend.compile_kernels``; cupy: each kernel source and
+   template instantiation through its module cache); a backend that builds nothing
+   ahead says how its kernels are built (``Backend.compile_note``; numba: on their first
+   call in the lines below, cached on disk, with the cache folder); the others have
+   nothing to compile.
 2. For each dtype the backend declares, randomized cases of each family against the
    float64 reference (``gqakv.reference``), with ragged rows, idle and empty rows, padded
    slots (``n_new < T``; padded K/V slots hold a sentinel, padded queries NaN) and cache
@@ -19,10 +19,10 @@ the one gqakv would pick here; ``all``: every backend that can run):
      slots past the length still NaN;
    - ``decode``: T = 1 steps over ragged rows, some rows idle;
    - ``split+merge``: long rows and small batches, where the key range is cut into
-     pieces merged through their log-sum-exp: numpy through ``attention_numpy`` with
-     small pieces and 2 workers; cupy through its planner (split-KV plus the merge kernel
-     whenever a few rows cannot fill the GPU: what these shapes are); any backend with a
-     ``selftest_split_attention()`` method through what it returns. For every backend
+     pieces merged through their log-sum-exp: through ``Backend.split_attention`` where
+     the backend has a knob forcing small pieces (numpy, numba: 16-key pieces and 2
+     workers); cupy through its planner (split-KV plus the merge kernel whenever a few
+     rows cannot fill the GPU: what these shapes are). For every backend
      also each row's keys cut in two caches, attended separately (``return_lse``) and
      combined with ``gqakv.merge_attention``;
    - ``prefill``: T > 1 chunks appended over several calls (later chunks see earlier
@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import cast
@@ -376,37 +375,11 @@ def _decode(backend, dtype, rng, quick, checks) -> None:
                      m, q_host, n_new, out, lse)
 
 
-#: Backends whose attention function takes knobs that force key splits on small shapes:
-#: name -> (module, function, keywords, dtypes it serves (None: all)).
-FORCED_SPLITS = {
-    "numpy": ("gqakv_backends.numpy_attention", "attention_numpy",
-              dict(workers=2, min_key_split=16, parallel_min_work=0, score_block_elements=1 << 10),
-              None),
-    "numba": ("gqakv_backends.numba_backend", "attention_numba",
-              dict(workers=2, min_key_split=16, parallel_min_work=0),
-              ("float32", "float16", "bfloat16")),
-}
-
-
 def _split_attention(backend, dtype):
     """(the backend's attention with its key range forced into pieces, a note), or
-    (None, note) when its own planner splits these shapes by itself (cupy) or it has none."""
-    hook = getattr(backend, "selftest_split_attention", None)
-    if hook is not None:
-        return hook(), "the backend's selftest_split_attention() + merge_attention"
-    if backend.name in FORCED_SPLITS:
-        import importlib
-
-        module, name, knobs, dtypes = FORCED_SPLITS[backend.name]
-        if dtypes is None or dtype in dtypes:
-            fn = getattr(importlib.import_module(module), name)
-
-            def split(q, k, v, rows, lens, n_new, *, scale, return_lse):
-                return fn(q, k, v, rows, lens, n_new, scale=scale, return_lse=return_lse, **knobs)
-            return split, f"forced splits ({name}, 16-key pieces, 2 workers) + merge_attention"
-    if backend.name == "cupy":
-        return None, "the planner's split-KV + merge kernel (few rows, long keys) + merge_attention"
-    return None, "long rows through the backend's attention + merge_attention"
+    (None, note) when it has no such knob (its own planner may split these shapes):
+    ``Backend.split_attention``."""
+    return backend.split_attention(dtype)
 
 
 def _split(backend, dtype, rng, quick, checks) -> None:
@@ -690,54 +663,14 @@ def _describe(variant: dict) -> str:
                     for k, v in variant.items())
 
 
-def _numba_jit_note(where: str | os.PathLike[str] | None = None) -> str:
-    """What the compile line says for numba: nothing is built here, but its kernels are
-    compiled (one specialization per dtype, layout and variant reached) on their first call
-    in the lines below, and numba caches them on disk, so a first run is far slower.
-    ``where``: the cache folder (default: the one numba's cache locator chose)."""
-    from pathlib import Path
-
-    if where is None:
-        from gqakv_backends import numba_kernels
-
-        where = numba_kernels._attend._cache._cache_path
-    folder = Path(where)
-    cached = len(list(folder.glob("numba_kernels.*.nbi"))) if folder.is_dir() else 0
-    state = (f"{cached} kernel cache indexes found there: compiled kernels load from it" if cached else
-             "none cached there yet: this run compiles them (a few minutes; about 3 on an idle 2-core machine, "
-             "where a cached run takes about 30 s)")
-    return (f"built on first call: numba compiles each kernel specialization the lines below reach and "
-            f"caches it on disk ({folder}); {state}")
-
-
 def _compile(backend, dtypes, quick) -> Check:
     """Build every kernel of the backend (see the module docstring)."""
     check = Check("compile", "all")
     t = time.perf_counter()
-    hook = getattr(backend, "compile_kernels", None)
-    if hook is not None:
-        names = list(hook())
-    elif backend.name == "cupy":
-        from gqakv_backends.cupy_backend import modules, sources
-
-        names = []
-        for kernel in sources.KERNEL_FILES:
-            for dtype in dtypes:
-                if dtype not in sources.CTYPES:
-                    continue  # float64 runs the array-API code: nothing to compile
-                for d in HEAD_DIMS[quick]:
-                    # over quantized K/V too, and the paged instantiations (the paged lines run them)
-                    for kv_dtype in (None, *sources.CODE_CTYPES):
-                        paged = sources.paged_instantiations(kernel, dtype, d) if kv_dtype is None else []
-                        for name in sources.instantiations(kernel, dtype, d, kv_dtype) + paged:
-                            modules.get_function(kernel, name)
-                            names.append(name)
-    elif backend.name == "numba":
-        check.note = _numba_jit_note()
-        check.required = False
-        return check
-    else:
-        check.note = "nothing to build ahead (this backend has no compile_kernels(): no kernels declared)"
+    names = backend.compile_kernels(dtypes, HEAD_DIMS[quick])
+    if not names:
+        note = backend.compile_note()
+        check.note = note or "nothing to build ahead (this backend declares no kernels)"
         check.required = False
         return check
     check.cases = len(names)

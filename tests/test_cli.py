@@ -164,16 +164,17 @@ def test_selftest_compile_line_tells_numba_compiles_on_first_call(tmp_path):
     pytest.importorskip("numba")
     from gqakv import selftest
     from gqakv.registry import get_backend
+    from gqakv_backends.numba_backend import jit_note as _jit_note
 
     check = selftest._compile(get_backend("numba"), ["float32"], quick=True)
     assert "nothing to build ahead" not in check.note
     assert check.note.startswith("built on first call: numba compiles each kernel specialization")
     assert "caches it on disk (" in check.note and not check.required
-    empty = selftest._numba_jit_note(tmp_path)
+    empty = _jit_note(tmp_path)
     assert f"({tmp_path})" in empty and "none cached there yet: this run compiles them" in empty
     for name in ("numba_kernels._attend-652.py311.nbi", "numba_kernels._decode-1.py311.nbi"):
         (tmp_path / name).write_text("")
-    assert "2 kernel cache indexes found there" in selftest._numba_jit_note(tmp_path)
+    assert "2 kernel cache indexes found there" in _jit_note(tmp_path)
 
 
 def test_generate_prefills_the_default_prompts_in_one_forward_call(capsys, monkeypatch):

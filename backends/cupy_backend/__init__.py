@@ -143,6 +143,38 @@ class CupyBackend(Backend):
     def implementations(self) -> dict[str, str]:
         return routing.implementations()
 
+    # -- hooks for the tools (gqakv.backend.Backend) ----------------------------------------
+
+    def compile_kernels(self, dtypes, head_dims) -> list[str]:
+        """Every kernel source and template instantiation for ``dtypes`` and ``head_dims``
+        (over quantized K/V too, and the paged instantiations), built through the module
+        cache; float64 runs the array-API code: nothing to compile for it."""
+        from . import modules
+
+        names = []
+        for kernel in sources.KERNEL_FILES:
+            for dtype in dtypes:
+                if dtype not in sources.CTYPES:
+                    continue
+                for d in head_dims:
+                    for kv_dtype in (None, *sources.CODE_CTYPES):
+                        paged = sources.paged_instantiations(kernel, dtype, d) if kv_dtype is None else []
+                        for name in sources.instantiations(kernel, dtype, d, kv_dtype) + paged:
+                            modules.get_function(kernel, name)
+                            names.append(name)
+        return names
+
+    def split_attention(self, dtype: str):
+        return None, "the planner's split-KV + merge kernel (few rows, long keys) + merge_attention"
+
+    def for_local_device(self, index: int) -> "CupyBackend":
+        """Makes device ``index`` CuPy's current device (every later allocation and launch
+        of this process goes there)."""
+        import cupy
+
+        cupy.cuda.Device(int(index)).use()
+        return self
+
     # -- arrays --------------------------------------------------------------------------
 
     def namespace(self):
