@@ -34,7 +34,8 @@ from . import dtypes as _dtypes
 from . import row_ops
 from .inputs import immutable_ints, validate_append
 from .registry import get_backend
-from .store import MAX_BUFFER_BYTES, PAGED, KVStore, StorageSpec  # noqa: F401  (MAX_BUFFER_BYTES: re-exported)
+from .layouts import store_class
+from .store import MAX_BUFFER_BYTES, KVStore, StorageSpec  # noqa: F401  (MAX_BUFFER_BYTES: re-exported)
 
 
 def _check_dim(name: str, value, minimum: int) -> int:
@@ -123,22 +124,11 @@ class RowsAndLengths:
         self.dtype = _dtypes.canonical_name(dtype)
         spec = StorageSpec.of(self.dtype, storage, kv_dtype)
         self.kv_dtype: str | None = spec.dtype if spec.quantized else None
-        if spec.kind == PAGED:
-            from . import paged
-
-            page_size, num_pages = paged.check_page_args(
-                paged.DEFAULT_PAGE_SIZE if page_size is None else page_size, num_pages,
-                self.batch, self.max_len)
-        elif page_size is not None or num_pages is not None:
-            raise ValueError(f"page_size={page_size!r} and num_pages={num_pages!r} apply to "
-                             f"storage='paged' only, not storage={storage!r}")
+        layout = store_class(spec.kind)
+        args = layout.layout_args(self.batch, self.max_len, page_size=page_size, num_pages=num_pages)
         self.backend = get_backend(backend, dtype=self.dtype, head_dim=self.head_dim)
         shape = (*leading, self.batch, self.kv_heads, self.max_len, self.head_dim)
-        if spec.kind == PAGED:
-            self.store = paged.PagedStore.allocate(self.backend, spec, shape, what,
-                                                   page_size=page_size, num_pages=num_pages)
-        else:
-            self.store = KVStore.allocate(self.backend, spec, shape, what)
+        self.store = layout.allocate(self.backend, spec, shape, what, **args)
         self._lengths = Lengths(self.batch)
 
     @property
@@ -155,10 +145,7 @@ class RowsAndLengths:
     # -- pages (paged storage) ---------------------------------------------------------------
 
     def _table(self):
-        if self.store.kind != PAGED:
-            raise TypeError(f"this cache's storage is {self.store.kind!r}; pages exist only "
-                            "for storage='paged' (gqakv.PagedKVCache)")
-        return self.store.table
+        return self.store.page_table  # TypeError, naming the storage, when not paged
 
     @property
     def page_size(self) -> int:
@@ -315,19 +302,14 @@ class KVCache(RowsAndLengths):
         with self._lengths.lock:  # validate, write and advance as one step (see Lengths)
             self._check_can_change("append")
             inputs = validate_append(self, k_new, v_new, n_new, rows)
-            reservation = None
-            if self.store.kind == PAGED:  # take pages (OutOfPages changes nothing)
-                from .paged import reserve
-
-                reservation = reserve(self.backend, self.store, inputs.rows, inputs.starts,
-                                      inputs.n_new)
+            # the layout takes what the write needs (paged: pages; OutOfPages changes nothing)
+            reservation = self.store.reserve(self.backend, inputs.rows, inputs.starts, inputs.n_new)
             try:
                 write(self.backend, self.store, k_new, v_new, inputs)
             except BaseException:
                 # the write landed only past live tokens: giving the pages back restores the
                 # table, and no length has moved
-                if reservation is not None:
-                    self.store.table.undo(reservation)
+                self.store.give_back(reservation)
                 raise
             self._set_lens(inputs.rows, inputs.starts + inputs.n_new)
 
@@ -348,11 +330,7 @@ class KVCache(RowsAndLengths):
         if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.batch:
             raise ValueError(f"row={row!r} is not a row of this cache (0..{self.batch - 1})")
         n = int(self._lengths.host[row])
-        k, v = self.store.blocks(int(row), 0, n)
-        if self.store.kind == PAGED:  # copies even when the row fits in one page
-            xp = self.backend.namespace()
-            k, v = xp.asarray(k, copy=True), xp.asarray(v, copy=True)
-        return k, v
+        return self.store.row_kv(self.backend, int(row), n)  # views, or the layout's copies
 
     def __repr__(self) -> str:
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, max_len={self.max_len}, "

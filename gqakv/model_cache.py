@@ -150,16 +150,12 @@ class ModelKVCache(RowsAndLengths):
                 if n[i] < 0:
                     raise ValueError(f"n_new[{i}]={int(n[i])} is negative (row {int(r[i])})")
             check_capacity(r, starts, n, self.max_len)
-            reservation = None
-            if self.store.kind == PAGED:  # pages for every layer, once (OutOfPages: no change)
-                from .paged import reserve
-
-                reservation = reserve(self.backend, self.store, r, starts, n)
+            # what every layer's write needs, once (paged: pages; OutOfPages: no change)
+            reservation = self.store.reserve(self.backend, r, starts, n)
             try:
                 step = Step(self, r, starts, n, reservation)
             except BaseException:
-                if reservation is not None:
-                    self.store.table.undo(reservation)
+                self.store.give_back(reservation)
                 raise
             self._open_step = step
         return step
@@ -313,9 +309,9 @@ class Step:
     def _close(self, state: str) -> None:
         self._state = state
         store = self.cache.store
-        if state == "aborted" and store.kind == PAGED and self._reservation is not None:
+        if state == "aborted":
             # every page the step took, copies on write included; the tables as they were
-            store.table.undo(self._reservation)
+            store.give_back(self._reservation)
         self._reservation = None
         self.cache._open_step = None
 

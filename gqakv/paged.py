@@ -318,6 +318,14 @@ class PagedStore(KVStore):
         self.table = table
 
     @classmethod
+    def layout_args(cls, batch: int, max_len: int, *, page_size=None, num_pages=None) -> dict:
+        """``page_size`` (default ``DEFAULT_PAGE_SIZE``) and ``num_pages`` (None: every row
+        at ``max_len``), checked (``check_page_args``)."""
+        page_size, num_pages = check_page_args(DEFAULT_PAGE_SIZE if page_size is None else page_size,
+                                               num_pages, batch, max_len)
+        return {"page_size": page_size, "num_pages": num_pages}
+
+    @classmethod
     def allocate(cls, backend, spec: StorageSpec, shape: tuple[int, ...], what: str,
                  device=None, *, page_size: int = DEFAULT_PAGE_SIZE,
                  num_pages: int | None = None) -> "PagedStore":
@@ -343,6 +351,41 @@ class PagedStore(KVStore):
         page_size, d]``): page copies run through ``Backend.copy_tokens`` on it."""
         return KVStore(dataclasses.replace(self.spec, kind=CONTIGUOUS), self.k, self.v,
                        self.k_scale, self.v_scale).with_layers(xp)
+
+    # -- the layout's row operations: bookkeeping, no data moves (but copy on write) --------
+
+    def reserve(self, backend, rows, starts, n_new) -> Reservation:
+        """The pages an append needs, shared partly filled last pages copied first
+        (``reserve`` below); OutOfPages, with nothing changed, when the pool is short."""
+        return reserve(backend, self, rows, starts, n_new)
+
+    def give_back(self, reservation) -> None:
+        """Every page ``reserve`` took (copies included) back to the pool; the tables as
+        they were."""
+        if reservation is not None:
+            self.table.undo(reservation)
+
+    def reorder_rows(self, backend, src_rows, lens) -> int:
+        self.table.reorder(src_rows)  # rows share their sources' pages
+        return 0
+
+    def fork_rows(self, backend, src, dst_rows, n) -> int:
+        self.table.fork(src, dst_rows)  # shared pages; the last is copied when a row writes into it
+        return 0
+
+    def trim_rows(self, rows, new_lens) -> None:
+        self.table.trim(rows, new_lens)  # pages past the new lengths go back to the pool
+
+    def row_kv(self, backend, row: int, n: int):
+        """Copies gathered from the row's pages (the pages are shared and move between
+        rows), even when the row fits in one page."""
+        k, v = self.blocks(row, 0, n)
+        xp = backend.namespace()
+        return xp.asarray(k, copy=True), xp.asarray(v, copy=True)
+
+    @property
+    def page_table(self) -> PageTable:
+        return self.table
 
     # -- views -------------------------------------------------------------------------------
 

@@ -31,8 +31,11 @@ import math
 from dataclasses import dataclass
 
 
+import numpy as np
+
 from . import codecs as _codecs
 from . import dtypes as _dtypes
+from .row_copies import plan_reorder, run_waves
 
 #: Storage kinds. Contiguous: K and V are dense arrays, row r's token j of KV head h at
 #: ``[..., r, h, j, :]``.
@@ -183,6 +186,15 @@ class KVStore:
     # -- allocation ------------------------------------------------------------------------
 
     @classmethod
+    def layout_args(cls, batch: int, max_len: int, *, page_size=None, num_pages=None) -> dict:
+        """The checked keyword arguments of ``allocate`` for this layout (contiguous rows
+        take none: ``page_size`` / ``num_pages`` are refused, naming them)."""
+        if page_size is not None or num_pages is not None:
+            raise ValueError(f"page_size={page_size!r} and num_pages={num_pages!r} apply to "
+                             f"storage='paged' only, not storage={CONTIGUOUS!r}")
+        return {}
+
+    @classmethod
     def allocate(cls, backend, spec: StorageSpec, shape: tuple[int, ...], what: str,
                  device=None) -> "KVStore":
         """A store of ``shape`` = ``(*leading, rows, Hkv, max_len, d)`` on ``backend``
@@ -215,6 +227,44 @@ class KVStore:
         shape = (*self.leading, 1, self.kv_heads, max(1, tokens), self.head_dim)
         return KVStore.allocate(backend, self.spec, shape, "temporary row",
                                 device=backend.device_of(self.k))
+
+    # -- the layout's row operations ---------------------------------------------------------
+    # Validated by the caller (gqakv.row_ops, the caches); a paged layout overrides each.
+    # Reorder and fork take the store with a leading layer axis (``with_layers``).
+
+    def reserve(self, backend, rows, starts, n_new):
+        """Take what an append of ``n_new[i]`` tokens at ``starts[i]`` to ``rows[i]`` needs
+        before anything is written (every layer); returns what ``give_back`` undoes.
+        Contiguous rows are allocated whole: nothing to take (None)."""
+        return None
+
+    def give_back(self, reservation) -> None:
+        """Undo a ``reserve`` whose append did not complete (nothing for contiguous rows)."""
+
+    def reorder_rows(self, backend, src_rows: np.ndarray, lens: np.ndarray) -> int:
+        """Row b takes row ``src_rows[b]``'s tokens (``lens``: the lengths before), by copies
+        in a safe order (``gqakv.row_copies``); returns tokens copied per layer."""
+        return run_waves(backend, self, plan_reorder(src_rows, lens))
+
+    def fork_rows(self, backend, src: int, dst_rows: np.ndarray, n: int) -> int:
+        """Each row of ``dst_rows`` takes the first ``n`` tokens of row ``src`` (one wave of
+        copies); returns tokens copied per layer."""
+        backend.copy_tokens(self, dst_rows, self, np.full(dst_rows.size, src), np.full(dst_rows.size, n))
+        return n * int(dst_rows.size)
+
+    def trim_rows(self, rows: np.ndarray, new_lens: np.ndarray) -> None:
+        """Rows ``rows`` now hold ``new_lens`` tokens: nothing moves or is released here."""
+
+    def row_kv(self, backend, row: int, n: int):
+        """Row ``row``'s first ``n`` keys and values ``[Hkv, n, d]`` for ``KVCache.live_kv``:
+        views of the buffers for plain contiguous storage (what ``blocks`` reads)."""
+        return self.blocks(row, 0, n)
+
+    @property
+    def page_table(self):
+        """The page table of a paged layout; TypeError for this one."""
+        raise TypeError(f"this cache's storage is {self.kind!r}; pages exist only for "
+                        "storage='paged' (gqakv.PagedKVCache)")
 
     # -- views -----------------------------------------------------------------------------
 
