@@ -302,6 +302,26 @@ class PageTable:
         return problems
 
 
+class PageTableView:
+    """A read-only page table over entries the caller owns (the functional paged API,
+    ``gqakv.paged_append`` / ``paged_attention``): what readers and writers of a paged
+    store read (``table`` ``[B, pages_per_row]`` int32, ``page_size``, ``num_pages``,
+    ``pages_per_row``), with no reference counts or free list: it cannot reserve,
+    share or release pages, and says so."""
+
+    def __init__(self, entries: np.ndarray, page_size: int, num_pages: int):
+        self.page_size, self.num_pages = int(page_size), int(num_pages)
+        self.pages_per_row = int(entries.shape[1])
+        self.table = np.array(entries, dtype=np.int32)  # our own copy, frozen
+        self.table.flags.writeable = False
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("this page table belongs to the caller (the functional paged API): "
+                        "gqakv reads it and never takes, shares or releases its pages")
+
+    reserve = point = undo = reorder = fork = trim = _refuse
+
+
 class PagedStore(KVStore):
     """A KVStore of kind ``"paged"``: the pool ``k``, ``v`` ``[*leading, num_pages, Hkv,
     page_size, d]`` (codes when quantized, with ``k_scale``, ``v_scale`` ``[*leading,
@@ -310,7 +330,7 @@ class PagedStore(KVStore):
 
     __slots__ = ("table", "page_size", "num_pages")
 
-    def __init__(self, spec: StorageSpec, k, v, table: PageTable, rows: int, max_len: int,
+    def __init__(self, spec: StorageSpec, k, v, table: "PageTable | PageTableView", rows: int, max_len: int,
                  k_scale=None, v_scale=None):
         super().__init__(spec, k, v, k_scale, v_scale)  # leading, kv_heads, head_dim
         self.num_pages, self.page_size = int(k.shape[-4]), int(k.shape[-2])
@@ -523,5 +543,5 @@ def check_page_args(page_size, num_pages, batch: int, max_len: int) -> tuple[int
     return int(page_size), None if num_pages is None else int(num_pages)
 
 
-__all__ = ["DEFAULT_PAGE_SIZE", "OutOfPages", "PAGED", "PageTable", "PagedStore", "Reservation",
+__all__ = ["DEFAULT_PAGE_SIZE", "OutOfPages", "PAGED", "PageTable", "PageTableView", "PagedStore", "Reservation",
            "pages_for", "reserve"]

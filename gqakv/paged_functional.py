@@ -26,7 +26,7 @@ from . import dtypes as _dtypes
 from .attention import attend
 from .cache import write
 from .inputs import _to_numpy, check_flag, host_ints, validate_append, validate_attention
-from .paged import PagedStore, PageTable, pages_for
+from .paged import PagedStore, PageTableView, pages_for
 from .registry import get_backend, list_backends
 from .store import PAGED, StorageSpec
 
@@ -163,13 +163,8 @@ def _wrap(k_pages, v_pages, page_table, lens, batch: int, backend):
     if (L < 0).any():
         b = int(np.flatnonzero(L < 0)[0])
         raise ValueError(f"lens[{b}]={int(L[b])} is negative")
-    pages = PageTable.__new__(PageTable)  # only the table is read: no counts or free list
-    pages.page_size, pages.num_pages, pages.pages_per_row = P, num_pages, table.shape[1]
     # entries outside the pool are clipped to -1 only after _check_pages proved them unread
-    pages.table = np.where((table >= 0) & (table < num_pages), table, -1).astype(np.int32)
-    pages.held = np.zeros(batch, dtype=np.int64)
-    pages.refs = np.zeros(num_pages, dtype=np.int32)
-    pages._free = []
+    pages = PageTableView(np.where((table >= 0) & (table < num_pages), table, -1), P, num_pages)
     store = PagedStore(StorageSpec.of(dtype, PAGED), k_pages, v_pages, pages, batch,
                        table.shape[1] * P)
     return backend, store, L, table
