@@ -311,6 +311,12 @@ def decode(x):
     raise NotImplementedError
 
 
+#: The element type a codec's codes reach the kernels as, by its ``Codec.kernel_tag``
+#: (``decode`` specializes on it at compile time): int8 codes are their value, e4m3fn
+#: codes are bit patterns (uint8). A codec whose tag is not here has no kernel decoder.
+CODE_VIEWS = {"int8": np.int8, "e4m3fn": np.uint8}
+
+
 @overload(decode, jit_options={"cache": True})
 def _decode(x):
     if x == types.float32:

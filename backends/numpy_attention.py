@@ -45,6 +45,8 @@ from gqakv.semantics import AttentionParams, block_keys, transform_scores, visib
 # backend); the names stay importable from here.
 from .cpu_plan import (ENV_THREADS, ITEMS_PER_WORKER, K_MAJOR_KERNELS, THIN_QUERIES,  # noqa: F401
                        _plan, _share, _threads, _Threads)
+from . import numpy_readers as readers
+from .numpy_readers import MIN_BLOCK_KEYS, to_float32  # noqa: F401 (to_float32: its old home)
 
 # One block of scores [heads, G * nq, keys], in elements (1 MiB of float32).
 SCORE_BLOCK_ELEMENTS = 1 << 18
@@ -57,30 +59,6 @@ PARALLEL_MIN_WORK = 1 << 18
 
 
 # -- the kernel ----------------------------------------------------------------------------
-
-def to_float32(x, out):
-    """Cast a float16/bfloat16 block into the float32 array ``out`` (same shape); returns out.
-
-    NumPy's own float16 -> float32 cast is scalar code (about 1 GB/s here, slower than
-    the attention itself), so float16 goes through its bits: sign-extend to int32,
-    shift the exponent and mantissa into float32 position, clear the three sign copies
-    that land in the exponent, and rescale by 2**112 (the exponent bias difference;
-    exact for normal and subnormal values alike). Half-precision inf/NaN would come out
-    as finite values of magnitude >= 2**16, larger than any finite half (65504), so a
-    block holding one is cast again the exact, slow way. bfloat16 (ml_dtypes) casts fast.
-    """
-    if x.dtype != np.float16:
-        np.copyto(out, x, casting="unsafe")
-        return out
-    bits = out.view(np.int32)
-    np.copyto(bits, x.view(np.int16), casting="unsafe")  # sign-extends
-    np.left_shift(bits, 13, out=bits)
-    np.bitwise_and(bits, np.int32(-0x70000001), out=bits)  # keep bit 31, clear bits 28..30
-    np.multiply(out, np.float32(2.0**112), out=out)
-    if out.size and not (out.max() < 65536.0 and out.min() > -65536.0):
-        np.copyto(out, x, casting="unsafe")  # inf or NaN inside: exact cast
-    return out
-
 
 def item_queries(q, item, G: int, params, acc):
     """An item's queries as one tile per KV head, scaled, in the compute dtype ``acc``:
@@ -112,30 +90,20 @@ def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, j
     state.add(s, vb)
 
 
-def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, params, acc, score_block_elements):
-    """Online softmax of one item over contiguous storage; returns its ``SoftmaxState``
-    (o unnormalized). o: [hh, G * nq, d]; m, l: [hh, G * nq, 1], in ``acc``.
-    """
+def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_elements):
+    """Online softmax of one item over the blocks ``reader`` hands it (``numpy_readers``:
+    a value reader over the store's base reader); returns its ``SoftmaxState`` (o
+    unnormalized). o: [hh, G * nq, d]; m, l: [hh, G * nq, 1], in ``acc``."""
     i, h0, h1, t0, t1, j0, j1, _ = item
-    G = q.shape[1] // k_buf.shape[1]
+    G = q.shape[1] // reader.kv_heads
     d = q.shape[3]
     hh, nq = h1 - h0, t1 - t0
-    r, L, n = int(rows[i]), int(lens[i]), int(n_new[i])
+    L, n = int(lens[i]), int(n_new[i])
     qb = item_queries(q, item, G, params, acc)
-    k_rows, v_rows = k_buf[r, h0:h1], v_buf[r, h0:h1]  # [hh, max_len, d] views
-    kb_len = max(16, score_block_elements // (hh * G * nq))
-    cast = k_rows.dtype != acc  # float16/bfloat16: each K/V block is computed in float32
-    if cast:
-        kb_len = min(kb_len, max(16, score_block_elements // (hh * d)))
-        k32 = np.empty((hh, min(kb_len, j1 - j0), d), dtype=acc)
-        v32 = np.empty_like(k32)
+    keys = max(MIN_BLOCK_KEYS, score_block_elements // (hh * G * nq))
     state = SoftmaxState(np)
-    for js in range(j0, j1, kb_len):
-        je = min(j1, js + kb_len)
-        kb, vb = k_rows[:, js:je, :], v_rows[:, js:je, :]
-        if cast:
-            kb = to_float32(kb, k32[:, :je - js])
-            vb = to_float32(vb, v32[:, :je - js])
+    for js, je, kb, vb in reader.blocks(i, h0, h1, j0, j1, keys=keys, acc=acc,
+                                        block_elements=score_block_elements, d=d):
         fold_block(state, qb, kb, vb, params=params, L=L, n=n, t0=t0, t1=t1, js=js, je=je)
     return state
 
@@ -169,26 +137,42 @@ def _finish(out, lse, item, state, G, sinks=None):
 
 
 def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool,
-                    workers: int | None = None,
-                    score_block_elements: int = SCORE_BLOCK_ELEMENTS,
-                    query_block: int = QUERY_BLOCK,
-                    min_key_split: int = MIN_KEY_SPLIT,
-                    parallel_min_work: int = PARALLEL_MIN_WORK,
-                    params: AttentionParams | None = None, attend_item=None):
-    """NumPy attention over validated inputs; see ``gqakv.gqa_attention`` for the semantics.
-
-    q: [B, Hq, T, d]; k_buf, v_buf: [rows_total, Hkv, max_len, d]; rows, lens, n_new:
-    host int arrays [B]. ``workers`` threads (default: GQAKV_NUM_THREADS, else the
-    BLAS thread count) share the items; the remaining keywords expose the blocking
-    so tests can drive every split on small shapes. ``params``: the call's
-    ``AttentionParams`` (default: plain causal with ``scale``). ``attend_item``: the
-    per-item kernel (default ``_attend_item``; ``numpy_quantized`` passes one that
-    dequantizes each K/V block).
-    """
+                    params: AttentionParams | None = None, **blocking):
+    """NumPy attention over plain contiguous buffers; see ``gqakv.gqa_attention`` for the
+    semantics. q: [B, Hq, T, d]; k_buf, v_buf: [rows_total, Hkv, max_len, d]; rows,
+    lens, n_new: host int arrays [B]. ``params``: the call's ``AttentionParams``
+    (default: plain causal with ``scale``); ``blocking``: ``attend``'s keywords."""
     if params is None:
         params = AttentionParams(scale=scale)
+    reader = readers.Plain(readers.Rows((k_buf, v_buf), rows))
+    return attend(q, reader, lens, n_new, params=params, return_lse=return_lse, **blocking)
+
+
+def attention_store(q, store, inputs, params, *, return_lse: bool, **blocking):
+    """The NumPy backend's fast path: attention of ``q`` [B, Hq, T, d] over a KVStore
+    without leading axes of any layout and codec ``numpy_readers.reader_of`` reads
+    (``numpy_backend.FAST_PATHS`` declares which); see ``gqakv.gqa_attention``.
+    ``blocking``: ``attend``'s keywords."""
+    reader = readers.reader_of(store, inputs.rows)
+    return attend(q, reader, inputs.lens, inputs.n_new, params=params, return_lse=return_lse,
+                  **blocking)
+
+
+def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
+           workers: int | None = None,
+           score_block_elements: int = SCORE_BLOCK_ELEMENTS,
+           query_block: int = QUERY_BLOCK,
+           min_key_split: int = MIN_KEY_SPLIT,
+           parallel_min_work: int = PARALLEL_MIN_WORK):
+    """The item kernel over validated inputs: plan the items, share them among threads,
+    read each item's K/V blocks through ``reader`` (``numpy_readers``), merge key pieces.
+
+    q: [B, Hq, T, d]; lens, n_new: host int arrays [B]. ``workers`` threads (default:
+    GQAKV_NUM_THREADS, else the BLAS thread count) share the items; the remaining
+    keywords expose the blocking so tests can drive every split on small shapes.
+    """
     B, Hq, T, d = q.shape
-    Hkv = k_buf.shape[1]
+    Hkv = reader.kv_heads
     G = Hq // Hkv
     acc = np.float64 if q.dtype == np.float64 else np.float32
     out = np.zeros((B, Hq, T, d), dtype=q.dtype)
@@ -206,9 +190,8 @@ def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
         """Compute a run of items; finish whole ones, hand back key pieces for merging."""
         pieces = []
         for item in batch:
-            state = (attend_item or _attend_item)(q, k_buf, v_buf, rows, lens, n_new, item,
-                                                  params=params, acc=acc,
-                                                  score_block_elements=score_block_elements)
+            state = _attend_item(q, reader, lens, n_new, item, params=params, acc=acc,
+                                 score_block_elements=score_block_elements)
             i, t0, t1, j0, j1 = item[0], item[3], item[4], item[5], item[6]
             if (j0, j1) == block_keys(params, int(lens[i]), int(n_new[i]), t0, t1):  # all its keys
                 _finish(out, lse, item, state, G, sinks)  # items write disjoint parts of out
