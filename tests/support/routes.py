@@ -189,6 +189,9 @@ class Refused:
     words: tuple[str, ...]
 
 
+#: Variant features a backend's fast paths do not implement yet (the generic code, its
+#: route naming them): numpy's item kernel and numba's kernels serve ALiBi.
+NOT_YET_FAST = frozenset({"alibi"})
 #: The codecs the NumPy and numba fast paths document (numpy_readers' 8-bit reader over
 #: either layout; the numba kernels' decoders): any other is refused by name.
 CPU_CODECS = (None, "int8", "float8_e4m3fn")
@@ -215,6 +218,8 @@ def _plain_contiguous(impl):
 def _cupy_store(f) -> Any:
     if f["dtype"] == "float64":
         return GENERIC
+    if f.get("features", frozenset()) & NOT_YET_FAST:
+        return Refused(tuple(sorted(f["features"] & NOT_YET_FAST)))
     if f["storage"] == "paged" and f["kv_dtype"]:
         return Refused(("paged", "kv_dtype", "generic path"))
     return FAST
