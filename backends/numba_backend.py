@@ -82,7 +82,7 @@ _CODECS = frozenset({PLAIN_NAME, *_KERNEL_KV_DTYPES})
 #: What the compiled paths implement (as data; ``route_*`` adds the per-call conditions:
 #: chunk length and buffer layout).
 KERNEL_PATH = FastPath(KERNEL, "attention", frozenset({CONTIGUOUS, PAGED}), _CODECS,
-                       frozenset({"window", "softcap", "sinks"}), frozenset(_KERNEL_DTYPES))
+                       frozenset({"window", "softcap", "sinks", "alibi"}), frozenset(_KERNEL_DTYPES))
 WRITE_PATH = FastPath(WRITE_KERNEL, "write_kv", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}))
 COPY_PATH = FastPath(COPY_KERNEL, "copy_tokens", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}))
 
@@ -178,7 +178,7 @@ class NumbaBackend(NumpyBackend):
         kinds = ", ".join(_KERNEL_DTYPES + _KERNEL_KV_DTYPES)
         return {
             KERNEL: (f"attention, t_q <= {KERNEL_MAX_QUERIES}; {kinds}; contiguous or paged "
-                     "C-contiguous buffers; window, softcap, sinks"),
+                     "C-contiguous buffers; window, softcap, sinks, alibi"),
             WRITE_KERNEL: "appends to contiguous unquantized rows",
             COPY_KERNEL: "row copies between contiguous unquantized stores (and page copies)",
             **{impl: f"{why} (the numpy backend's)" for impl, why in super().implementations().items()
@@ -335,6 +335,8 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
     softcap = np.float32(0.0 if params.softcap is None else params.softcap)
     sinks = np.full(Hq, -np.inf, np.float32) if params.sinks is None else \
         np.asarray(params.sinks, dtype=np.float32)
+    # None compiles the kernels without ALiBi (numba_kernels.bias)
+    alibi = None if params.alibi_slopes is None else np.asarray(params.alibi_slopes, np.float32)
     rows = np.asarray(rows, dtype=np.int64)
     lens = np.asarray(lens, dtype=np.int64)
     n_new = np.asarray(n_new, dtype=np.int64)
@@ -367,7 +369,7 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
         with _threads:  # BLAS idle at one thread while numba's threads run
             numba.set_num_threads(workers)
             nk.attention_items(q32, k_buf, v_buf, rows, lens, n_new, items_arr, run_starts, part_rows,
-                               np.float32(params.scale), softcap, window, sinks, key_block,
+                               np.float32(params.scale), softcap, window, sinks, alibi, key_block,
                                out, lse, o_part, ml_part)
             if groups:
                 keys = list(groups)

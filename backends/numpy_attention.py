@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from gqakv.merge import SoftmaxState
-from gqakv.semantics import AttentionParams, block_keys, transform_scores, visible_mask
+from gqakv.semantics import AttentionParams, block_keys, transform, transform_scores, visible_mask
 
 # Threads, work items and their sharing are planned in cpu_plan (shared with the numba
 # backend); the names stay importable from here.
@@ -69,12 +69,16 @@ def item_queries(q, item, G: int, params, acc):
     return qb.reshape(h1 - h0, G * (t1 - t0), q.shape[3])
 
 
-def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, js: int, je: int):
+def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, js: int, je: int,
+               heads=None):
     """Fold keys ``js..je-1`` into ``state``: ``qb`` [hh, G*nq, d] from ``item_queries``,
     ``kb``/``vb`` [hh, je-js, d] in the compute dtype (however the storage was read).
-    Scores, the soft-cap (before the mask), the mask of the row's last ``n`` of ``L``
-    queries ``t0..t1-1`` (``gqakv.semantics``), then the online softmax. The one block
-    step every NumPy item kernel (contiguous, paged, quantized) shares."""
+    Scores, the score hook (``semantics.transform``: the soft-cap, then ALiBi's bias of
+    each query head at its position against each key's), the mask of the row's last
+    ``n`` of ``L`` queries ``t0..t1-1`` (``gqakv.semantics``), then the online softmax.
+    ``heads``: the tile's query heads ``[hh, G, 1, 1]`` (``tile_heads``) when the hook
+    needs positions (ALiBi), else None. The one block step of the item kernel, whatever
+    the reader."""
     hh, rows_, _ = qb.shape
     nq = t1 - t0
     if rows_ <= THIN_QUERIES and _threads.k_major_scores():
@@ -83,7 +87,13 @@ def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, j
         s = np.ascontiguousarray(np.matmul(kb, qb.swapaxes(-1, -2)).swapaxes(-1, -2))
     else:
         s = np.matmul(qb, kb.swapaxes(-1, -2))  # [hh, G*nq, je-js]
-    s = transform_scores(params, s, np)  # the soft-cap, if any: before the mask
+    if heads is None:  # the soft-cap, if any: before the mask
+        s = transform_scores(params, s, np)
+    else:  # positions matter: [hh, G, nq, keys], query head h at position L - n + t
+        q_pos = np.arange(L - n + t0, L - n + t1).reshape(1, 1, nq, 1)
+        k_pos = np.arange(js, je).reshape(1, 1, 1, je - js)
+        s4 = transform(params, s.reshape(hh, rows_ // nq, nq, je - js), q_pos, k_pos, heads, np)
+        s = s4.reshape(hh, rows_, je - js)
     visible = visible_mask(params, L, n, t0, t1, js, je)  # None: nothing masked
     if visible is not None:
         np.copyto(s.reshape(hh, rows_ // nq, nq, je - js), -np.inf, where=~visible)
@@ -100,12 +110,23 @@ def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_eleme
     hh, nq = h1 - h0, t1 - t0
     L, n = int(lens[i]), int(n_new[i])
     qb = item_queries(q, item, G, params, acc)
+    heads = tile_heads(params, h0, h1, G)
     keys = max(MIN_BLOCK_KEYS, score_block_elements // (hh * G * nq))
     state = SoftmaxState(np)
     for js, je, kb, vb in reader.blocks(i, h0, h1, j0, j1, keys=keys, acc=acc,
                                         block_elements=score_block_elements, d=d):
-        fold_block(state, qb, kb, vb, params=params, L=L, n=n, t0=t0, t1=t1, js=js, je=je)
+        fold_block(state, qb, kb, vb, params=params, L=L, n=n, t0=t0, t1=t1, js=js, je=je,
+                   heads=heads)
     return state
+
+
+def tile_heads(params, h0: int, h1: int, G: int):
+    """The query heads of an item's tile as ``[h1 - h0, G, 1, 1]`` (KV head h0 + kv's
+    query head g is (h0 + kv) * G + g), for a score hook that reads them (ALiBi); None
+    when the call's hook does not (positions are then never formed)."""
+    if params.alibi_slopes is None:
+        return None
+    return (np.arange(h0, h1)[:, None] * G + np.arange(G)).reshape(h1 - h0, G, 1, 1)
 
 
 def _with_sinks(state, sinks, h0, h1, G, nq):

@@ -29,7 +29,7 @@ CPU_FACTS: dict[str, dict] = {
 
 
 #: The variant features the item kernel implements (``numpy_attention.fold_block``).
-BLAS_FEATURES = frozenset({"window", "softcap", "sinks"})
+BLAS_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})
 #: What the fast path reads, as data: every layout with a base reader
 #: (``numpy_readers.BASE_READERS``: contiguous rows, pages), with values stored plain or
 #: as the codes of a codec whose ``dequantize_into`` the 8-bit reader calls (``Coded``:
@@ -103,7 +103,7 @@ class NumpyBackend(Backend):
         return {
             BLAS: "attention over contiguous or paged rows (the page table read per key block), "
                   "plain or int8 / float8_e4m3fn (each block dequantized as read), every dtype "
-                  "(float16/bfloat16 in float32); window, softcap, sinks",
+                  "(float16/bfloat16 in float32); window, softcap, sinks, alibi",
             GENERIC: "appends, row copies, attention over other codecs",
         }
 

@@ -34,7 +34,6 @@ STORAGE_SPECS = {"contiguous": {"storage": "contiguous"},
                  # holds tests/support/quantization.held(x) for the values x appended
                  "int8": {"kv_dtype": "int8"},
                  "fp8": {"kv_dtype": "float8_e4m3fn"},
-
                  # both: numba's kernels and numpy's 8-bit reader over pages read it; CuPy
                  # refuses it (generic path, the route says why)
                  "paged+int8": {"storage": "paged", "page_size": 4, "kv_dtype": "int8"}}
