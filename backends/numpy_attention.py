@@ -10,9 +10,17 @@ the items are shared among a few threads, with BLAS held to one thread meanwhile
 so the two levels of threading never fight over the cores. NumPy's matmul and
 ufuncs release the GIL, so the threads run in parallel.
 
+One item kernel serves every storage: it reads each item's K/V key blocks through a
+block reader (``numpy_readers``: a base reader per layout, contiguous rows or pages
+through the page table, under a value reader per codec kind, plain values or codes
+dequantized through the store's codec), so a layout or codec is a reader, never a
+kernel of its own (``attention_store``; ``attention_numpy`` takes bare contiguous
+buffers).
+
 Work and memory:
-- every item reads views ``k_buf[r, h0:h1, j0:j1]`` of the live cache (never past
-  the row's length, never a copy), so work follows the sum of live lengths;
+- every item reads blocks of the live cache (views of contiguous rows, never past
+  the row's length; pages: views or bounded gathers), so work follows the sum of live
+  lengths;
 - a row with more work than its share is split over its KV heads, then, if still
   too big (one long row with few KV heads), over its keys; key pieces are merged
   afterwards through their log-sum-exp;
@@ -30,8 +38,10 @@ Work and memory:
 
 Attention variants (``gqakv.semantics``): a sliding window moves each query block's
 first key (the planner's items start at ``block_keys``), so work and bytes read follow
-min(L, W); a soft-cap is ``transform_scores`` on each block of scaled scores before the
-mask; sinks join once per query, after its key pieces are merged (``_with_sinks``).
+min(L, W); the score hook ``semantics.transform`` (the soft-cap, then ALiBi's per-head
+bias from each query's and key's positions, ``tile_heads``) runs on each block of scaled
+scores before the mask; sinks join once per query, after its key pieces are merged
+(``_with_sinks``).
 """
 
 from __future__ import annotations

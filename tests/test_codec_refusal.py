@@ -151,6 +151,7 @@ def test_the_generic_path_computes_it(name, storage, int4test, route_spy):
     v = rng.standard_normal((B, Hkv, 30, d)).astype(np.float32)
     lens = np.array([30, 17])
     cache.append(backend.from_numpy(k), backend.from_numpy(v), lens)
+    _check_codes(backend, cache, lens, _held(k)[0])
     cache.fork(0, [1])  # row 1 becomes row 0 (row copies, or shared pages)
     lens = np.array([30, 30])
     k[1], v[1] = k[0], v[0]
@@ -173,13 +174,19 @@ def test_the_generic_path_computes_it(name, storage, int4test, route_spy):
     assert set(ran.values()) == {GENERIC}, spy.calls
     assert "attention" in ran and "write_kv" in ran
     assert_product_routes(spy)
-    # the stored codes: the rule's, 4-bit
+    _check_codes(backend, cache, lens, kc)
+
+
+def _check_codes(backend, cache, lens, want) -> None:
+    """K's stored codes of the live tokens: int8, at most 15 distinct values in [-7, 7]
+    (4 bits), and the rule's codes ``want`` [B, Hkv, >= L, d]."""
     codes = _codes(backend, cache, lens)
     assert codes.dtype == np.int8
     distinct = np.unique(codes)
-    assert len(distinct) <= 15 and distinct.min() >= -7 and distinct.max() <= 7, distinct
-    np.testing.assert_array_equal(codes, np.concatenate([kc[b, :, :lens[b]].ravel()
-                                                         for b in range(B)]))
+    assert len(distinct) <= 15 and distinct.min() >= -7 and distinct.max() <= 7, (
+        f"{len(distinct)} distinct stored codes: {distinct}")
+    np.testing.assert_array_equal(codes, np.concatenate([want[b, :, :L].ravel()
+                                                         for b, L in enumerate(lens)]))
 
 
 def _codes(backend, cache, lens) -> np.ndarray:
