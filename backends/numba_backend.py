@@ -18,8 +18,8 @@ by ``route`` and by ``attention_route(...)``):
   float8_e4m3fn quantized storage (contiguous or paged), with C-contiguous buffers and chunks of
   at most ``KERNEL_MAX_QUERIES`` queries (decode and short chunks);
 - otherwise the numpy backend's decision for the call (``numpy_backend.route_attention``:
-  "numpy BLAS", "numpy BLAS paged", "numpy BLAS quantized", or the generic code for
-  paged quantized storage): float64 (no kernel is compiled for it), strided buffers,
+  "numpy BLAS" (its item kernel over every layout and codec it reads), or the generic
+  code for a codec neither declares): float64 (no kernel is compiled for it), strided buffers,
   and long prefill chunks (compute-bound, where BLAS's matmuls are faster).
 Appends and row copies: ``route_write_kv``, ``route_copy_tokens``.
 
@@ -65,7 +65,8 @@ KEY_BLOCK_BYTES = 16 << 10
 PARALLEL_MIN_WORK = 1 << 16
 
 _KERNEL_DTYPES = ("float32", "float16", "bfloat16")
-#: Quantized storage dtypes the kernels decode (codes x per-token scale).
+#: The codecs the kernels decode (codes x per-token scale), declared by name: each one's
+#: ``Codec.kernel_tag`` picks its decoder (``numba_kernels.CODE_VIEWS``).
 _KERNEL_KV_DTYPES = ("int8", "float8_e4m3fn")
 
 #: Implementation names in routes: the attention kernels, the compiled append, the
@@ -81,7 +82,7 @@ _CODECS = frozenset({PLAIN_NAME, *_KERNEL_KV_DTYPES})
 #: What the compiled paths implement (as data; ``route_*`` adds the per-call conditions:
 #: chunk length and buffer layout).
 KERNEL_PATH = FastPath(KERNEL, "attention", frozenset({CONTIGUOUS, PAGED}), _CODECS,
-                       frozenset({"window", "softcap", "sinks"}), frozenset(_KERNEL_DTYPES))
+                       frozenset({"window", "softcap", "sinks", "alibi"}), frozenset(_KERNEL_DTYPES))
 WRITE_PATH = FastPath(WRITE_KERNEL, "write_kv", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}))
 COPY_PATH = FastPath(COPY_KERNEL, "copy_tokens", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}))
 
@@ -198,13 +199,13 @@ class NumbaBackend(NumpyBackend):
         kinds = ", ".join(_KERNEL_DTYPES + _KERNEL_KV_DTYPES)
         return {
             KERNEL: (f"attention, t_q <= {KERNEL_MAX_QUERIES}; {kinds}; contiguous or paged "
-                     "C-contiguous buffers; window, softcap, sinks"),
+                     "C-contiguous buffers; window, softcap, sinks, alibi"),
             WRITE_KERNEL: "appends to contiguous unquantized rows",
             COPY_KERNEL: "row copies between contiguous unquantized stores (and page copies)",
             **{impl: f"{why} (the numpy backend's)" for impl, why in super().implementations().items()
                if impl != GENERIC},
-            GENERIC: "paged or quantized appends, quantized row copies, paged quantized "
-                     f"attention past {KERNEL_MAX_QUERIES} queries",
+            GENERIC: "paged or quantized appends, quantized row copies, attention over "
+                     "other codecs",
         }
 
     def _attention_decision(self, q, k_buf, v_buf, store=None, features=frozenset()) -> Route:
@@ -375,6 +376,8 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
     softcap = np.float32(0.0 if params.softcap is None else params.softcap)
     sinks = np.full(Hq, -np.inf, np.float32) if params.sinks is None else \
         np.asarray(params.sinks, dtype=np.float32)
+    # None compiles the kernels without ALiBi (numba_kernels.bias)
+    alibi = None if params.alibi_slopes is None else np.asarray(params.alibi_slopes, np.float32)
     rows = np.asarray(rows, dtype=np.int64)
     lens = np.asarray(lens, dtype=np.int64)
     n_new = np.asarray(n_new, dtype=np.int64)
@@ -407,7 +410,7 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
         with _threads:  # BLAS idle at one thread while numba's threads run
             numba.set_num_threads(workers)
             nk.attention_items(q32, k_buf, v_buf, rows, lens, n_new, items_arr, run_starts, part_rows,
-                               np.float32(params.scale), softcap, window, sinks, key_block,
+                               np.float32(params.scale), softcap, window, sinks, alibi, key_block,
                                out, lse, o_part, ml_part)
             if groups:
                 keys = list(groups)
@@ -449,14 +452,18 @@ def kernel_layout(store):
     Views, no copies."""
     from . import numba_kernels as nk
 
+    codes = None
+    if store.quantized:  # the codes as the element type the kernels decode the codec's tag from
+        view = nk.CODE_VIEWS[store.spec.codec.kernel_tag]
+        codes = store.k.view(view), store.v.view(view)
     if store.kind == PAGED:
         table = np.ascontiguousarray(store.table.table, dtype=np.int32)
-        if store.quantized:  # codes and scales, both paged through the one table
+        if codes is not None:  # codes and scales, both paged through the one table
             shift = nk.paged(store.k, table).shift
-            return (nk.PagedQuantized(store.k, store.k_scale, table, shift),
-                    nk.PagedQuantized(store.v, store.v_scale, table, shift))
+            return (nk.PagedQuantized(codes[0], store.k_scale, table, shift),
+                    nk.PagedQuantized(codes[1], store.v_scale, table, shift))
         k, v = _kernel_buffers(store.k, store.v, nk)
         return nk.paged(k, table), nk.paged(v, table)
-    if store.quantized:
-        return (nk.Quantized(store.k, store.k_scale), nk.Quantized(store.v, store.v_scale))
+    if codes is not None:
+        return (nk.Quantized(codes[0], store.k_scale), nk.Quantized(codes[1], store.v_scale))
     return store.k, store.v  # attention_numba takes their bits

@@ -17,8 +17,11 @@ so later storage kinds and attention variants replace one piece, not the loop:
   ``lo, hi`` (bottom-right causal, ``0, q_pos + 1``, with a sliding window's first key
   as ``lo``: ``gqakv.semantics.key_range`` in kernel form; the planner's items already
   start at the window, so only the first block of a query block is masked by it);
-- how a score is modified: ``score(dot, scale, softcap)`` (scaling, then the soft-cap
-  ``c * tanh(s / c)`` when softcap > 0, through the vectorizable ``tanh_f32``);
+- how a score is modified (the score hook, ``semantics.transform``): ``score(dot, scale,
+  softcap)`` (scaling, then the soft-cap ``c * tanh(s / c)`` when softcap > 0, through
+  the vectorizable ``tanh_f32``), then ``bias(alibi, x, head, q_pos, j)`` (ALiBi's
+  ``slope[head] * (j - q_pos)``; chosen by ``alibi``'s type, so a call without ALiBi
+  compiles without it);
 - sinks: ``join_sink`` adds a query head's sink to a finished (m, l) once every key
   of the query is summed (an item's own keys, or its merged key pieces).
 
@@ -311,6 +314,12 @@ def decode(x):
     raise NotImplementedError
 
 
+#: The element type a codec's codes reach the kernels as, by its ``Codec.kernel_tag``
+#: (``decode`` specializes on it at compile time): int8 codes are their value, e4m3fn
+#: codes are bit patterns (uint8). A codec whose tag is not here has no kernel decoder.
+CODE_VIEWS = {"int8": np.int8, "e4m3fn": np.uint8}
+
+
 @overload(decode, jit_options={"cache": True})
 def _decode(x):
     if x == types.float32:
@@ -459,6 +468,24 @@ def visible_keys(q_pos, window):
     """Keys [lo, hi) seen by the query at absolute position q_pos: bottom-right causal,
     within the last ``window`` positions (``NO_WINDOW``: all); as ``semantics.key_range``."""
     return max(0, q_pos - window + 1), q_pos + 1
+
+
+def bias(alibi, x, head, q_pos, j):
+    """The score hook's position-dependent part (overloaded below; ``semantics.transform``
+    after the soft-cap): ``x + alibi[head] * (j - q_pos)`` for ALiBi slopes ``alibi``
+    (float32 [Hq]), ``x`` itself where ``alibi`` is None. The type picks it at compile
+    time, so a call without ALiBi compiles no trace of it (``x + 0`` would not fold:
+    IEEE's -0 + 0 is +0)."""
+    raise NotImplementedError
+
+
+@overload(bias, jit_options={"cache": True})
+def _bias(alibi, x, head, q_pos, j):
+    if isinstance(alibi, types.NoneType):
+        return lambda alibi, x, head, q_pos, j: x
+    if isinstance(alibi, types.Array):
+        return lambda alibi, x, head, q_pos, j: x + alibi[head] * np.float32(j - q_pos)
+    return None
 
 
 @njit(cache=True)
@@ -631,15 +658,17 @@ def _accumulate4(a0, a1, a2, a3, s0, s1, s2, s3, vrows, vscales, n, ahead):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def _score_row(s_row, n, js, lo, hi, scale, softcap):
-    """In place, s_row[jj] (the dot with key js + jj, jj < n) becomes its score, or -inf
-    outside the query's keys [lo, hi); returns (the block max, whether a score is NaN).
-    The max and the NaN test are integer reductions, so the loop vectorizes."""
+def _score_row(s_row, n, js, lo, hi, scale, softcap, alibi, head, q_pos):
+    """In place, s_row[jj] (the dot with key js + jj, jj < n) becomes its score (scaled,
+    soft-capped, then ``bias``: ALiBi's for query head ``head`` at ``q_pos`` when
+    ``alibi`` is its slopes), or -inf outside the query's keys [lo, hi); returns (the
+    block max, whether a score is NaN). The max and the NaN test are integer reductions,
+    so the loop vectorizes."""
     km = _NEG_INF_KEY
     nan = False
     for jj in range(n):
         j = js + jj
-        x = score(s_row[jj], scale, softcap)
+        x = bias(alibi, score(s_row[jj], scale, softcap), head, q_pos, j)
         if (j < lo) | (j >= hi):
             x = _NEG_INF
         s_row[jj] = x
@@ -650,8 +679,8 @@ def _score_row(s_row, n, js, lo, hi, scale, softcap):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, window, key_block,
-            s, acc, m, l):
+def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, window, alibi,
+            key_block, s, acc, m, l):
     """Online softmax of one tile (KV head h of row r, queries t0..t0+nq) over keys j0:j1.
 
     qt: [nq * G, d] float32, row t * G + g is query t0 + t of query head h * G + g;
@@ -660,8 +689,9 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
     A row with a NaN score (a NaN query, or a NaN in a live key it sees) ends with m
     and l NaN (its output is NaN, as in the reference); other rows are unaffected.
 
+    alibi: None, or ALiBi's float32 slopes [Hq] (row rr is query head h * G + rr % G).
     Per block of keys: all dots of the tile (``_block_dots``), then per row the score
-    (``_score_row``: scale, soft-cap, visibility mask), the block max (one rescale per
+    (``_score_row``: scale, soft-cap, ALiBi, visibility mask), the block max (one rescale per
     block) and the exponentials, then the P V update of the whole tile (``_accumulate``).
     """
     d = qt.shape[1]
@@ -684,11 +714,14 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
                 for jj in range(n):
                     s[rr, jj] = 0.0
                 continue
-            lo, hi = visible_keys(start + t0 + rr // G, window)
+            q_pos = start + t0 + rr // G
+            lo, hi = visible_keys(q_pos, window)
+            head = h * G + rr % G
             if softcap > 0:
-                bm, nan = _score_row(s[rr], n, js, lo, hi, scale, softcap)
+                bm, nan = _score_row(s[rr], n, js, lo, hi, scale, softcap, alibi, head, q_pos)
             else:  # the soft-cap's branch folds away in this copy
-                bm, nan = _score_row(s[rr], n, js, lo, hi, scale, np.float32(0.0))
+                bm, nan = _score_row(s[rr], n, js, lo, hi, scale, np.float32(0.0), alibi, head,
+                                     q_pos)
             if nan:
                 m[rr] = np.float32(np.nan)
                 l[rr] = np.float32(np.nan)
@@ -721,7 +754,7 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_rows,
-                    scale, softcap, window, sinks, key_block, out, lse, o_part, ml_part):
+                    scale, softcap, window, sinks, alibi, key_block, out, lse, o_part, ml_part):
     """Every item of the plan; runs of items go to threads (one prange index per run).
 
     q: [B, Hq, T, d] float32; k_buf, v_buf: the layout (``key_run``): arrays
@@ -734,7 +767,8 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
     (h1-h0) * nq * G rows in o_part [P, d] (unnormalized output) and ml_part [P, 2]
     (running max, sum), merged by ``merge_pieces``. scale, softcap (0: none): float32;
     window: int (``NO_WINDOW``: none); sinks: float32 [Hq] (-inf: none), joined to an
-    item that covers every key of its queries, else after the merge.
+    item that covers every key of its queries, else after the merge; alibi: None (no
+    ALiBi: compiled without it) or float32 slopes [Hq] (``bias``).
     """
     d = q.shape[3]
     Hkv = kv_heads(k_buf)
@@ -762,7 +796,7 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
                         for c in range(d):
                             qt[t * G + g, c] = q[i, h * G + g, t0 + t, c]
                 _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, window,
-                        key_block, s, acc, m, l)
+                        alibi, key_block, s, acc, m, l)
                 base = part_rows[it]
                 for t in range(nq):
                     for g in range(G):

@@ -10,9 +10,17 @@ the items are shared among a few threads, with BLAS held to one thread meanwhile
 so the two levels of threading never fight over the cores. NumPy's matmul and
 ufuncs release the GIL, so the threads run in parallel.
 
+One item kernel serves every storage: it reads each item's K/V key blocks through a
+block reader (``numpy_readers``: a base reader per layout, contiguous rows or pages
+through the page table, under a value reader per codec kind, plain values or codes
+dequantized through the store's codec), so a layout or codec is a reader, never a
+kernel of its own (``attention_store``; ``attention_numpy`` takes bare contiguous
+buffers).
+
 Work and memory:
-- every item reads views ``k_buf[r, h0:h1, j0:j1]`` of the live cache (never past
-  the row's length, never a copy), so work follows the sum of live lengths;
+- every item reads blocks of the live cache (views of contiguous rows, never past
+  the row's length; pages: views or bounded gathers), so work follows the sum of live
+  lengths;
 - a row with more work than its share is split over its KV heads, then, if still
   too big (one long row with few KV heads), over its keys; key pieces are merged
   afterwards through their log-sum-exp;
@@ -30,8 +38,10 @@ Work and memory:
 
 Attention variants (``gqakv.semantics``): a sliding window moves each query block's
 first key (the planner's items start at ``block_keys``), so work and bytes read follow
-min(L, W); a soft-cap is ``transform_scores`` on each block of scaled scores before the
-mask; sinks join once per query, after its key pieces are merged (``_with_sinks``).
+min(L, W); the score hook ``semantics.transform`` (the soft-cap, then ALiBi's per-head
+bias from each query's and key's positions, ``tile_heads``) runs on each block of scaled
+scores before the mask; sinks join once per query, after its key pieces are merged
+(``_with_sinks``).
 """
 
 from __future__ import annotations
@@ -39,12 +49,14 @@ from __future__ import annotations
 import numpy as np
 
 from gqakv.merge import SoftmaxState
-from gqakv.semantics import AttentionParams, block_keys, transform_scores, visible_mask
+from gqakv.semantics import AttentionParams, block_keys, transform, transform_scores, visible_mask
 
 # Threads, work items and their sharing are planned in cpu_plan (shared with the numba
 # backend); the names stay importable from here.
 from .cpu_plan import (ENV_THREADS, ITEMS_PER_WORKER, K_MAJOR_KERNELS, THIN_QUERIES,  # noqa: F401
                        _plan, _share, _threads, _Threads)
+from . import numpy_readers as readers
+from .numpy_readers import MIN_BLOCK_KEYS, to_float32  # noqa: F401 (to_float32: its old home)
 
 # One block of scores [heads, G * nq, keys], in elements (1 MiB of float32).
 SCORE_BLOCK_ELEMENTS = 1 << 18
@@ -58,30 +70,6 @@ PARALLEL_MIN_WORK = 1 << 18
 
 # -- the kernel ----------------------------------------------------------------------------
 
-def to_float32(x, out):
-    """Cast a float16/bfloat16 block into the float32 array ``out`` (same shape); returns out.
-
-    NumPy's own float16 -> float32 cast is scalar code (about 1 GB/s here, slower than
-    the attention itself), so float16 goes through its bits: sign-extend to int32,
-    shift the exponent and mantissa into float32 position, clear the three sign copies
-    that land in the exponent, and rescale by 2**112 (the exponent bias difference;
-    exact for normal and subnormal values alike). Half-precision inf/NaN would come out
-    as finite values of magnitude >= 2**16, larger than any finite half (65504), so a
-    block holding one is cast again the exact, slow way. bfloat16 (ml_dtypes) casts fast.
-    """
-    if x.dtype != np.float16:
-        np.copyto(out, x, casting="unsafe")
-        return out
-    bits = out.view(np.int32)
-    np.copyto(bits, x.view(np.int16), casting="unsafe")  # sign-extends
-    np.left_shift(bits, 13, out=bits)
-    np.bitwise_and(bits, np.int32(-0x70000001), out=bits)  # keep bit 31, clear bits 28..30
-    np.multiply(out, np.float32(2.0**112), out=out)
-    if out.size and not (out.max() < 65536.0 and out.min() > -65536.0):
-        np.copyto(out, x, casting="unsafe")  # inf or NaN inside: exact cast
-    return out
-
-
 def item_queries(q, item, G: int, params, acc):
     """An item's queries as one tile per KV head, scaled, in the compute dtype ``acc``:
     ``[hh, G * nq, d]`` (query head h0*G + kv*G + g reads KV head h0 + kv)."""
@@ -91,12 +79,16 @@ def item_queries(q, item, G: int, params, acc):
     return qb.reshape(h1 - h0, G * (t1 - t0), q.shape[3])
 
 
-def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, js: int, je: int):
+def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, js: int, je: int,
+               heads=None):
     """Fold keys ``js..je-1`` into ``state``: ``qb`` [hh, G*nq, d] from ``item_queries``,
     ``kb``/``vb`` [hh, je-js, d] in the compute dtype (however the storage was read).
-    Scores, the soft-cap (before the mask), the mask of the row's last ``n`` of ``L``
-    queries ``t0..t1-1`` (``gqakv.semantics``), then the online softmax. The one block
-    step every NumPy item kernel (contiguous, paged, quantized) shares."""
+    Scores, the score hook (``semantics.transform``: the soft-cap, then ALiBi's bias of
+    each query head at its position against each key's), the mask of the row's last
+    ``n`` of ``L`` queries ``t0..t1-1`` (``gqakv.semantics``), then the online softmax.
+    ``heads``: the tile's query heads ``[hh, G, 1, 1]`` (``tile_heads``) when the hook
+    needs positions (ALiBi), else None. The one block step of the item kernel, whatever
+    the reader."""
     hh, rows_, _ = qb.shape
     nq = t1 - t0
     if rows_ <= THIN_QUERIES and _threads.k_major_scores():
@@ -105,39 +97,46 @@ def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, j
         s = np.ascontiguousarray(np.matmul(kb, qb.swapaxes(-1, -2)).swapaxes(-1, -2))
     else:
         s = np.matmul(qb, kb.swapaxes(-1, -2))  # [hh, G*nq, je-js]
-    s = transform_scores(params, s, np)  # the soft-cap, if any: before the mask
+    if heads is None:  # the soft-cap, if any: before the mask
+        s = transform_scores(params, s, np)
+    else:  # positions matter: [hh, G, nq, keys], query head h at position L - n + t
+        q_pos = np.arange(L - n + t0, L - n + t1).reshape(1, 1, nq, 1)
+        k_pos = np.arange(js, je).reshape(1, 1, 1, je - js)
+        s4 = transform(params, s.reshape(hh, rows_ // nq, nq, je - js), q_pos, k_pos, heads, np)
+        s = s4.reshape(hh, rows_, je - js)
     visible = visible_mask(params, L, n, t0, t1, js, je)  # None: nothing masked
     if visible is not None:
         np.copyto(s.reshape(hh, rows_ // nq, nq, je - js), -np.inf, where=~visible)
     state.add(s, vb)
 
 
-def _attend_item(q, k_buf, v_buf, rows, lens, n_new, item, *, params, acc, score_block_elements):
-    """Online softmax of one item over contiguous storage; returns its ``SoftmaxState``
-    (o unnormalized). o: [hh, G * nq, d]; m, l: [hh, G * nq, 1], in ``acc``.
-    """
+def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_elements):
+    """Online softmax of one item over the blocks ``reader`` hands it (``numpy_readers``:
+    a value reader over the store's base reader); returns its ``SoftmaxState`` (o
+    unnormalized). o: [hh, G * nq, d]; m, l: [hh, G * nq, 1], in ``acc``."""
     i, h0, h1, t0, t1, j0, j1, _ = item
-    G = q.shape[1] // k_buf.shape[1]
+    G = q.shape[1] // reader.kv_heads
     d = q.shape[3]
     hh, nq = h1 - h0, t1 - t0
-    r, L, n = int(rows[i]), int(lens[i]), int(n_new[i])
+    L, n = int(lens[i]), int(n_new[i])
     qb = item_queries(q, item, G, params, acc)
-    k_rows, v_rows = k_buf[r, h0:h1], v_buf[r, h0:h1]  # [hh, max_len, d] views
-    kb_len = max(16, score_block_elements // (hh * G * nq))
-    cast = k_rows.dtype != acc  # float16/bfloat16: each K/V block is computed in float32
-    if cast:
-        kb_len = min(kb_len, max(16, score_block_elements // (hh * d)))
-        k32 = np.empty((hh, min(kb_len, j1 - j0), d), dtype=acc)
-        v32 = np.empty_like(k32)
+    heads = tile_heads(params, h0, h1, G)
+    keys = max(MIN_BLOCK_KEYS, score_block_elements // (hh * G * nq))
     state = SoftmaxState(np)
-    for js in range(j0, j1, kb_len):
-        je = min(j1, js + kb_len)
-        kb, vb = k_rows[:, js:je, :], v_rows[:, js:je, :]
-        if cast:
-            kb = to_float32(kb, k32[:, :je - js])
-            vb = to_float32(vb, v32[:, :je - js])
-        fold_block(state, qb, kb, vb, params=params, L=L, n=n, t0=t0, t1=t1, js=js, je=je)
+    for js, je, kb, vb in reader.blocks(i, h0, h1, j0, j1, keys=keys, acc=acc,
+                                        block_elements=score_block_elements, d=d):
+        fold_block(state, qb, kb, vb, params=params, L=L, n=n, t0=t0, t1=t1, js=js, je=je,
+                   heads=heads)
     return state
+
+
+def tile_heads(params, h0: int, h1: int, G: int):
+    """The query heads of an item's tile as ``[h1 - h0, G, 1, 1]`` (KV head h0 + kv's
+    query head g is (h0 + kv) * G + g), for a score hook that reads them (ALiBi); None
+    when the call's hook does not (positions are then never formed)."""
+    if params.alibi_slopes is None:
+        return None
+    return (np.arange(h0, h1)[:, None] * G + np.arange(G)).reshape(h1 - h0, G, 1, 1)
 
 
 def _with_sinks(state, sinks, h0, h1, G, nq):
@@ -169,26 +168,42 @@ def _finish(out, lse, item, state, G, sinks=None):
 
 
 def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool,
-                    workers: int | None = None,
-                    score_block_elements: int = SCORE_BLOCK_ELEMENTS,
-                    query_block: int = QUERY_BLOCK,
-                    min_key_split: int = MIN_KEY_SPLIT,
-                    parallel_min_work: int = PARALLEL_MIN_WORK,
-                    params: AttentionParams | None = None, attend_item=None):
-    """NumPy attention over validated inputs; see ``gqakv.gqa_attention`` for the semantics.
-
-    q: [B, Hq, T, d]; k_buf, v_buf: [rows_total, Hkv, max_len, d]; rows, lens, n_new:
-    host int arrays [B]. ``workers`` threads (default: GQAKV_NUM_THREADS, else the
-    BLAS thread count) share the items; the remaining keywords expose the blocking
-    so tests can drive every split on small shapes. ``params``: the call's
-    ``AttentionParams`` (default: plain causal with ``scale``). ``attend_item``: the
-    per-item kernel (default ``_attend_item``; ``numpy_quantized`` passes one that
-    dequantizes each K/V block).
-    """
+                    params: AttentionParams | None = None, **blocking):
+    """NumPy attention over plain contiguous buffers; see ``gqakv.gqa_attention`` for the
+    semantics. q: [B, Hq, T, d]; k_buf, v_buf: [rows_total, Hkv, max_len, d]; rows,
+    lens, n_new: host int arrays [B]. ``params``: the call's ``AttentionParams``
+    (default: plain causal with ``scale``); ``blocking``: ``attend``'s keywords."""
     if params is None:
         params = AttentionParams(scale=scale)
+    reader = readers.Plain(readers.Rows((k_buf, v_buf), rows))
+    return attend(q, reader, lens, n_new, params=params, return_lse=return_lse, **blocking)
+
+
+def attention_store(q, store, inputs, params, *, return_lse: bool, **blocking):
+    """The NumPy backend's fast path: attention of ``q`` [B, Hq, T, d] over a KVStore
+    without leading axes of any layout and codec ``numpy_readers.reader_of`` reads
+    (``numpy_backend.FAST_PATHS`` declares which); see ``gqakv.gqa_attention``.
+    ``blocking``: ``attend``'s keywords."""
+    reader = readers.reader_of(store, inputs.rows)
+    return attend(q, reader, inputs.lens, inputs.n_new, params=params, return_lse=return_lse,
+                  **blocking)
+
+
+def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
+           workers: int | None = None,
+           score_block_elements: int = SCORE_BLOCK_ELEMENTS,
+           query_block: int = QUERY_BLOCK,
+           min_key_split: int = MIN_KEY_SPLIT,
+           parallel_min_work: int = PARALLEL_MIN_WORK):
+    """The item kernel over validated inputs: plan the items, share them among threads,
+    read each item's K/V blocks through ``reader`` (``numpy_readers``), merge key pieces.
+
+    q: [B, Hq, T, d]; lens, n_new: host int arrays [B]. ``workers`` threads (default:
+    GQAKV_NUM_THREADS, else the BLAS thread count) share the items; the remaining
+    keywords expose the blocking so tests can drive every split on small shapes.
+    """
     B, Hq, T, d = q.shape
-    Hkv = k_buf.shape[1]
+    Hkv = reader.kv_heads
     G = Hq // Hkv
     acc = np.float64 if q.dtype == np.float64 else np.float32
     out = np.zeros((B, Hq, T, d), dtype=q.dtype)
@@ -206,9 +221,8 @@ def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
         """Compute a run of items; finish whole ones, hand back key pieces for merging."""
         pieces = []
         for item in batch:
-            state = (attend_item or _attend_item)(q, k_buf, v_buf, rows, lens, n_new, item,
-                                                  params=params, acc=acc,
-                                                  score_block_elements=score_block_elements)
+            state = _attend_item(q, reader, lens, n_new, item, params=params, acc=acc,
+                                 score_block_elements=score_block_elements)
             i, t0, t1, j0, j1 = item[0], item[3], item[4], item[5], item[6]
             if (j0, j1) == block_keys(params, int(lens[i]), int(n_new[i]), t0, t1):  # all its keys
                 _finish(out, lse, item, state, G, sinks)  # items write disjoint parts of out

@@ -9,11 +9,10 @@ from gqakv.codecs import PLAIN_NAME
 from gqakv.inputs import immutable_ints
 from gqakv.store import CONTIGUOUS, PAGED
 
-#: The NumPy backend's attention paths (BLAS matmuls on live views; see ``route_attention``).
+#: The NumPy backend's attention fast path (BLAS matmuls on live blocks; see ``route_attention``):
+#: one item kernel (``numpy_attention``) over the block readers of ``numpy_readers``.
 BLAS = "numpy BLAS"
-BLAS_PAGED = "numpy BLAS paged"
-BLAS_QUANTIZED = "numpy BLAS quantized"
-BLAS_PATHS = (BLAS, BLAS_PAGED, BLAS_QUANTIZED)
+BLAS_PATHS = (BLAS,)
 
 #: The facts ``route`` reads on the CPU backends (numpy, numba), with their favourable
 #: defaults: dtype (the cache's, of q and the output), head_dim, t_q (query tokens per
@@ -29,21 +28,22 @@ CPU_FACTS: dict[str, dict] = {
 }
 
 
-#: The variant features the BLAS paths implement (numpy_attention's item kernel).
-BLAS_FEATURES = frozenset({"window", "softcap", "sinks"})
-#: The BLAS paths, in the order dispatch tries them (what each reads, as data).
+#: The variant features the item kernel implements (``numpy_attention.fold_block``).
+BLAS_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})
+#: What the fast path reads, as data: every layout with a base reader
+#: (``numpy_readers.BASE_READERS``: contiguous rows, pages), with values stored plain or
+#: as the codes of a codec whose ``dequantize_into`` the 8-bit reader calls (``Coded``:
+#: over either base reader). Any other codec is refused here and runs the generic path.
 FAST_PATHS: tuple[FastPath, ...] = (
-    FastPath(BLAS, "attention", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}), BLAS_FEATURES),
-    FastPath(BLAS_PAGED, "attention", frozenset({PAGED}), frozenset({PLAIN_NAME}), BLAS_FEATURES),
-    FastPath(BLAS_QUANTIZED, "attention", frozenset({CONTIGUOUS}), frozenset({"int8", "float8_e4m3fn"}),
-             BLAS_FEATURES),
+    FastPath(BLAS, "attention", frozenset({CONTIGUOUS, PAGED}),
+             frozenset({PLAIN_NAME, "int8", "float8_e4m3fn"}), BLAS_FEATURES),
 )
 
 
 @functools.lru_cache(maxsize=256)
 def route_attention(storage: str, kv_dtype: str | None, features: frozenset) -> Route:
     """The NumPy backend's attention decision (its dispatch and ``route`` both ask it):
-    the first BLAS path that declares the call's layout, codec and variant
+    the BLAS path when it declares the call's layout, codec and variant
     (``FAST_PATHS``), else the generic code."""
     return choose(FAST_PATHS, layout=storage, codec=kv_dtype or PLAIN_NAME, features=features)
 
@@ -133,33 +133,21 @@ class NumpyBackend(Backend):
 
     def implementations(self) -> dict[str, str]:
         return {
-            BLAS: "attention over contiguous rows, every dtype (float16/bfloat16 in float32); "
-                  "window, softcap, sinks",
-            BLAS_PAGED: "attention over paged rows (the page table read per key block)",
-            BLAS_QUANTIZED: "attention over contiguous int8 / float8_e4m3fn rows (each block "
-                            "dequantized as read)",
-            GENERIC: "appends, row copies, paged quantized attention",
+            BLAS: "attention over contiguous or paged rows (the page table read per key block), "
+                  "plain or int8 / float8_e4m3fn (each block dequantized as read), every dtype "
+                  "(float16/bfloat16 in float32); window, softcap, sinks, alibi",
+            GENERIC: "appends, row copies, attention over other codecs",
         }
 
     def attention(self, q, store, inputs, params, *, return_lse: bool):
-        """BLAS matmuls on live views, shared among threads (see ``numpy_attention``), for
-        contiguous storage, paged storage (``numpy_paged``) and quantized storage (each
-        K/V block dequantized as it is read, ``numpy_quantized``) with the variants they
-        implement; otherwise the generic path (``route_attention`` decides)."""
-        impl = route_attention(store.kind, store.dtype if store.quantized else None,
-                               params.features).impl
-        if impl == BLAS_PAGED:
-            # reads through the page table
-            from .numpy_paged import attention_numpy_paged
+        """BLAS matmuls on live blocks, shared among threads (``numpy_attention``), read
+        through the store's block reader (``numpy_readers``: contiguous or paged, plain or
+        dequantized as read) for the layouts, codecs and variants ``FAST_PATHS`` declares;
+        otherwise the generic path (``route_attention`` decides)."""
+        codec = store.spec.codec.name
+        if route_attention(store.kind, None if codec == PLAIN_NAME else codec,
+                           params.features).impl == BLAS:
+            from .numpy_attention import attention_store
 
-            return attention_numpy_paged(q, store, inputs, params, return_lse=return_lse)
-        if impl == BLAS_QUANTIZED:
-            from .numpy_quantized import attention_numpy_quantized
-
-            return attention_numpy_quantized(q, store, inputs, params, return_lse=return_lse)
-        if impl == BLAS:
-            from .numpy_attention import attention_numpy
-
-            return attention_numpy(q, store.k, store.v, inputs.rows, inputs.lens, inputs.n_new,
-                                   scale=params.scale, return_lse=return_lse, params=params)
+            return attention_store(q, store, inputs, params, return_lse=return_lse)
         return super().attention(q, store, inputs, params, return_lse=return_lse)

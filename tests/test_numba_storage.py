@@ -278,25 +278,33 @@ def test_route_of_each_storage_kind():
 
 
 def test_long_chunks_over_paged_and_quantized_take_the_numpy_paths(monkeypatch, kernel_calls):
-    """A 20-query chunk goes to numpy_paged / numpy_quantized (BLAS), not the kernel."""
-    from gqakv_backends import numpy_paged, numpy_quantized
+    """A 20-query chunk over paged, 8-bit or paged 8-bit storage goes to the NumPy item
+    kernel (BLAS) through the store's reader (pages, the 8-bit reader over rows or over
+    pages), not the kernel."""
+    from gqakv_backends import numpy_readers
 
     used = []
-    for mod, name in ((numpy_paged, "attention_numpy_paged"),
-                      (numpy_quantized, "attention_numpy_quantized")):
-        real = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: used.append(_n) or _r(*a, **k))
+    real = numpy_readers.reader_of
+
+    def spy(store, rows):
+        reader = real(store, rows)
+        used.append((type(reader).__name__, type(reader.base).__name__))
+        return reader
+
+    monkeypatch.setattr(numpy_readers, "reader_of", spy)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((1, 1, 20, 8)).astype(np.float32)
     q = rng.standard_normal((1, 2, 20, 8)).astype(np.float32)
     for cache in (gqakv.PagedKVCache(1, 1, 40, 8, backend="numba", page_size=4),
-                  gqakv.KVCache(1, 1, 40, 8, backend="numba", kv_dtype="int8")):
+                  gqakv.KVCache(1, 1, 40, 8, backend="numba", kv_dtype="int8"),
+                  gqakv.PagedKVCache(1, 1, 40, 8, backend="numba", page_size=4, kv_dtype="int8")):
         cache.append(x, x, [20])
         out = gqakv.gqa_attention(q, cache, [20])
         kx = held(x, {"kv_dtype": "int8"} if cache.store.quantized else {})
         want, _ = reference_on_buffers(q, kx, kx, [20], [20], 1 / math.sqrt(8))
         np.testing.assert_allclose(out, want, atol=1e-5)
-    assert used == ["attention_numpy_paged", "attention_numpy_quantized"] and kernel_calls == []
+    assert used == [("Plain", "Pages"), ("Coded", "Rows"), ("Coded", "Pages")]
+    assert kernel_calls == []
 
 
 # -- writes and row copies (numba_kernels.write_tokens / copy_rows) ----------------------------

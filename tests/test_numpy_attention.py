@@ -151,15 +151,17 @@ def test_blas_threads_restored():
 
 
 def test_backend_uses_threaded_path_through_public_api(monkeypatch):
-    """gqa_attention on the numpy backend goes through attention_numpy with the cache's views."""
+    """gqa_attention on the numpy backend goes through the item kernel (attention_store)
+    with a reader over the cache's own buffers."""
     seen = []
-    real = na.attention_numpy
+    real = na.readers.reader_of
 
-    def spy(q, k_buf, *args, **kw):
-        seen.append(k_buf)
-        return real(q, k_buf, *args, **kw)
+    def spy(store, rows):
+        reader = real(store, rows)
+        seen.append(reader.base.arrays[0])
+        return reader
 
-    monkeypatch.setattr(na, "attention_numpy", spy)
+    monkeypatch.setattr(na.readers, "reader_of", spy)
     cache = gqakv.KVCache(1, 2, 8, 4, dtype="float64", backend="numpy")
     x = np.ones((1, 2, 3, 4))
     cache.append(x, x, [3])
@@ -381,15 +383,15 @@ def test_window_bounds_the_work_of_a_long_decode():
 
 def test_variants_take_the_threaded_path_through_the_public_api(monkeypatch):
     """gqa_attention(params=...) with every variant on the numpy backend runs
-    attention_numpy (not the generic path) and matches the reference."""
+    the item kernel (attention_store, not the generic path) and matches the reference."""
     seen = []
-    real = na.attention_numpy
+    real = na.attention_store
 
     def spy(*args, **kw):
-        seen.append(kw["params"])
+        seen.append(args[3])
         return real(*args, **kw)
 
-    monkeypatch.setattr(na, "attention_numpy", spy)
+    monkeypatch.setattr(na, "attention_store", spy)
     rng = np.random.default_rng(25)
     lens, n_new = [12, 5], [3, 1]
     q, k, v = _case(rng, lens, n_new, 2, 2, 4, nan_tail=False)

@@ -475,14 +475,15 @@ def test_bench_on_a_paged_cache(capsys):
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 @pytest.mark.parametrize("page_size", [1, 3, 16, 64])
 def test_numpy_paged_kernel_matches_contiguous(dtype, page_size, monkeypatch):
-    """backends/numpy_paged: decode and chunks over shuffled pages (rows forked, so pages
-    are shared and out of order), forced key splits on 2 workers, gathered blocks smaller
-    than a row, against attention_numpy on a contiguous cache with the same tokens."""
-    from gqakv_backends import numpy_paged
-    from gqakv_backends.numpy_attention import attention_numpy
+    """backends/numpy_readers.Pages under the item kernel: decode and chunks over shuffled
+    pages (rows forked, so pages are shared and out of order), forced key splits on 2
+    workers, gathered blocks smaller than a row, against attention_numpy on a contiguous
+    cache with the same tokens."""
+    from gqakv_backends import numpy_readers
+    from gqakv_backends.numpy_attention import attention_numpy, attention_store
     from gqakv.inputs import validate_attention
 
-    monkeypatch.setattr(numpy_paged, "GATHER_ELEMENTS", 4 * 8 * 8)  # a few pages per gather
+    monkeypatch.setattr(numpy_readers, "GATHER_ELEMENTS", 4 * 8 * 8)  # a few pages per gather
     rng = np.random.default_rng(page_size)
     B, Hkv, G, d, S = 4, 2, 3, 8, 300
     plain = gqakv.KVCache(B, Hkv, S, d, dtype=dtype, backend="numpy")
@@ -503,8 +504,7 @@ def test_numpy_paged_kernel_matches_contiguous(dtype, page_size, monkeypatch):
         kw = dict(workers=2, min_key_split=16, parallel_min_work=0, score_block_elements=256)
         want = attention_numpy(q, plain.k, plain.v, inputs.rows, inputs.lens, inputs.n_new,
                                scale=inputs.scale, return_lse=True, **kw)
-        got = numpy_paged.attention_numpy_paged(q, paged.store, inputs, inputs.params,
-                                                return_lse=True, **kw)
+        got = attention_store(q, paged.store, inputs, inputs.params, return_lse=True, **kw)
         tol = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3}[dtype]
         for a, b in zip(got, want):
             a, b = a.astype(np.float64), b.astype(np.float64)
@@ -516,7 +516,7 @@ def test_numpy_paged_kernel_matches_contiguous(dtype, page_size, monkeypatch):
 # long chunks here (test_long_chunks_over_paged_and_quantized_take_the_numpy_paths there)
 @pytest.mark.parametrize("name", ["numpy"])
 def test_cpu_backends_route_paged_storage_to_the_page_table_kernel(name, monkeypatch):
-    from gqakv_backends import numpy_paged
+    from gqakv_backends import numpy_readers
 
     backend = gqakv.get_backend(name) if name == "numpy" else None
     if backend is None:
@@ -525,14 +525,14 @@ def test_cpu_backends_route_paged_storage_to_the_page_table_kernel(name, monkeyp
             pytest.skip(b.unavailable_reason())
         backend = b
     calls = []
-    real = numpy_paged.attention_numpy_paged
-    monkeypatch.setattr(numpy_paged, "attention_numpy_paged",
+    real = numpy_readers.Pages.read
+    monkeypatch.setattr(numpy_readers.Pages, "read",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     cache = gqakv.PagedKVCache(2, 1, 40, 4, backend=backend, page_size=4)
     x = np.random.default_rng(0).standard_normal((2, 1, 9, 4)).astype(np.float32)
     cache.append(x, x, [9, 5])
     q = np.random.default_rng(1).standard_normal((2, 2, 1, 4)).astype(np.float32)
     out = gqakv.gqa_attention(q, cache, [1, 1])
-    assert calls == [1]
+    assert calls == [1, 1]  # one item per row, each read through its page table
     want, _ = reference_attention(q, [x[0], x[1, :, :5]], [x[0], x[1, :, :5]], [1, 1])
     np.testing.assert_allclose(out, want, atol=1e-5)

@@ -470,21 +470,31 @@ def test_sizing_counts_scales(capsys):
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("split", ["one item", "heads and keys split, small blocks"])
-def test_numpy_quantized_path_under_every_split(kv_dtype, split):
-    """The NumPy fast path (``numpy_quantized``: BLAS items dequantizing each block) under
-    forced splits and tiny blocks, against the reference on the dequantized values; the
-    numpy backend routes a quantized cache to it."""
+@pytest.mark.parametrize("page_size", [None, 3, 16], ids=["contiguous", "paged3", "paged16"])
+def test_numpy_quantized_path_under_every_split(kv_dtype, split, page_size, monkeypatch):
+    """The NumPy fast path (the item kernel through ``numpy_readers.Coded``, dequantizing
+    each block, over contiguous rows or pages) under forced splits, tiny blocks and
+    gathers of a few pages, against the reference on the dequantized values; the numpy
+    backend routes a quantized cache, contiguous or paged, to it."""
     from gqakv.inputs import validate_attention
-    from gqakv_backends.numpy_quantized import attention_numpy_quantized
+    from gqakv_backends import numpy_readers
+    from gqakv_backends.numpy_attention import attention_store as attention_numpy_quantized
 
     rng = np.random.default_rng(10)
     B, hkv, G, d, S = 3, 2, 4, 16, 300
-    cache = gqakv.KVCache(B, hkv, S, d, "bfloat16", backend="numpy", kv_dtype=kv_dtype)
+    if page_size is None:
+        cache = gqakv.KVCache(B, hkv, S, d, "bfloat16", backend="numpy", kv_dtype=kv_dtype)
+    else:
+        monkeypatch.setattr(numpy_readers, "GATHER_ELEMENTS", hkv * d * 4 * page_size)
+        cache = gqakv.PagedKVCache(B, hkv, S, d, "bfloat16", backend="numpy", kv_dtype=kv_dtype,
+                                   page_size=page_size)
+        assert isinstance(numpy_readers.reader_of(cache.store, [0]).base, numpy_readers.Pages)
     cache.store.fill(np.nan)
     lens = [290, 0, 41]
     k = hard_tokens(rng, (B, hkv, 290, d), "bfloat16").astype(ml_dtypes.bfloat16)
     v = hard_tokens(rng, (B, hkv, 290, d), "bfloat16").astype(ml_dtypes.bfloat16)
-    cache.append(k, v, lens)
+    for a, b in ((0, 20), (20, 290)):  # two appends: the rows' pages interleave in the pool
+        cache.append(k[:, :, a:b], v[:, :, a:b], np.clip(np.asarray(lens) - a, 0, b - a))
     n_new = [5, 0, 3]
     q = rng.standard_normal((B, hkv * G, 5, d)).astype(ml_dtypes.bfloat16)
     blocking = {} if split == "one item" else dict(workers=3, min_key_split=16,
@@ -506,6 +516,8 @@ def test_numpy_quantized_path_under_every_split(kv_dtype, split):
         backend = gqakv.get_backend(name) if not gqakv.get_backend(name).unavailable_reason() else None
         if backend is None:
             continue
+        assert backend.route("attention", storage=cache.store.kind, kv_dtype=kv_dtype,
+                             t_q=5).impl == "numpy BLAS"
         got = backend.attention(q, cache.store, inputs, inputs.params, return_lse=False)
         np.testing.assert_array_equal(got.astype(np.float64),
                                       attention_numpy_quantized(q, cache.store, inputs, inputs.params,

@@ -124,38 +124,49 @@ def test_paged_and_quantized_lines_exist():
 
 
 def test_a_broken_paged_read_fails_only_the_paged_lines(capsys, monkeypatch):
-    """The NumPy paged kernel reading a row's second page in place of its first (a swap
+    """The NumPy paged reader reading a row's second page in place of its first (a swap
     would not do: attention over all of a row's keys does not depend on their order);
-    every other family runs on contiguous storage and must still pass."""
-    from gqakv_backends import numpy_paged
+    every other family but paged int8 (the same reader) runs on contiguous storage and
+    must still pass."""
+    from gqakv_backends import numpy_readers
 
-    original = numpy_paged._attend_item_paged
+    original = numpy_readers.Pages.__init__
 
-    def wrong_first_page(*args, table, **kw):
+    def wrong_first_page(self, arrays, rows, table, page_size):
         bad = table.copy()
         two = (bad >= 0).sum(axis=1) >= 2
         bad[two, 0] = table[two, 1]
-        return original(*args, table=bad, **kw)
-    monkeypatch.setattr(numpy_paged, "_attend_item_paged", wrong_first_page)
+        original(self, arrays, rows, bad, page_size)
+    monkeypatch.setattr(numpy_readers.Pages, "__init__", wrong_first_page)
     status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "7")
     assert status == 1, out
     dtypes = set(gqakv.get_backend("numpy").dtypes)
-    assert _failed_lines(out) == {(f, d) for f in PAGED_LINES for d in dtypes}, out
+    # paged 8-bit storage reads its codes and scales through the same page reader
+    quant = {(selftest.PAGED_QUANT, d) for d in dtypes - {"float64"}}
+    assert _failed_lines(out) == {(f, d) for f in PAGED_LINES for d in dtypes} | quant, out
     assert any(l.startswith("FAIL paged P=") and "worst case" in l for l in out.splitlines())
 
 
 def test_a_broken_dequantization_fails_only_the_quantized_lines(capsys, monkeypatch):
-    """The NumPy quantized kernel dequantizing each token with its neighbour's scale."""
-    from gqakv_backends import numpy_quantized
+    """The NumPy 8-bit reader dequantizing each token with its neighbour's scale."""
+    from gqakv_backends import numpy_readers
 
-    original = numpy_quantized._dequantize_into
-    monkeypatch.setattr(numpy_quantized, "_dequantize_into",
-                        lambda codes, scales, kv_dtype, out: original(
-                            codes, np.roll(scales, 1, axis=-1), kv_dtype, out))
+    original = numpy_readers.Coded.__init__
+
+    class Shifted:  # the store's codec, handed each block's scales rolled by one token
+        def __init__(self, codec):
+            self.codec = codec
+
+        def dequantize_into(self, codes, scales, out):
+            return self.codec.dequantize_into(codes, np.roll(scales, 1, axis=-1), out)
+
+    monkeypatch.setattr(numpy_readers.Coded, "__init__",
+                        lambda self, base, codec: original(self, base, Shifted(codec)))
     status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "8")
     assert status == 1, out
     dtypes = set(gqakv.get_backend("numpy").dtypes) - {"float64"}  # float64: SKIP
-    assert _failed_lines(out) == {(f, d) for f in QUANT_LINES for d in dtypes}, out
+    lines = QUANT_LINES | {selftest.PAGED_QUANT}  # the 8-bit reader over pages too
+    assert _failed_lines(out) == {(f, d) for f in lines for d in dtypes}, out
 
 
 def test_a_broken_quantizing_append_fails_the_quantized_lines(capsys, monkeypatch):

@@ -34,8 +34,8 @@ STORAGE_SPECS = {"contiguous": {"storage": "contiguous"},
                  # holds tests/support/quantization.held(x) for the values x appended
                  "int8": {"kv_dtype": "int8"},
                  "fp8": {"kv_dtype": "float8_e4m3fn"},
-                 # both: numba's kernels read it; numpy and CuPy refuse it (generic path,
-                 # the route says why)
+                 # both: numba's kernels and numpy's 8-bit reader over pages read it; CuPy
+                 # refuses it (generic path, the route says why)
                  "paged+int8": {"storage": "paged", "page_size": 4, "kv_dtype": "int8"}}
 #: Attention params under test: name -> the fields of ``gqakv.AttentionParams`` besides
 #: ``scale`` (tests build ``AttentionParams(scale=..., **fields)`` and pass ``params=``).

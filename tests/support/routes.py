@@ -3,8 +3,8 @@
 
 ``RouteSpy(backend, monkeypatch)`` wraps the backend's three hot operations (on the
 instance: ``write_kv``, ``copy_tokens``, ``attention``) and the entry of every
-implementation they can reach: the generic array-API functions, the NumPy BLAS paths
-(``numpy_attention``, ``numpy_paged``, ``numpy_quantized``), the numba kernels
+implementation they can reach: the generic array-API functions, the NumPy BLAS path
+(``numpy_attention.attention_store``: one item kernel over every reader), the numba kernels
 (``numba_kernels.attention_items``, ``write_tokens``, ``copy_rows``) and, for the
 emulated CuPy backend, its kernel launches (``EmulatedCupyBackend._run_plan``: the first
 launch's kernel). Each hot-operation call is recorded as a ``Call``: the operation, the
@@ -36,11 +36,8 @@ from gqakv.backend import GENERIC, HOT_OPS
 GENERIC_ENTRIES = (("gqakv.attention", "attention_array_api"),
                    ("gqakv.cache_ops", "write_kv_array_api"),
                    ("gqakv.row_ops", "copy_tokens_array_api"))
-#: (module, function, implementation name) of the NumPy backend's BLAS paths.
-NUMPY_ENTRIES = (("gqakv_backends.numpy_attention", "attention_numpy", "numpy BLAS"),
-                 ("gqakv_backends.numpy_paged", "attention_numpy_paged", "numpy BLAS paged"),
-                 ("gqakv_backends.numpy_quantized", "attention_numpy_quantized",
-                  "numpy BLAS quantized"))
+#: (module, function, implementation name) of the NumPy backend's BLAS path.
+NUMPY_ENTRIES = (("gqakv_backends.numpy_attention", "attention_store", "numpy BLAS"),)
 #: ... and of the numba backend's kernels (it also reaches the NumPy paths).
 NUMBA_ENTRIES = (("gqakv_backends.numba_kernels", "attention_items", "numba kernel"),
                  ("gqakv_backends.numba_kernels", "write_tokens", "numba write_tokens"),
@@ -192,21 +189,23 @@ class Refused:
     words: tuple[str, ...]
 
 
-#: Variant features no fast path implements yet (the generic code, its route naming them).
+#: Variant features CuPy's fast paths do not implement yet (the generic code, its route
+#: naming them); numpy's item kernel and numba's kernels serve ALiBi (every variant).
 NOT_YET_FAST = frozenset({"alibi"})
+#: The codecs the NumPy and numba fast paths document (numpy_readers' 8-bit reader over
+#: either layout; the numba kernels' decoders): any other is refused by name.
+CPU_CODECS = (None, "int8", "float8_e4m3fn")
 
 
 def _numpy_attention(f) -> Any:
-    if f["features"] & NOT_YET_FAST:
-        return Refused(tuple(sorted(f["features"] & NOT_YET_FAST)))
-    if f["storage"] == "paged" and f["kv_dtype"]:
-        return Refused(("paged", "kv_dtype"))
+    if f["kv_dtype"] not in CPU_CODECS:
+        return Refused((f"kv_dtype={f['kv_dtype']!r}",))
     return FAST
 
 
 def _numba_attention(f) -> Any:
-    if f["features"] & NOT_YET_FAST:
-        return _numpy_attention(f)
+    if f["kv_dtype"] not in CPU_CODECS:
+        return Refused((f"kv_dtype={f['kv_dtype']!r}",))
     if f["t_q"] <= 8 and f["dtype"] != "float64":  # decode and short chunks: the kernels
         return "numba kernel"
     return _numpy_attention(f)
