@@ -714,20 +714,16 @@ def _compile(backend, dtypes, quick) -> Check:
     if hook is not None:
         names = list(hook())
     elif backend.name == "cupy":
-        from gqakv_backends.cupy_backend import modules, sources
+        from gqakv_backends.cupy_backend import instantiations, modules
 
+        # The instantiation table's plain-causal entries at these dtypes and head dims (float64
+        # runs the array-API code: nothing to compile), over every storage and reader (the
+        # quantized and paged lines run them); the variant lines compile theirs on first use.
         names = []
-        for kernel in sources.KERNEL_FILES:
-            for dtype in dtypes:
-                if dtype not in sources.CTYPES:
-                    continue  # float64 runs the array-API code: nothing to compile
-                for d in HEAD_DIMS[quick]:
-                    # over quantized K/V too, and the paged instantiations (the paged lines run them)
-                    for kv_dtype in (None, *sources.CODE_CTYPES):
-                        paged = sources.paged_instantiations(kernel, dtype, d) if kv_dtype is None else []
-                        for name in sources.instantiations(kernel, dtype, d, kv_dtype) + paged:
-                            modules.get_function(kernel, name)
-                            names.append(name)
+        for entry in instantiations.select(dtypes=[d for d in dtypes if d in instantiations.CTYPES],
+                                           head_dims=HEAD_DIMS[quick], variants=(0,)):
+            modules.get_function(entry.kernel, entry.name)
+            names.append(entry.name)
     elif backend.name == "numba":
         check.note = _numba_jit_note()
         check.required = False
