@@ -101,3 +101,15 @@ def test_emulator_registers_exactly_its_unit():
     (names,) = emu.lib.kernel_names()
     selftests = {"emu_mma_selftest<gqakv_half>", "emu_mma_selftest<gqakv_bf16>", "emu_divergence_selftest"}
     assert sorted(names) == sorted({e.name for e in unit.entries} | selftests)
+
+
+def test_variant_flags_match_the_kernels_macros():
+    """Each feature of the table's VARIANT_FLAGS is a GQAKV_VARIANT_<NAME> bit of
+    kernels/variant.cuh (the kernels test the same bits)."""
+    import re
+
+    text = (harness.kernel_dir() / "variant.cuh").read_text()
+    macros = {m.group(1).lower(): int(m.group(2)) for m in re.finditer(r"#define GQAKV_VARIANT_(\w+) (\d+)", text)}
+    assert macros == table.VARIANT_FLAGS
+    assert table.ALL == sum(table.VARIANT_FLAGS.values()) and all(
+        bin(v).count("1") == 1 for v in table.VARIANT_FLAGS.values())

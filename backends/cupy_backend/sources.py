@@ -126,11 +126,12 @@ def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | No
 
 
 def paged_name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None,
-                          variant: int = 0) -> str:
+                          variant: int = 0, kv_dtype: str | None = None) -> str:
     """The paged instantiation of ``kernel``: ``name_expression``'s with the variant flags
     spelled out (0 too) and ``KVPages`` appended, e.g. ``gqakv_decode<float, 64, 4, 0,
-    KVPages>`` or ``gqakv_write_kv<gqakv_bf16, 128, KVPages>``."""
-    return entry(kernel, dtype, head_dim, query_tile, variant, reader="paged").name
+    KVPages>`` or ``gqakv_write_kv<gqakv_bf16, 128, KVPages>`` (over quantized K/V only
+    where the table's LAYOUTS has ("quantized", "paged"); KeyError otherwise)."""
+    return entry(kernel, dtype, head_dim, query_tile, variant, kv_dtype, reader="paged").name
 
 
 def paged_instantiations(kernel: str, dtype: str, head_dim: int, variant: int = 0) -> list[str]:
