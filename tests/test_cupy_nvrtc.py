@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from gqakv_backends.cupy_backend import instantiations as table
 from gqakv_backends.cupy_backend import sources
 
 nvrtc_mod = pytest.importorskip("gqakv_backends.cupy_backend.nvrtc")
@@ -29,46 +30,49 @@ OTHER_HEAD_DIMS = (20, 32, 72, 96, 100, 160)
 REPORT: list[str] = []
 
 
+def _tile_id(entry) -> str:
+    return f"-qb{entry.tile}" if entry.tile is not None else ""
+
+
 def _params():
-    for kernel in sources.KERNEL_FILES:
-        for dtype in sources.CTYPES:
+    """The instantiation table's plain-causal entries (contiguous, K/V as the q dtype) at
+    every head dim above, in every dtype."""
+    for kernel in table.KERNELS:
+        for dtype in table.CTYPES:
             for d in FAST_HEAD_DIMS + OTHER_HEAD_DIMS:
-                for name in sources.instantiations(kernel, dtype, d):
-                    tile = name.rsplit(", ", 1)[1].rstrip(">") if kernel == "gqakv_decode" else ""
-                    yield pytest.param(kernel, dtype, d, name,
-                                       id=f"{kernel}-{dtype}-d{d}" + (f"-qb{tile}" if tile else ""))
+                for e in table.select([kernel], [dtype], [d], [None], ["contiguous"], [0]):
+                    yield pytest.param(kernel, dtype, d, e.name, id=f"{kernel}-{dtype}-d{d}" + _tile_id(e))
 
 
 def _variant_params():
-    """The variant instantiations with every feature on (flags 7: window, softcap, sinks;
-    gqakv_merge 4: sinks) at the fast head dims 64 and 128."""
-    for kernel in sources.VARIANT_KERNELS:
-        flags = 4 if kernel == "gqakv_merge" else 7
-        for dtype in sources.CTYPES:
+    """The variant instantiations with every feature a kernel takes on (its variant mask:
+    window, softcap, sinks; gqakv_merge: sinks) at the fast head dims 64 and 128."""
+    for kernel, decl in table.KERNELS.items():
+        if not decl.variant_mask:
+            continue
+        flags = decl.variant_mask
+        for dtype in table.CTYPES:
             for d in (64, 128):
-                for base in sources.instantiations(kernel, dtype, d):
-                    tile = base.rsplit(", ", 1)[1].rstrip(">") if kernel == "gqakv_decode" else None
-                    name = sources.name_expression(kernel, dtype, d, int(tile) if tile else None, variant=flags)
-                    yield pytest.param(kernel, dtype, d, name, id=f"{kernel}-{dtype}-d{d}-v{flags}"
-                                       + (f"-qb{tile}" if tile else ""))
+                for e in table.select([kernel], [dtype], [d], [None], ["contiguous"], [flags]):
+                    yield pytest.param(kernel, dtype, d, e.name, id=f"{kernel}-{dtype}-d{d}-v{flags}" + _tile_id(e))
 
 
 def _quantized_params():
     """The instantiations over quantized K/V at d = 128, two pairings (q bfloat16 over int8
     codes, q float32 over e4m3 codes) to keep the compile time modest: decode (every query
-    tile), prefill, the quantizing append and the code copy; decode (tile 4) and prefill
-    with every variant feature (flags 7, int8); and the scale copy
+    tile), prefill, the quantizing append and the code copy; decode (the smallest tile) and
+    prefill with every variant feature (int8); and the scale copy
     gqakv_copy_tokens<float, 1>. (gqakv_merge reads fp32 partials: its plain
     instantiations serve quantized caches.)"""
     for dtype, kv_dtype in (("bfloat16", "int8"), ("float32", "float8_e4m3fn")):
         for kernel in ("gqakv_decode", "gqakv_prefill", "gqakv_write_kv_quantized", "gqakv_copy_tokens"):
-            names = sources.instantiations(kernel, dtype, 128, kv_dtype)
+            entries = table.select([kernel], [dtype], [128], [kv_dtype], ["contiguous"], [0])
             if kernel in ("gqakv_decode", "gqakv_prefill") and kv_dtype == "int8":
-                names += [names[0][:-1] + ", 7>"]  # window + softcap + sinks
-            for name in names:
-                yield pytest.param(kernel, dtype, 128, name, id=name)
-    yield pytest.param("gqakv_copy_tokens", "float32", 1, "gqakv_copy_tokens<float, 1>",
-                       id="gqakv_copy_tokens<float, 1>")
+                entries += table.select([kernel], [dtype], [128], [kv_dtype], ["contiguous"], [table.ALL])[:1]
+            for e in entries:
+                yield pytest.param(kernel, dtype, 128, e.name, id=e.name)
+    s = table.SCALE_COPY
+    yield pytest.param(s.kernel, s.dtype, s.head_dim, s.name, id=s.name)
 
 
 @pytest.mark.parametrize("kernel,dtype,head_dim,name",
@@ -91,17 +95,16 @@ def test_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
 def _paged_params():
     """The paged instantiations (kernels/paged_kv.cuh: the page-table reader) at the fast
     head dims 64 and 128 in float32 and bfloat16, plain causal, and with every feature on
-    (flags 7) for bfloat16 at 128; sm_90 only (the reader's arithmetic is the same on
-    sm_80, and these double the compile time of the kernels they shadow)."""
-    for kernel in sources.PAGED_KERNELS:
+    for bfloat16 at 128; sm_90 only (the reader's arithmetic is the same on sm_80, and
+    these double the compile time of the kernels they shadow)."""
+    for kernel in table.kernels_with(reader="paged"):
+        decl = table.KERNELS[kernel]
         for dtype, d, flags in (("float32", 64, 0), ("float32", 128, 0), ("bfloat16", 64, 0),
-                                ("bfloat16", 128, 0), ("bfloat16", 128, 7)):
-            if flags and kernel not in sources.VARIANT_KERNELS:
+                                ("bfloat16", 128, 0), ("bfloat16", 128, table.ALL)):
+            if flags and not decl.variant_mask:
                 continue
-            for name in sources.paged_instantiations(kernel, dtype, d, variant=flags):
-                tile = name.split(", ")[2] if kernel == "gqakv_decode" else ""
-                yield pytest.param(kernel, dtype, d, name, id=f"{kernel}-{dtype}-d{d}-v{flags}-paged"
-                                   + (f"-qb{tile}" if tile else ""))
+            for e in table.select([kernel], [dtype], [d], [None], ["paged"], [flags]):
+                yield pytest.param(kernel, dtype, d, e.name, id=f"{kernel}-{dtype}-d{d}-v{flags}-paged" + _tile_id(e))
 
 
 @pytest.mark.parametrize("kernel,dtype,head_dim,name", list(_paged_params()))
@@ -160,3 +163,22 @@ def test_kernels_need_the_declared_limits(monkeypatch):
 def teardown_module(module):
     if REPORT:
         print("\nptxas report (registers, spills) per kernel:\n" + "\n".join(REPORT))
+
+
+def _table_rows():
+    """One entry of every row of the instantiation table (kernel x storage x reader x
+    variant flags 0 / all its features x query tile) at head dim 64 in bfloat16 (served by
+    every kernel, the tensor-core ones too), grouped by kernel."""
+    for kernel, decl in table.KERNELS.items():
+        entries = table.select([kernel], ["bfloat16"], [64], variants=sorted({0, decl.variant_mask}))
+        yield pytest.param(kernel, [e.name for e in entries], id=kernel)
+
+
+@pytest.mark.parametrize("kernel,names", list(_table_rows()))
+def test_table_names_resolve(kernel, names):
+    """Every name the table spells is a template-id NVRTC resolves to one distinct kernel
+    symbol (one compile to PTX per kernel file: no ptxas), and the table holds each row."""
+    lowered = NVRTC.lowered_names(kernel, names)
+    assert sorted(lowered) == sorted(names)
+    assert all(sym.startswith("_Z") for sym in lowered.values()), lowered
+    assert len(set(lowered.values())) == len(names), "two names lowered to one kernel"

@@ -146,22 +146,17 @@ class CupyBackend(Backend):
     # -- hooks for the tools (gqakv.backend.Backend) ----------------------------------------
 
     def compile_kernels(self, dtypes, head_dims) -> list[str]:
-        """Every kernel source and template instantiation for ``dtypes`` and ``head_dims``
-        (over quantized K/V too, and the paged instantiations), built through the module
-        cache; float64 runs the array-API code: nothing to compile for it."""
-        from . import modules
+        """The instantiation table's plain-causal entries at these dtypes and head dims,
+        over every storage and reader (the quantized and paged lines run them), built
+        through the module cache; the variant lines compile theirs on first use. float64
+        runs the array-API code: nothing to compile for it."""
+        from . import instantiations, modules
 
         names = []
-        for kernel in sources.KERNEL_FILES:
-            for dtype in dtypes:
-                if dtype not in sources.CTYPES:
-                    continue
-                for d in head_dims:
-                    for kv_dtype in (None, *sources.CODE_CTYPES):
-                        paged = sources.paged_instantiations(kernel, dtype, d) if kv_dtype is None else []
-                        for name in sources.instantiations(kernel, dtype, d, kv_dtype) + paged:
-                            modules.get_function(kernel, name)
-                            names.append(name)
+        for entry in instantiations.select(dtypes=[d for d in dtypes if d in instantiations.CTYPES],
+                                           head_dims=head_dims, variants=(0,)):
+            modules.get_function(entry.kernel, entry.name)
+            names.append(entry.name)
         return names
 
     def split_attention(self, dtype: str):

@@ -115,6 +115,32 @@ class Nvrtc:
         finally:
             self.lib.nvrtcDestroyProgram(c.byref(prog))
 
+    def lowered_names(self, kernel: str, names: list[str], arch: str = "compute_90") -> dict[str, str]:
+        """Compile ``kernel``'s source once with every name expression of ``names`` (to PTX
+        for a virtual ``arch``: no ptxas) and return name -> mangled symbol; NvrtcError when
+        the source does not compile or a name does not resolve."""
+        c = ctypes
+        src = sources.compose_source(kernel).encode()
+        prog = c.c_void_p()
+        self._check(self.lib.nvrtcCreateProgram(c.byref(prog), src, f"{kernel}.cu".encode(),
+                                                0, None, None), "nvrtcCreateProgram")
+        try:
+            for name in names:
+                self._check(self.lib.nvrtcAddNameExpression(prog, name.encode()),
+                            f"nvrtcAddNameExpression({name})")
+            opts = [o.encode() for o in (*sources.COMPILE_OPTIONS, f"--gpu-architecture={arch}")]
+            rc = self.lib.nvrtcCompileProgram(prog, len(opts), (c.c_char_p * len(opts))(*opts))
+            self._check(rc, f"compiling {len(names)} instantiations of {kernel} for {arch}", self._log(prog))
+            out = {}
+            for name in names:
+                lowered = c.c_char_p()
+                self._check(self.lib.nvrtcGetLoweredName(prog, name.encode(), c.byref(lowered)),
+                            f"nvrtcGetLoweredName({name})")
+                out[name] = (lowered.value or b"").decode()
+            return out
+        finally:
+            self.lib.nvrtcDestroyProgram(c.byref(prog))
+
     def _log(self, prog) -> str:
         size = ctypes.c_size_t()
         self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))

@@ -41,7 +41,7 @@ import numpy as np
 
 from gqakv import semantics
 
-from . import limits, sources
+from . import instantiations, limits, sources
 
 # The kernels' limits (declared once in limits.py, which the kernels read too).
 BLOCK = (limits.THREADS_PER_CTA, 1, 1)
@@ -88,8 +88,8 @@ class Launch:
 
 
 #: The variant trait's flags (kernels/variant.cuh: GQAKV_VARIANT_*), by feature name of
-#: ``gqakv.semantics.AttentionParams.features``.
-VARIANT_FLAGS = {"window": 1, "softcap": 2, "sinks": 4}
+#: ``gqakv.semantics.AttentionParams.features``: declared in the instantiation table.
+VARIANT_FLAGS = instantiations.VARIANT_FLAGS
 
 #: The kernels' ``AttnParams`` (kernels/variant.cuh), field for field: 40 bytes, 8-aligned.
 PARAMS_DTYPE = np.dtype([("scale", "<f4"), ("softcap", "<f4"), ("window", "<i8"), ("sinks", "<u8"),

@@ -14,34 +14,23 @@ import functools
 import re
 from importlib import resources
 
+from . import instantiations as table
 from . import limits
 
-#: Kernel name -> source file. Each kernel is a template ``<T, D>`` over the storage type
-#: and the head dim; gqakv_decode also over its query tile, ``<T, D, QB>``.
+#: Kernel name -> source file (the instantiation table, instantiations.KERNELS). Each kernel
+#: is a template over its type tag and head dim (and more: instantiations.Kernel.params).
 #: gqakv_prefill_mma (tensor cores) exists only where ``prefill_mma_supported``.
-KERNEL_FILES = {
-    "gqakv_write_kv": "write_kv.cu",
-    "gqakv_write_kv_quantized": "write_kv_quantized.cu",
-    "gqakv_copy_tokens": "copy_tokens.cu",
-    "gqakv_decode": "decode.cu",
-    "gqakv_decode_mma": "decode_mma.cu",
-    "gqakv_merge": "merge.cu",
-    "gqakv_prefill": "prefill.cu",
-    "gqakv_prefill_mma": "prefill_mma.cu",
-}
+KERNEL_FILES = {name: k.file for name, k in table.KERNELS.items()}
 
 #: gqakv dtype name -> C++ storage type in the kernels (16-bit types are raw bits).
-CTYPES = {"float32": "float", "float16": "gqakv_half", "bfloat16": "gqakv_bf16"}
+CTYPES = table.CTYPES
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 #: Quantized K/V storage (gqakv.quantize) -> the kernels' code type (kernels/quantized_kv.cuh).
 #: A kernel over a quantized cache names ``gqakv_quantized<q type, code type>`` where others
 #: name the storage type; gqakv_write_kv_quantized names both, ``<input type, code type, D>``;
 #: copy_tokens moves codes as ``<code type, D>`` and scales as ``<float, 1>``.
-CODE_CTYPES = {"int8": "gqakv_i8", "float8_e4m3fn": "gqakv_e4m3"}
-#: Kernels with quantized instantiations (the tensor-core ones have none: routing.py says why).
-QUANTIZED_KERNELS = ("gqakv_write_kv_quantized", "gqakv_copy_tokens", "gqakv_decode", "gqakv_merge",
-                     "gqakv_prefill")
+CODE_CTYPES = table.CODE_CTYPES
 
 #: Query tiles (queries per CTA) gqakv_decode is instantiated for, smallest first.
 DECODE_QUERY_TILES = limits.DECODE_QUERY_TILES
@@ -97,10 +86,32 @@ def decode_mma_supported(dtype: str, head_dim: int) -> bool:
     return limits.decode_mma_rejection(dtype, head_dim) is None
 
 
-#: Kernels composed with the variant trait (kernels/variant.cuh): their last template
-#: parameter is the variant's flags (plan.VARIANT_FLAGS), left out when 0 (plain causal).
-VARIANT_KERNELS = ("gqakv_decode", "gqakv_decode_mma", "gqakv_merge", "gqakv_prefill",
-                   "gqakv_prefill_mma")
+#: Kernels composed with the variant trait (kernels/variant.cuh): their variant parameter
+#: is the variant's flags (plan.VARIANT_FLAGS), left out when 0 (plain causal).
+VARIANT_KERNELS = tuple(n for n, k in table.KERNELS.items() if k.variant_mask)
+
+#: Kernels with a paged instantiation (kernels/paged_kv.cuh): their K/V pack names
+#: ``PAGES_CTYPE`` and they read or write K/V through the page table. Page copies need no
+#: kernel of their own: gqakv_copy_tokens copies pages as rows of the pool.
+PAGED_KERNELS = tuple(table.kernels_with(reader="paged"))
+PAGES_CTYPE = table.READERS["paged"]
+
+
+def entry(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None, variant: int = 0,
+          kv_dtype: str | None = None, reader: str = "contiguous") -> table.Instantiation:
+    """The table's entry for these arguments (KeyError naming the axis when there is none).
+    The merge reads only fp32 partials: over a quantized cache it is its plain entry."""
+    kernel_decl = table.KERNELS.get(kernel)
+    if kernel_decl is not None and kernel_decl.storage_blind:
+        if kv_dtype is not None and kv_dtype not in CODE_CTYPES:
+            raise KeyError(f"kv_dtype={kv_dtype!r} (quantized: {', '.join(CODE_CTYPES)})")
+        kv_dtype = None
+    inst = table.Instantiation(kernel, dtype, int(head_dim), kv_dtype, reader, int(variant),
+                               None if query_tile is None else int(query_tile))
+    why = table.rejection(inst)
+    if why is not None:
+        raise KeyError(why)
+    return inst
 
 
 def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None,
@@ -109,100 +120,40 @@ def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | No
     ``gqakv_decode<gqakv_bf16, 128, 4>`` (decode needs ``query_tile``, others refuse it);
     ``variant``: the variant trait's flags (1 window, 2 softcap, 4 sinks), appended when
     not 0, e.g. ``gqakv_prefill<float, 64, 3>``; ``kv_dtype``: a quantized storage dtype
-    (CODE_CTYPES), e.g. ``gqakv_decode<gqakv_quantized<gqakv_bf16, gqakv_i8>, 128, 4>``."""
-    if kv_dtype is not None or kernel == "gqakv_write_kv_quantized":
-        return _quantized_name(kernel, dtype, head_dim, query_tile, variant, kv_dtype)
-    if variant:
-        if kernel not in VARIANT_KERNELS or not 0 < variant < 8:
-            raise KeyError(f"{kernel} has no variant={variant} (variants: flags 1..7 of "
-                           f"{', '.join(VARIANT_KERNELS)})")
-        base = name_expression(kernel, dtype, head_dim, query_tile)
-        return f"{base[:-1]}, {int(variant)}>"
-    if kernel not in KERNEL_FILES:
-        raise KeyError(f"unknown kernel {kernel!r} (known: {', '.join(KERNEL_FILES)})")
-    if dtype not in CTYPES:
-        raise KeyError(f"no fused kernels for dtype {dtype!r} (fused: {', '.join(CTYPES)})")
-    if not 1 <= head_dim <= MAX_FUSED_HEAD_DIM:
-        raise KeyError(f"no fused kernels for head_dim={head_dim} (fused: 1..{MAX_FUSED_HEAD_DIM})")
-    if kernel == "gqakv_decode":
-        if query_tile not in DECODE_QUERY_TILES:
-            raise KeyError(f"gqakv_decode has no query_tile={query_tile} "
-                           f"(instantiated: {', '.join(map(str, DECODE_QUERY_TILES))})")
-        return f"{kernel}<{CTYPES[dtype]}, {int(head_dim)}, {int(query_tile)}>"
-    if query_tile is not None:
-        raise KeyError(f"{kernel} takes no query_tile (got {query_tile})")
-    if kernel == "gqakv_decode_mma" and not decode_mma_supported(dtype, head_dim):
-        raise KeyError(f"gqakv_decode_mma has no {dtype} head_dim={head_dim} (served: "
-                       f"{', '.join(DECODE_MMA_DTYPES)} with head_dim in {DECODE_MMA_HEAD_DIMS})")
-    if kernel == "gqakv_prefill_mma" and not prefill_mma_supported(dtype, head_dim):
-        raise KeyError(f"gqakv_prefill_mma has no {dtype} head_dim={head_dim} (served: "
-                       f"{', '.join(PREFILL_MMA_DTYPES)} with head_dim a multiple of "
-                       f"{limits.PREFILL_MMA_HEAD_DIM_MULTIPLE})")
-    return f"{kernel}<{CTYPES[dtype]}, {int(head_dim)}>"
-
-
-#: Kernels with a paged instantiation (kernels/paged_kv.cuh): their K/V pack names
-#: ``PAGES_CTYPE`` and they read or write K/V through the page table. Page copies need no
-#: kernel of their own: gqakv_copy_tokens copies pages as rows of the pool.
-PAGED_KERNELS = ("gqakv_write_kv", "gqakv_decode", "gqakv_decode_mma", "gqakv_prefill",
-                 "gqakv_prefill_mma")
-PAGES_CTYPE = "KVPages"
+    (CODE_CTYPES), e.g. ``gqakv_decode<gqakv_quantized<gqakv_bf16, gqakv_i8>, 128, 4>``
+    (spelled by ``instantiations.Instantiation.name``)."""
+    return entry(kernel, dtype, head_dim, query_tile, variant, kv_dtype).name
 
 
 def paged_name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None,
-                          variant: int = 0) -> str:
+                          variant: int = 0, kv_dtype: str | None = None) -> str:
     """The paged instantiation of ``kernel``: ``name_expression``'s with the variant flags
     spelled out (0 too) and ``KVPages`` appended, e.g. ``gqakv_decode<float, 64, 4, 0,
-    KVPages>`` or ``gqakv_write_kv<gqakv_bf16, 128, KVPages>``."""
-    if kernel not in PAGED_KERNELS:
-        raise KeyError(f"{kernel} has no paged instantiation (paged: {', '.join(PAGED_KERNELS)})")
-    base = name_expression(kernel, dtype, head_dim, query_tile, variant)
-    if kernel in VARIANT_KERNELS and not variant:
-        base = f"{base[:-1]}, 0>"
-    return f"{base[:-1]}, {PAGES_CTYPE}>"
+    KVPages>`` or ``gqakv_write_kv<gqakv_bf16, 128, KVPages>`` (over quantized K/V only
+    where the table's LAYOUTS has ("quantized", "paged"); KeyError otherwise)."""
+    return entry(kernel, dtype, head_dim, query_tile, variant, kv_dtype, reader="paged").name
 
 
 def paged_instantiations(kernel: str, dtype: str, head_dim: int, variant: int = 0) -> list[str]:
     """``instantiations`` of ``kernel``, paged (empty for kernels without a paged one)."""
     if kernel not in PAGED_KERNELS:
         return []
-    out = []
-    for name in instantiations(kernel, dtype, head_dim):
-        tile = int(name.rsplit(", ", 1)[1].rstrip(">")) if kernel == "gqakv_decode" else None
-        out.append(paged_name_expression(kernel, dtype, head_dim, tile, variant))
-    return out
+    _check_axes(kernel, dtype, head_dim, variant)
+    return table.names(table.select([kernel], [dtype], [head_dim], [None], ["paged"], [variant]))
 
 
-def _quantized_name(kernel: str, dtype: str, head_dim: int, query_tile: int | None,
-                    variant: int, kv_dtype: str | None) -> str:
-    """name_expression for a quantized cache: the unquantized name with the storage type
-    replaced (the code type for copies, the gqakv_quantized tag for attention; merge
-    reads only fp32 partials and writes dtype, so it keeps its plain name)."""
-    if kernel not in QUANTIZED_KERNELS:
-        raise KeyError(f"{kernel} has no quantized instantiation (quantized: "
-                       f"{', '.join(QUANTIZED_KERNELS)})")
-    if kv_dtype not in CODE_CTYPES:
-        raise KeyError(f"kv_dtype={kv_dtype!r} (quantized: {', '.join(CODE_CTYPES)})")
-    code = CODE_CTYPES[kv_dtype]
-    if kernel == "gqakv_copy_tokens":
-        base = name_expression(kernel, "float32", head_dim)
-        return base.replace("<float,", f"<{code},", 1)
-    if kernel == "gqakv_write_kv_quantized":
-        base = name_expression("gqakv_write_kv", dtype, head_dim)
-        return base.replace("gqakv_write_kv<", "gqakv_write_kv_quantized<", 1).replace(
-            f"<{CTYPES[dtype]},", f"<{CTYPES[dtype]}, {code},", 1)
-    if kernel == "gqakv_merge":
-        return name_expression(kernel, dtype, head_dim, query_tile, variant)
-    base = name_expression(kernel, dtype, head_dim, query_tile, variant)
-    return base.replace(f"<{CTYPES[dtype]},", f"<gqakv_quantized<{CTYPES[dtype]}, {code}>,", 1)
-
-
-def quantized_instantiations(kernel: str, dtype: str, head_dim: int, kv_dtype: str) -> list[str]:
-    """Every quantized name expression of ``kernel`` for one q dtype, head dim and kv_dtype."""
-    if kernel == "gqakv_decode":
-        return [name_expression(kernel, dtype, head_dim, qb, kv_dtype=kv_dtype)
-                for qb in DECODE_QUERY_TILES]
-    return [name_expression(kernel, dtype, head_dim, kv_dtype=kv_dtype)]
+def _check_axes(kernel: str, dtype: str, head_dim: int, variant: int = 0) -> None:
+    """KeyError for a kernel, dtype, head dim or variant outside the table (a kernel that
+    does not serve (dtype, head_dim), such as the tensor-core ones, just has none)."""
+    decl = table.KERNELS.get(kernel)
+    if decl is None:
+        raise KeyError(f"unknown kernel {kernel!r} (known: {', '.join(table.KERNELS)})")
+    if dtype not in CTYPES:
+        raise KeyError(f"no fused kernels for dtype {dtype!r} (fused: {', '.join(CTYPES)})")
+    if not 1 <= head_dim <= MAX_FUSED_HEAD_DIM:
+        raise KeyError(f"no fused kernels for head_dim={head_dim} (fused: 1..{MAX_FUSED_HEAD_DIM})")
+    if variant not in decl.variants():
+        raise KeyError(f"{kernel} has no variant={variant} (takes: {decl.variants()})")
 
 
 def instantiations(kernel: str, dtype: str, head_dim: int, kv_dtype: str | None = None) -> list[str]:
@@ -210,19 +161,12 @@ def instantiations(kernel: str, dtype: str, head_dim: int, kv_dtype: str | None 
     none for gqakv_prefill_mma where it does not apply); with ``kv_dtype`` those over a
     cache of that quantized storage (none for kernels without quantized instantiations),
     without it none for gqakv_write_kv_quantized."""
-    if kv_dtype is not None:
-        if kernel not in QUANTIZED_KERNELS:
-            return []
-        return quantized_instantiations(kernel, dtype, head_dim, kv_dtype)
-    if kernel == "gqakv_write_kv_quantized":
-        return []
-    if kernel == "gqakv_prefill_mma" and not prefill_mma_supported(dtype, head_dim):
-        return []
-    if kernel == "gqakv_decode_mma" and not decode_mma_supported(dtype, head_dim):
-        return []
-    if kernel == "gqakv_decode":
-        return [name_expression(kernel, dtype, head_dim, qb) for qb in DECODE_QUERY_TILES]
-    return [name_expression(kernel, dtype, head_dim)]
+    _check_axes(kernel, dtype, head_dim)
+    if table.KERNELS[kernel].storage_blind:
+        kv_dtype = None
+    if kv_dtype is not None and kv_dtype not in CODE_CTYPES:
+        raise KeyError(f"kv_dtype={kv_dtype!r} (quantized: {', '.join(CODE_CTYPES)})")
+    return table.names(table.select([kernel], [dtype], [head_dim], [kv_dtype], ["contiguous"], [0]))
 
 
 def vec_width(dtype: str, head_dim: int) -> int:

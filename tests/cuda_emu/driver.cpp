@@ -3,6 +3,7 @@
 // ctypes (tests/cuda_emu/harness.py). Built with g++ -include cuda_emu.h, optionally with
 // -fsanitize=address; then emu_poison marks bytes a kernel must never touch.
 #include <chrono>
+#include <cstring>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -102,141 +103,14 @@ std::map<std::string, Entry>& registry() {
     return r;
 }
 
-#define GQAKV_REG(K, T, D) registry()[#K "<" #T ", " #D ">"] = make_entry(&K<T, D>);
-// The tensor-core prefill exists for 16-bit types and head dims that are a multiple of
-// GQAKV_PREFILL_MMA_HEAD_DIM_MULTIPLE (limits.py; sources.prefill_mma_supported).
-template <class T, int D>
-void register_prefill_mma(const char* name) {
-    if constexpr (sizeof(T) == 2 && D % GQAKV_PREFILL_MMA_HEAD_DIM_MULTIPLE == 0)
-        registry()[name] = make_entry(&gqakv_prefill_mma<T, D>);
+// The kernel registrations of this build unit: generated from the instantiation table
+// (backends/cupy_backend/instantiations.py) by tests/cuda_emu/harness.py, one line per
+// entry, registry()["name"] = make_entry(&name); (the name expression is a template-id).
+void register_kernels() {
+#ifdef GQAKV_EMU_REGISTRATIONS
+#include GQAKV_EMU_REGISTRATIONS
+#endif
 }
-#define GQAKV_REG_PREFILL_MMA(T, D) register_prefill_mma<T, D>("gqakv_prefill_mma<" #T ", " #D ">");
-// The tensor-core decode exists for 16-bit types at GQAKV_DECODE_MMA_HEAD_DIMS (limits.py;
-// sources.decode_mma_supported).
-template <class T, int D>
-void register_decode_mma(const char* name) {
-    if constexpr (sizeof(T) == 2 && gqakv_one_of(D, GQAKV_DECODE_MMA_HEAD_DIMS))
-        registry()[name] = make_entry(&gqakv_decode_mma<T, D>);
-}
-#define GQAKV_REG_DECODE_MMA(T, D) register_decode_mma<T, D>("gqakv_decode_mma<" #T ", " #D ">");
-// The decode kernel at every query tile of GQAKV_DECODE_QUERY_TILES (limits.py), named as
-// sources.name_expression spells it.
-template <class T, int D, int... QB>
-void register_decode(const char* type_name) {
-    ((registry()["gqakv_decode<" + std::string(type_name) + ", " + std::to_string(D) + ", " +
-                 std::to_string(QB) + ">"] = make_entry(&gqakv_decode<T, D, QB>)),
-     ...);
-}
-#define GQAKV_REG_DECODE(T, D) register_decode<T, D, GQAKV_DECODE_QUERY_TILES>(#T);
-#define GQAKV_REG_ALL(T, D)                \
-    GQAKV_REG(gqakv_write_kv, T, D)        \
-    GQAKV_REG(gqakv_copy_tokens, T, D)     \
-    GQAKV_REG_DECODE(T, D)                 \
-    GQAKV_REG_DECODE_MMA(T, D)             \
-    GQAKV_REG(gqakv_merge, T, D)           \
-    GQAKV_REG(gqakv_prefill, T, D)         \
-    GQAKV_REG_PREFILL_MMA(T, D)
-#define GQAKV_REG_DIM(D) GQAKV_REG_ALL(float, D) GQAKV_REG_ALL(gqakv_half, D) GQAKV_REG_ALL(gqakv_bf16, D)
-
-// The variant instantiations (kernels/variant.cuh flags 1..7: window 1, softcap 2, sinks 4)
-// of the attention kernels, named as sources.name_expression spells them ("..., flags>");
-// gqakv_merge only with the sinks flag (the planner passes it flags & 4).
-template <class T, int D, int V, int... QB>
-void register_variant_decode(const std::string& td, const std::string& v) {
-    ((registry()["gqakv_decode<" + td + ", " + std::to_string(QB) + v] = make_entry(&gqakv_decode<T, D, QB, V>)),
-     ...);
-}
-template <class T, int D, int V>
-void register_variant(const std::string& type_name) {
-    const std::string td = type_name + ", " + std::to_string(D);
-    const std::string v = ", " + std::to_string(V) + ">";
-    register_variant_decode<T, D, V, GQAKV_DECODE_QUERY_TILES>(td, v);
-    registry()["gqakv_prefill<" + td + v] = make_entry(&gqakv_prefill<T, D, V>);
-    if constexpr (sizeof(T) == 2 && gqakv_one_of(D, GQAKV_DECODE_MMA_HEAD_DIMS))
-        registry()["gqakv_decode_mma<" + td + v] = make_entry(&gqakv_decode_mma<T, D, V>);
-    if constexpr (sizeof(T) == 2 && D % GQAKV_PREFILL_MMA_HEAD_DIM_MULTIPLE == 0)
-        registry()["gqakv_prefill_mma<" + td + v] = make_entry(&gqakv_prefill_mma<T, D, V>);
-    if constexpr (V == GQAKV_VARIANT_SINKS)
-        registry()["gqakv_merge<" + td + v] = make_entry(&gqakv_merge<T, D, V>);
-}
-template <class T, int D, int... V>
-void register_variants(const char* type_name) {
-    (register_variant<T, D, V>(type_name), ...);
-}
-#define GQAKV_REG_VARIANTS(T, D) register_variants<T, D, 1, 2, 3, 4, 5, 6, 7>(#T);
-#define GQAKV_REG_VARIANTS_DIM(D) \
-    GQAKV_REG_VARIANTS(float, D) GQAKV_REG_VARIANTS(gqakv_half, D) GQAKV_REG_VARIANTS(gqakv_bf16, D)
-
-// The paged instantiations (kernels/paged_kv.cuh: the K/V pack names KVPages) of the
-// append and the attention kernels, named as sources.paged_name_expression spells them
-// ("..., flags, KVPages>"; the append has no flags), for the variant flags listed.
-template <class T, int D, int V, int... QB>
-void register_paged_decode(const std::string& td, const std::string& v) {
-    ((registry()["gqakv_decode<" + td + ", " + std::to_string(QB) + v] =
-          make_entry(&gqakv_decode<T, D, QB, V, KVPages>)),
-     ...);
-}
-template <class T, int D, int V>
-void register_paged(const std::string& type_name) {
-    const std::string td = type_name + ", " + std::to_string(D);
-    const std::string v = ", " + std::to_string(V) + ", KVPages>";
-    if constexpr (V == 0)
-        registry()["gqakv_write_kv<" + td + ", KVPages>"] = make_entry(&gqakv_write_kv<T, D, KVPages>);
-    register_paged_decode<T, D, V, GQAKV_DECODE_QUERY_TILES>(td, v);
-    registry()["gqakv_prefill<" + td + v] = make_entry(&gqakv_prefill<T, D, V, KVPages>);
-    if constexpr (sizeof(T) == 2 && gqakv_one_of(D, GQAKV_DECODE_MMA_HEAD_DIMS))
-        registry()["gqakv_decode_mma<" + td + v] = make_entry(&gqakv_decode_mma<T, D, V, KVPages>);
-    if constexpr (sizeof(T) == 2 && D % GQAKV_PREFILL_MMA_HEAD_DIM_MULTIPLE == 0)
-        registry()["gqakv_prefill_mma<" + td + v] = make_entry(&gqakv_prefill_mma<T, D, V, KVPages>);
-}
-template <class T, int D, int... V>
-void register_paged_variants(const char* type_name) {
-    (register_paged<T, D, V>(type_name), ...);
-}
-#define GQAKV_REG_PAGED(T, D, ...) register_paged_variants<T, D, __VA_ARGS__>(#T);
-#define GQAKV_REG_PAGED_DIM(D, ...)                                     \
-    GQAKV_REG_PAGED(float, D, __VA_ARGS__) GQAKV_REG_PAGED(gqakv_half, D, __VA_ARGS__) \
-    GQAKV_REG_PAGED(gqakv_bf16, D, __VA_ARGS__)
-// The quantized-cache instantiations (kernels/quantized_kv.cuh), named as
-// sources.name_expression spells them with kv_dtype: the quantizing append
-// <T, C, D>, the code and scale copies <C, D> and <float, 1>, decode and prefill over
-// gqakv_quantized<T, C> (merge reads fp32 partials: its plain instantiations serve).
-template <class T, class C, int D, int... QB>
-void register_quantized(const std::string& type_name, const std::string& code_name) {
-    const std::string d = std::to_string(D);
-    const std::string qt = "gqakv_quantized<" + type_name + ", " + code_name + ">, " + d;
-    registry()["gqakv_write_kv_quantized<" + type_name + ", " + code_name + ", " + d + ">"] =
-        make_entry(&gqakv_write_kv_quantized<T, C, D>);
-    registry()["gqakv_copy_tokens<" + code_name + ", " + d + ">"] = make_entry(&gqakv_copy_tokens<C, D>);
-    registry()["gqakv_copy_tokens<float, 1>"] = make_entry(&gqakv_copy_tokens<float, 1>);
-    ((registry()["gqakv_decode<" + qt + ", " + std::to_string(QB) + ">"] =
-          make_entry(&gqakv_decode<gqakv_quantized<T, C>, D, QB>)),
-     ...);
-    registry()["gqakv_prefill<" + qt + ">"] = make_entry(&gqakv_prefill<gqakv_quantized<T, C>, D>);
-}
-template <class T, class C, int D, int V>
-void register_quantized_variant(const std::string& type_name, const std::string& code_name) {
-    const std::string qt = "gqakv_quantized<" + type_name + ", " + code_name + ">, " + std::to_string(D);
-    const std::string v = ", " + std::to_string(V) + ">";
-    register_variant_decode<gqakv_quantized<T, C>, D, V, GQAKV_DECODE_QUERY_TILES>(qt, v);
-    registry()["gqakv_prefill<" + qt + v] = make_entry(&gqakv_prefill<gqakv_quantized<T, C>, D, V>);
-}
-template <class T, class C, int D, int... V>
-void register_quantized_variants(const char* type_name, const char* code_name) {
-    (register_quantized_variant<T, C, D, V>(type_name, code_name), ...);
-}
-#define GQAKV_REG_QUANTIZED(T, C, D) register_quantized<T, C, D, GQAKV_DECODE_QUERY_TILES>(#T, #C);
-#define GQAKV_REG_QUANTIZED_DIM(D)                                                          \
-    GQAKV_REG_QUANTIZED(float, gqakv_i8, D) GQAKV_REG_QUANTIZED(float, gqakv_e4m3, D)       \
-    GQAKV_REG_QUANTIZED(gqakv_half, gqakv_i8, D) GQAKV_REG_QUANTIZED(gqakv_half, gqakv_e4m3, D) \
-    GQAKV_REG_QUANTIZED(gqakv_bf16, gqakv_i8, D) GQAKV_REG_QUANTIZED(gqakv_bf16, gqakv_e4m3, D)
-#define GQAKV_REG_QUANTIZED_VARIANTS(T, C, D) register_quantized_variants<T, C, D, 1, 2, 3, 4, 5, 6, 7>(#T, #C);
-#define GQAKV_REG_QUANTIZED_VARIANTS_DIM(D) \
-    GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_i8, D) GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_e4m3, D) \
-    GQAKV_REG_QUANTIZED_VARIANTS(gqakv_bf16, gqakv_i8, D) GQAKV_REG_QUANTIZED_VARIANTS(gqakv_bf16, gqakv_e4m3, D)
-// q in float32 only (what the product suite's quantized caches take).
-#define GQAKV_REG_QUANTIZED_VARIANTS_F32_DIM(D) \
-    GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_i8, D) GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_e4m3, D)
 
 // Emulator self-test (tests/test_cuda_emu_mma.py): one warp runs one mma_m16n8k16 on the
 // fragment registers given per lane: a [32][4], b [32][2], c [32][4] in, d [32][4] out.
@@ -280,7 +154,7 @@ __global__ void emu_divergence_selftest(int mode, float* out) {
 
 struct Init {
     Init() {
-        GQAKV_EMU_HEAD_DIMS
+        register_kernels();
         registry()["emu_mma_selftest<gqakv_half>"] = make_entry(&emu_mma_selftest<gqakv_half>);
         registry()["emu_mma_selftest<gqakv_bf16>"] = make_entry(&emu_mma_selftest<gqakv_bf16>);
         registry()["emu_divergence_selftest"] = make_entry(&emu_divergence_selftest);
@@ -344,6 +218,15 @@ int emu_launch(const char* name, const unsigned* grid, const unsigned* block, vo
 }
 
 int emu_has_kernel(const char* name) { return gqakv_emu::registry().count(name) ? 1 : 0; }
+
+// The registered names, one per line (harness.Emulator.kernel_names), written into buf
+// (NUL-terminated when it fits); returns the bytes needed without the NUL.
+size_t emu_kernel_names(char* buf, size_t size) {
+    std::string all;
+    for (const auto& kv : gqakv_emu::registry()) all += kv.first + "\n";
+    if (buf && size > all.size()) std::memcpy(buf, all.c_str(), all.size() + 1);
+    return all.size();
+}
 
 void* emu_alloc(size_t nbytes) { return std::malloc(nbytes ? nbytes : 1); }
 void emu_free(void* p) { std::free(p); }

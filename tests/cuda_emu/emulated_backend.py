@@ -36,6 +36,7 @@ import types
 import numpy as np
 
 from gqakv_backends.cupy_backend import CupyBackend
+from gqakv_backends.cupy_backend import instantiations as table
 from gqakv_backends.cupy_backend.runtime import CupyRuntime
 
 from . import harness
@@ -175,23 +176,29 @@ def emulator(head_dim: int, families: tuple[str, ...] = harness.FAMILIES) -> har
 #: flags). The harness's one-dim libraries hold plain causal kernels only (and quantized
 #: float32 variants), so without these the product's fast paths could not run here.
 PRODUCT_HEAD_DIM = 8
-PRODUCT_VARIANT_FLAGS = (1, 2, 4, 7)
-_TYPES = ("float", "gqakv_half", "gqakv_bf16")
-_CODES = ("gqakv_i8", "gqakv_e4m3")
+#: Each feature alone and all of them together (instantiations.VARIANT_FLAGS).
+PRODUCT_VARIANT_FLAGS = (*table.VARIANT_FLAGS.values(), table.ALL)
 
 
-def product_registrations(families: tuple[str, ...], d: int = PRODUCT_HEAD_DIM) -> list[str]:
-    """driver.cpp registration calls of the product's variants at head dim ``d`` for
-    ``families`` (beside the plain kernels): one build unit each (harness.registrations'
-    sense), so they compile in parallel and are cached one by one."""
-    v = ", ".join(map(str, PRODUCT_VARIANT_FLAGS))
-    units = [f'register_variants<{t}, {d}, {v}>("{t}");' for t in _TYPES]
+def product_registrations(families: tuple[str, ...], d: int = PRODUCT_HEAD_DIM) -> list[harness.Unit]:
+    """Build units (harness.Unit) of the product's variants at head dim ``d`` for
+    ``families`` (beside the plain kernels), selected from the instantiation table: one per
+    q dtype (and code dtype), so they compile in parallel and are cached one by one."""
+    v = PRODUCT_VARIANT_FLAGS
+    storages = [(None, "contiguous")]
     if "paged" in families:
-        units += [f'register_paged_variants<{t}, {d}, {v}>("{t}");' for t in _TYPES]
+        storages.append((None, "paged"))
     if "quantized" in families:
-        units += [f'register_quantized_variants<{t}, {c}, {d}, {v}>("{t}", "{c}");'
-                  for t in _TYPES for c in _CODES]
-    return units
+        storages += [(c, "contiguous") for c in table.CODE_CTYPES]
+        if "paged" in families:
+            storages += [(c, "paged") for c in table.CODE_CTYPES]
+    units = []
+    for kv, reader in storages:
+        kind = "product " + ("paged " if reader == "paged" else "") + (kv or "variants")
+        units += [harness.unit(kind, d, table.select(dtypes=(t,), head_dims=(d,), kv_dtypes=(kv,),
+                                                     readers=(reader,), variants=v))
+                  for t in table.CTYPES]
+    return [u for u in units if u.entries]
 
 
 @functools.cache

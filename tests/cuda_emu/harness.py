@@ -2,9 +2,11 @@
 
 ``build(asan=False, head_dims=HEAD_DIMS)`` compiles driver.cpp (which includes the
 backend's .cu files unchanged) with g++ and the cuda_emu.h shim into a library with every
-kernel x dtype for those head dims: one shared object per kernel registration
-(``registrations``), compiled in parallel and cached under the temp directory by a hash of
-the sources, compiler and flags, so libraries that share a registration build it once;
+kernel x dtype for those head dims: one shared object per build unit (``registrations``: a
+selection from the instantiation table, backends/cupy_backend/instantiations.py, whose
+registration code is generated here and included by driver.cpp), compiled in parallel and
+cached under the temp directory by a hash of the sources, compiler, flags and entries, so
+libraries that share a unit build it once;
 ``prebuild`` queues a library's missing units to compile in the background (the test
 session starts them at collection, tests/conftest.py). ``Emulator.run(plan, arrays)`` copies
 NumPy arrays into exactly-sized malloc'd buffers, optionally poisons byte ranges (under
@@ -26,10 +28,12 @@ import sys
 import tempfile
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from gqakv_backends.cupy_backend import instantiations as table
 from gqakv_backends.cupy_backend import limits
 from gqakv_backends.cupy_backend import plan as planmod
 from gqakv_backends.cupy_backend import sources
@@ -45,11 +49,13 @@ HEAD_DIMS = (20, 64, 128, 80, 256)  # 80, 256: the tensor-core prefill's other t
 #: Head dims the variant kernels (window / softcap / sinks) are instantiated at in the
 #: emulation library: 64 (vector loads, both tensor-core kernels) and 20 (scalar loads).
 VARIANT_HEAD_DIMS = (64, 20)
+#: The variant flags they are instantiated for: every combination of the table's features.
+VARIANTS = tuple(range(1, table.ALL + 1))
 #: Head dims the paged instantiations (kernels/paged_kv.cuh) are built at, and the variant
 #: flags each is built for: plain causal and all three features (window 1 + softcap 2 +
 #: sinks 4; the reader is orthogonal to the variant trait, and each flag doubles the build).
 PAGED_HEAD_DIMS = (64, 20)
-PAGED_VARIANTS = (0, 7)
+PAGED_VARIANTS = (0, table.ALL)
 #: Head dims the variant kernels over quantized K/V are instantiated at (q float32 / bfloat16).
 QUANTIZED_VARIANT_HEAD_DIMS = (64,)
 #: Kernel families a library holds beside the plain (contiguous, unquantized) kernels. The
@@ -89,42 +95,85 @@ def asan_runtime() -> str | None:
     return path if out.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
 
 
+@dataclass(frozen=True)
+class Unit:
+    """One build unit of the emulation library: the table's ``entries``
+    (instantiations.Instantiation) that one g++ run instantiates, registered under their
+    names (``code``: the C++ driver.cpp includes, GQAKV_EMU_REGISTRATIONS). ``kind`` says
+    what it holds ("plain", "variants", ...; the AddressSanitizer build joins the units of
+    one kind), ``head_dim`` the head dim they share (None once joined)."""
+
+    kind: str
+    head_dim: int | None
+    entries: tuple[table.Instantiation, ...]
+
+    @property
+    def label(self) -> str:
+        return self.kind if self.head_dim is None else f"{self.kind} d={self.head_dim}"
+
+    def code(self) -> str:
+        """One registration per entry: its name, and the address of that instantiation."""
+        return "".join(f'registry()["{e.name}"] = make_entry(&{e.name});\n' for e in self.entries)
+
+
+def unit(kind: str, head_dim: int, entries: Sequence[table.Instantiation]) -> Unit:
+    return Unit(kind, head_dim, tuple(entries))
+
+
 def registrations(head_dims: tuple[int, ...] = HEAD_DIMS,
-                  families: tuple[str, ...] = FAMILIES) -> list[str]:
-    """The kernel registrations (driver.cpp's GQAKV_REG_* macros) of the library for
-    ``head_dims`` and ``families``, one build unit each: every unit is compiled on its own
-    (in parallel, ``build``), cached on its own (libraries that share a unit, such as the
-    plain kernels of one head dim with and without its paged kernels, build it once)."""
-    units = [f"GQAKV_REG_DIM({d})" for d in head_dims]
-    # The variant instantiations (window / softcap / sinks flags 1..7) at VARIANT_HEAD_DIMS.
-    units += [f"GQAKV_REG_VARIANTS_DIM({d})" for d in VARIANT_HEAD_DIMS if d in head_dims]
+                  families: tuple[str, ...] = FAMILIES) -> list[Unit]:
+    """The build units of the library for ``head_dims`` and ``families``, selected from the
+    instantiation table (backends/cupy_backend/instantiations.py): every unit is compiled on
+    its own (in parallel, ``build``), cached on its own (libraries that share a unit, such as
+    the plain kernels of one head dim with and without its paged kernels, build it once).
+    Units the table has no entries for (a family it does not instantiate) are left out."""
+    sel = table.select
+    plain, paged, codes = ("contiguous",), ("paged",), tuple(table.CODE_CTYPES)
+    units = [unit("plain", d, sel(head_dims=(d,), kv_dtypes=(None,), readers=plain, variants=(0,)))
+             for d in head_dims]
+    # The variant instantiations (every flag combination) at VARIANT_HEAD_DIMS.
+    units += [unit("variants", d, sel(head_dims=(d,), kv_dtypes=(None,), readers=plain, variants=VARIANTS))
+              for d in VARIANT_HEAD_DIMS if d in head_dims]
     if "paged" in families:
         # The paged instantiations: PAGED_VARIANTS at PAGED_HEAD_DIMS, plain causal at any other
         # head dim of a library of its own (the paged caches of the parity suite, e.g. d = 4).
-        flags_list = ", ".join(map(str, PAGED_VARIANTS))
-        units += [f"GQAKV_REG_PAGED_DIM({d}, {flags_list})" for d in PAGED_HEAD_DIMS if d in head_dims]
+        units += [unit("paged", d, sel(head_dims=(d,), kv_dtypes=(None,), readers=paged,
+                                       variants=PAGED_VARIANTS)) for d in PAGED_HEAD_DIMS if d in head_dims]
         if tuple(head_dims) != HEAD_DIMS:
-            units += [f"GQAKV_REG_PAGED_DIM({d}, 0)" for d in head_dims if d not in PAGED_HEAD_DIMS]
+            units += [unit("paged", d, sel(head_dims=(d,), kv_dtypes=(None,), readers=paged, variants=(0,)))
+                      for d in head_dims if d not in PAGED_HEAD_DIMS]
     if "quantized" in families:
-        # The quantized (int8 / e4m3 K/V) instantiations at every head dim, their variants at
-        # QUANTIZED_VARIANT_HEAD_DIMS.
-        units += [f"GQAKV_REG_QUANTIZED_DIM({d})" for d in head_dims]
-        units += [f"GQAKV_REG_QUANTIZED_VARIANTS_DIM({d})" for d in QUANTIZED_VARIANT_HEAD_DIMS
-                  if d in head_dims]
+        # The quantized (int8 / e4m3 K/V) instantiations at every head dim (with the scale
+        # copy their row copies launch), their variants at QUANTIZED_VARIANT_HEAD_DIMS (q in
+        # float32 and bfloat16).
+        units += [unit("quantized", d, [*sel(head_dims=(d,), kv_dtypes=codes, readers=plain, variants=(0,)),
+                                        table.SCALE_COPY]) for d in head_dims]
+        units += [unit("quantized variants", d, sel(dtypes=("float32", "bfloat16"), head_dims=(d,),
+                                                    kv_dtypes=codes, readers=plain, variants=VARIANTS))
+                  for d in QUANTIZED_VARIANT_HEAD_DIMS if d in head_dims]
         if len(head_dims) == 1 and head_dims[0] not in QUANTIZED_VARIANT_HEAD_DIMS:
             # A one-dim library (emulated_backend.emulator: the parity suite's small head dims)
             # serves quantized float32 caches under every variant (tests/conftest.py's product).
-            units.append(f"GQAKV_REG_QUANTIZED_VARIANTS_F32_DIM({head_dims[0]})")
-    return units
+            units.append(unit("quantized f32 variants", head_dims[0],
+                              sel(dtypes=("float32",), head_dims=head_dims, kv_dtypes=codes, readers=plain,
+                                  variants=VARIANTS)))
+    if "paged" in families and "quantized" in families:
+        # Paged quantized K/V (the table's ("quantized", "paged") layout, where declared): as
+        # the paged instantiations.
+        units += [unit("paged quantized", d, sel(head_dims=(d,), kv_dtypes=codes, readers=paged,
+                                                 variants=PAGED_VARIANTS if d in PAGED_HEAD_DIMS else (0,)))
+                  for d in head_dims if d in PAGED_HEAD_DIMS or tuple(head_dims) != HEAD_DIMS]
+    return [u for u in units if u.entries]
 
 
-def _flags(asan: bool, registration: str = "") -> list[str]:
-    """g++ options for driver.cpp holding the kernels ``registration`` names (one unit of
-    ``registrations``)."""
+def _flags(asan: bool, registration: Unit | None = None) -> list[str]:
+    """g++ options for driver.cpp holding the kernels ``registration`` registers (one unit
+    of ``registrations``; its code reaches driver.cpp as the file GQAKV_EMU_REGISTRATIONS)."""
     # The kernels' limits as -D options, as NVRTC gets them (sources.COMPILE_OPTIONS).
     flags = ["-std=c++20", "-pthread", "-shared", "-fPIC", f"-I{kernel_dir()}",
-             f"-include{HERE / 'cuda_emu.h'}", f"-DGQAKV_EMU_HEAD_DIMS={registration}",
-             *limits.define_options()]
+             f"-include{HERE / 'cuda_emu.h'}", *limits.define_options()]
+    if registration is not None:
+        flags.append(f'-DGQAKV_EMU_REGISTRATIONS="{_registration_file(registration)}"')
     if asan:
         # alignment too: a misaligned 16-byte load faults on a GPU but runs on x86; -g: the
         # reports name source lines
@@ -135,11 +184,28 @@ def _flags(asan: bool, registration: str = "") -> list[str]:
     return flags
 
 
-def _unit_path(asan: bool, registration: str, sources_digest: str) -> Path:
+def _registration_file(registration: Unit) -> Path:
+    """The unit's generated registration code (``Unit.code``), written once under the temp
+    directory and named by its content (so the unit's cache key follows its entries)."""
+    code = f"// generated by tests/cuda_emu/harness.py: {registration.label}\n{registration.code()}"
+    path = _cache_dir() / f"registrations_{hashlib.sha256(code.encode()).hexdigest()[:16]}.inc"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(code)
+        os.replace(tmp, path)
+    return path
+
+
+def _cache_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "gqakv_cuda_emu"
+
+
+def _unit_path(asan: bool, registration: Unit, sources_digest: str) -> Path:
     digest = hashlib.sha256(sources_digest.encode())
     digest.update(" ".join([str(compiler()), *_flags(asan, registration)]).encode())
     tag = "asan" if asan else "opt"
-    return Path(tempfile.gettempdir()) / "gqakv_cuda_emu" / f"libgqakv_emu_{tag}_{digest.hexdigest()[:16]}.so"
+    return _cache_dir() / f"libgqakv_emu_{tag}_{digest.hexdigest()[:16]}.so"
 
 
 def _sources_digest() -> str:
@@ -150,19 +216,19 @@ def _sources_digest() -> str:
 
 
 def _units(asan: bool, head_dims: tuple[int, ...], families: tuple[str, ...],
-           only_head_dim: int | None = None) -> list[str]:
+           only_head_dim: int | None = None) -> list[Unit]:
     """What ``build`` compiles, one shared object each: the units of ``registrations``
     (only those of ``only_head_dim`` if given); for AddressSanitizer, joined into one unit
-    per registration macro (five: each unit repeats the driver's and the kernels' parsing,
-    which takes longest under ASan, and its library is only ever built whole)."""
-    units = [r for r in registrations(head_dims, families)
-             if only_head_dim is None or _unit_head_dim(r) == only_head_dim]
+    per kind (each unit repeats the driver's and the kernels' parsing, which takes longest
+    under ASan, and its library is only ever built whole)."""
+    units = [u for u in registrations(head_dims, families)
+             if only_head_dim is None or u.head_dim == only_head_dim]
     if not asan:
         return units
-    groups: dict[str, list[str]] = {}
-    for r in units:
-        groups.setdefault(r.split("(", 1)[0], []).append(r)
-    return [" ".join(g) for g in groups.values()]
+    groups: dict[str, list[table.Instantiation]] = {}
+    for u in units:
+        groups.setdefault(u.kind, []).extend(u.entries)
+    return [Unit(kind, None, tuple(entries)) for kind, entries in groups.items()]
 
 
 def library_paths(asan: bool, head_dims: tuple[int, ...] = HEAD_DIMS,
@@ -191,9 +257,8 @@ def prebuild(asan: bool = False, head_dims: tuple[int, ...] = HEAD_DIMS,
         build_registrations(asan, _units(asan, head_dims, families), wait=False)
 
 
-def build_registrations(asan: bool, units: Sequence[str], wait: bool = True) -> tuple[Path, ...]:
-    """The shared objects of build units ``units`` (driver.cpp registration code, as
-    ``registrations`` gives), compiled where missing: waited for, ahead of queued units
+def build_registrations(asan: bool, units: Sequence[Unit], wait: bool = True) -> tuple[Path, ...]:
+    """The shared objects of build units ``units`` (as ``registrations`` gives them), compiled where missing: waited for, ahead of queued units
     (``wait``), or queued for the background (``wait=False``, what ``prebuild`` does)."""
     cxx = compiler()
     if cxx is None:
@@ -206,11 +271,6 @@ def build_registrations(asan: bool, units: Sequence[str], wait: bool = True) -> 
         for job in jobs:
             job.wait()
     return tuple(job.path for job in jobs)
-
-
-def _unit_head_dim(registration: str) -> int:
-    """The head dim a unit instantiates: its macro's first argument."""
-    return int(registration.split("(", 1)[1].split(",", 1)[0].rstrip(")"))
 
 
 def build_jobs() -> int:
@@ -371,6 +431,8 @@ class _Library:
             lib.emu_launch.argtypes = [c.c_char_p, c.POINTER(c.c_uint), c.POINTER(c.c_uint),
                                        c.POINTER(c.c_void_p), c.POINTER(c.c_size_t), c.c_int]
             lib.emu_has_kernel.argtypes = [c.c_char_p]
+            lib.emu_kernel_names.argtypes = [c.c_char_p, c.c_size_t]
+            lib.emu_kernel_names.restype = c.c_size_t
         first = self.parts[0]
         first.emu_alloc.restype = c.c_void_p
         first.emu_alloc.argtypes = [c.c_size_t]
@@ -389,6 +451,15 @@ class _Library:
                 return None
             self._owner[name] = lib
         return self._owner[name]
+
+    def kernel_names(self) -> list[list[str]]:
+        """The kernel names each part registers (in ``parts`` order)."""
+        out = []
+        for lib in self.parts:
+            buf = ctypes.create_string_buffer(lib.emu_kernel_names(None, 0) + 1)
+            lib.emu_kernel_names(buf, len(buf))
+            out.append(buf.value.decode().splitlines())
+        return out
 
     def emu_has_kernel(self, name: bytes | str) -> int:
         return int(self.part_of(name.encode() if isinstance(name, str) else name) is not None)
