@@ -404,7 +404,7 @@ class PagedStore(KVStore):
         return xp.asarray(k, copy=True), xp.asarray(v, copy=True)
 
     @property
-    def page_table(self) -> PageTable:
+    def page_table(self) -> "PageTable | PageTableView":
         return self.table
 
     # -- views -------------------------------------------------------------------------------
