@@ -39,9 +39,9 @@ import os
 
 import numpy as np
 
-from gqakv.backend import GENERIC, Route, route_facts
-from gqakv.semantics import AttentionParams, block_keys, unsupported
-from gqakv.store import CONTIGUOUS, PAGED
+from gqakv.dispatch.backend import GENERIC, Route, route_facts
+from gqakv.core.semantics import AttentionParams, block_keys, unsupported
+from gqakv.storage.store import CONTIGUOUS, PAGED
 
 from . import numpy_backend as _numpy
 from .cpu_plan import ENV_THREADS, _plan, _share, _threads
@@ -273,7 +273,7 @@ class NumbaBackend(NumpyBackend):
 
 
 def _dtype_name(dtype) -> str:
-    from gqakv.dtypes import canonical_name
+    from gqakv.core.dtypes import canonical_name
 
     return canonical_name(dtype)
 

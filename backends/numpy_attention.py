@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gqakv.merge import SoftmaxState
-from gqakv.semantics import AttentionParams, block_keys, transform_scores, visible_mask
+from gqakv.ops.merge import SoftmaxState
+from gqakv.core.semantics import AttentionParams, block_keys, transform_scores, visible_mask
 
 # Threads, work items and their sharing are planned in cpu_plan (shared with the numba
 # backend); the names stay importable from here.

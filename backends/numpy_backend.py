@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 
-from gqakv.backend import GENERIC, Backend, Route, route_facts
-from gqakv.semantics import unsupported
-from gqakv.inputs import immutable_ints
-from gqakv.store import CONTIGUOUS, PAGED
+from gqakv.dispatch.backend import GENERIC, Backend, Route, route_facts
+from gqakv.core.semantics import unsupported
+from gqakv.core.inputs import immutable_ints
+from gqakv.storage.store import CONTIGUOUS, PAGED
 
 #: The NumPy backend's attention paths (BLAS matmuls on live views; see ``route_attention``).
 BLAS = "numpy BLAS"
@@ -77,7 +77,7 @@ class NumpyBackend(Backend):
         return xp
 
     def dtype(self, name: str):
-        from gqakv.dtypes import canonical_name
+        from gqakv.core.dtypes import canonical_name
 
         name = canonical_name(name)
         if name == "bfloat16":

@@ -19,7 +19,7 @@ import functools
 
 import numpy as np
 
-from gqakv.merge import SoftmaxState
+from gqakv.ops.merge import SoftmaxState
 
 from .numpy_attention import attention_numpy, fold_block, item_queries, to_float32
 

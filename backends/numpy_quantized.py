@@ -15,8 +15,8 @@ import functools
 
 import numpy as np
 
-from gqakv import quantize as _quantize
-from gqakv.merge import SoftmaxState
+from gqakv.storage import quantize as _quantize
+from gqakv.ops.merge import SoftmaxState
 
 from .numpy_attention import attention_numpy, fold_block, item_queries
 

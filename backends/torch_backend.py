@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gqakv.backend import Backend
-from gqakv.dtypes import canonical_name
+from gqakv.dispatch.backend import Backend
+from gqakv.core.dtypes import canonical_name
 
 INSTALL_HINT = "pip install torch==2.13.0 (CPU build) or a CUDA build from pytorch.org"
 

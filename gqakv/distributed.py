@@ -11,7 +11,7 @@ A model split over P ranks by heads (as Megatron, vLLM and TensorRT-LLM split it
   and the query heads ``r * Hq / P ... (r + 1) * Hq / P - 1``, a ``1 / R`` share of that KV
   head's group (vLLM's rule; needs ``Hq % P == 0``). Each replica writes and reads its
   own copy, so the cache memory of the whole group is R x that of one device.
-- **Projections** (the model's business; ``gqakv.examples.llama`` does it):
+- **Projections** (the model's business; ``gqakv_examples.llama`` does it):
   column-parallel Q/K/V and MLP gate/up (each rank computes its heads' and its
   ``F / P`` columns' outputs), row-parallel attention output and MLP down
   projections, whose partial sums are joined by one ``all_reduce`` each: two per layer.

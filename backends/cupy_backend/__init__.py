@@ -51,9 +51,9 @@ from typing import cast
 
 import numpy as np
 
-from gqakv.backend import GENERIC, Backend, Route
-from gqakv.semantics import unsupported
-from gqakv.store import CONTIGUOUS, PAGED
+from gqakv.dispatch.backend import GENERIC, Backend, Route
+from gqakv.core.semantics import unsupported
+from gqakv.storage.store import CONTIGUOUS, PAGED
 
 from . import plan as _plan
 from . import limits, routing
@@ -450,7 +450,7 @@ def _probe() -> str | None:
 
 
 def _canonical(dtype) -> str:
-    from gqakv.dtypes import canonical_name
+    from gqakv.core.dtypes import canonical_name
 
     return canonical_name(dtype)
 

@@ -39,7 +39,7 @@ from typing import cast
 
 import numpy as np
 
-from gqakv import semantics
+from gqakv.core import semantics
 
 from . import limits, sources
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 
-from gqakv.backend import GENERIC, Route
+from gqakv.dispatch.backend import GENERIC, Route
 
 from . import limits, sources
 

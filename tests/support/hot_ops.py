@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from gqakv.inputs import AppendInputs, AttentionInputs
-from gqakv.semantics import AttentionParams
-from gqakv.store import KVStore
+from gqakv.core.inputs import AppendInputs, AttentionInputs
+from gqakv.core.semantics import AttentionParams
+from gqakv.storage.store import KVStore
 
 
 def _ints(a) -> np.ndarray:

@@ -12,7 +12,7 @@ ITEMSIZE: dict[str, int] = {
 
 
 #: Quantized storage dtypes of K/V (a cache's ``kv_dtype``): bytes per stored value. Each
-#: token also stores one float32 scale for K and one for V (``gqakv.quantize``).
+#: token also stores one float32 scale for K and one for V (``gqakv.storage.quantize``).
 QUANTIZED_ITEMSIZE: dict[str, int] = {
     "int8": 1,
     "float8_e4m3fn": 1,

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import dtypes as _dtypes
+from ..core import dtypes as _dtypes
 from . import store as _store
-from .cache import human_bytes
+from ..caches.cache import human_bytes
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class ModelConfig:
         """The heads one of ``tensor_parallel`` devices holds (``HeadShard.plan``'s split:
         ``Hkv / P`` KV heads and ``Hq / P`` query heads; one replicated KV head when P >
         Hkv); ValueError when the heads do not split over P."""
-        from .distributed import HeadShard
+        from ..distributed import HeadShard
 
         shard = HeadShard.plan(self.q_heads, self.kv_heads, tensor_parallel)
         return dataclasses.replace(self, q_heads=shard.local_heads, kv_heads=shard.local_kv_heads)
@@ -340,7 +340,7 @@ def run(args) -> int:
             print(f"{c.name:16} {c.layers:6d} {c.q_heads:4d} {c.kv_heads:4d} {c.head_dim:4d} "
                   f"{c.max_position:8d} {per:12,d}  {human_bytes(per * 4096):>12}")
         return 0
-    from .cli import UsageError
+    from ..tools.cli import UsageError
 
     for flag, value in (("--max-len", args.max_len), ("--batch", args.batch)):
         if value < 1:
@@ -411,7 +411,7 @@ def _print_tensor_parallel(full: ModelConfig, dev: ModelConfig, P: int, args, kv
 
 def _paged_rows(args) -> list[int] | None:
     """``--rows`` as a list of ints (None when not given), or a UsageError naming the flag."""
-    from .cli import UsageError
+    from ..tools.cli import UsageError
 
     if getattr(args, "rows", None) is None:
         return None
@@ -444,7 +444,7 @@ def _print_paged(cfg: ModelConfig, args, lens: list[int]) -> None:
 
 def _cli_budget(text: str) -> int:
     """``--budget`` as a byte count, or a UsageError naming the flag."""
-    from .cli import UsageError
+    from ..tools.cli import UsageError
 
     try:
         budget = parse_bytes(text)

@@ -3,7 +3,7 @@ truncate (speculative-decoding rollback) and reset (row reuse).
 
 They act on a ``KVStore`` with a leading layer axis (a standalone KVCache passes its
 store with a leading axis of 1) and on the shared ``Lengths``. On paged storage
-(``gqakv.paged``) they move no data: reorder and fork share pages through the page
+(``gqakv.storage.paged``) they move no data: reorder and fork share pages through the page
 table, truncate and reset release the pages no row names any more. Every
 operation validates all of its arguments before it touches anything, so a rejected
 call changes nothing. Only live tokens move: row ``b``'s copy costs ``lens[b]``
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .inputs import check_rows, host_ints
-from .store import PAGED
+from ..core.inputs import check_rows, host_ints
+from ..storage.store import PAGED
 
 #: Row index meaning "the one-row temporary" in a reorder plan.
 TEMP = -1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .registry import ENTRY_POINT_GROUP, ENV_VAR, describe_backends, get_backend, list_backends
+from ..dispatch.registry import ENTRY_POINT_GROUP, ENV_VAR, describe_backends, get_backend, list_backends
 
 
 def add_arguments(parser) -> None:

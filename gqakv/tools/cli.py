@@ -20,12 +20,12 @@ import traceback
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
-    "bench": ("gqakv.bench", "run a Llama-3.1-8B-shaped prefill + decode workload (default)"),
-    "info": ("gqakv.info", "list the backends, whether each can run here, and why not"),
-    "size": ("gqakv.sizing", "KV cache bytes for a model, and the largest batch/length that fit"),
-    "generate": ("gqakv.examples.generate", "greedy generation with the example Llama model (random "
+    "bench": ("gqakv.tools.bench", "run a Llama-3.1-8B-shaped prefill + decode workload (default)"),
+    "info": ("gqakv.tools.info", "list the backends, whether each can run here, and why not"),
+    "size": ("gqakv.storage.sizing", "KV cache bytes for a model, and the largest batch/length that fit"),
+    "generate": ("gqakv_examples.generate", "greedy generation with the example Llama model (random "
                                             "weights, or real ones: --model smollm2-135m, --gguf PATH)"),
-    "selftest": ("gqakv.selftest", "check every kernel family of a backend against the float64 "
+    "selftest": ("gqakv.tools.selftest", "check every kernel family of a backend against the float64 "
                                    "reference (run this first on new hardware)"),
 }
 
@@ -44,7 +44,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     validation raises for a bad value or a size that cannot be allocated; BackendError
     says a backend does not exist or cannot run here.
     """
-    from .registry import BackendError
+    from ..dispatch.registry import BackendError
 
     return (ValueError, TypeError, OverflowError, MemoryError, LookupError, BackendError)
 

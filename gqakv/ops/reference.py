@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from .semantics import AttentionParams, key_range
+from ..core.semantics import AttentionParams, key_range
 
 
 def _params(scale, window, softcap, sinks) -> AttentionParams:

@@ -30,7 +30,7 @@ one page's span are views of the pool, so the generic attention path reads a row
 by page without gathering it. ``blocks`` over several pages (``live_kv``) gathers them
 into new arrays: copies.
 
-Quantized pages (``kv_dtype``, ``gqakv.quantize``): the pool holds codes and the scales
+Quantized pages (``kv_dtype``, ``gqakv.storage.quantize``): the pool holds codes and the scales
 are paged with their tokens, ``k_scale``/``v_scale`` ``[*leading, num_pages, Hkv,
 page_size]`` float32: token j's scale sits at the same (page, slot) as its codes, so
 sharing, copy on write and releasing a page carry its scales with no bookkeeping of

@@ -2,12 +2,12 @@
 
 For engines that run their own page allocator (vLLM-, FlashInfer-style): the caller owns
 the pools, the page table and the lengths; gqakv owns none of them and keeps no state
-between calls. Each call wraps the caller's arrays in a ``gqakv.paged.PagedStore`` (no
+between calls. Each call wraps the caller's arrays in a ``gqakv.storage.paged.PagedStore`` (no
 copy of the pools; the page table is read on the host) and dispatches to the backend
 exactly as ``gqa_attention`` / ``KVCache.append`` do, so every backend's paged path
 serves it and the results equal a ``PagedKVCache`` holding the same tokens.
 
-Layout (as ``gqakv.paged``): K and V pools ``[num_pages, Hkv, page_size, d]`` each;
+Layout (as ``gqakv.storage.paged``): K and V pools ``[num_pages, Hkv, page_size, d]`` each;
 row b's token j of KV head h is at ``pool[page_table[b, j // P], h, j % P, :]``
 (``P = page_size``). Entries of ``page_table[b]`` past the ``ceil(L / P)`` pages a row's
 ``L`` tokens need are never read (they may hold anything, e.g. -1); the entries a row
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import dtypes as _dtypes
-from .attention import attend
+from ..core import dtypes as _dtypes
+from ..ops.attention import attend
 from .cache import write
-from .inputs import _to_numpy, check_flag, host_ints, validate_append, validate_attention
-from .paged import PagedStore, PageTable, pages_for
-from .registry import get_backend, list_backends
-from .store import PAGED, StorageSpec
+from ..core.inputs import _to_numpy, check_flag, host_ints, validate_append, validate_attention
+from ..storage.paged import PagedStore, PageTable, pages_for
+from ..dispatch.registry import get_backend, list_backends
+from ..storage.store import PAGED, StorageSpec
 
 
 class _PoolView:
@@ -210,7 +210,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: floa
         backend: a backend name or Backend; None: the default backend when it holds the
             pools' library, else the first registered backend that does.
 
-    Mask (bottom-right causal, ``gqakv.semantics``): with ``L = lens[b]`` and ``n =
+    Mask (bottom-right causal, ``gqakv.core.semantics``): with ``L = lens[b]`` and ``n =
     n_new[b]``, query t sits at position ``p = L - n + t`` and sees keys ``0..p`` (with a
     window W, only ``max(0, p - W + 1)..p``). For L = 6, n = 3 (x visible, . masked)::
 

@@ -1,8 +1,8 @@
 """Decode speed on the real model: gqakv's example model against transformers (sdpa +
 DynamicCache) on the same weights, in alternating blocks.
 
-    python -m gqakv.examples.real_bench --batch 1 8 --prompt-len 64 --steps 32 --repeats 3
-    python -m gqakv.examples.real_bench --batch 1 --blas-threads 1   # also gqakv with 1 BLAS thread
+    python -m gqakv_examples.real_bench --batch 1 8 --prompt-len 64 --steps 32 --repeats 3
+    python -m gqakv_examples.real_bench --batch 1 --blas-threads 1   # also gqakv with 1 BLAS thread
 
 Both sides get the weights of the packaged SmolLM2-135M GGUF file (read once, dequantized
 by the ``gguf`` package; transformers' model is built from the same float32 arrays, which

@@ -11,9 +11,9 @@ import math
 
 from array_api_compat import array_namespace
 
-from .inputs import check_flag, validate_attention
+from ..core.inputs import check_flag, validate_attention
 from .merge import SoftmaxState, apply_sinks
-from .semantics import block_keys, transform_scores, visible_mask
+from ..core.semantics import block_keys, transform_scores, visible_mask
 
 # Upper bound, in elements, of one block of attention scores [Hkv, G * q_block, k_block].
 # It bounds the temporaries of a long prefill chunk (16 MiB of float32 by default)

@@ -4,7 +4,7 @@ Layout (gpt-fast style): ``k`` and ``v`` are each ``[B, Hkv, max_len, d]``; row 
 live tokens are ``k[b, :, :lens[b], :]``. Appends write at ``lens[b]`` and then
 advance it; nothing is ever concatenated, stacked, repeated or reallocated.
 
-Storage is a ``gqakv.store.KVStore`` (``cache.store``): it owns the layout, the
+Storage is a ``gqakv.storage.store.KVStore`` (``cache.store``): it owns the layout, the
 dtypes, the byte count and allocation, and it is what the backends' hot operations
 take. Public contract of the buffers: ``cache.k`` / ``cache.v`` (and ``live_kv``) are
 the store's arrays, and for contiguous storage they are *views*
@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes as _dtypes
-from . import row_ops
-from .inputs import immutable_ints, validate_append
-from .registry import get_backend
-from .store import MAX_BUFFER_BYTES, PAGED, KVStore, StorageSpec  # noqa: F401  (MAX_BUFFER_BYTES: re-exported)
+from ..core import dtypes as _dtypes
+from ..ops import row_ops
+from ..core.inputs import immutable_ints, validate_append
+from ..dispatch.registry import get_backend
+from ..storage.store import MAX_BUFFER_BYTES, PAGED, KVStore, StorageSpec  # noqa: F401  (MAX_BUFFER_BYTES: re-exported)
 
 
 def _check_dim(name: str, value, minimum: int) -> int:
@@ -106,7 +106,7 @@ class RowsAndLengths:
     """
 
     # What a subclass provides (above), declared for the type checker. store: a KVStore, or
-    # its paged subclass (gqakv.paged.PagedStore) whose page table the paged paths read
+    # its paged subclass (gqakv.storage.paged.PagedStore) whose page table the paged paths read
     # after checking the store's kind.
     store: Any
     _row_store: Callable[[], KVStore]
@@ -117,14 +117,14 @@ class RowsAndLengths:
                   num_pages=None, kv_dtype=None) -> None:
         """Check the dimensions, pick the backend, allocate K and V
         ``[*leading, B, Hkv, max_len, d]`` once (paged storage: a pool of ``num_pages``
-        pages of ``page_size`` tokens, ``gqakv.paged``) and start every row empty."""
+        pages of ``page_size`` tokens, ``gqakv.storage.paged``) and start every row empty."""
         self.batch, self.kv_heads, self.max_len, self.head_dim = _check_dims(
             batch, kv_heads, max_len, head_dim)
         self.dtype = _dtypes.canonical_name(dtype)
         spec = StorageSpec.of(self.dtype, storage, kv_dtype)
         self.kv_dtype: str | None = spec.dtype if spec.quantized else None
         if spec.kind == PAGED:
-            from . import paged
+            from ..storage import paged
 
             page_size, num_pages = paged.check_page_args(
                 paged.DEFAULT_PAGE_SIZE if page_size is None else page_size, num_pages,
@@ -231,12 +231,12 @@ class KVCache(RowsAndLengths):
         head_dim: d, the head dimension.
         dtype: "float32" (default), "float16", "bfloat16", "float64" or a dtype object.
         backend: a backend name, a Backend, "auto" or None (see ``gqakv.get_backend``).
-        storage: the storage kind (``gqakv.store.KINDS``): "contiguous" (default) or
+        storage: the storage kind (``gqakv.storage.store.KINDS``): "contiguous" (default) or
             "paged" (see ``gqakv.PagedKVCache``).
         page_size: paged storage only: tokens per page (default 16).
         num_pages: paged storage only: pages in the pool (default: every row at ``max_len``).
         kv_dtype: how K and V are stored: None (as ``dtype``), "int8" or "float8_e4m3fn"
-            (8-bit codes plus a float32 scale per row, KV head and token, ``gqakv.quantize``;
+            (8-bit codes plus a float32 scale per row, KV head and token, ``gqakv.storage.quantize``;
             contiguous or paged storage, dtype float32/float16/bfloat16). ``dtype`` stays the dtype
             of q, k_new/v_new and the output; appends quantize, attention dequantizes
             block by block as it reads, row operations carry the scales.
@@ -317,7 +317,7 @@ class KVCache(RowsAndLengths):
             inputs = validate_append(self, k_new, v_new, n_new, rows)
             reservation = None
             if self.store.kind == PAGED:  # take pages (OutOfPages changes nothing)
-                from .paged import reserve
+                from ..storage.paged import reserve
 
                 reservation = reserve(self.backend, self.store, inputs.rows, inputs.starts,
                                       inputs.n_new)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as _np
 
-from . import dtypes as _dtypes
+from ..core import dtypes as _dtypes
 from . import quantize as _quantize
 
 #: Storage kinds. Contiguous: K and V are dense arrays, row r's token j of KV head h at
@@ -188,7 +188,7 @@ class KVStore:
         total = spec.nbytes(math.prod(shape[:-4]) * shape[-4] * shape[-2], kv_heads, head_dim)
 
         def fail(why: str):
-            from .cache import human_bytes
+            from ..caches.cache import human_bytes
 
             return MemoryError(
                 f"cannot allocate a {what} of {total:,} bytes ({human_bytes(total)}; K and V "

@@ -1,7 +1,7 @@
 """``PagedKVCache``: a KVCache whose rows take pages from one pool as they grow.
 
 A drop-in for ``KVCache`` (same methods and semantics; ``gqa_attention`` accepts it with
-the same results) over paged storage (``gqakv.paged``): memory follows the live tokens
+the same results) over paged storage (``gqakv.storage.paged``): memory follows the live tokens
 rather than ``batch x max_len``, and ``fork`` / ``reorder`` share pages instead of
 copying tokens.
 """
@@ -9,8 +9,8 @@ copying tokens.
 from __future__ import annotations
 
 from .cache import KVCache
-from .paged import DEFAULT_PAGE_SIZE
-from .store import PAGED
+from ..storage.paged import DEFAULT_PAGE_SIZE
+from ..storage.store import PAGED
 
 
 class PagedKVCache(KVCache):
@@ -25,14 +25,14 @@ class PagedKVCache(KVCache):
             ``gqakv.OutOfPages`` (a MemoryError) and changes nothing.
         kv_dtype: None (K/V stored as ``dtype``), "int8" or "float8_e4m3fn": pages hold
             8-bit codes and each token's float32 scale is paged with it (the scheme of
-            ``gqakv.quantize``, as ``KVCache``'s ``kv_dtype``).
+            ``gqakv.storage.quantize``, as ``KVCache``'s ``kv_dtype``).
 
     Attributes (besides KVCache's):
         k, v: the page pool, ``[num_pages, Hkv, page_size, d]`` each (heads-major inside a
             page). Row b's token j of head h is ``k[table[b, j // P], h, j % P]``.
             Quantized: codes, with ``store.k_scale``/``store.v_scale`` ``[num_pages, Hkv,
             page_size]`` (token j's scale at ``[table[b, j // P], h, j % P]``).
-        store.table: the ``gqakv.paged.PageTable`` (page table per row, reference counts,
+        store.table: the ``gqakv.storage.paged.PageTable`` (page table per row, reference counts,
             free list).
         page_size, num_pages, pages_used, pages_free: ints.
         nbytes: bytes of the K and V pool (``store.table.nbytes`` more on the host).

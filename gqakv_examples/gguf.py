@@ -2,7 +2,7 @@
 
 The ``gguf`` package (``pip install gguf``) reads the file and dequantizes every tensor
 (F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants, ...); nothing here decodes a quantized
-block. What this module adds is the mapping onto ``gqakv.examples.llama``:
+block. What this module adds is the mapping onto ``gqakv_examples.llama``:
 
 - the configuration from the metadata (``llama.*`` keys: layers, heads, KV heads, head
   dim, hidden and MLP sizes, RoPE base, RMS epsilon; the vocabulary from the token list;

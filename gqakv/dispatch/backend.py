@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from . import dtypes as _dtypes
+from ..core import dtypes as _dtypes
 
 
 #: The implementation name of the generic array-API code (the ``Backend`` defaults).
@@ -180,7 +180,7 @@ class Backend:
 
         ``inputs`` is the validated ``gqakv.inputs.AppendInputs`` (host int arrays).
         """
-        from .cache_ops import write_kv_array_api
+        from ..ops.cache_ops import write_kv_array_api
 
         write_kv_array_api(store, k_new, v_new, inputs.rows, inputs.starts, inputs.n_new)
 
@@ -194,7 +194,7 @@ class Backend:
         another copy of the call, so a backend may run them all in one launch. Inputs are
         validated and ordered by ``gqakv.row_ops``; the index arrays are host ints.
         """
-        from .row_ops import copy_tokens_array_api
+        from ..ops.row_ops import copy_tokens_array_api
 
         copy_tokens_array_api(dst, dst_rows, src, src_rows, n_tokens)
 
@@ -205,7 +205,7 @@ class Backend:
         ``gqakv.inputs.AttentionInputs`` (rows, lens, n_new: host ints [B]); params: the
         ``gqakv.semantics.AttentionParams``.
         """
-        from .attention import attention_array_api
+        from ..ops.attention import attention_array_api
 
         return attention_array_api(q, store, inputs, params, return_lse=return_lse)
 

@@ -10,7 +10,7 @@ Attention variants (off by default; ``LlamaConfig`` fields, ``gqakv generate`` o
 a sliding window of W keys (``sliding_window``) on every layer or, with ``global_every=K``,
 on all but every K-th layer (Gemma 2 and gpt-oss: K = 2; Gemma 3: K = 6), logit
 soft-capping (``softcap``) and learned per-head sink logits (``sinks``), passed to
-gqakv per layer as an ``AttentionParams`` (see ``gqakv.semantics`` for the formulas).
+gqakv per layer as an ``AttentionParams`` (see ``gqakv.core.semantics`` for the formulas).
 
 Tensor parallel (``tensor_parallel=``, a ``gqakv.distributed.TensorParallel``): every rank
 draws the same full weights from the seed and keeps its shard: the Q/K/V columns of its

@@ -1,6 +1,6 @@
 """``gqakv generate --model smollm2-135m`` / ``--gguf PATH``: real text from real weights.
 
-The example Llama model (``gqakv.examples.llama``) with a GGUF file's weights and
+The example Llama model (``gqakv_examples.llama``) with a GGUF file's weights and
 tokenizer, generating greedily through a ``gqakv.ModelKVCache``: the prompts (several
 ``--prompt`` make a ragged batch: each row keeps its own length, nothing is padded into
 the cache) are prefilled in chunks, then every unfinished row decodes one token per step
@@ -300,8 +300,8 @@ def _gguf_file(path: str, UsageError) -> str:
 
 
 def run(args) -> int:
-    from gqakv.cli import UsageError
-    from gqakv.registry import get_backend
+    from gqakv.tools.cli import UsageError
+    from gqakv.dispatch.registry import get_backend
 
     from .gguf import GGUFLlamaModel, model_path, read_checkpoint
     from .tokenizer import GGUFTokenizer

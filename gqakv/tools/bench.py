@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from . import store as _store
-from .cache import human_bytes
+from ..storage import store as _store
+from ..caches.cache import human_bytes
 
 LLAMA_8B = dict(heads=32, kv_heads=8, head_dim=128, layers=32)
 
@@ -77,7 +77,7 @@ def _timed(fn) -> float:
 def token_bytes(kv_heads: int, head_dim: int, dtype, kv_dtype=None) -> int:
     """Bytes of K plus V for one token of one layer as stored (``kv_dtype``: the codes plus
     the token's float32 scales, ``2 x Hkv x (d + 4)``)."""
-    # the one formula (gqakv.store)
+    # the one formula (gqakv.storage.store)
     return _store.StorageSpec.of(dtype, kv_dtype=kv_dtype).bytes_per_slot(kv_heads, head_dim)
 
 
@@ -279,7 +279,7 @@ def compare_onnxruntime(cache, heads: int, *, seed: int = 0, rounds: int = 5, bl
     blocks with the same number of threads. ``ratio`` is ONNX Runtime time / gqakv time
     (above 1: gqakv is faster), on the medians.
     """
-    from .attention import gqa_attention
+    from ..ops.attention import gqa_attention
 
     import_onnxruntime()
     backend = cache.backend
@@ -484,12 +484,12 @@ def make_cache(cfg: Config):
 
     Raises BackendError (backend unknown or unable to run) or MemoryError (too big) before
     anything has run."""
-    from .cache import KVCache
+    from ..caches.cache import KVCache
 
     max_len = max(cfg.row_prompts(), default=0) + cfg.steps
     if cfg.page_size is not None:
-        from .paged import pages_for
-        from .paged_cache import PagedKVCache
+        from ..storage.paged import pages_for
+        from ..caches.paged_cache import PagedKVCache
 
         pages = sum(pages_for(p + cfg.steps, cfg.page_size) for p in cfg.row_prompts())
         return PagedKVCache(cfg.batch, cfg.kv_heads, max_len, cfg.head_dim, dtype=cfg.dtype,
@@ -502,7 +502,7 @@ def make_cache(cfg: Config):
 def run_workload(cfg: Config, progress=None, cache=None) -> Result:
     """Prefill every row's prompt in chunks, then decode ``cfg.steps`` tokens per row
     (into ``cache``, an empty ``make_cache(cfg)``, made here when not given)."""
-    from .attention import gqa_attention
+    from ..ops.attention import gqa_attention
 
     progress = progress or (lambda *a: None)
     prompts = cfg.row_prompts()
@@ -515,7 +515,7 @@ def run_workload(cfg: Config, progress=None, cache=None) -> Result:
     def data(T, heads):  # one random block, reused: values do not change the work
         return backend.from_numpy(rng.standard_normal((B, heads, T, d), dtype=np.float32), cfg.dtype)
 
-    from .cache import KVCache
+    from ..caches.cache import KVCache
 
     device = cache_device(cache)
     res = Result(config=asdict(cfg), backend=backend.name, device=device,
@@ -738,7 +738,7 @@ def run(args) -> int:
 
 def _compare_torch(res: Result, cfg: Config) -> dict:
     """Time gqakv and torch SDPA on the final cache: one decode step, one prefill chunk."""
-    from .attention import gqa_attention
+    from ..ops.attention import gqa_attention
 
     cache, backend = res._cache, res._cache.backend
     lens = cache.host_lens.copy()

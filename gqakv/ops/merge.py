@@ -19,7 +19,7 @@ import math
 import numpy as np
 from array_api_compat import array_namespace
 
-from . import dtypes as _dtypes
+from ..core import dtypes as _dtypes
 
 
 _LOWEST = {np.dtype(t).char: np.finfo(t).min for t in (np.float32, np.float64)}

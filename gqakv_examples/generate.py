@@ -134,7 +134,7 @@ def _tensor_parallel(args, config, UsageError):
         from gqakv import distributed
     except ImportError as exc:
         raise UsageError(f"--tensor-parallel needs torch.distributed: {exc}") from None
-    from gqakv.registry import get_backend
+    from gqakv.dispatch.registry import get_backend
 
     # GPU arrays (torch on CUDA, CuPy) communicate over NCCL, host arrays over gloo.
     name = get_backend(args.backend, dtype=args.dtype, head_dim=config.head_dim).name
@@ -145,13 +145,13 @@ def _tensor_parallel(args, config, UsageError):
 def run(args) -> int:
     if real_model.wants_real_model(args):
         if getattr(args, "tensor_parallel", None) is not None:
-            from gqakv.cli import UsageError
+            from gqakv.tools.cli import UsageError
 
             raise UsageError("--tensor-parallel runs the example model (random weights, --config); "
                              "it does not split --model / --gguf")
         return real_model.run(args)
-    from gqakv.cli import UsageError
-    from gqakv.registry import get_backend
+    from gqakv.tools.cli import UsageError
+    from gqakv.dispatch.registry import get_backend
 
     _refuse_real_model_options(args, UsageError)
     for name in ("batch", "prompt_len", "new_tokens", "chunk", "layers", "vocab"):

@@ -24,12 +24,12 @@ from typing import Literal
 
 import numpy as np
 
-from . import attention as _attention
+from ..ops import attention as _attention
 from . import cache as _cache
 from .cache import KVCache, Lengths, RowsAndLengths, _check_dim, _check_dims, human_bytes
-from .inputs import (_rows, check_capacity, check_flag, host_ints, immutable_ints, validate_append,
+from ..core.inputs import (_rows, check_capacity, check_flag, host_ints, immutable_ints, validate_append,
                      validate_attention)
-from .store import PAGED, StorageSpec
+from ..storage.store import PAGED, StorageSpec
 
 _LAYER_VIEW = ("it is one layer of a ModelKVCache, whose lengths are shared by all layers; "
                "write through ModelKVCache.step(...) and move rows with the ModelKVCache's "
@@ -45,8 +45,8 @@ class ModelKVCache(RowsAndLengths):
         kv_heads: Hkv; max_len: capacity in tokens of every row; head_dim: d.
         dtype: "float32" (default), "float16", "bfloat16", "float64" or a dtype object.
         backend: a backend name, a Backend, "auto" or None (see ``gqakv.get_backend``).
-        storage: the storage kind (``gqakv.store.KINDS``): "contiguous" (default) or "paged".
-        page_size: tokens per page; giving it makes the storage paged (``gqakv.paged``):
+        storage: the storage kind (``gqakv.storage.store.KINDS``): "contiguous" (default) or "paged".
+        page_size: tokens per page; giving it makes the storage paged (``gqakv.storage.paged``):
             every layer pages through one shared page table, and a step takes its pages
             once, for all layers, when it opens (``gqakv.OutOfPages`` there, with nothing
             changed, when the pool is short). Default for ``storage="paged"``: 16.
@@ -79,8 +79,8 @@ class ModelKVCache(RowsAndLengths):
     @classmethod
     def for_model(cls, model, *, batch: int, max_len: int, dtype="bfloat16", backend=None):
         """A cache shaped for ``model``: a preset name (``gqakv size --list``) or a
-        ``gqakv.sizing.ModelConfig``."""
-        from .sizing import resolve_model
+        ``gqakv.storage.sizing.ModelConfig``."""
+        from ..storage.sizing import resolve_model
 
         cfg = resolve_model(model)
         return cls(cfg.layers, batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, backend)
@@ -152,7 +152,7 @@ class ModelKVCache(RowsAndLengths):
             check_capacity(r, starts, n, self.max_len)
             reservation = None
             if self.store.kind == PAGED:  # pages for every layer, once (OutOfPages: no change)
-                from .paged import reserve
+                from ..storage.paged import reserve
 
                 reservation = reserve(self.backend, self.store, r, starts, n)
             try:
@@ -193,7 +193,7 @@ class Step:
     def __init__(self, cache: ModelKVCache, rows, starts, n_new, reservation=None):
         self.cache = cache
         self._reservation = reservation  # paged: the pages the step took (abort returns them)
-        # immutable copies (gqakv.inputs.immutable_ints): a read-only flag can be undone,
+        # immutable copies (gqakv.core.inputs.immutable_ints): a read-only flag can be undone,
         # and commit writes ``lens`` into the cache's lengths
         self.rows, self.starts, self.n_new = (immutable_ints(a) for a in (rows, starts, n_new))
         self.lens = immutable_ints(starts + n_new)

@@ -10,7 +10,7 @@ the one gqakv would pick here; ``all``: every backend that can run):
    are cached on disk, which the line says, with the cache folder; the others have
    nothing to compile).
 2. For each dtype the backend declares, randomized cases of each family against the
-   float64 reference (``gqakv.reference``), with ragged rows, idle and empty rows, padded
+   float64 reference (``gqakv.ops.reference``), with ragged rows, idle and empty rows, padded
    slots (``n_new < T``; padded K/V slots hold a sentinel, padded queries NaN) and cache
    buffers filled with NaN before anything is appended (a kernel reading past a row's
    length, or a padded slot written, shows up):
@@ -44,7 +44,7 @@ the one gqakv would pick here; ``all``: every backend that can run):
    - ``quant int8``, ``quant e4m3``: a ``KVCache`` with ``kv_dtype`` int8 /
      float8_e4m3fn (not for float64, which refuses it: SKIP): chunked prefill and decode
      with a large (x 20) and an all-zero token per append; after every append the stored
-     codes x scales equal the scheme applied on the host (``gqakv.quantize`` through
+     codes x scales equal the scheme applied on the host (``gqakv.storage.quantize`` through
      NumPy/ml_dtypes) and every slot past a row's length has scale NaN; attention
      against the reference on the dequantized values, with the tolerances of ``dtype``;
    - ``paged int8``: the paged case at page size 16 over int8 pages (scales paged with
@@ -76,7 +76,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .reference import naive_low_precision, reference_attention
+from ..ops.reference import naive_low_precision, reference_attention
 
 #: Error bound of the low-precision rule, as FlashAttention's tests use it.
 K_NAIVE = 2.0
@@ -177,7 +177,7 @@ def _rounder(dtype: str):
 
 def _dequantize_host(codes: np.ndarray, scales: np.ndarray, kv_dtype: str) -> np.ndarray:
     """float64 of float32 ``value(code) x scale`` (the scheme's dequantization, on the host)."""
-    from .quantize import e4m3_table
+    from ..storage.quantize import e4m3_table
 
     values = codes.astype(np.float32) if kv_dtype == "int8" else e4m3_table()[codes]
     return (values * scales.astype(np.float32)[..., None]).astype(np.float64)
@@ -185,8 +185,8 @@ def _dequantize_host(codes: np.ndarray, scales: np.ndarray, kv_dtype: str) -> np
 
 def _dequantized_rule(x: np.ndarray, kv_dtype: str) -> np.ndarray:
     """What a quantized cache must hold for float32 tokens ``x`` [..., d]: the scheme of
-    ``gqakv.quantize`` applied on the host (NumPy, ml_dtypes), then dequantized."""
-    from .quantize import quantize
+    ``gqakv.storage.quantize`` applied on the host (NumPy, ml_dtypes), then dequantized."""
+    from ..storage.quantize import quantize
 
     codes, scales = quantize(np, x, kv_dtype)
     return _dequantize_host(np.asarray(codes), np.asarray(scales), kv_dtype)
@@ -199,12 +199,12 @@ class Mirror:
     every row should hold. Data go in through the backend and come back through it, so
     the mirror holds exactly the values of the cache's dtype. ``page_size``: a
     PagedKVCache (its whole pool NaN); ``kv_dtype``: a quantized cache, the mirror holding
-    the dequantized values of the scheme (``gqakv.quantize``, computed here on the host)."""
+    the dequantized values of the scheme (``gqakv.storage.quantize``, computed here on the host)."""
 
     def __init__(self, backend, dtype, batch, kv_heads, max_len, head_dim, rng, *,
                  page_size=None, kv_dtype=None):
-        from .cache import KVCache
-        from .paged_cache import PagedKVCache
+        from ..caches.cache import KVCache
+        from ..caches.paged_cache import PagedKVCache
 
         self.backend, self.dtype, self.rng = backend, dtype, rng
         self.kv_dtype = kv_dtype
@@ -357,7 +357,7 @@ def _shape(rng, quick: bool, batch=(1, 5)) -> Shape:
 def _decode(backend, dtype, rng, quick, checks) -> None:
     """Ragged prompts (some rows empty), then T = 1 steps with some rows idle."""
     append, decode = checks["append"], checks["decode"]
-    from .attention import gqa_attention
+    from ..ops.attention import gqa_attention
 
     for c in range(CASES[quick]):
         s = _shape(rng, quick)
@@ -412,8 +412,8 @@ def _split_attention(backend, dtype):
 def _split(backend, dtype, rng, quick, checks) -> None:
     """Long rows, small batch: decode (and a short chunk) over a split key range, and the
     same keys cut into two caches whose results merge_attention combines."""
-    from .attention import gqa_attention
-    from .inputs import validate_attention
+    from ..ops.attention import gqa_attention
+    from ..core.inputs import validate_attention
 
     check = checks["split+merge"]
     forced, check.note = _split_attention(backend, dtype)
@@ -444,8 +444,8 @@ def _split(backend, dtype, rng, quick, checks) -> None:
 def _merge_halves(backend, dtype, m, q_dev, q_host, n_new, rng, check, what) -> None:
     """Keys [0, j) in one cache and [j, L) in another (decode: the query sees all keys of
     both), attention on each with its LSE, merged; a row cut at 0 tests an empty part."""
-    from .attention import gqa_attention
-    from .merge import merge_attention
+    from ..ops.attention import gqa_attention
+    from ..ops.merge import merge_attention
 
     B, Hkv, _, d = m.cache.k.shape
     parts = []
@@ -488,7 +488,7 @@ def _ragged_prompts(rng, batch: int, T: int):
 def _prefill(backend, dtype, rng, quick, checks) -> None:
     """Prompts appended in T-token chunks over several calls; rows ragged, padded in the
     last chunk, finished (idle) or empty."""
-    from .attention import gqa_attention
+    from ..ops.attention import gqa_attention
 
     append, prefill = checks["append"], checks["prefill"]
     for c in range(CASES[quick]):
@@ -507,7 +507,7 @@ def _prefill(backend, dtype, rng, quick, checks) -> None:
 
 def _row_copies(backend, dtype, rng, quick, checks) -> None:
     """reorder (duplicates, cycles) and fork on a 2-layer ModelKVCache filled with NaN."""
-    from .model_cache import ModelKVCache
+    from ..caches.model_cache import ModelKVCache
 
     check = checks["row copies"]
     for c in range(CASES[quick]):
@@ -586,7 +586,7 @@ def _variant(rng, s: Shape, T: int, longest: int) -> dict:
 def _variants(backend, dtype, rng, quick, checks) -> None:
     """Window / softcap / sinks: chunked prefill then decode (ragged, padded, one row empty),
     and one windowed decode over long rows per case."""
-    from .attention import gqa_attention
+    from ..ops.attention import gqa_attention
 
     check = checks["variants"]
     for c in range(CASES[quick]):
@@ -627,7 +627,7 @@ def _paged(page_size, backend, dtype, rng, quick, checks, kv_dtype=None) -> None
     steps that write into the shared pages (copy on write): after every append each row
     read back through its pages and the pool's accounting audited; every attention call
     against the reference."""
-    from .attention import gqa_attention
+    from ..ops.attention import gqa_attention
 
     check = checks[PAGED_QUANT if kv_dtype else f"paged P={page_size}"]
     for c in range(CASES[quick]):
@@ -662,7 +662,7 @@ def _quantized(kv_dtype, backend, dtype, rng, quick, checks) -> None:
     slots, a huge and an all-zero token per append), then decode steps: the stored codes x
     scales equal the scheme's after every append, and every attention call matches the
     reference on the dequantized values."""
-    from .attention import gqa_attention
+    from ..ops.attention import gqa_attention
 
     check = checks[KV_DTYPES[kv_dtype]]
     for c in range(CASES[quick]):
@@ -801,7 +801,7 @@ def add_arguments(parser) -> None:
 
 
 def _backends(name):
-    from .registry import get_backend, list_backends
+    from ..dispatch.registry import get_backend, list_backends
 
     if name == "all":
         runnable = [b for b in list_backends() if b.unavailable_reason() is None]
