@@ -21,6 +21,11 @@ import time
 
 import numpy as np
 
+from gqakv import distributed
+from gqakv.dispatch.registry import get_backend
+from gqakv.distributed import HeadShard, even_slice
+from gqakv.tools.errors import UsageError
+
 from . import real_model
 from .llama import CONFIGS, LlamaModel, generate, generate_uncached
 
@@ -121,8 +126,6 @@ def _tensor_parallel(args, config, UsageError):
         raise UsageError(f"--tensor-parallel must be >= 1, got {P}")
     if not (math.isfinite(args.tp_timeout) and args.tp_timeout > 0):
         raise UsageError(f"--tp-timeout must be a finite number of seconds > 0, got {args.tp_timeout}")
-    from gqakv.distributed import HeadShard, even_slice
-
     try:  # the same split on every rank: refuse it before joining the group
         HeadShard.plan(config.n_heads, config.n_kv_heads, P)
         even_slice(config.intermediate_size, P, 0, "intermediate_size")
@@ -130,12 +133,8 @@ def _tensor_parallel(args, config, UsageError):
         raise UsageError(f"--tensor-parallel {P}: {exc}") from None
     try:
         import torch
-
-        from gqakv import distributed
     except ImportError as exc:
         raise UsageError(f"--tensor-parallel needs torch.distributed: {exc}") from None
-    from gqakv.dispatch.registry import get_backend
-
     # GPU arrays (torch on CUDA, CuPy) communicate over NCCL, host arrays over gloo.
     name = get_backend(args.backend, dtype=args.dtype, head_dim=config.head_dim).name
     gpu = name in ("torch", "cupy") and torch.cuda.is_available()
@@ -145,14 +144,9 @@ def _tensor_parallel(args, config, UsageError):
 def run(args) -> int:
     if real_model.wants_real_model(args):
         if getattr(args, "tensor_parallel", None) is not None:
-            from gqakv.tools.cli import UsageError
-
             raise UsageError("--tensor-parallel runs the example model (random weights, --config); "
                              "it does not split --model / --gguf")
         return real_model.run(args)
-    from gqakv.tools.cli import UsageError
-    from gqakv.dispatch.registry import get_backend
-
     _refuse_real_model_options(args, UsageError)
     for name in ("batch", "prompt_len", "new_tokens", "chunk", "layers", "vocab"):
         value = getattr(args, name)

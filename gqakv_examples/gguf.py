@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import gqakv
+
 from .llama import LlamaConfig, LlamaModel
 
 #: name -> (pip package, file inside it, pip command that installs it)
@@ -216,8 +218,6 @@ class GGUFLlamaModel(LlamaModel):
     """
 
     def __init__(self, checkpoint, *, dtype="float32", backend=None):
-        import gqakv
-
         if isinstance(checkpoint, (str, os.PathLike)):
             checkpoint = read_checkpoint(os.fspath(checkpoint))
         if dtype not in ("float32", "float64"):

@@ -46,6 +46,7 @@ from typing import Sequence
 import numpy as np
 
 import gqakv
+from gqakv.distributed import rank_backend
 
 
 @dataclass(frozen=True)
@@ -197,8 +198,6 @@ class LlamaModel:
         self.shard = None if tp is None else tp.heads(c.n_heads, c.n_kv_heads)
         mlp = slice(None) if tp is None else tp.columns(c.intermediate_size, "intermediate_size")
         if tp is not None and not isinstance(backend, gqakv.Backend):  # on this rank's device
-            from gqakv.distributed import rank_backend
-
             backend = rank_backend(backend, dtype=dtype, head_dim=c.head_dim)
         self.backend = gqakv.get_backend(backend, dtype=dtype, head_dim=c.head_dim)
         self.xp = self.backend.namespace()

@@ -21,6 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import gqakv
+from gqakv.dispatch.registry import get_backend
+from gqakv.tools.errors import UsageError
+
 DEFAULT_PROMPT = "The capital of France is"
 
 
@@ -100,8 +104,6 @@ class _RoundedCache:
 def _compare_cache(model, tokenizer, kvs: list[str], new_tokens: int, chunk: int) -> None:
     """Greedy agreement and paragraph log-likelihood: float32 cache vs one in each of ``kvs``
     (the float32 run is done once and shared)."""
-    import gqakv
-
     c = model.config
     prompts = [tokenizer.encode(t) for t in COMPARE_PROMPTS]
     para = tokenizer.encode(COMPARE_PARAGRAPH)
@@ -300,9 +302,6 @@ def _gguf_file(path: str, UsageError) -> str:
 
 
 def run(args) -> int:
-    from gqakv.tools.cli import UsageError
-    from gqakv.dispatch.registry import get_backend
-
     from .gguf import GGUFLlamaModel, model_path, read_checkpoint
     from .tokenizer import GGUFTokenizer
 
@@ -347,8 +346,6 @@ def run(args) -> int:
     prompts = [tokenizer.encode(t) for t in texts]
     B, max_new = len(prompts), args.new_tokens
     max_len = max(len(p) for p in prompts) + max_new
-    import gqakv
-
     cache = gqakv.ModelKVCache(c.n_layers, B, c.n_kv_heads, max_len, c.head_dim, dtype=args.dtype,
                                backend=model.backend, page_size=args.page_size, kv_dtype=args.kv_dtype)
     eos = tokenizer.eos_id

@@ -31,6 +31,22 @@ TOOLS = "gqakv.tools"
 EXAMPLES = "gqakv_examples"
 PLUGINS = "gqakv_backends"
 
+#: The floors, lowest first: a module imports only from its own floor or those below. The
+#: plugins sit on the caches' floor (they implement what the dispatch layer declares and
+#: import core, storage, ops and dispatch, never a cache); ``gqakv`` is the package's
+#: ``__init__`` (the public API), ``gqakv.distributed`` runs a cache per rank.
+LAYERS = [
+    ("gqakv.core",),
+    ("gqakv.storage",),
+    ("gqakv.ops",),
+    ("gqakv.dispatch",),
+    ("gqakv.caches", PLUGINS),
+    ("gqakv", "gqakv.distributed"),
+    ("gqakv.integrations",),
+    (TOOLS,),
+    ("gqakv.__main__", EXAMPLES),
+]
+
 
 def _modules() -> dict[str, Path]:
     """Dotted module name -> file, for every module of the three packages."""
@@ -189,6 +205,24 @@ def _violations(graph, where, source_ok, target_bad) -> list[str]:
 
 def _inside(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
+
+
+def _layer(module: str) -> int:
+    """The floor of ``module``: its longest package prefix named in LAYERS."""
+    best = (-1, -1)
+    for floor, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best[0]:
+                best = (len(name), floor)
+    assert best[1] >= 0, f"{module} is on no floor of LAYERS: add its package there"
+    return best[1]
+
+
+def test_layers_depend_only_downward() -> None:
+    graph, where = import_graph()
+    up = [f"{m} (floor {_layer(m)}, line {where[(m, t)]}) imports {t} (floor {_layer(t)})"
+          for m in sorted(graph) for t in sorted(graph[m]) if _layer(t) > _layer(m)]
+    assert not up, "imports that go up a floor (see LAYERS):\n  " + "\n  ".join(up)
 
 
 def test_library_never_imports_the_examples() -> None:

@@ -31,18 +31,14 @@ from typing import Any
 import numpy as np
 
 from ..core import dtypes as _dtypes
-from ..ops import row_ops
+from ..core.dims import check_dims
 from ..core.inputs import immutable_ints, validate_append
+from ..core.units import human_bytes
 from ..dispatch.registry import get_backend
+from ..ops import row_ops
+from ..storage import paged
+from ..storage.paged import reserve
 from ..storage.store import MAX_BUFFER_BYTES, PAGED, KVStore, StorageSpec  # noqa: F401  (MAX_BUFFER_BYTES: re-exported)
-
-
-def _check_dim(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 class Lengths:
@@ -90,12 +86,6 @@ def write(backend, store: KVStore, k_new, v_new, inputs) -> None:
     backend.write_kv(store, k_new, v_new, inputs)
 
 
-def _check_dims(batch, kv_heads, max_len, head_dim) -> tuple[int, int, int, int]:
-    """The cache dimensions as Python ints: batch, max_len >= 0; kv_heads, head_dim >= 1."""
-    return (_check_dim("batch", batch, 0), _check_dim("kv_heads", kv_heads, 1),
-            _check_dim("max_len", max_len, 0), _check_dim("head_dim", head_dim, 1))
-
-
 class RowsAndLengths:
     """Live lengths and row operations, shared by KVCache and ModelKVCache.
 
@@ -118,14 +108,12 @@ class RowsAndLengths:
         """Check the dimensions, pick the backend, allocate K and V
         ``[*leading, B, Hkv, max_len, d]`` once (paged storage: a pool of ``num_pages``
         pages of ``page_size`` tokens, ``gqakv.storage.paged``) and start every row empty."""
-        self.batch, self.kv_heads, self.max_len, self.head_dim = _check_dims(
+        self.batch, self.kv_heads, self.max_len, self.head_dim = check_dims(
             batch, kv_heads, max_len, head_dim)
         self.dtype = _dtypes.canonical_name(dtype)
         spec = StorageSpec.of(self.dtype, storage, kv_dtype)
         self.kv_dtype: str | None = spec.dtype if spec.quantized else None
         if spec.kind == PAGED:
-            from ..storage import paged
-
             page_size, num_pages = paged.check_page_args(
                 paged.DEFAULT_PAGE_SIZE if page_size is None else page_size, num_pages,
                 self.batch, self.max_len)
@@ -280,7 +268,7 @@ class KVCache(RowsAndLengths):
         """Bytes the K and V buffers of such a cache take together (with ``kv_dtype``: codes
         plus scales), computed before allocating (each dimension checked as the constructor
         checks it; exact Python ints, no wrap-around)."""
-        batch, kv_heads, max_len, head_dim = _check_dims(batch, kv_heads, max_len, head_dim)
+        batch, kv_heads, max_len, head_dim = check_dims(batch, kv_heads, max_len, head_dim)
         return StorageSpec.of(dtype, kv_dtype=kv_dtype).nbytes(batch * max_len, kv_heads, head_dim)
 
     @property
@@ -317,8 +305,6 @@ class KVCache(RowsAndLengths):
             inputs = validate_append(self, k_new, v_new, n_new, rows)
             reservation = None
             if self.store.kind == PAGED:  # take pages (OutOfPages changes nothing)
-                from ..storage.paged import reserve
-
                 reservation = reserve(self.backend, self.store, inputs.rows, inputs.starts,
                                       inputs.n_new)
             try:
@@ -359,13 +345,3 @@ class KVCache(RowsAndLengths):
                 f"head_dim={self.head_dim}, dtype={self.dtype!r}, "
                 + (f"kv_dtype={self.kv_dtype!r}, " if self.kv_dtype else "")
                 + f"backend={self.backend.name!r}, {human_bytes(self.nbytes)})")
-
-
-def human_bytes(nbytes: float) -> str:
-    """``536870912`` -> ``'512.0 MiB'`` (binary units)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        if nbytes < 1024 or unit == "EiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError
-

@@ -24,12 +24,16 @@ from typing import Literal
 
 import numpy as np
 
-from ..ops import attention as _attention
-from . import cache as _cache
-from .cache import KVCache, Lengths, RowsAndLengths, _check_dim, _check_dims, human_bytes
+from ..core.dims import check_dim, check_dims
 from ..core.inputs import (_rows, check_capacity, check_flag, host_ints, immutable_ints, validate_append,
-                     validate_attention)
+                           validate_attention)
+from ..core.units import human_bytes
+from ..ops import attention as _attention
+from ..storage.paged import reserve
+from ..storage.sizing import resolve_model
 from ..storage.store import PAGED, StorageSpec
+from . import cache as _cache
+from .cache import KVCache, Lengths, RowsAndLengths
 
 _LAYER_VIEW = ("it is one layer of a ModelKVCache, whose lengths are shared by all layers; "
                "write through ModelKVCache.step(...) and move rows with the ModelKVCache's "
@@ -66,7 +70,7 @@ class ModelKVCache(RowsAndLengths):
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype="float32", backend=None, *, storage: str | None = None,
                  page_size: int | None = None, num_pages: int | None = None, kv_dtype=None):
-        self.layers = _check_dim("layers", layers, 1)
+        self.layers = check_dim("layers", layers, 1)
         if storage is None:
             storage = PAGED if page_size is not None else "contiguous"
         self._allocate((self.layers,), batch, kv_heads, max_len, head_dim, dtype, backend,
@@ -80,8 +84,6 @@ class ModelKVCache(RowsAndLengths):
     def for_model(cls, model, *, batch: int, max_len: int, dtype="bfloat16", backend=None):
         """A cache shaped for ``model``: a preset name (``gqakv size --list``) or a
         ``gqakv.storage.sizing.ModelConfig``."""
-        from ..storage.sizing import resolve_model
-
         cfg = resolve_model(model)
         return cls(cfg.layers, batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, backend)
 
@@ -94,8 +96,8 @@ class ModelKVCache(RowsAndLengths):
         ``2 * layers * batch * kv_heads * max_len * head_dim * itemsize`` (with ``kv_dtype``:
         ``2 * layers * batch * kv_heads * max_len * (head_dim + 4)``, codes plus scales;
         every dimension checked as the constructor checks it; exact Python ints)."""
-        layers = _check_dim("layers", layers, 1)
-        batch, kv_heads, max_len, head_dim = _check_dims(batch, kv_heads, max_len, head_dim)
+        layers = check_dim("layers", layers, 1)
+        batch, kv_heads, max_len, head_dim = check_dims(batch, kv_heads, max_len, head_dim)
         return StorageSpec.of(dtype, kv_dtype=kv_dtype).nbytes(layers * batch * max_len,
                                                                kv_heads, head_dim)
 
@@ -152,8 +154,6 @@ class ModelKVCache(RowsAndLengths):
             check_capacity(r, starts, n, self.max_len)
             reservation = None
             if self.store.kind == PAGED:  # pages for every layer, once (OutOfPages: no change)
-                from ..storage.paged import reserve
-
                 reservation = reserve(self.backend, self.store, r, starts, n)
             try:
                 step = Step(self, r, starts, n, reservation)

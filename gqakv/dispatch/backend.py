@@ -25,6 +25,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..core import dtypes as _dtypes
+# the generic implementations, looked up on their modules at each call (tests spy on them there)
+from ..ops import attention as _attention, cache_ops as _cache_ops, row_ops as _row_ops
 
 
 #: The implementation name of the generic array-API code (the ``Backend`` defaults).
@@ -180,9 +182,7 @@ class Backend:
 
         ``inputs`` is the validated ``gqakv.inputs.AppendInputs`` (host int arrays).
         """
-        from ..ops.cache_ops import write_kv_array_api
-
-        write_kv_array_api(store, k_new, v_new, inputs.rows, inputs.starts, inputs.n_new)
+        _cache_ops.write_kv_array_api(store, k_new, v_new, inputs.rows, inputs.starts, inputs.n_new)
 
     def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
         """Copy tokens ``:n_tokens[i]`` of row ``src_rows[i]`` of ``src`` to row ``dst_rows[i]``
@@ -194,9 +194,7 @@ class Backend:
         another copy of the call, so a backend may run them all in one launch. Inputs are
         validated and ordered by ``gqakv.row_ops``; the index arrays are host ints.
         """
-        from ..ops.row_ops import copy_tokens_array_api
-
-        copy_tokens_array_api(dst, dst_rows, src, src_rows, n_tokens)
+        _row_ops.copy_tokens_array_api(dst, dst_rows, src, src_rows, n_tokens)
 
     def attention(self, q, store, inputs, params, *, return_lse: bool):
         """Grouped-query attention of ``q`` over the live cache; see ``gqakv.gqa_attention``.
@@ -205,9 +203,7 @@ class Backend:
         ``gqakv.inputs.AttentionInputs`` (rows, lens, n_new: host ints [B]); params: the
         ``gqakv.semantics.AttentionParams``.
         """
-        from ..ops.attention import attention_array_api
-
-        return attention_array_api(q, store, inputs, params, return_lse=return_lse)
+        return _attention.attention_array_api(q, store, inputs, params, return_lse=return_lse)
 
     def synchronize(self) -> None:
         """Wait for work queued on the device (a no-op for synchronous CPU libraries), so

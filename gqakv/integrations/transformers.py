@@ -85,10 +85,15 @@ except ImportError as exc:  # say what to install instead of a bare module name
 import numpy as np
 
 import gqakv
-from gqakv_backends.torch_backend import TorchBackend
 
 NAME = "gqakv"
 SUPPORTED_TRANSFORMERS = ">=5.23,<5.25"
+
+
+def _torch_backend(device) -> gqakv.Backend:
+    """gqakv's torch backend allocating on ``device`` (the registered "torch" plugin's class,
+    taken from the registry: the integration does not import the plugin's module)."""
+    return type(gqakv.get_backend("torch"))(device=device)  # type: ignore[call-arg]  # TorchBackend
 
 # The keyword ``forward``/``generate`` take the cache under: ``cache`` from transformers
 # 5.24 (``past_key_values`` still accepted there, with a deprecation warning), and
@@ -258,7 +263,7 @@ class GqakvLayer(CacheLayerMixin):
         self.batch_size = int(B)
         self.device = key_states.device
         self.kv = gqakv.KVCache(rows, int(hkv), self.max_cache_len, int(d), dtype=key_states.dtype,
-                                backend=TorchBackend(device=key_states.device), kv_dtype=self.kv_dtype)
+                                backend=_torch_backend(key_states.device), kv_dtype=self.kv_dtype)
         self.keys, self.values = self.kv.k, self.kv.v
         self.is_initialized = True
 
@@ -520,7 +525,7 @@ def gqakv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                 "must cover the same tokens (a transformers cache such as DynamicCache hands back past keys too; "
                 f"pass {CACHE_KWARG}=GqakvCache(model.config, max_cache_len=...) to generate/forward)")
         kv = gqakv.KVCache(int(B), int(hkv), int(S), int(d), dtype=key.dtype,
-                           backend=TorchBackend(device=key.device))
+                           backend=_torch_backend(key.device))
         if padding is None:
             n_new = [int(S)] * int(B)
         else:

@@ -47,6 +47,7 @@ from array_api_compat import array_namespace
 import dataclasses
 
 from .store import CONTIGUOUS, DEQUANT_BLOCK_ELEMENTS, PAGED, KVStore, StorageSpec
+from . import quantize as _quantize
 
 #: Default tokens per page.
 DEFAULT_PAGE_SIZE = 16
@@ -420,8 +421,6 @@ class PagedStore(KVStore):
         P = self.page_size
         n = int(k.shape[1])
         if self.quantized:  # each token's codes and scale, from that token alone
-            from . import quantize as _quantize
-
             xp = array_namespace(k)
             (kc, ks), (vc, vs) = (_quantize.quantize(xp, x, self.dtype) for x in (k, v))
         for j0, j1 in self.key_blocks(row, start, start + n, P):

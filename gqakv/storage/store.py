@@ -34,6 +34,7 @@ import numpy as _np
 
 from ..core import dtypes as _dtypes
 from . import quantize as _quantize
+from ..core.units import human_bytes
 
 #: Storage kinds. Contiguous: K and V are dense arrays, row r's token j of KV head h at
 #: ``[..., r, h, j, :]``.
@@ -188,8 +189,6 @@ class KVStore:
         total = spec.nbytes(math.prod(shape[:-4]) * shape[-4] * shape[-2], kv_heads, head_dim)
 
         def fail(why: str):
-            from ..caches.cache import human_bytes
-
             return MemoryError(
                 f"cannot allocate a {what} of {total:,} bytes ({human_bytes(total)}; K and V "
                 f"each {list(shape)} {spec.dtype}) on backend {backend.name!r}: {why}"

@@ -30,8 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from ..caches.cache import KVCache
+from ..caches.paged_cache import PagedKVCache
+from ..core.units import human_bytes
+from ..ops.attention import gqa_attention
 from ..storage import store as _store
-from ..caches.cache import human_bytes
+from ..storage.paged import pages_for
+from .errors import UsageError
 
 LLAMA_8B = dict(heads=32, kv_heads=8, head_dim=128, layers=32)
 
@@ -279,8 +284,6 @@ def compare_onnxruntime(cache, heads: int, *, seed: int = 0, rounds: int = 5, bl
     blocks with the same number of threads. ``ratio`` is ONNX Runtime time / gqakv time
     (above 1: gqakv is faster), on the medians.
     """
-    from ..ops.attention import gqa_attention
-
     import_onnxruntime()
     backend = cache.backend
     if cache.store.kind != _store.CONTIGUOUS or cache.store.quantized:
@@ -484,13 +487,8 @@ def make_cache(cfg: Config):
 
     Raises BackendError (backend unknown or unable to run) or MemoryError (too big) before
     anything has run."""
-    from ..caches.cache import KVCache
-
     max_len = max(cfg.row_prompts(), default=0) + cfg.steps
     if cfg.page_size is not None:
-        from ..storage.paged import pages_for
-        from ..caches.paged_cache import PagedKVCache
-
         pages = sum(pages_for(p + cfg.steps, cfg.page_size) for p in cfg.row_prompts())
         return PagedKVCache(cfg.batch, cfg.kv_heads, max_len, cfg.head_dim, dtype=cfg.dtype,
                             backend=cfg.backend, page_size=cfg.page_size, num_pages=pages,
@@ -502,8 +500,6 @@ def make_cache(cfg: Config):
 def run_workload(cfg: Config, progress=None, cache=None) -> Result:
     """Prefill every row's prompt in chunks, then decode ``cfg.steps`` tokens per row
     (into ``cache``, an empty ``make_cache(cfg)``, made here when not given)."""
-    from ..ops.attention import gqa_attention
-
     progress = progress or (lambda *a: None)
     prompts = cfg.row_prompts()
     B, Hq, Hkv, d = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim
@@ -514,8 +510,6 @@ def run_workload(cfg: Config, progress=None, cache=None) -> Result:
 
     def data(T, heads):  # one random block, reused: values do not change the work
         return backend.from_numpy(rng.standard_normal((B, heads, T, d), dtype=np.float32), cfg.dtype)
-
-    from ..caches.cache import KVCache
 
     device = cache_device(cache)
     res = Result(config=asdict(cfg), backend=backend.name, device=device,
@@ -644,8 +638,6 @@ def add_arguments(parser) -> None:
 
 
 def _config(args) -> Config:
-    from .cli import UsageError
-
     try:
         prompts = tuple(int(x) for x in str(args.prompt_lens).split(",") if x.strip())
     except ValueError:
@@ -738,8 +730,6 @@ def run(args) -> int:
 
 def _compare_torch(res: Result, cfg: Config) -> dict:
     """Time gqakv and torch SDPA on the final cache: one decode step, one prefill chunk."""
-    from ..ops.attention import gqa_attention
-
     cache, backend = res._cache, res._cache.backend
     lens = cache.host_lens.copy()
     rng = np.random.default_rng(cfg.seed + 1)

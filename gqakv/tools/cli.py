@@ -18,11 +18,14 @@ import importlib
 import sys
 import traceback
 
+from ..dispatch.registry import BackendError
+from .errors import UsageError  # noqa: F401  (re-exported: gqakv.tools.cli.UsageError)
+
 # name -> (module, one-line help)
 SUBCOMMANDS = {
     "bench": ("gqakv.tools.bench", "run a Llama-3.1-8B-shaped prefill + decode workload (default)"),
     "info": ("gqakv.tools.info", "list the backends, whether each can run here, and why not"),
-    "size": ("gqakv.storage.sizing", "KV cache bytes for a model, and the largest batch/length that fit"),
+    "size": ("gqakv.tools.size", "KV cache bytes for a model, and the largest batch/length that fit"),
     "generate": ("gqakv_examples.generate", "greedy generation with the example Llama model (random "
                                             "weights, or real ones: --model smollm2-135m, --gguf PATH)"),
     "selftest": ("gqakv.tools.selftest", "check every kernel family of a backend against the float64 "
@@ -33,10 +36,6 @@ EXIT_USAGE = 2
 DEBUG_FLAG = "--debug"
 
 
-class UsageError(ValueError):
-    """A bad command-line value, raised by a subcommand with a message naming the flag."""
-
-
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean "the input was wrong", not "gqakv is broken".
 
@@ -44,8 +43,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     validation raises for a bad value or a size that cannot be allocated; BackendError
     says a backend does not exist or cannot run here.
     """
-    from ..dispatch.registry import BackendError
-
     return (ValueError, TypeError, OverflowError, MemoryError, LookupError, BackendError)
 
 

@@ -76,7 +76,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..caches.cache import KVCache
+from ..caches.model_cache import ModelKVCache
+from ..caches.paged_cache import PagedKVCache
+from ..core.inputs import validate_attention
+from ..dispatch.registry import get_backend, list_backends
+from ..ops.attention import gqa_attention
+from ..ops.merge import merge_attention
 from ..ops.reference import naive_low_precision, reference_attention
+from ..storage.quantize import e4m3_table, quantize
+from .errors import UsageError
 
 #: Error bound of the low-precision rule, as FlashAttention's tests use it.
 K_NAIVE = 2.0
@@ -177,8 +186,6 @@ def _rounder(dtype: str):
 
 def _dequantize_host(codes: np.ndarray, scales: np.ndarray, kv_dtype: str) -> np.ndarray:
     """float64 of float32 ``value(code) x scale`` (the scheme's dequantization, on the host)."""
-    from ..storage.quantize import e4m3_table
-
     values = codes.astype(np.float32) if kv_dtype == "int8" else e4m3_table()[codes]
     return (values * scales.astype(np.float32)[..., None]).astype(np.float64)
 
@@ -186,8 +193,6 @@ def _dequantize_host(codes: np.ndarray, scales: np.ndarray, kv_dtype: str) -> np
 def _dequantized_rule(x: np.ndarray, kv_dtype: str) -> np.ndarray:
     """What a quantized cache must hold for float32 tokens ``x`` [..., d]: the scheme of
     ``gqakv.storage.quantize`` applied on the host (NumPy, ml_dtypes), then dequantized."""
-    from ..storage.quantize import quantize
-
     codes, scales = quantize(np, x, kv_dtype)
     return _dequantize_host(np.asarray(codes), np.asarray(scales), kv_dtype)
 
@@ -203,9 +208,6 @@ class Mirror:
 
     def __init__(self, backend, dtype, batch, kv_heads, max_len, head_dim, rng, *,
                  page_size=None, kv_dtype=None):
-        from ..caches.cache import KVCache
-        from ..caches.paged_cache import PagedKVCache
-
         self.backend, self.dtype, self.rng = backend, dtype, rng
         self.kv_dtype = kv_dtype
         if page_size is not None:
@@ -357,8 +359,6 @@ def _shape(rng, quick: bool, batch=(1, 5)) -> Shape:
 def _decode(backend, dtype, rng, quick, checks) -> None:
     """Ragged prompts (some rows empty), then T = 1 steps with some rows idle."""
     append, decode = checks["append"], checks["decode"]
-    from ..ops.attention import gqa_attention
-
     for c in range(CASES[quick]):
         s = _shape(rng, quick)
         prompts = rng.integers(0, 70, s.batch)
@@ -412,9 +412,6 @@ def _split_attention(backend, dtype):
 def _split(backend, dtype, rng, quick, checks) -> None:
     """Long rows, small batch: decode (and a short chunk) over a split key range, and the
     same keys cut into two caches whose results merge_attention combines."""
-    from ..ops.attention import gqa_attention
-    from ..core.inputs import validate_attention
-
     check = checks["split+merge"]
     forced, check.note = _split_attention(backend, dtype)
     for c in range(CASES[quick]):
@@ -444,9 +441,6 @@ def _split(backend, dtype, rng, quick, checks) -> None:
 def _merge_halves(backend, dtype, m, q_dev, q_host, n_new, rng, check, what) -> None:
     """Keys [0, j) in one cache and [j, L) in another (decode: the query sees all keys of
     both), attention on each with its LSE, merged; a row cut at 0 tests an empty part."""
-    from ..ops.attention import gqa_attention
-    from ..ops.merge import merge_attention
-
     B, Hkv, _, d = m.cache.k.shape
     parts = []
     cuts = [int(rng.integers(0, int(L) + 1)) for L in m.cache.host_lens]
@@ -488,8 +482,6 @@ def _ragged_prompts(rng, batch: int, T: int):
 def _prefill(backend, dtype, rng, quick, checks) -> None:
     """Prompts appended in T-token chunks over several calls; rows ragged, padded in the
     last chunk, finished (idle) or empty."""
-    from ..ops.attention import gqa_attention
-
     append, prefill = checks["append"], checks["prefill"]
     for c in range(CASES[quick]):
         s = _shape(rng, quick)
@@ -507,8 +499,6 @@ def _prefill(backend, dtype, rng, quick, checks) -> None:
 
 def _row_copies(backend, dtype, rng, quick, checks) -> None:
     """reorder (duplicates, cycles) and fork on a 2-layer ModelKVCache filled with NaN."""
-    from ..caches.model_cache import ModelKVCache
-
     check = checks["row copies"]
     for c in range(CASES[quick]):
         s = _shape(rng, quick, batch=(3, 7))
@@ -586,8 +576,6 @@ def _variant(rng, s: Shape, T: int, longest: int) -> dict:
 def _variants(backend, dtype, rng, quick, checks) -> None:
     """Window / softcap / sinks: chunked prefill then decode (ragged, padded, one row empty),
     and one windowed decode over long rows per case."""
-    from ..ops.attention import gqa_attention
-
     check = checks["variants"]
     for c in range(CASES[quick]):
         s = _shape(rng, quick)
@@ -627,8 +615,6 @@ def _paged(page_size, backend, dtype, rng, quick, checks, kv_dtype=None) -> None
     steps that write into the shared pages (copy on write): after every append each row
     read back through its pages and the pool's accounting audited; every attention call
     against the reference."""
-    from ..ops.attention import gqa_attention
-
     check = checks[PAGED_QUANT if kv_dtype else f"paged P={page_size}"]
     for c in range(CASES[quick]):
         s = _shape(rng, quick, batch=(3, 6))
@@ -662,8 +648,6 @@ def _quantized(kv_dtype, backend, dtype, rng, quick, checks) -> None:
     slots, a huge and an all-zero token per append), then decode steps: the stored codes x
     scales equal the scheme's after every append, and every attention call matches the
     reference on the dequantized values."""
-    from ..ops.attention import gqa_attention
-
     check = checks[KV_DTYPES[kv_dtype]]
     for c in range(CASES[quick]):
         s = _shape(rng, quick)
@@ -801,8 +785,6 @@ def add_arguments(parser) -> None:
 
 
 def _backends(name):
-    from ..dispatch.registry import get_backend, list_backends
-
     if name == "all":
         runnable = [b for b in list_backends() if b.unavailable_reason() is None]
         skipped = [(b.name, b.unavailable_reason()) for b in list_backends() if b not in runnable]
@@ -811,8 +793,6 @@ def _backends(name):
 
 
 def run(args) -> int:
-    from .cli import UsageError
-
     if args.seed is not None and args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
     seed = cast(int, np.random.SeedSequence().entropy) % 2**32 if args.seed is None else args.seed
