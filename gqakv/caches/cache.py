@@ -275,11 +275,6 @@ class KVCache(RowsAndLengths):
     def nbytes(self) -> int:
         return self.store.nbytes
 
-    # -- lengths ---------------------------------------------------------------------------
-
-    def _set_lens(self, rows: np.ndarray, values: np.ndarray) -> None:
-        self._lengths.set(rows, values)
-
     def _check_can_change(self, what: str) -> None:
         if self._frozen is not None:
             raise RuntimeError(f"cannot {what} through this cache: {self._frozen}")
@@ -315,7 +310,7 @@ class KVCache(RowsAndLengths):
                 if reservation is not None:
                     self.store.table.undo(reservation)
                 raise
-            self._set_lens(inputs.rows, inputs.starts + inputs.n_new)
+            self._lengths.set(inputs.rows, inputs.starts + inputs.n_new)
 
     # -- row operations (RowsAndLengths) ---------------------------------------------------------
 

@@ -203,7 +203,6 @@ class AttentionInputs:
     rows: np.ndarray  # [B] int64
     lens: np.ndarray  # [B] int64, live tokens of each row (after the append)
     n_new: np.ndarray  # [B] int64, queries of entry i are the last n_new[i] tokens of its row
-    group: int  # G = Hq // Hkv
     params: AttentionParams  # scale, window, softcap, sinks (all checked)
 
     @property
@@ -254,8 +253,7 @@ def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
     scale = 1.0 / math.sqrt(d) if scale is None else check_scale(scale)
     params = AttentionParams(scale=scale, window=check_window(window),
                              softcap=check_softcap(softcap), sinks=check_sinks(sinks, hq))
-    return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, group=hq // cache.kv_heads,
-                           params=params)
+    return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, params=params)
 
 
 # -- attention variants (gqakv.semantics.AttentionParams) -------------------------------------
