@@ -227,7 +227,7 @@ class VsTorch:
     def setup(self, case):
         self.backend = backend_or_skip("numpy")
         torch_or_skip()
-        from gqakv.tools import bench
+        from .common import bench  # the commit's bench module, wherever it lives
 
         B, L, T = self.CASES[case]
         self.cache = filled_cache(self.backend, [L] * B)
@@ -257,7 +257,7 @@ class VsOnnxRuntime:
     def setup(self, case, dtype):
         name = "numba" if "numba" in BACKENDS else "numpy"
         self.backend = backend_or_skip(name)
-        from gqakv.tools import bench
+        from .common import bench  # the commit's bench module, wherever it lives
 
         if not hasattr(bench, "onnxruntime_gqa"):
             raise NotImplementedError("gqakv.tools.bench.onnxruntime_gqa does not exist in this commit (added later)")

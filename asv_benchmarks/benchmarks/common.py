@@ -28,8 +28,11 @@ import gqakv
 
 try:
     from gqakv.tools import bench
-except ImportError:  # commits before `gqakv bench`
-    bench = None
+except ImportError:
+    try:  # commits before the layered package (gqakv/tools/)
+        from gqakv import bench
+    except ImportError:  # commits before `gqakv bench`
+        bench = None
 
 try:  # raised in a benchmark method, asv records "skipped" for that method only
     from asv_runner.benchmarks.mark import SkipNotImplemented
