@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 
-from gqakv.semantics import AttentionParams, block_keys, common_keys
+from gqakv.core.semantics import AttentionParams, block_keys, common_keys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 

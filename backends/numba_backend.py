@@ -39,10 +39,10 @@ import os
 
 import numpy as np
 
-from gqakv.backend import GENERIC, FastPath, Route, route_facts
-from gqakv.codecs import PLAIN_NAME
-from gqakv.semantics import AttentionParams, block_keys
-from gqakv.store import CONTIGUOUS, PAGED
+from gqakv.dispatch.backend import GENERIC, FastPath, Route, route_facts
+from gqakv.storage.codecs import PLAIN_NAME
+from gqakv.core.semantics import AttentionParams, block_keys
+from gqakv.storage.store import CONTIGUOUS, PAGED
 
 from . import numpy_backend as _numpy
 from .cpu_plan import ENV_THREADS, _plan, _share, _threads
@@ -160,7 +160,7 @@ class NumbaBackend(NumpyBackend):
                 self._reason = None
         return None if isinstance(self._reason, bool) else self._reason  # checked: never a bool
 
-    # -- hooks for the tools (gqakv.backend.Backend) ----------------------------------------
+    # -- hooks for the tools (gqakv.dispatch.backend.Backend) ----------------------------------------
 
     def split_attention(self, dtype: str):
         if dtype not in _KERNEL_DTYPES:  # float64: the numpy backend's BLAS path
@@ -299,7 +299,7 @@ class NumbaBackend(NumpyBackend):
 
 
 def _dtype_name(dtype) -> str:
-    from gqakv.dtypes import canonical_name
+    from gqakv.core.dtypes import canonical_name
 
     return canonical_name(dtype)
 

@@ -15,7 +15,7 @@ so later storage kinds and attention variants replace one piece, not the loop:
   row: ``factor`` multiplies its dot product (K) and its p (V), 1 otherwise (folded away);
 - which keys a query sees: ``visible_keys(q_pos, window)`` gives the key range
   ``lo, hi`` (bottom-right causal, ``0, q_pos + 1``, with a sliding window's first key
-  as ``lo``: ``gqakv.semantics.key_range`` in kernel form; the planner's items already
+  as ``lo``: ``gqakv.core.semantics.key_range`` in kernel form; the planner's items already
   start at the window, so only the first block of a query block is masked by it);
 - how a score is modified (the score hook, ``semantics.transform``): ``score(dot, scale,
   softcap)`` (scaling, then the soft-cap ``c * tanh(s / c)`` when softcap > 0, through

@@ -1,6 +1,6 @@
 """NumPy attention: BLAS matmuls on views of the live cache, spread over the cores.
 
-The generic array-API code (``gqakv.attention.attention_array_api``) is correct on
+The generic array-API code (``gqakv.ops.attention.attention_array_api``) is correct on
 NumPy but runs one row after another through NumPy's stacked matmul, which lets
 OpenBLAS thread each small product on its own: a decode step is a handful of
 ``[G, d] @ [d, L]`` products, too thin for BLAS threading to pay, so the step ran
@@ -36,7 +36,7 @@ Work and memory:
   than float32, and its float16 cast is scalar code, so ``to_float32`` converts
   float16 through its bits), and the result is cast back to the cache's dtype.
 
-Attention variants (``gqakv.semantics``): a sliding window moves each query block's
+Attention variants (``gqakv.core.semantics``): a sliding window moves each query block's
 first key (the planner's items start at ``block_keys``), so work and bytes read follow
 min(L, W); the score hook ``semantics.transform`` (the soft-cap, then ALiBi's per-head
 bias from each query's and key's positions, ``tile_heads``) runs on each block of scaled
@@ -48,8 +48,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gqakv.merge import SoftmaxState
-from gqakv.semantics import AttentionParams, block_keys, transform, transform_scores, visible_mask
+from gqakv.ops.merge import SoftmaxState
+from gqakv.core.semantics import AttentionParams, block_keys, transform, transform_scores, visible_mask
 
 # Threads, work items and their sharing are planned in cpu_plan (shared with the numba
 # backend); the names stay importable from here.
@@ -85,7 +85,7 @@ def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, j
     ``kb``/``vb`` [hh, je-js, d] in the compute dtype (however the storage was read).
     Scores, the score hook (``semantics.transform``: the soft-cap, then ALiBi's bias of
     each query head at its position against each key's), the mask of the row's last
-    ``n`` of ``L`` queries ``t0..t1-1`` (``gqakv.semantics``), then the online softmax.
+    ``n`` of ``L`` queries ``t0..t1-1`` (``gqakv.core.semantics``), then the online softmax.
     ``heads``: the tile's query heads ``[hh, G, 1, 1]`` (``tile_heads``) when the hook
     needs positions (ALiBi), else None. The one block step of the item kernel, whatever
     the reader."""

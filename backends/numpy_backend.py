@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 
-from gqakv.backend import GENERIC, Backend, FastPath, Route, choose, route_facts
-from gqakv.codecs import PLAIN_NAME
-from gqakv.inputs import immutable_ints
-from gqakv.store import CONTIGUOUS, PAGED
+from gqakv.dispatch.backend import GENERIC, Backend, FastPath, Route, choose, route_facts
+from gqakv.storage.codecs import PLAIN_NAME
+from gqakv.core.inputs import immutable_ints
+from gqakv.storage.store import CONTIGUOUS, PAGED
 
 #: The NumPy backend's attention fast path (BLAS matmuls on live blocks; see ``route_attention``):
 #: one item kernel (``numpy_attention``) over the block readers of ``numpy_readers``.
@@ -65,7 +65,7 @@ class NumpyBackend(Backend):
         return xp
 
     def dtype(self, name: str):
-        from gqakv.dtypes import canonical_name
+        from gqakv.core.dtypes import canonical_name
 
         name = canonical_name(name)
         if name == "bfloat16":
@@ -87,7 +87,7 @@ class NumpyBackend(Backend):
         # then write ``a``: the cache's own lengths, once).
         return immutable_ints(a)
 
-    # -- hooks for the tools (gqakv.backend.Backend) ----------------------------------------
+    # -- hooks for the tools (gqakv.dispatch.backend.Backend) ----------------------------------------
 
     #: What forces the BLAS path's key splits on small shapes (the self-test's split line).
     SPLIT_KNOBS: dict = dict(workers=2, min_key_split=16, parallel_min_work=0,

@@ -30,7 +30,7 @@ from typing import Iterator
 
 import numpy as np
 
-from gqakv.store import CONTIGUOUS, PAGED
+from gqakv.storage.store import CONTIGUOUS, PAGED
 
 #: Most K values (heads x keys x d) one gathered paged block holds (1 MiB of float32).
 GATHER_ELEMENTS = 1 << 18

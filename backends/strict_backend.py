@@ -7,7 +7,7 @@ priority: 'auto' never picks it while another backend can run.
 
 from __future__ import annotations
 
-from gqakv.backend import Backend
+from gqakv.dispatch.backend import Backend
 
 
 class StrictBackend(Backend):

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gqakv.backend import Backend
-from gqakv.dtypes import canonical_name
+from gqakv.dispatch.backend import Backend
+from gqakv.core.dtypes import canonical_name
 
 INSTALL_HINT = "pip install torch==2.13.0 (CPU build) or a CUDA build from pytorch.org"
 
@@ -65,7 +65,7 @@ class TorchBackend(Backend):
                 return f"torch: device {dev} requested but torch.cuda.is_available() is False"
         return None
 
-    # -- hooks for the tools (gqakv.backend.Backend) ----------------------------------------
+    # -- hooks for the tools (gqakv.dispatch.backend.Backend) ----------------------------------------
 
     def for_device(self, device) -> "TorchBackend":
         """A torch backend that allocates on ``device`` (a torch device or string)."""

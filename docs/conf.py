@@ -73,7 +73,7 @@ nitpick_ignore_regex = [
     (r"py:class", r"(collections\.abc|typing|contextvars|types|dataclasses|enum)\..*"),
     (r"py:class", r"(optional|default .*|array|array-like|int|float|str|bool|tuple|list|dict)"),
     # private helpers that appear in public signatures
-    (r"py:class", r"gqakv\.(cache\.Lengths|backend\.Route|cache\.RowsAndLengths|integrations\.transformers\.Padding)"),
+    (r"py:class", r"gqakv\.(caches\.cache\.Lengths|dispatch\.backend\.Route|caches\.cache\.RowsAndLengths|integrations\.transformers\.Padding)"),
 ]
 
 # -- HTML --------------------------------------------------------------------------------------

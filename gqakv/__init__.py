@@ -7,17 +7,17 @@
 Importing gqakv imports no optional backend (CuPy, torch): plugins load on first use.
 """
 
-from .attention import gqa_attention
-from .backend import Backend
-from .cache import KVCache
-from .model_cache import ModelKVCache, Step
-from .paged import OutOfPages
-from .paged_cache import PagedKVCache
-from .paged_functional import paged_append, paged_attention
-from .merge import apply_sinks, merge_attention
-from .semantics import AttentionParams
-from .store import KVStore, StorageSpec
-from .registry import (
+from .ops.attention import gqa_attention
+from .dispatch.backend import Backend
+from .caches.cache import KVCache
+from .caches.model_cache import ModelKVCache, Step
+from .storage.paged import OutOfPages
+from .caches.paged_cache import PagedKVCache
+from .caches.paged_functional import paged_append, paged_attention
+from .ops.merge import apply_sinks, merge_attention
+from .core.semantics import AttentionParams
+from .storage.store import KVStore, StorageSpec
+from .dispatch.registry import (
     BackendError,
     describe_backends,
     get_backend,

@@ -1,5 +1,5 @@
 """``python -m gqakv ...`` is the ``gqakv`` command."""
 
-from .cli import main
+from .tools.cli import main
 
 raise SystemExit(main())

@@ -21,7 +21,7 @@
    cache on the same tokens (the issue's targets: at most 1.15x at page size 16, 1.05x at
    256 for decode; 1.1x for chunked prefill).
 6. Quantized caches (int8 / float8_e4m3fn K/V): the device append's codes and scales
-   against gqakv.quantize bit for bit (hard tokens), decode / split decode / prefill against
+   against gqakv.storage.quantize bit for bit (hard tokens), decode / split decode / prefill against
    the float64 reference on the dequantized values, the kernels the routes chose, and
    decode time over an int8 cache against bfloat16 (the issue's 0.6x target on bytes).
 Designed to finish in under 8 minutes on one H200. Exit status: 0 when the parity suite
@@ -59,7 +59,7 @@ def timed(fn, sync, repeats=10) -> float:
 
 def filled(backend, batch, live, max_len=None):
     import gqakv
-    import gqakv.inputs
+    import gqakv.core.inputs
 
     cache = gqakv.KVCache(batch, HKV, max_len or live, D, dtype=DTYPE, backend=backend)
     import cupy
@@ -130,8 +130,8 @@ def decode_bench(backend, grid, peak_tbs) -> None:
     import cupy
 
     import gqakv
-    import gqakv.inputs
-    from gqakv.backend import Backend
+    import gqakv.core.inputs
+    from gqakv.dispatch.backend import Backend
 
     from gqakv_backends.cupy_backend import plan
 
@@ -154,7 +154,7 @@ def decode_bench(backend, grid, peak_tbs) -> None:
         ktbs = nbytes / kern / 1e12
         ratio = ""
         if batch * live <= 8 * 8192:  # the array-API path is slow: only the smaller sizes
-            inp = gqakv.inputs.validate_attention(cache, q, n_new, None, D ** -0.5)
+            inp = gqakv.core.inputs.validate_attention(cache, q, n_new, None, D ** -0.5)
             generic = timed(lambda: Backend.attention(backend, q, cache.store, inp, inp.params,
                                                       return_lse=False),
                             backend.synchronize, repeats=3)
@@ -167,7 +167,7 @@ def decode_bench(backend, grid, peak_tbs) -> None:
 
 def prefill_bench(backend, lens, peak_tflops) -> None:
     import gqakv
-    import gqakv.inputs
+    import gqakv.core.inputs
 
     from gqakv_backends.cupy_backend import plan
 
@@ -336,7 +336,7 @@ def quantized_check(backend, quick: bool) -> bool:
     import ml_dtypes
 
     import gqakv
-    from gqakv import quantize as Q
+    from gqakv.storage import quantize as Q
 
     sys.path.insert(0, str(ROOT / "tests"))
     from support.reference import reference_attention
@@ -413,7 +413,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import gqakv
-    import gqakv.inputs
+    import gqakv.core.inputs
 
     backend = next((b for b in gqakv.list_backends() if b.name == "cupy"), None)
     why = "the cupy backend is not registered" if backend is None else backend.unavailable_reason()

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gqakv
-from gqakv import attention as attention_module
+from gqakv.ops import attention as attention_module
 
 from .support.arrays import BackendArrays
 from .support.quantization import held
@@ -209,7 +209,7 @@ def test_blocked_online_softmax_matches_single_block(backend, arrays):
     # constants are bound as defaults, so patching them would change nothing. Score blocks
     # of 7 elements over Hkv * G * 2 = 12 query rows hold one key each, so every key after
     # the first goes through the online softmax's rescaling branch.
-    inputs = gqakv.inputs.validate_attention(cache, arrays.asarray(q, "float64"), n_new)
+    inputs = gqakv.core.inputs.validate_attention(cache, arrays.asarray(q, "float64"), n_new)
     out, lse = attention_module.attention_array_api(
         arrays.asarray(q, "float64"), cache.store, inputs, inputs.params, return_lse=True,
         score_block_elements=7, query_block=2)
@@ -283,7 +283,7 @@ def test_attention_over_the_product(case, route_spy):
     slots poisoned, against the float64 reference given the same params (float16/bfloat16
     by the same-dtype naive rule, tests/support/parity.py); each hot call ran what
     ``route()`` names and the path meant (tests/support/routes.py)."""
-    from gqakv.semantics import AttentionParams
+    from gqakv.core.semantics import AttentionParams
 
     from .support.parity import LOW_PRECISION, assert_matches_reference, low_precision_bounds
     from .support.routes import assert_product_routes

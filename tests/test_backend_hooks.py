@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 import gqakv
-from gqakv import bench, selftest
-from gqakv.backend import GENERIC, FastPath
+from gqakv.tools import bench, selftest
+from gqakv.dispatch.backend import GENERIC, FastPath
 from gqakv.distributed import rank_backend
 from gqakv_backends.numpy_backend import NumpyBackend
 

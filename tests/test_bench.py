@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gqakv import bench, cli
+from gqakv.tools import bench, cli
 
 ROOT = Path(__file__).resolve().parents[1]
 ASV_DIR = ROOT / "asv_benchmarks"

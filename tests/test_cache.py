@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv import sizing
+from gqakv.storage import sizing
 
 from .support.direct import assert_unchanged, snapshot
 
@@ -192,7 +192,7 @@ def test_attention_reads_views_of_live_length(backend, arrays, monkeypatch):
     k = _new(arrays, (2, 2, 7, 4))
     cache.append(k, k, [7, 3])
     seen = []
-    real = gqakv.store.KVStore.blocks
+    real = gqakv.storage.store.KVStore.blocks
 
     def spy(store, row, j0, j1):
         # The generic path reads the cache only through the store's blocks. Any library's
@@ -205,7 +205,7 @@ def test_attention_reads_views_of_live_length(backend, arrays, monkeypatch):
             seen.append(tuple(host_row.shape))
         return k_row, v_row
 
-    monkeypatch.setattr(gqakv.store.KVStore, "blocks", spy)
+    monkeypatch.setattr(gqakv.storage.store.KVStore, "blocks", spy)
     if type(backend).attention is not gqakv.Backend.attention:
         pytest.skip(f"{backend.name} runs its own attention kernels")
     gqakv.gqa_attention(_new(arrays, (2, 8, 2, 4)), cache, [2, 1])

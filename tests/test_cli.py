@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from gqakv import cli
+from gqakv.tools import cli
 
 SMALL = ["--batch", "2", "--prompt-lens", "5", "--steps", "1", "--heads", "4", "--kv-heads", "2",
          "--head-dim", "8", "--no-bandwidth", "--quiet"]
@@ -92,7 +92,7 @@ def test_debug_shows_the_traceback(capsys, where):
 
 def test_a_bug_keeps_its_traceback(monkeypatch):
     """Exceptions outside the user-error list (a bug) are not swallowed into one line."""
-    from gqakv import info
+    from gqakv.tools import info
 
     def broken(args):
         raise RuntimeError("a bug")
@@ -148,7 +148,7 @@ def test_generate_gguf_path_is_checked_first(capsys, argv, expected):
 def test_generate_real_model_flags_without_a_model_are_refused(capsys, monkeypatch, flags, named):
     """--prompt/--chat/--compare-cache without --model/--gguf would be ignored while the
     random-weight demo runs for minutes: refused before any weight is drawn."""
-    from gqakv.examples import generate
+    from gqakv_examples import generate
 
     drawn = []
     monkeypatch.setattr(generate, "LlamaModel", lambda *a, **k: drawn.append(1))
@@ -162,8 +162,8 @@ def test_selftest_compile_line_tells_numba_compiles_on_first_call(tmp_path):
     call and caches it on disk: the compile line says so (not "nothing to build ahead"),
     names the cache folder and whether it holds kernels yet."""
     pytest.importorskip("numba")
-    from gqakv import selftest
-    from gqakv.registry import get_backend
+    from gqakv.tools import selftest
+    from gqakv.dispatch.registry import get_backend
     from gqakv_backends.numba_backend import jit_note as _jit_note
 
     check = selftest._compile(get_backend("numba"), ["float32"], quick=True)
@@ -184,7 +184,7 @@ def test_generate_prefills_the_default_prompts_in_one_forward_call(capsys, monke
     says so. An explicit small --chunk still splits them (and the header says what it costs)."""
     import numpy as np
 
-    from gqakv.examples import llama
+    from gqakv_examples import llama
 
     calls = []
     real = llama.LlamaModel.forward

@@ -5,7 +5,7 @@ without a refusal and stored e4m3 codes, 35 and 50 distinct values where 4 bits 
 The throwaway codec ``int4test`` (registered for each test, unregistered after it):
 4-bit codes kept in int8, ``scale = max|x| / 7`` per token, codes
 ``round_half_to_even(x / scale)`` clipped to [-7, 7]; the zero / non-finite rules of
-``gqakv.quantize``. Checked on every CPU backend that runs here (numpy, numba, torch,
+``gqakv.storage.quantize``. Checked on every CPU backend that runs here (numpy, numba, torch,
 array-api-strict), contiguous and paged:
 
 - ``route('attention' / 'write_kv' / 'copy_tokens', kv_dtype='int4test', storage=...)``
@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv import codecs
-from gqakv.backend import GENERIC, HOT_OPS
+from gqakv.storage import codecs
+from gqakv.dispatch.backend import GENERIC, HOT_OPS
 
 from .support.reference import reference_attention
 from .support.routes import assert_product_routes

@@ -337,7 +337,7 @@ def test_two_threads_racing_to_open_a_step(fast_switching):
             return run
 
         run_threads([opener(0), opener(1)])
-        steps = [r for r in results if isinstance(r, gqakv.model_cache.Step)]
+        steps = [r for r in results if isinstance(r, gqakv.caches.model_cache.Step)]
         errors = [r for r in results if isinstance(r, RuntimeError)]
         assert len(steps) == 1 and len(errors) == 1, f"trial {trial}: {results}"
         assert "a step is open" in str(errors[0])

@@ -305,7 +305,7 @@ def _covers_everything_else(route, implementations):
 
 
 def test_route_float64_is_generic_with_a_reason_for_every_kernel():
-    from gqakv.backend import GENERIC
+    from gqakv.dispatch.backend import GENERIC
 
     for t_q in (1, 9):
         r = _route("attention", dtype="float64", head_dim=128, t_q=t_q, capability=90)
@@ -329,7 +329,7 @@ def test_route_float64_is_generic_with_a_reason_for_every_kernel():
 def test_route_decode_by_device_capability():
     """bf16, d = 128, T = 1: the tensor-core decode on a 9.0 device; on 7.5 the FMA decode,
     with the mma kernel's rejection naming the capability."""
-    from gqakv.backend import GENERIC
+    from gqakv.dispatch.backend import GENERIC
 
     r = _route("attention", dtype="bfloat16", head_dim=128, t_q=1, capability=90)
     assert r.impl == "gqakv_decode_mma"
@@ -353,7 +353,7 @@ def test_route_decode_by_device_capability():
 
 
 def test_route_layout_and_grid_facts_make_the_call_generic():
-    from gqakv.backend import GENERIC
+    from gqakv.dispatch.backend import GENERIC
 
     r = _route("attention", dtype="float16", head_dim=64, t_q=1, layout="K and V strided differently")
     assert r.impl == GENERIC
@@ -386,7 +386,7 @@ def test_route_agrees_with_the_planner():
 
 
 def test_route_refuses_unknown_operations_and_facts():
-    from gqakv.backend import GENERIC, Backend
+    from gqakv.dispatch.backend import GENERIC, Backend
 
     with pytest.raises(ValueError, match=r"op='prefill' \(routed operations: write_kv, copy_tokens, attention\)"):
         _route("prefill", dtype="float32", head_dim=64)
@@ -561,7 +561,7 @@ def test_no_site_keeps_its_own_copy_of_a_limit():
 def test_info_lists_the_kernels_and_their_limits(capsys):
     import json
 
-    from gqakv import cli
+    from gqakv.tools import cli
 
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out

@@ -164,14 +164,14 @@ def test_backend_glue_on_the_emulator(emulated_backend):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
 def test_row_ops_through_copy_tokens_on_the_emulator(emulated_backend, dtype):
-    """gqakv.row_ops.reorder (a permutation cycle through the temporary, duplicates) and fork
+    """gqakv.ops.row_ops.reorder (a permutation cycle through the temporary, duplicates) and fork
     through CupyBackend.copy_tokens: one fused launch per wave for bfloat16, the generic
     slice copies for float64 (no kernel); live prefixes compared bit for bit with a model."""
     import numpy as np
 
-    from gqakv import row_ops
-    from gqakv.cache import Lengths
-    from gqakv.store import KVStore
+    from gqakv.ops import row_ops
+    from gqakv.caches.cache import Lengths
+    from gqakv.storage.store import KVStore
 
     backend = emulated_backend
     rng = np.random.default_rng(1)
@@ -320,7 +320,7 @@ def test_calls_run_what_their_route_names(monkeypatch):
     result is still checked against the fused one's)."""
     import numpy as np
 
-    from gqakv.backend import GENERIC
+    from gqakv.dispatch.backend import GENERIC
     from gqakv_backends import cupy_backend
 
     from .cuda_emu.emulated_backend import EmulatedCupyBackend, EmulatedDevice

@@ -461,7 +461,7 @@ def test_paged_kernels_under_address_sanitizer():
 def test_selftest_paged_lines_run_the_paged_kernels(monkeypatch, page_size):
     """``gqakv selftest --backend cupy``'s paged lines reach the paged kernels (here on the
     emulated backend, quick, at d = 64 where the emulation library has them) and pass."""
-    from gqakv import selftest
+    from gqakv.tools import selftest
 
     monkeypatch.setitem(selftest.HEAD_DIMS, True, (64,))
     be, names = _backend()

@@ -24,7 +24,7 @@ import types
 import numpy as np
 import pytest
 
-from gqakv import semantics
+from gqakv.core import semantics
 
 from .cuda_emu import cases, harness
 from .support.reference import reference_attention

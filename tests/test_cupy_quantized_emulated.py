@@ -3,7 +3,7 @@ emulator (tests/cuda_emu), through CupyBackend itself (only allocation and launc
 substituted).
 
 * the quantizing append (gqakv_write_kv_quantized) stores codes and scales bit for bit
-  equal to ``gqakv.quantize.quantize`` on hard tokens: all-zero and negative-zero tokens,
+  equal to ``gqakv.storage.quantize.quantize`` on hard tokens: all-zero and negative-zero tokens,
   huge (1e30, near the float32 maximum), tiny and subnormal ones, a scale that underflows
   to 0, NaN / inf tokens, int8 ties (x.5 at scale 1) and every e4m3 value, midpoint and
   neighbour of a midpoint (at scale 1), in float32, float16 and bfloat16 inputs;
@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv import quantize as Q
-from gqakv.backend import Backend
+from gqakv.storage import quantize as Q
+from gqakv.dispatch.backend import Backend
 
 from .cuda_emu import harness
 from .support.reference import reference_attention
@@ -234,7 +234,7 @@ def test_routes_for_quantized_caches(backend):
     reasons."""
     from types import SimpleNamespace
 
-    from gqakv.backend import GENERIC
+    from gqakv.dispatch.backend import GENERIC
     from gqakv_backends.cupy_backend import _store_rejection
 
     for t_q, fma, mma in ((1, "gqakv_decode", "gqakv_decode_mma"), (64, "gqakv_prefill", "gqakv_prefill_mma")):

@@ -38,10 +38,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gqakv import sizing
-from gqakv.cli import main as cli_main
+from gqakv.storage import sizing
+from gqakv.tools.cli import main as cli_main
 from gqakv.distributed import HeadShard, even_slice
-from gqakv.examples.llama import TINY, LlamaModel, generate
+from gqakv_examples.llama import TINY, LlamaModel, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 F64_ATOL = 1e-10
@@ -95,7 +95,7 @@ def _snapshot(cache):
 def _failure_checks(tp, group, model, out, cache_options):
     """Fail on one rank mid-step and at the end of the step; record what every rank saw."""
     from gqakv import distributed
-    from gqakv.model_cache import Step
+    from gqakv.caches.model_cache import Step
 
     cache = model.new_cache(len(PROMPTS), 16, **cache_options)
     first = np.array([[p[0], p[1] if len(p) > 1 else 0] for p in PROMPTS])

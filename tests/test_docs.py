@@ -87,7 +87,7 @@ def test_sphinx_build_has_no_warnings(tmp_path):
     assert not undocumented, f"public names without a docstring: {undocumented}"
     for name in ("cache_bytes", "paged_cache_bytes", "max_batch", "max_len_for", "parse_bytes",
                  "tensor_parallel_traffic", "TensorParallelTraffic", "ModelConfig.per_device"):
-        assert f"gqakv.sizing.{name}" in names
+        assert f"gqakv.storage.sizing.{name}" in names
     for name in ("reorder", "fork", "truncate", "reset", "append", "live_kv"):
         assert f"gqakv.KVCache.{name}" in names
     from gqakv import distributed

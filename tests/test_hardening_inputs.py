@@ -5,7 +5,7 @@ unchecked or break a fast path.
   transposed output or a batch-1 lse) and name the argument of every rejection;
 - numba's append takes any strided or read-only ``k_new`` / ``v_new``, in any mix, and
   writes exactly the bits the NumPy backend writes, on every storage kind;
-- a ``scale`` past ``gqakv.inputs.SCALE_MAX`` is refused before anything runs;
+- a ``scale`` past ``gqakv.core.inputs.SCALE_MAX`` is refused before anything runs;
 - ``cache.lens`` / ``host_lens`` hand each caller a copy (NumPy: an immutable one), so
   nothing a caller does to it moves the cache's lengths or what the next caller reads;
 - ``HeadShard.plan`` range-checks its ints.
@@ -20,7 +20,7 @@ import pytest
 
 import gqakv
 from gqakv.distributed import HeadShard
-from gqakv.merge import apply_sinks, merge_attention
+from gqakv.ops.merge import apply_sinks, merge_attention
 
 from .support.reference import reference_attention
 
@@ -155,12 +155,12 @@ def test_head_shard_plan_takes_numpy_ints_and_the_largest_counts():
 
 # -- defect 7: the scale's range --------------------------------------------------------------
 
-#: The documented bound (``gqakv.inputs.SCALE_MAX``), spelled out so that a change to it is seen.
+#: The documented bound (``gqakv.core.inputs.SCALE_MAX``), spelled out so that a change to it is seen.
 SCALE_MAX = 1e38
 
 
 def test_the_scale_bound_is_the_documented_one():
-    from gqakv import inputs
+    from gqakv.core import inputs
 
     assert inputs.SCALE_MAX == SCALE_MAX
 

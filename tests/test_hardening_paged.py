@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv.store import KVStore
+from gqakv.storage.store import KVStore
 
 from .support.pages import audit
 from .support.reference import reference_attention

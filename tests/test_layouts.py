@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv.layouts import LAYOUTS, store_class
-from gqakv.paged import PagedStore, PageTableView
-from gqakv.store import KVStore
+from gqakv.storage.layouts import LAYOUTS, store_class
+from gqakv.storage.paged import PagedStore, PageTableView
+from gqakv.storage.store import KVStore
 
 
 def test_layout_names_give_their_store_classes_and_refuse_unknown_ones():

@@ -57,7 +57,7 @@ def _round(arrays, x, dtype):
 
 
 def _check_parity(out, q, k_rows, v_rows, n_new, dtype, arrays, what):
-    assert gqakv.dtypes.canonical_name(out.dtype) == dtype  # out in q's dtype
+    assert gqakv.core.dtypes.canonical_name(out.dtype) == dtype  # out in q's dtype
     got = arrays.to_numpy(out)
     want, _ = reference_attention(q, k_rows, v_rows, n_new)
     naive = naive_attention(q, k_rows, v_rows, n_new, dtype)
@@ -127,7 +127,7 @@ def test_single_cache_low_precision_parity_and_lse(dtype, backend, arrays):
     v_rows = [v[b, :, :n_new[b]] for b in range(B)]
     _check_parity(out, q, k_rows, v_rows, n_new, dtype, arrays, "prefill")
     _, want_lse = reference_attention(q, k_rows, v_rows, n_new)
-    assert gqakv.dtypes.canonical_name(lse.dtype) == "float32"  # accumulated in float32
+    assert gqakv.core.dtypes.canonical_name(lse.dtype) == "float32"  # accumulated in float32
     got_lse = arrays.to_numpy(lse)
     live = np.isfinite(want_lse)
     np.testing.assert_array_equal(np.isfinite(got_lse), live)
@@ -151,8 +151,8 @@ def test_dtype_names_are_the_same_from_every_library_and_every_call():
              (torch.float64, "float64"), (array_api_strict.float32, "float32"), ("float16", "float16")]
     for _ in range(2):  # the second pass reads the kept names
         for dtype, name in cases:
-            assert gqakv.dtypes.canonical_name(dtype) == name
+            assert gqakv.core.dtypes.canonical_name(dtype) == name
     for bad in (np.int64, np.dtype("int32"), torch.int8, "f4"):
         for _ in range(2):
             with pytest.raises(TypeError, match="not supported by gqakv"):
-                gqakv.dtypes.canonical_name(bad)
+                gqakv.core.dtypes.canonical_name(bad)

@@ -270,11 +270,11 @@ def test_emulated_split_decode_keeps_a_nan_query_nan(dtype, d):
 
 
 def test_softmax_state_with_fully_masked_blocks(backend, arrays):
-    """gqakv.merge.SoftmaxState: a key block that masks every key of some query (as a
+    """gqakv.ops.merge.SoftmaxState: a key block that masks every key of some query (as a
     window or a key piece will) leaves that query's state empty instead of NaN; blocks in
     either order, and states merged with an empty one, give the plain softmax; a query
     that saw no key at all gives out 0 and lse -inf."""
-    from gqakv.merge import SoftmaxState
+    from gqakv.ops.merge import SoftmaxState
 
     xp = backend.namespace()
     rng = np.random.default_rng(5)
@@ -351,7 +351,7 @@ SINK_CASES = [
 def test_apply_sinks_table(backend, arrays, dtype):
     """apply_sinks on every case at once (heads of one query): the sink's share of the
     denominator, -inf sinks and unseen queries untouched, NaN never hidden."""
-    from gqakv.merge import apply_sinks
+    from gqakv.ops.merge import apply_sinks
 
     if dtype not in backend.dtypes:
         pytest.skip(f"backend {backend.name} has no {dtype}")
@@ -370,7 +370,7 @@ def test_apply_sinks_table(backend, arrays, dtype):
 def test_apply_sinks_random_matches_the_definition(backend, arrays):
     """[B, Hq, T, d] partial results with random lse and sinks (some -inf, some queries
     unseen): out * e^lse / (e^lse + e^sink) and log(e^lse + e^sink) in float64."""
-    from gqakv.merge import apply_sinks
+    from gqakv.ops.merge import apply_sinks
 
     rng = np.random.default_rng(4)
     B, hq, T, d = 2, 5, 3, 4
@@ -399,7 +399,7 @@ def test_apply_sinks_random_matches_the_definition(backend, arrays):
 def test_apply_sinks_refuses_sinks_not_one_per_head(backend, arrays, sinks_shape):
     """sinks must be [Hq]: a length-1 array is not broadcast to every head, a 2-D one is
     named, not left to a broadcasting error."""
-    from gqakv.merge import apply_sinks
+    from gqakv.ops.merge import apply_sinks
 
     out = arrays.asarray(np.ones((2, 4, 3, 8), np.float32))
     lse = arrays.asarray(np.zeros((2, 4, 3), np.float32))

@@ -16,8 +16,8 @@ import math
 import numpy as np
 import pytest
 
-from gqakv.cli import main as cli_main
-from gqakv.examples.llama import (
+from gqakv.tools.cli import main as cli_main
+from gqakv_examples.llama import (
     TINY,
     LlamaModel,
     causal_attention,

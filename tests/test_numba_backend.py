@@ -27,7 +27,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 from gqakv_backends import numba_kernels as nk  # noqa: E402
 from gqakv_backends.numba_backend import NumbaBackend, attention_numba, default_workers  # noqa: E402
 
-from gqakv.semantics import AttentionParams, key_range  # noqa: E402
+from gqakv.core.semantics import AttentionParams, key_range  # noqa: E402
 
 from .support.reference import reference_attention, reference_on_buffers  # noqa: E402
 from .support.variants import random_variant  # noqa: E402

@@ -31,8 +31,8 @@ from gqakv_backends import numba_kernels as nk  # noqa: E402
 from gqakv_backends.numba_backend import (KERNEL_MAX_QUERIES, NumbaBackend, attention_numba,  # noqa: E402
                                          kernel_layout)
 
-from gqakv.inputs import validate_attention  # noqa: E402
-from gqakv.semantics import AttentionParams  # noqa: E402
+from gqakv.core.inputs import validate_attention  # noqa: E402
+from gqakv.core.semantics import AttentionParams  # noqa: E402
 
 from .support.quantization import hard_tokens, held  # noqa: E402
 from .support.reference import reference_on_buffers  # noqa: E402

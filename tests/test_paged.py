@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv.paged import GATHER_KEYS, OutOfPages, PagedStore, pages_for
+from gqakv.storage.paged import GATHER_KEYS, OutOfPages, PagedStore, pages_for
 
 from .support.arrays import BackendArrays
 from .support.direct import Direct
@@ -107,8 +107,8 @@ def test_generic_path_walks_pages(backend, arrays, monkeypatch, page_size, lengt
     """The generic path (every backend's arrays) walks a paged row in key blocks that end
     at page boundaries and never hold more than GATHER_KEYS keys (a bounded gather of
     small pages) or one page (pages of GATHER_KEYS keys or more: views), never the row."""
-    from gqakv.attention import attention_array_api
-    from gqakv.inputs import validate_attention
+    from gqakv.ops.attention import attention_array_api
+    from gqakv.core.inputs import validate_attention
 
     if "float32" not in backend.dtypes:
         pytest.skip(f"{backend.name} has no float32")
@@ -414,7 +414,7 @@ def test_memory_target_rows_of_100_and_100000():
     """The founding notes' case: rows of 100 and 100,000 tokens, max_len 131,072. The paged
     cache holds the live tokens rounded up to pages plus under 2% of metadata; the
     contiguous cache reserves 2 x 131,072 token slots."""
-    from gqakv import sizing
+    from gqakv.storage import sizing
 
     for P in (16, 256):
         p = sizing.paged_cache_bytes("llama-3.1-8b", [100, 100_000], max_len=131_072, page_size=P)
@@ -435,7 +435,7 @@ def test_memory_target_rows_of_100_and_100000():
 
 
 def test_size_command_prints_paged_and_contiguous(capsys):
-    from gqakv import cli
+    from gqakv.tools import cli
 
     assert cli.main(["size", "llama-3.1-8b", "--max-len", "131072", "--rows", "100,100000"]) == 0
     out = capsys.readouterr().out
@@ -449,7 +449,7 @@ def test_size_command_prints_paged_and_contiguous(capsys):
 def test_bench_on_a_paged_cache(capsys):
     import json
 
-    from gqakv import cli
+    from gqakv.tools import cli
 
     argv = ["bench", "--backend", "numpy", "--batch", "3", "--prompt-lens", "5,9,5", "--chunk", "4",
             "--steps", "3", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
@@ -481,7 +481,7 @@ def test_numpy_paged_kernel_matches_contiguous(dtype, page_size, monkeypatch):
     cache with the same tokens."""
     from gqakv_backends import numpy_readers
     from gqakv_backends.numpy_attention import attention_numpy, attention_store
-    from gqakv.inputs import validate_attention
+    from gqakv.core.inputs import validate_attention
 
     monkeypatch.setattr(numpy_readers, "GATHER_ELEMENTS", 4 * 8 * 8)  # a few pages per gather
     rng = np.random.default_rng(page_size)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv.paged import pages_for
+from gqakv.storage.paged import pages_for
 
 from .support.reference import reference_attention
 
@@ -263,7 +263,8 @@ def test_bad_input_raises_and_changes_nothing(backend, arrays):
 def test_paged_sizing_counts_the_scales(kv_dtype, capsys):
     """paged_cache_bytes with a kv_dtype: each page slot holds its token's codes and two
     float32 scales per KV head and layer; the allocated quantized PagedKVCache agrees."""
-    from gqakv import cli, sizing
+    from gqakv.tools import cli
+    from gqakv.storage import sizing
 
     lens, P = [100, 100_000], 16
     p = sizing.paged_cache_bytes("llama-3.1-8b", lens, max_len=131_072, page_size=P,

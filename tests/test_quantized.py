@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gqakv import quantize as Q
+from gqakv.storage import quantize as Q
 
 from .support.quantization import dequantized, hard_tokens, reference_quantize
 from .support.tolerance import max_error, round_to
@@ -139,10 +139,10 @@ def test_nonfinite_and_tiny_tokens(ns, kv_dtype):
 import math  # noqa: E402
 
 import gqakv  # noqa: E402
-from gqakv import store as store_module  # noqa: E402
+from gqakv.storage import store as store_module  # noqa: E402
 
-from gqakv.attention import attention_array_api  # noqa: E402
-from gqakv.inputs import validate_attention  # noqa: E402
+from gqakv.ops.attention import attention_array_api  # noqa: E402
+from gqakv.core.inputs import validate_attention  # noqa: E402
 
 from .support.arrays import BackendArrays  # noqa: E402
 from .support.reference import reference_attention  # noqa: E402
@@ -449,8 +449,8 @@ def test_bad_append_changes_nothing(kv_dtype):
 
 
 def test_sizing_counts_scales(capsys):
-    from gqakv import sizing
-    from gqakv.cli import main
+    from gqakv.storage import sizing
+    from gqakv.tools.cli import main
 
     cfg = sizing.get_preset("llama-3.1-8b")
     assert cfg.bytes_per_token("bfloat16") == 131_072
@@ -476,7 +476,7 @@ def test_numpy_quantized_path_under_every_split(kv_dtype, split, page_size, monk
     each block, over contiguous rows or pages) under forced splits, tiny blocks and
     gathers of a few pages, against the reference on the dequantized values; the numpy
     backend routes a quantized cache, contiguous or paged, to it."""
-    from gqakv.inputs import validate_attention
+    from gqakv.core.inputs import validate_attention
     from gqakv_backends import numpy_readers
     from gqakv_backends.numpy_attention import attention_store as attention_numpy_quantized
 

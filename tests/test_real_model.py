@@ -23,8 +23,8 @@ import os
 import numpy as np
 import pytest
 
-from gqakv.cli import main as cli_main
-from gqakv.examples.gguf import (
+from gqakv.tools.cli import main as cli_main
+from gqakv_examples.gguf import (
     MODELS,
     GGUFLlamaModel,
     ModelNotInstalled,
@@ -32,7 +32,7 @@ from gqakv.examples.gguf import (
     read_checkpoint,
     unpermute_qk,
 )
-from gqakv.examples.llama import TINY, LlamaModel, generate
+from gqakv_examples.llama import TINY, LlamaModel, generate
 
 try:
     SMOLLM2, _MISSING = model_path("smollm2-135m"), None
@@ -231,7 +231,7 @@ def _corpus(n=300, seed=0) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tokenizer(checkpoint):
-    from gqakv.examples.tokenizer import GGUFTokenizer
+    from gqakv_examples.tokenizer import GGUFTokenizer
 
     return GGUFTokenizer.from_reader(checkpoint.reader)
 
@@ -290,7 +290,7 @@ def test_generate_command_without_torch():
 
     _need_model()
     code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
-            "from gqakv.cli import main\n"
+            "from gqakv.tools.cli import main\n"
             "rc = main(['generate', '--model', 'smollm2-135m', '--backend', 'numpy', '--new-tokens', '3'])\n"
             "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m]), 'torch'\n"
             "sys.exit(rc)\n")
@@ -305,7 +305,7 @@ def test_generate_command_without_torch():
 def test_generate_command_ragged_batch(checkpoint, monkeypatch, capsys):
     """Several --prompt: one ragged batch (prompts of 5, 4 and 1 tokens), every row printed.
     (Batch rows equal to each prompt alone: test_float32_ragged_batch_greedy.)"""
-    import gqakv.examples.gguf as gguf_module
+    import gqakv_examples.gguf as gguf_module
 
     monkeypatch.setattr(gguf_module, "read_checkpoint", lambda path: checkpoint)  # read once per module
     argv = ["generate", "--model", "smollm2-135m", "--backend", "numpy", "--new-tokens", "6", "--chunk", "2",
@@ -321,7 +321,7 @@ def test_generate_command_chat_prints_the_reply_not_the_template(checkpoint, mon
     """--chat: the model reads the file's chat template (system turn, special tokens), but
     what is printed is the user's prompt and the reply, without the template's tokens."""
     pytest.importorskip("jinja2", reason="jinja2 not installed (pip install 'gqakv[gguf]')")
-    import gqakv.examples.gguf as gguf_module
+    import gqakv_examples.gguf as gguf_module
 
     monkeypatch.setattr(gguf_module, "read_checkpoint", lambda path: checkpoint)
     base = ["generate", "--model", "smollm2-135m", "--backend", "numpy", "--new-tokens", "10", "--chat"]
@@ -385,7 +385,7 @@ def test_float32_ragged_batch_greedy_matches_sdpa(checkpoint, left_padded, sdpa_
     then token-by-token decode): 64 greedy tokens per row identical to transformers sdpa's on the
     left-padded batch. (Token agreement is meaningful here: on these prompts float64's smallest
     top-2 logit margin is 5e-3, far above float32's logit error of ~1e-5.)"""
-    from gqakv.examples.real_model import generate_text
+    from gqakv_examples.real_model import generate_text
 
     prompts, ids, _ = left_padded
     model = GGUFLlamaModel(checkpoint, dtype="float32", backend="numpy")
@@ -453,9 +453,9 @@ def test_compare_cache_tool(checkpoint, monkeypatch, capsys):
     dtypes are reported against the same float32 run."""
     import re
 
-    import gqakv.examples.gguf as gguf_module
-    from gqakv.examples.real_model import COMPARE_PARAGRAPH
-    from gqakv.examples.tokenizer import GGUFTokenizer
+    import gqakv_examples.gguf as gguf_module
+    from gqakv_examples.real_model import COMPARE_PARAGRAPH
+    from gqakv_examples.tokenizer import GGUFTokenizer
 
     monkeypatch.setattr(gguf_module, "read_checkpoint", lambda path: checkpoint)
     assert cli_main(["generate", "--model", "smollm2-135m", "--backend", "numpy", "--compare-cache", "int8",
@@ -480,7 +480,7 @@ def test_decode_blas_threads_same_tokens_and_restored(checkpoint):
     during decode only: the same greedy tokens as BLAS left alone, and BLAS's thread count
     restored afterwards."""
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    from gqakv.examples.real_model import generate_text
+    from gqakv_examples.real_model import generate_text
 
     def blas_threads():
         return [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]

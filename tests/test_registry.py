@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv import registry
-from gqakv.backend import Backend
+from gqakv.dispatch import registry
+from gqakv.dispatch.backend import Backend
 
 
 class FakeBackend(Backend):
@@ -240,7 +240,7 @@ def test_route_names_what_runs_for_every_storage_and_chunk(backend, storage, rou
 def test_cpu_routes_check_their_facts(name):
     """numpy and numba ``route`` know their facts (an unknown one is named) and say why
     each other path was not taken."""
-    from gqakv.backend import GENERIC
+    from gqakv.dispatch.backend import GENERIC
 
     backend = next(b for b in gqakv.list_backends() if b.name == name)
     if backend.unavailable_reason():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv import row_ops
+from gqakv.ops import row_ops
 
 from .support.direct import assert_matches, assert_unchanged, fill_rows, make_cache, snapshot
 

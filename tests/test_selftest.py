@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv import cli, selftest
-from gqakv.reference import naive_low_precision, reference_attention
+from gqakv.tools import cli, selftest
+from gqakv.ops.reference import naive_low_precision, reference_attention
 from gqakv_backends.numpy_backend import NumpyBackend
 
 from .support.reference import reference_attention as loop_reference
@@ -171,8 +171,8 @@ def test_a_broken_dequantization_fails_only_the_quantized_lines(capsys, monkeypa
 
 def test_a_broken_quantizing_append_fails_the_quantized_lines(capsys, monkeypatch):
     """Appends storing every token with scale x 1.01 (contiguous and paged stores both
-    quantize through gqakv.quantize): the buffer checks catch it."""
-    from gqakv import quantize
+    quantize through gqakv.storage.quantize): the buffer checks catch it."""
+    from gqakv.storage import quantize
 
     original = quantize.quantize
 
@@ -189,8 +189,8 @@ def test_a_broken_quantizing_append_fails_the_quantized_lines(capsys, monkeypatc
 def test_a_broken_paged_dequantization_fails_only_the_paged_int8_line(capsys, monkeypatch):
     """Quantized pages read with each token's scale taken from its neighbour (the generic
     path and live_kv both read through PagedStore._page_view)."""
-    from gqakv import quantize
-    from gqakv.paged import PagedStore
+    from gqakv.storage import quantize
+    from gqakv.storage.paged import PagedStore
 
     original = PagedStore._page_view
 
@@ -222,7 +222,7 @@ class _ProbeBackend(NumpyBackend):
     dtypes = ("float32", "bfloat16")
 
     def not_supported_reasons(self, *, dtype=None, head_dim=None):
-        if dtype is not None and gqakv.dtypes.canonical_name(dtype) == "bfloat16":
+        if dtype is not None and gqakv.core.dtypes.canonical_name(dtype) == "bfloat16":
             return ["dtype=bfloat16 (the probe refuses it)"]
         return super().not_supported_reasons(dtype=dtype, head_dim=head_dim)
 
@@ -301,7 +301,7 @@ def test_an_attention_ignoring_the_variant_fails_only_the_variants_line(capsys, 
                                      dict(window=2, softcap=4.0, sinks=[1.0] * 6)],
                          ids=["w1", "w3+softcap", "softcap+sinks", "all"])
 def test_references_agree_on_the_variants(variant):
-    """gqakv.reference (key rule from gqakv.semantics, vectorized over keys) against the
+    """gqakv.ops.reference (key rule from gqakv.core.semantics, vectorized over keys) against the
     suite's loop reference, and the naive low-precision yardstick close to both."""
     rng = np.random.default_rng(1)
     Hq, Hkv, d, T = 6, 2, 8, 4

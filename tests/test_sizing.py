@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv import sizing
-from gqakv.cli import main
+from gqakv.storage import sizing
+from gqakv.tools.cli import main
 
 # (layers, query heads, KV heads, head dim) as each model's published config.json gives them.
 PUBLISHED = {

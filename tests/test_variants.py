@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv.merge import apply_sinks, merge_attention
-from gqakv.semantics import AttentionParams
+from gqakv.ops.merge import apply_sinks, merge_attention
+from gqakv.core.semantics import AttentionParams
 
 from .support.product import Case
 from .support.arrays import BackendArrays
@@ -487,7 +487,7 @@ def test_bad_variant_values_are_named_and_change_nothing(kw, error, words):
 def test_good_variant_values_are_normalized():
     """Accepted forms: NumPy ints for window, ints for softcap, sinks from a list, NumPy
     (any real dtype) or torch; sinks are held as float32-rounded Python floats."""
-    from gqakv.inputs import check_sinks, check_softcap, check_window
+    from gqakv.core.inputs import check_sinks, check_softcap, check_window
 
     assert check_window(np.int32(4)) == 4 and type(check_window(np.int64(1))) is int
     assert check_softcap(3) == 3.0 and type(check_softcap(np.float32(0.5))) is float
@@ -519,8 +519,8 @@ def test_generic_path_blocks_masked_whole(backend, score_block_elements, query_b
     """The generic array-API path with tiny key and query blocks (5 keys; 1 key): with a window, whole
     key blocks are masked for some queries of a block (and some query blocks see only
     part of the row); the online softmax stays exact, sinks join once at the end."""
-    from gqakv.attention import attention_array_api
-    from gqakv.inputs import validate_attention
+    from gqakv.ops.attention import attention_array_api
+    from gqakv.core.inputs import validate_attention
 
     dtype = "float64" if "float64" in backend.dtypes else "float32"
     arrays = BackendArrays(backend)

@@ -227,7 +227,7 @@ class VsTorch:
     def setup(self, case):
         self.backend = backend_or_skip("numpy")
         torch_or_skip()
-        from gqakv import bench
+        from .common import bench  # the commit's bench module, wherever it lives
 
         B, L, T = self.CASES[case]
         self.cache = filled_cache(self.backend, [L] * B)
@@ -247,7 +247,7 @@ class VsOnnxRuntime:
     ``com.microsoft.GroupQueryAttention`` (CPU provider, past and present sharing one
     buffer, as many threads) from the same state, calls interleaved (issue 11: below 1,
     gqakv is faster). ``setup`` first checks that both compute the same step
-    (``gqakv.bench.compare_onnxruntime``). Skipped, saying so, without onnxruntime."""
+    (``gqakv.tools.bench.compare_onnxruntime``). Skipped, saying so, without onnxruntime."""
 
     CASES = {s: _sizes(s) for s in DECODE_SIZES}  # case -> (batch, live length)
     params = [list(CASES), ["float32", "float16"]]
@@ -257,10 +257,10 @@ class VsOnnxRuntime:
     def setup(self, case, dtype):
         name = "numba" if "numba" in BACKENDS else "numpy"
         self.backend = backend_or_skip(name)
-        from gqakv import bench
+        from .common import bench  # the commit's bench module, wherever it lives
 
         if not hasattr(bench, "onnxruntime_gqa"):
-            raise NotImplementedError("gqakv.bench.onnxruntime_gqa does not exist in this commit (added later)")
+            raise NotImplementedError("gqakv.tools.bench.onnxruntime_gqa does not exist in this commit (added later)")
         try:
             bench.import_onnxruntime()
         except ImportError as exc:

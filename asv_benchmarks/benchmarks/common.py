@@ -27,9 +27,12 @@ import numpy as np
 import gqakv
 
 try:
-    from gqakv import bench
-except ImportError:  # commits before `gqakv bench`
-    bench = None
+    from gqakv.tools import bench
+except ImportError:
+    try:  # commits before the layered package (gqakv/tools/)
+        from gqakv import bench
+    except ImportError:  # commits before `gqakv bench`
+        bench = None
 
 try:  # raised in a benchmark method, asv records "skipped" for that method only
     from asv_runner.benchmarks.mark import SkipNotImplemented
@@ -61,7 +64,7 @@ def backend_or_skip(name: str):
         raise NotImplementedError(f"{name}: benchmarked only with GQAKV_ASV_FULL=1 (the generic array-API path)")
     require(gqakv, "get_backend", "KVCache", "gqa_attention")
     if bench is None:
-        raise NotImplementedError("gqakv.bench does not exist in this commit (added later)")
+        raise NotImplementedError("gqakv.tools.bench does not exist in this commit (added later)")
     try:
         backend = gqakv.get_backend(name)
     except Exception as exc:
@@ -78,7 +81,7 @@ def torch_or_skip():
         raise NotImplementedError("torch is not installed in this environment (asv.conf.json's matrix "
                                   "installs torch==2.13.0 CPU; with --python=same: pip install torch==2.13.0)") from None
     if bench is None or not hasattr(bench, "torch_sdpa"):
-        raise NotImplementedError("gqakv.bench.torch_sdpa does not exist in this commit (added later)")
+        raise NotImplementedError("gqakv.tools.bench.torch_sdpa does not exist in this commit (added later)")
     return torch
 
 
@@ -138,14 +141,14 @@ def read_bandwidth() -> float:
     """The machine's best measured streaming read bandwidth, bytes/s (once per process)."""
     global _bandwidth
     if _bandwidth is None:
-        require(bench, "read_bandwidth", what="gqakv.bench")
+        require(bench, "read_bandwidth", what="gqakv.tools.bench")
         _bandwidth = bench.read_bandwidth()["best"]
     return _bandwidth
 
 
 def reader(nbytes: int):
     """A call that streams ``nbytes`` from memory as fast as this machine reads: BLAS's threaded
-    matrix-vector product over a ``[n, 128]`` float32 matrix (gqakv.bench's best reader)."""
+    matrix-vector product over a ``[n, 128]`` float32 matrix (gqakv.tools.bench's best reader)."""
     matrix = np.ones((max(1, nbytes // 512), 128), dtype=np.float32)
     x = np.ones(128, dtype=np.float32)
     return lambda: matrix @ x

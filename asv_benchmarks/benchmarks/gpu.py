@@ -18,9 +18,9 @@ import os
 import numpy as np
 
 import gqakv
-from gqakv import bench
-from gqakv.backend import Backend
-from gqakv.inputs import validate_attention
+from gqakv.tools import bench
+from gqakv.dispatch.backend import Backend
+from gqakv.core.inputs import validate_attention
 
 from .common import D, HKV, HQ, backend_or_skip, best_seconds, filled_cache, queries, ratio
 

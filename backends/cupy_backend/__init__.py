@@ -11,11 +11,11 @@
   and larger head dims use the generic array-API code on CuPy arrays (still correct, not fused).
 * Paged caches (``gqakv.PagedKVCache``): the append and every attention kernel have a paged
   instantiation that reads or writes K/V through the page table (kernels/paged_kv.cuh),
-  uploaded with the call; pages are taken on the host (``gqakv.paged.reserve``) and the
+  uploaded with the call; pages are taken on the host (``gqakv.storage.paged.reserve``) and the
   copy on write of a shared last page is a ``copy_tokens`` over the pool's pages as rows.
   Quantized pages stay on the generic path (the kernels read unquantized K/V).
 * Quantized caches (``kv_dtype`` int8 / float8_e4m3fn, contiguous): the append quantizes
-  on the device (gqakv_write_kv_quantized, gqakv.quantize's rule bit for bit), copies
+  on the device (gqakv_write_kv_quantized, gqakv.storage.quantize's rule bit for bit), copies
   carry the scales, and the fp32-FMA decode / prefill kernels read codes and scales
   through the QuantizedKV reader (kernels/quantized_kv.cuh: code x scale in registers or
   per key-tile row as read, never a dequantized row); paged + quantized storage takes the
@@ -51,9 +51,9 @@ from typing import cast
 
 import numpy as np
 
-from gqakv.backend import GENERIC, Backend, FastPath, Route
-from gqakv.codecs import PLAIN_NAME
-from gqakv.store import CONTIGUOUS, PAGED
+from gqakv.dispatch.backend import GENERIC, Backend, FastPath, Route
+from gqakv.storage.codecs import PLAIN_NAME
+from gqakv.storage.store import CONTIGUOUS, PAGED
 
 from . import plan as _plan
 from . import limits, routing
@@ -143,7 +143,7 @@ class CupyBackend(Backend):
     def implementations(self) -> dict[str, str]:
         return routing.implementations()
 
-    # -- hooks for the tools (gqakv.backend.Backend) ----------------------------------------
+    # -- hooks for the tools (gqakv.dispatch.backend.Backend) ----------------------------------------
 
     def compile_kernels(self, dtypes, head_dims) -> list[str]:
         """The instantiation table's plain-causal entries at these dtypes and head dims,
@@ -485,7 +485,7 @@ def _probe() -> str | None:
 
 
 def _canonical(dtype) -> str:
-    from gqakv.dtypes import canonical_name
+    from gqakv.core.dtypes import canonical_name
 
     return canonical_name(dtype)
 

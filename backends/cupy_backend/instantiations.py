@@ -39,7 +39,7 @@ CTYPES = {"float32": "float", "float16": "gqakv_half", "bfloat16": "gqakv_bf16"}
 CODE_CTYPES = {"int8": "gqakv_i8", "float8_e4m3fn": "gqakv_e4m3"}
 
 #: The variant trait's flags (kernels/variant.cuh: GQAKV_VARIANT_*), by feature name of
-#: ``gqakv.semantics.AttentionParams.features``.
+#: ``gqakv.core.semantics.AttentionParams.features``.
 VARIANT_FLAGS = {"window": 1, "softcap": 2, "sinks": 4}
 #: Every feature at once: the variant mask of a kernel that implements all of them.
 ALL = sum(VARIANT_FLAGS.values())

@@ -39,7 +39,7 @@ from typing import cast
 
 import numpy as np
 
-from gqakv import semantics
+from gqakv.core import semantics
 
 from . import instantiations, limits, sources
 
@@ -88,7 +88,7 @@ class Launch:
 
 
 #: The variant trait's flags (kernels/variant.cuh: GQAKV_VARIANT_*), by feature name of
-#: ``gqakv.semantics.AttentionParams.features``: declared in the instantiation table.
+#: ``gqakv.core.semantics.AttentionParams.features``: declared in the instantiation table.
 VARIANT_FLAGS = instantiations.VARIANT_FLAGS
 
 #: The kernels' ``AttnParams`` (kernels/variant.cuh), field for field: 40 bytes, 8-aligned.
@@ -392,7 +392,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     live = n_new > 0
     if batch == 0 or t_q == 0 or not live.any():
         return plan
-    # Keys each entry's queries read (the one definition, gqakv.semantics): what splits
+    # Keys each entry's queries read (the one definition, gqakv.core.semantics): what splits
     # are sized by. The kernels apply the same rule on the device (variant.cuh).
     keys_read = semantics.keys_read(params, lens, n_new)
     max_len = int(keys_read[live].max())

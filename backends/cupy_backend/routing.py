@@ -1,7 +1,7 @@
 """Which implementation runs each hot operation of the cupy backend, and why not the others.
 
 One routing step per operation (``route_write_kv``, ``route_copy_tokens``,
-``route_attention``): from a call's facts it returns a ``gqakv.backend.Route`` naming the
+``route_attention``): from a call's facts it returns a ``gqakv.dispatch.backend.Route`` naming the
 fused kernel that runs (or the generic array-API code) and, for every other
 implementation, the sentence saying why it was not eligible. ``CupyBackend`` routes every
 call through these before planning, and ``CupyBackend.route`` answers the same question
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 
-from gqakv.backend import GENERIC, Route
+from gqakv.dispatch.backend import GENERIC, Route
 
 from . import limits, sources
 
@@ -138,7 +138,7 @@ def implementations() -> dict[str, str]:
     return {
         "gqakv_write_kv": f"{fused}; rows aligned for vector loads; {paged}",
         "gqakv_write_kv_quantized": (f"{fused}; kv_dtype {', '.join(QUANTIZED_DTYPES)} (quantizes "
-                                     "on the device, gqakv.quantize's rule bit for bit); contiguous K/V"),
+                                     "on the device, gqakv.storage.quantize's rule bit for bit); contiguous K/V"),
         "gqakv_copy_tokens": (f"{fused}; rows aligned for vector loads; contiguous rows (paged: "
                               "pages as rows of the pool, the copy on write of a shared last page)"),
         "gqakv_decode_mma": (f"t_q <= {t}; {mma}; head_dim in "

@@ -26,7 +26,7 @@ KERNEL_FILES = {name: k.file for name, k in table.KERNELS.items()}
 CTYPES = table.CTYPES
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
-#: Quantized K/V storage (gqakv.quantize) -> the kernels' code type (kernels/quantized_kv.cuh).
+#: Quantized K/V storage (gqakv.storage.quantize) -> the kernels' code type (kernels/quantized_kv.cuh).
 #: A kernel over a quantized cache names ``gqakv_quantized<q type, code type>`` where others
 #: name the storage type; gqakv_write_kv_quantized names both, ``<input type, code type, D>``;
 #: copy_tokens moves codes as ``<code type, D>`` and scales as ``<float, 1>``.

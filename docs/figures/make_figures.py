@@ -7,7 +7,7 @@
 
 Measuring runs ``gqakv bench --json`` once per (backend, dtype, cache length) in a fresh
 process (a Llama-3.1-8B layer: Hq 32, Hkv 8, d 128; one row prefilled to the length, then
-decode steps) and takes memory from ``gqakv.sizing`` (the numbers ``gqakv size`` prints).
+decode steps) and takes memory from ``gqakv.storage.sizing`` (the numbers ``gqakv size`` prints).
 Every figure carries the machine, its load and the date of the measurement, from the data:
 each point's run records the 1-minute load average just before and just after it and its
 start time (UTC), and the stamp gives the first and last time and the range of those loads.
@@ -99,7 +99,7 @@ def bench_run(backend: str, dtype: str, length: int, plan: dict) -> dict:
         import contextlib
         import io
 
-        from gqakv import cli
+        from gqakv.tools import cli
 
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -145,7 +145,7 @@ def _run_load(run: dict) -> float:
 
 def memory_table() -> dict:
     """Bytes of each storage choice for MEMORY_ROWS (what ``gqakv size --rows`` prints)."""
-    from gqakv import sizing
+    from gqakv.storage import sizing
 
     rows = {}
     for label, kv_dtype in (("bfloat16", None), ("int8", "int8")):
@@ -168,7 +168,7 @@ def _stamp(fig, data: dict, measured: bool = True) -> None:
         what = (f"measured {when} on {m['cpu']} ({m['cores']} cores), gqakv {data.get('gqakv', '?')}\n"
                 f"1-minute load average before/after each point: {min(loads):g} to {max(loads):g}")
     else:
-        what = (f"computed {m['date']} by gqakv.sizing (the numbers gqakv size prints), "
+        what = (f"computed {m['date']} by gqakv.storage.sizing (the numbers gqakv size prints), "
                 f"gqakv {data.get('gqakv', '?')}")
     fig.text(0.01, 0.005, what, fontsize=7, color="0.35", va="bottom")
 

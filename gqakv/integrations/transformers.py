@@ -30,7 +30,7 @@
   knows the padding); query head h reads KV head h // G, K/V are never repeated.
   ``get_seq_length()`` counts token slots including pads, as transformers' caches do;
   ``kv_caches[i].host_lens`` gives the real tokens of each row. ``kv_dtype="int8"`` or
-  ``"float8_e4m3fn"`` stores every layer's K/V quantized (``gqakv.quantize``: 8-bit
+  ``"float8_e4m3fn"`` stores every layer's K/V quantized (``gqakv.storage.quantize``: 8-bit
   codes and a float32 scale per token and KV head); queries and outputs keep the
   model's dtype. The layer's ``keys``/``values`` are then the code buffers.
 - Without a cache (``use_cache=False``), ``gqakv_attention`` attends through a
@@ -92,7 +92,11 @@ NAME = "gqakv"
 def _torch_backend(device):
     """gqakv's torch backend bound to ``device`` (through the registry, as any backend)."""
     return gqakv.get_backend("torch").for_device(device)
+
+
 SUPPORTED_TRANSFORMERS = ">=5.23,<5.25"
+
+
 
 # The keyword ``forward``/``generate`` take the cache under: ``cache`` from transformers
 # 5.24 (``past_key_values`` still accepted there, with a deprecation warning), and
@@ -467,7 +471,7 @@ class GqakvCache(Cache):
 
     def __init__(self, config, max_cache_len: int, batch_size: int | None = None,
                  max_batch_size: int | None = None, kv_dtype=None):
-        kv_dtype = gqakv.codecs.kv_dtype_name(kv_dtype)  # a bad name is refused here, naming it
+        kv_dtype = gqakv.storage.codecs.kv_dtype_name(kv_dtype)  # a bad name is refused here, naming it
         text = config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         other = sorted(set(types) - LAYER_TYPES)

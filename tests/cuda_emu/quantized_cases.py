@@ -3,7 +3,7 @@ cupy backend drives the kernels (cases.py's conventions: NaN in every slot not w
 NaN padding, poisoned bytes under AddressSanitizer).
 
 Each step appends through ``gqakv_write_kv_quantized`` (codes and scales must equal
-``gqakv.quantize.quantize`` bit for bit, hard tokens included: an all-zero token, a tiny
+``gqakv.storage.quantize.quantize`` bit for bit, hard tokens included: an all-zero token, a tiny
 one, a huge value token), then runs attention (decode, split decode + merge, chunked prefill) over
 the codes and scales, checked against the float64 reference on the dequantized values
 with cases.py's tolerance (2x the output dtype's rounding + fp32 accumulation). Under
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gqakv import quantize as Q
+from gqakv.storage import quantize as Q
 from gqakv_backends.cupy_backend import plan as planmod
 
 from . import cases as _cases
@@ -49,7 +49,7 @@ def _hard_tokens(x: np.ndarray, dtype: str, values: bool) -> None:
 
 def run_quantized_case(emu, case: QuantCase, poison: bool = False) -> dict:
     """Run the scenario on the emulator; AssertionError on any mismatch. Returns stats."""
-    from gqakv import semantics
+    from gqakv.core import semantics
 
     rng = np.random.default_rng(case.seed)
     st = _cases.STORAGE[case.dtype]
@@ -107,7 +107,7 @@ def run_quantized_case(emu, case: QuantCase, poison: bool = False) -> dict:
         emu.run(wplan, bufs, poison=wpoison)
         for got, want, what in zip((k_buf, v_buf, k_scale, v_scale), expect,
                                    ("K codes", "V codes", "K scales", "V scales")):
-            assert got.tobytes() == want.tobytes(), f"{case.name} step {step}: {what} differ from gqakv.quantize"
+            assert got.tobytes() == want.tobytes(), f"{case.name} step {step}: {what} differ from gqakv.storage.quantize"
         stats["kernels"].update(l.name for l in wplan.launches)
         lens_rows[rows] = starts + n_new
 

@@ -47,10 +47,10 @@ def _matches(expected: list[str], got: list[str]) -> bool:
 
 
 def run_console(example) -> None:
-    """Each ``$ gqakv ARGS`` line runs ``gqakv.cli.main(ARGS)`` here; the lines after it,
+    """Each ``$ gqakv ARGS`` line runs ``gqakv.tools.cli.main(ARGS)`` here; the lines after it,
     up to the next ``$``, are its whole output (stdout then stderr)."""
     __tracebackhide__ = True
-    from gqakv import cli
+    from gqakv.tools import cli
 
     commands: list[tuple[str, list[str]]] = []
     for line in example.parsed.splitlines():

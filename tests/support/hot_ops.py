@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from gqakv.inputs import AppendInputs, AttentionInputs
-from gqakv.semantics import AttentionParams
-from gqakv.store import KVStore
+from gqakv.core.inputs import AppendInputs, AttentionInputs
+from gqakv.core.semantics import AttentionParams
+from gqakv.storage.store import KVStore
 
 
 def _ints(a) -> np.ndarray:
@@ -23,6 +23,5 @@ def write_kv(backend, k_buf, v_buf, k_new, v_new, rows, starts, n_new) -> None:
 def attention(backend, q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool):
     """``backend.attention`` of q ``[B, Hq, T, d]`` over buffers ``[rows_total, Hkv, max_len, d]``."""
     params = AttentionParams(scale=float(scale))
-    inputs = AttentionInputs(rows=_ints(rows), lens=_ints(lens), n_new=_ints(n_new),
-                             group=int(q.shape[1]) // int(k_buf.shape[1]), params=params)
+    inputs = AttentionInputs(rows=_ints(rows), lens=_ints(lens), n_new=_ints(n_new), params=params)
     return backend.attention(q, KVStore.of(k_buf, v_buf), inputs, params, return_lse=return_lse)

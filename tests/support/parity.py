@@ -3,7 +3,7 @@
 float64 / float32: a fixed tolerance (float32: ~170 ulps on O(1) outputs). float16 / bfloat16: the
 project's rule (FlashAttention's; tests/test_low_precision.py): the error against the
 float64 reference at most ``K_ERR`` times the error of the same attention computed
-naively in that dtype (``gqakv.reference.naive_low_precision``: every intermediate
+naively in that dtype (``gqakv.ops.reference.naive_low_precision``: every intermediate
 rounded) plus a tiny ``EPS``; never a loose fixed atol.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from gqakv.reference import naive_low_precision
+from gqakv.ops.reference import naive_low_precision
 
 #: Tolerances of float64 / float32 results against the float64 reference (outputs O(1),
 #: lse O(10)).

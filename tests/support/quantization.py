@@ -1,5 +1,5 @@
 """The 8-bit K/V scheme's rule written directly in NumPy float32 (independent of
-gqakv.quantize's arithmetic), what a cache holds for the values appended, and the tokens
+gqakv.storage.quantize's arithmetic), what a cache holds for the values appended, and the tokens
 that test the scheme."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from gqakv import quantize as Q
+from gqakv.storage import quantize as Q
 
 
 def reference_quantize(x: np.ndarray, kv_dtype: str) -> tuple[np.ndarray, np.ndarray]:

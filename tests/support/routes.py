@@ -30,12 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from gqakv.backend import GENERIC, HOT_OPS
+from gqakv.dispatch.backend import GENERIC, HOT_OPS
 
 #: The entries of the generic array-API code (gqakv's Backend defaults), by operation.
-GENERIC_ENTRIES = (("gqakv.attention", "attention_array_api"),
-                   ("gqakv.cache_ops", "write_kv_array_api"),
-                   ("gqakv.row_ops", "copy_tokens_array_api"))
+GENERIC_ENTRIES = (("gqakv.ops.attention", "attention_array_api"),
+                   ("gqakv.ops.cache_ops", "write_kv_array_api"),
+                   ("gqakv.ops.row_ops", "copy_tokens_array_api"))
 #: (module, function, implementation name) of the NumPy backend's BLAS path.
 NUMPY_ENTRIES = (("gqakv_backends.numpy_attention", "attention_store", "numpy BLAS"),)
 #: ... and of the numba backend's kernels (it also reaches the NumPy paths).

@@ -1,0 +1,335 @@
+"""A model-wide KV cache: every layer in one allocation, lengths shared by all layers.
+
+``k`` and ``v`` are each ``[layers, B, Hkv, max_len, d]``; ``cache.layer(l)`` is a
+KVCache whose buffers are the views ``k[l]``, ``v[l]`` and whose lengths are the
+model's, so attention and the row indirection run through the same code as a
+single-layer cache. A forward pass is one *step*::
+
+    with cache.step(n_new) as step:              # validates lengths and capacity once
+        for l, block in enumerate(model.layers):
+            q, k_new, v_new = block.qkv(x, positions=step.starts)   # [B, H, T, d]
+            x = block.finish(step.attend(l, q, k_new, v_new))
+    # here, and only here, every row's length advanced by n_new[b]
+
+Inside the step each layer's K/V is written at the rows' current lengths, i.e. past
+the live tokens, where no reader of the cache looks; attention inside the step sees
+them. The lengths advance once, when the block exits normally and every layer was
+written exactly once. If anything raises inside the block, nothing advances, so no
+live token and no length has changed (only dead slots past the lengths were written).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from ..core.dims import check_dim, check_dims
+from ..core.inputs import (_rows, check_capacity, check_flag, host_ints, immutable_ints, validate_append,
+                           validate_attention)
+from ..core.units import human_bytes
+from ..ops import attention as _attention
+from ..storage.sizing import resolve_model
+from ..storage.store import PAGED, StorageSpec
+from . import cache as _cache
+from .cache import KVCache, Lengths, RowsAndLengths
+
+_LAYER_VIEW = ("it is one layer of a ModelKVCache, whose lengths are shared by all layers; "
+               "write through ModelKVCache.step(...) and move rows with the ModelKVCache's "
+               "reorder/fork/truncate/reset")
+
+
+class ModelKVCache(RowsAndLengths):
+    """K/V for every layer of a model, allocated once, with lengths shared by all layers.
+
+    Args:
+        layers: number of attention layers.
+        batch: B, number of rows (sequences or request slots).
+        kv_heads: Hkv; max_len: capacity in tokens of every row; head_dim: d.
+        dtype: "float32" (default), "float16", "bfloat16", "float64" or a dtype object.
+        backend: a backend name, a Backend, "auto" or None (see ``gqakv.get_backend``).
+        storage: the storage kind (``gqakv.storage.store.KINDS``): "contiguous" (default) or "paged".
+        page_size: tokens per page; giving it makes the storage paged (``gqakv.storage.paged``):
+            every layer pages through one shared page table, and a step takes its pages
+            once, for all layers, when it opens (``gqakv.OutOfPages`` there, with nothing
+            changed, when the pool is short). Default for ``storage="paged"``: 16.
+        num_pages: paged storage: pages in the pool (each page holds ``page_size`` tokens
+            of every layer); default every row at ``max_len`` (no overcommit).
+        kv_dtype: None, "int8" or "float8_e4m3fn": K/V stored quantized with per-token
+            scales, as in ``KVCache``.
+
+    Attributes:
+        store: the KVStore, leading axis ``(layers,)``; what the backend's operations take.
+        k, v: ``[layers, B, Hkv, max_len, d]`` each, allocated once, written in place
+            (contiguous storage: views of the store's memory; contract as ``KVCache.k``).
+        lens / host_lens: ``[B]`` int64 live tokens per row (backend array / NumPy, read-only).
+        backend: the Backend holding the buffers.
+    """
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype="float32", backend=None, *, storage: str | None = None,
+                 page_size: int | None = None, num_pages: int | None = None, kv_dtype=None):
+        self.layers = check_dim("layers", layers, 1)
+        if storage is None:
+            storage = PAGED if page_size is not None else "contiguous"
+        self._allocate((self.layers,), batch, kv_heads, max_len, head_dim, dtype, backend,
+                       "model KV cache", storage, page_size, num_pages, kv_dtype=kv_dtype)
+        self._layer_stores = [self.store.layer(l) for l in range(self.layers)]
+        self._views = [KVCache._view_of(st, self._lengths, backend=self.backend, frozen=_LAYER_VIEW)
+                       for st in self._layer_stores]
+        self._open_step: Step | None = None
+
+    @classmethod
+    def for_model(cls, model, *, batch: int, max_len: int, dtype="bfloat16", backend=None):
+        """A cache shaped for ``model``: a preset name (``gqakv size --list``) or a
+        ``gqakv.storage.sizing.ModelConfig``."""
+        cfg = resolve_model(model)
+        return cls(cfg.layers, batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, backend)
+
+    # -- sizing ----------------------------------------------------------------------------
+
+    @staticmethod
+    def nbytes_for(layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                   dtype="float32", kv_dtype=None) -> int:
+        """Bytes of K and V for all layers, computed before allocating:
+        ``2 * layers * batch * kv_heads * max_len * head_dim * itemsize`` (with ``kv_dtype``:
+        ``2 * layers * batch * kv_heads * max_len * (head_dim + 4)``, codes plus scales;
+        every dimension checked as the constructor checks it; exact Python ints)."""
+        layers = check_dim("layers", layers, 1)
+        batch, kv_heads, max_len, head_dim = check_dims(batch, kv_heads, max_len, head_dim)
+        return StorageSpec.of(dtype, kv_dtype=kv_dtype).nbytes(layers * batch * max_len,
+                                                               kv_heads, head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.nbytes
+
+    # -- lengths and views -----------------------------------------------------------------
+
+    def layer(self, layer: int) -> KVCache:
+        """Layer ``layer`` as a KVCache over views of the shared buffers (read side:
+        ``gqa_attention(q, cache.layer(l), n_new, rows=...)``, ``live_kv``)."""
+        return self._views[self._layer_index(layer)]
+
+    def _layer_index(self, layer) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer must be an int, got {layer!r}")
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"layer={int(layer)} is out of range for a cache of {self.layers} layers")
+        return int(layer)
+
+    def live_kv(self, layer: int, row: int):
+        """Layer ``layer``, row ``row``'s live K and V, ``[Hkv, L, d]`` each (views for
+        contiguous storage; see ``KVCache.live_kv``)."""
+        return self.layer(layer).live_kv(row)
+
+    # -- the forward step ------------------------------------------------------------------
+
+    def step(self, n_new, *, rows=None) -> "Step":
+        """Begin a forward step that appends ``n_new[i]`` tokens to cache row ``rows[i]``.
+
+        Args:
+            n_new: ``[B']`` ints >= 0 (the first n_new[i] of entry i's T slots are real).
+            rows: ``[B']`` distinct cache rows (default ``0..B-1``, then ``B' = B``).
+
+        Validated here, before any layer runs: shapes, row indices, and
+        ``lens[rows[i]] + n_new[i] <= max_len`` for every entry. Use it as a context
+        manager (commit on normal exit, abort on exception), or call ``commit()`` /
+        ``abort()``. While a step is open, other writes and row operations raise, and so
+        does opening a second step (from any thread: RuntimeError at once, no waiting).
+        """
+        try:
+            count = self.batch if rows is None else len(rows)
+        except TypeError:  # an int or a 0-d array
+            raise TypeError(f"rows must be a 1-D list of cache row indices, got {rows!r}") from None
+        with self._lengths.lock:  # the open-step check and the opening are one step
+            self._check_can_change("begin a step")
+            r = _rows(self, rows, count, distinct=True)
+            n = host_ints(n_new, "n_new", count)
+            starts = self._lengths.host[r].copy()
+            for i in range(count):
+                if n[i] < 0:
+                    raise ValueError(f"n_new[{i}]={int(n[i])} is negative (row {int(r[i])})")
+            check_capacity(r, starts, n, self.max_len)
+            # what every layer's write needs, once (paged: pages; OutOfPages: no change)
+            reservation = self.store.reserve(self.backend, r, starts, n)
+            try:
+                step = Step(self, r, starts, n, reservation)
+            except BaseException:
+                self.store.give_back(reservation)
+                raise
+            self._open_step = step
+        return step
+
+    def _check_can_change(self, what: str) -> None:
+        if self._open_step is not None:
+            raise RuntimeError(f"cannot {what}: a step is open on this cache (commit or abort it first)")
+
+    # -- row operations (RowsAndLengths) ---------------------------------------------------------
+
+    def _row_store(self):
+        return self.store
+
+    def __repr__(self) -> str:
+        return (f"ModelKVCache(layers={self.layers}, batch={self.batch}, kv_heads={self.kv_heads}, "
+                f"max_len={self.max_len}, head_dim={self.head_dim}, dtype={self.dtype!r}, "
+                f"backend={self.backend.name!r}, {human_bytes(self.nbytes)})")
+
+
+class Step:
+    """One forward step of a ModelKVCache (made by ``ModelKVCache.step``).
+
+    Attributes:
+        rows: ``[B']`` cache row of each batch entry (host int64).
+        starts: ``[B']`` each row's length before the step: entry i's token t sits at
+            absolute position ``starts[i] + t`` (the positions for rotary embeddings).
+        n_new: ``[B']`` real tokens per entry.
+        lens: ``[B']`` each row's length after the step (``starts + n_new``).
+    """
+
+    def __init__(self, cache: ModelKVCache, rows, starts, n_new, reservation=None):
+        self.cache = cache
+        self._reservation = reservation  # paged: the pages the step took (abort returns them)
+        # immutable copies (gqakv.core.inputs.immutable_ints): a read-only flag can be undone,
+        # and commit writes ``lens`` into the cache's lengths
+        self.rows, self.starts, self.n_new = (immutable_ints(a) for a in (rows, starts, n_new))
+        self.lens = immutable_ints(starts + n_new)
+        pending = cache._lengths.host.copy()
+        pending[rows] = self.lens
+        self._pending = Lengths.of(pending)
+        self._written = np.zeros(cache.layers, dtype=bool)
+        self._state = "open"
+        self._lock = cache._lengths.lock  # the cache's writer lock (see Lengths)
+
+    # -- per layer -------------------------------------------------------------------------
+
+    def layer(self, layer: int) -> KVCache:
+        """Layer ``layer`` as the step sees it, after ``write(layer, ...)``: lengths include
+        this step's tokens. For ``gqa_attention(q, step.layer(l), step.n_new, rows=step.rows)``.
+        Before the layer is written its new slots hold nothing yet, so this raises."""
+        self._check_open()
+        l = self.cache._layer_index(layer)
+        if not self._written[l]:
+            raise RuntimeError(f"layer {l} is not written yet in this step: write(...) it first "
+                               "(or use attend(...), which writes then attends)")
+        return self._view(l)
+
+    def _view(self, l: int) -> KVCache:
+        c = self.cache
+        return KVCache._view_of(c._layer_stores[l], self._pending, backend=c.backend,
+                               frozen="it is a step's view of one layer")
+
+    def write(self, layer: int, k_new, v_new) -> None:
+        """Write layer ``layer``'s new K and V (``[B', Hkv, T, d]``, ``n_new[i] <= T``) at the
+        rows' current lengths, past the live tokens. Each layer is written exactly once."""
+        l = self.cache._layer_index(layer)
+        with self._lock:
+            self._check_open()
+            inputs = self._validate_write(l, k_new, v_new)
+            self._write(l, k_new, v_new, inputs)
+
+    def attend(self, layer: int, q, k_new, v_new, *, scale: float | None = None,
+               window: int | None = None, softcap: float | None = None, sinks=None,
+               return_lse: bool = False, params=None, alibi_slopes=None):
+        """Write layer ``layer``'s new K/V, then grouped-query attention of ``q`` over the
+        row's live tokens plus this step's (bottom-right causal; see ``gqa_attention``).
+
+        Args:
+            q: ``[B', Hq, T, d]``, same B' and T as ``k_new``; ``Hq`` a multiple of ``Hkv``.
+            k_new, v_new: ``[B', Hkv, T, d]``; entry i's first ``n_new[i]`` slots are real.
+
+        Returns ``out`` ``[B', Hq, T, d]`` (padded query slots exactly 0), or
+        ``(out, lse)`` with ``return_lse`` (a bool). ``window``, ``softcap``, ``sinks``,
+        ``alibi_slopes``, ``params``: as in ``gqa_attention``.
+        Everything is validated before the write.
+        """
+        c = self.cache
+        l = c._layer_index(layer)
+        return_lse = check_flag(return_lse, "return_lse")
+        with self._lock:
+            self._check_open()
+            inputs = self._validate_write(l, k_new, v_new)
+            view = self._view(l)  # validated against before the write; read only after it
+            q_shape = tuple(getattr(q, "shape", ()))
+            if len(q_shape) == 4 and q_shape[::2] != tuple(k_new.shape[::2]):
+                raise ValueError(
+                    f"q {list(q_shape)} does not match k_new {list(k_new.shape)}: q must have the "
+                    f"same batch B'={int(k_new.shape[0])} (dim 0) and tokens T={int(k_new.shape[2])} "
+                    "(dim 2)")
+            att = validate_attention(view, q, self.n_new, self.rows, scale, params,
+                                     window=window, softcap=softcap, sinks=sinks,
+                                     alibi_slopes=alibi_slopes)
+            self._write(l, k_new, v_new, inputs)
+        # Attention reads only this step's rows up to their pending lengths, which no other
+        # writer touches while the step is open, so it runs outside the lock.
+        return _attention.attend(view, q, att, return_lse)
+
+    def _validate_write(self, l: int, k_new, v_new):
+        if self._written[l]:
+            raise ValueError(f"layer {l} was already written in this step (each layer exactly once)")
+        for what, x in (("k_new", k_new), ("v_new", v_new)):
+            shape = tuple(getattr(x, "shape", ()))
+            if shape and int(shape[0]) != self.rows.size:
+                raise ValueError(f"{what} has batch {int(shape[0])} (dim 0 of {list(shape)}), but "
+                                 f"this step has {self.rows.size} entries (B' = len(rows))")
+        return validate_append(self.cache.layer(l), k_new, v_new, self.n_new, self.rows)
+
+    def _write(self, l: int, k_new, v_new, inputs) -> None:
+        c = self.cache
+        _cache.write(c.backend, c._layer_stores[l], k_new, v_new, inputs)
+        self._written[l] = True
+
+    # -- ending ----------------------------------------------------------------------------
+
+    def commit(self) -> None:
+        """Advance the lengths of the step's rows by ``n_new``, for all layers at once.
+
+        Every layer must have been written; otherwise RuntimeError and the step is
+        aborted (nothing advances)."""
+        with self._lock:
+            self._check_open()
+            missing = np.flatnonzero(~self._written)
+            if missing.size:
+                self._close("aborted")
+                shown = ", ".join(str(int(m)) for m in missing[:8]) + (" ..." if missing.size > 8 else "")
+                raise RuntimeError(
+                    f"step not committed: {missing.size} of {self.cache.layers} layers were never "
+                    f"written (layers {shown}); lengths are unchanged"
+                )
+            self.cache._lengths.set(self.rows, self.lens)
+            self._close("committed")
+
+    def abort(self) -> None:
+        """End the step without advancing any length (the written slots stay dead). Paged
+        storage: every page the step took (fresh pages and copies on write) goes back to the
+        pool and the page tables are as they were when the step opened."""
+        with self._lock:
+            if self._state == "open":
+                self._close("aborted")
+
+    def _close(self, state: str) -> None:
+        self._state = state
+        store = self.cache.store
+        if state == "aborted":
+            # every page the step took, copies on write included; the tables as they were
+            store.give_back(self._reservation)
+        self._reservation = None
+        self.cache._open_step = None
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"this step is already {self._state}")
+
+    def __enter__(self) -> "Step":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
+        if exc_type is not None:
+            self.abort()
+        elif self._state == "open":
+            self.commit()
+        return False
+
+    def __repr__(self) -> str:
+        return (f"<Step {self._state}: rows={self.rows.tolist()} n_new={self.n_new.tolist()} "
+                f"layers written {int(self._written.sum())}/{self.cache.layers}>")

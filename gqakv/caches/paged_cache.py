@@ -1,0 +1,58 @@
+"""``PagedKVCache``: a KVCache whose rows take pages from one pool as they grow.
+
+A drop-in for ``KVCache`` (same methods and semantics; ``gqa_attention`` accepts it with
+the same results) over paged storage (``gqakv.storage.paged``): memory follows the live tokens
+rather than ``batch x max_len``, and ``fork`` / ``reorder`` share pages instead of
+copying tokens.
+"""
+
+from __future__ import annotations
+
+from .cache import KVCache
+from ..storage.paged import DEFAULT_PAGE_SIZE
+from ..storage.store import PAGED
+
+
+class PagedKVCache(KVCache):
+    """A KVCache with paged storage.
+
+    Args:
+        batch, kv_heads, max_len, head_dim, dtype, backend: as ``KVCache``.
+        page_size: tokens per page (default 16).
+        num_pages: pages in the pool, allocated once. None (default): every row at
+            ``max_len`` fits (``batch * ceil(max_len / page_size)``, no overcommit); fewer
+            overcommit, as servers do: an append the free pages cannot serve raises
+            ``gqakv.OutOfPages`` (a MemoryError) and changes nothing.
+        kv_dtype: None (K/V stored as ``dtype``), "int8" or "float8_e4m3fn": pages hold
+            8-bit codes and each token's float32 scale is paged with it (the scheme of
+            ``gqakv.storage.quantize``, as ``KVCache``'s ``kv_dtype``).
+
+    Attributes (besides KVCache's):
+        k, v: the page pool, ``[num_pages, Hkv, page_size, d]`` each (heads-major inside a
+            page). Row b's token j of head h is ``k[table[b, j // P], h, j % P]``.
+            Quantized: codes, with ``store.k_scale``/``store.v_scale`` ``[num_pages, Hkv,
+            page_size]`` (token j's scale at ``[table[b, j // P], h, j % P]``).
+        store.table: the ``gqakv.storage.paged.PageTable`` (page table per row, reference counts,
+            free list).
+        page_size, num_pages, pages_used, pages_free: ints.
+        nbytes: bytes of the K and V pool (``store.table.nbytes`` more on the host).
+
+    ``live_kv(row)`` returns copies gathered from the row's pages. ``fork`` and ``reorder``
+    share pages (copying table entries, bumping reference counts); the one page ever
+    copied is a shared, partly filled last page, when a row is about to write into it.
+    ``truncate`` and ``reset`` release the pages no row names any more.
+    """
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype="float32", backend=None, *, page_size: int = DEFAULT_PAGE_SIZE,
+                 num_pages: int | None = None, kv_dtype=None):
+        super().__init__(batch, kv_heads, max_len, head_dim, dtype, backend, storage=PAGED,
+                         page_size=page_size, num_pages=num_pages, kv_dtype=kv_dtype)
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(batch={self.batch}, kv_heads={self.kv_heads}, max_len={self.max_len}, "
+                f"head_dim={self.head_dim}, dtype={self.dtype!r}, "
+                + (f"kv_dtype={self.kv_dtype!r}, " if self.kv_dtype else "")
+                + f"backend={self.backend.name!r}, "
+                f"page_size={self.page_size}, num_pages={self.num_pages}, "
+                f"pages_used={self.pages_used})")

@@ -1,0 +1,391 @@
+"""Validate once, then trust: every check on append and attention inputs lives here.
+
+Validation runs completely before anything is written, so a rejected call leaves
+every row's data and length as it was. Errors name the argument, the row and the
+numbers involved. Backends receive only validated inputs (host int arrays for the
+per-row bookkeeping) and do not check again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import dtypes as _dtypes
+from .semantics import AttentionParams
+
+
+def _to_numpy(x) -> np.ndarray:
+    """Host copy of a small integer array from any library (list, NumPy, DLPack, CuPy)."""
+    if isinstance(x, (np.ndarray, list, tuple, int, np.integer)):
+        return np.asarray(x)
+    if hasattr(x, "get") and type(x).__module__.startswith("cupy"):
+        return x.get()
+    try:
+        return np.from_dlpack(x)
+    except Exception:
+        return np.asarray(x)
+
+
+def immutable_ints(a) -> np.ndarray:
+    """An int64 copy of ``a`` (same shape) that cannot be written: its memory is a
+    ``bytes`` object, so even ``setflags(write=True)`` is refused (a read-only *view* of
+    an array, or a copy marked read-only, can be made writable again)."""
+    a = np.asarray(a, dtype=np.int64)
+    return np.frombuffer(a.tobytes(), dtype=np.int64).reshape(a.shape)
+
+
+def check_no_bools(x, what: str) -> None:
+    """TypeError naming the first bool in a list/tuple ``x`` (nested too). NumPy would
+    turn ``[1, True]`` into an int array, so the elements are checked before it sees them."""
+    if isinstance(x, (list, tuple, range)):
+        for i, v in enumerate(x):
+            if isinstance(v, (bool, np.bool_)):
+                raise TypeError(f"{what}[{i}]={v!r} is a bool; {what} must hold integers")
+            check_no_bools(v, f"{what}[{i}]")
+
+
+def check_flag(value, what: str) -> bool:
+    """``value`` if it is a bool (Python or NumPy); TypeError naming ``what`` otherwise."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be a bool (True or False), got {value!r}")
+    return bool(value)
+
+
+def host_ints(x, what: str, length: int) -> np.ndarray:
+    """``x`` as a host int64 array of shape [length]; TypeError/ValueError otherwise."""
+    if isinstance(x, (bool, np.bool_)) or x is None:
+        raise TypeError(f"{what} must be integers of shape [{length}], got {x!r}")
+    check_no_bools(x, what)
+    if isinstance(x, (list, tuple)):  # before NumPy turns an out-of-range int into float/object
+        for i, v in enumerate(x):
+            if isinstance(v, (int, np.integer)) and not -2**63 <= v < 2**63:
+                raise ValueError(f"{what}[{i}]={int(v)} is out of range (integers must fit in int64)")
+    a = _to_numpy(x)
+    if a.dtype.kind not in "iu" or a.dtype == np.bool_:
+        if a.size == 0 and a.dtype.kind == "f":  # [] from an empty list is float64
+            a = a.astype(np.int64)
+        else:
+            raise TypeError(f"{what} must have an integer dtype, got {a.dtype}")
+    if a.shape != (length,):
+        raise ValueError(f"{what} must have shape [{length}] (one per batch row), got {list(a.shape)}")
+    if a.dtype.kind == "u" and a.size and a.max() > np.iinfo(np.int64).max:
+        i = int(np.argmax(a > np.iinfo(np.int64).max))  # int64 would wrap it negative
+        raise ValueError(f"{what}[{i}]={int(a[i])} is out of range")
+    return a.astype(np.int64, copy=True)
+
+
+def _check_same_library(cache, x, what: str) -> None:
+    backend = cache.backend
+    if not backend.owns(x):
+        raise TypeError(
+            f"{what} is a {type(x).__module__}.{type(x).__name__}, but the cache's backend "
+            f"{backend.name!r} holds {backend.array_library} arrays"
+        )
+    dev, want = backend.device_of(x), backend.device_of(cache.store.k)
+    if dev != want:
+        raise ValueError(f"{what} is on device {dev}, the cache is on {want}")
+
+
+def _check_dtype(want: str, x, what: str) -> None:
+    """``x``'s dtype must be ``want``: the store's ``q_dtype`` for queries, its
+    ``input_dtype`` for new keys/values (both the storage dtype today)."""
+    got = _dtypes.canonical_name(x.dtype) if _is_float(x.dtype) else str(x.dtype)
+    if got != want:
+        raise TypeError(
+            f"{what} has dtype {got}, the cache holds {want}; convert it explicitly "
+            "(gqakv never casts the cache or its inputs silently)"
+        )
+
+
+def _is_float(dt) -> bool:
+    try:
+        _dtypes.canonical_name(dt)
+        return True
+    except TypeError:
+        return False
+
+
+def _rows(cache, rows, batch: int, *, distinct: bool, batch_of: str | None = None) -> np.ndarray:
+    """Cache row of each batch entry: ``arange(cache.batch)`` or the given indirection.
+    ``batch_of`` names the array whose dim 0 is ``batch`` (for the error when rows differs)."""
+    if rows is None:
+        if batch != cache.batch:
+            raise ValueError(
+                f"batch size {batch} does not match the cache's {cache.batch} rows "
+                "(pass rows= to address a subset of rows)"
+            )
+        return np.arange(cache.batch, dtype=np.int64)
+    count = None
+    if isinstance(rows, (list, tuple, range)):
+        count = len(rows)
+    elif len(getattr(rows, "shape", ())) == 1:
+        count = int(rows.shape[0])
+    if batch_of is not None and count is not None and count != batch:
+        raise ValueError(f"rows has {count} entries but {batch_of} has batch {batch} (dim 0); "
+                         "rows needs one cache row per batch entry")
+    return check_rows(host_ints(rows, "rows", batch), "rows", cache.batch, distinct=distinct)
+
+
+def check_rows(r: np.ndarray, what: str, batch: int, *, distinct: bool) -> np.ndarray:
+    """``r`` itself if every entry is a row in ``0..batch-1`` (and distinct, if asked);
+    else ValueError naming the first bad entry."""
+    bad = np.flatnonzero((r < 0) | (r >= batch))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{what}[{i}]={int(r[i])} is out of range for a cache of {batch} rows")
+    if distinct and np.unique(r).size != r.size:
+        vals, counts = np.unique(r, return_counts=True)
+        raise ValueError(f"{what} must be distinct; row {int(vals[counts > 1][0])} repeats")
+    return r
+
+
+@dataclass(frozen=True)
+class AppendInputs:
+    """Validated append: batch entry i writes n_new[i] tokens to cache row rows[i] at starts[i]."""
+
+    rows: np.ndarray  # [B] int64, distinct cache rows
+    starts: np.ndarray  # [B] int64, the rows' lengths before the append
+    n_new: np.ndarray  # [B] int64, 0 <= n_new <= T
+
+
+def validate_append(cache, k_new, v_new, n_new, rows=None) -> AppendInputs:
+    for what, x in (("k_new", k_new), ("v_new", v_new)):
+        _check_same_library(cache, x, what)
+        if x.ndim != 4:
+            raise ValueError(f"{what} must be [B, Hkv, T, d], got {x.ndim} dims {list(x.shape)}")
+    if tuple(k_new.shape) != tuple(v_new.shape):
+        raise ValueError(f"k_new {list(k_new.shape)} and v_new {list(v_new.shape)} differ in shape")
+    B, hkv, T, d = (int(s) for s in k_new.shape)
+    if (hkv, d) != (cache.kv_heads, cache.head_dim):
+        raise ValueError(
+            f"k_new/v_new are [B={B}, Hkv={hkv}, T={T}, d={d}], the cache has "
+            f"Hkv={cache.kv_heads}, d={cache.head_dim}"
+        )
+    want = cache.store.spec.input_dtype
+    _check_dtype(want, k_new, "k_new")
+    _check_dtype(want, v_new, "v_new")
+    r = _rows(cache, rows, B, distinct=True, batch_of="k_new")
+    n = host_ints(n_new, "n_new", B)
+    for i in range(B):
+        if not 0 <= n[i] <= T:
+            raise ValueError(f"n_new[{i}]={int(n[i])} is outside 0..T={T} for row {int(r[i])}")
+    starts = cache.host_lens[r].copy()
+    check_capacity(r, starts, n, cache.max_len)
+    return AppendInputs(rows=r, starts=starts, n_new=n)
+
+
+def check_capacity(rows: np.ndarray, starts: np.ndarray, n_new: np.ndarray, max_len: int) -> None:
+    """ValueError naming the first entry i whose row ``rows[i]`` cannot take ``n_new[i]`` more tokens."""
+    for i in range(len(rows)):
+        start, n = int(starts[i]), int(n_new[i])  # Python ints: int64 would wrap past 2**63
+        if start + n > max_len:
+            raise ValueError(
+                f"row {int(rows[i])} holds {start} tokens; appending n_new[{i}]={n} "
+                f"would make {start + n} > max_len={max_len}"
+            )
+
+
+def _as_float(x) -> float:
+    """``float(x)``, or inf for an int too large for a float (no OverflowError)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Validated attention call: batch entry i reads cache row rows[i] of length lens[i]."""
+
+    rows: np.ndarray  # [B] int64
+    lens: np.ndarray  # [B] int64, live tokens of each row (after the append)
+    n_new: np.ndarray  # [B] int64, queries of entry i are the last n_new[i] tokens of its row
+    params: AttentionParams  # scale, window, softcap, sinks (all checked)
+
+    @property
+    def scale(self) -> float:
+        return self.params.scale
+
+
+def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
+                       window=None, softcap=None, sinks=None, alibi_slopes=None) -> AttentionInputs:
+    """The checked call; ``params`` (an AttentionParams) is an alternative to ``scale``,
+    ``window``, ``softcap``, ``sinks`` and ``alibi_slopes`` that carries them all (not
+    both). Every field of the resulting params is checked here (``check_scale``,
+    ``check_window``, ``check_softcap``, ``check_sinks``, ``check_alibi``), whichever way it
+    was given."""
+    if params is not None:
+        if not isinstance(params, AttentionParams):
+            raise TypeError(f"params must be a gqakv.AttentionParams, got {params!r}")
+        given = [f"{name}={value!r}" for name, value in (("scale", scale), ("window", window),
+                                                         ("softcap", softcap), ("sinks", sinks),
+                                                         ("alibi_slopes", alibi_slopes))
+                 if value is not None]
+        if given:
+            raise TypeError(f"give {', '.join(given)} or params={params!r}, not both "
+                            "(params carries scale, window, softcap, sinks and alibi_slopes)")
+        scale, window, softcap, sinks = params.scale, params.window, params.softcap, params.sinks
+        alibi_slopes = params.alibi_slopes
+    _check_same_library(cache, q, "q")
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, Hq, T, d], got {q.ndim} dims {list(q.shape)}")
+    B, hq, T, d = (int(s) for s in q.shape)
+    if d != cache.head_dim:
+        raise ValueError(f"q has head dim d={d}, the cache has d={cache.head_dim}")
+    if hq % cache.kv_heads:
+        raise ValueError(
+            f"query heads Hq={hq} must be a multiple of the cache's KV heads Hkv={cache.kv_heads}"
+        )
+    if hq == 0:
+        raise ValueError("q has no heads (Hq=0)")
+    _check_dtype(cache.store.spec.q_dtype, q, "q")
+    r = _rows(cache, rows, B, distinct=False, batch_of="q")
+    n = host_ints(n_new, "n_new", B)
+    lens = cache.host_lens[r]
+    for i in range(B):
+        if not 0 <= n[i] <= T:
+            raise ValueError(f"n_new[{i}]={int(n[i])} is outside 0..T={T}")
+        if n[i] > lens[i]:
+            raise ValueError(
+                f"n_new[{i}]={int(n[i])} but row {int(r[i])} holds only {int(lens[i])} tokens "
+                "(attention takes the lengths after the append)"
+            )
+    scale = 1.0 / math.sqrt(d) if scale is None else check_scale(scale)
+    params = AttentionParams(scale=scale, window=check_window(window),
+                             softcap=check_softcap(softcap), sinks=check_sinks(sinks, hq),
+                             alibi_slopes=check_alibi(alibi_slopes, hq))
+    return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, params=params)
+
+
+# -- attention variants (gqakv.semantics.AttentionParams) -------------------------------------
+
+#: The largest ``|scale|`` taken. Every fast path multiplies in float32 (the numba kernels
+#: take ``float32(scale)``, the CUDA kernels fold ``scale * log2(e)`` in float32), where
+#: 1e39 is inf (``inf * 0`` is NaN) and ``3.4e38 * log2(e)`` overflows; 1e38 keeps both
+#: finite. Within it a result is still only as good as its scores: a query whose scaled
+#: score ``scale * q . k`` overflows float32 (``|s| > 3.4e38``, a huge scale or huge q)
+#: gets NaN when its largest score is +inf (never hidden), and 0 when every score is -inf.
+#: Values are not checked here (that would read q and K: a device sync).
+SCALE_MAX = 1e38
+
+
+def check_scale(scale) -> float:
+    """The softmax scale as a Python float: any finite real number with ``|scale| <=
+    SCALE_MAX`` (0 and negative scales included; NumPy scalars and ints taken);
+    TypeError for a non-number or a non-finite one, ValueError past the range."""
+    if (isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating))
+            or not math.isfinite(_as_float(scale))):
+        raise TypeError(f"scale must be a finite real number, got {scale!r}")
+    # A Python float keeps the computation in the cache's dtype (a NumPy float64 scalar
+    # would promote a float32 step to a float64 copy of every block it touches).
+    value = _as_float(scale)
+    if not abs(value) <= SCALE_MAX:
+        raise ValueError(f"scale={scale!r} is outside the supported range |scale| <= {SCALE_MAX:g} "
+                         "(scores are formed in float32, where a larger scale overflows)")
+    return value
+
+#: The soft-cap's allowed range: both ``c`` and ``1 / c`` must be normal float32 numbers
+#: (scores are soft-capped in float32 for every narrower cache), so ``tanh(s / c) * c``
+#: never meets an infinite factor (``0 * inf`` would be NaN).
+SOFTCAP_RANGE = (1e-30, 1e30)
+
+
+def check_window(window) -> int | None:
+    """None, or the sliding window W as a Python int >= 1; TypeError/ValueError otherwise."""
+    if window is None:
+        return None
+    if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
+        raise TypeError(f"window must be an int >= 1 (the number of most recent keys a query "
+                        f"sees, its own included) or None, got {window!r}")
+    w = int(window)
+    if w < 1:
+        raise ValueError(f"window={w} is not allowed: window must be an int >= 1 "
+                         "(1: each query sees only its own key) or None for no window")
+    if w > np.iinfo(np.int64).max:
+        raise ValueError(f"window={w} is out of range (at most 2**63 - 1; None means no window)")
+    return w
+
+
+def check_softcap(softcap) -> float | None:
+    """None, or the soft-cap c as a Python float in ``SOFTCAP_RANGE``."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(
+            softcap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"softcap must be a finite real number > 0 or None, got {softcap!r}")
+    c = _as_float(softcap)
+    lo, hi = SOFTCAP_RANGE
+    if not math.isfinite(c) or c <= 0:
+        raise ValueError(f"softcap={softcap!r} is not allowed: softcap must be a finite real "
+                         "number > 0 (scores s become softcap * tanh(s / softcap)) or None")
+    if not lo <= c <= hi:
+        raise ValueError(f"softcap={softcap!r} is outside the supported range {lo:g}..{hi:g} "
+                         "(softcap and 1 / softcap must be normal float32 numbers)")
+    return c
+
+
+def _sinks_to_numpy(sinks, what: str) -> np.ndarray:
+    """A host copy of a sinks array/sequence from any library (bool elements refused)."""
+    if isinstance(sinks, (bool, np.bool_, str, bytes)) or np.isscalar(sinks):
+        raise TypeError(f"{what} must be a [Hq] array or sequence of real numbers (one value "
+                        f"per query head) or None, got {sinks!r}")
+    if isinstance(sinks, (list, tuple)):
+        for i, v in enumerate(sinks):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(
+                    v, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{what}[{i}]={v!r} is not a real number; {what} must hold "
+                                "one real value per query head")
+        return np.array([_as_float(v) for v in sinks], dtype=np.float64)
+    if hasattr(sinks, "detach"):  # a torch tensor (maybe requiring grad, maybe bfloat16)
+        sinks = sinks.detach().cpu().double()
+    try:
+        a = _to_numpy(sinks)
+    except Exception as exc:
+        raise TypeError(f"{what} must be a [Hq] array or sequence of real numbers, got "
+                        f"{type(sinks).__name__} ({exc})") from None
+    if a.dtype.kind not in "iuf" and not _is_float(a.dtype):
+        raise TypeError(f"{what} must have a real (integer or floating) dtype, got {a.dtype}")
+    return np.asarray(a, dtype=np.float64)
+
+
+def check_sinks(sinks, hq: int) -> tuple[float, ...] | None:
+    """None, or the sinks as a tuple of ``hq`` Python floats holding float32 values: one
+    logit per query head, -inf allowed (no effect), NaN, +inf and values past float32's
+    range refused."""
+    if sinks is None:
+        return None
+    a = _sinks_to_numpy(sinks, "sinks")
+    if a.shape != (hq,):
+        raise ValueError(f"sinks must have shape [Hq={hq}] (one logit per query head of q), "
+                         f"got {list(a.shape)}")
+    with np.errstate(over="ignore"):
+        a32 = a.astype(np.float32)
+    bad = np.flatnonzero(np.isnan(a32) | (a32 == np.inf))
+    if bad.size:
+        i = int(bad[0])
+        why = "NaN" if np.isnan(a[i]) else ("+inf" if a[i] == np.inf else "beyond float32's range")
+        raise ValueError(f"sinks[{i}]={float(a[i])!r} is not allowed ({why}): sinks must be real "
+                         "logits, finite or -inf (-inf: no sink for that head)")
+    return tuple(float(x) for x in a32)
+
+
+def check_alibi(slopes, hq: int) -> tuple[float, ...] | None:
+    """None, or ALiBi's slopes as a tuple of ``hq`` Python floats: one finite real per
+    query head (0: no bias for that head), kept exact (a float64 cache uses them as
+    given; float32 kernels round them once); NaN, infinities and values past float32's
+    range refused."""
+    if slopes is None:
+        return None
+    a = _sinks_to_numpy(slopes, "alibi_slopes")
+    if a.shape != (hq,):
+        raise ValueError(f"alibi_slopes must have shape [Hq={hq}] (one slope per query head of q), "
+                         f"got {list(a.shape)}")
+    bad = np.flatnonzero(~(np.abs(a) <= np.finfo(np.float32).max))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"alibi_slopes[{i}]={float(a[i])!r} is not allowed: slopes must be finite "
+                         "real numbers within float32's range")
+    return tuple(float(x) for x in a)

@@ -1,0 +1,326 @@
+"""What a backend is: a capability table plus the few operations gqakv needs.
+
+A backend owns where cache buffers live (array library and device) and how the hot
+operations run: writing new K/V in place (``write_kv``), copying rows' tokens
+(``copy_tokens``) and grouped-query attention over the live part of the cache
+(``attention``). Each takes the cache's ``gqakv.store.KVStore`` (layout, dtypes and the
+buffers) rather than raw buffers, and attention its ``AttentionParams``. The defaults
+here are the generic array-API implementations, which read and write only through the
+store's methods, so a backend for a new array library only has to say how to allocate,
+and a new storage kind or attention variant runs on every backend through them; a
+backend with fused kernels overrides the hot operations for the storage kinds and
+variants it implements and hands the others to these defaults.
+
+Capabilities are plain data (``dtypes``, ``head_dims``, ``features``) and
+``not_supported_reasons`` turns them into sentences, so the dispatcher and
+``gqakv info`` can explain every rejection. Per call, ``route`` says which implementation
+of a hot operation runs and why each other one was not eligible (``Route``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..core import dtypes as _dtypes
+# the generic implementations, looked up on their modules at each call (tests spy on them there)
+from ..ops import attention as _attention, cache_ops as _cache_ops, row_ops as _row_ops
+from ..storage.codecs import PLAIN_NAME
+
+
+#: The implementation name of the generic array-API code (the ``Backend`` defaults).
+GENERIC = "generic array-API"
+#: The hot operations a backend routes.
+HOT_OPS = ("write_kv", "copy_tokens", "attention")
+
+
+@dataclass(frozen=True)
+class Route:
+    """Which implementation runs a call (``impl``: a fused kernel's name or ``GENERIC``)
+    and, for each implementation not chosen, the sentence saying why it was not eligible
+    (``rejected``; read-only by convention: routes are kept and shared)."""
+
+    impl: str
+    rejected: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        why = "".join(f"; not {name}: {reason}" for name, reason in self.rejected.items())
+        return f"{self.impl}{why}"
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """What one fast path of a backend implements, declared as data on the backend class
+    (``Backend.fast_paths``): the hot operation it serves, the storage layouts
+    (``"contiguous"``, ``"paged"``) and codecs (``gqakv.codecs``: ``"none"`` for plain
+    values, ``"int8"``, ...) it reads or writes, the attention variant features it
+    implements (``AttentionParams.features``) and the dtypes of q / new K/V (None: every
+    dtype of the backend). A call it does not declare is refused by ``rejection`` with a
+    sentence, never computed: a new codec or variant is served by no fast path until one
+    declares it, and runs on the generic array-API path meanwhile.
+    """
+
+    name: str
+    op: str
+    layouts: frozenset[str]
+    codecs: frozenset[str]
+    features: frozenset[str] = frozenset()
+    dtypes: frozenset[str] | None = None
+
+    def rejection(self, *, layout: str, codec: str, features=frozenset(), dtype=None) -> str | None:
+        """None when this path implements a call over ``layout`` / ``codec`` storage with
+        these variant ``features`` and q dtype ``dtype``, else why not (one sentence)."""
+        features = frozenset(features)
+        missing = features - self.features
+        if missing:
+            variant = "+".join(("causal", *sorted(features)))  # AttentionParams.variant's name
+            return (f"attention variant {variant!r}: {self.name} does not implement "
+                    f"{', '.join(sorted(missing))}")
+        if layout not in self.layouts:
+            return f"storage layout {layout!r} ({self.name} reads {', '.join(sorted(self.layouts))})"
+        if codec not in self.codecs:
+            known = [("unquantized" if c == PLAIN_NAME else f"kv_dtype={c!r}") for c in sorted(self.codecs)]
+            what = "unquantized K/V" if codec == PLAIN_NAME else f"kv_dtype={codec!r}"
+            return f"{what} ({self.name} reads {', '.join(known)} K/V)"
+        if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
+            return f"dtype={dtype} ({self.name} computes {', '.join(sorted(self.dtypes))})"
+        return None
+
+    def describe(self) -> str:
+        """One line for ``gqakv info``: what this path declares."""
+        parts = [f"{self.op} over {'/'.join(sorted(self.layouts))} storage, codecs "
+                 f"{'/'.join(sorted(self.codecs))}"]
+        if self.features:
+            parts.append(f"variants {'/'.join(sorted(self.features))}")
+        if self.dtypes is not None:
+            parts.append(f"dtypes {'/'.join(sorted(self.dtypes))}")
+        return "; ".join(parts)
+
+
+def choose(paths, **request) -> Route:
+    """The first of ``paths`` (FastPaths, in priority order) that implements ``request``
+    (``FastPath.rejection``'s keywords), else the generic code; every path not chosen
+    with its reason."""
+    rejected: dict[str, str] = {}
+    paths = tuple(paths)
+    for i, path in enumerate(paths):
+        why = path.rejection(**request)
+        if why is None:
+            served = f"{path.name} serves this call (fast paths come first)"
+            later = {p.name: served for p in paths[i + 1:]}
+            return Route(path.name, {**rejected, **later, GENERIC: served})
+        rejected[path.name] = why
+    return Route(GENERIC, rejected)
+
+
+def route_facts(op: str, facts: dict, known: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``facts`` checked against ``known`` (op -> fact name -> its favourable default) and
+    completed with the defaults; ValueError naming the operation or the unknown facts."""
+    if op not in HOT_OPS:
+        raise ValueError(f"op={op!r} (routed operations: {', '.join(HOT_OPS)})")
+    unknown = sorted(set(facts) - set(known[op]))
+    if unknown:
+        raise ValueError(f"{op} facts {', '.join(unknown)} (known: {', '.join(known[op])})")
+    out = {**known[op], **facts}
+    if out.get("dtype") is not None:
+        out["dtype"] = _dtypes.canonical_name(out["dtype"])
+    if out.get("features") is not None:
+        out["features"] = frozenset(out["features"])
+    return out
+
+
+class Backend:
+    """Base class for gqakv backends; subclasses set the class attributes below."""
+
+    #: Name used with ``backend=...``, ``use_backend(...)`` and ``GQAKV_BACKEND``.
+    name: ClassVar[str] = "?"
+    #: 'auto' picks the runnable backend with the highest priority.
+    priority: ClassVar[int] = 0
+    #: Array library the buffers belong to, and the kind of device.
+    array_library: ClassVar[str] = "?"
+    device_kind: ClassVar[str] = "cpu"
+    #: Cache dtypes this backend stores and computes with.
+    dtypes: ClassVar[tuple[str, ...]] = ("float32", "float64")
+    #: Head dims supported; None means any positive head dim.
+    head_dims: ClassVar[tuple[int, ...] | None] = None
+    #: Free-form feature names shown by ``gqakv info`` (e.g. "fused_decode").
+    features: ClassVar[frozenset[str]] = frozenset()
+    #: What each fast path implements (``FastPath``), in the order dispatch tries them;
+    #: empty: every call runs the generic array-API code.
+    fast_paths: ClassVar[tuple[FastPath, ...]] = ()
+
+    # -- availability and capabilities ---------------------------------------------------
+
+    def unavailable_reason(self) -> str | None:
+        """None when this backend can run here, else a sentence saying why not."""
+        return None
+
+    def not_supported_reasons(self, *, dtype=None, head_dim: int | None = None) -> list[str]:
+        """Why this backend cannot hold a cache of ``dtype`` and ``head_dim`` (empty: it can)."""
+        reasons = []
+        why = self.unavailable_reason()
+        if why:
+            reasons.append(why)
+        if dtype is not None:
+            try:
+                name = _dtypes.canonical_name(dtype)
+            except TypeError as exc:
+                reasons.append(str(exc))
+            else:
+                if name not in self.dtypes:
+                    reasons.append(f"dtype={name} (supported: {', '.join(self.dtypes)})")
+        if head_dim is not None and self.head_dims is not None and head_dim not in self.head_dims:
+            dims = ", ".join(str(h) for h in self.head_dims)
+            reasons.append(f"head_dim={head_dim} (supported: {dims})")
+        return reasons
+
+    # -- arrays ----------------------------------------------------------------------------
+
+    def namespace(self):
+        """The array-API namespace of this backend's arrays."""
+        raise NotImplementedError
+
+    def dtype(self, name: str):
+        """This library's dtype object for a gqakv dtype name."""
+        return getattr(self.namespace(), _dtypes.canonical_name(name))
+
+    def empty(self, shape: tuple[int, ...], dtype: str, device=None):
+        """Uninitialized buffer of ``shape`` on ``device`` (as ``device_of`` reports it; None:
+        the library's default); raises MemoryError when it cannot fit."""
+        xp = self.namespace()
+        if device is None:
+            return xp.empty(shape, dtype=self.dtype(dtype))
+        return xp.empty(shape, dtype=self.dtype(dtype), device=device)
+
+    def owns(self, x) -> bool:
+        """True when ``x`` is an array of this backend's library."""
+        from array_api_compat import array_namespace
+
+        try:
+            return array_namespace(x) is self.namespace()
+        except TypeError:
+            return False
+
+    def device_of(self, x) -> Any:
+        from array_api_compat import device
+
+        return device(x)
+
+    def from_numpy(self, a: np.ndarray, dtype=None):
+        """A copy of the NumPy array ``a`` in this backend's library (optionally cast to ``dtype``)."""
+        xp = self.namespace()
+        if dtype is None:
+            return xp.asarray(a)
+        return xp.asarray(np.asarray(a), dtype=self.dtype(dtype))
+
+    def to_numpy(self, x) -> np.ndarray:
+        """A NumPy array holding the values of ``x`` (a host copy for device arrays)."""
+        if isinstance(x, np.ndarray):
+            return x
+        return np.from_dlpack(x)
+
+    def from_host_ints(self, a: np.ndarray, device=None):
+        """An int64 array of this backend holding the host values ``a``."""
+        xp = self.namespace()
+        return xp.asarray(a, dtype=xp.int64, device=device)
+
+    # -- routing -----------------------------------------------------------------------------
+
+    def route(self, op: str, **facts) -> Route:
+        """Which implementation runs ``op`` (one of ``HOT_OPS``) for a call with these
+        facts (dtype, head_dim, t_q, ...: each backend documents the ones it reads; those
+        not given are taken as favourable), and why each other one was not eligible.
+        The default: the generic array-API code, with nothing else to choose from."""
+        if op not in HOT_OPS:
+            raise ValueError(f"op={op!r} (routed operations: {', '.join(HOT_OPS)})")
+        return Route(GENERIC)
+
+    def implementations(self) -> dict[str, str]:
+        """Implementation name -> its declared limits, for ``gqakv info`` (empty: nothing
+        beyond the capability table)."""
+        return {}
+
+    # -- hot operations (generic array-API defaults) -------------------------------------------
+
+    def write_kv(self, store, k_new, v_new, inputs) -> None:
+        """Write entry i's first ``inputs.n_new[i]`` tokens of ``k_new``/``v_new``
+        (``[B, Hkv, T, d]``) into row ``inputs.rows[i]`` of ``store`` (a KVStore without
+        leading axes) at tokens ``inputs.starts[i]...``.
+
+        ``inputs`` is the validated ``gqakv.inputs.AppendInputs`` (host int arrays).
+        """
+        _cache_ops.write_kv_array_api(store, k_new, v_new, inputs.rows, inputs.starts, inputs.n_new)
+
+    def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
+        """Copy tokens ``:n_tokens[i]`` of row ``src_rows[i]`` of ``src`` to row ``dst_rows[i]``
+        of ``dst``, every layer.
+
+        ``dst`` and ``src`` are KVStores with a leading layer axis (K and V
+        ``[layers, rows, Hkv, max_len, d]`` for contiguous storage; they may be the same
+        store). The copies of one call are independent: no destination is read by
+        another copy of the call, so a backend may run them all in one launch. Inputs are
+        validated and ordered by ``gqakv.row_ops``; the index arrays are host ints.
+        """
+        _row_ops.copy_tokens_array_api(dst, dst_rows, src, src_rows, n_tokens)
+
+    def attention(self, q, store, inputs, params, *, return_lse: bool):
+        """Grouped-query attention of ``q`` over the live cache; see ``gqakv.gqa_attention``.
+
+        store: the KVStore (no leading axes); inputs: the validated
+        ``gqakv.inputs.AttentionInputs`` (rows, lens, n_new: host ints [B]); params: the
+        ``gqakv.semantics.AttentionParams``.
+        """
+        return _attention.attention_array_api(q, store, inputs, params, return_lse=return_lse)
+
+    # -- hooks for the tools (selftest, bench, distributed, integrations) ------------------
+    # The tools ask the backend instead of switching on its name, so a third-party backend
+    # can say the same things about itself.
+
+    def compile_kernels(self, dtypes, head_dims) -> list[str]:
+        """Build every kernel this backend would compile for caches of ``dtypes`` and
+        ``head_dims`` ahead of use; returns the names built (empty: nothing is built ahead,
+        see ``compile_note``)."""
+        return []
+
+    def compile_note(self) -> str | None:
+        """How kernels are built when ``compile_kernels`` builds none ahead (a JIT, ...),
+        for ``gqakv selftest``'s compile line; None: this backend has no kernels."""
+        return None
+
+    def split_attention(self, dtype: str):
+        """``(fn, note)`` for the self-test's split line: ``fn(q, k, v, rows, lens, n_new, *,
+        scale, return_lse)`` runs this backend's attention over contiguous buffers with its
+        key range forced into small pieces (None when the backend has no such knob), and
+        ``note`` says how the line exercises splits."""
+        return None, "long rows through the backend's attention + merge_attention"
+
+    def thread_count(self) -> int | None:
+        """The CPU threads a hot call runs on (``gqakv bench``'s ``threads``; a peer gets as
+        many), or None (a device backend, or one that does not thread)."""
+        return None
+
+    def threads_line(self) -> str:
+        """One line on how this backend threads, for ``gqakv bench`` ("" for nothing to
+        say); raises ValueError for a bad thread setting (GQAKV_NUM_THREADS)."""
+        return ""
+
+    def for_device(self, device) -> "Backend":
+        """This backend allocating on ``device`` (a device of its array library); the
+        default, for single-device backends: itself when ``device`` is None."""
+        if device is None:
+            return self
+        raise ValueError(f"backend {self.name!r} has one device; device={device!r} is not one of its own")
+
+    def for_local_device(self, index: int) -> "Backend":
+        """This backend bound to the process's device ``index`` on its node (torchrun's
+        LOCAL_RANK), for ``gqakv.distributed``: CPU backends are returned as they are."""
+        return self
+
+    def synchronize(self) -> None:
+        """Wait for work queued on the device (a no-op for synchronous CPU libraries), so
+        that wall-clock timings are honest."""
+
+    def __repr__(self) -> str:
+        return f"<gqakv backend {self.name!r}>"

@@ -1,0 +1,116 @@
+"""Reference attention for ``gqakv selftest``: float64, one query at a time, from the definition.
+
+Written apart from the library's attention code (no blocking, no online softmax, no
+backend): for every batch entry, query token and query head, take KV head ``h // G`` and the
+keys ``gqakv.semantics.key_range`` gives (``0..p`` with ``p = L - n + t`` for plain causal
+attention, ``max(0, p - W + 1)..p`` with a window; taken from that one definition so a
+variant reaches the self-test too), soft-cap the scaled scores (``c * tanh(s / c)``), and
+do the softmax in float64 with the head's sink logit as one more denominator term that
+carries no value. Only the sum over keys is vectorized. The test suite's
+``tests/support/reference.py`` shares nothing with the library, not even the key rule (it loops
+over keys); the two are checked against each other in tests/test_selftest.py.
+
+``naive_low_precision`` is the same computation done the plain way in a narrow dtype, every
+intermediate rounded to it: its error against the reference is the yardstick of the
+FlashAttention-style tolerance ``err <= k * err_naive + eps`` (``gqakv.selftest``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..core.semantics import AttentionParams, key_range
+
+
+def _params(scale, window, softcap, sinks, alibi_slopes=None) -> AttentionParams:
+    return AttentionParams(scale=float(scale), window=window, softcap=softcap,
+                           sinks=None if sinks is None else tuple(float(x) for x in sinks),
+                           alibi_slopes=None if alibi_slopes is None else
+                           tuple(float(x) for x in alibi_slopes))
+
+
+def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, softcap=None,
+                        sinks=None, alibi_slopes=None):
+    """q: [B, Hq, T, d]; k_rows[b], v_rows[b]: [Hkv, L_b, d] live tokens of row b;
+    window, softcap, sinks ([Hq] logits), alibi_slopes ([Hq] slopes): the variant, as
+    ``gqakv.AttentionParams`` holds it.
+
+    Returns out [B, Hq, T, d] and lse [B, Hq, T], float64 (lse of the whole denominator,
+    sink included); padded queries (t >= n_new[b]) give out = 0 and lse = -inf.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    B, Hq, T, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    params = _params(scale, window, softcap, sinks, alibi_slopes)
+    out = np.zeros((B, Hq, T, d))
+    lse = np.full((B, Hq, T), -math.inf)
+    for b in range(B):
+        k = np.asarray(k_rows[b], dtype=np.float64)
+        v = np.asarray(v_rows[b], dtype=np.float64)
+        Hkv, L, _ = k.shape
+        G = Hq // Hkv
+        n = int(n_new[b])
+        for t in range(n):
+            lo, hi = key_range(params, L, n, t)  # the keys query t sees (gqakv.semantics)
+            for h in range(Hq):
+                keys, values = k[h // G, lo:hi], v[h // G, lo:hi]  # [hi - lo, d]
+                scores = scale * (keys @ q[b, h, t])  # [hi - lo]
+                if softcap is not None:
+                    scores = softcap * np.tanh(scores / softcap)
+                if alibi_slopes is not None:  # after the soft-cap: slope x (key position - p)
+                    scores = scores + float(alibi_slopes[h]) * (np.arange(lo, hi) - (L - n + t))
+                sink = -math.inf if sinks is None else float(sinks[h])
+                m = max(scores.max(), sink)
+                w = np.exp(scores - m)
+                total = w.sum() + math.exp(sink - m)  # the sink: a term without a value
+                out[b, h, t] = (w @ values) / total
+                lse[b, h, t] = m + math.log(total)
+    return out, lse
+
+
+def naive_low_precision(q, k_rows, v_rows, n_new, round_to, scale=None, *, window=None,
+                        softcap=None, sinks=None, alibi_slopes=None):
+    """The same attention computed plainly with every intermediate rounded by ``round_to``
+    (a function float32 array -> float32 array holding the nearest narrow-dtype values):
+    scores, their soft-cap, their max, exp, the sum (sink term included), P @ V and the
+    division are each rounded once, the dot products accumulate in float32 (as hardware
+    matmuls do). Same shapes as ``reference_attention``; padded queries give 0 and -inf."""
+    q = np.asarray(q, dtype=np.float32)
+    B, Hq, T, d = q.shape
+    scale = np.float32(1.0 / math.sqrt(d) if scale is None else scale)
+    params = _params(scale, window, softcap, sinks, alibi_slopes)
+    out = np.zeros((B, Hq, T, d), dtype=np.float32)
+    lse = np.full((B, Hq, T), -np.inf, dtype=np.float32)
+    for b in range(B):
+        k = np.asarray(k_rows[b], dtype=np.float32)
+        v = np.asarray(v_rows[b], dtype=np.float32)
+        Hkv, L, _ = k.shape
+        G = Hq // Hkv
+        n = int(n_new[b])
+        if n == 0:
+            continue
+        qb = q[b, :, :n].reshape(Hkv, G * n, d)  # query head h reads KV head h // G
+        s = round_to(round_to(qb @ k.swapaxes(1, 2)) * scale)  # [Hkv, G * n, L]
+        if softcap is not None:
+            c = np.float32(softcap)
+            s = round_to(np.tanh(round_to(s / c)) * c)
+        if alibi_slopes is not None:  # [Hkv, G * n, L]: head kv * G + g, query t at L - n + t
+            slopes = np.repeat(np.asarray(alibi_slopes, np.float32).reshape(Hkv, G), n, axis=1)[..., None]
+            dist = (np.arange(L)[None, :] - (L - n + np.arange(n))[:, None]).astype(np.float32)
+            s = round_to(s + round_to(slopes * np.tile(dist, (G, 1))[None]))
+        lo, hi = key_range(params, L, n, np.arange(n))  # [n]
+        keys = np.arange(L)[:, None]
+        visible = np.tile((keys >= lo) & (keys < hi[None, :]), (1, G)).T  # [G * n, L]
+        s = np.where(visible, s, -np.inf)
+        # [Hkv, G * n, 1]: query head h = kv * G + g, each of its n queries
+        sink = np.full((Hkv, G * n, 1), -np.inf, dtype=np.float32) if sinks is None else \
+            np.repeat(np.asarray(sinks, np.float32).reshape(Hkv, G), n, axis=1)[..., None]
+        m = np.maximum(s.max(axis=-1, keepdims=True), sink)
+        p = round_to(np.exp(round_to(s - m)))
+        total = round_to(p.sum(axis=-1, keepdims=True) + round_to(np.exp(sink - m)))
+        o = round_to(round_to(p @ v) / total)
+        out[b, :, :n] = o.reshape(Hq, n, d)
+        lse[b, :, :n] = (m + np.log(total)).reshape(Hq, n)
+    return out, lse

@@ -1,0 +1,205 @@
+"""Codecs: how one token's K or V values are stored (as themselves, or as codes plus a scale).
+
+A storage spec names its codec by the stored dtype (``StorageSpec.dtype``): a float
+dtype is stored as itself (``PLAIN``); ``"int8"`` and ``"float8_e4m3fn"`` are 8-bit codes
+with one float32 scale per (row, KV head, token) (``gqakv.quantize`` has the exact
+rule). A codec owns everything that depends on the scheme: the dtype its codes are kept
+in, the shape of its scales, bytes per token, quantize / dequantize, and the code that
+dequantizes to 1 (``fill_code``, what ``KVStore.fill`` writes). Callers ask the codec
+instead of branching on a name, so a new codec is one class plus ``register`` here, and
+runs at once on every backend's generic path (which reads and writes only through these
+methods); a fast path serves only the codecs its backend declares it implements
+(``gqakv.backend.FastPath.codecs``) and refuses any other one by itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from . import quantize as _quantize
+from ..core.dtypes import ITEMSIZE
+
+#: The name of the plain codec (values stored as themselves) in capability tables.
+PLAIN_NAME = "none"
+
+
+class Codec:
+    """One storage scheme for K and V values (see the module docstring). Stateless:
+    one instance per scheme, registered by name."""
+
+    #: The name a cache's ``kv_dtype`` gives (``PLAIN_NAME`` for the plain codec).
+    name: ClassVar[str] = "?"
+    #: True when each token stores a float32 scale per KV head beside its codes.
+    scaled: ClassVar[bool] = False
+    #: Bytes of one stored value (a code).
+    code_bytes: ClassVar[int] = 1
+    #: Bytes of one token's scale, per KV head, for K (and as many for V).
+    scale_bytes: ClassVar[int] = 0
+    #: How a code turns into its value, as a short tag compiled kernels specialize on
+    #: (numba: ``numba_kernels.CODE_VIEWS``); None: no kernel decodes it. A fast path
+    #: still serves only the codecs it declares by name.
+    kernel_tag: ClassVar[str | None] = None
+
+    def bytes_per_token_head(self, head_dim: int, value_bytes: int) -> int:
+        """Bytes of one token of one KV head of K (or of V): its ``d`` codes and its scale.
+        ``value_bytes``: bytes per value of the spec's dtype (used by the plain codec)."""
+        return int(head_dim) * self.code_bytes + self.scale_bytes
+
+    def code_dtype(self, xp) -> Any:
+        """``xp``'s dtype the codes are kept in."""
+        raise NotImplementedError
+
+    def quantize(self, xp, x) -> tuple[Any, Any]:
+        """``(codes [..., d], scales [...] float32)`` of ``x`` ``[..., d]``, token by token."""
+        raise NotImplementedError
+
+    def dequantize(self, xp, codes, scales, table=None):
+        """float32 values ``[..., d]`` of ``codes`` ``[..., d]`` with ``scales`` ``[...]``.
+        ``table``: what ``lookup_table`` made for ``xp`` (None if it makes none)."""
+        raise NotImplementedError
+
+    def dequantize_into(self, codes, scales, out):
+        """NumPy: ``dequantize``'s values of ``codes`` ``[..., d]`` with ``scales`` ``[...]``
+        written into the float32 array ``out`` (codes' shape, e.g. a reused buffer);
+        returns ``out``. A codec may compute them in place, faster (NumPy's fast path
+        dequantizes each block it reads through this)."""
+        import numpy as np
+
+        out[...] = self.dequantize(np, codes, scales)
+        return out
+
+    def lookup_table(self, xp, device) -> Any:
+        """A per-store constant the dequantizer needs off NumPy (None: none)."""
+        return None
+
+    #: The code that dequantizes to exactly its scale (the value 1).
+    fill_code: ClassVar[int] = 1
+
+    def __repr__(self) -> str:
+        return f"<gqakv codec {self.name!r}>"
+
+
+class PlainCodec(Codec):
+    """Values stored as themselves, in the spec's dtype: no codes, no scales."""
+
+    name = PLAIN_NAME
+
+    def bytes_per_token_head(self, head_dim: int, value_bytes: int) -> int:
+        return int(head_dim) * int(value_bytes)
+
+
+class Int8PerToken(Codec):
+    """int8 codes, round half to even of ``x / scale``, ``scale = max|x| / 127`` per token."""
+
+    name = "int8"
+    scaled = True
+    scale_bytes = _quantize.SCALE_BYTES
+    kernel_tag = "int8"  # the code is the value
+
+    def code_dtype(self, xp):
+        return xp.int8
+
+    def quantize(self, xp, x):
+        return _quantize.quantize(xp, x, self.name)
+
+    def dequantize(self, xp, codes, scales, table=None):
+        return _quantize.dequantize(xp, codes, scales, self.name)
+
+    def dequantize_into(self, codes, scales, out):
+        import numpy as np
+
+        np.copyto(out, codes, casting="unsafe")  # exact: every int8 is a float32
+        return np.multiply(out, scales[..., None], out=out)
+
+
+class E4M3PerToken(Codec):
+    """float8_e4m3fn codes kept as their uint8 bit patterns, ``scale = max|x| / 448`` per
+    token; off NumPy the 256 code values are looked up in a table (``lookup_table``)."""
+
+    name = "float8_e4m3fn"
+    scaled = True
+    scale_bytes = _quantize.SCALE_BYTES
+    kernel_tag = "e4m3fn"  # the code is an e4m3fn bit pattern
+    fill_code = 0x38  # 1.0 in e4m3fn
+    _values: Any = None  # e4m3_table() once needed (dequantize_into)
+
+    def code_dtype(self, xp):
+        return xp.uint8
+
+    def quantize(self, xp, x):
+        return _quantize.quantize(xp, x, self.name)
+
+    def dequantize(self, xp, codes, scales, table=None):
+        return _quantize.dequantize(xp, codes, scales, self.name, table)
+
+    def dequantize_into(self, codes, scales, out):
+        import numpy as np
+
+        if self._values is None:
+            self._values = _quantize.e4m3_table()  # [256] float32, ml_dtypes' values
+        # a lookup per code: several times faster than ml_dtypes' float8 cast
+        np.take(self._values, codes, out=out, mode="clip")  # uint8: always in range
+        return np.multiply(out, scales[..., None], out=out)
+
+    def lookup_table(self, xp, device):
+        import numpy as np
+
+        if xp is np or getattr(xp, "__name__", "") == "numpy":
+            return None
+        return xp.asarray(_quantize.e4m3_table(), device=device)
+
+
+PLAIN = PlainCodec()
+_REGISTRY: dict[str, Codec] = {}
+
+
+def register(codec: Codec) -> Codec:
+    """Make ``codec`` a storage choice by its name (``kv_dtype=codec.name``). Raises
+    ValueError when the name is taken by another codec or is a float dtype's name."""
+    name = codec.name
+    if name in ITEMSIZE or name == PLAIN_NAME:
+        raise ValueError(f"codec name {name!r} is a float dtype's or the plain codec's")
+    known = _REGISTRY.get(name)
+    if known is not None and known is not codec:
+        raise ValueError(f"codec name {name!r} is taken by {known!r}")
+    _REGISTRY[name] = codec
+    return codec
+
+
+def unregister(name: str) -> None:
+    """Remove a codec registered with ``register`` (tests register throwaway codecs)."""
+    if name in BUILTIN:
+        raise ValueError(f"codec {name!r} is built in")
+    _REGISTRY.pop(name, None)
+
+
+def of(stored_dtype: str) -> Codec:
+    """The codec of a spec whose stored dtype is ``stored_dtype`` (a float dtype: PLAIN)."""
+    return _REGISTRY.get(stored_dtype, PLAIN)
+
+
+def kv_dtype_name(kv_dtype) -> str | None:
+    """The codec name of a ``kv_dtype`` argument: None (K/V stored as the cache's dtype),
+    or a registered codec's name (``"int8"``, ``"float8_e4m3fn"``; a dtype object of that
+    name such as ``numpy.int8``, ``torch.float8_e4m3fn``, ``ml_dtypes.float8_e4m3fn``)."""
+    if kv_dtype is None:
+        return None
+    attr = getattr(kv_dtype, "name", None)
+    name: str = kv_dtype if isinstance(kv_dtype, str) else (
+        attr if isinstance(attr, str) else getattr(kv_dtype, "__name__", None) or str(kv_dtype))
+    name = name.rsplit(".", 1)[-1].lower()
+    if name not in _REGISTRY:
+        allowed = ", ".join(repr(n) for n in _REGISTRY)
+        raise ValueError(f"kv_dtype={kv_dtype!r} is not supported (allowed: None, {allowed})")
+    return name
+
+
+def names() -> tuple[str, ...]:
+    """Every registered codec's name (the ``kv_dtype`` values a cache accepts)."""
+    return tuple(_REGISTRY)
+
+
+for _codec in (Int8PerToken(), E4M3PerToken()):
+    register(_codec)
+#: The built-in codecs' names.
+BUILTIN = frozenset(_REGISTRY)

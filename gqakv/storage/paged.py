@@ -1,0 +1,547 @@
+"""Paged KV storage: memory that follows the live tokens, rows that share pages.
+
+Layout. One pool of pages is allocated once: K and V each
+``[*leading, num_pages, Hkv, page_size, d]`` (heads-major inside a page, so one head's
+``page_size`` tokens are contiguous; ``leading`` is ``()`` for a cache, ``(layers,)``
+for a ModelKVCache, whose layers all page through one table). Row ``b``'s token ``j``
+of KV head ``h`` is at ``[..., table[b, j // P], h, j % P, :]`` (``P = page_size``).
+
+Bookkeeping (``PageTable``, host NumPy, shared by every layer):
+
+- ``table`` ``[B, pages_per_row]`` int32: row b's pages in token order, ``-1`` past the
+  ``held[b]`` pages it holds; ``pages_per_row = ceil(max_len / P)``;
+- ``refs`` ``[num_pages]`` int32: how many table entries name each page;
+- a free list of the pages no entry names (``refs == 0``).
+
+Invariant outside an open model step: row b holds exactly ``ceil(lens[b] / P)`` pages.
+Every page a row holds is full except perhaps its last, so the only page a write can
+land in that another row may also name is that partly filled last page: it is copied
+first (copy on write), and only its live tokens are copied; the table names the copy
+only once it holds them, so a reader running alongside an append sees the shared page or
+the filled copy. An aborted model step gives back every page it took, copies included
+(``PageTable.undo``). Row operations are
+bookkeeping: ``reorder`` and ``fork`` copy table entries and bump reference counts,
+``truncate`` and ``reset`` release pages no row names any more. Appends take pages
+from the free list; when it cannot supply a call's pages, ``OutOfPages`` (a MemoryError)
+is raised before anything changes.
+
+Reading. ``PagedStore.key_blocks`` walks a row in page-aligned spans and ``blocks`` of
+one page's span are views of the pool, so the generic attention path reads a row page
+by page without gathering it. ``blocks`` over several pages (``live_kv``) gathers them
+into new arrays: copies.
+
+Quantized pages (``kv_dtype``, ``gqakv.storage.quantize``): the pool holds codes and the scales
+are paged with their tokens, ``k_scale``/``v_scale`` ``[*leading, num_pages, Hkv,
+page_size]`` float32: token j's scale sits at the same (page, slot) as its codes, so
+sharing, copy on write and releasing a page carry its scales with no bookkeeping of
+their own. ``blocks`` then returns dequantized float32 copies (never views).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from array_api_compat import array_namespace
+
+import dataclasses
+
+from .store import CONTIGUOUS, DEQUANT_BLOCK_ELEMENTS, PAGED, KVStore, StorageSpec
+
+#: Default tokens per page.
+DEFAULT_PAGE_SIZE = 16
+#: Most keys one generic-path key block gathers from several small pages (a bounded copy,
+#: never a whole row): per-block overhead (a matmul launch, the online softmax's rescale)
+#: would otherwise dominate with pages of 16 keys. Pages of at least this size are read
+#: one page per block, as views.
+GATHER_KEYS = 256
+
+
+class OutOfPages(MemoryError):
+    """The page pool cannot supply the pages a call needs; nothing was changed."""
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages holding ``tokens`` tokens: ``ceil(tokens / page_size)``."""
+    return -(-int(tokens) // int(page_size))
+
+
+@dataclasses.dataclass
+class Reservation:
+    """What one ``PageTable.reserve`` took, so it can be finished (``point``) or given back
+    (``undo``) exactly.
+
+    copies: ``(row, j, old page, new page, tokens)``: entry ``j`` of ``row`` is to name
+        ``new`` once the first ``tokens`` slots of ``old`` are copied into it.
+    grown: ``(row, held before)`` for each row that took fresh pages (or none).
+    taken: every page taken from the free list, in the order taken.
+    pointed: whether ``point`` made the table name the copies.
+    """
+
+    copies: list[tuple[int, int, int, int, int]] = dataclasses.field(default_factory=list)
+    grown: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    taken: list[int] = dataclasses.field(default_factory=list)
+    pointed: bool = False
+
+
+class PageTable:
+    """Page tables, reference counts and the free list of one pool (see the module
+    docstring). Host NumPy only; every mutation is called under the cache's writer lock,
+    after the caller validated its arguments."""
+
+    def __init__(self, batch: int, max_len: int, page_size: int, num_pages: int):
+        self.page_size, self.num_pages = int(page_size), int(num_pages)
+        self.pages_per_row = pages_for(max_len, page_size)
+        self.table = np.full((batch, self.pages_per_row), -1, dtype=np.int32)
+        self.held = np.zeros(batch, dtype=np.int64)
+        self.refs = np.zeros(self.num_pages, dtype=np.int32)
+        # A stack: pop() hands out the lowest free page first (deterministic layouts).
+        self._free = list(range(self.num_pages - 1, -1, -1))
+
+    # -- counts ----------------------------------------------------------------------------
+
+    @property
+    def pages_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def pages_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the bookkeeping (``nbytes_for`` of this table's sizes)."""
+        return self.nbytes_for(self.table.shape[0], self.pages_per_row * self.page_size,
+                               self.page_size, self.num_pages)
+
+    @staticmethod
+    def nbytes_for(batch: int, max_len: int, page_size: int, num_pages: int) -> int:
+        """Host bytes of the bookkeeping of such a pool: the table ``[B, ceil(max_len / P)]``
+        int32, ``held`` ``[B]`` int64, ``refs`` ``[num_pages]`` int32 and a free list of up
+        to ``num_pages`` 8-byte entries."""
+        return (4 * batch * pages_for(max_len, page_size) + 8 * batch
+                + (4 + 8) * num_pages)
+
+    def row_pages(self, row: int) -> np.ndarray:
+        """Row ``row``'s pages in token order (a view)."""
+        return self.table[row, :self.held[row]]
+
+    # -- taking and releasing --------------------------------------------------------------
+
+    def _take(self, res: "Reservation") -> int:
+        page = self._free.pop()
+        self.refs[page] = 1
+        res.taken.append(page)
+        return page
+
+    def _release(self, pages) -> None:
+        """Drop one reference to each of ``pages``; pages no entry names go back to the pool."""
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.size == 0:
+            return
+        np.subtract.at(self.refs, pages, 1)
+        dead = np.unique(pages[self.refs[pages] == 0])
+        self._free.extend(int(p) for p in dead[::-1])
+
+    def _share(self, pages) -> None:
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.size:
+            np.add.at(self.refs, pages, 1)
+
+    # -- appends -----------------------------------------------------------------------------
+
+    def reserve(self, rows, starts, n_new) -> "Reservation":
+        """Take the pages an append of ``n_new[i]`` tokens to row ``rows[i]`` (holding
+        ``starts[i]`` tokens; rows distinct) needs: fresh pages past its last, and a private
+        copy of its last page when that page is partly filled and shared (copy on write).
+
+        Raises OutOfPages, with nothing changed, when the free list is too short. The table
+        names the fresh pages at once (past the live tokens, where no reader looks) but not
+        the copies: the caller fills them (``Reservation.copies``), then ``point`` makes the
+        table name them, so a reader never sees a page before it holds its tokens.
+        ``undo`` gives everything back."""
+        P = self.page_size
+        # A shared last page is kept (written in place) by one of this call's rows only when
+        # every row naming it is in the call, and then by the one with the most tokens in it:
+        # its writes land past every other namer's live slots, so they stay intact for a
+        # reader still holding the old page and for an abort that points a row back at it.
+        writers: dict[int, list[tuple[int, int]]] = {}
+        for i in range(len(rows)):
+            s = int(starts[i])
+            if int(n_new[i]) and s % P:
+                page = int(self.table[int(rows[i]), s // P])
+                writers.setdefault(page, []).append((s, i))
+        keeps = {max(w)[1] for page, w in writers.items() if len(w) == int(self.refs[page])}
+        plan = []  # (row, start, fresh pages, copy-on-write?)
+        need = {}
+        for i in range(len(rows)):
+            n = int(n_new[i])
+            if n == 0:
+                continue
+            r, s = int(rows[i]), int(starts[i])
+            fresh = pages_for(s + n, P) - int(self.held[r])
+            cow = bool(s % P) and i not in keeps
+            plan.append((r, s, fresh, cow))
+            if fresh + cow:
+                need[r] = fresh + int(cow)
+        total = sum(need.values())
+        if total > len(self._free):
+            shown = ", ".join(f"row {r} needs {k}" for r, k in list(need.items())[:8])
+            more = " ..." if len(need) > 8 else ""
+            raise OutOfPages(
+                f"the page pool cannot supply {total} pages ({shown}{more}): {len(self._free)} of "
+                f"{self.num_pages} pages (page_size {P}) are free; nothing was written and no "
+                "length changed (truncate or reset rows, or make the cache with more num_pages)")
+        res = Reservation()
+        for r, s, fresh, cow in plan:
+            if cow:  # only the live tokens of the shared last page are copied
+                j = s // P
+                res.copies.append((r, j, int(self.table[r, j]), self._take(res), s % P))
+            h = int(self.held[r])
+            for j in range(h, h + fresh):
+                self.table[r, j] = self._take(res)
+            res.grown.append((r, h))
+            self.held[r] = h + fresh
+        return res
+
+    def point(self, res: "Reservation") -> None:
+        """Make the table name ``res``'s copies (filled by now) instead of the shared pages
+        they copy; each shared page loses one reference (other rows still name it)."""
+        for r, j, old, new, _ in res.copies:
+            self.table[r, j] = new
+            self._release([old])
+        res.pointed = True
+
+    def undo(self, res: "Reservation") -> None:
+        """Give back everything ``res`` took: the table, held counts, reference counts and
+        free list return exactly to what they were before ``reserve`` (nothing else may have
+        changed the table in between; an open step or the writer lock sees to that)."""
+        if res.pointed:
+            for r, j, old, new, _ in reversed(res.copies):
+                if self.refs[old] == 0:  # freed by point(): it is named again
+                    self._free.remove(old)
+                self.refs[old] += 1
+                self.table[r, j] = old
+            res.pointed = False
+        for r, h in reversed(res.grown):
+            self.table[r, h:int(self.held[r])] = -1
+            self.held[r] = h
+        for page in res.taken:
+            self.refs[page] = 0
+        self._free.extend(reversed(res.taken))  # the stack as it was: same pages, same order
+        res.taken, res.copies, res.grown = [], [], []
+
+    # -- row operations ----------------------------------------------------------------------
+
+    def trim(self, rows, new_lens) -> None:
+        """Row ``rows[i]`` keeps the pages of ``new_lens[i]`` tokens and releases the rest."""
+        for r, n in zip(rows, new_lens):
+            r, keep = int(r), pages_for(n, self.page_size)
+            h = int(self.held[r])
+            if keep < h:
+                self._release(self.table[r, keep:h].copy())
+                self.table[r, keep:h] = -1
+                self.held[r] = keep
+
+    def reorder(self, src) -> None:
+        """Row b takes row ``src[b]``'s pages (``[B]``, duplicates allowed)."""
+        src = np.asarray(src, dtype=np.int64)
+        table, held = self.table[src].copy(), self.held[src].copy()
+        none = [np.zeros(0, dtype=np.int32)]
+        self._share(np.concatenate([table[b, :held[b]] for b in range(len(src))] or none))
+        self._release(np.concatenate([self.row_pages(b) for b in range(len(src))] or none))
+        self.table[...] = table
+        self.held[...] = held
+
+    def fork(self, src: int, dst) -> None:
+        """Each row of ``dst`` (distinct, without ``src``) takes ``src``'s pages."""
+        pages = self.row_pages(src).copy()
+        for r in dst:
+            r = int(r)
+            self._share(pages)  # before releasing, in case r already names some of them
+            self._release(self.row_pages(r).copy())
+            self.table[r, :] = -1
+            self.table[r, :pages.size] = pages
+            self.held[r] = pages.size
+
+    # -- checks ------------------------------------------------------------------------------
+
+    def audit(self, lens=None) -> list[str]:
+        """Every broken invariant of the bookkeeping, as sentences (empty: sound). With
+        ``lens`` (``[B]``), also that row b holds exactly ``ceil(lens[b] / P)`` pages."""
+        problems = []
+        counted = np.zeros(self.num_pages, dtype=np.int64)
+        for b in range(self.table.shape[0]):
+            h = int(self.held[b])
+            live, rest = self.table[b, :h], self.table[b, h:]
+            if (live < 0).any() or (live >= self.num_pages).any():
+                problems.append(f"row {b} names pages outside the pool: {live.tolist()}")
+                continue
+            if (rest != -1).any():
+                problems.append(f"row {b} has entries past its {h} pages: {rest.tolist()}")
+            if np.unique(live).size != live.size:
+                problems.append(f"row {b} names a page twice: {live.tolist()}")
+            np.add.at(counted, live, 1)
+            if lens is not None and h != pages_for(lens[b], self.page_size):
+                problems.append(f"row {b} holds {h} pages for {int(lens[b])} tokens "
+                                f"(page_size {self.page_size})")
+        bad = np.flatnonzero(counted != self.refs)
+        if bad.size:
+            p = int(bad[0])
+            problems.append(f"page {p} has refcount {int(self.refs[p])} but {int(counted[p])} "
+                            f"table entries ({bad.size} pages disagree)")
+        free = np.asarray(self._free, dtype=np.int64)
+        if np.unique(free).size != free.size:
+            problems.append("a page is on the free list twice (double free)")
+        unnamed = set(np.flatnonzero(counted == 0).tolist())
+        if set(free.tolist()) != unnamed:
+            leaked = sorted(unnamed - set(free.tolist()))[:8]
+            wrong = sorted(set(free.tolist()) - unnamed)[:8]
+            problems.append(f"free list disagrees with the tables: leaked {leaked}, "
+                            f"free but named {wrong}")
+        return problems
+
+
+class PageTableView:
+    """A read-only page table over entries the caller owns (the functional paged API,
+    ``gqakv.paged_append`` / ``paged_attention``): what readers and writers of a paged
+    store read (``table`` ``[B, pages_per_row]`` int32, ``page_size``, ``num_pages``,
+    ``pages_per_row``), with no reference counts or free list: it cannot reserve,
+    share or release pages, and says so."""
+
+    def __init__(self, entries: np.ndarray, page_size: int, num_pages: int):
+        self.page_size, self.num_pages = int(page_size), int(num_pages)
+        self.pages_per_row = int(entries.shape[1])
+        self.table = np.array(entries, dtype=np.int32)  # our own copy, frozen
+        self.table.flags.writeable = False
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("this page table belongs to the caller (the functional paged API): "
+                        "gqakv reads it and never takes, shares or releases its pages")
+
+    reserve = point = undo = reorder = fork = trim = _refuse
+
+
+class PagedStore(KVStore):
+    """A KVStore of kind ``"paged"``: the pool ``k``, ``v`` ``[*leading, num_pages, Hkv,
+    page_size, d]`` (codes when quantized, with ``k_scale``, ``v_scale`` ``[*leading,
+    num_pages, Hkv, page_size]``) and the shared ``PageTable`` (``table``). ``rows`` and
+    ``max_len`` are the cache's, not the pool's."""
+
+    __slots__ = ("table", "page_size", "num_pages")
+
+    def __init__(self, spec: StorageSpec, k, v, table: "PageTable | PageTableView", rows: int, max_len: int,
+                 k_scale=None, v_scale=None):
+        super().__init__(spec, k, v, k_scale, v_scale)  # leading, kv_heads, head_dim
+        self.num_pages, self.page_size = int(k.shape[-4]), int(k.shape[-2])
+        self.rows, self.max_len = int(rows), int(max_len)
+        self.table = table
+
+    @classmethod
+    def layout_args(cls, batch: int, max_len: int, *, page_size=None, num_pages=None) -> dict:
+        """``page_size`` (default ``DEFAULT_PAGE_SIZE``) and ``num_pages`` (None: every row
+        at ``max_len``), checked (``check_page_args``)."""
+        page_size, num_pages = check_page_args(DEFAULT_PAGE_SIZE if page_size is None else page_size,
+                                               num_pages, batch, max_len)
+        return {"page_size": page_size, "num_pages": num_pages}
+
+    @classmethod
+    def allocate(cls, backend, spec: StorageSpec, shape: tuple[int, ...], what: str,
+                 device=None, *, page_size: int = DEFAULT_PAGE_SIZE,
+                 num_pages: int | None = None) -> "PagedStore":
+        """A paged store for a cache of ``shape`` = ``(*leading, rows, Hkv, max_len, d)``:
+        a pool of ``num_pages`` pages (default: every row at ``max_len``, no overcommit)."""
+        *leading, rows, kv_heads, max_len, head_dim = shape
+        if num_pages is None:
+            num_pages = rows * pages_for(max_len, page_size)
+        pool = KVStore.allocate(backend, dataclasses.replace(spec, kind=CONTIGUOUS),
+                                (*leading, num_pages, kv_heads, page_size, head_dim),
+                                f"{what} page pool", device=device)
+        return cls(spec, pool.k, pool.v, PageTable(rows, max_len, page_size, num_pages),
+                   rows, max_len, pool.k_scale, pool.v_scale)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K and V pool (the page bookkeeping is ``table.nbytes``, on the host)."""
+        return self.spec.nbytes(math.prod(self.leading) * self.num_pages * self.page_size,
+                                self.kv_heads, self.head_dim)
+
+    def pool_rows(self, xp) -> KVStore:
+        """The pool as a contiguous store whose rows are pages (``[layers, num_pages, Hkv,
+        page_size, d]``): page copies run through ``Backend.copy_tokens`` on it."""
+        return KVStore(dataclasses.replace(self.spec, kind=CONTIGUOUS), self.k, self.v,
+                       self.k_scale, self.v_scale).with_layers(xp)
+
+    # -- the layout's row operations: bookkeeping, no data moves (but copy on write) --------
+
+    def reserve(self, backend, rows, starts, n_new) -> Reservation:
+        """The pages an append needs, shared partly filled last pages copied first
+        (``reserve`` below); OutOfPages, with nothing changed, when the pool is short."""
+        return reserve(backend, self, rows, starts, n_new)
+
+    def give_back(self, reservation) -> None:
+        """Every page ``reserve`` took (copies included) back to the pool; the tables as
+        they were."""
+        if reservation is not None:
+            self.table.undo(reservation)
+
+    def reorder_rows(self, backend, src_rows, lens) -> int:
+        self.table.reorder(src_rows)  # rows share their sources' pages
+        return 0
+
+    def fork_rows(self, backend, src, dst_rows, n) -> int:
+        self.table.fork(src, dst_rows)  # shared pages; the last is copied when a row writes into it
+        return 0
+
+    def trim_rows(self, rows, new_lens) -> None:
+        self.table.trim(rows, new_lens)  # pages past the new lengths go back to the pool
+
+    def row_kv(self, backend, row: int, n: int):
+        """Copies gathered from the row's pages (the pages are shared and move between
+        rows), even when the row fits in one page."""
+        k, v = self.blocks(row, 0, n)
+        xp = backend.namespace()
+        return xp.asarray(k, copy=True), xp.asarray(v, copy=True)
+
+    @property
+    def page_table(self) -> "PageTable | PageTableView":
+        return self.table
+
+    # -- views -------------------------------------------------------------------------------
+
+    def layer(self, layer: int) -> "PagedStore":
+        scales = ((self.k_scale[layer, ...], self.v_scale[layer, ...]) if self.quantized
+                  else (None, None))
+        return PagedStore(self.spec, self.k[layer, ...], self.v[layer, ...], self.table,
+                          self.rows, self.max_len, *scales)
+
+    def with_layers(self, xp) -> "PagedStore":
+        if self.leading:
+            return self
+        scales = ((xp.expand_dims(self.k_scale, axis=0), xp.expand_dims(self.v_scale, axis=0))
+                  if self.quantized else (None, None))
+        return PagedStore(self.spec, xp.expand_dims(self.k, axis=0),
+                          xp.expand_dims(self.v, axis=0), self.table, self.rows, self.max_len,
+                          *scales)
+
+    def temporary(self, backend, tokens: int):
+        raise TypeError("paged storage moves rows by bookkeeping; it has no row temporaries")
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def key_blocks(self, row: int, lo: int, hi: int, max_keys: int):
+        """Spans ``(j0, j1)`` covering keys ``lo..hi-1``, each of at most ``max_keys`` keys
+        and ending at a page boundary (or ``hi``): one page (a view) when pages hold at
+        least ``GATHER_KEYS`` keys, else up to ``GATHER_KEYS // page_size`` whole pages
+        (``blocks`` gathers them: a bounded copy)."""
+        P = self.page_size
+        span = P * max(1, GATHER_KEYS // P)
+        if self.quantized:  # each span is dequantized as a whole: keep it small
+            max_keys = min(max_keys, max(1, DEQUANT_BLOCK_ELEMENTS // (self.kv_heads * self.head_dim)))
+        if max_keys < span:
+            span = max(1, min(P, int(max_keys)))
+        j0 = lo
+        while j0 < hi:
+            end = (j0 // P) * P + span if span >= P else j0 + span
+            j1 = min(hi, end, (j0 // P + 1) * P if span <= P else end)
+            yield j0, j1
+            j0 = j1
+
+    def blocks(self, row: int, j0: int, j1: int):
+        """Keys and values ``j0 <= j < j1`` of ``row`` (no leading axes), ``[Hkv, j1 - j0, d]``:
+        views of the pool within one page, gathered copies across pages; quantized:
+        dequantized float32 copies."""
+        P = self.page_size
+        xp = array_namespace(self.k)
+        if j1 <= j0:
+            shape = (self.kv_heads, 0, self.head_dim)
+            dev = getattr(self.k, "device", None)
+            dt = xp.float32 if self.quantized else self.k.dtype
+            return xp.empty(shape, dtype=dt, device=dev), xp.empty(shape, dtype=dt, device=dev)
+        if j0 // P == (j1 - 1) // P:
+            return self._page_view(row, j0, j1)
+        parts = [self._page_view(row, a, b) for a, b in self.key_blocks(row, j0, j1, P)]
+        return (xp.concat([kb for kb, _ in parts], axis=1),
+                xp.concat([vb for _, vb in parts], axis=1))
+
+    def _page_view(self, row: int, j0: int, j1: int):
+        """Keys/values ``j0..j1-1`` (inside one page) of ``row``: views of the pool
+        (quantized: the page's codes x scales, dequantized copies)."""
+        P = self.page_size
+        page, o = int(self.table.table[row, j0 // P]), (j0 // P) * P
+        a, b = j0 - o, j1 - o
+        if self.quantized:
+            return (self._dequantize(self.k[page, :, a:b, :], self.k_scale[page, :, a:b]),
+                    self._dequantize(self.v[page, :, a:b, :], self.v_scale[page, :, a:b]))
+        return self.k[page, :, a:b, :], self.v[page, :, a:b, :]
+
+    # -- writing (the generic path) ----------------------------------------------------------
+
+    def put(self, row: int, start: int, k, v) -> None:
+        """Store ``k``, ``v`` ``[Hkv, n, d]`` as tokens ``start..`` of ``row`` (no leading
+        axes), page by page; the pages must have been reserved (``PageTable.reserve``)."""
+        P = self.page_size
+        n = int(k.shape[1])
+        if self.quantized:  # each token's codes and scale, from that token alone
+            xp = array_namespace(k)
+            (kc, ks), (vc, vs) = (self.spec.codec.quantize(xp, x) for x in (k, v))
+        for j0, j1 in self.key_blocks(row, start, start + n, P):
+            page = int(self.table.table[row, j0 // P])
+            a, b = j0 - (j0 // P) * P, j1 - (j0 // P) * P
+            src = slice(j0 - start, j1 - start)
+            if self.quantized:
+                self.k[page, :, a:b, :], self.k_scale[page, :, a:b] = kc[:, src, :], ks[:, src]
+                self.v[page, :, a:b, :], self.v_scale[page, :, a:b] = vc[:, src, :], vs[:, src]
+                continue
+            self.k[page, :, a:b, :] = k[:, src, :]
+            self.v[page, :, a:b, :] = v[:, src, :]
+
+    def copy_row(self, dst_row, src, src_row, n) -> None:
+        raise TypeError("paged rows are copied by sharing pages (PageTable.fork/reorder), "
+                        "not token by token")
+
+    def __repr__(self) -> str:
+        return (f"PagedStore({self.dtype}, leading={self.leading}, rows={self.rows}, "
+                f"kv_heads={self.kv_heads}, max_len={self.max_len}, head_dim={self.head_dim}, "
+                f"page_size={self.page_size}, num_pages={self.num_pages})")
+
+
+def reserve(backend, store: PagedStore, rows, starts, n_new) -> Reservation:
+    """Take the pages an append of ``n_new[i]`` tokens at ``starts[i]`` to ``rows[i]``
+    needs (every layer of ``store``), copying shared partly filled last pages first.
+    OutOfPages, with nothing changed, when the pool is short.
+
+    Each copy is filled before the table names it (a reader running alongside sees the
+    shared page or the filled copy, never an empty one); if the copy fails, everything is
+    given back. Returns the ``Reservation`` (``store.table.undo`` gives it back)."""
+    res = store.table.reserve(rows, starts, n_new)
+    if res.copies:
+        new, old, count = (np.asarray([c[i] for c in res.copies], dtype=np.int64)
+                           for i in (3, 2, 4))
+        pool = store.pool_rows(backend.namespace())
+        try:
+            backend.copy_tokens(pool, new, pool, old, count)
+        except BaseException:
+            store.table.undo(res)
+            raise
+    store.table.point(res)
+    return res
+
+
+def check_page_args(page_size, num_pages, batch: int, max_len: int) -> tuple[int, int | None]:
+    """``page_size`` >= 1 and ``num_pages`` (None or >= 0) as ints; TypeError/ValueError
+    naming the argument otherwise."""
+    for name, value in (("page_size", page_size), ("num_pages", num_pages)):
+        if value is None and name == "num_pages":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {int(page_size)}")
+    if num_pages is not None and num_pages < 0:
+        raise ValueError(f"num_pages must be >= 0 (or None: every row at max_len), got {int(num_pages)}")
+    return int(page_size), None if num_pages is None else int(num_pages)
+
+
+__all__ = ["DEFAULT_PAGE_SIZE", "OutOfPages", "PAGED", "PageTable", "PageTableView", "PagedStore", "Reservation",
+           "pages_for", "reserve"]

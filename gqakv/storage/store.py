@@ -1,0 +1,363 @@
+"""KV storage: how a cache's keys and values are laid out, typed, sized, allocated and read.
+
+A ``KVStore`` is what the backends' hot operations take (``attention(q, store, ...)``,
+``write_kv(store, ...)``, ``copy_tokens(dst, ..., src, ...)``). It owns:
+
+- the layout (``spec.kind``): ``"contiguous"`` rows today, K and V each
+  ``[*leading, rows, Hkv, max_len, d]`` (``leading`` is ``()`` for a KVCache and
+  ``(layers,)`` for a ModelKVCache); a paged kind would hold pages and a page table;
+- the dtypes (``StorageSpec``): the storage dtype of K/V, separate from the dtype of
+  queries and outputs (``q_dtype``) and of the new keys/values (``input_dtype``); all
+  three are equal today, a quantized kind would store narrower values plus scales;
+- the byte count (``nbytes``, the one formula every size in gqakv comes from);
+- allocation (``KVStore.allocate``);
+- reading for the generic path (``blocks``): key/value blocks ``[Hkv, keys, d]`` of a
+  row, views for contiguous storage; a quantized store (``spec.quantized``: int8 or
+  float8_e4m3fn codes plus per-token float32 scales ``k_scale``/``v_scale``
+  ``[*leading, rows, Hkv, max_len]``, ``gqakv.quantize``) dequantizes each block here,
+  in blocks of at most ``DEQUANT_BLOCK_ELEMENTS``, and quantizes in ``put``. Quantized
+  storage combines with either layout (paged: the scales are paged with their tokens,
+  ``[*leading, num_pages, Hkv, page_size]``).
+
+Fast paths read ``k``/``v`` directly, and only for the kinds they declare (a quantized
+store's ``k``/``v`` hold codes: fast paths without a dequantizing reader must refuse
+``store.quantized``); any other kind runs on the generic array-API path, which reads
+through ``blocks`` and so works on every backend before a fast path exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+import numpy as np
+
+from ..core import dtypes as _dtypes
+from ..core.units import human_bytes
+from . import codecs as _codecs
+from .row_copies import plan_reorder, run_waves
+
+#: Storage kinds. Contiguous: K and V are dense arrays, row r's token j of KV head h at
+#: ``[..., r, h, j, :]``.
+CONTIGUOUS = "contiguous"
+#: Paged: a pool of pages ``[*leading, num_pages, Hkv, page_size, d]`` and a page table
+#: per row (``gqakv.paged.PagedStore``).
+PAGED = "paged"
+KINDS = (CONTIGUOUS, PAGED)
+
+#: Largest buffer, in bytes, any backend can address (a signed 64-bit byte count;
+#: NumPy's and torch's limit on 64-bit platforms).
+MAX_BUFFER_BYTES = 2**63 - 1
+
+#: Largest dequantized block, in elements of K (and as many of V), a quantized store's
+#: reader hands the generic path at once (4 MiB of float32 each): attention never holds
+#: a dequantized copy of a whole row.
+DEQUANT_BLOCK_ELEMENTS = 1 << 20
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """How K/V are stored: the layout ``kind`` and the dtypes (canonical names).
+
+    dtype: the storage dtype of K and V. q_dtype: the dtype of queries and outputs.
+    input_dtype: the dtype of the k_new/v_new an append takes. ``of(dtype)`` makes the
+    spec whose three dtypes are equal; ``of(dtype, kv_dtype="int8")`` (or
+    ``"float8_e4m3fn"``) one that stores K/V quantized with per-token scales
+    (``quantized``) while queries, inputs and outputs stay ``dtype``.
+    """
+
+    kind: str
+    dtype: str
+    q_dtype: str
+    input_dtype: str
+
+    @classmethod
+    def of(cls, dtype, kind: str = CONTIGUOUS, kv_dtype=None) -> "StorageSpec":
+        name = _dtypes.canonical_name(dtype)
+        if kind not in KINDS:
+            raise ValueError(f"storage kind={kind!r} (known: {', '.join(KINDS)})")
+        stored = _codecs.kv_dtype_name(kv_dtype)
+        if stored is not None:
+            if name == "float64":
+                raise ValueError(f"kv_dtype={stored!r} needs dtype float32, float16 or bfloat16, "
+                                 "got dtype=float64 (a float64 cache is the reference precision; "
+                                 "use dtype='float32' to quantize)")
+        return cls(kind, stored or name, name, name)
+
+    @property
+    def codec(self) -> _codecs.Codec:
+        """How K/V values are stored (``gqakv.codecs``): ``PLAIN`` for a float dtype."""
+        return _codecs.of(self.dtype)
+
+    @property
+    def quantized(self) -> bool:
+        """True when K/V are stored as codes with per-token float32 scales."""
+        return self.codec.scaled
+
+    def bytes_per_slot(self, kv_heads: int, head_dim: int) -> int:
+        """Bytes of K plus V for one token slot of one row of one layer. The one byte-count
+        formula: every size gqakv reports or checks is a multiple of it (Python ints,
+        exact). A quantized spec adds each token's two float32 scales (K and V) per KV
+        head: ``2 x Hkv x (d x 1 + 4)``."""
+        codec = self.codec
+        value_bytes = 0 if codec.scaled else _dtypes.itemsize(self.dtype)
+        return 2 * int(kv_heads) * codec.bytes_per_token_head(head_dim, value_bytes)
+
+    def nbytes(self, slots: int, kv_heads: int, head_dim: int) -> int:
+        """Bytes of K and V for ``slots`` token slots (layers x rows x max_len)."""
+        return int(slots) * self.bytes_per_slot(kv_heads, head_dim)
+
+
+def _allocate_quantized(backend, spec: StorageSpec, shape: tuple[int, ...], device):
+    """Codes (int8, or uint8 e4m3fn patterns) ``shape`` and float32 scales ``shape[:-1]``
+    for K and V, all on one device: the scales through the backend, the codes through its
+    namespace on the scales' device (backends only know float dtypes by name)."""
+    k_scale = backend.empty(shape[:-1], "float32", device=device)
+    v_scale = backend.empty(shape[:-1], "float32", device=device)
+    xp = backend.namespace()
+    dt = spec.codec.code_dtype(xp)
+    dev = getattr(k_scale, "device", None)
+    try:
+        k = xp.empty(shape, dtype=dt, device=dev)
+        v = xp.empty(shape, dtype=dt, device=dev)
+    except RuntimeError as exc:  # torch's CPU out-of-memory
+        raise MemoryError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+    return k, v, k_scale, v_scale
+
+
+def nbytes(dtype, slots: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes of a contiguous store of ``dtype`` with ``slots`` token slots (see ``StorageSpec``)."""
+    return StorageSpec.of(dtype).nbytes(slots, kv_heads, head_dim)
+
+
+class KVStore:
+    """K/V storage of a cache (see the module docstring).
+
+    Attributes:
+        spec: the StorageSpec.
+        k, v: contiguous kind: the buffers ``[*leading, rows, Hkv, max_len, d]`` (codes
+            when quantized).
+        k_scale, v_scale: quantized only: float32 ``[*leading, rows, Hkv, max_len]``, the
+            scale of each token's codes (None otherwise).
+        leading: ``()`` or ``(layers,)``; rows, kv_heads, max_len, head_dim: ints.
+    """
+
+    __slots__ = ("spec", "k", "v", "leading", "rows", "kv_heads", "max_len", "head_dim",
+                 "k_scale", "v_scale", "_table")
+
+    def __init__(self, spec: StorageSpec, k, v, k_scale=None, v_scale=None):
+        self.spec = spec
+        self.k, self.v = k, v
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self._table = None  # the codec's lookup table (e4m3 off NumPy), made on first read
+        shape = tuple(int(s) for s in k.shape)
+        self.leading = shape[:-4]
+        self.rows, self.kv_heads, self.max_len, self.head_dim = shape[-4:]
+
+    @classmethod
+    def of(cls, k, v) -> "KVStore":
+        """A contiguous store over existing buffers ``k``, ``v`` (``[*leading, rows, Hkv,
+        max_len, d]``, same shape and dtype), e.g. to call a backend's hot operations on
+        buffers made elsewhere; nothing is copied."""
+        if tuple(k.shape) != tuple(v.shape) or k.dtype != v.dtype or len(k.shape) < 4:
+            raise ValueError(f"K {list(k.shape)} {k.dtype} and V {list(v.shape)} {v.dtype} must "
+                             "be equal shapes [..., rows, Hkv, max_len, d] of one dtype")
+        return cls(StorageSpec.of(k.dtype), k, v)
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def dtype(self) -> str:
+        """The storage dtype's name."""
+        return self.spec.dtype
+
+    @property
+    def quantized(self) -> bool:
+        """True when ``k``/``v`` hold 8-bit codes with per-token scales (``gqakv.quantize``)."""
+        return self.spec.quantized
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes(math.prod(self.leading) * self.rows * self.max_len,
+                                self.kv_heads, self.head_dim)
+
+    # -- allocation ------------------------------------------------------------------------
+
+    @classmethod
+    def layout_args(cls, batch: int, max_len: int, *, page_size=None, num_pages=None) -> dict:
+        """The checked keyword arguments of ``allocate`` for this layout (contiguous rows
+        take none: ``page_size`` / ``num_pages`` are refused, naming them)."""
+        if page_size is not None or num_pages is not None:
+            raise ValueError(f"page_size={page_size!r} and num_pages={num_pages!r} apply to "
+                             f"storage='paged' only, not storage={CONTIGUOUS!r}")
+        return {}
+
+    @classmethod
+    def allocate(cls, backend, spec: StorageSpec, shape: tuple[int, ...], what: str,
+                 device=None) -> "KVStore":
+        """A store of ``shape`` = ``(*leading, rows, Hkv, max_len, d)`` on ``backend``
+        (uninitialized); a MemoryError names the bytes asked for."""
+        *_, kv_heads, _, head_dim = shape
+        total = spec.nbytes(math.prod(shape[:-4]) * shape[-4] * shape[-2], kv_heads, head_dim)
+
+        def fail(why: str):
+            return MemoryError(
+                f"cannot allocate a {what} of {total:,} bytes ({human_bytes(total)}; K and V "
+                f"each {list(shape)} {spec.dtype}) on backend {backend.name!r}: {why}"
+            )
+
+        if total // 2 > MAX_BUFFER_BYTES:
+            raise fail(f"each buffer exceeds the {MAX_BUFFER_BYTES:,} bytes a 64-bit size can address")
+        try:
+            if spec.quantized:
+                return cls(spec, *_allocate_quantized(backend, spec, shape, device))
+            k = backend.empty(shape, spec.dtype, device=device)
+            v = backend.empty(shape, spec.dtype, device=device)
+        except MemoryError as exc:
+            raise fail(str(exc)) from None
+        return cls(spec, k, v)
+
+    def temporary(self, backend, tokens: int) -> "KVStore":
+        """A one-row store like this one, ``[*leading, 1, Hkv, tokens, d]`` (a row operation's
+        temporary), on the same device."""
+        shape = (*self.leading, 1, self.kv_heads, max(1, tokens), self.head_dim)
+        return KVStore.allocate(backend, self.spec, shape, "temporary row",
+                                device=backend.device_of(self.k))
+
+    # -- the layout's row operations ---------------------------------------------------------
+    # Validated by the caller (gqakv.row_ops, the caches); a paged layout overrides each.
+    # Reorder and fork take the store with a leading layer axis (``with_layers``).
+
+    def reserve(self, backend, rows, starts, n_new):
+        """Take what an append of ``n_new[i]`` tokens at ``starts[i]`` to ``rows[i]`` needs
+        before anything is written (every layer); returns what ``give_back`` undoes.
+        Contiguous rows are allocated whole: nothing to take (None)."""
+        return None
+
+    def give_back(self, reservation) -> None:
+        """Undo a ``reserve`` whose append did not complete (nothing for contiguous rows)."""
+
+    def reorder_rows(self, backend, src_rows: np.ndarray, lens: np.ndarray) -> int:
+        """Row b takes row ``src_rows[b]``'s tokens (``lens``: the lengths before), by copies
+        in a safe order (``gqakv.row_copies``); returns tokens copied per layer."""
+        return run_waves(backend, self, plan_reorder(src_rows, lens))
+
+    def fork_rows(self, backend, src: int, dst_rows: np.ndarray, n: int) -> int:
+        """Each row of ``dst_rows`` takes the first ``n`` tokens of row ``src`` (one wave of
+        copies); returns tokens copied per layer."""
+        backend.copy_tokens(self, dst_rows, self, np.full(dst_rows.size, src), np.full(dst_rows.size, n))
+        return n * int(dst_rows.size)
+
+    def trim_rows(self, rows: np.ndarray, new_lens: np.ndarray) -> None:
+        """Rows ``rows`` now hold ``new_lens`` tokens: nothing moves or is released here."""
+
+    def row_kv(self, backend, row: int, n: int):
+        """Row ``row``'s first ``n`` keys and values ``[Hkv, n, d]`` for ``KVCache.live_kv``:
+        views of the buffers for plain contiguous storage (what ``blocks`` reads)."""
+        return self.blocks(row, 0, n)
+
+    @property
+    def page_table(self):
+        """The page table of a paged layout; TypeError for this one."""
+        raise TypeError(f"this cache's storage is {self.kind!r}; pages exist only for "
+                        "storage='paged' (gqakv.PagedKVCache)")
+
+    # -- views -----------------------------------------------------------------------------
+
+    def layer(self, layer: int) -> "KVStore":
+        """Layer ``layer`` of a store with one leading axis, as a store of its own (views)."""
+        if self.quantized:
+            return KVStore(self.spec, self.k[layer, ...], self.v[layer, ...],
+                           self.k_scale[layer, ...], self.v_scale[layer, ...])
+        return KVStore(self.spec, self.k[layer, ...], self.v[layer, ...])
+
+    def with_layers(self, xp) -> "KVStore":
+        """This store with a leading layer axis (of 1 when it has none): the layout the row
+        operations work on."""
+        if self.leading:
+            return self
+        if self.quantized:
+            return KVStore(self.spec, xp.expand_dims(self.k, axis=0), xp.expand_dims(self.v, axis=0),
+                           xp.expand_dims(self.k_scale, axis=0), xp.expand_dims(self.v_scale, axis=0))
+        return KVStore(self.spec, xp.expand_dims(self.k, axis=0), xp.expand_dims(self.v, axis=0))
+
+    # -- reading (the generic path) --------------------------------------------------------
+
+    def key_blocks(self, row: int, lo: int, hi: int, max_keys: int):
+        """Spans ``(j0, j1)``, in order, covering keys ``lo..hi-1`` of ``row`` with at most
+        ``max_keys`` keys each, that ``blocks`` reads without copying (the generic path
+        walks a row through them; a paged kind ends every span at a page boundary)."""
+        step = max(1, int(max_keys))
+        if self.quantized:  # each span is dequantized as a whole: keep it small
+            step = min(step, max(1, DEQUANT_BLOCK_ELEMENTS // (self.kv_heads * self.head_dim)))
+        for j0 in range(lo, hi, step):
+            yield j0, min(hi, j0 + step)
+
+    def blocks(self, row: int, j0: int, j1: int):
+        """Keys and values ``j0 <= j < j1`` of ``row`` of a store without leading axes, as
+        ``[Hkv, j1 - j0, d]`` arrays in the storage dtype: views for contiguous storage;
+        quantized: new float32 arrays, dequantized (keep ``j1 - j0`` small, as
+        ``key_blocks`` does)."""
+        if self.quantized:
+            return (self._dequantize(self.k[row, :, j0:j1, :], self.k_scale[row, :, j0:j1]),
+                    self._dequantize(self.v[row, :, j0:j1, :], self.v_scale[row, :, j0:j1]))
+        return self.k[row, :, j0:j1, :], self.v[row, :, j0:j1, :]
+
+    def _dequantize(self, codes, scales):
+        from array_api_compat import array_namespace
+
+        xp = array_namespace(codes)
+        codec = self.spec.codec
+        if self._table is None:
+            self._table = codec.lookup_table(xp, getattr(codes, "device", None))
+        return codec.dequantize(xp, codes, scales, self._table)
+
+    # -- writing (the generic path) --------------------------------------------------------
+
+    def put(self, row: int, start: int, k, v) -> None:
+        """Store ``k``, ``v`` ``[Hkv, n, d]`` (the input dtype) as tokens ``start..start+n-1``
+        of ``row`` of a store without leading axes, in place."""
+        n = int(k.shape[1])
+        if self.quantized:  # each token's codes and scale, from that token alone
+            from array_api_compat import array_namespace
+
+            xp = array_namespace(k)
+            for buf, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+                codes, scale = self.spec.codec.quantize(xp, x)
+                buf[row, :, start:start + n, :] = codes
+                scales[row, :, start:start + n] = scale
+            return
+        self.k[row, :, start:start + n, :] = k
+        self.v[row, :, start:start + n, :] = v
+
+    def copy_row(self, dst_row: int, src: "KVStore", src_row: int, n: int) -> None:
+        """Tokens ``0..n-1`` of ``src``'s row ``src_row`` into this store's row ``dst_row``,
+        every layer (both stores have the same leading axes)."""
+        self.k[..., dst_row, :, :n, :] = src.k[..., src_row, :, :n, :]
+        self.v[..., dst_row, :, :n, :] = src.v[..., src_row, :, :n, :]
+        if self.quantized:  # the scales travel with their tokens
+            self.k_scale[..., dst_row, :, :n] = src.k_scale[..., src_row, :, :n]
+            self.v_scale[..., dst_row, :, :n] = src.v_scale[..., src_row, :, :n]
+
+    def fill(self, value, v_value=None) -> None:
+        """Set every K slot, live or not, to ``value`` and every V slot to ``v_value``
+        (default: ``value``). The supported way for tests to poison the slots no reader
+        may see; nothing else should write storage except through the backend.
+        Quantized: every code is the code of 1 and every scale the value, so each slot
+        dequantizes to exactly the value (NaN and inf too)."""
+        if self.quantized:
+            one = self.spec.codec.fill_code
+            self.k[...] = one
+            self.v[...] = one
+            self.k_scale[...] = value
+            self.v_scale[...] = value if v_value is None else v_value
+            return
+        self.k[...] = value
+        self.v[...] = value if v_value is None else v_value
+
+    def __repr__(self) -> str:
+        return (f"KVStore({self.kind}, {self.dtype}, leading={self.leading}, rows={self.rows}, "
+                f"kv_heads={self.kv_heads}, max_len={self.max_len}, head_dim={self.head_dim})")

@@ -1,0 +1,239 @@
+"""``gqakv generate``: greedy generation with the example Llama model, cached vs uncached.
+
+Runs a batch of prompts of different lengths through chunked prefill and batched
+ragged decode on gqakv's KV cache, then the same generation re-running the full
+prefix every step (no cache), and reports time to first token and tokens/s for
+both, and whether the greedy tokens agree.
+
+``--tensor-parallel P`` splits the model over P processes by heads
+(``gqakv.distributed``); start them with torch's launcher, one per device::
+
+    torchrun --standalone --nproc-per-node 2 -m gqakv generate --tensor-parallel 2 --config tiny
+
+Every rank runs the same generation on its shard (all-reducing the projections'
+partial sums) and rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from gqakv import distributed
+from gqakv.dispatch.registry import get_backend
+from gqakv.distributed import HeadShard, even_slice
+from gqakv.tools.errors import UsageError
+
+from . import real_model
+from .llama import CONFIGS, LlamaModel, generate, generate_uncached
+
+
+#: Prefill chunk of ``gqakv generate`` (random or real weights). Each forward call reads every
+#: weight once (the 8B-shaped example: 2.8 GB in float32), so a prompt cut into 32-token chunks
+#: paid that read once per chunk and reached its first token later than the uncached run,
+#: which feeds the whole prompt at once. 512 puts the default prompts in one call.
+DEFAULT_CHUNK = 512
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="llama3-8b-shaped",
+                        help="model shape (default: Llama-3.1-8B layer shapes, fewer layers)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="number of decoder layers (default: the config's; 8B-shaped: 2 of 32)")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="vocabulary size (default: the config's; 8B-shaped: 32768)")
+    parser.add_argument("--tied", action="store_true", help="tie the output head to the embedding")
+    parser.add_argument("--batch", type=int, default=4, help="rows (default 4)")
+    parser.add_argument("--prompt-len", type=int, default=64,
+                        help="longest prompt; rows get ragged lengths down to 1/4 of it (default 64)")
+    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per row (default 16)")
+    parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
+                        help=f"prefill chunk: prompt tokens of each row per forward call (default {DEFAULT_CHUNK}). "
+                             "Every call reads all the weights once, so fewer, larger chunks reach the first "
+                             "token sooner; smaller ones bound the activations' memory")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--backend", default=None, help="gqakv backend (default: gqakv's choice)")
+    parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the uncached (re-run the full prefix) comparison")
+    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="P",
+                        help="split the model by heads over P processes started by torchrun "
+                             "(torchrun --standalone --nproc-per-node P -m gqakv generate "
+                             "--tensor-parallel P ...); needs torch")
+    parser.add_argument("--tp-timeout", type=float, default=300.0, metavar="S",
+                        help="with --tensor-parallel: seconds a collective waits for the other "
+                             "ranks before failing (default 300)")
+    variants = parser.add_argument_group("attention variants (default: plain causal)")
+    variants.add_argument("--window", type=int, default=None, metavar="W",
+                          help="sliding window: each query sees the W most recent positions, its own included")
+    variants.add_argument("--global-every", type=int, default=None, metavar="K",
+                          help="with --window: every K-th layer attends to everything "
+                               "(K=2: Gemma 2 / gpt-oss alternation, K=6: Gemma 3)")
+    variants.add_argument("--softcap", type=float, default=None, metavar="C",
+                          help="soft-cap each scaled attention score s to C * tanh(s / C) (Gemma 2 uses 50)")
+    variants.add_argument("--sinks", action="store_true",
+                          help="a learned sink logit per query head and layer (gpt-oss), drawn with the weights")
+    real_model.add_arguments(parser)  # --model / --gguf: real weights and text (real_model.py)
+
+
+def _check_variant_options(args, UsageError) -> None:
+    if args.window is not None and args.window < 1:
+        raise UsageError(f"--window must be >= 1, got {args.window}")
+    if args.global_every is not None and (args.global_every < 2 or args.window is None):
+        raise UsageError(f"--global-every {args.global_every}: needs --window and a value >= 2 "
+                         "(every K-th layer global, the others sliding)")
+    if args.softcap is not None and not (math.isfinite(args.softcap) and args.softcap > 0):
+        raise UsageError(f"--softcap must be a finite number > 0, got {args.softcap}")
+
+
+def _refuse_real_model_options(args, UsageError) -> None:
+    """--prompt, --chat and --compare-cache need real weights and a tokenizer: without
+    --model/--gguf they would be ignored while the random-weight demo runs."""
+    given = [flag for flag, value in (("--prompt", getattr(args, "prompt", None)),
+                                      ("--chat", getattr(args, "chat", False)),
+                                      ("--compare-cache", getattr(args, "compare_cache", None))) if value]
+    if given:
+        raise UsageError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} a real model: add "
+                         "--model smollm2-135m or --gguf PATH (without them gqakv generate runs the example "
+                         "model with random weights and no tokenizer)")
+
+
+def _prompt_lengths(batch: int, longest: int) -> list[int]:
+    """Evenly spread from ``longest`` down to about a quarter of it: ragged rows."""
+    if batch == 1:
+        return [longest]
+    shortest = max(1, longest // 4)
+    return [int(round(longest - (longest - shortest) * i / (batch - 1))) for i in range(batch)]
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _silent(*args, **kwargs) -> None:
+    pass
+
+
+def _tensor_parallel(args, config, UsageError):
+    """The TensorParallel of ``--tensor-parallel`` (None without it), the split checked
+    against the model before any weight is drawn."""
+    P = args.tensor_parallel
+    if P is None:
+        return None
+    if P < 1:
+        raise UsageError(f"--tensor-parallel must be >= 1, got {P}")
+    if not (math.isfinite(args.tp_timeout) and args.tp_timeout > 0):
+        raise UsageError(f"--tp-timeout must be a finite number of seconds > 0, got {args.tp_timeout}")
+    try:  # the same split on every rank: refuse it before joining the group
+        HeadShard.plan(config.n_heads, config.n_kv_heads, P)
+        even_slice(config.intermediate_size, P, 0, "intermediate_size")
+    except ValueError as exc:
+        raise UsageError(f"--tensor-parallel {P}: {exc}") from None
+    try:
+        import torch
+    except ImportError as exc:
+        raise UsageError(f"--tensor-parallel needs torch.distributed: {exc}") from None
+    # GPU arrays (torch on CUDA, CuPy) communicate over NCCL, host arrays over gloo.
+    name = get_backend(args.backend, dtype=args.dtype, head_dim=config.head_dim).name
+    gpu = name in ("torch", "cupy") and torch.cuda.is_available()
+    return distributed.init(P, device_kind="cuda" if gpu else "cpu", timeout_s=args.tp_timeout)
+
+
+def run(args) -> int:
+    if real_model.wants_real_model(args):
+        if getattr(args, "tensor_parallel", None) is not None:
+            raise UsageError("--tensor-parallel runs the example model (random weights, --config); "
+                             "it does not split --model / --gguf")
+        return real_model.run(args)
+    _refuse_real_model_options(args, UsageError)
+    for name in ("batch", "prompt_len", "new_tokens", "chunk", "layers", "vocab"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    config = CONFIGS[args.config]
+    changes = {}
+    if args.layers is not None:
+        changes["n_layers"] = args.layers
+    if args.vocab is not None:
+        changes["vocab_size"] = args.vocab
+    if args.tied:
+        changes["tie_embeddings"] = True
+    _check_variant_options(args, UsageError)
+    changes.update(sliding_window=args.window, global_every=args.global_every, softcap=args.softcap,
+                   sinks=args.sinks)
+    config = config.replace(**changes)
+    # An unknown backend, or one that cannot run here, fails before any output.
+    get_backend(args.backend, dtype=args.dtype, head_dim=config.head_dim)
+    if args.page_size is not None and args.page_size < 1:
+        raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
+    cache_options = {k: v for k, v in (("page_size", args.page_size), ("kv_dtype", args.kv_dtype))
+                     if v is not None}
+    tp = _tensor_parallel(args, config, UsageError)
+    try:
+        return _run(args, config, tp, cache_options)
+    finally:
+        if tp is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _run(args, config, tp, cache_options) -> int:
+    speaks = tp is None or tp.rank == 0  # under tensor parallelism rank 0 prints, the others compute
+    say = _say if speaks else _silent
+    out = print if speaks else _silent
+    say(f"gqakv generate: {args.config} model, {config.n_layers} layers, {config.n_heads} query / "
+        f"{config.n_kv_heads} KV heads, head dim {config.head_dim}, hidden {config.hidden_size}, "
+        f"MLP {config.intermediate_size}, vocab {config.vocab_size} "
+        f"({config.n_params / 1e6:.1f}M params, {args.dtype}, "
+        f"{'tied' if config.tie_embeddings else 'untied'} head)")
+    say(f"  attention: {config.variant}")
+    t = time.perf_counter()
+    model = LlamaModel(config, seed=args.seed, dtype=args.dtype, backend=args.backend, tensor_parallel=tp)
+    say(f"  weights drawn from seed {args.seed} in {time.perf_counter() - t:.1f} s; "
+        f"backend {model.backend.name}")
+    if tp is not None:
+        F = config.intermediate_size // tp.world_size
+        say(f"  tensor parallel: {tp.world_size} ranks ({tp.comm_backend}); {model.shard}; "
+            f"MLP columns {tp.rank * F}..{(tp.rank + 1) * F - 1}; 2 all-reduces of "
+            f"[B, T, {config.hidden_size}] per layer")
+
+    lengths = _prompt_lengths(args.batch, args.prompt_len)
+    rng = np.random.default_rng(args.seed + 1)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]
+    calls = math.ceil(max(lengths) / args.chunk)
+    prefill = (f"prefill in one forward call (--chunk {args.chunk} covers the longest prompt)" if calls == 1 else
+               f"prefill in {calls} forward calls of up to {args.chunk} tokens per row (each call reads every "
+               "weight once, so the first token comes later than with one call)")
+    say(f"  {args.batch} rows, prompts of {', '.join(map(str, lengths))} tokens, "
+        f"{args.new_tokens} new tokens each, {prefill}")
+
+    # Warm-up (BLAS threads, first touch of the weights) so neither run pays it.
+    generate(model, [prompts[0][:4]], 2)
+    generate_uncached(model, [prompts[0][:4]], 2)
+    say("  running with the gqakv KV cache ...")
+    cached = generate(model, prompts, args.new_tokens, chunks=args.chunk, cache_options=cache_options)
+    rows = [("KV cache (gqakv)", cached)]
+    if not args.no_baseline:
+        say("  running without a cache (re-running the full prefix every step) ...")
+        uncached = generate_uncached(model, prompts, args.new_tokens)
+        rows.append(("full prefix each step", uncached))
+
+    out()
+    out(f"  {'':<24}{'time to first token':>21}{'decode tokens/s':>18}{'overall tokens/s':>19}")
+    for name, g in rows:
+        out(f"  {name:<24}{g.time_to_first_token:>19.3f} s{g.decode_tokens_per_s:>18.1f}"
+            f"{g.tokens_per_s:>19.1f}")
+    per = "" if tp is None else f" on each of {tp.world_size} ranks"
+    out(f"  KV cache: {cached.cache_nbytes / 2**20:.1f} MiB{per}, allocated once")
+    if not args.no_baseline:
+        same = bool((cached.tokens == uncached.tokens).all())
+        diff = float(np.max(np.abs(cached.logits - uncached.logits)))
+        speedup = cached.decode_tokens_per_s / uncached.decode_tokens_per_s
+        out(f"  decode speedup from the cache: x{speedup:.1f}; greedy tokens identical: "
+            f"{'yes' if same else 'NO'}; max |logit difference| {diff:.2e}")
+        if not same:
+            return 1
+    return 0
