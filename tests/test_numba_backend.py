@@ -386,3 +386,40 @@ def test_variants_run_the_kernel_through_the_public_api(monkeypatch):
     want, want_lse = reference_on_buffers(q, k, v, [9, 6], [2, 1], 0.25, window=3, softcap=1.5,
                                           sinks=params.sinks)
     _variant_check(out, lse, want, want_lse, [2, 1], np.float16)
+
+
+def test_alibi_is_a_compile_time_piece_of_the_score_loop(monkeypatch):
+    """A call without ALiBi hands the kernel ``alibi=None`` (its specialization compiles no
+    bias: ``numba_kernels.bias``), one with ALiBi its float32 slopes [Hq]; both match the
+    float64 reference, over a long row split into key pieces (positions stay absolute
+    across pieces) and a short chunk, with every other variant on."""
+    seen = []
+    real = nk.attention_items
+
+    def spy(*args):
+        seen.append(args[13])  # attention_items' ``alibi``
+        return real(*args)
+
+    monkeypatch.setattr(nk, "attention_items", spy)
+    rng = np.random.default_rng(34)
+    L, d = 700, 16
+    k = rng.standard_normal((2, 2, L, d)).astype(np.float32)
+    v = rng.standard_normal((2, 2, L, d)).astype(np.float32)
+    q = rng.standard_normal((2, 6, 3, d)).astype(np.float32)
+    slopes = (0.5, 0.25, 0.0, -0.125, 0.03125, 2.0 ** -8)
+    for params in (AttentionParams(scale=0.25),
+                   AttentionParams(scale=0.25, alibi_slopes=slopes),
+                   AttentionParams(scale=0.25, window=300, softcap=2.0,
+                                   sinks=(0.5, -np.inf, 2.0, 8.0, 0.0, 1.0), alibi_slopes=slopes)):
+        seen.clear()
+        out, lse = _run(q, k, v, [L, 400], [3, 2], params=params, workers=3, min_key_split=64,
+                        parallel_min_work=0)
+        (alibi,) = seen
+        if params.alibi_slopes is None:
+            assert alibi is None
+        else:
+            assert alibi.dtype == np.float32 and alibi.tolist() == list(slopes)
+        want, want_lse = reference_on_buffers(q, k, v, [L, 400], [3, 2], 0.25, window=params.window,
+                                              softcap=params.softcap, sinks=params.sinks,
+                                              alibi_slopes=params.alibi_slopes)
+        _check(out, lse, want, want_lse, [3, 2], np.float32)
