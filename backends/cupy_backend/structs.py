@@ -55,6 +55,7 @@ class Struct:
     def declaration(self) -> str:
         """The C++ declaration, with one static_assert per field offset and on the size."""
         dt = self.dtype
+        offsets = {name: spec[1] for name, spec in (dt.fields or {}).items()}
         lines = [f"// {line}" if line else "//" for line in self.doc.splitlines()]
         lines.append(f"struct {self.name} {{")
         width = max(len(f"{f.ctype} {f.name};") for f in self.fields)
@@ -63,7 +64,7 @@ class Struct:
         lines.append(f'static_assert(sizeof({self.name}) == {dt.itemsize}, "{self.name}: the size of structs.py\'s dtype");')
         lines.append("#ifdef GQAKV_EMULATION  // g++ has offsetof; NVRTC has no <cstddef>")
         for f in self.fields:
-            lines.append(f"static_assert(__builtin_offsetof({self.name}, {f.name}) == {dt.fields[f.name][1]}, "
+            lines.append(f"static_assert(__builtin_offsetof({self.name}, {f.name}) == {offsets[f.name]}, "
                          f'"{self.name}.{f.name}: the offset of structs.py\'s dtype");')
         lines.append("#endif")
         return "\n".join(lines)
