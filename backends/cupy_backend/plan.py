@@ -41,7 +41,7 @@ import numpy as np
 
 from gqakv.core import semantics
 
-from . import instantiations, limits, sources
+from . import instantiations, limits, sources, structs
 
 # The kernels' limits (declared once in limits.py, which the kernels read too).
 BLOCK = (limits.THREADS_PER_CTA, 1, 1)
@@ -91,9 +91,8 @@ class Launch:
 #: ``gqakv.core.semantics.AttentionParams.features``: declared in the instantiation table.
 VARIANT_FLAGS = instantiations.VARIANT_FLAGS
 
-#: The kernels' ``AttnParams`` (kernels/variant.cuh), field for field: 40 bytes, 8-aligned.
-PARAMS_DTYPE = np.dtype([("scale", "<f4"), ("softcap", "<f4"), ("window", "<i8"), ("sinks", "<u8"),
-                         ("k_scale", "<u8"), ("v_scale", "<u8")], align=True)
+#: The kernels' ``AttnParams`` (kernels/params.cuh), field for field: both from structs.ATTN_PARAMS.
+PARAMS_DTYPE = structs.ATTN_PARAMS.dtype
 
 
 def variant_flags(params: semantics.AttentionParams) -> int:
@@ -131,9 +130,8 @@ class KernelParams:
         return cast(np.void, r[()])  # a 0-d record indexed by () is its np.void
 
 
-#: The kernels' ``KVPages`` (kernels/paged_kv.cuh), field for field: 32 bytes, 8-aligned.
-PAGES_DTYPE = np.dtype([("table", "<u8"), ("table_stride", "<i8"), ("page_size", "<i4"),
-                        ("page_magic", "<u4"), ("page_shift", "<i4")], align=True)
+#: The kernels' ``KVPages`` (kernels/params.cuh), field for field: both from structs.KV_PAGES.
+PAGES_DTYPE = structs.KV_PAGES.dtype
 #: The paged kernels compute a key's page in 32 bits: rows hold fewer slots than this.
 MAX_PAGED_ROW_SLOTS = 2**31
 
@@ -428,7 +426,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
         name = sources.name_expression(kernel, dtype, head_dim, tile, variant=variant, kv_dtype=kv_dtype)
         if pages is not None:
             args += (pages,)
-            name = sources.paged_name_expression(kernel, dtype, head_dim, tile, variant)
+            name = sources.paged_name_expression(kernel, dtype, head_dim, tile, variant, kv_dtype)
         plan.launches.append(Launch(kernel, name, (ctas, splits, 1), BLOCK, args))
         if splits > 1:
             # The merge reads every split of this layout (a split past an entry's keys
@@ -457,7 +455,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     name = sources.name_expression(kernel, dtype, head_dim, variant=variant, kv_dtype=kv_dtype)
     if pages is not None:
         args += (pages,)
-        name = sources.paged_name_expression(kernel, dtype, head_dim, variant=variant)
+        name = sources.paged_name_expression(kernel, dtype, head_dim, variant=variant, kv_dtype=kv_dtype)
     plan.launches.append(Launch(kernel, name, (batch * kv_heads * n_gchunks, n_tblocks, 1), BLOCK, args))
     return plan
 

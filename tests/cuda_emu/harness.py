@@ -36,7 +36,7 @@ import numpy as np
 from gqakv_backends.cupy_backend import instantiations as table
 from gqakv_backends.cupy_backend import limits
 from gqakv_backends.cupy_backend import plan as planmod
-from gqakv_backends.cupy_backend import sources
+from gqakv_backends.cupy_backend import sources, structs
 
 try:
     import fcntl
@@ -397,27 +397,6 @@ _builder = _Builder()
 atexit.register(_builder.close)
 
 
-class _AttnParams(ctypes.Structure):
-    """kernels/variant.cuh's AttnParams (plan.PARAMS_DTYPE), aligned as the C++ struct."""
-
-    _fields_ = [("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int64),
-                ("sinks", ctypes.c_uint64), ("k_scale", ctypes.c_uint64), ("v_scale", ctypes.c_uint64)]
-
-
-assert ctypes.sizeof(_AttnParams) == planmod.PARAMS_DTYPE.itemsize
-
-
-class _KVPages(ctypes.Structure):
-    """kernels/paged_kv.cuh's KVPages (plan.PAGES_DTYPE), aligned as the C++ struct."""
-
-    _fields_ = [("table", ctypes.c_uint64), ("table_stride", ctypes.c_int64),
-                ("page_size", ctypes.c_int32), ("page_magic", ctypes.c_uint32),
-                ("page_shift", ctypes.c_int32)]
-
-
-assert ctypes.sizeof(_KVPages) == planmod.PAGES_DTYPE.itemsize
-
-
 class _Library:
     """A library's shared objects (``build``'s units) as one: ``emu_has_kernel`` asks every
     part; allocation and poisoning (process-wide: malloc, AddressSanitizer's shadow) go
@@ -531,16 +510,12 @@ class Emulator:
                 holders.append(c.c_int64(int(a)))
             elif isinstance(a, np.float32):
                 holders.append(c.c_float(float(a)))
-            elif isinstance(a, planmod.KernelParams):
+            elif isinstance(a, (planmod.KernelParams, planmod.PageTableArg)):
+                # the plan's record of the struct (structs.py's dtype), as the kernels' struct:
+                # the ctypes type generated from the same declaration, aligned like it
                 rec = a.record(lambda buf: ptrs[buf.name])
-                holders.append(_AttnParams(float(rec["scale"]), float(rec["softcap"]),
-                                           int(rec["window"]), int(rec["sinks"]),
-                                           int(rec["k_scale"]), int(rec["v_scale"])))
-            elif isinstance(a, planmod.PageTableArg):
-                rec = a.record(lambda buf: ptrs[buf.name])
-                holders.append(_KVPages(int(rec["table"]), int(rec["table_stride"]),
-                                        int(rec["page_size"]), int(rec["page_magic"]),
-                                        int(rec["page_shift"])))
+                struct = structs.ATTN_PARAMS if isinstance(a, planmod.KernelParams) else structs.KV_PAGES
+                holders.append(struct.ctypes_type().from_buffer_copy(rec.tobytes()))
             else:
                 raise TypeError(f"{launch.name}: argument {a!r} has no explicit CUDA type")
         argv = (c.c_void_p * len(holders))(*[c.cast(c.pointer(h), c.c_void_p) for h in holders])

@@ -20,18 +20,11 @@
 #pragma once
 #include "variant.cuh"
 
-// The page table as the kernels take it (plan.PAGES_DTYPE packs the same 32 bytes).
-//   table:        [rows, table_stride] int32, row r's pages in token order;
-//   table_stride: entries per table row (pages_per_row);
-//   page_size:    tokens per page, P >= 1;
-//   page_magic, page_shift: key / P as a multiply-high and a shift (below).
-struct KVPages {
-    const int* table;
-    i64 table_stride;
-    int page_size;
-    unsigned page_magic;
-    int page_shift;
-};
+// The page table as the kernels take it: KVPages (params.cuh, generated from structs.py,
+// which also gives plan.PAGES_DTYPE). Its fields: table, [rows, table_stride] int32, row r's
+// pages in token order; table_stride, entries per table row (pages_per_row); page_size,
+// tokens per page, P >= 1; page_magic, page_shift: key / P as a multiply-high and a shift
+// (below).
 
 // key / P for 0 <= key < 2^31 without a division (Granlund and Montgomery's division by an
 // invariant integer, "Division by Invariant Integers using Multiplication", PLDI 1994):

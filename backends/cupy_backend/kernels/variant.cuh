@@ -11,21 +11,12 @@
 #pragma once
 #include "softmax.cuh"
 
-// Runtime attention parameters (plan.KernelParams packs the same layout: 24 bytes).
-//   scale:   the softmax scale applied to q . k;
-//   softcap: c > 0 (read only under VARIANT_SOFTCAP);
-//   window:  W >= 1 (read only under VARIANT_WINDOW);
-//   sinks:   [Hq] float32 logits on the device (read only under VARIANT_SINKS);
-//   k_scale, v_scale: a quantized cache's per-token scales (quantized_kv.cuh; null and
-//            never read for other caches). 40 bytes in all.
-struct AttnParams {
-    float scale;
-    float softcap;
-    i64 window;
-    const float* sinks;
-    const float* k_scale;
-    const float* v_scale;
-};
+// Runtime attention parameters: AttnParams (params.cuh, generated from structs.py, which
+// also gives plan.KernelParams its NumPy layout). Its fields: the softmax scale; softcap
+// c > 0 (read only under VARIANT_SOFTCAP); window W >= 1 (only under VARIANT_WINDOW);
+// sinks, [Hq] float32 logits on the device (only under VARIANT_SINKS); k_scale, v_scale, a
+// quantized cache's per-token scales (quantized_kv.cuh; null and never read otherwise).
+#include "params.cuh"
 
 // Variant flags (plan.VARIANT_FLAGS spells the same bits).
 #define GQAKV_VARIANT_WINDOW 1
