@@ -722,9 +722,10 @@ def _compile(backend, dtypes, quick) -> Check:
                 if dtype not in sources.CTYPES:
                     continue  # float64 runs the array-API code: nothing to compile
                 for d in HEAD_DIMS[quick]:
-                    # over quantized K/V too, and the paged instantiations (the paged lines run them)
+                    # over quantized K/V too, and the paged instantiations (the paged lines run
+                    # them; 8-bit pages too)
                     for kv_dtype in (None, *sources.CODE_CTYPES):
-                        paged = sources.paged_instantiations(kernel, dtype, d) if kv_dtype is None else []
+                        paged = sources.paged_instantiations(kernel, dtype, d, kv_dtype=kv_dtype)
                         for name in sources.instantiations(kernel, dtype, d, kv_dtype) + paged:
                             modules.get_function(kernel, name)
                             names.append(name)

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import gqakv
+from gqakv.backend import GENERIC
 
 from .cuda_emu import cases, harness
 from .support.reference import reference_attention
@@ -474,20 +475,20 @@ def test_selftest_paged_lines_run_the_paged_kernels(monkeypatch, page_size):
 
 
 def test_paged_routes_and_rejections():
-    """What the route table says about pages: the kernels take them; quantized pages and
-    rows the kernels' 32-bit key index cannot hold keep the generic path, with the reason;
-    copy_tokens copies contiguous rows only (pages move as rows of the pool)."""
+    """What the route table says about pages: the kernels take them (8-bit pages too: see
+    test_cupy_emulated_paged_quantized.py); rows the kernels' 32-bit key index cannot hold
+    keep the generic path, with the reason; copy_tokens copies contiguous rows only (pages
+    move as rows of the pool)."""
     from gqakv_backends.cupy_backend import _store_rejection, routing
 
     be, names = _backend()
     cache = gqakv.PagedKVCache(2, 1, 32, 64, dtype="float32", backend=be, page_size=8)
     assert _store_rejection(cache.store) is None
-    assert "paged" in _store_rejection(cache.store, paged=False)
+    route = be.route("copy_tokens", dtype="float32", head_dim=64, storage="paged")
+    assert route.impl == GENERIC and "storage layout 'paged'" in route.rejected["gqakv_copy_tokens"]
     impls = routing.implementations()
-    assert all("paged" in impls[k] for k in ("gqakv_write_kv", "gqakv_decode", "gqakv_decode_mma",
-                                             "gqakv_prefill", "gqakv_prefill_mma"))
-    quant = gqakv.PagedKVCache(2, 1, 32, 64, dtype="float32", backend=be, page_size=8, kv_dtype="int8")
-    assert "kv_dtype='int8'" in _store_rejection(quant.store)
+    assert all("paged" in impls[k] for k in ("gqakv_write_kv", "gqakv_write_kv_quantized", "gqakv_decode",
+                                             "gqakv_decode_mma", "gqakv_prefill", "gqakv_prefill_mma"))
     huge = gqakv.PagedKVCache(1, 1, 8, 64, dtype="float32", backend=be, page_size=8, num_pages=1)
     huge.store.table.table = np.zeros((1, 2**28), np.int32)  # 2^31 slots per row, never allocated
     assert "32 bits" in _store_rejection(huge.store)
@@ -495,8 +496,6 @@ def test_paged_routes_and_rejections():
         planmod.PageTableArg(table_stride=2**28, page_size=8)
     x = be.from_numpy(np.ones((2, 1, 3, 64), np.float32))
     names.clear()
-    quant.append(x, x, [3, 1])  # generic path: no launch
-    assert names == []
     cache.append(x, x, [3, 1])
     assert names == ["gqakv_write_kv<float, 64, KVPages>"]
 

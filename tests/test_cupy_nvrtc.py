@@ -118,6 +118,28 @@ def test_paged_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
     assert r.spill_stores == 0 and r.spill_loads == 0, f"local-memory spills: {line}"
 
 
+def _paged_quantized_params():
+    """The paged 8-bit instantiations (QuantizedKV over PagedKV) at d = 128 in the two
+    pairings of ``_quantized_params``: decode (every query tile), prefill and the paged
+    quantizing append, plain causal; decode (tile 4) and prefill with every variant
+    feature (flags 7, int8); sm_90 only, as for ``_paged_params``."""
+    for dtype, kv_dtype in (("bfloat16", "int8"), ("float32", "float8_e4m3fn")):
+        for kernel in ("gqakv_decode", "gqakv_prefill", "gqakv_write_kv_quantized"):
+            names = sources.paged_instantiations(kernel, dtype, 128, kv_dtype=kv_dtype)
+            if kernel != "gqakv_write_kv_quantized" and kv_dtype == "int8":
+                names.append(sources.paged_name_expression(kernel, dtype, 128, 4 if kernel == "gqakv_decode"
+                                                           else None, 7, kv_dtype=kv_dtype))
+            for name in names:
+                yield pytest.param(kernel, dtype, 128, name, id=name)
+
+
+@pytest.mark.parametrize("kernel,dtype,head_dim,name", list(_paged_quantized_params()))
+def test_paged_quantized_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
+    """The 8-bit reader over the page table (a second, scale, reader through the same
+    table) must still fit the kernels' __launch_bounds__ occupancy unspilled."""
+    test_paged_kernel_compiles_without_spills(kernel, dtype, head_dim, name)
+
+
 def test_ptxas_report_parsing_sees_spills():
     """The spill check can fail: a kernel forced into local memory reports its spills."""
     log = ("ptxas info    : Compiling entry function '_Z1kv' for 'sm_90'\n"
@@ -147,6 +169,12 @@ def test_name_expressions_reject_unsupported():
     assert sources.paged_name_expression("gqakv_write_kv", "bfloat16", 128) == "gqakv_write_kv<gqakv_bf16, 128, KVPages>"
     with pytest.raises(KeyError, match="no paged instantiation"):
         sources.paged_name_expression("gqakv_merge", "float16", 64)
+    assert (sources.paged_name_expression("gqakv_decode", "bfloat16", 64, 4, kv_dtype="int8")
+            == "gqakv_decode<gqakv_quantized<gqakv_bf16, gqakv_i8>, 64, 4, 0, KVPages>")
+    assert (sources.paged_name_expression("gqakv_write_kv_quantized", "float32", 64, kv_dtype="float8_e4m3fn")
+            == "gqakv_write_kv_quantized<float, gqakv_e4m3, 64, KVPages>")
+    with pytest.raises(KeyError, match="no quantized instantiation"):
+        sources.paged_name_expression("gqakv_decode_mma", "bfloat16", 64, kv_dtype="int8")
 
 
 def test_kernels_need_the_declared_limits(monkeypatch):

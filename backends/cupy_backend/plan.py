@@ -22,7 +22,7 @@ Buffers a plan refers to:
              the launch is the kernel's paged instantiation, its last argument a
              ``PageTableArg`` (the kernels' ``KVPages``, by value).
   quantized caches (``kv_dtype``): k_buf, v_buf hold codes and k_scale, v_scale
-             ``[R, Hkv, S]`` fp32 their scales (copy_tokens: dst_k_scale, dst_v_scale,
+             ``[R, Hkv, S]`` fp32 their scales (paged: ``[num_pages, Hkv, page_size]``) (copy_tokens: dst_k_scale, dst_v_scale,
              src_k_scale, src_v_scale ``[layers, R, Hkv, S]``); attention reaches them
              through ``KernelParams`` (laid out like the codes: scale strides x d equal
              the code strides, checked by the caller).
@@ -222,11 +222,9 @@ def plan_write_kv(dtype: str, head_dim: int, n_new: np.ndarray, kv_heads: int, t
     (the pages were taken on the host; the kernel only writes into them).
     kv_dtype: a quantized cache's storage (gqakv_write_kv_quantized quantizes on the
     device, one warp per token); scale_strides: then the (row, head, token) strides of
-    k_scale (and v_scale). Paged and quantized at once has no kernel (the caller routes
-    it to the generic path).
+    k_scale (and v_scale; paged: of the scale pools, page, head, token). Paged and
+    quantized at once: the quantizing append through the page table.
     """
-    if pages is not None and kv_dtype is not None:
-        raise NotImplementedError(f"paged {kv_dtype} K/V: no kernel instantiation (generic path)")
     plan = Plan()
     B = int(n_new.shape[0])
     max_n = int(n_new.max()) if B else 0
@@ -240,6 +238,9 @@ def plan_write_kv(dtype: str, head_dim: int, n_new: np.ndarray, kv_heads: int, t
                 Buf("v_scale"), Buf("rows"), Buf("starts"), Buf("n_new"), np.int32(kv_heads),
                 np.int32(t_new), *_i64(*new_strides), *_i64(*buf_strides), *_i64(*scale_strides))
         name = sources.name_expression(kernel, dtype, head_dim, kv_dtype=kv_dtype)
+        if pages is not None:
+            args += (pages,)
+            name = sources.paged_name_expression(kernel, dtype, head_dim, kv_dtype=kv_dtype)
         plan.launches.append(Launch(kernel, name, (B * kv_heads, grid_y, 1), BLOCK, args))
         return plan
     vectors = max_n * (head_dim // sources.vec_width(dtype, head_dim))
@@ -375,11 +376,9 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     page table of a paged cache (buf_strides are then the pool's): the same launches with
     the kernels' paged instantiations. kv_dtype: a quantized cache's storage: the fp32-FMA
     kernels over its codes and scales (the tensor-core kernels have no quantized
-    instantiation, see routing.py). Not both (the caller routes paged quantized K/V to the
-    generic path).
+    instantiation, see routing.py). Both: the quantized reader over pages (QuantizedKV
+    over PagedKV, the scales' page pools found from the codes' strides).
     """
-    if pages is not None and kv_dtype is not None:
-        raise NotImplementedError(f"paged {kv_dtype} K/V: no kernel instantiation (generic path)")
     if params is None:
         if scale is None:
             raise TypeError("plan_attention needs scale= or params=")
@@ -428,7 +427,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
         name = sources.name_expression(kernel, dtype, head_dim, tile, variant=variant, kv_dtype=kv_dtype)
         if pages is not None:
             args += (pages,)
-            name = sources.paged_name_expression(kernel, dtype, head_dim, tile, variant)
+            name = sources.paged_name_expression(kernel, dtype, head_dim, tile, variant, kv_dtype=kv_dtype)
         plan.launches.append(Launch(kernel, name, (ctas, splits, 1), BLOCK, args))
         if splits > 1:
             # The merge reads every split of this layout (a split past an entry's keys
@@ -457,7 +456,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     name = sources.name_expression(kernel, dtype, head_dim, variant=variant, kv_dtype=kv_dtype)
     if pages is not None:
         args += (pages,)
-        name = sources.paged_name_expression(kernel, dtype, head_dim, variant=variant)
+        name = sources.paged_name_expression(kernel, dtype, head_dim, variant=variant, kv_dtype=kv_dtype)
     plan.launches.append(Launch(kernel, name, (batch * kv_heads * n_gchunks, n_tblocks, 1), BLOCK, args))
     return plan
 

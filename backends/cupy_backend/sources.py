@@ -142,34 +142,39 @@ def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | No
 
 
 #: Kernels with a paged instantiation (kernels/paged_kv.cuh): their K/V pack names
-#: ``PAGES_CTYPE`` and they read or write K/V through the page table. Page copies need no
-#: kernel of their own: gqakv_copy_tokens copies pages as rows of the pool.
-PAGED_KERNELS = ("gqakv_write_kv", "gqakv_decode", "gqakv_decode_mma", "gqakv_prefill",
-                 "gqakv_prefill_mma")
+#: ``PAGES_CTYPE`` and they read or write K/V through the page table (8-bit pages too: the
+#: quantized reader wraps the paged one). Page copies need no kernel of their own:
+#: gqakv_copy_tokens copies pages as rows of the pool.
+PAGED_KERNELS = ("gqakv_write_kv", "gqakv_write_kv_quantized", "gqakv_decode", "gqakv_decode_mma",
+                 "gqakv_prefill", "gqakv_prefill_mma")
 PAGES_CTYPE = "KVPages"
 
 
 def paged_name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None,
-                          variant: int = 0) -> str:
+                          variant: int = 0, kv_dtype: str | None = None) -> str:
     """The paged instantiation of ``kernel``: ``name_expression``'s with the variant flags
     spelled out (0 too) and ``KVPages`` appended, e.g. ``gqakv_decode<float, 64, 4, 0,
-    KVPages>`` or ``gqakv_write_kv<gqakv_bf16, 128, KVPages>``."""
+    KVPages>`` or ``gqakv_write_kv<gqakv_bf16, 128, KVPages>``; with ``kv_dtype`` the
+    8-bit reader over pages, e.g. ``gqakv_decode<gqakv_quantized<float, gqakv_i8>, 64, 4,
+    0, KVPages>`` or ``gqakv_write_kv_quantized<float, gqakv_i8, 64, KVPages>``."""
     if kernel not in PAGED_KERNELS:
         raise KeyError(f"{kernel} has no paged instantiation (paged: {', '.join(PAGED_KERNELS)})")
-    base = name_expression(kernel, dtype, head_dim, query_tile, variant)
+    base = name_expression(kernel, dtype, head_dim, query_tile, variant, kv_dtype=kv_dtype)
     if kernel in VARIANT_KERNELS and not variant:
         base = f"{base[:-1]}, 0>"
     return f"{base[:-1]}, {PAGES_CTYPE}>"
 
 
-def paged_instantiations(kernel: str, dtype: str, head_dim: int, variant: int = 0) -> list[str]:
-    """``instantiations`` of ``kernel``, paged (empty for kernels without a paged one)."""
+def paged_instantiations(kernel: str, dtype: str, head_dim: int, variant: int = 0,
+                         kv_dtype: str | None = None) -> list[str]:
+    """``instantiations`` of ``kernel`` (with ``kv_dtype``: over that 8-bit storage), paged
+    (empty for kernels without a paged one)."""
     if kernel not in PAGED_KERNELS:
         return []
     out = []
-    for name in instantiations(kernel, dtype, head_dim):
+    for name in instantiations(kernel, dtype, head_dim, kv_dtype=kv_dtype):
         tile = int(name.rsplit(", ", 1)[1].rstrip(">")) if kernel == "gqakv_decode" else None
-        out.append(paged_name_expression(kernel, dtype, head_dim, tile, variant))
+        out.append(paged_name_expression(kernel, dtype, head_dim, tile, variant, kv_dtype=kv_dtype))
     return out
 
 

@@ -234,6 +234,34 @@ void register_quantized_variants(const char* type_name, const char* code_name) {
 #define GQAKV_REG_QUANTIZED_VARIANTS_DIM(D) \
     GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_i8, D) GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_e4m3, D) \
     GQAKV_REG_QUANTIZED_VARIANTS(gqakv_bf16, gqakv_i8, D) GQAKV_REG_QUANTIZED_VARIANTS(gqakv_bf16, gqakv_e4m3, D)
+// The paged 8-bit instantiations (QuantizedKV over PagedKV), named as
+// sources.paged_name_expression spells them with kv_dtype: the quantizing append into
+// pages <T, C, D, KVPages> (with flags 0), decode and prefill over gqakv_quantized<T, C>
+// ("..., flags, KVPages>"; merge: the plain instantiations serve).
+template <class T, class C, int D, int V>
+void register_paged_quantized(const std::string& type_name, const std::string& code_name) {
+    const std::string d = std::to_string(D);
+    const std::string qt = "gqakv_quantized<" + type_name + ", " + code_name + ">, " + d;
+    const std::string v = ", " + std::to_string(V) + ", KVPages>";
+    if constexpr (V == 0)
+        registry()["gqakv_write_kv_quantized<" + type_name + ", " + code_name + ", " + d + ", KVPages>"] =
+            make_entry(&gqakv_write_kv_quantized<T, C, D, KVPages>);
+    register_paged_decode<gqakv_quantized<T, C>, D, V, GQAKV_DECODE_QUERY_TILES>(qt, v);
+    registry()["gqakv_prefill<" + qt + v] = make_entry(&gqakv_prefill<gqakv_quantized<T, C>, D, V, KVPages>);
+}
+template <class T, class C, int D, int... V>
+void register_paged_quantized_variants(const char* type_name, const char* code_name) {
+    (register_paged_quantized<T, C, D, V>(type_name, code_name), ...);
+}
+#define GQAKV_REG_PAGED_QUANTIZED(T, C, D, ...) register_paged_quantized_variants<T, C, D, __VA_ARGS__>(#T, #C);
+#define GQAKV_REG_PAGED_QUANTIZED_DIM(D, ...)                                                          \
+    GQAKV_REG_PAGED_QUANTIZED(float, gqakv_i8, D, __VA_ARGS__) GQAKV_REG_PAGED_QUANTIZED(float, gqakv_e4m3, D, __VA_ARGS__) \
+    GQAKV_REG_PAGED_QUANTIZED(gqakv_bf16, gqakv_i8, D, __VA_ARGS__)                                    \
+    GQAKV_REG_PAGED_QUANTIZED(gqakv_bf16, gqakv_e4m3, D, __VA_ARGS__)
+// q in every dtype (a one-dim library's paged 8-bit caches: the parity suite's small head dims).
+#define GQAKV_REG_PAGED_QUANTIZED_ALL_DIM(D, ...)                                                      \
+    GQAKV_REG_PAGED_QUANTIZED_DIM(D, __VA_ARGS__) GQAKV_REG_PAGED_QUANTIZED(gqakv_half, gqakv_i8, D, __VA_ARGS__) \
+    GQAKV_REG_PAGED_QUANTIZED(gqakv_half, gqakv_e4m3, D, __VA_ARGS__)
 // q in float32 only (what the product suite's quantized caches take).
 #define GQAKV_REG_QUANTIZED_VARIANTS_F32_DIM(D) \
     GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_i8, D) GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_e4m3, D)

@@ -191,6 +191,9 @@ def product_registrations(families: tuple[str, ...], d: int = PRODUCT_HEAD_DIM) 
     if "quantized" in families:
         units += [f'register_quantized_variants<{t}, {c}, {d}, {v}>("{t}", "{c}");'
                   for t in _TYPES for c in _CODES]
+    if "paged" in families and "quantized" in families:  # the product's paged+int8 storage
+        units += [f'register_paged_quantized_variants<{t}, gqakv_i8, {d}, {v}>("{t}", "gqakv_i8");'
+                  for t in _TYPES]
     return units
 
 
@@ -226,6 +229,7 @@ def _library(head_dims: tuple[int, ...], families: tuple[str, ...],
 #: tests first need them). A stale entry costs a build no test waits for; a missing one, a
 #: build a test waits for.
 SMALL_LIBRARIES = ((1, ()), (16, ()), (8, ()), (4, ()), (8, ("paged",)), (8, ("quantized",)),
+                   (8, ("paged", "quantized")),
                    (2, ()), (16, ("quantized",)), (4, ("paged",)), (2, ("paged",)), (16, ("paged",)))
 
 

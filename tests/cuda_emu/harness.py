@@ -52,6 +52,10 @@ PAGED_HEAD_DIMS = (64, 20)
 PAGED_VARIANTS = (0, 7)
 #: Head dims the variant kernels over quantized K/V are instantiated at (q float32 / bfloat16).
 QUANTIZED_VARIANT_HEAD_DIMS = (64,)
+#: Head dims and variant flags of the paged 8-bit instantiations (the 8-bit reader over the
+#: paged one): plain causal and all three features, as for PAGED_VARIANTS.
+PAGED_QUANTIZED_HEAD_DIMS = (64,)
+PAGED_QUANTIZED_VARIANTS = (0, 7)
 #: Kernel families a library holds beside the plain (contiguous, unquantized) kernels. The
 #: default library holds both; a one-head-dim library (emulated_backend) is built with the
 #: families its launches name, so a small head dim pays only for what its tests run.
@@ -115,6 +119,15 @@ def registrations(head_dims: tuple[int, ...] = HEAD_DIMS,
             # A one-dim library (emulated_backend.emulator: the parity suite's small head dims)
             # serves quantized float32 caches under every variant (tests/conftest.py's product).
             units.append(f"GQAKV_REG_QUANTIZED_VARIANTS_F32_DIM({head_dims[0]})")
+    if "paged" in families and "quantized" in families:
+        # 8-bit pages (QuantizedKV over PagedKV): PAGED_QUANTIZED_VARIANTS at
+        # PAGED_QUANTIZED_HEAD_DIMS (q float32 / bfloat16, int8 and e4m3 codes).
+        flags_list = ", ".join(map(str, PAGED_QUANTIZED_VARIANTS))
+        units += [f"GQAKV_REG_PAGED_QUANTIZED_DIM({d}, {flags_list})" for d in PAGED_QUANTIZED_HEAD_DIMS
+                  if d in head_dims]
+        if tuple(head_dims) != HEAD_DIMS:  # a library of its own: plain causal, every q dtype
+            units += [f"GQAKV_REG_PAGED_QUANTIZED_ALL_DIM({d}, 0)" for d in head_dims
+                      if d not in PAGED_QUANTIZED_HEAD_DIMS]
     return units
 
 

@@ -209,10 +209,10 @@ def _plain_contiguous(impl):
 
 
 def _cupy_store(f) -> Any:
+    # every (layout, codec) pair the product has, paged 8-bit too (the 8-bit reader wraps
+    # the paged one); float64 has no kernels
     if f["dtype"] == "float64":
         return GENERIC
-    if f["storage"] == "paged" and f["kv_dtype"]:
-        return Refused(("paged", "kv_dtype", "generic path"))
     return FAST
 
 

@@ -98,7 +98,11 @@ struct KernelTypes {
     typedef T Q;
     typedef T KV;
     typedef T Out;
-    typedef ContiguousKV<T> Reader;  // how the kernels read K/V
+    // How the kernels read K/V over a base layout reader (kv_reader picks the base:
+    // ContiguousKV, or PagedKV through a page table); Reader is the contiguous one.
+    template <template <class> class Base>
+    using ReaderOver = Base<T>;
+    typedef ContiguousKV<T> Reader;
 };
 
 #include "quantized_kv.cuh"
