@@ -13,7 +13,7 @@ from array_api_compat import array_namespace
 
 from .inputs import check_flag, validate_attention
 from .merge import SoftmaxState, apply_sinks
-from .semantics import block_keys, transform_scores, visible_mask
+from .semantics import block_keys, transform, visible_mask
 
 # Upper bound, in elements, of one block of attention scores [Hkv, G * q_block, k_block].
 # It bounds the temporaries of a long prefill chunk (16 MiB of float32 by default)
@@ -24,9 +24,9 @@ QUERY_BLOCK = 256
 
 def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | None = None,
                   softcap: float | None = None, sinks=None, return_lse: bool = False,
-                  rows=None, params=None):
+                  rows=None, params=None, alibi_slopes=None):
     """Causal grouped-query attention of the newest tokens over a KVCache, optionally with
-    a sliding window, a logit soft-cap and per-head sinks.
+    a sliding window, a logit soft-cap, per-head sinks and ALiBi.
 
     Args:
         q: ``[B, Hq, T, d]`` queries of the tokens just appended, in the cache's dtype.
@@ -45,13 +45,18 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | 
         sinks: None, or ``[Hq]`` real logits (array of any library or sequence; held as
             float32; -inf allowed): per query head an extra softmax term without a value,
             ``out = sum_j e^{s_j} v_j / (e^{sink_h} + sum_j e^{s_j})`` (gpt-oss).
+        alibi_slopes: None, or ``[Hq]`` finite real slopes (array of any library or
+            sequence; held as float32): ALiBi. Query head h at position p adds
+            ``alibi_slopes[h] * (j - p)`` to its score of key j (after the soft-cap, before
+            the mask; sinks get no bias). Positions are the cache's (0 = the row's first
+            token), as BLOOM / MPT / Falcon-style checkpoints define them.
         return_lse: (a bool) also return the natural-log log-sum-exp of the scores per
             query, ``[B, Hq, T]`` (float32, or float64 for float64 caches), ``-inf`` for
             padded queries, so partial results over disjoint key sets can be merged. With
             sinks it is the full denominator's ``log(e^{sink_h} + sum_j e^{s_j})``.
         rows: optional ``[B]`` cache rows read by each entry (default ``0..B-1``).
-        params: optional ``gqakv.AttentionParams`` carrying scale, window, softcap and
-            sinks instead of those keywords (not both; see ``gqakv.semantics``).
+        params: optional ``gqakv.AttentionParams`` carrying scale, window, softcap,
+            sinks and alibi_slopes instead of those keywords (not both; see ``gqakv.semantics``).
 
     Mask (bottom-right causal, defined once in ``gqakv.semantics``): with ``L = lens[rows[i]]`` and ``n = n_new[i]``, query
     t sits at absolute position ``p = L - n + t`` and sees keys ``0..p``. For L = 6,
@@ -78,7 +83,8 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | 
     """
     return_lse = check_flag(return_lse, "return_lse")
     inputs = validate_attention(cache, q, n_new, rows, scale, params,
-                                window=window, softcap=softcap, sinks=sinks)
+                                window=window, softcap=softcap, sinks=sinks,
+                                alibi_slopes=alibi_slopes)
     return attend(cache, q, inputs, return_lse)
 
 
@@ -104,8 +110,9 @@ def attention_array_api(q, store, inputs, params, *, return_lse: bool,
     at a time over the keys its queries see (``gqakv.semantics``), so work follows the
     sum of live lengths, and blocks over queries and keys with an online softmax
     (``gqakv.merge.SoftmaxState``) so temporaries stay within ``score_block_elements``.
-    Variants: scores are soft-capped before the mask, a window narrows the keys read
-    (both through ``gqakv.semantics``), and sinks join each row's result once, after all
+    Variants: scores are soft-capped and ALiBi-biased before the mask
+    (``semantics.transform``), a window narrows the keys read (``semantics.block_keys``),
+    and sinks join each row's result once, after all
     its keys (``gqakv.merge.apply_sinks``).
     """
     rows, lens, n_new = inputs.rows, inputs.lens, inputs.n_new
@@ -149,6 +156,9 @@ def _attend_row(xp, q_row, store, row, L, params, *, acc, score_block_elements, 
     lse = xp.empty((Hkv, G, n), dtype=acc, device=dev)
     q_block = max(1, min(n, query_block))
     neg_inf = xp.asarray(-math.inf, dtype=acc, device=dev)
+    # The score hook's query heads [Hkv, G, 1, 1] (head h = kv * G + g), when it needs them.
+    heads = (None if params.alibi_slopes is None else
+             xp.reshape(xp.arange(Hkv * G, device=dev), (Hkv, G, 1, 1)))
     for t0 in range(0, n, q_block):
         t1 = min(n, t0 + q_block)
         nq = t1 - t0
@@ -162,7 +172,13 @@ def _attend_row(xp, q_row, store, row, L, params, *, acc, score_block_elements, 
             if kb.dtype != acc:
                 kb, vb = xp.astype(kb, acc), xp.astype(vb, acc)
             s = qb @ xp.matrix_transpose(kb)  # [Hkv, G*nq, j1-j0]
-            s = transform_scores(params, s, xp)  # the soft-cap, before the mask
+            if heads is None:  # the soft-cap (if any), before the mask
+                s = transform(params, s, 0, 0, 0, xp)
+            else:  # positions matter: [Hkv, G, nq, keys]
+                q_pos = xp.reshape(xp.arange(L - n + t0, L - n + t1, device=dev), (1, 1, nq, 1))
+                k_pos = xp.reshape(xp.arange(j0, j1, device=dev), (1, 1, 1, j1 - j0))
+                s4 = transform(params, xp.reshape(s, (Hkv, G, nq, j1 - j0)), q_pos, k_pos, heads, xp)
+                s = xp.reshape(s4, (Hkv, G * nq, j1 - j0))
             visible = visible_mask(params, L, n, t0, t1, j0, j1, xp=xp, device=dev)
             if visible is not None:  # [nq, j1-j0]
                 s = xp.reshape(xp.where(visible, xp.reshape(s, (Hkv, G, nq, j1 - j0)), neg_inf),

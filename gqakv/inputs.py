@@ -212,21 +212,24 @@ class AttentionInputs:
 
 
 def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
-                       window=None, softcap=None, sinks=None) -> AttentionInputs:
+                       window=None, softcap=None, sinks=None, alibi_slopes=None) -> AttentionInputs:
     """The checked call; ``params`` (an AttentionParams) is an alternative to ``scale``,
-    ``window``, ``softcap`` and ``sinks`` that carries them all (not both). Every field of
-    the resulting params is checked here (``check_scale``, ``check_window``,
-    ``check_softcap``, ``check_sinks``), whichever way it was given."""
+    ``window``, ``softcap``, ``sinks`` and ``alibi_slopes`` that carries them all (not
+    both). Every field of the resulting params is checked here (``check_scale``,
+    ``check_window``, ``check_softcap``, ``check_sinks``, ``check_alibi``), whichever way it
+    was given."""
     if params is not None:
         if not isinstance(params, AttentionParams):
             raise TypeError(f"params must be a gqakv.AttentionParams, got {params!r}")
         given = [f"{name}={value!r}" for name, value in (("scale", scale), ("window", window),
-                                                         ("softcap", softcap), ("sinks", sinks))
+                                                         ("softcap", softcap), ("sinks", sinks),
+                                                         ("alibi_slopes", alibi_slopes))
                  if value is not None]
         if given:
             raise TypeError(f"give {', '.join(given)} or params={params!r}, not both "
-                            "(params carries scale, window, softcap and sinks)")
+                            "(params carries scale, window, softcap, sinks and alibi_slopes)")
         scale, window, softcap, sinks = params.scale, params.window, params.softcap, params.sinks
+        alibi_slopes = params.alibi_slopes
     _check_same_library(cache, q, "q")
     if q.ndim != 4:
         raise ValueError(f"q must be [B, Hq, T, d], got {q.ndim} dims {list(q.shape)}")
@@ -253,7 +256,8 @@ def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
             )
     scale = 1.0 / math.sqrt(d) if scale is None else check_scale(scale)
     params = AttentionParams(scale=scale, window=check_window(window),
-                             softcap=check_softcap(softcap), sinks=check_sinks(sinks, hq))
+                             softcap=check_softcap(softcap), sinks=check_sinks(sinks, hq),
+                             alibi_slopes=check_alibi(alibi_slopes, hq))
     return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, group=hq // cache.kv_heads,
                            params=params)
 
@@ -328,14 +332,14 @@ def check_softcap(softcap) -> float | None:
 def _sinks_to_numpy(sinks, what: str) -> np.ndarray:
     """A host copy of a sinks array/sequence from any library (bool elements refused)."""
     if isinstance(sinks, (bool, np.bool_, str, bytes)) or np.isscalar(sinks):
-        raise TypeError(f"{what} must be a [Hq] array or sequence of real numbers (one logit "
+        raise TypeError(f"{what} must be a [Hq] array or sequence of real numbers (one value "
                         f"per query head) or None, got {sinks!r}")
     if isinstance(sinks, (list, tuple)):
         for i, v in enumerate(sinks):
             if isinstance(v, (bool, np.bool_)) or not isinstance(
                     v, (int, float, np.integer, np.floating)):
                 raise TypeError(f"{what}[{i}]={v!r} is not a real number; {what} must hold "
-                                "one real logit per query head")
+                                "one real value per query head")
         return np.array([_as_float(v) for v in sinks], dtype=np.float64)
     if hasattr(sinks, "detach"):  # a torch tensor (maybe requiring grad, maybe bfloat16)
         sinks = sinks.detach().cpu().double()
@@ -368,3 +372,22 @@ def check_sinks(sinks, hq: int) -> tuple[float, ...] | None:
         raise ValueError(f"sinks[{i}]={float(a[i])!r} is not allowed ({why}): sinks must be real "
                          "logits, finite or -inf (-inf: no sink for that head)")
     return tuple(float(x) for x in a32)
+
+
+def check_alibi(slopes, hq: int) -> tuple[float, ...] | None:
+    """None, or ALiBi's slopes as a tuple of ``hq`` Python floats: one finite real per
+    query head (0: no bias for that head), kept exact (a float64 cache uses them as
+    given; float32 kernels round them once); NaN, infinities and values past float32's
+    range refused."""
+    if slopes is None:
+        return None
+    a = _sinks_to_numpy(slopes, "alibi_slopes")
+    if a.shape != (hq,):
+        raise ValueError(f"alibi_slopes must have shape [Hq={hq}] (one slope per query head of q), "
+                         f"got {list(a.shape)}")
+    bad = np.flatnonzero(~(np.abs(a) <= np.finfo(np.float32).max))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"alibi_slopes[{i}]={float(a[i])!r} is not allowed: slopes must be finite "
+                         "real numbers within float32's range")
+    return tuple(float(x) for x in a)

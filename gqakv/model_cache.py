@@ -233,7 +233,7 @@ class Step:
 
     def attend(self, layer: int, q, k_new, v_new, *, scale: float | None = None,
                window: int | None = None, softcap: float | None = None, sinks=None,
-               return_lse: bool = False, params=None):
+               return_lse: bool = False, params=None, alibi_slopes=None):
         """Write layer ``layer``'s new K/V, then grouped-query attention of ``q`` over the
         row's live tokens plus this step's (bottom-right causal; see ``gqa_attention``).
 
@@ -243,7 +243,7 @@ class Step:
 
         Returns ``out`` ``[B', Hq, T, d]`` (padded query slots exactly 0), or
         ``(out, lse)`` with ``return_lse`` (a bool). ``window``, ``softcap``, ``sinks``,
-        ``params``: as in ``gqa_attention``.
+        ``alibi_slopes``, ``params``: as in ``gqa_attention``.
         Everything is validated before the write.
         """
         c = self.cache
@@ -260,7 +260,8 @@ class Step:
                     f"same batch B'={int(k_new.shape[0])} (dim 0) and tokens T={int(k_new.shape[2])} "
                     "(dim 2)")
             att = validate_attention(view, q, self.n_new, self.rows, scale, params,
-                                     window=window, softcap=softcap, sinks=sinks)
+                                     window=window, softcap=softcap, sinks=sinks,
+                                     alibi_slopes=alibi_slopes)
             self._write(l, k_new, v_new, inputs)
         # Attention reads only this step's rows up to their pending lengths, which no other
         # writer touches while the step is open, so it runs outside the lock.

@@ -184,7 +184,7 @@ def _batch_of(x, what: str, shape_doc: str) -> int:
 
 def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: float | None = None,
                     window: int | None = None, softcap: float | None = None, sinks=None,
-                    return_lse: bool = False, backend=None):
+                    return_lse: bool = False, backend=None, alibi_slopes=None):
     """Causal grouped-query attention of the newest tokens over caller-owned page pools;
     ``gqa_attention``'s semantics, variants and results for a paged layout the caller manages.
 
@@ -206,7 +206,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: floa
         n_new: ``[B]`` ints, ``0 <= n_new[b] <= min(T, lens[b])``: row b's queries are
             ``q[b, :, :n_new[b]]``, its tokens ``lens[b] - n_new[b] .. lens[b] - 1``; slots
             ``t >= n_new[b]`` are padding and return exactly 0.
-        scale, window, softcap, sinks, return_lse: as ``gqa_attention``.
+        scale, window, softcap, sinks, alibi_slopes, return_lse: as ``gqa_attention``.
         backend: a backend name or Backend; None: the default backend when it holds the
             pools' library, else the first registered backend that does.
 
@@ -234,7 +234,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: floa
     backend, store, L, table = _wrap(k_pages, v_pages, page_table, lens, B, backend)
     view = _PoolView(backend, store, L)
     inputs = validate_attention(view, q, n_new, None, scale, None, window=window,
-                                softcap=softcap, sinks=sinks)
+                                softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     _check_pages(table, L, store.page_size, store.num_pages, "holds")
     _check_distinct(table, L, store.page_size)
     return attend(view, q, inputs, return_lse)

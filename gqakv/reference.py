@@ -24,15 +24,18 @@ import numpy as np
 from .semantics import AttentionParams, key_range
 
 
-def _params(scale, window, softcap, sinks) -> AttentionParams:
+def _params(scale, window, softcap, sinks, alibi_slopes=None) -> AttentionParams:
     return AttentionParams(scale=float(scale), window=window, softcap=softcap,
-                           sinks=None if sinks is None else tuple(float(x) for x in sinks))
+                           sinks=None if sinks is None else tuple(float(x) for x in sinks),
+                           alibi_slopes=None if alibi_slopes is None else
+                           tuple(float(x) for x in alibi_slopes))
 
 
 def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, softcap=None,
-                        sinks=None):
+                        sinks=None, alibi_slopes=None):
     """q: [B, Hq, T, d]; k_rows[b], v_rows[b]: [Hkv, L_b, d] live tokens of row b;
-    window, softcap, sinks ([Hq] logits): the variant, as ``gqakv.AttentionParams`` holds it.
+    window, softcap, sinks ([Hq] logits), alibi_slopes ([Hq] slopes): the variant, as
+    ``gqakv.AttentionParams`` holds it.
 
     Returns out [B, Hq, T, d] and lse [B, Hq, T], float64 (lse of the whole denominator,
     sink included); padded queries (t >= n_new[b]) give out = 0 and lse = -inf.
@@ -40,7 +43,7 @@ def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, so
     q = np.asarray(q, dtype=np.float64)
     B, Hq, T, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    params = _params(scale, window, softcap, sinks)
+    params = _params(scale, window, softcap, sinks, alibi_slopes)
     out = np.zeros((B, Hq, T, d))
     lse = np.full((B, Hq, T), -math.inf)
     for b in range(B):
@@ -56,6 +59,8 @@ def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, so
                 scores = scale * (keys @ q[b, h, t])  # [hi - lo]
                 if softcap is not None:
                     scores = softcap * np.tanh(scores / softcap)
+                if alibi_slopes is not None:  # after the soft-cap: slope x (key position - p)
+                    scores = scores + float(alibi_slopes[h]) * (np.arange(lo, hi) - (L - n + t))
                 sink = -math.inf if sinks is None else float(sinks[h])
                 m = max(scores.max(), sink)
                 w = np.exp(scores - m)
@@ -66,7 +71,7 @@ def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, so
 
 
 def naive_low_precision(q, k_rows, v_rows, n_new, round_to, scale=None, *, window=None,
-                        softcap=None, sinks=None):
+                        softcap=None, sinks=None, alibi_slopes=None):
     """The same attention computed plainly with every intermediate rounded by ``round_to``
     (a function float32 array -> float32 array holding the nearest narrow-dtype values):
     scores, their soft-cap, their max, exp, the sum (sink term included), P @ V and the
@@ -75,7 +80,7 @@ def naive_low_precision(q, k_rows, v_rows, n_new, round_to, scale=None, *, windo
     q = np.asarray(q, dtype=np.float32)
     B, Hq, T, d = q.shape
     scale = np.float32(1.0 / math.sqrt(d) if scale is None else scale)
-    params = _params(scale, window, softcap, sinks)
+    params = _params(scale, window, softcap, sinks, alibi_slopes)
     out = np.zeros((B, Hq, T, d), dtype=np.float32)
     lse = np.full((B, Hq, T), -np.inf, dtype=np.float32)
     for b in range(B):
@@ -91,6 +96,10 @@ def naive_low_precision(q, k_rows, v_rows, n_new, round_to, scale=None, *, windo
         if softcap is not None:
             c = np.float32(softcap)
             s = round_to(np.tanh(round_to(s / c)) * c)
+        if alibi_slopes is not None:  # [Hkv, G * n, L]: head kv * G + g, query t at L - n + t
+            slopes = np.repeat(np.asarray(alibi_slopes, np.float32).reshape(Hkv, G), n, axis=1)[..., None]
+            dist = (np.arange(L)[None, :] - (L - n + np.arange(n))[:, None]).astype(np.float32)
+            s = round_to(s + round_to(slopes * np.tile(dist, (G, 1))[None]))
         lo, hi = key_range(params, L, n, np.arange(n))  # [n]
         keys = np.arange(L)[:, None]
         visible = np.tile((keys >= lo) & (keys < hi[None, :]), (1, G)).T  # [G * n, L]

@@ -564,7 +564,7 @@ def _row_copies(backend, dtype, rng, quick, checks) -> None:
 
 
 def _variant(rng, s: Shape, T: int, longest: int) -> dict:
-    """Random window / softcap / sinks keywords, at least one of them."""
+    """Random window / softcap / sinks / ALiBi keywords, at least one of them."""
     while True:
         kw: dict[str, object] = {}
         window = rng.choice([0, 1, max(1, T - 1), 7, longest + 3])
@@ -579,12 +579,15 @@ def _variant(rng, s: Shape, T: int, longest: int) -> dict:
             sinks[rng.integers(hq)] = 40.0  # far above the scores: that head's out ~ 0
             sinks[rng.integers(hq)] = -np.inf  # no sink
             kw["sinks"] = sinks
+        if rng.random() < 0.4:  # ALiBi: BLOOM's geometric slopes, in a random head order
+            hq = s.kv_heads * s.group
+            kw["alibi_slopes"] = rng.permutation(2.0 ** (-8.0 * (np.arange(hq) + 1) / hq))
         if kw:
             return kw
 
 
 def _variants(backend, dtype, rng, quick, checks) -> None:
-    """Window / softcap / sinks: chunked prefill then decode (ragged, padded, one row empty),
+    """Window / softcap / sinks / ALiBi: chunked prefill then decode (ragged, padded, one row empty),
     and one windowed decode over long rows per case."""
     from .attention import gqa_attention
 
@@ -683,7 +686,8 @@ def _quantized(kv_dtype, backend, dtype, rng, quick, checks) -> None:
 
 
 def _describe(variant: dict) -> str:
-    return " ".join(f"{k}={v if k != 'sinks' else list(np.round(v, 2))}" for k, v in variant.items())
+    return " ".join(f"{k}={list(np.round(v, 2)) if k in ('sinks', 'alibi_slopes') else v}"
+                    for k, v in variant.items())
 
 
 def _numba_jit_note(where: str | os.PathLike[str] | None = None) -> str:

@@ -33,12 +33,17 @@ class AttentionParams:
         values): an extra softmax term without a value,
         ``out = sum_j e^{s_j} v_j / (e^{sink_h} + sum_j e^{s_j})``. Applied once, after
         every key is summed (``gqakv.merge.apply_sinks``), never per key block or split.
+    alibi_slopes: None, or one slope per query head (a tuple of Hq Python floats, as
+        given): ALiBi (BLOOM, MPT, Falcon-style checkpoints). Query head h at position p
+        adds ``alibi_slopes[h] * (j - p)`` to its score of key j, after the soft-cap and before
+        the mask and the softmax (``transform``); a sink's logit gets no bias.
     """
 
     scale: float
     window: int | None = None
     softcap: float | None = None
     sinks: tuple[float, ...] | None = None
+    alibi_slopes: tuple[float, ...] | None = None
 
     @property
     def features(self) -> frozenset[str]:
@@ -46,7 +51,8 @@ class AttentionParams:
         what each fast path declares it implements (``gqakv.backend.FastPath``)."""
         return frozenset(name for name, on in (("window", self.window is not None),
                                                ("softcap", self.softcap is not None),
-                                               ("sinks", self.sinks is not None)) if on)
+                                               ("sinks", self.sinks is not None),
+                                               ("alibi", self.alibi_slopes is not None)) if on)
 
     @property
     def variant(self) -> str:
@@ -101,6 +107,45 @@ def transform_scores(params: AttentionParams, s, xp):
         return s
     c = params.softcap
     return xp.tanh(s * (1.0 / c)) * c
+
+
+def allowed(params: AttentionParams, q_pos, k_pos, head=None):
+    """The mask hook: whether the query at absolute position ``q_pos`` (of query head
+    ``head``: every head alike today) may see the key at ``k_pos`` (Python ints or,
+    elementwise, NumPy int arrays). The same rule as ``key_range``, per pair: a mask that
+    is not a key range (a tree of draft tokens) is one more clause here."""
+    lo = 0 if params.window is None else q_pos - (params.window - 1)
+    return (k_pos >= lo) & (k_pos <= q_pos)
+
+
+def alibi_slopes(params: AttentionParams, head, xp, dtype=None, device=None):
+    """ALiBi's slope of query head(s) ``head`` (an int, or an int array of ``xp``)."""
+    given = params.alibi_slopes
+    if given is None:
+        raise ValueError("alibi_slopes: this call has no ALiBi")
+    if isinstance(head, int):
+        return given[head]
+    slopes = xp.asarray(given, dtype=dtype, device=device)
+    return xp.reshape(xp.take(slopes, xp.reshape(head, (-1,)), axis=0), head.shape)
+
+
+def transform(params: AttentionParams, s, q_pos, k_pos, head, xp):
+    """The score hook: the scaled scores ``s`` (``scale * q . k``) of query head(s)
+    ``head`` at absolute position(s) ``q_pos`` against key position(s) ``k_pos``, as the
+    softmax takes them (before the mask): the soft-cap, then ALiBi's
+    ``alibi_slopes[head] * (k_pos - q_pos)``. Broadcasts like arithmetic (``s`` of ``xp``, the
+    positions and heads Python ints or int arrays of ``xp`` shaped to broadcast with it)."""
+    s = transform_scores(params, s, xp)
+    if params.alibi_slopes is None:
+        return s
+    if isinstance(s, float):
+        return s + alibi_slopes(params, head, xp) * (k_pos - q_pos)
+    dev = getattr(s, "device", None)
+    slope = alibi_slopes(params, head, xp, dtype=s.dtype, device=dev)
+    dist = k_pos - q_pos
+    if not isinstance(dist, int):
+        dist = xp.astype(dist, s.dtype)
+    return s + slope * dist
 
 
 def visible_mask(params: AttentionParams, L: int, n: int, t0: int, t1: int, j0: int, j1: int,

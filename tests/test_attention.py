@@ -319,7 +319,7 @@ def test_attention_over_the_product(case, route_spy):
     params = AttentionParams(scale=scale, **case.params)
     want, want_lse = reference_attention(q, rows_k, rows_v, n_new, scale=params.scale,
                                          window=params.window, softcap=params.softcap,
-                                         sinks=params.sinks)
+                                         sinks=params.sinks, alibi_slopes=params.alibi_slopes)
     out, lse = gqakv.gqa_attention(arrays.asarray(q, dtype), cache, n_new,
                                    return_lse=True, params=params)
     with model.step(n_new) as step:
@@ -330,7 +330,8 @@ def test_attention_over_the_product(case, route_spy):
     if dtype in LOW_PRECISION:
         bounds = low_precision_bounds(dtype, want, want_lse, q, rows_k, rows_v, n_new,
                                       params.scale, window=params.window,
-                                      softcap=params.softcap, sinks=params.sinks)
+                                      softcap=params.softcap, sinks=params.sinks,
+                                      alibi_slopes=params.alibi_slopes)
     for got in (out, *outs):
         assert_matches_reference(arrays.to_numpy(got), None, want, want_lse, dtype, bounds)
     assert_matches_reference(arrays.to_numpy(out), arrays.to_numpy(lse), want, want_lse, dtype,

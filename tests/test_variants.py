@@ -126,11 +126,16 @@ def _as_params(variant: dict) -> dict:
     p = dict(variant)
     if p.get("sinks") is not None:
         p["sinks"] = tuple(float(x) for x in np.asarray(p["sinks"], np.float32))
+    if p.get("alibi_slopes") is not None:
+        p["alibi_slopes"] = tuple(float(x) for x in p["alibi_slopes"])
     return p
 
 
-def _keywords(rng, hq, window, softcap, sinks_kind) -> dict:
+def _keywords(rng, hq, window, softcap, sinks_kind, alibi=None) -> dict:
     kw = {}
+    if alibi is not None:  # ALiBi slopes: BLOOM's geometric ones ("bloom") or random reals
+        kw["alibi_slopes"] = (2.0 ** (-8.0 * (np.arange(hq) + 1) / hq) if alibi == "bloom"
+                              else rng.normal(0.0, 0.5, hq)).astype(np.float32)
     if window is not None:
         kw["window"] = window
     if softcap is not None:
@@ -173,6 +178,8 @@ COMBINATIONS = [
     {"window": 2, "softcap": 0.5}, {"window": 2, "sinks": "extreme"},
     {"softcap": 0.5, "sinks": "normal"},
     {"window": 4, "softcap": 1e-3, "sinks": "extreme"},
+    {"alibi": "bloom"}, {"alibi": "random"}, {"window": 3, "alibi": "bloom"},
+    {"softcap": 0.5, "sinks": "extreme", "alibi": "random"},
 ]
 
 
@@ -185,7 +192,8 @@ def test_each_variant_and_combination(backend, combo):
     B, hkv, G, d, T = 3, 2, 2, 8, 6
     hq = hkv * G
     rows = Rows(backend, dtype, B, hkv, 24, d, rng)
-    variant = _keywords(rng, hq, combo.get("window"), combo.get("softcap"), combo.get("sinks"))
+    variant = _keywords(rng, hq, combo.get("window"), combo.get("softcap"), combo.get("sinks"),
+                        combo.get("alibi"))
     rows.chunk([6, 0, 4], T, hq, variant, 0.5)
     rows.chunk([5, 0, 6], T, hq, variant, 0.5)
     rows.chunk([1, 1, 0], 1, hq, variant, 0.5)

@@ -43,7 +43,12 @@ ATTENTION_PARAMS = {"causal": {}, "window": {"window": 3}, "softcap": {"softcap"
                     # one sink per query head: the tests that take ``case`` use Hq = 6
                     "sinks": {"sinks": (0.5, -1.0, 2.0, float("-inf"), 4.0, 0.0)},
                     "window+softcap+sinks": {"window": 2, "softcap": 0.5,
-                                             "sinks": (1.0, 0.0, -2.0, 3.0, float("-inf"), 0.5)}}
+                                             "sinks": (1.0, 0.0, -2.0, 3.0, float("-inf"), 0.5)},
+                    # one ALiBi slope per query head (BLOOM's for 8 heads, then 0 and < 0)
+                    "alibi": {"alibi_slopes": (0.5, 0.25, 0.125, 0.0625, 0.0, -0.25)},
+                    "window+softcap+sinks+alibi": {
+                        "window": 3, "softcap": 2.0, "sinks": (1.0, 0.0, -2.0, 3.0, float("-inf"), 0.5),
+                        "alibi_slopes": (0.75, 0.5, 0.25, 0.125, 0.0625, 1.5)}}
 #: Cache dtypes under test, where a backend declares them: the dtypes the kernels are
 #: built for (float64 runs only the references' own checks: no fast path has it).
 PRODUCT_DTYPES = ("float32", "bfloat16", "float16")
@@ -55,7 +60,8 @@ def product_cases(backends, storage_specs, params, dtypes=PRODUCT_DTYPES) -> lis
     """(backend, storage name, params name, dtype) points: the full product when it is at
     most PRODUCT_LIMIT, else a sample: for each backend every (storage, dtype) pair of the
     dtypes it declares, with the params taken in turn (so each backend also runs every
-    params value, once per len(params) points)."""
+    params value, once per len(params) points; a backend with fewer such pairs than
+    params values gets one more point for each value not reached)."""
     kinds, variants = list(storage_specs), list(params)
     declared = {b.name: [d for d in dtypes if d in b.dtypes] for b in backends}
     full = [(b, s, p, d) for b in backends for s in kinds for p in variants
@@ -69,6 +75,12 @@ def product_cases(backends, storage_specs, params, dtypes=PRODUCT_DTYPES) -> lis
             for d in declared[b.name]:
                 picked.append((b, s, variants[(i + n) % len(variants)], d))
                 n += 1
+        # a backend with fewer (storage, dtype) pairs than params: one more point for each
+        # params value not reached yet, on the storage kinds in turn
+        reached = {variants[(i + k) % len(variants)] for k in range(n)}
+        for p in (p for p in variants if p not in reached):
+            picked.append((b, kinds[n % len(kinds)], p, declared[b.name][0]))
+            n += 1
     return picked
 
 

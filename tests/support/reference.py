@@ -3,7 +3,7 @@
 It follows the definition literally: for every row, query token and query head,
 pick KV head h // G, take keys lo..pos where pos = L - n + t (lo = 0, or
 max(0, pos - window + 1) with a sliding window), soft-cap each scaled score
-(c * tanh(s / c)), and softmax in float64 with the head's sink logit as one more
+(c * tanh(s / c)), add ALiBi's slope x (j - pos) for key j, and softmax in float64 with the head's sink logit as one more
 term of the denominator that carries no value.
 """
 
@@ -15,9 +15,10 @@ import numpy as np
 
 
 def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, softcap=None,
-                        sinks=None):
+                        sinks=None, alibi_slopes=None):
     """q: [B, Hq, T, d]; k_rows[b], v_rows[b]: [Hkv, L_b, d] live tokens of row b;
-    window: None or W >= 1; softcap: None or c > 0; sinks: None or [Hq] logits (-inf: none).
+    window: None or W >= 1; softcap: None or c > 0; sinks: None or [Hq] logits (-inf: none);
+    alibi_slopes: None or [Hq] slopes (head h's score of key j gets slope_h * (j - pos))
 
     Returns out [B, Hq, T, d] and lse [B, Hq, T], both float64 (lse: the log of the whole
     denominator, sink included); padded queries give out = 0 and lse = -inf.
@@ -43,6 +44,8 @@ def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, so
                     s = scale * float(np.dot(q[b, h, t], k[kv, j]))
                     if softcap is not None:
                         s = softcap * math.tanh(s / softcap)
+                    if alibi_slopes is not None:
+                        s += float(alibi_slopes[h]) * (j - pos)
                     scores.append(s)
                 terms = list(scores)
                 sink = None if sinks is None else float(sinks[h])
@@ -57,10 +60,10 @@ def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, so
 
 
 def reference_on_buffers(q, k, v, lens, n_new, scale=None, *, window=None, softcap=None,
-                         sinks=None):
+                         sinks=None, alibi_slopes=None):
     """``reference_attention`` on padded buffers: k, v [B, Hkv, >= L_b, d] whose row b holds
     ``lens[b]`` live tokens (the slots past them are never read, NaN or not). Same returns."""
     k_rows = [np.asarray(k[b, :, :int(L)]) for b, L in enumerate(lens)]
     v_rows = [np.asarray(v[b, :, :int(L)]) for b, L in enumerate(lens)]
     return reference_attention(q, k_rows, v_rows, n_new, scale, window=window, softcap=softcap,
-                               sinks=sinks)
+                               sinks=sinks, alibi_slopes=alibi_slopes)

@@ -192,13 +192,21 @@ class Refused:
     words: tuple[str, ...]
 
 
+#: Variant features no fast path implements yet (the generic code, its route naming them).
+NOT_YET_FAST = frozenset({"alibi"})
+
+
 def _numpy_attention(f) -> Any:
+    if f["features"] & NOT_YET_FAST:
+        return Refused(tuple(sorted(f["features"] & NOT_YET_FAST)))
     if f["storage"] == "paged" and f["kv_dtype"]:
         return Refused(("paged", "kv_dtype"))
     return FAST
 
 
 def _numba_attention(f) -> Any:
+    if f["features"] & NOT_YET_FAST:
+        return _numpy_attention(f)
     if f["t_q"] <= 8 and f["dtype"] != "float64":  # decode and short chunks: the kernels
         return "numba kernel"
     return _numpy_attention(f)
@@ -213,6 +221,8 @@ def _cupy_store(f) -> Any:
     # the paged one); float64 has no kernels
     if f["dtype"] == "float64":
         return GENERIC
+    if f.get("features", frozenset()) & NOT_YET_FAST:
+        return Refused(tuple(sorted(f["features"] & NOT_YET_FAST)))
     return FAST
 
 

@@ -22,7 +22,7 @@ def max_error(out, want) -> float:
 
 
 def plain_float32_attention(q, k_rows, v_rows, n_new, scale, *, window=None, softcap=None,
-                            sinks=None) -> np.ndarray:
+                            sinks=None, alibi_slopes=None) -> np.ndarray:
     """The attention of ``reference_attention`` (same arguments, same masks) computed the
     plain way in float32: one matmul for the scores, a soft-cap, a max-subtracted exp, one
     matmul for P @ V and a division, each in float32. Only its error against the float64
@@ -47,6 +47,8 @@ def plain_float32_attention(q, k_rows, v_rows, n_new, scale, *, window=None, sof
             if softcap is not None:
                 c = np.float32(softcap)
                 s = c * np.tanh(s / c)
+            if alibi_slopes is not None:
+                s = s + np.float32(alibi_slopes[h]) * (keys - pos).astype(np.float32)
             s = np.where(visible, s, np.float32(-np.inf))
             sink = -math.inf if sinks is None else float(sinks[h])
             m = np.maximum(s.max(axis=1), np.float32(sink))[:, None]  # [n, 1]
