@@ -337,6 +337,8 @@ def run_paged_plan(emu, *, dtype, d=64, P, lens, n_new, params, tensor_cores=Tru
               "n_new": n_new, "out": out, "lse": lse, "table": table}
     if params.sinks is not None:
         arrays["sinks"] = np.asarray(params.sinks, np.float32)
+    if params.alibi_slopes is not None:
+        arrays["alibi"] = np.asarray(params.alibi_slopes, np.float32)
     ranges = None
     if poison:
         kv = _pool_poison(k, table, held, lens, P)
@@ -348,7 +350,7 @@ def run_paged_plan(emu, *, dtype, d=64, P, lens, n_new, params, tensor_cores=Tru
     v_rows = [_row(v, table, b, int(lens[b]), P) for b in range(B)]
     ref_out, ref_lse = reference_attention(q.astype(np.float64), k_rows, v_rows, n_new, params.scale,
                                            window=params.window, softcap=params.softcap,
-                                           sinks=params.sinks)
+                                           sinks=params.sinks, alibi_slopes=params.alibi_slopes)
     case = types.SimpleNamespace(name=f"paged plan {dtype} P={P} {params.variant}", dtype=dtype)
     cases._check_out(case, 0, out, lse, ref_out, ref_lse, n_new,
                      {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0})

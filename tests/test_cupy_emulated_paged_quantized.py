@@ -318,6 +318,8 @@ def run_paged_quantized_plan(emu, *, kv_dtype, dtype, P, lens, n_new, params,
               "lse": lse, "table": table}
     if params.sinks is not None:
         arrays["sinks"] = np.asarray(params.sinks, np.float32)
+    if params.alibi_slopes is not None:
+        arrays["alibi"] = np.asarray(params.alibi_slopes, np.float32)
     ranges = None
     if poison:
         codes = _pool_poison(kpool[0], table, held, lens, P)
@@ -330,7 +332,7 @@ def run_paged_quantized_plan(emu, *, kv_dtype, dtype, P, lens, n_new, params,
     v_rows = [_qrow(vpool, table, b, int(lens[b]), P, kv_dtype) for b in range(B)]
     ref_out, ref_lse = reference_attention(q.astype(np.float64), k_rows, v_rows, n_new, params.scale,
                                            window=params.window, softcap=params.softcap,
-                                           sinks=params.sinks)
+                                           sinks=params.sinks, alibi_slopes=params.alibi_slopes)
     case = types.SimpleNamespace(name=f"paged {kv_dtype} plan {dtype} P={P} {params.variant}", dtype=dtype)
     cases._check_out(case, 0, out, lse, ref_out, ref_lse, n_new,
                      {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0})

@@ -364,6 +364,8 @@ class CupyBackend(Backend):
                       "n_new": n_new_d, "out": out, "lse": lse}
             if params.sinks is not None:  # [Hq] float32 on the device, kept by value
                 arrays["sinks"] = self._upload_floats(params.sinks)
+            if params.alibi_slopes is not None:  # [Hq] float32 slopes, kept by value
+                arrays["alibi"] = self._upload_floats(params.alibi_slopes)
             if kwargs["pages"] is not None:
                 arrays["table"] = self._upload_table(store)
             if kv_dtype:
@@ -401,7 +403,7 @@ class CupyBackend(Backend):
         return tuple(device[i] for i in range(len(host_arrays)))
 
     def _upload_floats(self, values):
-        """A device float32 copy of a tuple of floats (the sink logits), kept by value per
+        """A device float32 copy of a tuple of floats (the sink logits, the ALiBi slopes), kept by value per
         device and stream like ``_upload_ints``."""
         rt = self.runtime
         host = np.asarray(values, dtype=np.float32)

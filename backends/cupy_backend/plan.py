@@ -15,7 +15,8 @@ Buffers a plan refers to:
              out ``[B, Hq, T, d]`` (pre-filled with 0); lse ``[B, Hq, T]`` fp32
              (pre-filled with -inf); workspace part_o ``[B, Hq, T, splits, d]`` and
              part_lse ``[B, Hq, T, splits]`` fp32 when split-KV is used; dummy (1 fp32);
-             sinks ``[Hq]`` fp32 (only under the sinks variant).
+             sinks ``[Hq]`` fp32 (only under the sinks variant); alibi ``[Hq]`` fp32
+             slopes (only under the alibi variant).
   paged (write_kv, attention with ``pages``): k_buf, v_buf are the page pools
              ``[num_pages, Hkv, page_size, d]`` (their strides: page, head, token) and
              table the page table ``[R, pages_per_row]`` int32 (kernels/paged_kv.cuh);
@@ -28,7 +29,7 @@ Buffers a plan refers to:
              the code strides, checked by the caller).
 The attention kernels take their runtime parameters as one struct (``KernelParams``, the
 kernels' ``AttnParams`` in kernels/variant.cuh) and the variant as a template flag
-(``variant_flags``): which of window / softcap / sinks the instantiation implements.
+(``variant_flags``): which of window / softcap / sinks / alibi the instantiation implements.
 Strides are in elements; the head-dim stride is 1 and row strides keep vector alignment.
 """
 
@@ -89,11 +90,11 @@ class Launch:
 
 #: The variant trait's flags (kernels/variant.cuh: GQAKV_VARIANT_*), by feature name of
 #: ``gqakv.semantics.AttentionParams.features``.
-VARIANT_FLAGS = {"window": 1, "softcap": 2, "sinks": 4}
+VARIANT_FLAGS = {"window": 1, "softcap": 2, "sinks": 4, "alibi": 8}
 
-#: The kernels' ``AttnParams`` (kernels/variant.cuh), field for field: 40 bytes, 8-aligned.
+#: The kernels' ``AttnParams`` (kernels/variant.cuh), field for field: 48 bytes, 8-aligned.
 PARAMS_DTYPE = np.dtype([("scale", "<f4"), ("softcap", "<f4"), ("window", "<i8"), ("sinks", "<u8"),
-                         ("k_scale", "<u8"), ("v_scale", "<u8")], align=True)
+                         ("k_scale", "<u8"), ("v_scale", "<u8"), ("alibi", "<u8")], align=True)
 
 
 def variant_flags(params: semantics.AttentionParams) -> int:
@@ -112,20 +113,22 @@ class KernelParams:
     sinks: Buf | None = None
     k_scale: Buf | None = None  # a quantized cache's scales
     v_scale: Buf | None = None
+    alibi: Buf | None = None  # [Hq] float32 ALiBi slopes
 
     @classmethod
     def of(cls, params: semantics.AttentionParams, quantized: bool = False) -> "KernelParams":
         scales = (Buf("k_scale"), Buf("v_scale")) if quantized else (None, None)
         return cls(scale=float(params.scale), softcap=float(params.softcap or 0.0),
                    window=int(params.window or 0), sinks=Buf("sinks") if params.sinks is not None else None,
-                   k_scale=scales[0], v_scale=scales[1])
+                   k_scale=scales[0], v_scale=scales[1],
+                   alibi=Buf("alibi") if params.alibi_slopes is not None else None)
 
     def record(self, address) -> np.void:
         """The struct as a NumPy record of ``PARAMS_DTYPE``; ``address(buf)`` gives a Buf's
         device address."""
         r = np.zeros((), PARAMS_DTYPE)
         r["scale"], r["softcap"], r["window"] = self.scale, self.softcap, self.window
-        for name in ("sinks", "k_scale", "v_scale"):
+        for name in ("sinks", "k_scale", "v_scale", "alibi"):
             buf = getattr(self, name)
             r[name] = 0 if buf is None else int(address(buf))
         return cast(np.void, r[()])  # a 0-d record indexed by () is its np.void

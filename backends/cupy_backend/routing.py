@@ -68,7 +68,7 @@ _LAYOUTS = frozenset({CONTIGUOUS, PAGED})
 _QUANTIZED = frozenset(QUANTIZED_DTYPES)
 _CODECS = frozenset({PLAIN_NAME, *QUANTIZED_DTYPES})
 #: The variant features of variant.cuh's trait (plan.VARIANT_FLAGS).
-VARIANT_FEATURES = frozenset({"window", "softcap", "sinks"})
+VARIANT_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})
 _MMA = frozenset(limits.MMA_DTYPES)
 FAST_PATHS: tuple[FastPath, ...] = (
     FastPath("gqakv_write_kv", "write_kv", _LAYOUTS, frozenset({PLAIN_NAME}), dtypes=frozenset(FUSED_DTYPES)),

@@ -107,14 +107,14 @@ def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | No
                     variant: int = 0, kv_dtype: str | None = None) -> str:
     """The template instantiation, e.g. ``gqakv_write_kv<gqakv_bf16, 128>`` or
     ``gqakv_decode<gqakv_bf16, 128, 4>`` (decode needs ``query_tile``, others refuse it);
-    ``variant``: the variant trait's flags (1 window, 2 softcap, 4 sinks), appended when
+    ``variant``: the variant trait's flags (1 window, 2 softcap, 4 sinks, 8 alibi), appended when
     not 0, e.g. ``gqakv_prefill<float, 64, 3>``; ``kv_dtype``: a quantized storage dtype
     (CODE_CTYPES), e.g. ``gqakv_decode<gqakv_quantized<gqakv_bf16, gqakv_i8>, 128, 4>``."""
     if kv_dtype is not None or kernel == "gqakv_write_kv_quantized":
         return _quantized_name(kernel, dtype, head_dim, query_tile, variant, kv_dtype)
     if variant:
-        if kernel not in VARIANT_KERNELS or not 0 < variant < 8:
-            raise KeyError(f"{kernel} has no variant={variant} (variants: flags 1..7 of "
+        if kernel not in VARIANT_KERNELS or not 0 < variant < 16:
+            raise KeyError(f"{kernel} has no variant={variant} (variants: flags 1..15 of "
                            f"{', '.join(VARIANT_KERNELS)})")
         base = name_expression(kernel, dtype, head_dim, query_tile)
         return f"{base[:-1]}, {int(variant)}>"

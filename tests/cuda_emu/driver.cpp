@@ -138,7 +138,7 @@ void register_decode(const char* type_name) {
     GQAKV_REG_PREFILL_MMA(T, D)
 #define GQAKV_REG_DIM(D) GQAKV_REG_ALL(float, D) GQAKV_REG_ALL(gqakv_half, D) GQAKV_REG_ALL(gqakv_bf16, D)
 
-// The variant instantiations (kernels/variant.cuh flags 1..7: window 1, softcap 2, sinks 4)
+// The variant instantiations (kernels/variant.cuh flags: window 1, softcap 2, sinks 4, alibi 8)
 // of the attention kernels, named as sources.name_expression spells them ("..., flags>");
 // gqakv_merge only with the sinks flag (the planner passes it flags & 4).
 template <class T, int D, int V, int... QB>
@@ -163,7 +163,9 @@ template <class T, int D, int... V>
 void register_variants(const char* type_name) {
     (register_variant<T, D, V>(type_name), ...);
 }
-#define GQAKV_REG_VARIANTS(T, D) register_variants<T, D, 1, 2, 3, 4, 5, 6, 7>(#T);
+// Flags 1..7, and ALiBi alone (8) and with every other feature (15): the combinations the
+// product and the ALiBi tests run (each flag set costs a build of every attention kernel).
+#define GQAKV_REG_VARIANTS(T, D) register_variants<T, D, 1, 2, 3, 4, 5, 6, 7, 8, 15>(#T);
 #define GQAKV_REG_VARIANTS_DIM(D) \
     GQAKV_REG_VARIANTS(float, D) GQAKV_REG_VARIANTS(gqakv_half, D) GQAKV_REG_VARIANTS(gqakv_bf16, D)
 
@@ -230,7 +232,7 @@ void register_quantized_variants(const char* type_name, const char* code_name) {
     GQAKV_REG_QUANTIZED(float, gqakv_i8, D) GQAKV_REG_QUANTIZED(float, gqakv_e4m3, D)       \
     GQAKV_REG_QUANTIZED(gqakv_half, gqakv_i8, D) GQAKV_REG_QUANTIZED(gqakv_half, gqakv_e4m3, D) \
     GQAKV_REG_QUANTIZED(gqakv_bf16, gqakv_i8, D) GQAKV_REG_QUANTIZED(gqakv_bf16, gqakv_e4m3, D)
-#define GQAKV_REG_QUANTIZED_VARIANTS(T, C, D) register_quantized_variants<T, C, D, 1, 2, 3, 4, 5, 6, 7>(#T, #C);
+#define GQAKV_REG_QUANTIZED_VARIANTS(T, C, D) register_quantized_variants<T, C, D, 1, 2, 3, 4, 5, 6, 7, 8, 15>(#T, #C);
 #define GQAKV_REG_QUANTIZED_VARIANTS_DIM(D) \
     GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_i8, D) GQAKV_REG_QUANTIZED_VARIANTS(float, gqakv_e4m3, D) \
     GQAKV_REG_QUANTIZED_VARIANTS(gqakv_bf16, gqakv_i8, D) GQAKV_REG_QUANTIZED_VARIANTS(gqakv_bf16, gqakv_e4m3, D)

@@ -171,11 +171,11 @@ def emulator(head_dim: int, families: tuple[str, ...] = harness.FAMILIES) -> har
 
 #: The head dim of the product suite's tests (tests/conftest.py ``case``: d = 8), whose
 #: one-dim library also holds the variant instantiations the product runs, in every
-#: dtype and family: window 1, softcap 2, sinks 4, all three 7 (kernels/variant.cuh
-#: flags). The harness's one-dim libraries hold plain causal kernels only (and quantized
+#: dtype and family: window 1, softcap 2, sinks 4, all three 7, alibi 8, all four 15
+#: (kernels/variant.cuh flags). The harness's one-dim libraries hold plain causal kernels only (and quantized
 #: float32 variants), so without these the product's fast paths could not run here.
 PRODUCT_HEAD_DIM = 8
-PRODUCT_VARIANT_FLAGS = (1, 2, 4, 7)
+PRODUCT_VARIANT_FLAGS = (1, 2, 4, 7, 8, 15)
 _TYPES = ("float", "gqakv_half", "gqakv_bf16")
 _CODES = ("gqakv_i8", "gqakv_e4m3")
 

@@ -46,16 +46,17 @@ HEAD_DIMS = (20, 64, 128, 80, 256)  # 80, 256: the tensor-core prefill's other t
 #: emulation library: 64 (vector loads, both tensor-core kernels) and 20 (scalar loads).
 VARIANT_HEAD_DIMS = (64, 20)
 #: Head dims the paged instantiations (kernels/paged_kv.cuh) are built at, and the variant
-#: flags each is built for: plain causal and all three features (window 1 + softcap 2 +
-#: sinks 4; the reader is orthogonal to the variant trait, and each flag doubles the build).
+#: flags each is built for: plain causal, the three features (window 1 + softcap 2 + sinks
+#: 4) and all four (+ alibi 8); the reader is orthogonal to the variant trait, and each flag
+#: set is another build of every paged kernel.
 PAGED_HEAD_DIMS = (64, 20)
-PAGED_VARIANTS = (0, 7)
+PAGED_VARIANTS = (0, 7, 15)
 #: Head dims the variant kernels over quantized K/V are instantiated at (q float32 / bfloat16).
 QUANTIZED_VARIANT_HEAD_DIMS = (64,)
 #: Head dims and variant flags of the paged 8-bit instantiations (the 8-bit reader over the
-#: paged one): plain causal and all three features, as for PAGED_VARIANTS.
+#: paged one), as for PAGED_VARIANTS.
 PAGED_QUANTIZED_HEAD_DIMS = (64,)
-PAGED_QUANTIZED_VARIANTS = (0, 7)
+PAGED_QUANTIZED_VARIANTS = (0, 7, 15)
 #: Kernel families a library holds beside the plain (contiguous, unquantized) kernels. The
 #: default library holds both; a one-head-dim library (emulated_backend) is built with the
 #: families its launches name, so a small head dim pays only for what its tests run.
@@ -354,7 +355,8 @@ class _AttnParams(ctypes.Structure):
     """kernels/variant.cuh's AttnParams (plan.PARAMS_DTYPE), aligned as the C++ struct."""
 
     _fields_ = [("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int64),
-                ("sinks", ctypes.c_uint64), ("k_scale", ctypes.c_uint64), ("v_scale", ctypes.c_uint64)]
+                ("sinks", ctypes.c_uint64), ("k_scale", ctypes.c_uint64), ("v_scale", ctypes.c_uint64),
+                ("alibi", ctypes.c_uint64)]
 
 
 assert ctypes.sizeof(_AttnParams) == planmod.PARAMS_DTYPE.itemsize
@@ -477,7 +479,7 @@ class Emulator:
                 rec = a.record(lambda buf: ptrs[buf.name])
                 holders.append(_AttnParams(float(rec["scale"]), float(rec["softcap"]),
                                            int(rec["window"]), int(rec["sinks"]),
-                                           int(rec["k_scale"]), int(rec["v_scale"])))
+                                           int(rec["k_scale"]), int(rec["v_scale"]), int(rec["alibi"])))
             elif isinstance(a, planmod.PageTableArg):
                 rec = a.record(lambda buf: ptrs[buf.name])
                 holders.append(_KVPages(int(rec["table"]), int(rec["table_stride"]),

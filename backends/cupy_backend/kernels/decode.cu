@@ -212,6 +212,10 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
     const float qscale = V::fold(params);
     float qr[S::QB][S::EPL];
     int lim[S::QB], lo[S::QB];
+    // ALiBi only: each query's position from k_begin and its head's slope (log2 domain), so
+    // the score hook sees key jr at offset jr - qrel[i] from its query.
+    int qrel[S::QB];
+    float slope[S::QB];
 #pragma unroll
     for (int i = 0; i < S::QB; ++i) {
         const int qi = qc * S::QB + i;
@@ -222,6 +226,8 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
         lim[i] = !valid || seen <= 0 ? 0 : (seen < n_keys ? (int)seen : n_keys);
         const i64 first = V::key_lo(params, pos) - k_begin;
         lo[i] = !V::WINDOW || first <= 0 ? 0 : (first < n_keys ? (int)first : n_keys);
+        qrel[i] = (int)(pos - k_begin);  // |pos - k_begin| < 2^31: keys_per_split < 2^30
+        slope[i] = valid ? V::alibi_log2(params, kvh * G + g) : 0.f;
         const i64 q_off = (i64)b * q_sb + (i64)(kvh * G + g) * q_sh + (i64)t * q_st;
 #pragma unroll
         for (int c = 0; c < S::CPL; ++c) {
@@ -311,9 +317,10 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
 #pragma unroll
                 for (int i = 0; i < S::QB; ++i) sc[i] += __shfl_xor_sync(GQAKV_FULL_MASK, sc[i], off);
             }
-            if (V::SOFTCAP) {  // the score modifier sees the whole dot product
+            if (V::TRANSFORMS) {  // the score hook sees the whole dot product
 #pragma unroll
-                for (int i = 0; i < S::QB; ++i) sc[i] = V::transform(params, sc[i]);
+                for (int i = 0; i < S::QB; ++i)
+                    sc[i] = V::transform_at(params, sc[i], slope[i], (float)(jr - qrel[i]));
             }
             if (jr < lim_all && jr >= lo_all) {  // every real query sees this key (always, for T = 1)
 #pragma unroll
