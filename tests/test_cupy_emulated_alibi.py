@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv import quantize as Q
 from gqakv.backend import Backend
 
 from .cuda_emu import cases, harness

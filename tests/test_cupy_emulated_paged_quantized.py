@@ -163,7 +163,7 @@ def _assert_same_live_storage(cache, twin, backend):
 
 def _assert_paged_quantized_kernels(names, code, *, split=False):
     attn = [n for n in names if n.startswith(("gqakv_decode", "gqakv_prefill"))]
-    assert attn and all(f"gqakv_quantized<" in n and code in n and n.endswith(", KVPages>")
+    assert attn and all("gqakv_quantized<" in n and code in n and n.endswith(", KVPages>")
                         for n in attn), attn
     assert any(n.startswith("gqakv_decode<") for n in attn), attn
     assert any(n.startswith("gqakv_prefill<") for n in attn), attn
