@@ -425,11 +425,24 @@ def test_paged_quantized_append_writes_only_its_slots(emulator, scenario):
     run_paged_quantized_write(emulator, kv_dtype=kv_dtype, dtype=dtype, P=P, lens=lens, n_new=n_new, seed=P)
 
 
+#: The AddressSanitizer library of this module: only the instantiations its scenarios launch
+#: (driver.cpp registration code, two units compiled in parallel), not the whole default
+#: library (six units, each much longer to compile with -fsanitize).
+ASAN_UNITS = [
+    'register_paged_quantized_variants<float, gqakv_i8, 64, 0, 7>("float", "gqakv_i8"); '
+    'register_paged_quantized_variants<float, gqakv_e4m3, 64, 7>("float", "gqakv_e4m3"); '
+    'registry()["gqakv_merge<float, 64, 4>"] = make_entry(&gqakv_merge<float, 64, 4>);',
+    'register_paged_quantized_variants<gqakv_bf16, gqakv_e4m3, 64, 0, 7>("gqakv_bf16", "gqakv_e4m3"); '
+    'register_paged_quantized_variants<gqakv_bf16, gqakv_i8, 64, 0>("gqakv_bf16", "gqakv_i8"); '
+    'GQAKV_REG(gqakv_merge, gqakv_bf16, 64)',
+]
+
+
 def asan_main() -> int:
     """PLAN_SCENARIOS and WRITE_SCENARIOS on the AddressSanitizer build, every code and
     scale byte outside the live tokens (and the table entries past the live pages)
     poisoned; prints 'N passed'."""
-    emu = harness.Emulator(harness.build(asan=True))
+    emu = harness.Emulator(harness.build_registrations(True, ASAN_UNITS))
     for kv_dtype, dtype, splits, P, lens, n_new, variant in PLAN_SCENARIOS:
         run_paged_quantized_plan(emu, kv_dtype=kv_dtype, dtype=dtype, P=P, lens=lens, n_new=n_new,
                                  force_splits=splits, params=_params(4, *variant), seed=P, poison=True)
@@ -442,11 +455,13 @@ def asan_main() -> int:
     return 0
 
 
-def test_paged_quantized_kernels_under_address_sanitizer():
+def test_paged_quantized_kernels_under_asan():
+    """AddressSanitizer (a subprocess with libasan preloaded) over ASAN_UNITS' library."""
     from pathlib import Path
 
     proc = harness.run_asan_child(["-c", "import sys; from tests import test_cupy_emulated_paged_quantized as m; "
-                                   "sys.exit(m.asan_main())"], cwd=Path(__file__).resolve().parents[1])
+                                   "sys.exit(m.asan_main())"], cwd=Path(__file__).resolve().parents[1],
+                                  units=ASAN_UNITS)
     if proc is None:
         pytest.skip("AddressSanitizer runtime (libasan) not found for g++")
     tail = (proc.stdout + proc.stderr)[-6000:]

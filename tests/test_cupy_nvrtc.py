@@ -140,6 +140,29 @@ def test_paged_quantized_kernel_compiles_without_spills(kernel, dtype, head_dim,
     test_paged_kernel_compiles_without_spills(kernel, dtype, head_dim, name)
 
 
+def _alibi_params():
+    """ALiBi with every other feature (flags 15: the flag set the product runs beside ALiBi
+    alone) in every attention kernel at d = 64 and 128, float32 and bfloat16, contiguous
+    and paged, and over int8 pages (bfloat16 q); sm_90 only, as for ``_paged_params``."""
+    for kernel in ("gqakv_decode", "gqakv_decode_mma", "gqakv_prefill", "gqakv_prefill_mma"):
+        for dtype, d in (("float32", 64), ("float32", 128), ("bfloat16", 64), ("bfloat16", 128)):
+            for base in sources.instantiations(kernel, dtype, d):
+                tile = int(base.rsplit(", ", 1)[1].rstrip(">")) if kernel == "gqakv_decode" else None
+                names = [sources.name_expression(kernel, dtype, d, tile, variant=15),
+                         sources.paged_name_expression(kernel, dtype, d, tile, 15)]
+                if dtype == "bfloat16" and kernel in ("gqakv_decode", "gqakv_prefill"):
+                    names.append(sources.paged_name_expression(kernel, dtype, d, tile, 15, kv_dtype="int8"))
+                for name in names:
+                    yield pytest.param(kernel, dtype, d, name, id=name)
+
+
+@pytest.mark.parametrize("kernel,dtype,head_dim,name", list(_alibi_params()))
+def test_alibi_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
+    """The score hook's ALiBi term (a slope and a query position per row) must still fit the
+    kernels' __launch_bounds__ occupancy unspilled."""
+    test_paged_kernel_compiles_without_spills(kernel, dtype, head_dim, name)
+
+
 def test_ptxas_report_parsing_sees_spills():
     """The spill check can fail: a kernel forced into local memory reports its spills."""
     log = ("ptxas info    : Compiling entry function '_Z1kv' for 'sm_90'\n"
@@ -159,8 +182,8 @@ def test_name_expressions_reject_unsupported():
         sources.name_expression("gqakv_decode", "float16", 64, 16)
     with pytest.raises(KeyError, match="takes no query_tile"):
         sources.name_expression("gqakv_merge", "float16", 64, 8)
-    with pytest.raises(KeyError, match="no variant=8"):
-        sources.name_expression("gqakv_prefill", "float16", 64, variant=8)
+    with pytest.raises(KeyError, match="no variant=16"):
+        sources.name_expression("gqakv_prefill", "float16", 64, variant=16)
     with pytest.raises(KeyError, match="no variant=1"):
         sources.name_expression("gqakv_write_kv", "float16", 64, variant=1)
     assert sources.name_expression("gqakv_decode", "float16", 64, 8, variant=5) == "gqakv_decode<gqakv_half, 64, 8, 5>"

@@ -71,14 +71,20 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def run_asan_child(argv: list[str], cwd=None, timeout: float = 900):
+def run_asan_child(argv: list[str], cwd=None, timeout: float = 900,
+                   units: Sequence[str] | None = None):
     """``python *argv`` with libasan preloaded (leak checks off), after building the ASan
-    library here without a time limit (the child only loads it): its CompletedProcess
-    (text output captured), or None when g++ has no AddressSanitizer runtime."""
+    library here without a time limit (the child only loads it; ``units``: only these
+    build units, ``build_registrations``' sense, for a child that loads just them): its
+    CompletedProcess (text output captured), or None when g++ has no AddressSanitizer
+    runtime."""
     runtime = asan_runtime()
     if runtime is None:
         return None
-    build(asan=True)
+    if units is None:
+        build(asan=True)
+    else:
+        build_registrations(True, units)
     env = dict(os.environ, LD_PRELOAD=runtime, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
