@@ -229,11 +229,11 @@ def test_plans_use_explicitly_typed_scalars():
     assert launch.kernel == "gqakv_prefill_mma"  # float16, d = 64: the tensor-core prefill
     for a in launch.args:
         assert isinstance(a, (plan.Buf, np.int32, np.int64, np.float32, plan.KernelParams)), a
-    # The params struct goes as a record of the kernels' AttnParams layout (40 bytes:
-    # float scale, float softcap, int64 window, pointers sinks, k_scale, v_scale).
+    # The params struct goes as a record of the kernels' AttnParams layout (48 bytes:
+    # float scale, float softcap, int64 window, pointers sinks, k_scale, v_scale, alibi).
     (params,) = [a for a in launch.args if isinstance(a, plan.KernelParams)]
     rec = params.record(lambda buf: 0)
-    assert rec.dtype == plan.PARAMS_DTYPE and plan.PARAMS_DTYPE.itemsize == 40
+    assert rec.dtype == plan.PARAMS_DTYPE and plan.PARAMS_DTYPE.itemsize == 48
     assert [plan.PARAMS_DTYPE.fields[f][1] for f in ("scale", "softcap", "window", "sinks", "k_scale",
                                                     "v_scale")] == [0, 4, 8, 16, 24, 32]
     assert (float(rec["scale"]), int(rec["window"]), int(rec["sinks"])) == (0.125, 0, 0)

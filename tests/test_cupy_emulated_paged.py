@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import gqakv
+from gqakv.dispatch.backend import GENERIC
 
 from .cuda_emu import cases, harness
 from .support.reference import reference_attention
@@ -336,6 +337,8 @@ def run_paged_plan(emu, *, dtype, d=64, P, lens, n_new, params, tensor_cores=Tru
               "n_new": n_new, "out": out, "lse": lse, "table": table}
     if params.sinks is not None:
         arrays["sinks"] = np.asarray(params.sinks, np.float32)
+    if params.alibi_slopes is not None:
+        arrays["alibi"] = np.asarray(params.alibi_slopes, np.float32)
     ranges = None
     if poison:
         kv = _pool_poison(k, table, held, lens, P)
@@ -347,7 +350,7 @@ def run_paged_plan(emu, *, dtype, d=64, P, lens, n_new, params, tensor_cores=Tru
     v_rows = [_row(v, table, b, int(lens[b]), P) for b in range(B)]
     ref_out, ref_lse = reference_attention(q.astype(np.float64), k_rows, v_rows, n_new, params.scale,
                                            window=params.window, softcap=params.softcap,
-                                           sinks=params.sinks)
+                                           sinks=params.sinks, alibi_slopes=params.alibi_slopes)
     case = types.SimpleNamespace(name=f"paged plan {dtype} P={P} {params.variant}", dtype=dtype)
     cases._check_out(case, 0, out, lse, ref_out, ref_lse, n_new,
                      {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0})
@@ -474,20 +477,20 @@ def test_selftest_paged_lines_run_the_paged_kernels(monkeypatch, page_size):
 
 
 def test_paged_routes_and_rejections():
-    """What the route table says about pages: the kernels take them; quantized pages and
-    rows the kernels' 32-bit key index cannot hold keep the generic path, with the reason;
-    copy_tokens copies contiguous rows only (pages move as rows of the pool)."""
+    """What the route table says about pages: the kernels take them (8-bit pages too: see
+    test_cupy_emulated_paged_quantized.py); rows the kernels' 32-bit key index cannot hold
+    keep the generic path, with the reason; copy_tokens copies contiguous rows only (pages
+    move as rows of the pool)."""
     from gqakv_backends.cupy_backend import _store_rejection, routing
 
     be, names = _backend()
     cache = gqakv.PagedKVCache(2, 1, 32, 64, dtype="float32", backend=be, page_size=8)
     assert _store_rejection(cache.store) is None
-    assert "paged" in _store_rejection(cache.store, paged=False)
+    route = be.route("copy_tokens", dtype="float32", head_dim=64, storage="paged")
+    assert route.impl == GENERIC and "storage layout 'paged'" in route.rejected["gqakv_copy_tokens"]
     impls = routing.implementations()
-    assert all("paged" in impls[k] for k in ("gqakv_write_kv", "gqakv_decode", "gqakv_decode_mma",
-                                             "gqakv_prefill", "gqakv_prefill_mma"))
-    quant = gqakv.PagedKVCache(2, 1, 32, 64, dtype="float32", backend=be, page_size=8, kv_dtype="int8")
-    assert "kv_dtype='int8'" in _store_rejection(quant.store)
+    assert all("paged" in impls[k] for k in ("gqakv_write_kv", "gqakv_write_kv_quantized", "gqakv_decode",
+                                             "gqakv_decode_mma", "gqakv_prefill", "gqakv_prefill_mma"))
     huge = gqakv.PagedKVCache(1, 1, 8, 64, dtype="float32", backend=be, page_size=8, num_pages=1)
     huge.store.table.table = np.zeros((1, 2**28), np.int32)  # 2^31 slots per row, never allocated
     assert "32 bits" in _store_rejection(huge.store)
@@ -495,8 +498,6 @@ def test_paged_routes_and_rejections():
         planmod.PageTableArg(table_stride=2**28, page_size=8)
     x = be.from_numpy(np.ones((2, 1, 3, 64), np.float32))
     names.clear()
-    quant.append(x, x, [3, 1])  # generic path: no launch
-    assert names == []
     cache.append(x, x, [3, 1])
     assert names == ["gqakv_write_kv<float, 64, KVPages>"]
 

@@ -1,11 +1,12 @@
-"""The attention variants (sliding window, soft-cap, sinks) in the CUDA kernels, emulated.
+"""The attention variants (sliding window, soft-cap, sinks, ALiBi) in the CUDA kernels, emulated.
 
 Each kernel family is one template composed with the variant trait (kernels/variant.cuh:
-compile-time flags window 1, softcap 2, sinks 4); the planner picks the flags from the
+compile-time flags window 1, softcap 2, sinks 4, alibi 8); the planner picks the flags from the
 call's ``AttentionParams`` (plan.variant_flags) and starts decode splits and prefill key
 tiles at the window (semantics.keys_read / block_keys). Every scenario runs the plan the
 backend builds on the CPU emulator (tests/cuda_emu) and is compared with the independent
-float64 loop reference (tests/support/reference.py, which takes window=, softcap=, sinks=) with
+float64 loop reference (tests/support/reference.py, which takes window=, softcap=, sinks=,
+alibi_slopes=) with
 the suite's rule (tests/cuda_emu/cases._check_out): out within 2 x the reference's rounding
 to the dtype + 2e-6, lse within 1e-5, padded queries exactly 0 / -inf, no NaN anywhere.
 
@@ -13,7 +14,8 @@ Covered: decode (fp32 FMA and tensor-core), split decode + merge (splits start a
 window; the sink joins once in the merge), small-T decode whose queries see different
 windows, both chunked prefills; float32 / float16 / bfloat16; d = 64 and 20; W = 1, W
 larger than every row, W smaller than the chunk; a tiny soft-cap (tanh saturates); sinks
-large, -inf and mixed; ragged rows with padding and an idle entry.
+large, -inf and mixed; ALiBi slopes BLOOM's (powers of two) and mixed (negative and 0
+among them), alone and with every other feature; ragged rows with padding and an idle entry.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def run_variant(emu, *, dtype, d, kv_heads, group, lens, n_new, params, pad=1,
               "lens": lens, "n_new": n_new, "out": out, "lse": lse}
     if params.sinks is not None:
         arrays["sinks"] = np.asarray(params.sinks, np.float32)
+    if params.alibi_slopes is not None:
+        arrays["alibi"] = np.asarray(params.alibi_slopes, np.float32)
     ranges = None
     if poison:
         kv_ranges = []
@@ -89,7 +93,7 @@ def run_variant(emu, *, dtype, d, kv_heads, group, lens, n_new, params, pad=1,
     v_rows = [v_buf[b, :, :lens[b]] for b in range(B)]
     ref_out, ref_lse = reference_attention(q.astype(np.float64), k_rows, v_rows, n_new, params.scale,
                                            window=params.window, softcap=params.softcap,
-                                           sinks=params.sinks)
+                                           sinks=params.sinks, alibi_slopes=params.alibi_slopes)
     assert not np.isnan(ref_out).any() and not np.isnan(out.astype(np.float64)).any()
     assert not np.isnan(lse).any()
     stats = {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0}
@@ -98,25 +102,38 @@ def run_variant(emu, *, dtype, d, kv_heads, group, lens, n_new, params, pad=1,
     return plan
 
 
-def _params(d, hq, window=None, softcap=None, sinks=None):
+def alibi_pattern(name, hq):
+    """Named ALiBi slope patterns over the Hq query heads, float32-exact (the kernels take
+    float32 slopes): BLOOM's 2^(-8 (h + 1) / Hq) (Hq a power of two), or mixed signs."""
+    if name is None:
+        return None
+    slopes = {"bloom": [2.0 ** (-8 * (h + 1) / hq) for h in range(hq)],
+              "mixed": [(0.5, -0.125, 0.0, 0.25)[h % 4] for h in range(hq)]}[name]
+    return tuple(float(np.float32(s)) for s in slopes)
+
+
+def _params(d, hq, window=None, softcap=None, sinks=None, alibi=None):
     if isinstance(sinks, str):  # a named pattern over the Hq heads
         sinks = {"large": [40.0 + h for h in range(hq)],
                  "-inf": [-math.inf] * hq,
                  "mixed": [(-math.inf, 0.5, -3.0, 25.0)[h % 4] for h in range(hq)]}[sinks]
     sinks = None if sinks is None else tuple(float(np.float32(s)) for s in sinks)
     return semantics.AttentionParams(scale=1.0 / math.sqrt(d), window=window, softcap=softcap,
-                                     sinks=sinks)
+                                     sinks=sinks, alibi_slopes=alibi_pattern(alibi, hq))
 
 
 DTYPES = ("float32", "float16", "bfloat16")
-# (window, softcap, sinks): each feature alone, the pairs and all three; W = 1, W larger
-# than every row, tiny soft-caps where tanh saturates, large / -inf / mixed sinks.
+# (window, softcap, sinks[, alibi]): each feature alone, the pairs and all three; W = 1, W
+# larger than every row, tiny soft-caps where tanh saturates, large / -inf / mixed sinks;
+# ALiBi alone and with all three (the flag sets built: 8 and 15).
 VARIANTS = [
     (1, None, None), (5, None, None), (1000, None, None), (None, 0.001, None), (None, 3.0, None),
     (None, None, "large"), (None, None, "-inf"), (None, None, "mixed"), (7, 2.0, None),
     (4, None, "mixed"), (None, 0.5, "mixed"), (3, 1.5, "mixed"), (1, 1e-3, "large"),
+    (None, None, None, "bloom"), (None, None, None, "mixed"), (5, 2.0, "mixed", "bloom"),
+    (1, 1e-3, "large", "mixed"),
 ]
-VIDS = [f"W{w}-c{c}-s{s}" for w, c, s in VARIANTS]
+VIDS = [f"W{v[0]}-c{v[1]}-s{v[2]}" + (f"-alibi{v[3]}" if len(v) > 3 else "") for v in VARIANTS]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -132,8 +149,10 @@ def test_decode_variants(emulator, dtype, variant):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", [(6, None, "mixed"), (1, 2.0, "large"), (1000, None, "-inf"),
-                                     (None, 0.01, "mixed"), (13, None, None)],
-                         ids=["W6-sinks", "W1-cap-sinks", "Wbig-sinks-inf", "cap-sinks", "W13"])
+                                     (None, 0.01, "mixed"), (13, None, None),
+                                     (None, None, None, "bloom"), (6, 2.0, "mixed", "mixed")],
+                         ids=["W6-sinks", "W1-cap-sinks", "Wbig-sinks-inf", "cap-sinks", "W13",
+                              "alibi", "W6-cap-sinks-alibi"])
 def test_split_decode_variants(emulator, dtype, variant):
     """Split decode + merge: splits start at each row's window (a row's splits past its
     keys write lse -inf, the merge reads the planner's layout) and the sink joins once,
@@ -154,8 +173,10 @@ def test_split_decode_variants(emulator, dtype, variant):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", [(1, None, None), (7, None, None), (1000, 0.001, None),
-                                     (None, 2.0, "mixed"), (5, 1.0, "large"), (3, None, "-inf")],
-                         ids=["W1", "W7", "Wbig-tinycap", "cap-sinks", "W5-cap-sinks", "W3-sinks-inf"])
+                                     (None, 2.0, "mixed"), (5, 1.0, "large"), (3, None, "-inf"),
+                                     (None, None, None, "bloom"), (5, 1.0, "large", "mixed")],
+                         ids=["W1", "W7", "Wbig-tinycap", "cap-sinks", "W5-cap-sinks", "W3-sinks-inf",
+                              "alibi", "W5-cap-sinks-alibi"])
 @pytest.mark.parametrize("tensor_cores", [True, False], ids=["mma", "fma"])
 def test_prefill_variants(emulator, dtype, variant, tensor_cores):
     """Chunked prefill (W smaller than the chunk of 21 tokens), ragged rows with padding;
@@ -173,15 +194,16 @@ def test_prefill_variants(emulator, dtype, variant, tensor_cores):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_variants_scalar_head_dim(emulator, dtype):
     """d = 20 (scalar loads; the fp32-FMA kernels for every dtype): decode, split decode
-    and prefill with every feature on."""
+    and prefill with window, soft-cap and sinks on, without and with ALiBi."""
     d, Hkv, G = 20, 1, 3
-    params = _params(d, Hkv * G, 4, 1.5, "mixed")
-    run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[19, 6], n_new=[1, 1],
-                params=params)
-    run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[40, 6], n_new=[1, 1],
-                params=params, force_splits=3)
-    run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[25, 6], n_new=[12, 6],
-                params=params)
+    for alibi in (None, "mixed"):
+        params = _params(d, Hkv * G, 4, 1.5, "mixed", alibi)
+        run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[19, 6], n_new=[1, 1],
+                    params=params)
+        run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[40, 6], n_new=[1, 1],
+                    params=params, force_splits=3)
+        run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[25, 6], n_new=[12, 6],
+                    params=params)
 
 
 def test_window_reads_only_the_window():
@@ -211,6 +233,9 @@ ASAN_SCENARIOS = [
     ("bfloat16", True, 3, [70, 12, 41], [1, 1, 1], (20, None, "large")),
     ("float32", False, None, [30, 21, 8], [21, 9, 0], (3, 1.5, "mixed")),
     ("bfloat16", True, None, [30, 21, 8], [21, 9, 0], (6, None, "mixed")),
+    ("bfloat16", True, None, [37, 9, 20], [1, 1, 0], (None, None, None, "bloom")),
+    ("float32", False, 3, [70, 12, 41], [1, 1, 1], (20, 1.0, "mixed", "mixed")),
+    ("float16", True, None, [30, 21, 8], [21, 9, 0], (6, 2.0, "mixed", "bloom")),
 ]
 
 

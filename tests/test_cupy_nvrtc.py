@@ -121,6 +121,51 @@ def test_paged_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
     assert r.spill_stores == 0 and r.spill_loads == 0, f"local-memory spills: {line}"
 
 
+def _paged_quantized_params():
+    """The paged 8-bit instantiations (QuantizedKV over PagedKV) at d = 128 in the two
+    pairings of ``_quantized_params``: decode (every query tile), prefill and the paged
+    quantizing append, plain causal; decode (tile 4) and prefill with every variant
+    feature (flags 7, int8); sm_90 only, as for ``_paged_params``."""
+    for dtype, kv_dtype in (("bfloat16", "int8"), ("float32", "float8_e4m3fn")):
+        for kernel in ("gqakv_decode", "gqakv_prefill", "gqakv_write_kv_quantized"):
+            names = sources.paged_instantiations(kernel, dtype, 128, kv_dtype=kv_dtype)
+            if kernel != "gqakv_write_kv_quantized" and kv_dtype == "int8":
+                names.append(sources.paged_name_expression(kernel, dtype, 128, 4 if kernel == "gqakv_decode"
+                                                           else None, 7, kv_dtype=kv_dtype))
+            for name in names:
+                yield pytest.param(kernel, dtype, 128, name, id=name)
+
+
+@pytest.mark.parametrize("kernel,dtype,head_dim,name", list(_paged_quantized_params()))
+def test_paged_quantized_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
+    """The 8-bit reader over the page table (a second, scale, reader through the same
+    table) must still fit the kernels' __launch_bounds__ occupancy unspilled."""
+    test_paged_kernel_compiles_without_spills(kernel, dtype, head_dim, name)
+
+
+def _alibi_params():
+    """ALiBi with every other feature (flags 15: the flag set the product runs beside ALiBi
+    alone) in every attention kernel at d = 64 and 128, float32 and bfloat16, contiguous
+    and paged, and over int8 pages (bfloat16 q); sm_90 only, as for ``_paged_params``."""
+    for kernel in ("gqakv_decode", "gqakv_decode_mma", "gqakv_prefill", "gqakv_prefill_mma"):
+        for dtype, d in (("float32", 64), ("float32", 128), ("bfloat16", 64), ("bfloat16", 128)):
+            for base in sources.instantiations(kernel, dtype, d):
+                tile = int(base.rsplit(", ", 1)[1].rstrip(">")) if kernel == "gqakv_decode" else None
+                names = [sources.name_expression(kernel, dtype, d, tile, variant=15),
+                         sources.paged_name_expression(kernel, dtype, d, tile, 15)]
+                if dtype == "bfloat16" and kernel in ("gqakv_decode", "gqakv_prefill"):
+                    names.append(sources.paged_name_expression(kernel, dtype, d, tile, 15, kv_dtype="int8"))
+                for name in names:
+                    yield pytest.param(kernel, dtype, d, name, id=name)
+
+
+@pytest.mark.parametrize("kernel,dtype,head_dim,name", list(_alibi_params()))
+def test_alibi_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
+    """The score hook's ALiBi term (a slope and a query position per row) must still fit the
+    kernels' __launch_bounds__ occupancy unspilled."""
+    test_paged_kernel_compiles_without_spills(kernel, dtype, head_dim, name)
+
+
 def test_ptxas_report_parsing_sees_spills():
     """The spill check can fail: a kernel forced into local memory reports its spills."""
     log = ("ptxas info    : Compiling entry function '_Z1kv' for 'sm_90'\n"
@@ -140,8 +185,8 @@ def test_name_expressions_reject_unsupported():
         sources.name_expression("gqakv_decode", "float16", 64, 16)
     with pytest.raises(KeyError, match="takes no query_tile"):
         sources.name_expression("gqakv_merge", "float16", 64, 8)
-    with pytest.raises(KeyError, match="no variant=8"):
-        sources.name_expression("gqakv_prefill", "float16", 64, variant=8)
+    with pytest.raises(KeyError, match="no variant=16"):
+        sources.name_expression("gqakv_prefill", "float16", 64, variant=16)
     with pytest.raises(KeyError, match="no variant=1"):
         sources.name_expression("gqakv_write_kv", "float16", 64, variant=1)
     assert sources.name_expression("gqakv_decode", "float16", 64, 8, variant=5) == "gqakv_decode<gqakv_half, 64, 8, 5>"
@@ -150,6 +195,12 @@ def test_name_expressions_reject_unsupported():
     assert sources.paged_name_expression("gqakv_write_kv", "bfloat16", 128) == "gqakv_write_kv<gqakv_bf16, 128, KVPages>"
     with pytest.raises(KeyError, match="no paged instantiation"):
         sources.paged_name_expression("gqakv_merge", "float16", 64)
+    assert (sources.paged_name_expression("gqakv_decode", "bfloat16", 64, 4, kv_dtype="int8")
+            == "gqakv_decode<gqakv_quantized<gqakv_bf16, gqakv_i8>, 64, 4, 0, KVPages>")
+    assert (sources.paged_name_expression("gqakv_write_kv_quantized", "float32", 64, kv_dtype="float8_e4m3fn")
+            == "gqakv_write_kv_quantized<float, gqakv_e4m3, 64, KVPages>")
+    with pytest.raises(KeyError, match="no quantized instantiation"):
+        sources.paged_name_expression("gqakv_decode_mma", "bfloat16", 64, kv_dtype="int8")
 
 
 def test_kernels_need_the_declared_limits(monkeypatch):

@@ -14,7 +14,8 @@ substituted).
   ``dtype``), plus 1e-6;
 * row copies (fork, reorder) move codes and scales together (gqakv_copy_tokens twice);
 * routing: the fp32-FMA kernels serve quantized caches, the tensor-core ones say why not,
-  paged + quantized stays on the generic path with its reason.
+  a kv_dtype no kernel declares goes generic with the declaration's sentence (paged 8-bit
+  caches: tests/test_cupy_emulated_paged_quantized.py).
 
 The generic path is patched to fail in these tests, so a silent fallback cannot pass them.
 Scenario-level checks (and the AddressSanitizer run) are tests/cuda_emu/quantized_cases.py,
@@ -230,12 +231,8 @@ def test_row_copies_carry_scales(backend, kv_dtype):
 
 def test_routes_for_quantized_caches(backend):
     """The fp32-FMA kernels serve a quantized cache, the tensor-core ones say why not; a
-    kv_dtype the kernels do not read and paged + quantized storage go generic with their
-    reasons."""
-    from types import SimpleNamespace
-
+    kv_dtype the kernels do not read goes generic with its reason."""
     from gqakv.dispatch.backend import GENERIC
-    from gqakv_backends.cupy_backend import _store_rejection
 
     for t_q, fma, mma in ((1, "gqakv_decode", "gqakv_decode_mma"), (64, "gqakv_prefill", "gqakv_prefill_mma")):
         route = backend.route("attention", dtype="bfloat16", head_dim=128, t_q=t_q, capability=90,
@@ -248,26 +245,3 @@ def test_routes_for_quantized_caches(backend):
         "gqakv_copy_tokens"
     route = backend.route("attention", dtype="float32", head_dim=64, t_q=1, kv_dtype="int4")
     assert route.impl == GENERIC and "kv_dtype='int4'" in route.rejected["gqakv_decode"]
-    paged = SimpleNamespace(kind="paged", quantized=True, dtype="int8")
-    assert "paged quantized K/V take the generic path" in _store_rejection(paged)
-    assert _store_rejection(SimpleNamespace(kind="contiguous", quantized=True, dtype="int8")) is None
-
-
-def test_paged_quantized_cache_stays_correct_on_the_generic_path(monkeypatch):
-    """Paged + quantized: the kernels refuse it (see the route test), the generic path
-    serves it and still matches the reference on the dequantized values."""
-    from .cuda_emu.emulated_backend import EmulatedCupyBackend
-
-    be = EmulatedCupyBackend()
-    rng = np.random.default_rng(4)
-    cache = gqakv.PagedKVCache(2, 2, 16, D, "float32", backend=be, kv_dtype="int8", page_size=4)
-    k, v = rng.standard_normal((2, 2, 2, 5, D)).astype(np.float32)
-    cache.append(be.from_numpy(k), be.from_numpy(v), [5, 3])
-    q = rng.standard_normal((2, 6, 1, D)).astype(np.float32)
-    before = be.launches
-    out = be.to_numpy(gqakv.gqa_attention(be.from_numpy(q), cache, [1, 1]))
-    assert be.launches == before  # no kernel ran
-    deq = [[Q.dequantize(np, *Q.quantize(np, x[b, :, :n], "int8"), "int8").astype(np.float64)
-            for b, n in enumerate((5, 3))] for x in (k, v)]
-    want, _ = reference_attention(q, deq[0], deq[1], [1, 1])
-    np.testing.assert_allclose(out, want, atol=2e-6)

@@ -23,7 +23,8 @@ def test_names_are_unique_and_the_sources_api_spells_them():
     assert len({e.name for e in entries}) == len(entries) > 1000
     for e in entries:
         if e.reader == "paged":
-            assert sources.paged_name_expression(e.kernel, e.dtype, e.head_dim, e.tile, e.variant) == e.name
+            assert sources.paged_name_expression(e.kernel, e.dtype, e.head_dim, e.tile, e.variant,
+                                                 e.kv_dtype) == e.name
         else:
             assert sources.name_expression(e.kernel, e.dtype, e.head_dim, e.tile, e.variant, e.kv_dtype) == e.name
 
@@ -47,7 +48,7 @@ def test_entries_spell_template_arguments_in_declared_order():
     (table.Instantiation("gqakv_prefill_mma", "bfloat16", 72), "head_dim=72"),
     (table.Instantiation("gqakv_decode_mma", "bfloat16", 64, "int8"), "no quantized instantiation"),
     (table.Instantiation("gqakv_copy_tokens", "float32", 64, reader="paged"), "no paged instantiation"),
-    (table.Instantiation("gqakv_decode", "bfloat16", 64, "int8", "paged", tile=4), "no quantized x paged"),
+    (table.Instantiation("gqakv_prefill_mma", "bfloat16", 64, "int8", "paged"), "no quantized instantiation"),
     (table.Instantiation("gqakv_decode", "bfloat16", 64, tile=3), "query_tile=3"),
     (table.Instantiation("gqakv_write_kv", "float64", 64), "float64"),
 ])

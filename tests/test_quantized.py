@@ -351,10 +351,10 @@ def test_model_cache_step_and_row_ops(backend, kv_dtype):
             np.testing.assert_array_equal(arrays.to_numpy(vb, np.float32), hist[l][1 - b][1])
 
 
-def test_emulated_cupy_kernels_read_contiguous_quantized_storage_and_refuse_paged():
-    """The cupy kernels read codes and scales of a contiguous 8-bit cache (writes, copies and
-    attention all launch); paged 8-bit storage takes the generic path (no launch) and the
-    route says why."""
+def test_emulated_cupy_kernels_read_contiguous_and_paged_quantized_storage():
+    """The cupy kernels read codes and scales of an 8-bit cache, contiguous (writes, copies
+    and attention all launch) or paged (the append and attention launch through the page
+    table; a paged reorder moves pages by bookkeeping, no launch)."""
     from .cuda_emu.emulated_backend import EmulatedCupyBackend
 
     backend = EmulatedCupyBackend()
@@ -372,11 +372,13 @@ def test_emulated_cupy_kernels_read_contiguous_quantized_storage_and_refuse_page
         op()
         assert backend.launches > before
     paged = gqakv.PagedKVCache(2, 1, 8, 16, "float32", backend=backend, page_size=4, kv_dtype="int8")
-    assert "kv_dtype='int8'" in _store_rejection(paged.store)
+    assert _store_rejection(paged.store) is None
+    for op in (lambda: paged.append(x, x, [3, 2]), lambda: gqakv.gqa_attention(q, paged, [1, 1])):
+        before = backend.launches
+        op()
+        assert backend.launches > before
     before = backend.launches
-    paged.append(x, x, [3, 2])
     paged.reorder([1, 0])
-    gqakv.gqa_attention(q, paged, [1, 1])
     assert backend.launches == before
 
 

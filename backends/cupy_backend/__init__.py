@@ -13,13 +13,15 @@
   instantiation that reads or writes K/V through the page table (kernels/paged_kv.cuh),
   uploaded with the call; pages are taken on the host (``gqakv.storage.paged.reserve``) and the
   copy on write of a shared last page is a ``copy_tokens`` over the pool's pages as rows.
-  Quantized pages stay on the generic path (the kernels read unquantized K/V).
-* Quantized caches (``kv_dtype`` int8 / float8_e4m3fn, contiguous): the append quantizes
-  on the device (gqakv_write_kv_quantized, gqakv.storage.quantize's rule bit for bit), copies
-  carry the scales, and the fp32-FMA decode / prefill kernels read codes and scales
+* Quantized caches (``kv_dtype`` int8 / float8_e4m3fn, contiguous or paged): the append
+  quantizes on the device (gqakv_write_kv_quantized, gqakv.storage.quantize's rule bit for bit),
+  copies carry the scales, and the fp32-FMA decode / prefill kernels read codes and scales
   through the QuantizedKV reader (kernels/quantized_kv.cuh: code x scale in registers or
-  per key-tile row as read, never a dequantized row); paged + quantized storage takes the
-  generic path.
+  per key-tile row as read, never a dequantized row), which wraps the contiguous or the
+  paged reader: paged 8-bit pages run on the same kernels.
+* What each kernel implements (layouts, codecs, variant features) is declared as data,
+  ``CupyBackend.fast_paths`` (``routing.FAST_PATHS``); anything else (an unknown codec, a
+  variant no kernel implements) is refused by the kernels with that declaration's sentence.
 
 Devices: the cache lives on the device that was current when it was made (or the one
 passed to ``empty``). Every hot operation makes the device of the cache buffers current
@@ -51,21 +53,14 @@ from typing import cast
 
 import numpy as np
 
-from gqakv.dispatch.backend import GENERIC, Backend, FastPath, Route
+from gqakv.dispatch.backend import GENERIC, Backend, Route
 from gqakv.storage.codecs import PLAIN_NAME
-from gqakv.storage.store import CONTIGUOUS, PAGED
+from gqakv.storage.store import PAGED
 
 from . import plan as _plan
 from . import limits, routing
 from . import sources as sources  # the kernel table, an attribute of the package
 from .runtime import CupyRuntime
-
-
-#: The attention variants the kernels implement (variant.cuh's traits), as data; the
-#: layouts and codecs each kernel reads are ``_kind_rejection``'s and ``routing``'s.
-VARIANTS_PATH = FastPath("cupy kernels", "attention", frozenset({CONTIGUOUS, PAGED}),
-                         frozenset({PLAIN_NAME, "int8", "float8_e4m3fn"}),
-                         frozenset({"window", "softcap", "sinks"}))
 
 
 class CupyBackend(Backend):
@@ -82,6 +77,9 @@ class CupyBackend(Backend):
         "fused_append", "fused_row_copies", "fused_decode", "split_kv", "fused_chunked_prefill",
         "fp32 accumulation", "float64 and head_dim > 256 via array API", "paged_kv",
     })
+    #: What each kernel implements (layouts, codecs, variant features), in the order the
+    #: routes try them; the per-call conditions are routing.py's.
+    fast_paths = routing.FAST_PATHS
 
     def __init__(self, runtime: CupyRuntime | None = None):
         self._reason: str | None | bool = False  # False: not checked yet
@@ -111,32 +109,22 @@ class CupyBackend(Backend):
     def route(self, op: str, **facts) -> Route:
         """Which kernel (or the generic array-API code) runs ``op`` for these facts, and
         why each other implementation was not eligible; the facts are those of
-        ``routing`` (dtype, head_dim, t_q, capability, layout, grid, kv_dtype) and two of
-        the store: ``storage`` (its kind, default contiguous) and ``features`` (the
-        variant's ``AttentionParams.features``, attention only; default none), judged by
-        the rule the hot calls apply to a store (``_kind_rejection``, ``VARIANTS_PATH``)
-        and reported as the ``layout`` reason. The hot operations route every call
-        through the same functions."""
+        ``routing`` (dtype, head_dim, t_q, capability, layout, grid, kv_dtype, storage,
+        features), judged by the kernels' declarations (``fast_paths``) and conditions.
+        The hot operations route every call through the same functions."""
         super().route(op)  # checks op
         fn = routing.ROUTES[op]
         known = {**inspect.signature(fn).parameters}
-        store_facts = ("storage", "features") if op == "attention" else ("storage",)
-        unknown = sorted(set(facts) - set(known) - set(store_facts))
+        unknown = sorted(set(facts) - set(known))
         if unknown:
-            names = [*known, *store_facts]
-            raise ValueError(f"{op} facts {', '.join(unknown)} (known: {', '.join(names)})")
+            raise ValueError(f"{op} facts {', '.join(unknown)} (known: {', '.join(known)})")
         missing = [k for k, p in known.items() if p.default is p.empty and k not in facts]
         if missing:
             raise ValueError(f"{op} needs the facts {', '.join(missing)}")
         if "dtype" in facts:
             facts["dtype"] = _canonical(facts["dtype"])
-        storage = facts.pop("storage", CONTIGUOUS)
-        features = frozenset(facts.pop("features", ()))
-        why = (_kind_rejection(storage, facts.get("kv_dtype"), paged=op != "copy_tokens")
-               or (VARIANTS_PATH.rejection(layout=CONTIGUOUS, codec=PLAIN_NAME, features=features)
-                   if features else None))
-        if why:  # the store's reason comes first, as in the hot calls
-            facts["layout"] = why
+        if "features" in facts:
+            facts["features"] = frozenset(facts["features"])
         route = fn(**facts)  # kept and shared by the hot calls: the caller gets its own copy
         return Route(route.impl, dict(route.rejected))
 
@@ -229,9 +217,9 @@ class CupyBackend(Backend):
     # Each routes the call (routing.py) from its facts, then runs the chosen kernel's kept
     # plan or, when the route says so, the generic array-API code (Backend's method). A
     # planner refusal (grid beyond CUDA's limits) is routed again as the ``grid`` fact.
-    # The kernels read contiguous or paged storage (a paged call adds the page table) of
-    # the variants they implement: another storage kind or variant is a ``layout`` fact
-    # (``_store_rejection``), so its route says why.
+    # The store's kind, codec and the variant are the ``storage`` / ``kv_dtype`` /
+    # ``features`` facts, judged by the kernels' declarations (``fast_paths``); a paged
+    # call adds the page table.
 
     def write_kv(self, store, k_new, v_new, inputs) -> None:
         """One launch for all rows; see ``Backend.write_kv``. k/v_new are [B, Hkv, T, d]."""
@@ -244,14 +232,15 @@ class CupyBackend(Backend):
         dtype, kv_dtype = _dtypes_of(store)
         d = int(k_buf.shape[-1])
         layout = None
-        if routing.route_write_kv(dtype, d, kv_dtype=kv_dtype).impl != GENERIC:
+        facts = dict(kv_dtype=kv_dtype, storage=store.kind)
+        if routing.route_write_kv(dtype, d, **facts).impl != GENERIC:
             layout = _store_rejection(store)
             if layout is None:
                 k_new, v_new = self._aligned(k_new, dtype, d), self._aligned(v_new, dtype, d)
                 layout = (_write_layout_rejection(k_buf, v_buf, k_new, v_new, kv_dtype or dtype, d)
                           or _input_dtype_rejection(k_new, v_new, dtype)
                           or (_scales_rejection(store, d) if kv_dtype else None))
-        route = routing.route_write_kv(dtype, d, layout, kv_dtype=kv_dtype)
+        route = routing.route_write_kv(dtype, d, layout, **facts)
         if route.impl == GENERIC:
             return super().write_kv(store, k_new, v_new, inputs)
         n_new = np.asarray(n_new, dtype=np.int64)
@@ -263,7 +252,7 @@ class CupyBackend(Backend):
         plan = self._plans.get(("write_kv", *_hashable(args), *options.values()),
                                lambda: _plan_or_refusal(_plan.plan_write_kv, *args, **options))
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
-            route = routing.route_write_kv(dtype, d, layout, plan, kv_dtype=kv_dtype)
+            route = routing.route_write_kv(dtype, d, layout, plan, **facts)
         if route.impl == GENERIC:
             return super().write_kv(store, k_new, v_new, inputs)
         if not plan.launches:
@@ -294,12 +283,12 @@ class CupyBackend(Backend):
         dtype, kv_dtype = _dtypes_of(dst)
         d = int(dst_k.shape[-1])
         layout = None
-        if routing.route_copy_tokens(dtype, d, kv_dtype=kv_dtype).impl != GENERIC:
-            layout = (_store_rejection(dst, paged=False) or _store_rejection(src, paged=False)
-                      or ("src and dst stored differently" if src.spec != dst.spec else None)
+        facts = dict(kv_dtype=kv_dtype, storage=dst.kind)
+        if routing.route_copy_tokens(dtype, d, **facts).impl != GENERIC:
+            layout = (("src and dst stored differently" if src.spec != dst.spec else None)
                       or self._copy_layout_rejection(dst_k, dst_v, src_k, src_v, kv_dtype)
                       or (self._copy_scales_rejection(dst, src) if kv_dtype else None))
-        route = routing.route_copy_tokens(dtype, d, layout, kv_dtype=kv_dtype)
+        route = routing.route_copy_tokens(dtype, d, layout, **facts)
         if route.impl == GENERIC:
             return super().copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
         scale_strides = ((_strides(dst.k_scale)[:4], _strides(src.k_scale)[:4]) if kv_dtype
@@ -308,7 +297,7 @@ class CupyBackend(Backend):
                                 int(dst_k.shape[2]), _strides(dst_k)[:4], _strides(src_k)[:4],
                                 kv_dtype, *scale_strides)
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
-            route = routing.route_copy_tokens(dtype, d, layout, plan, kv_dtype=kv_dtype)
+            route = routing.route_copy_tokens(dtype, d, layout, plan, **facts)
         if route.impl == GENERIC:
             return super().copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
         if not plan.launches:
@@ -362,12 +351,13 @@ class CupyBackend(Backend):
         d = int(k_buf.shape[-1])
         B, Hq, T, _ = (int(s) for s in q.shape)
         layout = capability = None
-        if routing.route_attention(dtype, d, T, kv_dtype=kv_dtype).impl != GENERIC:
-            layout = (_store_rejection(store, params)
+        facts = dict(kv_dtype=kv_dtype, storage=store.kind, features=params.features)
+        if routing.route_attention(dtype, d, T, **facts).impl != GENERIC:
+            layout = (_store_rejection(store)
                       or _attention_layout_rejection(k_buf, v_buf, kv_dtype or dtype, d)
                       or (_scales_rejection(store, d) if kv_dtype else None))
             sm_count, capability = self._facts()
-        route = routing.route_attention(dtype, d, T, capability, layout, kv_dtype=kv_dtype)
+        route = routing.route_attention(dtype, d, T, capability, layout, **facts)
         if route.impl == GENERIC:
             return super().attention(q, store, inputs, params, return_lse=return_lse)
         cp = self.runtime.cp
@@ -392,7 +382,7 @@ class CupyBackend(Backend):
         plan = self._plans.get(("attention", dtype, d, *_hashable(kwargs.values())),
                                lambda: _plan_or_refusal(_plan.plan_attention, dtype, d, **kwargs))
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
-            route = routing.route_attention(dtype, d, T, capability, layout, plan, kv_dtype=kv_dtype)
+            route = routing.route_attention(dtype, d, T, capability, layout, plan, **facts)
         if route.impl == GENERIC:
             return super().attention(q, store, inputs, params, return_lse=return_lse)
         if plan.launches:
@@ -401,6 +391,8 @@ class CupyBackend(Backend):
                       "n_new": n_new_d, "out": out, "lse": lse}
             if params.sinks is not None:  # [Hq] float32 on the device, kept by value
                 arrays["sinks"] = self._upload_floats(params.sinks)
+            if params.alibi_slopes is not None:  # [Hq] float32 slopes, kept by value
+                arrays["alibi"] = self._upload_floats(params.alibi_slopes)
             if kwargs["pages"] is not None:
                 arrays["table"] = self._upload_table(store)
             if kv_dtype:
@@ -438,7 +430,7 @@ class CupyBackend(Backend):
         return tuple(device[i] for i in range(len(host_arrays)))
 
     def _upload_floats(self, values):
-        """A device float32 copy of a tuple of floats (the sink logits), kept by value per
+        """A device float32 copy of a tuple of floats (the sink logits, the ALiBi slopes), kept by value per
         device and stream like ``_upload_ints``."""
         rt = self.runtime
         host = np.asarray(values, dtype=np.float32)
@@ -508,34 +500,14 @@ def _plan_or_refusal(planner, *args, **kwargs):
         return str(exc)
 
 
-def _store_rejection(store, params=None, paged: bool = True) -> str | None:
-    """Why the kernels cannot serve this storage kind or attention variant (None: they can);
-    the kernels implement the variants ``VARIANTS_PATH`` declares, over
-    contiguous or paged rows (PagedKV), unquantized, or contiguous quantized rows (QuantizedKV).
-    ``paged``: whether the operation has paged kernels (copy_tokens has not: it copies
-    contiguous rows, and a paged pool's pages as such rows)."""
-    why = _kind_rejection(store.kind, store.dtype if store.quantized else None, paged)
-    if why:
-        return why
+def _store_rejection(store) -> str | None:
+    """Why the kernels cannot serve this store beyond what their declarations say (None:
+    they can): paged rows of 2^31 slots or more (the paged kernels index a row's keys in
+    32 bits). The store's kind and codec and the call's variant are routing facts, judged
+    by ``fast_paths``."""
     if store.kind == PAGED and store.table.table.shape[1] * store.page_size >= _plan.MAX_PAGED_ROW_SLOTS:
         return (f"paged rows of {store.table.table.shape[1] * store.page_size} slots (the paged "
                 f"kernels index a row's keys in 32 bits: fewer than {_plan.MAX_PAGED_ROW_SLOTS})")
-    if params is not None:
-        return VARIANTS_PATH.rejection(layout=CONTIGUOUS, codec=PLAIN_NAME, features=params.features)
-    return None
-
-
-def _kind_rejection(kind: str, kv_dtype: str | None, paged: bool = True) -> str | None:
-    """``_store_rejection``'s rule for a store known by its kind and ``kv_dtype`` (None:
-    unquantized): the part ``route``'s ``storage`` fact is judged by."""
-    if kind == PAGED and not paged:
-        return (f"storage kind {PAGED!r} (gqakv_copy_tokens copies {CONTIGUOUS} rows; paged rows "
-                "move by sharing pages, and a page copy is a row copy of the pool)")
-    if kind not in (CONTIGUOUS, PAGED):
-        return f"storage kind {kind!r} (the kernels read {CONTIGUOUS} or {PAGED} K/V)"
-    if kv_dtype is not None and kind != CONTIGUOUS:
-        return (f"storage kind {kind!r} with kv_dtype={kv_dtype!r} (the quantized "
-                f"reader reads {CONTIGUOUS} rows; paged quantized K/V take the generic path)")
     return None
 
 
@@ -549,9 +521,11 @@ def _pages_arg(store) -> "_plan.PageTableArg | None":
 
 def _dtypes_of(store) -> tuple[str, str | None]:
     """(dtype, kv_dtype) as routing takes them: the buffers' dtype and None, or for a
-    quantized cache the dtype of q / inputs / outputs and the storage ("int8", ...)."""
-    if store.quantized:
-        return store.spec.q_dtype, store.dtype
+    cache of another codec the dtype of q / inputs / outputs and the codec's name ("int8",
+    ...: the kernels' declarations say which they read)."""
+    codec = store.spec.codec.name
+    if codec != PLAIN_NAME:
+        return store.spec.q_dtype, codec
     return _dtype_name(store.k), None
 
 

@@ -40,7 +40,7 @@ CODE_CTYPES = {"int8": "gqakv_i8", "float8_e4m3fn": "gqakv_e4m3"}
 
 #: The variant trait's flags (kernels/variant.cuh: GQAKV_VARIANT_*), by feature name of
 #: ``gqakv.core.semantics.AttentionParams.features``.
-VARIANT_FLAGS = {"window": 1, "softcap": 2, "sinks": 4}
+VARIANT_FLAGS = {"window": 1, "softcap": 2, "sinks": 4, "alibi": 8}
 #: Every feature at once: the variant mask of a kernel that implements all of them.
 ALL = sum(VARIANT_FLAGS.values())
 
@@ -53,6 +53,7 @@ LAYOUTS = (
     ("plain", "contiguous"),
     ("plain", "paged"),
     ("quantized", "contiguous"),
+    ("quantized", "paged"),  # QuantizedKV<C, PagedKV>: 8-bit pages
 )
 
 
@@ -95,7 +96,7 @@ class Kernel:
 #: variant parameter takes only the sink term).
 KERNELS = {k.name: k for k in (
     Kernel("gqakv_write_kv", "write_kv.cu", ("T", "D", "R")),
-    Kernel("gqakv_write_kv_quantized", "write_kv_quantized.cu", ("T", "C", "D"), ("quantized",)),
+    Kernel("gqakv_write_kv_quantized", "write_kv_quantized.cu", ("T", "C", "D", "R"), ("quantized",)),
     Kernel("gqakv_copy_tokens", "copy_tokens.cu", ("E", "D"), ("plain", "quantized")),
     Kernel("gqakv_decode", "decode.cu", ("S", "D", "QB", "V", "R"), ("plain", "quantized"), ALL),
     Kernel("gqakv_decode_mma", "decode_mma.cu", ("S", "D", "V", "R"), ("plain",), ALL,

@@ -15,20 +15,21 @@ Buffers a plan refers to:
              out ``[B, Hq, T, d]`` (pre-filled with 0); lse ``[B, Hq, T]`` fp32
              (pre-filled with -inf); workspace part_o ``[B, Hq, T, splits, d]`` and
              part_lse ``[B, Hq, T, splits]`` fp32 when split-KV is used; dummy (1 fp32);
-             sinks ``[Hq]`` fp32 (only under the sinks variant).
+             sinks ``[Hq]`` fp32 (only under the sinks variant); alibi ``[Hq]`` fp32
+             slopes (only under the alibi variant).
   paged (write_kv, attention with ``pages``): k_buf, v_buf are the page pools
              ``[num_pages, Hkv, page_size, d]`` (their strides: page, head, token) and
              table the page table ``[R, pages_per_row]`` int32 (kernels/paged_kv.cuh);
              the launch is the kernel's paged instantiation, its last argument a
              ``PageTableArg`` (the kernels' ``KVPages``, by value).
   quantized caches (``kv_dtype``): k_buf, v_buf hold codes and k_scale, v_scale
-             ``[R, Hkv, S]`` fp32 their scales (copy_tokens: dst_k_scale, dst_v_scale,
+             ``[R, Hkv, S]`` fp32 their scales (paged: ``[num_pages, Hkv, page_size]``) (copy_tokens: dst_k_scale, dst_v_scale,
              src_k_scale, src_v_scale ``[layers, R, Hkv, S]``); attention reaches them
              through ``KernelParams`` (laid out like the codes: scale strides x d equal
              the code strides, checked by the caller).
 The attention kernels take their runtime parameters as one struct (``KernelParams``, the
 kernels' ``AttnParams`` in kernels/variant.cuh) and the variant as a template flag
-(``variant_flags``): which of window / softcap / sinks the instantiation implements.
+(``variant_flags``): which of window / softcap / sinks / alibi the instantiation implements.
 Strides are in elements; the head-dim stride is 1 and row strides keep vector alignment.
 """
 
@@ -111,20 +112,22 @@ class KernelParams:
     sinks: Buf | None = None
     k_scale: Buf | None = None  # a quantized cache's scales
     v_scale: Buf | None = None
+    alibi: Buf | None = None  # [Hq] float32 ALiBi slopes
 
     @classmethod
     def of(cls, params: semantics.AttentionParams, quantized: bool = False) -> "KernelParams":
         scales = (Buf("k_scale"), Buf("v_scale")) if quantized else (None, None)
         return cls(scale=float(params.scale), softcap=float(params.softcap or 0.0),
                    window=int(params.window or 0), sinks=Buf("sinks") if params.sinks is not None else None,
-                   k_scale=scales[0], v_scale=scales[1])
+                   k_scale=scales[0], v_scale=scales[1],
+                   alibi=Buf("alibi") if params.alibi_slopes is not None else None)
 
     def record(self, address) -> np.void:
         """The struct as a NumPy record of ``PARAMS_DTYPE``; ``address(buf)`` gives a Buf's
         device address."""
         r = np.zeros((), PARAMS_DTYPE)
         r["scale"], r["softcap"], r["window"] = self.scale, self.softcap, self.window
-        for name in ("sinks", "k_scale", "v_scale"):
+        for name in ("sinks", "k_scale", "v_scale", "alibi"):
             buf = getattr(self, name)
             r[name] = 0 if buf is None else int(address(buf))
         return cast(np.void, r[()])  # a 0-d record indexed by () is its np.void
@@ -220,11 +223,9 @@ def plan_write_kv(dtype: str, head_dim: int, n_new: np.ndarray, kv_heads: int, t
     (the pages were taken on the host; the kernel only writes into them).
     kv_dtype: a quantized cache's storage (gqakv_write_kv_quantized quantizes on the
     device, one warp per token); scale_strides: then the (row, head, token) strides of
-    k_scale (and v_scale). Paged and quantized at once has no kernel (the caller routes
-    it to the generic path).
+    k_scale (and v_scale; paged: of the scale pools, page, head, token). Paged and
+    quantized at once: the quantizing append through the page table.
     """
-    if pages is not None and kv_dtype is not None:
-        raise NotImplementedError(f"paged {kv_dtype} K/V: no kernel instantiation (generic path)")
     plan = Plan()
     B = int(n_new.shape[0])
     max_n = int(n_new.max()) if B else 0
@@ -238,6 +239,9 @@ def plan_write_kv(dtype: str, head_dim: int, n_new: np.ndarray, kv_heads: int, t
                 Buf("v_scale"), Buf("rows"), Buf("starts"), Buf("n_new"), np.int32(kv_heads),
                 np.int32(t_new), *_i64(*new_strides), *_i64(*buf_strides), *_i64(*scale_strides))
         name = sources.name_expression(kernel, dtype, head_dim, kv_dtype=kv_dtype)
+        if pages is not None:
+            args += (pages,)
+            name = sources.paged_name_expression(kernel, dtype, head_dim, kv_dtype=kv_dtype)
         plan.launches.append(Launch(kernel, name, (B * kv_heads, grid_y, 1), BLOCK, args))
         return plan
     vectors = max_n * (head_dim // sources.vec_width(dtype, head_dim))
@@ -373,11 +377,9 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     page table of a paged cache (buf_strides are then the pool's): the same launches with
     the kernels' paged instantiations. kv_dtype: a quantized cache's storage: the fp32-FMA
     kernels over its codes and scales (the tensor-core kernels have no quantized
-    instantiation, see routing.py). Not both (the caller routes paged quantized K/V to the
-    generic path).
+    instantiation, see routing.py). Both: the quantized reader over pages (QuantizedKV
+    over PagedKV, the scales' page pools found from the codes' strides).
     """
-    if pages is not None and kv_dtype is not None:
-        raise NotImplementedError(f"paged {kv_dtype} K/V: no kernel instantiation (generic path)")
     if params is None:
         if scale is None:
             raise TypeError("plan_attention needs scale= or params=")
@@ -426,7 +428,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
         name = sources.name_expression(kernel, dtype, head_dim, tile, variant=variant, kv_dtype=kv_dtype)
         if pages is not None:
             args += (pages,)
-            name = sources.paged_name_expression(kernel, dtype, head_dim, tile, variant, kv_dtype)
+            name = sources.paged_name_expression(kernel, dtype, head_dim, tile, variant, kv_dtype=kv_dtype)
         plan.launches.append(Launch(kernel, name, (ctas, splits, 1), BLOCK, args))
         if splits > 1:
             # The merge reads every split of this layout (a split past an entry's keys

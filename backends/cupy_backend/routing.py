@@ -15,11 +15,14 @@ Facts (all hashable; the routes are kept, so a routed call costs one cache looku
   capability: the device's compute capability as CuPy spells it (90 for 9.0); None when
               not known (then the tensor-core kernels are not ruled out by it).
   layout:     why the buffers' layout does not suit the kernels (unaligned rows, K and V
-              strided differently, a storage kind without kernels (quantized pages),
-              paged stores given to copy_tokens, ...), None when it does. Paged storage
-              is no reason: every kernel below but gqakv_copy_tokens and gqakv_merge has
-              a paged instantiation (kernels/paged_kv.cuh) reading the page table, and
-              copy on write copies pages as rows of the pool with gqakv_copy_tokens.
+              strided differently, rows past the paged kernels' 32-bit key index, ...),
+              None when it does.
+  storage:    the store's layout kind ("contiguous", "paged"), judged with kv_dtype and
+              features by each kernel's declaration (``FAST_PATHS``): every kernel below
+              but gqakv_copy_tokens and gqakv_merge has a paged instantiation
+              (kernels/paged_kv.cuh), over 8-bit codes too, and copy on write copies
+              pages as rows of the pool with gqakv_copy_tokens.
+  features:   the variant's ``AttentionParams.features`` (attention only).
   grid:       the planner's refusal of the launch grid (beyond CUDA's limits), None when
               it fits (or before planning).
   kv_dtype:   a quantized cache's storage ("int8", "float8_e4m3fn"), None when K/V are
@@ -30,7 +33,9 @@ from __future__ import annotations
 
 import functools
 
-from gqakv.dispatch.backend import GENERIC, Route
+from gqakv.dispatch.backend import GENERIC, FastPath, Route
+from gqakv.storage.codecs import PLAIN_NAME
+from gqakv.storage.store import CONTIGUOUS, PAGED
 
 from . import limits, sources
 
@@ -52,11 +57,38 @@ MMA_QUANTIZED_REJECTION = ("kv_dtype={kv_dtype!r}: the tensor-core kernels take 
                            "a quantized cache would need its tiles dequantized into a 16-bit copy "
                            "(rounding code x scale to {dtype}), so the fp32-FMA kernel serves it")
 
+# -- what each kernel family implements, as data (gqakv.dispatch.backend.FastPath) ----------------------
+# The layouts (kernels/paged_kv.cuh: every kernel but the row copy has a paged instantiation),
+# codecs (quantized_kv.cuh: the 8-bit reader wraps the contiguous or the paged reader; the
+# tensor-core kernels take 16-bit fragments only) and variant features (variant.cuh's
+# flags) each kernel serves. A call outside its declaration is refused with FastPath's
+# sentence (an unknown codec too: no kernel declares it); dtypes, head dims, tiles, device
+# and buffer layout are the per-call conditions of the route functions below.
+_LAYOUTS = frozenset({CONTIGUOUS, PAGED})
+_QUANTIZED = frozenset(QUANTIZED_DTYPES)
+_CODECS = frozenset({PLAIN_NAME, *QUANTIZED_DTYPES})
+#: The variant features of variant.cuh's trait (plan.VARIANT_FLAGS).
+VARIANT_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})
+_MMA = frozenset(limits.MMA_DTYPES)
+FAST_PATHS: tuple[FastPath, ...] = (
+    FastPath("gqakv_write_kv", "write_kv", _LAYOUTS, frozenset({PLAIN_NAME}), dtypes=frozenset(FUSED_DTYPES)),
+    FastPath("gqakv_write_kv_quantized", "write_kv", _LAYOUTS, _QUANTIZED, dtypes=frozenset(FUSED_DTYPES)),
+    # contiguous rows only: paged rows move by sharing pages, a page copy is a row copy of
+    # the pool (gqakv.storage.paged.PagedStore.pool_rows, a contiguous store)
+    FastPath("gqakv_copy_tokens", "copy_tokens", frozenset({CONTIGUOUS}), _CODECS,
+             dtypes=frozenset(FUSED_DTYPES)),
+    FastPath("gqakv_decode_mma", "attention", _LAYOUTS, frozenset({PLAIN_NAME}), VARIANT_FEATURES, _MMA),
+    FastPath("gqakv_decode", "attention", _LAYOUTS, _CODECS, VARIANT_FEATURES, frozenset(FUSED_DTYPES)),
+    FastPath("gqakv_prefill_mma", "attention", _LAYOUTS, frozenset({PLAIN_NAME}), VARIANT_FEATURES, _MMA),
+    FastPath("gqakv_prefill", "attention", _LAYOUTS, _CODECS, VARIANT_FEATURES, frozenset(FUSED_DTYPES)),
+)
+PATHS = {p.name: p for p in FAST_PATHS}
 
-def _kv_dtype_rejection(kv_dtype: str | None) -> str | None:
-    if kv_dtype is None or kv_dtype in QUANTIZED_DTYPES:
-        return None
-    return f"kv_dtype={kv_dtype!r} (the kernels read {', '.join(QUANTIZED_DTYPES)} or unquantized K/V)"
+
+def _declared_rejection(kernel: str, storage: str, kv_dtype: str | None,
+                        features: frozenset = frozenset()) -> str | None:
+    """Why ``kernel``'s declaration (``FAST_PATHS``) does not cover this storage and variant."""
+    return PATHS[kernel].rejection(layout=storage, codec=kv_dtype or PLAIN_NAME, features=features)
 
 
 def _chosen(impl: str, rejected: dict[str, str]) -> Route:
@@ -67,12 +99,17 @@ def _chosen(impl: str, rejected: dict[str, str]) -> Route:
 
 @functools.lru_cache(maxsize=1024)
 def route_write_kv(dtype: str, head_dim: int, layout: str | None = None,
-                   grid: str | None = None, kv_dtype: str | None = None) -> Route:
+                   grid: str | None = None, kv_dtype: str | None = None,
+                   storage: str = CONTIGUOUS) -> Route:
     """gqakv_write_kv (one launch for all rows), gqakv_write_kv_quantized (the same for a
-    quantized cache, quantizing on the device) or the generic slice writes."""
+    quantized cache, quantizing on the device) or the generic slice writes; both over
+    contiguous rows or through the page table."""
     kernel = "gqakv_write_kv_quantized" if kv_dtype else "gqakv_write_kv"
-    rejected = {"gqakv_write_kv": f"kv_dtype={kv_dtype!r}: the codes are quantized on the device"} if kv_dtype else {}
-    why = _fused_rejection(dtype, head_dim) or _kv_dtype_rejection(kv_dtype) or layout or grid
+    # a codes-and-scales cache is no candidate for the plain append: its declaration says why
+    plain = _declared_rejection("gqakv_write_kv", storage, kv_dtype) if kv_dtype else None
+    rejected = {"gqakv_write_kv": plain} if plain else {}
+    why = (_fused_rejection(dtype, head_dim) or _declared_rejection(kernel, storage, kv_dtype)
+           or layout or grid)
     if why:
         return Route(GENERIC, {kernel: why, **rejected})
     return _chosen(kernel, rejected)
@@ -80,10 +117,12 @@ def route_write_kv(dtype: str, head_dim: int, layout: str | None = None,
 
 @functools.lru_cache(maxsize=1024)
 def route_copy_tokens(dtype: str, head_dim: int, layout: str | None = None,
-                      grid: str | None = None, kv_dtype: str | None = None) -> Route:
+                      grid: str | None = None, kv_dtype: str | None = None,
+                      storage: str = CONTIGUOUS) -> Route:
     """gqakv_copy_tokens (every layer and row pair in one launch; a quantized cache's
     scales in a second launch of it) or the generic copies."""
-    why = _fused_rejection(dtype, head_dim) or _kv_dtype_rejection(kv_dtype) or layout or grid
+    why = (_fused_rejection(dtype, head_dim) or _declared_rejection("gqakv_copy_tokens", storage, kv_dtype)
+           or layout or grid)
     if why:
         return Route(GENERIC, {"gqakv_copy_tokens": why})
     return _chosen("gqakv_copy_tokens", {})
@@ -92,11 +131,14 @@ def route_copy_tokens(dtype: str, head_dim: int, layout: str | None = None,
 @functools.lru_cache(maxsize=1024)
 def route_attention(dtype: str, head_dim: int, t_q: int = 1, capability: int | None = None,
                     layout: str | None = None, grid: str | None = None,
-                    kv_dtype: str | None = None) -> Route:
+                    kv_dtype: str | None = None, storage: str = CONTIGUOUS,
+                    features: frozenset = frozenset()) -> Route:
     """The decode kernels for t_q <= DECODE_MAX_T, the prefill kernels above; in each
     family the tensor-core kernel where it serves (dtype, head_dim) and the device has
     mma.m16n8k16, else the fp32-FMA one; the generic code when neither can run.
-    ``grid`` (the planner's refusal) rules out the kernel the family would have run."""
+    ``grid`` (the planner's refusal) rules out the kernel the family would have run;
+    ``storage`` / ``kv_dtype`` / ``features`` are judged by each kernel's declaration
+    (``FAST_PATHS``)."""
     rejected: dict[str, str] = {}
     decode = t_q <= limits.DECODE_MAX_T
     family, other = (DECODE_KERNELS, PREFILL_KERNELS) if decode else (PREFILL_KERNELS, DECODE_KERNELS)
@@ -104,13 +146,16 @@ def route_attention(dtype: str, head_dim: int, t_q: int = 1, capability: int | N
                   f"t_q={t_q} (the decode kernels serve up to {limits.DECODE_MAX_T} query tokens)")
     for kernel in other:
         rejected[kernel] = why_family
-    why = _fused_rejection(dtype, head_dim) or _kv_dtype_rejection(kv_dtype) or layout
+    mma, fma = family
+    # the fp32-FMA kernel declares every layout, codec and feature the family has
+    why = (_fused_rejection(dtype, head_dim) or _declared_rejection(fma, storage, kv_dtype, features)
+           or layout)
     if why:
         rejected.update((kernel, why) for kernel in family)
         return Route(GENERIC, rejected)
-    mma, fma = family
     mma_instance = limits.decode_mma_rejection if decode else limits.prefill_mma_rejection
-    why_mma = ((MMA_QUANTIZED_REJECTION.format(kv_dtype=kv_dtype, dtype=dtype) if kv_dtype else None)
+    why_mma = ((MMA_QUANTIZED_REJECTION.format(kv_dtype=kv_dtype, dtype=dtype)
+                if _declared_rejection(mma, storage, kv_dtype, features) else None)
                or mma_instance(dtype, head_dim) or limits.capability_rejection(capability))
     if why_mma:
         rejected[mma] = why_mma
@@ -135,23 +180,24 @@ def implementations() -> dict[str, str]:
     mma = ", ".join(limits.MMA_DTYPES)
     t = limits.DECODE_MAX_T
     paged = "contiguous or paged K/V (page table read per key)"
+    quant = ", ".join(QUANTIZED_DTYPES)
     return {
         "gqakv_write_kv": f"{fused}; rows aligned for vector loads; {paged}",
-        "gqakv_write_kv_quantized": (f"{fused}; kv_dtype {', '.join(QUANTIZED_DTYPES)} (quantizes "
-                                     "on the device, gqakv.storage.quantize's rule bit for bit); contiguous K/V"),
+        "gqakv_write_kv_quantized": (f"{fused}; kv_dtype {quant} (quantizes on the device, "
+                                     f"gqakv.storage.quantize's rule bit for bit); {paged}"),
         "gqakv_copy_tokens": (f"{fused}; rows aligned for vector loads; contiguous rows (paged: "
                               "pages as rows of the pool, the copy on write of a shared last page)"),
         "gqakv_decode_mma": (f"t_q <= {t}; {mma}; head_dim in "
                              f"{', '.join(map(str, limits.DECODE_MMA_HEAD_DIMS))}; {mma_cc}; {paged}"),
         "gqakv_decode": (f"t_q <= {t}; {fused}; query tiles "
                          f"{', '.join(map(str, limits.DECODE_QUERY_TILES))}; {paged}; also over "
-                         f"{', '.join(QUANTIZED_DTYPES)} K/V (contiguous; dequantized in registers)"),
+                         f"{quant} K/V (contiguous or paged; dequantized in registers)"),
         "gqakv_merge": "joins split-KV decode partials",
         "gqakv_prefill_mma": (f"t_q > {t}; {mma}; head_dim a multiple of "
                               f"{limits.PREFILL_MMA_HEAD_DIM_MULTIPLE} up to "
                               f"{limits.MAX_FUSED_HEAD_DIM}; {mma_cc}; {paged}"),
-        "gqakv_prefill": (f"t_q > {t}; {fused}; {paged}; also over {', '.join(QUANTIZED_DTYPES)} K/V "
-                          "(contiguous)"),
+        "gqakv_prefill": (f"t_q > {t}; {fused}; {paged}; also over {quant} K/V "
+                          "(contiguous or paged)"),
         GENERIC: "everything else (float64, larger head dims, other layouts, grids past "
                  f"CUDA's limits of {limits.MAX_GRID_X} x {limits.MAX_GRID_Y} CTAs)",
     }

@@ -118,7 +118,7 @@ def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | No
                     variant: int = 0, kv_dtype: str | None = None) -> str:
     """The template instantiation, e.g. ``gqakv_write_kv<gqakv_bf16, 128>`` or
     ``gqakv_decode<gqakv_bf16, 128, 4>`` (decode needs ``query_tile``, others refuse it);
-    ``variant``: the variant trait's flags (1 window, 2 softcap, 4 sinks), appended when
+    ``variant``: the variant trait's flags (1 window, 2 softcap, 4 sinks, 8 alibi), appended when
     not 0, e.g. ``gqakv_prefill<float, 64, 3>``; ``kv_dtype``: a quantized storage dtype
     (CODE_CTYPES), e.g. ``gqakv_decode<gqakv_quantized<gqakv_bf16, gqakv_i8>, 128, 4>``
     (spelled by ``instantiations.Instantiation.name``)."""
@@ -134,12 +134,14 @@ def paged_name_expression(kernel: str, dtype: str, head_dim: int, query_tile: in
     return entry(kernel, dtype, head_dim, query_tile, variant, kv_dtype, reader="paged").name
 
 
-def paged_instantiations(kernel: str, dtype: str, head_dim: int, variant: int = 0) -> list[str]:
-    """``instantiations`` of ``kernel``, paged (empty for kernels without a paged one)."""
+def paged_instantiations(kernel: str, dtype: str, head_dim: int, variant: int = 0,
+                         kv_dtype: str | None = None) -> list[str]:
+    """``instantiations`` of ``kernel`` (with ``kv_dtype``: over that 8-bit storage), paged
+    (empty for kernels without a paged one)."""
     if kernel not in PAGED_KERNELS:
         return []
     _check_axes(kernel, dtype, head_dim, variant)
-    return table.names(table.select([kernel], [dtype], [head_dim], [None], ["paged"], [variant]))
+    return table.names(table.select([kernel], [dtype], [head_dim], [kv_dtype], ["paged"], [variant]))
 
 
 def _check_axes(kernel: str, dtype: str, head_dim: int, variant: int = 0) -> None:

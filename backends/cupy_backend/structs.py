@@ -86,6 +86,7 @@ ATTN_PARAMS = Struct("AttnParams", "Runtime attention parameters, one struct pas
     Field("sinks", "const float*", "[Hq] float32 logits on the device (read only under VARIANT_SINKS)"),
     Field("k_scale", "const float*", "a quantized cache's per-token K scales (quantized_kv.cuh; else null, never read)"),
     Field("v_scale", "const float*", "its V scales, likewise"),
+    Field("alibi", "const float*", "[Hq] float32 ALiBi slopes, one per query head (read only under VARIANT_ALIBI)"),
 ))
 
 #: The page table as the paged kernels take it (plan.PageTableArg fills it; paged_kv.cuh).

@@ -172,12 +172,13 @@ def emulator(head_dim: int, families: tuple[str, ...] = harness.FAMILIES) -> har
 
 #: The head dim of the product suite's tests (tests/conftest.py ``case``: d = 8), whose
 #: one-dim library also holds the variant instantiations the product runs, in every
-#: dtype and family: window 1, softcap 2, sinks 4, all three 7 (kernels/variant.cuh
-#: flags). The harness's one-dim libraries hold plain causal kernels only (and quantized
+#: dtype and family: window 1, softcap 2, sinks 4, all three 7, alibi 8, all four 15
+#: (kernels/variant.cuh flags). The harness's one-dim libraries hold plain causal kernels only (and quantized
 #: float32 variants), so without these the product's fast paths could not run here.
 PRODUCT_HEAD_DIM = 8
-#: Each feature alone and all of them together (instantiations.VARIANT_FLAGS).
-PRODUCT_VARIANT_FLAGS = (*table.VARIANT_FLAGS.values(), table.ALL)
+#: Each feature alone, window+softcap+sinks, and all of them together (instantiations.VARIANT_FLAGS):
+#: the product's ATTENTION_PARAMS.
+PRODUCT_VARIANT_FLAGS = (*table.VARIANT_FLAGS.values(), table.ALL & ~table.VARIANT_FLAGS["alibi"], table.ALL)
 
 
 def product_registrations(families: tuple[str, ...], d: int = PRODUCT_HEAD_DIM) -> list[harness.Unit]:
@@ -233,6 +234,7 @@ def _library(head_dims: tuple[int, ...], families: tuple[str, ...],
 #: tests first need them). A stale entry costs a build no test waits for; a missing one, a
 #: build a test waits for.
 SMALL_LIBRARIES = ((1, ()), (16, ()), (8, ()), (4, ()), (8, ("paged",)), (8, ("quantized",)),
+                   (8, ("paged", "quantized")),
                    (2, ()), (16, ("quantized",)), (4, ("paged",)), (2, ("paged",)), (16, ("paged",)))
 
 

@@ -52,12 +52,17 @@ VARIANT_HEAD_DIMS = (64, 20)
 #: The variant flags they are instantiated for: every combination of the table's features.
 VARIANTS = tuple(range(1, table.ALL + 1))
 #: Head dims the paged instantiations (kernels/paged_kv.cuh) are built at, and the variant
-#: flags each is built for: plain causal and all three features (window 1 + softcap 2 +
-#: sinks 4; the reader is orthogonal to the variant trait, and each flag doubles the build).
+#: flags each is built for: plain causal, the three features (window 1 + softcap 2 + sinks
+#: 4) and all four (+ alibi 8); the reader is orthogonal to the variant trait, and each flag
+#: set is another build of every paged kernel.
 PAGED_HEAD_DIMS = (64, 20)
-PAGED_VARIANTS = (0, table.ALL)
+PAGED_VARIANTS = (0, table.ALL & ~table.VARIANT_FLAGS["alibi"], table.ALL)  # plain, window+softcap+sinks, all
 #: Head dims the variant kernels over quantized K/V are instantiated at (q float32 / bfloat16).
 QUANTIZED_VARIANT_HEAD_DIMS = (64,)
+#: Head dims and variant flags of the paged 8-bit instantiations (the 8-bit reader over the
+#: paged one), as for PAGED_VARIANTS.
+PAGED_QUANTIZED_HEAD_DIMS = (64,)
+PAGED_QUANTIZED_VARIANTS = (0, 7, 15)
 #: Kernel families a library holds beside the plain (contiguous, unquantized) kernels. The
 #: default library holds both; a one-head-dim library (emulated_backend) is built with the
 #: families its launches name, so a small head dim pays only for what its tests run.
@@ -72,14 +77,20 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def run_asan_child(argv: list[str], cwd=None, timeout: float = 900):
+def run_asan_child(argv: list[str], cwd=None, timeout: float = 900,
+                   units: Sequence[str] | None = None):
     """``python *argv`` with libasan preloaded (leak checks off), after building the ASan
-    library here without a time limit (the child only loads it): its CompletedProcess
-    (text output captured), or None when g++ has no AddressSanitizer runtime."""
+    library here without a time limit (the child only loads it; ``units``: only these
+    build units, ``build_registrations``' sense, for a child that loads just them): its
+    CompletedProcess (text output captured), or None when g++ has no AddressSanitizer
+    runtime."""
     runtime = asan_runtime()
     if runtime is None:
         return None
-    build(asan=True)
+    if units is None:
+        build(asan=True)
+    else:
+        build_registrations(True, units)
     env = dict(os.environ, LD_PRELOAD=runtime, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)

@@ -216,12 +216,11 @@ def _plain_contiguous(impl):
 
 
 def _cupy_store(f) -> Any:
+    # every (layout, codec) pair and variant the product has, paged 8-bit and ALiBi too
+    # (the 8-bit reader wraps the paged one; ALiBi is a flag of the variant trait); float64
+    # has no kernels
     if f["dtype"] == "float64":
         return GENERIC
-    if f.get("features", frozenset()) & NOT_YET_FAST:
-        return Refused(tuple(sorted(f["features"] & NOT_YET_FAST)))
-    if f["storage"] == "paged" and f["kv_dtype"]:
-        return Refused(("paged", "kv_dtype", "generic path"))
     return FAST
 
 

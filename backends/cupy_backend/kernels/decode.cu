@@ -212,6 +212,15 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
     const float qscale = V::fold(params);
     float qr[S::QB][S::EPL];
     int lim[S::QB], lo[S::QB];
+    // ALiBi only: each query's head slope (log2 domain) and position from k_begin, so the
+    // score hook sees key jr at offset jr - qrel from its query; in shared memory, read as
+    // broadcasts in the key loop (registers are this kernel's budget: at tile 8 two more per
+    // query spill).
+    struct AlibiRow {
+        float slope;
+        int qrel;
+    };
+    __shared__ AlibiRow sm_alibi[V::ALIBI ? S::QB : 1];
 #pragma unroll
     for (int i = 0; i < S::QB; ++i) {
         const int qi = qc * S::QB + i;
@@ -222,6 +231,10 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
         lim[i] = !valid || seen <= 0 ? 0 : (seen < n_keys ? (int)seen : n_keys);
         const i64 first = V::key_lo(params, pos) - k_begin;
         lo[i] = !V::WINDOW || first <= 0 ? 0 : (first < n_keys ? (int)first : n_keys);
+        if (V::ALIBI && threadIdx.x == 0) {
+            sm_alibi[i].slope = valid ? V::alibi_log2(params, kvh * G + g) : 0.f;
+            sm_alibi[i].qrel = (int)(pos - k_begin);  // |pos - k_begin| < 2^31: keys_per_split < 2^30
+        }
         const i64 q_off = (i64)b * q_sb + (i64)(kvh * G + g) * q_sh + (i64)t * q_st;
 #pragma unroll
         for (int c = 0; c < S::CPL; ++c) {
@@ -253,6 +266,8 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
         }
     }
     if (!V::WINDOW) lo_all = lo_any = 0;
+
+    if (V::ALIBI) __syncthreads();  // sm_alibi is written (uniform over the CTA)
 
     // Online-softmax state per query (softmax.cuh; empty: m = -inf, l = 0, acc = 0).
     SoftmaxState<true> st[S::QB];
@@ -311,9 +326,12 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
 #pragma unroll
                 for (int i = 0; i < S::QB; ++i) sc[i] += __shfl_xor_sync(GQAKV_FULL_MASK, sc[i], off);
             }
-            if (V::SOFTCAP) {  // the score modifier sees the whole dot product
+            if (V::TRANSFORMS) {  // the score hook sees the whole dot product
 #pragma unroll
-                for (int i = 0; i < S::QB; ++i) sc[i] = V::transform(params, sc[i]);
+                for (int i = 0; i < S::QB; ++i) {
+                    const AlibiRow a = sm_alibi[V::ALIBI ? i : 0];
+                    sc[i] = V::transform_at(params, sc[i], a.slope, (float)(jr - a.qrel));
+                }
             }
             if (jr < lim_all && jr >= lo_all) {  // every real query sees this key (always, for T = 1)
 #pragma unroll

@@ -164,12 +164,13 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
     // Keys (from k_begin) each query row sees: lo <= j < lim with lim = min(n_keys,
     // key_hi - k_begin) (0 for a padding row) and lo = max(0, key_lo - k_begin) (0 without
     // a window). Blocks inside [lo_all, lim_all) need no mask.
-    auto row_limit = [&](int r, bool& valid, int& g, int& t, int& lo) {
+    auto row_limit = [&](int r, bool& valid, int& g, int& t, int& lo, int& qrel) {
         const int qi = qc * S::QB + r;
         g = qi / Tq;
         t = qi % Tq;
         valid = qi < G * Tq && t < n;
         const i64 pos = L - n + t;
+        qrel = (int)(pos - k_begin);  // the query's position from k_begin (ALiBi's offsets)
         const i64 first = V::key_lo(params, pos) - k_begin;
         lo = !V::WINDOW || first <= 0 ? 0 : (first < n_keys ? (int)first : n_keys);
         const i64 seen = V::key_hi(pos) - k_begin;
@@ -179,8 +180,8 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
 #pragma unroll 1
     for (int r = 0; r < S::QB; ++r) {
         bool valid;
-        int g, t, lo_r;
-        const int lr = row_limit(r, valid, g, t, lo_r);
+        int g, t, lo_r, qrel_r;
+        const int lr = row_limit(r, valid, g, t, lo_r, qrel_r);
         if (valid && lr < lim_all) lim_all = lr;
         if (valid && lo_r > lo_all) lo_all = lo_r;
     }
@@ -188,12 +189,14 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
     // Q rows fr and fr + 8 as A fragments (zeros for padding rows), unscaled: the scores
     // are scaled in fp32 after the mma.
     unsigned qa[S::KK][4];
-    int lim[2], lo[2];
+    int lim[2], lo[2], qrel[2];
+    float slope[2];  // ALiBi: the rows' slopes, log2 domain (0 without ALiBi or for padding)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         bool valid;
         int g, t;
-        lim[h] = row_limit(fr + 8 * h, valid, g, t, lo[h]);
+        lim[h] = row_limit(fr + 8 * h, valid, g, t, lo[h], qrel[h]);
+        slope[h] = valid ? V::alibi_log2(params, kvh * G + g) : 0.f;
         Words<S::KW> qw;
 #pragma unroll
         for (int i = 0; i < S::KW; ++i) qw.w[i] = 0u;
@@ -206,7 +209,7 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
         }
     }
 
-    const float qscale = V::fold(params);  // then V::transform: the log2 domain
+    const float qscale = V::fold(params);  // then V::transform_at: the log2 domain
     float o[S::NB][4];  // O rows fr (0, 1) and fr + 8 (2, 3), columns 2 fc, 2 fc + 1
     SoftmaxState<true> st[2];
     st[0].init();
@@ -234,8 +237,8 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
         for (int t = 0; t < 2; ++t) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                s[t][e] = V::transform(params, s[t][e] * qscale);
                 const int j = kb + 8 * t + 2 * fc + (e & 1);
+                s[t][e] = V::transform_at(params, s[t][e] * qscale, slope[e >> 1], (float)(j - qrel[e >> 1]));
                 if (masked && (j >= lim[e >> 1] || j < lo[e >> 1])) s[t][e] = GQAKV_NEG_INF;
             }
         }

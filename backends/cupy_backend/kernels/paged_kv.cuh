@@ -13,7 +13,7 @@
 // the paged ones name KVPages (sources.paged_name_expression) and the planner appends
 // the struct (plan.PageTableArg). kv_reader / kv_slot overload on the pack, so a kernel body says
 // `kv_reader<Ty>(k_buf, v_buf, row, kvh, buf_sb, buf_sh, buf_st, params, D, pages...)` once
-// and serves both.
+// and serves both (and, through KernelTypes::ReaderOver, 8-bit codes over either).
 //
 // Only the pages a row holds for its live tokens are ever looked up (the kernels never
 // ask for a key at or past L), so table entries past them (-1) are never read.
@@ -45,7 +45,7 @@ __device__ __forceinline__ int page_of(const KVPages& p, i64 key) {
 // ContiguousKV; each costs one table load (cached: consecutive keys share a page).
 template <class TKV>
 struct PagedKV {
-    static constexpr bool SCALED = false;  // no per-key scales (paged quantized K/V: generic path)
+    static constexpr bool SCALED = false;  // no per-key scales (QuantizedKV<C, PagedKV> has them)
     const TKV* __restrict__ k;      // pool + kvh * head stride
     const TKV* __restrict__ v;
     const int* __restrict__ pages;  // the row's table entries
@@ -57,6 +57,11 @@ struct PagedKV {
                                        const KVPages& pg)
         : k(k_pool + (i64)kvh * pool_sh), v(v_pool + (i64)kvh * pool_sh),
           pages(pg.table + row * pg.table_stride), page_stride(pool_sp), token_stride(pool_st), p(pg) {}
+    // The readers' common constructor (KernelTypes::ReaderOver): the parameters are not needed.
+    __device__ __forceinline__ PagedKV(const TKV* __restrict__ k_pool, const TKV* __restrict__ v_pool,
+                                       i64 row, int kvh, i64 pool_sp, i64 pool_sh, i64 pool_st,
+                                       const AttnParams&, int, const KVPages& pg)
+        : PagedKV(k_pool, v_pool, row, kvh, pool_sp, pool_sh, pool_st, pg) {}
 
     __device__ __forceinline__ i64 offset(i64 key) const {
         const int j = page_of(p, key);
@@ -66,21 +71,21 @@ struct PagedKV {
     __device__ __forceinline__ const TKV* v_row(i64 key) const { return v + offset(key); }
 };
 
-// The reader of a kernel instantiation: without pages the one its types pick
-// (KernelTypes<T>::Reader: ContiguousKV, or QuantizedKV for 8-bit codes with scales, which
-// needs the call's scale pointers and d), with pages PagedKV through the table (paged
-// quantized storage is not instantiated: it takes the generic path).
+// The reader of a kernel instantiation: its types' reader (KernelTypes<T>::ReaderOver: the
+// storage type itself, or QuantizedKV for 8-bit codes with scales, which needs the call's
+// scale pointers and d) over the base layout reader: ContiguousKV without pages, PagedKV
+// through the table with them. Every (layout, codec) pair is one composition, never a copy.
 template <class Ty, class TKV>
-__device__ __forceinline__ typename Ty::Reader kv_reader(
+__device__ __forceinline__ typename Ty::template ReaderOver<ContiguousKV> kv_reader(
     const TKV* __restrict__ k_buf, const TKV* __restrict__ v_buf, i64 row, int kvh, i64 sb, i64 sh,
     i64 st, const AttnParams& params, int d) {
-    return typename Ty::Reader(k_buf, v_buf, row, kvh, sb, sh, st, params, d);
+    return typename Ty::template ReaderOver<ContiguousKV>(k_buf, v_buf, row, kvh, sb, sh, st, params, d);
 }
 template <class Ty, class TKV>
-__device__ __forceinline__ PagedKV<TKV> kv_reader(
+__device__ __forceinline__ typename Ty::template ReaderOver<PagedKV> kv_reader(
     const TKV* __restrict__ k_buf, const TKV* __restrict__ v_buf, i64 row, int kvh, i64 sb, i64 sh,
-    i64 st, const AttnParams&, int, const KVPages& pages) {
-    return PagedKV<TKV>(k_buf, v_buf, row, kvh, sb, sh, st, pages);
+    i64 st, const AttnParams& params, int d, const KVPages& pages) {
+    return typename Ty::template ReaderOver<PagedKV>(k_buf, v_buf, row, kvh, sb, sh, st, params, d, pages);
 }
 
 // Element offset of token `token` of (row, KV head) in the buffer (the writers' address).

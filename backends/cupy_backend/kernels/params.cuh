@@ -11,8 +11,9 @@ struct AttnParams {
     const float* sinks;    // [Hq] float32 logits on the device (read only under VARIANT_SINKS)
     const float* k_scale;  // a quantized cache's per-token K scales (quantized_kv.cuh; else null, never read)
     const float* v_scale;  // its V scales, likewise
+    const float* alibi;    // [Hq] float32 ALiBi slopes, one per query head (read only under VARIANT_ALIBI)
 };
-static_assert(sizeof(AttnParams) == 40, "AttnParams: the size of structs.py's dtype");
+static_assert(sizeof(AttnParams) == 48, "AttnParams: the size of structs.py's dtype");
 #ifdef GQAKV_EMULATION  // g++ has offsetof; NVRTC has no <cstddef>
 static_assert(__builtin_offsetof(AttnParams, scale) == 0, "AttnParams.scale: the offset of structs.py's dtype");
 static_assert(__builtin_offsetof(AttnParams, softcap) == 4, "AttnParams.softcap: the offset of structs.py's dtype");
@@ -20,6 +21,7 @@ static_assert(__builtin_offsetof(AttnParams, window) == 8, "AttnParams.window: t
 static_assert(__builtin_offsetof(AttnParams, sinks) == 16, "AttnParams.sinks: the offset of structs.py's dtype");
 static_assert(__builtin_offsetof(AttnParams, k_scale) == 24, "AttnParams.k_scale: the offset of structs.py's dtype");
 static_assert(__builtin_offsetof(AttnParams, v_scale) == 32, "AttnParams.v_scale: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(AttnParams, alibi) == 40, "AttnParams.alibi: the offset of structs.py's dtype");
 #endif
 
 // The page table as the paged kernels take it (paged_kv.cuh; plan.PageTableArg).

@@ -101,7 +101,8 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
 
     const int tr = threadIdx.x / S::TC, tc = threadIdx.x % S::TC;
     i64 pos[S::RPT];  // absolute position of each owned row; -1 for padding
-    i64 first[S::RPT];  // its first visible key (the window's start; 0 without a window)
+    int head[S::RPT];  // its query head
+    float slope[S::RPT];  // its head's ALiBi slope, log2 domain (0 without ALiBi)
     SoftmaxState<false> st[S::RPT];
     float acc[S::RPT][S::CPT];
 #pragma unroll
@@ -109,7 +110,8 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
         const int r = tr * S::RPT + i;
         const int gi = r / BQ, t = t0 + r % BQ, g = gc * GC + gi;
         pos[i] = (gi < GC && g < G && t < n) ? start + t : -1;
-        first[i] = V::key_lo(params, pos[i]);
+        head[i] = kvh * G + g;
+        slope[i] = pos[i] < 0 ? 0.f : V::alibi_log2(params, head[i]);
         st[i].init();
 #pragma unroll
         for (int cc = 0; cc < S::CPT; ++cc) acc[i][cc] = 0.f;
@@ -159,9 +161,9 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
 #pragma unroll
             for (int jj = 0; jj < S::SPT; ++jj) {
                 const i64 j = j0 + tc + S::TC * jj;
-                s[i][jj] = V::transform(params, s[i][jj]);
-                // The variant's key range; padded rows (pos -1) mask all.
-                if (j > pos[i] || (V::WINDOW && j < first[i])) s[i][jj] = GQAKV_NEG_INF;
+                // The variant's score and mask hooks; padded rows (pos -1) mask all.
+                s[i][jj] = V::transform_at(params, s[i][jj], slope[i], (float)(j - pos[i]));
+                if (!V::allowed(params, pos[i], j, head[i])) s[i][jj] = GQAKV_NEG_INF;
                 row_max = fmaxf(row_max, s[i][jj]);
             }
             row_max = group_max<S::TC>(row_max);

@@ -159,7 +159,8 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
     const int grp = lane >> 2, tig = lane % 4;  // the fragment layout's groupID, threadID_in_group
     const int r0 = warp * 16;                   // first query row of this warp
     i64 pos[2];  // absolute position of rows r0 + grp (h = 0) and r0 + grp + 8 (h = 1); -1: padding
-    i64 first[2];  // their first visible key (the window's start; 0 without a window)
+    int head[2];  // their query heads
+    float slope[2];  // their heads' ALiBi slopes, log2 domain (0 without ALiBi)
     SoftmaxState<false> st[2];  // running max and sum of fp32 P
     float lr[2];  // sum of P rounded to T
 #pragma unroll
@@ -167,7 +168,8 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
         const int r = r0 + grp + 8 * h;
         const int gi = r / BQ, t = t0 + r % BQ, g = gc * GC + gi;
         pos[h] = (gi < GC && g < G && t < n) ? start + t : -1;
-        first[h] = V::key_lo(params, pos[h]);
+        head[h] = kvh * G + g;
+        slope[h] = pos[h] < 0 ? 0.f : V::alibi_log2(params, head[h]);
         st[h].init();
         lr[h] = 0.f;
     }
@@ -216,14 +218,18 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 float row_max = GQAKV_NEG_INF;
+                // ALiBi: this lane's first key of the tile from the row's position (a float
+                // per tile, not an i64 per key: the kernel is at its register budget)
+                const float dist0 = V::ALIBI ? (float)(j0 + 2 * tig - pos[h]) : 0.f;
 #pragma unroll
                 for (int nt = 0; nt < S::NT_S; ++nt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const i64 j = j0 + nt * 8 + 2 * tig + e;
-                        float x = V::transform(params, s[nt][2 * h + e] * qscale);
-                        // The variant's key range; padded rows (pos -1) mask all.
-                        if (j > pos[h] || (V::WINDOW && j < first[h])) x = GQAKV_NEG_INF;
+                        // The variant's score and mask hooks; padded rows (pos -1) mask all.
+                        float x = V::transform_at(params, s[nt][2 * h + e] * qscale, slope[h],
+                                                  dist0 + (float)(nt * 8 + e));
+                        if (!V::allowed(params, pos[h], j, head[h])) x = GQAKV_NEG_INF;
                         s[nt][2 * h + e] = x;
                         row_max = fmaxf(row_max, x);
                     }

@@ -5,8 +5,8 @@
 //                              their exact float value by to_float (the scale comes apart);
 //   gqakv_quantized<TQ, C>    the KernelTypes tag of a kernel over a quantized cache: q,
 //                              inputs and outputs in TQ, K/V as codes C;
-//   QuantizedKV<C>            the K/V reader: rows of codes like ContiguousKV, plus each
-//                              key's K and V scale. Kernels dequantize as they read: the
+//   QuantizedKV<C, Base>      the K/V reader: rows of codes through a base reader (ContiguousKV
+//                              or PagedKV), plus each key's K and V scale. Kernels dequantize as they read: the
 //                              decode kernel multiplies a lane's converted codes by the
 //                              key's scale in registers, the prefill kernel each key row of
 //                              its BK-key fp32 tile as it lands in shared memory. Both give
@@ -18,8 +18,8 @@
 //                              round half to even, e4m3 rounding by exact power-of-two scaling.
 //
 // Scales sit in float32 arrays laid out like the codes without the head-dim axis
-// ([rows, Hkv, S]): the scale of the code row at element offset o is at o / D (the backend
-// checks the layouts agree, else it takes the generic path). Their pointers reach the
+// ([rows, Hkv, S]; paged [num_pages, Hkv, P]): the scale of the code row at element offset
+// o is at o / D (the backend checks the layouts agree, else it takes the generic path). Their pointers reach the
 // attention kernels in AttnParams (k_scale, v_scale; null for unquantized caches).
 #pragma once
 
@@ -63,28 +63,29 @@ struct VecWidth<gqakv_e4m3, D> {
 template <class TQ, class C>
 struct gqakv_quantized {};
 
-template <class C>
+// The 8-bit reader over any base reader Base (ContiguousKV, PagedKV): the codes are read
+// through Base<C> exactly as unquantized K/V would be, and the scales through a Base<float>
+// made from the same arguments with every stride divided by d. The scale of the code row at
+// element offset o is at o / d (the scales are the codes' layout without the head-dim axis:
+// [.., Hkv, S] contiguous, [.., num_pages, Hkv, P] paged), and o is a sum of strides x
+// indices, so dividing the strides gives the scale's offset without a division per key.
+// Base's extra arguments (a paged reader's KVPages) are passed to both.
+template <class C, template <class> class Base = ContiguousKV>
 struct QuantizedKV {
     static constexpr bool SCALED = true;
-    const C* __restrict__ k;
-    const C* __restrict__ v;
-    const float* __restrict__ ks;
-    const float* __restrict__ vs;
-    i64 stride;   // code elements between consecutive keys
-    i64 sstride;  // scale elements between consecutive keys
+    Base<C> codes;
+    Base<float> scales;
 
-    template <class P>
+    template <class P, class... Extra>
     __device__ __forceinline__ QuantizedKV(const C* __restrict__ k_buf, const C* __restrict__ v_buf,
                                            i64 row, int kvh, i64 buf_sb, i64 buf_sh, i64 buf_st,
-                                           const P& params, int d)
-        : k(k_buf + row * buf_sb + (i64)kvh * buf_sh), v(v_buf + row * buf_sb + (i64)kvh * buf_sh),
-          ks(params.k_scale + (row * buf_sb + (i64)kvh * buf_sh) / d),
-          vs(params.v_scale + (row * buf_sb + (i64)kvh * buf_sh) / d),
-          stride(buf_st), sstride(buf_st / d) {}
-    __device__ __forceinline__ const C* k_row(i64 key) const { return k + key * stride; }
-    __device__ __forceinline__ const C* v_row(i64 key) const { return v + key * stride; }
-    __device__ __forceinline__ float k_scale(i64 key) const { return ks[key * sstride]; }
-    __device__ __forceinline__ float v_scale(i64 key) const { return vs[key * sstride]; }
+                                           const P& params, int d, const Extra&... extra)
+        : codes(k_buf, v_buf, row, kvh, buf_sb, buf_sh, buf_st, extra...),
+          scales(params.k_scale, params.v_scale, row, kvh, buf_sb / d, buf_sh / d, buf_st / d, extra...) {}
+    __device__ __forceinline__ const C* k_row(i64 key) const { return codes.k_row(key); }
+    __device__ __forceinline__ const C* v_row(i64 key) const { return codes.v_row(key); }
+    __device__ __forceinline__ float k_scale(i64 key) const { return *scales.k_row(key); }
+    __device__ __forceinline__ float v_scale(i64 key) const { return *scales.v_row(key); }
 };
 
 template <class TQ, class C>
@@ -92,7 +93,10 @@ struct KernelTypes<gqakv_quantized<TQ, C> > {
     typedef TQ Q;
     typedef C KV;
     typedef TQ Out;
-    typedef QuantizedKV<C> Reader;
+    // The reader over a base layout reader (kv_reader picks the base: contiguous or paged).
+    template <template <class> class Base>
+    using ReaderOver = QuantizedKV<C, Base>;
+    typedef QuantizedKV<C, ContiguousKV> Reader;
 };
 
 // ---- the append's rule (gqakv.quantize) ------------------------------------------------------

@@ -1,8 +1,9 @@
 // Compile-time traits the attention kernels are composed from:
 //   AttnParams      the runtime parameters of a call, one struct passed by value;
-//   Variant<FLAGS>  which keys a query sees, how a score is formed (score transform and the
-//                   scale folded into it) and the sink term: causal, plus the sliding
-//                   window, soft-cap and sinks as compile-time switches (never copies);
+//   Variant<FLAGS>  which keys a query sees (key_lo / key_hi, and per pair the mask hook
+//                   allowed), how a score is formed (the score hook transform, the scale
+//                   folded into it) and the sink term: causal, plus the sliding window,
+//                   soft-cap, sinks and ALiBi as compile-time switches (never copies);
 //   ContiguousKV    how K and V rows are read (the address arithmetic): contiguous rows of
 //                   a dense [rows, Hkv, S, d] cache (PagedKV in paged_kv.cuh reads pages);
 //   KernelTypes<T>  the q, K/V and output element types (one storage type today).
@@ -15,20 +16,25 @@
 // also gives plan.KernelParams its NumPy layout). Its fields: the softmax scale; softcap
 // c > 0 (read only under VARIANT_SOFTCAP); window W >= 1 (only under VARIANT_WINDOW);
 // sinks, [Hq] float32 logits on the device (only under VARIANT_SINKS); k_scale, v_scale, a
-// quantized cache's per-token scales (quantized_kv.cuh; null and never read otherwise).
+// quantized cache's per-token scales (quantized_kv.cuh; null and never read otherwise);
+// alibi, [Hq] float32 ALiBi slopes, one per query head (only under VARIANT_ALIBI).
 #include "params.cuh"
 
 // Variant flags (plan.VARIANT_FLAGS spells the same bits).
 #define GQAKV_VARIANT_WINDOW 1
 #define GQAKV_VARIANT_SOFTCAP 2
 #define GQAKV_VARIANT_SINKS 4
+#define GQAKV_VARIANT_ALIBI 8
 
 template <int FLAGS>
 struct Variant {
-    static_assert(FLAGS >= 0 && FLAGS < 8, "variant flags: window 1, softcap 2, sinks 4");
+    static_assert(FLAGS >= 0 && FLAGS < 16, "variant flags: window 1, softcap 2, sinks 4, alibi 8");
     static constexpr bool WINDOW = (FLAGS & GQAKV_VARIANT_WINDOW) != 0;
     static constexpr bool SOFTCAP = (FLAGS & GQAKV_VARIANT_SOFTCAP) != 0;
     static constexpr bool SINKS = (FLAGS & GQAKV_VARIANT_SINKS) != 0;
+    static constexpr bool ALIBI = (FLAGS & GQAKV_VARIANT_ALIBI) != 0;
+    // Whether a raw score needs the score hook at all (kernels skip it otherwise).
+    static constexpr bool TRANSFORMS = SOFTCAP || ALIBI;
 
     // Keys [key_lo(pos), key_hi(pos)) are visible to the query at absolute position pos
     // (gqakv.semantics.key_range): 0 .. pos, or the window's W most recent positions.
@@ -39,17 +45,41 @@ struct Variant {
     }
     static __device__ __forceinline__ i64 key_hi(i64 pos) { return pos + 1; }
 
+    // The mask hook (gqakv.semantics.allowed): whether the query at absolute position
+    // q_pos, of query head `head` (every head alike today), sees the key at k_pos; the key
+    // range above, per pair (a mask that is no key range would be one more clause here).
+    // Padded rows (q_pos -1) see nothing.
+    static __device__ __forceinline__ bool allowed(const AttnParams& p, i64 q_pos, i64 k_pos, int) {
+        return k_pos < key_hi(q_pos) && (!WINDOW || k_pos >= key_lo(p, q_pos));
+    }
+
     // The factor a raw dot product q . k is multiplied by (kernels fold it into q where q
     // is held in fp32): scale * log2(e) when the score goes straight to the softmax (log2
     // domain, softmax.cuh); the bare scale when the soft-cap must see the natural score.
     static __device__ __forceinline__ float fold(const AttnParams& p) {
         return SOFTCAP ? p.scale : p.scale * GQAKV_LOG2E;
     }
-    // A folded score x as the softmax takes it (log2 domain): x itself, or the soft-cap
-    // c * tanh(x / c) (gqakv.semantics.transform_scores) times log2(e). x / c, not
-    // x * (1 / c): a tiny c saturates tanh instead of making 0 * inf.
-    static __device__ __forceinline__ float transform(const AttnParams& p, float x) {
-        return SOFTCAP ? (p.softcap * GQAKV_LOG2E) * tanhf(x / p.softcap) : x;
+    // Query head h's ALiBi slope in the log2 domain (0 without ALiBi): the key loops read
+    // it once per query row and pass it to transform_at.
+    static __device__ __forceinline__ float alibi_log2(const AttnParams& p, int h) {
+        return ALIBI ? p.alibi[h] * GQAKV_LOG2E : 0.f;
+    }
+    // The score hook (gqakv.semantics.transform): a folded score x of the query at q_pos
+    // (query head `head`) against the key at k_pos, as the softmax takes it (log2 domain,
+    // before the mask): x, or the soft-cap c * tanh(x / c) times log2(e); then ALiBi's
+    // slope[head] * (k_pos - q_pos) (times log2(e)). x / c, not x * (1 / c): a tiny c
+    // saturates tanh instead of making 0 * inf.
+    static __device__ __forceinline__ float transform(const AttnParams& p, float x, i64 q_pos,
+                                                      i64 k_pos, int head) {
+        return transform_at(p, x, alibi_log2(p, head), (float)(k_pos - q_pos));
+    }
+    // transform with the row's slope already read (alibi_log2) and the key's offset
+    // k_pos - q_pos as a float (exact below 2^24): the form the key loops call.
+    static __device__ __forceinline__ float transform_at(const AttnParams& p, float x, float slope_log2,
+                                                         float dist) {
+        if (SOFTCAP) x = (p.softcap * GQAKV_LOG2E) * tanhf(x / p.softcap);
+        if (ALIBI) x = fmaf(slope_log2, dist, x);
+        return x;
     }
     // Query head h's sink logit in the log2 domain (-inf: no sink term).
     static __device__ __forceinline__ float sink_log2(const AttnParams& p, int h) {
@@ -89,7 +119,11 @@ struct KernelTypes {
     typedef T Q;
     typedef T KV;
     typedef T Out;
-    typedef ContiguousKV<T> Reader;  // how the kernels read K/V
+    // How the kernels read K/V over a base layout reader (kv_reader picks the base:
+    // ContiguousKV, or PagedKV through a page table); Reader is the contiguous one.
+    template <template <class> class Base>
+    using ReaderOver = Base<T>;
+    typedef ContiguousKV<T> Reader;
 };
 
 #include "quantized_kv.cuh"

@@ -5,6 +5,10 @@
 // give scale = max|x| / QMAX and codes round(x / scale) (quantized_kv.cuh), written to
 // k_buf[rows[b], h, starts[b] + t, :] and k_scale[rows[b], h, starts[b] + t]; the same for
 // V. Padding slots t >= n_new[b] are never read or written.
+// Paged (the KVPages instantiation, paged_kv.cuh): k_buf, v_buf are the code pools
+// [num_pages, Hkv, P, d] and k_scale, v_scale the scale pools [num_pages, Hkv, P]; token j
+// of row r goes to page table[r, j / P], slot j % P of both (kv_slot, with the codes' and
+// the scales' own strides). The pages were taken on the host before the launch.
 //
 // One warp per token: each lane holds up to ceil(D / 32) values of K and of V, the token's
 // max |x| and its NaN / inf flag reduce over the warp with full-mask xor shuffles (every
@@ -14,9 +18,9 @@
 // Launch: grid (B * Hkv, min(65535, ceil(Tn / 4))), block 128; grid-stride over tokens.
 // Strides are in elements; the head-dim stride is 1.
 #include "common.cuh"
-#include "variant.cuh"
+#include "paged_kv.cuh"
 
-template <class T, class C, int D>
+template <class T, class C, int D, class... Pages>
 __global__ void __launch_bounds__(128) gqakv_write_kv_quantized(
     const T* __restrict__ k_new, const T* __restrict__ v_new,
     C* __restrict__ k_buf, C* __restrict__ v_buf, float* __restrict__ k_scale, float* __restrict__ v_scale,
@@ -24,7 +28,7 @@ __global__ void __launch_bounds__(128) gqakv_write_kv_quantized(
     int Hkv, int Tn,
     i64 new_sb, i64 new_sh, i64 new_st,
     i64 buf_sb, i64 buf_sh, i64 buf_st,
-    i64 sc_sb, i64 sc_sh, i64 sc_st) {
+    i64 sc_sb, i64 sc_sh, i64 sc_st, Pages... pages) {
     constexpr int EPL = (D + 31) / 32;  // values per lane
     constexpr int WARPS = 4;
     const int b = blockIdx.x / Hkv;
@@ -32,9 +36,11 @@ __global__ void __launch_bounds__(128) gqakv_write_kv_quantized(
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const i64 n = n_new[b];
     const i64 src = (i64)b * new_sb + (i64)h * new_sh;
-    const i64 dst = rows[b] * buf_sb + (i64)h * buf_sh + starts[b] * buf_st;
-    const i64 sdst = rows[b] * sc_sb + (i64)h * sc_sh + starts[b] * sc_st;
+    const i64 row = rows[b], start = starts[b];
     for (i64 t = (i64)blockIdx.y * WARPS + warp; t < n; t += (i64)gridDim.y * WARPS) {
+        // This token's code row and scale (through the page table when paged).
+        const i64 dst = kv_slot(row, h, start + t, buf_sb, buf_sh, buf_st, pages...);
+        const i64 sdst = kv_slot(row, h, start + t, sc_sb, sc_sh, sc_st, pages...);
         float xk[EPL], xv[EPL];
         float ak = 0.f, av = 0.f, bad_k = 0.f, bad_v = 0.f;
 #pragma unroll
@@ -58,13 +64,13 @@ __global__ void __launch_bounds__(128) gqakv_write_kv_quantized(
         for (int i = 0; i < EPL; ++i) {
             const int c = lane + 32 * i;
             if (c < D) {
-                k_buf[dst + t * buf_st + c] = quantize_value<C>(xk[i], sk);
-                v_buf[dst + t * buf_st + c] = quantize_value<C>(xv[i], sv);
+                k_buf[dst + c] = quantize_value<C>(xk[i], sk);
+                v_buf[dst + c] = quantize_value<C>(xv[i], sv);
             }
         }
         if (lane == 0) {
-            k_scale[sdst + t * sc_st] = sk;
-            v_scale[sdst + t * sc_st] = sv;
+            k_scale[sdst] = sk;
+            v_scale[sdst] = sv;
         }
     }
 }
