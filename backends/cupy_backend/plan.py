@@ -462,10 +462,6 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     return plan
 
 
-def element_strides(shape, byte_strides, itemsize: int) -> tuple[int, ...]:
-    return tuple(s // itemsize for s in byte_strides)
-
-
 def aligned_for_vectors(ptr: int, strides_el: tuple[int, ...], dtype: str, head_dim: int) -> bool:
     """True when every row start is aligned for the kernels' vector loads."""
     vec = sources.vec_width(dtype, head_dim)
@@ -474,5 +470,4 @@ def aligned_for_vectors(ptr: int, strides_el: tuple[int, ...], dtype: str, head_
 
 
 __all__ = ["Buf", "KernelParams", "PageTableArg", "PAGES_DTYPE", "page_divisor", "Launch", "Plan", "PARAMS_DTYPE", "VARIANT_FLAGS", "variant_flags", "plan_write_kv", "plan_copy_tokens", "plan_attention",
-           "choose_splits", "choose_query_tile", "decode_kernel", "prefill_kernel", "prefill_rows", "aligned_for_vectors",
-           "element_strides"]
+           "choose_splits", "choose_query_tile", "decode_kernel", "prefill_kernel", "prefill_rows", "aligned_for_vectors"]
