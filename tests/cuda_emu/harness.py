@@ -49,8 +49,11 @@ HEAD_DIMS = (20, 64, 128, 80, 256)  # 80, 256: the tensor-core prefill's other t
 #: Head dims the variant kernels (window / softcap / sinks) are instantiated at in the
 #: emulation library: 64 (vector loads, both tensor-core kernels) and 20 (scalar loads).
 VARIANT_HEAD_DIMS = (64, 20)
-#: The variant flags they are instantiated for: every combination of the table's features.
-VARIANTS = tuple(range(1, table.ALL + 1))
+#: The variant flags they are instantiated for: every combination of window, softcap and
+#: sinks, ALiBi alone and every feature at once (each flag set is another build of every
+#: variant kernel: ALiBi's other combinations would double the build for no new code path).
+_ALIBI = table.VARIANT_FLAGS["alibi"]
+VARIANTS = (*range(1, _ALIBI), _ALIBI, table.ALL)
 #: Head dims the paged instantiations (kernels/paged_kv.cuh) are built at, and the variant
 #: flags each is built for: plain causal, the three features (window 1 + softcap 2 + sinks
 #: 4) and all four (+ alibi 8); the reader is orthogonal to the variant trait, and each flag
