@@ -27,6 +27,8 @@ import pytest
 import gqakv
 from gqakv.dispatch.backend import Backend
 
+from gqakv_backends.cupy_backend import instantiations as table
+
 from .cuda_emu import cases, harness
 from .support.reference import reference_attention
 
@@ -238,15 +240,14 @@ def test_alibi_plans(emulator, i):
 
 
 #: The AddressSanitizer library of this module: only the instantiations ASAN_SCENARIOS
-#: launch (driver.cpp registration code; contiguous and paged, compiled in parallel).
+#: launch (the instantiation table's entries; contiguous and paged, compiled in parallel).
 ASAN_UNITS = [
-    'register_variants<float, 64, 8>("float"); register_variants<gqakv_bf16, 64, 15>("gqakv_bf16"); '
-    'register_variants<gqakv_half, 64, 8>("gqakv_half"); '
-    'registry()["gqakv_merge<gqakv_bf16, 64, 4>"] = make_entry(&gqakv_merge<gqakv_bf16, 64, 4>);',
-    'register_paged_variants<gqakv_bf16, 64, 15>("gqakv_bf16"); register_paged_variants<float, 64, 15>("float"); '
-    'register_paged_quantized_variants<float, gqakv_i8, 64, 15>("float", "gqakv_i8"); '
-    'register_paged_quantized_variants<gqakv_bf16, gqakv_e4m3, 64, 15>("gqakv_bf16", "gqakv_e4m3"); '
-    'registry()["gqakv_merge<float, 64, 4>"] = make_entry(&gqakv_merge<float, 64, 4>);',
+    harness.unit("asan alibi contiguous", 64, table.select(
+        dtypes=("float32", "float16", "bfloat16"), head_dims=(64,), kv_dtypes=(None,),
+        readers=("contiguous",), variants=(0, 4, 8, 15))),
+    harness.unit("asan alibi paged", 64, table.select(
+        dtypes=("float32", "bfloat16"), head_dims=(64,), kv_dtypes=(None, "int8", "float8_e4m3fn"),
+        readers=("paged",), variants=(0, 15))),
 ]
 
 

@@ -35,6 +35,8 @@ import gqakv
 from gqakv.storage import quantize as Q
 from gqakv.dispatch.backend import GENERIC, Backend
 
+from gqakv_backends.cupy_backend import instantiations as table
+
 from .cuda_emu import cases, harness
 from .support.reference import reference_attention
 
@@ -429,12 +431,12 @@ def test_paged_quantized_append_writes_only_its_slots(emulator, scenario):
 #: (driver.cpp registration code, two units compiled in parallel), not the whole default
 #: library (six units, each much longer to compile with -fsanitize).
 ASAN_UNITS = [
-    'register_paged_quantized_variants<float, gqakv_i8, 64, 0, 7>("float", "gqakv_i8"); '
-    'register_paged_quantized_variants<float, gqakv_e4m3, 64, 7>("float", "gqakv_e4m3"); '
-    'registry()["gqakv_merge<float, 64, 4>"] = make_entry(&gqakv_merge<float, 64, 4>);',
-    'register_paged_quantized_variants<gqakv_bf16, gqakv_e4m3, 64, 0, 7>("gqakv_bf16", "gqakv_e4m3"); '
-    'register_paged_quantized_variants<gqakv_bf16, gqakv_i8, 64, 0>("gqakv_bf16", "gqakv_i8"); '
-    'GQAKV_REG(gqakv_merge, gqakv_bf16, 64)',
+    harness.unit("asan paged 8-bit", 64, table.select(
+        dtypes=("float32", "bfloat16"), head_dims=(64,), kv_dtypes=("int8", "float8_e4m3fn"),
+        readers=("paged",), variants=(0, 7))),
+    harness.unit("asan paged 8-bit merge and copies", 64, table.select(
+        kernels=["gqakv_merge", "gqakv_copy_tokens"], dtypes=("float32", "bfloat16"), head_dims=(64,),
+        variants=(0, 4)) + [table.SCALE_COPY]),
 ]
 
 

@@ -61,6 +61,16 @@ struct DecodeMmaShape {
     // limits.DECODE_MMA_CTAS_PER_SM, which the split planner also reads.
     static constexpr int CTAS_PER_SM = gqakv_lookup(D, GQAKV_DECODE_MMA_CTAS_PER_SM);
     static_assert(CTAS_PER_SM > 0, "no GQAKV_DECODE_MMA_CTAS_PER_SM entry for this head dim");
+    // The occupancy a variant's instantiation is bounded by: ALiBi's per-row slope and
+    // position (and the distance per score) left the d = 64 tile at 128 registers spilling
+    // 8-20 bytes with every feature on (sm_80 / sm_90, NVRTC's ptxas), so an ALiBi
+    // instantiation keeps at most 3 CTAs per SM (170 registers). The split planner still
+    // assumes CTAS_PER_SM: a heuristic for how many splits fill the GPU, not a limit.
+};
+template <class T, int D, int VARIANT>
+struct DecodeMmaCtas {  // (DecodeMmaShape's note on ALiBi's occupancy)
+    static constexpr int BASE = DecodeMmaShape<T, D>::CTAS_PER_SM;
+    static constexpr int value = (VARIANT & GQAKV_VARIANT_ALIBI) && BASE > 3 ? 3 : BASE;
 };
 
 // Two fp32 values rounded to nearest-even T and packed, lo in the low half.
@@ -101,7 +111,7 @@ __device__ __forceinline__ unsigned pair_of(unsigned x, unsigned y, int hi) {
 // T: the storage type (q and K/V enter the mma together, so KernelTypes' Q and KV are the
 // same here); VARIANT: the variant trait's flags (variant.cuh; 0 is plain causal).
 template <class T, int D, int VARIANT = 0, class... Pages>
-__global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_decode_mma(
+__global__ void __launch_bounds__(128, (DecodeMmaCtas<T, D, VARIANT>::value)) gqakv_decode_mma(
     const typename KernelTypes<T>::Q* __restrict__ q, const typename KernelTypes<T>::KV* __restrict__ k_buf,
     const typename KernelTypes<T>::KV* __restrict__ v_buf,
     const i64* __restrict__ rows, const i64* __restrict__ lens, const i64* __restrict__ n_new,
@@ -186,17 +196,30 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
         if (valid && lo_r > lo_all) lo_all = lo_r;
     }
 
+    // ALiBi: each query row's slope (log2 domain; 0 for padding) and position from k_begin,
+    // in shared memory (fewer registers live in the key loop; see DecodeMmaCtas).
+    __shared__ float sm_slope[V::ALIBI ? S::QB : 1];
+    __shared__ float sm_qrel[V::ALIBI ? S::QB : 1];
+    if (V::ALIBI) {
+        for (int r = (int)threadIdx.x; r < S::QB; r += (int)blockDim.x) {
+            bool valid;
+            int g, t, lo_r, qrel_r;
+            row_limit(r, valid, g, t, lo_r, qrel_r);
+            sm_slope[r] = valid ? V::alibi_log2(params, kvh * G + g) : 0.f;
+            sm_qrel[r] = (float)qrel_r;
+        }
+        __syncthreads();  // every thread is here: the early returns above are CTA-uniform
+    }
+
     // Q rows fr and fr + 8 as A fragments (zeros for padding rows), unscaled: the scores
     // are scaled in fp32 after the mma.
     unsigned qa[S::KK][4];
-    int lim[2], lo[2], qrel[2];
-    float slope[2];  // ALiBi: the rows' slopes, log2 domain (0 without ALiBi or for padding)
+    int lim[2], lo[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         bool valid;
-        int g, t;
-        lim[h] = row_limit(fr + 8 * h, valid, g, t, lo[h], qrel[h]);
-        slope[h] = valid ? V::alibi_log2(params, kvh * G + g) : 0.f;
+        int g, t, qrel_unused;
+        lim[h] = row_limit(fr + 8 * h, valid, g, t, lo[h], qrel_unused);
         Words<S::KW> qw;
 #pragma unroll
         for (int i = 0; i < S::KW; ++i) qw.w[i] = 0u;
@@ -238,7 +261,9 @@ __global__ void __launch_bounds__(128, DecodeMmaShape<T, D>::CTAS_PER_SM) gqakv_
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int j = kb + 8 * t + 2 * fc + (e & 1);
-                s[t][e] = V::transform_at(params, s[t][e] * qscale, slope[e >> 1], (float)(j - qrel[e >> 1]));
+                const int r = fr + 8 * (e >> 1);
+                s[t][e] = V::transform_at(params, s[t][e] * qscale, V::ALIBI ? sm_slope[r] : 0.f,
+                                          V::ALIBI ? (float)j - sm_qrel[r] : 0.f);
                 if (masked && (j >= lim[e >> 1] || j < lo[e >> 1])) s[t][e] = GQAKV_NEG_INF;
             }
         }
