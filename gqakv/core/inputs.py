@@ -260,7 +260,7 @@ def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
     return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, params=params)
 
 
-# -- attention variants (gqakv.semantics.AttentionParams) -------------------------------------
+# -- attention variants (gqakv.core.semantics.AttentionParams) -------------------------------------
 
 #: The largest ``|scale|`` taken. Every fast path multiplies in float32 (the numba kernels
 #: take ``float32(scale)``, the CUDA kernels fold ``scale * log2(e)`` in float32), where

@@ -1,10 +1,10 @@
 """What attention computes, defined once: its parameters and each query's visible keys.
 
 Every implementation (the generic array-API path, the NumPy/numba planner, the CUDA
-planner, ``gqakv.reference``) asks this module which keys a query sees instead of
+planner, ``gqakv.ops.reference``) asks this module which keys a query sees instead of
 writing the rule again, so an attention variant (a sliding window, a soft-cap,
 sinks) is one change here plus the fast paths that declare they implement it
-(``gqakv.backend.FastPath.features``, class data of each backend).
+(``gqakv.dispatch.backend.FastPath.features``, class data of each backend).
 
 Positions (bottom-right causal): in a row holding ``L`` tokens after appending ``n``,
 query ``t`` (0 <= t < n) sits at absolute position ``p = L - n + t`` and sees the keys
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class AttentionParams:
-    """How scores are formed and masked; validated (``gqakv.inputs``) before any backend
+    """How scores are formed and masked; validated (``gqakv.core.inputs``) before any backend
     sees it. Every field but ``scale`` defaults to "off", so a call that asks for no
     variant is the plain causal attention.
 
@@ -32,7 +32,7 @@ class AttentionParams:
     sinks: None, or one logit per query head (a tuple of Hq Python floats, float32
         values): an extra softmax term without a value,
         ``out = sum_j e^{s_j} v_j / (e^{sink_h} + sum_j e^{s_j})``. Applied once, after
-        every key is summed (``gqakv.merge.apply_sinks``), never per key block or split.
+        every key is summed (``gqakv.ops.merge.apply_sinks``), never per key block or split.
     alibi_slopes: None, or one slope per query head (a tuple of Hq Python floats, as
         given): ALiBi (BLOOM, MPT, Falcon-style checkpoints). Query head h at position p
         adds ``alibi_slopes[h] * (j - p)`` to its score of key j, after the soft-cap and before
@@ -48,7 +48,7 @@ class AttentionParams:
     @property
     def features(self) -> frozenset[str]:
         """The variant features this call uses (empty: plain causal), checked against
-        what each fast path declares it implements (``gqakv.backend.FastPath``)."""
+        what each fast path declares it implements (``gqakv.dispatch.backend.FastPath``)."""
         return frozenset(name for name, on in (("window", self.window is not None),
                                                ("softcap", self.softcap is not None),
                                                ("sinks", self.sinks is not None),

@@ -3,7 +3,7 @@
 A backend owns where cache buffers live (array library and device) and how the hot
 operations run: writing new K/V in place (``write_kv``), copying rows' tokens
 (``copy_tokens``) and grouped-query attention over the live part of the cache
-(``attention``). Each takes the cache's ``gqakv.store.KVStore`` (layout, dtypes and the
+(``attention``). Each takes the cache's ``gqakv.storage.store.KVStore`` (layout, dtypes and the
 buffers) rather than raw buffers, and attention its ``AttentionParams``. The defaults
 here are the generic array-API implementations, which read and write only through the
 store's methods, so a backend for a new array library only has to say how to allocate,
@@ -54,7 +54,7 @@ class Route:
 class FastPath:
     """What one fast path of a backend implements, declared as data on the backend class
     (``Backend.fast_paths``): the hot operation it serves, the storage layouts
-    (``"contiguous"``, ``"paged"``) and codecs (``gqakv.codecs``: ``"none"`` for plain
+    (``"contiguous"``, ``"paged"``) and codecs (``gqakv.storage.codecs``: ``"none"`` for plain
     values, ``"int8"``, ...) it reads or writes, the attention variant features it
     implements (``AttentionParams.features``) and the dtypes of q / new K/V (None: every
     dtype of the backend). A call it does not declare is refused by ``rejection`` with a
@@ -249,7 +249,7 @@ class Backend:
         (``[B, Hkv, T, d]``) into row ``inputs.rows[i]`` of ``store`` (a KVStore without
         leading axes) at tokens ``inputs.starts[i]...``.
 
-        ``inputs`` is the validated ``gqakv.inputs.AppendInputs`` (host int arrays).
+        ``inputs`` is the validated ``gqakv.core.inputs.AppendInputs`` (host int arrays).
         """
         _cache_ops.write_kv_array_api(store, k_new, v_new, inputs.rows, inputs.starts, inputs.n_new)
 
@@ -261,7 +261,7 @@ class Backend:
         ``[layers, rows, Hkv, max_len, d]`` for contiguous storage; they may be the same
         store). The copies of one call are independent: no destination is read by
         another copy of the call, so a backend may run them all in one launch. Inputs are
-        validated and ordered by ``gqakv.row_ops``; the index arrays are host ints.
+        validated and ordered by ``gqakv.ops.row_ops``; the index arrays are host ints.
         """
         _row_ops.copy_tokens_array_api(dst, dst_rows, src, src_rows, n_tokens)
 
@@ -269,8 +269,8 @@ class Backend:
         """Grouped-query attention of ``q`` over the live cache; see ``gqakv.gqa_attention``.
 
         store: the KVStore (no leading axes); inputs: the validated
-        ``gqakv.inputs.AttentionInputs`` (rows, lens, n_new: host ints [B]); params: the
-        ``gqakv.semantics.AttentionParams``.
+        ``gqakv.core.inputs.AttentionInputs`` (rows, lens, n_new: host ints [B]); params: the
+        ``gqakv.core.semantics.AttentionParams``.
         """
         return _attention.attention_array_api(q, store, inputs, params, return_lse=return_lse)
 

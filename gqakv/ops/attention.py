@@ -56,9 +56,9 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | 
             sinks it is the full denominator's ``log(e^{sink_h} + sum_j e^{s_j})``.
         rows: optional ``[B]`` cache rows read by each entry (default ``0..B-1``).
         params: optional ``gqakv.AttentionParams`` carrying scale, window, softcap,
-            sinks and alibi_slopes instead of those keywords (not both; see ``gqakv.semantics``).
+            sinks and alibi_slopes instead of those keywords (not both; see ``gqakv.core.semantics``).
 
-    Mask (bottom-right causal, defined once in ``gqakv.semantics``): with ``L = lens[rows[i]]`` and ``n = n_new[i]``, query
+    Mask (bottom-right causal, defined once in ``gqakv.core.semantics``): with ``L = lens[rows[i]]`` and ``n = n_new[i]``, query
     t sits at absolute position ``p = L - n + t`` and sees keys ``0..p``. For L = 6,
     n = 3 (x visible, . masked)::
 
@@ -107,13 +107,13 @@ def attention_array_api(q, store, inputs, params, *, return_lse: bool,
     q: [B, Hq, T, d]; store: a KVStore without leading axes, read only through
     ``store.blocks`` (so any storage kind works here); inputs: ``AttentionInputs``
     (rows, lens, n_new: host int arrays [B]); params: ``AttentionParams``. Works one row
-    at a time over the keys its queries see (``gqakv.semantics``), so work follows the
+    at a time over the keys its queries see (``gqakv.core.semantics``), so work follows the
     sum of live lengths, and blocks over queries and keys with an online softmax
-    (``gqakv.merge.SoftmaxState``) so temporaries stay within ``score_block_elements``.
+    (``gqakv.ops.merge.SoftmaxState``) so temporaries stay within ``score_block_elements``.
     Variants: scores are soft-capped and ALiBi-biased before the mask
     (``semantics.transform``), a window narrows the keys read (``semantics.block_keys``),
     and sinks join each row's result once, after all
-    its keys (``gqakv.merge.apply_sinks``).
+    its keys (``gqakv.ops.merge.apply_sinks``).
     """
     rows, lens, n_new = inputs.rows, inputs.lens, inputs.n_new
     xp = array_namespace(q)

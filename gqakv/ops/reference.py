@@ -2,7 +2,7 @@
 
 Written apart from the library's attention code (no blocking, no online softmax, no
 backend): for every batch entry, query token and query head, take KV head ``h // G`` and the
-keys ``gqakv.semantics.key_range`` gives (``0..p`` with ``p = L - n + t`` for plain causal
+keys ``gqakv.core.semantics.key_range`` gives (``0..p`` with ``p = L - n + t`` for plain causal
 attention, ``max(0, p - W + 1)..p`` with a window; taken from that one definition so a
 variant reaches the self-test too), soft-cap the scaled scores (``c * tanh(s / c)``), and
 do the softmax in float64 with the head's sink logit as one more denominator term that
@@ -12,7 +12,7 @@ over keys); the two are checked against each other in tests/test_selftest.py.
 
 ``naive_low_precision`` is the same computation done the plain way in a narrow dtype, every
 intermediate rounded to it: its error against the reference is the yardstick of the
-FlashAttention-style tolerance ``err <= k * err_naive + eps`` (``gqakv.selftest``).
+FlashAttention-style tolerance ``err <= k * err_naive + eps`` (``gqakv.tools.selftest``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, so
         G = Hq // Hkv
         n = int(n_new[b])
         for t in range(n):
-            lo, hi = key_range(params, L, n, t)  # the keys query t sees (gqakv.semantics)
+            lo, hi = key_range(params, L, n, t)  # the keys query t sees (gqakv.core.semantics)
             for h in range(Hq):
                 keys, values = k[h // G, lo:hi], v[h // G, lo:hi]  # [hi - lo, d]
                 scores = scale * (keys @ q[b, h, t])  # [hi - lo]

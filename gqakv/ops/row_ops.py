@@ -11,7 +11,7 @@ tokens per layer, never ``max_len``; truncate and reset move no data at all.
 
 Here each operation is validated; the store's layout then does it
 (``KVStore.reorder_rows`` / ``fork_rows`` / ``trim_rows``): a contiguous layout copies
-through ``Backend.copy_tokens`` in waves planned by ``gqakv.row_copies``, a paged one
+through ``Backend.copy_tokens`` in waves planned by ``gqakv.storage.row_copies``, a paged one
 shares and releases pages.
 """
 

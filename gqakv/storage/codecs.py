@@ -2,14 +2,14 @@
 
 A storage spec names its codec by the stored dtype (``StorageSpec.dtype``): a float
 dtype is stored as itself (``PLAIN``); ``"int8"`` and ``"float8_e4m3fn"`` are 8-bit codes
-with one float32 scale per (row, KV head, token) (``gqakv.quantize`` has the exact
+with one float32 scale per (row, KV head, token) (``gqakv.storage.quantize`` has the exact
 rule). A codec owns everything that depends on the scheme: the dtype its codes are kept
 in, the shape of its scales, bytes per token, quantize / dequantize, and the code that
 dequantizes to 1 (``fill_code``, what ``KVStore.fill`` writes). Callers ask the codec
 instead of branching on a name, so a new codec is one class plus ``register`` here, and
 runs at once on every backend's generic path (which reads and writes only through these
 methods); a fast path serves only the codecs its backend declares it implements
-(``gqakv.backend.FastPath.codecs``) and refuses any other one by itself.
+(``gqakv.dispatch.backend.FastPath.codecs``) and refuses any other one by itself.
 """
 
 from __future__ import annotations

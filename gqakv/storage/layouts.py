@@ -1,6 +1,6 @@
 """The storage layouts by name (``StorageSpec.kind``): each a ``KVStore`` class owning its
 allocation, bytes, reading, writing and row operations (contiguous rows: ``KVStore``;
-pages and a page table: ``gqakv.paged.PagedStore``). A new layout is one store class
+pages and a page table: ``gqakv.storage.paged.PagedStore``). A new layout is one store class
 plus one entry here; callers ask the class, never the name."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ A ``KVStore`` is what the backends' hot operations take (``attention(q, store, .
 - reading for the generic path (``blocks``): key/value blocks ``[Hkv, keys, d]`` of a
   row, views for contiguous storage; a quantized store (``spec.quantized``: int8 or
   float8_e4m3fn codes plus per-token float32 scales ``k_scale``/``v_scale``
-  ``[*leading, rows, Hkv, max_len]``, ``gqakv.quantize``) dequantizes each block here,
+  ``[*leading, rows, Hkv, max_len]``, ``gqakv.storage.quantize``) dequantizes each block here,
   in blocks of at most ``DEQUANT_BLOCK_ELEMENTS``, and quantizes in ``put``. Quantized
   storage combines with either layout (paged: the scales are paged with their tokens,
   ``[*leading, num_pages, Hkv, page_size]``).
@@ -42,7 +42,7 @@ from .row_copies import plan_reorder, run_waves
 #: ``[..., r, h, j, :]``.
 CONTIGUOUS = "contiguous"
 #: Paged: a pool of pages ``[*leading, num_pages, Hkv, page_size, d]`` and a page table
-#: per row (``gqakv.paged.PagedStore``).
+#: per row (``gqakv.storage.paged.PagedStore``).
 PAGED = "paged"
 KINDS = (CONTIGUOUS, PAGED)
 
@@ -87,7 +87,7 @@ class StorageSpec:
 
     @property
     def codec(self) -> _codecs.Codec:
-        """How K/V values are stored (``gqakv.codecs``): ``PLAIN`` for a float dtype."""
+        """How K/V values are stored (``gqakv.storage.codecs``): ``PLAIN`` for a float dtype."""
         return _codecs.of(self.dtype)
 
     @property
@@ -176,7 +176,7 @@ class KVStore:
 
     @property
     def quantized(self) -> bool:
-        """True when ``k``/``v`` hold 8-bit codes with per-token scales (``gqakv.quantize``)."""
+        """True when ``k``/``v`` hold 8-bit codes with per-token scales (``gqakv.storage.quantize``)."""
         return self.spec.quantized
 
     @property
@@ -228,7 +228,7 @@ class KVStore:
                                 device=backend.device_of(self.k))
 
     # -- the layout's row operations ---------------------------------------------------------
-    # Validated by the caller (gqakv.row_ops, the caches); a paged layout overrides each.
+    # Validated by the caller (gqakv.ops.row_ops, the caches); a paged layout overrides each.
     # Reorder and fork take the store with a leading layer axis (``with_layers``).
 
     def reserve(self, backend, rows, starts, n_new):
@@ -242,7 +242,7 @@ class KVStore:
 
     def reorder_rows(self, backend, src_rows: np.ndarray, lens: np.ndarray) -> int:
         """Row b takes row ``src_rows[b]``'s tokens (``lens``: the lengths before), by copies
-        in a safe order (``gqakv.row_copies``); returns tokens copied per layer."""
+        in a safe order (``gqakv.storage.row_copies``); returns tokens copied per layer."""
         return run_waves(backend, self, plan_reorder(src_rows, lens))
 
     def fork_rows(self, backend, src: int, dst_rows: np.ndarray, n: int) -> int:
