@@ -189,9 +189,6 @@ class Refused:
     words: tuple[str, ...]
 
 
-#: Variant features CuPy's fast paths do not implement yet (the generic code, its route
-#: naming them); numpy's item kernel and numba's kernels serve ALiBi (every variant).
-NOT_YET_FAST = frozenset({"alibi"})
 #: The codecs the NumPy and numba fast paths document (numpy_readers' 8-bit reader over
 #: either layout; the numba kernels' decoders): any other is refused by name.
 CPU_CODECS = (None, "int8", "float8_e4m3fn")
