@@ -327,28 +327,35 @@ def check_softcap(softcap) -> float | None:
     return c
 
 
-def _sinks_to_numpy(sinks, what: str) -> np.ndarray:
-    """A host copy of a sinks array/sequence from any library (bool elements refused)."""
-    if isinstance(sinks, (bool, np.bool_, str, bytes)) or np.isscalar(sinks):
+def _per_head_values(values, what: str, hq: int, each: str) -> np.ndarray:
+    """A host float64 copy ``[hq]`` of a per-query-head array/sequence from any library
+    (``sinks``, ``alibi_slopes``): bool elements refused, the shape checked (``each``: what
+    one entry is, for the message)."""
+    if isinstance(values, (bool, np.bool_, str, bytes)) or np.isscalar(values):
         raise TypeError(f"{what} must be a [Hq] array or sequence of real numbers (one value "
-                        f"per query head) or None, got {sinks!r}")
-    if isinstance(sinks, (list, tuple)):
-        for i, v in enumerate(sinks):
+                        f"per query head) or None, got {values!r}")
+    if isinstance(values, (list, tuple)):
+        for i, v in enumerate(values):
             if isinstance(v, (bool, np.bool_)) or not isinstance(
                     v, (int, float, np.integer, np.floating)):
                 raise TypeError(f"{what}[{i}]={v!r} is not a real number; {what} must hold "
                                 "one real value per query head")
-        return np.array([_as_float(v) for v in sinks], dtype=np.float64)
-    if hasattr(sinks, "detach"):  # a torch tensor (maybe requiring grad, maybe bfloat16)
-        sinks = sinks.detach().cpu().double()
-    try:
-        a = _to_numpy(sinks)
-    except Exception as exc:
-        raise TypeError(f"{what} must be a [Hq] array or sequence of real numbers, got "
-                        f"{type(sinks).__name__} ({exc})") from None
-    if a.dtype.kind not in "iuf" and not _is_float(a.dtype):
-        raise TypeError(f"{what} must have a real (integer or floating) dtype, got {a.dtype}")
-    return np.asarray(a, dtype=np.float64)
+        a = np.array([_as_float(v) for v in values], dtype=np.float64)
+    else:
+        if hasattr(values, "detach"):  # a torch tensor (maybe requiring grad, maybe bfloat16)
+            values = values.detach().cpu().double()
+        try:
+            a = _to_numpy(values)
+        except Exception as exc:
+            raise TypeError(f"{what} must be a [Hq] array or sequence of real numbers, got "
+                            f"{type(values).__name__} ({exc})") from None
+        if a.dtype.kind not in "iuf" and not _is_float(a.dtype):
+            raise TypeError(f"{what} must have a real (integer or floating) dtype, got {a.dtype}")
+        a = np.asarray(a, dtype=np.float64)
+    if a.shape != (hq,):
+        raise ValueError(f"{what} must have shape [Hq={hq}] (one {each} per query head of q), "
+                         f"got {list(a.shape)}")
+    return a
 
 
 def check_sinks(sinks, hq: int) -> tuple[float, ...] | None:
@@ -357,10 +364,7 @@ def check_sinks(sinks, hq: int) -> tuple[float, ...] | None:
     range refused."""
     if sinks is None:
         return None
-    a = _sinks_to_numpy(sinks, "sinks")
-    if a.shape != (hq,):
-        raise ValueError(f"sinks must have shape [Hq={hq}] (one logit per query head of q), "
-                         f"got {list(a.shape)}")
+    a = _per_head_values(sinks, "sinks", hq, "logit")
     with np.errstate(over="ignore"):
         a32 = a.astype(np.float32)
     bad = np.flatnonzero(np.isnan(a32) | (a32 == np.inf))
@@ -379,10 +383,7 @@ def check_alibi(slopes, hq: int) -> tuple[float, ...] | None:
     range refused."""
     if slopes is None:
         return None
-    a = _sinks_to_numpy(slopes, "alibi_slopes")
-    if a.shape != (hq,):
-        raise ValueError(f"alibi_slopes must have shape [Hq={hq}] (one slope per query head of q), "
-                         f"got {list(a.shape)}")
+    a = _per_head_values(slopes, "alibi_slopes", hq, "slope")
     bad = np.flatnonzero(~(np.abs(a) <= np.finfo(np.float32).max))
     if bad.size:
         i = int(bad[0])
