@@ -459,16 +459,7 @@ def asan_main() -> int:
 
 def test_paged_quantized_kernels_under_asan():
     """AddressSanitizer (a subprocess with libasan preloaded) over ASAN_UNITS' library."""
-    from pathlib import Path
-
-    proc = harness.run_asan_child(["-c", "import sys; from tests import test_cupy_emulated_paged_quantized as m; "
-                                   "sys.exit(m.asan_main())"], cwd=Path(__file__).resolve().parents[1],
-                                  units=ASAN_UNITS)
-    if proc is None:
-        pytest.skip("AddressSanitizer runtime (libasan) not found for g++")
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, f"AddressSanitizer run failed:\n{tail}"
-    assert f"{len(PLAN_SCENARIOS) + len(WRITE_SCENARIOS)} passed" in proc.stdout, tail
+    harness.check_asan_main("test_cupy_emulated_paged_quantized", len(PLAN_SCENARIOS) + len(WRITE_SCENARIOS), units=ASAN_UNITS)
 
 
 # ---- routing: the declarations ----------------------------------------------------------------

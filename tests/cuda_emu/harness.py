@@ -81,7 +81,7 @@ def compiler() -> str | None:
 
 
 def run_asan_child(argv: list[str], cwd=None, timeout: float = 900,
-                   units: Sequence[str] | None = None):
+                   units: "Sequence[Unit] | None" = None):
     """``python *argv`` with libasan preloaded (leak checks off), after building the ASan
     library here without a time limit (the child only loads it; ``units``: only these
     build units, ``build_registrations``' sense, for a child that loads just them): its
@@ -97,6 +97,21 @@ def run_asan_child(argv: list[str], cwd=None, timeout: float = 900,
     env = dict(os.environ, LD_PRELOAD=runtime, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def check_asan_main(module: str, passed: int, units: "Sequence[Unit] | None" = None) -> None:
+    """Run ``tests.<module>.asan_main()`` under AddressSanitizer (``run_asan_child``; ``units``
+    as there) and assert it exited 0 after printing ``"<passed> passed"``; skips when g++
+    has no AddressSanitizer runtime."""
+    import pytest
+
+    proc = run_asan_child(["-c", f"import sys; from tests import {module} as m; sys.exit(m.asan_main())"],
+                          cwd=HERE.parents[1], units=units)
+    if proc is None:
+        pytest.skip("AddressSanitizer runtime (libasan) not found for g++")
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, f"AddressSanitizer run failed:\n{tail}"
+    assert f"{passed} passed" in proc.stdout, tail
 
 
 def asan_runtime() -> str | None:
