@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 import gqakv
-from gqakv.dispatch.backend import Backend
 
 from gqakv_backends.cupy_backend import instantiations as table
 
+from .cuda_emu import emulated_backend
 from .cuda_emu import cases, harness
 from .support.reference import reference_attention
 
@@ -40,7 +40,6 @@ from gqakv_backends.cupy_backend import plan as planmod  # noqa: E402
 from . import test_cupy_emulated_paged as paged_tests  # noqa: E402
 from . import test_cupy_emulated_paged_quantized as pq_tests  # noqa: E402
 from . import test_cupy_emulated_variants as variant_tests  # noqa: E402
-from .cuda_emu.emulated_backend import EmulatedCupyBackend  # noqa: E402
 from .test_cupy_emulated_paged import _sinks  # noqa: E402
 from .test_cupy_emulated_variants import alibi_pattern  # noqa: E402
 
@@ -51,22 +50,7 @@ D = 64  # the default emulation library's ALiBi instantiations (flags 8 and 15; 
 def backend(monkeypatch):
     """The emulated CupyBackend, the generic fallbacks made to fail for it, every launch
     name recorded in ``backend.kernels``."""
-    be = EmulatedCupyBackend()
-    be.kernels = []
-    run = be._run_plan
-
-    def record(plan, *args):
-        be.kernels.extend(launch.name for launch in plan.launches)
-        return run(plan, *args)
-
-    be._run_plan = record
-    for op in ("write_kv", "attention", "copy_tokens"):
-        def refuse(self, *args, _op=op, _generic=getattr(Backend, op), **kwargs):
-            if self is be:
-                raise AssertionError(f"the generic {_op} ran: the ALiBi kernels were not used")
-            return _generic(self, *args, **kwargs)
-        monkeypatch.setattr(Backend, op, refuse)
-    return be
+    return emulated_backend.kernels_only(monkeypatch, "ALiBi kernels")
 
 
 #: (n_new per row): a ragged chunked prefill (an idle row), small-T decode, T = 1 decode.

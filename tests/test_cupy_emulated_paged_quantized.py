@@ -33,10 +33,11 @@ import pytest
 
 import gqakv
 from gqakv.storage import quantize as Q
-from gqakv.dispatch.backend import GENERIC, Backend
+from gqakv.dispatch.backend import GENERIC
 
 from gqakv_backends.cupy_backend import instantiations as table
 
+from .cuda_emu import emulated_backend
 from .cuda_emu import cases, harness
 from .support.reference import reference_attention
 
@@ -56,22 +57,7 @@ D = 64  # the paged 8-bit instantiations of the default library (harness.PAGED_Q
 def backend(monkeypatch):
     """The emulated CupyBackend, the generic fallbacks made to fail for it, every launch
     name recorded in ``backend.kernels``."""
-    be = EmulatedCupyBackend()
-    be.kernels = []
-    run = be._run_plan
-
-    def record(plan, *args):
-        be.kernels.extend(launch.name for launch in plan.launches)
-        return run(plan, *args)
-
-    be._run_plan = record
-    for op in ("write_kv", "attention", "copy_tokens"):
-        def refuse(self, *args, _op=op, _generic=getattr(Backend, op), **kwargs):
-            if self is be:  # other backends (the numpy twin) keep their generic code
-                raise AssertionError(f"the generic {_op} ran: the paged 8-bit kernels were not used")
-            return _generic(self, *args, **kwargs)
-        monkeypatch.setattr(Backend, op, refuse)
-    return be
+    return emulated_backend.kernels_only(monkeypatch, "paged 8-bit kernels")
 
 
 def _held(x: np.ndarray, kv_dtype: str) -> np.ndarray:

@@ -30,8 +30,8 @@ import pytest
 
 import gqakv
 from gqakv.storage import quantize as Q
-from gqakv.dispatch.backend import Backend
 
+from .cuda_emu import emulated_backend
 from .cuda_emu import harness
 from .support.reference import reference_attention
 
@@ -48,24 +48,7 @@ D = 16  # a library test_cupy_emulated_dims builds too
 def backend(monkeypatch):
     """The emulated CupyBackend, with the generic fallbacks made to fail and every
     launched kernel name recorded in ``backend.kernels``."""
-    from .cuda_emu.emulated_backend import EmulatedCupyBackend
-
-    be = EmulatedCupyBackend()
-    be.kernels = []
-    run = be._run_plan
-
-    def record(plan, *args):
-        be.kernels.extend(launch.name for launch in plan.launches)
-        return run(plan, *args)
-
-    be._run_plan = record
-    for op in ("write_kv", "attention", "copy_tokens"):
-        def refuse(self, *args, _op=op, _generic=getattr(Backend, op), **kwargs):
-            if self is be:  # other backends (the references) keep their generic code
-                raise AssertionError(f"the generic {_op} ran: the quantized kernels were not used")
-            return _generic(self, *args, **kwargs)
-        monkeypatch.setattr(Backend, op, refuse)
-    return be
+    return emulated_backend.kernels_only(monkeypatch, "quantized kernels")
 
 
 def _hard_tokens(dtype: str, kv_dtype: str) -> np.ndarray:

@@ -343,3 +343,27 @@ class EmulatedCupyBackend(CupyBackend):
             emulator(head_dim, plan_families(plan)).run(plan, {name: memory_span(a)
                                                                for name, a in arrays.items()})
             self.launches += len(plan.launches)
+
+
+def kernels_only(monkeypatch, what: str) -> EmulatedCupyBackend:
+    """An EmulatedCupyBackend whose generic fallbacks fail (``what``: the kernels a test
+    means, for the message; other backends, the references, keep their generic code) and
+    whose launched kernel names are recorded in ``backend.kernels``, in order."""
+    from gqakv.dispatch.backend import Backend
+
+    be = EmulatedCupyBackend()
+    be.kernels = []  # type: ignore[attr-defined]  # a test's record, not a backend field
+    run = be._run_plan
+
+    def record(plan, *args):
+        be.kernels.extend(launch.name for launch in plan.launches)  # type: ignore[attr-defined]
+        return run(plan, *args)
+
+    be._run_plan = record  # type: ignore[method-assign]
+    for op in ("write_kv", "attention", "copy_tokens"):
+        def refuse(self, *args, _op=op, _generic=getattr(Backend, op), **kwargs):
+            if self is be:
+                raise AssertionError(f"the generic {_op} ran: the {what} were not used")
+            return _generic(self, *args, **kwargs)
+        monkeypatch.setattr(Backend, op, refuse)
+    return be
