@@ -21,7 +21,7 @@ by ``route`` and by ``attention_route(...)``):
   "numpy BLAS" (its item kernel over every layout and codec it reads), or the generic
   code for a codec neither declares): float64 (no kernel is compiled for it), strided buffers,
   and long prefill chunks (compute-bound, where BLAS's matmuls are faster).
-Appends and row copies: ``route_write_kv``, ``route_copy_tokens``.
+Appends and row copies: ``route_copy``.
 
 Work is cut by the CPU planner shared with the numpy backend (``cpu_plan``): items of
 about equal cost, key splits when rows x KV heads are too few to fill the threads,
@@ -39,7 +39,9 @@ import os
 
 import numpy as np
 
-from gqakv.dispatch.backend import GENERIC, FastPath, Route, route_facts
+from gqakv.dispatch.backend import GENERIC, FastPath, Route
+from gqakv.dispatch.request import Request, as_request
+from gqakv.ops.plan import write_into
 from gqakv.storage.codecs import PLAIN_NAME
 from gqakv.core.semantics import AttentionParams, block_keys
 from gqakv.storage.store import CONTIGUOUS, PAGED
@@ -74,7 +76,7 @@ _KERNEL_KV_DTYPES = ("int8", "float8_e4m3fn")
 KERNEL = "numba kernel"
 WRITE_KERNEL = "numba write_tokens"
 COPY_KERNEL = "numba copy_rows"
-#: Why the buffers do not suit the attention kernels (the ``layout`` fact).
+#: Why the buffers do not suit the attention kernels (the request's ``buffers``).
 NOT_CONTIGUOUS = "K/V buffers are not C-contiguous (kernels read contiguous rows)"
 
 
@@ -88,47 +90,36 @@ COPY_PATH = FastPath(COPY_KERNEL, "copy_tokens", frozenset({CONTIGUOUS}), frozen
 
 
 @functools.lru_cache(maxsize=1024)
-def route_attention(dtype: str, kv_dtype: str | None, storage: str, t_q: int,
-                    layout: str | None, features: frozenset) -> Route:
+def route_attention(request: Request) -> Route:
     """The numba backend's attention decision (its dispatch, ``attention_route`` and
     ``route`` all ask it): the kernels (``KERNEL_PATH``, then the chunk and buffer
     conditions), else the NumPy backend's decision for the call
     (``numpy_backend.route_attention``), with the reason the kernels do not serve it."""
-    why = (KERNEL_PATH.rejection(layout=storage, codec=kv_dtype or PLAIN_NAME, features=features,
-                                 dtype=dtype)
-           or layout
+    t_q = request.t_q
+    why = (KERNEL_PATH.rejection(request)
+           or request.buffers
            or (f"T={t_q} queries > {KERNEL_MAX_QUERIES}: a prefill chunk is compute-bound, "
                "BLAS matmuls are faster there" if t_q > KERNEL_MAX_QUERIES else None))
     if why:
-        fallback = _numpy.route_attention(storage, kv_dtype, features)
+        fallback = _numpy.route_attention(request)
         return Route(fallback.impl, {KERNEL: why, **fallback.rejected})
     served = f"{KERNEL} serves this call (kernels come first)"
     return Route(KERNEL, {impl: served for impl in (*_numpy.BLAS_PATHS, GENERIC)})
 
 
-def _copy_route(path: FastPath, storage: str, kv_dtype: str | None, layout: str | None) -> Route:
-    why = path.rejection(layout=storage, codec=kv_dtype or PLAIN_NAME) or layout
+@functools.lru_cache(maxsize=256)
+def route_copy(request: Request) -> Route:
+    """The numba backend's append (``write_kv``) and row-copy (``copy_tokens``) decision:
+    one compiled call for every row (``numba_kernels.write_tokens``, ``copy_rows``: a
+    ``memmove`` per contiguous run) into contiguous, plain storage (a paged pool's pages
+    count as such rows for a copy) whose buffers suit it (``buffers`` None), else the
+    generic code (a paged append looks its pages up there; codes, scales and their copies
+    are computed there)."""
+    path = WRITE_PATH if request.op == "write_kv" else COPY_PATH
+    why = path.rejection(request) or request.buffers
     if why:
         return Route(GENERIC, {path.name: why})
     return Route(path.name, {GENERIC: f"{path.name} serves this call (kernels come first)"})
-
-
-@functools.lru_cache(maxsize=256)
-def route_write_kv(storage: str, kv_dtype: str | None, layout: str | None) -> Route:
-    """The numba backend's append decision: one compiled call for every row
-    (``numba_kernels.write_tokens``) into contiguous, plain storage whose buffers suit it
-    (``layout`` None), else the generic writes (a paged append looks its pages up there,
-    codes and scales are computed there)."""
-    return _copy_route(WRITE_PATH, storage, kv_dtype, layout)
-
-
-@functools.lru_cache(maxsize=256)
-def route_copy_tokens(storage: str, kv_dtype: str | None, layout: str | None) -> Route:
-    """The numba backend's row-copy decision: one compiled call for every copy
-    (``numba_kernels.copy_rows``) between contiguous, plain stores (a paged pool's pages
-    count as such rows) whose buffers suit it, else the generic copies (scales travel
-    with their codes there)."""
-    return _copy_route(COPY_PATH, storage, kv_dtype, layout)
 
 
 class NumbaBackend(NumpyBackend):
@@ -171,6 +162,11 @@ class NumbaBackend(NumpyBackend):
                                    workers=2, min_key_split=16, parallel_min_work=0)
         return split, "forced splits (attention_numba, 16-key pieces, 2 workers) + merge_attention"
 
+    def kernel_entries(self) -> tuple[tuple[str, str], ...]:
+        kernels = f"{__package__}.numba_kernels"
+        return tuple((kernels, name) for name in ("attention_items", "merge_pieces", "write_tokens",
+                                                  "copy_rows"))
+
     def thread_count(self) -> int | None:
         return default_workers()
 
@@ -181,18 +177,14 @@ class NumbaBackend(NumpyBackend):
     def compile_note(self) -> str | None:
         return jit_note()
 
-    def route(self, op: str, **facts) -> Route:
-        """The implementation that runs ``op`` for these facts (``numpy_backend.CPU_FACTS``;
-        those not given are taken as favourable), from the decisions the dispatch takes
-        (``route_attention``, ``route_write_kv``, ``route_copy_tokens``)."""
-        f = route_facts(op, facts, _numpy.CPU_FACTS)
-        if op == "attention":
-            route = route_attention(f["dtype"], f["kv_dtype"], f["storage"], int(f["t_q"]),
-                                    f["layout"], f["features"])
-        elif op == "write_kv":
-            route = route_write_kv(f["storage"], f["kv_dtype"], f["layout"])
-        else:
-            route = route_copy_tokens(f["storage"], f["kv_dtype"], f["layout"])
+    def route(self, request: Request | str, **facts) -> Route:
+        """The implementation that runs ``request`` (a ``Request`` or an operation and its
+        facts; those not given are taken as favourable), from the decisions the dispatch
+        takes (``route_attention``, ``route_copy``)."""
+        request = as_request(request, facts)
+        if request.op is None:
+            return super().route(request)  # says an operation is needed
+        route = (route_attention if request.op == "attention" else route_copy)(request)
         return Route(route.impl, dict(route.rejected))  # the kept route stays unshared
 
     def implementations(self) -> dict[str, str]:
@@ -211,14 +203,14 @@ class NumbaBackend(NumpyBackend):
     def _attention_decision(self, q, k_buf, v_buf, store=None, features=frozenset()) -> Route:
         """``route_attention`` for a call's arrays (``store``: its KVStore, when its kind or
         quantized storage matters; ``k_buf``/``v_buf`` are then the pool or the codes)."""
-        kind = CONTIGUOUS if store is None else store.kind
-        kv_dtype = store.dtype if store is not None and store.quantized else None
         arrays = [k_buf, v_buf]
-        if kv_dtype:
-            arrays += [store.k_scale, store.v_scale]
-        layout = None if all(a.flags.c_contiguous for a in arrays) else NOT_CONTIGUOUS
-        return route_attention(_dtype_name(q.dtype if kv_dtype else k_buf.dtype), kv_dtype,
-                               kind, int(q.shape[2]), layout, frozenset(features))
+        if store is None:
+            request = Request("attention", dtype=_dtype_name(k_buf.dtype), head_dim=k_buf.shape[-1])
+        else:
+            request = Request.of_store("attention", store)
+            arrays += [a for a in (store.k_scale, store.v_scale) if a is not None]
+        buffers = None if all(a.flags.c_contiguous for a in arrays) else NOT_CONTIGUOUS
+        return route_attention(request.with_(t_q=q.shape[2], features=features, buffers=buffers))
 
     def attention_route(self, q, k_buf, v_buf, store=None) -> tuple[str, str]:
         """(implementation, why) for a plain causal attention call over these arrays:
@@ -232,7 +224,7 @@ class NumbaBackend(NumpyBackend):
         return "numpy BLAS", route.rejected[KERNEL]
 
     def _write_decision(self, store, k_new, v_new) -> tuple[Route, list | None]:
-        """``route_write_kv`` for an append, and the buffers as the copy kernel's bits."""
+        """``route_copy`` for an append, and the buffers as the copy kernel's bits."""
         bits, layout = None, None
         if store.kind == CONTIGUOUS and not store.quantized:
             if not k_new.dtype == store.k.dtype == v_new.dtype:
@@ -246,7 +238,7 @@ class NumbaBackend(NumpyBackend):
                 bits = _copy_bits(store.k, store.v, k_new, v_new)
                 if bits is None:
                     layout = "buffers that are not NumPy arrays of one element width"
-        route = route_write_kv(store.kind, store.dtype if store.quantized else None, layout)
+        route = route_copy(Request.of_store("write_kv", store, buffers=layout))
         return route, bits
 
     def write_kv(self, store, k_new, v_new, inputs) -> None:
@@ -265,7 +257,7 @@ class NumbaBackend(NumpyBackend):
     def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
         """Contiguous, unquantized stores (rows, or a paged pool's pages as rows): every copy
         of the call by one compiled call (``numba_kernels.copy_rows``); quantized stores
-        (scales travel too): the NumPy path (``route_copy_tokens`` decides)."""
+        (scales travel too): the NumPy path (``route_copy`` decides)."""
         bits, layout = None, None
         if src.spec != dst.spec:
             layout = "src and dst stored differently"
@@ -276,7 +268,7 @@ class NumbaBackend(NumpyBackend):
                 bits = _copy_bits(dst.k, dst.v, src.k, src.v)
                 if bits is None:
                     layout = "buffers that are not NumPy arrays of one element width"
-        route = route_copy_tokens(dst.kind, dst.dtype if dst.quantized else None, layout)
+        route = route_copy(Request.of_store("copy_tokens", dst, buffers=layout))
         if route.impl == GENERIC:
             return super().copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
         from . import numba_kernels as nk
@@ -285,17 +277,39 @@ class NumbaBackend(NumpyBackend):
         nk.copy_rows(*bits, *(np.asarray(a, dtype=np.int64).reshape(-1) for a in
                               (dst_rows, src_rows, n_tokens)))
 
-    def attention(self, q, store, inputs, params, *, return_lse: bool):
+    def plan_attention(self, store, inputs, params, q_shape):
+        """The kernels' items, thread runs and merge layout (``plan_numba``) when they serve
+        this batch (``route_attention`` without the per-call buffer check), else None."""
+        request = Request.of_store("attention", store, t_q=q_shape[2], features=params.features)
+        if route_attention(request).impl != KERNEL:
+            return None
+        return plan_numba(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params)
+
+    def attention(self, q, store, inputs, params, *, return_lse: bool, work=None, out=None,
+                  lse_out=None):
         """Compiled decode/short-chunk attention over contiguous, paged or quantized
         storage with the variants the kernels implement, else the NumPy backend's path
         (``route_attention`` decides; the NumPy backend hands what its BLAS paths do not
-        serve on to the generic code)."""
-        route = self._attention_decision(q, store.k, store.v, store, params.features)
-        if route.impl != KERNEL:
-            return super().attention(q, store, inputs, params, return_lse=return_lse)
+        serve on to the generic code). ``work``: this batch's ``plan_numba`` (from
+        ``plan_attention``); ``out`` / ``lse_out``: the caller's buffers (see there)."""
+        # planned: the route was the kernels' for this storage, chunk and variant; only
+        # this layer's buffers are left to judge
+        planned = work is not None and _c_contiguous(store)
+        if not planned and self._attention_decision(q, store.k, store.v, store,
+                                                    params.features).impl != KERNEL:
+            if out is None and lse_out is None:
+                return super().attention(q, store, inputs, params, return_lse=return_lse)
+            result = super().attention(q, store, inputs, params, return_lse=True)
+            return write_into(result, return_lse, out, lse_out)
         k_buf, v_buf = kernel_layout(store)
-        return attention_numba(q, k_buf, v_buf, inputs.rows, inputs.lens, inputs.n_new,
-                               scale=params.scale, return_lse=return_lse, params=params)
+        if isinstance(k_buf, np.ndarray):  # contiguous arrays: float16/bfloat16 as their bits
+            from . import numba_kernels as nk
+
+            k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
+        if work is None:
+            work = plan_numba(inputs.lens, inputs.n_new, tuple(q.shape), _kv_heads(k_buf), params)
+        return run_numba(work, q, k_buf, v_buf, inputs.rows, inputs.lens, inputs.n_new,
+                         return_lse=return_lse, out=out, lse_out=lse_out)
 
 
 def _dtype_name(dtype) -> str:
@@ -360,68 +374,135 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
     (padded queries: 0 and -inf). The keywords expose the blocking so tests can force
     every split on small shapes. ``params``: the call's ``AttentionParams`` (default:
     plain causal with ``scale``; when given, its scale is the one used), its variants included.
+    ``plan_numba`` then ``run_numba``: the planned part serves every layer of a step.
     """
+    if params is None:
+        params = AttentionParams(scale=scale)
+    if isinstance(k_buf, np.ndarray):  # contiguous arrays: float16/bfloat16 as their bits
+        from . import numba_kernels as nk
+
+        k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
+    work = plan_numba(lens, n_new, tuple(q.shape), _kv_heads(k_buf), params, workers=workers,
+                      query_block=query_block, min_key_split=min_key_split, key_block=key_block,
+                      parallel_min_work=parallel_min_work)
+    return run_numba(work, q, k_buf, v_buf, rows, lens, n_new, return_lse=return_lse)
+
+
+class NumbaWork:
+    """The planned part of a numba attention call (``plan_numba``): everything that depends
+    on the batch (lengths, n_new, q's shape, the variant), not on q or the layer's K/V.
+
+    items [n, 7] int64 ``(i, h0, h1, t0, t1, j0, j1)`` in thread order; run_starts
+    [workers + 1]; part_rows [n] (an item's first row in the split partials, -1 when the
+    item covers all its queries' keys); groups / group_starts / piece_rows: the key pieces
+    merged per (i, h0, h1, t0, t1); n_part: rows of the partials; the variant's kernel
+    arguments (scale, softcap, window, sinks [Hq], alibi [Hq] or None)."""
+
+    __slots__ = ("q_shape", "G", "workers", "items", "run_starts", "part_rows", "groups",
+                 "group_starts", "piece_rows", "n_part", "key_block", "scale", "softcap", "window",
+                 "sinks", "alibi")
+
+
+def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
+               workers: int | None = None, query_block: int = QUERY_BLOCK,
+               min_key_split: int = MIN_KEY_SPLIT, key_block: int | None = None,
+               parallel_min_work: int = PARALLEL_MIN_WORK) -> NumbaWork:
+    """The items, their sharing among threads and the merge layout of a call with these
+    lengths, queries of ``q_shape`` ``[B, Hq, T, d]`` and variant (see ``NumbaWork``)."""
     import numba
 
     from . import numba_kernels as nk
 
-    if params is None:
-        params = AttentionParams(scale=scale)
-    B, Hq, T, d = q.shape
-    if isinstance(k_buf, np.ndarray):  # contiguous arrays: float16/bfloat16 as their bits
-        k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
-    Hkv = _kv_heads(k_buf)
-    G = Hq // Hkv
-    window = nk.NO_WINDOW if params.window is None else params.window
-    softcap = np.float32(0.0 if params.softcap is None else params.softcap)
-    sinks = np.full(Hq, -np.inf, np.float32) if params.sinks is None else \
-        np.asarray(params.sinks, dtype=np.float32)
-    # None compiles the kernels without ALiBi (numba_kernels.bias)
-    alibi = None if params.alibi_slopes is None else np.asarray(params.alibi_slopes, np.float32)
-    rows = np.asarray(rows, dtype=np.int64)
+    B, Hq, T, d = (int(s) for s in q_shape)
+    G = Hq // kv_heads
     lens = np.asarray(lens, dtype=np.int64)
     n_new = np.asarray(n_new, dtype=np.int64)
-    out = np.zeros((B, Hq, T, d), dtype=np.float32)
-    lse = np.full((B, Hq, T), -np.inf, dtype=np.float32)
+    w = NumbaWork()
+    w.q_shape, w.G = (B, Hq, T, d), G
+    w.scale = np.float32(params.scale)
+    w.window = nk.NO_WINDOW if params.window is None else params.window
+    w.softcap = np.float32(0.0 if params.softcap is None else params.softcap)
+    w.sinks = np.full(Hq, -np.inf, np.float32) if params.sinks is None else \
+        np.asarray(params.sinks, dtype=np.float32)
+    # None compiles the kernels without ALiBi (numba_kernels.bias)
+    w.alibi = None if params.alibi_slopes is None else np.asarray(params.alibi_slopes, np.float32)
+    w.key_block = max(8, KEY_BLOCK_BYTES // (4 * d)) if key_block is None else key_block
     if workers is None:
         workers = default_workers()
     workers = max(1, min(workers, numba.config.NUMBA_NUM_THREADS))
-    items, total = _plan(lens, n_new, Hkv, G, workers, query_block, min_key_split, params=params)
-    if items:
-        if total < parallel_min_work:
-            workers = 1
-        runs = _share(items, workers)
-        order = [it for run in runs for it in run]
-        run_starts = np.cumsum([0] + [len(run) for run in runs], dtype=np.int64)
-        part_rows = np.full(len(order), -1, dtype=np.int64)
-        groups: dict[tuple, list[int]] = {}
-        n_part = 0
-        for x, (i, h0, h1, t0, t1, j0, j1, _) in enumerate(order):
-            if (j0, j1) != block_keys(params, int(lens[i]), int(n_new[i]), t0, t1):  # a key piece
-                part_rows[x] = n_part
-                groups.setdefault((i, h0, h1, t0, t1), []).append(n_part)
-                n_part += (h1 - h0) * G * (t1 - t0)
-        o_part = np.empty((n_part, d), dtype=np.float32)
-        ml_part = np.empty((n_part, 2), dtype=np.float32)
-        if key_block is None:
-            key_block = max(8, KEY_BLOCK_BYTES // (4 * d))
+    items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split, params=params)
+    if items and total < parallel_min_work:
+        workers = 1
+    w.workers = workers
+    runs = _share(items, workers) if items else []
+    order = [it for run in runs for it in run]
+    w.run_starts = np.cumsum([0] + [len(run) for run in runs], dtype=np.int64)
+    w.part_rows = np.full(len(order), -1, dtype=np.int64)
+    groups: dict[tuple, list[int]] = {}
+    n_part = 0
+    for x, (i, h0, h1, t0, t1, j0, j1, _) in enumerate(order):
+        if (j0, j1) != block_keys(params, int(lens[i]), int(n_new[i]), t0, t1):  # a key piece
+            w.part_rows[x] = n_part
+            groups.setdefault((i, h0, h1, t0, t1), []).append(n_part)
+            n_part += (h1 - h0) * G * (t1 - t0)
+    w.n_part = n_part
+    w.items = np.array([it[:7] for it in order], dtype=np.int64).reshape(-1, 7)
+    keys = list(groups)
+    w.groups = np.array(keys, dtype=np.int64).reshape(-1, 5) if keys else None
+    w.group_starts = np.cumsum([0] + [len(groups[k]) for k in keys], dtype=np.int64)
+    w.piece_rows = np.array([p for k in keys for p in groups[k]], dtype=np.int64)
+    return w
+
+
+def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse: bool,
+              out=None, lse_out=None):
+    """The kernels of a planned call (``plan_numba``) over this layer's q and K/V (as
+    ``attention_numba`` takes them). ``out`` (q's shape and dtype) and ``lse_out``
+    ([B, Hq, T] float32), when given, receive the results (checked by the caller) and are
+    returned; padded query slots are 0 and -inf there too."""
+    import numba
+
+    from . import numba_kernels as nk
+
+    B, Hq, T, d = work.q_shape
+    # the kernels write C-contiguous float32 buffers: the caller's when they are such
+    direct = out is not None and out.dtype == np.float32 and out.flags.c_contiguous
+    o = out if direct else np.empty((B, Hq, T, d), dtype=np.float32)
+    lse_direct = lse_out is not None and lse_out.flags.c_contiguous
+    lse = lse_out if lse_direct else np.empty((B, Hq, T), dtype=np.float32)
+    # padded queries, idle rows and a query whose every score is -inf keep 0 and -inf
+    o[...] = 0
+    lse[...] = -np.inf
+    if len(work.items):
+        rows = np.asarray(rows, dtype=np.int64)
+        lens = np.asarray(lens, dtype=np.int64)
+        n_new = np.asarray(n_new, dtype=np.int64)
+        o_part = np.empty((work.n_part, d), dtype=np.float32)
+        ml_part = np.empty((work.n_part, 2), dtype=np.float32)
         q32 = np.ascontiguousarray(q, dtype=np.float32)
-        items_arr = np.array([it[:7] for it in order], dtype=np.int64).reshape(-1, 7)
         with _threads:  # BLAS idle at one thread while numba's threads run
-            numba.set_num_threads(workers)
-            nk.attention_items(q32, k_buf, v_buf, rows, lens, n_new, items_arr, run_starts, part_rows,
-                               np.float32(params.scale), softcap, window, sinks, alibi, key_block,
-                               out, lse, o_part, ml_part)
-            if groups:
-                keys = list(groups)
-                group_arr = np.array(keys, dtype=np.int64).reshape(-1, 5)
-                group_starts = np.cumsum([0] + [len(groups[k]) for k in keys], dtype=np.int64)
-                piece_rows = np.array([p for k in keys for p in groups[k]], dtype=np.int64)
-                nk.merge_pieces(group_arr, group_starts, piece_rows, o_part, ml_part, G, sinks,
-                                out, lse)
-    if q.dtype != np.float32:
-        out = out.astype(q.dtype)
-    return (out, lse) if return_lse else out
+            numba.set_num_threads(work.workers)
+            nk.attention_items(q32, k_buf, v_buf, rows, lens, n_new, work.items, work.run_starts,
+                               work.part_rows, work.scale, work.softcap, work.window, work.sinks,
+                               work.alibi, work.key_block, o, lse, o_part, ml_part)
+            if work.groups is not None:
+                nk.merge_pieces(work.groups, work.group_starts, work.piece_rows, o_part, ml_part,
+                                work.G, work.sinks, o, lse)
+    if out is not None and not direct:
+        out[...] = o
+        o = out
+    elif o.dtype != q.dtype:
+        o = o.astype(q.dtype)
+    if lse_out is not None and not lse_direct:
+        lse_out[...] = lse
+        lse = lse_out
+    return (o, lse) if return_lse else o
+
+
+def _c_contiguous(store) -> bool:
+    """Whether every buffer of ``store`` (K, V and the scales) is C-contiguous."""
+    return all(a.flags.c_contiguous for a in (store.k, store.v, store.k_scale, store.v_scale)
+               if a is not None)
 
 
 def _kernel_buffers(k_buf, v_buf, nk):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from gqakv.dispatch.backend import GENERIC, Backend, FastPath, Route, choose, route_facts
+from gqakv.dispatch.backend import GENERIC, Backend, FastPath, Route, choose
+from gqakv.dispatch.request import Request, as_request
 from gqakv.storage.codecs import PLAIN_NAME
 from gqakv.core.inputs import immutable_ints
 from gqakv.storage.store import CONTIGUOUS, PAGED
@@ -13,20 +14,6 @@ from gqakv.storage.store import CONTIGUOUS, PAGED
 #: one item kernel (``numpy_attention``) over the block readers of ``numpy_readers``.
 BLAS = "numpy BLAS"
 BLAS_PATHS = (BLAS,)
-
-#: The facts ``route`` reads on the CPU backends (numpy, numba), with their favourable
-#: defaults: dtype (the cache's, of q and the output), head_dim, t_q (query tokens per
-#: row), storage (the layout kind), kv_dtype (a quantized cache's storage, None when
-#: unquantized), features (the variant's ``AttentionParams.features``), layout (why the
-#: buffers do not suit a kernel, None when they do: numba only).
-_STORE_FACTS = {"dtype": "float32", "head_dim": None, "storage": CONTIGUOUS, "kv_dtype": None,
-                "layout": None}
-CPU_FACTS: dict[str, dict] = {
-    "attention": {**_STORE_FACTS, "t_q": 1, "features": frozenset()},
-    "write_kv": _STORE_FACTS,
-    "copy_tokens": _STORE_FACTS,
-}
-
 
 #: The variant features the item kernel implements (``numpy_attention.fold_block``).
 BLAS_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})
@@ -40,12 +27,12 @@ FAST_PATHS: tuple[FastPath, ...] = (
 )
 
 
-@functools.lru_cache(maxsize=256)
-def route_attention(storage: str, kv_dtype: str | None, features: frozenset) -> Route:
+@functools.lru_cache(maxsize=1024)
+def route_attention(request: Request) -> Route:
     """The NumPy backend's attention decision (its dispatch and ``route`` both ask it):
-    the BLAS path when it declares the call's layout, codec and variant
-    (``FAST_PATHS``), else the generic code."""
-    return choose(FAST_PATHS, layout=storage, codec=kv_dtype or PLAIN_NAME, features=features)
+    the BLAS path when it declares the request's layout, codec and variant
+    (``FAST_PATHS``; every dtype, head dim and chunk length), else the generic code."""
+    return choose(FAST_PATHS, request)
 
 
 class NumpyBackend(Backend):
@@ -121,14 +108,15 @@ class NumpyBackend(Backend):
 
     # -- routing ---------------------------------------------------------------------------
 
-    def route(self, op: str, **facts) -> Route:
-        """The implementation that runs ``op`` for these facts (``CPU_FACTS``: those not
-        given are taken as favourable), from the decision the dispatch itself takes
-        (``route_attention``); appends and row copies are the generic code here."""
-        facts = route_facts(op, facts, CPU_FACTS)
-        if op != "attention":
-            return Route(GENERIC)
-        route = route_attention(facts["storage"], facts["kv_dtype"], facts["features"])
+    def route(self, request: Request | str, **facts) -> Route:
+        """The implementation that runs ``request`` (a ``Request`` or an operation and its
+        facts; those not given are taken as favourable), from the decision the dispatch
+        itself takes (``route_attention``); appends and row copies are the generic code
+        here."""
+        request = as_request(request, facts)
+        if request.op != "attention":
+            return super().route(request)
+        route = route_attention(request)
         return Route(route.impl, dict(route.rejected))  # the kept route stays unshared
 
     def implementations(self) -> dict[str, str]:
@@ -144,9 +132,8 @@ class NumpyBackend(Backend):
         through the store's block reader (``numpy_readers``: contiguous or paged, plain or
         dequantized as read) for the layouts, codecs and variants ``FAST_PATHS`` declares;
         otherwise the generic path (``route_attention`` decides)."""
-        codec = store.spec.codec.name
-        if route_attention(store.kind, None if codec == PLAIN_NAME else codec,
-                           params.features).impl == BLAS:
+        if route_attention(Request.of_store("attention", store, t_q=q.shape[2],
+                                            features=params.features)).impl == BLAS:
             from .numpy_attention import attention_store
 
             return attention_store(q, store, inputs, params, return_lse=return_lse)

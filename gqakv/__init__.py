@@ -8,7 +8,9 @@ Importing gqakv imports no optional backend (CuPy, torch): plugins load on first
 """
 
 from .ops.attention import gqa_attention
+from .ops.plan import AttentionPlan
 from .dispatch.backend import Backend
+from .dispatch.request import Request
 from .caches.cache import KVCache
 from .caches.model_cache import ModelKVCache, Step
 from .storage.paged import OutOfPages
@@ -29,9 +31,25 @@ from .dispatch.registry import (
 
 __version__ = "0.1.0"
 
+
+def plan_attention(cache, n_new, *, q_heads: int, t_q: int | None = None, rows=None, scale=None,
+                   window=None, softcap=None, sinks=None, alibi_slopes=None,
+                   params=None) -> AttentionPlan:
+    """The plan of ``gqa_attention(q, cache, n_new, rows=rows, ...)`` for queries
+    ``[len(n_new), q_heads, t_q, d]`` (``t_q`` default: the largest n_new): validated and
+    planned once, then ``plan.run(q, cache, out=..., return_lse=...)`` per call while the
+    rows keep their lengths (for example every layer of a model over caches of one batch).
+    See ``gqakv.ops.plan``."""
+    return AttentionPlan.of(cache, n_new, q_heads=q_heads, t_q=t_q, rows=rows, scale=scale,
+                            params=params, window=window, softcap=softcap, sinks=sinks,
+                            alibi_slopes=alibi_slopes)
+
+
 __all__ = [
     "AttentionParams",
+    "AttentionPlan",
     "Backend",
+    "Request",
     "BackendError",
     "KVCache",
     "KVStore",
@@ -48,6 +66,7 @@ __all__ = [
     "merge_attention",
     "paged_append",
     "paged_attention",
+    "plan_attention",
     "register_backend",
     "unregister_backend",
     "use_backend",

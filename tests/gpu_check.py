@@ -361,7 +361,7 @@ def quantized_check(backend, quick: bool) -> bool:
                 and backend.to_numpy(cache.store.k_scale).view(np.uint32).tobytes()
                 == scales.view(np.uint32).tobytes())
         ok &= same
-        route = backend.route("write_kv", dtype=DTYPE, head_dim=D, kv_dtype=kv).impl
+        route = backend.route("write_kv", dtype=DTYPE, head_dim=D, codec=kv).impl
         print(f"  {kv:13s} append ({route}): {'bit-exact' if same else 'CODES OR SCALES DIFFER'}", flush=True)
         for T, live in ((1, 300), (1, 5000), (40, 300)):
             cache = gqakv.KVCache(2, HKV, live + 64, D, dtype=DTYPE, backend=backend, kv_dtype=kv)
@@ -380,7 +380,7 @@ def quantized_check(backend, quick: bool) -> bool:
             err = np.abs(got - ref)[real].max()
             good = err <= 2 * rounding + 2e-6 and not np.isnan(got).any() and (got[~real] == 0).all()
             ok &= bool(good)
-            impl = backend.route("attention", dtype=DTYPE, head_dim=D, t_q=T, kv_dtype=kv,
+            impl = backend.route("attention", dtype=DTYPE, head_dim=D, t_q=T, codec=kv,
                                  capability=int(cupy_capability())).impl
             print(f"  {kv:13s} T={T:3d} L={live:5d} ({impl}): {err:.3g} ({'ok' if good else 'FAILED'})",
                   flush=True)

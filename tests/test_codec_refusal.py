@@ -8,7 +8,7 @@ The throwaway codec ``int4test`` (registered for each test, unregistered after i
 ``gqakv.storage.quantize``. Checked on every CPU backend that runs here (numpy, numba, torch,
 array-api-strict), contiguous and paged:
 
-- ``route('attention' / 'write_kv' / 'copy_tokens', kv_dtype='int4test', storage=...)``
+- ``route('attention' / 'write_kv' / 'copy_tokens', codec='int4test', layout=...)``
   is the generic code, and every declared fast path of the backend gives a sentence
   naming ``kv_dtype='int4test'`` (``FastPath.rejection`` and the route both);
 - real appends, a fork (row copies) and attention under the route spy ran the generic
@@ -27,7 +27,7 @@ import pytest
 
 import gqakv
 from gqakv.storage import codecs
-from gqakv.dispatch.backend import GENERIC, HOT_OPS
+from gqakv.dispatch.backend import GENERIC, HOT_OPS, Request
 
 from .support.reference import reference_attention
 from .support.routes import assert_product_routes
@@ -119,10 +119,10 @@ def test_every_fast_path_refuses_it_by_name(name, storage, int4test):
         assert why is not None and said in why, (impl, why)
 
     for path in backend.fast_paths:
-        check(path.name, path.rejection(layout=layout, codec=NAME, features=frozenset()))
+        check(path.name, path.rejection(Request(path.op, layout=layout, codec=NAME)))
     routed = []
     for op in HOT_OPS:
-        facts = {"kv_dtype": NAME, "storage": layout, **({"t_q": 1} if op == "attention" else {})}
+        facts = {"codec": NAME, "layout": layout, **({"t_q": 1} if op == "attention" else {})}
         route = backend.route(op, **facts) if backend.fast_paths else backend.route(op)
         assert route.impl == GENERIC, (op, str(route))
         for impl, why in route.rejected.items():

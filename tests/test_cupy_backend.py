@@ -355,7 +355,7 @@ def test_route_decode_by_device_capability():
 def test_route_layout_and_grid_facts_make_the_call_generic():
     from gqakv.dispatch.backend import GENERIC
 
-    r = _route("attention", dtype="float16", head_dim=64, t_q=1, layout="K and V strided differently")
+    r = _route("attention", dtype="float16", head_dim=64, t_q=1, buffers="K and V strided differently")
     assert r.impl == GENERIC
     assert r.rejected["gqakv_decode_mma"] == r.rejected["gqakv_decode"] == "K and V strided differently"
     refusal = "gqakv_merge: 1 entries x 4 heads x 4 tokens is a grid of (2147483648, 1) CTAs"

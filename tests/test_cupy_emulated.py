@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gqakv.dispatch.request import Request
+
 from .cuda_emu import cases, harness
 from .support import hot_ops
 
@@ -445,7 +447,8 @@ def test_attention_with_an_unaligned_v_buffer_takes_the_generic_path():
         assert cupy_backend._is_aligned(v_buf, dtype, D) == (bad != "v")
         why = cupy_backend._attention_layout_rejection(k_buf, v_buf, dtype, D)
         assert why == (None if bad is None else "cache rows not aligned for the kernel's vector loads")
-        route = routing.route_attention(dtype, D, T, 90, why)
+        route = routing.route_attention(Request("attention", dtype=dtype, head_dim=D, t_q=T,
+                                                capability=90, buffers=why))
         assert (route.impl == "gqakv_decode_mma") == (bad is None), route
         q = backend.from_numpy(rng.standard_normal((B, Hkv * G, T, D)), dtype)
         before = backend.launches

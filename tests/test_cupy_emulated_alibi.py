@@ -167,7 +167,7 @@ def test_alibi_routes(backend):
     assert all("alibi" in p.features for p in declared.values())
     for t_q, kernel in ((1, "gqakv_decode_mma"), (64, "gqakv_prefill_mma")):
         route = backend.route("attention", dtype="bfloat16", head_dim=128, t_q=t_q, capability=90,
-                              features={"alibi", "window", "softcap", "sinks"}, storage="paged")
+                              features={"alibi", "window", "softcap", "sinks"}, layout="paged")
         assert route.impl == kernel, route
     assert planmod.variant_flags(gqakv.AttentionParams(scale=1.0, alibi_slopes=(0.5,))) == 8
 

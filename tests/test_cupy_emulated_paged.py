@@ -478,7 +478,7 @@ def test_paged_routes_and_rejections():
     be, names = _backend()
     cache = gqakv.PagedKVCache(2, 1, 32, 64, dtype="float32", backend=be, page_size=8)
     assert _store_rejection(cache.store) is None
-    route = be.route("copy_tokens", dtype="float32", head_dim=64, storage="paged")
+    route = be.route("copy_tokens", dtype="float32", head_dim=64, layout="paged")
     assert route.impl == GENERIC and "storage layout 'paged'" in route.rejected["gqakv_copy_tokens"]
     impls = routing.implementations()
     assert all("paged" in impls[k] for k in ("gqakv_write_kv", "gqakv_write_kv_quantized", "gqakv_decode",

@@ -456,12 +456,12 @@ def test_paged_quantized_routes(backend):
     say why they do not read codes."""
     for t_q, fma, mma in ((1, "gqakv_decode", "gqakv_decode_mma"), (64, "gqakv_prefill", "gqakv_prefill_mma")):
         route = backend.route("attention", dtype="bfloat16", head_dim=128, t_q=t_q, capability=90,
-                              kv_dtype="int8", storage="paged", features={"window", "sinks"})
+                              codec="int8", layout="paged", features={"window", "sinks"})
         assert route.impl == fma, route
         assert "16-bit copy" in route.rejected[mma]
-    assert backend.route("write_kv", dtype="float16", head_dim=64, kv_dtype="float8_e4m3fn",
-                         storage="paged").impl == "gqakv_write_kv_quantized"
-    route = backend.route("copy_tokens", dtype="float16", head_dim=64, kv_dtype="int8", storage="paged")
+    assert backend.route("write_kv", dtype="float16", head_dim=64, codec="float8_e4m3fn",
+                         layout="paged").impl == "gqakv_write_kv_quantized"
+    route = backend.route("copy_tokens", dtype="float16", head_dim=64, codec="int8", layout="paged")
     assert route.impl == GENERIC and "storage layout 'paged'" in route.rejected["gqakv_copy_tokens"]
     declared = {p.name: p for p in backend.fast_paths}
     assert {"int8", "float8_e4m3fn"} <= declared["gqakv_decode"].codecs
@@ -491,7 +491,7 @@ def test_unknown_codec_is_refused_by_every_kernel(monkeypatch):
         for op, kernels in (("write_kv", ("gqakv_write_kv_quantized",)), ("copy_tokens", ("gqakv_copy_tokens",)),
                             ("attention", ("gqakv_decode", "gqakv_decode_mma"))):
             for storage in ("contiguous",) if op == "copy_tokens" else ("contiguous", "paged"):
-                route = be.route(op, dtype="float32", head_dim=64, kv_dtype="dummy8", storage=storage)
+                route = be.route(op, dtype="float32", head_dim=64, codec="dummy8", layout=storage)
                 assert route.impl == GENERIC, (op, storage, route)
                 why = route.rejected[kernels[0]]
                 assert "kv_dtype='dummy8'" in why and "reads" in why, why

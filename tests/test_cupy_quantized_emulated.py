@@ -219,12 +219,12 @@ def test_routes_for_quantized_caches(backend):
 
     for t_q, fma, mma in ((1, "gqakv_decode", "gqakv_decode_mma"), (64, "gqakv_prefill", "gqakv_prefill_mma")):
         route = backend.route("attention", dtype="bfloat16", head_dim=128, t_q=t_q, capability=90,
-                              kv_dtype="float8_e4m3fn")
+                              codec="float8_e4m3fn")
         assert route.impl == fma
         assert "16-bit copy" in route.rejected[mma]
-    assert backend.route("write_kv", dtype="float16", head_dim=64, kv_dtype="int8").impl == \
+    assert backend.route("write_kv", dtype="float16", head_dim=64, codec="int8").impl == \
         "gqakv_write_kv_quantized"
-    assert backend.route("copy_tokens", dtype="float16", head_dim=64, kv_dtype="int8").impl == \
+    assert backend.route("copy_tokens", dtype="float16", head_dim=64, codec="int8").impl == \
         "gqakv_copy_tokens"
-    route = backend.route("attention", dtype="float32", head_dim=64, t_q=1, kv_dtype="int4")
+    route = backend.route("attention", dtype="float32", head_dim=64, t_q=1, codec="int4")
     assert route.impl == GENERIC and "kv_dtype='int4'" in route.rejected["gqakv_decode"]

@@ -371,9 +371,10 @@ def test_variants_run_the_kernel_through_the_public_api(monkeypatch):
     kernels (not the NumPy or generic path) and matches the reference."""
     import gqakv_backends.numba_backend as nb
 
-    calls = []
-    real = nb.attention_numba
-    monkeypatch.setattr(nb, "attention_numba", lambda *a, **kw: calls.append(kw["params"]) or real(*a, **kw))
+    calls, runs = [], []
+    plan, run = nb.plan_numba, nb.run_numba
+    monkeypatch.setattr(nb, "plan_numba", lambda *a, **kw: calls.append(a[4]) or plan(*a, **kw))
+    monkeypatch.setattr(nb, "run_numba", lambda *a, **kw: runs.append(a[0]) or run(*a, **kw))
     rng = np.random.default_rng(33)
     cache = gqakv.KVCache(2, 2, 20, 16, dtype="float16", backend="numba")
     k = rng.standard_normal((2, 2, 9, 16)).astype(np.float16)
@@ -382,7 +383,7 @@ def test_variants_run_the_kernel_through_the_public_api(monkeypatch):
     q = rng.standard_normal((2, 4, 2, 16)).astype(np.float16)
     params = AttentionParams(scale=0.25, window=3, softcap=1.5, sinks=(0.5, -np.inf, 2.0, 8.0))
     out, lse = gqakv.gqa_attention(q, cache, [2, 1], params=params, return_lse=True)
-    assert calls == [params]
+    assert calls == [params] and len(runs) == 1  # planned with the variant, then run
     want, want_lse = reference_on_buffers(q, k, v, [9, 6], [2, 1], 0.25, window=3, softcap=1.5,
                                           sinks=params.sinks)
     _variant_check(out, lse, want, want_lse, [2, 1], np.float16)

@@ -518,7 +518,7 @@ def test_numpy_quantized_path_under_every_split(kv_dtype, split, page_size, monk
         backend = gqakv.get_backend(name) if not gqakv.get_backend(name).unavailable_reason() else None
         if backend is None:
             continue
-        assert backend.route("attention", storage=cache.store.kind, kv_dtype=kv_dtype,
+        assert backend.route("attention", layout=cache.store.kind, codec=kv_dtype,
                              t_q=5).impl == "numpy BLAS"
         got = backend.attention(q, cache.store, inputs, inputs.params, return_lse=False)
         np.testing.assert_array_equal(got.astype(np.float64),

@@ -228,11 +228,11 @@ def test_route_names_what_runs_for_every_storage_and_chunk(backend, storage, rou
     ops = {c.op for c in spy.calls}
     assert {"write_kv", "attention"} <= ops and ("copy_tokens" in ops or storage != "paged")
     if storage == "paged+int8" and backend.name == "numpy":  # the 8-bit reader over pages
-        assert backend.route("attention", dtype="float32", head_dim=8, t_q=1, storage="paged",
-                             kv_dtype="int8").impl == "numpy BLAS"
+        assert backend.route("attention", dtype="float32", head_dim=8, t_q=1, layout="paged",
+                             codec="int8").impl == "numpy BLAS"
     if storage == "paged+int8" and backend.name == "cupy_emulated":  # the 8-bit reader over pages
         route = backend.route("attention", dtype="float32", head_dim=8, t_q=1,
-                              storage="paged", kv_dtype="int8")
+                              layout="paged", codec="int8")
         assert route.impl == "gqakv_decode", route
 
 
@@ -249,16 +249,16 @@ def test_cpu_routes_check_their_facts(name):
         backend.route("attention", dtype="float32", colour="red")
     with pytest.raises(ValueError, match="op='prefill'"):
         backend.route("prefill")
-    route = backend.route("attention", dtype="float64", head_dim=8, t_q=1, storage="paged")
+    route = backend.route("attention", dtype="float64", head_dim=8, t_q=1, layout="paged")
     assert route.impl == "numpy BLAS" and GENERIC in route.rejected
     if name == "numba":
         assert route.rejected["numba kernel"].startswith("dtype=float64")
-        t9 = backend.route("attention", dtype="bfloat16", t_q=9, kv_dtype="int8")
+        t9 = backend.route("attention", dtype="bfloat16", t_q=9, codec="int8")
         assert t9.impl == "numpy BLAS" and "T=9" in t9.rejected["numba kernel"]
-        assert backend.route("attention", dtype="bfloat16", t_q=8, storage="paged",
-                             kv_dtype="int8").impl == "numba kernel"
+        assert backend.route("attention", dtype="bfloat16", t_q=8, layout="paged",
+                             codec="int8").impl == "numba kernel"
         assert backend.route("write_kv", dtype="float32").impl == "numba write_tokens"
-        assert "kv_dtype='int8'" in backend.route("write_kv", kv_dtype="int8").rejected[
+        assert "kv_dtype='int8'" in backend.route("write_kv", codec="int8").rejected[
             "numba write_tokens"]
-    gen = backend.route("attention", storage="paged", kv_dtype="int8")
+    gen = backend.route("attention", layout="paged", codec="int8")
     assert gen.impl == ("numpy BLAS" if name == "numpy" else "numba kernel")

@@ -221,10 +221,10 @@ class _ProbeBackend(NumpyBackend):
     priority = -1000
     dtypes = ("float32", "bfloat16")
 
-    def not_supported_reasons(self, *, dtype=None, head_dim=None):
-        if dtype is not None and gqakv.core.dtypes.canonical_name(dtype) == "bfloat16":
+    def not_supported_reasons(self, request=None, **facts):
+        if gqakv.dispatch.request.as_request(request, facts).dtype == "bfloat16":
             return ["dtype=bfloat16 (the probe refuses it)"]
-        return super().not_supported_reasons(dtype=dtype, head_dim=head_dim)
+        return super().not_supported_reasons(request, **facts)
 
 
 def test_selftest_iterates_what_a_new_backend_declares(capsys):

@@ -361,19 +361,20 @@ def test_a_numba_kernel_that_falls_back_fails_the_product(storage, monkeypatch, 
     current: dict = {}
     real_attention = numba_backend.NumbaBackend.attention
 
-    def remember(self, q, store, inputs, params, *, return_lse):
+    def remember(self, q, store, inputs, params, *, return_lse, **planned):
         current.update(store=store, inputs=inputs)  # for the fallback below
-        return real_attention(self, q, store, inputs, params, return_lse=return_lse)
+        return real_attention(self, q, store, inputs, params, return_lse=return_lse, **planned)
 
-    def numpy_result(q, k_buf, v_buf, rows, lens, n_new, *, params, return_lse, **kw):
+    def numpy_result(work, q, k_buf, v_buf, rows, lens, n_new, *, return_lse, **kw):
         """What a silent fallback returns: the NumPy backend's result for the same call."""
-        return NumpyBackend.attention(backend, q, current["store"], current["inputs"], params,
+        inputs = current["inputs"]
+        return NumpyBackend.attention(backend, q, current["store"], inputs, inputs.params,
                                       return_lse=return_lse)
 
     monkeypatch.setattr(numba_backend.NumbaBackend, "attention", remember)
     case = Case(backend, storage, "window+softcap+sinks", "bfloat16")
     _product_point(case, route_spy(backend))  # the kernel as it is: passes
-    monkeypatch.setattr(numba_backend, "attention_numba", numpy_result)
+    monkeypatch.setattr(numba_backend, "run_numba", numpy_result)
     with pytest.raises(AssertionError, match=r"attention .*route says 'numba kernel', ran "
                                              r"'(numpy BLAS|generic array-API)'"):
         _product_point(case, route_spy(backend))
@@ -387,8 +388,8 @@ def test_a_numba_decision_that_gives_up_the_kernel_fails_the_product(monkeypatch
 
     backend = _runnable("numba")
 
-    def numpy_only(dtype, kv_dtype, storage, t_q, layout, features):
-        return numpy_backend.route_attention(storage, kv_dtype, features)
+    def numpy_only(request):
+        return numpy_backend.route_attention(request)
 
     monkeypatch.setattr(numba_backend, "route_attention", numpy_only)
     case = Case(backend, "paged", "causal", "float32")

@@ -122,3 +122,34 @@ class ConcatBaseline:
         return ratio(loop._generate, self._generate, self.numpy, repeats=3)
 
     track_time_vs_concat.unit = "x concatenation-loop time"
+
+
+class StepHostTime:
+    """Host time per layer of a 32-layer decode step (B=8, Hkv=8, G=4, d=64, 16 live tokens):
+    the step timed as it is and with the backend's kernels no-op'd, in alternating rounds
+    (``gqakv.tools.host_time``); the issue's target is 40 us per layer on numba. Backends
+    that declare no kernel entries are skipped."""
+
+    params = [BACKENDS]
+    param_names = ["backend"]
+    timeout = 300
+
+    def setup(self, backend):
+        b = backend_or_skip(backend)
+        try:
+            from gqakv.tools.host_time import step_host_time
+        except ImportError:
+            raise NotImplementedError("gqakv.tools.host_time does not exist in this commit") from None
+        if not b.kernel_entries():
+            raise NotImplementedError(f"{backend}: declares no kernel entries to exclude")
+        self.result = step_host_time(b, rounds=5)
+
+    def track_host_us_per_layer(self, backend):
+        return self.result["host_per_layer_us"]
+
+    track_host_us_per_layer.unit = "us"
+
+    def track_kernel_share(self, backend):
+        return self.result["kernel_share"]
+
+    track_kernel_share.unit = "fraction"

@@ -45,7 +45,6 @@ first use: never when this module is imported. The CPU emulation passes its own.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import threading
 from collections import OrderedDict
@@ -54,6 +53,7 @@ from typing import cast
 import numpy as np
 
 from gqakv.dispatch.backend import GENERIC, Backend, Route
+from gqakv.dispatch.request import Request, as_request
 from gqakv.storage.codecs import PLAIN_NAME
 from gqakv.storage.store import PAGED
 
@@ -106,26 +106,17 @@ class CupyBackend(Backend):
 
     # -- routing -------------------------------------------------------------------------
 
-    def route(self, op: str, **facts) -> Route:
-        """Which kernel (or the generic array-API code) runs ``op`` for these facts, and
-        why each other implementation was not eligible; the facts are those of
-        ``routing`` (dtype, head_dim, t_q, capability, layout, grid, kv_dtype, storage,
-        features), judged by the kernels' declarations (``fast_paths``) and conditions.
-        The hot operations route every call through the same functions."""
-        super().route(op)  # checks op
-        fn = routing.ROUTES[op]
-        known = {**inspect.signature(fn).parameters}
-        unknown = sorted(set(facts) - set(known))
-        if unknown:
-            raise ValueError(f"{op} facts {', '.join(unknown)} (known: {', '.join(known)})")
-        missing = [k for k, p in known.items() if p.default is p.empty and k not in facts]
-        if missing:
-            raise ValueError(f"{op} needs the facts {', '.join(missing)}")
-        if "dtype" in facts:
-            facts["dtype"] = _canonical(facts["dtype"])
-        if "features" in facts:
-            facts["features"] = frozenset(facts["features"])
-        route = fn(**facts)  # kept and shared by the hot calls: the caller gets its own copy
+    def route(self, request: Request | str, **facts) -> Route:
+        """Which kernel (or the generic array-API code) runs ``request`` (a ``Request``, or
+        an operation and its facts: dtype and head_dim needed; t_q, capability, buffers,
+        grid, layout, codec, features as ``routing`` reads them), and why each other
+        implementation was not eligible, judged by the kernels' declarations
+        (``fast_paths``) and conditions. The hot operations route every call through the
+        same functions."""
+        request = as_request(request, facts)
+        if request.op is None:
+            return super().route(request)  # says an operation is needed
+        route = routing.ROUTES[request.op](request)  # kept and shared: the caller gets a copy
         return Route(route.impl, dict(route.rejected))
 
     def implementations(self) -> dict[str, str]:
@@ -165,9 +156,11 @@ class CupyBackend(Backend):
 
         return xp
 
-    def not_supported_reasons(self, *, dtype=None, head_dim: int | None = None) -> list[str]:
-        reasons = super().not_supported_reasons(dtype=dtype, head_dim=head_dim)
-        if (not reasons and dtype is not None and _canonical(dtype) == "bfloat16"
+    def not_supported_reasons(self, request: Request | None = None, **facts) -> list[str]:
+        reasons = super().not_supported_reasons(request, **facts)
+        if reasons:
+            return reasons
+        if (as_request(request, facts).dtype == "bfloat16"
                 and not self.runtime.bf16_supported()):
             reasons.append(f"dtype=bfloat16 needs CuPy >= 14 (ml_dtypes arrays); this is "
                            f"CuPy {self.runtime.version}")
@@ -214,12 +207,11 @@ class CupyBackend(Backend):
             return cp.asarray(a, dtype=cp.int64)
 
     # -- hot operations ------------------------------------------------------------------
-    # Each routes the call (routing.py) from its facts, then runs the chosen kernel's kept
-    # plan or, when the route says so, the generic array-API code (Backend's method). A
-    # planner refusal (grid beyond CUDA's limits) is routed again as the ``grid`` fact.
-    # The store's kind, codec and the variant are the ``storage`` / ``kv_dtype`` /
-    # ``features`` facts, judged by the kernels' declarations (``fast_paths``); a paged
-    # call adds the page table.
+    # Each routes the call (routing.py) from its Request, then runs the chosen kernel's
+    # kept plan or, when the route says so, the generic array-API code (Backend's method).
+    # A planner refusal (grid beyond CUDA's limits) is routed again as the ``grid`` fact.
+    # The store's layout, codec and the variant are judged by the kernels' declarations
+    # (``fast_paths``); a paged call adds the page table.
 
     def write_kv(self, store, k_new, v_new, inputs) -> None:
         """One launch for all rows; see ``Backend.write_kv``. k/v_new are [B, Hkv, T, d]."""
@@ -231,16 +223,16 @@ class CupyBackend(Backend):
         rows, starts, n_new = inputs.rows, inputs.starts, inputs.n_new
         dtype, kv_dtype = _dtypes_of(store)
         d = int(k_buf.shape[-1])
-        layout = None
-        facts = dict(kv_dtype=kv_dtype, storage=store.kind)
-        if routing.route_write_kv(dtype, d, **facts).impl != GENERIC:
+        request = Request.of_store("write_kv", store)
+        if routing.route_write_kv(request).impl != GENERIC:
             layout = _store_rejection(store)
             if layout is None:
                 k_new, v_new = self._aligned(k_new, dtype, d), self._aligned(v_new, dtype, d)
                 layout = (_write_layout_rejection(k_buf, v_buf, k_new, v_new, kv_dtype or dtype, d)
                           or _input_dtype_rejection(k_new, v_new, dtype)
                           or (_scales_rejection(store, d) if kv_dtype else None))
-        route = routing.route_write_kv(dtype, d, layout, **facts)
+            request = request.with_(buffers=layout)
+        route = routing.route_write_kv(request)
         if route.impl == GENERIC:
             return super().write_kv(store, k_new, v_new, inputs)
         n_new = np.asarray(n_new, dtype=np.int64)
@@ -252,7 +244,7 @@ class CupyBackend(Backend):
         plan = self._plans.get(("write_kv", *_hashable(args), *options.values()),
                                lambda: _plan_or_refusal(_plan.plan_write_kv, *args, **options))
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
-            route = routing.route_write_kv(dtype, d, layout, plan, **facts)
+            route = routing.route_write_kv(request.with_(grid=plan))
         if route.impl == GENERIC:
             return super().write_kv(store, k_new, v_new, inputs)
         if not plan.launches:
@@ -282,13 +274,13 @@ class CupyBackend(Backend):
         n_tokens = np.asarray(n_tokens, dtype=np.int64)
         dtype, kv_dtype = _dtypes_of(dst)
         d = int(dst_k.shape[-1])
-        layout = None
-        facts = dict(kv_dtype=kv_dtype, storage=dst.kind)
-        if routing.route_copy_tokens(dtype, d, **facts).impl != GENERIC:
-            layout = (("src and dst stored differently" if src.spec != dst.spec else None)
-                      or self._copy_layout_rejection(dst_k, dst_v, src_k, src_v, kv_dtype)
-                      or (self._copy_scales_rejection(dst, src) if kv_dtype else None))
-        route = routing.route_copy_tokens(dtype, d, layout, **facts)
+        request = Request.of_store("copy_tokens", dst)
+        if routing.route_copy_tokens(request).impl != GENERIC:
+            request = request.with_(buffers=(
+                ("src and dst stored differently" if src.spec != dst.spec else None)
+                or self._copy_layout_rejection(dst_k, dst_v, src_k, src_v, kv_dtype)
+                or (self._copy_scales_rejection(dst, src) if kv_dtype else None)))
+        route = routing.route_copy_tokens(request)
         if route.impl == GENERIC:
             return super().copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
         scale_strides = ((_strides(dst.k_scale)[:4], _strides(src.k_scale)[:4]) if kv_dtype
@@ -297,7 +289,7 @@ class CupyBackend(Backend):
                                 int(dst_k.shape[2]), _strides(dst_k)[:4], _strides(src_k)[:4],
                                 kv_dtype, *scale_strides)
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
-            route = routing.route_copy_tokens(dtype, d, layout, plan, **facts)
+            route = routing.route_copy_tokens(request.with_(grid=plan))
         if route.impl == GENERIC:
             return super().copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
         if not plan.launches:
@@ -350,14 +342,15 @@ class CupyBackend(Backend):
         dtype, kv_dtype = _dtypes_of(store)
         d = int(k_buf.shape[-1])
         B, Hq, T, _ = (int(s) for s in q.shape)
-        layout = capability = None
-        facts = dict(kv_dtype=kv_dtype, storage=store.kind, features=params.features)
-        if routing.route_attention(dtype, d, T, **facts).impl != GENERIC:
-            layout = (_store_rejection(store)
-                      or _attention_layout_rejection(k_buf, v_buf, kv_dtype or dtype, d)
-                      or (_scales_rejection(store, d) if kv_dtype else None))
+        capability = None
+        request = Request.of_store("attention", store, t_q=T, features=params.features)
+        if routing.route_attention(request).impl != GENERIC:
             sm_count, capability = self._facts()
-        route = routing.route_attention(dtype, d, T, capability, layout, **facts)
+            request = request.with_(capability=capability, buffers=(
+                _store_rejection(store)
+                or _attention_layout_rejection(k_buf, v_buf, kv_dtype or dtype, d)
+                or (_scales_rejection(store, d) if kv_dtype else None)))
+        route = routing.route_attention(request)
         if route.impl == GENERIC:
             return super().attention(q, store, inputs, params, return_lse=return_lse)
         cp = self.runtime.cp
@@ -382,7 +375,7 @@ class CupyBackend(Backend):
         plan = self._plans.get(("attention", dtype, d, *_hashable(kwargs.values())),
                                lambda: _plan_or_refusal(_plan.plan_attention, dtype, d, **kwargs))
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
-            route = routing.route_attention(dtype, d, T, capability, layout, plan, **facts)
+            route = routing.route_attention(request.with_(grid=plan))
         if route.impl == GENERIC:
             return super().attention(q, store, inputs, params, return_lse=return_lse)
         if plan.launches:

@@ -1,32 +1,29 @@
 """Which implementation runs each hot operation of the cupy backend, and why not the others.
 
 One routing step per operation (``route_write_kv``, ``route_copy_tokens``,
-``route_attention``): from a call's facts it returns a ``gqakv.dispatch.backend.Route`` naming the
-fused kernel that runs (or the generic array-API code) and, for every other
-implementation, the sentence saying why it was not eligible. ``CupyBackend`` routes every
-call through these before planning, and ``CupyBackend.route`` answers the same question
-for ``gqakv info``, the benchmarks and the tests; the planner's kernel choice
-(``plan.decode_kernel``, ``plan.prefill_kernel``) uses the same predicates (limits.py).
+``route_attention``): from a call's ``gqakv.dispatch.request.Request`` it returns a
+``gqakv.dispatch.backend.Route`` naming the fused kernel that runs (or the generic
+array-API code) and, for every other implementation, the sentence saying why it was not
+eligible. ``CupyBackend`` routes every call through these before planning, and
+``CupyBackend.route`` answers the same question for ``gqakv info``, the benchmarks and
+the tests; the planner's kernel choice (``plan.decode_kernel``, ``plan.prefill_kernel``)
+uses the same predicates (limits.py).
 
-Facts (all hashable; the routes are kept, so a routed call costs one cache lookup):
-  dtype:      the cache's dtype name (e.g. "bfloat16", "float64").
-  head_dim:   d.
+What the routes read of a request (frozen and hashable: the routes are kept, so a routed
+call costs one cache lookup):
+  dtype, head_dim: the dtype of q / new K/V / the output, and d (both needed here).
   t_q:        query tokens per row of the call (attention only).
   capability: the device's compute capability as CuPy spells it (90 for 9.0); None when
               not known (then the tensor-core kernels are not ruled out by it).
-  layout:     why the buffers' layout does not suit the kernels (unaligned rows, K and V
-              strided differently, rows past the paged kernels' 32-bit key index, ...),
-              None when it does.
-  storage:    the store's layout kind ("contiguous", "paged"), judged with kv_dtype and
-              features by each kernel's declaration (``FAST_PATHS``): every kernel below
-              but gqakv_copy_tokens and gqakv_merge has a paged instantiation
-              (kernels/paged_kv.cuh), over 8-bit codes too, and copy on write copies
-              pages as rows of the pool with gqakv_copy_tokens.
-  features:   the variant's ``AttentionParams.features`` (attention only).
+  buffers:    why the buffers do not suit the kernels (unaligned rows, K and V strided
+              differently, rows past the paged kernels' 32-bit key index, ...), None
+              when they do.
+  layout, codec, features: judged by each kernel's declaration (``FAST_PATHS``): every
+              kernel below but gqakv_copy_tokens and gqakv_merge has a paged instantiation
+              (kernels/paged_kv.cuh), over 8-bit codes too, and copy on write copies pages
+              as rows of the pool with gqakv_copy_tokens.
   grid:       the planner's refusal of the launch grid (beyond CUDA's limits), None when
               it fits (or before planning).
-  kv_dtype:   a quantized cache's storage ("int8", "float8_e4m3fn"), None when K/V are
-              stored as ``dtype``; ``dtype`` is then the dtype of q, the inputs and the output.
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ from __future__ import annotations
 import functools
 
 from gqakv.dispatch.backend import GENERIC, FastPath, Route
+from gqakv.dispatch.request import Request
 from gqakv.storage.codecs import PLAIN_NAME
 from gqakv.storage.store import CONTIGUOUS, PAGED
 
@@ -85,10 +83,16 @@ FAST_PATHS: tuple[FastPath, ...] = (
 PATHS = {p.name: p for p in FAST_PATHS}
 
 
-def _declared_rejection(kernel: str, storage: str, kv_dtype: str | None,
-                        features: frozenset = frozenset()) -> str | None:
+def _declared_rejection(kernel: str, request: Request) -> str | None:
     """Why ``kernel``'s declaration (``FAST_PATHS``) does not cover this storage and variant."""
-    return PATHS[kernel].rejection(layout=storage, codec=kv_dtype or PLAIN_NAME, features=features)
+    return PATHS[kernel].rejection(request)
+
+
+def _needs_dtype_and_head_dim(request: Request) -> None:
+    missing = [name for name in ("dtype", "head_dim") if getattr(request, name) is None]
+    if missing:
+        raise ValueError(f"{request.op} needs the facts {', '.join(missing)} (the kernels are "
+                         "built per dtype and head dim)")
 
 
 def _chosen(impl: str, rejected: dict[str, str]) -> Route:
@@ -98,47 +102,45 @@ def _chosen(impl: str, rejected: dict[str, str]) -> Route:
 
 
 @functools.lru_cache(maxsize=1024)
-def route_write_kv(dtype: str, head_dim: int, layout: str | None = None,
-                   grid: str | None = None, kv_dtype: str | None = None,
-                   storage: str = CONTIGUOUS) -> Route:
+def route_write_kv(request: Request) -> Route:
     """gqakv_write_kv (one launch for all rows), gqakv_write_kv_quantized (the same for a
     quantized cache, quantizing on the device) or the generic slice writes; both over
     contiguous rows or through the page table."""
-    kernel = "gqakv_write_kv_quantized" if kv_dtype else "gqakv_write_kv"
+    _needs_dtype_and_head_dim(request)
+    quantized = request.quantized_dtype is not None
+    kernel = "gqakv_write_kv_quantized" if quantized else "gqakv_write_kv"
     # a codes-and-scales cache is no candidate for the plain append: its declaration says why
-    plain = _declared_rejection("gqakv_write_kv", storage, kv_dtype) if kv_dtype else None
+    plain = _declared_rejection("gqakv_write_kv", request) if quantized else None
     rejected = {"gqakv_write_kv": plain} if plain else {}
-    why = (_fused_rejection(dtype, head_dim) or _declared_rejection(kernel, storage, kv_dtype)
-           or layout or grid)
+    why = (_fused_rejection(request.dtype, request.head_dim) or _declared_rejection(kernel, request)
+           or request.buffers or request.grid)
     if why:
         return Route(GENERIC, {kernel: why, **rejected})
     return _chosen(kernel, rejected)
 
 
 @functools.lru_cache(maxsize=1024)
-def route_copy_tokens(dtype: str, head_dim: int, layout: str | None = None,
-                      grid: str | None = None, kv_dtype: str | None = None,
-                      storage: str = CONTIGUOUS) -> Route:
+def route_copy_tokens(request: Request) -> Route:
     """gqakv_copy_tokens (every layer and row pair in one launch; a quantized cache's
     scales in a second launch of it) or the generic copies."""
-    why = (_fused_rejection(dtype, head_dim) or _declared_rejection("gqakv_copy_tokens", storage, kv_dtype)
-           or layout or grid)
+    _needs_dtype_and_head_dim(request)
+    why = (_fused_rejection(request.dtype, request.head_dim)
+           or _declared_rejection("gqakv_copy_tokens", request) or request.buffers or request.grid)
     if why:
         return Route(GENERIC, {"gqakv_copy_tokens": why})
     return _chosen("gqakv_copy_tokens", {})
 
 
 @functools.lru_cache(maxsize=1024)
-def route_attention(dtype: str, head_dim: int, t_q: int = 1, capability: int | None = None,
-                    layout: str | None = None, grid: str | None = None,
-                    kv_dtype: str | None = None, storage: str = CONTIGUOUS,
-                    features: frozenset = frozenset()) -> Route:
+def route_attention(request: Request) -> Route:
     """The decode kernels for t_q <= DECODE_MAX_T, the prefill kernels above; in each
     family the tensor-core kernel where it serves (dtype, head_dim) and the device has
     mma.m16n8k16, else the fp32-FMA one; the generic code when neither can run.
     ``grid`` (the planner's refusal) rules out the kernel the family would have run;
-    ``storage`` / ``kv_dtype`` / ``features`` are judged by each kernel's declaration
+    layout, codec and features are judged by each kernel's declaration
     (``FAST_PATHS``)."""
+    _needs_dtype_and_head_dim(request)
+    dtype, head_dim, t_q = request.dtype, request.head_dim, request.t_q
     rejected: dict[str, str] = {}
     decode = t_q <= limits.DECODE_MAX_T
     family, other = (DECODE_KERNELS, PREFILL_KERNELS) if decode else (PREFILL_KERNELS, DECODE_KERNELS)
@@ -148,23 +150,24 @@ def route_attention(dtype: str, head_dim: int, t_q: int = 1, capability: int | N
         rejected[kernel] = why_family
     mma, fma = family
     # the fp32-FMA kernel declares every layout, codec and feature the family has
-    why = (_fused_rejection(dtype, head_dim) or _declared_rejection(fma, storage, kv_dtype, features)
-           or layout)
+    why = (_fused_rejection(dtype, head_dim) or _declared_rejection(fma, request)
+           or request.buffers)
     if why:
         rejected.update((kernel, why) for kernel in family)
         return Route(GENERIC, rejected)
     mma_instance = limits.decode_mma_rejection if decode else limits.prefill_mma_rejection
-    why_mma = ((MMA_QUANTIZED_REJECTION.format(kv_dtype=kv_dtype, dtype=dtype)
-                if _declared_rejection(mma, storage, kv_dtype, features) else None)
-               or mma_instance(dtype, head_dim) or limits.capability_rejection(capability))
+    # the tensor-core kernel declares the fp32-FMA one's layouts and features, 16-bit codecs only
+    why_mma = ((MMA_QUANTIZED_REJECTION.format(kv_dtype=request.codec, dtype=dtype)
+                if request.codec not in PATHS[mma].codecs else None)
+               or mma_instance(dtype, head_dim) or limits.capability_rejection(request.capability))
     if why_mma:
         rejected[mma] = why_mma
         chosen = fma
     else:
         rejected[fma] = f"{mma} serves this call (tensor cores first)"
         chosen = mma
-    if grid:
-        rejected[chosen] = grid
+    if request.grid:
+        rejected[chosen] = request.grid
         return Route(GENERIC, rejected)
     return _chosen(chosen, rejected)
 

@@ -25,8 +25,9 @@ from typing import Literal
 import numpy as np
 
 from ..core.dims import check_dim, check_dims
-from ..core.inputs import (_rows, check_capacity, check_flag, host_ints, immutable_ints, validate_append,
-                           validate_attention)
+from ..core.inputs import (_rows, check_capacity, check_flag, check_queries, host_ints, immutable_ints,
+                           validate_append, validate_attention_batch)
+from ..ops.plan import AttentionPlan
 from ..core.units import human_bytes
 from ..ops import attention as _attention
 from ..storage.sizing import resolve_model
@@ -198,6 +199,10 @@ class Step:
         pending[rows] = self.lens
         self._pending = Lengths.of(pending)
         self._written = np.zeros(cache.layers, dtype=bool)
+        # planned once, used by every layer: attention plans by query shape and variant,
+        # and the validated append by the new K/V's library, shape and dtype
+        self._plans: dict = {}
+        self._append: tuple | None = None  # (signature, AppendInputs)
         self._state = "open"
         self._lock = cache._lengths.lock  # the cache's writer lock (see Lengths)
 
@@ -230,18 +235,24 @@ class Step:
 
     def attend(self, layer: int, q, k_new, v_new, *, scale: float | None = None,
                window: int | None = None, softcap: float | None = None, sinks=None,
-               return_lse: bool = False, params=None, alibi_slopes=None):
+               return_lse: bool = False, params=None, alibi_slopes=None, plan=None,
+               out=None, lse_out=None):
         """Write layer ``layer``'s new K/V, then grouped-query attention of ``q`` over the
         row's live tokens plus this step's (bottom-right causal; see ``gqa_attention``).
 
         Args:
             q: ``[B', Hq, T, d]``, same B' and T as ``k_new``; ``Hq`` a multiple of ``Hkv``.
             k_new, v_new: ``[B', Hkv, T, d]``; entry i's first ``n_new[i]`` slots are real.
+            plan: optional, this step's ``plan_attention(...)``: the variant and query
+                shape it was made for (then no variant keyword is given).
+            out, lse_out: optional caller's buffers, as in ``gqa_attention``.
 
         Returns ``out`` ``[B', Hq, T, d]`` (padded query slots exactly 0), or
         ``(out, lse)`` with ``return_lse`` (a bool). ``window``, ``softcap``, ``sinks``,
         ``alibi_slopes``, ``params``: as in ``gqa_attention``.
-        Everything is validated before the write.
+        Everything is validated before the write. The step validates and plans its batch
+        once (the first layer that attends with a query shape and variant, or
+        ``plan_attention``); later layers check only their tensors.
         """
         c = self.cache
         l = c._layer_index(layer)
@@ -256,13 +267,58 @@ class Step:
                     f"q {list(q_shape)} does not match k_new {list(k_new.shape)}: q must have the "
                     f"same batch B'={int(k_new.shape[0])} (dim 0) and tokens T={int(k_new.shape[2])} "
                     "(dim 2)")
-            att = validate_attention(view, q, self.n_new, self.rows, scale, params,
-                                     window=window, softcap=softcap, sinks=sinks,
-                                     alibi_slopes=alibi_slopes)
+            if plan is None:
+                plan = self._plan_for(view, q, dict(scale=scale, window=window, softcap=softcap,
+                                                    sinks=sinks, params=params,
+                                                    alibi_slopes=alibi_slopes))
+            else:
+                self._check_plan(plan, scale, window, softcap, sinks, params, alibi_slopes)
+            plan.check_tensors(view, q, out, lse_out)
             self._write(l, k_new, v_new, inputs)
         # Attention reads only this step's rows up to their pending lengths, which no other
         # writer touches while the step is open, so it runs outside the lock.
-        return _attention.attend(view, q, att, return_lse)
+        return plan.launch(q, view.store, return_lse, out, lse_out)
+
+    def plan_attention(self, q_heads: int, *, t_q: int | None = None, scale: float | None = None,
+                       window: int | None = None, softcap: float | None = None, sinks=None,
+                       params=None, alibi_slopes=None) -> AttentionPlan:
+        """The attention plan of this step's batch for queries ``[B', q_heads, t_q, d]``
+        (``t_q`` default: the largest n_new) and this variant, validated and planned once
+        for every layer: pass it as ``attend(..., plan=plan)``."""
+        self._check_open()
+        view = self._view(0)
+        t = max((int(n) for n in self.n_new), default=0) if t_q is None else int(t_q)
+        q_shape = (self.rows.size, int(q_heads), t, self.cache.head_dim)
+        inputs = validate_attention_batch(view, q_shape, self.n_new, self.rows, scale, params,
+                                          window=window, softcap=softcap, sinks=sinks,
+                                          alibi_slopes=alibi_slopes)
+        return AttentionPlan(view, q_shape, inputs, owner=self)
+
+    def _plan_for(self, view, q, variant: dict) -> AttentionPlan:
+        """This step's plan for q's shape and the call's variant keywords, made on first
+        use; keywords that cannot be a dict key (an array of sinks) plan each call."""
+        check_queries(view, q)
+        q_shape = tuple(int(s) for s in q.shape)
+        try:
+            key = (q_shape, tuple(variant.values()))
+            plan = self._plans.get(key)
+        except TypeError:  # unhashable keywords: validated and planned for this call
+            key, plan = None, None
+        if plan is None:
+            inputs = validate_attention_batch(view, q_shape, self.n_new, self.rows, **variant)
+            plan = AttentionPlan(view, q_shape, inputs, owner=self)
+            if key is not None:
+                self._plans[key] = plan
+        return plan
+
+    def _check_plan(self, plan, *variant) -> None:
+        if not isinstance(plan, AttentionPlan) or plan.owner is not self:
+            raise ValueError("plan= takes this step's own plan_attention(...) (a plan holds one "
+                             "step's rows and lengths)")
+        given = [v for v in variant if v is not None]
+        if given:
+            raise TypeError("give plan= or variant keywords (scale, window, softcap, sinks, params, "
+                            "alibi_slopes), not both: the plan carries its variant")
 
     def _validate_write(self, l: int, k_new, v_new):
         if self._written[l]:
@@ -272,7 +328,26 @@ class Step:
             if shape and int(shape[0]) != self.rows.size:
                 raise ValueError(f"{what} has batch {int(shape[0])} (dim 0 of {list(shape)}), but "
                                  f"this step has {self.rows.size} entries (B' = len(rows))")
-        return validate_append(self.cache.layer(l), k_new, v_new, self.n_new, self.rows)
+        # Every layer appends the same rows, starts and n_new: validated once for new K/V of
+        # this library, device, shape and dtype, then only that signature is compared.
+        sig = self._signature(k_new, v_new)
+        if self._append is not None and sig is not None and self._append[0] == sig:
+            return self._append[1]
+        inputs = validate_append(self.cache.layer(l), k_new, v_new, self.n_new, self.rows)
+        self._append = (sig, inputs)
+        return inputs
+
+    def _signature(self, k_new, v_new):
+        """What ``validate_append`` judged of the tensors (library, device, shape, dtype),
+        or None for objects that are not arrays of the cache's backend."""
+        backend = self.cache.backend
+        try:
+            if not (backend.owns(k_new) and backend.owns(v_new)):
+                return None
+            return tuple((type(x), backend.device_of(x), tuple(x.shape), str(x.dtype))
+                         for x in (k_new, v_new))
+        except Exception:  # anything odd: validate in full
+            return None
 
     def _write(self, l: int, k_new, v_new, inputs) -> None:
         c = self.cache

@@ -23,9 +23,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..core import dtypes as _dtypes
-from ..ops.attention import attend
+from ..ops.plan import AttentionPlan
 from .cache import write
-from ..core.inputs import _to_numpy, check_flag, host_ints, validate_append, validate_attention
+from ..core.inputs import (_to_numpy, check_flag, check_outputs, host_ints, validate_append,
+                           validate_attention)
 from ..storage.paged import PagedStore, PageTableView, pages_for
 from ..dispatch.registry import get_backend, list_backends
 from ..storage.store import PAGED, StorageSpec
@@ -179,7 +180,8 @@ def _batch_of(x, what: str, shape_doc: str) -> int:
 
 def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: float | None = None,
                     window: int | None = None, softcap: float | None = None, sinks=None,
-                    return_lse: bool = False, backend=None, alibi_slopes=None):
+                    return_lse: bool = False, backend=None, alibi_slopes=None, out=None,
+                    lse_out=None):
     """Causal grouped-query attention of the newest tokens over caller-owned page pools;
     ``gqa_attention``'s semantics, variants and results for a paged layout the caller manages.
 
@@ -201,7 +203,8 @@ def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: floa
         n_new: ``[B]`` ints, ``0 <= n_new[b] <= min(T, lens[b])``: row b's queries are
             ``q[b, :, :n_new[b]]``, its tokens ``lens[b] - n_new[b] .. lens[b] - 1``; slots
             ``t >= n_new[b]`` are padding and return exactly 0.
-        scale, window, softcap, sinks, alibi_slopes, return_lse: as ``gqa_attention``.
+        scale, window, softcap, sinks, alibi_slopes, return_lse, out, lse_out: as
+            ``gqa_attention``.
         backend: a backend name or Backend; None: the default backend when it holds the
             pools' library, else the first registered backend that does.
 
@@ -232,7 +235,9 @@ def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: floa
                                 softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     _check_pages(table, L, store.page_size, store.num_pages, "holds")
     _check_distinct(table, L, store.page_size)
-    return attend(view, q, inputs, return_lse)
+    q_shape = tuple(int(s) for s in q.shape)
+    check_outputs(view, q_shape, out, lse_out)
+    return AttentionPlan(view, q_shape, inputs).launch(q, store, return_lse, out, lse_out)
 
 
 def paged_append(k_pages, v_pages, page_table, lens, k_new, v_new, n_new, *, backend=None) -> None:

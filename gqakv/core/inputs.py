@@ -212,11 +212,33 @@ class AttentionInputs:
 
 def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
                        window=None, softcap=None, sinks=None, alibi_slopes=None) -> AttentionInputs:
-    """The checked call; ``params`` (an AttentionParams) is an alternative to ``scale``,
-    ``window``, ``softcap``, ``sinks`` and ``alibi_slopes`` that carries them all (not
-    both). Every field of the resulting params is checked here (``check_scale``,
-    ``check_window``, ``check_softcap``, ``check_sinks``, ``check_alibi``), whichever way it
-    was given."""
+    """The checked call: the tensor ``q`` (``check_queries``) and everything else
+    (``validate_attention_batch``, with q's shape)."""
+    check_queries(cache, q)
+    return validate_attention_batch(cache, tuple(int(s) for s in q.shape), n_new, rows, scale,
+                                    params, window=window, softcap=softcap, sinks=sinks,
+                                    alibi_slopes=alibi_slopes)
+
+
+def check_queries(cache, q, what: str = "q") -> None:
+    """The per-tensor checks of queries (or of an output like them): an array of the
+    cache's library on its device, of rank 4, in the store's ``q_dtype``."""
+    _check_same_library(cache, q, what)
+    if q.ndim != 4:
+        raise ValueError(f"{what} must be [B, Hq, T, d], got {q.ndim} dims {list(q.shape)}")
+    _check_dtype(cache.store.spec.q_dtype, q, what)
+
+
+def validate_attention_batch(cache, q_shape: tuple[int, int, int, int], n_new, rows=None,
+                             scale=None, params=None, *, window=None, softcap=None, sinks=None,
+                             alibi_slopes=None) -> AttentionInputs:
+    """Everything of an attention call but the query tensor itself, checked once for a
+    batch (a plan serves every layer of a step with it): q's shape ``[B, Hq, T, d]``
+    against the cache, rows, n_new against the rows' lengths, and the variant. ``params``
+    (an AttentionParams) is an alternative to ``scale``, ``window``, ``softcap``,
+    ``sinks`` and ``alibi_slopes`` that carries them all (not both). Every field of the
+    resulting params is checked here (``check_scale``, ``check_window``,
+    ``check_softcap``, ``check_sinks``, ``check_alibi``), whichever way it was given."""
     if params is not None:
         if not isinstance(params, AttentionParams):
             raise TypeError(f"params must be a gqakv.AttentionParams, got {params!r}")
@@ -229,10 +251,7 @@ def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
                             "(params carries scale, window, softcap, sinks and alibi_slopes)")
         scale, window, softcap, sinks = params.scale, params.window, params.softcap, params.sinks
         alibi_slopes = params.alibi_slopes
-    _check_same_library(cache, q, "q")
-    if q.ndim != 4:
-        raise ValueError(f"q must be [B, Hq, T, d], got {q.ndim} dims {list(q.shape)}")
-    B, hq, T, d = (int(s) for s in q.shape)
+    B, hq, T, d = q_shape
     if d != cache.head_dim:
         raise ValueError(f"q has head dim d={d}, the cache has d={cache.head_dim}")
     if hq % cache.kv_heads:
@@ -241,7 +260,6 @@ def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
         )
     if hq == 0:
         raise ValueError("q has no heads (Hq=0)")
-    _check_dtype(cache.store.spec.q_dtype, q, "q")
     r = _rows(cache, rows, B, distinct=False, batch_of="q")
     n = host_ints(n_new, "n_new", B)
     lens = cache.host_lens[r]
@@ -258,6 +276,34 @@ def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
                              softcap=check_softcap(softcap), sinks=check_sinks(sinks, hq),
                              alibi_slopes=check_alibi(alibi_slopes, hq))
     return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, params=params)
+
+
+def lse_dtype(q_dtype: str) -> str:
+    """The dtype of a call's log-sum-exp: float64 for float64 queries, else float32."""
+    return "float64" if q_dtype == "float64" else "float32"
+
+
+def check_outputs(cache, q_shape: tuple[int, int, int, int], out=None, lse_out=None) -> None:
+    """The caller's output buffers of an attention call with queries of ``q_shape``
+    (``[B, Hq, T, d]``): ``out`` like q (same shape, the store's ``q_dtype``) and ``lse_out``
+    ``[B, Hq, T]`` in ``lse_dtype``, each an array of the cache's library on its device
+    (None: not given). Checked before anything is written."""
+    if out is not None:
+        check_queries(cache, out, "out")
+        if tuple(int(s) for s in out.shape) != tuple(q_shape):
+            raise ValueError(f"out has shape {list(out.shape)}, the call's queries are "
+                             f"{list(q_shape)} (out must be [B, Hq, T, d] like q)")
+    if lse_out is not None:
+        _check_same_library(cache, lse_out, "lse_out")
+        want = tuple(q_shape[:3])
+        if tuple(int(s) for s in lse_out.shape) != want:
+            raise ValueError(f"lse_out has shape {list(lse_out.shape)}, expected [B, Hq, T] = "
+                             f"{list(want)}")
+        q_dtype = cache.store.spec.q_dtype
+        got = _dtypes.canonical_name(lse_out.dtype) if _is_float(lse_out.dtype) else str(lse_out.dtype)
+        if got != lse_dtype(q_dtype):
+            raise TypeError(f"lse_out has dtype {got}; the log-sum-exp of a {q_dtype} call is "
+                            f"{lse_dtype(q_dtype)}")
 
 
 # -- attention variants (gqakv.core.semantics.AttentionParams) -------------------------------------

@@ -11,10 +11,12 @@ and a new storage kind or attention variant runs on every backend through them; 
 backend with fused kernels overrides the hot operations for the storage kinds and
 variants it implements and hands the others to these defaults.
 
-Capabilities are plain data (``dtypes``, ``head_dims``, ``features``) and
+Capabilities are plain data (``dtypes``, ``head_dims``, ``features``, ``fast_paths``) and
 ``not_supported_reasons`` turns them into sentences, so the dispatcher and
 ``gqakv info`` can explain every rejection. Per call, ``route`` says which implementation
-of a hot operation runs and why each other one was not eligible (``Route``).
+of a hot operation runs and why each other one was not eligible (``Route``). Both take
+one ``gqakv.dispatch.request.Request``: the call's dtype, head dim, layout, codec,
+variant features and measured conditions.
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ from ..core import dtypes as _dtypes
 # the generic implementations, looked up on their modules at each call (tests spy on them there)
 from ..ops import attention as _attention, cache_ops as _cache_ops, row_ops as _row_ops
 from ..storage.codecs import PLAIN_NAME
+from .request import HOT_OPS, Request, as_request
 
+__all__ = ["GENERIC", "HOT_OPS", "Backend", "FastPath", "Request", "Route", "choose"]
 
 #: The implementation name of the generic array-API code (the ``Backend`` defaults).
 GENERIC = "generic array-API"
-#: The hot operations a backend routes.
-HOT_OPS = ("write_kv", "copy_tokens", "attention")
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,11 @@ class FastPath:
     features: frozenset[str] = frozenset()
     dtypes: frozenset[str] | None = None
 
-    def rejection(self, *, layout: str, codec: str, features=frozenset(), dtype=None) -> str | None:
-        """None when this path implements a call over ``layout`` / ``codec`` storage with
-        these variant ``features`` and q dtype ``dtype``, else why not (one sentence)."""
-        features = frozenset(features)
+    def rejection(self, request: Request) -> str | None:
+        """None when this path implements ``request`` (its layout, codec, variant features
+        and dtype; the other facts are the backend's per-call conditions), else why not
+        (one sentence)."""
+        features, layout, codec, dtype = request.features, request.layout, request.codec, request.dtype
         missing = features - self.features
         if missing:
             variant = "+".join(("causal", *sorted(features)))  # AttentionParams.variant's name
@@ -99,36 +102,20 @@ class FastPath:
         return "; ".join(parts)
 
 
-def choose(paths, **request) -> Route:
+def choose(paths, request: Request) -> Route:
     """The first of ``paths`` (FastPaths, in priority order) that implements ``request``
-    (``FastPath.rejection``'s keywords), else the generic code; every path not chosen
-    with its reason."""
+    (``FastPath.rejection``), else the generic code; every path not chosen with its
+    reason."""
     rejected: dict[str, str] = {}
     paths = tuple(paths)
     for i, path in enumerate(paths):
-        why = path.rejection(**request)
+        why = path.rejection(request)
         if why is None:
             served = f"{path.name} serves this call (fast paths come first)"
             later = {p.name: served for p in paths[i + 1:]}
             return Route(path.name, {**rejected, **later, GENERIC: served})
         rejected[path.name] = why
     return Route(GENERIC, rejected)
-
-
-def route_facts(op: str, facts: dict, known: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """``facts`` checked against ``known`` (op -> fact name -> its favourable default) and
-    completed with the defaults; ValueError naming the operation or the unknown facts."""
-    if op not in HOT_OPS:
-        raise ValueError(f"op={op!r} (routed operations: {', '.join(HOT_OPS)})")
-    unknown = sorted(set(facts) - set(known[op]))
-    if unknown:
-        raise ValueError(f"{op} facts {', '.join(unknown)} (known: {', '.join(known[op])})")
-    out = {**known[op], **facts}
-    if out.get("dtype") is not None:
-        out["dtype"] = _dtypes.canonical_name(out["dtype"])
-    if out.get("features") is not None:
-        out["features"] = frozenset(out["features"])
-    return out
 
 
 class Backend:
@@ -157,20 +144,21 @@ class Backend:
         """None when this backend can run here, else a sentence saying why not."""
         return None
 
-    def not_supported_reasons(self, *, dtype=None, head_dim: int | None = None) -> list[str]:
-        """Why this backend cannot hold a cache of ``dtype`` and ``head_dim`` (empty: it can)."""
-        reasons = []
+    def not_supported_reasons(self, request: Request | None = None, **facts) -> list[str]:
+        """Why this backend cannot serve ``request`` (a ``Request``, or its facts as
+        keywords: ``dtype=``, ``head_dim=``, ...): it cannot run here, or it cannot hold a
+        cache of that dtype or head dim. Empty: it can (every layout, codec and variant
+        runs at least on the generic path; ``route`` says which implementation serves a
+        call)."""
         why = self.unavailable_reason()
-        if why:
-            reasons.append(why)
-        if dtype is not None:
-            try:
-                name = _dtypes.canonical_name(dtype)
-            except TypeError as exc:
-                reasons.append(str(exc))
-            else:
-                if name not in self.dtypes:
-                    reasons.append(f"dtype={name} (supported: {', '.join(self.dtypes)})")
+        reasons = [why] if why else []
+        try:
+            request = as_request(request, facts)
+        except TypeError as exc:  # a dtype gqakv does not know
+            return [*reasons, str(exc)]
+        if request.dtype is not None and request.dtype not in self.dtypes:
+            reasons.append(f"dtype={request.dtype} (supported: {', '.join(self.dtypes)})")
+        head_dim = request.head_dim
         if head_dim is not None and self.head_dims is not None and head_dim not in self.head_dims:
             dims = ", ".join(str(h) for h in self.head_dims)
             reasons.append(f"head_dim={head_dim} (supported: {dims})")
@@ -228,14 +216,17 @@ class Backend:
 
     # -- routing -----------------------------------------------------------------------------
 
-    def route(self, op: str, **facts) -> Route:
-        """Which implementation runs ``op`` (one of ``HOT_OPS``) for a call with these
-        facts (dtype, head_dim, t_q, ...: each backend documents the ones it reads; those
-        not given are taken as favourable), and why each other one was not eligible.
-        The default: the generic array-API code, with nothing else to choose from."""
-        if op not in HOT_OPS:
-            raise ValueError(f"op={op!r} (routed operations: {', '.join(HOT_OPS)})")
-        return Route(GENERIC)
+    def route(self, request: Request | str, **facts) -> Route:
+        """Which implementation runs ``request`` (a ``Request``, or an operation of
+        ``HOT_OPS`` with its facts as keywords: dtype, head_dim, t_q, layout, codec,
+        features, ...; those not given are taken as favourable), and why each other one
+        was not eligible. The default: the generic array-API code, with nothing else to
+        choose from; a backend with ``fast_paths`` chooses among them (``choose``)."""
+        request = as_request(request, facts)
+        if request.op is None:
+            raise ValueError(f"route needs an operation (one of {', '.join(HOT_OPS)})")
+        paths = [p for p in self.fast_paths if p.op == request.op]
+        return choose(paths, request) if paths else Route(GENERIC)
 
     def implementations(self) -> dict[str, str]:
         """Implementation name -> its declared limits, for ``gqakv info`` (empty: nothing
@@ -265,12 +256,24 @@ class Backend:
         """
         _row_ops.copy_tokens_array_api(dst, dst_rows, src, src_rows, n_tokens)
 
+    def plan_attention(self, store, inputs, params, q_shape) -> Any:
+        """What this backend can work out once for every attention call of a batch (a step's
+        layers): ``store`` is the first layer's KVStore, ``inputs`` the validated
+        ``AttentionInputs``, ``q_shape`` ``(B, Hq, T, d)``. None (the default): nothing;
+        each call is then ``attention(q, store, inputs, params, return_lse=...)`` as
+        always. Anything else is handed back to each call as
+        ``attention(..., return_lse=True, work=..., out=..., lse_out=...)``, which must
+        then write into the caller's ``out`` / ``lse_out`` when they are given (checked
+        already) and return ``(out, lse)`` (``gqakv.ops.plan``)."""
+        return None
+
     def attention(self, q, store, inputs, params, *, return_lse: bool):
         """Grouped-query attention of ``q`` over the live cache; see ``gqakv.gqa_attention``.
 
         store: the KVStore (no leading axes); inputs: the validated
         ``gqakv.core.inputs.AttentionInputs`` (rows, lens, n_new: host ints [B]); params: the
-        ``gqakv.core.semantics.AttentionParams``.
+        ``gqakv.core.semantics.AttentionParams``. A backend whose ``plan_attention``
+        returns work also takes ``work``, ``out`` and ``lse_out`` here (see there).
         """
         return _attention.attention_array_api(q, store, inputs, params, return_lse=return_lse)
 
@@ -295,6 +298,13 @@ class Backend:
         key range forced into small pieces (None when the backend has no such knob), and
         ``note`` says how the line exercises splits."""
         return None, "long rows through the backend's attention + merge_attention"
+
+    def kernel_entries(self) -> tuple[tuple[str, str], ...]:
+        """``(module, function)`` of each function that runs this backend's kernels (the
+        arithmetic and the byte moves, not the host work around them), for the host-time
+        benchmark (``gqakv.tools.host_time``), which replaces them with no-ops. Empty: the
+        backend's work is array-library calls with no such boundary."""
+        return ()
 
     def thread_count(self) -> int | None:
         """The CPU threads a hot call runs on (``gqakv bench``'s ``threads``; a peer gets as

@@ -11,7 +11,8 @@ import math
 
 from array_api_compat import array_namespace
 
-from ..core.inputs import check_flag, validate_attention
+from ..core.inputs import check_flag, check_outputs, validate_attention
+from .plan import AttentionPlan
 from .merge import SoftmaxState, apply_sinks
 from ..core.semantics import block_keys, transform, visible_mask
 
@@ -24,7 +25,7 @@ QUERY_BLOCK = 256
 
 def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | None = None,
                   softcap: float | None = None, sinks=None, return_lse: bool = False,
-                  rows=None, params=None, alibi_slopes=None):
+                  rows=None, params=None, alibi_slopes=None, out=None, lse_out=None):
     """Causal grouped-query attention of the newest tokens over a KVCache, optionally with
     a sliding window, a logit soft-cap, per-head sinks and ALiBi.
 
@@ -57,6 +58,11 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | 
         rows: optional ``[B]`` cache rows read by each entry (default ``0..B-1``).
         params: optional ``gqakv.AttentionParams`` carrying scale, window, softcap,
             sinks and alibi_slopes instead of those keywords (not both; see ``gqakv.core.semantics``).
+        out: optional ``[B, Hq, T, d]`` array of q's dtype (the cache's library and device)
+            that receives the output and is returned; must not overlap q.
+        lse_out: optional ``[B, Hq, T]`` float32 array (float64 for float64 caches) that
+            receives the log-sum-exp (returned with ``return_lse``). Both are checked before
+            anything is written.
 
     Mask (bottom-right causal, defined once in ``gqakv.core.semantics``): with ``L = lens[rows[i]]`` and ``n = n_new[i]``, query
     t sits at absolute position ``p = L - n + t`` and sees keys ``0..p``. For L = 6,
@@ -85,13 +91,14 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | 
     inputs = validate_attention(cache, q, n_new, rows, scale, params,
                                 window=window, softcap=softcap, sinks=sinks,
                                 alibi_slopes=alibi_slopes)
-    return attend(cache, q, inputs, return_lse)
+    check_outputs(cache, inputs_shape(q), out, lse_out)
+    # one plan, one run (gqakv.ops.plan): a step plans once and runs every layer
+    return AttentionPlan(cache, inputs_shape(q), inputs).launch(q, cache.store, return_lse, out, lse_out)
 
 
-def attend(cache, q, inputs, return_lse: bool):
-    """The one dispatch of a validated attention call (``gqa_attention`` and ``Step.attend``):
-    the cache's backend over its store, with the call's ``AttentionInputs`` and params."""
-    return cache.backend.attention(q, cache.store, inputs, inputs.params, return_lse=return_lse)
+def inputs_shape(q) -> tuple[int, int, int, int]:
+    """q's shape as Python ints ``(B, Hq, T, d)``."""
+    return tuple(int(s) for s in q.shape)  # type: ignore[return-value]
 
 
 def _compute_dtype(xp, dtype):

@@ -613,6 +613,10 @@ def add_arguments(parser) -> None:
                              "outputs checked to agree first (needs: " + ORT_INSTALL + ")")
     parser.add_argument("--no-bandwidth", action="store_true",
                         help="skip measuring the machine's read bandwidth (about 1 s)")
+    parser.add_argument("--host-time", action="store_true",
+                        help="also time a 32-layer decode step (B=8, Hkv=8, G=4, d=64, 16 live "
+                             "tokens) as it is and with the backend's kernels no-op'd: the host "
+                             "time per layer")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
@@ -695,17 +699,37 @@ def run(args) -> int:
     compare = (_compare_torch(res, cfg) if args.compare == "torch" else
                compare_onnxruntime(res._cache, cfg.heads, seed=cfg.seed + 1)
                if args.compare == "onnxruntime" else None)
+    host = None
+    if args.host_time:
+        from .host_time import step_host_time
+
+        host = step_host_time(cache.backend)
     t_end = time.perf_counter()
     times = {"workload_s": res.wall_s, "bandwidth_s": t_compare - t_bw if bw else None,
              "compare_s": t_end - t_compare if compare else None,
              # from the start of the command to the report: setup and allocation included
              "total_s": t_end - t_start}
     report = _report(res, bw, compare, times)
+    if host is not None:
+        report["host_time"] = host
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         _print_report(report)
+        if host is not None:
+            _print_host_time(host)
     return 0
+
+
+def _print_host_time(h: dict) -> None:
+    shape = (f"{h['layers']}-layer decode step, B={h['batch']}, Hkv={h['kv_heads']}, G={h['group']}, "
+             f"d={h['head_dim']}, {h['live']} live tokens, {h['dtype']}")
+    if h["host_s"] is None:
+        print(f"host time: {shape}: step {h['step_s'] * 1e3:.2f} ms (the backend declares no "
+              "kernel entries to exclude)")
+        return
+    print(f"host time: {shape}: step {h['step_s'] * 1e3:.2f} ms, kernels no-op'd "
+          f"{h['host_s'] * 1e3:.2f} ms = {h['host_per_layer_us']:.0f} us of host work per layer")
 
 
 def _compare_torch(res: Result, cfg: Config) -> dict:

@@ -144,7 +144,7 @@ def call_facts(backend, op: str, args: tuple) -> dict[str, Any]:
     store = args[1] if op == "attention" else args[0]
     facts: dict[str, Any] = {
         "dtype": store.spec.q_dtype, "head_dim": int(store.k.shape[-1]),
-        "storage": store.kind, "kv_dtype": store.dtype if store.quantized else None}
+        "layout": store.kind, "codec": store.dtype if store.quantized else None}
     if op == "attention":
         q, params = args[0], args[3]
         facts.update(t_q=int(q.shape[2]), features=params.features)
@@ -195,21 +195,21 @@ CPU_CODECS = (None, "int8", "float8_e4m3fn")
 
 
 def _numpy_attention(f) -> Any:
-    if f["kv_dtype"] not in CPU_CODECS:
-        return Refused((f"kv_dtype={f['kv_dtype']!r}",))
+    if f["codec"] not in CPU_CODECS:
+        return Refused((f"kv_dtype={f['codec']!r}",))
     return FAST
 
 
 def _numba_attention(f) -> Any:
-    if f["kv_dtype"] not in CPU_CODECS:
-        return Refused((f"kv_dtype={f['kv_dtype']!r}",))
+    if f["codec"] not in CPU_CODECS:
+        return Refused((f"kv_dtype={f['codec']!r}",))
     if f["t_q"] <= 8 and f["dtype"] != "float64":  # decode and short chunks: the kernels
         return "numba kernel"
     return _numpy_attention(f)
 
 
 def _plain_contiguous(impl):
-    return lambda f: impl if f["storage"] == "contiguous" and not f["kv_dtype"] else GENERIC
+    return lambda f: impl if f["layout"] == "contiguous" and not f["codec"] else GENERIC
 
 
 def _cupy_store(f) -> Any:

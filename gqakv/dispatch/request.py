@@ -1,0 +1,110 @@
+"""One call as a backend judges it: the ``Request`` that ``Backend.route`` and
+``Backend.not_supported_reasons`` take.
+
+A request names what decides which implementation may serve a call: the operation, the
+dtype of q / new K/V / the output, the head dim, the query tokens per row, the storage
+layout and codec (``gqakv.storage``), the attention variant's features, and the per-call
+conditions a backend measured on the call's arrays (``buffers``: why the buffers do not
+suit its kernels; ``grid``: why its launch grid does not fit; ``capability``: the
+device's compute capability). Fields left out are the favourable case, so
+``Request("attention", dtype="float16", head_dim=128)`` asks which implementation would
+serve the best such call. Requests are frozen and hashable: backends keep their routing
+decisions keyed by them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from ..core import dtypes as _dtypes
+from ..storage.codecs import PLAIN_NAME
+from ..storage.store import CONTIGUOUS
+
+#: The hot operations a backend routes.
+HOT_OPS = ("write_kv", "copy_tokens", "attention")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a backend judges about one call (see the module docstring).
+
+    op: one of ``HOT_OPS``, or None for "a cache of this kind" (``not_supported_reasons``).
+    dtype: canonical dtype name of q, the new K/V and the output (a quantized cache's
+      ``q_dtype``); None: not judged.
+    head_dim: d; None: not judged.
+    t_q: query tokens per row (attention).
+    layout: the storage layout kind (``"contiguous"``, ``"paged"``).
+    codec: the storage codec's name (``gqakv.storage.codecs``; ``"none"`` or None: plain
+      values).
+    features: the attention variant's ``AttentionParams.features``.
+    buffers: why the call's buffers do not suit a backend's kernels (strides, alignment,
+      ...), None when they do.
+    grid: why a backend's launch grid for the call does not fit, None when it does.
+    capability: the device's compute capability as CuPy spells it (90 for 9.0), None
+      when not known.
+    """
+
+    op: str | None = None
+    dtype: str | None = None
+    head_dim: int | None = None
+    t_q: int = 1
+    layout: str = CONTIGUOUS
+    codec: str = PLAIN_NAME
+    features: frozenset[str] = frozenset()
+    buffers: str | None = None
+    grid: str | None = None
+    capability: int | None = None
+
+    def __post_init__(self):
+        if self.op is not None and self.op not in HOT_OPS:
+            raise ValueError(f"op={self.op!r} (routed operations: {', '.join(HOT_OPS)})")
+        if self.dtype is not None and self.dtype not in _dtypes.ITEMSIZE:  # canonical: kept
+            object.__setattr__(self, "dtype", _dtypes.canonical_name(self.dtype))
+        if self.head_dim is not None:
+            object.__setattr__(self, "head_dim", int(self.head_dim))
+        object.__setattr__(self, "t_q", int(self.t_q))
+        if self.codec is None:  # the kv_dtype=None of an unquantized cache
+            object.__setattr__(self, "codec", PLAIN_NAME)
+        object.__setattr__(self, "features", frozenset(self.features))
+        if self.capability is not None:
+            object.__setattr__(self, "capability", int(self.capability))
+
+    @classmethod
+    def make(cls, op: str | None, **facts) -> "Request":
+        """``Request(op, **facts)`` with a sentence naming any fact that is not a field."""
+        if not _FACTS.issuperset(facts):
+            known = [f.name for f in fields(cls) if f.name != "op"]
+            unknown = sorted(set(facts) - _FACTS)
+            raise ValueError(f"{op or 'request'} facts {', '.join(unknown)} (known: {', '.join(known)})")
+        return cls(op, **facts)
+
+    @classmethod
+    def of_store(cls, op: str, store, **facts) -> "Request":
+        """The request of a call over ``store`` (a ``gqakv.storage.store.KVStore``): its
+        layout, codec, head dim and q dtype, plus ``facts`` (t_q, features, buffers, ...)."""
+        spec = store.spec
+        return cls.make(op, dtype=spec.q_dtype, head_dim=store.head_dim, layout=spec.kind,
+                        codec=spec.codec.name, **facts)
+
+    def with_(self, **changes) -> "Request":
+        """This request with ``changes`` (fields, as for ``make``)."""
+        return replace(self, **changes)
+
+    @property
+    def quantized_dtype(self) -> str | None:
+        """The codec's name when K/V are stored as codes (not ``"none"``), else None: the
+        ``kv_dtype=`` a user gave for such a cache."""
+        return None if self.codec == PLAIN_NAME else self.codec
+
+
+_FACTS = frozenset(f.name for f in fields(Request) if f.name != "op")
+
+
+def as_request(request: "Request | str | None", facts: dict) -> Request:
+    """``request`` itself (no ``facts`` allowed beside it), or ``Request.make(request, **facts)``
+    for an operation name (the keyword form of ``route``)."""
+    if isinstance(request, Request):
+        if facts:
+            raise TypeError(f"give a Request or facts, not both (got facts {', '.join(sorted(facts))})")
+        return request
+    return Request.make(request, **facts)

@@ -1,0 +1,137 @@
+"""Plan once, run per layer: the part of an attention call that depends only on the batch.
+
+A forward step runs the same batch through every layer: the same rows, lengths, n_new,
+query shape and variant. ``AttentionPlan`` holds that part, validated once
+(``gqakv.core.inputs.validate_attention_batch``) and planned once by the backend
+(``Backend.plan_attention``: work items, key splits, merge layout, ...); ``run`` then
+checks only the tensors it is handed (q, the outputs) and launches. ``gqa_attention`` is
+a plan and one run; ``Step.attend`` plans on its first layer and runs every layer on that
+plan; ``gqakv.plan_attention`` and ``Step.plan_attention`` hand the plan to an engine.
+
+A backend that plans nothing (``plan_attention`` returns None: the default, so a
+third-party backend keeps working) is called as before for each run, and the caller's
+``out`` / ``lse_out`` are filled from its result; one that returns work receives it and
+the caller's buffers (``attention(..., work=, out=, lse_out=)``) and writes into them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.inputs import check_flag, check_outputs, check_queries, validate_attention_batch
+
+
+def write_into(result, return_lse: bool, out, lse_out):
+    """``result`` of an attention call made with ``return_lse=True``, i.e. ``(o, lse)``,
+    copied into the caller's ``out`` / ``lse_out`` where given; returns what the call
+    returns: ``out`` (or o), with the lse (``lse_out`` or lse) when ``return_lse``."""
+    o, lse = result
+    if out is not None:
+        out[...] = o
+        o = out
+    if lse_out is not None:
+        lse_out[...] = lse
+        lse = lse_out
+    return (o, lse) if return_lse else o
+
+
+class AttentionPlan:
+    """An attention call's batch, validated and planned once (see the module docstring).
+
+    Attributes:
+        q_shape: ``(B, Hq, T, d)`` of the queries every run takes.
+        inputs: the validated ``gqakv.core.inputs.AttentionInputs`` (rows, lens, n_new,
+            params; host ints [B]).
+        work: what the backend planned (None: it plans nothing ahead).
+    """
+
+    __slots__ = ("backend", "spec", "kv_heads", "head_dim", "q_shape", "inputs", "work", "owner")
+
+    def __init__(self, cache, q_shape, inputs, owner=None):
+        self.owner = owner  # what made it (a Step checks that a plan handed to it is its own)
+        self.backend = cache.backend
+        self.spec = cache.store.spec
+        self.kv_heads, self.head_dim = cache.kv_heads, cache.head_dim
+        self.q_shape = tuple(int(s) for s in q_shape)
+        self.inputs = inputs
+        self.work = self.backend.plan_attention(cache.store, inputs, inputs.params, self.q_shape)
+
+    @classmethod
+    def of(cls, cache, n_new, *, q_heads: int, t_q: int | None = None, rows=None,
+           scale=None, params=None, window=None, softcap=None, sinks=None,
+           alibi_slopes=None) -> "AttentionPlan":
+        """The plan of ``gqa_attention(q, cache, n_new, rows=rows, ...)`` for queries
+        ``[len(n_new), q_heads, t_q, d]`` (``t_q`` default: the largest n_new), validated
+        against ``cache`` as it is now (run it before the cache changes)."""
+        n = np.asarray(n_new).reshape(-1) if not isinstance(n_new, (list, tuple)) else n_new
+        batch = len(n)
+        if t_q is None:
+            t_q = max((int(x) for x in n), default=0)
+        q_shape = (batch, int(q_heads), int(t_q), cache.head_dim)
+        inputs = validate_attention_batch(cache, q_shape, n_new, rows, scale, params, window=window,
+                                          softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+        return cls(cache, q_shape, inputs)
+
+    @property
+    def params(self):
+        """The call's ``AttentionParams`` (scale and variant)."""
+        return self.inputs.params
+
+    def run(self, q, cache, *, return_lse: bool = False, out=None, lse_out=None):
+        """Attention of ``q`` (``q_shape``) over ``cache``, a cache of the same backend,
+        storage, heads and head dim whose rows still hold the planned lengths (another
+        layer of the same step, or the planned cache before it changes); see
+        ``gqa_attention`` for the semantics and the result. ``out`` ``[B, Hq, T, d]`` (q's
+        dtype) and ``lse_out`` ``[B, Hq, T]`` (float32; float64 for float64 caches)
+        receive the results when given, checked before anything is written."""
+        return_lse = check_flag(return_lse, "return_lse")
+        self.check_cache(cache)
+        self.check_tensors(cache, q, out, lse_out)
+        return self.launch(q, cache.store, return_lse, out, lse_out)
+
+    def check_cache(self, cache) -> None:
+        """ValueError unless ``cache`` is one this plan runs over (see ``run``)."""
+        if cache.backend is not self.backend:
+            raise ValueError(f"the plan was made for backend {self.backend.name!r}, the cache "
+                             f"is on {cache.backend.name!r}")
+        if (cache.store.spec != self.spec or cache.kv_heads != self.kv_heads
+                or cache.head_dim != self.head_dim):
+            raise ValueError(f"the plan was made for {self.spec.dtype} {self.spec.kind} storage "
+                             f"with Hkv={self.kv_heads}, d={self.head_dim}; this cache has "
+                             f"{cache.store.spec.dtype} {cache.store.kind}, Hkv={cache.kv_heads}, "
+                             f"d={cache.head_dim}")
+        rows, lens = self.inputs.rows, self.inputs.lens
+        if int(rows.max(initial=-1)) >= cache.batch:
+            raise ValueError(f"the plan reads rows up to {int(rows.max())}; this cache has "
+                             f"{cache.batch} rows")
+        now = cache.host_lens[rows]
+        if not np.array_equal(now, lens):
+            i = int(np.flatnonzero(now != lens)[0])
+            raise ValueError(f"the plan is stale: row {int(rows[i])} held {int(lens[i])} tokens "
+                             f"when it was planned and holds {int(now[i])} now (plan again "
+                             "after every append)")
+
+    def check_tensors(self, cache, q, out=None, lse_out=None) -> None:
+        """The per-run checks: ``q`` (library, device, rank, dtype and ``q_shape``) and the
+        caller's output buffers."""
+        check_queries(cache, q)
+        if tuple(int(s) for s in q.shape) != self.q_shape:
+            raise ValueError(f"q has shape {list(q.shape)}, the plan is for {list(self.q_shape)} "
+                             "[B, Hq, T, d]")
+        check_outputs(cache, self.q_shape, out, lse_out)
+
+    def launch(self, q, store, return_lse: bool, out=None, lse_out=None):
+        """The backend's attention of checked tensors over ``store`` (no checks here)."""
+        backend, inputs = self.backend, self.inputs
+        if self.work is None:
+            if out is None and lse_out is None:
+                return backend.attention(q, store, inputs, inputs.params, return_lse=return_lse)
+            result = backend.attention(q, store, inputs, inputs.params, return_lse=True)
+            return write_into(result, return_lse, out, lse_out)
+        result = backend.attention(q, store, inputs, inputs.params, return_lse=True,
+                                   work=self.work, out=out, lse_out=lse_out)
+        return result if return_lse else result[0]
+
+    def __repr__(self) -> str:
+        return (f"<AttentionPlan {self.backend.name} q {list(self.q_shape)} "
+                f"n_new={self.inputs.n_new.tolist()} {self.params.variant}>")

@@ -1,0 +1,86 @@
+"""Host time of a model step: what a step costs besides its kernels.
+
+A decode step runs every layer's append and attention; on a small batch the kernels run
+for microseconds and the host work around them (validation, planning, dispatch,
+allocation) can set the pace. ``step_host_time`` times a ``ModelKVCache`` decode step of
+``layers`` layers twice in alternating rounds: as it is, and with the backend's kernels
+replaced by no-ops (``Backend.kernel_entries``: the functions that do the arithmetic and
+move the bytes), so the second time is the host's alone. Backends that declare no kernel
+entries get only the first (their work is all array-library calls).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+
+import numpy as np
+
+from ..caches.model_cache import ModelKVCache
+
+
+@contextlib.contextmanager
+def kernels_as_no_ops(backend):
+    """Every ``backend.kernel_entries()`` function replaced by one that returns None."""
+    saved = []
+    try:
+        for module_name, name in backend.kernel_entries():
+            module = importlib.import_module(module_name)
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, lambda *args, **kwargs: None)
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+def step_host_time(backend, *, layers: int = 32, batch: int = 8, kv_heads: int = 8,
+                   group: int = 4, head_dim: int = 64, live: int = 16, dtype: str = "float32",
+                   rounds: int = 7, steps_per_round: int = 3) -> dict:
+    """Median seconds of one decode step (``step_s``), of the same step with the kernels
+    no-op'd (``host_s``, None when the backend declares no kernel entries), and the host
+    time per layer (``host_per_layer_us``), over rows holding ``live`` tokens."""
+    cache = ModelKVCache(layers, batch, kv_heads, live + rounds * steps_per_round * 2 + 8,
+                         head_dim, dtype=dtype, backend=backend)
+    rng = np.random.default_rng(0)
+    x = backend.from_numpy(rng.standard_normal((batch, kv_heads, live, head_dim)), dtype)
+    with cache.step([live] * batch) as step:
+        for l in range(layers):
+            step.write(l, x, x)
+    q = backend.from_numpy(rng.standard_normal((batch, kv_heads * group, 1, head_dim)), dtype)
+    k = backend.from_numpy(rng.standard_normal((batch, kv_heads, 1, head_dim)), dtype)
+    ones = [1] * batch
+
+    def one_step():
+        with cache.step(ones) as s:
+            for l in range(layers):
+                s.attend(l, q, k, k)
+        backend.synchronize()
+
+    def timed():
+        t0 = time.perf_counter()
+        for _ in range(steps_per_round):
+            one_step()
+        return (time.perf_counter() - t0) / steps_per_round
+
+    def trimmed():  # keep the rows at about ``live`` tokens: every step appends one
+        cache.truncate(list(range(batch)), [live] * batch)
+
+    one_step()  # compile / warm
+    has_kernels = bool(backend.kernel_entries())
+    full, host = [], []
+    for _ in range(rounds):  # alternating rounds: the machine's drift hits both alike
+        trimmed()
+        full.append(timed())
+        if has_kernels:
+            trimmed()
+            with kernels_as_no_ops(backend):
+                host.append(timed())
+    step_s = float(np.median(full))
+    host_s = float(np.median(host)) if host else None
+    return {"layers": layers, "batch": batch, "kv_heads": kv_heads, "group": group,
+            "head_dim": head_dim, "live": live, "dtype": dtype, "step_s": step_s,
+            "host_s": host_s,
+            "host_per_layer_us": None if host_s is None else host_s / layers * 1e6,
+            "kernel_share": None if host_s is None else max(0.0, 1 - host_s / step_s)}
