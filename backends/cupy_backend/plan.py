@@ -150,7 +150,7 @@ def page_divisor(page_size: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class PageTableArg:
-    """The paged kernels' last argument (``KVPages``): the page table ``[R, table_stride]``
+    """The paged kernels' page table (``KVPages``, their struct's ``pages``): ``[R, table_stride]``
     int32 named symbolically (``table``), packed with its device address by ``record``.
     Raises NotImplementedError for rows of ``MAX_PAGED_ROW_SLOTS`` slots or more (the
     kernels' 32-bit page arithmetic; the backend then takes the generic path)."""

@@ -92,9 +92,11 @@ class Struct:
     def padding(self) -> list[tuple[str, int]]:
         """(field name, bytes of padding before it; "" for the end) for every gap."""
         dt = self.dtype
-        gaps, end = [], 0
+        offsets = {name: spec[1] for name, spec in (dt.fields or {}).items()}
+        gaps: list[tuple[str, int]] = []
+        end = 0
         for f in self.fields:
-            off = (dt.fields or {})[f.name][1]
+            off = offsets[f.name]
             if off > end:
                 gaps.append((f.name, off - end))
             end = off + dt[f.name].itemsize
@@ -168,10 +170,11 @@ def _strides(prefix: str, what: str, **axes: str) -> tuple[Field, ...]:
 _BHT = dict(b="entry", h="head", t="token")
 _POOL = dict(b="row (paged: page)", h="head", t="token")
 
-# The kernel families' arguments, one struct per family (plan.Args fills them). Pointer fields
-# keep the __restrict__ promise the positional arguments made: no two of them alias (copy_tokens'
-# dst and src may be one cache's buffers, but no copy reads a row another writes); kernels copy
-# them into __restrict__ locals, where the compiler sees the promise.
+# The kernel families' arguments, one struct per family (plan.Args fills them). The kernels
+# read the fields in place (a.q, a.Hkv; kernel parameter space, as separate arguments were).
+# No two pointer fields alias (copy_tokens' dst and src may be one cache's buffers, but no
+# copy reads a row another writes), as the positional arguments' __restrict__ said; the
+# struct members carry no qualifier (ptxas' register counts are unchanged without it).
 
 _ATTN_INPUTS = (
     Field("q", "const Q*", "[B, Hq, T, d] queries"),

@@ -536,8 +536,17 @@ class Emulator:
                 # type generated from the same declaration, aligned like it
                 rec = a.record(lambda buf: ptrs[buf.name])
                 holders.append(a.struct.ctypes_type().from_buffer_copy(rec.tobytes()))
+            # plain arguments: the emulator's own self-test kernels (driver.cpp)
+            elif isinstance(a, planmod.Buf):
+                holders.append(c.c_void_p(ptrs[a.name]))
+            elif isinstance(a, np.int32):
+                holders.append(c.c_int32(int(a)))
+            elif isinstance(a, np.int64):
+                holders.append(c.c_int64(int(a)))
+            elif isinstance(a, np.float32):
+                holders.append(c.c_float(float(a)))
             else:
-                raise TypeError(f"{launch.name}: argument {a!r} is not a kernel struct (plan.Args)")
+                raise TypeError(f"{launch.name}: argument {a!r} has no explicit CUDA type")
         argv = (c.c_void_p * len(holders))(*[c.cast(c.pointer(h), c.c_void_p) for h in holders])
         sizes = (c.c_size_t * len(holders))(*[c.sizeof(h) for h in holders])
         grid = (c.c_uint * 3)(*launch.grid)

@@ -219,7 +219,8 @@ __global__ void __launch_bounds__(128, (DecodeMmaCtas<T, D, VARIANT>::value)) gq
 #pragma unroll
         for (int i = 0; i < S::KW; ++i) qw.w[i] = 0u;
         if (valid)
-            load_chunks(qw, a.q + (i64)b * a.q_sb + (i64)(kvh * G + g) * a.q_sh + (i64)t * a.q_st + fc * 8, 32);
+            load_chunks(qw, a.q + (i64)b * a.q_sb + (i64)(kvh * G + g) * a.q_sh + (i64)t * a.q_st + fc * 8,
+                        32);
 #pragma unroll
         for (int kk = 0; kk < S::KK; ++kk) {
             qa[kk][h] = qw.w[2 * kk];          // cols 2c, 2c + 1 of k-step kk

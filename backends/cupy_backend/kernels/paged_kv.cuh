@@ -12,9 +12,10 @@
 // instantiations leave it empty (their names are unchanged, their struct's `pages` is zero
 // and never read); the paged ones name KVPages (sources.paged_name_expression) and the
 // planner fills `pages` (plan.PageTableArg). kv_reader / kv_slot overload on whether a
-// KVPages is passed, and `pages_of<Pages...>(a)` passes the struct's exactly when the pack
-// names it, so a kernel body says `kv_reader_of<Ty, Pages...>(a, row, kvh, D)` once and
-// serves both (and, through KernelTypes::ReaderOver, 8-bit codes over either).
+// KVPages is passed, and `static_cast<const Pages&>(a.pages)...` passes the struct's
+// exactly when the pack names it, so a kernel body says `kv_reader_of<Ty, Pages...>(a,
+// row, kvh, D)` once and serves both (and, through KernelTypes::ReaderOver, 8-bit codes
+// over either).
 //
 // Only the pages a row holds for its live tokens are ever looked up (the kernels never
 // ask for a key at or past L), so table entries past them (-1) are never read.
