@@ -4,6 +4,7 @@
 #include "common.cuh"
 
 // Runtime attention parameters, one struct passed by value (plan.KernelParams).
+// 48 bytes (padding: none).
 struct AttnParams {
     float scale;           // the softmax scale applied to q . k
     float softcap;         // c > 0 (read only under VARIANT_SOFTCAP)
@@ -25,6 +26,7 @@ static_assert(__builtin_offsetof(AttnParams, alibi) == 40, "AttnParams.alibi: th
 #endif
 
 // The page table as the paged kernels take it (paged_kv.cuh; plan.PageTableArg).
+// 32 bytes (padding: 4 at the end).
 struct KVPages {
     const int* table;     // [rows, table_stride] int32, row r's pages in token order
     i64 table_stride;     // entries per table row (pages_per_row)
@@ -39,4 +41,254 @@ static_assert(__builtin_offsetof(KVPages, table_stride) == 8, "KVPages.table_str
 static_assert(__builtin_offsetof(KVPages, page_size) == 16, "KVPages.page_size: the offset of structs.py's dtype");
 static_assert(__builtin_offsetof(KVPages, page_magic) == 20, "KVPages.page_magic: the offset of structs.py's dtype");
 static_assert(__builtin_offsetof(KVPages, page_shift) == 24, "KVPages.page_shift: the offset of structs.py's dtype");
+#endif
+
+// The decode kernels' arguments (decode.cu, decode_mma.cu; plan.plan_attention).
+// 264 bytes (padding: 4 before keys_per_split).
+template <class Q, class KV, class Out>
+struct DecodeArgs {
+    const Q* q;          // [B, Hq, T, d] queries
+    const KV* k_buf;     // K: [R, Hkv, S, d] rows, or the page pool [num_pages, Hkv, P, d]
+    const KV* v_buf;     // V, likewise
+    const i64* rows;     // [B] cache row of each entry
+    const i64* lens;     // [B] keys of each entry after the append (L)
+    const i64* n_new;    // [B] new tokens (queries) of each entry (n)
+    Out* out;            // [B, Hq, T, d] output (pre-filled with 0)
+    float* lse;          // [B, Hq, T] natural-log LSE (pre-filled with -inf)
+    float* part_o;       // [B, Hq, T, num_splits, d] fp32 partials (split-KV; else unused)
+    float* part_lse;     // [B, Hq, T, num_splits] their LSEs, likewise
+    int Hkv;             // KV heads
+    int G;               // query heads per KV head (Hq = Hkv * G)
+    int Tq;              // query tokens per entry (T)
+    int n_qchunks;       // query chunks per (entry, KV head): grid x = B * Hkv * n_qchunks
+    int num_splits;      // key splits (grid y); 1: out and lse written directly
+    // (4 bytes of padding: keys_per_split is 8-byte aligned)
+    i64 keys_per_split;  // keys of one split (< 2^30)
+    i64 q_sb;            // q: entry stride (elements)
+    i64 q_sh;            // q: head stride (elements)
+    i64 q_st;            // q: token stride (elements)
+    i64 buf_sb;          // k_buf / v_buf: row (paged: page) stride (elements)
+    i64 buf_sh;          // k_buf / v_buf: head stride (elements)
+    i64 buf_st;          // k_buf / v_buf: token stride (elements)
+    i64 o_sb;            // out: entry stride (elements)
+    i64 o_sh;            // out: head stride (elements)
+    i64 o_st;            // out: token stride (elements)
+    AttnParams params;   // scale, variant parameters, 8-bit scales
+    KVPages pages;       // the page table (paged instantiations only; else zero, never read)
+};
+static_assert(sizeof(DecodeArgs<float, float, float>) == 264, "DecodeArgs: the size of structs.py's dtype");
+#ifdef GQAKV_EMULATION  // g++ has offsetof; NVRTC has no <cstddef>
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, q) == 0, "DecodeArgs.q: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, k_buf) == 8, "DecodeArgs.k_buf: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, v_buf) == 16, "DecodeArgs.v_buf: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, rows) == 24, "DecodeArgs.rows: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, lens) == 32, "DecodeArgs.lens: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, n_new) == 40, "DecodeArgs.n_new: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, out) == 48, "DecodeArgs.out: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, lse) == 56, "DecodeArgs.lse: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, part_o) == 64, "DecodeArgs.part_o: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, part_lse) == 72, "DecodeArgs.part_lse: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, Hkv) == 80, "DecodeArgs.Hkv: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, G) == 84, "DecodeArgs.G: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, Tq) == 88, "DecodeArgs.Tq: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, n_qchunks) == 92, "DecodeArgs.n_qchunks: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, num_splits) == 96, "DecodeArgs.num_splits: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, keys_per_split) == 104, "DecodeArgs.keys_per_split: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, q_sb) == 112, "DecodeArgs.q_sb: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, q_sh) == 120, "DecodeArgs.q_sh: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, q_st) == 128, "DecodeArgs.q_st: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, buf_sb) == 136, "DecodeArgs.buf_sb: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, buf_sh) == 144, "DecodeArgs.buf_sh: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, buf_st) == 152, "DecodeArgs.buf_st: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, o_sb) == 160, "DecodeArgs.o_sb: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, o_sh) == 168, "DecodeArgs.o_sh: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, o_st) == 176, "DecodeArgs.o_st: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, params) == 184, "DecodeArgs.params: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(DecodeArgs<float, float, float>, pages) == 232, "DecodeArgs.pages: the offset of structs.py's dtype");
+#endif
+
+// The chunked-prefill kernels' arguments (prefill.cu, prefill_mma.cu; plan.plan_attention).
+// 240 bytes (padding: none).
+template <class Q, class KV, class Out>
+struct PrefillArgs {
+    const Q* q;         // [B, Hq, T, d] queries
+    const KV* k_buf;    // K: [R, Hkv, S, d] rows, or the page pool [num_pages, Hkv, P, d]
+    const KV* v_buf;    // V, likewise
+    const i64* rows;    // [B] cache row of each entry
+    const i64* lens;    // [B] keys of each entry after the append (L)
+    const i64* n_new;   // [B] new tokens (queries) of each entry (n)
+    Out* out;           // [B, Hq, T, d] output (pre-filled with 0)
+    float* lse;         // [B, Hq, T] natural-log LSE (pre-filled with -inf)
+    int Hkv;            // KV heads
+    int G;              // query heads per KV head (Hq = Hkv * G)
+    int Tq;             // query tokens per entry (T)
+    int GC;             // group heads per CTA
+    int BQ;             // query tokens per CTA (GC * BQ <= the kernel's rows)
+    int n_gchunks;      // group chunks per (entry, KV head): grid x = B * Hkv * n_gchunks
+    i64 q_sb;           // q: entry stride (elements)
+    i64 q_sh;           // q: head stride (elements)
+    i64 q_st;           // q: token stride (elements)
+    i64 buf_sb;         // k_buf / v_buf: row (paged: page) stride (elements)
+    i64 buf_sh;         // k_buf / v_buf: head stride (elements)
+    i64 buf_st;         // k_buf / v_buf: token stride (elements)
+    i64 o_sb;           // out: entry stride (elements)
+    i64 o_sh;           // out: head stride (elements)
+    i64 o_st;           // out: token stride (elements)
+    AttnParams params;  // scale, variant parameters, 8-bit scales
+    KVPages pages;      // the page table (paged instantiations only; else zero, never read)
+};
+static_assert(sizeof(PrefillArgs<float, float, float>) == 240, "PrefillArgs: the size of structs.py's dtype");
+#ifdef GQAKV_EMULATION  // g++ has offsetof; NVRTC has no <cstddef>
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, q) == 0, "PrefillArgs.q: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, k_buf) == 8, "PrefillArgs.k_buf: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, v_buf) == 16, "PrefillArgs.v_buf: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, rows) == 24, "PrefillArgs.rows: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, lens) == 32, "PrefillArgs.lens: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, n_new) == 40, "PrefillArgs.n_new: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, out) == 48, "PrefillArgs.out: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, lse) == 56, "PrefillArgs.lse: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, Hkv) == 64, "PrefillArgs.Hkv: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, G) == 68, "PrefillArgs.G: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, Tq) == 72, "PrefillArgs.Tq: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, GC) == 76, "PrefillArgs.GC: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, BQ) == 80, "PrefillArgs.BQ: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, n_gchunks) == 84, "PrefillArgs.n_gchunks: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, q_sb) == 88, "PrefillArgs.q_sb: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, q_sh) == 96, "PrefillArgs.q_sh: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, q_st) == 104, "PrefillArgs.q_st: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, buf_sb) == 112, "PrefillArgs.buf_sb: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, buf_sh) == 120, "PrefillArgs.buf_sh: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, buf_st) == 128, "PrefillArgs.buf_st: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, o_sb) == 136, "PrefillArgs.o_sb: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, o_sh) == 144, "PrefillArgs.o_sh: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, o_st) == 152, "PrefillArgs.o_st: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, params) == 160, "PrefillArgs.params: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(PrefillArgs<float, float, float>, pages) == 208, "PrefillArgs.pages: the offset of structs.py's dtype");
+#endif
+
+// The split-KV merge's arguments (merge.cu; plan.plan_attention).
+// 128 bytes (padding: 4 before o_sb).
+template <class Out>
+struct MergeArgs {
+    const float* part_o;    // [B, Hq, T, num_splits, d] the decode splits' fp32 partials
+    const float* part_lse;  // [B, Hq, T, num_splits] their LSEs
+    const i64* n_new;       // [B] new tokens of each entry
+    Out* out;               // [B, Hq, T, d] output
+    float* lse;             // [B, Hq, T] natural-log LSE
+    int Hq;                 // query heads
+    int Tq;                 // query tokens per entry (T)
+    int num_splits;         // splits per query
+    // (4 bytes of padding: o_sb is 8-byte aligned)
+    i64 o_sb;               // out: entry stride (elements)
+    i64 o_sh;               // out: head stride (elements)
+    i64 o_st;               // out: token stride (elements)
+    AttnParams params;      // the sink term (read only under VARIANT_SINKS)
+};
+static_assert(sizeof(MergeArgs<float>) == 128, "MergeArgs: the size of structs.py's dtype");
+#ifdef GQAKV_EMULATION  // g++ has offsetof; NVRTC has no <cstddef>
+static_assert(__builtin_offsetof(MergeArgs<float>, part_o) == 0, "MergeArgs.part_o: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(MergeArgs<float>, part_lse) == 8, "MergeArgs.part_lse: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(MergeArgs<float>, n_new) == 16, "MergeArgs.n_new: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(MergeArgs<float>, out) == 24, "MergeArgs.out: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(MergeArgs<float>, lse) == 32, "MergeArgs.lse: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(MergeArgs<float>, Hq) == 40, "MergeArgs.Hq: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(MergeArgs<float>, Tq) == 44, "MergeArgs.Tq: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(MergeArgs<float>, num_splits) == 48, "MergeArgs.num_splits: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(MergeArgs<float>, o_sb) == 56, "MergeArgs.o_sb: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(MergeArgs<float>, o_sh) == 64, "MergeArgs.o_sh: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(MergeArgs<float>, o_st) == 72, "MergeArgs.o_st: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(MergeArgs<float>, params) == 80, "MergeArgs.params: the offset of structs.py's dtype");
+#endif
+
+// The appends' arguments (write_kv.cu, write_kv_quantized.cu; plan.plan_write_kv).
+// 184 bytes (padding: none).
+template <class T, class C>
+struct WriteArgs {
+    const T* k_new;     // [B, Hkv, Tn, d] new K
+    const T* v_new;     // new V, likewise
+    C* k_buf;           // K: [R, Hkv, S, d] rows (codes when quantized), or the page pool
+    C* v_buf;           // V, likewise
+    float* k_scale;     // [R, Hkv, S] K scales (quantized append only; else null, never read)
+    float* v_scale;     // V scales, likewise
+    const i64* rows;    // [B] cache row of each entry
+    const i64* starts;  // [B] first slot written of each entry
+    const i64* n_new;   // [B] tokens written of each entry
+    int Hkv;            // KV heads
+    int Tn;             // new tokens per entry (the k_new / v_new capacity)
+    i64 new_sb;         // k_new / v_new: entry stride (elements)
+    i64 new_sh;         // k_new / v_new: head stride (elements)
+    i64 new_st;         // k_new / v_new: token stride (elements)
+    i64 buf_sb;         // k_buf / v_buf: row (paged: page) stride (elements)
+    i64 buf_sh;         // k_buf / v_buf: head stride (elements)
+    i64 buf_st;         // k_buf / v_buf: token stride (elements)
+    i64 sc_sb;          // k_scale / v_scale (quantized append only; else 0): row (paged: page) stride (elements)
+    i64 sc_sh;          // k_scale / v_scale (quantized append only; else 0): head stride (elements)
+    i64 sc_st;          // k_scale / v_scale (quantized append only; else 0): token stride (elements)
+    KVPages pages;      // the page table (paged instantiations only; else zero, never read)
+};
+static_assert(sizeof(WriteArgs<float, float>) == 184, "WriteArgs: the size of structs.py's dtype");
+#ifdef GQAKV_EMULATION  // g++ has offsetof; NVRTC has no <cstddef>
+static_assert(__builtin_offsetof(WriteArgs<float, float>, k_new) == 0, "WriteArgs.k_new: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, v_new) == 8, "WriteArgs.v_new: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, k_buf) == 16, "WriteArgs.k_buf: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, v_buf) == 24, "WriteArgs.v_buf: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, k_scale) == 32, "WriteArgs.k_scale: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, v_scale) == 40, "WriteArgs.v_scale: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, rows) == 48, "WriteArgs.rows: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, starts) == 56, "WriteArgs.starts: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, n_new) == 64, "WriteArgs.n_new: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, Hkv) == 72, "WriteArgs.Hkv: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, Tn) == 76, "WriteArgs.Tn: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, new_sb) == 80, "WriteArgs.new_sb: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, new_sh) == 88, "WriteArgs.new_sh: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, new_st) == 96, "WriteArgs.new_st: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, buf_sb) == 104, "WriteArgs.buf_sb: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, buf_sh) == 112, "WriteArgs.buf_sh: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, buf_st) == 120, "WriteArgs.buf_st: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, sc_sb) == 128, "WriteArgs.sc_sb: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, sc_sh) == 136, "WriteArgs.sc_sh: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, sc_st) == 144, "WriteArgs.sc_st: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(WriteArgs<float, float>, pages) == 152, "WriteArgs.pages: the offset of structs.py's dtype");
+#endif
+
+// The row copies' arguments (copy_tokens.cu; plan.plan_copy_tokens).
+// 120 bytes (padding: 4 before dst_sl).
+template <class T>
+struct CopyArgs {
+    T* dst_k;          // [layers, R, Hkv, S, d] destination K
+    T* dst_v;          // destination V
+    const T* src_k;    // source K (dst_k itself, or another buffer)
+    const T* src_v;    // source V
+    const i64* pairs;  // [3, n_pairs] dst rows, src rows, token counts
+    int n_pairs;       // copies
+    int layers;        // layers
+    int Hkv;           // KV heads
+    // (4 bytes of padding: dst_sl is 8-byte aligned)
+    i64 dst_sl;        // dst_k / dst_v: layer stride (elements)
+    i64 dst_sr;        // dst_k / dst_v: row stride (elements)
+    i64 dst_sh;        // dst_k / dst_v: head stride (elements)
+    i64 dst_st;        // dst_k / dst_v: token stride (elements)
+    i64 src_sl;        // src_k / src_v: layer stride (elements)
+    i64 src_sr;        // src_k / src_v: row stride (elements)
+    i64 src_sh;        // src_k / src_v: head stride (elements)
+    i64 src_st;        // src_k / src_v: token stride (elements)
+};
+static_assert(sizeof(CopyArgs<float>) == 120, "CopyArgs: the size of structs.py's dtype");
+#ifdef GQAKV_EMULATION  // g++ has offsetof; NVRTC has no <cstddef>
+static_assert(__builtin_offsetof(CopyArgs<float>, dst_k) == 0, "CopyArgs.dst_k: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, dst_v) == 8, "CopyArgs.dst_v: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, src_k) == 16, "CopyArgs.src_k: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, src_v) == 24, "CopyArgs.src_v: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, pairs) == 32, "CopyArgs.pairs: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, n_pairs) == 40, "CopyArgs.n_pairs: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, layers) == 44, "CopyArgs.layers: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, Hkv) == 48, "CopyArgs.Hkv: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, dst_sl) == 56, "CopyArgs.dst_sl: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, dst_sr) == 64, "CopyArgs.dst_sr: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, dst_sh) == 72, "CopyArgs.dst_sh: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, dst_st) == 80, "CopyArgs.dst_st: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, src_sl) == 88, "CopyArgs.src_sl: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, src_sr) == 96, "CopyArgs.src_sr: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, src_sh) == 104, "CopyArgs.src_sh: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(CopyArgs<float>, src_st) == 112, "CopyArgs.src_st: the offset of structs.py's dtype");
 #endif
