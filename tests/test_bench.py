@@ -390,6 +390,7 @@ SMOKE = {
     "PagedDecode": (("numpy", "4x4096", 16), {"CASES": {"4x4096": (2, 40)}}),
     "PagedFork": (("numpy",), {"L": 40, "ROWS": 3}),
     "QuantizedDecode": (("numpy", "4x4096", "int8"), {"CASES": {"4x4096": (2, 40)}}),
+    "StepHostTime": (("numba",), {"LAYERS": 2, "ROUNDS": 1}),
 }
 
 
@@ -508,3 +509,17 @@ def test_bench_header_prints_the_chunk_used_and_total_covers_everything(capsys, 
     t = report["times"]
     assert t["total_s"] >= t["workload_s"] == report["wall_s"] > 0
     assert t["bandwidth_s"] is None and t["compare_s"] is None
+
+
+def test_bench_host_time_reports_the_host_share(capsys):
+    """--host-time: the 32-layer decode step as it is and with the kernels no-op'd; on numba
+    the host time is a positive part of the step (a no-op'd kernel cannot cost more than
+    the kernel, give or take the rounds' noise), on numpy it says nothing is excluded."""
+    report = json.loads(run_cli(capsys, ["bench", *TINY, "--json", "--host-time",
+                                         "--backend", "numba"]).out)
+    host = report["host_time"]
+    assert (host["layers"], host["batch"], host["kv_heads"], host["group"]) == (32, 8, 8, 4)
+    assert 0 < host["host_s"] and 0 < host["step_s"]
+    assert host["host_per_layer_us"] == pytest.approx(host["host_s"] / 32 * 1e6)
+    text = run_cli(capsys, ["bench", *TINY, "--host-time", "--backend", "numpy"]).out
+    assert "host time: 32-layer decode step" in text and "declares no kernel entries" in text

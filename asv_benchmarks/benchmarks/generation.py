@@ -133,6 +133,7 @@ class StepHostTime:
     params = [BACKENDS]
     param_names = ["backend"]
     timeout = 300
+    LAYERS, ROUNDS = 32, 5
 
     def setup(self, backend):
         b = backend_or_skip(backend)
@@ -142,7 +143,7 @@ class StepHostTime:
             raise NotImplementedError("gqakv.tools.host_time does not exist in this commit") from None
         if not b.kernel_entries():
             raise NotImplementedError(f"{backend}: declares no kernel entries to exclude")
-        self.result = step_host_time(b, rounds=5)
+        self.result = step_host_time(b, layers=self.LAYERS, rounds=self.ROUNDS)
 
     def track_host_us_per_layer(self, backend):
         return self.result["host_per_layer_us"]
