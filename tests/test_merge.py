@@ -184,13 +184,12 @@ def test_cuda_merge_kernel_non_finite_partials(dtype, d):
     out = np.full((1, Hq, 1, d), 7.0, st)  # every element is written: 7 would show a gap
     lse = np.full((1, Hq, 1), 7.0, np.float32)
     lens, n_new = np.array([S * keys], np.int64), np.array([1], np.int64)
-    o_sb, o_sh, o_st = (s // out.itemsize for s in out.strides[:3])
-    args = planmod.Args.of("gqakv_merge", part_o=planmod.Buf("part_o"), part_lse=planmod.Buf("part_lse"),
-                           n_new=planmod.Buf("n_new"), out=planmod.Buf("out"), lse=planmod.Buf("lse"),
-                           Hq=Hq, Tq=1, num_splits=S, o_sb=o_sb, o_sh=o_sh, o_st=o_st,
-                           params=planmod.KernelParams(scale=1.0))
+    strides = tuple(np.int64(s // out.itemsize) for s in out.strides[:3])
     launch = planmod.Launch("gqakv_merge", sources.name_expression("gqakv_merge", dtype, d),
-                            (Hq, 1, 1), planmod.BLOCK, (args,))
+                            (Hq, 1, 1), planmod.BLOCK,
+                            (planmod.Buf("part_o"), planmod.Buf("part_lse"), planmod.Buf("n_new"),
+                             planmod.Buf("out"), planmod.Buf("lse"), np.int32(Hq), np.int32(1),
+                             np.int32(S), planmod.KernelParams(scale=1.0), *strides))
     emu = harness.Emulator(harness.build(asan=False))
     emu.run(planmod.Plan(launches=[launch]),
             {"part_o": part_o, "part_lse": part_lse, "lens": lens, "n_new": n_new,

@@ -44,7 +44,7 @@ def run_plan(plan, arrays: dict, dtype: str, head_dim: int) -> None:
     """
     import cupy
 
-    from .plan import Args
+    from .plan import Buf, KernelParams, PageTableArg
 
     arrays = dict(arrays)
     for name, shape in plan.workspace.items():
@@ -53,9 +53,11 @@ def run_plan(plan, arrays: dict, dtype: str, head_dim: int) -> None:
         arrays["dummy"] = cupy.empty(1, dtype=cupy.float32)
     for launch in plan.launches:
         fn = get_function(launch.kernel, launch.name)
-        # Each kernel takes one struct by value (plan.Args, its family's struct): a NumPy
-        # record of its dtype (CuPy passes structured scalars as raw bytes), every Buf packed
-        # as its array's device address.
-        args = tuple(a.record(lambda buf: arrays[buf.name].data.ptr) if isinstance(a, Args) else a
-                     for a in launch.args)
+        # A KernelParams goes by value as a NumPy record of the kernels' struct (CuPy passes
+        # structured scalars as raw bytes), the sinks array by its device address; so does
+        # a PageTableArg (KVPages), with the page table's address.
+        args = tuple(arrays[a.name] if isinstance(a, Buf)
+                     else a.record(lambda buf: arrays[buf.name].data.ptr)
+                     if isinstance(a, (KernelParams, PageTableArg))
+                     else a for a in launch.args)
         fn(launch.grid, launch.block, args)

@@ -1,8 +1,7 @@
-"""Launch planning for the fused kernels: grids, blocks and exact arguments.
+"""Launch planning for the fused kernels: grids, blocks and exact argument lists.
 
-Pure Python and NumPy: every kernel takes one argument, its family's struct (``Args``:
-structs.ARGS, e.g. the kernels' ``DecodeArgs``), whose fields a plan fills by name, array
-arguments symbolically (``Buf``); the struct's NumPy dtype types every scalar. The cupy
+Pure Python and NumPy: a plan names its array arguments symbolically (``Buf``) and
+types every scalar explicitly (``np.int32``, ``np.int64``, ``np.float32``), so the cupy
 backend and the CPU emulation harness (tests/cuda_emu) execute the very same launches;
 only the executor that turns ``Buf`` names into pointers differs.
 
@@ -21,15 +20,15 @@ Buffers a plan refers to:
   paged (write_kv, attention with ``pages``): k_buf, v_buf are the page pools
              ``[num_pages, Hkv, page_size, d]`` (their strides: page, head, token) and
              table the page table ``[R, pages_per_row]`` int32 (kernels/paged_kv.cuh);
-             the launch is the kernel's paged instantiation, its struct's ``pages`` a
-             ``PageTableArg`` (the kernels' ``KVPages``).
+             the launch is the kernel's paged instantiation, its last argument a
+             ``PageTableArg`` (the kernels' ``KVPages``, by value).
   quantized caches (``kv_dtype``): k_buf, v_buf hold codes and k_scale, v_scale
              ``[R, Hkv, S]`` fp32 their scales (paged: ``[num_pages, Hkv, page_size]``) (copy_tokens: dst_k_scale, dst_v_scale,
              src_k_scale, src_v_scale ``[layers, R, Hkv, S]``); attention reaches them
              through ``KernelParams`` (laid out like the codes: scale strides x d equal
              the code strides, checked by the caller).
-The attention kernels take their runtime parameters as one sub-struct (``KernelParams``, the
-kernels' ``AttnParams`` in kernels/params.cuh) and the variant as a template flag
+The attention kernels take their runtime parameters as one struct (``KernelParams``, the
+kernels' ``AttnParams`` in kernels/variant.cuh) and the variant as a template flag
 (``variant_flags``): which of window / softcap / sinks / alibi the instantiation implements.
 Strides are in elements; the head-dim stride is 1 and row strides keep vector alignment.
 """
@@ -86,7 +85,7 @@ class Launch:
     name: str  # template instantiation, e.g. "gqakv_decode<gqakv_bf16, 128>"
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
-    args: tuple  # the kernel's arguments: one Args (its family's struct)
+    args: tuple
 
 
 #: The variant trait's flags (kernels/variant.cuh: GQAKV_VARIANT_*), by feature name of
@@ -150,7 +149,7 @@ def page_divisor(page_size: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class PageTableArg:
-    """The paged kernels' page table (``KVPages``, their struct's ``pages``): ``[R, table_stride]``
+    """The paged kernels' last argument (``KVPages``): the page table ``[R, table_stride]``
     int32 named symbolically (``table``), packed with its device address by ``record``.
     Raises NotImplementedError for rows of ``MAX_PAGED_ROW_SLOTS`` slots or more (the
     kernels' 32-bit page arithmetic; the backend then takes the generic path)."""
@@ -173,52 +172,6 @@ class PageTableArg:
         r["table_stride"], r["page_size"] = self.table_stride, self.page_size
         r["page_magic"], r["page_shift"] = page_divisor(self.page_size)
         return cast(np.void, r[()])  # a 0-d record indexed by () is its np.void
-
-
-@dataclass(frozen=True)
-class Args:
-    """A kernel's one argument: its family's struct (``struct``, one of structs.ARGS), the
-    fields a plan sets by name. ``record`` packs it: a ``Buf`` as its array's device address,
-    a ``KernelParams`` or ``PageTableArg`` as its sub-struct, a number cast to the field's
-    type (NumPy raises when it does not fit); a field left out is 0 (a null pointer, a
-    contiguous launch's ``pages``)."""
-
-    struct: structs.Struct
-    fields: tuple[tuple[str, object], ...]
-
-    @classmethod
-    def of(cls, kernel: str, **fields) -> "Args":
-        """``kernel``'s struct (structs.ARGS) with ``fields``; KeyError naming a field the
-        struct does not have."""
-        struct = structs.ARGS[kernel]
-        unknown = sorted(set(fields) - set(struct.dtype.names or ()))
-        if unknown:
-            raise KeyError(f"{kernel}: {struct.name} has no field {', '.join(unknown)} "
-                           f"(fields: {', '.join(struct.dtype.names or ())})")
-        return cls(struct, tuple(fields.items()))
-
-    def __getitem__(self, name: str):
-        return dict(self.fields)[name]
-
-    def record(self, address) -> np.void:
-        """The struct as a NumPy record of ``struct.dtype``; ``address(buf)`` gives a Buf's
-        device address."""
-        r = np.zeros((), self.struct.dtype)
-        for name, value in self.fields:
-            if isinstance(value, Buf):
-                r[name] = int(address(value))
-            elif isinstance(value, (KernelParams, PageTableArg)):
-                r[name] = value.record(address)
-            else:
-                r[name] = value
-        return cast(np.void, r[()])  # a 0-d record indexed by () is its np.void
-
-
-def _strides(prefix: str, strides, axes: str = "bht") -> dict[str, int]:
-    """The struct fields ``{prefix}_s{axis}`` of element strides given in ``axes`` order."""
-    if len(strides) != len(axes):
-        raise ValueError(f"{prefix} strides {tuple(strides)}: expected one per axis of {axes!r}")
-    return {f"{prefix}_s{a}": int(s) for a, s in zip(axes, strides)}
 
 
 @dataclass
@@ -248,6 +201,10 @@ def prefill_rows(head_dim: int, kernel: str = "gqakv_prefill") -> int:
     return limits.prefill_rows(head_dim)
 
 
+def _i64(*xs):
+    return tuple(np.int64(x) for x in xs)
+
+
 def _check_grid(kernel: str, what: str, grid_x: int, grid_y: int = 1) -> None:
     """NotImplementedError naming the launch when its grid exceeds CUDA's limits (the
     cupy backend then takes the generic path; a launch would fail on the device)."""
@@ -275,27 +232,28 @@ def plan_write_kv(dtype: str, head_dim: int, n_new: np.ndarray, kv_heads: int, t
     if max_n == 0:
         return plan
     _check_grid("gqakv_write_kv", f"{B} entries x {kv_heads} heads", B * kv_heads)
-    fields = dict(k_new=Buf("k_new"), v_new=Buf("v_new"), k_buf=Buf("k_buf"), v_buf=Buf("v_buf"),
-                  rows=Buf("rows"), starts=Buf("starts"), n_new=Buf("n_new"), Hkv=kv_heads, Tn=t_new,
-                  **_strides("new", new_strides), **_strides("buf", buf_strides))
-    if pages is not None:
-        fields["pages"] = pages
     if kv_dtype is not None:
         kernel = "gqakv_write_kv_quantized"
         grid_y = min(MAX_GRID_Y, -(-max_n // (BLOCK[0] // 32)))  # a warp per token
-        fields.update(k_scale=Buf("k_scale"), v_scale=Buf("v_scale"), **_strides("sc", scale_strides))
+        args = (Buf("k_new"), Buf("v_new"), Buf("k_buf"), Buf("v_buf"), Buf("k_scale"),
+                Buf("v_scale"), Buf("rows"), Buf("starts"), Buf("n_new"), np.int32(kv_heads),
+                np.int32(t_new), *_i64(*new_strides), *_i64(*buf_strides), *_i64(*scale_strides))
         name = sources.name_expression(kernel, dtype, head_dim, kv_dtype=kv_dtype)
         if pages is not None:
+            args += (pages,)
             name = sources.paged_name_expression(kernel, dtype, head_dim, kv_dtype=kv_dtype)
-        plan.launches.append(Launch(kernel, name, (B * kv_heads, grid_y, 1), BLOCK, (Args.of(kernel, **fields),)))
+        plan.launches.append(Launch(kernel, name, (B * kv_heads, grid_y, 1), BLOCK, args))
         return plan
     vectors = max_n * (head_dim // sources.vec_width(dtype, head_dim))
     grid_y = min(MAX_GRID_Y, -(-vectors // BLOCK[0]))
+    args = (Buf("k_new"), Buf("v_new"), Buf("k_buf"), Buf("v_buf"), Buf("rows"), Buf("starts"),
+            Buf("n_new"), np.int32(kv_heads), np.int32(t_new), *_i64(*new_strides),
+            *_i64(*buf_strides))
     name = sources.name_expression("gqakv_write_kv", dtype, head_dim)
     if pages is not None:
+        args += (pages,)
         name = sources.paged_name_expression("gqakv_write_kv", dtype, head_dim)
-    plan.launches.append(Launch("gqakv_write_kv", name, (B * kv_heads, grid_y, 1), BLOCK,
-                                (Args.of("gqakv_write_kv", **fields),)))
+    plan.launches.append(Launch("gqakv_write_kv", name, (B * kv_heads, grid_y, 1), BLOCK, args))
     return plan
 
 
@@ -320,19 +278,17 @@ def plan_copy_tokens(dtype: str, head_dim: int, n_tokens: np.ndarray, layers: in
                                   f"(grid limit {MAX_GRID_X})")
     vectors = max_n * (head_dim // sources.vec_width(kv_dtype or dtype, head_dim))
     grid_y = min(MAX_GRID_Y, -(-vectors // BLOCK[0]))
-    args = Args.of("gqakv_copy_tokens", dst_k=Buf("dst_k"), dst_v=Buf("dst_v"), src_k=Buf("src_k"),
-                   src_v=Buf("src_v"), pairs=Buf("pairs"), n_pairs=P, layers=layers, Hkv=kv_heads,
-                   **_strides("dst", dst_strides, "lrht"), **_strides("src", src_strides, "lrht"))
+    args = (Buf("dst_k"), Buf("dst_v"), Buf("src_k"), Buf("src_v"), Buf("pairs"), np.int32(P),
+            np.int32(layers), np.int32(kv_heads), *_i64(*dst_strides), *_i64(*src_strides))
     name = sources.name_expression("gqakv_copy_tokens", dtype, head_dim, kv_dtype=kv_dtype)
-    plan.launches.append(Launch("gqakv_copy_tokens", name, (ctas, grid_y, 1), BLOCK, (args,)))
+    plan.launches.append(Launch("gqakv_copy_tokens", name, (ctas, grid_y, 1), BLOCK, args))
     if kv_dtype is not None:  # the scales travel with their tokens: [.., S] as d = 1 rows
-        args = Args.of("gqakv_copy_tokens", dst_k=Buf("dst_k_scale"), dst_v=Buf("dst_v_scale"),
-                       src_k=Buf("src_k_scale"), src_v=Buf("src_v_scale"), pairs=Buf("pairs"),
-                       n_pairs=P, layers=layers, Hkv=kv_heads,
-                       **_strides("dst", dst_scale_strides, "lrht"), **_strides("src", src_scale_strides, "lrht"))
+        args = (Buf("dst_k_scale"), Buf("dst_v_scale"), Buf("src_k_scale"), Buf("src_v_scale"),
+                Buf("pairs"), np.int32(P), np.int32(layers), np.int32(kv_heads),
+                *_i64(*dst_scale_strides), *_i64(*src_scale_strides))
         name = sources.name_expression("gqakv_copy_tokens", "float32", 1)
         grid_y = min(MAX_GRID_Y, -(-max_n // BLOCK[0]))
-        plan.launches.append(Launch("gqakv_copy_tokens", name, (ctas, grid_y, 1), BLOCK, (args,)))
+        plan.launches.append(Launch("gqakv_copy_tokens", name, (ctas, grid_y, 1), BLOCK, args))
     return plan
 
 
@@ -441,14 +397,9 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     keys_read = semantics.keys_read(params, lens, n_new)
     max_len = int(keys_read[live].max())
     max_n = int(n_new.max())
-    # The fields DecodeArgs and PrefillArgs share (structs.py: the attention inputs, strides,
-    # AttnParams and the page table).
-    common = dict(q=Buf("q"), k_buf=Buf("k_buf"), v_buf=Buf("v_buf"), rows=Buf("rows"), lens=Buf("lens"),
-                  n_new=Buf("n_new"), out=Buf("out"), lse=Buf("lse"), Hkv=kv_heads, G=group, Tq=t_q,
-                  **_strides("q", q_strides), **_strides("buf", buf_strides), **_strides("o", out_strides),
-                  params=kparams)
-    if pages is not None:
-        common["pages"] = pages
+    strides = (*_i64(*q_strides), *_i64(*buf_strides), *_i64(*out_strides))
+    bufs = (Buf("q"), Buf("k_buf"), Buf("v_buf"), Buf("rows"), Buf("lens"), Buf("n_new"),
+            Buf("out"), Buf("lse"))
     if t_q <= DECODE_MAX_T:
         kernel, tile, n_qchunks, per_sm = decode_kernel(dtype, head_dim, group * t_q, tensor_cores)
         ctas = batch * kv_heads * n_qchunks
@@ -472,22 +423,23 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
             plan.workspace["part_lse"] = (batch, hq, t_q, splits)
             part = (Buf("part_o"), Buf("part_lse"))
         plan.num_splits, plan.keys_per_split = splits, keys
-        args = Args.of(kernel, **common, part_o=part[0], part_lse=part[1], n_qchunks=n_qchunks,
-                       num_splits=splits, keys_per_split=keys)
+        args = (*bufs, *part, np.int32(kv_heads), np.int32(group), np.int32(t_q),
+                np.int32(n_qchunks), np.int32(splits), np.int64(keys), kparams, *strides)
         name = sources.name_expression(kernel, dtype, head_dim, tile, variant=variant, kv_dtype=kv_dtype)
         if pages is not None:
+            args += (pages,)
             name = sources.paged_name_expression(kernel, dtype, head_dim, tile, variant, kv_dtype=kv_dtype)
-        plan.launches.append(Launch(kernel, name, (ctas, splits, 1), BLOCK, (args,)))
+        plan.launches.append(Launch(kernel, name, (ctas, splits, 1), BLOCK, args))
         if splits > 1:
             # The merge reads every split of this layout (a split past an entry's keys
             # wrote lse -inf) and adds the sink term once, after all of them.
-            margs = Args.of("gqakv_merge", part_o=Buf("part_o"), part_lse=Buf("part_lse"),
-                            n_new=Buf("n_new"), out=Buf("out"), lse=Buf("lse"), Hq=kv_heads * group,
-                            Tq=t_q, num_splits=splits, **_strides("o", out_strides), params=kparams)
+            margs = (Buf("part_o"), Buf("part_lse"), Buf("n_new"), Buf("out"), Buf("lse"),
+                     np.int32(kv_heads * group), np.int32(t_q), np.int32(splits), kparams,
+                     *_i64(*out_strides))
             name = sources.name_expression("gqakv_merge", dtype, head_dim,
                                            variant=variant & VARIANT_FLAGS["sinks"])
             plan.launches.append(Launch("gqakv_merge", name,
-                                        (batch * kv_heads * group * t_q, 1, 1), BLOCK, (margs,)))
+                                        (batch * kv_heads * group * t_q, 1, 1), BLOCK, margs))
         return plan
     kernel = prefill_kernel(dtype, head_dim, tensor_cores)
     rows_per_cta = prefill_rows(head_dim, kernel)
@@ -500,11 +452,13 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
             f"a chunk of {max_n} tokens needs {n_tblocks} query blocks (grid limit {MAX_GRID_Y})")
     _check_grid(kernel, f"{batch} entries x {kv_heads} KV heads x {n_gchunks} group chunks",
                 batch * kv_heads * n_gchunks, n_tblocks)
-    args = Args.of(kernel, **common, GC=gc, BQ=bq, n_gchunks=n_gchunks)
+    args = (*bufs, np.int32(kv_heads), np.int32(group), np.int32(t_q), np.int32(gc), np.int32(bq),
+            np.int32(n_gchunks), kparams, *strides)
     name = sources.name_expression(kernel, dtype, head_dim, variant=variant, kv_dtype=kv_dtype)
     if pages is not None:
+        args += (pages,)
         name = sources.paged_name_expression(kernel, dtype, head_dim, variant=variant, kv_dtype=kv_dtype)
-    plan.launches.append(Launch(kernel, name, (batch * kv_heads * n_gchunks, n_tblocks, 1), BLOCK, (args,)))
+    plan.launches.append(Launch(kernel, name, (batch * kv_heads * n_gchunks, n_tblocks, 1), BLOCK, args))
     return plan
 
 
@@ -515,5 +469,5 @@ def aligned_for_vectors(ptr: int, strides_el: tuple[int, ...], dtype: str, head_
     return strides_el[-1] == 1 and ptr % nbytes == 0 and all(s % vec == 0 for s in strides_el[:-1])
 
 
-__all__ = ["Args", "Buf", "KernelParams", "PageTableArg", "PAGES_DTYPE", "page_divisor", "Launch", "Plan", "PARAMS_DTYPE", "VARIANT_FLAGS", "variant_flags", "plan_write_kv", "plan_copy_tokens", "plan_attention",
+__all__ = ["Buf", "KernelParams", "PageTableArg", "PAGES_DTYPE", "page_divisor", "Launch", "Plan", "PARAMS_DTYPE", "VARIANT_FLAGS", "variant_flags", "plan_write_kv", "plan_copy_tokens", "plan_attention",
            "choose_splits", "choose_query_tile", "decode_kernel", "prefill_kernel", "prefill_rows", "aligned_for_vectors"]

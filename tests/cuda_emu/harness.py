@@ -36,7 +36,7 @@ import numpy as np
 from gqakv_backends.cupy_backend import instantiations as table
 from gqakv_backends.cupy_backend import limits
 from gqakv_backends.cupy_backend import plan as planmod
-from gqakv_backends.cupy_backend import sources
+from gqakv_backends.cupy_backend import sources, structs
 
 try:
     import fcntl
@@ -531,13 +531,7 @@ class Emulator:
         c = ctypes
         holders = []
         for a in launch.args:
-            if isinstance(a, planmod.Args):
-                # the plan's record of the kernel's struct (structs.py's dtype), as the ctypes
-                # type generated from the same declaration, aligned like it
-                rec = a.record(lambda buf: ptrs[buf.name])
-                holders.append(a.struct.ctypes_type().from_buffer_copy(rec.tobytes()))
-            # plain arguments: the emulator's own self-test kernels (driver.cpp)
-            elif isinstance(a, planmod.Buf):
+            if isinstance(a, planmod.Buf):
                 holders.append(c.c_void_p(ptrs[a.name]))
             elif isinstance(a, np.int32):
                 holders.append(c.c_int32(int(a)))
@@ -545,6 +539,12 @@ class Emulator:
                 holders.append(c.c_int64(int(a)))
             elif isinstance(a, np.float32):
                 holders.append(c.c_float(float(a)))
+            elif isinstance(a, (planmod.KernelParams, planmod.PageTableArg)):
+                # the plan's record of the struct (structs.py's dtype), as the kernels' struct:
+                # the ctypes type generated from the same declaration, aligned like it
+                rec = a.record(lambda buf: ptrs[buf.name])
+                struct = structs.ATTN_PARAMS if isinstance(a, planmod.KernelParams) else structs.KV_PAGES
+                holders.append(struct.ctypes_type().from_buffer_copy(rec.tobytes()))
             else:
                 raise TypeError(f"{launch.name}: argument {a!r} has no explicit CUDA type")
         argv = (c.c_void_p * len(holders))(*[c.cast(c.pointer(h), c.c_void_p) for h in holders])

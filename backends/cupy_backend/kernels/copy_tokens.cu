@@ -18,25 +18,30 @@
 #include "variant.cuh"
 
 template <class T, int D>
-__global__ void __launch_bounds__(128) gqakv_copy_tokens(const CopyArgs<T> a) {
+__global__ void __launch_bounds__(128) gqakv_copy_tokens(
+    T* __restrict__ dst_k, T* __restrict__ dst_v,
+    const T* __restrict__ src_k, const T* __restrict__ src_v,
+    const i64* __restrict__ pairs, int n_pairs, int layers, int Hkv,
+    i64 dst_sl, i64 dst_sr, i64 dst_sh, i64 dst_st,
+    i64 src_sl, i64 src_sr, i64 src_sh, i64 src_st) {
     constexpr int VEC = VecWidth<T, D>::value;
     constexpr int VPR = D / VEC;  // vectors per token row
-    const int h = blockIdx.x % a.Hkv;
-    const int layer = (blockIdx.x / a.Hkv) % a.layers;
-    const int i = blockIdx.x / (a.Hkv * a.layers);
-    const i64 n = a.pairs[2 * (i64)a.n_pairs + i];
+    const int h = blockIdx.x % Hkv;
+    const int layer = (blockIdx.x / Hkv) % layers;
+    const int i = blockIdx.x / (Hkv * layers);
+    const i64 n = pairs[2 * (i64)n_pairs + i];
     const i64 total = n * VPR;
     if ((i64)blockIdx.y * blockDim.x >= total) return;  // uniform over the CTA
-    const i64 dst = layer * a.dst_sl + a.pairs[i] * a.dst_sr + (i64)h * a.dst_sh;
-    const i64 src = layer * a.src_sl + a.pairs[(i64)a.n_pairs + i] * a.src_sr + (i64)h * a.src_sh;
+    const i64 dst = layer * dst_sl + pairs[i] * dst_sr + (i64)h * dst_sh;
+    const i64 src = layer * src_sl + pairs[(i64)n_pairs + i] * src_sr + (i64)h * src_sh;
     typedef Vec<T, VEC> V;
     for (i64 idx = (i64)blockIdx.y * blockDim.x + threadIdx.x; idx < total;
          idx += (i64)gridDim.y * blockDim.x) {
         const i64 t = idx / VPR;
         const int c = (int)(idx % VPR) * VEC;
-        const V kv = *reinterpret_cast<const V*>(a.src_k + src + t * a.src_st + c);
-        const V vv = *reinterpret_cast<const V*>(a.src_v + src + t * a.src_st + c);
-        *reinterpret_cast<V*>(a.dst_k + dst + t * a.dst_st + c) = kv;
-        *reinterpret_cast<V*>(a.dst_v + dst + t * a.dst_st + c) = vv;
+        const V kv = *reinterpret_cast<const V*>(src_k + src + t * src_st + c);
+        const V vv = *reinterpret_cast<const V*>(src_v + src + t * src_st + c);
+        *reinterpret_cast<V*>(dst_k + dst + t * dst_st + c) = kv;
+        *reinterpret_cast<V*>(dst_v + dst + t * dst_st + c) = vv;
     }
 }

@@ -160,19 +160,25 @@ __device__ __forceinline__ void softmax_update(float s, const float* v, SoftmaxS
 // T: the storage type (KernelTypes names its q / K/V / output roles); VARIANT: the
 // variant trait's flags (variant.cuh; 0 is plain causal).
 template <class T, int D, int QB, int VARIANT = 0, class... Pages>
-__global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(const DecodeArgsOf<T> a) {
+__global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
+    const typename KernelTypes<T>::Q* __restrict__ q, const typename KernelTypes<T>::KV* __restrict__ k_buf,
+    const typename KernelTypes<T>::KV* __restrict__ v_buf,
+    const i64* __restrict__ rows, const i64* __restrict__ lens, const i64* __restrict__ n_new,
+    typename KernelTypes<T>::Out* __restrict__ out, float* __restrict__ lse,
+    float* __restrict__ part_o, float* __restrict__ part_lse,
+    int Hkv, int G, int Tq, int n_qchunks, int num_splits, i64 keys_per_split, AttnParams params,
+    i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
+    i64 o_sb, i64 o_sh, i64 o_st, Pages... pages) {
     typedef KernelTypes<T> Ty;
     typedef typename Ty::KV KV;
     typedef DecodeShape<KV, D, QB> S;
     typedef Variant<VARIANT> V;
-    const AttnParams& params = a.params;
-    const int G = a.G, Tq = a.Tq;
-    const DecodeCta cta = decode_cta<V>(a);
-    const int qc = cta.qc, kvh = cta.kvh, b = cta.b;
+    const DecodeCta cta = decode_cta<V>(lens, n_new, Hkv, n_qchunks, keys_per_split, params);
+    const int qc = cta.qc, kvh = cta.kvh, b = cta.b, split = cta.split;
     const i64 L = cta.L, n = cta.n, k_begin = cta.k_begin, k_end = cta.k_end;
     if (n == 0) return;  // uniform over the CTA
     if (k_begin >= k_end) {  // uniform too: a split past this entry's keys
-        write_empty_split(a, cta, S::QB);
+        write_empty_split(b, kvh, qc, S::QB, Hkv, G, Tq, n, num_splits, split, part_lse);
         return;
     }
     // Keys of this split, counted from k_begin: fits an int (the planner keeps
@@ -185,7 +191,7 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
 
     // Start the K/V stream before anything else: the first PIPE steps of this lane. Step
     // `step` of this lane is key k_begin + step * NG + grp, read through the K/V reader.
-    const auto kv = kv_reader_of<Ty, Pages...>(a, a.rows[b], kvh, D);
+    const auto kv = kv_reader<Ty>(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D, pages...);
     const i64 lane_key = k_begin + grp;
     KVRaw<KV, S::VEC, S::CPL> ring[S::PIPE];
 #pragma unroll
@@ -229,12 +235,12 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
             sm_alibi[i].slope = valid ? V::alibi_log2(params, kvh * G + g) : 0.f;
             sm_alibi[i].qrel = (int)(pos - k_begin);  // |pos - k_begin| < 2^31: keys_per_split < 2^30
         }
-        const i64 q_off = (i64)b * a.q_sb + (i64)(kvh * G + g) * a.q_sh + (i64)t * a.q_st;
+        const i64 q_off = (i64)b * q_sb + (i64)(kvh * G + g) * q_sh + (i64)t * q_st;
 #pragma unroll
         for (int c = 0; c < S::CPL; ++c) {
             const int ch = sub + c * S::LPK;
             if (valid && ch < S::NCH) {
-                load_vec<typename Ty::Q, S::VEC>(a.q + q_off + ch * S::VEC, &qr[i][c * S::VEC]);
+                load_vec<typename Ty::Q, S::VEC>(q + q_off + ch * S::VEC, &qr[i][c * S::VEC]);
 #pragma unroll
                 for (int e = 0; e < S::VEC; ++e) qr[i][c * S::VEC + e] *= qscale;
             } else {
@@ -359,5 +365,7 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
     }
     __syncthreads();
 
-    write_decode_rows<V, typename Ty::Out, D, S::QB, S::NG>(sm_m, sm_l, sm_acc, a, cta);
+    write_decode_rows<V, typename Ty::Out, D, S::QB, S::NG>(sm_m, sm_l, sm_acc, b, kvh, qc, Hkv, G, Tq, n,
+                                                           num_splits, split, params, out, lse, part_o,
+                                                           part_lse, o_sb, o_sh, o_st);
 }

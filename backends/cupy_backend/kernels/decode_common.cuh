@@ -12,33 +12,36 @@ struct DecodeCta {
     i64 L, n, k_begin, k_end;
 };
 
-template <class V, class Args>
-__device__ __forceinline__ DecodeCta decode_cta(const Args& a) {
+template <class V>
+__device__ __forceinline__ DecodeCta decode_cta(const i64* __restrict__ lens,
+                                                const i64* __restrict__ n_new, int Hkv,
+                                                int n_qchunks, i64 keys_per_split,
+                                                const AttnParams& params) {
     DecodeCta w;
-    w.qc = blockIdx.x % a.n_qchunks;
-    w.kvh = (blockIdx.x / a.n_qchunks) % a.Hkv;
-    w.b = blockIdx.x / (a.n_qchunks * a.Hkv);
+    w.qc = blockIdx.x % n_qchunks;
+    w.kvh = (blockIdx.x / n_qchunks) % Hkv;
+    w.b = blockIdx.x / (n_qchunks * Hkv);
     w.split = blockIdx.y;
-    w.L = a.lens[w.b];
-    w.n = a.n_new[w.b];
-    w.k_begin = V::key_lo(a.params, w.L - w.n) + (i64)w.split * a.keys_per_split;
-    w.k_end = w.L < w.k_begin + a.keys_per_split ? w.L : w.k_begin + a.keys_per_split;
+    w.L = lens[w.b];
+    w.n = n_new[w.b];
+    w.k_begin = V::key_lo(params, w.L - w.n) + (i64)w.split * keys_per_split;
+    w.k_end = w.L < w.k_begin + keys_per_split ? w.L : w.k_begin + keys_per_split;
     return w;
 }
 
 // A split that holds no key of its entry (the planner sizes splits for the longest span
 // of the batch): its partials say so (lse -inf, never read by gqakv_merge), so the merge
 // takes the planner's split layout as it is and needs no per-row split count.
-template <class Args>
-__device__ __forceinline__ void write_empty_split(const Args& a, const DecodeCta& cta, int QB) {
-    const int G = a.G, Tq = a.Tq, num_splits = a.num_splits;
+__device__ __forceinline__ void write_empty_split(int b, int kvh, int qc, int QB, int Hkv, int G,
+                                                  int Tq, i64 n, int num_splits, int split,
+                                                  float* __restrict__ part_lse) {
     if (num_splits == 1) return;  // out and lse keep the caller's 0 / -inf
     for (int i = threadIdx.x; i < QB; i += blockDim.x) {
-        const int qi = cta.qc * QB + i;
+        const int qi = qc * QB + i;
         const int g = qi / Tq, t = qi % Tq;
-        if (qi >= G * Tq || t >= cta.n) continue;
-        const i64 qidx = ((i64)cta.b * a.Hkv * G + cta.kvh * G + g) * Tq + t;
-        a.part_lse[qidx * num_splits + cta.split] = GQAKV_NEG_INF;
+        if (qi >= G * Tq || t >= n) continue;
+        const i64 qidx = ((i64)b * Hkv * G + kvh * G + g) * Tq + t;
+        part_lse[qidx * num_splits + split] = GQAKV_NEG_INF;
     }
 }
 
@@ -76,14 +79,13 @@ __device__ __forceinline__ void load_chunks(Words<NW>& dst, const T* __restrict_
 // (its weight is exp2(NaN) = NaN, and NaN * 0 is NaN at every later rescale), so a query
 // whose scores include NaN is recognised here, once per CTA, and written as NaN out and
 // lse: the key loops pay nothing for it.
-template <class V, class TO, int D, int QB, int NS, class Args>
+template <class V, class TO, int D, int QB, int NS>
 __device__ __forceinline__ void write_decode_rows(
     const float (&sm_m)[NS][QB], const float (&sm_l)[NS][QB], const float (&sm_acc)[NS][QB][D],
-    const Args& a, const DecodeCta& cta) {
-    const int b = cta.b, kvh = cta.kvh, qc = cta.qc, split = cta.split;
-    const int G = a.G, Tq = a.Tq, num_splits = a.num_splits;
-    const i64 n = cta.n;
-    const int Hq = a.Hkv * G;
+    int b, int kvh, int qc, int Hkv, int G, int Tq, i64 n, int num_splits, int split,
+    const AttnParams& params, TO* __restrict__ out, float* __restrict__ lse,
+    float* __restrict__ part_o, float* __restrict__ part_lse, i64 o_sb, i64 o_sh, i64 o_st) {
+    const int Hq = Hkv * G;
     for (int idx = threadIdx.x; idx < QB * D; idx += blockDim.x) {
         const int i = idx / D, d = idx % D;
         const int qi = qc * QB + i;
@@ -106,18 +108,18 @@ __device__ __forceinline__ void write_decode_rows(
         }
         // The sink term joins once, after every key of the query is summed: here when the
         // CTA saw all of them, in gqakv_merge when split.
-        if (V::SINKS && num_splits == 1) o *= add_sink_log2(mx, total, V::sink_log2(a.params, h));
+        if (V::SINKS && num_splits == 1) o *= add_sink_log2(mx, total, V::sink_log2(params, h));
         // total > 0: keys seen; 0: none (out 0, lse -inf); NaN: a NaN score (out and lse
         // NaN, never hidden: o / NaN and log2f(NaN) are NaN).
         const float o_val = total != 0.f ? o / total : 0.f;
         const float lse_val = finished_lse(mx, total);
         const i64 qidx = ((i64)b * Hq + h) * Tq + t;
         if (num_splits == 1) {
-            a.out[(i64)b * a.o_sb + (i64)h * a.o_sh + (i64)t * a.o_st + d] = from_float<TO>(o_val);
-            if (d == 0) a.lse[qidx] = lse_val;
+            out[(i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st + d] = from_float<TO>(o_val);
+            if (d == 0) lse[qidx] = lse_val;
         } else {
-            a.part_o[(qidx * num_splits + split) * D + d] = o_val;
-            if (d == 0) a.part_lse[qidx * num_splits + split] = lse_val;
+            part_o[(qidx * num_splits + split) * D + d] = o_val;
+            if (d == 0) part_lse[qidx * num_splits + split] = lse_val;
         }
     }
 }

@@ -112,19 +112,24 @@ __device__ __forceinline__ unsigned pair_of(unsigned x, unsigned y, int hi) {
 // same here); VARIANT: the variant trait's flags (variant.cuh; 0 is plain causal).
 template <class T, int D, int VARIANT = 0, class... Pages>
 __global__ void __launch_bounds__(128, (DecodeMmaCtas<T, D, VARIANT>::value)) gqakv_decode_mma(
-    const DecodeArgsOf<T> a) {
+    const typename KernelTypes<T>::Q* __restrict__ q, const typename KernelTypes<T>::KV* __restrict__ k_buf,
+    const typename KernelTypes<T>::KV* __restrict__ v_buf,
+    const i64* __restrict__ rows, const i64* __restrict__ lens, const i64* __restrict__ n_new,
+    typename KernelTypes<T>::Out* __restrict__ out, float* __restrict__ lse,
+    float* __restrict__ part_o, float* __restrict__ part_lse,
+    int Hkv, int G, int Tq, int n_qchunks, int num_splits, i64 keys_per_split, AttnParams params,
+    i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
+    i64 o_sb, i64 o_sh, i64 o_st, Pages... pages) {
     typedef KernelTypes<T> Ty;
     typedef typename Ty::KV KV;
     typedef DecodeMmaShape<KV, D> S;
     typedef Variant<VARIANT> V;
-    const AttnParams& params = a.params;
-    const int G = a.G, Tq = a.Tq;
-    const DecodeCta cta = decode_cta<V>(a);
-    const int qc = cta.qc, kvh = cta.kvh, b = cta.b;
+    const DecodeCta cta = decode_cta<V>(lens, n_new, Hkv, n_qchunks, keys_per_split, params);
+    const int qc = cta.qc, kvh = cta.kvh, b = cta.b, split = cta.split;
     const i64 L = cta.L, n = cta.n, k_begin = cta.k_begin, k_end = cta.k_end;
     if (n == 0) return;  // uniform over the CTA
     if (k_begin >= k_end) {  // uniform too: a split past this entry's keys
-        write_empty_split(a, cta, S::QB);
+        write_empty_split(b, kvh, qc, S::QB, Hkv, G, Tq, n, num_splits, split, part_lse);
         return;
     }
     const int n_keys = (int)(k_end - k_begin);  // < 2^30 (the planner splits longer rows)
@@ -136,7 +141,7 @@ __global__ void __launch_bounds__(128, (DecodeMmaCtas<T, D, VARIANT>::value)) gq
     // Start this warp's first K/V step before anything else. kw[t]: key 16 blk + 8 t + fr,
     // chunks at d = 32 i + 8 fc; vw[j]: key 16 blk + 2 fc + (j & 1) + 8 (j >> 1), chunks at
     // d = 64 i + 8 fr.
-    const auto kv = kv_reader_of<Ty, Pages...>(a, a.rows[b], kvh, D);
+    const auto kv = kv_reader<Ty>(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D, pages...);
     Words<S::KW> kw[2];
     Words<S::VW> vw[4];
 #pragma unroll
@@ -219,8 +224,7 @@ __global__ void __launch_bounds__(128, (DecodeMmaCtas<T, D, VARIANT>::value)) gq
 #pragma unroll
         for (int i = 0; i < S::KW; ++i) qw.w[i] = 0u;
         if (valid)
-            load_chunks(qw, a.q + (i64)b * a.q_sb + (i64)(kvh * G + g) * a.q_sh + (i64)t * a.q_st + fc * 8,
-                        32);
+            load_chunks(qw, q + (i64)b * q_sb + (i64)(kvh * G + g) * q_sh + (i64)t * q_st + fc * 8, 32);
 #pragma unroll
         for (int kk = 0; kk < S::KK; ++kk) {
             qa[kk][h] = qw.w[2 * kk];          // cols 2c, 2c + 1 of k-step kk
@@ -331,5 +335,7 @@ __global__ void __launch_bounds__(128, (DecodeMmaCtas<T, D, VARIANT>::value)) gq
     }
     __syncthreads();
 
-    write_decode_rows<V, typename Ty::Out, D, S::QB, S::WARPS>(sm_m, sm_l, sm_o, a, cta);
+    write_decode_rows<V, typename Ty::Out, D, S::QB, S::WARPS>(sm_m, sm_l, sm_o, b, kvh, qc, Hkv, G, Tq, n,
+                                                              num_splits, split, params, out, lse,
+                                                              part_o, part_lse, o_sb, o_sh, o_st);
 }

@@ -35,16 +35,20 @@ struct MergeShape {
 
 // VARIANT: the variant trait's flags (variant.cuh); only the sink term matters here.
 template <class T, int D, int VARIANT = 0>
-__global__ void __launch_bounds__(128) gqakv_merge(const MergeArgs<typename KernelTypes<T>::Out> a) {
+__global__ void __launch_bounds__(128) gqakv_merge(
+    const float* __restrict__ part_o, const float* __restrict__ part_lse,
+    const i64* __restrict__ n_new, typename KernelTypes<T>::Out* __restrict__ out,
+    float* __restrict__ lse, int Hq, int Tq, int num_splits, AttnParams params,
+    i64 o_sb, i64 o_sh, i64 o_st) {
     typedef MergeShape<D> S;
     typedef Variant<VARIANT> V;
     const i64 qidx = blockIdx.x;
-    const int t = (int)(qidx % a.Tq);
-    const int h = (int)((qidx / a.Tq) % a.Hq);
-    const int b = (int)(qidx / ((i64)a.Tq * a.Hq));
-    if (t >= a.n_new[b]) return;  // uniform over the CTA
-    const int splits = a.num_splits;
-    const float* lse_s = a.part_lse + qidx * a.num_splits;
+    const int t = (int)(qidx % Tq);
+    const int h = (int)((qidx / Tq) % Hq);
+    const int b = (int)(qidx / ((i64)Tq * Hq));
+    if (t >= n_new[b]) return;  // uniform over the CTA
+    const int splits = num_splits;
+    const float* lse_s = part_lse + qidx * num_splits;
     float mx = GQAKV_NEG_INF;
     bool bad = false;  // a NaN or +inf lse_s (fmaxf alone would skip a NaN)
     for (int s = 0; s < splits; ++s) {
@@ -64,7 +68,7 @@ __global__ void __launch_bounds__(128) gqakv_merge(const MergeArgs<typename Kern
     // factor `corr` scales the summed outputs. Nothing changes without it or without keys.
     float m_rel = 0.f, corr = 1.f;
     if (V::SINKS) {
-        const float sink = seen && !bad ? (a.params.sinks[h] - mx) * GQAKV_LOG2E : GQAKV_NEG_INF;
+        const float sink = seen && !bad ? (params.sinks[h] - mx) * GQAKV_LOG2E : GQAKV_NEG_INF;
         corr = add_sink_log2(m_rel, total, sink);  // -inf: nothing changes
     }
 
@@ -78,7 +82,7 @@ __global__ void __launch_bounds__(128) gqakv_merge(const MergeArgs<typename Kern
         for (int e = 0; e < S::VEC; ++e) acc[v][e] = 0.f;
     }
     if (seen && !bad && grp < S::NGRP) {
-        const float* po = a.part_o + qidx * a.num_splits * (i64)D;
+        const float* po = part_o + qidx * num_splits * (i64)D;
 #pragma unroll 4
         for (int s = grp; s < splits; s += S::NGRP) {
             if (lse_s[s] == GQAKV_NEG_INF) continue;  // saw no key: its o_s may be anything
@@ -103,7 +107,7 @@ __global__ void __launch_bounds__(128) gqakv_merge(const MergeArgs<typename Kern
         }
         __syncthreads();
     }
-    typename KernelTypes<T>::Out* o_row = a.out + (i64)b * a.o_sb + (i64)h * a.o_sh + (i64)t * a.o_st;
+    typename KernelTypes<T>::Out* o_row = out + (i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st;
     if (S::NGRP > 1) {
         for (int d = threadIdx.x; d < D; d += blockDim.x) {
             float o = 0.f;
@@ -121,5 +125,5 @@ __global__ void __launch_bounds__(128) gqakv_merge(const MergeArgs<typename Kern
             }
         }
     }
-    if (threadIdx.x == 0) a.lse[qidx] = bad ? qnan : seen ? mx + finished_lse(m_rel, total) : GQAKV_NEG_INF;
+    if (threadIdx.x == 0) lse[qidx] = bad ? qnan : seen ? mx + finished_lse(m_rel, total) : GQAKV_NEG_INF;
 }

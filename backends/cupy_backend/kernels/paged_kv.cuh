@@ -5,17 +5,15 @@
 // Layout (gqakv.paged): K and V pools [num_pages, Hkv, P, d], heads-major inside a page;
 // row r's token j of KV head h is at pool[table[r, j / P], h, j % P, :]. The kernels'
 // three buffer strides (buf_sb, buf_sh, buf_st) are then the pool's page, head and token
-// strides, and the table is the kernel's argument struct's `pages` member, a KVPages.
+// strides, and the table comes as one more kernel argument, a KVPages by value.
 //
-// The switch: every kernel that reads or writes K/V ends its template parameters with a
-// pack `class... Pages` (as CUDA requires of a __global__ pack). The contiguous
-// instantiations leave it empty (their names are unchanged, their struct's `pages` is zero
-// and never read); the paged ones name KVPages (sources.paged_name_expression) and the
-// planner fills `pages` (plan.PageTableArg). kv_reader / kv_slot overload on whether a
-// KVPages is passed, and `static_cast<const Pages&>(a.pages)...` passes the struct's
-// exactly when the pack names it, so a kernel body says `kv_reader_of<Ty, Pages...>(a,
-// row, kvh, D)` once and serves both (and, through KernelTypes::ReaderOver, 8-bit codes
-// over either).
+// The switch: every kernel that reads or writes K/V ends its parameter list with a pack
+// `Pages... pages` (its last template parameter, as CUDA requires of a __global__ pack).
+// The contiguous instantiations leave it empty (their names and arguments are unchanged);
+// the paged ones name KVPages (sources.paged_name_expression) and the planner appends
+// the struct (plan.PageTableArg). kv_reader / kv_slot overload on the pack, so a kernel body says
+// `kv_reader<Ty>(k_buf, v_buf, row, kvh, buf_sb, buf_sh, buf_st, params, D, pages...)` once
+// and serves both (and, through KernelTypes::ReaderOver, 8-bit codes over either).
 //
 // Only the pages a row holds for its live tokens are ever looked up (the kernels never
 // ask for a key at or past L), so table entries past them (-1) are never read.
@@ -90,16 +88,7 @@ __device__ __forceinline__ typename Ty::template ReaderOver<PagedKV> kv_reader(
     return typename Ty::template ReaderOver<PagedKV>(k_buf, v_buf, row, kvh, sb, sh, st, params, d, pages);
 }
 
-// An attention kernel's reader from its argument struct (DecodeArgs, PrefillArgs: K/V
-// buffers, strides, AttnParams; its `pages` exactly when the Pages pack names KVPages).
-template <class Ty, class... Pages, class Args>
-__device__ __forceinline__ auto kv_reader_of(const Args& a, i64 row, int kvh, int d) {
-    return kv_reader<Ty>(a.k_buf, a.v_buf, row, kvh, a.buf_sb, a.buf_sh, a.buf_st, a.params, d,
-                         static_cast<const Pages&>(a.pages)...);
-}
-
-// Element offset of token `token` of (row, KV head) in the buffer (the writers' address;
-// `static_cast<const Pages&>(a.pages)...` passes a paged instantiation's table).
+// Element offset of token `token` of (row, KV head) in the buffer (the writers' address).
 __device__ __forceinline__ i64 kv_slot(i64 row, int h, i64 token, i64 sb, i64 sh, i64 st) {
     return row * sb + (i64)h * sh + token * st;
 }

@@ -60,14 +60,19 @@ __device__ __forceinline__ void load_tile(float* __restrict__ tile, const Reader
 // T: the storage type (KernelTypes names its q / K/V / output roles); VARIANT: the
 // variant trait's flags (variant.cuh; 0 is plain causal).
 template <class T, int D, int VARIANT = 0, class... Pages>
-__global__ void __launch_bounds__(128, 1) gqakv_prefill(const PrefillArgsOf<T> a) {
+__global__ void __launch_bounds__(128, 1) gqakv_prefill(
+    const typename KernelTypes<T>::Q* __restrict__ q, const typename KernelTypes<T>::KV* __restrict__ k_buf,
+    const typename KernelTypes<T>::KV* __restrict__ v_buf,
+    const i64* __restrict__ rows, const i64* __restrict__ lens, const i64* __restrict__ n_new,
+    typename KernelTypes<T>::Out* __restrict__ out, float* __restrict__ lse,
+    int Hkv, int G, int Tq, int GC, int BQ, int n_gchunks, AttnParams params,
+    i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
+    i64 o_sb, i64 o_sh, i64 o_st, Pages... pages) {
     typedef KernelTypes<T> Ty;
     typedef typename Ty::KV KV;
     typedef PrefillShape<KV, D> S;
     typedef Variant<VARIANT> V;
-    const AttnParams& params = a.params;
-    const int Hkv = a.Hkv, G = a.G, Tq = a.Tq, GC = a.GC, BQ = a.BQ;
-    const PrefillCta cta = prefill_cta<V>(a);
+    const PrefillCta cta = prefill_cta<V>(lens, n_new, Hkv, n_gchunks, BQ, params);
     const int gc = cta.gc, kvh = cta.kvh, b = cta.b, t0 = cta.t0;
     const i64 n = cta.n, start = cta.start, k_begin = cta.k_begin, k_end = cta.k_end;
     if (t0 >= n) return;  // uniform over the CTA
@@ -84,8 +89,8 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(const PrefillArgsOf<T> a
         const int gi = r / BQ, t = t0 + r % BQ, g = gc * GC + gi;
         float* dst = &sQ[r][ch * S::VEC];
         if (gi < GC && g < G && t < n) {
-            load_vec<typename Ty::Q, S::VEC>(a.q + (i64)b * a.q_sb + (i64)(kvh * G + g) * a.q_sh +
-                                                 (i64)t * a.q_st + ch * S::VEC, dst);
+            load_vec<typename Ty::Q, S::VEC>(q + (i64)b * q_sb + (i64)(kvh * G + g) * q_sh +
+                                                 (i64)t * q_st + ch * S::VEC, dst);
 #pragma unroll
             for (int e = 0; e < S::VEC; ++e) dst[e] *= qscale;
         } else {
@@ -112,7 +117,7 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(const PrefillArgsOf<T> a
         for (int cc = 0; cc < S::CPT; ++cc) acc[i][cc] = 0.f;
     }
 
-    const auto kv = kv_reader_of<Ty, Pages...>(a, a.rows[b], kvh, D);
+    const auto kv = kv_reader<Ty>(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D, pages...);
     for (i64 j0 = k_begin; j0 < k_end; j0 += S::BK) {
         __syncthreads();  // previous tile's readers are done with sKV and sP
         load_tile<KV, D, false>(sKV, kv, j0, k_end, S::BK, S::KSTR);
@@ -208,12 +213,12 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(const PrefillArgsOf<T> a
         float mx = st[i].m, total = st[i].l;
         const float corr = V::SINKS ? add_sink_log2(mx, total, V::sink_log2(params, h)) : 1.f;
         const float inv = corr / total;  // total > 0 (every real query sees its own key), or NaN
-        typename Ty::Out* o = a.out + (i64)b * a.o_sb + (i64)h * a.o_sh + (i64)t * a.o_st;
+        typename Ty::Out* o = out + (i64)b * o_sb + (i64)h * o_sh + (i64)t * o_st;
 #pragma unroll
         for (int cc = 0; cc < S::CPT; ++cc) {
             const int col = tc + S::TC * cc;
             if (col < D) o[col] = from_float<typename Ty::Out>(acc[i][cc] * inv);
         }
-        if (tc == 0) a.lse[((i64)b * Hq + h) * Tq + t] = finished_lse(mx, total);
+        if (tc == 0) lse[((i64)b * Hq + h) * Tq + t] = finished_lse(mx, total);
     }
 }

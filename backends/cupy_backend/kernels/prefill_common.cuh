@@ -14,18 +14,19 @@ struct PrefillCta {
     i64 L, n, start, k_begin, k_end;
 };
 
-template <class V, class Args>
-__device__ __forceinline__ PrefillCta prefill_cta(const Args& a) {
-    const int BQ = a.BQ;
+template <class V>
+__device__ __forceinline__ PrefillCta prefill_cta(const i64* __restrict__ lens,
+                                                  const i64* __restrict__ n_new, int Hkv,
+                                                  int n_gchunks, int BQ, const AttnParams& params) {
     PrefillCta w;
-    w.gc = blockIdx.x % a.n_gchunks;
-    w.kvh = (blockIdx.x / a.n_gchunks) % a.Hkv;
-    w.b = blockIdx.x / (a.n_gchunks * a.Hkv);
+    w.gc = blockIdx.x % n_gchunks;
+    w.kvh = (blockIdx.x / n_gchunks) % Hkv;
+    w.b = blockIdx.x / (n_gchunks * Hkv);
     w.t0 = blockIdx.y * BQ;
-    w.L = a.lens[w.b];
-    w.n = a.n_new[w.b];
+    w.L = lens[w.b];
+    w.n = n_new[w.b];
     w.start = w.L - w.n;
-    w.k_begin = V::key_lo(a.params, w.start + w.t0);
+    w.k_begin = V::key_lo(params, w.start + w.t0);
     w.k_end = w.start + (w.t0 + BQ < w.n ? w.t0 + BQ : w.n);
     return w;
 }

@@ -119,15 +119,19 @@ __device__ __forceinline__ void load_v_transposed(unsigned* __restrict__ dst, co
 // same here); VARIANT: the variant trait's flags (variant.cuh; 0 is plain causal).
 template <class T, int D, int VARIANT = 0, class... Pages>
 __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_prefill_mma(
-    const PrefillArgsOf<T> a) {
+    const typename KernelTypes<T>::Q* __restrict__ q, const typename KernelTypes<T>::KV* __restrict__ k_buf,
+    const typename KernelTypes<T>::KV* __restrict__ v_buf,
+    const i64* __restrict__ rows, const i64* __restrict__ lens, const i64* __restrict__ n_new,
+    typename KernelTypes<T>::Out* __restrict__ out, float* __restrict__ lse,
+    int Hkv, int G, int Tq, int GC, int BQ, int n_gchunks, AttnParams params,
+    i64 q_sb, i64 q_sh, i64 q_st, i64 buf_sb, i64 buf_sh, i64 buf_st,
+    i64 o_sb, i64 o_sh, i64 o_st, Pages... pages) {
     typedef KernelTypes<T> Ty;
     typedef typename Ty::KV KV;
     typedef PrefillMmaShape<KV, D> S;
     typedef typename S::Smem M;
     typedef Variant<VARIANT> V;
-    const AttnParams& params = a.params;
-    const int Hkv = a.Hkv, G = a.G, Tq = a.Tq, GC = a.GC, BQ = a.BQ;
-    const PrefillCta cta = prefill_cta<V>(a);
+    const PrefillCta cta = prefill_cta<V>(lens, n_new, Hkv, n_gchunks, BQ, params);
     const int gc = cta.gc, kvh = cta.kvh, b = cta.b, t0 = cta.t0;
     const i64 n = cta.n, start = cta.start, k_begin = cta.k_begin, k_end = cta.k_end;
     if (t0 >= n) return;  // uniform over the CTA
@@ -146,8 +150,8 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
         const int gi = r / BQ, t = t0 + r % BQ, g = gc * GC + gi;
         Words4 x = {{0u, 0u, 0u, 0u}};
         if (gi < GC && g < G && t < n)
-            x = *reinterpret_cast<const Words4*>(a.q + (i64)b * a.q_sb + (i64)(kvh * G + g) * a.q_sh +
-                                                 (i64)t * a.q_st + ch * 8);
+            x = *reinterpret_cast<const Words4*>(q + (i64)b * q_sb + (i64)(kvh * G + g) * q_sh +
+                                                 (i64)t * q_st + ch * 8);
         *reinterpret_cast<Words4*>(sQ + r * M::QW + ch * 4) = x;
     }
 
@@ -182,7 +186,7 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
 #pragma unroll
         for (int i = 0; i < 4; ++i) o[nt][i] = 0.f;
 
-    const auto kv = kv_reader_of<Ty, Pages...>(a, a.rows[b], kvh, D);
+    const auto kv = kv_reader<Ty>(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D, pages...);
     const float qscale = V::fold(params);
     for (i64 j0 = k_begin; j0 < k_end; j0 += S::BK) {
         __syncthreads();  // previous tile's readers are done with sKV
@@ -301,7 +305,7 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
         // lr >= 1 (every real query sees its own key, P = 1 at the max), or NaN.
         const float inv = corr / denom;
         typedef typename Ty::Out TO;
-        TO* orow = a.out + (i64)b * a.o_sb + (i64)hq * a.o_sh + (i64)t * a.o_st;
+        TO* orow = out + (i64)b * o_sb + (i64)hq * o_sh + (i64)t * o_st;
 #pragma unroll
         for (int nt = 0; nt < S::NT_O; ++nt) {
             Vec<TO, 2> pair;
@@ -309,6 +313,6 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
             pair.v[1] = from_float<TO>(o[nt][2 * h + 1] * inv);
             *reinterpret_cast<Vec<TO, 2>*>(orow + nt * 8 + 2 * tig) = pair;
         }
-        if (tig == 0) a.lse[((i64)b * Hq + hq) * Tq + t] = finished_lse(mx, total);
+        if (tig == 0) lse[((i64)b * Hq + hq) * Tq + t] = finished_lse(mx, total);
     }
 }

@@ -6,9 +6,7 @@
 //                   soft-cap, sinks and ALiBi as compile-time switches (never copies);
 //   ContiguousKV    how K and V rows are read (the address arithmetic): contiguous rows of
 //                   a dense [rows, Hkv, S, d] cache (PagedKV in paged_kv.cuh reads pages);
-//   KernelTypes<T>  the q, K/V and output element types (one storage type today);
-//   DecodeArgsOf<T>, PrefillArgsOf<T>  the attention kernels' argument structs (params.cuh)
-//                   at those types.
+//   KernelTypes<T>  the q, K/V and output element types (one storage type today).
 // The Python side (plan.py: variant_flags, KernelParams) fills the same struct and picks
 // the same flags; gqakv.semantics holds the definitions every path implements.
 #pragma once
@@ -129,11 +127,4 @@ struct KernelTypes {
 };
 
 #include "quantized_kv.cuh"
-
-// The argument struct of an attention kernel over storage tag T (params.cuh: its pointers
-// typed by KernelTypes<T>'s roles).
-template <class T>
-using DecodeArgsOf = DecodeArgs<typename KernelTypes<T>::Q, typename KernelTypes<T>::KV, typename KernelTypes<T>::Out>;
-template <class T>
-using PrefillArgsOf = PrefillArgs<typename KernelTypes<T>::Q, typename KernelTypes<T>::KV, typename KernelTypes<T>::Out>;
 

@@ -21,28 +21,33 @@
 #include "paged_kv.cuh"
 
 template <class T, class C, int D, class... Pages>
-__global__ void __launch_bounds__(128) gqakv_write_kv_quantized(const WriteArgs<T, C> a) {
+__global__ void __launch_bounds__(128) gqakv_write_kv_quantized(
+    const T* __restrict__ k_new, const T* __restrict__ v_new,
+    C* __restrict__ k_buf, C* __restrict__ v_buf, float* __restrict__ k_scale, float* __restrict__ v_scale,
+    const i64* __restrict__ rows, const i64* __restrict__ starts, const i64* __restrict__ n_new,
+    int Hkv, int Tn,
+    i64 new_sb, i64 new_sh, i64 new_st,
+    i64 buf_sb, i64 buf_sh, i64 buf_st,
+    i64 sc_sb, i64 sc_sh, i64 sc_st, Pages... pages) {
     constexpr int EPL = (D + 31) / 32;  // values per lane
     constexpr int WARPS = 4;
-    const int b = blockIdx.x / a.Hkv;
-    const int h = blockIdx.x % a.Hkv;
+    const int b = blockIdx.x / Hkv;
+    const int h = blockIdx.x % Hkv;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const i64 n = a.n_new[b];
-    const i64 src = (i64)b * a.new_sb + (i64)h * a.new_sh;
-    const i64 row = a.rows[b], start = a.starts[b];
+    const i64 n = n_new[b];
+    const i64 src = (i64)b * new_sb + (i64)h * new_sh;
+    const i64 row = rows[b], start = starts[b];
     for (i64 t = (i64)blockIdx.y * WARPS + warp; t < n; t += (i64)gridDim.y * WARPS) {
         // This token's code row and scale (through the page table when paged).
-        const i64 dst = kv_slot(row, h, start + t, a.buf_sb, a.buf_sh, a.buf_st,
-                              static_cast<const Pages&>(a.pages)...);
-        const i64 sdst = kv_slot(row, h, start + t, a.sc_sb, a.sc_sh, a.sc_st,
-                              static_cast<const Pages&>(a.pages)...);
+        const i64 dst = kv_slot(row, h, start + t, buf_sb, buf_sh, buf_st, pages...);
+        const i64 sdst = kv_slot(row, h, start + t, sc_sb, sc_sh, sc_st, pages...);
         float xk[EPL], xv[EPL];
         float ak = 0.f, av = 0.f, bad_k = 0.f, bad_v = 0.f;
 #pragma unroll
         for (int i = 0; i < EPL; ++i) {
             const int c = lane + 32 * i;
-            xk[i] = c < D ? to_float(a.k_new[src + t * a.new_st + c]) : 0.f;
-            xv[i] = c < D ? to_float(a.v_new[src + t * a.new_st + c]) : 0.f;
+            xk[i] = c < D ? to_float(k_new[src + t * new_st + c]) : 0.f;
+            xv[i] = c < D ? to_float(v_new[src + t * new_st + c]) : 0.f;
             // !(|x| <= FLT_MAX): NaN or infinite (fmaxf would skip a NaN).
             bad_k = fabsf(xk[i]) <= 3.402823466e38f ? bad_k : 1.f;
             bad_v = fabsf(xv[i]) <= 3.402823466e38f ? bad_v : 1.f;
@@ -59,13 +64,13 @@ __global__ void __launch_bounds__(128) gqakv_write_kv_quantized(const WriteArgs<
         for (int i = 0; i < EPL; ++i) {
             const int c = lane + 32 * i;
             if (c < D) {
-                a.k_buf[dst + c] = quantize_value<C>(xk[i], sk);
-                a.v_buf[dst + c] = quantize_value<C>(xv[i], sv);
+                k_buf[dst + c] = quantize_value<C>(xk[i], sk);
+                v_buf[dst + c] = quantize_value<C>(xv[i], sv);
             }
         }
         if (lane == 0) {
-            a.k_scale[sdst] = sk;
-            a.v_scale[sdst] = sv;
+            k_scale[sdst] = sk;
+            v_scale[sdst] = sv;
         }
     }
 }
