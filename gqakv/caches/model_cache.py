@@ -344,7 +344,7 @@ class Step:
         try:
             if not (backend.owns(k_new) and backend.owns(v_new)):
                 return None
-            return tuple((type(x), backend.device_of(x), tuple(x.shape), str(x.dtype))
+            return tuple((type(x), backend.device_of(x), tuple(x.shape), x.dtype)
                          for x in (k_new, v_new))
         except Exception:  # anything odd: validate in full
             return None
