@@ -135,7 +135,7 @@ def run_paged(*, dtype, d=64, page_size, kv_heads=2, group=2, window=None, softc
         case = types.SimpleNamespace(name=f"paged {dtype} P={page_size}", dtype=dtype)
         cases._check_out(case, step, np.asarray(be.to_numpy(out)), np.asarray(be.to_numpy(lse)),
                          ref_out, ref_lse, n, stats)
-        assert cache.store.table.audit(cache.host_lens) == []
+        assert cache.store.page_table.audit(cache.host_lens) == []
     for b in range(B):  # the pages hold exactly the appended tokens
         k_live, v_live = (np.asarray(be.to_numpy(x)) for x in cache.live_kv(b))
         assert np.array_equal(k_live.view(np.uint8), model.k[b].view(np.uint8)), f"row {b} K"
@@ -484,7 +484,7 @@ def test_paged_routes_and_rejections():
     assert all("paged" in impls[k] for k in ("gqakv_write_kv", "gqakv_write_kv_quantized", "gqakv_decode",
                                              "gqakv_decode_mma", "gqakv_prefill", "gqakv_prefill_mma"))
     huge = gqakv.PagedKVCache(1, 1, 8, 64, dtype="float32", backend=be, page_size=8, num_pages=1)
-    huge.store.table.table = np.zeros((1, 2**28), np.int32)  # 2^31 slots per row, never allocated
+    huge.store.page_table.entries = np.zeros((1, 2**28), np.int32)  # 2^31 slots per row, never allocated
     assert "32 bits" in _store_rejection(huge.store)
     with pytest.raises(NotImplementedError, match="32 bits"):
         planmod.PageTableArg(table_stride=2**28, page_size=8)

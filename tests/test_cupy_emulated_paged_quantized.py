@@ -127,7 +127,7 @@ def run_paged_quantized(backend, *, kv_dtype, dtype, page_size, window=None, sof
         case = types.SimpleNamespace(name=f"paged {kv_dtype} {dtype} P={page_size}", dtype=dtype)
         cases._check_out(case, step, np.asarray(backend.to_numpy(out)),
                          np.asarray(backend.to_numpy(lse)), ref_out, ref_lse, n, stats)
-        assert cache.store.table.audit(cache.host_lens) == []
+        assert cache.store.page_table.audit(cache.host_lens) == []
     _assert_same_live_storage(cache, twin, backend)
     return backend.kernels
 
@@ -143,7 +143,8 @@ def _assert_same_live_storage(cache, twin, backend):
     want = {name: np.asarray(getattr(twin.store, name)) for name in got}
     for b, L in enumerate(cache.host_lens):
         for j in range(int(L)):
-            pg, pw = int(cache.store.table.table[b, j // P]), int(twin.store.table.table[b, j // P])
+            pg = int(cache.store.page_table.entries[b, j // P])
+            pw = int(twin.store.page_table.entries[b, j // P])
             for name in got:
                 g, w = got[name][pg, :, j % P], want[name][pw, :, j % P]
                 assert g.tobytes() == w.tobytes(), (name, b, j)
