@@ -538,7 +538,7 @@ def kernel_layout(store):
         view = nk.CODE_VIEWS[store.spec.codec.kernel_tag]
         codes = store.k.view(view), store.v.view(view)
     if store.kind == PAGED:
-        table = np.ascontiguousarray(store.table.table, dtype=np.int32)
+        table = np.ascontiguousarray(store.page_table.entries, dtype=np.int32)
         if codes is not None:  # codes and scales, both paged through the one table
             shift = nk.paged(store.k, table).shift
             return (nk.PagedQuantized(codes[0], store.k_scale, table, shift),

@@ -204,7 +204,7 @@ def _rows(store, arrays, rows):
 
 
 def _pages(store, arrays, rows):
-    return Pages(arrays, rows, store.table.table, store.page_size)
+    return Pages(arrays, rows, store.page_table.entries, store.page_size)
 
 
 #: The base reader of each storage layout (``KVStore.kind``) the NumPy kernel reads.

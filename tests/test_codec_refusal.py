@@ -198,7 +198,7 @@ def _codes(backend, cache, lens) -> np.ndarray:
     for b, L in enumerate(lens):
         if store.kind == "paged":
             P = store.page_size
-            table = np.asarray(store.table.table)
+            table = np.asarray(store.page_table.entries)
             rows = np.concatenate([buf[table[b, j // P], :, j % P][:, None] for j in range(L)],
                                   axis=1)  # [Hkv, L, d]
         else:

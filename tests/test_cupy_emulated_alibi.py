@@ -37,11 +37,9 @@ if harness.compiler() is None:
 
 from gqakv_backends.cupy_backend import plan as planmod  # noqa: E402
 
-from . import test_cupy_emulated_paged as paged_tests  # noqa: E402
-from . import test_cupy_emulated_paged_quantized as pq_tests  # noqa: E402
-from . import test_cupy_emulated_variants as variant_tests  # noqa: E402
-from .test_cupy_emulated_paged import _sinks  # noqa: E402
-from .test_cupy_emulated_variants import alibi_pattern  # noqa: E402
+from .cuda_emu.plans import (alibi_pattern, held_values, run_paged_plan,  # noqa: E402
+                              run_paged_quantized_plan, run_variant, sinks_pattern,
+                              variant_params)
 
 D = 64  # the default emulation library's ALiBi instantiations (flags 8 and 15; paged: 15)
 
@@ -72,9 +70,9 @@ def run_alibi_cache(backend, *, storage, kv_dtype, dtype, alibi, window=None, so
              else gqakv.KVCache(B, kv_heads, max_len, D, **kw))
     cache.store.fill(np.nan)  # slots no kernel may read are NaN
     rows = [[np.zeros((kv_heads, 0, D)) for _ in range(B)] for _ in range(2)]
-    params = dict(window=window, softcap=softcap, sinks=_sinks(hq, sinks),
+    params = dict(window=window, softcap=softcap, sinks=sinks_pattern(hq, sinks),
                   alibi_slopes=alibi_pattern(alibi, hq))
-    held = ((lambda x: pq_tests._held(x, kv_dtype)) if kv_dtype else (lambda x: x.astype(np.float64)))
+    held = ((lambda x: held_values(x, kv_dtype)) if kv_dtype else (lambda x: x.astype(np.float64)))
     for step, item in enumerate(SEQUENCE):
         n = np.asarray(item, np.int64)
         T = int(n.max()) + 1  # one padding slot
@@ -191,22 +189,21 @@ def run_asan_scenario(emu, scenario, i, poison):
     kind, dtype, tc, splits, lens, n_new, (window, softcap, sinks, alibi) = scenario
     hq = 4
     if kind == "contiguous":
-        params = variant_tests._params(D, hq, window, softcap, sinks, alibi)
-        plan = variant_tests.run_variant(emu, dtype=dtype, d=D, kv_heads=2, group=2, lens=lens,
-                                         n_new=n_new, params=params, tensor_cores=tc,
-                                         force_splits=splits, seed=i, poison=poison)
+        params = variant_params(D, hq, window, softcap, sinks, alibi)
+        plan = run_variant(emu, dtype=dtype, d=D, kv_heads=2, group=2, lens=lens, n_new=n_new,
+                           params=params, tensor_cores=tc, force_splits=splits, seed=i,
+                           poison=poison)
     else:
         params = gqakv.AttentionParams(scale=1.0 / math.sqrt(D), window=window, softcap=softcap,
-                                       sinks=_sinks(hq, sinks), alibi_slopes=alibi_pattern(alibi, hq))
+                                       sinks=sinks_pattern(hq, sinks), alibi_slopes=alibi_pattern(alibi, hq))
         if kind == "paged":
-            plan = paged_tests.run_paged_plan(emu, dtype=dtype, P=5, lens=lens, n_new=n_new,
-                                              params=params, tensor_cores=tc, force_splits=splits,
-                                              seed=i, poison=poison)
+            plan = run_paged_plan(emu, dtype=dtype, P=5, lens=lens, n_new=n_new, params=params,
+                                  tensor_cores=tc, force_splits=splits, seed=i, poison=poison)
         else:
             kv_dtype = {"paged-int8": "int8", "paged-e4m3": "float8_e4m3fn"}[kind]
-            plan = pq_tests.run_paged_quantized_plan(emu, kv_dtype=kv_dtype, dtype=dtype, P=5,
-                                                     lens=lens, n_new=n_new, params=params,
-                                                     force_splits=splits, seed=i, poison=poison)
+            plan = run_paged_quantized_plan(emu, kv_dtype=kv_dtype, dtype=dtype, P=5, lens=lens,
+                                            n_new=n_new, params=params, force_splits=splits,
+                                            seed=i, poison=poison)
     flags = planmod.variant_flags(params)
     assert flags & planmod.VARIANT_FLAGS["alibi"]
     assert all(f", {flags}" in launch.name for launch in plan.launches if launch.kernel != "gqakv_merge")

@@ -40,6 +40,8 @@ if harness.compiler() is None:
 from gqakv_backends.cupy_backend import plan as planmod  # noqa: E402
 
 from .cuda_emu.emulated_backend import EmulatedCupyBackend  # noqa: E402
+from .cuda_emu.plans import (pool_poison, run_paged_plan, shuffled_pool, sinks_pattern,  # noqa: E402
+                              table_poison)
 
 
 def _backend(capability: int | None = None):
@@ -57,13 +59,6 @@ def _backend(capability: int | None = None):
     if capability is not None:
         be._device_facts[0] = (132, capability)
     return be, names
-
-
-def _sinks(hq: int, kind):
-    if kind is None:
-        return None
-    pattern = {"mixed": (-math.inf, 0.5, -3.0, 25.0), "large": (40.0, 41.0, 42.0, 43.0)}[kind]
-    return tuple(float(np.float32(pattern[h % 4])) for h in range(hq))
 
 
 class _Model:
@@ -113,7 +108,7 @@ def run_paged(*, dtype, d=64, page_size, kv_heads=2, group=2, window=None, softc
                                page_size=page_size)
     cache.store.fill(np.nan)  # slots no kernel may read are NaN
     model = _Model(B, kv_heads, d, st)
-    kw = dict(window=window, softcap=softcap, sinks=_sinks(hq, sinks))
+    kw = dict(window=window, softcap=softcap, sinks=sinks_pattern(hq, sinks))
     stats = {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0}
     for step, item in enumerate(sequence):
         if item[0] == "fork":
@@ -135,7 +130,7 @@ def run_paged(*, dtype, d=64, page_size, kv_heads=2, group=2, window=None, softc
         case = types.SimpleNamespace(name=f"paged {dtype} P={page_size}", dtype=dtype)
         cases._check_out(case, step, np.asarray(be.to_numpy(out)), np.asarray(be.to_numpy(lse)),
                          ref_out, ref_lse, n, stats)
-        assert cache.store.table.audit(cache.host_lens) == []
+        assert cache.store.page_table.audit(cache.host_lens) == []
     for b in range(B):  # the pages hold exactly the appended tokens
         k_live, v_live = (np.asarray(be.to_numpy(x)) for x in cache.live_kv(b))
         assert np.array_equal(k_live.view(np.uint8), model.k[b].view(np.uint8)), f"row {b} K"
@@ -255,110 +250,6 @@ def test_paged_model_cache_layers():
 
 # ---- the plans on a hand-made pool: shuffled pages, and AddressSanitizer --------------------
 
-def _pool(rng, st, lens, kv_heads, d, P, spare=3):
-    """A pool whose pages are dealt to the rows in a shuffled order (``spare`` pages no row
-    holds), NaN outside the live tokens; returns k, v ``[num_pages, Hkv, P, d]``, the table
-    ``[B, pages_per_row]`` int32 (-1 past each row's pages) and each row's held pages."""
-    held = [-(-int(L) // P) for L in lens]
-    num_pages = sum(held) + spare
-    order = rng.permutation(num_pages)
-    per_row = max(1, max(held) + 1)
-    table = np.full((len(lens), per_row), -1, np.int32)
-    k = np.full((num_pages, kv_heads, P, d), np.nan, st)
-    v = np.full_like(k, np.nan)
-    i = 0
-    for b, L in enumerate(lens):
-        table[b, :held[b]] = order[i:i + held[b]]
-        i += held[b]
-        for j in range(int(L)):
-            k[table[b, j // P], :, j % P] = rng.standard_normal((kv_heads, d)).astype(st)
-            v[table[b, j // P], :, j % P] = rng.standard_normal((kv_heads, d)).astype(st)
-    return k, v, table, held
-
-
-def _row(pool, table, b, L, P):
-    """Row b's live tokens ``[Hkv, L, d]`` gathered through the table."""
-    return np.stack([pool[table[b, j // P], :, j % P] for j in range(L)], axis=1)
-
-
-def _pool_poison(pool, table, held, lens, P, live=None):
-    """Byte ranges of the pool no kernel may touch: pages no row holds, and each held page's
-    slots past its row's live tokens (``live(b)``: the slots [lo, hi) a row may touch,
-    default [0, lens[b]))."""
-    page_bytes = pool[0].nbytes
-    slot = pool.strides[2]
-    allowed = np.zeros(pool.shape[:1] + pool.shape[2:3], bool)  # [num_pages, P]
-    for b, L in enumerate(lens):
-        lo, hi = live(b) if live else (0, int(L))
-        for j in range(lo, hi):
-            allowed[table[b, j // P], j % P] = True
-    ranges = []
-    for p in range(pool.shape[0]):
-        if not allowed[p].any():
-            ranges.append((p * page_bytes, page_bytes))
-            continue
-        for h in range(pool.shape[1]):
-            for s in np.flatnonzero(~allowed[p]):
-                ranges.append((p * pool.strides[0] + h * pool.strides[1] + int(s) * slot, slot))
-    return ranges
-
-
-def _table_poison(table, held):
-    """The table entries past each row's held pages (never looked up)."""
-    ranges = []
-    for b, h in enumerate(held):
-        ranges.append((table[b].ctypes.data - table.ctypes.data + 4 * h, 4 * (table.shape[1] - h)))
-    return ranges
-
-
-def run_paged_plan(emu, *, dtype, d=64, P, lens, n_new, params, tensor_cores=True,
-                   force_splits=None, kv_heads=2, group=2, seed=0, poison=False):
-    """One attention plan over a shuffled pool (the backend's planner, pages argument),
-    checked against the reference; with ``poison`` every byte outside the live tokens and
-    the live table entries is poisoned (the AddressSanitizer build)."""
-    rng = np.random.default_rng(seed)
-    st = cases.STORAGE[dtype]
-    lens, n_new = np.asarray(lens, np.int64), np.asarray(n_new, np.int64)
-    B, hq = len(lens), kv_heads * group
-    T = int(n_new.max()) + 1
-    k, v, table, held = _pool(rng, st, lens, kv_heads, d, P)
-    q = (2.0 * rng.standard_normal((B, hq, T, d))).astype(st)
-    for b in range(B):
-        q[b, :, n_new[b]:] = np.nan
-    out = np.zeros((B, hq, T, d), st)
-    lse = np.full((B, hq, T), -np.inf, np.float32)
-    strides = lambda a: tuple(s // a.itemsize for s in a.strides)[:3]  # noqa: E731
-    plan = planmod.plan_attention(dtype, d, batch=B, kv_heads=kv_heads, group=group, t_q=T,
-                                  lens=lens, n_new=n_new, params=params, q_strides=strides(q),
-                                  buf_strides=strides(k), out_strides=strides(out), sm_count=132,
-                                  force_splits=force_splits, tensor_cores=tensor_cores,
-                                  pages=planmod.PageTableArg(table.shape[1], P))
-    arrays = {"q": q, "k_buf": k, "v_buf": v, "rows": np.arange(B, dtype=np.int64), "lens": lens,
-              "n_new": n_new, "out": out, "lse": lse, "table": table}
-    if params.sinks is not None:
-        arrays["sinks"] = np.asarray(params.sinks, np.float32)
-    if params.alibi_slopes is not None:
-        arrays["alibi"] = np.asarray(params.alibi_slopes, np.float32)
-    ranges = None
-    if poison:
-        kv = _pool_poison(k, table, held, lens, P)
-        q_ranges = [cases._token_ranges(q, b, h, int(n_new[b]), T) for b in range(B) for h in range(hq)]
-        ranges = {"k_buf": kv, "v_buf": kv, "table": _table_poison(table, held), "q": q_ranges,
-                  "out": q_ranges}
-    emu.run(plan, arrays, poison=ranges)
-    k_rows = [_row(k, table, b, int(lens[b]), P) for b in range(B)]
-    v_rows = [_row(v, table, b, int(lens[b]), P) for b in range(B)]
-    ref_out, ref_lse = reference_attention(q.astype(np.float64), k_rows, v_rows, n_new, params.scale,
-                                           window=params.window, softcap=params.softcap,
-                                           sinks=params.sinks, alibi_slopes=params.alibi_slopes)
-    case = types.SimpleNamespace(name=f"paged plan {dtype} P={P} {params.variant}", dtype=dtype)
-    cases._check_out(case, 0, out, lse, ref_out, ref_lse, n_new,
-                     {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0})
-    assert all(launch.name.endswith("KVPages>") for launch in plan.launches
-               if launch.kernel != "gqakv_merge")
-    return plan
-
-
 def run_paged_write(emu, *, dtype, d=64, P, lens, n_new, kv_heads=2, seed=0, poison=False):
     """gqakv_write_kv's paged instantiation into a shuffled pool: tokens lens - n_new ..
     lens - 1 of each row (pages already held); the pool must equal the direct writes,
@@ -367,7 +258,7 @@ def run_paged_write(emu, *, dtype, d=64, P, lens, n_new, kv_heads=2, seed=0, poi
     st = cases.STORAGE[dtype]
     lens, n_new = np.asarray(lens, np.int64), np.asarray(n_new, np.int64)
     B, T = len(lens), int(n_new.max()) + 1
-    k, v, table, held = _pool(rng, st, lens, kv_heads, d, P)
+    k, v, table, held = shuffled_pool(rng, st, lens, kv_heads, d, P)
     starts = lens - n_new
     k_new = rng.standard_normal((B, kv_heads, T, d)).astype(st)
     v_new = rng.standard_normal((B, kv_heads, T, d)).astype(st)
@@ -384,8 +275,8 @@ def run_paged_write(emu, *, dtype, d=64, P, lens, n_new, kv_heads=2, seed=0, poi
               "rows": np.arange(B, dtype=np.int64), "starts": starts, "n_new": n_new, "table": table}
     ranges = None
     if poison:
-        kv = _pool_poison(k, table, held, lens, P, live=lambda b: (int(starts[b]), int(lens[b])))
-        ranges = {"k_buf": kv, "v_buf": kv, "table": _table_poison(table, held)}
+        kv = pool_poison(k, table, held, lens, P, live=lambda b: (int(starts[b]), int(lens[b])))
+        ranges = {"k_buf": kv, "v_buf": kv, "table": table_poison(table, held)}
     emu.run(plan, arrays, poison=ranges)
     assert np.array_equal(k.view(np.uint8), want_k.view(np.uint8))
     assert np.array_equal(v.view(np.uint8), want_v.view(np.uint8))
@@ -394,7 +285,7 @@ def run_paged_write(emu, *, dtype, d=64, P, lens, n_new, kv_heads=2, seed=0, poi
 
 def _params(d, hq, window=None, softcap=None, sinks=None):
     return gqakv.AttentionParams(scale=1.0 / math.sqrt(d), window=window, softcap=softcap,
-                                 sinks=_sinks(hq, sinks))
+                                 sinks=sinks_pattern(hq, sinks))
 
 
 #: (dtype, tensor_cores, force_splits, page_size, lens, n_new, (window, softcap, sinks)):
@@ -484,7 +375,7 @@ def test_paged_routes_and_rejections():
     assert all("paged" in impls[k] for k in ("gqakv_write_kv", "gqakv_write_kv_quantized", "gqakv_decode",
                                              "gqakv_decode_mma", "gqakv_prefill", "gqakv_prefill_mma"))
     huge = gqakv.PagedKVCache(1, 1, 8, 64, dtype="float32", backend=be, page_size=8, num_pages=1)
-    huge.store.table.table = np.zeros((1, 2**28), np.int32)  # 2^31 slots per row, never allocated
+    huge.store.page_table.entries = np.zeros((1, 2**28), np.int32)  # 2^31 slots per row, never allocated
     assert "32 bits" in _store_rejection(huge.store)
     with pytest.raises(NotImplementedError, match="32 bits"):
         planmod.PageTableArg(table_stride=2**28, page_size=8)

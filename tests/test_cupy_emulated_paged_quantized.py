@@ -47,10 +47,11 @@ if harness.compiler() is None:
 from gqakv_backends.cupy_backend import plan as planmod  # noqa: E402
 
 from .cuda_emu.emulated_backend import EmulatedCupyBackend  # noqa: E402
-from .test_cupy_emulated_paged import _pool_poison, _sinks, _table_poison  # noqa: E402
+from .cuda_emu.plans import (CODE_TAGS, D, element_strides, held_values, pool_poison,  # noqa: E402
+                              quantized_pool, run_paged_quantized_plan, sinks_pattern,
+                              table_poison)
 
 KV_DTYPES = ("int8", "float8_e4m3fn")
-D = 64  # the paged 8-bit instantiations of the default library (harness.PAGED_QUANTIZED_*)
 
 
 @pytest.fixture
@@ -58,11 +59,6 @@ def backend(monkeypatch):
     """The emulated CupyBackend, the generic fallbacks made to fail for it, every launch
     name recorded in ``backend.kernels``."""
     return emulated_backend.kernels_only(monkeypatch, "paged 8-bit kernels")
-
-
-def _held(x: np.ndarray, kv_dtype: str) -> np.ndarray:
-    """What an 8-bit cache holds for tokens ``x`` ``[..., d]``: codes x scales, float64."""
-    return Q.dequantize(np, *Q.quantize(np, x.astype(np.float32), kv_dtype), kv_dtype).astype(np.float64)
 
 
 # (n_new per row, or ("fork", src, dst)): a ragged prefill in two chunks (row 1 idle in the
@@ -97,7 +93,7 @@ def run_paged_quantized(backend, *, kv_dtype, dtype, page_size, window=None, sof
     cache.store.fill(np.nan)  # slots no kernel may read dequantize to NaN
     rows_k = [np.zeros((kv_heads, 0, D)) for _ in range(B)]
     rows_v = [np.zeros((kv_heads, 0, D)) for _ in range(B)]
-    kw = dict(window=window, softcap=softcap, sinks=_sinks(hq, sinks))
+    kw = dict(window=window, softcap=softcap, sinks=sinks_pattern(hq, sinks))
     stats = {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0}
     for step, item in enumerate(sequence):
         if item[0] == "fork":
@@ -119,15 +115,15 @@ def run_paged_quantized(backend, *, kv_dtype, dtype, page_size, window=None, sof
         cache.append(backend.from_numpy(k), backend.from_numpy(v), n)
         twin.append(k, v, n)
         for b in range(B):
-            rows_k[b] = np.concatenate([rows_k[b], _held(k[b, :, :n[b]], kv_dtype)], axis=1)
-            rows_v[b] = np.concatenate([rows_v[b], _held(v[b, :, :n[b]], kv_dtype)], axis=1)
+            rows_k[b] = np.concatenate([rows_k[b], held_values(k[b, :, :n[b]], kv_dtype)], axis=1)
+            rows_v[b] = np.concatenate([rows_v[b], held_values(v[b, :, :n[b]], kv_dtype)], axis=1)
         out, lse = gqakv.gqa_attention(backend.from_numpy(q), cache, n, return_lse=True, **kw)
         ref_out, ref_lse = reference_attention(q.astype(np.float64), rows_k, rows_v, n,
                                                1.0 / math.sqrt(D), **kw)
         case = types.SimpleNamespace(name=f"paged {kv_dtype} {dtype} P={page_size}", dtype=dtype)
         cases._check_out(case, step, np.asarray(backend.to_numpy(out)),
                          np.asarray(backend.to_numpy(lse)), ref_out, ref_lse, n, stats)
-        assert cache.store.table.audit(cache.host_lens) == []
+        assert cache.store.page_table.audit(cache.host_lens) == []
     _assert_same_live_storage(cache, twin, backend)
     return backend.kernels
 
@@ -143,7 +139,8 @@ def _assert_same_live_storage(cache, twin, backend):
     want = {name: np.asarray(getattr(twin.store, name)) for name in got}
     for b, L in enumerate(cache.host_lens):
         for j in range(int(L)):
-            pg, pw = int(cache.store.table.table[b, j // P]), int(twin.store.table.table[b, j // P])
+            pg = int(cache.store.page_table.entries[b, j // P])
+            pw = int(twin.store.page_table.entries[b, j // P])
             for name in got:
                 g, w = got[name][pg, :, j % P], want[name][pw, :, j % P]
                 assert g.tobytes() == w.tobytes(), (name, b, j)
@@ -161,9 +158,6 @@ def _assert_paged_quantized_kernels(names, code, *, split=False):
     assert split == any(n.startswith("gqakv_merge") for n in names), names
 
 
-CODE = {"int8": "gqakv_i8", "float8_e4m3fn": "gqakv_e4m3"}
-
-
 @pytest.mark.parametrize("page_size", [1, 5, 16])
 @pytest.mark.parametrize("kv_dtype,dtype", [("int8", "float32"), ("float8_e4m3fn", "bfloat16"),
                                             ("int8", "bfloat16"), ("float8_e4m3fn", "float32")])
@@ -172,10 +166,10 @@ def test_paged_quantized_cache_matches_reference(backend, kv_dtype, dtype, page_
     8-bit pages (the fp32-FMA kernels: the tensor-core ones take 16-bit fragments)."""
     names = run_paged_quantized(backend, kv_dtype=kv_dtype, dtype=dtype, page_size=page_size,
                                 seed=page_size)
-    _assert_paged_quantized_kernels(names, CODE[kv_dtype])
+    _assert_paged_quantized_kernels(names, CODE_TAGS[kv_dtype])
     copies = [n for n in names if n.startswith("gqakv_copy_tokens")]
     if 19 % page_size:  # row 0's last page was shared by the fork: codes and scales copied
-        assert f"gqakv_copy_tokens<{CODE[kv_dtype]}, {D}>" in copies
+        assert f"gqakv_copy_tokens<{CODE_TAGS[kv_dtype]}, {D}>" in copies
         assert "gqakv_copy_tokens<float, 1>" in copies
     else:
         assert not copies
@@ -190,7 +184,7 @@ def test_paged_quantized_variants(backend, kv_dtype, dtype, page_size, variant):
     names = run_paged_quantized(backend, kv_dtype=kv_dtype, dtype=dtype, page_size=page_size,
                                 window=window, softcap=softcap, sinks=sinks, seed=3)
     attn = [n for n in names if n.startswith(("gqakv_decode", "gqakv_prefill"))]
-    assert attn and all(n.endswith(", 7, KVPages>") and CODE[kv_dtype] in n for n in attn), attn
+    assert attn and all(n.endswith(", 7, KVPages>") and CODE_TAGS[kv_dtype] in n for n in attn), attn
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -201,7 +195,7 @@ def test_paged_quantized_split_decode(backend, monkeypatch, kv_dtype):
                         functools.partial(planmod.plan_attention, force_splits=3))
     names = run_paged_quantized(backend, kv_dtype=kv_dtype, dtype="bfloat16", page_size=4,
                                 window=6, softcap=3.0, sinks="mixed", seed=11)
-    _assert_paged_quantized_kernels(names, CODE[kv_dtype], split=True)
+    _assert_paged_quantized_kernels(names, CODE_TAGS[kv_dtype], split=True)
     assert any(n.startswith("gqakv_merge") and n.endswith(", 4>") for n in names)
 
 
@@ -227,7 +221,7 @@ def test_paged_quantized_model_cache_layers(backend):
                 for b in range(B):
                     for i, x in enumerate((k, v)):
                         rows[layer][i][b] = np.concatenate(
-                            [rows[layer][i][b], _held(x[b, :, :n[b]], "int8")], axis=1)
+                            [rows[layer][i][b], held_values(x[b, :, :n[b]], "int8")], axis=1)
                 ref_out, ref_lse = reference_attention(q.astype(np.float64), rows[layer][0],
                                                        rows[layer][1], n, 1.0 / math.sqrt(D))
                 case = types.SimpleNamespace(name=f"paged int8 model layer {layer}", dtype="float32")
@@ -239,96 +233,6 @@ def test_paged_quantized_model_cache_layers(backend):
 
 # ---- the plans on a hand-made pool: shuffled pages, and AddressSanitizer --------------------
 
-def _qpool(rng, lens, kv_heads, P, kv_dtype, spare=3):
-    """8-bit pools dealt to the rows in a shuffled order (``spare`` pages no row holds):
-    codes ``[num_pages, Hkv, P, D]`` and float32 scales ``[num_pages, Hkv, P]`` of random
-    tokens, NaN scales (and NaN-or-extreme codes) outside the live tokens; the table
-    ``[B, pages_per_row]`` int32 (-1 past each row's pages) and each row's held pages."""
-    held = [-(-int(L) // P) for L in lens]
-    num_pages = sum(held) + spare
-    order = rng.permutation(num_pages)
-    table = np.full((len(lens), max(1, max(held) + 1)), -1, np.int32)
-    codec = gqakv.storage.codecs.of(kv_dtype)
-    pools = []
-    for _ in range(2):
-        codes = np.full((num_pages, kv_heads, P, D), 0x7F, codec.code_dtype(np))  # e4m3: NaN
-        scales = np.full((num_pages, kv_heads, P), np.nan, np.float32)
-        pools.append([codes, scales])
-    i = 0
-    for b, L in enumerate(lens):
-        table[b, :held[b]] = order[i:i + held[b]]
-        i += held[b]
-        for j in range(int(L)):
-            pg = table[b, j // P]
-            for (codes, scales), mags in zip(pools, ([0.5, 1.0, 1.5], [1e-3, 0.1, 1.0])):
-                x = rng.standard_normal((kv_heads, D)) * rng.choice(mags)  # K, then V
-                c, s = Q.quantize(np, x.astype(np.float32), kv_dtype)
-                codes[pg, :, j % P], scales[pg, :, j % P] = c, s
-    return pools, table, held
-
-
-def _qrow(pool, table, b, L, P, kv_dtype):
-    """Row b's live tokens ``[Hkv, L, D]`` through the table, dequantized (float64)."""
-    codes, scales = pool
-    c = np.stack([codes[table[b, j // P], :, j % P] for j in range(L)], axis=1)
-    s = np.stack([scales[table[b, j // P], :, j % P] for j in range(L)], axis=1)
-    return Q.dequantize(np, c, s, kv_dtype).astype(np.float64)
-
-
-def _strides(a):
-    return tuple(s // a.itemsize for s in a.strides)
-
-
-def run_paged_quantized_plan(emu, *, kv_dtype, dtype, P, lens, n_new, params,
-                             force_splits=None, kv_heads=2, group=2, seed=0, poison=False):
-    """One attention plan over shuffled 8-bit pages (the backend's planner with pages and
-    kv_dtype), checked against the reference on the dequantized values; with ``poison``
-    every code and scale byte outside the live tokens and the live table entries is
-    poisoned (the AddressSanitizer build)."""
-    rng = np.random.default_rng(seed)
-    st = cases.STORAGE[dtype]
-    lens, n_new = np.asarray(lens, np.int64), np.asarray(n_new, np.int64)
-    B, hq = len(lens), kv_heads * group
-    T = int(n_new.max()) + 1
-    (kpool, vpool), table, held = _qpool(rng, lens, kv_heads, P, kv_dtype)
-    q = (2.0 * rng.standard_normal((B, hq, T, D))).astype(st)
-    for b in range(B):
-        q[b, :, n_new[b]:] = np.nan
-    out = np.zeros((B, hq, T, D), st)
-    lse = np.full((B, hq, T), -np.inf, np.float32)
-    plan = planmod.plan_attention(dtype, D, batch=B, kv_heads=kv_heads, group=group, t_q=T,
-                                  lens=lens, n_new=n_new, params=params, q_strides=_strides(q)[:3],
-                                  buf_strides=_strides(kpool[0])[:3], out_strides=_strides(out)[:3],
-                                  sm_count=132, force_splits=force_splits, tensor_cores=True,
-                                  pages=planmod.PageTableArg(table.shape[1], P), kv_dtype=kv_dtype)
-    arrays = {"q": q, "k_buf": kpool[0], "v_buf": vpool[0], "k_scale": kpool[1], "v_scale": vpool[1],
-              "rows": np.arange(B, dtype=np.int64), "lens": lens, "n_new": n_new, "out": out,
-              "lse": lse, "table": table}
-    if params.sinks is not None:
-        arrays["sinks"] = np.asarray(params.sinks, np.float32)
-    if params.alibi_slopes is not None:
-        arrays["alibi"] = np.asarray(params.alibi_slopes, np.float32)
-    ranges = None
-    if poison:
-        codes = _pool_poison(kpool[0], table, held, lens, P)
-        scales = _pool_poison(kpool[1], table, held, lens, P)
-        q_ranges = [cases._token_ranges(q, b, h, int(n_new[b]), T) for b in range(B) for h in range(hq)]
-        ranges = {"k_buf": codes, "v_buf": codes, "k_scale": scales, "v_scale": scales,
-                  "table": _table_poison(table, held), "q": q_ranges, "out": q_ranges}
-    emu.run(plan, arrays, poison=ranges)
-    k_rows = [_qrow(kpool, table, b, int(lens[b]), P, kv_dtype) for b in range(B)]
-    v_rows = [_qrow(vpool, table, b, int(lens[b]), P, kv_dtype) for b in range(B)]
-    ref_out, ref_lse = reference_attention(q.astype(np.float64), k_rows, v_rows, n_new, params.scale,
-                                           window=params.window, softcap=params.softcap,
-                                           sinks=params.sinks, alibi_slopes=params.alibi_slopes)
-    case = types.SimpleNamespace(name=f"paged {kv_dtype} plan {dtype} P={P} {params.variant}", dtype=dtype)
-    cases._check_out(case, 0, out, lse, ref_out, ref_lse, n_new,
-                     {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0})
-    attn = [launch.name for launch in plan.launches if launch.kernel != "gqakv_merge"]
-    assert attn and all(CODE[kv_dtype] in n and n.endswith("KVPages>") for n in attn), attn
-    return plan
-
-
 def run_paged_quantized_write(emu, *, kv_dtype, dtype, P, lens, n_new, kv_heads=2, seed=0,
                               poison=False):
     """gqakv_write_kv_quantized's paged instantiation into shuffled pages: tokens
@@ -338,7 +242,7 @@ def run_paged_quantized_write(emu, *, kv_dtype, dtype, P, lens, n_new, kv_heads=
     st = cases.STORAGE[dtype]
     lens, n_new = np.asarray(lens, np.int64), np.asarray(n_new, np.int64)
     B, T = len(lens), int(n_new.max()) + 1
-    (kpool, vpool), table, held = _qpool(rng, lens, kv_heads, P, kv_dtype)
+    (kpool, vpool), table, held = quantized_pool(rng, lens, kv_heads, P, kv_dtype)
     starts = lens - n_new
     k_new = (rng.standard_normal((B, kv_heads, T, D)) * 3.0).astype(st)
     v_new = rng.standard_normal((B, kv_heads, T, D)).astype(st)
@@ -350,30 +254,31 @@ def run_paged_quantized_write(emu, *, kv_dtype, dtype, P, lens, n_new, kv_heads=
                 j = int(starts[b]) + t
                 codes[table[b, j // P], :, j % P] = c[b, :, t]
                 scales[table[b, j // P], :, j % P] = s[b, :, t]
-    plan = planmod.plan_write_kv(dtype, D, n_new, kv_heads, T, _strides(k_new)[:3],
-                                 _strides(kpool[0])[:3], pages=planmod.PageTableArg(table.shape[1], P),
-                                 kv_dtype=kv_dtype, scale_strides=_strides(kpool[1])[:3])
+    plan = planmod.plan_write_kv(dtype, D, n_new, kv_heads, T, element_strides(k_new)[:3],
+                                 element_strides(kpool[0])[:3],
+                                 pages=planmod.PageTableArg(table.shape[1], P),
+                                 kv_dtype=kv_dtype, scale_strides=element_strides(kpool[1])[:3])
     arrays = {"k_new": k_new, "v_new": v_new, "k_buf": kpool[0], "v_buf": vpool[0],
               "k_scale": kpool[1], "v_scale": vpool[1], "rows": np.arange(B, dtype=np.int64),
               "starts": starts, "n_new": n_new, "table": table}
     ranges = None
     if poison:
         live = lambda b: (int(starts[b]), int(lens[b]))  # noqa: E731
-        codes = _pool_poison(kpool[0], table, held, lens, P, live=live)
-        scales = _pool_poison(kpool[1], table, held, lens, P, live=live)
+        codes = pool_poison(kpool[0], table, held, lens, P, live=live)
+        scales = pool_poison(kpool[1], table, held, lens, P, live=live)
         ranges = {"k_buf": codes, "v_buf": codes, "k_scale": scales, "v_scale": scales,
-                  "table": _table_poison(table, held)}
+                  "table": table_poison(table, held)}
     emu.run(plan, arrays, poison=ranges)
     for got, exp in zip((kpool, vpool), want):
         for g, w in zip(got, exp):
             assert g.tobytes() == w.tobytes()
     assert plan.launches[0].name == (f"gqakv_write_kv_quantized<{planmod.sources.CTYPES[dtype]}, "
-                                     f"{CODE[kv_dtype]}, {D}, KVPages>")
+                                     f"{CODE_TAGS[kv_dtype]}, {D}, KVPages>")
 
 
 def _params(hq, window=None, softcap=None, sinks=None):
     return gqakv.AttentionParams(scale=1.0 / math.sqrt(D), window=window, softcap=softcap,
-                                 sinks=_sinks(hq, sinks))
+                                 sinks=sinks_pattern(hq, sinks))
 
 
 #: (kv_dtype, dtype, force_splits, page_size, lens, n_new, (window, softcap, sinks)):
@@ -506,7 +411,7 @@ def test_unknown_codec_is_refused_by_every_kernel(monkeypatch):
             cache.append(be.from_numpy(k), be.from_numpy(v), [5, 3])
             out = be.to_numpy(gqakv.gqa_attention(be.from_numpy(q), cache, [1, 1]))
             assert be.launches == before  # no kernel ran
-            rows = [[_held(x[b, :, :n], "int8") for b, n in enumerate((5, 3))] for x in (k, v)]
+            rows = [[held_values(x[b, :, :n], "int8") for b, n in enumerate((5, 3))] for x in (k, v)]
             want, _ = reference_attention(q.astype(np.float64), rows[0], rows[1], [1, 1])
             np.testing.assert_allclose(out, want, atol=2e-6)
     finally:

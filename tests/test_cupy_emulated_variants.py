@@ -20,106 +20,24 @@ among them), alone and with every other feature; ragged rows with padding and an
 
 from __future__ import annotations
 
-import math
-import types
-
 import numpy as np
 import pytest
 
 from gqakv.core import semantics
 
-from .cuda_emu import cases, harness
-from .support.reference import reference_attention
+from .cuda_emu import harness
 
 if harness.compiler() is None:
     pytest.skip("no C++ compiler (g++) for the CUDA emulation harness", allow_module_level=True)
 
 from gqakv_backends.cupy_backend import plan as planmod  # noqa: E402
 
+from .cuda_emu.plans import run_variant, variant_params  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def emulator():
     return harness.Emulator(harness.build(asan=False))
-
-
-def run_variant(emu, *, dtype, d, kv_heads, group, lens, n_new, params, pad=1,
-                force_splits=None, tensor_cores=True, max_len=None, seed=0, poison=False):
-    """One attention call of ``params`` on a cache holding ``lens[b]`` tokens (after the
-    append of ``n_new[b]``), checked against the reference; returns the plan. With
-    ``poison`` (the AddressSanitizer build) every K/V byte no query of a row sees is
-    poisoned, the keys before the row's first window as well as the dead tail, so a
-    kernel that reads them (instead of starting at the window) fails."""
-    rng = np.random.default_rng(seed)
-    st = cases.STORAGE[dtype]
-    lens = np.asarray(lens, np.int64)
-    n_new = np.asarray(n_new, np.int64)
-    B, Hq = len(lens), kv_heads * group
-    S = max_len or int(lens.max()) + 3
-    T = int(n_new.max()) + pad
-    k_buf = np.full((B, kv_heads, S, d), np.nan, st)  # dead tails NaN: never read
-    v_buf = np.full_like(k_buf, np.nan)
-    for b in range(B):
-        k_buf[b, :, :lens[b]] = rng.standard_normal((kv_heads, lens[b], d)).astype(st)
-        v_buf[b, :, :lens[b]] = rng.standard_normal((kv_heads, lens[b], d)).astype(st)
-    q = (2.0 * rng.standard_normal((B, Hq, T, d))).astype(st)  # scores of a few units
-    for b in range(B):
-        q[b, :, n_new[b]:] = np.nan
-    out = np.zeros((B, Hq, T, d), st)
-    lse = np.full((B, Hq, T), -np.inf, np.float32)
-    strides = lambda a: tuple(s // a.itemsize for s in a.strides)[:3]  # noqa: E731
-    plan = planmod.plan_attention(dtype, d, batch=B, kv_heads=kv_heads, group=group, t_q=T,
-                                  lens=lens, n_new=n_new, params=params, q_strides=strides(q),
-                                  buf_strides=strides(k_buf), out_strides=strides(out),
-                                  sm_count=132, force_splits=force_splits,
-                                  tensor_cores=tensor_cores)
-    arrays = {"q": q, "k_buf": k_buf, "v_buf": v_buf, "rows": np.arange(B, dtype=np.int64),
-              "lens": lens, "n_new": n_new, "out": out, "lse": lse}
-    if params.sinks is not None:
-        arrays["sinks"] = np.asarray(params.sinks, np.float32)
-    if params.alibi_slopes is not None:
-        arrays["alibi"] = np.asarray(params.alibi_slopes, np.float32)
-    ranges = None
-    if poison:
-        kv_ranges = []
-        for b in range(B):
-            lo = semantics.key_range(params, int(lens[b]), int(n_new[b]), 0)[0] if n_new[b] else lens[b]
-            for h in range(kv_heads):
-                kv_ranges += [cases._token_ranges(k_buf, b, h, 0, int(lo)),
-                              cases._token_ranges(k_buf, b, h, int(lens[b]), S)]
-        q_ranges = [cases._token_ranges(q, b, h, int(n_new[b]), T) for b in range(B) for h in range(Hq)]
-        ranges = {"k_buf": kv_ranges, "v_buf": kv_ranges, "q": q_ranges, "out": q_ranges}
-    emu.run(plan, arrays, poison=ranges)
-    k_rows = [k_buf[b, :, :lens[b]] for b in range(B)]
-    v_rows = [v_buf[b, :, :lens[b]] for b in range(B)]
-    ref_out, ref_lse = reference_attention(q.astype(np.float64), k_rows, v_rows, n_new, params.scale,
-                                           window=params.window, softcap=params.softcap,
-                                           sinks=params.sinks, alibi_slopes=params.alibi_slopes)
-    assert not np.isnan(ref_out).any() and not np.isnan(out.astype(np.float64)).any()
-    assert not np.isnan(lse).any()
-    stats = {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0}
-    case = types.SimpleNamespace(name=f"{dtype} d={d} {params.variant}", dtype=dtype)
-    cases._check_out(case, 0, out, lse, ref_out, ref_lse, n_new, stats)
-    return plan
-
-
-def alibi_pattern(name, hq):
-    """Named ALiBi slope patterns over the Hq query heads, float32-exact (the kernels take
-    float32 slopes): BLOOM's 2^(-8 (h + 1) / Hq) (Hq a power of two), or mixed signs."""
-    if name is None:
-        return None
-    slopes = {"bloom": [2.0 ** (-8 * (h + 1) / hq) for h in range(hq)],
-              "mixed": [(0.5, -0.125, 0.0, 0.25)[h % 4] for h in range(hq)]}[name]
-    return tuple(float(np.float32(s)) for s in slopes)
-
-
-def _params(d, hq, window=None, softcap=None, sinks=None, alibi=None):
-    if isinstance(sinks, str):  # a named pattern over the Hq heads
-        sinks = {"large": [40.0 + h for h in range(hq)],
-                 "-inf": [-math.inf] * hq,
-                 "mixed": [(-math.inf, 0.5, -3.0, 25.0)[h % 4] for h in range(hq)]}[sinks]
-    sinks = None if sinks is None else tuple(float(np.float32(s)) for s in sinks)
-    return semantics.AttentionParams(scale=1.0 / math.sqrt(d), window=window, softcap=softcap,
-                                     sinks=sinks, alibi_slopes=alibi_pattern(alibi, hq))
 
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -141,7 +59,7 @@ VIDS = [f"W{v[0]}-c{v[1]}-s{v[2]}" + (f"-alibi{v[3]}" if len(v) > 3 else "") for
 def test_decode_variants(emulator, dtype, variant):
     """T = 1 decode, one CTA per (row, KV head): ragged rows, an idle entry, padding."""
     d, Hkv, G = 64, 2, 4
-    params = _params(d, Hkv * G, *variant)
+    params = variant_params(d, Hkv * G, *variant)
     plan = run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[37, 9, 20],
                        n_new=[1, 1, 0], params=params, seed=VARIANTS.index(variant))
     assert plan.launches[0].name.endswith(f", {planmod.variant_flags(params)}>") or not params.features
@@ -158,7 +76,7 @@ def test_split_decode_variants(emulator, dtype, variant):
     keys write lse -inf, the merge reads the planner's layout) and the sink joins once,
     in the merge; also small T = 3, where queries of one row see different windows."""
     d, Hkv, G = 64, 1, 4
-    params = _params(d, Hkv * G, *variant)
+    params = variant_params(d, Hkv * G, *variant)
     for T, lens, n in ((1, [70, 12, 41], [1, 1, 1]), (3, [50, 3, 29], [3, 2, 3])):
         plan = run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=lens, n_new=n,
                            params=params, force_splits=4, seed=T)
@@ -184,7 +102,7 @@ def test_prefill_variants(emulator, dtype, variant, tensor_cores):
     if tensor_cores and dtype == "float32":
         pytest.skip("float32 has only the fp32-FMA prefill")
     d, Hkv, G = 64, 2, 2
-    params = _params(d, Hkv * G, *variant)
+    params = variant_params(d, Hkv * G, *variant)
     plan = run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[30, 21, 8],
                        n_new=[21, 9, 0], params=params, tensor_cores=tensor_cores, seed=3)
     want = "gqakv_prefill_mma" if tensor_cores else "gqakv_prefill"
@@ -197,7 +115,7 @@ def test_variants_scalar_head_dim(emulator, dtype):
     and prefill with window, soft-cap and sinks on, without and with ALiBi."""
     d, Hkv, G = 20, 1, 3
     for alibi in (None, "mixed"):
-        params = _params(d, Hkv * G, 4, 1.5, "mixed", alibi)
+        params = variant_params(d, Hkv * G, 4, 1.5, "mixed", alibi)
         run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[19, 6], n_new=[1, 1],
                     params=params)
         run_variant(emulator, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=[40, 6], n_new=[1, 1],
@@ -246,7 +164,7 @@ def asan_main() -> int:
     for i, (dtype, tc, splits, lens, n_new, variant) in enumerate(ASAN_SCENARIOS):
         d, Hkv, G = 64, 2, 2
         run_variant(emu, dtype=dtype, d=d, kv_heads=Hkv, group=G, lens=lens, n_new=n_new,
-                    params=_params(d, Hkv * G, *variant), tensor_cores=tc, force_splits=splits,
+                    params=variant_params(d, Hkv * G, *variant), tensor_cores=tc, force_splits=splits,
                     seed=i, poison=True)
         print(f"ok {dtype} tc={tc} splits={splits} variant={variant}", flush=True)
     print(f"{len(ASAN_SCENARIOS)} passed")

@@ -351,7 +351,7 @@ def _buffers(cache) -> list[np.ndarray]:
     if store.quantized:
         bufs += [store.k_scale, store.v_scale]
     if store.kind == "paged":
-        bufs.append(store.table.table)
+        bufs.append(store.page_table.entries)
     return [np.ascontiguousarray(b).view(np.uint8) for b in bufs]
 
 

@@ -49,16 +49,16 @@ def _entry(positions, layer: int = 0):
     return k, -k
 
 
-def _table_state(table) -> tuple:
-    return (table.table.copy(), table.held.copy(), table.refs.copy(), list(table._free),
-            table.pages_used)
+def _table_state(page_table) -> tuple:
+    t = page_table
+    return t.entries.copy(), t.held.copy(), t.refs.copy(), list(t._free), t.pages_used
 
 
 def _assert_same_state(a: tuple, b: tuple) -> None:
     """Pages used, then the tables, held counts and reference counts, then the free list
     (the same pages in the same order: the next append takes the same pages)."""
     assert b[4] == a[4], f"pages_used {a[4]} -> {b[4]}"
-    for what, x, y in zip(("table", "held", "refs"), a[:3], b[:3]):
+    for what, x, y in zip(("entries", "held", "refs"), a[:3], b[:3]):
         np.testing.assert_array_equal(y, x, err_msg=what)
     assert b[3] == a[3], "the free list changed"
 
@@ -99,7 +99,7 @@ def _watch_live_entries(cache, lens_of):
                     err_msg=f"row {r}'s entry {j} names page {new} before it holds tokens "
                             f"{j * P}..{j * P + m - 1}")
 
-    store.table.table = store.table.table.view(_WatchedTable)
+    store.page_table.entries = store.page_table.entries.view(_WatchedTable)
     _WatchedTable.watch = watch
     return seen
 
@@ -217,7 +217,7 @@ def test_a_failed_copy_or_write_gives_every_page_back(op, monkeypatch):
     cache = gqakv.PagedKVCache(3, HKV, 16, D, backend=backend, page_size=P)
     cache.append(*_entry(range(6)), [6], rows=[0])
     cache.fork(0, [1, 2])
-    before, lens = _table_state(cache.store.table), cache.host_lens.copy()
+    before, lens = _table_state(cache.store.page_table), cache.host_lens.copy()
 
     def broken(*args, **kwargs):
         raise RuntimeError(f"{op} failed")
@@ -226,7 +226,7 @@ def test_a_failed_copy_or_write_gives_every_page_back(op, monkeypatch):
         m.setattr(backend, op, broken)
         with pytest.raises(RuntimeError, match=f"{op} failed"):
             cache.append(*_entry(range(6, 11)), [5], rows=[1])
-    _assert_same_state(before, _table_state(cache.store.table))
+    _assert_same_state(before, _table_state(cache.store.page_table))
     np.testing.assert_array_equal(cache.host_lens, lens)
     audit(cache)
     cache.append(*_entry(range(6, 11)), [5], rows=[1])
@@ -380,26 +380,26 @@ def test_aborted_step_on_forked_rows_returns_its_copies(name):
             step.write(layer, *_entry(range(2), layer))
     cache.fork(0, [1])
     assert cache.pages_used == 1
-    before = _table_state(cache.store.table)
+    before = _table_state(cache.store.page_table)
     step = cache.step([1, 1])
     for layer in range(2):
         step.write(layer, *(np.concatenate([x, x]) for x in _entry([2], layer)))
     step.abort()
     assert cache.pages_used == 1
-    _assert_same_state(before, _table_state(cache.store.table))
+    _assert_same_state(before, _table_state(cache.store.page_table))
 
     with cache.step([1], rows=[0]) as step:  # row 0: 3 tokens, row 1: 2, one shared page
         for layer in range(2):
             step.write(layer, *_entry([2], layer))
     cache.fork(0, [1])
     cache.truncate([1], [2])
-    before, live = _table_state(cache.store.table), _live(cache)
+    before, live = _table_state(cache.store.page_table), _live(cache)
     step = cache.step([1, 1])
     for layer in range(2):
         k = np.full((2, HKV, 1, D), 55.0, np.float32)
         step.write(layer, k, -k)
     step.abort()
-    _assert_same_state(before, _table_state(cache.store.table))
+    _assert_same_state(before, _table_state(cache.store.page_table))
     _assert_live(live, _live(cache))
     audit(cache.layer(0))
 
@@ -429,11 +429,11 @@ def test_random_aborts_restore_pages_and_tables_exactly(name, seed):
         else:
             rows = np.sort(rng.choice(B, int(rng.integers(1, B + 1)), replace=False))
             n = np.array([int(rng.integers(0, min(4, max_len - lens[r]) + 1)) for r in rows])
-            before, live, old_lens = _table_state(cache.store.table), _live(cache), lens.copy()
+            before, live, old_lens = _table_state(cache.store.page_table), _live(cache), lens.copy()
             try:
                 step = cache.step(n, rows=rows)
             except gqakv.OutOfPages:
-                _assert_same_state(before, _table_state(cache.store.table))
+                _assert_same_state(before, _table_state(cache.store.page_table))
                 continue
             # rows writing into a shared, partly filled last page (before: table, held, refs)
             copies = sum(1 for r, m in zip(rows, n) if m and old_lens[r] % P
@@ -446,7 +446,7 @@ def test_random_aborts_restore_pages_and_tables_exactly(name, seed):
             else:
                 step.abort()
                 aborted_copies += copies
-                _assert_same_state(before, _table_state(cache.store.table))
+                _assert_same_state(before, _table_state(cache.store.page_table))
                 np.testing.assert_array_equal(cache.host_lens, old_lens)
                 _assert_live(live, _live(cache))
         audit(cache.layer(0))

@@ -11,6 +11,10 @@ edge like any other.
 
 A function-local import does not hide a circle here: a circle held apart by imports in
 function bodies is still a circle (it breaks when someone moves the import to the top).
+
+The test suite keeps one rule of its own: no module under tests/ imports a ``tests/test_*.py``
+module (shared helpers live in tests/support/ and tests/cuda_emu/), so collecting or
+running one test file never runs another's module code.
 """
 
 from __future__ import annotations
@@ -262,3 +266,65 @@ def test_the_graph_sees_every_kind_of_import(tmp_path, monkeypatch) -> None:
     assert graph["gqakv.sub.c"] == {"gqakv.a"}
     cycles = {" -> ".join(c) for c in find_cycles(graph)}
     assert cycles == {"gqakv.a -> gqakv.sub.b -> gqakv.sub.c -> gqakv.a", "gqakv.d -> gqakv.e -> gqakv.d"}
+
+
+# -- the test suite: no test module imports another ----------------------------------------------
+
+def _test_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted name -> file of every module under ``root``/tests (the package ``tests``), and
+    each ``tests.test_*`` module once more under its bare name (``import test_x`` with tests/
+    itself on sys.path reaches the same file)."""
+    found: dict[str, Path] = {}
+    for path in sorted((root / "tests").rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    found.update({name.partition(".")[2]: path for name, path in list(found.items())
+                  if _is_test_module(name)})
+    return found
+
+
+def _is_test_module(name: str) -> bool:
+    """``tests.test_*`` (or its bare name ``test_*``): a module pytest collects tests from."""
+    package, _, leaf = name.rpartition(".")
+    return package in ("tests", "") and leaf.startswith("test_")
+
+
+def _test_module_imports(root: Path = ROOT) -> list[str]:
+    """Every import, in any module under tests/, of a ``tests/test_*.py`` module (other
+    than itself), as ``"module (line N) imports tests.test_x"``."""
+    modules = _test_modules(root)
+    bad = []
+    for module, path in modules.items():
+        if not module.startswith("tests"):
+            continue  # a bare-name alias: its file is listed under its dotted name too
+        for target, line in _imports(module, path, modules):
+            if _is_test_module(target) and modules[target] != path:
+                bad.append(f"{module} (line {line}) imports {target}")
+    return bad
+
+
+def test_no_test_module_imports_another() -> None:
+    bad = _test_module_imports()
+    assert not bad, ("test modules import other test modules (move the shared helpers into "
+                     "tests/support/ or tests/cuda_emu/):\n  " + "\n  ".join(bad))
+
+
+def test_the_test_import_check_sees_every_kind_of_import(tmp_path) -> None:
+    """``from . import test_x``, ``from .test_x import y``, ``from tests import test_x``,
+    ``import tests.test_x`` and a bare ``import test_x`` are each found, in a test module and
+    in a helper module; imports of helpers (and a module naming itself) are not."""
+    tests = tmp_path / "tests"
+    (tests / "support").mkdir(parents=True)
+    for name in ("__init__.py", "support/__init__.py", "support/helpers.py", "test_a.py"):
+        (tests / name).write_text("")
+    (tests / "test_b.py").write_text(
+        "from . import test_a\nfrom .test_a import f\nfrom .support import helpers\n"
+        "from tests import test_a as a\nimport tests.test_a\nimport test_a\nfrom . import test_b\n")
+    (tests / "support" / "more.py").write_text("def g():\n    from ..test_a import f\n")
+    assert sorted(_test_module_imports(tmp_path)) == sorted([
+        *(f"tests.test_b (line {n}) imports tests.test_a" for n in (1, 2, 4, 5)),
+        "tests.test_b (line 6) imports test_a",
+        "tests.support.more (line 2) imports tests.test_a",
+    ])

@@ -34,9 +34,9 @@ def test_the_callers_page_table_is_read_only():
     entries = np.array([[2, 0, -1]], dtype=np.int64)
     view = PageTableView(entries, page_size=4, num_pages=3)
     entries[0, 0] = 1  # the caller's array may change afterwards: the view holds its own copy
-    assert view.table.tolist() == [[2, 0, -1]] and view.pages_per_row == 3
+    assert view.entries.tolist() == [[2, 0, -1]] and view.pages_per_row == 3
     with pytest.raises(ValueError):
-        view.table[0, 0] = 1
+        view.entries[0, 0] = 1
     for op in (view.reserve, view.undo, view.reorder, view.fork, view.trim, view.point):
         with pytest.raises(TypeError, match="belongs to the caller"):
             op()

@@ -158,7 +158,7 @@ def test_paged_matches_reference(page_size, variant, kernel_calls):
         _grow(rng, cache, model, [n_new], dtype)
         _attend_both_ways(rng, cache, model, n_new, T, G, VARIANTS[variant], dtype)
         calls += 1
-    assert cache.store.table.audit(cache.host_lens) == []
+    assert cache.store.page_table.audit(cache.host_lens) == []
     assert kernel_calls == ["Paged"] * (2 * calls)
 
 
@@ -186,7 +186,7 @@ def test_paged_pool_of_huge_pages_and_kernel_layout():
         k, v = kernel_layout(cache.store)
         assert isinstance(k, nk.Paged) and k.shift == shift
         assert k.pool.dtype == np.int16 and np.shares_memory(k.pool, cache.store.k)
-        assert np.shares_memory(k.table, cache.store.table.table) and v.table is k.table
+        assert np.shares_memory(k.table, cache.store.page_table.entries) and v.table is k.table
 
 
 # -- quantized -----------------------------------------------------------------------------------
@@ -251,7 +251,7 @@ def test_paged_quantized_matches_reference(kv_dtype, page_size, kernel_calls):
             _grow(rng, cache, model, [n_new], "bfloat16", hard=True)
             _attend_both_ways(rng, cache, model, n_new, T, G, variant, "bfloat16")
             calls += 1
-    assert cache.store.table.audit(cache.host_lens) == []
+    assert cache.store.page_table.audit(cache.host_lens) == []
     assert kernel_calls == ["PagedQuantized", "PagedQuantized"] * calls
 
 

@@ -24,8 +24,8 @@ from .support.reference import reference_attention
 
 def state(cache, arrays):
     """Everything an operation may change: lengths, tables, counts, free list, the pool."""
-    t = cache.store.table
-    return (cache.host_lens.copy(), t.table.copy(), t.held.copy(), t.refs.copy(), list(t._free),
+    t = cache.store.page_table
+    return (cache.host_lens.copy(), t.entries.copy(), t.held.copy(), t.refs.copy(), list(t._free),
             arrays.to_numpy(cache.k).copy(), arrays.to_numpy(cache.v).copy())
 
 
@@ -196,7 +196,7 @@ def _random_ops(backend, seed, steps, page_size, num_pages):
         seen.add(op)
         audit(cache)
         assert_rows(cache, direct, arrays)
-        shared = (cache.store.table.refs > 1).any()
+        shared = (cache.store.page_table.refs > 1).any()
         if shared:
             seen.add("shared pages")
     return seen
@@ -333,7 +333,7 @@ def test_sizes():
                                page_size=16, num_pages=pages_for(100, 16) + pages_for(100_000, 16))
     assert cache.num_pages == 7 + 6250
     assert cache.nbytes == 6257 * 16 * 2 * 8 * 128 * 2
-    assert cache.nbytes + cache.store.table.nbytes <= 1.02 * 100_112 * 2 * 8 * 128 * 2
+    assert cache.nbytes + cache.store.page_table.nbytes <= 1.02 * 100_112 * 2 * 8 * 128 * 2
     default = gqakv.PagedKVCache(3, 1, 10, 2, backend="numpy", page_size=4)
     assert default.num_pages == 3 * 3  # every row at max_len
 
@@ -429,7 +429,7 @@ def test_memory_target_rows_of_100_and_100000():
                                page_size=16, num_pages=pages_for(100, 16) + pages_for(100_000, 16))
     p = sizing.paged_cache_bytes("llama-3.1-8b", [100, 100_000], max_len=131_072, page_size=16)
     assert cache.nbytes * 32 == p.pool_bytes
-    assert cache.store.table.nbytes == p.metadata_bytes
+    assert cache.store.page_table.nbytes == p.metadata_bytes
     with pytest.raises(ValueError, match=r"row_lens\[1\]=200000 exceeds max_len=131072"):
         sizing.paged_cache_bytes("gpt2", [1, 200_000], max_len=131_072)
 

@@ -34,7 +34,7 @@ class Pools:
         nan = np.full((NUM_PAGES, HKV, P, D), math.nan)
         # two host arrays: from_numpy may wrap its argument without a copy
         self.k, self.v = arrays.asarray(nan, dtype), arrays.asarray(nan.copy(), dtype)
-        self.table = np.full((B, pages_for(MAX_LEN, P)), -1, dtype=np.int32)
+        self.page_table = np.full((B, pages_for(MAX_LEN, P)), -1, dtype=np.int32)
         self.free = list(np.random.default_rng(seed).permutation(NUM_PAGES))
         self.lens = np.zeros(B, dtype=np.int64)
 
@@ -42,7 +42,7 @@ class Pools:
         """Give each row the pages its next n_new tokens need (fresh, shuffled)."""
         for b, n in enumerate(n_new):
             for j in range(pages_for(self.lens[b], P), pages_for(self.lens[b] + n, P)):
-                self.table[b, j] = self.free.pop()
+                self.page_table[b, j] = self.free.pop()
 
     def host(self):
         return self.arrays.to_numpy(self.k), self.arrays.to_numpy(self.v)
@@ -79,7 +79,7 @@ def test_functional_matches_caches_and_reference(backend, arrays, dtype, route_s
         pools.grow(n_new)
         pools.lens += n_new  # lengths after the append, for paged_append and paged_attention
         kn, vn = arrays.asarray(k, dtype), arrays.asarray(v, dtype)
-        assert gqakv.paged_append(pools.k, pools.v, pools.table, pools.lens, kn, vn, n_new,
+        assert gqakv.paged_append(pools.k, pools.v, pools.page_table, pools.lens, kn, vn, n_new,
                                   backend=backend) is None
         for c in caches:
             c.append(kn, vn, n_new)
@@ -88,7 +88,7 @@ def test_functional_matches_caches_and_reference(backend, arrays, dtype, route_s
         if share:  # row 1 takes row 0's full pages: a shared prefix, no K/V copied
             keep = pools.lens[0]
             assert keep % P == 0
-            pools.table[1, :keep // P] = pools.table[0, :keep // P]
+            pools.page_table[1, :keep // P] = pools.page_table[0, :keep // P]
             pools.lens[1] = keep
             for c in caches:
                 c.fork(0, [1])
@@ -99,10 +99,10 @@ def test_functional_matches_caches_and_reference(backend, arrays, dtype, route_s
         q = arrays.to_numpy(arrays.asarray(rng.standard_normal((B, HKV * G, T, D)), dtype))
         qa = arrays.asarray(q, dtype)
         want, want_lse = reference_attention(q, rows_k, rows_v, n_new, **variant)
-        table = pools.table.copy()
+        table = pools.page_table.copy()
         out, lse = gqakv.paged_attention(qa, pools.k, pools.v, table, pools.lens, n_new,
                                          return_lse=True, backend=backend, **variant)
-        np.testing.assert_array_equal(table, pools.table)  # the caller's table is not touched
+        np.testing.assert_array_equal(table, pools.page_table)  # the caller's table is not touched
         o, lse = arrays.to_numpy(out), arrays.to_numpy(lse)
         bounds = None
         if dtype in LOW_PRECISION:
@@ -129,7 +129,7 @@ def test_functional_matches_caches_and_reference(backend, arrays, dtype, route_s
     for n in ([1, 1, 0], [1, 0, 1], [1, 1, 1]):
         check(step(1, n), n)
     check(step(5, [2, 5, 4]), [2, 5, 4])
-    assert pools.table[0, 0] == pools.table[1, 0] and pools.table[0, 1] == pools.table[1, 1]
+    assert (pools.page_table[0, :2] == pools.page_table[1, :2]).all()
     sinks = rng.standard_normal(HKV * G).astype(np.float32).astype(np.float64)  # held as float32
     for variant in ({"window": 3}, {"softcap": 0.7}, {"sinks": sinks},
                     {"window": 5, "softcap": 2.0, "sinks": sinks}, {"scale": 0.3}):
@@ -145,9 +145,9 @@ def test_padding_and_idle_rows(backend, arrays):
     k = arrays.asarray(np.ones((B, HKV, 2, D)), dtype)
     pools.grow([2, 0, 0])
     # backend=None: the default backend, or the first registered one holding the library
-    gqakv.paged_append(pools.k, pools.v, pools.table, [2, 0, 0], k, k, [2, 0, 0])
+    gqakv.paged_append(pools.k, pools.v, pools.page_table, [2, 0, 0], k, k, [2, 0, 0])
     q = arrays.asarray(np.ones((B, HKV * G, 2, D)), dtype)
-    out, lse = gqakv.paged_attention(q, pools.k, pools.v, pools.table, [2, 0, 0], [1, 0, 0],
+    out, lse = gqakv.paged_attention(q, pools.k, pools.v, pools.page_table, [2, 0, 0], [1, 0, 0],
                                      return_lse=True, backend=backend)
     o, lse = arrays.to_numpy(out), arrays.to_numpy(lse)
     np.testing.assert_array_equal(o[0, :, 0], np.ones((HKV * G, D)))
@@ -163,14 +163,14 @@ def _filled(arrays, dtype):
     pools.grow([4, 0, 0])
     k = arrays.asarray(rng.standard_normal((B, HKV, 4, D)), dtype)
     pools.lens[:] = [4, 0, 0]
-    gqakv.paged_append(pools.k, pools.v, pools.table, pools.lens, k, k, [4, 0, 0],
+    gqakv.paged_append(pools.k, pools.v, pools.page_table, pools.lens, k, k, [4, 0, 0],
                        backend=arrays.backend)
-    pools.table[1, 0] = pools.table[0, 0]
+    pools.page_table[1, 0] = pools.page_table[0, 0]
     pools.lens[1] = 4
     pools.grow([1, 2, 0])
     k = arrays.asarray(rng.standard_normal((B, HKV, 2, D)), dtype)
     pools.lens += [1, 2, 0]
-    gqakv.paged_append(pools.k, pools.v, pools.table, pools.lens, k, k, [1, 2, 0],
+    gqakv.paged_append(pools.k, pools.v, pools.page_table, pools.lens, k, k, [1, 2, 0],
                        backend=arrays.backend)
     return pools
 
@@ -179,7 +179,7 @@ def test_bad_input_raises_and_changes_nothing(backend, arrays):
     dtype = _dtype(backend)
     pools = _filled(arrays, dtype)
     before = pools.host()
-    table, lens = pools.table, pools.lens
+    table, lens = pools.page_table, pools.lens
     other = "float32" if dtype == "float64" else ("float16" if "float16" in backend.dtypes else None)
 
     def new(T=2, dt=dtype, heads=HKV):

@@ -595,9 +595,9 @@ def test_paged_quantized_cache(backend, kv_dtype, page_size):
                 for pool, scales, x in ((quant.store.k, quant.store.k_scale, direct.k[b]),
                                         (quant.store.v, quant.store.v_scale, direct.v[b])):
                     want_codes, want_scale = reference_quantize(x, kv_dtype)
-                    np.testing.assert_array_equal(_page_slots(arrays, pool, quant.store.table, b, L),
+                    np.testing.assert_array_equal(_page_slots(arrays, pool, quant.store.page_table, b, L),
                                                   want_codes.astype(np.float64))
-                    np.testing.assert_array_equal(_page_slots(arrays, scales, quant.store.table, b, L),
+                    np.testing.assert_array_equal(_page_slots(arrays, scales, quant.store.page_table, b, L),
                                                   want_scale.astype(np.float64))
                 k_live, v_live = quant.live_kv(b)
                 np.testing.assert_array_equal(arrays.to_numpy(k_live, np.float32),

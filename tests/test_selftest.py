@@ -198,7 +198,7 @@ def test_a_broken_paged_dequantization_fails_only_the_paged_int8_line(capsys, mo
         if not self.quantized:
             return original(self, row, j0, j1)
         P = self.page_size
-        page, a, b = int(self.table.table[row, j0 // P]), j0 % P, j0 % P + (j1 - j0)
+        page, a, b = int(self.page_table.entries[row, j0 // P]), j0 % P, j0 % P + (j1 - j0)
         shift = lambda s: np.roll(np.asarray(s), 1, axis=-1)  # noqa: E731
         return (quantize.dequantize(np, self.k[page, :, a:b, :], shift(self.k_scale[page, :, a:b]), self.dtype),
                 quantize.dequantize(np, self.v[page, :, a:b, :], shift(self.v_scale[page, :, a:b]), self.dtype))

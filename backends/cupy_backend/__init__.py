@@ -435,7 +435,7 @@ class CupyBackend(Backend):
         by value per device and stream like ``_upload_ints`` (every layer of a model step
         pages through one table: one upload per step)."""
         rt = self.runtime
-        host = np.ascontiguousarray(store.table.table, dtype=np.int32)
+        host = np.ascontiguousarray(store.page_table.entries, dtype=np.int32)
         key = (rt.device().id, rt.stream_ptr(), "i4", host.shape, host.tobytes())
         return self._uploads.get(key, lambda: rt.cp.asarray(host))
 
@@ -498,8 +498,9 @@ def _store_rejection(store) -> str | None:
     they can): paged rows of 2^31 slots or more (the paged kernels index a row's keys in
     32 bits). The store's kind and codec and the call's variant are routing facts, judged
     by ``fast_paths``."""
-    if store.kind == PAGED and store.table.table.shape[1] * store.page_size >= _plan.MAX_PAGED_ROW_SLOTS:
-        return (f"paged rows of {store.table.table.shape[1] * store.page_size} slots (the paged "
+    slots = store.page_table.entries.shape[1] * store.page_size if store.kind == PAGED else 0
+    if slots >= _plan.MAX_PAGED_ROW_SLOTS:
+        return (f"paged rows of {slots} slots (the paged "
                 f"kernels index a row's keys in 32 bits: fewer than {_plan.MAX_PAGED_ROW_SLOTS})")
     return None
 
@@ -508,7 +509,7 @@ def _pages_arg(store) -> "_plan.PageTableArg | None":
     """The paged kernels' page-table argument for a paged store (None: contiguous)."""
     if store.kind != PAGED:
         return None
-    return _plan.PageTableArg(table_stride=int(store.table.table.shape[1]),
+    return _plan.PageTableArg(table_stride=int(store.page_table.entries.shape[1]),
                               page_size=int(store.page_size))
 
 

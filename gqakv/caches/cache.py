@@ -132,28 +132,28 @@ class RowsAndLengths:
 
     # -- pages (paged storage) ---------------------------------------------------------------
 
-    def _table(self):
+    def _page_table(self):
         return self.store.page_table  # TypeError, naming the storage, when not paged
 
     @property
     def page_size(self) -> int:
         """Tokens per page (paged storage only)."""
-        return self._table().page_size
+        return self._page_table().page_size
 
     @property
     def num_pages(self) -> int:
         """Pages in the pool (paged storage only)."""
-        return self._table().num_pages
+        return self._page_table().num_pages
 
     @property
     def pages_used(self) -> int:
         """Pages some row's table names (paged storage only)."""
-        return self._table().pages_used
+        return self._page_table().pages_used
 
     @property
     def pages_free(self) -> int:
         """Pages on the free list (paged storage only)."""
-        return self._table().pages_free
+        return self._page_table().pages_free
 
     @property
     def host_lens(self) -> np.ndarray:

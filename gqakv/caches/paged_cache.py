@@ -29,13 +29,14 @@ class PagedKVCache(KVCache):
 
     Attributes (besides KVCache's):
         k, v: the page pool, ``[num_pages, Hkv, page_size, d]`` each (heads-major inside a
-            page). Row b's token j of head h is ``k[table[b, j // P], h, j % P]``.
+            page). Row b's token j of head h is ``k[entries[b, j // P], h, j % P]``.
             Quantized: codes, with ``store.k_scale``/``store.v_scale`` ``[num_pages, Hkv,
-            page_size]`` (token j's scale at ``[table[b, j // P], h, j % P]``).
-        store.table: the ``gqakv.storage.paged.PageTable`` (page table per row, reference counts,
-            free list).
+            page_size]`` (token j's scale at ``[entries[b, j // P], h, j % P]``).
+        store.page_table: the ``gqakv.storage.paged.PageTable``: ``entries`` ``[B,
+            pages_per_row]`` int32 (each row's pages in token order, -1 past them),
+            reference counts, free list.
         page_size, num_pages, pages_used, pages_free: ints.
-        nbytes: bytes of the K and V pool (``store.table.nbytes`` more on the host).
+        nbytes: bytes of the K and V pool (``store.page_table.nbytes`` more on the host).
 
     ``live_kv(row)`` returns copies gathered from the row's pages. ``fork`` and ``reorder``
     share pages (copying table entries, bumping reference counts); the one page ever

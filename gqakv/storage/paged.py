@@ -4,11 +4,11 @@ Layout. One pool of pages is allocated once: K and V each
 ``[*leading, num_pages, Hkv, page_size, d]`` (heads-major inside a page, so one head's
 ``page_size`` tokens are contiguous; ``leading`` is ``()`` for a cache, ``(layers,)``
 for a ModelKVCache, whose layers all page through one table). Row ``b``'s token ``j``
-of KV head ``h`` is at ``[..., table[b, j // P], h, j % P, :]`` (``P = page_size``).
+of KV head ``h`` is at ``[..., entries[b, j // P], h, j % P, :]`` (``P = page_size``).
 
 Bookkeeping (``PageTable``, host NumPy, shared by every layer):
 
-- ``table`` ``[B, pages_per_row]`` int32: row b's pages in token order, ``-1`` past the
+- ``entries`` ``[B, pages_per_row]`` int32: row b's pages in token order, ``-1`` past the
   ``held[b]`` pages it holds; ``pages_per_row = ceil(max_len / P)``;
 - ``refs`` ``[num_pages]`` int32: how many table entries name each page;
 - a free list of the pages no entry names (``refs == 0``).
@@ -92,7 +92,7 @@ class PageTable:
     def __init__(self, batch: int, max_len: int, page_size: int, num_pages: int):
         self.page_size, self.num_pages = int(page_size), int(num_pages)
         self.pages_per_row = pages_for(max_len, page_size)
-        self.table = np.full((batch, self.pages_per_row), -1, dtype=np.int32)
+        self.entries = np.full((batch, self.pages_per_row), -1, dtype=np.int32)
         self.held = np.zeros(batch, dtype=np.int64)
         self.refs = np.zeros(self.num_pages, dtype=np.int32)
         # A stack: pop() hands out the lowest free page first (deterministic layouts).
@@ -111,12 +111,12 @@ class PageTable:
     @property
     def nbytes(self) -> int:
         """Host bytes of the bookkeeping (``nbytes_for`` of this table's sizes)."""
-        return self.nbytes_for(self.table.shape[0], self.pages_per_row * self.page_size,
+        return self.nbytes_for(self.entries.shape[0], self.pages_per_row * self.page_size,
                                self.page_size, self.num_pages)
 
     @staticmethod
     def nbytes_for(batch: int, max_len: int, page_size: int, num_pages: int) -> int:
-        """Host bytes of the bookkeeping of such a pool: the table ``[B, ceil(max_len / P)]``
+        """Host bytes of the bookkeeping of such a pool: the entries ``[B, ceil(max_len / P)]``
         int32, ``held`` ``[B]`` int64, ``refs`` ``[num_pages]`` int32 and a free list of up
         to ``num_pages`` 8-byte entries."""
         return (4 * batch * pages_for(max_len, page_size) + 8 * batch
@@ -124,7 +124,7 @@ class PageTable:
 
     def row_pages(self, row: int) -> np.ndarray:
         """Row ``row``'s pages in token order (a view)."""
-        return self.table[row, :self.held[row]]
+        return self.entries[row, :self.held[row]]
 
     # -- taking and releasing --------------------------------------------------------------
 
@@ -169,7 +169,7 @@ class PageTable:
         for i in range(len(rows)):
             s = int(starts[i])
             if int(n_new[i]) and s % P:
-                page = int(self.table[int(rows[i]), s // P])
+                page = int(self.entries[int(rows[i]), s // P])
                 writers.setdefault(page, []).append((s, i))
         keeps = {max(w)[1] for page, w in writers.items() if len(w) == int(self.refs[page])}
         plan = []  # (row, start, fresh pages, copy-on-write?)
@@ -196,10 +196,10 @@ class PageTable:
         for r, s, fresh, cow in plan:
             if cow:  # only the live tokens of the shared last page are copied
                 j = s // P
-                res.copies.append((r, j, int(self.table[r, j]), self._take(res), s % P))
+                res.copies.append((r, j, int(self.entries[r, j]), self._take(res), s % P))
             h = int(self.held[r])
             for j in range(h, h + fresh):
-                self.table[r, j] = self._take(res)
+                self.entries[r, j] = self._take(res)
             res.grown.append((r, h))
             self.held[r] = h + fresh
         return res
@@ -208,7 +208,7 @@ class PageTable:
         """Make the table name ``res``'s copies (filled by now) instead of the shared pages
         they copy; each shared page loses one reference (other rows still name it)."""
         for r, j, old, new, _ in res.copies:
-            self.table[r, j] = new
+            self.entries[r, j] = new
             self._release([old])
         res.pointed = True
 
@@ -221,10 +221,10 @@ class PageTable:
                 if self.refs[old] == 0:  # freed by point(): it is named again
                     self._free.remove(old)
                 self.refs[old] += 1
-                self.table[r, j] = old
+                self.entries[r, j] = old
             res.pointed = False
         for r, h in reversed(res.grown):
-            self.table[r, h:int(self.held[r])] = -1
+            self.entries[r, h:int(self.held[r])] = -1
             self.held[r] = h
         for page in res.taken:
             self.refs[page] = 0
@@ -239,18 +239,18 @@ class PageTable:
             r, keep = int(r), pages_for(n, self.page_size)
             h = int(self.held[r])
             if keep < h:
-                self._release(self.table[r, keep:h].copy())
-                self.table[r, keep:h] = -1
+                self._release(self.entries[r, keep:h].copy())
+                self.entries[r, keep:h] = -1
                 self.held[r] = keep
 
     def reorder(self, src) -> None:
         """Row b takes row ``src[b]``'s pages (``[B]``, duplicates allowed)."""
         src = np.asarray(src, dtype=np.int64)
-        table, held = self.table[src].copy(), self.held[src].copy()
+        entries, held = self.entries[src].copy(), self.held[src].copy()
         none = [np.zeros(0, dtype=np.int32)]
-        self._share(np.concatenate([table[b, :held[b]] for b in range(len(src))] or none))
+        self._share(np.concatenate([entries[b, :held[b]] for b in range(len(src))] or none))
         self._release(np.concatenate([self.row_pages(b) for b in range(len(src))] or none))
-        self.table[...] = table
+        self.entries[...] = entries
         self.held[...] = held
 
     def fork(self, src: int, dst) -> None:
@@ -260,8 +260,8 @@ class PageTable:
             r = int(r)
             self._share(pages)  # before releasing, in case r already names some of them
             self._release(self.row_pages(r).copy())
-            self.table[r, :] = -1
-            self.table[r, :pages.size] = pages
+            self.entries[r, :] = -1
+            self.entries[r, :pages.size] = pages
             self.held[r] = pages.size
 
     # -- checks ------------------------------------------------------------------------------
@@ -271,9 +271,9 @@ class PageTable:
         ``lens`` (``[B]``), also that row b holds exactly ``ceil(lens[b] / P)`` pages."""
         problems = []
         counted = np.zeros(self.num_pages, dtype=np.int64)
-        for b in range(self.table.shape[0]):
+        for b in range(self.entries.shape[0]):
             h = int(self.held[b])
-            live, rest = self.table[b, :h], self.table[b, h:]
+            live, rest = self.entries[b, :h], self.entries[b, h:]
             if (live < 0).any() or (live >= self.num_pages).any():
                 problems.append(f"row {b} names pages outside the pool: {live.tolist()}")
                 continue
@@ -305,15 +305,15 @@ class PageTable:
 class PageTableView:
     """A read-only page table over entries the caller owns (the functional paged API,
     ``gqakv.paged_append`` / ``paged_attention``): what readers and writers of a paged
-    store read (``table`` ``[B, pages_per_row]`` int32, ``page_size``, ``num_pages``,
+    store read (``entries`` ``[B, pages_per_row]`` int32, ``page_size``, ``num_pages``,
     ``pages_per_row``), with no reference counts or free list: it cannot reserve,
     share or release pages, and says so."""
 
     def __init__(self, entries: np.ndarray, page_size: int, num_pages: int):
         self.page_size, self.num_pages = int(page_size), int(num_pages)
         self.pages_per_row = int(entries.shape[1])
-        self.table = np.array(entries, dtype=np.int32)  # our own copy, frozen
-        self.table.flags.writeable = False
+        self.entries = np.array(entries, dtype=np.int32)  # our own copy, frozen
+        self.entries.flags.writeable = False
 
     def _refuse(self, *args, **kwargs):
         raise TypeError("this page table belongs to the caller (the functional paged API): "
@@ -325,17 +325,17 @@ class PageTableView:
 class PagedStore(KVStore):
     """A KVStore of kind ``"paged"``: the pool ``k``, ``v`` ``[*leading, num_pages, Hkv,
     page_size, d]`` (codes when quantized, with ``k_scale``, ``v_scale`` ``[*leading,
-    num_pages, Hkv, page_size]``) and the shared ``PageTable`` (``table``). ``rows`` and
+    num_pages, Hkv, page_size]``) and the shared ``PageTable`` (``page_table``). ``rows`` and
     ``max_len`` are the cache's, not the pool's."""
 
-    __slots__ = ("table", "page_size", "num_pages")
+    __slots__ = ("_page_table", "page_size", "num_pages")
 
-    def __init__(self, spec: StorageSpec, k, v, table: "PageTable | PageTableView", rows: int, max_len: int,
-                 k_scale=None, v_scale=None):
+    def __init__(self, spec: StorageSpec, k, v, page_table: "PageTable | PageTableView", rows: int,
+                 max_len: int, k_scale=None, v_scale=None):
         super().__init__(spec, k, v, k_scale, v_scale)  # leading, kv_heads, head_dim
         self.num_pages, self.page_size = int(k.shape[-4]), int(k.shape[-2])
         self.rows, self.max_len = int(rows), int(max_len)
-        self.table = table
+        self._page_table = page_table
 
     @classmethod
     def layout_args(cls, batch: int, max_len: int, *, page_size=None, num_pages=None) -> dict:
@@ -362,7 +362,7 @@ class PagedStore(KVStore):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the K and V pool (the page bookkeeping is ``table.nbytes``, on the host)."""
+        """Bytes of the K and V pool (the page bookkeeping is ``page_table.nbytes``, on the host)."""
         return self.spec.nbytes(math.prod(self.leading) * self.num_pages * self.page_size,
                                 self.kv_heads, self.head_dim)
 
@@ -383,18 +383,18 @@ class PagedStore(KVStore):
         """Every page ``reserve`` took (copies included) back to the pool; the tables as
         they were."""
         if reservation is not None:
-            self.table.undo(reservation)
+            self.page_table.undo(reservation)
 
     def reorder_rows(self, backend, src_rows, lens) -> int:
-        self.table.reorder(src_rows)  # rows share their sources' pages
+        self.page_table.reorder(src_rows)  # rows share their sources' pages
         return 0
 
     def fork_rows(self, backend, src, dst_rows, n) -> int:
-        self.table.fork(src, dst_rows)  # shared pages; the last is copied when a row writes into it
+        self.page_table.fork(src, dst_rows)  # shared pages; the last is copied when a row writes into it
         return 0
 
     def trim_rows(self, rows, new_lens) -> None:
-        self.table.trim(rows, new_lens)  # pages past the new lengths go back to the pool
+        self.page_table.trim(rows, new_lens)  # pages past the new lengths go back to the pool
 
     def row_kv(self, backend, row: int, n: int):
         """Copies gathered from the row's pages (the pages are shared and move between
@@ -405,14 +405,15 @@ class PagedStore(KVStore):
 
     @property
     def page_table(self) -> "PageTable | PageTableView":
-        return self.table
+        """The page table this store pages through (shared by every layer's view)."""
+        return self._page_table
 
     # -- views -------------------------------------------------------------------------------
 
     def layer(self, layer: int) -> "PagedStore":
         scales = ((self.k_scale[layer, ...], self.v_scale[layer, ...]) if self.quantized
                   else (None, None))
-        return PagedStore(self.spec, self.k[layer, ...], self.v[layer, ...], self.table,
+        return PagedStore(self.spec, self.k[layer, ...], self.v[layer, ...], self.page_table,
                           self.rows, self.max_len, *scales)
 
     def with_layers(self, xp) -> "PagedStore":
@@ -421,7 +422,7 @@ class PagedStore(KVStore):
         scales = ((xp.expand_dims(self.k_scale, axis=0), xp.expand_dims(self.v_scale, axis=0))
                   if self.quantized else (None, None))
         return PagedStore(self.spec, xp.expand_dims(self.k, axis=0),
-                          xp.expand_dims(self.v, axis=0), self.table, self.rows, self.max_len,
+                          xp.expand_dims(self.v, axis=0), self.page_table, self.rows, self.max_len,
                           *scales)
 
     def temporary(self, backend, tokens: int):
@@ -468,7 +469,7 @@ class PagedStore(KVStore):
         """Keys/values ``j0..j1-1`` (inside one page) of ``row``: views of the pool
         (quantized: the page's codes x scales, dequantized copies)."""
         P = self.page_size
-        page, o = int(self.table.table[row, j0 // P]), (j0 // P) * P
+        page, o = int(self.page_table.entries[row, j0 // P]), (j0 // P) * P
         a, b = j0 - o, j1 - o
         if self.quantized:
             return (self._dequantize(self.k[page, :, a:b, :], self.k_scale[page, :, a:b]),
@@ -486,7 +487,7 @@ class PagedStore(KVStore):
             xp = array_namespace(k)
             (kc, ks), (vc, vs) = (self.spec.codec.quantize(xp, x) for x in (k, v))
         for j0, j1 in self.key_blocks(row, start, start + n, P):
-            page = int(self.table.table[row, j0 // P])
+            page = int(self.page_table.entries[row, j0 // P])
             a, b = j0 - (j0 // P) * P, j1 - (j0 // P) * P
             src = slice(j0 - start, j1 - start)
             if self.quantized:
@@ -513,8 +514,8 @@ def reserve(backend, store: PagedStore, rows, starts, n_new) -> Reservation:
 
     Each copy is filled before the table names it (a reader running alongside sees the
     shared page or the filled copy, never an empty one); if the copy fails, everything is
-    given back. Returns the ``Reservation`` (``store.table.undo`` gives it back)."""
-    res = store.table.reserve(rows, starts, n_new)
+    given back. Returns the ``Reservation`` (``store.page_table.undo`` gives it back)."""
+    res = store.page_table.reserve(rows, starts, n_new)
     if res.copies:
         new, old, count = (np.asarray([c[i] for c in res.copies], dtype=np.int64)
                            for i in (3, 2, 4))
@@ -522,9 +523,9 @@ def reserve(backend, store: PagedStore, rows, starts, n_new) -> Reservation:
         try:
             backend.copy_tokens(pool, new, pool, old, count)
         except BaseException:
-            store.table.undo(res)
+            store.page_table.undo(res)
             raise
-    store.table.point(res)
+    store.page_table.point(res)
     return res
 
 

@@ -144,13 +144,13 @@ class KVStore:
     """
 
     __slots__ = ("spec", "k", "v", "leading", "rows", "kv_heads", "max_len", "head_dim",
-                 "k_scale", "v_scale", "_table")
+                 "k_scale", "v_scale", "_codec_lookup")
 
     def __init__(self, spec: StorageSpec, k, v, k_scale=None, v_scale=None):
         self.spec = spec
         self.k, self.v = k, v
         self.k_scale, self.v_scale = k_scale, v_scale
-        self._table = None  # the codec's lookup table (e4m3 off NumPy), made on first read
+        self._codec_lookup = None  # the codec's lookup table (e4m3 off NumPy), made on first read
         shape = tuple(int(s) for s in k.shape)
         self.leading = shape[:-4]
         self.rows, self.kv_heads, self.max_len, self.head_dim = shape[-4:]
@@ -311,9 +311,9 @@ class KVStore:
 
         xp = array_namespace(codes)
         codec = self.spec.codec
-        if self._table is None:
-            self._table = codec.lookup_table(xp, getattr(codes, "device", None))
-        return codec.dequantize(xp, codes, scales, self._table)
+        if self._codec_lookup is None:
+            self._codec_lookup = codec.lookup_table(xp, getattr(codes, "device", None))
+        return codec.dequantize(xp, codes, scales, self._codec_lookup)
 
     # -- writing (the generic path) --------------------------------------------------------
 

@@ -292,7 +292,7 @@ class Mirror:
                 bad += got.size if got.shape != want.shape else int((got != want).sum())
                 total += want.size
         check.exact(what, bad, total)
-        problems = self.cache.store.table.audit(self.cache.host_lens)
+        problems = self.cache.store.page_table.audit(self.cache.host_lens)
         if problems:
             check.worst = math.inf
             check.worst_what = f"{what}: page accounting: {'; '.join(problems[:3])}"
