@@ -160,11 +160,9 @@ def test_out_and_lse_out_receive_the_result(backend):
     pages = gqakv.PagedKVCache(batch=B, kv_heads=HKV, max_len=32, head_dim=D, page_size=4,
                                backend=backend)
     pages.append(x, x, [4, 2, 0])
-    table = pages.store.page_table
+    entries = pages.store.page_table.entries
     k_pool, v_pool = pages.store.k, pages.store.v
     out = _garbage(backend, (B, HKV * G, 4, D), "float32")
-    entries = getattr(table, "entries", None)
-    entries = table.table if entries is None else entries
     got = gqakv.paged_attention(q, k_pool, v_pool, entries, pages.host_lens, [4, 2, 0],
                                 backend=backend, out=out)
     assert got is out
