@@ -75,17 +75,81 @@ class Codec:
     #: The code that dequantizes to exactly its scale (the value 1).
     fill_code: ClassVar[int] = 1
 
+    # -- the parts a store keeps for K (and as many for V) -----------------------------------
+    # A store holds each of K and V as a tuple of parts, indexed alike on their leading
+    # (layer, row, head, token) axes: ``(codes [..., d], scales [...] float32)`` for a
+    # scaled codec, ``(values [..., d],)`` for the plain one. The store's generic reads,
+    # writes, copies and fills go through these methods instead of asking which codec it
+    # holds.
+
+    def allocate_parts(self, backend, dtype: str, shape: tuple[int, ...], device) -> tuple:
+        """Uninitialized parts of one of K / V, values ``shape`` (``dtype``: the spec's
+        storage dtype): float32 scales ``shape[:-1]`` through the backend, codes through its
+        namespace on the scales' device (backends only know float dtypes by name)."""
+        scales = backend.empty(shape[:-1], "float32", device=device)
+        xp = backend.namespace()
+        try:
+            codes = xp.empty(shape, dtype=self.code_dtype(xp), device=getattr(scales, "device", None))
+        except RuntimeError as exc:  # torch's CPU out-of-memory
+            raise MemoryError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+        return codes, scales
+
+    def encode(self, xp, x) -> tuple:
+        """The parts that store ``x`` ``[..., d]`` (``quantize``'s codes and scales)."""
+        return self.quantize(xp, x)
+
+    def decode(self, parts: tuple, lookup=None):
+        """The values ``[..., d]`` held by ``parts`` (one block of them, as ``encode``
+        makes): float32 copies, dequantized. ``lookup``: ``lookup_table``'s constant."""
+        from array_api_compat import array_namespace
+
+        codes, scales = parts
+        return self.dequantize(array_namespace(codes), codes, scales, lookup)
+
+    def fill_parts(self, value) -> tuple:
+        """What each part is set to so that every slot reads back exactly ``value``: the
+        code of 1 and a scale of ``value`` (NaN and inf too)."""
+        return self.fill_code, value
+
+    def max_block_keys(self, kv_heads: int, head_dim: int, block_elements: int) -> int | None:
+        """The most keys one block ``decode`` may take at once (its float32 copy of K and
+        of V holds at most ``block_elements`` values each); None: no bound (views)."""
+        return max(1, int(block_elements) // (int(kv_heads) * int(head_dim)))
+
+    def decoded_dtype(self, xp, stored_dtype):
+        """``xp``'s dtype of what ``decode`` returns for parts stored as ``stored_dtype``."""
+        return xp.float32
+
     def __repr__(self) -> str:
         return f"<gqakv codec {self.name!r}>"
 
 
 class PlainCodec(Codec):
-    """Values stored as themselves, in the spec's dtype: no codes, no scales."""
+    """Values stored as themselves, in the spec's dtype: no codes, no scales (one part,
+    the values; reads are views)."""
 
     name = PLAIN_NAME
 
     def bytes_per_token_head(self, head_dim: int, value_bytes: int) -> int:
         return int(head_dim) * int(value_bytes)
+
+    def allocate_parts(self, backend, dtype: str, shape: tuple[int, ...], device) -> tuple:
+        return (backend.empty(shape, dtype, device=device),)
+
+    def encode(self, xp, x) -> tuple:
+        return (x,)
+
+    def decode(self, parts: tuple, lookup=None):
+        return parts[0]
+
+    def fill_parts(self, value) -> tuple:
+        return (value,)
+
+    def max_block_keys(self, kv_heads: int, head_dim: int, block_elements: int) -> int | None:
+        return None
+
+    def decoded_dtype(self, xp, stored_dtype):
+        return stored_dtype
 
 
 class Int8PerToken(Codec):

@@ -411,19 +411,14 @@ class PagedStore(KVStore):
     # -- views -------------------------------------------------------------------------------
 
     def layer(self, layer: int) -> "PagedStore":
-        scales = ((self.k_scale[layer, ...], self.v_scale[layer, ...]) if self.quantized
-                  else (None, None))
-        return PagedStore(self.spec, self.k[layer, ...], self.v[layer, ...], self.page_table,
-                          self.rows, self.max_len, *scales)
+        k, v, *scales = (a[layer, ...] for a in self.buffers)
+        return PagedStore(self.spec, k, v, self.page_table, self.rows, self.max_len, *scales)
 
     def with_layers(self, xp) -> "PagedStore":
         if self.leading:
             return self
-        scales = ((xp.expand_dims(self.k_scale, axis=0), xp.expand_dims(self.v_scale, axis=0))
-                  if self.quantized else (None, None))
-        return PagedStore(self.spec, xp.expand_dims(self.k, axis=0),
-                          xp.expand_dims(self.v, axis=0), self.page_table, self.rows, self.max_len,
-                          *scales)
+        k, v, *scales = (xp.expand_dims(a, axis=0) for a in self.buffers)
+        return PagedStore(self.spec, k, v, self.page_table, self.rows, self.max_len, *scales)
 
     def temporary(self, backend, tokens: int):
         raise TypeError("paged storage moves rows by bookkeeping; it has no row temporaries")
@@ -437,8 +432,9 @@ class PagedStore(KVStore):
         (``blocks`` gathers them: a bounded copy)."""
         P = self.page_size
         span = P * max(1, GATHER_KEYS // P)
-        if self.quantized:  # each span is dequantized as a whole: keep it small
-            max_keys = min(max_keys, max(1, DEQUANT_BLOCK_ELEMENTS // (self.kv_heads * self.head_dim)))
+        cap = self.spec.codec.max_block_keys(self.kv_heads, self.head_dim, DEQUANT_BLOCK_ELEMENTS)
+        if cap is not None:  # each span is decoded as a whole (a copy): keep it small
+            max_keys = min(max_keys, cap)
         if max_keys < span:
             span = max(1, min(P, int(max_keys)))
         j0 = lo
@@ -457,7 +453,7 @@ class PagedStore(KVStore):
         if j1 <= j0:
             shape = (self.kv_heads, 0, self.head_dim)
             dev = getattr(self.k, "device", None)
-            dt = xp.float32 if self.quantized else self.k.dtype
+            dt = self.spec.codec.decoded_dtype(xp, self.k.dtype)
             return xp.empty(shape, dtype=dt, device=dev), xp.empty(shape, dtype=dt, device=dev)
         if j0 // P == (j1 - 1) // P:
             return self._page_view(row, j0, j1)
@@ -471,10 +467,8 @@ class PagedStore(KVStore):
         P = self.page_size
         page, o = int(self.page_table.entries[row, j0 // P]), (j0 // P) * P
         a, b = j0 - o, j1 - o
-        if self.quantized:
-            return (self._dequantize(self.k[page, :, a:b, :], self.k_scale[page, :, a:b]),
-                    self._dequantize(self.v[page, :, a:b, :], self.v_scale[page, :, a:b]))
-        return self.k[page, :, a:b, :], self.v[page, :, a:b, :]
+        return (self._decode(tuple(p[page, :, a:b, ...] for p in self._k_parts)),
+                self._decode(tuple(p[page, :, a:b, ...] for p in self._v_parts)))
 
     # -- writing (the generic path) ----------------------------------------------------------
 
@@ -483,19 +477,16 @@ class PagedStore(KVStore):
         axes), page by page; the pages must have been reserved (``PageTable.reserve``)."""
         P = self.page_size
         n = int(k.shape[1])
-        if self.quantized:  # each token's codes and scale, from that token alone
-            xp = array_namespace(k)
-            (kc, ks), (vc, vs) = (self.spec.codec.quantize(xp, x) for x in (k, v))
+        xp = array_namespace(k)
+        # each token's parts (quantized: codes and scale, from that token alone), then page by page
+        writes = [(parts, self.spec.codec.encode(xp, x)) for parts, x in ((self._k_parts, k), (self._v_parts, v))]
         for j0, j1 in self.key_blocks(row, start, start + n, P):
             page = int(self.page_table.entries[row, j0 // P])
             a, b = j0 - (j0 // P) * P, j1 - (j0 // P) * P
             src = slice(j0 - start, j1 - start)
-            if self.quantized:
-                self.k[page, :, a:b, :], self.k_scale[page, :, a:b] = kc[:, src, :], ks[:, src]
-                self.v[page, :, a:b, :], self.v_scale[page, :, a:b] = vc[:, src, :], vs[:, src]
-                continue
-            self.k[page, :, a:b, :] = k[:, src, :]
-            self.v[page, :, a:b, :] = v[:, src, :]
+            for parts, values in writes:
+                for buf, value in zip(parts, values):
+                    buf[page, :, a:b, ...] = value[:, src, ...]
 
     def copy_row(self, dst_row, src, src_row, n) -> None:
         raise TypeError("paged rows are copied by sharing pages (PageTable.fork/reorder), "

@@ -109,23 +109,6 @@ class StorageSpec:
         return int(slots) * self.bytes_per_slot(kv_heads, head_dim)
 
 
-def _allocate_quantized(backend, spec: StorageSpec, shape: tuple[int, ...], device):
-    """Codes (int8, or uint8 e4m3fn patterns) ``shape`` and float32 scales ``shape[:-1]``
-    for K and V, all on one device: the scales through the backend, the codes through its
-    namespace on the scales' device (backends only know float dtypes by name)."""
-    k_scale = backend.empty(shape[:-1], "float32", device=device)
-    v_scale = backend.empty(shape[:-1], "float32", device=device)
-    xp = backend.namespace()
-    dt = spec.codec.code_dtype(xp)
-    dev = getattr(k_scale, "device", None)
-    try:
-        k = xp.empty(shape, dtype=dt, device=dev)
-        v = xp.empty(shape, dtype=dt, device=dev)
-    except RuntimeError as exc:  # torch's CPU out-of-memory
-        raise MemoryError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
-    return k, v, k_scale, v_scale
-
-
 def nbytes(dtype, slots: int, kv_heads: int, head_dim: int) -> int:
     """Bytes of a contiguous store of ``dtype`` with ``slots`` token slots (see ``StorageSpec``)."""
     return StorageSpec.of(dtype).nbytes(slots, kv_heads, head_dim)
@@ -144,13 +127,17 @@ class KVStore:
     """
 
     __slots__ = ("spec", "k", "v", "leading", "rows", "kv_heads", "max_len", "head_dim",
-                 "k_scale", "v_scale", "_codec_lookup")
+                 "k_scale", "v_scale", "_codec_lookup", "_k_parts", "_v_parts")
 
     def __init__(self, spec: StorageSpec, k, v, k_scale=None, v_scale=None):
         self.spec = spec
         self.k, self.v = k, v
         self.k_scale, self.v_scale = k_scale, v_scale
-        self._codec_lookup = None  # the codec's lookup table (e4m3 off NumPy), made on first read
+        # K's and V's parts as the codec keeps them (gqakv.storage.codecs: values, or codes
+        # and scales), indexed alike on the leading axes
+        self._k_parts = (k,) if k_scale is None else (k, k_scale)
+        self._v_parts = (v,) if v_scale is None else (v, v_scale)
+        self._codec_lookup: tuple | None = None  # (the codec's lookup_table,), made on first read
         shape = tuple(int(s) for s in k.shape)
         self.leading = shape[:-4]
         self.rows, self.kv_heads, self.max_len, self.head_dim = shape[-4:]
@@ -212,13 +199,11 @@ class KVStore:
         if total // 2 > MAX_BUFFER_BYTES:
             raise fail(f"each buffer exceeds the {MAX_BUFFER_BYTES:,} bytes a 64-bit size can address")
         try:
-            if spec.quantized:
-                return cls(spec, *_allocate_quantized(backend, spec, shape, device))
-            k = backend.empty(shape, spec.dtype, device=device)
-            v = backend.empty(shape, spec.dtype, device=device)
+            k = spec.codec.allocate_parts(backend, spec.dtype, shape, device)
+            v = spec.codec.allocate_parts(backend, spec.dtype, shape, device)
         except MemoryError as exc:
             raise fail(str(exc)) from None
-        return cls(spec, k, v)
+        return cls(spec, k[0], v[0], *k[1:], *v[1:])
 
     def temporary(self, backend, tokens: int) -> "KVStore":
         """A one-row store like this one, ``[*leading, 1, Hkv, tokens, d]`` (a row operation's
@@ -269,20 +254,20 @@ class KVStore:
 
     def layer(self, layer: int) -> "KVStore":
         """Layer ``layer`` of a store with one leading axis, as a store of its own (views)."""
-        if self.quantized:
-            return KVStore(self.spec, self.k[layer, ...], self.v[layer, ...],
-                           self.k_scale[layer, ...], self.v_scale[layer, ...])
-        return KVStore(self.spec, self.k[layer, ...], self.v[layer, ...])
+        return KVStore(self.spec, *(a[layer, ...] for a in self.buffers))
 
     def with_layers(self, xp) -> "KVStore":
         """This store with a leading layer axis (of 1 when it has none): the layout the row
         operations work on."""
         if self.leading:
             return self
-        if self.quantized:
-            return KVStore(self.spec, xp.expand_dims(self.k, axis=0), xp.expand_dims(self.v, axis=0),
-                           xp.expand_dims(self.k_scale, axis=0), xp.expand_dims(self.v_scale, axis=0))
-        return KVStore(self.spec, xp.expand_dims(self.k, axis=0), xp.expand_dims(self.v, axis=0))
+        return KVStore(self.spec, *(xp.expand_dims(a, axis=0) for a in self.buffers))
+
+    @property
+    def buffers(self) -> tuple:
+        """Every array of the store, in the constructor's order: ``(k, v)``, then
+        ``(k_scale, v_scale)`` for a scaled codec."""
+        return (self.k, self.v, *self._k_parts[1:], *self._v_parts[1:])
 
     # -- reading (the generic path) --------------------------------------------------------
 
@@ -291,56 +276,52 @@ class KVStore:
         ``max_keys`` keys each, that ``blocks`` reads without copying (the generic path
         walks a row through them; a paged kind ends every span at a page boundary)."""
         step = max(1, int(max_keys))
-        if self.quantized:  # each span is dequantized as a whole: keep it small
-            step = min(step, max(1, DEQUANT_BLOCK_ELEMENTS // (self.kv_heads * self.head_dim)))
+        cap = self.spec.codec.max_block_keys(self.kv_heads, self.head_dim, DEQUANT_BLOCK_ELEMENTS)
+        if cap is not None:  # each span is decoded as a whole (a copy): keep it small
+            step = min(step, cap)
         for j0 in range(lo, hi, step):
             yield j0, min(hi, j0 + step)
 
     def blocks(self, row: int, j0: int, j1: int):
         """Keys and values ``j0 <= j < j1`` of ``row`` of a store without leading axes, as
-        ``[Hkv, j1 - j0, d]`` arrays in the storage dtype: views for contiguous storage;
+        ``[Hkv, j1 - j0, d]`` arrays: views in the storage dtype for plain values;
         quantized: new float32 arrays, dequantized (keep ``j1 - j0`` small, as
         ``key_blocks`` does)."""
-        if self.quantized:
-            return (self._dequantize(self.k[row, :, j0:j1, :], self.k_scale[row, :, j0:j1]),
-                    self._dequantize(self.v[row, :, j0:j1, :], self.v_scale[row, :, j0:j1]))
-        return self.k[row, :, j0:j1, :], self.v[row, :, j0:j1, :]
+        return (self._decode(tuple(p[row, :, j0:j1, ...] for p in self._k_parts)),
+                self._decode(tuple(p[row, :, j0:j1, ...] for p in self._v_parts)))
 
-    def _dequantize(self, codes, scales):
-        from array_api_compat import array_namespace
-
-        xp = array_namespace(codes)
+    def _decode(self, parts):
         codec = self.spec.codec
         if self._codec_lookup is None:
-            self._codec_lookup = codec.lookup_table(xp, getattr(codes, "device", None))
-        return codec.dequantize(xp, codes, scales, self._codec_lookup)
+            from array_api_compat import array_namespace
+
+            self._codec_lookup = (codec.lookup_table(array_namespace(parts[0]),
+                                                     getattr(parts[0], "device", None)),)
+        return codec.decode(parts, self._codec_lookup[0])
 
     # -- writing (the generic path) --------------------------------------------------------
 
     def put(self, row: int, start: int, k, v) -> None:
         """Store ``k``, ``v`` ``[Hkv, n, d]`` (the input dtype) as tokens ``start..start+n-1``
-        of ``row`` of a store without leading axes, in place."""
-        n = int(k.shape[1])
-        if self.quantized:  # each token's codes and scale, from that token alone
-            from array_api_compat import array_namespace
+        of ``row`` of a store without leading axes, in place (quantized: each token's codes
+        and scale, from that token alone)."""
+        from array_api_compat import array_namespace
 
-            xp = array_namespace(k)
-            for buf, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-                codes, scale = self.spec.codec.quantize(xp, x)
-                buf[row, :, start:start + n, :] = codes
-                scales[row, :, start:start + n] = scale
-            return
-        self.k[row, :, start:start + n, :] = k
-        self.v[row, :, start:start + n, :] = v
+        n = int(k.shape[1])
+        xp = array_namespace(k)
+        for parts, x in ((self._k_parts, k), (self._v_parts, v)):
+            for buf, value in zip(parts, self.spec.codec.encode(xp, x)):
+                buf[row, :, start:start + n, ...] = value
 
     def copy_row(self, dst_row: int, src: "KVStore", src_row: int, n: int) -> None:
         """Tokens ``0..n-1`` of ``src``'s row ``src_row`` into this store's row ``dst_row``,
-        every layer (both stores have the same leading axes)."""
-        self.k[..., dst_row, :, :n, :] = src.k[..., src_row, :, :n, :]
-        self.v[..., dst_row, :, :n, :] = src.v[..., src_row, :, :n, :]
-        if self.quantized:  # the scales travel with their tokens
-            self.k_scale[..., dst_row, :, :n] = src.k_scale[..., src_row, :, :n]
-            self.v_scale[..., dst_row, :, :n] = src.v_scale[..., src_row, :, :n]
+        every layer (both stores have the same leading axes); scales travel with their
+        codes."""
+        lead = (slice(None),) * len(self.leading)
+        dst = (*lead, dst_row, slice(None), slice(0, n), ...)
+        at = (*lead, src_row, slice(None), slice(0, n), ...)
+        for to, of in zip(self.buffers, src.buffers):
+            to[dst] = of[at]
 
     def fill(self, value, v_value=None) -> None:
         """Set every K slot, live or not, to ``value`` and every V slot to ``v_value``
@@ -348,15 +329,9 @@ class KVStore:
         may see; nothing else should write storage except through the backend.
         Quantized: every code is the code of 1 and every scale the value, so each slot
         dequantizes to exactly the value (NaN and inf too)."""
-        if self.quantized:
-            one = self.spec.codec.fill_code
-            self.k[...] = one
-            self.v[...] = one
-            self.k_scale[...] = value
-            self.v_scale[...] = value if v_value is None else v_value
-            return
-        self.k[...] = value
-        self.v[...] = value if v_value is None else v_value
+        for parts, x in ((self._k_parts, value), (self._v_parts, value if v_value is None else v_value)):
+            for buf, part in zip(parts, self.spec.codec.fill_parts(x)):
+                buf[...] = part
 
     def __repr__(self) -> str:
         return (f"KVStore({self.kind}, {self.dtype}, leading={self.leading}, rows={self.rows}, "

@@ -287,7 +287,7 @@ def prebuild_for(items) -> None:
 class _DeviceNamespace:
     """array_api_compat.numpy whose ``empty`` allocates on the current emulated device, as
     CuPy's namespace allocates on the device (a quantized store allocates its codes there:
-    gqakv.storage.store._allocate_quantized); everything else is NumPy's."""
+    gqakv.storage.codecs.Codec.allocate_parts); everything else is NumPy's."""
 
     def __init__(self, xp):
         self._xp = xp
