@@ -398,9 +398,22 @@ class NumbaWork:
     merged per (i, h0, h1, t0, t1); n_part: rows of the partials; the variant's kernel
     arguments (scale, softcap, window, sinks [Hq], alibi [Hq] or None)."""
 
-    __slots__ = ("q_shape", "G", "workers", "items", "run_starts", "part_rows", "groups",
-                 "group_starts", "piece_rows", "n_part", "key_block", "scale", "softcap", "window",
-                 "sinks", "alibi")
+    q_shape: tuple[int, int, int, int]
+    G: int
+    workers: int
+    items: np.ndarray
+    run_starts: np.ndarray
+    part_rows: np.ndarray
+    groups: np.ndarray | None
+    group_starts: np.ndarray
+    piece_rows: np.ndarray
+    n_part: int
+    key_block: int
+    scale: np.float32
+    softcap: np.float32
+    window: int
+    sinks: np.ndarray
+    alibi: np.ndarray | None
 
 
 def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,

@@ -88,11 +88,14 @@ def _declared_rejection(kernel: str, request: Request) -> str | None:
     return PATHS[kernel].rejection(request)
 
 
-def _needs_dtype_and_head_dim(request: Request) -> None:
+def _needs_dtype_and_head_dim(request: Request) -> tuple[str, int]:
+    """The request's dtype and head dim (the kernels are built per both); ValueError
+    naming the missing ones."""
     missing = [name for name in ("dtype", "head_dim") if getattr(request, name) is None]
-    if missing:
+    if missing or request.dtype is None or request.head_dim is None:
         raise ValueError(f"{request.op} needs the facts {', '.join(missing)} (the kernels are "
                          "built per dtype and head dim)")
+    return request.dtype, request.head_dim
 
 
 def _chosen(impl: str, rejected: dict[str, str]) -> Route:
@@ -106,13 +109,13 @@ def route_write_kv(request: Request) -> Route:
     """gqakv_write_kv (one launch for all rows), gqakv_write_kv_quantized (the same for a
     quantized cache, quantizing on the device) or the generic slice writes; both over
     contiguous rows or through the page table."""
-    _needs_dtype_and_head_dim(request)
+    dtype, head_dim = _needs_dtype_and_head_dim(request)
     quantized = request.quantized_dtype is not None
     kernel = "gqakv_write_kv_quantized" if quantized else "gqakv_write_kv"
     # a codes-and-scales cache is no candidate for the plain append: its declaration says why
     plain = _declared_rejection("gqakv_write_kv", request) if quantized else None
     rejected = {"gqakv_write_kv": plain} if plain else {}
-    why = (_fused_rejection(request.dtype, request.head_dim) or _declared_rejection(kernel, request)
+    why = (_fused_rejection(dtype, head_dim) or _declared_rejection(kernel, request)
            or request.buffers or request.grid)
     if why:
         return Route(GENERIC, {kernel: why, **rejected})
@@ -123,8 +126,8 @@ def route_write_kv(request: Request) -> Route:
 def route_copy_tokens(request: Request) -> Route:
     """gqakv_copy_tokens (every layer and row pair in one launch; a quantized cache's
     scales in a second launch of it) or the generic copies."""
-    _needs_dtype_and_head_dim(request)
-    why = (_fused_rejection(request.dtype, request.head_dim)
+    dtype, head_dim = _needs_dtype_and_head_dim(request)
+    why = (_fused_rejection(dtype, head_dim)
            or _declared_rejection("gqakv_copy_tokens", request) or request.buffers or request.grid)
     if why:
         return Route(GENERIC, {"gqakv_copy_tokens": why})
@@ -139,8 +142,8 @@ def route_attention(request: Request) -> Route:
     ``grid`` (the planner's refusal) rules out the kernel the family would have run;
     layout, codec and features are judged by each kernel's declaration
     (``FAST_PATHS``)."""
-    _needs_dtype_and_head_dim(request)
-    dtype, head_dim, t_q = request.dtype, request.head_dim, request.t_q
+    dtype, head_dim = _needs_dtype_and_head_dim(request)
+    t_q = request.t_q
     rejected: dict[str, str] = {}
     decode = t_q <= limits.DECODE_MAX_T
     family, other = (DECODE_KERNELS, PREFILL_KERNELS) if decode else (PREFILL_KERNELS, DECODE_KERNELS)

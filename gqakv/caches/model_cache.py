@@ -29,7 +29,6 @@ from ..core.inputs import (_rows, check_capacity, check_flag, check_queries, hos
                            validate_append, validate_attention_batch)
 from ..ops.plan import AttentionPlan
 from ..core.units import human_bytes
-from ..ops import attention as _attention
 from ..storage.sizing import resolve_model
 from ..storage.store import PAGED, StorageSpec
 from . import cache as _cache

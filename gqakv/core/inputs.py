@@ -229,7 +229,7 @@ def check_queries(cache, q, what: str = "q") -> None:
     _check_dtype(cache.store.spec.q_dtype, q, what)
 
 
-def validate_attention_batch(cache, q_shape: tuple[int, int, int, int], n_new, rows=None,
+def validate_attention_batch(cache, q_shape: tuple[int, ...], n_new, rows=None,
                              scale=None, params=None, *, window=None, softcap=None, sinks=None,
                              alibi_slopes=None) -> AttentionInputs:
     """Everything of an attention call but the query tensor itself, checked once for a
@@ -283,7 +283,7 @@ def lse_dtype(q_dtype: str) -> str:
     return "float64" if q_dtype == "float64" else "float32"
 
 
-def check_outputs(cache, q_shape: tuple[int, int, int, int], out=None, lse_out=None) -> None:
+def check_outputs(cache, q_shape: tuple[int, ...], out=None, lse_out=None) -> None:
     """The caller's output buffers of an attention call with queries of ``q_shape``
     (``[B, Hq, T, d]``): ``out`` like q (same shape, the store's ``q_dtype``) and ``lse_out``
     ``[B, Hq, T]`` in ``lse_dtype``, each an array of the cache's library on its device
