@@ -41,7 +41,6 @@ import numpy as np
 
 from gqakv.dispatch.backend import GENERIC, FastPath, Route
 from gqakv.dispatch.request import Request, as_request
-from gqakv.ops.plan import write_into
 from gqakv.storage.codecs import PLAIN_NAME
 from gqakv.core.semantics import AttentionParams, block_keys
 from gqakv.storage.store import CONTIGUOUS, PAGED
@@ -281,8 +280,8 @@ class NumbaBackend(NumpyBackend):
         """The kernels' items, thread runs and merge layout (``plan_numba``) when they serve
         this batch (``route_attention`` without the per-call buffer check), else None."""
         request = Request.of_store("attention", store, t_q=q_shape[2], features=params.features)
-        if route_attention(request).impl != KERNEL:
-            return None
+        if route_attention(request).impl != KERNEL:  # the NumPy backend's path plans its own
+            return super().plan_attention(store, inputs, params, q_shape)
         return plan_numba(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params)
 
     def attention(self, q, store, inputs, params, *, return_lse: bool, work=None, out=None,
@@ -294,19 +293,19 @@ class NumbaBackend(NumpyBackend):
         ``plan_attention``); ``out`` / ``lse_out``: the caller's buffers (see there)."""
         # planned: the route was the kernels' for this storage, chunk and variant; only
         # this layer's buffers are left to judge
-        planned = work is not None and _c_contiguous(store)
+        planned = isinstance(work, NumbaWork) and _c_contiguous(store)
         if not planned and self._attention_decision(q, store.k, store.v, store,
                                                     params.features).impl != KERNEL:
-            if out is None and lse_out is None:
-                return super().attention(q, store, inputs, params, return_lse=return_lse)
-            result = super().attention(q, store, inputs, params, return_lse=True)
-            return write_into(result, return_lse, out, lse_out)
+            # the NumPy backend's path, with its own plan when the batch was planned for it
+            return super().attention(q, store, inputs, params, return_lse=return_lse,
+                                     work=None if isinstance(work, NumbaWork) else work,
+                                     out=out, lse_out=lse_out)
         k_buf, v_buf = kernel_layout(store)
         if isinstance(k_buf, np.ndarray):  # contiguous arrays: float16/bfloat16 as their bits
             from . import numba_kernels as nk
 
             k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
-        if work is None:
+        if not isinstance(work, NumbaWork):
             work = plan_numba(inputs.lens, inputs.n_new, tuple(q.shape), _kv_heads(k_buf), params)
         return run_numba(work, q, k_buf, v_buf, inputs.rows, inputs.lens, inputs.n_new,
                          return_lse=return_lse, out=out, lse_out=lse_out)

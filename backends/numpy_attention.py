@@ -179,11 +179,32 @@ def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
     return attend(q, reader, lens, n_new, params=params, return_lse=return_lse, **blocking)
 
 
+class NumpyWork:
+    """The planned part of a BLAS-path call (``plan_items``): the work items, their total
+    cost and the worker count, for every layer of a step."""
+
+    __slots__ = ("items", "total", "workers")
+
+    def __init__(self, items, total, workers: int):
+        self.items, self.total, self.workers = items, total, workers
+
+
+def plan_items(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
+               workers: int | None = None, query_block: int = QUERY_BLOCK,
+               min_key_split: int = MIN_KEY_SPLIT) -> NumpyWork:
+    """``attend``'s items for these lengths and queries ``[B, Hq, T, d]`` (see ``_plan``)."""
+    if workers is None:
+        workers = _threads.default_workers()
+    G = int(q_shape[1]) // kv_heads
+    items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split, params=params)
+    return NumpyWork(items, total, workers)
+
+
 def attention_store(q, store, inputs, params, *, return_lse: bool, **blocking):
     """The NumPy backend's fast path: attention of ``q`` [B, Hq, T, d] over a KVStore
     without leading axes of any layout and codec ``numpy_readers.reader_of`` reads
     (``numpy_backend.FAST_PATHS`` declares which); see ``gqakv.gqa_attention``.
-    ``blocking``: ``attend``'s keywords."""
+    ``blocking``: ``attend``'s keywords (``planned``: a ``plan_items`` of this batch)."""
     reader = readers.reader_of(store, inputs.rows)
     return attend(q, reader, inputs.lens, inputs.n_new, params=params, return_lse=return_lse,
                   **blocking)
@@ -194,13 +215,15 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
            score_block_elements: int = SCORE_BLOCK_ELEMENTS,
            query_block: int = QUERY_BLOCK,
            min_key_split: int = MIN_KEY_SPLIT,
-           parallel_min_work: int = PARALLEL_MIN_WORK):
+           parallel_min_work: int = PARALLEL_MIN_WORK,
+           planned: NumpyWork | None = None):
     """The item kernel over validated inputs: plan the items, share them among threads,
     read each item's K/V blocks through ``reader`` (``numpy_readers``), merge key pieces.
 
     q: [B, Hq, T, d]; lens, n_new: host int arrays [B]. ``workers`` threads (default:
     GQAKV_NUM_THREADS, else the BLAS thread count) share the items; the remaining
-    keywords expose the blocking so tests can drive every split on small shapes.
+    keywords expose the blocking so tests can drive every split on small shapes;
+    ``planned``: the items ``plan_items`` made for this batch (planned here when None).
     """
     B, Hq, T, d = q.shape
     Hkv = reader.kv_heads
@@ -209,9 +232,10 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
     out = np.zeros((B, Hq, T, d), dtype=q.dtype)
     lse = np.full((B, Hq, T), -np.inf, dtype=acc) if return_lse else None
     sinks = None if params.sinks is None else np.asarray(params.sinks, dtype=acc)  # [Hq]
-    if workers is None:
-        workers = _threads.default_workers()
-    items, total = _plan(lens, n_new, Hkv, G, workers, query_block, min_key_split, params=params)
+    if planned is None:
+        planned = plan_items(lens, n_new, q.shape, Hkv, params, workers=workers,
+                             query_block=query_block, min_key_split=min_key_split)
+    items, total, workers = planned.items, planned.total, planned.workers
     if not items:
         return (out, lse) if return_lse else out
     if total < parallel_min_work:

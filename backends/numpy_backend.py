@@ -6,6 +6,7 @@ import functools
 
 from gqakv.dispatch.backend import GENERIC, Backend, FastPath, Route, choose
 from gqakv.dispatch.request import Request, as_request
+from gqakv.ops.plan import write_into
 from gqakv.storage.codecs import PLAIN_NAME
 from gqakv.core.inputs import immutable_ints
 from gqakv.storage.store import CONTIGUOUS, PAGED
@@ -127,14 +128,33 @@ class NumpyBackend(Backend):
             GENERIC: "appends, row copies, attention over other codecs",
         }
 
-    def attention(self, q, store, inputs, params, *, return_lse: bool):
+    def plan_attention(self, store, inputs, params, q_shape):
+        """The BLAS path's work items and their sharing among threads (``numpy_attention.
+        plan_items``) when it serves this batch, else None."""
+        if route_attention(Request.of_store("attention", store, t_q=q_shape[2],
+                                            features=params.features)).impl != BLAS:
+            return None
+        from .numpy_attention import plan_items
+
+        return plan_items(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params)
+
+    def attention(self, q, store, inputs, params, *, return_lse: bool, work=None, out=None,
+                  lse_out=None):
         """BLAS matmuls on live blocks, shared among threads (``numpy_attention``), read
         through the store's block reader (``numpy_readers``: contiguous or paged, plain or
         dequantized as read) for the layouts, codecs and variants ``FAST_PATHS`` declares;
-        otherwise the generic path (``route_attention`` decides)."""
-        if route_attention(Request.of_store("attention", store, t_q=q.shape[2],
-                                            features=params.features)).impl == BLAS:
-            from .numpy_attention import attention_store
+        otherwise the generic path (``route_attention`` decides). ``work``: this batch's
+        ``plan_items`` (from ``plan_attention``); ``out`` / ``lse_out``: the caller's
+        buffers, filled from the result."""
+        from .numpy_attention import NumpyWork, attention_store
 
-            return attention_store(q, store, inputs, params, return_lse=return_lse)
-        return super().attention(q, store, inputs, params, return_lse=return_lse)
+        want_lse = return_lse or lse_out is not None
+        if isinstance(work, NumpyWork) or route_attention(Request.of_store(
+                "attention", store, t_q=q.shape[2], features=params.features)).impl == BLAS:
+            result = attention_store(q, store, inputs, params, return_lse=want_lse,
+                                     planned=work if isinstance(work, NumpyWork) else None)
+        else:
+            result = super().attention(q, store, inputs, params, return_lse=want_lse)
+        if out is None and lse_out is None:
+            return result
+        return write_into(result, return_lse, out, lse_out)
