@@ -478,9 +478,11 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
 
     B, Hq, T, d = work.q_shape
     # the kernels write C-contiguous float32 buffers: the caller's when they are such
-    direct = out is not None and out.dtype == np.float32 and out.flags.c_contiguous
+    # (not when they share memory with q: the kernels read q after the output is zeroed)
+    direct = (out is not None and out.dtype == np.float32 and out.flags.c_contiguous
+              and not np.may_share_memory(out, q))
     o = out if direct else np.empty((B, Hq, T, d), dtype=np.float32)
-    lse_direct = lse_out is not None and lse_out.flags.c_contiguous
+    lse_direct = lse_out is not None and lse_out.flags.c_contiguous and not np.may_share_memory(lse_out, q)
     lse = lse_out if lse_direct else np.empty((B, Hq, T), dtype=np.float32)
     # padded queries, idle rows and a query whose every score is -inf keep 0 and -inf
     o[...] = 0

@@ -208,3 +208,28 @@ def test_bad_outputs_are_refused_before_anything_is_written(backend):
         cache.append(x, x, [2, 1, 0])
         with pytest.raises(exc, match=match):
             gqakv.gqa_attention(q, cache, [2, 1, 0], **kwargs)
+
+
+def test_out_may_be_q_itself(backend):
+    """``out=q``: the result is the same as into a fresh buffer (a kernel that zeroed or
+    wrote out before reading q would compute from its own output)."""
+    rng = np.random.default_rng(8)
+    cache = gqakv.KVCache(batch=B, kv_heads=HKV, max_len=32, head_dim=D, backend=backend)
+    x = _rng_arrays(backend, rng, (B, HKV, 3, D))
+    cache.append(x, x, [3, 3, 3])
+    q = _rng_arrays(backend, rng, (B, HKV, 3, D))  # G = 1: q has out's shape
+    want = backend.to_numpy(gqakv.gqa_attention(q, cache, [3, 3, 3])).copy()
+    got = gqakv.gqa_attention(q, cache, [3, 3, 3], out=q)
+    np.testing.assert_array_equal(backend.to_numpy(got), want)
+
+
+def test_a_bool_window_is_refused_after_an_int_window_planned(backend):
+    rng = np.random.default_rng(9)
+    cache = gqakv.ModelKVCache(2, B, HKV, 16, D, dtype="float32", backend=backend)
+    x = _rng_arrays(backend, rng, (B, HKV, 1, D))
+    q = _rng_arrays(backend, rng, (B, HKV * G, 1, D))
+    with cache.step([1, 1, 1]) as step:
+        step.attend(0, q, x, x, window=1)
+        with pytest.raises(TypeError, match="window"):
+            step.attend(1, q, x, x, window=True)
+        step.abort()

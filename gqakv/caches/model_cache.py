@@ -298,8 +298,8 @@ class Step:
         use; keywords that cannot be a dict key (an array of sinks) plan each call."""
         check_queries(view, q)
         q_shape = tuple(int(s) for s in q.shape)
-        try:
-            key = (q_shape, tuple(variant.values()))
+        try:  # values with their types: window=True must not find window=1's plan
+            key = (q_shape, tuple((type(v), v) for v in variant.values()))
             plan = self._plans.get(key)
         except TypeError:  # unhashable keywords: validated and planned for this call
             key, plan = None, None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.inputs import check_flag, check_outputs, check_queries, validate_attention_batch
+from ..core.inputs import check_flag, check_outputs, check_queries, host_ints, validate_attention_batch
 
 
 def write_into(result, return_lse: bool, out, lse_out):
@@ -63,10 +63,12 @@ class AttentionPlan:
         """The plan of ``gqa_attention(q, cache, n_new, rows=rows, ...)`` for queries
         ``[len(n_new), q_heads, t_q, d]`` (``t_q`` default: the largest n_new), validated
         against ``cache`` as it is now (run it before the cache changes)."""
-        n = np.asarray(n_new).reshape(-1) if not isinstance(n_new, (list, tuple)) else n_new
-        batch = len(n)
-        if t_q is None:
-            t_q = max((int(x) for x in n), default=0)
+        shape = getattr(n_new, "shape", None)
+        batch = len(n_new) if shape is None else (int(shape[0]) if len(shape) == 1 else -1)
+        if batch < 0:
+            raise ValueError(f"n_new must be 1-D [B], got shape {list(shape or ())}")
+        if t_q is None:  # n_new checked first: its errors name it
+            t_q = max((int(x) for x in host_ints(n_new, "n_new", batch)), default=0)
         q_shape = (batch, int(q_heads), int(t_q), cache.head_dim)
         inputs = validate_attention_batch(cache, q_shape, n_new, rows, scale, params, window=window,
                                           softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
