@@ -282,7 +282,9 @@ class NumbaBackend(NumpyBackend):
         request = Request.of_store("attention", store, t_q=q_shape[2], features=params.features)
         if route_attention(request).impl != KERNEL:  # the NumPy backend's path plans its own
             return super().plan_attention(store, inputs, params, q_shape)
-        return plan_numba(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params)
+        work = plan_numba(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params)
+        work.inputs = inputs  # the batch it was planned for (attention uses it for that one only)
+        return work
 
     def attention(self, q, store, inputs, params, *, return_lse: bool, work=None, out=None,
                   lse_out=None):
@@ -293,7 +295,7 @@ class NumbaBackend(NumpyBackend):
         ``plan_attention``); ``out`` / ``lse_out``: the caller's buffers (see there)."""
         # planned: the route was the kernels' for this storage, chunk and variant; only
         # this layer's buffers are left to judge
-        planned = isinstance(work, NumbaWork) and _c_contiguous(store)
+        planned = isinstance(work, NumbaWork) and work.inputs is inputs and _c_contiguous(store)
         if not planned and self._attention_decision(q, store.k, store.v, store,
                                                     params.features).impl != KERNEL:
             # the NumPy backend's path, with its own plan when the batch was planned for it
@@ -305,7 +307,7 @@ class NumbaBackend(NumpyBackend):
             from . import numba_kernels as nk
 
             k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
-        if not isinstance(work, NumbaWork):
+        if not (isinstance(work, NumbaWork) and work.inputs is inputs):
             work = plan_numba(inputs.lens, inputs.n_new, tuple(q.shape), _kv_heads(k_buf), params)
         return run_numba(work, q, k_buf, v_buf, inputs.rows, inputs.lens, inputs.n_new,
                          return_lse=return_lse, out=out, lse_out=lse_out)
@@ -413,6 +415,7 @@ class NumbaWork:
     window: int
     sinks: np.ndarray
     alibi: np.ndarray | None
+    inputs: object  # the AttentionInputs it was planned for (None: planned for a bare call)
 
 
 def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
@@ -430,6 +433,7 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     lens = np.asarray(lens, dtype=np.int64)
     n_new = np.asarray(n_new, dtype=np.int64)
     w = NumbaWork()
+    w.inputs = None
     w.q_shape, w.G = (B, Hq, T, d), G
     w.scale = np.float32(params.scale)
     w.window = nk.NO_WINDOW if params.window is None else params.window

@@ -183,10 +183,11 @@ class NumpyWork:
     """The planned part of a BLAS-path call (``plan_items``): the work items, their total
     cost and the worker count, for every layer of a step."""
 
-    __slots__ = ("items", "total", "workers")
+    __slots__ = ("items", "total", "workers", "inputs")
 
     def __init__(self, items, total, workers: int):
         self.items, self.total, self.workers = items, total, workers
+        self.inputs = None  # the AttentionInputs it was planned for (set by plan_attention)
 
 
 def plan_items(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,

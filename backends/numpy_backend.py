@@ -136,7 +136,9 @@ class NumpyBackend(Backend):
             return None
         from .numpy_attention import plan_items
 
-        return plan_items(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params)
+        work = plan_items(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params)
+        work.inputs = inputs  # the batch it was planned for (attention uses it for that one only)
+        return work
 
     def attention(self, q, store, inputs, params, *, return_lse: bool, work=None, out=None,
                   lse_out=None):
@@ -149,10 +151,12 @@ class NumpyBackend(Backend):
         from .numpy_attention import NumpyWork, attention_store
 
         want_lse = return_lse or lse_out is not None
-        if isinstance(work, NumpyWork) or route_attention(Request.of_store(
+        if not (isinstance(work, NumpyWork) and work.inputs is inputs):
+            work = None  # planned for another batch (or not for this path): plan here
+        if work is not None or route_attention(Request.of_store(
                 "attention", store, t_q=q.shape[2], features=params.features)).impl == BLAS:
             result = attention_store(q, store, inputs, params, return_lse=want_lse,
-                                     planned=work if isinstance(work, NumpyWork) else None)
+                                     planned=work)
         else:
             result = super().attention(q, store, inputs, params, return_lse=want_lse)
         if out is None and lse_out is None:
