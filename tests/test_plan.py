@@ -105,11 +105,15 @@ def test_a_plan_runs_like_gqa_attention_and_refuses_what_it_was_not_made_for(bac
         plan.run(q, cache)
 
 
-def test_a_steps_plan_is_its_own(backend):
-    rng = np.random.default_rng(4)
+def _two_layer_decode(backend, seed):
+    """A 2-layer ModelKVCache and one decode token's K/V ``x`` and queries ``q``."""
+    rng = np.random.default_rng(seed)
     cache = gqakv.ModelKVCache(2, B, HKV, 16, D, dtype="float32", backend=backend)
-    x = _rng_arrays(backend, rng, (B, HKV, 1, D))
-    q = _rng_arrays(backend, rng, (B, HKV * G, 1, D))
+    return cache, _rng_arrays(backend, rng, (B, HKV, 1, D)), _rng_arrays(backend, rng, (B, HKV * G, 1, D))
+
+
+def test_a_steps_plan_is_its_own(backend):
+    cache, x, q = _two_layer_decode(backend, 4)
     with cache.step([1, 1, 1]) as step:
         plan = step.plan_attention(HKV * G, window=2)
         with pytest.raises(TypeError, match="give plan= or variant keywords"):
@@ -224,10 +228,7 @@ def test_out_may_be_q_itself(backend):
 
 
 def test_a_bool_window_is_refused_after_an_int_window_planned(backend):
-    rng = np.random.default_rng(9)
-    cache = gqakv.ModelKVCache(2, B, HKV, 16, D, dtype="float32", backend=backend)
-    x = _rng_arrays(backend, rng, (B, HKV, 1, D))
-    q = _rng_arrays(backend, rng, (B, HKV * G, 1, D))
+    cache, x, q = _two_layer_decode(backend, 9)
     with cache.step([1, 1, 1]) as step:
         step.attend(0, q, x, x, window=1)
         with pytest.raises(TypeError, match="window"):
