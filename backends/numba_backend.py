@@ -42,6 +42,7 @@ import numpy as np
 from gqakv.dispatch.backend import GENERIC, FastPath, Route
 from gqakv.dispatch.request import Request, as_request
 from gqakv.storage.codecs import PLAIN_NAME
+from gqakv.core.inputs import PACKED, PADDED
 from gqakv.core.semantics import AttentionParams, block_keys
 from gqakv.storage.store import CONTIGUOUS, PAGED
 
@@ -83,8 +84,10 @@ _CODECS = frozenset({PLAIN_NAME, *_KERNEL_KV_DTYPES})
 #: What the compiled paths implement (as data; ``route_*`` adds the per-call conditions:
 #: chunk length and buffer layout).
 KERNEL_PATH = FastPath(KERNEL, "attention", frozenset({CONTIGUOUS, PAGED}), _CODECS,
-                       frozenset({"window", "softcap", "sinks", "alibi"}), frozenset(_KERNEL_DTYPES))
-WRITE_PATH = FastPath(WRITE_KERNEL, "write_kv", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}))
+                       frozenset({"window", "softcap", "sinks", "alibi"}), frozenset(_KERNEL_DTYPES),
+                       tokens=frozenset({PADDED, PACKED}))
+WRITE_PATH = FastPath(WRITE_KERNEL, "write_kv", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}),
+                      tokens=frozenset({PADDED, PACKED}))
 COPY_PATH = FastPath(COPY_KERNEL, "copy_tokens", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}))
 
 
@@ -199,9 +202,11 @@ class NumbaBackend(NumpyBackend):
                      "other codecs",
         }
 
-    def _attention_decision(self, q, k_buf, v_buf, store=None, features=frozenset()) -> Route:
+    def _attention_decision(self, q, k_buf, v_buf, store=None, features=frozenset(),
+                            tokens=None) -> Route:
         """``route_attention`` for a call's arrays (``store``: its KVStore, when its kind or
-        quantized storage matters; ``k_buf``/``v_buf`` are then the pool or the codes)."""
+        quantized storage matters; ``k_buf``/``v_buf`` are then the pool or the codes;
+        ``tokens``: the call's ``AttentionInputs.token_facts``, default padded q's)."""
         arrays = [k_buf, v_buf]
         if store is None:
             request = Request("attention", dtype=_dtype_name(k_buf.dtype), head_dim=k_buf.shape[-1])
@@ -209,7 +214,8 @@ class NumbaBackend(NumpyBackend):
             request = Request.of_store("attention", store)
             arrays += [a for a in (store.k_scale, store.v_scale) if a is not None]
         buffers = None if all(a.flags.c_contiguous for a in arrays) else NOT_CONTIGUOUS
-        return route_attention(request.with_(t_q=q.shape[2], features=features, buffers=buffers))
+        tokens = {"t_q": q.shape[2]} if tokens is None else tokens
+        return route_attention(request.with_(features=features, buffers=buffers, **tokens))
 
     def attention_route(self, q, k_buf, v_buf, store=None) -> tuple[str, str]:
         """(implementation, why) for a plain causal attention call over these arrays:
@@ -231,13 +237,16 @@ class NumbaBackend(NumpyBackend):
                           f"({WRITE_KERNEL} copies the cache's {store.k.dtype} values)")
             elif not (store.k.flags.c_contiguous and store.v.flags.c_contiguous):
                 layout = "cache buffers are not C-contiguous"
-            elif not all(x.strides[3] == x.itemsize for x in (k_new, v_new)):
+            elif not all(x.strides[-1] == x.itemsize for x in (k_new, v_new)):
                 layout = "k_new / v_new head dim is strided (the kernel copies contiguous runs of d)"
             else:
                 bits = _copy_bits(store.k, store.v, k_new, v_new)
                 if bits is None:
                     layout = "buffers that are not NumPy arrays of one element width"
-        route = route_copy(Request.of_store("write_kv", store, buffers=layout))
+        tokens = PACKED if k_new.ndim == 3 else PADDED
+        route = route_copy(Request.of_store("write_kv", store, buffers=layout, tokens=tokens))
+        if bits is not None and tokens == PACKED:  # [N, Hkv, d] as [N, Hkv, 1, d] (query_slot)
+            bits[2:] = [x.reshape(x.shape[0], x.shape[1], 1, x.shape[2]) for x in bits[2:]]
         return route, bits
 
     def write_kv(self, store, k_new, v_new, inputs) -> None:
@@ -251,7 +260,8 @@ class NumbaBackend(NumpyBackend):
 
         assert bits is not None  # the route chose the kernel: its buffers were viewed
         nk.write_tokens(*bits, *(np.asarray(a, dtype=np.int64) for a in
-                                 (inputs.rows, inputs.starts, inputs.n_new)))
+                                 (inputs.rows, inputs.starts, inputs.n_new)),
+                        _offsets_arg(inputs.offsets))
 
     def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
         """Contiguous, unquantized stores (rows, or a paged pool's pages as rows): every copy
@@ -279,7 +289,8 @@ class NumbaBackend(NumpyBackend):
     def plan_attention(self, store, inputs, params, q_shape):
         """The kernels' items, thread runs and merge layout (``plan_numba``) when they serve
         this batch (``route_attention`` without the per-call buffer check), else None."""
-        request = Request.of_store("attention", store, t_q=q_shape[2], features=params.features)
+        request = Request.of_store("attention", store, features=params.features,
+                                   **inputs.token_facts(q_shape))
         if route_attention(request).impl != KERNEL:  # the NumPy backend's path plans its own
             return super().plan_attention(store, inputs, params, q_shape)
         work = plan_numba(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params)
@@ -296,8 +307,8 @@ class NumbaBackend(NumpyBackend):
         # planned: the route was the kernels' for this storage, chunk and variant; only
         # this layer's buffers are left to judge
         planned = isinstance(work, NumbaWork) and work.inputs is inputs and _c_contiguous(store)
-        if not planned and self._attention_decision(q, store.k, store.v, store,
-                                                    params.features).impl != KERNEL:
+        if not planned and self._attention_decision(q, store.k, store.v, store, params.features,
+                                                    inputs.token_facts(q.shape)).impl != KERNEL:
             # the NumPy backend's path, with its own plan when the batch was planned for it
             return super().attention(q, store, inputs, params, return_lse=return_lse,
                                      work=None if isinstance(work, NumbaWork) else work,
@@ -310,7 +321,7 @@ class NumbaBackend(NumpyBackend):
         if not (isinstance(work, NumbaWork) and work.inputs is inputs):
             work = plan_numba(inputs.lens, inputs.n_new, tuple(q.shape), _kv_heads(k_buf), params)
         return run_numba(work, q, k_buf, v_buf, inputs.rows, inputs.lens, inputs.n_new,
-                         return_lse=return_lse, out=out, lse_out=lse_out)
+                         return_lse=return_lse, out=out, lse_out=lse_out, offsets=inputs.offsets)
 
 
 def _dtype_name(dtype) -> str:
@@ -399,7 +410,7 @@ class NumbaWork:
     merged per (i, h0, h1, t0, t1); n_part: rows of the partials; the variant's kernel
     arguments (scale, softcap, window, sinks [Hq], alibi [Hq] or None)."""
 
-    q_shape: tuple[int, int, int, int]
+    q_shape: tuple[int, ...]
     G: int
     workers: int
     items: np.ndarray
@@ -423,18 +434,19 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
                min_key_split: int = MIN_KEY_SPLIT, key_block: int | None = None,
                parallel_min_work: int = PARALLEL_MIN_WORK) -> NumbaWork:
     """The items, their sharing among threads and the merge layout of a call with these
-    lengths, queries of ``q_shape`` ``[B, Hq, T, d]`` and variant (see ``NumbaWork``)."""
+    lengths, queries of ``q_shape`` (padded ``[B, Hq, T, d]`` or packed ``[N, Hq, d]``) and
+    variant (see ``NumbaWork``)."""
     import numba
 
     from . import numba_kernels as nk
 
-    B, Hq, T, d = (int(s) for s in q_shape)
+    Hq, d = int(q_shape[1]), int(q_shape[-1])  # Hq is dim 1 in both layouts
     G = Hq // kv_heads
     lens = np.asarray(lens, dtype=np.int64)
     n_new = np.asarray(n_new, dtype=np.int64)
     w = NumbaWork()
     w.inputs = None
-    w.q_shape, w.G = (B, Hq, T, d), G
+    w.q_shape, w.G = tuple(int(s) for s in q_shape), G
     w.scale = np.float32(params.scale)
     w.window = nk.NO_WINDOW if params.window is None else params.window
     w.softcap = np.float32(0.0 if params.softcap is None else params.softcap)
@@ -471,23 +483,25 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
 
 
 def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse: bool,
-              out=None, lse_out=None):
+              out=None, lse_out=None, offsets=None):
     """The kernels of a planned call (``plan_numba``) over this layer's q and K/V (as
-    ``attention_numba`` takes them). ``out`` (q's shape and dtype) and ``lse_out``
-    ([B, Hq, T] float32), when given, receive the results (checked by the caller) and are
+    ``attention_numba`` takes them; packed q ``[N, Hq, d]`` with ``offsets``, entry i's
+    first query's row). ``out`` (q's shape and dtype) and ``lse_out`` (q's shape without
+    d, float32), when given, receive the results (checked by the caller) and are
     returned; padded query slots are 0 and -inf there too."""
     import numba
 
     from . import numba_kernels as nk
 
-    B, Hq, T, d = work.q_shape
+    shape = work.q_shape
+    d = shape[-1]
     # the kernels write C-contiguous float32 buffers: the caller's when they are such
     # (not when they share memory with q: the kernels read q after the output is zeroed)
     direct = (out is not None and out.dtype == np.float32 and out.flags.c_contiguous
               and not np.may_share_memory(out, q))
-    o = out if direct else np.empty((B, Hq, T, d), dtype=np.float32)
+    o = out if direct else np.empty(shape, dtype=np.float32)
     lse_direct = lse_out is not None and lse_out.flags.c_contiguous and not np.may_share_memory(lse_out, q)
-    lse = lse_out if lse_direct else np.empty((B, Hq, T), dtype=np.float32)
+    lse = lse_out if lse_direct else np.empty(shape[:-1], dtype=np.float32)
     # padded queries, idle rows and a query whose every score is -inf keep 0 and -inf
     o[...] = 0
     lse[...] = -np.inf
@@ -498,14 +512,19 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
         o_part = np.empty((work.n_part, d), dtype=np.float32)
         ml_part = np.empty((work.n_part, 2), dtype=np.float32)
         q32 = np.ascontiguousarray(q, dtype=np.float32)
+        q4, o4, lse3 = q32, o, lse
+        if len(shape) == 3:  # packed [N, Hq, d] as [N, Hq, 1, d] (numba_kernels.query_slot)
+            N, Hq = shape[:2]
+            q4, o4, lse3 = q32.reshape(N, Hq, 1, d), o.reshape(N, Hq, 1, d), lse.reshape(N, Hq, 1)
+        at = _offsets_arg(offsets)
         with _threads:  # BLAS idle at one thread while numba's threads run
             numba.set_num_threads(work.workers)
-            nk.attention_items(q32, k_buf, v_buf, rows, lens, n_new, work.items, work.run_starts,
+            nk.attention_items(q4, k_buf, v_buf, rows, lens, n_new, work.items, work.run_starts,
                                work.part_rows, work.scale, work.softcap, work.window, work.sinks,
-                               work.alibi, work.key_block, o, lse, o_part, ml_part)
+                               work.alibi, work.key_block, o4, lse3, o_part, ml_part, at)
             if work.groups is not None:
                 nk.merge_pieces(work.groups, work.group_starts, work.piece_rows, o_part, ml_part,
-                                work.G, work.sinks, o, lse)
+                                work.G, work.sinks, o4, lse3, at)
     if out is not None and not direct:
         out[...] = o
         o = out
@@ -515,6 +534,14 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
         lse_out[...] = lse
         lse = lse_out
     return (o, lse) if return_lse else o
+
+
+_PADDED_OFFSETS = np.zeros(0, dtype=np.int64)
+
+
+def _offsets_arg(offsets) -> np.ndarray:
+    """The kernels' ``offsets`` argument: int64 [B] packed, empty padded (``query_slot``)."""
+    return _PADDED_OFFSETS if offsets is None else np.asarray(offsets, dtype=np.int64)
 
 
 def _c_contiguous(store) -> bool:

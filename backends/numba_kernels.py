@@ -752,12 +752,26 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
             o += w
 
 
+@njit(cache=True)
+def query_slot(offsets, i, t):
+    """(dim 0, dim 2) of entry i's query t in the kernels' 4-D queries and outputs:
+    ``(i, t)`` of padded ``[B, Hq, T, d]`` (``offsets`` empty), ``(offsets[i] + t, 0)`` of
+    packed ``[N, Hq, 1, d]`` (a packed ``[N, Hq, d]`` with a unit axis: one array type, so
+    one compiled kernel, serves both)."""
+    if offsets.size == 0:
+        return i, t
+    return offsets[i] + t, 0
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_rows,
-                    scale, softcap, window, sinks, alibi, key_block, out, lse, o_part, ml_part):
+                    scale, softcap, window, sinks, alibi, key_block, out, lse, o_part, ml_part,
+                    offsets):
     """Every item of the plan; runs of items go to threads (one prange index per run).
 
-    q: [B, Hq, T, d] float32; k_buf, v_buf: the layout (``key_run``): arrays
+    q: [B, Hq, T, d] float32 (out and lse [B, Hq, T] alike), or packed [N, Hq, 1, d] with
+    ``offsets`` [B] (entry i's first query's row; empty: padded; ``query_slot``);
+    k_buf, v_buf: the layout (``key_run``): arrays
     [rows_total, Hkv, max_len, d], a ``Paged`` pool and table, or ``Quantized`` codes and
     scales; elements float32, float16 bits as uint16, bfloat16 bits as int16, int8 codes
     or e4m3fn bits as uint8 (``decode``); items: int64 [n_items, 7] rows
@@ -792,13 +806,15 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
             start = lens[i] - n_new[i]  # query t sits at absolute position start + t
             for h in range(h0, h1):
                 for t in range(nq):
+                    ia, ib = query_slot(offsets, i, t0 + t)
                     for g in range(G):
                         for c in range(d):
-                            qt[t * G + g, c] = q[i, h * G + g, t0 + t, c]
+                            qt[t * G + g, c] = q[ia, h * G + g, ib, c]
                 _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, window,
                         alibi, key_block, s, acc, m, l)
                 base = part_rows[it]
                 for t in range(nq):
+                    ia, ib = query_slot(offsets, i, t0 + t)
                     for g in range(G):
                         rr = t * G + g
                         if base < 0:
@@ -807,8 +823,8 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
                             a, tot, mx = join_sink(m[rr], l[rr], sinks[h * G + g])
                             inv = a / tot
                             for c in range(d):
-                                out[i, h * G + g, t0 + t, c] = acc[rr, c] * inv
-                            lse[i, h * G + g, t0 + t] = mx + np.log(tot)
+                                out[ia, h * G + g, ib, c] = acc[rr, c] * inv
+                            lse[ia, h * G + g, ib] = mx + np.log(tot)
                         else:
                             p = base + (h - h0) * R + rr
                             for c in range(d):
@@ -818,13 +834,14 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def merge_pieces(groups, group_starts, piece_rows, o_part, ml_part, G, sinks, out, lse):
+def merge_pieces(groups, group_starts, piece_rows, o_part, ml_part, G, sinks, out, lse, offsets):
     """Combine the key pieces of split items through their log-sum-exp, then join each
     query head's sink (float32 [Hq], -inf: none) once to the merged sum.
 
     groups: int64 [n_groups, 5] (i, h0, h1, t0, t1); group gi's pieces start at rows
     piece_rows[group_starts[gi]:group_starts[gi+1]] of o_part / ml_part (layout of
-    ``attention_items``). Writes the normalized out and lse of the group's queries.
+    ``attention_items``). Writes the normalized out and lse of the group's queries
+    (``offsets``: as there).
     """
     d = o_part.shape[1]
     for gi in prange(groups.shape[0]):
@@ -842,10 +859,11 @@ def merge_pieces(groups, group_starts, piece_rows, o_part, ml_part, G, sinks, ou
                     mx = mp if mp > mx else mx
                 t, g = rr // G, rr % G
                 hq = (h0 + hh) * G + g
+                ia, ib = query_slot(offsets, i, t0 + t)
                 if nan:  # a piece saw a NaN score: the whole query is NaN
                     for c in range(d):
-                        out[i, hq, t0 + t, c] = np.nan
-                    lse[i, hq, t0 + t] = np.nan
+                        out[ia, hq, ib, c] = np.nan
+                    lse[ia, hq, ib] = np.nan
                     continue
                 if mx == _NEG_INF:  # no piece saw a key: the query stays 0 / -inf
                     continue
@@ -858,11 +876,11 @@ def merge_pieces(groups, group_starts, piece_rows, o_part, ml_part, G, sinks, ou
                     w = exp_nonpos(ml_part[p, 0] - mx)
                     tot += w * ml_part[p, 1]
                     for c in range(d):
-                        out[i, hq, t0 + t, c] += w * o_part[p, c]
+                        out[ia, hq, ib, c] += w * o_part[p, c]
                 inv = np.float32(1.0) / tot
                 for c in range(d):
-                    out[i, hq, t0 + t, c] *= inv
-                lse[i, hq, t0 + t] = mx + np.log(tot)
+                    out[ia, hq, ib, c] *= inv
+                lse[ia, hq, ib] = mx + np.log(tot)
 
 
 # -- writes and row copies -----------------------------------------------------------------
@@ -903,28 +921,30 @@ def _move(typingctx, dst, dst_at, src, src_at, n):
 
 
 @njit(cache=True)
-def write_tokens(k_buf, v_buf, k_new, v_new, rows, starts, n_new):
+def write_tokens(k_buf, v_buf, k_new, v_new, rows, starts, n_new, offsets):
     """k_buf[rows[i], h, starts[i] + t] = k_new[i, h, t] (and V) for t < n_new[i]: every
     entry of an append in one call, a ``memmove`` per contiguous run (what this saves over
     the NumPy path is its Python round trip per row; the bytes move at memcpy speed either way).
 
     k_buf, v_buf: [rows_total, Hkv, max_len, d] C-contiguous; k_new, v_new: [B, Hkv, T, d]
     with contiguous last axes (any other strides, read-only or not: K and V are typed
-    apart, so they need not share a layout or writability); all four of one element width
-    (``COPY_VIEW``). Inputs are validated by the caller (distinct rows, capacity), so no
-    write overlaps another.
+    apart, so they need not share a layout or writability), or packed [N, Hkv, 1, d] with
+    ``offsets`` [B] (entry i's first token's row; empty: padded; ``query_slot``); all four
+    of one element width (``COPY_VIEW``). Inputs are validated by the caller (distinct
+    rows, capacity), so no write overlaps another.
     """
-    _write_one(k_buf, k_new, rows, starts, n_new)
-    _write_one(v_buf, v_new, rows, starts, n_new)
+    _write_one(k_buf, k_new, rows, starts, n_new, offsets)
+    _write_one(v_buf, v_new, rows, starts, n_new, offsets)
 
 
 @njit(cache=True)
-def _write_one(dst, src, rows, starts, n_new):
+def _write_one(dst, src, rows, starts, n_new, offsets):
     """write_tokens for one of K and V: ``dst`` the buffer, ``src`` the new tokens (its own
     array type: a loop over the (K, V) pair would need both to have one)."""
-    B, H, _, d = src.shape
-    block = src.strides[2] == d * src.itemsize  # an entry's tokens of a head lie together
-    for i in range(B):
+    H, d = src.shape[1], src.shape[3]
+    # an entry's tokens of a head lie together (padded, token stride d)
+    block = offsets.size == 0 and src.strides[2] == d * src.itemsize
+    for i in range(rows.size):
         r, s0, n = rows[i], starts[i], n_new[i]
         if n <= 0:
             continue
@@ -933,7 +953,8 @@ def _write_one(dst, src, rows, starts, n_new):
                 _move(dst, (r, h, s0, 0), src, (i, h, 0, 0), n * d)
             else:
                 for t in range(n):
-                    _move(dst, (r, h, s0 + t, 0), src, (i, h, t, 0), d)
+                    ia, ib = query_slot(offsets, i, t)
+                    _move(dst, (r, h, s0 + t, 0), src, (ia, h, ib, 0), d)
 
 
 @njit(cache=True)

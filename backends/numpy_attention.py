@@ -70,13 +70,24 @@ PARALLEL_MIN_WORK = 1 << 18
 
 # -- the kernel ----------------------------------------------------------------------------
 
-def item_queries(q, item, G: int, params, acc):
+def item_queries(q, item, G: int, params, acc, offsets=None):
     """An item's queries as one tile per KV head, scaled, in the compute dtype ``acc``:
-    ``[hh, G * nq, d]`` (query head h0*G + kv*G + g reads KV head h0 + kv)."""
-    i, h0, h1, t0, t1 = item[:5]
-    qb = q[i, h0 * G:h1 * G, t0:t1, :].astype(acc)
+    ``[hh, G * nq, d]`` (query head h0*G + kv*G + g reads KV head h0 + kv). q: padded
+    [B, Hq, T, d], or packed [N, Hq, d] with ``offsets`` (entry i's first query's row)."""
+    qb = _tile(q, item, G, offsets).astype(acc)
     qb *= params.scale  # a Python float: no promotion
-    return qb.reshape(h1 - h0, G * (t1 - t0), q.shape[3])
+    i, h0, h1, t0, t1 = item[:5]
+    return qb.reshape(h1 - h0, G * (t1 - t0), q.shape[-1])
+
+
+def _tile(x, item, G: int, offsets):
+    """The item's part of a queries-shaped array, heads first: ``x[i, heads, t0:t1]``
+    padded, ``x[offsets[i] + t0 : offsets[i] + t1, heads]`` transposed packed (a view)."""
+    i, h0, h1, t0, t1 = item[:5]
+    if offsets is None:
+        return x[i, h0 * G:h1 * G, t0:t1]
+    s = int(offsets[i])
+    return x[s + t0:s + t1, h0 * G:h1 * G].swapaxes(0, 1)
 
 
 def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, js: int, je: int,
@@ -110,16 +121,16 @@ def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, j
     state.add(s, vb)
 
 
-def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_elements):
+def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_elements, offsets=None):
     """Online softmax of one item over the blocks ``reader`` hands it (``numpy_readers``:
     a value reader over the store's base reader); returns its ``SoftmaxState`` (o
     unnormalized). o: [hh, G * nq, d]; m, l: [hh, G * nq, 1], in ``acc``."""
     i, h0, h1, t0, t1, j0, j1, _ = item
-    G = q.shape[1] // reader.kv_heads
-    d = q.shape[3]
+    G = q.shape[1] // reader.kv_heads  # Hq: dim 1 padded and packed
+    d = q.shape[-1]
     hh, nq = h1 - h0, t1 - t0
     L, n = int(lens[i]), int(n_new[i])
-    qb = item_queries(q, item, G, params, acc)
+    qb = item_queries(q, item, G, params, acc, offsets)
     heads = tile_heads(params, h0, h1, G)
     keys = max(MIN_BLOCK_KEYS, score_block_elements // (hh * G * nq))
     state = SoftmaxState(np)
@@ -154,17 +165,17 @@ def _with_sinks(state, sinks, h0, h1, G, nq):
     return SoftmaxState.merge(np, [state, pseudo])
 
 
-def _finish(out, lse, item, state, G, sinks=None):
-    """Normalize and store one item's (merged) result into out [B, Hq, T, d] and lse;
+def _finish(out, lse, item, state, G, sinks=None, offsets=None):
+    """Normalize and store one item's (merged) result into out (q's layout) and lse;
     ``sinks`` ([Hq] or None) join here, once every key of the item's queries is summed."""
     i, h0, h1, t0, t1 = item[:5]
     if sinks is not None:
         state = _with_sinks(state, sinks, h0, h1, G, t1 - t0)
     o, lse_item = state.result()
     hh, nq, d = h1 - h0, t1 - t0, o.shape[-1]
-    out[i, h0 * G:h1 * G, t0:t1, :] = o.reshape(hh * G, nq, d)
+    _tile(out, item, G, offsets)[...] = o.reshape(hh * G, nq, d)
     if lse is not None:
-        lse[i, h0 * G:h1 * G, t0:t1] = lse_item.reshape(hh * G, nq)
+        _tile(lse, item, G, offsets)[...] = lse_item.reshape(hh * G, nq)
 
 
 def attention_numpy(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool,
@@ -208,7 +219,7 @@ def attention_store(q, store, inputs, params, *, return_lse: bool, **blocking):
     ``blocking``: ``attend``'s keywords (``planned``: a ``plan_items`` of this batch)."""
     reader = readers.reader_of(store, inputs.rows)
     return attend(q, reader, inputs.lens, inputs.n_new, params=params, return_lse=return_lse,
-                  **blocking)
+                  offsets=getattr(inputs, "offsets", None), **blocking)
 
 
 def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
@@ -217,21 +228,23 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
            query_block: int = QUERY_BLOCK,
            min_key_split: int = MIN_KEY_SPLIT,
            parallel_min_work: int = PARALLEL_MIN_WORK,
-           planned: NumpyWork | None = None):
+           planned: NumpyWork | None = None, offsets=None):
     """The item kernel over validated inputs: plan the items, share them among threads,
     read each item's K/V blocks through ``reader`` (``numpy_readers``), merge key pieces.
 
-    q: [B, Hq, T, d]; lens, n_new: host int arrays [B]. ``workers`` threads (default:
+    q: [B, Hq, T, d], or packed [N, Hq, d] with ``offsets`` ([B]: entry i's first query's
+    row; out and lse are then [N, Hq, d] and [N, Hq]); lens, n_new: host int arrays [B].
+    ``workers`` threads (default:
     GQAKV_NUM_THREADS, else the BLAS thread count) share the items; the remaining
     keywords expose the blocking so tests can drive every split on small shapes;
     ``planned``: the items ``plan_items`` made for this batch (planned here when None).
     """
-    B, Hq, T, d = q.shape
+    Hq = q.shape[1]  # dim 1 in both layouts
     Hkv = reader.kv_heads
     G = Hq // Hkv
     acc = np.float64 if q.dtype == np.float64 else np.float32
-    out = np.zeros((B, Hq, T, d), dtype=q.dtype)
-    lse = np.full((B, Hq, T), -np.inf, dtype=acc) if return_lse else None
+    out = np.zeros(q.shape, dtype=q.dtype)
+    lse = np.full(q.shape[:-1], -np.inf, dtype=acc) if return_lse else None
     sinks = None if params.sinks is None else np.asarray(params.sinks, dtype=acc)  # [Hq]
     if planned is None:
         planned = plan_items(lens, n_new, q.shape, Hkv, params, workers=workers,
@@ -247,10 +260,10 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
         pieces = []
         for item in batch:
             state = _attend_item(q, reader, lens, n_new, item, params=params, acc=acc,
-                                 score_block_elements=score_block_elements)
+                                 score_block_elements=score_block_elements, offsets=offsets)
             i, t0, t1, j0, j1 = item[0], item[3], item[4], item[5], item[6]
             if (j0, j1) == block_keys(params, int(lens[i]), int(n_new[i]), t0, t1):  # all its keys
-                _finish(out, lse, item, state, G, sinks)  # items write disjoint parts of out
+                _finish(out, lse, item, state, G, sinks, offsets)  # items write disjoint parts of out
             else:
                 pieces.append((item, state))
         return pieces
@@ -261,15 +274,15 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
         with _threads:
             futures = [_threads.pool(workers).submit(run, batch) for batch in _share(items, workers)]
             pieces = [p for f in futures for p in f.result()]
-    _merge(out, lse, pieces, G, sinks)
+    _merge(out, lse, pieces, G, sinks, offsets)
     return (out, lse) if return_lse else out
 
 
-def _merge(out, lse, pieces, G, sinks=None):
+def _merge(out, lse, pieces, G, sinks=None, offsets=None):
     """Combine the key pieces of split items (``SoftmaxState.merge``) and store them
     (sinks join after the merge, never per piece)."""
     groups: dict[tuple, list] = {}
     for item, state in pieces:
         groups.setdefault(item[:5], []).append(state)
     for key, states in groups.items():
-        _finish(out, lse, key, SoftmaxState.merge(np, states), G, sinks)
+        _finish(out, lse, key, SoftmaxState.merge(np, states), G, sinks, offsets)

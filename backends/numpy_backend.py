@@ -8,7 +8,7 @@ from gqakv.dispatch.backend import GENERIC, Backend, FastPath, Route, choose
 from gqakv.dispatch.request import Request, as_request
 from gqakv.ops.plan import write_into
 from gqakv.storage.codecs import PLAIN_NAME
-from gqakv.core.inputs import immutable_ints
+from gqakv.core.inputs import PACKED, PADDED, immutable_ints
 from gqakv.storage.store import CONTIGUOUS, PAGED
 
 #: The NumPy backend's attention fast path (BLAS matmuls on live blocks; see ``route_attention``):
@@ -24,7 +24,8 @@ BLAS_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})
 #: over either base reader). Any other codec is refused here and runs the generic path.
 FAST_PATHS: tuple[FastPath, ...] = (
     FastPath(BLAS, "attention", frozenset({CONTIGUOUS, PAGED}),
-             frozenset({PLAIN_NAME, "int8", "float8_e4m3fn"}), BLAS_FEATURES),
+             frozenset({PLAIN_NAME, "int8", "float8_e4m3fn"}), BLAS_FEATURES,
+             tokens=frozenset({PADDED, PACKED})),
 )
 
 
@@ -46,6 +47,7 @@ class NumpyBackend(Backend):
     features = frozenset({"array_api", "bfloat16 via ml_dtypes", "float16/bfloat16 computed in float32",
                           "threaded BLAS attention (GQAKV_NUM_THREADS)"})
     fast_paths = FAST_PATHS
+    packed_tokens = True  # the BLAS path and the generic defaults take [N, H, d] tokens
 
     def namespace(self):
         import array_api_compat.numpy as xp
@@ -131,8 +133,8 @@ class NumpyBackend(Backend):
     def plan_attention(self, store, inputs, params, q_shape):
         """The BLAS path's work items and their sharing among threads (``numpy_attention.
         plan_items``) when it serves this batch, else None."""
-        if route_attention(Request.of_store("attention", store, t_q=q_shape[2],
-                                            features=params.features)).impl != BLAS:
+        if route_attention(Request.of_store("attention", store, features=params.features,
+                                            **inputs.token_facts(q_shape))).impl != BLAS:
             return None
         from .numpy_attention import plan_items
 
@@ -154,7 +156,8 @@ class NumpyBackend(Backend):
         if not (isinstance(work, NumpyWork) and work.inputs is inputs):
             work = None  # planned for another batch (or not for this path): plan here
         if work is not None or route_attention(Request.of_store(
-                "attention", store, t_q=q.shape[2], features=params.features)).impl == BLAS:
+                "attention", store, features=params.features,
+                **inputs.token_facts(q.shape))).impl == BLAS:
             result = attention_store(q, store, inputs, params, return_lse=want_lse,
                                      planned=work)
         else:

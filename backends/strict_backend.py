@@ -19,6 +19,7 @@ class StrictBackend(Backend):
     head_dims = None
     features = frozenset({"array_api",
                           "attention variants (window, softcap, sinks) on the generic array-API path"})
+    packed_tokens = True  # the generic defaults take packed [N, H, d] tokens
 
     def unavailable_reason(self):
         try:

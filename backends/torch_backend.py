@@ -45,6 +45,7 @@ class TorchBackend(Backend):
         # no fused kernel of its own: every call, variants included, is the generic path
         "attention variants (window, softcap, sinks) on the generic array-API path",
     })
+    packed_tokens = True  # the generic defaults (its write_kv wraps one) take [N, H, d] tokens
 
     def __init__(self, device=None):
         """``device``: a torch device (or string) to allocate on; None follows torch's default."""

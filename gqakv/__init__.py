@@ -15,7 +15,7 @@ from .caches.cache import KVCache
 from .caches.model_cache import ModelKVCache, Step
 from .storage.paged import OutOfPages
 from .caches.paged_cache import PagedKVCache
-from .caches.paged_functional import paged_append, paged_attention
+from .caches.paged_functional import paged_append, paged_append_attention, paged_attention
 from .ops.merge import apply_sinks, merge_attention
 from .core.semantics import AttentionParams
 from .storage.store import KVStore, StorageSpec
@@ -32,15 +32,16 @@ from .dispatch.registry import (
 __version__ = "0.1.0"
 
 
-def plan_attention(cache, n_new, *, q_heads: int, t_q: int | None = None, rows=None, scale=None,
-                   window=None, softcap=None, sinks=None, alibi_slopes=None,
-                   params=None) -> AttentionPlan:
+def plan_attention(cache, n_new, *, q_heads: int, t_q: int | None = None, packed: bool = False,
+                   rows=None, scale=None, window=None, softcap=None, sinks=None,
+                   alibi_slopes=None, params=None) -> AttentionPlan:
     """The plan of ``gqa_attention(q, cache, n_new, rows=rows, ...)`` for queries
-    ``[len(n_new), q_heads, t_q, d]`` (``t_q`` default: the largest n_new): validated and
-    planned once, then ``plan.run(q, cache, out=..., return_lse=...)`` per call while the
-    rows keep their lengths (for example every layer of a model over caches of one batch).
-    See ``gqakv.ops.plan``."""
-    return AttentionPlan.of(cache, n_new, q_heads=q_heads, t_q=t_q, rows=rows, scale=scale,
+    ``[len(n_new), q_heads, t_q, d]`` (``t_q`` default: the largest n_new), or packed
+    ``[sum(n_new), q_heads, d]`` with ``packed=True``: validated and planned once, then
+    ``plan.run(q, cache, out=..., return_lse=...)`` per call while the rows keep their
+    lengths (for example every layer of a model over caches of one batch). See
+    ``gqakv.ops.plan``."""
+    return AttentionPlan.of(cache, n_new, q_heads=q_heads, t_q=t_q, packed=packed, rows=rows, scale=scale,
                             params=params, window=window, softcap=softcap, sinks=sinks,
                             alibi_slopes=alibi_slopes)
 
@@ -65,6 +66,7 @@ __all__ = [
     "list_backends",
     "merge_attention",
     "paged_append",
+    "paged_append_attention",
     "paged_attention",
     "plan_attention",
     "register_backend",

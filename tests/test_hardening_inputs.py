@@ -396,7 +396,7 @@ def test_numba_write_kernel_alone_with_mixed_array_types():
     k_new.flags.writeable = False
     v_new = np.ascontiguousarray(k_new.transpose(0, 2, 1, 3) + 1).transpose(0, 2, 1, 3)
     rows, starts, n_new = (np.array(a, np.int64) for a in ([2, 0], [3, 0], [5, 2]))
-    nk.write_tokens(k_buf, v_buf, k_new, v_new, rows, starts, n_new)
+    nk.write_tokens(k_buf, v_buf, k_new, v_new, rows, starts, n_new, np.zeros(0, np.int64))
     want_k, want_v = np.zeros_like(k_buf), np.zeros_like(v_buf)
     for i in range(2):
         want_k[rows[i], :, starts[i]:starts[i] + n_new[i]] = k_new[i, :, :n_new[i]]

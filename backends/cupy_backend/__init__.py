@@ -55,6 +55,7 @@ import numpy as np
 from gqakv.dispatch.backend import GENERIC, Backend, Route
 from gqakv.dispatch.request import Request, as_request
 from gqakv.storage.codecs import PLAIN_NAME
+from gqakv.core.inputs import PACKED, PADDED
 from gqakv.storage.store import PAGED
 
 from . import plan as _plan
@@ -77,6 +78,9 @@ class CupyBackend(Backend):
         "fused_append", "fused_row_copies", "fused_decode", "split_kv", "fused_chunked_prefill",
         "fp32 accumulation", "float64 and head_dim > 256 via array API", "paged_kv",
     })
+    #: packed [N, H, d] tokens: the kernels declare padded ones only (``fast_paths``), so a
+    #: packed call routes to the generic array-API code on CuPy arrays
+    packed_tokens = True
     #: What each kernel implements (layouts, codecs, variant features), in the order the
     #: routes try them; the per-call conditions are routing.py's.
     fast_paths = routing.FAST_PATHS
@@ -223,7 +227,7 @@ class CupyBackend(Backend):
         rows, starts, n_new = inputs.rows, inputs.starts, inputs.n_new
         dtype, kv_dtype = _dtypes_of(store)
         d = int(k_buf.shape[-1])
-        request = Request.of_store("write_kv", store)
+        request = Request.of_store("write_kv", store, tokens=PACKED if k_new.ndim == 3 else PADDED)
         if routing.route_write_kv(request).impl != GENERIC:
             layout = _store_rejection(store)
             if layout is None:
@@ -341,9 +345,9 @@ class CupyBackend(Backend):
         rows, lens, n_new = inputs.rows, inputs.lens, inputs.n_new
         dtype, kv_dtype = _dtypes_of(store)
         d = int(k_buf.shape[-1])
-        B, Hq, T, _ = (int(s) for s in q.shape)
         capability = None
-        request = Request.of_store("attention", store, t_q=T, features=params.features)
+        request = Request.of_store("attention", store, features=params.features,
+                                   **inputs.token_facts(q.shape))
         if routing.route_attention(request).impl != GENERIC:
             sm_count, capability = self._facts()
             request = request.with_(capability=capability, buffers=(
@@ -353,6 +357,7 @@ class CupyBackend(Backend):
         route = routing.route_attention(request)
         if route.impl == GENERIC:
             return super().attention(q, store, inputs, params, return_lse=return_lse)
+        B, Hq, T, _ = (int(s) for s in q.shape)  # padded: the kernels read [B, Hq, T, d]
         cp = self.runtime.cp
         q = self._aligned(q, dtype, d)
         Hkv = int(k_buf.shape[1])

@@ -27,7 +27,7 @@ import numpy as np
 from ..core.dims import check_dim, check_dims
 from ..core.inputs import (_rows, check_capacity, check_flag, check_queries, host_ints, immutable_ints,
                            validate_append, validate_attention_batch)
-from ..ops.plan import AttentionPlan
+from ..ops.plan import AttentionPlan, packed_or_padded_shape
 from ..core.units import human_bytes
 from ..storage.sizing import resolve_model
 from ..storage.store import PAGED, StorageSpec
@@ -241,13 +241,17 @@ class Step:
 
         Args:
             q: ``[B', Hq, T, d]``, same B' and T as ``k_new``; ``Hq`` a multiple of ``Hkv``.
+                Packed: ``[N, Hq, d]`` with ``N = sum(n_new)``, entry i's queries at rows
+                ``offsets[i]..offsets[i] + n_new[i] - 1`` (``offsets`` = the exclusive
+                cumulative sum of n_new, FlashAttention's ``cu_seqlens[:-1]``); no padding.
             k_new, v_new: ``[B', Hkv, T, d]``; entry i's first ``n_new[i]`` slots are real.
+                Packed like q: ``[N, Hkv, d]`` (q and K/V are both packed or both padded).
             plan: optional, this step's ``plan_attention(...)``: the variant and query
                 shape it was made for (then no variant keyword is given).
             out, lse_out: optional caller's buffers, as in ``gqa_attention``.
 
-        Returns ``out`` ``[B', Hq, T, d]`` (padded query slots exactly 0), or
-        ``(out, lse)`` with ``return_lse`` (a bool). ``window``, ``softcap``, ``sinks``,
+        Returns ``out`` ``[B', Hq, T, d]`` (padded query slots exactly 0; packed: ``[N, Hq,
+        d]``), or ``(out, lse)`` with ``return_lse`` (a bool; lse ``[B', Hq, T]`` / ``[N, Hq]``). ``window``, ``softcap``, ``sinks``,
         ``alibi_slopes``, ``params``: as in ``gqa_attention``.
         Everything is validated before the write. The step validates and plans its batch
         once (the first layer that attends with a query shape and variant, or
@@ -261,11 +265,19 @@ class Step:
             inputs = self._validate_write(l, k_new, v_new)
             view = self._view(l)  # validated against before the write; read only after it
             q_shape = tuple(getattr(q, "shape", ()))
+            if len(q_shape) in (3, 4) and len(q_shape) != len(k_new.shape):
+                raise ValueError(
+                    f"q {list(q_shape)} and k_new {list(k_new.shape)} are laid out differently: "
+                    "both padded ([B', H, T, d]) or both packed ([N, H, d])")
             if len(q_shape) == 4 and q_shape[::2] != tuple(k_new.shape[::2]):
                 raise ValueError(
                     f"q {list(q_shape)} does not match k_new {list(k_new.shape)}: q must have the "
                     f"same batch B'={int(k_new.shape[0])} (dim 0) and tokens T={int(k_new.shape[2])} "
                     "(dim 2)")
+            if len(q_shape) == 3 and q_shape[0] != k_new.shape[0]:
+                raise ValueError(
+                    f"packed q {list(q_shape)} and k_new {list(k_new.shape)} hold different "
+                    "numbers of tokens (dim 0)")
             if plan is None:
                 plan = self._plan_for(view, q, dict(scale=scale, window=window, softcap=softcap,
                                                     sinks=sinks, params=params,
@@ -278,16 +290,18 @@ class Step:
         # writer touches while the step is open, so it runs outside the lock.
         return plan.launch(q, view.store, return_lse, out, lse_out)
 
-    def plan_attention(self, q_heads: int, *, t_q: int | None = None, scale: float | None = None,
-                       window: int | None = None, softcap: float | None = None, sinks=None,
-                       params=None, alibi_slopes=None) -> AttentionPlan:
+    def plan_attention(self, q_heads: int, *, t_q: int | None = None, packed: bool = False,
+                       scale: float | None = None, window: int | None = None,
+                       softcap: float | None = None, sinks=None, params=None,
+                       alibi_slopes=None) -> AttentionPlan:
         """The attention plan of this step's batch for queries ``[B', q_heads, t_q, d]``
-        (``t_q`` default: the largest n_new) and this variant, validated and planned once
-        for every layer: pass it as ``attend(..., plan=plan)``."""
+        (``t_q`` default: the largest n_new), or packed ``[sum(n_new), q_heads, d]`` with
+        ``packed=True`` (no ``t_q``), and this variant, validated and planned once for
+        every layer: pass it as ``attend(..., plan=plan)``."""
         self._check_open()
         view = self._view(0)
-        t = max((int(n) for n in self.n_new), default=0) if t_q is None else int(t_q)
-        q_shape = (self.rows.size, int(q_heads), t, self.cache.head_dim)
+        q_shape = packed_or_padded_shape(self.n_new, int(q_heads), self.cache.head_dim,
+                                         t_q=t_q, packed=packed)
         inputs = validate_attention_batch(view, q_shape, self.n_new, self.rows, scale, params,
                                           window=window, softcap=softcap, sinks=sinks,
                                           alibi_slopes=alibi_slopes)
@@ -324,7 +338,7 @@ class Step:
             raise ValueError(f"layer {l} was already written in this step (each layer exactly once)")
         for what, x in (("k_new", k_new), ("v_new", v_new)):
             shape = tuple(getattr(x, "shape", ()))
-            if shape and int(shape[0]) != self.rows.size:
+            if len(shape) == 4 and int(shape[0]) != self.rows.size:  # packed: checked by sum
                 raise ValueError(f"{what} has batch {int(shape[0])} (dim 0 of {list(shape)}), but "
                                  f"this step has {self.rows.size} entries (B' = len(rows))")
         # Every layer appends the same rows, starts and n_new: validated once for new K/V of

@@ -25,8 +25,8 @@ import numpy as np
 from ..core import dtypes as _dtypes
 from ..ops.plan import AttentionPlan
 from .cache import write
-from ..core.inputs import (_to_numpy, check_flag, check_outputs, host_ints, validate_append,
-                           validate_attention)
+from ..core.inputs import (_to_numpy, batch_of_n_new, check_flag, check_outputs, host_ints,
+                           validate_append, validate_attention)
 from ..storage.paged import PagedStore, PageTableView, pages_for
 from ..dispatch.registry import get_backend, list_backends
 from ..storage.store import PAGED, StorageSpec
@@ -171,11 +171,12 @@ def _wrap(k_pages, v_pages, page_table, lens, batch: int, backend):
     return backend, store, L, table
 
 
-def _batch_of(x, what: str, shape_doc: str) -> int:
-    if not hasattr(x, "shape") or len(x.shape) != 4:
+def _batch_of(x, n_new, what: str, shape_doc: str) -> int:
+    """B: dim 0 of a padded ``x`` ``[B, H, T, d]``, n_new's length for a packed ``[N, H, d]``."""
+    if not hasattr(x, "shape") or len(x.shape) not in (3, 4):
         raise ValueError(f"{what} must be {shape_doc}, got "
                          f"{list(getattr(x, 'shape', [])) if hasattr(x, 'shape') else repr(x)}")
-    return int(x.shape[0])
+    return int(x.shape[0]) if len(x.shape) == 4 else batch_of_n_new(n_new)
 
 
 def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: float | None = None,
@@ -187,8 +188,10 @@ def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: floa
 
     Args:
         q: ``[B, Hq, T, d]`` queries of each row's newest tokens, in the pools' dtype and
-            array library. ``Hq`` a multiple of ``Hkv``; query head ``h`` reads KV head
-            ``h // (Hq // Hkv)``.
+            array library, or packed ``[N, Hq, d]`` (``N = sum(n_new)``: row b's queries
+            at ``offsets[b]..offsets[b] + n_new[b] - 1``, ``offsets`` the exclusive
+            cumulative sum of n_new, i.e. ``cu_seqlens[:-1]``). ``Hq`` a multiple of
+            ``Hkv``; query head ``h`` reads KV head ``h // (Hq // Hkv)``.
         k_pages, v_pages: the pools, ``[num_pages, Hkv, P, d]`` each (P = page_size; one
             float dtype: float32, float16, bfloat16 or float64; one device). Row b's token j
             of KV head h is ``k_pages[page_table[b, j // P], h, j % P, :]``. Read only.
@@ -224,11 +227,12 @@ def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: floa
     and n_new, q and the variants.
 
     Returns:
-        ``out`` ``[B, Hq, T, d]`` in q's dtype, or ``(out, lse)`` with ``return_lse``
-        (``lse`` ``[B, Hq, T]``, float32, float64 for float64 pools).
+        ``out`` ``[B, Hq, T, d]`` in q's dtype (packed: ``[N, Hq, d]``), or ``(out, lse)``
+        with ``return_lse`` (``lse`` ``[B, Hq, T]`` / ``[N, Hq]``, float32, float64 for
+        float64 pools).
     """
     return_lse = check_flag(return_lse, "return_lse")
-    B = _batch_of(q, "q", "[B, Hq, T, d]")
+    B = _batch_of(q, n_new, "q", "[B, Hq, T, d] or packed [N, Hq, d]")
     backend, store, L, table = _wrap(k_pages, v_pages, page_table, lens, B, backend)
     view = _PoolView(backend, store, L)
     inputs = validate_attention(view, q, n_new, None, scale, None, window=window,
@@ -257,7 +261,8 @@ def paged_append(k_pages, v_pages, page_table, lens, k_new, v_new, n_new, *, bac
         lens: ``[B]`` ints: tokens in row b *after* this append, its new ones included
             (``paged_attention``'s convention): the new tokens land at
             ``lens[b] - n_new[b] .. lens[b] - 1``, so ``n_new[b] <= lens[b]``.
-        k_new, v_new: ``[B, Hkv, T, d]`` in the pools' dtype and library.
+        k_new, v_new: ``[B, Hkv, T, d]`` in the pools' dtype and library, or packed
+            ``[N, Hkv, d]`` (every row's ``n_new[b]`` tokens end to end, as ``paged_attention``'s q).
         n_new: ``[B]`` ints, ``0 <= n_new[b] <= min(T, lens[b])``: the first ``n_new[b]``
             slots of entry b are real tokens; the rest is padding and is not written.
         backend: as ``paged_attention``.
@@ -270,7 +275,14 @@ def paged_append(k_pages, v_pages, page_table, lens, k_new, v_new, n_new, *, bac
     Everything is validated before anything is written: on error (TypeError/ValueError
     naming the argument, row and numbers) the pools are unchanged.
     """
-    B = _batch_of(k_new, "k_new", "[B, Hkv, T, d]")
+    backend, store, inputs = _validate_paged_append(k_pages, v_pages, page_table, lens, k_new,
+                                                    v_new, n_new, backend)
+    write(backend, store, k_new, v_new, inputs)
+
+
+def _validate_paged_append(k_pages, v_pages, page_table, lens, k_new, v_new, n_new, backend):
+    """``paged_append``'s checks: (backend, store over the pools, AppendInputs)."""
+    B = _batch_of(k_new, n_new, "k_new", "[B, Hkv, T, d] or packed [N, Hkv, d]")
     backend, store, L, table = _wrap(k_pages, v_pages, page_table, lens, B, backend)
     n = host_ints(n_new, "n_new", B)
     for b in range(B):
@@ -298,7 +310,38 @@ def paged_append(k_pages, v_pages, page_table, lens, k_new, v_new, n_new, *, bac
                     f"(page_table[{writer[page]}, ...] and page_table[{b}, {j}]); copy a "
                     "shared page before a row writes into it")
             writer[page] = b
-    write(backend, store, k_new, v_new, inputs)
+    return backend, store, inputs
 
 
-__all__ = ["paged_append", "paged_attention"]
+def paged_append_attention(q, k_new, v_new, k_pages, v_pages, page_table, lens, n_new, *,
+                           scale: float | None = None, window: int | None = None,
+                           softcap: float | None = None, sinks=None, return_lse: bool = False,
+                           backend=None, alibi_slopes=None, out=None, lse_out=None):
+    """``paged_append`` of ``k_new`` / ``v_new`` then ``paged_attention`` of ``q`` over the
+    same caller-owned pools, in one call (FlashAttention's ``flash_attn_with_kvcache``
+    with a page table): everything both calls check is validated before anything is
+    written, so a refused call leaves the pools unchanged.
+
+    ``lens`` counts each row's tokens *after* this append (its ``n_new[b]`` new ones
+    included); q, k_new and v_new are all padded (``[B, H, T, d]``) or all packed
+    (``[N, H, d]``, ``N = sum(n_new)``). Arguments, mask and results: as
+    ``paged_append`` and ``paged_attention``.
+    """
+    return_lse = check_flag(return_lse, "return_lse")
+    q_rank, k_rank = len(getattr(q, "shape", ())), len(getattr(k_new, "shape", ()))
+    if q_rank in (3, 4) and k_rank in (3, 4) and q_rank != k_rank:
+        raise ValueError(f"q {list(q.shape)} and k_new {list(k_new.shape)} are laid out "
+                         "differently: both padded ([B, H, T, d]) or both packed ([N, H, d])")
+    backend, store, append = _validate_paged_append(k_pages, v_pages, page_table, lens, k_new,
+                                                    v_new, n_new, backend)
+    view = _PoolView(backend, store, host_ints(lens, "lens", store.rows))
+    inputs = validate_attention(view, q, n_new, None, scale, None, window=window,
+                                softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+    q_shape = tuple(int(s) for s in q.shape)
+    check_outputs(view, q_shape, out, lse_out)
+    plan = AttentionPlan(view, q_shape, inputs)
+    write(backend, store, k_new, v_new, append)
+    return plan.launch(q, store, return_lse, out, lse_out)
+
+
+__all__ = ["paged_append", "paged_append_attention", "paged_attention"]

@@ -149,32 +149,86 @@ class AppendInputs:
     rows: np.ndarray  # [B] int64, distinct cache rows
     starts: np.ndarray  # [B] int64, the rows' lengths before the append
     n_new: np.ndarray  # [B] int64, 0 <= n_new <= T
+    #: None: k_new / v_new are padded ``[B, Hkv, T, d]``; else packed ``[N, Hkv, d]`` and
+    #: entry i's tokens are ``offsets[i] : offsets[i] + n_new[i]`` of dim 0 ([B] int64).
+    offsets: np.ndarray | None = None
 
 
 def validate_append(cache, k_new, v_new, n_new, rows=None) -> AppendInputs:
+    """The checked append of ``k_new`` / ``v_new``: padded ``[B, Hkv, T, d]`` (entry i's
+    first ``n_new[i]`` slots are real) or packed ``[N, Hkv, d]`` (every entry's tokens end
+    to end, ``N = sum(n_new)``; see ``packed_offsets``)."""
     for what, x in (("k_new", k_new), ("v_new", v_new)):
         _check_same_library(cache, x, what)
-        if x.ndim != 4:
-            raise ValueError(f"{what} must be [B, Hkv, T, d], got {x.ndim} dims {list(x.shape)}")
+        if x.ndim not in (3, 4):
+            raise ValueError(f"{what} must be [B, Hkv, T, d] (padded) or [N, Hkv, d] (packed), "
+                             f"got {x.ndim} dims {list(x.shape)}")
     if tuple(k_new.shape) != tuple(v_new.shape):
         raise ValueError(f"k_new {list(k_new.shape)} and v_new {list(v_new.shape)} differ in shape")
-    B, hkv, T, d = (int(s) for s in k_new.shape)
+    packed = k_new.ndim == 3
+    if packed:
+        check_packed_backend(cache.backend, "k_new / v_new")
+    shape = [int(s) for s in k_new.shape]
+    hkv, d = shape[-2:] if packed else shape[1::2]
     if (hkv, d) != (cache.kv_heads, cache.head_dim):
+        named = "N={}, Hkv={}, d={}" if packed else "B={}, Hkv={}, T={}, d={}"
         raise ValueError(
-            f"k_new/v_new are [B={B}, Hkv={hkv}, T={T}, d={d}], the cache has "
+            f"k_new/v_new are [{named.format(*shape)}], the cache has "
             f"Hkv={cache.kv_heads}, d={cache.head_dim}"
         )
     want = cache.store.spec.input_dtype
     _check_dtype(want, k_new, "k_new")
     _check_dtype(want, v_new, "v_new")
-    r = _rows(cache, rows, B, distinct=True, batch_of="k_new")
-    n = host_ints(n_new, "n_new", B)
-    for i in range(B):
-        if not 0 <= n[i] <= T:
-            raise ValueError(f"n_new[{i}]={int(n[i])} is outside 0..T={T} for row {int(r[i])}")
+    if packed:
+        B = batch_of_n_new(n_new)
+        r = _rows(cache, rows, B, distinct=True, batch_of="n_new")
+        n = host_ints(n_new, "n_new", B)
+        offsets = packed_offsets(n, shape[0], "k_new")
+    else:
+        B, T = shape[0], shape[2]
+        r = _rows(cache, rows, B, distinct=True, batch_of="k_new")
+        n = host_ints(n_new, "n_new", B)
+        for i in range(B):
+            if not 0 <= n[i] <= T:
+                raise ValueError(f"n_new[{i}]={int(n[i])} is outside 0..T={T} for row {int(r[i])}")
+        offsets = None
     starts = cache.host_lens[r].copy()
     check_capacity(r, starts, n, cache.max_len)
-    return AppendInputs(rows=r, starts=starts, n_new=n)
+    return AppendInputs(rows=r, starts=starts, n_new=n, offsets=offsets)
+
+
+def check_packed_backend(backend, what: str) -> None:
+    """TypeError unless ``backend`` takes packed tokens (``Backend.packed_tokens``)."""
+    if not getattr(backend, "packed_tokens", False):
+        raise TypeError(f"{what} are packed [N, H, d], but backend {backend.name!r} takes only "
+                        "padded [B, H, T, d] tokens (it does not declare packed_tokens)")
+
+
+def batch_of_n_new(n_new) -> int:
+    """B, the length of a 1-D ``n_new`` (packed tensors do not carry the batch)."""
+    if isinstance(n_new, (list, tuple, range)):
+        return len(n_new)
+    shape = getattr(n_new, "shape", None)
+    if shape is None or len(shape) != 1:
+        raise ValueError(f"n_new must be 1-D [B] ints, got {n_new!r}" if shape is None else
+                         f"n_new must be 1-D [B] ints, got shape {list(shape)}")
+    return int(shape[0])
+
+
+def packed_offsets(n_new: np.ndarray, tokens: int, what: str) -> np.ndarray:
+    """Where each entry's tokens start in a packed tensor of ``tokens`` rows: the exclusive
+    cumulative sum of ``n_new`` (host int64 [B], FlashAttention's ``cu_seqlens[:-1]``),
+    after checking that every n_new is >= 0 and that they add up to ``tokens``."""
+    bad = np.flatnonzero(n_new < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"n_new[{i}]={int(n_new[i])} is negative")
+    total = int(sum(int(x) for x in n_new))  # Python ints: no int64 wrap
+    if total != tokens:
+        raise ValueError(f"{what} is packed with {tokens} tokens (dim 0), but n_new adds up to "
+                         f"{total}: a packed tensor holds every entry's n_new[i] tokens end to end")
+    return np.concatenate(([0], np.cumsum(n_new)[:-1])).astype(np.int64) if n_new.size else \
+        np.zeros(0, np.int64)
 
 
 def check_capacity(rows: np.ndarray, starts: np.ndarray, n_new: np.ndarray, max_len: int) -> None:
@@ -204,10 +258,25 @@ class AttentionInputs:
     lens: np.ndarray  # [B] int64, live tokens of each row (after the append)
     n_new: np.ndarray  # [B] int64, queries of entry i are the last n_new[i] tokens of its row
     params: AttentionParams  # scale, window, softcap, sinks (all checked)
+    #: None: q (and out) are padded ``[B, Hq, T, d]``; else packed ``[N, Hq, d]`` and entry
+    #: i's queries are ``offsets[i] : offsets[i] + n_new[i]`` of dim 0 ([B] int64).
+    offsets: np.ndarray | None = None
 
     @property
     def scale(self) -> float:
         return self.params.scale
+
+    def token_facts(self, q_shape) -> dict:
+        """The ``Request`` facts of this call's queries ``q_shape``: ``t_q`` (query tokens
+        per row: T padded, the largest n_new packed) and ``tokens`` (their layout)."""
+        if self.offsets is None:
+            return {"t_q": int(q_shape[2])}
+        return {"t_q": max(1, int(self.n_new.max(initial=0))), "tokens": PACKED}
+
+
+#: The two layouts of a call's new tokens (q, k_new, v_new, out; ``Request.tokens``):
+#: padded ``[B, H, T, d]`` and packed ``[N, H, d]`` (every entry's tokens end to end).
+PADDED, PACKED = "padded", "packed"
 
 
 def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
@@ -222,10 +291,12 @@ def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
 
 def check_queries(cache, q, what: str = "q") -> None:
     """The per-tensor checks of queries (or of an output like them): an array of the
-    cache's library on its device, of rank 4, in the store's ``q_dtype``."""
+    cache's library on its device, of rank 4 (padded ``[B, Hq, T, d]``) or 3 (packed
+    ``[N, Hq, d]``), in the store's ``q_dtype``."""
     _check_same_library(cache, q, what)
-    if q.ndim != 4:
-        raise ValueError(f"{what} must be [B, Hq, T, d], got {q.ndim} dims {list(q.shape)}")
+    if q.ndim not in (3, 4):
+        raise ValueError(f"{what} must be [B, Hq, T, d] (padded) or [N, Hq, d] (packed), got "
+                         f"{q.ndim} dims {list(q.shape)}")
     _check_dtype(cache.store.spec.q_dtype, q, what)
 
 
@@ -234,7 +305,8 @@ def validate_attention_batch(cache, q_shape: tuple[int, ...], n_new, rows=None,
                              alibi_slopes=None) -> AttentionInputs:
     """Everything of an attention call but the query tensor itself, checked once for a
     batch (a plan serves every layer of a step with it): q's shape ``[B, Hq, T, d]``
-    against the cache, rows, n_new against the rows' lengths, and the variant. ``params``
+    against the cache, rows, n_new against the rows' lengths, and the variant (a packed
+    ``q_shape`` ``[N, Hq, d]``: B is n_new's length and ``sum(n_new) == N``). ``params``
     (an AttentionParams) is an alternative to ``scale``, ``window``, ``softcap``,
     ``sinks`` and ``alibi_slopes`` that carries them all (not both). Every field of the
     resulting params is checked here (``check_scale``, ``check_window``,
@@ -251,7 +323,14 @@ def validate_attention_batch(cache, q_shape: tuple[int, ...], n_new, rows=None,
                             "(params carries scale, window, softcap, sinks and alibi_slopes)")
         scale, window, softcap, sinks = params.scale, params.window, params.softcap, params.sinks
         alibi_slopes = params.alibi_slopes
-    B, hq, T, d = q_shape
+    packed = len(q_shape) == 3
+    if packed:
+        check_packed_backend(cache.backend, "q")
+        N, hq, d = q_shape
+        B = batch_of_n_new(n_new)
+        T = max(0, N)
+    else:
+        B, hq, T, d = q_shape
     if d != cache.head_dim:
         raise ValueError(f"q has head dim d={d}, the cache has d={cache.head_dim}")
     if hq % cache.kv_heads:
@@ -260,8 +339,9 @@ def validate_attention_batch(cache, q_shape: tuple[int, ...], n_new, rows=None,
         )
     if hq == 0:
         raise ValueError("q has no heads (Hq=0)")
-    r = _rows(cache, rows, B, distinct=False, batch_of="q")
+    r = _rows(cache, rows, B, distinct=False, batch_of="n_new" if packed else "q")
     n = host_ints(n_new, "n_new", B)
+    offsets = packed_offsets(n, N, "q") if packed else None
     lens = cache.host_lens[r]
     for i in range(B):
         if not 0 <= n[i] <= T:
@@ -275,7 +355,7 @@ def validate_attention_batch(cache, q_shape: tuple[int, ...], n_new, rows=None,
     params = AttentionParams(scale=scale, window=check_window(window),
                              softcap=check_softcap(softcap), sinks=check_sinks(sinks, hq),
                              alibi_slopes=check_alibi(alibi_slopes, hq))
-    return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, params=params)
+    return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, params=params, offsets=offsets)
 
 
 def lse_dtype(q_dtype: str) -> str:
@@ -285,20 +365,22 @@ def lse_dtype(q_dtype: str) -> str:
 
 def check_outputs(cache, q_shape: tuple[int, ...], out=None, lse_out=None) -> None:
     """The caller's output buffers of an attention call with queries of ``q_shape``
-    (``[B, Hq, T, d]``): ``out`` like q (same shape, the store's ``q_dtype``) and ``lse_out``
-    ``[B, Hq, T]`` in ``lse_dtype``, each an array of the cache's library on its device
-    (None: not given). Checked before anything is written."""
+    (padded ``[B, Hq, T, d]`` or packed ``[N, Hq, d]``): ``out`` like q (same shape, the
+    store's ``q_dtype``) and ``lse_out`` q's shape without d (``[B, Hq, T]`` / ``[N, Hq]``)
+    in ``lse_dtype``, each an array of the cache's library on its device (None: not
+    given). Checked before anything is written."""
+    names = "[N, Hq, d]" if len(q_shape) == 3 else "[B, Hq, T, d]"
     if out is not None:
         check_queries(cache, out, "out")
         if tuple(int(s) for s in out.shape) != tuple(q_shape):
             raise ValueError(f"out has shape {list(out.shape)}, the call's queries are "
-                             f"{list(q_shape)} (out must be [B, Hq, T, d] like q)")
+                             f"{list(q_shape)} (out must be {names} like q)")
     if lse_out is not None:
         _check_same_library(cache, lse_out, "lse_out")
-        want = tuple(q_shape[:3])
+        want = tuple(q_shape[:-1])
         if tuple(int(s) for s in lse_out.shape) != want:
-            raise ValueError(f"lse_out has shape {list(lse_out.shape)}, expected [B, Hq, T] = "
-                             f"{list(want)}")
+            raise ValueError(f"lse_out has shape {list(lse_out.shape)}, expected "
+                             f"{names[:-4]}] = {list(want)}")
         q_dtype = cache.store.spec.q_dtype
         got = _dtypes.canonical_name(lse_out.dtype) if _is_float(lse_out.dtype) else str(lse_out.dtype)
         if got != lse_dtype(q_dtype):

@@ -30,6 +30,7 @@ from ..core import dtypes as _dtypes
 # the generic implementations, looked up on their modules at each call (tests spy on them there)
 from ..ops import attention as _attention, cache_ops as _cache_ops, row_ops as _row_ops
 from ..storage.codecs import PLAIN_NAME
+from ..core.inputs import PADDED
 from .request import HOT_OPS, Request, as_request
 
 __all__ = ["GENERIC", "HOT_OPS", "Backend", "FastPath", "Request", "Route", "choose"]
@@ -58,8 +59,9 @@ class FastPath:
     (``Backend.fast_paths``): the hot operation it serves, the storage layouts
     (``"contiguous"``, ``"paged"``) and codecs (``gqakv.storage.codecs``: ``"none"`` for plain
     values, ``"int8"``, ...) it reads or writes, the attention variant features it
-    implements (``AttentionParams.features``) and the dtypes of q / new K/V (None: every
-    dtype of the backend). A call it does not declare is refused by ``rejection`` with a
+    implements (``AttentionParams.features``), the dtypes of q / new K/V (None: every
+    dtype of the backend) and the layouts of the new tokens it takes (``Request.tokens``:
+    padded ``[B, H, T, d]`` and/or packed ``[N, H, d]``). A call it does not declare is refused by ``rejection`` with a
     sentence, never computed: a new codec or variant is served by no fast path until one
     declares it, and runs on the generic array-API path meanwhile.
     """
@@ -70,6 +72,7 @@ class FastPath:
     codecs: frozenset[str]
     features: frozenset[str] = frozenset()
     dtypes: frozenset[str] | None = None
+    tokens: frozenset[str] = frozenset({PADDED})
 
     def rejection(self, request: Request) -> str | None:
         """None when this path implements ``request`` (its layout, codec, variant features
@@ -89,6 +92,9 @@ class FastPath:
             return f"{what} ({self.name} reads {', '.join(known)} K/V)"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             return f"dtype={dtype} ({self.name} computes {', '.join(sorted(self.dtypes))})"
+        if request.tokens not in self.tokens:
+            return (f"{request.tokens} tokens ({self.name} takes "
+                    f"{' and '.join(sorted(self.tokens))} q / K / V)")
         return None
 
     def describe(self) -> str:
@@ -99,6 +105,8 @@ class FastPath:
             parts.append(f"variants {'/'.join(sorted(self.features))}")
         if self.dtypes is not None:
             parts.append(f"dtypes {'/'.join(sorted(self.dtypes))}")
+        if self.tokens != {PADDED}:
+            parts.append(f"tokens {'/'.join(sorted(self.tokens))}")
         return "; ".join(parts)
 
 
@@ -137,6 +145,11 @@ class Backend:
     #: What each fast path implements (``FastPath``), in the order dispatch tries them;
     #: empty: every call runs the generic array-API code.
     fast_paths: ClassVar[tuple[FastPath, ...]] = ()
+    #: Whether ``write_kv`` and ``attention`` take packed new tokens (``inputs.offsets``
+    #: set: k_new / v_new ``[N, Hkv, d]``, q and out ``[N, Hq, d]``, lse ``[N, Hq]``). The
+    #: generic defaults do; a backend that overrides them says so once it handles them
+    #: (False: a packed call to it is refused before anything is written).
+    packed_tokens: ClassVar[bool] = False
 
     # -- availability and capabilities ---------------------------------------------------
 
@@ -237,12 +250,14 @@ class Backend:
 
     def write_kv(self, store, k_new, v_new, inputs) -> None:
         """Write entry i's first ``inputs.n_new[i]`` tokens of ``k_new``/``v_new``
-        (``[B, Hkv, T, d]``) into row ``inputs.rows[i]`` of ``store`` (a KVStore without
-        leading axes) at tokens ``inputs.starts[i]...``.
+        (``[B, Hkv, T, d]``; packed ``[N, Hkv, d]`` when ``inputs.offsets`` is set) into row
+        ``inputs.rows[i]`` of ``store`` (a KVStore without leading axes) at tokens
+        ``inputs.starts[i]...``.
 
         ``inputs`` is the validated ``gqakv.core.inputs.AppendInputs`` (host int arrays).
         """
-        _cache_ops.write_kv_array_api(store, k_new, v_new, inputs.rows, inputs.starts, inputs.n_new)
+        _cache_ops.write_kv_array_api(store, k_new, v_new, inputs.rows, inputs.starts, inputs.n_new,
+                                      getattr(inputs, "offsets", None))
 
     def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
         """Copy tokens ``:n_tokens[i]`` of row ``src_rows[i]`` of ``src`` to row ``dst_rows[i]``

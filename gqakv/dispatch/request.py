@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from ..core import dtypes as _dtypes
+from ..core.inputs import PACKED, PADDED
 from ..storage.codecs import PLAIN_NAME
 from ..storage.store import CONTIGUOUS
 
@@ -37,6 +38,8 @@ class Request:
     codec: the storage codec's name (``gqakv.storage.codecs``; ``"none"`` or None: plain
       values).
     features: the attention variant's ``AttentionParams.features``.
+    tokens: how the call's new tokens (q, k_new, v_new, out) are laid out: ``"padded"``
+      ``[B, H, T, d]`` or ``"packed"`` ``[N, H, d]`` (every entry's tokens end to end).
     buffers: why the call's buffers do not suit a backend's kernels (strides, alignment,
       ...), None when they do.
     grid: why a backend's launch grid for the call does not fit, None when it does.
@@ -51,6 +54,7 @@ class Request:
     layout: str = CONTIGUOUS
     codec: str = PLAIN_NAME
     features: frozenset[str] = frozenset()
+    tokens: str = PADDED
     buffers: str | None = None
     grid: str | None = None
     capability: int | None = None
@@ -66,6 +70,8 @@ class Request:
         if self.codec is None:  # the kv_dtype=None of an unquantized cache
             object.__setattr__(self, "codec", PLAIN_NAME)
         object.__setattr__(self, "features", frozenset(self.features))
+        if self.tokens not in (PADDED, PACKED):
+            raise ValueError(f"tokens={self.tokens!r} (the layouts: {PADDED!r}, {PACKED!r})")
         if self.capability is not None:
             object.__setattr__(self, "capability", int(self.capability))
 

@@ -12,6 +12,7 @@ import math
 from array_api_compat import array_namespace
 
 from ..core.inputs import check_flag, check_outputs, validate_attention
+from .cache_ops import entry_tokens
 from .plan import AttentionPlan
 from .merge import SoftmaxState, apply_sinks
 from ..core.semantics import block_keys, transform, visible_mask
@@ -111,7 +112,8 @@ def attention_array_api(q, store, inputs, params, *, return_lse: bool,
                         query_block: int = QUERY_BLOCK):
     """Array-API attention over validated inputs; see ``gqa_attention`` for the semantics.
 
-    q: [B, Hq, T, d]; store: a KVStore without leading axes, read only through
+    q: [B, Hq, T, d], or packed [N, Hq, d] when ``inputs.offsets`` is set (then out is
+    [N, Hq, d] and lse [N, Hq]); store: a KVStore without leading axes, read only through
     ``store.blocks`` (so any storage kind works here); inputs: ``AttentionInputs``
     (rows, lens, n_new: host int arrays [B]); params: ``AttentionParams``. Works one row
     at a time over the keys its queries see (``gqakv.core.semantics``), so work follows the
@@ -123,30 +125,37 @@ def attention_array_api(q, store, inputs, params, *, return_lse: bool,
     its keys (``gqakv.ops.merge.apply_sinks``).
     """
     rows, lens, n_new = inputs.rows, inputs.lens, inputs.n_new
+    offsets = getattr(inputs, "offsets", None)  # packed q [N, Hq, d] when set
     xp = array_namespace(q)
-    B, Hq, T, d = (int(s) for s in q.shape)
+    Hq, d = int(q.shape[1]), int(q.shape[-1])  # Hq is dim 1 in both layouts
     Hkv = store.kv_heads
     G = Hq // Hkv
     acc = _compute_dtype(xp, q.dtype)
     dev = getattr(q, "device", None)
-    out = xp.zeros((B, Hq, T, d), dtype=q.dtype, device=dev)
-    lse = xp.full((B, Hq, T), -math.inf, dtype=acc, device=dev) if return_lse else None
+    out = xp.zeros(tuple(q.shape), dtype=q.dtype, device=dev)
+    lse = xp.full(tuple(q.shape[:-1]), -math.inf, dtype=acc, device=dev) if return_lse else None
     sinks = None if params.sinks is None else xp.asarray(params.sinks, dtype=acc, device=dev)
-    for i in range(B):
+    for i in range(len(rows)):
         n, L = int(n_new[i]), int(lens[i])
         if n == 0:
             continue  # only padding: zeros (and -inf lse)
         # [Hq, n, d] -> [Hkv, G, n, d]: query head h = kv * G + g reads KV head kv = h // G.
-        q_row = xp.reshape(xp.astype(q[i, :, :n, :], acc), (Hkv, G, n, d))
+        q_row = xp.reshape(xp.astype(entry_tokens(q, offsets, i, n), acc), (Hkv, G, n, d))
         o_row, lse_row = _attend_row(xp, q_row, store, int(rows[i]), L, params, acc=acc,
                                      score_block_elements=score_block_elements,
                                      query_block=query_block)
         o_row, lse_row = xp.reshape(o_row, (Hq, n, d)), xp.reshape(lse_row, (Hq, n))
         if sinks is not None:  # once per query, after every key (never per key block)
             o_row, lse_row = apply_sinks(o_row, lse_row, sinks)
-        out[i, :, :n, :] = xp.astype(o_row, q.dtype)
-        if lse is not None:  # return_lse
-            lse[i, :, :n] = lse_row
+        if offsets is None:
+            out[i, :, :n, :] = xp.astype(o_row, q.dtype)
+            if lse is not None:  # return_lse
+                lse[i, :, :n] = lse_row
+        else:  # packed: entry i's rows of out [N, Hq, d] and lse [N, Hq]
+            s = int(offsets[i])
+            out[s:s + n, :, :] = xp.permute_dims(xp.astype(o_row, q.dtype), (1, 0, 2))
+            if lse is not None:
+                lse[s:s + n, :] = xp.matrix_transpose(lse_row)
     return (out, lse) if return_lse else out
 
 

@@ -18,7 +18,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.inputs import check_flag, check_outputs, check_queries, host_ints, validate_attention_batch
+from ..core.inputs import (batch_of_n_new, check_flag, check_outputs, check_queries, host_ints,
+                           validate_attention_batch)
+
+
+def packed_or_padded_shape(n_new, q_heads: int, head_dim: int, *, t_q=None,
+                           packed: bool = False) -> tuple[int, ...]:
+    """The queries' shape of a batch with these ``n_new`` ([B] ints): padded ``[B, q_heads,
+    t_q, d]`` (``t_q`` default: the largest n_new) or packed ``[sum(n_new), q_heads, d]``."""
+    packed = check_flag(packed, "packed")
+    batch = batch_of_n_new(n_new)
+    n = host_ints(n_new, "n_new", batch)  # checked first: its errors name it
+    if packed:
+        if t_q is not None:
+            raise TypeError("t_q applies to padded queries [B, Hq, T, d]; packed queries "
+                            "[N, Hq, d] hold exactly sum(n_new) tokens")
+        return (int(sum(int(x) for x in n)), int(q_heads), int(head_dim))
+    if t_q is None:
+        t_q = max((int(x) for x in n), default=0)
+    return (batch, int(q_heads), int(t_q), int(head_dim))
 
 
 def write_into(result, return_lse: bool, out, lse_out):
@@ -39,7 +57,7 @@ class AttentionPlan:
     """An attention call's batch, validated and planned once (see the module docstring).
 
     Attributes:
-        q_shape: ``(B, Hq, T, d)`` of the queries every run takes.
+        q_shape: ``(B, Hq, T, d)`` of the queries every run takes (packed: ``(N, Hq, d)``).
         inputs: the validated ``gqakv.core.inputs.AttentionInputs`` (rows, lens, n_new,
             params; host ints [B]).
         work: what the backend planned (None: it plans nothing ahead).
@@ -57,19 +75,14 @@ class AttentionPlan:
         self.work = self.backend.plan_attention(cache.store, inputs, inputs.params, self.q_shape)
 
     @classmethod
-    def of(cls, cache, n_new, *, q_heads: int, t_q: int | None = None, rows=None,
-           scale=None, params=None, window=None, softcap=None, sinks=None,
+    def of(cls, cache, n_new, *, q_heads: int, t_q: int | None = None, packed: bool = False,
+           rows=None, scale=None, params=None, window=None, softcap=None, sinks=None,
            alibi_slopes=None) -> "AttentionPlan":
         """The plan of ``gqa_attention(q, cache, n_new, rows=rows, ...)`` for queries
-        ``[len(n_new), q_heads, t_q, d]`` (``t_q`` default: the largest n_new), validated
-        against ``cache`` as it is now (run it before the cache changes)."""
-        shape = getattr(n_new, "shape", None)
-        batch = len(n_new) if shape is None else (int(shape[0]) if len(shape) == 1 else -1)
-        if batch < 0:
-            raise ValueError(f"n_new must be 1-D [B], got shape {list(shape or ())}")
-        if t_q is None:  # n_new checked first: its errors name it
-            t_q = max((int(x) for x in host_ints(n_new, "n_new", batch)), default=0)
-        q_shape = (batch, int(q_heads), int(t_q), cache.head_dim)
+        ``[len(n_new), q_heads, t_q, d]`` (``t_q`` default: the largest n_new), or packed
+        ``[sum(n_new), q_heads, d]`` with ``packed=True``, validated against ``cache`` as
+        it is now (run it before the cache changes)."""
+        q_shape = packed_or_padded_shape(n_new, q_heads, cache.head_dim, t_q=t_q, packed=packed)
         inputs = validate_attention_batch(cache, q_shape, n_new, rows, scale, params, window=window,
                                           softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
         return cls(cache, q_shape, inputs)
@@ -83,9 +96,9 @@ class AttentionPlan:
         """Attention of ``q`` (``q_shape``) over ``cache``, a cache of the same backend,
         storage, heads and head dim whose rows still hold the planned lengths (another
         layer of the same step, or the planned cache before it changes); see
-        ``gqa_attention`` for the semantics and the result. ``out`` ``[B, Hq, T, d]`` (q's
-        dtype) and ``lse_out`` ``[B, Hq, T]`` (float32; float64 for float64 caches)
-        receive the results when given, checked before anything is written."""
+        ``gqa_attention`` for the semantics and the result. ``out`` (q's shape and dtype)
+        and ``lse_out`` (q's shape without d; float32, float64 for float64 caches) receive
+        the results when given, checked before anything is written."""
         return_lse = check_flag(return_lse, "return_lse")
         self.check_cache(cache)
         self.check_tensors(cache, q, out, lse_out)
@@ -118,8 +131,9 @@ class AttentionPlan:
         caller's output buffers."""
         check_queries(cache, q)
         if tuple(int(s) for s in q.shape) != self.q_shape:
+            names = "[N, Hq, d]" if len(self.q_shape) == 3 else "[B, Hq, T, d]"
             raise ValueError(f"q has shape {list(q.shape)}, the plan is for {list(self.q_shape)} "
-                             "[B, Hq, T, d]")
+                             f"{names}")
         check_outputs(cache, self.q_shape, out, lse_out)
 
     def launch(self, q, store, return_lse: bool, out=None, lse_out=None):
