@@ -18,6 +18,7 @@ import gqakv
 from gqakv.ops import attention as attention_module
 
 from .support.arrays import BackendArrays
+from .support.packing import pack_tokens
 from .support.quantization import held
 from .support.reference import reference_attention
 
@@ -336,6 +337,43 @@ def test_attention_over_the_product(case, route_spy):
         assert_matches_reference(arrays.to_numpy(got), None, want, want_lse, dtype, bounds)
     assert_matches_reference(arrays.to_numpy(out), arrays.to_numpy(lse), want, want_lse, dtype,
                              bounds, lse_atol=TOL.get(dtype), lse_rtol=1e-7)
+
+    # the same step packed ([N, H, d], no padding): appends and attention of a cache and
+    # of a model step; the padded call's bits where the same implementation runs both
+    # (CuPy's kernels take padded tokens only: its packed calls run the generic code)
+    packed_cache = gqakv.KVCache(B, hkv, S, d, dtype=dtype, backend=case.backend, **case.storage)
+    packed_model = gqakv.ModelKVCache(2, B, hkv, S, d, dtype=dtype, backend=case.backend,
+                                      **case.storage)
+    for c in (packed_cache, packed_model):
+        c.store.fill(math.nan)
+
+    def packed(x, n):  # [B, H, T, d] -> [N, H, d] on the backend, in the cache dtype
+        return arrays.asarray(pack_tokens(x, n), dtype)
+
+    packed_cache.append(packed(k0, lens_before), packed(v0, lens_before), lens_before)
+    with packed_model.step(lens_before) as step:
+        for l in range(2):
+            step.write(l, packed(k0, lens_before), packed(v0, lens_before))
+    packed_cache.append(packed(k1, n_new), packed(v1, n_new), n_new)
+    p_out, p_lse = gqakv.gqa_attention(packed(q, n_new), packed_cache, n_new, return_lse=True,
+                                       params=params)
+    with packed_model.step(n_new) as step:
+        p_outs = [step.attend(l, packed(q, n_new), packed(k1, n_new), packed(v1, n_new),
+                              params=params) for l in range(2)]
+    for got in (p_out, *p_outs):
+        assert tuple(got.shape) == (int(n_new.sum()), hkv * G, d)
+        assert_matches_reference(arrays.to_numpy(got), None, pack_tokens(want, n_new), None,
+                                 dtype, bounds)
+    assert_matches_reference(arrays.to_numpy(p_out), arrays.to_numpy(p_lse),
+                             pack_tokens(want, n_new), pack_tokens(want_lse, n_new), dtype,
+                             bounds, lse_atol=TOL.get(dtype), lse_rtol=1e-7)
+    layout = dict(dtype=dtype, head_dim=d, features=params.features,
+                  layout=case.storage.get("storage", "contiguous"), codec=case.storage.get("kv_dtype"))
+    if (case.backend.route("attention", t_q=T, **layout).impl
+            == case.backend.route("attention", t_q=int(n_new.max()), tokens="packed", **layout).impl):
+        for got, ref in ((p_out, out), (p_lse, lse), *zip(p_outs, outs)):
+            np.testing.assert_array_equal(arrays.to_numpy(got),
+                                          pack_tokens(arrays.to_numpy(ref), n_new))
     assert_product_routes(spy)
 
 

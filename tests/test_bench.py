@@ -391,6 +391,8 @@ SMOKE = {
     "PagedFork": (("numpy",), {"L": 40, "ROWS": 3}),
     "QuantizedDecode": (("numpy", "4x4096", "int8"), {"CASES": {"4x4096": (2, 40)}}),
     "StepHostTime": (("numba",), {"LAYERS": 2, "ROUNDS": 1}),
+    "MixedBatch": (("numpy",), {"CASE": {"decoders": 3, "chunk": 8, "row_len": 24,
+                                         "block_s": 0.001}, "ROUNDS": 1}),
 }
 
 
@@ -523,3 +525,24 @@ def test_bench_host_time_reports_the_host_share(capsys):
     assert host["host_per_layer_us"] == pytest.approx(host["host_s"] / 32 * 1e6)
     text = run_cli(capsys, ["bench", *TINY, "--host-time", "--backend", "numpy"]).out
     assert "host time: 32-layer decode step" in text and "declares no kernel entries" in text
+
+
+def test_bench_mixed_batch_reports_packed_padded_and_separate(capsys, monkeypatch):
+    """--mixed-batch (shrunk here): the packed, padded and separate forms of the batch,
+    their ratios to the separate calls, and the query bytes (the padded layout's
+    ``B x chunk`` slots against the packed ``chunk + decoders``)."""
+    from gqakv.tools import bench
+
+    monkeypatch.setattr(bench, "MIXED_BATCH", {"decoders": 3, "chunk": 8, "row_len": 24,
+                                               "rounds": 1, "block_s": 0.001})
+    report = json.loads(run_cli(capsys, ["bench", *TINY, "--json", "--mixed-batch",
+                                         "--backend", "numpy"]).out)
+    m = report["mixed_batch"]
+    t = m["median_s"]
+    assert m["packed_over_separate"] == pytest.approx(t["packed"] / t["separate"])
+    assert m["padded_over_separate"] == pytest.approx(t["padded"] / t["separate"])
+    hq_d_bytes = 8 * 4 * 64 * 4  # Hkv=8, G=4, d=64, float32
+    assert m["query_bytes"] == {"packed": (8 + 3) * hq_d_bytes, "padded": 4 * 8 * hq_d_bytes}
+    text = run_cli(capsys, ["bench", *TINY, "--mixed-batch", "--backend", "numpy"]).out
+    assert re.search(r"mixed batch: 1 x 8-token chunk \+ 3 decode tokens .* packed [\d.]+ ms = "
+                     r"[\d.]+x the separate calls'", text), text

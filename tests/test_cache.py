@@ -32,7 +32,12 @@ def _new(arrays, shape, dtype="float32", rng=None):
 
 BAD_APPENDS = {
     # name: (k shape, v shape, n_new, rows, expected error, words the message must contain)
-    "k_ndim": ((3, 2, 4), (3, 2, 4), [1, 1, 1], None, ValueError, ["k_new", "3 dims"]),
+    "k_ndim": ((3, 8), (3, 8), [1, 1, 1], None, ValueError, ["k_new", "2 dims"]),
+    # packed [N, Hkv, d]: n_new must add up to N
+    "packed_count": ((4, 2, 4), (4, 2, 4), [1, 1, 1], None, ValueError,
+                     ["packed with 4 tokens", "adds up to 3"]),
+    "packed_negative": ((1, 2, 4), (1, 2, 4), [2, -1, 0], None, ValueError, ["n_new[1]=-1"]),
+    "packed_capacity": ((3, 2, 4), (3, 2, 4), [0, 3, 0], None, ValueError, ["max_len"]),
     "k_v_shapes_differ": ((3, 2, 2, 4), (3, 2, 3, 4), [1, 1, 1], None, ValueError, ["differ"]),
     "kv_heads": ((3, 3, 2, 4), (3, 3, 2, 4), [1, 1, 1], None, ValueError, ["Hkv=3", "Hkv=2"]),
     "head_dim": ((3, 2, 2, 5), (3, 2, 2, 5), [1, 1, 1], None, ValueError, ["d=5", "d=4"]),

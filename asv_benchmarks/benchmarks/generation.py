@@ -154,3 +154,40 @@ class StepHostTime:
         return self.result["kernel_share"]
 
     track_kernel_share.unit = "fraction"
+
+
+class MixedBatch:
+    """A mixed batch (1 row attending a 512-token prefill chunk, 31 rows one decode token
+    each, rows of 2,048 tokens; Hkv=8, G=4, d=64) packed ``[N, Hq, d]``, padded to the
+    chunk, and as the two separate calls, in alternating blocks
+    (``gqakv.tools.mixed_batch``): the packed call's time over the separate calls' (the
+    issue's target: at most 1.05), the padded one's, and the query bytes each layout needs."""
+
+    params = [BACKENDS]
+    param_names = ["backend"]
+    timeout = 600
+    CASE = {"decoders": 31, "chunk": 512, "row_len": 2048}
+    ROUNDS = 5
+
+    def setup(self, backend):
+        b = backend_or_skip(backend)
+        try:
+            from gqakv.tools.mixed_batch import mixed_batch_times
+        except ImportError:
+            raise NotImplementedError("gqakv.tools.mixed_batch does not exist in this commit") from None
+        self.result = mixed_batch_times(b, rounds=self.ROUNDS, **self.CASE)
+
+    def track_packed_over_separate(self, backend):
+        return self.result["packed_over_separate"]
+
+    track_packed_over_separate.unit = "x separate calls"
+
+    def track_padded_over_separate(self, backend):
+        return self.result["padded_over_separate"]
+
+    track_padded_over_separate.unit = "x separate calls"
+
+    def track_query_bytes_packed(self, backend):
+        return self.result["query_bytes"]["packed"]
+
+    track_query_bytes_packed.unit = "bytes"

@@ -617,6 +617,10 @@ def add_arguments(parser) -> None:
                         help="also time a 32-layer decode step (B=8, Hkv=8, G=4, d=64, 16 live "
                              "tokens) as it is and with the backend's kernels no-op'd: the host "
                              "time per layer")
+    parser.add_argument("--mixed-batch", action="store_true",
+                        help="also time a mixed batch (1 row attending a 512-token prefill chunk, "
+                             "31 decoding one token, rows of 2,048 tokens; Hkv=8, G=4, d=64): "
+                             "packed, padded and as two separate calls")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
@@ -704,6 +708,11 @@ def run(args) -> int:
         from .host_time import step_host_time
 
         host = step_host_time(cache.backend)
+    mixed = None
+    if args.mixed_batch:
+        from .mixed_batch import mixed_batch_times
+
+        mixed = mixed_batch_times(cache.backend, **MIXED_BATCH)
     t_end = time.perf_counter()
     times = {"workload_s": res.wall_s, "bandwidth_s": t_compare - t_bw if bw else None,
              "compare_s": t_end - t_compare if compare else None,
@@ -712,13 +721,31 @@ def run(args) -> int:
     report = _report(res, bw, compare, times)
     if host is not None:
         report["host_time"] = host
+    if mixed is not None:
+        report["mixed_batch"] = mixed
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         _print_report(report)
         if host is not None:
             _print_host_time(host)
+        if mixed is not None:
+            _print_mixed_batch(mixed)
     return 0
+
+
+#: ``--mixed-batch``'s batch (``gqakv.tools.mixed_batch.mixed_batch_times`` keywords).
+MIXED_BATCH = {"decoders": 31, "chunk": 512, "row_len": 2048}
+
+
+def _print_mixed_batch(m: dict) -> None:
+    t, mib = m["median_s"], 1 << 20
+    print(f"mixed batch: 1 x {m['chunk']}-token chunk + {m['decoders']} decode tokens over "
+          f"{m['row_len']}-token rows, Hkv={m['kv_heads']}, G={m['group']}, d={m['head_dim']}, "
+          f"{m['dtype']}: packed {t['packed'] * 1e3:.1f} ms = {m['packed_over_separate']:.2f}x "
+          f"the separate calls' {t['separate'] * 1e3:.1f} ms; padded {t['padded'] * 1e3:.1f} ms = "
+          f"{m['padded_over_separate']:.2f}x; queries {m['query_bytes']['packed'] / mib:.1f} MiB "
+          f"packed, {m['query_bytes']['padded'] / mib:.1f} MiB padded")
 
 
 def _print_host_time(h: dict) -> None:

@@ -146,12 +146,18 @@ def call_facts(backend, op: str, args: tuple) -> dict[str, Any]:
         "dtype": store.spec.q_dtype, "head_dim": int(store.k.shape[-1]),
         "layout": store.kind, "codec": store.dtype if store.quantized else None}
     if op == "attention":
-        q, params = args[0], args[3]
-        facts.update(t_q=int(q.shape[2]), features=params.features)
+        q, inputs, params = args[0], args[2], args[3]
+        if getattr(inputs, "offsets", None) is None:
+            facts.update(t_q=int(q.shape[2]), features=params.features)
+        else:  # packed [N, Hq, d]: the queries per row are n_new's (at least one)
+            facts.update(t_q=max(1, int(np.max(inputs.n_new, initial=0))),
+                         features=params.features, tokens="packed")
         if _kind(backend) == "cupy_emulated":
             from ..cuda_emu.emulated_backend import EmulatedDevice
 
             facts["capability"] = int(EmulatedDevice.compute_capability)
+    elif op == "write_kv" and args[1].ndim == 3:  # packed new K/V [N, Hkv, d]
+        facts["tokens"] = "packed"
     return facts
 
 
@@ -215,9 +221,11 @@ def _plain_contiguous(impl):
 def _cupy_store(f) -> Any:
     # every (layout, codec) pair and variant the product has, paged 8-bit and ALiBi too
     # (the 8-bit reader wraps the paged one; ALiBi is a flag of the variant trait); float64
-    # has no kernels
+    # has no kernels; the kernels read padded tokens only: packed ones are refused by name
     if f["dtype"] == "float64":
         return GENERIC
+    if f.get("tokens") == "packed":
+        return Refused(("packed tokens",))
     return FAST
 
 
