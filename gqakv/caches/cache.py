@@ -272,7 +272,9 @@ class KVCache(RowsAndLengths):
         """Write new tokens in place at each row's current length, then advance the lengths.
 
         Args:
-            k_new, v_new: ``[B, Hkv, T, d]`` in the cache's dtype and array library.
+            k_new, v_new: ``[B, Hkv, T, d]`` in the cache's dtype and array library, or
+                packed ``[N, Hkv, d]``: entry i's n_new[i] tokens end to end, ``N =
+                sum(n_new)`` (no padding; see ``gqa_attention``).
             n_new: ``[B]`` ints, ``0 <= n_new[i] <= T``: the first n_new[i] of entry i's
                 T slots are real tokens, the rest is padding and is not written.
             rows: optional ``[B]`` distinct cache rows (default ``0..B-1``): entry i writes

@@ -224,8 +224,9 @@ class Step:
                                frozen="it is a step's view of one layer")
 
     def write(self, layer: int, k_new, v_new) -> None:
-        """Write layer ``layer``'s new K and V (``[B', Hkv, T, d]``, ``n_new[i] <= T``) at the
-        rows' current lengths, past the live tokens. Each layer is written exactly once."""
+        """Write layer ``layer``'s new K and V (``[B', Hkv, T, d]``, ``n_new[i] <= T``, or
+        packed ``[sum(n_new), Hkv, d]``) at the rows' current lengths, past the live
+        tokens. Each layer is written exactly once."""
         l = self.cache._layer_index(layer)
         with self._lock:
             self._check_open()

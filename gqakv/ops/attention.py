@@ -35,9 +35,13 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | 
             ``Hq`` must be a multiple of ``Hkv``; with ``G = Hq // Hkv``, query head
             ``h`` reads KV head ``h // G`` (contiguous groups, as released GQA
             checkpoints lay them out). Repeated K/V is never materialized.
+            Packed: ``[N, Hq, d]`` with ``N = sum(n_new)``, entry i's queries at rows
+            ``offsets[i] .. offsets[i] + n_new[i] - 1`` (``offsets``: the exclusive
+            cumulative sum of n_new, i.e. FlashAttention's ``cu_seqlens[:-1]``); no
+            padding. out and lse are then ``[N, Hq, d]`` and ``[N, Hq]``.
         cache: the KVCache, *after* the append of these tokens (``lens`` post-append).
         n_new: ``[B]`` ints: entry i's real queries are ``q[i, :, :n_new[i]]``; slots
-            ``t >= n_new[i]`` are padding and return exactly 0.
+            ``t >= n_new[i]`` are padding and return exactly 0. Packed q: B is n_new's length.
         scale: softmax scale, default ``1 / sqrt(d)`` (a Python float).
         window: None, or W >= 1 (an int): query position p sees only keys
             ``max(0, p - W + 1) .. p``, the W most recent (transformers' ``sliding_window``);
@@ -86,7 +90,8 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | 
     without sinks.
 
     Returns:
-        ``out`` ``[B, Hq, T, d]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
+        ``out`` ``[B, Hq, T, d]`` (packed: ``[N, Hq, d]``) in q's dtype, or ``(out, lse)``
+        with ``return_lse``.
     """
     return_lse = check_flag(return_lse, "return_lse")
     inputs = validate_attention(cache, q, n_new, rows, scale, params,
@@ -98,7 +103,7 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | 
 
 
 def inputs_shape(q) -> tuple[int, ...]:
-    """q's shape as Python ints ``(B, Hq, T, d)``."""
+    """q's shape as Python ints: ``(B, Hq, T, d)``, packed ``(N, Hq, d)``."""
     return tuple(int(s) for s in q.shape)
 
 

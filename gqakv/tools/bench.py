@@ -735,7 +735,7 @@ def run(args) -> int:
 
 
 #: ``--mixed-batch``'s batch (``gqakv.tools.mixed_batch.mixed_batch_times`` keywords).
-MIXED_BATCH = {"decoders": 31, "chunk": 512, "row_len": 2048}
+MIXED_BATCH: dict[str, Any] = {"decoders": 31, "chunk": 512, "row_len": 2048}
 
 
 def _print_mixed_batch(m: dict) -> None:
