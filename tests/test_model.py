@@ -269,3 +269,30 @@ def test_generate_command_bad_variant_options(capsys, options, match):
     rc = cli_main(["generate", "--config", "tiny", *options])
     captured = capsys.readouterr()
     assert rc == 2 and match in captured.err and captured.out == ""
+
+
+def test_every_layer_of_a_step_runs_on_one_plan(monkeypatch):
+    """A generation step validates and plans its attention batch once for all its layers
+    (gqakv.ops.plan; the example model calls Step.attend per layer with its variant): one
+    batch validation and one backend plan per step, not one per layer."""
+    from gqakv.caches import model_cache
+
+    model = _model("numba", dtype="float32", n_layers=4)
+    calls = {"validate": 0, "plan": 0}
+    real_validate = model_cache.validate_attention_batch
+    real_plan = model.backend.plan_attention
+
+    def validate(*args, **kwargs):
+        calls["validate"] += 1
+        return real_validate(*args, **kwargs)
+
+    def plan(*args, **kwargs):
+        calls["plan"] += 1
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(model_cache, "validate_attention_batch", validate)
+    monkeypatch.setattr(model.backend, "plan_attention", plan)
+    result = generate(model, RAGGED_PROMPTS, 3)  # a prefill step, then 2 decode steps
+    steps = 3
+    assert calls == {"validate": steps, "plan": steps}, calls
+    assert np.asarray(result.tokens).shape[0] == len(RAGGED_PROMPTS)
