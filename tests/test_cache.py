@@ -134,7 +134,11 @@ def test_lens_are_read_only(backend):
 
 
 BAD_ATTENTION = {
-    "q_ndim": ((3, 4, 4), [1, 1, 0], ValueError, ["q must be", "3 dims"]),
+    "q_ndim": ((3, 16), [1, 1, 0], ValueError, ["q must be", "2 dims"]),
+    # packed [N, Hq, d]: n_new must add up to N, and still fit the rows' lengths
+    "packed_count": ((3, 4, 4), [1, 1, 0], ValueError, ["q is packed with 3 tokens", "adds up to 2"]),
+    "packed_over_lens": ((3, 4, 4), [3, 0, 0], ValueError, ["n_new[0]=3", "holds only 2"]),
+    "packed_head_dim": ((2, 4, 5), [1, 1, 0], ValueError, ["d=5", "d=4"]),
     "head_dim": ((3, 4, 1, 5), [1, 1, 0], ValueError, ["d=5", "d=4"]),
     "hq_not_multiple": ((3, 3, 1, 4), [1, 1, 0], ValueError, ["Hq=3", "Hkv=2"]),
     "n_new_over_lens": ((3, 4, 3, 4), [3, 1, 0], ValueError, ["n_new[0]=3", "holds only 2"]),
