@@ -34,6 +34,7 @@ sinks join once per query after its pieces are merged (``numba_kernels``). Threa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -107,6 +108,15 @@ def route_attention(request: Request) -> Route:
         return Route(fallback.impl, {KERNEL: why, **fallback.rejected})
     served = f"{KERNEL} serves this call (kernels come first)"
     return Route(KERNEL, {impl: served for impl in (*_numpy.BLAS_PATHS, GENERIC)})
+
+
+@functools.lru_cache(maxsize=256)
+def _write_route(spec, head_dim: int, buffers: str | None, tokens: str) -> Route:
+    """``route_copy`` of an append into a store of ``spec`` (kept: every layer of every
+    step asks it, and building the Request costs more than the lookup)."""
+    return route_copy(Request.make("write_kv", dtype=spec.q_dtype, head_dim=head_dim,
+                                   layout=spec.kind, codec=spec.codec.name, buffers=buffers,
+                                   tokens=tokens))
 
 
 @functools.lru_cache(maxsize=256)
@@ -244,7 +254,7 @@ class NumbaBackend(NumpyBackend):
                 if bits is None:
                     layout = "buffers that are not NumPy arrays of one element width"
         tokens = PACKED if k_new.ndim == 3 else PADDED
-        route = route_copy(Request.of_store("write_kv", store, buffers=layout, tokens=tokens))
+        route = _write_route(store.spec, store.head_dim, layout, tokens)
         if bits is not None and tokens == PACKED:  # [N, Hkv, d] as [N, Hkv, 1, d] (query_slot)
             bits[2:] = [x.reshape(x.shape[0], x.shape[1], 1, x.shape[2]) for x in bits[2:]]
         return route, bits
@@ -256,8 +266,7 @@ class NumbaBackend(NumpyBackend):
         route, bits = self._write_decision(store, k_new, v_new)
         if route.impl == GENERIC:
             return super().write_kv(store, k_new, v_new, inputs)
-        from . import numba_kernels as nk
-
+        nk = _kernels()
         assert bits is not None  # the route chose the kernel: its buffers were viewed
         nk.write_tokens(*bits, *(np.asarray(a, dtype=np.int64) for a in
                                  (inputs.rows, inputs.starts, inputs.n_new)),
@@ -280,8 +289,7 @@ class NumbaBackend(NumpyBackend):
         route = route_copy(Request.of_store("copy_tokens", dst, buffers=layout))
         if route.impl == GENERIC:
             return super().copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
-        from . import numba_kernels as nk
-
+        nk = _kernels()
         assert bits is not None  # the route chose the kernel: its buffers were viewed
         nk.copy_rows(*bits, *(np.asarray(a, dtype=np.int64).reshape(-1) for a in
                               (dst_rows, src_rows, n_tokens)))
@@ -315,8 +323,7 @@ class NumbaBackend(NumpyBackend):
                                      out=out, lse_out=lse_out)
         k_buf, v_buf = kernel_layout(store)
         if isinstance(k_buf, np.ndarray):  # contiguous arrays: float16/bfloat16 as their bits
-            from . import numba_kernels as nk
-
+            nk = _kernels()
             k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
         if not (isinstance(work, NumbaWork) and work.inputs is inputs):
             work = plan_numba(inputs.lens, inputs.n_new, tuple(q.shape), _kv_heads(k_buf), params)
@@ -363,8 +370,7 @@ def default_workers() -> int:
 def _copy_bits(*arrays):
     """The arrays as unsigned integers of their element width (views; ``COPY_VIEW``), or
     None when they do not share one width the copy kernels take."""
-    from . import numba_kernels as nk
-
+    nk = _kernels()
     widths = {a.dtype.itemsize for a in arrays}
     if len(widths) != 1 or not all(isinstance(a, np.ndarray) for a in arrays):
         return None
@@ -391,8 +397,7 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
     if params is None:
         params = AttentionParams(scale=scale)
     if isinstance(k_buf, np.ndarray):  # contiguous arrays: float16/bfloat16 as their bits
-        from . import numba_kernels as nk
-
+        nk = _kernels()
         k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
     work = plan_numba(lens, n_new, tuple(q.shape), _kv_heads(k_buf), params, workers=workers,
                       query_block=query_block, min_key_split=min_key_split, key_block=key_block,
@@ -438,8 +443,7 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     variant (see ``NumbaWork``)."""
     import numba
 
-    from . import numba_kernels as nk
-
+    nk = _kernels()
     Hq, d = int(q_shape[1]), int(q_shape[-1])  # Hq is dim 1 in both layouts
     G = Hq // kv_heads
     lens = np.asarray(lens, dtype=np.int64)
@@ -491,8 +495,7 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
     returned; padded query slots are 0 and -inf there too."""
     import numba
 
-    from . import numba_kernels as nk
-
+    nk = _kernels()
     shape = work.q_shape
     d = shape[-1]
     # the kernels write C-contiguous float32 buffers: the caller's when they are such
@@ -517,7 +520,9 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
             N, Hq = shape[:2]
             q4, o4, lse3 = q32.reshape(N, Hq, 1, d), o.reshape(N, Hq, 1, d), lse.reshape(N, Hq, 1)
         at = _offsets_arg(offsets)
-        with _threads:  # BLAS idle at one thread while numba's threads run
+        # BLAS held at one thread while numba's threads run (one worker: the calling
+        # thread alone, nothing to share the cores with)
+        with _threads if work.workers > 1 else _NO_GUARD:
             numba.set_num_threads(work.workers)
             nk.attention_items(q4, k_buf, v_buf, rows, lens, n_new, work.items, work.run_starts,
                                work.part_rows, work.scale, work.softcap, work.window, work.sinks,
@@ -537,6 +542,19 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
 
 
 _PADDED_OFFSETS = np.zeros(0, dtype=np.int64)
+_NO_GUARD = contextlib.nullcontext()
+_KERNEL_MODULE = None
+
+
+def _kernels():
+    """``numba_kernels``, imported on first use (importing the backend does not import
+    numba); kept, since the hot calls ask for it on every layer."""
+    global _KERNEL_MODULE
+    if _KERNEL_MODULE is None:
+        from . import numba_kernels
+
+        _KERNEL_MODULE = numba_kernels
+    return _KERNEL_MODULE
 
 
 def _offsets_arg(offsets) -> np.ndarray:
@@ -559,8 +577,7 @@ def _kernel_buffers(k_buf, v_buf, nk):
 
 def _kv_heads(buf) -> int:
     """Hkv of an array or of a ``kernel_layout`` layout."""
-    from . import numba_kernels as nk
-
+    nk = _kernels()
     if isinstance(buf, nk.Paged):
         return _kv_heads(buf.pool)
     if isinstance(buf, (nk.Quantized, nk.PagedQuantized)):
@@ -576,8 +593,7 @@ def kernel_layout(store):
     quantized: ``Quantized(codes, scales [rows, Hkv, max_len])``; paged and quantized:
     ``PagedQuantized(codes pool, scales pool [num_pages, Hkv, page_size], table, shift)``.
     Views, no copies."""
-    from . import numba_kernels as nk
-
+    nk = _kernels()
     codes = None
     if store.quantized:  # the codes as the element type the kernels decode the codec's tag from
         view = nk.CODE_VIEWS[store.spec.codec.kernel_tag]
