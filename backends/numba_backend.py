@@ -296,11 +296,15 @@ class NumbaBackend(NumpyBackend):
 
     def plan_attention(self, store, inputs, params, q_shape):
         """The kernels' items, thread runs and merge layout (``plan_numba``) when they serve
-        this batch (``route_attention`` without the per-call buffer check), else None."""
+        this batch (``route_attention`` without the per-call buffer check); a packed batch
+        mixing long chunks and short ones split in two (``plan_mixed``); else the NumPy
+        backend's plan."""
         request = Request.of_store("attention", store, features=params.features,
                                    **inputs.token_facts(q_shape))
         if route_attention(request).impl != KERNEL:  # the NumPy backend's path plans its own
-            return super().plan_attention(store, inputs, params, q_shape)
+            mixed = plan_mixed(store, inputs, params, q_shape, request)
+            return mixed if mixed is not None else super().plan_attention(store, inputs, params,
+                                                                           q_shape)
         work = plan_numba(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params)
         work.inputs = inputs  # the batch it was planned for (attention uses it for that one only)
         return work
@@ -312,6 +316,8 @@ class NumbaBackend(NumpyBackend):
         (``route_attention`` decides; the NumPy backend hands what its BLAS paths do not
         serve on to the generic code). ``work``: this batch's ``plan_numba`` (from
         ``plan_attention``); ``out`` / ``lse_out``: the caller's buffers (see there)."""
+        if isinstance(work, MixedWork) and work.inputs is inputs and _c_contiguous(store):
+            return run_mixed(work, q, store, return_lse=return_lse, out=out, lse_out=lse_out)
         # planned: the route was the kernels' for this storage, chunk and variant; only
         # this layer's buffers are left to judge
         planned = isinstance(work, NumbaWork) and work.inputs is inputs and _c_contiguous(store)
@@ -530,6 +536,83 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
             if work.groups is not None:
                 nk.merge_pieces(work.groups, work.group_starts, work.piece_rows, o_part, ml_part,
                                 work.G, work.sinks, o4, lse3, at)
+    if out is not None and not direct:
+        out[...] = o
+        o = out
+    elif o.dtype != q.dtype:
+        o = o.astype(q.dtype)
+    if lse_out is not None and not lse_direct:
+        lse_out[...] = lse
+        lse = lse_out
+    return (o, lse) if return_lse else o
+
+
+class MixedWork:
+    """A packed batch whose rows take both paths (``plan_mixed``): the rows of at most
+    ``KERNEL_MAX_QUERIES`` queries (decode tokens, short chunks) through the kernels, the
+    longer chunks through the NumPy backend's BLAS path, each part with its own inputs
+    (a subset of the batch's: the packed offsets address the one q and out) and plan."""
+
+    __slots__ = ("inputs", "short", "short_work", "long", "long_work")
+
+    def __init__(self, inputs, short, short_work, long, long_work):
+        self.inputs, self.short, self.short_work = inputs, short, short_work
+        self.long, self.long_work = long, long_work
+
+
+def _subset(inputs, selected: np.ndarray):
+    """The AttentionInputs of the batch entries ``selected`` (a packed batch: their offsets
+    still address the whole q)."""
+    from gqakv.core.inputs import AttentionInputs
+
+    return AttentionInputs(rows=inputs.rows[selected], lens=inputs.lens[selected],
+                           n_new=inputs.n_new[selected], params=inputs.params,
+                           offsets=inputs.offsets[selected])
+
+
+def plan_mixed(store, inputs, params, q_shape, request) -> MixedWork | None:
+    """The split plan of a packed batch that mixes rows of at most ``KERNEL_MAX_QUERIES``
+    queries with longer ones, when the kernels serve the short rows (their storage,
+    variant, dtype) and the BLAS path the long ones; None for any other batch (a padded
+    one included: its subsets would need copies of q). Continuous batching's step (one
+    prefill chunk among decode tokens) then costs what its two kinds of rows cost apart."""
+    from .numpy_attention import plan_items
+
+    if inputs.offsets is None:
+        return None
+    short = inputs.n_new <= KERNEL_MAX_QUERIES
+    if short.all() or not short.any():
+        return None
+    if (route_attention(request.with_(t_q=KERNEL_MAX_QUERIES)).impl != KERNEL
+            or _numpy.route_attention(request).impl != _numpy.BLAS):
+        return None
+    a, b = _subset(inputs, np.flatnonzero(short)), _subset(inputs, np.flatnonzero(~short))
+    return MixedWork(inputs, a, plan_numba(a.lens, a.n_new, q_shape, store.kv_heads, params),
+                     b, plan_items(b.lens, b.n_new, q_shape, store.kv_heads, params))
+
+
+def run_mixed(work: MixedWork, q, store, *, return_lse: bool, out=None, lse_out=None):
+    """``plan_mixed``'s two parts over this layer: the kernels write the short rows of
+    one float32 out / lse ``[N, Hq, d]`` / ``[N, Hq]`` (zeroing the rest), then the BLAS
+    path writes the long rows into the same arrays; ``out`` / ``lse_out`` as in
+    ``run_numba``."""
+    from . import numpy_readers
+    from .numpy_attention import attend
+
+    direct = (out is not None and out.dtype == np.float32 and out.flags.c_contiguous
+              and not np.may_share_memory(out, q))
+    o = out if direct else np.empty(q.shape, dtype=np.float32)
+    lse_direct = (lse_out is not None and lse_out.flags.c_contiguous
+                  and not np.may_share_memory(lse_out, q))
+    lse = lse_out if lse_direct else np.empty(q.shape[:-1], dtype=np.float32)
+    k_buf, v_buf = kernel_layout(store)
+    if isinstance(k_buf, np.ndarray):  # contiguous arrays: float16/bfloat16 as their bits
+        k_buf, v_buf = _kernel_buffers(k_buf, v_buf, _kernels())
+    a, b = work.short, work.long
+    run_numba(work.short_work, q, k_buf, v_buf, a.rows, a.lens, a.n_new, return_lse=True,
+              out=o, lse_out=lse, offsets=a.offsets)
+    attend(q, numpy_readers.reader_of(store, b.rows), b.lens, b.n_new, params=b.params,
+           return_lse=True, planned=work.long_work, offsets=b.offsets, into=(o, lse))
     if out is not None and not direct:
         out[...] = o
         o = out

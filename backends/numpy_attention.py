@@ -228,7 +228,7 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
            query_block: int = QUERY_BLOCK,
            min_key_split: int = MIN_KEY_SPLIT,
            parallel_min_work: int = PARALLEL_MIN_WORK,
-           planned: NumpyWork | None = None, offsets=None):
+           planned: NumpyWork | None = None, offsets=None, into=None):
     """The item kernel over validated inputs: plan the items, share them among threads,
     read each item's K/V blocks through ``reader`` (``numpy_readers``), merge key pieces.
 
@@ -238,13 +238,19 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
     GQAKV_NUM_THREADS, else the BLAS thread count) share the items; the remaining
     keywords expose the blocking so tests can drive every split on small shapes;
     ``planned``: the items ``plan_items`` made for this batch (planned here when None).
+    ``into``: ``(out, lse)`` arrays (q's shape, and without d) receiving this batch's
+    queries' results in place, left as they are elsewhere (another part of a packed
+    batch writes there); returned.
     """
     Hq = q.shape[1]  # dim 1 in both layouts
     Hkv = reader.kv_heads
     G = Hq // Hkv
     acc = np.float64 if q.dtype == np.float64 else np.float32
-    out = np.zeros(q.shape, dtype=q.dtype)
-    lse = np.full(q.shape[:-1], -np.inf, dtype=acc) if return_lse else None
+    if into is None:
+        out = np.zeros(q.shape, dtype=q.dtype)
+        lse = np.full(q.shape[:-1], -np.inf, dtype=acc) if return_lse else None
+    else:
+        out, lse = into
     sinks = None if params.sinks is None else np.asarray(params.sinks, dtype=acc)  # [Hq]
     if planned is None:
         planned = plan_items(lens, n_new, q.shape, Hkv, params, workers=workers,
