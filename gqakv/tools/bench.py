@@ -38,6 +38,7 @@ from ..ops.attention import gqa_attention
 from ..storage import store as _store
 from ..storage.paged import pages_for
 from .errors import UsageError
+from .timing import _timed, alternating_blocks  # noqa: F401  (callers use bench.alternating_blocks)
 
 LLAMA_8B = dict(heads=32, kv_heads=8, head_dim=128, layers=32)
 
@@ -70,12 +71,6 @@ def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> dict[str, float
     out["blas_gemv"] = a.nbytes / best_time(lambda: matrix @ x)
     out["best"] = max(out.values())
     return out
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def token_bytes(kv_heads: int, head_dim: int, dtype, kv_dtype=None) -> int:
@@ -244,30 +239,6 @@ def onnxruntime_gqa(q, k_new, v_new, k_buf, v_buf, past_lens, *, threads: int | 
 
     setattr(run, "_keep", (values, ort_values, sess))  # the memory the binding points at
     return run, out.reshape(B, 1, Hq, d).transpose(0, 2, 1, 3)
-
-
-def alternating_blocks(fns: dict, backend=None, *, rounds: int = 5, block_s: float = 0.1) -> dict:
-    """Seconds per call of each callable, timed in alternating blocks (a block of calls of
-    the first, then of the second, ..., ``rounds`` times) so that a burst of other load on
-    the machine hits every side alike. A block repeats its call enough times to last about
-    ``block_s`` (after a warm-up call, sized from a second, timed one). Returns ``{name: {"median_s", "min_s",
-    "blocks"}}``: the median and the minimum over blocks of the block's time per call."""
-    sync = backend.synchronize if backend is not None else (lambda: None)
-    reps = {}
-    for name, fn in fns.items():
-        fn()
-        sync()
-        reps[name] = max(1, int(block_s / max(_timed(lambda: (fn(), sync())), 1e-6)))
-    per_call: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            for _ in range(reps[name]):
-                fn()
-            sync()
-            per_call[name].append((time.perf_counter() - t) / reps[name])
-    return {name: {"median_s": float(np.median(ts)), "min_s": min(ts), "blocks": len(ts),
-                   "calls_per_block": reps[name]} for name, ts in per_call.items()}
 
 
 def compare_onnxruntime(cache, heads: int, *, seed: int = 0, rounds: int = 5, block_s: float = 0.1) -> dict:

@@ -2,7 +2,7 @@
 
 Engines batch prefill chunks and decode tokens together (continuous batching, chunked
 prefill). ``mixed_batch_times`` times the attention of such a batch three ways, in
-alternating blocks (``bench.alternating_blocks``) over one cache whose rows already hold
+alternating blocks (``timing.alternating_blocks``) over one cache whose rows already hold
 their tokens:
 
 - ``packed``: one call with the step's queries packed end to end, ``q [N, Hq, d]``
@@ -30,7 +30,7 @@ def mixed_batch_times(backend, *, decoders: int = 31, chunk: int = 512, row_len:
     """Median seconds per call of the packed, padded and separate forms of a batch of one
     row attending a ``chunk``-token prefill chunk and ``decoders`` rows one decode token
     each, every row holding ``row_len`` tokens after the step (see the module docstring)."""
-    from .bench import alternating_blocks
+    from .timing import alternating_blocks
 
     B, hq = decoders + 1, kv_heads * group
     cache = KVCache(B, kv_heads, row_len, head_dim, dtype=dtype, backend=backend)
