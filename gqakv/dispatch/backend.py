@@ -274,9 +274,9 @@ class Backend:
     def plan_attention(self, store, inputs, params, q_shape) -> Any:
         """What this backend can work out once for every attention call of a batch (a step's
         layers): ``store`` is the first layer's KVStore, ``inputs`` the validated
-        ``AttentionInputs``, ``q_shape`` ``(B, Hq, T, d)``. None (the default): nothing;
-        each call is then ``attention(q, store, inputs, params, return_lse=...)`` as
-        always. Anything else is handed back to each call as
+        ``AttentionInputs``, ``q_shape`` ``(B, Hq, T, d)`` (packed: ``(N, Hq, d)``). None
+        (the default): nothing; each call is then ``attention(q, store, inputs, params,
+        return_lse=...)`` as always. Anything else is handed back to each call as
         ``attention(..., return_lse=True, work=..., out=..., lse_out=...)``, which must
         then write into the caller's ``out`` / ``lse_out`` when they are given (checked
         already) and return ``(out, lse)`` (``gqakv.ops.plan``)."""
