@@ -51,7 +51,9 @@ def trials(draw):
     return dict(hkv=hkv, group=group, batch=batch, d=d, final=final, schedule=schedule, seed=seed)
 
 
-def run_trial(backend, arrays, trial, dtype):
+def run_trial(backend, arrays, trial, dtype, layouts=("padded",)):
+    """``layouts``: each call's tokens drawn from these ("padded" [B, H, T, d], "packed"
+    [N, H, d]: appends and attention alike; packed results are checked unpacked)."""
     rng = np.random.default_rng(trial["seed"])
     B, hkv, d = trial["batch"], trial["hkv"], trial["d"]
     hq = hkv * trial["group"]
@@ -65,7 +67,12 @@ def run_trial(backend, arrays, trial, dtype):
         k = rng.standard_normal((B, hkv, T, d))
         v = rng.standard_normal((B, hkv, T, d))
         q = rng.standard_normal((B, hq, T, d))
-        cache.append(arrays.asarray(k, dtype), arrays.asarray(v, dtype), n_new)
+        packed = layouts[int(rng.integers(0, len(layouts)))] == "packed"
+
+        def laid_out(x):  # the call's layout of a padded host array, on the backend
+            return arrays.asarray(pack_tokens(x, n_new) if packed else x, dtype)
+
+        cache.append(laid_out(k), laid_out(v), n_new)
         for b in range(B):
             hist_k[b] = np.concatenate([hist_k[b], k[b, :, : n_new[b]]], axis=1)  # test-side history
             hist_v[b] = np.concatenate([hist_v[b], v[b, :, : n_new[b]]], axis=1)
@@ -73,9 +80,18 @@ def run_trial(backend, arrays, trial, dtype):
         q_in = arrays.asarray(q, dtype)
         k_hist = [arrays.to_numpy(arrays.asarray(h, dtype)) for h in hist_k]
         v_hist = [arrays.to_numpy(arrays.asarray(h, dtype)) for h in hist_v]
-        out, lse = gqakv.gqa_attention(q_in, cache, n_new, return_lse=True)
+        out, lse = gqakv.gqa_attention(laid_out(q), cache, n_new, return_lse=True)
         want, want_lse = reference_attention(arrays.to_numpy(q_in), k_hist, v_hist, n_new)
         got, got_lse = arrays.to_numpy(out), arrays.to_numpy(lse)
+        if packed:  # [N, Hq, d] / [N, Hq] back into the padded slots (the rest: 0 / -inf)
+            assert got.shape == (sum(n_new), hq, d) and got_lse.shape == (sum(n_new), hq)
+            got_p, lse_p = got, got_lse
+            got, got_lse = np.zeros((B, hq, T, d)), np.full((B, hq, T), -math.inf)
+            at = np.cumsum([0, *n_new])
+            for b in range(B):
+                got[b, :, :n_new[b]] = np.swapaxes(got_p[at[b]:at[b + 1]], 0, 1)
+                got_lse[b, :, :n_new[b]] = got_lse_p = lse_p[at[b]:at[b + 1]].T
+                assert got_lse_p.shape == (hq, n_new[b])
         assert not np.isnan(got).any()
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype])
         finite = np.isfinite(want_lse)
@@ -103,6 +119,21 @@ def test_randomized_chunked_ragged_parity(backend, arrays, dtype):
     @given(trial=trials())
     def check(trial):
         run_trial(backend, arrays, trial, dtype)
+
+    check()
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_randomized_chunked_ragged_parity_packed(backend, arrays, dtype):
+    """The same trials with each call's tokens padded or packed at random (appends and
+    attention alike), against the float64 reference."""
+    if dtype not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no {dtype}")
+
+    @settings(max_examples=TRIALS.get((backend.name, dtype), 100) // 2, deadline=None)
+    @given(trial=trials())
+    def check(trial):
+        run_trial(backend, arrays, trial, dtype, layouts=("padded", "packed"))
 
     check()
 
