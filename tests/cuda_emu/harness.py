@@ -501,6 +501,11 @@ class Emulator:
                     raise ValueError(f"{name} partially overlaps {other}")
             by_memory[key] = name
         for name, shape in plan.workspace.items():
+            if name in arrays:  # the caller's (a planned batch's own workspaces)
+                if tuple(arrays[name].shape) != tuple(shape):
+                    raise ValueError(f"workspace {name} is {arrays[name].shape}, the plan "
+                                     f"names {shape}")
+                continue
             arrays[name] = np.full(shape, np.nan, dtype=np.float32)  # garbage, like cupy.empty
         arrays.setdefault("dummy", np.full(1, np.nan, dtype=np.float32))
         ptrs: dict[str, int] = {}
