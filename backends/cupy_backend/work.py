@@ -71,8 +71,9 @@ def pack_ints(rows, lens, n_new) -> np.ndarray:
 
 
 def table_entries(store) -> np.ndarray:
-    """A paged store's page table as the kernels read it: ``[R, pages_per_row]`` int32."""
-    return np.ascontiguousarray(store.page_table.entries, dtype=np.int32)
+    """A host copy of a paged store's page table as the kernels read it: ``[R,
+    pages_per_row]`` int32 (a copy: the table changes in place, the work compares)."""
+    return np.array(store.page_table.entries, dtype=np.int32, order="C")
 
 
 def needs_fill(q_shape, n_new, fixed: bool) -> bool:
