@@ -170,8 +170,13 @@ def test_emulated_step_plans_itself_and_allocates_only_outputs(monkeypatch, stor
             np.testing.assert_array_equal(backend.to_numpy(got), backend.to_numpy(want))
 
 
+FIXED_STEPS = {"decode": (1, 3, ([1, 1, 1], [1, 0, 1], [1, 1, 0])),  # T, splits, n_new per step
+               "chunk": (5, None, ([5, 3, 0], [2, 5, 1]))}
+
+
 @pytest.mark.parametrize("storage", ["contiguous", "paged"])
-def test_emulated_fixed_plan_keeps_its_launches_across_steps(monkeypatch, storage):
+@pytest.mark.parametrize("shape", sorted(FIXED_STEPS))
+def test_emulated_fixed_plan_keeps_its_launches_across_steps(monkeypatch, storage, shape):
     """A fixed plan made in one step runs later steps of other lengths (an idle row
     among them) after ``Step.adopt``: the same Plan and launches, results as unplanned
     (up to the split layout) and as the reference, no allocation or upload in any run."""
@@ -181,13 +186,14 @@ def test_emulated_fixed_plan_keeps_its_launches_across_steps(monkeypatch, storag
     counter = _Counter(monkeypatch, backend)
     history = list(HISTORY)
     plan = None
-    for n_new in ([1, 1, 1], [1, 0, 1], [1, 1, 0]):
+    T, splits, n_news = FIXED_STEPS[shape]
+    for n_new in n_news:
         with cache.step(n_new) as step:
             if plan is None:
-                plan = step.plan_attention(HQ, t_q=1, fixed=True, splits=3)
+                plan = step.plan_attention(HQ, t_q=T, fixed=True, splits=splits)
                 launches = [(x.name, x.grid, x.args) for x in plan.work.plan.launches]
                 kernel_plan = plan.work.plan
-                assert plan.work.plan.num_splits == 3
+                assert plan.work.plan.num_splits == (splits or 1)
             else:
                 counter.calls.clear()
                 counter.on = True
@@ -197,10 +203,10 @@ def test_emulated_fixed_plan_keeps_its_launches_across_steps(monkeypatch, storag
             assert plan.work.plan is kernel_plan
             assert [(x.name, x.grid, x.args) for x in kernel_plan.launches] == launches
             for l in range(LAYERS):
-                q_host = rng.standard_normal((B, HQ, 1, D)).astype(np.float32)
-                k_host = rng.standard_normal((B, HKV, 1, D)).astype(np.float32)
+                q_host = rng.standard_normal((B, HQ, T, D)).astype(np.float32)
+                k_host = rng.standard_normal((B, HKV, T, D)).astype(np.float32)
                 q, k = backend.from_numpy(q_host, "float32"), backend.from_numpy(k_host, "float32")
-                out, lse_out = _garbage(backend, (B, HQ, 1, D)), _garbage(backend, (B, HQ, 1))
+                out, lse_out = _garbage(backend, (B, HQ, T, D)), _garbage(backend, (B, HQ, T))
                 counter.calls.clear()
                 step.attend(l, q, k, k, plan=plan, out=out, lse_out=lse_out)
                 assert counter.calls == [], counter.calls
@@ -214,9 +220,9 @@ def test_emulated_fixed_plan_keeps_its_launches_across_steps(monkeypatch, storag
                 np.testing.assert_array_equal(np.isfinite(got_lse), np.isfinite(want_lse))
                 np.testing.assert_allclose(got_lse[np.isfinite(got_lse)],
                                            want_lse[np.isfinite(want_lse)], rtol=1e-5, atol=1e-6)
-                idle = np.asarray(n_new) == 0  # the fill: 0 and -inf, over the garbage
-                assert np.all(backend.to_numpy(out)[idle] == 0)
-                assert np.all(got_lse[idle] == -np.inf)
+                pad = np.arange(T)[None, :] >= np.asarray(n_new)[:, None]  # [B, T]: the fill
+                assert np.all(backend.to_numpy(out).transpose(0, 2, 1, 3)[pad] == 0)
+                assert np.all(got_lse.transpose(0, 2, 1)[pad] == -np.inf)
                 if l == 0:
                     rows = [backend.to_numpy(step.layer(0).live_kv(b)[0]) for b in range(B)]
                     hist = [r.shape[1] - n for r, n in zip(rows, n_new)]

@@ -19,6 +19,12 @@
   through the QuantizedKV reader (kernels/quantized_kv.cuh: code x scale in registers or
   per key-tile row as read, never a dequantized row), which wraps the contiguous or the
   paged reader: paged 8-bit pages run on the same kernels.
+* Planned batches (``plan_attention``, work.py): a step's layers share one kernel plan,
+  one upload of rows / lengths / n_new (and sinks, slopes, page table) and the split
+  workspaces; a run given ``out`` / ``lse_out`` allocates nothing and copies nothing to
+  the device. Fixed plans (``plan_fixed_attention``, for CUDA graphs) are sized for the
+  capacities, so their launches do not depend on the lengths, which ``update_attention``
+  rewrites in place.
 * What each kernel implements (layouts, codecs, variant features) is declared as data,
   ``CupyBackend.fast_paths`` (``routing.FAST_PATHS``); anything else (an unknown codec, a
   variant no kernel implements) is refused by the kernels with that declaration's sentence.
@@ -451,10 +457,13 @@ class CupyBackend(Backend):
         plan = self._kernel_plan(dtype, d, kwargs)
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
             return f"the route is {routing.route_attention(request.with_(grid=plan))}"
+        if plan.keys_per_split > limits.MAX_KEYS_PER_SPLIT:  # forced splits are not checked there
+            return (f"{plan.num_splits} splits of {plan.keys_per_split} keys (the decode kernel "
+                    f"counts a split's keys in an int: at most {limits.MAX_KEYS_PER_SPLIT})")
         work = CupyWork(inputs=inputs, q_shape=q_shape, dtype=dtype, kv_dtype=kv_dtype,
                         head_dim=d, kwargs=kwargs, plan=plan, device=self.runtime.device().id,
                         fill=_work.needs_fill(q_shape, inputs.n_new, fixed), fixed=fixed)
-        _work.upload(self.runtime.cp, work, store, params)
+        _work.upload(self.runtime.cp, work, store, params, None if fixed else self._upload)
         return work
 
     def _work_serves(self, work, store, inputs) -> bool:
@@ -578,11 +587,15 @@ class CupyBackend(Backend):
     def _upload_ints(self, *host_arrays):
         """Device int64 views of equally long host int arrays, through one host-to-device
         copy, kept by value (per device and stream) for the next layers of the same step."""
-        rt = self.runtime
-        packed = _pack_ints(*host_arrays)
-        key = (rt.device().id, rt.stream_ptr(), packed.shape, packed.tobytes())
-        device = self._uploads.get(key, lambda: rt.cp.asarray(packed))
+        device = self._upload(_pack_ints(*host_arrays))
         return tuple(device[i] for i in range(len(host_arrays)))
+
+    def _upload(self, host: np.ndarray):
+        """A device copy of a host array, kept by value (dtype, shape, bytes) per device and
+        stream: read-only, shared by every call that uploads the same values."""
+        rt = self.runtime
+        key = (rt.device().id, rt.stream_ptr(), host.dtype.str, host.shape, host.tobytes())
+        return self._uploads.get(key, lambda: rt.cp.asarray(host))
 
     def _upload_floats(self, values):
         """A device float32 copy of a tuple of floats (the sink logits, the ALiBi slopes), kept by value per

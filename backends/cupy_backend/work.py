@@ -21,8 +21,13 @@ arrays in place (``ndarray.set``) for the next step and the launches stay the sa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+
+from gqakv.core.inputs import AttentionInputs
+
+from .plan import Plan
 
 
 @dataclass(eq=False)
@@ -48,17 +53,17 @@ class CupyWork:
         fixed: made for capacities (``update`` takes new lengths).
     """
 
-    inputs: object
+    inputs: AttentionInputs
     q_shape: tuple[int, int, int, int]
     dtype: str
     kv_dtype: str | None
     head_dim: int
     kwargs: dict
-    plan: object
+    plan: Plan
     device: int
     arrays: dict = field(default_factory=dict)
-    ints: object = None
-    table: object = None
+    ints: Any = None  # a device array (the runtime's cp.ndarray)
+    table: Any = None  # gqakv.storage.paged.PageTable
     entries: np.ndarray | None = None
     fill: bool = True
     fixed: bool = False
@@ -83,21 +88,27 @@ def needs_fill(q_shape, n_new, fixed: bool) -> bool:
     return fixed or not (B and T and int(np.min(n_new)) == T)
 
 
-def upload(cp, work: CupyWork, store, params) -> None:
+def upload(cp, work: CupyWork, store, params, put=None) -> None:
     """Allocate and fill the work's device arrays (on the current device): the one
     host-to-device copy of the batch's ints, the variant's floats, the page table, and
-    the plan's workspaces (uninitialized: the kernels write every element they read)."""
+    the plan's workspaces (uninitialized: the kernels write every element they read).
+
+    put: ``put(host) -> device array``, the copy to the device (default ``cp.asarray``: the
+    work's own arrays, which a fixed work must have, ``update`` writing into them); the
+    backend passes its by-value uploads for other works, so that a batch planned again
+    (``gqa_attention`` per layer: a plan per call) finds the last one's arrays."""
+    put = put or cp.asarray
     inputs = work.inputs
-    work.ints = cp.asarray(pack_ints(inputs.rows, inputs.lens, inputs.n_new))
+    work.ints = put(pack_ints(inputs.rows, inputs.lens, inputs.n_new))
     for i, name in enumerate(("rows", "lens", "n_new")):
         work.arrays[name] = work.ints[i]
     if params.sinks is not None:
-        work.arrays["sinks"] = cp.asarray(np.asarray(params.sinks, dtype=np.float32))
+        work.arrays["sinks"] = put(np.asarray(params.sinks, dtype=np.float32))
     if params.alibi_slopes is not None:
-        work.arrays["alibi"] = cp.asarray(np.asarray(params.alibi_slopes, dtype=np.float32))
+        work.arrays["alibi"] = put(np.asarray(params.alibi_slopes, dtype=np.float32))
     if work.kwargs.get("pages") is not None:
         work.table, work.entries = store.page_table, table_entries(store)
-        work.arrays["table"] = cp.asarray(work.entries)
+        work.arrays["table"] = put(work.entries)
     for name, shape in work.plan.workspace.items():
         work.arrays[name] = cp.empty(shape, dtype=cp.float32)
     work.arrays["dummy"] = cp.empty(1, dtype=cp.float32)
@@ -123,5 +134,5 @@ def serves(work: CupyWork, inputs, store, device: int) -> bool:
         return False
     if work.table is None:
         return True
-    return (store.page_table is work.table
+    return (store.page_table is work.table and work.entries is not None
             and np.array_equal(store.page_table.entries, work.entries))

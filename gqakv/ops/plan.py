@@ -12,6 +12,11 @@ A backend that plans nothing (``plan_attention`` returns None: the default, so a
 third-party backend keeps working) is called as before for each run, and the caller's
 ``out`` / ``lse_out`` are filled from its result; one that returns work receives it and
 the caller's buffers (``attention(..., work=, out=, lse_out=)``) and writes into them.
+
+A fixed plan (``fixed=True``; backends with ``plan_fixed_attention``, the cupy one) is
+planned for the batch's capacities instead of its lengths, so what ``run`` launches stays
+the same from step to step (CUDA graphs); ``update`` (or ``Step.adopt``) validates the
+next batch and writes its lengths into the plan's device buffers in place.
 """
 
 from __future__ import annotations
