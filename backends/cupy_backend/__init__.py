@@ -484,8 +484,9 @@ class CupyBackend(Backend):
         dtype, d = work.dtype, work.head_dim
         B, Hq, T, _ = work.q_shape
         q = self._aligned(q, dtype, d)
-        o = out if out is not None and _writable_out(out, q, dtype, d) else None
-        lse = lse_out if lse_out is not None and _writable_lse(lse_out, q) else None
+        q_span = _extent(q) if out is not None or lse_out is not None else (0, 0)
+        o = out if out is not None and _writable_out(out, q_span, dtype, d) else None
+        lse = lse_out if lse_out is not None and _writable_lse(lse_out, q_span) else None
         if o is None:
             o = (cp.zeros if work.fill else cp.empty)((B, Hq, T, d), dtype=q.dtype)
         elif work.fill:
@@ -772,31 +773,37 @@ def _pack_ints(*host_arrays) -> np.ndarray:
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
     """Element strides of a C-contiguous array of ``shape``."""
-    return tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= int(size)
+    return tuple(reversed(strides))
 
 
 def _extent(x) -> tuple[int, int]:
-    """[first, last + 1) byte addresses ``x`` covers (non-negative strides)."""
+    """[first, last + 1) byte addresses ``x`` covers (non-negative strides; empty: (0, 0))."""
+    if x.size == 0:
+        return 0, 0
     lo = _address(x)
     return lo, lo + sum((n - 1) * s for n, s in zip(x.shape, x.strides)) + x.itemsize
 
 
-def _overlaps(a, b) -> bool:
-    (a0, a1), (b0, b1) = _extent(a), _extent(b)
-    return a.size > 0 and b.size > 0 and a0 < b1 and b0 < a1
+def _disjoint(x, span: tuple[int, int]) -> bool:
+    """Whether ``x`` shares no byte with the ``_extent`` ``span``."""
+    lo, hi = _extent(x)
+    return lo == hi or span[0] == span[1] or hi <= span[0] or span[1] <= lo
 
 
-def _writable_out(out, q, dtype: str, d: int) -> bool:
+def _writable_out(out, q_span, dtype: str, d: int) -> bool:
     """Whether the kernels may write ``out`` in place: rows aligned for their vector
-    stores, and no memory shared with q (the pre-fill, or another CTA's stores, would
-    change queries not yet read)."""
-    return _is_aligned(out, dtype, d) and not _overlaps(out, q)
+    stores, and no memory shared with q (``q_span``: the pre-fill, or another CTA's
+    stores, would change queries not yet read)."""
+    return _is_aligned(out, dtype, d) and _disjoint(out, q_span)
 
 
-def _writable_lse(lse, q) -> bool:
+def _writable_lse(lse, q_span) -> bool:
     """The kernels write lse ``[B, Hq, T]`` C-contiguous (no strides of their own)."""
-    return (tuple(lse.strides) == tuple(s * lse.itemsize for s in _contiguous_strides(lse.shape))
-            and not _overlaps(lse, q))
+    return bool(lse.flags.c_contiguous) and _disjoint(lse, q_span)
 
 
 def _strides(x) -> tuple[int, ...]:
