@@ -24,6 +24,11 @@ import gqakv
 from .emulated_backend import EmulatedCupyBackend
 
 
+#: The clock: this thread's CPU time (other processes on a loaded machine count less
+#: than in wall time); ``--wall`` takes time.perf_counter.
+CLOCK = time.thread_time
+
+
 def step_times(backend, cache, layers, q, k, out, lse_out, steps):
     """Median seconds per layer of ``Step.attend``, and of the backend's ``attention``
     inside it (the write into out / lse_out included), over ``steps`` decode steps."""
@@ -31,11 +36,11 @@ def step_times(backend, cache, layers, q, k, out, lse_out, steps):
     attention = type(backend).attention
 
     def timed(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         try:
             return attention(backend, *args, **kwargs)
         finally:
-            inner[0] += time.perf_counter() - t0
+            inner[0] += CLOCK() - t0
 
     backend.attention = timed
     per, per_inner = [], []
@@ -43,11 +48,11 @@ def step_times(backend, cache, layers, q, k, out, lse_out, steps):
         for _ in range(steps):
             with cache.step([1] * cache.batch) as step:
                 inner[0] = 0.0
-                t0 = time.perf_counter()
+                t0 = CLOCK()
                 for l in range(layers):
                     step.attend(l, q, k, k, out=out, lse_out=lse_out,
                                 return_lse=lse_out is not None)
-                per.append((time.perf_counter() - t0) / layers)
+                per.append((CLOCK() - t0) / layers)
                 per_inner.append(inner[0] / layers)
     finally:
         del backend.attention
@@ -64,7 +69,10 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--storage", default="contiguous", choices=("contiguous", "paged"))
+    ap.add_argument("--wall", action="store_true", help="wall time (default: thread CPU time)")
     a = ap.parse_args(argv)
+    global CLOCK
+    CLOCK = time.perf_counter if a.wall else time.thread_time
     backend = EmulatedCupyBackend()
     backend._run_plan = lambda *args: None  # launches no-op'd: host time only
     kw = dict(page_size=16) if a.storage == "paged" else {}
@@ -86,7 +94,7 @@ def main(argv=None) -> None:
     plain = step_times(backend, cache, a.layers, q, k, None, None, a.steps)
     given = step_times(backend, cache, a.layers, q, k, out, lse, a.steps)
     print(f"{a.storage} decode, {a.layers} layers, B={a.batch} Hkv={a.kv_heads} G={a.group} "
-          f"d={a.head_dim}, median of {a.steps} steps, per layer: Step.attend {plain[0] * 1e6:.1f} "
+          f"d={a.head_dim}, {'wall' if a.wall else 'CPU'} time, median of {a.steps} steps, per layer: Step.attend {plain[0] * 1e6:.1f} "
           f"us (attention {plain[1] * 1e6:.1f} us); with out/lse_out {given[0] * 1e6:.1f} us "
           f"(attention {given[1] * 1e6:.1f} us)")
 
