@@ -306,3 +306,28 @@ def test_emulated_plan_of_a_reordered_paged_cache_is_not_used():
     want = backend.attention(q, cache.store, plan.inputs, plan.params, return_lse=True)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(backend.to_numpy(a), backend.to_numpy(b))
+
+
+def test_emulated_plan_on_another_stream_is_not_used(monkeypatch):
+    """A plan's uploads were queued on the stream it was made on: a run on another stream
+    is computed as an unplanned call (its own uploads; the same bits), a fixed plan's is
+    not (its caller orders the streams, as a CUDA graph capture does)."""
+    backend = emu.EmulatedCupyBackend()
+    rng = np.random.default_rng(61)
+    cache = gqakv.KVCache(batch=B, kv_heads=HKV, max_len=32, head_dim=D, backend=backend)
+    x = backend.from_numpy(rng.standard_normal((B, HKV, 6, D)), "float32")
+    cache.append(x, x, [6, 3, 2])
+    q = backend.from_numpy(rng.standard_normal((B, HQ, 1, D)), "float32")
+    plan = gqakv.plan_attention(cache, [1, 1, 1], q_heads=HQ)
+    fixed = gqakv.plan_attention(cache, [1, 1, 1], q_heads=HQ, fixed=True)
+    want = plan.run(q, cache, return_lse=True)
+    counter = _Counter(monkeypatch, backend)
+    monkeypatch.setattr(backend.runtime, "stream_ptr", lambda: 1234)
+    got = plan.run(q, cache, return_lse=True)
+    assert "asarray" in counter.calls  # uploaded for this stream
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(backend.to_numpy(a), backend.to_numpy(b))
+    counter.calls.clear()
+    out, lse = _garbage(backend, (B, HQ, 1, D)), _garbage(backend, (B, HQ, 1))
+    fixed.run(q, cache, out=out, lse_out=lse)
+    assert counter.calls == []

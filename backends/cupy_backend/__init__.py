@@ -462,6 +462,7 @@ class CupyBackend(Backend):
                     f"counts a split's keys in an int: at most {limits.MAX_KEYS_PER_SPLIT})")
         work = CupyWork(inputs=inputs, q_shape=q_shape, dtype=dtype, kv_dtype=kv_dtype,
                         head_dim=d, kwargs=kwargs, plan=plan, device=self.runtime.device().id,
+                        stream=self.runtime.stream_ptr(),
                         fill=_work.needs_fill(q_shape, inputs.n_new, fixed), fixed=fixed)
         _work.upload(self.runtime.cp, work, store, params, None if fixed else self._upload)
         return work
@@ -472,7 +473,8 @@ class CupyBackend(Backend):
         kernels (else the call is routed as an unplanned one, which says why)."""
         if (work.kwargs["pages"] is None) != (store.kind != PAGED):
             return False
-        if not _work.serves(work, inputs, store, self.device_of(store.k)):
+        if not _work.serves(work, inputs, store, self.device_of(store.k),
+                            self.runtime.stream_ptr()):
             return False
         return self._buffers_rejection(store, work.kv_dtype or work.dtype, work.head_dim) is None
 

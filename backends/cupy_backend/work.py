@@ -42,7 +42,10 @@ class CupyWork:
             layer's K/V and of C-contiguous q / out; a run with other strides replans
             with its own (the buffers stay the work's).
         plan: the kernel plan for ``kwargs``.
-        device: the device id the arrays live on.
+        device: the device id the arrays live on; stream: the stream the uploads were
+            queued on. A run on another stream is not planned (the uploads may not have
+            landed for it, and two streams would share the workspaces), except for a fixed
+            work, whose caller orders its streams (a CUDA graph is captured on its own).
         arrays: name -> device array: rows, lens, n_new, [sinks], [alibi], [table],
             [part_o, part_lse], dummy.
         ints: the ``[3, B]`` int64 array rows / lens / n_new are views of.
@@ -61,6 +64,7 @@ class CupyWork:
     kwargs: dict
     plan: Plan
     device: int
+    stream: int = 0  # the stream it was planned on (its uploads were queued there)
     arrays: dict = field(default_factory=dict)
     ints: Any = None  # a device array (the runtime's cp.ndarray)
     table: Any = None  # gqakv.storage.paged.PageTable
@@ -126,11 +130,14 @@ def update(work: CupyWork, store, inputs) -> None:
     work.inputs = inputs
 
 
-def serves(work: CupyWork, inputs, store, device: int) -> bool:
+def serves(work: CupyWork, inputs, store, device: int, stream: int) -> bool:
     """Whether ``work`` may run this call: planned for these very ``inputs``, on the
-    store's device, and (paged) through the same page table, whose entries still hold
-    what was uploaded (a reorder keeps lengths but moves pages)."""
+    store's device and this stream (see ``CupyWork``), and (paged) through the same page
+    table, whose entries still hold what was uploaded (a reorder keeps lengths but moves
+    pages)."""
     if work.inputs is not inputs or work.device != device:
+        return False
+    if stream != work.stream and not work.fixed:
         return False
     if work.table is None:
         return True
