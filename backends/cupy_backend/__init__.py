@@ -19,6 +19,12 @@
   through the QuantizedKV reader (kernels/quantized_kv.cuh: code x scale in registers or
   per key-tile row as read, never a dequantized row), which wraps the contiguous or the
   paged reader: paged 8-bit pages run on the same kernels.
+* Planned batches (``plan_attention``, work.py): a step's layers share one kernel plan,
+  one upload of rows / lengths / n_new (and sinks, slopes, page table) and the split
+  workspaces; a run given ``out`` / ``lse_out`` allocates nothing and copies nothing to
+  the device. Fixed plans (``plan_fixed_attention``, for CUDA graphs) are sized for the
+  capacities, so their launches do not depend on the lengths, which ``update_attention``
+  rewrites in place.
 * What each kernel implements (layouts, codecs, variant features) is declared as data,
   ``CupyBackend.fast_paths`` (``routing.FAST_PATHS``); anything else (an unknown codec, a
   variant no kernel implements) is refused by the kernels with that declaration's sentence.
@@ -56,12 +62,15 @@ from gqakv.dispatch.backend import GENERIC, Backend, Route
 from gqakv.dispatch.request import Request, as_request
 from gqakv.storage.codecs import PLAIN_NAME
 from gqakv.core.inputs import PACKED, PADDED
+from gqakv.ops.plan import write_into
 from gqakv.storage.store import PAGED
 
 from . import plan as _plan
 from . import limits, routing
+from . import work as _work
 from . import sources as sources  # the kernel table, an attribute of the package
 from .runtime import CupyRuntime
+from .work import CupyWork
 
 
 class CupyBackend(Backend):
@@ -335,35 +344,199 @@ class CupyBackend(Backend):
             return "rows not aligned for the kernel's vector loads"
         return None
 
-    def attention(self, q, store, inputs, params, *, return_lse: bool):
-        """Fused GQA attention; see ``gqakv.gqa_attention``. q, out: [B, Hq, T, d]."""
+    def attention(self, q, store, inputs, params, *, return_lse: bool, work=None, out=None,
+                  lse_out=None):
+        """Fused GQA attention; see ``gqakv.gqa_attention``. q, out: [B, Hq, T, d].
+
+        work: this batch's ``CupyWork`` (``plan_attention``): its kernel plan, device index
+        arrays and workspaces serve the call (no upload, no planning); this layer's own
+        buffers (alignment, strides of q and K/V) are still judged. out, lse_out: the
+        caller's buffers, written by the kernels when they can take them (out aligned for
+        their vector stores and not overlapping q, lse_out C-contiguous), else filled
+        from the kernels' own (a device copy). A work for other inputs is not used."""
         with self._device_of(store.k):
-            return self._attention(q, store, inputs, params, return_lse=return_lse)
+            if isinstance(work, CupyWork) and self._work_serves(work, store, inputs):
+                return self._run_work(work, q, store, return_lse, out, lse_out)
+            if out is None and lse_out is None:
+                return self._attention(q, store, inputs, params, return_lse=return_lse)
+            result = self._attention(q, store, inputs, params, return_lse=True)
+            return write_into(result, return_lse, out, lse_out)
+
+    def plan_attention(self, store, inputs, params, q_shape):
+        """A ``CupyWork`` (work.py) when the fused kernels serve this batch (routed as
+        ``attention`` routes it, judging the planning layer's K/V), else None: packed
+        queries, float64, head dims past 256, a grid the planner refuses, ... take the
+        generic code per call as before."""
+        with self._device_of(store.k):
+            work = self._plan_work(store, inputs, params, tuple(q_shape))
+        return None if isinstance(work, str) else work
+
+    def plan_fixed_attention(self, store, inputs, params, q_shape, *, splits=None):
+        """A fixed-capacity ``CupyWork`` (work.py, fixed mode: grid and arguments
+        independent of the lengths; ``update_attention`` takes the next ones). splits: the
+        decode split count (None: the planner's choice for rows as long as the store
+        holds). ValueError when no kernel serves the batch (the route's reasons)."""
+        if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)
+                                   or splits < 1):
+            raise ValueError(f"splits must be an int >= 1 (or None), got {splits!r}")
+        with self._device_of(store.k):
+            work = self._plan_work(store, inputs, params, tuple(q_shape), fixed=True,
+                                   splits=splits)
+        if isinstance(work, str):
+            raise ValueError(f"no fixed-buffer plan on {self.name}: {work}")
+        return work
+
+    def update_attention(self, work, store, inputs) -> None:
+        """Rewrite a fixed work's device rows / lengths / n_new (and page table) in place
+        for ``inputs`` (validated by the caller against the planned q shape)."""
+        if not (isinstance(work, CupyWork) and work.fixed):
+            raise ValueError("update takes a fixed plan (plan_attention(..., fixed=True))")
+        if (work.kwargs["pages"] is None) != (store.kind != PAGED):
+            raise ValueError("the plan was made for another storage kind")
+        with self._device_of(store.k):
+            _work.update(work, store, inputs)
+
+    def _attention_route(self, store, inputs, params, q_shape):
+        """(route, request, sm_count, capability) of an attention call over ``store`` with
+        queries of ``q_shape``, judging its K/V buffers (facts None on the generic route)."""
+        dtype, kv_dtype = _dtypes_of(store)
+        d = int(store.k.shape[-1])
+        sm_count = capability = None
+        request = Request.of_store("attention", store, features=params.features,
+                                   **inputs.token_facts(q_shape))
+        if routing.route_attention(request).impl != GENERIC:
+            sm_count, capability = self._facts()
+            request = request.with_(capability=capability, buffers=self._buffers_rejection(
+                store, kv_dtype or dtype, d))
+        return routing.route_attention(request), request, sm_count, capability
+
+    @staticmethod
+    def _buffers_rejection(store, dtype: str, d: int) -> str | None:
+        """Why the attention kernels cannot read this layer's K/V (and scales)."""
+        return (_store_rejection(store)
+                or _attention_layout_rejection(store.k, store.v, dtype, d)
+                or (_scales_rejection(store, d) if store.spec.codec.name != PLAIN_NAME else None))
+
+    def _kernel_plan(self, dtype: str, d: int, kwargs: dict):
+        """The planner's plan for these keywords, kept by value (or its refusal)."""
+        return self._plans.get(("attention", dtype, d, *_hashable(kwargs.values())),
+                               lambda: _plan_or_refusal(_plan.plan_attention, dtype, d, **kwargs))
+
+    def _plan_kwargs(self, store, q_shape, lens, n_new, params, sm_count, capability,
+                     q_strides, out_strides, force_splits=None) -> dict:
+        B, Hq, T, _ = (int(s) for s in q_shape)
+        Hkv = int(store.k.shape[1])
+        kwargs = dict(batch=B, kv_heads=Hkv, group=Hq // Hkv, t_q=T,
+                      lens=np.asarray(lens, dtype=np.int64),
+                      n_new=np.asarray(n_new, dtype=np.int64), params=params,
+                      q_strides=tuple(q_strides), buf_strides=_strides(store.k)[:3],
+                      out_strides=tuple(out_strides), sm_count=sm_count,
+                      tensor_cores=capability >= limits.MMA_MIN_CAPABILITY,
+                      pages=_pages_arg(store), kv_dtype=_dtypes_of(store)[1])
+        if force_splits is not None:
+            kwargs["force_splits"] = int(force_splits)
+        return kwargs
+
+    def _plan_work(self, store, inputs, params, q_shape, *, fixed: bool = False, splits=None):
+        """The batch's ``CupyWork``, or why the kernels do not serve it (a sentence)."""
+        if inputs.offsets is not None or len(q_shape) != 4:
+            return "packed queries [N, Hq, d] take the generic code (the kernels read padded ones)"
+        route, request, sm_count, capability = self._attention_route(store, inputs, params, q_shape)
+        if route.impl == GENERIC:
+            return f"the route is {route}"
+        dtype, kv_dtype = _dtypes_of(store)
+        d = int(store.k.shape[-1])
+        B, _, T, _ = q_shape
+        lens, n_new = inputs.lens, inputs.n_new
+        if fixed:  # sized for the capacity: rows as long as the store holds, T queries each
+            lens = np.full(B, int(store.max_len), dtype=np.int64)
+            n_new = np.full(B, T, dtype=np.int64)
+        contiguous = _contiguous_strides(q_shape)[:3]
+        kwargs = self._plan_kwargs(store, q_shape, lens, n_new, params, sm_count, capability,
+                                   contiguous, contiguous, splits if fixed else None)
+        plan = self._kernel_plan(dtype, d, kwargs)
+        if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
+            return f"the route is {routing.route_attention(request.with_(grid=plan))}"
+        if plan.keys_per_split > limits.MAX_KEYS_PER_SPLIT:  # forced splits are not checked there
+            return (f"{plan.num_splits} splits of {plan.keys_per_split} keys (the decode kernel "
+                    f"counts a split's keys in an int: at most {limits.MAX_KEYS_PER_SPLIT})")
+        work = CupyWork(inputs=inputs, q_shape=q_shape, dtype=dtype, kv_dtype=kv_dtype,
+                        head_dim=d, kwargs=kwargs, plan=plan, device=self.runtime.device().id,
+                        stream=self.runtime.stream_ptr(),
+                        fill=_work.needs_fill(q_shape, inputs.n_new, fixed), fixed=fixed)
+        _work.upload(self.runtime.cp, work, store, params, None if fixed else self._upload)
+        return work
+
+    def _work_serves(self, work, store, inputs) -> bool:
+        """Whether ``work`` runs this call: its inputs, device and page table
+        (``work.serves``), a store of its kind, and this layer's K/V readable by the
+        kernels (else the call is routed as an unplanned one, which says why)."""
+        if (work.kwargs["pages"] is None) != (store.kind != PAGED):
+            return False
+        if not _work.serves(work, inputs, store, self.device_of(store.k),
+                            self.runtime.stream_ptr()):
+            return False
+        return self._buffers_rejection(store, work.kv_dtype or work.dtype, work.head_dim) is None
+
+    def _run_work(self, work, q, store, return_lse: bool, out=None, lse_out=None):
+        """The planned launches over this layer's q and K/V, into ``out`` / ``lse_out``
+        when the kernels can write them (no allocation, no host-to-device copy), else into
+        buffers allocated here and copied over. An unaligned q is copied (as unplanned)."""
+        cp = self.runtime.cp
+        dtype, d = work.dtype, work.head_dim
+        B, Hq, T, _ = work.q_shape
+        q = self._aligned(q, dtype, d)
+        q_span = _extent(q) if out is not None or lse_out is not None else (0, 0)
+        o = out if out is not None and _writable_out(out, q_span, dtype, d) else None
+        lse = lse_out if lse_out is not None and _writable_lse(lse_out, q_span) else None
+        if o is None:
+            o = (cp.zeros if work.fill else cp.empty)((B, Hq, T, d), dtype=q.dtype)
+        elif work.fill:
+            o.fill(0)
+        if lse is None:
+            lse = (cp.full((B, Hq, T), -math.inf, dtype=cp.float32) if work.fill
+                   else cp.empty((B, Hq, T), dtype=cp.float32))
+        elif work.fill:
+            lse.fill(-math.inf)
+        plan = work.plan
+        strides = (_strides(q)[:3], _strides(store.k)[:3], _strides(o)[:3])
+        kw = work.kwargs
+        if strides != (kw["q_strides"], kw["buf_strides"], kw["out_strides"]):
+            # this layer's q / K/V / out are laid out otherwise: the same launches with its
+            # strides (kept by value; the grid and the workspaces do not depend on them)
+            plan = self._kernel_plan(dtype, d, {**kw, "q_strides": strides[0],
+                                                "buf_strides": strides[1],
+                                                "out_strides": strides[2]})
+            assert not isinstance(plan, str) and plan.workspace == work.plan.workspace
+        if plan.launches:
+            arrays = {**work.arrays, "q": q, "k_buf": store.k, "v_buf": store.v, "out": o,
+                      "lse": lse}
+            if work.kv_dtype:
+                arrays.update(k_scale=store.k_scale, v_scale=store.v_scale)
+            self.runtime.run_plan(plan, arrays, dtype, d)
+        if out is not None and o is not out:
+            out[...] = o
+            o = out
+        if lse_out is not None and lse is not lse_out:
+            lse_out[...] = lse
+            lse = lse_out
+        return (o, lse) if return_lse else o
 
     def _attention(self, q, store, inputs, params, *, return_lse: bool):
+        """The unplanned call: routed, planned (kept by value) and uploaded (kept by value)
+        here."""
         k_buf, v_buf = store.k, store.v
         rows, lens, n_new = inputs.rows, inputs.lens, inputs.n_new
         dtype, kv_dtype = _dtypes_of(store)
         d = int(k_buf.shape[-1])
-        capability = None
-        request = Request.of_store("attention", store, features=params.features,
-                                   **inputs.token_facts(q.shape))
-        if routing.route_attention(request).impl != GENERIC:
-            sm_count, capability = self._facts()
-            request = request.with_(capability=capability, buffers=(
-                _store_rejection(store)
-                or _attention_layout_rejection(k_buf, v_buf, kv_dtype or dtype, d)
-                or (_scales_rejection(store, d) if kv_dtype else None)))
-        route = routing.route_attention(request)
+        route, request, sm_count, capability = self._attention_route(store, inputs, params,
+                                                                     tuple(q.shape))
         if route.impl == GENERIC:
             return super().attention(q, store, inputs, params, return_lse=return_lse)
         B, Hq, T, _ = (int(s) for s in q.shape)  # padded: the kernels read [B, Hq, T, d]
         cp = self.runtime.cp
         q = self._aligned(q, dtype, d)
-        Hkv = int(k_buf.shape[1])
-        lens = np.asarray(lens, dtype=np.int64)
-        n_new = np.asarray(n_new, dtype=np.int64)
-        if B and T and int(n_new.min()) == T:
+        if not _work.needs_fill((B, Hq, T, d), n_new, False):
             # No padded query: the kernels write every element of out and lse, so the two
             # fill launches are skipped (the common decode and prefill steps).
             out = cp.empty((B, Hq, T, d), dtype=q.dtype)
@@ -372,13 +545,9 @@ class CupyBackend(Backend):
             out = cp.zeros((B, Hq, T, d), dtype=q.dtype)
             lse = cp.full((B, Hq, T), -math.inf, dtype=cp.float32)
         assert capability is not None  # a kernel route: the device's facts were read above
-        kwargs = dict(batch=B, kv_heads=Hkv, group=Hq // Hkv, t_q=T, lens=lens, n_new=n_new,
-                      params=params, q_strides=_strides(q)[:3], buf_strides=_strides(k_buf)[:3],
-                      out_strides=_strides(out)[:3], sm_count=sm_count,
-                      tensor_cores=capability >= limits.MMA_MIN_CAPABILITY,
-                      pages=_pages_arg(store), kv_dtype=kv_dtype)
-        plan = self._plans.get(("attention", dtype, d, *_hashable(kwargs.values())),
-                               lambda: _plan_or_refusal(_plan.plan_attention, dtype, d, **kwargs))
+        kwargs = self._plan_kwargs(store, (B, Hq, T, d), lens, n_new, params, sm_count,
+                                   capability, _strides(q)[:3], _strides(out)[:3])
+        plan = self._kernel_plan(dtype, d, kwargs)
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
             route = routing.route_attention(request.with_(grid=plan))
         if route.impl == GENERIC:
@@ -421,11 +590,15 @@ class CupyBackend(Backend):
     def _upload_ints(self, *host_arrays):
         """Device int64 views of equally long host int arrays, through one host-to-device
         copy, kept by value (per device and stream) for the next layers of the same step."""
-        rt = self.runtime
-        packed = _pack_ints(*host_arrays)
-        key = (rt.device().id, rt.stream_ptr(), packed.shape, packed.tobytes())
-        device = self._uploads.get(key, lambda: rt.cp.asarray(packed))
+        device = self._upload(_pack_ints(*host_arrays))
         return tuple(device[i] for i in range(len(host_arrays)))
+
+    def _upload(self, host: np.ndarray):
+        """A device copy of a host array, kept by value (dtype, shape, bytes) per device and
+        stream: read-only, shared by every call that uploads the same values."""
+        rt = self.runtime
+        key = (rt.device().id, rt.stream_ptr(), host.dtype.str, host.shape, host.tobytes())
+        return self._uploads.get(key, lambda: rt.cp.asarray(host))
 
     def _upload_floats(self, values):
         """A device float32 copy of a tuple of floats (the sink logits, the ALiBi slopes), kept by value per
@@ -598,6 +771,41 @@ def _hashable(values) -> tuple:
 def _pack_ints(*host_arrays) -> np.ndarray:
     """Equally long host int arrays as the rows of one ``[len(host_arrays), n]`` int64 array."""
     return np.array([np.asarray(a, dtype=np.int64).reshape(-1) for a in host_arrays], dtype=np.int64)
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    """Element strides of a C-contiguous array of ``shape``."""
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= int(size)
+    return tuple(reversed(strides))
+
+
+def _extent(x) -> tuple[int, int]:
+    """[first, last + 1) byte addresses ``x`` covers (non-negative strides; empty: (0, 0))."""
+    if x.size == 0:
+        return 0, 0
+    lo = _address(x)
+    return lo, lo + sum((n - 1) * s for n, s in zip(x.shape, x.strides)) + x.itemsize
+
+
+def _disjoint(x, span: tuple[int, int]) -> bool:
+    """Whether ``x`` shares no byte with the ``_extent`` ``span``."""
+    lo, hi = _extent(x)
+    return lo == hi or span[0] == span[1] or hi <= span[0] or span[1] <= lo
+
+
+def _writable_out(out, q_span, dtype: str, d: int) -> bool:
+    """Whether the kernels may write ``out`` in place: rows aligned for their vector
+    stores, and no memory shared with q (``q_span``: the pre-fill, or another CTA's
+    stores, would change queries not yet read)."""
+    return _is_aligned(out, dtype, d) and _disjoint(out, q_span)
+
+
+def _writable_lse(lse, q_span) -> bool:
+    """The kernels write lse ``[B, Hq, T]`` C-contiguous (no strides of their own)."""
+    return bool(lse.flags.c_contiguous) and _disjoint(lse, q_span)
 
 
 def _strides(x) -> tuple[int, ...]:

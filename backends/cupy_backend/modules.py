@@ -39,8 +39,9 @@ def get_function(kernel: str, name: str):
 def run_plan(plan, arrays: dict, dtype: str, head_dim: int) -> None:
     """Launch every kernel of ``plan`` with ``Buf`` names resolved from ``arrays``.
 
-    Workspace buffers named by the plan are allocated here (uninitialized: the kernels
-    write every element that is read).
+    Workspace buffers named by the plan and not in ``arrays`` are allocated here
+    (uninitialized: the kernels write every element that is read); a planned batch
+    (work.py) hands its own, allocated once.
     """
     import cupy
 
@@ -48,7 +49,8 @@ def run_plan(plan, arrays: dict, dtype: str, head_dim: int) -> None:
 
     arrays = dict(arrays)
     for name, shape in plan.workspace.items():
-        arrays[name] = cupy.empty(shape, dtype=cupy.float32)
+        if name not in arrays:
+            arrays[name] = cupy.empty(shape, dtype=cupy.float32)
     if "dummy" not in arrays:
         arrays["dummy"] = cupy.empty(1, dtype=cupy.float32)
     for launch in plan.launches:

@@ -294,11 +294,13 @@ class Step:
     def plan_attention(self, q_heads: int, *, t_q: int | None = None, packed: bool = False,
                        scale: float | None = None, window: int | None = None,
                        softcap: float | None = None, sinks=None, params=None,
-                       alibi_slopes=None) -> AttentionPlan:
+                       alibi_slopes=None, fixed: bool = False,
+                       splits: int | None = None) -> AttentionPlan:
         """The attention plan of this step's batch for queries ``[B', q_heads, t_q, d]``
         (``t_q`` default: the largest n_new), or packed ``[sum(n_new), q_heads, d]`` with
         ``packed=True`` (no ``t_q``), and this variant, validated and planned once for
-        every layer: pass it as ``attend(..., plan=plan)``."""
+        every layer: pass it as ``attend(..., plan=plan)``. ``fixed`` / ``splits``: a
+        fixed-capacity plan (``gqakv.ops.plan``; later steps take it with ``adopt``)."""
         self._check_open()
         view = self._view(0)
         q_shape = packed_or_padded_shape(self.n_new, int(q_heads), self.cache.head_dim,
@@ -306,7 +308,19 @@ class Step:
         inputs = validate_attention_batch(view, q_shape, self.n_new, self.rows, scale, params,
                                           window=window, softcap=softcap, sinks=sinks,
                                           alibi_slopes=alibi_slopes)
-        return AttentionPlan(view, q_shape, inputs, owner=self)
+        return AttentionPlan(view, q_shape, inputs, owner=self, fixed=fixed, splits=splits)
+
+    def adopt(self, plan: AttentionPlan) -> AttentionPlan:
+        """A fixed plan (``plan_attention(..., fixed=True)`` of an earlier step of this
+        cache, or ``gqakv.plan_attention(..., fixed=True)``) updated in place for this
+        step's batch (``AttentionPlan.update``) and made this step's: pass it as
+        ``attend(..., plan=plan)``. Its launches stay the same (CUDA graphs)."""
+        self._check_open()
+        if not isinstance(plan, AttentionPlan):
+            raise TypeError(f"adopt takes an AttentionPlan, got {type(plan).__name__}")
+        plan.update(self._view(0), self.n_new, rows=self.rows)
+        plan.owner = self
+        return plan
 
     def _plan_for(self, view, q, variant: dict) -> AttentionPlan:
         """This step's plan for q's shape and the call's variant keywords, made on first

@@ -282,6 +282,19 @@ class Backend:
         already) and return ``(out, lse)`` (``gqakv.ops.plan``)."""
         return None
 
+    def plan_fixed_attention(self, store, inputs, params, q_shape, *, splits=None) -> Any:
+        """``plan_attention`` for fixed capacities (CUDA graphs): work whose launches and
+        device buffers do not depend on the lengths, so that ``update_attention`` can
+        give it the next step's in place (``splits``: a fixed decode split count, None:
+        the backend's choice). The default: ValueError (this backend plans per batch)."""
+        raise ValueError(f"backend {self.name!r} has no fixed-buffer attention plans (it plans "
+                         "each batch for its lengths: use plan_attention without fixed=)")
+
+    def update_attention(self, work, store, inputs) -> None:
+        """Give ``plan_fixed_attention``'s work new ``inputs`` (the same query shape and
+        variant, validated) in place."""
+        raise ValueError(f"backend {self.name!r} has no fixed-buffer attention plans")
+
     def attention(self, q, store, inputs, params, *, return_lse: bool):
         """Grouped-query attention of ``q`` over the live cache; see ``gqakv.gqa_attention``.
 

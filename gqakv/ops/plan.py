@@ -12,6 +12,11 @@ A backend that plans nothing (``plan_attention`` returns None: the default, so a
 third-party backend keeps working) is called as before for each run, and the caller's
 ``out`` / ``lse_out`` are filled from its result; one that returns work receives it and
 the caller's buffers (``attention(..., work=, out=, lse_out=)``) and writes into them.
+
+A fixed plan (``fixed=True``; backends with ``plan_fixed_attention``, the cupy one) is
+planned for the batch's capacities instead of its lengths, so what ``run`` launches stays
+the same from step to step (CUDA graphs); ``update`` (or ``Step.adopt``) validates the
+next batch and writes its lengths into the plan's device buffers in place.
 """
 
 from __future__ import annotations
@@ -63,29 +68,58 @@ class AttentionPlan:
         work: what the backend planned (None: it plans nothing ahead).
     """
 
-    __slots__ = ("backend", "spec", "kv_heads", "head_dim", "q_shape", "inputs", "work", "owner")
+    __slots__ = ("backend", "spec", "kv_heads", "head_dim", "q_shape", "inputs", "work", "owner",
+                 "fixed")
 
-    def __init__(self, cache, q_shape, inputs, owner=None):
+    def __init__(self, cache, q_shape, inputs, owner=None, *, fixed: bool = False, splits=None):
         self.owner = owner  # what made it (a Step checks that a plan handed to it is its own)
         self.backend = cache.backend
         self.spec = cache.store.spec
         self.kv_heads, self.head_dim = cache.kv_heads, cache.head_dim
         self.q_shape = tuple(int(s) for s in q_shape)
         self.inputs = inputs
-        self.work = self.backend.plan_attention(cache.store, inputs, inputs.params, self.q_shape)
+        self.fixed = check_flag(fixed, "fixed")
+        if splits is not None and not self.fixed:
+            raise TypeError("splits= applies to fixed plans (fixed=True)")
+        if self.fixed:
+            if len(self.q_shape) == 3:
+                raise ValueError("fixed plans take padded queries [B, Hq, T, d] (packed ones "
+                                 "change shape with n_new)")
+            self.work = self.backend.plan_fixed_attention(cache.store, inputs, inputs.params,
+                                                          self.q_shape, splits=splits)
+        else:
+            self.work = self.backend.plan_attention(cache.store, inputs, inputs.params,
+                                                    self.q_shape)
 
     @classmethod
     def of(cls, cache, n_new, *, q_heads: int, t_q: int | None = None, packed: bool = False,
            rows=None, scale=None, params=None, window=None, softcap=None, sinks=None,
-           alibi_slopes=None) -> "AttentionPlan":
+           alibi_slopes=None, fixed: bool = False, splits=None) -> "AttentionPlan":
         """The plan of ``gqa_attention(q, cache, n_new, rows=rows, ...)`` for queries
         ``[len(n_new), q_heads, t_q, d]`` (``t_q`` default: the largest n_new), or packed
         ``[sum(n_new), q_heads, d]`` with ``packed=True``, validated against ``cache`` as
-        it is now (run it before the cache changes)."""
+        it is now (run it before the cache changes). ``fixed``: planned for the
+        capacities (B entries of t_q queries over rows of the cache's max_len; ``splits``
+        decode splits) so that ``update`` takes each next batch in place (CUDA graphs;
+        backends with ``plan_fixed_attention`` only)."""
         q_shape = packed_or_padded_shape(n_new, q_heads, cache.head_dim, t_q=t_q, packed=packed)
         inputs = validate_attention_batch(cache, q_shape, n_new, rows, scale, params, window=window,
                                           softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
-        return cls(cache, q_shape, inputs)
+        return cls(cache, q_shape, inputs, fixed=fixed, splits=splits)
+
+    def update(self, cache, n_new, *, rows=None) -> None:
+        """A fixed plan's next batch: ``n_new`` / ``rows`` (the same B, n_new <= T)
+        validated against ``cache`` as it is now (its lengths; the plan's variant) and
+        written into the plan's device buffers in place, so the launches ``run`` issues
+        stay the same (no allocation, no host-to-device copy in ``run``). Nothing changes
+        when validation fails."""
+        if not self.fixed:
+            raise ValueError("update takes a fixed plan (plan_attention(..., fixed=True)); "
+                             "plan again for a new batch")
+        self.check_cache_kind(cache)
+        inputs = validate_attention_batch(cache, self.q_shape, n_new, rows, params=self.params)
+        self.backend.update_attention(self.work, cache.store, inputs)
+        self.inputs = inputs
 
     @property
     def params(self):
@@ -106,15 +140,7 @@ class AttentionPlan:
 
     def check_cache(self, cache) -> None:
         """ValueError unless ``cache`` is one this plan runs over (see ``run``)."""
-        if cache.backend is not self.backend:
-            raise ValueError(f"the plan was made for backend {self.backend.name!r}, the cache "
-                             f"is on {cache.backend.name!r}")
-        if (cache.store.spec != self.spec or cache.kv_heads != self.kv_heads
-                or cache.head_dim != self.head_dim):
-            raise ValueError(f"the plan was made for {self.spec.dtype} {self.spec.kind} storage "
-                             f"with Hkv={self.kv_heads}, d={self.head_dim}; this cache has "
-                             f"{cache.store.spec.dtype} {cache.store.kind}, Hkv={cache.kv_heads}, "
-                             f"d={cache.head_dim}")
+        self.check_cache_kind(cache)
         rows, lens = self.inputs.rows, self.inputs.lens
         if int(rows.max(initial=-1)) >= cache.batch:
             raise ValueError(f"the plan reads rows up to {int(rows.max())}; this cache has "
@@ -125,6 +151,18 @@ class AttentionPlan:
             raise ValueError(f"the plan is stale: row {int(rows[i])} held {int(lens[i])} tokens "
                              f"when it was planned and holds {int(now[i])} now (plan again "
                              "after every append)")
+
+    def check_cache_kind(self, cache) -> None:
+        """ValueError unless ``cache`` has the plan's backend, storage, heads and head dim."""
+        if cache.backend is not self.backend:
+            raise ValueError(f"the plan was made for backend {self.backend.name!r}, the cache "
+                             f"is on {cache.backend.name!r}")
+        if (cache.store.spec != self.spec or cache.kv_heads != self.kv_heads
+                or cache.head_dim != self.head_dim):
+            raise ValueError(f"the plan was made for {self.spec.dtype} {self.spec.kind} storage "
+                             f"with Hkv={self.kv_heads}, d={self.head_dim}; this cache has "
+                             f"{cache.store.spec.dtype} {cache.store.kind}, Hkv={cache.kv_heads}, "
+                             f"d={cache.head_dim}")
 
     def check_tensors(self, cache, q, out=None, lse_out=None) -> None:
         """The per-run checks: ``q`` (library, device, rank, dtype and ``q_shape``) and the

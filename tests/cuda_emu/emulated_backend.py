@@ -102,6 +102,15 @@ class EmulatedDeviceArray(np.ndarray):
         """Host copy, like ``cupy.ndarray.get``."""
         return np.array(self, subok=False)
 
+    def set(self, arr) -> None:
+        """Host-to-device copy into this array, like ``cupy.ndarray.set``: a NumPy array
+        of the same shape and dtype (no allocation on the device)."""
+        if isinstance(arr, EmulatedDeviceArray) or not isinstance(arr, np.ndarray):
+            raise TypeError(f"set takes a host NumPy array, got {type(arr).__name__}")
+        if arr.shape != self.shape or arr.dtype != self.dtype:
+            raise ValueError(f"set: {arr.dtype}{list(arr.shape)} into {self.dtype}{list(self.shape)}")
+        np.copyto(self, arr)
+
 
 def _on_device(a: np.ndarray) -> EmulatedDeviceArray:
     """``a``'s memory as an array on the current emulated device."""

@@ -501,6 +501,12 @@ class Emulator:
                     raise ValueError(f"{name} partially overlaps {other}")
             by_memory[key] = name
         for name, shape in plan.workspace.items():
+            if name in arrays:  # the caller's (a planned batch's own workspaces)
+                want = 4 * int(np.prod(shape))  # fp32
+                if arrays[name].nbytes != want:
+                    raise ValueError(f"workspace {name} has {arrays[name].nbytes} bytes, the plan "
+                                     f"names {list(shape)} fp32 ({want})")
+                continue
             arrays[name] = np.full(shape, np.nan, dtype=np.float32)  # garbage, like cupy.empty
         arrays.setdefault("dummy", np.full(1, np.nan, dtype=np.float32))
         ptrs: dict[str, int] = {}

@@ -1,0 +1,145 @@
+"""A planned attention batch on the device: what every layer of a step shares, made once.
+
+``CupyBackend.plan_attention`` returns a ``CupyWork`` for a batch its fused kernels serve
+(padded queries; packed ones take the generic code on CuPy, so they get no work): the
+kernel plan (``plan.Plan``), the device index arrays the kernels read (rows / lens /
+n_new ``[B]`` int64 from one upload, the sinks and ALiBi slopes ``[Hq]`` float32, a paged
+store's table ``[R, pages_per_row]`` int32) and the split workspaces the plan names
+(``part_o`` / ``part_lse``, and the 1-element ``dummy``), all allocated once. A run then
+hands these to the launcher as they are: no host-to-device copy, and no allocation when
+the caller gives ``out`` / ``lse_out`` the kernels can write.
+
+Fixed mode (``fixed=True``: CUDA graphs): the plan is made for the batch's capacity, not
+its lengths: every row as long as the store holds (``store.max_len`` keys) and every entry
+with T queries, at a split count fixed up front. The launch grid and every scalar argument
+(``keys_per_split`` included) then depend on the shapes only; the kernels already read each
+row's own length and n_new from the device arrays (a split past a row's keys writes lse
+-inf, ``write_empty_split``; blocks past n_new return), so ``update`` rewrites those
+arrays in place (``ndarray.set``) for the next step and the launches stay the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gqakv.core.inputs import AttentionInputs
+
+from .plan import Plan
+
+
+@dataclass(eq=False)
+class CupyWork:
+    """One batch's planned attention (see the module docstring).
+
+    Attributes:
+        inputs: the ``AttentionInputs`` it serves (``attention`` uses it for that one only).
+        q_shape: ``(B, Hq, T, d)``.
+        dtype, kv_dtype, head_dim: what the kernels were instantiated for.
+        kwargs: the planner's keywords (``plan.plan_attention``): strides of the planning
+            layer's K/V and of C-contiguous q / out; a run with other strides replans
+            with its own (the buffers stay the work's).
+        plan: the kernel plan for ``kwargs``.
+        device: the device id the arrays live on; stream: the stream the uploads were
+            queued on. A run on another stream is not planned (the uploads may not have
+            landed for it, and two streams would share the workspaces), except for a fixed
+            work, whose caller orders its streams (a CUDA graph is captured on its own).
+        arrays: name -> device array: rows, lens, n_new, [sinks], [alibi], [table],
+            [part_o, part_lse], dummy.
+        ints: the ``[3, B]`` int64 array rows / lens / n_new are views of.
+        table: the ``PageTable`` whose entries were uploaded (paged), and ``entries`` a
+            host copy of them (a run checks they still hold).
+        fill: out / lse need their 0 / -inf before the launch (padded queries or idle
+            rows; always in fixed mode, whose lengths change without a replan).
+        fixed: made for capacities (``update`` takes new lengths).
+    """
+
+    inputs: AttentionInputs
+    q_shape: tuple[int, int, int, int]
+    dtype: str
+    kv_dtype: str | None
+    head_dim: int
+    kwargs: dict
+    plan: Plan
+    device: int
+    stream: int = 0  # the stream it was planned on (its uploads were queued there)
+    arrays: dict = field(default_factory=dict)
+    ints: Any = None  # a device array (the runtime's cp.ndarray)
+    table: Any = None  # gqakv.storage.paged.PageTable
+    entries: np.ndarray | None = None
+    fill: bool = True
+    fixed: bool = False
+
+
+def pack_ints(rows, lens, n_new) -> np.ndarray:
+    """rows, lens, n_new ([B] host ints) as the ``[3, B]`` int64 array uploaded at once."""
+    return np.array([np.asarray(a, dtype=np.int64).reshape(-1) for a in (rows, lens, n_new)],
+                    dtype=np.int64)
+
+
+def table_entries(store) -> np.ndarray:
+    """A host copy of a paged store's page table as the kernels read it: ``[R,
+    pages_per_row]`` int32 (a copy: the table changes in place, the work compares)."""
+    return np.array(store.page_table.entries, dtype=np.int32, order="C")
+
+
+def needs_fill(q_shape, n_new, fixed: bool) -> bool:
+    """Whether out / lse must be pre-filled (0 / -inf): some padded query or idle row
+    that no kernel writes, or a fixed plan (its next lengths are not known)."""
+    B, _, T, _ = q_shape
+    return fixed or not (B and T and int(np.min(n_new)) == T)
+
+
+def upload(cp, work: CupyWork, store, params, put=None) -> None:
+    """Allocate and fill the work's device arrays (on the current device): the one
+    host-to-device copy of the batch's ints, the variant's floats, the page table, and
+    the plan's workspaces (uninitialized: the kernels write every element they read).
+
+    put: ``put(host) -> device array``, the copy to the device (default ``cp.asarray``: the
+    work's own arrays, which a fixed work must have, ``update`` writing into them); the
+    backend passes its by-value uploads for other works, so that a batch planned again
+    (``gqa_attention`` per layer: a plan per call) finds the last one's arrays."""
+    put = put or cp.asarray
+    inputs = work.inputs
+    work.ints = put(pack_ints(inputs.rows, inputs.lens, inputs.n_new))
+    for i, name in enumerate(("rows", "lens", "n_new")):
+        work.arrays[name] = work.ints[i]
+    if params.sinks is not None:
+        work.arrays["sinks"] = put(np.asarray(params.sinks, dtype=np.float32))
+    if params.alibi_slopes is not None:
+        work.arrays["alibi"] = put(np.asarray(params.alibi_slopes, dtype=np.float32))
+    if work.kwargs.get("pages") is not None:
+        work.table, work.entries = store.page_table, table_entries(store)
+        work.arrays["table"] = put(work.entries)
+    for name, shape in work.plan.workspace.items():
+        work.arrays[name] = cp.empty(shape, dtype=cp.float32)
+    work.arrays["dummy"] = cp.empty(1, dtype=cp.float32)
+
+
+def update(work: CupyWork, store, inputs) -> None:
+    """A fixed work's device ints (and page table) rewritten in place for ``inputs`` (the
+    same B; lengths within the capacity it was planned for): copies into the arrays the
+    launches name, no allocation on the device."""
+    work.ints.set(pack_ints(inputs.rows, inputs.lens, inputs.n_new))
+    if work.table is not None:
+        entries = table_entries(store)
+        work.arrays["table"].set(entries)
+        work.table, work.entries = store.page_table, entries
+    work.inputs = inputs
+
+
+def serves(work: CupyWork, inputs, store, device: int, stream: int) -> bool:
+    """Whether ``work`` may run this call: planned for these very ``inputs``, on the
+    store's device and this stream (see ``CupyWork``), and (paged) through the same page
+    table, whose entries still hold what was uploaded (a reorder keeps lengths but moves
+    pages)."""
+    if work.inputs is not inputs or work.device != device:
+        return False
+    if stream != work.stream and not work.fixed:
+        return False
+    if work.table is None:
+        return True
+    return (store.page_table is work.table and work.entries is not None
+            and np.array_equal(store.page_table.entries, work.entries))
