@@ -644,3 +644,15 @@ def test_rows_beyond_32_bit_key_offsets_go_generic():
         buf = np.lib.stride_tricks.as_strided(base, shape=(1, 1, max_len, 256),
                                               strides=(0, 0, 256 * 4, 4))
         assert _attention_layout_rejection(buf, buf, "float32", 256) == expect
+
+
+def test_out_overlap_check_sees_flipped_views():
+    """The planned run's check that ``out`` shares no memory with q covers every byte a
+    view reaches, negative strides included (a flipped view starts at its last row)."""
+    from gqakv_backends.cupy_backend import _disjoint, _extent
+
+    a = np.zeros((4, 6), np.float32)
+    assert _extent(a[::-1]) == _extent(a)
+    assert not _disjoint(a[::-1], _extent(a[1:2]))
+    assert _disjoint(a[:2], _extent(a[2:])) and _disjoint(a[2:][::-1], _extent(a[:2]))
+    assert _extent(a[:0]) == (0, 0)

@@ -783,11 +783,14 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
 
 
 def _extent(x) -> tuple[int, int]:
-    """[first, last + 1) byte addresses ``x`` covers (non-negative strides; empty: (0, 0))."""
+    """[first, last + 1) byte addresses ``x`` covers (any strides, a flipped view's
+    negative ones included; empty: (0, 0))."""
     if x.size == 0:
         return 0, 0
-    lo = _address(x)
-    return lo, lo + sum((n - 1) * s for n, s in zip(x.shape, x.strides)) + x.itemsize
+    start = _address(x)  # the first element's; negative strides reach below it
+    steps = [(n - 1) * s for n, s in zip(x.shape, x.strides)]
+    return (start + sum(t for t in steps if t < 0),
+            start + sum(t for t in steps if t > 0) + x.itemsize)
 
 
 def _disjoint(x, span: tuple[int, int]) -> bool:
