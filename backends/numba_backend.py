@@ -43,7 +43,7 @@ import numpy as np
 from gqakv.dispatch.backend import GENERIC, FastPath, Route
 from gqakv.dispatch.request import Request, as_request
 from gqakv.storage.codecs import PLAIN_NAME
-from gqakv.core.inputs import PACKED, PADDED
+from gqakv.core.inputs import PACKED, PADDED, AttentionInputs
 from gqakv.core.semantics import AttentionParams, block_keys
 from gqakv.storage.store import CONTIGUOUS, PAGED
 
@@ -504,13 +504,7 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
     nk = _kernels()
     shape = work.q_shape
     d = shape[-1]
-    # the kernels write C-contiguous float32 buffers: the caller's when they are such
-    # (not when they share memory with q: the kernels read q after the output is zeroed)
-    direct = (out is not None and out.dtype == np.float32 and out.flags.c_contiguous
-              and not np.may_share_memory(out, q))
-    o = out if direct else np.empty(shape, dtype=np.float32)
-    lse_direct = lse_out is not None and lse_out.flags.c_contiguous and not np.may_share_memory(lse_out, q)
-    lse = lse_out if lse_direct else np.empty(shape[:-1], dtype=np.float32)
+    o, lse = _result_buffers(q, shape, out, lse_out)
     # padded queries, idle rows and a query whose every score is -inf keep 0 and -inf
     o[...] = 0
     lse[...] = -np.inf
@@ -536,15 +530,7 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
             if work.groups is not None:
                 nk.merge_pieces(work.groups, work.group_starts, work.piece_rows, o_part, ml_part,
                                 work.G, work.sinks, o4, lse3, at)
-    if out is not None and not direct:
-        out[...] = o
-        o = out
-    elif o.dtype != q.dtype:
-        o = o.astype(q.dtype)
-    if lse_out is not None and not lse_direct:
-        lse_out[...] = lse
-        lse = lse_out
-    return (o, lse) if return_lse else o
+    return _hand_back(q, o, lse, out, lse_out, return_lse)
 
 
 class MixedWork:
@@ -563,8 +549,6 @@ class MixedWork:
 def _subset(inputs, selected: np.ndarray):
     """The AttentionInputs of the batch entries ``selected`` (a packed batch: their offsets
     still address the whole q)."""
-    from gqakv.core.inputs import AttentionInputs
-
     return AttentionInputs(rows=inputs.rows[selected], lens=inputs.lens[selected],
                            n_new=inputs.n_new[selected], params=inputs.params,
                            offsets=inputs.offsets[selected])
@@ -599,12 +583,7 @@ def run_mixed(work: MixedWork, q, store, *, return_lse: bool, out=None, lse_out=
     from . import numpy_readers
     from .numpy_attention import attend
 
-    direct = (out is not None and out.dtype == np.float32 and out.flags.c_contiguous
-              and not np.may_share_memory(out, q))
-    o = out if direct else np.empty(q.shape, dtype=np.float32)
-    lse_direct = (lse_out is not None and lse_out.flags.c_contiguous
-                  and not np.may_share_memory(lse_out, q))
-    lse = lse_out if lse_direct else np.empty(q.shape[:-1], dtype=np.float32)
+    o, lse = _result_buffers(q, q.shape, out, lse_out)
     k_buf, v_buf = kernel_layout(store)
     if isinstance(k_buf, np.ndarray):  # contiguous arrays: float16/bfloat16 as their bits
         k_buf, v_buf = _kernel_buffers(k_buf, v_buf, _kernels())
@@ -613,12 +592,32 @@ def run_mixed(work: MixedWork, q, store, *, return_lse: bool, out=None, lse_out=
               out=o, lse_out=lse, offsets=a.offsets)
     attend(q, numpy_readers.reader_of(store, b.rows), b.lens, b.n_new, params=b.params,
            return_lse=True, planned=work.long_work, offsets=b.offsets, into=(o, lse))
-    if out is not None and not direct:
-        out[...] = o
-        o = out
+    return _hand_back(q, o, lse, out, lse_out, return_lse)
+
+
+def _result_buffers(q, shape, out, lse_out):
+    """The float32 out ``shape`` and lse ``shape[:-1]`` the kernels write (C-contiguous):
+    the caller's ``out`` / ``lse_out`` where they are such (not when they share memory
+    with q: the kernels read q after the output is zeroed), else new ones."""
+    direct = (out is not None and out.dtype == np.float32 and out.flags.c_contiguous
+              and not np.may_share_memory(out, q))
+    lse_direct = (lse_out is not None and lse_out.flags.c_contiguous
+                  and not np.may_share_memory(lse_out, q))
+    return (out if direct else np.empty(shape, dtype=np.float32),
+            lse_out if lse_direct else np.empty(shape[:-1], dtype=np.float32))
+
+
+def _hand_back(q, o, lse, out, lse_out, return_lse: bool):
+    """The call's result from the buffers ``_result_buffers`` chose: copied into the
+    caller's ``out`` / ``lse_out`` where the kernels did not write them, else o in q's
+    dtype."""
+    if out is not None:  # (returned as given: never a cast copy of it)
+        if o is not out:
+            out[...] = o
+            o = out
     elif o.dtype != q.dtype:
         o = o.astype(q.dtype)
-    if lse_out is not None and not lse_direct:
+    if lse_out is not None and lse is not lse_out:
         lse_out[...] = lse
         lse = lse_out
     return (o, lse) if return_lse else o

@@ -277,22 +277,12 @@ def test_every_layer_of_a_step_runs_on_one_plan(monkeypatch):
     batch validation and one backend plan per step, not one per layer."""
     from gqakv.caches import model_cache
 
+    from .support.spies import counting
+
     model = _model("numba", dtype="float32", n_layers=4)
-    calls = {"validate": 0, "plan": 0}
-    real_validate = model_cache.validate_attention_batch
-    real_plan = model.backend.plan_attention
-
-    def validate(*args, **kwargs):
-        calls["validate"] += 1
-        return real_validate(*args, **kwargs)
-
-    def plan(*args, **kwargs):
-        calls["plan"] += 1
-        return real_plan(*args, **kwargs)
-
-    monkeypatch.setattr(model_cache, "validate_attention_batch", validate)
-    monkeypatch.setattr(model.backend, "plan_attention", plan)
+    validated = counting(monkeypatch, model_cache, "validate_attention_batch")
+    planned = counting(monkeypatch, model.backend, "plan_attention")
     result = generate(model, RAGGED_PROMPTS, 3)  # a prefill step, then 2 decode steps
     steps = 3
-    assert calls == {"validate": steps, "plan": steps}, calls
+    assert (len(validated), len(planned)) == (steps, steps), (validated, planned)
     assert np.asarray(result.tokens).shape[0] == len(RAGGED_PROMPTS)

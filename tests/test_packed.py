@@ -23,23 +23,12 @@ import gqakv
 from gqakv.caches import model_cache
 from gqakv.storage.paged import pages_for
 
+from .support.spies import counting
 from .support.arrays import BackendArrays
 from .support.packing import pack_tokens
 from .support.reference import reference_attention
 
 LAYERS, B, HKV, G, D, S = 3, 4, 2, 2, 8, 48  # d=8: the emulator holds every variant there, paged too
-
-
-def _counting(monkeypatch, module, name):
-    calls = []
-    real = getattr(module, name)
-
-    def counted(*args, **kwargs):
-        calls.append(name)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
 
 
 def _history(rng, lens_before):
@@ -76,8 +65,8 @@ def test_packed_step_matches_reference_and_padded(backend, n_new, storage, monke
         padded = [arrays.to_numpy(step.attend(l, arrays.asarray(q[l]), arrays.asarray(k[l]),
                                               arrays.asarray(k[l]), window=12))
                   for l in range(LAYERS)]
-    batches = _counting(monkeypatch, model_cache, "validate_attention_batch")
-    plans = _counting(monkeypatch, backend, "plan_attention")
+    batches = counting(monkeypatch, model_cache, "validate_attention_batch")
+    plans = counting(monkeypatch, backend, "plan_attention")
     with caches[1].step(n_new) as step:
         # numba splits a packed mixed batch: rows of <= 8 queries to its kernels, longer
         # chunks to the BLAS path (each part's bits are its implementation's)

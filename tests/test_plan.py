@@ -19,22 +19,11 @@ import pytest
 import gqakv
 from gqakv.caches import model_cache
 
+from .support.spies import counting
 from .support.reference import reference_on_buffers
 from .support.tolerance import max_error, plain_float32_attention
 
 LAYERS, B, HKV, G, D = 32, 3, 2, 2, 20  # d=20: a head dim the CUDA emulator instantiates
-
-
-def _counting(monkeypatch, module, name):
-    calls = []
-    real = getattr(module, name)
-
-    def counted(*args, **kwargs):
-        calls.append(name)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
 
 
 def _rng_arrays(backend, rng, shape, dtype="float32"):
@@ -54,9 +43,9 @@ def test_a_step_validates_and_plans_its_batch_once(backend, monkeypatch):
         for l in range(LAYERS):
             x = backend.from_numpy(history[l], "float32")
             step.write(l, x, x)
-    appends = _counting(monkeypatch, model_cache, "validate_append")
-    batches = _counting(monkeypatch, model_cache, "validate_attention_batch")
-    plans = _counting(monkeypatch, backend, "plan_attention")
+    appends = counting(monkeypatch, model_cache, "validate_append")
+    batches = counting(monkeypatch, model_cache, "validate_attention_batch")
+    plans = counting(monkeypatch, backend, "plan_attention")
     n_new = [3, 1, 0]
     q = [rng.standard_normal((B, HKV * G, 3, D)).astype(np.float32) for _ in range(LAYERS)]
     k = [rng.standard_normal((B, HKV, 3, D)).astype(np.float32) for _ in range(LAYERS)]
@@ -245,7 +234,7 @@ def test_the_cpu_backends_use_their_plan_on_every_layer(monkeypatch, name, t_q, 
     from gqakv_backends import numba_backend, numpy_attention
 
     backend = gqakv.get_backend(name)
-    calls = _counting(monkeypatch, numba_backend if planner == "numba" else numpy_attention,
+    calls = counting(monkeypatch, numba_backend if planner == "numba" else numpy_attention,
                       "plan_numba" if planner == "numba" else "plan_items")
     cache = gqakv.ModelKVCache(LAYERS, 2, HKV, 64, D, dtype="float32", backend=backend)
     x = np.ones((2, HKV, t_q, D), np.float32)

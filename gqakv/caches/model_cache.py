@@ -25,8 +25,8 @@ from typing import Literal
 import numpy as np
 
 from ..core.dims import check_dim, check_dims
-from ..core.inputs import (_rows, check_capacity, check_flag, check_queries, host_ints, immutable_ints,
-                           validate_append, validate_attention_batch)
+from ..core.inputs import (_rows, check_capacity, check_flag, check_queries, check_same_layout,
+                           host_ints, immutable_ints, validate_append, validate_attention_batch)
 from ..ops.plan import AttentionPlan, packed_or_padded_shape
 from ..core.units import human_bytes
 from ..storage.sizing import resolve_model
@@ -266,10 +266,7 @@ class Step:
             inputs = self._validate_write(l, k_new, v_new)
             view = self._view(l)  # validated against before the write; read only after it
             q_shape = tuple(getattr(q, "shape", ()))
-            if len(q_shape) in (3, 4) and len(q_shape) != len(k_new.shape):
-                raise ValueError(
-                    f"q {list(q_shape)} and k_new {list(k_new.shape)} are laid out differently: "
-                    "both padded ([B', H, T, d]) or both packed ([N, H, d])")
+            check_same_layout(q, k_new)
             if len(q_shape) == 4 and q_shape[::2] != tuple(k_new.shape[::2]):
                 raise ValueError(
                     f"q {list(q_shape)} does not match k_new {list(k_new.shape)}: q must have the "

@@ -25,8 +25,8 @@ import numpy as np
 from ..core import dtypes as _dtypes
 from ..ops.plan import AttentionPlan
 from .cache import write
-from ..core.inputs import (_to_numpy, batch_of_n_new, check_flag, check_outputs, host_ints,
-                           validate_append, validate_attention)
+from ..core.inputs import (_to_numpy, batch_of_n_new, check_flag, check_outputs,
+                           check_same_layout, host_ints, validate_append, validate_attention)
 from ..storage.paged import PagedStore, PageTableView, pages_for
 from ..dispatch.registry import get_backend, list_backends
 from ..storage.store import PAGED, StorageSpec
@@ -328,10 +328,7 @@ def paged_append_attention(q, k_new, v_new, k_pages, v_pages, page_table, lens, 
     ``paged_append`` and ``paged_attention``.
     """
     return_lse = check_flag(return_lse, "return_lse")
-    q_rank, k_rank = len(getattr(q, "shape", ())), len(getattr(k_new, "shape", ()))
-    if q_rank in (3, 4) and k_rank in (3, 4) and q_rank != k_rank:
-        raise ValueError(f"q {list(q.shape)} and k_new {list(k_new.shape)} are laid out "
-                         "differently: both padded ([B, H, T, d]) or both packed ([N, H, d])")
+    check_same_layout(q, k_new)
     backend, store, append = _validate_paged_append(k_pages, v_pages, page_table, lens, k_new,
                                                     v_new, n_new, backend)
     view = _PoolView(backend, store, host_ints(lens, "lens", store.rows))

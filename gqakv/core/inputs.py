@@ -197,6 +197,15 @@ def validate_append(cache, k_new, v_new, n_new, rows=None) -> AppendInputs:
     return AppendInputs(rows=r, starts=starts, n_new=n, offsets=offsets)
 
 
+def check_same_layout(q, k_new) -> None:
+    """ValueError when one of q and k_new is padded (rank 4) and the other packed (rank 3):
+    a call's new tokens share one layout (other ranks are judged by their own checks)."""
+    q_rank, k_rank = len(getattr(q, "shape", ())), len(getattr(k_new, "shape", ()))
+    if q_rank in (3, 4) and k_rank in (3, 4) and q_rank != k_rank:
+        raise ValueError(f"q {list(q.shape)} and k_new {list(k_new.shape)} are laid out "
+                         "differently: both padded ([B, H, T, d]) or both packed ([N, H, d])")
+
+
 def check_packed_backend(backend, what: str) -> None:
     """TypeError unless ``backend`` takes packed tokens (``Backend.packed_tokens``)."""
     if not getattr(backend, "packed_tokens", False):
