@@ -455,6 +455,7 @@ class Generation:
     time_to_first_token: float  # seconds from start to every row's first token
     decode_seconds: float  # seconds for the remaining n_new_tokens - 1 steps
     cache_nbytes: int = 0
+    prefix_hits: np.ndarray | None = None  # [B] prompt tokens each row found in the prefix cache
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -491,8 +492,13 @@ def _check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
     return rows
 
 
+def _has_prefix_cache(cache) -> bool:
+    return cache.store.kind == "paged" and cache.prefix_index is not None
+
+
 def generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-             chunks=None, pad_id: int = 0, cache_options: dict | None = None) -> Generation:
+             chunks=None, pad_id: int = 0, cache_options: dict | None = None,
+             cache: gqakv.ModelKVCache | None = None, salt=None) -> Generation:
     """Greedy generation through the KV cache: chunked prefill, then batched ragged decode.
 
     Prefill feeds every row its next ``chunk`` prompt tokens per call (rows whose prompt
@@ -500,6 +506,14 @@ def generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens
     share each call. A row's first token comes from its last prompt token's logits;
     then every row decodes one token per step, each at its own position.
     ``cache_options``: passed to ``model.new_cache`` (``page_size``, ``kv_dtype``, ...).
+
+    ``cache``: an existing ``model.new_cache(...)`` to serve from instead of a new one
+    (rows ``0..B-1`` are reset first, which returns their pages to its pool). With a
+    prefix cache (``prefix_cache=True``), each row starts on the cached pages of its
+    prompt's longest cached prefix (``match_prefix``, ``salt``) and prefills only the
+    rest; every row's prompt, and at the end its prompt and generated tokens, are
+    cached for the next call (``cache_prefix``). ``Generation.prefix_hits`` says how
+    many prompt tokens each row found.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -510,10 +524,21 @@ def generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens
     V = model.config.vocab_size
     out_tokens = np.empty((B, max_new_tokens), dtype=np.int64)
     out_logits = np.empty((max_new_tokens, B, V), dtype=np.float64)
+    if cache is not None and (cache.batch < B or cache.max_len < int(lens.max()) + max_new_tokens):
+        raise ValueError(f"the cache has {cache.batch} rows of {cache.max_len} tokens; {B} rows of up "
+                         f"to {int(lens.max()) + max_new_tokens} tokens are needed")
 
     t0 = time.perf_counter()
-    cache = model.new_cache(B, int(lens.max()) + max_new_tokens, **(cache_options or {}))
+    if cache is None:
+        cache = model.new_cache(B, int(lens.max()) + max_new_tokens, **(cache_options or {}))
+    else:
+        cache.reset(list(range(B)))
+    prefix = _has_prefix_cache(cache)
     fed = np.zeros(B, dtype=np.int64)
+    if prefix:
+        for b in range(B):
+            fed[b] = cache.match_prefix(b, rows[b], salt=salt)
+    hits = fed.copy()
     step = 0
     while (fed < lens).any():
         n_new = np.minimum(chunk_of(step), lens - fed)
@@ -527,6 +552,9 @@ def generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens
         step += 1
     out_tokens[:, 0] = np.argmax(out_logits[0], axis=-1)
     t1 = time.perf_counter()
+    if prefix:
+        for b in range(B):
+            cache.cache_prefix(b, rows[b], salt=salt)
 
     ones = np.ones(B, dtype=np.int64)
     for i in range(1, max_new_tokens):
@@ -534,7 +562,10 @@ def generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens
         out_logits[i] = logits
         out_tokens[:, i] = np.argmax(logits, axis=-1)
     t2 = time.perf_counter()
-    return Generation(out_tokens, out_logits, t1 - t0, t2 - t1, cache.nbytes)
+    if prefix:  # the generated tokens the cache holds (all but the last) are reusable too
+        for b in range(B):
+            cache.cache_prefix(b, np.concatenate([rows[b], out_tokens[b, :-1]]), salt=salt)
+    return Generation(out_tokens, out_logits, t1 - t0, t2 - t1, cache.nbytes, hits)
 
 
 def generate_uncached(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
