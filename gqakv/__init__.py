@@ -14,6 +14,7 @@ from .dispatch.request import Request
 from .caches.cache import KVCache
 from .caches.model_cache import ModelKVCache, Step
 from .storage.paged import OutOfPages
+from .storage.prefix_index import PrefixIndex
 from .caches.paged_cache import PagedKVCache
 from .caches.paged_functional import paged_append, paged_append_attention, paged_attention
 from .ops.merge import apply_sinks, merge_attention
@@ -60,6 +61,7 @@ __all__ = [
     "ModelKVCache",
     "OutOfPages",
     "PagedKVCache",
+    "PrefixIndex",
     "Step",
     "StorageSpec",
     "apply_sinks",

@@ -367,7 +367,8 @@ class LlamaModel:
 
     # -- forward passes ---------------------------------------------------------------------
 
-    def forward(self, tokens, n_new, cache: gqakv.ModelKVCache, *, last_only: bool = False) -> np.ndarray:
+    def forward(self, tokens, n_new, cache: gqakv.ModelKVCache, *, last_only: bool = False,
+                rows=None) -> np.ndarray:
         """Cached forward of the next tokens of each row; returns host (NumPy) logits.
 
         Args:
@@ -377,6 +378,8 @@ class LlamaModel:
                 L_b + n_new[b] after. Token t of row b gets RoPE position L_b + t.
             last_only: return only each row's last real token's logits, ``[B, V]``
                 (rows with n_new[b] = 0 give meaningless values).
+            rows: ``[B]`` distinct cache rows the batch's entries are (default ``0..B-1``,
+                the whole cache).
 
         Returns:
             ``[B, T, V]`` logits (padded slots meaningless), or ``[B, V]`` with last_only.
@@ -391,7 +394,7 @@ class LlamaModel:
         guard = self._guard(B, T)
         step = None
         try:
-            step = guard.run(lambda: cache.step(n_new))
+            step = guard.run(lambda: cache.step(n_new, rows=rows))
             x = self._decoder(tokens, lambda: step.starts[:, None] + np.arange(T),  # continue from each row's length
                               lambda i, q, k, v: step.attend(i, q, k, v, params=params[i]), guard)
             logits = guard.run(lambda: self._logits(x, np.maximum(n_new - 1, 0) if last_only else None))
@@ -534,6 +537,7 @@ def generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens
     else:
         cache.reset(list(range(B)))
     prefix = _has_prefix_cache(cache)
+    rows_used = None if cache.batch == B else list(range(B))
     fed = np.zeros(B, dtype=np.int64)
     if prefix:
         for b in range(B):
@@ -545,7 +549,7 @@ def generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens
         tokens = np.full((B, int(n_new.max())), pad_id, dtype=np.int64)
         for b in range(B):
             tokens[b, : n_new[b]] = rows[b][fed[b] : fed[b] + n_new[b]]
-        logits = model.forward(tokens, n_new, cache, last_only=True)  # [B, V]
+        logits = model.forward(tokens, n_new, cache, last_only=True, rows=rows_used)  # [B, V]
         done_now = (n_new > 0) & (fed + n_new == lens)
         out_logits[0, done_now] = logits[done_now]
         fed += n_new
@@ -558,7 +562,7 @@ def generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens
 
     ones = np.ones(B, dtype=np.int64)
     for i in range(1, max_new_tokens):
-        logits = model.forward(out_tokens[:, i - 1 : i], ones, cache, last_only=True)
+        logits = model.forward(out_tokens[:, i - 1 : i], ones, cache, last_only=True, rows=rows_used)
         out_logits[i] = logits
         out_tokens[:, i] = np.argmax(logits, axis=-1)
     t2 = time.perf_counter()
