@@ -153,6 +153,7 @@ class PageTable:
         if self._free:
             page = self._free.pop()
         else:  # the pool needs a cached page no row names: the least recently released one
+            assert self.index is not None  # reserve counted the unused cached pages
             page = int(self.index.evict(1)[0])
             res.evicted.append(page)
         self.refs[page] = 1
@@ -273,7 +274,7 @@ class PageTable:
         """Empty row ``row`` names ``pages`` (int ``[k]``, cached pages matched for it) as its
         first ``k`` pages: a reference each, no copy."""
         pages = np.asarray(pages, dtype=np.int64).reshape(-1)
-        assert int(self.held[row]) == 0 and pages.size <= self.pages_per_row
+        assert self.index is not None and int(self.held[row]) == 0 and pages.size <= self.pages_per_row
         self.index.use(pages)
         self._share(pages)
         self.entries[row, :pages.size] = pages
