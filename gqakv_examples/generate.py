@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+import gqakv
 from gqakv import distributed
 from gqakv.dispatch.registry import get_backend
 from gqakv.distributed import HeadShard, even_slice
@@ -62,6 +63,10 @@ def add_arguments(parser) -> None:
                         help="serve two requests sharing an N-token system prompt from a prefix cache: "
                              "the second prefills only its own tokens (time to first token of both, and "
                              "the second against serving it alone)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="batch-invariant attention (gqakv.set_batch_invariant): a query's bits do not "
+                             "depend on its chunk or its batch (with --prefix-cache: the second request's "
+                             "logits bit-identical to serving it alone)")
     parser.add_argument("--tensor-parallel", type=int, default=None, metavar="P",
                         help="split the model by heads over P processes started by torchrun "
                              "(torchrun --standalone --nproc-per-node P -m gqakv generate "
@@ -146,6 +151,13 @@ def _tensor_parallel(args, config, UsageError):
 
 
 def run(args) -> int:
+    if getattr(args, "batch_invariant", False):
+        with gqakv.batch_invariant():
+            return _dispatch(args)
+    return _dispatch(args)
+
+
+def _dispatch(args) -> int:
     if real_model.wants_real_model(args):
         if getattr(args, "tensor_parallel", None) is not None:
             raise UsageError("--tensor-parallel runs the example model (random weights, --config); "

@@ -198,6 +198,18 @@ def test_generate_prefix_cache_command(capsys):
     assert "greedy tokens identical to serving it alone: yes" in out
 
 
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_generate_prefix_cache_command_batch_invariant(capsys, backend):
+    """In batch-invariant mode the second request's logits are the bits of serving it alone:
+    its 8 prefilled tokens and the other run's 40-token chunk reduce each query alike."""
+    rc = cli_main(["generate", "--config", "tiny", "--prefix-cache", "40", "--new-tokens", "3",
+                   "--backend", backend, "--batch-invariant"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "second request: 32 prompt tokens from the cache" in out
+    assert "logits bit-identical" in out and "not bit-identical" not in out
+
+
 # -- attention variants: sliding windows (alternating with global layers), soft-cap, sinks ------
 
 VARIANTS = {  # name -> LlamaConfig changes; windows shorter than the longest prompt (11)
