@@ -387,3 +387,28 @@ def test_matched_rows_attend_like_prefilled_ones(backend, arrays):
     np.testing.assert_allclose(arrays.to_numpy(got).astype(np.float64), want, rtol=tol, atol=tol)
     audit(cache)
     assert math.isfinite(float(np.abs(arrays.to_numpy(got)).max()))
+
+
+def test_an_aborted_step_gives_back_a_copied_cached_page():
+    """A step that copies a cached page (the row was truncated into it) and then aborts
+    names the cached page again, out of the LRU, with the table, counts, free list and
+    index as before."""
+    cache = gqakv.ModelKVCache(2, 2, HKV, 32, D, dtype="float64", backend="numpy", storage="paged",
+                               page_size=4, num_pages=8, prefix_cache=True)
+    ids = list(range(8))
+    with cache.step([8, 0]) as step:
+        for layer in range(2):
+            k, v = direct_kv(ids, layer)
+            step.write(layer, np.stack([k, np.zeros_like(k)]), np.stack([v, np.zeros_like(v)]))
+    cache.cache_prefix(0, ids)
+    cache.truncate([0], [6])  # into cached page 1
+    before = index_state(cache)
+    step = cache.step([1, 0])  # copies page 1 (cached) for row 0; page 1 joins the LRU
+    assert cache.pages_reusable == 1
+    step.abort()
+    after = index_state(cache)
+    for x, y in zip(before, after):
+        assert (np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y)
+    audit(cache)
+    assert cache.match_prefix(1, ids + [0]) == 8
+    assert_rows(cache, [ids[:6], ids], layers=(0, 1))
