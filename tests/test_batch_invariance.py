@@ -208,3 +208,58 @@ def test_the_environment_variable(monkeypatch):
     monkeypatch.setattr(invariance, "_DEFAULT", [None])
     monkeypatch.delenv(invariance.ENV)
     assert invariance.enabled() is False
+
+
+@pytest.mark.parametrize("d,dtype,kernel", [(8, "float32", "gqakv_prefill"), (8, "bfloat16", "gqakv_prefill"),
+                                             (64, "bfloat16", "gqakv_prefill_mma")])
+@pytest.mark.parametrize("storage", [{}, {"storage": "paged", "page_size": 4}], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("window", [None, 5, 23])
+def test_cupy_emulated_kernels_are_batch_invariant(d, dtype, kernel, storage, window):
+    """The CUDA kernels (on the CPU emulator): in the mode every call runs the prefill
+    kernels (fp32 FMA, and tensor cores at d = 64), whose key tiles start at multiples of
+    their width, so a query gives the same bits in a long chunk, its own chunk, one decode
+    step or a batch. (Emulated, not a GPU.)"""
+    from .support.product import _emulated_cupy
+
+    if d == 64 and storage and window:
+        pytest.skip("the emulation library instantiates windowed paged kernels at d = 8 only")
+    backend = _emulated_cupy()
+    L, T = 45, 6
+    rng = np.random.default_rng(3)
+    k, v = rng.standard_normal((2, HKV, L, d))
+    q = rng.standard_normal((HKV * G, L, d))
+    A = lambda x: backend.from_numpy(np.asarray(x), dtype)  # noqa: E731
+    out = lambda x: np.asarray(backend.to_numpy(x))  # noqa: E731
+
+    def cache(batch=1):
+        return gqakv.KVCache(batch, HKV, 64, d, dtype=dtype, backend=backend, **storage)
+
+    with gqakv.batch_invariant():
+        capability = backend._facts()[1]
+        assert backend.route("attention", dtype=dtype, head_dim=d, t_q=1, invariant=True,
+                             capability=capability).impl == kernel
+        c = cache()
+        c.append(A(k[None]), A(v[None]), [L])
+        whole = out(gqakv.gqa_attention(A(q[None]), c, [L], window=window))[0, :, L - T:]
+        c = cache()
+        c.append(A(k[None, :, :L - T]), A(v[None, :, :L - T]), [L - T])
+        c.append(A(k[None, :, L - T:]), A(v[None, :, L - T:]), [T])
+        chunk = out(gqakv.gqa_attention(A(q[None, :, L - T:]), c, [T], window=window))[0]
+        assert same_bits(chunk, whole)
+        c = cache()
+        c.append(A(k[None, :, :L - 1]), A(v[None, :, :L - 1]), [L - 1])
+        c.append(A(k[None, :, L - 1:]), A(v[None, :, L - 1:]), [1])
+        step = out(gqakv.gqa_attention(A(q[None, :, L - 1:]), c, [1], window=window))[0, :, 0]
+        assert same_bits(step, whole[:, -1])
+        c = cache(3)
+        other = rng.standard_normal((2, HKV, 60, d))
+        c.append(A(np.stack([other[0][:, :50], np.pad(k[:, :L - T], ((0, 0), (0, 50 - L + T), (0, 0))), other[0][:, :50]])),
+                 A(np.stack([other[1][:, :50], np.pad(v[:, :L - T], ((0, 0), (0, 50 - L + T), (0, 0))), other[1][:, :50]])),
+                 [50, L - T, 21])
+        tail_k = np.stack([other[0][:, 50:56], k[:, L - T:], other[0][:, 50:56]])
+        tail_v = np.stack([other[1][:, 50:56], v[:, L - T:], other[1][:, 50:56]])
+        c.append(A(tail_k), A(tail_v), [3, T, 1])
+        qs = rng.standard_normal((3, HKV * G, T, d))
+        qs[1] = q[:, L - T:]
+        batch = out(gqakv.gqa_attention(A(qs), c, [3, T, 1], window=window))
+        assert same_bits(batch[1], whole)

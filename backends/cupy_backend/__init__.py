@@ -423,7 +423,7 @@ class CupyBackend(Backend):
                                lambda: _plan_or_refusal(_plan.plan_attention, dtype, d, **kwargs))
 
     def _plan_kwargs(self, store, q_shape, lens, n_new, params, sm_count, capability,
-                     q_strides, out_strides, force_splits=None) -> dict:
+                     q_strides, out_strides, force_splits=None, invariant=False) -> dict:
         B, Hq, T, _ = (int(s) for s in q_shape)
         Hkv = int(store.k.shape[1])
         kwargs = dict(batch=B, kv_heads=Hkv, group=Hq // Hkv, t_q=T,
@@ -435,6 +435,8 @@ class CupyBackend(Backend):
                       pages=_pages_arg(store), kv_dtype=_dtypes_of(store)[1])
         if force_splits is not None:
             kwargs["force_splits"] = int(force_splits)
+        if invariant:
+            kwargs["invariant"] = True
         return kwargs
 
     def _plan_work(self, store, inputs, params, q_shape, *, fixed: bool = False, splits=None):
@@ -453,7 +455,8 @@ class CupyBackend(Backend):
             n_new = np.full(B, T, dtype=np.int64)
         contiguous = _contiguous_strides(q_shape)[:3]
         kwargs = self._plan_kwargs(store, q_shape, lens, n_new, params, sm_count, capability,
-                                   contiguous, contiguous, splits if fixed else None)
+                                   contiguous, contiguous, splits if fixed else None,
+                                   invariant=inputs.invariant)
         plan = self._kernel_plan(dtype, d, kwargs)
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
             return f"the route is {routing.route_attention(request.with_(grid=plan))}"
@@ -546,7 +549,8 @@ class CupyBackend(Backend):
             lse = cp.full((B, Hq, T), -math.inf, dtype=cp.float32)
         assert capability is not None  # a kernel route: the device's facts were read above
         kwargs = self._plan_kwargs(store, (B, Hq, T, d), lens, n_new, params, sm_count,
-                                   capability, _strides(q)[:3], _strides(out)[:3])
+                                   capability, _strides(q)[:3], _strides(out)[:3],
+                                   invariant=inputs.invariant)
         plan = self._kernel_plan(dtype, d, kwargs)
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
             route = routing.route_attention(request.with_(grid=plan))

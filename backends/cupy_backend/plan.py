@@ -363,7 +363,8 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
                    force_splits: int | None = None,
                    tensor_cores: bool = True,
                    params: semantics.AttentionParams | None = None,
-                   pages: PageTableArg | None = None, kv_dtype: str | None = None) -> Plan:
+                   pages: PageTableArg | None = None, kv_dtype: str | None = None,
+                   invariant: bool = False) -> Plan:
     """Launches computing attention of q over the cache into out and lse.
 
     lens, n_new: host int arrays [B] (lens are post-append lengths of each entry's row).
@@ -378,7 +379,9 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     the kernels' paged instantiations. kv_dtype: a quantized cache's storage: the fp32-FMA
     kernels over its codes and scales (the tensor-core kernels have no quantized
     instantiation, see routing.py). Both: the quantized reader over pages (QuantizedKV
-    over PagedKV, the scales' page pools found from the codes' strides).
+    over PagedKV, the scales' page pools found from the codes' strides). invariant
+    (batch-invariant mode): the prefill kernel for every t_q, whose per-query results do
+    not depend on the batch (no split-KV).
     """
     if params is None:
         if scale is None:
@@ -400,7 +403,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     strides = (*_i64(*q_strides), *_i64(*buf_strides), *_i64(*out_strides))
     bufs = (Buf("q"), Buf("k_buf"), Buf("v_buf"), Buf("rows"), Buf("lens"), Buf("n_new"),
             Buf("out"), Buf("lse"))
-    if t_q <= DECODE_MAX_T:
+    if t_q <= DECODE_MAX_T and not invariant:
         kernel, tile, n_qchunks, per_sm = decode_kernel(dtype, head_dim, group * t_q, tensor_cores)
         ctas = batch * kv_heads * n_qchunks
         if force_splits:

@@ -77,8 +77,12 @@ FAST_PATHS: tuple[FastPath, ...] = (
              dtypes=frozenset(FUSED_DTYPES)),
     FastPath("gqakv_decode_mma", "attention", _LAYOUTS, frozenset({PLAIN_NAME}), VARIANT_FEATURES, _MMA),
     FastPath("gqakv_decode", "attention", _LAYOUTS, _CODECS, VARIANT_FEATURES, frozenset(FUSED_DTYPES)),
-    FastPath("gqakv_prefill_mma", "attention", _LAYOUTS, frozenset({PLAIN_NAME}), VARIANT_FEATURES, _MMA),
-    FastPath("gqakv_prefill", "attention", _LAYOUTS, _CODECS, VARIANT_FEATURES, frozenset(FUSED_DTYPES)),
+    # the prefill kernels keep a query's bits independent of its block (key tiles at multiples
+    # of their width, each row's softmax its own): batch-invariant mode runs every t_q on them
+    FastPath("gqakv_prefill_mma", "attention", _LAYOUTS, frozenset({PLAIN_NAME}), VARIANT_FEATURES, _MMA,
+             invariant=True),
+    FastPath("gqakv_prefill", "attention", _LAYOUTS, _CODECS, VARIANT_FEATURES, frozenset(FUSED_DTYPES),
+             invariant=True),
 )
 PATHS = {p.name: p for p in FAST_PATHS}
 
@@ -145,9 +149,11 @@ def route_attention(request: Request) -> Route:
     dtype, head_dim = _needs_dtype_and_head_dim(request)
     t_q = request.t_q
     rejected: dict[str, str] = {}
-    decode = t_q <= limits.DECODE_MAX_T
+    decode = t_q <= limits.DECODE_MAX_T and not request.invariant
     family, other = (DECODE_KERNELS, PREFILL_KERNELS) if decode else (PREFILL_KERNELS, DECODE_KERNELS)
     why_family = (f"t_q={t_q} <= {limits.DECODE_MAX_T}: the decode kernels serve it" if decode else
+                  "batch-invariant mode: the prefill kernels serve every t_q (the decode kernels' "
+                  "key splits follow the batch)" if request.invariant else
                   f"t_q={t_q} (the decode kernels serve up to {limits.DECODE_MAX_T} query tokens)")
     for kernel in other:
         rejected[kernel] = why_family

@@ -118,7 +118,10 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
     }
 
     const auto kv = kv_reader<Ty>(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D, pages...);
-    for (i64 j0 = k_begin; j0 < k_end; j0 += S::BK) {
+    // Key tiles start at a multiple of BK (a window's start is rounded down; the keys
+    // before it are masked): a query's tiles are then the same whatever block it is in,
+    // so its bits do not depend on its chunk (batch-invariant mode).
+    for (i64 j0 = k_begin - k_begin % S::BK; j0 < k_end; j0 += S::BK) {
         __syncthreads();  // previous tile's readers are done with sKV and sP
         load_tile<KV, D, false>(sKV, kv, j0, k_end, S::BK, S::KSTR);
         __syncthreads();
