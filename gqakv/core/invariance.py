@@ -41,7 +41,7 @@ def _from_env() -> bool:
 
 
 _MODE: contextvars.ContextVar[bool | None] = contextvars.ContextVar("gqakv_batch_invariant", default=None)
-_DEFAULT = [None]  # the process-wide setting (None: the environment's)
+_DEFAULT: list[bool | None] = [None]  # the process-wide setting (None: the environment's)
 
 
 def enabled() -> bool:

@@ -37,12 +37,13 @@ struct PrefillShape {
 // into tile[r * tstride + ...]; rows at or past row_end are zero-filled (never read).
 template <class T, int D, bool IS_V, class Reader>
 __device__ __forceinline__ void load_tile(float* __restrict__ tile, const Reader& kv,
-                                          i64 row0, i64 row_end, int nrows, int tstride) {
+                                          i64 row0, i64 row_begin, i64 row_end, int nrows,
+                                          int tstride) {
     typedef PrefillShape<T, D> S;
     for (int idx = threadIdx.x; idx < nrows * S::NCH; idx += blockDim.x) {
         const int r = idx / S::NCH, ch = idx % S::NCH;
         float* dst = tile + r * tstride + ch * S::VEC;
-        if (row0 + r < row_end) {
+        if (row0 + r >= row_begin && row0 + r < row_end) {  // outside: zeros, never read
             const T* src = IS_V ? kv.v_row(row0 + r) : kv.k_row(row0 + r);
             load_vec<T, S::VEC>(src + ch * S::VEC, dst);
             if constexpr (Reader::SCALED) {  // quantized: this tile's row dequantized as it lands
@@ -118,12 +119,12 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
     }
 
     const auto kv = kv_reader<Ty>(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D, pages...);
-    // Key tiles start at a multiple of BK (a window's start is rounded down; the keys
-    // before it are masked): a query's tiles are then the same whatever block it is in,
-    // so its bits do not depend on its chunk (batch-invariant mode).
+    // Key tiles start at a multiple of BK (a window's start rounded down; the slots before
+    // it are zeros, never read, and masked): a query's tiles are then the same whatever
+    // block it is in, so its bits do not depend on its chunk (batch-invariant mode).
     for (i64 j0 = k_begin - k_begin % S::BK; j0 < k_end; j0 += S::BK) {
         __syncthreads();  // previous tile's readers are done with sKV and sP
-        load_tile<KV, D, false>(sKV, kv, j0, k_end, S::BK, S::KSTR);
+        load_tile<KV, D, false>(sKV, kv, j0, k_begin, k_end, S::BK, S::KSTR);
         __syncthreads();
 
         // Dot products in blocks of DB head-dim elements, each block summed on its own and
@@ -189,7 +190,7 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
         }
 
         __syncthreads();  // everyone is done reading K
-        load_tile<KV, D, true>(sKV, kv, j0, k_end, S::BK, S::KSTR);
+        load_tile<KV, D, true>(sKV, kv, j0, k_begin, k_end, S::BK, S::KSTR);
         __syncthreads();
 
 #pragma unroll 4

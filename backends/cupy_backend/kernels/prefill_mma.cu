@@ -80,15 +80,17 @@ struct alignas(16) Words4 {
 };
 
 // K rows row0 .. row0 + nrows (16-bit, through the K/V reader) into shared words
-// dst[r * dst_words + ...], rows at or past row_end zero-filled (never read).
+// dst[r * dst_words + ...], rows before row_begin or at or past row_end zero-filled (never read).
 template <class T, int D, class Reader>
 __device__ __forceinline__ void load_rows_16(unsigned* __restrict__ dst, int dst_words,
-                                             const Reader& kv, i64 row0, i64 row_end, int nrows) {
+                                             const Reader& kv, i64 row0, i64 row_begin, i64 row_end,
+                                             int nrows) {
     constexpr int NCH = D / 8;
     for (int idx = threadIdx.x; idx < nrows * NCH; idx += blockDim.x) {
         const int r = idx / NCH, ch = idx % NCH;
         Words4 x = {{0u, 0u, 0u, 0u}};
-        if (row0 + r < row_end) x = *reinterpret_cast<const Words4*>(kv.k_row(row0 + r) + ch * 8);
+        if (row0 + r >= row_begin && row0 + r < row_end)
+            x = *reinterpret_cast<const Words4*>(kv.k_row(row0 + r) + ch * 8);
         *reinterpret_cast<Words4*>(dst + r * dst_words + ch * 4) = x;
     }
 }
@@ -98,14 +100,15 @@ __device__ __forceinline__ void load_rows_16(unsigned* __restrict__ dst, int dst
 // so the scattered 32-bit stores hit distinct banks.
 template <class T, int D, int BK, int VW, class Reader>
 __device__ __forceinline__ void load_v_transposed(unsigned* __restrict__ dst, const Reader& kv,
-                                                  i64 row0, i64 row_end) {
+                                                  i64 row0, i64 row_begin, i64 row_end) {
     constexpr int NCH = D / 8, PAIRS = BK / 2;
     for (int idx = threadIdx.x; idx < PAIRS * NCH; idx += blockDim.x) {
         const int kp = idx % PAIRS, ch = idx / PAIRS;
         const i64 k0 = row0 + 2 * kp;
         Words4 lo = {{0u, 0u, 0u, 0u}}, hi = {{0u, 0u, 0u, 0u}};
-        if (k0 < row_end) lo = *reinterpret_cast<const Words4*>(kv.v_row(k0) + ch * 8);
-        if (k0 + 1 < row_end) hi = *reinterpret_cast<const Words4*>(kv.v_row(k0 + 1) + ch * 8);
+        if (k0 >= row_begin && k0 < row_end) lo = *reinterpret_cast<const Words4*>(kv.v_row(k0) + ch * 8);
+        if (k0 + 1 >= row_begin && k0 + 1 < row_end)
+            hi = *reinterpret_cast<const Words4*>(kv.v_row(k0 + 1) + ch * 8);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const unsigned a = (lo.w[e / 2] >> (16 * (e % 2))) & 0xffffu;
@@ -188,14 +191,14 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
 
     const auto kv = kv_reader<Ty>(k_buf, v_buf, rows[b], kvh, buf_sb, buf_sh, buf_st, params, D, pages...);
     const float qscale = V::fold(params);
-    // Key tiles start at a multiple of BK (a window's start is rounded down; the keys
-    // before it are masked): a query's tiles are then the same whatever block it is in,
-    // so its bits do not depend on its chunk (batch-invariant mode).
+    // Key tiles start at a multiple of BK (a window's start rounded down; the slots before
+    // it are zeros, never read, and masked): a query's tiles are then the same whatever
+    // block it is in, so its bits do not depend on its chunk (batch-invariant mode).
     for (i64 j0 = k_begin - k_begin % S::BK; j0 < k_end; j0 += S::BK) {
         __syncthreads();  // previous tile's readers are done with sKV
-        load_rows_16<KV, D>(sK, M::KW, kv, j0, k_end, S::BK);
+        load_rows_16<KV, D>(sK, M::KW, kv, j0, k_begin, k_end, S::BK);
         if (!S::KV_SHARED)
-            load_v_transposed<KV, D, S::BK, M::VW>(sVt, kv, j0, k_end);
+            load_v_transposed<KV, D, S::BK, M::VW>(sVt, kv, j0, k_begin, k_end);
         __syncthreads();
         const bool active = j0 <= warp_last;  // uniform over the warp
 
@@ -274,7 +277,7 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
 
         if (S::KV_SHARED) {
             __syncthreads();  // everyone is done reading K
-            load_v_transposed<KV, D, S::BK, M::VW>(sVt, kv, j0, k_end);
+            load_v_transposed<KV, D, S::BK, M::VW>(sVt, kv, j0, k_begin, k_end);
             __syncthreads();
         }
         if (active) {
