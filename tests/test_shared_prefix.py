@@ -7,7 +7,7 @@ decode steps, padded and packed, and compares every output and LSE with the floa
 reference (tests/support/reference.py) over the values the cache holds; each asserts that
 the decomposition ran (the plan's groups, and a counting spy on its launch), and the
 cases where it must not run assert the plan's reason. The thresholds that keep tiny
-batches on the normal path (``MIN_SHARED_TOKENS``) are lowered to one page here, so the
+batches on the normal path (``MIN_SHARED_TOKENS``, ``MIN_SAVED_TOKENS``) are lowered here, so the
 small shapes exercise the decomposition itself.
 """
 
@@ -34,6 +34,7 @@ VARIANTS = {"causal": {}, "softcap": {"softcap": 0.7}, "sinks": {"sinks": SINKS4
 def small_groups(monkeypatch):
     """Groups form from one shared page (the default threshold is for real sizes)."""
     monkeypatch.setattr(sp, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.setattr(sp, "MIN_SAVED_TOKENS", 1)
 
 
 def _skip_unless(backend, dtype, d=8):
@@ -305,8 +306,15 @@ def test_refused_without_shared_pages(monkeypatch):
     assert not plan.shared_prefix.used
     assert "rows share at most 16 tokens" in plan.shared_prefix.reason
     assert f"MIN_SHARED_TOKENS={sp.MIN_SHARED_TOKENS}" in plan.shared_prefix.reason
-    # idle entries never join a group
+    # past MIN_SHARED_TOKENS, a group must still save MIN_SAVED_TOKENS key reads
     monkeypatch.setattr(sp, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.setattr(sp, "MIN_SAVED_TOKENS", 49)
+    reason = gqakv.plan_attention(shared, [1] * 4, q_heads=4).shared_prefix.reason
+    assert reason == "the best group saves 48 key reads (fewer than MIN_SAVED_TOKENS=49)"
+    monkeypatch.setattr(sp, "MIN_SAVED_TOKENS", 48)
+    assert gqakv.plan_attention(shared, [1] * 4, q_heads=4).shared_prefix.used
+    monkeypatch.setattr(sp, "MIN_SAVED_TOKENS", 1)
+    # idle entries never join a group
     plan = gqakv.plan_attention(shared, [1, 0, 0, 0], q_heads=4)
     assert "1 entries with queries" in plan.shared_prefix.reason
     assert gqakv.plan_attention(shared, [0, 1, 0, 1], q_heads=4).shared_prefix.groups == (
@@ -331,6 +339,7 @@ def test_grouping(monkeypatch):
     a family whose members share fewer pages with one member leaves that one out when
     grouping it costs more reads than it saves; MAX_GROUP_QUERIES cuts a long group."""
     monkeypatch.setattr(sp, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.setattr(sp, "MIN_SAVED_TOKENS", 1)
     rng = np.random.default_rng(0)
     c = gqakv.PagedKVCache(8, 1, 64, 4, dtype="float64", backend="numpy", page_size=4)
     a, b = rng.standard_normal((2, 1, 1, 24, 4))

@@ -29,7 +29,7 @@ call does not keep: the decomposition is refused for them (``decide`` says so) a
 batch runs the normal path.
 
 ``decide`` is the one place that chooses the groups (``MIN_SHARED_TOKENS``,
-``MIN_GROUP_ROWS``, ``MAX_GROUP_QUERIES``) or the reason none is formed; a plan keeps
+``MIN_SAVED_TOKENS``, ``MIN_GROUP_ROWS``, ``MAX_GROUP_QUERIES``) or the reason none is formed; a plan keeps
 its answer as ``plan.shared_prefix`` (``SharedPrefix``), shown in the plan's repr.
 ``SharedPrefixWork`` holds what the plan built once (the page tables of both parts,
 their inputs, the backend's sub-plans, the gather / scatter indices); ``launch`` runs it
@@ -48,11 +48,17 @@ from ..storage.paged import PageTableView, PagedStore
 from ..storage.store import PAGED
 from .merge import merge_attention
 
-#: The fewest shared tokens (``k * page_size``) a group must read once to be formed. Below
-#: it the extra call, the gathers and the merge cost more than the reads saved (measured
-#: on numba, Llama-3.1-8B layer, 2 threads: see docs/guides/performance.md, "Shared
-#: prefixes, read once").
+#: The fewest shared tokens (``k * page_size``) a group must read once to be formed.
 MIN_SHARED_TOKENS = 256
+#: The fewest key reads a group must save, ``(members - 1) * shared tokens``: the
+#: decomposition adds a call, the queries' gather and the merge (about 0.3 to 1 ms a layer
+#: on numba at Llama-3.1-8B's layer, 2 threads), so a group pays only past a few thousand
+#: saved reads. Measured (numba, 2 threads, loaded 2-core machine; shared / unshared
+#: time): float32 pays from about 600 saved reads (2 rows x 512: 0.88x, 4 x 256: 0.76x;
+#: 4 x 128: 1.30x), bfloat16 (half the bytes saved per read) only past about 4,000
+#: (8 x 256, 1,792 saved: 1.02x; 8 x 1,024: 0.75x). See docs/guides/performance.md,
+#: "Shared prefixes, read once".
+MIN_SAVED_TOKENS = 4096
 #: The fewest batch entries of a group (2: one shared read instead of two).
 MIN_GROUP_ROWS = 2
 #: The most virtual query heads per KV head of one group's shared call (``G * Q``): a
@@ -100,7 +106,8 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
     composition, and the split changes the order of the sums). Refused: ``off``, fixed
     plans (CUDA graphs: launches must not depend on the batch), storage that is not paged,
     a sliding window or ALiBi (position dependent), and batches where no two entries with
-    queries share ``MIN_SHARED_TOKENS`` tokens of full pages before their chunks.
+    queries share ``MIN_SHARED_TOKENS`` tokens of full pages before their chunks, or whose
+    groups would save fewer than ``MIN_SAVED_TOKENS`` key reads.
 
     Grouping (greedy): entries with queries, by their first page; in each bucket the first
     entry is the pivot, the others sorted by the pages they share with it (only full pages
@@ -136,7 +143,7 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
     for i in live:
         buckets.setdefault(int(pages[int(i)][0]), []).append(int(i))
     min_pages = -(-MIN_SHARED_TOKENS // P)
-    groups, best_seen = [], 0
+    groups, best_seen, best_saved = [], 0, 0
     for members in buckets.values():
         while len(members) >= MIN_GROUP_ROWS:
             pivot = pages[members[0]]
@@ -156,14 +163,19 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
             k = min([len(pivot)] + [s for s, _ in common[:best_c - 1]])
             best_seen = max(best_seen, k)
             chosen = [members[0]] + [m for _, m in common[:best_c - 1]]
-            if k >= min_pages:
+            saved = (len(chosen) - 1) * k * P
+            best_saved = max(best_saved, saved) if k >= min_pages else best_saved
+            if k >= min_pages and saved >= MIN_SAVED_TOKENS:
                 groups.append(SharedGroup(tuple(sorted(chosen)), k, k * P))
             members = [m for m in members if m not in chosen]
     if not groups:
         if best_seen == 0:
             return SharedPrefix(reason="no two entries' rows share a page before their new tokens")
-        return SharedPrefix(reason=f"rows share at most {best_seen * P} tokens of full pages "
-                                   f"(fewer than MIN_SHARED_TOKENS={MIN_SHARED_TOKENS})")
+        if best_seen < min_pages:
+            return SharedPrefix(reason=f"rows share at most {best_seen * P} tokens of full pages "
+                                       f"(fewer than MIN_SHARED_TOKENS={MIN_SHARED_TOKENS})")
+        return SharedPrefix(reason=f"the best group saves {best_saved} key reads (fewer than "
+                                   f"MIN_SAVED_TOKENS={MIN_SAVED_TOKENS})")
     return SharedPrefix(tuple(sorted(groups, key=lambda g: g.entries)))
 
 
@@ -328,5 +340,5 @@ def _attend(backend, q, store, inputs, work):
                              out=None, lse_out=None)
 
 
-__all__ = ["MAX_GROUP_QUERIES", "MIN_GROUP_ROWS", "MIN_SHARED_TOKENS", "SharedGroup",
+__all__ = ["MAX_GROUP_QUERIES", "MIN_GROUP_ROWS", "MIN_SAVED_TOKENS", "MIN_SHARED_TOKENS", "SharedGroup",
            "SharedPrefix", "SharedPrefixWork", "decide"]

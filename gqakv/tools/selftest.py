@@ -50,8 +50,8 @@ the one gqakv would pick here; ``all``: every backend that can run):
    - ``paged int8``: the paged case at page size 16 over int8 pages (scales paged with
      their tokens), rows read back as their dequantized values;
    - ``shared pages``: a ``PagedKVCache`` (page size 16) whose rows share a prompt of
-     ``MIN_SHARED_TOKENS`` tokens or more through ``fork`` (one row with a prompt of its
-     own, one idle entry), then a short chunk, decode steps and a soft-capped / sinks
+     enough tokens for a group (``MIN_SHARED_TOKENS``, ``MIN_SAVED_TOKENS``) through
+     ``fork`` (one row with a prompt of its own, one idle entry), then a short chunk, decode steps and a soft-capped / sinks
      decode: each plan must have formed its groups (``plan.shared_prefix``: the shared
      pages read once, ``gqakv.ops.shared_prefix``; a plan that did not fails the line
      with its reason), and every call matches the reference.
@@ -661,7 +661,9 @@ def _shared_prefix_family(backend, dtype, rng, quick, checks) -> None:
     P = 16
     for c in range(1 if quick else 3):
         s = _shape(rng, quick, batch=(4, 7))
-        prompt = _shared_prefix.MIN_SHARED_TOKENS + int(rng.integers(0, 40))
+        members = s.batch - 2  # rows 0 .. B-3 share the prompt; B-2 idle, B-1 its own
+        prompt = max(_shared_prefix.MIN_SHARED_TOKENS,
+                     -(-_shared_prefix.MIN_SAVED_TOKENS // max(1, members - 1))) + P + int(rng.integers(0, 40))
         steps = [(3, rng.integers(1, 4, s.batch))] + [(1, np.ones(s.batch, np.int64))] * 2
         m = Mirror(backend, dtype, s.batch, s.kv_heads, prompt + 8, s.head_dim, rng, page_size=P)
         first = np.zeros(s.batch, np.int64)
