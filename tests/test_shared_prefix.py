@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 
 import gqakv
+from gqakv.dispatch.request import Request
 from gqakv.ops import shared_prefix as sp
 from gqakv.storage.paged import PagedStore
 
+from .support.arrays import BackendArrays
 from .support.packing import pack_tokens
 from .support.parity import LOW_PRECISION, assert_matches_reference, low_precision_bounds
 from .support.reference import reference_attention
@@ -266,8 +268,6 @@ def test_refused_for_position_dependent_variants(small_groups, monkeypatch, what
     """A window and ALiBi depend on each query's position: the plan keeps the normal path,
     says why, and still matches the reference."""
     backend = gqakv.get_backend("numpy")
-    from .support.arrays import BackendArrays
-
     arrays = BackendArrays(backend)
     rng = np.random.default_rng(2)
     cache = _prefix_cache(backend, arrays, rng, "float64", None)
@@ -395,6 +395,40 @@ def test_store_views_share_the_pool(small_groups):
     assert work.shared_table.entries.tolist() == [c.store.page_table.entries[0, :3].tolist()]
 
 
+@pytest.mark.parametrize("rows,want", [(4, "numba kernel"), (40, "numpy BLAS")])
+def test_numba_virtual_call_route(small_groups, monkeypatch, rows, want):
+    """On numba the shared call (G' = G x the group's queries per KV head, one query
+    position) runs the kernel while its tile holds at most KERNEL_MAX_TILE_ROWS rows and
+    the BLAS path past it (measured faster there); spies on both entries say which ran."""
+    from gqakv_backends import numba_backend, numpy_attention
+
+    backend = gqakv.get_backend("numba")
+    if backend.unavailable_reason():
+        pytest.skip(backend.unavailable_reason())
+    G = 8  # 40 rows x 8 heads = 320 tile rows > 256
+    c = gqakv.PagedKVCache(rows, 1, 24, 8, dtype="float32", backend=backend, page_size=4)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 1, 16, 8)).astype(np.float32)
+    c.append(x, x, [16], rows=[0])
+    c.fork(0, list(range(1, rows)))
+    y = rng.standard_normal((rows, 1, 1, 8)).astype(np.float32)
+    c.append(y, y, [1] * rows)
+    plan = gqakv.plan_attention(c, [1] * rows, q_heads=G)
+    assert plan.shared_prefix.groups == (sp.SharedGroup(tuple(range(rows)), 4, 16),)
+    v_inputs, v_shape, _ = plan._shared.shared[0]
+    assert v_shape == (1, G * rows, 1, 8)
+    request = Request.of_store("attention", c.store, group=G * rows)
+    assert backend.route(request).impl == want
+    kernels = counting(monkeypatch, numba_backend, "run_numba")
+    blas = counting(monkeypatch, numpy_attention, "attention_store")
+    q = rng.standard_normal((rows, G, 1, 8)).astype(np.float32)
+    out, lse = plan.run(q, c, return_lse=True)
+    # the suffix call (G = 8 rows per tile) runs the kernel either way
+    assert (len(kernels), len(blas)) == ((2, 0) if want == "numba kernel" else (1, 1))
+    k_rows, v_rows = _rows_of(c, BackendArrays(backend), rows)
+    _check("float32", out, lse, q, k_rows, v_rows, [1] * rows, {}, "numba route")
+
+
 # -- the CUDA kernels on the emulator: one tiny case ----------------------------------------
 
 
@@ -405,7 +439,6 @@ def test_cupy_emulated_shared_prefix(small_groups, monkeypatch):
 
     if harness.compiler() is None:
         pytest.skip("no C++ compiler (g++) for the CUDA emulation harness")
-    from .support.arrays import BackendArrays
     from .support.product import _emulated_cupy
 
     backend = _emulated_cupy()
