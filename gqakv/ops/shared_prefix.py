@@ -218,10 +218,10 @@ class SharedPrefixWork:
         shared_params = replace(inputs.params, sinks=None)  # sinks: the suffix part's alone
         shared_store = self.shared_store(store)
         self.shared = []  # per group: (inputs, q_shape, work)
-        T = None if packed else int(q_shape[2])
+        T = 0 if packed else int(q_shape[2])
         self.gather = []  # per group: token-major indices of its queries
         for gi, g in enumerate(groups):
-            tokens = []
+            tokens: list[int] = []
             for i in g.entries:
                 n = int(inputs.n_new[i])
                 first = int(inputs.offsets[i]) if packed else i * T
@@ -258,7 +258,7 @@ class SharedPrefixWork:
         self.rows = inputs.rows
         self.live = np.arange(entries.shape[1])[None, :] < -(-inputs.lens[:, None] // P)
         self.planned = np.where(self.live, entries[inputs.rows], -1)
-        self._device_ints = {}
+        self._device_ints: dict[tuple[str, str], object] = {}
 
     def moved_row(self, store) -> int | None:
         """The first planned row whose live pages ``store``'s page table no longer names
@@ -293,8 +293,6 @@ class SharedPrefixWork:
         """Both parts over ``store`` (a layer's paged store of the planned pool and table)
         and their merge; returns what ``AttentionPlan.launch`` returns, written into
         ``out`` / ``lse_out`` when given."""
-        from .plan import write_into
-
         backend = self.backend
         xp = array_namespace(q)
         s_inputs, s_work = self.suffix
@@ -328,8 +326,14 @@ class SharedPrefixWork:
         if not packed:  # back to [B, Hq, T, d] / [B, Hq, T]
             o_sh = xp.permute_dims(xp.reshape(o_sh, (B, T, Hq, d)), (0, 2, 1, 3))
             lse_sh = xp.permute_dims(xp.reshape(lse_sh, (B, T, Hq)), (0, 2, 1))
-        result = merge_attention(o_suf, lse_suf, o_sh, lse_sh)
-        return write_into(result, return_lse, out, lse_out)
+        o, lse = merge_attention(o_suf, lse_suf, o_sh, lse_sh)
+        if out is not None:
+            out[...] = o
+            o = out
+        if lse_out is not None:
+            lse_out[...] = lse
+            lse = lse_out
+        return (o, lse) if return_lse else o
 
 
 def _attend(backend, q, store, inputs, work):
