@@ -118,14 +118,7 @@ def test_forked_rows_match_reference(backend, arrays, small_groups, monkeypatch,
         out, lse = plan.run(qx, cache, return_lse=True)
         out, lse = arrays.to_numpy(out), arrays.to_numpy(lse)
         if packed:  # back to padded for the comparison
-            full = np.zeros((B, Hkv * G, T, d))
-            full_lse = np.full((B, Hkv * G, T), -np.inf)
-            o = 0
-            for b, n in enumerate(n_new):
-                full[b, :, :n] = np.swapaxes(out[o:o + n], 0, 1)
-                full_lse[b, :, :n] = lse[o:o + n].T
-                o += n
-            out, lse = full, full_lse
+            out, lse = _unpack(out, lse, n_new, T)
         k_rows, v_rows = _rows_of(cache, arrays, B)
         _check(dtype, out, lse, q, k_rows, v_rows, n_new, VARIANTS[variant],
                f"step {step}", quantized=kv_dtype is not None)
@@ -160,11 +153,24 @@ def test_gqa_attention_and_out_buffers(backend, arrays, small_groups, monkeypatc
     assert (got[1, :, 1:] == 0).all() and np.isneginf(got_lse[1, :, 1:]).all()
 
 
+def _unpack(out, lse, n_new, T):
+    """Packed out [N, Hq, d] / lse [N, Hq] as padded [B, Hq, T, d] / [B, Hq, T] (0, -inf)."""
+    B, (_, Hq, d) = len(n_new), out.shape
+    full, full_lse = np.zeros((B, Hq, T, d)), np.full((B, Hq, T), -np.inf)
+    o = 0
+    for b, n in enumerate(n_new):
+        full[b, :, :n] = np.swapaxes(out[o:o + n], 0, 1)
+        full_lse[b, :, :n] = lse[o:o + n].T
+        o += n
+    return full, full_lse
+
+
 # -- a paged ModelKVCache stepped with Step.attend ------------------------------------------
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_model_cache_step_attend(backend, arrays, small_groups, monkeypatch, dtype):
+def test_model_cache_step_attend(backend, arrays, small_groups, monkeypatch, dtype, packed):
     """A paged ModelKVCache: a prompt prefilled into row 0, forked into rows 1..3 (beams),
     then decode steps and a two-token step through ``Step.attend`` on every layer: each
     layer matches the reference over that layer's pages, and each layer launched the
@@ -172,6 +178,8 @@ def test_model_cache_step_attend(backend, arrays, small_groups, monkeypatch, dty
     if "emulated" in backend.name:
         pytest.skip("the emulator's time: its tiny case is test_cupy_emulated_shared_prefix")
     _skip_unless(backend, dtype)
+    if packed and not backend.packed_tokens:
+        pytest.skip(f"{backend.name} takes padded tokens only")
     rng = np.random.default_rng(5)
     layers, B, Hkv, G, d = 2, 5, 2, 3, 8
     cache = gqakv.ModelKVCache(layers, B, Hkv, 32, d, dtype=dtype, backend=backend,
@@ -194,11 +202,14 @@ def test_model_cache_step_attend(backend, arrays, small_groups, monkeypatch, dty
                 for b, n in enumerate(n_new):
                     kv[l][0][b] = np.concatenate([kv[l][0][b], k[b, :, :n]], axis=1)
                     kv[l][1][b] = np.concatenate([kv[l][1][b], v[b, :, :n]], axis=1)
-                out, lse = step.attend(l, arrays.asarray(q, dtype), arrays.asarray(k, dtype),
-                                       arrays.asarray(v, dtype), return_lse=True)
-                _check(dtype, arrays.to_numpy(out), arrays.to_numpy(lse), q, kv[l][0], kv[l][1],
-                       n_new, {}, f"layer {l} n_new {n_new}")
-            plan = step.plan_attention(Hkv * G, t_q=T)
+                xs = [pack_tokens(x, n_new) if packed else x for x in (q, k, v)]
+                out, lse = step.attend(l, *(arrays.asarray(x, dtype) for x in xs), return_lse=True)
+                out, lse = arrays.to_numpy(out), arrays.to_numpy(lse)
+                if packed:
+                    out, lse = _unpack(out, lse, n_new, T)
+                _check(dtype, out, lse, q, kv[l][0], kv[l][1], n_new, {}, f"layer {l} n_new {n_new}")
+            plan = (step.plan_attention(Hkv * G, packed=True) if packed
+                    else step.plan_attention(Hkv * G, t_q=T))
             assert plan.shared_prefix.used, plan.shared_prefix.reason
         assert len(launches) - before == layers
 
@@ -245,6 +256,32 @@ def test_paged_attention_caller_table(backend, arrays, small_groups, monkeypatch
         return
     k_rows, v_rows = _table_rows(k_pool, v_pool, table, lens, P)
     _check(dtype, out, lse, q, k_rows, v_rows, n_new, {}, "paged_attention")
+
+
+def test_paged_append_attention_caller_table(backend, arrays, small_groups, monkeypatch):
+    """``paged_append_attention`` plans before it writes: rows 0 and 1 name the same first
+    pages, each appends into its own last page, and the decomposition reads the shared
+    ones once; the result matches the reference over the pools after the append."""
+    if "emulated" in backend.name:
+        pytest.skip("the emulator's time: its tiny case is test_cupy_emulated_shared_prefix")
+    dtype = "float32"
+    _skip_unless(backend, dtype)
+    rng = np.random.default_rng(12)
+    Hkv, G, d, P, T = 2, 2, 8, 4, 2
+    k_pool, v_pool = (_held(arrays, rng.standard_normal((10, Hkv, P, d)), dtype) for _ in range(2))
+    table = np.array([[2, 5, 7, -1], [2, 5, 8, 9], [1, 3, -1, -1]], np.int32)
+    lens, n_new = np.array([10, 14, 6]), np.array([2, 1, 2])
+    k_new, v_new = (_held(arrays, rng.standard_normal((3, Hkv, T, d)), dtype) for _ in range(2))
+    q = _held(arrays, rng.standard_normal((3, Hkv * G, T, d)), dtype)
+    kp, vp = arrays.asarray(k_pool, dtype), arrays.asarray(v_pool, dtype)
+    launches = counting(monkeypatch, sp.SharedPrefixWork, "launch")
+    out, lse = gqakv.paged_append_attention(arrays.asarray(q, dtype), arrays.asarray(k_new, dtype),
+                                            arrays.asarray(v_new, dtype), kp, vp, table, lens, n_new,
+                                            return_lse=True, backend=backend)
+    assert launches == ["launch"]
+    k_rows, v_rows = _table_rows(arrays.to_numpy(kp), arrays.to_numpy(vp), table, lens, P)
+    _check(dtype, arrays.to_numpy(out), arrays.to_numpy(lse), q, k_rows, v_rows, n_new, {},
+           "paged_append_attention")
 
 
 def _table_rows(k_pool, v_pool, table, lens, P):
