@@ -399,6 +399,14 @@ def test_grouping(monkeypatch):
     # two queries per group: family 0 splits, its rest (2 and 3) share one page
     assert plan.shared_prefix.groups == (sp.SharedGroup((0, 1), 6, 24), sp.SharedGroup((2, 3), 1, 4),
                                          sp.SharedGroup((4, 5), 3, 12))
+    monkeypatch.setattr(sp, "MAX_GROUP_QUERIES", 1)
+    reason = gqakv.plan_attention(c, n, q_heads=1).shared_prefix.reason
+    assert reason == "two entries' queries (G x n_new each) exceed MAX_GROUP_QUERIES=1 per KV head"
+    # a group needs MIN_SHARED_TOKENS: family 0 alone (24 tokens) then, row 3 left out
+    monkeypatch.setattr(sp, "MAX_GROUP_QUERIES", 4096)
+    monkeypatch.setattr(sp, "MIN_SHARED_TOKENS", 20)
+    plan = gqakv.plan_attention(c, n, q_heads=1)
+    assert plan.shared_prefix.groups == (sp.SharedGroup((0, 1, 2), 6, 24),)
 
 
 def test_stale_pages_refused(small_groups):

@@ -143,7 +143,7 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
     for i in live:
         buckets.setdefault(int(pages[int(i)][0]), []).append(int(i))
     min_pages = -(-MIN_SHARED_TOKENS // P)
-    groups, best_seen, best_saved = [], 0, 0
+    groups, best_seen, best_saved, capped = [], 0, 0, False
     for members in buckets.values():
         while len(members) >= MIN_GROUP_ROWS:
             pivot = pages[members[0]]
@@ -153,22 +153,25 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
             for c, (shared, m) in enumerate(common, start=2):
                 used += G * int(n_new[m])
                 if used > MAX_GROUP_QUERIES:
+                    capped = capped or c == 2
                     break
                 k = min(k, shared)
-                if (c - 1) * k > best:
+                best_seen = max(best_seen, k)
+                if k >= min_pages and (c - 1) * k > best:  # reads saved, in pages
                     best, best_c = (c - 1) * k, c
-            if best_c == 0:
+            if best_c == 0:  # the pivot shares too little with any other entry
                 members = members[1:]
                 continue
-            k = min([len(pivot)] + [s for s, _ in common[:best_c - 1]])
-            best_seen = max(best_seen, k)
             chosen = [members[0]] + [m for _, m in common[:best_c - 1]]
-            saved = (len(chosen) - 1) * k * P
-            best_saved = max(best_saved, saved) if k >= min_pages else best_saved
-            if k >= min_pages and saved >= MIN_SAVED_TOKENS:
+            k = min([len(pivot)] + [s for s, _ in common[:best_c - 1]])
+            best_saved = max(best_saved, best * P)
+            if best * P >= MIN_SAVED_TOKENS:
                 groups.append(SharedGroup(tuple(sorted(chosen)), k, k * P))
             members = [m for m in members if m not in chosen]
     if not groups:
+        if best_seen == 0 and capped:
+            return SharedPrefix(reason=f"two entries' queries (G x n_new each) exceed "
+                                       f"MAX_GROUP_QUERIES={MAX_GROUP_QUERIES} per KV head")
         if best_seen == 0:
             return SharedPrefix(reason="no two entries' rows share a page before their new tokens")
         if best_seen < min_pages:
