@@ -28,8 +28,10 @@ from .support.reference import reference_attention
 from .support.spies import counting
 
 SINKS4 = (0.5, -1.0, 2.0, float("-inf"))
+ALIBI4 = (0.5, 0.25, 0.125, 0.0)
 VARIANTS = {"causal": {}, "softcap": {"softcap": 0.7}, "sinks": {"sinks": SINKS4},
-            "softcap+sinks": {"softcap": 2.0, "sinks": SINKS4}}
+            "softcap+sinks": {"softcap": 2.0, "sinks": SINKS4}, "alibi": {"alibi_slopes": ALIBI4},
+            "alibi+softcap+sinks": {"alibi_slopes": ALIBI4, "softcap": 1.5, "sinks": SINKS4}}
 
 
 @pytest.fixture
@@ -299,11 +301,13 @@ def _table_rows(k_pool, v_pool, table, lens, P):
 
 @pytest.mark.parametrize("what,variant,reason", [
     ("window", {"window": 3}, "sliding window=3"),
-    ("alibi", {"alibi_slopes": (0.5, 0.25, 0.125, 0.0625)}, "ALiBi"),
+    ("window+alibi", {"window": 30, "alibi_slopes": ALIBI4}, "sliding window=30"),
+    ("negative alibi", {"alibi_slopes": (0.5, -0.25, 0.0, 0.1)}, "ALiBi with a negative slope"),
 ])
 def test_refused_for_position_dependent_variants(small_groups, monkeypatch, what, variant, reason):
-    """A window and ALiBi depend on each query's position: the plan keeps the normal path,
-    says why, and still matches the reference."""
+    """Which keys a query sees under a window depends on its position, and a negative ALiBi
+    slope makes LSEs as large as the positions: the plan keeps the normal path, says why,
+    and still matches the reference."""
     backend = gqakv.get_backend("numpy")
     arrays = BackendArrays(backend)
     rng = np.random.default_rng(2)
@@ -479,7 +483,11 @@ def test_numba_virtual_call_route(small_groups, monkeypatch, rows, want):
 
 def test_cupy_emulated_shared_prefix(small_groups, monkeypatch):
     """The cupy backend (its kernels on the CPU emulator), d = 8, float32 pages: a forked
-    decode batch runs both parts through the paged kernels and matches the reference."""
+    decode batch runs both parts through the paged kernels and matches the reference
+    (plain causal: the emulation library builds the paged kernels for plain causal,
+    window+softcap+sinks and all four features only, and a window turns the
+    decomposition off)."""
+    variant = "causal"
     from .cuda_emu import harness
 
     if harness.compiler() is None:
@@ -491,7 +499,7 @@ def test_cupy_emulated_shared_prefix(small_groups, monkeypatch):
         pytest.skip(backend.unavailable_reason())
     arrays = BackendArrays(backend)
     rng = np.random.default_rng(9)
-    B, Hkv, G, d = 4, 1, 2, 8
+    B, Hkv, G, d = 4, 1, 4, 8
     cache = gqakv.PagedKVCache(B, Hkv, 24, d, dtype="float32", backend=backend, page_size=4)
     k, v = (_held(arrays, rng.standard_normal((1, Hkv, 9, d)), "float32") for _ in range(2))
     cache.append(arrays.asarray(k, "float32"), arrays.asarray(v, "float32"), [9], rows=[0])
@@ -501,10 +509,10 @@ def test_cupy_emulated_shared_prefix(small_groups, monkeypatch):
     q = _held(arrays, rng.standard_normal((B, Hkv * G, 1, d)), "float32")
     cache.append(arrays.asarray(k, "float32"), arrays.asarray(v, "float32"), n_new)
     launches = counting(monkeypatch, sp.SharedPrefixWork, "launch")
-    plan = gqakv.plan_attention(cache, n_new, q_heads=Hkv * G)
+    plan = gqakv.plan_attention(cache, n_new, q_heads=Hkv * G, **VARIANTS[variant])
     assert plan.shared_prefix.groups == (sp.SharedGroup((0, 1, 2), 2, 8),)
     out, lse = plan.run(arrays.asarray(q, "float32"), cache, return_lse=True)
     assert launches == ["launch"]
     k_rows, v_rows = _rows_of(cache, arrays, B)
-    _check("float32", arrays.to_numpy(out), arrays.to_numpy(lse), q, k_rows, v_rows, n_new, {},
-           "cupy_emulated")
+    _check("float32", arrays.to_numpy(out), arrays.to_numpy(lse), q, k_rows, v_rows, n_new,
+           VARIANTS[variant], "cupy_emulated")

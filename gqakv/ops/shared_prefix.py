@@ -24,9 +24,16 @@ group because ``S <= lens - n_new`` for each member (a grouped query sits at ``S
 later). Variants: the soft-cap is a function of each score alone (both parts apply it);
 sinks are one more term of each query's denominator, so only the suffix part gets them
 (every grouped query sees at least its own key there, so the merge counts the sink
-once). A sliding window and ALiBi depend on the query's position, which the virtual
-call does not keep: the decomposition is refused for them (``decide`` says so) and the
-batch runs the normal path.
+once). ALiBi adds ``slope_h * (j - p)`` to query p's score of key j: the suffix part keeps
+``j - p`` (both move by S); the shared call gives each virtual head its query head's slope
+and sees its one query at ``S - 1``, so its scores differ from the true ones by the same
+``slope_h * (p - S + 1)`` for every key: its output is the true one and its LSE is moved
+back by that constant before the merge (exact). Negative slopes are refused: the
+farthest keys would score highest, by up to ``|slope| x position``, and LSEs of that size
+lose float32 precision in the merge (measured: twice the normal path's error at 4,000
+keys). A sliding window makes which keys a
+query sees depend on its position, which the virtual call does not keep: the
+decomposition is refused for it (``decide`` says so) and the batch runs the normal path.
 
 ``decide`` is the one place that chooses the groups (``MIN_SHARED_TOKENS``,
 ``MIN_SAVED_TOKENS``, ``MIN_GROUP_ROWS``, ``MAX_GROUP_QUERIES``) or the reason none is formed; a plan keeps
@@ -105,7 +112,8 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
     as ``off``, e.g. a batch-invariant mode: results must not depend on the batch's
     composition, and the split changes the order of the sums). Refused: ``off``, fixed
     plans (CUDA graphs: launches must not depend on the batch), storage that is not paged,
-    a sliding window or ALiBi (position dependent), and batches where no two entries with
+    a sliding window (which keys a query sees depends on its position), ALiBi with a
+    negative slope (LSEs as large as the positions: float32 precision), and batches where no two entries with
     queries share ``MIN_SHARED_TOKENS`` tokens of full pages before their chunks, or whose
     groups would save fewer than ``MIN_SAVED_TOKENS`` key reads.
 
@@ -126,9 +134,10 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
     if params.window is not None:
         return SharedPrefix(reason=f"sliding window={params.window}: which keys a query sees "
                                    "depends on its position, which the shared call does not keep")
-    if params.alibi_slopes is not None:
-        return SharedPrefix(reason="ALiBi: the bias depends on each query's position, which the "
-                                   "shared call does not keep")
+    if params.alibi_slopes is not None and min(params.alibi_slopes) < 0:
+        return SharedPrefix(reason="ALiBi with a negative slope: the farthest keys score highest "
+                                   "(by up to |slope| x position), and the two parts' LSEs at that "
+                                   "size would lose float32 precision in the merge")
     P = int(store.page_size)
     n_new, lens, rows = inputs.n_new, inputs.lens, inputs.rows
     G = int(q_shape[1]) // int(store.kv_heads)
@@ -197,7 +206,7 @@ class SharedPrefixWork:
 
     __slots__ = ("backend", "decision", "q_shape", "kv_heads", "group", "shared_table",
                  "shared_rows", "shared_len", "shared", "suffix_table", "suffix", "gather",
-                 "pick", "rows", "planned", "live", "_device_ints")
+                 "pick", "rows", "planned", "live", "lse_shift", "_device_ints")
 
     def __init__(self, backend, store, inputs, q_shape, decision: SharedPrefix):
         self.backend, self.decision = backend, decision
@@ -218,23 +227,37 @@ class SharedPrefixWork:
             shift[list(g.entries)] = g.pages
         self.shared_table = PageTableView(shared_entries, P, table.num_pages)
         self.shared_rows, self.shared_len = len(groups), k_max * P
-        shared_params = replace(inputs.params, sinks=None)  # sinks: the suffix part's alone
+        params = inputs.params
+        shared_params = replace(params, sinks=None)  # sinks: the suffix part's alone
+        slopes = None if params.alibi_slopes is None else np.asarray(params.alibi_slopes, np.float64)
+        self.lse_shift: list[np.ndarray | None] = []  # per group (ALiBi): [Q, Hq] slope_h * (p - S + 1), else None
         shared_store = self.shared_store(store)
         self.shared = []  # per group: (inputs, q_shape, work)
         T = 0 if packed else int(q_shape[2])
         self.gather = []  # per group: token-major indices of its queries
         for gi, g in enumerate(groups):
             tokens: list[int] = []
+            positions: list[int] = []  # each query's absolute position in its row
             for i in g.entries:
-                n = int(inputs.n_new[i])
+                n, L = int(inputs.n_new[i]), int(inputs.lens[i])
                 first = int(inputs.offsets[i]) if packed else i * T
                 tokens.extend(range(first, first + n))
+                positions.extend(range(L - n, L))
             self.gather.append(np.asarray(tokens, dtype=np.int64))
-            v_shape = (1, self.kv_heads * G * len(tokens), 1, int(q_shape[-1]))
+            Q = len(tokens)
+            v_shape = (1, self.kv_heads * G * Q, 1, int(q_shape[-1]))
+            v_params = shared_params
+            if slopes is None:
+                self.lse_shift.append(None)
+            else:  # virtual head kv * (Q * G) + t * G + g has query head kv * G + g's slope
+                v_slopes = np.broadcast_to(slopes.reshape(self.kv_heads, 1, G), (self.kv_heads, Q, G))
+                v_params = replace(shared_params, alibi_slopes=tuple(float(x) for x in v_slopes.ravel()))
+                shift_q = np.asarray(positions, np.float64) - (g.tokens - 1)  # p - (S - 1)
+                self.lse_shift.append(shift_q[:, None] * slopes[None, :])  # [Q, Hq]
             v_inputs = AttentionInputs(rows=np.array([gi], np.int64),
                                        lens=np.array([g.tokens], np.int64),
-                                       n_new=np.ones(1, np.int64), params=shared_params)
-            work = backend.plan_attention(shared_store, v_inputs, shared_params, v_shape)
+                                       n_new=np.ones(1, np.int64), params=v_params)
+            work = backend.plan_attention(shared_store, v_inputs, v_params, v_shape)
             self.shared.append((v_inputs, v_shape, work))
         # token-major row r of the whole call -> its row in the groups' results (all groups
         # end to end), or the extra last row (out 0, lse -inf) for queries of no group
@@ -290,6 +313,14 @@ class SharedPrefixWork:
             got = self._device_ints[k] = self.backend.from_host_ints(host, device=dev)
         return got
 
+    def _floats(self, key: str, host: np.ndarray, dtype):
+        """``host`` as an array of the backend's library in ``dtype`` (the LSE's; kept)."""
+        got = self._device_ints.get((key, str(dtype)))
+        if got is None:
+            name = "float64" if "64" in str(dtype) else "float32"
+            got = self._device_ints[(key, str(dtype))] = self.backend.from_numpy(host, name)
+        return got
+
     # -- running ----------------------------------------------------------------------------
 
     def launch(self, q, store, return_lse: bool, out=None, lse_out=None):
@@ -318,8 +349,11 @@ class SharedPrefixWork:
             o_v, lse_v = _attend(backend, qv, shared_store, v_inputs, work)
             outs.append(xp.reshape(xp.permute_dims(xp.reshape(o_v, (Hkv, Q, G, d)), (1, 0, 2, 3)),
                                    (Q, Hq, d)))
-            lses.append(xp.reshape(xp.permute_dims(xp.reshape(lse_v, (Hkv, Q, G)), (1, 0, 2)),
-                                   (Q, Hq)))
+            lse_g = xp.reshape(xp.permute_dims(xp.reshape(lse_v, (Hkv, Q, G)), (1, 0, 2)), (Q, Hq))
+            shift = self.lse_shift[gi]
+            if shift is not None:  # ALiBi: the true positions' constant
+                lse_g = lse_g - self._floats(f"alibi{gi}", shift, lse_g.dtype)
+            lses.append(lse_g)
         dev = getattr(o_suf, "device", None)
         outs.append(xp.zeros((1, Hq, d), dtype=o_suf.dtype, device=dev))
         lses.append(xp.full((1, Hq), -np.inf, dtype=lse_suf.dtype, device=dev))

@@ -51,10 +51,11 @@ the one gqakv would pick here; ``all``: every backend that can run):
      their tokens), rows read back as their dequantized values;
    - ``shared pages``: a ``PagedKVCache`` (page size 16) whose rows share a prompt of
      enough tokens for a group (``MIN_SHARED_TOKENS``, ``MIN_SAVED_TOKENS``) through
-     ``fork`` (one row with a prompt of its own, one idle entry), then a short chunk, decode steps and a soft-capped / sinks
-     decode: each plan must have formed its groups (``plan.shared_prefix``: the shared
-     pages read once, ``gqakv.ops.shared_prefix``; a plan that did not fails the line
-     with its reason), and every call matches the reference.
+     ``fork`` (one row with a prompt of its own, one idle entry), then a short chunk, decode
+     steps and a decode with soft-cap, sinks and ALiBi: each plan must have formed its
+     groups (``plan.shared_prefix``: the shared pages read once,
+     ``gqakv.ops.shared_prefix``; a plan that did not fails the line with its reason),
+     and every call matches the reference.
 
 Tolerances (attention outputs and LSEs, at the queries that are not padding; padded
 queries must give exactly 0 and -inf): float16/bfloat16 follow FlashAttention's rule,
@@ -675,7 +676,8 @@ def _shared_prefix_family(backend, dtype, rng, quick, checks) -> None:
             n_new = np.array([int(x) for x in n_new], np.int64)
             n_new[-2] = 0  # an idle entry (its pages shared, no queries)
             m.append(n_new, width, None, "")
-            variant = ({"softcap": 3.0, "sinks": rng.standard_normal(Hq).astype(np.float32)}
+            variant = ({"softcap": 3.0, "sinks": rng.standard_normal(Hq).astype(np.float32),
+                        "alibi_slopes": rng.uniform(0.0, 0.5, Hq)}
                        if step == len(steps) - 1 else {})
             what = f"case {c} ({s}) prompt {prompt} T={width} n_new {list(n_new)} {_describe(variant)}"
             plan = AttentionPlan.of(m.cache, n_new, q_heads=Hq, t_q=width, **variant)
