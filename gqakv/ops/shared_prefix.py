@@ -31,13 +31,14 @@ and sees its one query at ``S - 1``, so its scores differ from the true ones by 
 back by that constant before the merge (exact). Negative slopes are refused: the
 farthest keys would score highest, by up to ``|slope| x position``, and LSEs of that size
 lose float32 precision in the merge (measured: twice the normal path's error at 4,000
-keys). A sliding window makes which keys a
-query sees depend on its position, which the virtual call does not keep: the
-decomposition is refused for it (``decide`` says so) and the batch runs the normal path.
+keys). A sliding window makes which keys a query sees depend on its position, which the
+virtual call does not keep: the decomposition is refused for it (``decide`` says so) and
+the batch runs the normal path.
 
 ``decide`` is the one place that chooses the groups (``MIN_SHARED_TOKENS``,
-``MIN_SAVED_TOKENS``, ``MIN_GROUP_ROWS``, ``MAX_GROUP_QUERIES``) or the reason none is formed; a plan keeps
-its answer as ``plan.shared_prefix`` (``SharedPrefix``), shown in the plan's repr.
+``MIN_SAVED_TOKENS``, ``MIN_GROUP_ROWS``, ``MAX_GROUP_QUERIES``) or the reason none is
+formed; a plan keeps its answer as ``plan.shared_prefix`` (``SharedPrefix``), shown in
+the plan's repr.
 ``SharedPrefixWork`` holds what the plan built once (the page tables of both parts,
 their inputs, the backend's sub-plans, the gather / scatter indices); ``launch`` runs it
 over one layer's store.
@@ -230,7 +231,8 @@ class SharedPrefixWork:
         params = inputs.params
         shared_params = replace(params, sinks=None)  # sinks: the suffix part's alone
         slopes = None if params.alibi_slopes is None else np.asarray(params.alibi_slopes, np.float64)
-        self.lse_shift: list[np.ndarray | None] = []  # per group (ALiBi): [Q, Hq] slope_h * (p - S + 1), else None
+        # per group, with ALiBi: [Q, Hq] slope_h * (p - S + 1) (else None)
+        self.lse_shift: list[np.ndarray | None] = []
         shared_store = self.shared_store(store)
         self.shared = []  # per group: (inputs, q_shape, work)
         T = 0 if packed else int(q_shape[2])
@@ -250,8 +252,10 @@ class SharedPrefixWork:
             if slopes is None:
                 self.lse_shift.append(None)
             else:  # virtual head kv * (Q * G) + t * G + g has query head kv * G + g's slope
-                v_slopes = np.broadcast_to(slopes.reshape(self.kv_heads, 1, G), (self.kv_heads, Q, G))
-                v_params = replace(shared_params, alibi_slopes=tuple(float(x) for x in v_slopes.ravel()))
+                v_slopes = np.broadcast_to(slopes.reshape(self.kv_heads, 1, G),
+                                           (self.kv_heads, Q, G))
+                v_params = replace(shared_params,
+                                   alibi_slopes=tuple(float(x) for x in v_slopes.ravel()))
                 shift_q = np.asarray(positions, np.float64) - (g.tokens - 1)  # p - (S - 1)
                 self.lse_shift.append(shift_q[:, None] * slopes[None, :])  # [Q, Hq]
             v_inputs = AttentionInputs(rows=np.array([gi], np.int64),
