@@ -129,13 +129,15 @@ _CAUSAL = AttentionParams(scale=1.0)  # the key ranges of plain causal attention
 
 
 def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key_split: int,
-          params: AttentionParams = _CAUSAL):
+          params: AttentionParams = _CAUSAL, one_head: bool = False):
     """Cut the call into items ``(i, h0, h1, t0, t1, j0, j1)``.
 
     A query block reads the keys some query of it sees (``semantics.block_keys``); it is
     cut into key pieces only inside the keys every query of it sees
     (``semantics.common_keys``), so no piece is all masked for a query, and the pieces
     are merged through their log-sum-exp (``SoftmaxState.merge``, exact either way).
+    ``one_head``: every item covers one KV head (the NumPy path's batch-invariant mode, whose
+    block sizes must not depend on how many heads an item holds).
     """
     tasks = []  # (i, t0, t1, lo, hi, common_hi, cost)
     for i in range(len(n_new)):
@@ -150,7 +152,7 @@ def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key
     target = total / (workers * ITEMS_PER_WORKER) if workers > 1 else math.inf
     items = []
     for i, t0, t1, lo, hi, c_hi, cost in tasks:
-        head_parts = min(Hkv, max(1, math.ceil(cost / target)))
+        head_parts = Hkv if one_head else min(Hkv, max(1, math.ceil(cost / target)))
         part_cost = cost / head_parts
         # Keys are cut only inside lo..c_hi (seen by every query of the block).
         key_parts = max(1, min(math.ceil(part_cost / target), (c_hi - lo) // min_key_split))

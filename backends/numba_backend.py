@@ -50,6 +50,7 @@ from gqakv.storage.store import CONTIGUOUS, PAGED
 
 from . import numpy_backend as _numpy
 from .cpu_plan import ENV_THREADS, _plan, _share, _threads
+from .numpy_attention import INVARIANT_NO_SPLIT
 from .numpy_backend import NumpyBackend
 
 #: Chunks of more queries than this take the NumPy BLAS path (see ``route_attention``).
@@ -95,7 +96,7 @@ _CODECS = frozenset({PLAIN_NAME, *_KERNEL_KV_DTYPES})
 #: chunk length and buffer layout).
 KERNEL_PATH = FastPath(KERNEL, "attention", frozenset({CONTIGUOUS, PAGED}), _CODECS,
                        frozenset({"window", "softcap", "sinks", "alibi"}), frozenset(_KERNEL_DTYPES),
-                       tokens=frozenset({PADDED, PACKED}))
+                       tokens=frozenset({PADDED, PACKED}), invariant=True)
 WRITE_PATH = FastPath(WRITE_KERNEL, "write_kv", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}),
                       tokens=frozenset({PADDED, PACKED}))
 COPY_PATH = FastPath(COPY_KERNEL, "copy_tokens", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}))
@@ -111,14 +112,17 @@ def route_attention(request: Request) -> Route:
     why = (KERNEL_PATH.rejection(request)
            or request.buffers
            or (f"T={t_q} queries > {KERNEL_MAX_QUERIES}: a prefill chunk is compute-bound, "
-               "BLAS matmuls are faster there" if t_q > KERNEL_MAX_QUERIES else None)
+               "BLAS matmuls are faster there"
+               if t_q > KERNEL_MAX_QUERIES and not request.invariant else None)
            or (f"tiles of G={request.group} heads x T={t_q} queries = {rows} rows > "
                f"{KERNEL_MAX_TILE_ROWS}: compute-bound, BLAS matmuls are faster there"
-               if rows > KERNEL_MAX_TILE_ROWS else None))
+               if rows > KERNEL_MAX_TILE_ROWS and not request.invariant else None))
     if why:
         fallback = _numpy.route_attention(request)
         return Route(fallback.impl, {KERNEL: why, **fallback.rejected})
-    served = f"{KERNEL} serves this call (kernels come first)"
+    served = f"{KERNEL} serves this call (kernels come first" + (
+        "; batch-invariant mode: every chunk length, so a query's bits do not depend on its chunk)"
+        if request.invariant else ")")
     return Route(KERNEL, {impl: served for impl in (*_numpy.BLAS_PATHS, GENERIC)})
 
 
@@ -320,7 +324,8 @@ class NumbaBackend(NumpyBackend):
             mixed = plan_mixed(store, inputs, params, q_shape, request)
             return mixed if mixed is not None else super().plan_attention(store, inputs, params,
                                                                            q_shape)
-        work = plan_numba(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params)
+        work = plan_numba(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params,
+                          invariant=inputs.invariant)
         work.inputs = inputs  # the batch it was planned for (attention uses it for that one only)
         return work
 
@@ -347,7 +352,8 @@ class NumbaBackend(NumpyBackend):
             nk = _kernels()
             k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
         if not (isinstance(work, NumbaWork) and work.inputs is inputs):
-            work = plan_numba(inputs.lens, inputs.n_new, tuple(q.shape), _kv_heads(k_buf), params)
+            work = plan_numba(inputs.lens, inputs.n_new, tuple(q.shape), _kv_heads(k_buf), params,
+                              invariant=inputs.invariant)
         return run_numba(work, q, k_buf, v_buf, inputs.rows, inputs.lens, inputs.n_new,
                          return_lse=return_lse, out=out, lse_out=lse_out, offsets=inputs.offsets)
 
@@ -458,10 +464,12 @@ class NumbaWork:
 def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
                workers: int | None = None, query_block: int = QUERY_BLOCK,
                min_key_split: int = MIN_KEY_SPLIT, key_block: int | None = None,
-               parallel_min_work: int = PARALLEL_MIN_WORK) -> NumbaWork:
+               parallel_min_work: int = PARALLEL_MIN_WORK, invariant: bool = False) -> NumbaWork:
     """The items, their sharing among threads and the merge layout of a call with these
     lengths, queries of ``q_shape`` (padded ``[B, Hq, T, d]`` or packed ``[N, Hq, d]``) and
-    variant (see ``NumbaWork``)."""
+    variant (see ``NumbaWork``). ``invariant`` (batch-invariant mode): one query per item
+    and no key splits, so each query's keys are folded from its first visible key in
+    blocks of ``key_block`` (fixed by the head dim) whatever the batch."""
     import numba
 
     nk = _kernels()
@@ -483,6 +491,8 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     if workers is None:
         workers = default_workers()
     workers = max(1, min(workers, numba.config.NUMBA_NUM_THREADS))
+    if invariant:
+        query_block, min_key_split = 1, INVARIANT_NO_SPLIT
     items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split, params=params)
     if items and total < parallel_min_work:
         workers = 1
@@ -566,7 +576,7 @@ def _subset(inputs, selected: np.ndarray):
     still address the whole q)."""
     return AttentionInputs(rows=inputs.rows[selected], lens=inputs.lens[selected],
                            n_new=inputs.n_new[selected], params=inputs.params,
-                           offsets=inputs.offsets[selected])
+                           offsets=inputs.offsets[selected], invariant=inputs.invariant)
 
 
 def plan_mixed(store, inputs, params, q_shape, request) -> MixedWork | None:
@@ -577,7 +587,7 @@ def plan_mixed(store, inputs, params, q_shape, request) -> MixedWork | None:
     prefill chunk among decode tokens) then costs what its two kinds of rows cost apart."""
     from .numpy_attention import plan_items
 
-    if inputs.offsets is None:
+    if inputs.offsets is None or inputs.invariant:  # invariant: the kernels serve every row
         return None
     short = inputs.n_new <= KERNEL_MAX_QUERIES
     if short.all() or not short.any():

@@ -62,6 +62,11 @@ from .numpy_readers import MIN_BLOCK_KEYS, to_float32  # noqa: F401 (to_float32:
 SCORE_BLOCK_ELEMENTS = 1 << 18
 # Queries of one item (per row): 256 queries x G heads share each K/V block read.
 QUERY_BLOCK = 256
+#: Batch-invariant mode (``gqakv.core.invariance``): keys per block, from each query's first
+#: visible key (each query is its own item, and keys are never split among threads) ...
+INVARIANT_BLOCK_KEYS = 512
+#: ... and the key-split minimum that splits nothing.
+INVARIANT_NO_SPLIT = 1 << 62
 # A row's keys are split across threads only into pieces at least this long.
 MIN_KEY_SPLIT = 1024
 # Below this much work (query-key-head products) threads cost more than they save.
@@ -121,7 +126,8 @@ def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, j
     state.add(s, vb)
 
 
-def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_elements, offsets=None):
+def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_elements, offsets=None,
+                 block_keys_fixed=None):
     """Online softmax of one item over the blocks ``reader`` hands it (``numpy_readers``:
     a value reader over the store's base reader); returns its ``SoftmaxState`` (o
     unnormalized). o: [hh, G * nq, d]; m, l: [hh, G * nq, 1], in ``acc``."""
@@ -132,7 +138,8 @@ def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_eleme
     L, n = int(lens[i]), int(n_new[i])
     qb = item_queries(q, item, G, params, acc, offsets)
     heads = tile_heads(params, h0, h1, G)
-    keys = max(MIN_BLOCK_KEYS, score_block_elements // (hh * G * nq))
+    keys = (max(MIN_BLOCK_KEYS, score_block_elements // (hh * G * nq)) if block_keys_fixed is None
+            else block_keys_fixed)  # batch-invariant: the same blocks whatever the tile
     state = SoftmaxState(np)
     for js, je, kb, vb in reader.blocks(i, h0, h1, j0, j1, keys=keys, acc=acc,
                                         block_elements=score_block_elements, d=d):
@@ -194,22 +201,29 @@ class NumpyWork:
     """The planned part of a BLAS-path call (``plan_items``): the work items, their total
     cost and the worker count, for every layer of a step."""
 
-    __slots__ = ("items", "total", "workers", "inputs")
+    __slots__ = ("items", "total", "workers", "inputs", "block_keys")
 
-    def __init__(self, items, total, workers: int):
+    def __init__(self, items, total, workers: int, block_keys=None):
         self.items, self.total, self.workers = items, total, workers
         self.inputs = None  # the AttentionInputs it was planned for (set by plan_attention)
+        self.block_keys = block_keys  # fixed keys per block (batch-invariant), else None
 
 
 def plan_items(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
                workers: int | None = None, query_block: int = QUERY_BLOCK,
-               min_key_split: int = MIN_KEY_SPLIT) -> NumpyWork:
-    """``attend``'s items for these lengths and queries ``[B, Hq, T, d]`` (see ``_plan``)."""
+               min_key_split: int = MIN_KEY_SPLIT, invariant: bool = False) -> NumpyWork:
+    """``attend``'s items for these lengths and queries ``[B, Hq, T, d]`` (see ``_plan``).
+    ``invariant`` (batch-invariant mode): one query and one KV head per item, no key
+    splits, blocks of ``INVARIANT_BLOCK_KEYS`` keys (then capped by the readers for the
+    head dim and dtype only), so a query's bits depend on its own row alone."""
     if workers is None:
         workers = _threads.default_workers()
     G = int(q_shape[1]) // kv_heads
-    items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split, params=params)
-    return NumpyWork(items, total, workers)
+    if invariant:
+        query_block, min_key_split = 1, INVARIANT_NO_SPLIT
+    items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split, params=params,
+                         one_head=invariant)
+    return NumpyWork(items, total, workers, INVARIANT_BLOCK_KEYS if invariant else None)
 
 
 def attention_store(q, store, inputs, params, *, return_lse: bool, **blocking):
@@ -219,7 +233,8 @@ def attention_store(q, store, inputs, params, *, return_lse: bool, **blocking):
     ``blocking``: ``attend``'s keywords (``planned``: a ``plan_items`` of this batch)."""
     reader = readers.reader_of(store, inputs.rows)
     return attend(q, reader, inputs.lens, inputs.n_new, params=params, return_lse=return_lse,
-                  offsets=getattr(inputs, "offsets", None), **blocking)
+                  offsets=getattr(inputs, "offsets", None),
+                  invariant=getattr(inputs, "invariant", False), **blocking)
 
 
 def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
@@ -228,7 +243,7 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
            query_block: int = QUERY_BLOCK,
            min_key_split: int = MIN_KEY_SPLIT,
            parallel_min_work: int = PARALLEL_MIN_WORK,
-           planned: NumpyWork | None = None, offsets=None, into=None):
+           planned: NumpyWork | None = None, offsets=None, into=None, invariant: bool = False):
     """The item kernel over validated inputs: plan the items, share them among threads,
     read each item's K/V blocks through ``reader`` (``numpy_readers``), merge key pieces.
 
@@ -240,7 +255,8 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
     ``planned``: the items ``plan_items`` made for this batch (planned here when None).
     ``into``: ``(out, lse)`` arrays (q's shape, and without d) receiving this batch's
     queries' results in place, left as they are elsewhere (another part of a packed
-    batch writes there); returned.
+    batch writes there); returned. ``invariant``: batch-invariant items and blocks when
+    planned here (``plan_items``; a ``planned`` work keeps its own).
     """
     Hq = q.shape[1]  # dim 1 in both layouts
     Hkv = reader.kv_heads
@@ -254,7 +270,8 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
     sinks = None if params.sinks is None else np.asarray(params.sinks, dtype=acc)  # [Hq]
     if planned is None:
         planned = plan_items(lens, n_new, q.shape, Hkv, params, workers=workers,
-                             query_block=query_block, min_key_split=min_key_split)
+                             query_block=query_block, min_key_split=min_key_split,
+                             invariant=invariant)
     items, total, workers = planned.items, planned.total, planned.workers
     if not items:
         return (out, lse) if return_lse else out
@@ -266,7 +283,8 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
         pieces = []
         for item in batch:
             state = _attend_item(q, reader, lens, n_new, item, params=params, acc=acc,
-                                 score_block_elements=score_block_elements, offsets=offsets)
+                                 score_block_elements=score_block_elements, offsets=offsets,
+                                 block_keys_fixed=planned.block_keys)
             i, t0, t1, j0, j1 = item[0], item[3], item[4], item[5], item[6]
             if (j0, j1) == block_keys(params, int(lens[i]), int(n_new[i]), t0, t1):  # all its keys
                 _finish(out, lse, item, state, G, sinks, offsets)  # items write disjoint parts of out

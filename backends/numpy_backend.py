@@ -25,7 +25,7 @@ BLAS_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})
 FAST_PATHS: tuple[FastPath, ...] = (
     FastPath(BLAS, "attention", frozenset({CONTIGUOUS, PAGED}),
              frozenset({PLAIN_NAME, "int8", "float8_e4m3fn"}), BLAS_FEATURES,
-             tokens=frozenset({PADDED, PACKED})),
+             tokens=frozenset({PADDED, PACKED}), invariant=True),
 )
 
 
@@ -138,7 +138,8 @@ class NumpyBackend(Backend):
             return None
         from .numpy_attention import plan_items
 
-        work = plan_items(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params)
+        work = plan_items(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params,
+                          invariant=inputs.invariant)
         work.inputs = inputs  # the batch it was planned for (attention uses it for that one only)
         return work
 

@@ -14,10 +14,12 @@ from .dispatch.request import Request
 from .caches.cache import KVCache
 from .caches.model_cache import ModelKVCache, Step
 from .storage.paged import OutOfPages
+from .storage.prefix_index import PrefixIndex
 from .caches.paged_cache import PagedKVCache
 from .caches.paged_functional import paged_append, paged_append_attention, paged_attention
 from .ops.merge import apply_sinks, merge_attention
 from .core.semantics import AttentionParams
+from .core.invariance import batch_invariant, set_batch_invariant
 from .storage.store import KVStore, StorageSpec
 from .dispatch.registry import (
     BackendError,
@@ -60,9 +62,11 @@ __all__ = [
     "ModelKVCache",
     "OutOfPages",
     "PagedKVCache",
+    "PrefixIndex",
     "Step",
     "StorageSpec",
     "apply_sinks",
+    "batch_invariant",
     "describe_backends",
     "get_backend",
     "gqa_attention",
@@ -73,6 +77,7 @@ __all__ = [
     "paged_attention",
     "plan_attention",
     "register_backend",
+    "set_batch_invariant",
     "unregister_backend",
     "use_backend",
 ]

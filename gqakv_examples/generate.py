@@ -21,12 +21,13 @@ import time
 
 import numpy as np
 
+import gqakv
 from gqakv import distributed
 from gqakv.dispatch.registry import get_backend
 from gqakv.distributed import HeadShard, even_slice
 from gqakv.tools.errors import UsageError
 
-from . import real_model
+from . import prefix_demo, real_model
 from .llama import CONFIGS, LlamaModel, generate, generate_uncached
 
 
@@ -58,6 +59,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the uncached (re-run the full prefix) comparison")
+    parser.add_argument("--prefix-cache", type=int, default=None, metavar="N",
+                        help="serve two requests sharing an N-token system prompt from a prefix cache: "
+                             "the second prefills only its own tokens (time to first token of both, and "
+                             "the second against serving it alone)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="batch-invariant attention (gqakv.set_batch_invariant): a query's bits do not "
+                             "depend on its chunk or its batch (with --prefix-cache: the second request's "
+                             "logits bit-identical to serving it alone)")
     parser.add_argument("--tensor-parallel", type=int, default=None, metavar="P",
                         help="split the model by heads over P processes started by torchrun "
                              "(torchrun --standalone --nproc-per-node P -m gqakv generate "
@@ -142,13 +151,20 @@ def _tensor_parallel(args, config, UsageError):
 
 
 def run(args) -> int:
+    if getattr(args, "batch_invariant", False):
+        with gqakv.batch_invariant():
+            return _dispatch(args)
+    return _dispatch(args)
+
+
+def _dispatch(args) -> int:
     if real_model.wants_real_model(args):
         if getattr(args, "tensor_parallel", None) is not None:
             raise UsageError("--tensor-parallel runs the example model (random weights, --config); "
                              "it does not split --model / --gguf")
         return real_model.run(args)
     _refuse_real_model_options(args, UsageError)
-    for name in ("batch", "prompt_len", "new_tokens", "chunk", "layers", "vocab"):
+    for name in ("batch", "prompt_len", "new_tokens", "chunk", "layers", "vocab", "prefix_cache"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -200,8 +216,14 @@ def _run(args, config, tp, cache_options) -> int:
             f"MLP columns {tp.rank * F}..{(tp.rank + 1) * F - 1}; 2 all-reduces of "
             f"[B, T, {config.hidden_size}] per layer")
 
-    lengths = _prompt_lengths(args.batch, args.prompt_len)
     rng = np.random.default_rng(args.seed + 1)
+    if args.prefix_cache is not None:
+        if tp is not None:
+            raise UsageError("--prefix-cache runs in one process (no --tensor-parallel)")
+        system = rng.integers(0, config.vocab_size, args.prefix_cache).tolist()
+        questions = [rng.integers(0, config.vocab_size, n).tolist() for n in (24, 17)]
+        return prefix_demo.run(model, system, questions, args.new_tokens, args.chunk, say=say)
+    lengths = _prompt_lengths(args.batch, args.prompt_len)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]
     calls = math.ceil(max(lengths) / args.chunk)
     prefill = (f"prefill in one forward call (--chunk {args.chunk} covers the longest prompt)" if calls == 1 else

@@ -367,7 +367,8 @@ class LlamaModel:
 
     # -- forward passes ---------------------------------------------------------------------
 
-    def forward(self, tokens, n_new, cache: gqakv.ModelKVCache, *, last_only: bool = False) -> np.ndarray:
+    def forward(self, tokens, n_new, cache: gqakv.ModelKVCache, *, last_only: bool = False,
+                rows=None) -> np.ndarray:
         """Cached forward of the next tokens of each row; returns host (NumPy) logits.
 
         Args:
@@ -377,6 +378,8 @@ class LlamaModel:
                 L_b + n_new[b] after. Token t of row b gets RoPE position L_b + t.
             last_only: return only each row's last real token's logits, ``[B, V]``
                 (rows with n_new[b] = 0 give meaningless values).
+            rows: ``[B]`` distinct cache rows the batch's entries are (default ``0..B-1``,
+                the whole cache).
 
         Returns:
             ``[B, T, V]`` logits (padded slots meaningless), or ``[B, V]`` with last_only.
@@ -391,7 +394,7 @@ class LlamaModel:
         guard = self._guard(B, T)
         step = None
         try:
-            step = guard.run(lambda: cache.step(n_new))
+            step = guard.run(lambda: cache.step(n_new, rows=rows))
             x = self._decoder(tokens, lambda: step.starts[:, None] + np.arange(T),  # continue from each row's length
                               lambda i, q, k, v: step.attend(i, q, k, v, params=params[i]), guard)
             logits = guard.run(lambda: self._logits(x, np.maximum(n_new - 1, 0) if last_only else None))
@@ -455,6 +458,7 @@ class Generation:
     time_to_first_token: float  # seconds from start to every row's first token
     decode_seconds: float  # seconds for the remaining n_new_tokens - 1 steps
     cache_nbytes: int = 0
+    prefix_hits: np.ndarray | None = None  # [B] prompt tokens each row found in the prefix cache
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -491,8 +495,13 @@ def _check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
     return rows
 
 
+def _has_prefix_cache(cache) -> bool:
+    return cache.store.kind == "paged" and cache.prefix_index is not None
+
+
 def generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-             chunks=None, pad_id: int = 0, cache_options: dict | None = None) -> Generation:
+             chunks=None, pad_id: int = 0, cache_options: dict | None = None,
+             cache: gqakv.ModelKVCache | None = None, salt=None) -> Generation:
     """Greedy generation through the KV cache: chunked prefill, then batched ragged decode.
 
     Prefill feeds every row its next ``chunk`` prompt tokens per call (rows whose prompt
@@ -500,6 +509,14 @@ def generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens
     share each call. A row's first token comes from its last prompt token's logits;
     then every row decodes one token per step, each at its own position.
     ``cache_options``: passed to ``model.new_cache`` (``page_size``, ``kv_dtype``, ...).
+
+    ``cache``: an existing ``model.new_cache(...)`` to serve from instead of a new one
+    (rows ``0..B-1`` are reset first, which returns their pages to its pool). With a
+    prefix cache (``prefix_cache=True``), each row starts on the cached pages of its
+    prompt's longest cached prefix (``match_prefix``, ``salt``) and prefills only the
+    rest; every row's prompt, and at the end its prompt and generated tokens, are
+    cached for the next call (``cache_prefix``). ``Generation.prefix_hits`` says how
+    many prompt tokens each row found.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -510,31 +527,49 @@ def generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens
     V = model.config.vocab_size
     out_tokens = np.empty((B, max_new_tokens), dtype=np.int64)
     out_logits = np.empty((max_new_tokens, B, V), dtype=np.float64)
+    if cache is not None and (cache.batch < B or cache.max_len < int(lens.max()) + max_new_tokens):
+        raise ValueError(f"the cache has {cache.batch} rows of {cache.max_len} tokens; {B} rows of up "
+                         f"to {int(lens.max()) + max_new_tokens} tokens are needed")
 
     t0 = time.perf_counter()
-    cache = model.new_cache(B, int(lens.max()) + max_new_tokens, **(cache_options or {}))
+    if cache is None:
+        cache = model.new_cache(B, int(lens.max()) + max_new_tokens, **(cache_options or {}))
+    else:
+        cache.reset(list(range(B)))
+    prefix = _has_prefix_cache(cache)
+    rows_used = None if cache.batch == B else list(range(B))
     fed = np.zeros(B, dtype=np.int64)
+    if prefix:
+        for b in range(B):
+            fed[b] = cache.match_prefix(b, rows[b], salt=salt)
+    hits = fed.copy()
     step = 0
     while (fed < lens).any():
         n_new = np.minimum(chunk_of(step), lens - fed)
         tokens = np.full((B, int(n_new.max())), pad_id, dtype=np.int64)
         for b in range(B):
             tokens[b, : n_new[b]] = rows[b][fed[b] : fed[b] + n_new[b]]
-        logits = model.forward(tokens, n_new, cache, last_only=True)  # [B, V]
+        logits = model.forward(tokens, n_new, cache, last_only=True, rows=rows_used)  # [B, V]
         done_now = (n_new > 0) & (fed + n_new == lens)
         out_logits[0, done_now] = logits[done_now]
         fed += n_new
         step += 1
     out_tokens[:, 0] = np.argmax(out_logits[0], axis=-1)
     t1 = time.perf_counter()
+    if prefix:
+        for b in range(B):
+            cache.cache_prefix(b, rows[b], salt=salt)
 
     ones = np.ones(B, dtype=np.int64)
     for i in range(1, max_new_tokens):
-        logits = model.forward(out_tokens[:, i - 1 : i], ones, cache, last_only=True)
+        logits = model.forward(out_tokens[:, i - 1 : i], ones, cache, last_only=True, rows=rows_used)
         out_logits[i] = logits
         out_tokens[:, i] = np.argmax(logits, axis=-1)
     t2 = time.perf_counter()
-    return Generation(out_tokens, out_logits, t1 - t0, t2 - t1, cache.nbytes)
+    if prefix:  # the generated tokens the cache holds (all but the last) are reusable too
+        for b in range(B):
+            cache.cache_prefix(b, np.concatenate([rows[b], out_tokens[b, :-1]]), salt=salt)
+    return Generation(out_tokens, out_logits, t1 - t0, t2 - t1, cache.nbytes, hits)
 
 
 def generate_uncached(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,

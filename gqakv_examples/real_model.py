@@ -301,6 +301,28 @@ def _gguf_file(path: str, UsageError) -> str:
     return path
 
 
+#: The two questions ``--prefix-cache`` asks after its shared system prompt (without --prompt).
+PREFIX_QUESTIONS = ["Question: what does the cache store? Answer:",
+                    "Question: why store it in fewer bits? Answer:"]
+
+
+def _prefix_cache(model, tokenizer, args) -> int:
+    """``--prefix-cache N``: a system prompt of N tokens (the fixed paragraph, repeated and
+    cut to N tokens), then two questions (``--prompt`` twice, or ``PREFIX_QUESTIONS``)."""
+    from . import prefix_demo
+
+    texts = args.prompt or PREFIX_QUESTIONS
+    if len(texts) != 2:
+        raise UsageError(f"--prefix-cache asks two questions after the system prompt: give --prompt "
+                         f"twice (or not at all), got {len(texts)}")
+    paragraph = tokenizer.encode(COMPARE_PARAGRAPH + " " + COMPARE_PARAGRAPH)  # BOS (if any) first
+    body = paragraph[1:] if tokenizer.add_bos else paragraph
+    system = (paragraph + body * (args.prefix_cache // len(body) + 1))[:args.prefix_cache]
+    questions = [tokenizer.tokenizer.encode(" " + t, add_special_tokens=False).ids for t in texts]
+    return prefix_demo.run(model, system, questions, args.new_tokens, args.chunk,
+                           say=lambda m: print(m, flush=True))
+
+
 def run(args) -> int:
     from .gguf import GGUFLlamaModel, model_path, read_checkpoint
     from .tokenizer import GGUFTokenizer
@@ -333,6 +355,8 @@ def run(args) -> int:
           f"{c.n_kv_heads} KV heads, head dim {c.head_dim}), read in {time.perf_counter() - t:.1f} s; "
           f"backend {model.backend.name}, {args.dtype}", flush=True)
 
+    if getattr(args, "prefix_cache", None) is not None:
+        return _prefix_cache(model, tokenizer, args)
     if args.compare_cache is not None:
         if model.backend.name not in ("numpy", "numba"):
             raise UsageError(f"--compare-cache runs on the numpy or numba backend, got --backend {model.backend.name}")

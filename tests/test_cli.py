@@ -46,6 +46,7 @@ def one_line_error(capsys, argv, monkeypatch=None, env=None):
     (["bench", "--steps", "-1"], {}, "--steps must be >= 0, got -1"),
     (["generate", "--layers", "0"], {}, "--layers must be >= 1, got 0"),
     (["generate", "--vocab", "0"], {}, "--vocab must be >= 1, got 0"),
+    (["generate", "--prefix-cache", "0"], {}, "--prefix-cache must be >= 1, got 0"),
     (["generate", "--backend", "nonsense"], {}, "unknown backend 'nonsense'"),
     (["size", "--budget", "1e400"], {}, "--budget"),  # OverflowError before; names the value
     (["size", "--budget", "12XB"], {}, "--budget: cannot read a byte count from '12XB'"),

@@ -165,6 +165,51 @@ def test_generate_command_tiny(capsys):
     assert "time to first token" in out and "KV cache (gqakv)" in out
 
 
+def test_generate_from_a_prefix_cache():
+    """Requests served one after another from one prefix-cached cache: each starts on the
+    pages of its prompt's longest cached prefix, prefills only the rest, and generates what
+    re-running the whole prefix every step generates (float64 logits within 1e-10)."""
+    model = LlamaModel(TINY, seed=3, dtype="float64", backend="numpy")
+    rng = np.random.default_rng(4)
+    system = rng.integers(0, TINY.vocab_size, 21).tolist()
+    prompts = [system + rng.integers(0, TINY.vocab_size, n).tolist() for n in (5, 2, 9)]
+    cache = model.new_cache(2, 40, storage="paged", page_size=4, prefix_cache=True)
+    first = generate(model, [prompts[0]], 4, chunks=3, cache=cache)
+    assert first.prefix_hits.tolist() == [0]
+    later = generate(model, prompts[1:], 4, chunks=3, cache=cache)
+    assert later.prefix_hits.tolist() == [20, 20]  # 5 full pages of the 21-token system prompt
+    again = generate(model, [prompts[0]], 4, cache=cache)  # its prompt and 3 generated tokens cached
+    assert again.prefix_hits.tolist() == [24]
+    for got, ps in ((first, prompts[:1]), (later, prompts[1:]), (again, prompts[:1])):
+        want = generate_uncached(model, ps, 4)
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_allclose(got.logits, want.logits, rtol=1e-10, atol=1e-10)
+    assert cache.store.page_table.audit(cache.host_lens) == []
+    with pytest.raises(ValueError, match="the cache has 2 rows of 40 tokens; 3 rows"):
+        generate(model, prompts, 4, cache=cache)
+
+
+def test_generate_prefix_cache_command(capsys):
+    rc = cli_main(["generate", "--config", "tiny", "--prefix-cache", "40", "--new-tokens", "3",
+                   "--backend", "numpy", "--dtype", "float64"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "second request: 32 prompt tokens from the cache" in out
+    assert "greedy tokens identical to serving it alone: yes" in out
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_generate_prefix_cache_command_batch_invariant(capsys, backend):
+    """In batch-invariant mode the second request's logits are the bits of serving it alone:
+    its 8 prefilled tokens and the other run's 40-token chunk reduce each query alike."""
+    rc = cli_main(["generate", "--config", "tiny", "--prefix-cache", "40", "--new-tokens", "3",
+                   "--backend", backend, "--batch-invariant"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "second request: 32 prompt tokens from the cache" in out
+    assert "logits bit-identical" in out and "not bit-identical" not in out
+
+
 # -- attention variants: sliding windows (alternating with global layers), soft-cap, sinks ------
 
 VARIANTS = {  # name -> LlamaConfig changes; windows shorter than the longest prompt (11)

@@ -362,6 +362,23 @@ def test_refused_without_shared_pages(monkeypatch):
         sp.SharedGroup((1, 3), 4, 16),)
 
 
+def test_batch_invariant_mode_turns_it_off(small_groups, monkeypatch):
+    """In batch-invariant mode a query's bits must not depend on which rows share its
+    pages: the plan runs the normal path and says why."""
+    from gqakv.core import invariance
+
+    cache = gqakv.PagedKVCache(3, 1, 16, 4, dtype="float64", backend="numpy", page_size=4)
+    k = np.ones((1, 1, 9, 4))
+    cache.append(k, k, [9], rows=[0])
+    cache.fork(0, [1, 2])
+    assert gqakv.plan_attention(cache, [1, 1, 1], q_heads=1).shared_prefix.used
+    launches = counting(monkeypatch, sp.SharedPrefixWork, "launch")
+    with invariance.batch_invariant():
+        plan = gqakv.plan_attention(cache, [1, 1, 1], q_heads=1)
+        plan.run(np.ones((3, 1, 1, 4)), cache)
+    assert "batch-invariant mode" in plan.shared_prefix.reason and launches == []
+
+
 def test_decide_an_off_switch_and_fixed_plans():
     """The one decision point: a mode's sentence (``off``) and fixed plans turn it off."""
     cache = gqakv.PagedKVCache(2, 1, 16, 4, dtype="float64", backend="numpy", page_size=4)

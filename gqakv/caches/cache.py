@@ -37,6 +37,7 @@ from ..core.units import human_bytes
 from ..dispatch.registry import get_backend
 from ..ops import row_ops
 from ..storage.layouts import store_class
+from ..storage.prefix_index import token_ids_of
 from ..storage.store import MAX_BUFFER_BYTES, KVStore, StorageSpec  # noqa: F401  (MAX_BUFFER_BYTES: re-exported)
 
 
@@ -103,7 +104,7 @@ class RowsAndLengths:
 
     def _allocate(self, leading: tuple[int, ...], batch, kv_heads, max_len, head_dim, dtype,
                   backend, what: str, storage: str = "contiguous", page_size=None,
-                  num_pages=None, kv_dtype=None) -> None:
+                  num_pages=None, kv_dtype=None, prefix_cache=False) -> None:
         """Check the dimensions, pick the backend, allocate K and V
         ``[*leading, B, Hkv, max_len, d]`` once (paged storage: a pool of ``num_pages``
         pages of ``page_size`` tokens, ``gqakv.storage.paged``) and start every row empty."""
@@ -113,7 +114,8 @@ class RowsAndLengths:
         spec = StorageSpec.of(self.dtype, storage, kv_dtype)
         self.kv_dtype: str | None = spec.dtype if spec.quantized else None
         layout = store_class(spec.kind)
-        args = layout.layout_args(self.batch, self.max_len, page_size=page_size, num_pages=num_pages)
+        args = layout.layout_args(self.batch, self.max_len, page_size=page_size, num_pages=num_pages,
+                                  prefix_cache=prefix_cache)
         self.backend = get_backend(backend, dtype=self.dtype, head_dim=self.head_dim)
         shape = (*leading, self.batch, self.kv_heads, self.max_len, self.head_dim)
         self.store = layout.allocate(self.backend, spec, shape, what, **args)
@@ -152,8 +154,75 @@ class RowsAndLengths:
 
     @property
     def pages_free(self) -> int:
-        """Pages on the free list (paged storage only)."""
+        """Pages an append can take (paged storage only): the free list, plus the prefix
+        cache's cached pages no row names (evicted only when the free list runs out)."""
         return self._page_table().pages_free
+
+    @property
+    def pages_reusable(self) -> int:
+        """Cached pages no row names (paged storage; 0 without a prefix cache)."""
+        return self._page_table().pages_reusable
+
+    @property
+    def prefix_index(self):
+        """The prefix cache's ``gqakv.storage.prefix_index.PrefixIndex`` (None without one;
+        paged storage only)."""
+        return self._page_table().index
+
+    # -- the prefix cache (paged storage made with prefix_cache=True) ---------------------------
+
+    def _index_and_row(self, row, what: str):
+        table = self._page_table()
+        if table.index is None:
+            raise ValueError(f"cannot {what}: this cache has no prefix cache (make it with "
+                             "storage='paged', prefix_cache=True)")
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
+            raise TypeError(f"row must be an int row index, got {row!r}")
+        if not 0 <= row < self.batch:
+            raise ValueError(f"row={int(row)} is out of range for a cache of {self.batch} rows")
+        return table, int(row)
+
+    def match_prefix(self, row: int, token_ids, *, salt=None) -> int:
+        """Start empty row ``row`` with the cached pages of the longest prefix of
+        ``token_ids`` made of full pages (keys: ``gqakv.storage.prefix_index``), named by
+        reference (no copy), every layer at once; returns the tokens it now holds (a
+        multiple of ``page_size``). At most ``len(token_ids) - 1`` tokens are matched, so
+        the caller always runs the last prompt token (its logits are the first output).
+        The caller then appends ``token_ids[matched:]`` at the positions that follow.
+
+        ``salt`` (None, a str, bytes or an int) separates prompts whose equal token ids
+        mean different things (an adapter, images): only pages cached with the same salt
+        match. Validated before anything changes; the row must be empty (``reset`` it)."""
+        with self._lengths.lock:
+            self._check_can_change("match a prefix")
+            table, row = self._index_and_row(row, "match a prefix")
+            ids = token_ids_of(token_ids)
+            if int(self._lengths.host[row]) or int(table.held[row]):
+                raise ValueError(f"row {row} holds {int(self._lengths.host[row])} tokens; "
+                                 "match_prefix starts an empty row (reset it first)")
+            limit = min(ids.size - 1, self.max_len)
+            pages = table.index.match(ids, salt, max_tokens=max(limit, 0))
+            table.attach(row, pages)
+            matched = int(pages.size) * table.page_size
+            self._lengths.set(np.array([row]), np.array([matched]))
+            return matched
+
+    def cache_prefix(self, row: int, token_ids, *, salt=None) -> int:
+        """Put row ``row``'s full pages into the prefix cache as holding ``token_ids`` (the
+        row's first ``len(token_ids)`` tokens, at most ``lens[row]``: the caller's word for
+        what it appended), so later ``match_prefix`` calls find them. Pages already cached
+        stay as they are. Returns how many pages became cached. Call it after a prompt's
+        prefill (and again later with the generated tokens, to cache those too)."""
+        with self._lengths.lock:
+            self._check_can_change("cache a prefix")
+            table, row = self._index_and_row(row, "cache a prefix")
+            ids = token_ids_of(token_ids)
+            have = int(self._lengths.host[row])
+            if ids.size > have:
+                raise ValueError(f"token_ids has {ids.size} ids, but row {row} holds {have} "
+                                 "tokens: cache_prefix names tokens the row already holds")
+            full = ids.size // table.page_size
+            return table.index.insert(ids, table.row_pages(row)[:full], salt)
 
     @property
     def host_lens(self) -> np.ndarray:
@@ -210,6 +279,9 @@ class KVCache(RowsAndLengths):
             "paged" (see ``gqakv.PagedKVCache``).
         page_size: paged storage only: tokens per page (default 16).
         num_pages: paged storage only: pages in the pool (default: every row at ``max_len``).
+        prefix_cache: paged storage only: keep full pages findable by the tokens they hold
+            (``match_prefix`` / ``cache_prefix``; pages no row names stay cached until the
+            pool needs them). Default False.
         kv_dtype: how K and V are stored: None (as ``dtype``), "int8" or "float8_e4m3fn"
             (8-bit codes plus a float32 scale per row, KV head and token, ``gqakv.storage.quantize``;
             contiguous or paged storage, dtype float32/float16/bfloat16). ``dtype`` stays the dtype
@@ -226,9 +298,10 @@ class KVCache(RowsAndLengths):
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype="float32", backend=None, *, storage: str = "contiguous",
-                 page_size: int | None = None, num_pages: int | None = None, kv_dtype=None):
+                 page_size: int | None = None, num_pages: int | None = None, kv_dtype=None,
+                 prefix_cache: bool = False):
         self._allocate((), batch, kv_heads, max_len, head_dim, dtype, backend, "KV cache",
-                       storage, page_size, num_pages, kv_dtype)
+                       storage, page_size, num_pages, kv_dtype, prefix_cache)
         self._frozen: str | None = None  # why this cache cannot change its own lengths (layer views)
 
     @classmethod

@@ -57,6 +57,9 @@ class ModelKVCache(RowsAndLengths):
             of every layer); default every row at ``max_len`` (no overcommit).
         kv_dtype: None, "int8" or "float8_e4m3fn": K/V stored quantized with per-token
             scales, as in ``KVCache``.
+        prefix_cache: paged storage: a prefix cache over the shared page table, as
+            ``PagedKVCache``'s (``match_prefix`` / ``cache_prefix`` act on every layer at
+            once: a page holds its tokens of every layer). Default False.
 
     Attributes:
         store: the KVStore, leading axis ``(layers,)``; what the backend's operations take.
@@ -68,12 +71,14 @@ class ModelKVCache(RowsAndLengths):
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype="float32", backend=None, *, storage: str | None = None,
-                 page_size: int | None = None, num_pages: int | None = None, kv_dtype=None):
+                 page_size: int | None = None, num_pages: int | None = None, kv_dtype=None,
+                 prefix_cache: bool = False):
         self.layers = check_dim("layers", layers, 1)
         if storage is None:
             storage = PAGED if page_size is not None else "contiguous"
         self._allocate((self.layers,), batch, kv_heads, max_len, head_dim, dtype, backend,
-                       "model KV cache", storage, page_size, num_pages, kv_dtype=kv_dtype)
+                       "model KV cache", storage, page_size, num_pages, kv_dtype=kv_dtype,
+                       prefix_cache=prefix_cache)
         self._layer_stores = [self.store.layer(l) for l in range(self.layers)]
         self._views = [KVCache._view_of(st, self._lengths, backend=self.backend, frozen=_LAYER_VIEW)
                        for st in self._layer_stores]

@@ -26,6 +26,12 @@ class PagedKVCache(KVCache):
         kv_dtype: None (K/V stored as ``dtype``), "int8" or "float8_e4m3fn": pages hold
             8-bit codes and each token's float32 scale is paged with it (the scheme of
             ``gqakv.storage.quantize``, as ``KVCache``'s ``kv_dtype``).
+        prefix_cache: keep full pages findable by the tokens they hold: ``cache_prefix(row,
+            token_ids)`` after a prompt's prefill, ``match_prefix(row, token_ids)`` to start a
+            new request on the cached pages of its longest cached prefix (no copy, no
+            prefill of them). Pages no row names stay cached, in an LRU, and are evicted
+            only when an append needs them (``pages_free`` counts them, ``pages_reusable``
+            says how many). Default False.
 
     Attributes (besides KVCache's):
         k, v: the page pool, ``[num_pages, Hkv, page_size, d]`` each (heads-major inside a
@@ -46,9 +52,10 @@ class PagedKVCache(KVCache):
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype="float32", backend=None, *, page_size: int = DEFAULT_PAGE_SIZE,
-                 num_pages: int | None = None, kv_dtype=None):
+                 num_pages: int | None = None, kv_dtype=None, prefix_cache: bool = False):
         super().__init__(batch, kv_heads, max_len, head_dim, dtype, backend, storage=PAGED,
-                         page_size=page_size, num_pages=num_pages, kv_dtype=kv_dtype)
+                         page_size=page_size, num_pages=num_pages, kv_dtype=kv_dtype,
+                         prefix_cache=prefix_cache)
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(batch={self.batch}, kv_heads={self.kv_heads}, max_len={self.max_len}, "

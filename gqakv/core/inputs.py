@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import dtypes as _dtypes
+from . import invariance as _invariance
 from .semantics import AttentionParams
 
 
@@ -270,6 +271,8 @@ class AttentionInputs:
     #: None: q (and out) are padded ``[B, Hq, T, d]``; else packed ``[N, Hq, d]`` and entry
     #: i's queries are ``offsets[i] : offsets[i] + n_new[i]`` of dim 0 ([B] int64).
     offsets: np.ndarray | None = None
+    #: batch-invariant mode (``gqakv.core.invariance``), as it was when the call was validated
+    invariant: bool = False
 
     @property
     def scale(self) -> float:
@@ -277,10 +280,12 @@ class AttentionInputs:
 
     def token_facts(self, q_shape) -> dict:
         """The ``Request`` facts of this call's queries ``q_shape``: ``t_q`` (query tokens
-        per row: T padded, the largest n_new packed) and ``tokens`` (their layout)."""
+        per row: T padded, the largest n_new packed), ``tokens`` (their layout) and
+        ``invariant`` (batch-invariant mode)."""
+        mode = {"invariant": True} if self.invariant else {}
         if self.offsets is None:
-            return {"t_q": int(q_shape[2])}
-        return {"t_q": max(1, int(self.n_new.max(initial=0))), "tokens": PACKED}
+            return {"t_q": int(q_shape[2]), **mode}
+        return {"t_q": max(1, int(self.n_new.max(initial=0))), "tokens": PACKED, **mode}
 
 
 #: The two layouts of a call's new tokens (q, k_new, v_new, out; ``Request.tokens``):
@@ -364,7 +369,8 @@ def validate_attention_batch(cache, q_shape: tuple[int, ...], n_new, rows=None,
     params = AttentionParams(scale=scale, window=check_window(window),
                              softcap=check_softcap(softcap), sinks=check_sinks(sinks, hq),
                              alibi_slopes=check_alibi(alibi_slopes, hq))
-    return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, params=params, offsets=offsets)
+    return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, params=params, offsets=offsets,
+                           invariant=_invariance.enabled())
 
 
 def lse_dtype(q_dtype: str) -> str:

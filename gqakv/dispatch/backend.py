@@ -73,6 +73,9 @@ class FastPath:
     features: frozenset[str] = frozenset()
     dtypes: frozenset[str] | None = None
     tokens: frozenset[str] = frozenset({PADDED})
+    #: whether it keeps a query's bits independent of the batch when asked
+    #: (``Request.invariant``, ``gqakv.core.invariance``)
+    invariant: bool = False
 
     def rejection(self, request: Request) -> str | None:
         """None when this path implements ``request`` (its layout, codec, variant features
@@ -95,6 +98,8 @@ class FastPath:
         if request.tokens not in self.tokens:
             return (f"{request.tokens} tokens ({self.name} takes "
                     f"{' and '.join(sorted(self.tokens))} q / K / V)")
+        if request.invariant and not self.invariant:
+            return f"batch-invariant mode ({self.name}'s results depend on the batch)"
         return None
 
     def describe(self) -> str:
@@ -107,6 +112,8 @@ class FastPath:
             parts.append(f"dtypes {'/'.join(sorted(self.dtypes))}")
         if self.tokens != {PADDED}:
             parts.append(f"tokens {'/'.join(sorted(self.tokens))}")
+        if self.invariant:
+            parts.append("batch-invariant mode")
         return "; ".join(parts)
 
 

@@ -47,6 +47,8 @@ class Request:
     grid: why a backend's launch grid for the call does not fit, None when it does.
     capability: the device's compute capability as CuPy spells it (90 for 9.0), None
       when not known.
+    invariant: batch-invariant mode (``gqakv.core.invariance``): the call's bits must not
+      depend on the batch, so only implementations that declare it may serve it.
     """
 
     op: str | None = None
@@ -61,6 +63,7 @@ class Request:
     buffers: str | None = None
     grid: str | None = None
     capability: int | None = None
+    invariant: bool = False
 
     def __post_init__(self):
         if self.op is not None and self.op not in HOT_OPS:
@@ -78,6 +81,7 @@ class Request:
             raise ValueError(f"tokens={self.tokens!r} (the layouts: {PADDED!r}, {PACKED!r})")
         if self.capability is not None:
             object.__setattr__(self, "capability", int(self.capability))
+        object.__setattr__(self, "invariant", bool(self.invariant))
 
     @classmethod
     def make(cls, op: str | None, **facts) -> "Request":

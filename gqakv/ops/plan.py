@@ -64,6 +64,24 @@ def write_into(result, return_lse: bool, out, lse_out):
     return (o, lse) if return_lse else o
 
 
+def check_invariant_route(backend, store, inputs, q_shape) -> None:
+    """In batch-invariant mode (``inputs.invariant``), ValueError unless the implementation
+    ``backend`` routes this call to declares the mode (``FastPath.invariant``): a call that
+    would compute bits that depend on the batch is refused, naming the implementation."""
+    spec = store.spec
+    route = backend.route("attention", dtype=spec.q_dtype, head_dim=store.head_dim, layout=spec.kind,
+                          codec=spec.codec.name, features=inputs.params.features,
+                          **inputs.token_facts(q_shape))
+    honours = {p.name for p in backend.fast_paths if p.op == "attention" and p.invariant}
+    if route.impl not in honours:
+        why = "; ".join(f"not {name}: {reason}" for name, reason in route.rejected.items())
+        raise ValueError(
+            f"batch-invariant mode: backend {backend.name!r} would run {route.impl!r} for this call, "
+            f"whose results depend on the batch ({why or 'it declares no batch-invariant path'}); "
+            "the numpy and numba backends' attention honours the mode (gqakv.core.invariance), "
+            "or turn it off")
+
+
 class AttentionPlan:
     """An attention call's batch, validated and planned once (see the module docstring).
 
@@ -89,6 +107,8 @@ class AttentionPlan:
         self.q_shape = tuple(int(s) for s in q_shape)
         self.inputs = inputs
         self.fixed = check_flag(fixed, "fixed")
+        if inputs.invariant:
+            check_invariant_route(self.backend, cache.store, inputs, self.q_shape)
         if splits is not None and not self.fixed:
             raise TypeError("splits= applies to fixed plans (fixed=True)")
         self.shared_prefix = _shared_prefix.decide(cache.store, inputs, self.q_shape,

@@ -110,8 +110,9 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
     """The groups of batch entries whose shared pages one plan reads once, or why none.
 
     The one decision point (a mode that turns the decomposition off passes its sentence
-    as ``off``, e.g. a batch-invariant mode: results must not depend on the batch's
-    composition, and the split changes the order of the sums). Refused: ``off``, fixed
+    as ``off``; batch-invariant mode, ``inputs.invariant``, turns it off here: results must
+    not depend on the batch's composition, and the split changes the order of the sums).
+    Refused: ``off``, batch-invariant mode, fixed
     plans (CUDA graphs: launches must not depend on the batch), storage that is not paged,
     a sliding window (which keys a query sees depends on its position), ALiBi with a
     negative slope (LSEs as large as the positions: float32 precision), and batches where no two entries with
@@ -126,6 +127,9 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
     """
     if off is not None:
         return SharedPrefix(reason=off)
+    if getattr(inputs, "invariant", False):
+        return SharedPrefix(reason="batch-invariant mode (gqakv.core.invariance): a query's bits "
+                                   "must not depend on which rows share its pages")
     if fixed:
         return SharedPrefix(reason="a fixed plan (CUDA graphs) keeps the same launches for "
                                    "every batch")

@@ -11,7 +11,13 @@ Bookkeeping (``PageTable``, host NumPy, shared by every layer):
 - ``entries`` ``[B, pages_per_row]`` int32: row b's pages in token order, ``-1`` past the
   ``held[b]`` pages it holds; ``pages_per_row = ceil(max_len / P)``;
 - ``refs`` ``[num_pages]`` int32: how many table entries name each page;
-- a free list of the pages no entry names (``refs == 0``).
+- a free list of the pages no entry names (``refs == 0``);
+- optionally a prefix cache (``gqakv.storage.prefix_index.PrefixIndex``, ``prefix_cache=True``):
+  full pages keyed by the tokens they hold. A cached page no entry names is not freed
+  but kept, matchable, in the index's LRU of unused pages; an append takes free pages
+  first and evicts the least recently released unused ones only when none is left.
+  A cached page's tokens never change while it is cached: a write into it (a row
+  truncated into a cached page, then appending) copies it first, as for a shared page.
 
 Invariant outside an open model step: row b holds exactly ``ceil(lens[b] / P)`` pages.
 Every page a row holds is full except perhaps its last, so the only page a write can
@@ -46,6 +52,7 @@ from array_api_compat import array_namespace
 
 import dataclasses
 
+from .prefix_index import PrefixIndex, token_ids_of
 from .store import CONTIGUOUS, DEQUANT_BLOCK_ELEMENTS, PAGED, KVStore, StorageSpec
 
 #: Default tokens per page.
@@ -75,12 +82,15 @@ class Reservation:
         ``new`` once the first ``tokens`` slots of ``old`` are copied into it.
     grown: ``(row, held before)`` for each row that took fresh pages (or none).
     taken: every page taken from the free list, in the order taken.
+    evicted: the pages of ``taken`` evicted from the prefix cache to serve it (``undo``
+        returns them as free pages, not cached ones: the write may have reused them).
     pointed: whether ``point`` made the table name the copies.
     """
 
     copies: list[tuple[int, int, int, int, int]] = dataclasses.field(default_factory=list)
     grown: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     taken: list[int] = dataclasses.field(default_factory=list)
+    evicted: list[int] = dataclasses.field(default_factory=list)
     pointed: bool = False
 
 
@@ -89,8 +99,11 @@ class PageTable:
     docstring). Host NumPy only; every mutation is called under the cache's writer lock,
     after the caller validated its arguments."""
 
-    def __init__(self, batch: int, max_len: int, page_size: int, num_pages: int):
+    def __init__(self, batch: int, max_len: int, page_size: int, num_pages: int, *,
+                 prefix_cache: bool = False):
         self.page_size, self.num_pages = int(page_size), int(num_pages)
+        #: the prefix cache's index (None: no prefix cache; pages no entry names are free)
+        self.index = PrefixIndex(self.page_size, self.num_pages) if prefix_cache else None
         self.pages_per_row = pages_for(max_len, page_size)
         self.entries = np.full((batch, self.pages_per_row), -1, dtype=np.int32)
         self.held = np.zeros(batch, dtype=np.int64)
@@ -102,11 +115,19 @@ class PageTable:
 
     @property
     def pages_free(self) -> int:
-        return len(self._free)
+        """Pages an append can take: the free list, plus (prefix cache) the cached pages no
+        row names, which are evicted only when the free list runs out."""
+        return len(self._free) + self.pages_reusable
+
+    @property
+    def pages_reusable(self) -> int:
+        """Cached pages no row names (0 without a prefix cache): matchable until evicted."""
+        return 0 if self.index is None else self.index.pages_unused
 
     @property
     def pages_used(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages some row's entries name."""
+        return self.num_pages - self.pages_free
 
     @property
     def nbytes(self) -> int:
@@ -129,7 +150,12 @@ class PageTable:
     # -- taking and releasing --------------------------------------------------------------
 
     def _take(self, res: "Reservation") -> int:
-        page = self._free.pop()
+        if self._free:
+            page = self._free.pop()
+        else:  # the pool needs a cached page no row names: the least recently released one
+            assert self.index is not None  # reserve counted the unused cached pages
+            page = int(self.index.evict(1)[0])
+            res.evicted.append(page)
         self.refs[page] = 1
         res.taken.append(page)
         return page
@@ -141,6 +167,8 @@ class PageTable:
             return
         np.subtract.at(self.refs, pages, 1)
         dead = np.unique(pages[self.refs[pages] == 0])
+        if self.index is not None:  # cached pages stay matchable, in the unused LRU
+            dead = self.index.release(dead)
         self._free.extend(int(p) for p in dead[::-1])
 
     def _share(self, pages) -> None:
@@ -171,7 +199,8 @@ class PageTable:
             if int(n_new[i]) and s % P:
                 page = int(self.entries[int(rows[i]), s // P])
                 writers.setdefault(page, []).append((s, i))
-        keeps = {max(w)[1] for page, w in writers.items() if len(w) == int(self.refs[page])}
+        keeps = {max(w)[1] for page, w in writers.items()
+                 if len(w) == int(self.refs[page]) and not self._cached(page)}
         plan = []  # (row, start, fresh pages, copy-on-write?)
         need = {}
         for i in range(len(rows)):
@@ -185,12 +214,14 @@ class PageTable:
             if fresh + cow:
                 need[r] = fresh + int(cow)
         total = sum(need.values())
-        if total > len(self._free):
+        if total > self.pages_free:
             shown = ", ".join(f"row {r} needs {k}" for r, k in list(need.items())[:8])
             more = " ..." if len(need) > 8 else ""
             raise OutOfPages(
-                f"the page pool cannot supply {total} pages ({shown}{more}): {len(self._free)} of "
-                f"{self.num_pages} pages (page_size {P}) are free; nothing was written and no "
+                f"the page pool cannot supply {total} pages ({shown}{more}): {self.pages_free} of "
+                f"{self.num_pages} pages (page_size {P}) are free"
+                + (f" ({self.pages_reusable} of them cached, unused)" if self.index is not None else "")
+                + "; nothing was written and no "
                 "length changed (truncate or reset rows, or make the cache with more num_pages)")
         res = Reservation()
         for r, s, fresh, cow in plan:
@@ -219,7 +250,10 @@ class PageTable:
         if res.pointed:
             for r, j, old, new, _ in reversed(res.copies):
                 if self.refs[old] == 0:  # freed by point(): it is named again
-                    self._free.remove(old)
+                    if self.index is not None and old in self.index.unused:
+                        self.index.use([old])
+                    else:
+                        self._free.remove(old)
                 self.refs[old] += 1
                 self.entries[r, j] = old
             res.pointed = False
@@ -229,7 +263,22 @@ class PageTable:
         for page in res.taken:
             self.refs[page] = 0
         self._free.extend(reversed(res.taken))  # the stack as it was: same pages, same order
-        res.taken, res.copies, res.grown = [], [], []
+        res.taken, res.copies, res.grown, res.evicted = [], [], [], []
+
+    def _cached(self, page: int) -> bool:
+        return self.index is not None and self.index.holds(page)
+
+    # -- the prefix cache ----------------------------------------------------------------------
+
+    def attach(self, row: int, pages) -> None:
+        """Empty row ``row`` names ``pages`` (int ``[k]``, cached pages matched for it) as its
+        first ``k`` pages: a reference each, no copy."""
+        pages = np.asarray(pages, dtype=np.int64).reshape(-1)
+        assert self.index is not None and int(self.held[row]) == 0 and pages.size <= self.pages_per_row
+        self.index.use(pages)
+        self._share(pages)
+        self.entries[row, :pages.size] = pages
+        self.held[row] = pages.size
 
     # -- row operations ----------------------------------------------------------------------
 
@@ -293,12 +342,17 @@ class PageTable:
         free = np.asarray(self._free, dtype=np.int64)
         if np.unique(free).size != free.size:
             problems.append("a page is on the free list twice (double free)")
+        unused = set() if self.index is None else set(self.index.unused)
+        if unused & set(free.tolist()):
+            problems.append(f"pages both free and cached: {sorted(unused & set(free.tolist()))[:8]}")
+        if self.index is not None:
+            problems += [f"prefix cache: {p}" for p in self.index.audit()]
         unnamed = set(np.flatnonzero(counted == 0).tolist())
-        if set(free.tolist()) != unnamed:
-            leaked = sorted(unnamed - set(free.tolist()))[:8]
-            wrong = sorted(set(free.tolist()) - unnamed)[:8]
-            problems.append(f"free list disagrees with the tables: leaked {leaked}, "
-                            f"free but named {wrong}")
+        if set(free.tolist()) | unused != unnamed:
+            leaked = sorted(unnamed - set(free.tolist()) - unused)[:8]
+            wrong = sorted((set(free.tolist()) | unused) - unnamed)[:8]
+            problems.append(f"free list and unused cached pages disagree with the tables: "
+                            f"leaked {leaked}, free but named {wrong}")
         return problems
 
 
@@ -319,7 +373,8 @@ class PageTableView:
         raise TypeError("this page table belongs to the caller (the functional paged API): "
                         "gqakv reads it and never takes, shares or releases its pages")
 
-    reserve = point = undo = reorder = fork = trim = _refuse
+    reserve = point = undo = reorder = fork = trim = attach = _refuse
+    index = None  # a caller's pools keep their own gqakv.storage.prefix_index.PrefixIndex
 
 
 class PagedStore(KVStore):
@@ -338,27 +393,31 @@ class PagedStore(KVStore):
         self._page_table = page_table
 
     @classmethod
-    def layout_args(cls, batch: int, max_len: int, *, page_size=None, num_pages=None) -> dict:
-        """``page_size`` (default ``DEFAULT_PAGE_SIZE``) and ``num_pages`` (None: every row
-        at ``max_len``), checked (``check_page_args``)."""
+    def layout_args(cls, batch: int, max_len: int, *, page_size=None, num_pages=None,
+                    prefix_cache=False) -> dict:
+        """``page_size`` (default ``DEFAULT_PAGE_SIZE``), ``num_pages`` (None: every row
+        at ``max_len``) and ``prefix_cache`` (a bool), checked (``check_page_args``)."""
         page_size, num_pages = check_page_args(DEFAULT_PAGE_SIZE if page_size is None else page_size,
                                                num_pages, batch, max_len)
-        return {"page_size": page_size, "num_pages": num_pages}
+        if not isinstance(prefix_cache, (bool, np.bool_)):
+            raise TypeError(f"prefix_cache must be a bool, got {prefix_cache!r}")
+        return {"page_size": page_size, "num_pages": num_pages, "prefix_cache": bool(prefix_cache)}
 
     @classmethod
     def allocate(cls, backend, spec: StorageSpec, shape: tuple[int, ...], what: str,
                  device=None, *, page_size: int = DEFAULT_PAGE_SIZE,
-                 num_pages: int | None = None) -> "PagedStore":
+                 num_pages: int | None = None, prefix_cache: bool = False) -> "PagedStore":
         """A paged store for a cache of ``shape`` = ``(*leading, rows, Hkv, max_len, d)``:
-        a pool of ``num_pages`` pages (default: every row at ``max_len``, no overcommit)."""
+        a pool of ``num_pages`` pages (default: every row at ``max_len``, no overcommit),
+        with a prefix cache's index when ``prefix_cache``."""
         *leading, rows, kv_heads, max_len, head_dim = shape
         if num_pages is None:
             num_pages = rows * pages_for(max_len, page_size)
         pool = KVStore.allocate(backend, dataclasses.replace(spec, kind=CONTIGUOUS),
                                 (*leading, num_pages, kv_heads, page_size, head_dim),
                                 f"{what} page pool", device=device)
-        return cls(spec, pool.k, pool.v, PageTable(rows, max_len, page_size, num_pages),
-                   rows, max_len, pool.k_scale, pool.v_scale)
+        table = PageTable(rows, max_len, page_size, num_pages, prefix_cache=prefix_cache)
+        return cls(spec, pool.k, pool.v, table, rows, max_len, pool.k_scale, pool.v_scale)
 
     @property
     def nbytes(self) -> int:
@@ -535,5 +594,5 @@ def check_page_args(page_size, num_pages, batch: int, max_len: int) -> tuple[int
     return int(page_size), None if num_pages is None else int(num_pages)
 
 
-__all__ = ["DEFAULT_PAGE_SIZE", "OutOfPages", "PAGED", "PageTable", "PageTableView", "PagedStore", "Reservation",
-           "pages_for", "reserve"]
+__all__ = ["DEFAULT_PAGE_SIZE", "OutOfPages", "PAGED", "PageTable", "PageTableView", "PagedStore",
+           "PrefixIndex", "Reservation", "pages_for", "reserve", "token_ids_of"]

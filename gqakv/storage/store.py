@@ -174,12 +174,16 @@ class KVStore:
     # -- allocation ------------------------------------------------------------------------
 
     @classmethod
-    def layout_args(cls, batch: int, max_len: int, *, page_size=None, num_pages=None) -> dict:
+    def layout_args(cls, batch: int, max_len: int, *, page_size=None, num_pages=None,
+                    prefix_cache=False) -> dict:
         """The checked keyword arguments of ``allocate`` for this layout (contiguous rows
-        take none: ``page_size`` / ``num_pages`` are refused, naming them)."""
+        take none: ``page_size`` / ``num_pages`` / ``prefix_cache`` are refused, naming them)."""
         if page_size is not None or num_pages is not None:
             raise ValueError(f"page_size={page_size!r} and num_pages={num_pages!r} apply to "
                              f"storage='paged' only, not storage={CONTIGUOUS!r}")
+        if prefix_cache is not False:
+            raise ValueError(f"prefix_cache={prefix_cache!r} applies to storage='paged' only (the "
+                             f"prefix cache shares pages), not storage={CONTIGUOUS!r}")
         return {}
 
     @classmethod
