@@ -16,7 +16,8 @@ Which implementation serves a call, and why, is ``route_attention`` (asked by th
 by ``route`` and by ``attention_route(...)``):
 - "numba kernel": float32/float16/bfloat16 contiguous or paged storage, or int8 /
   float8_e4m3fn quantized storage (contiguous or paged), with C-contiguous buffers and chunks of
-  at most ``KERNEL_MAX_QUERIES`` queries (decode and short chunks);
+  at most ``KERNEL_MAX_QUERIES`` queries (decode and short chunks) whose tiles (G heads x
+  T queries) hold at most ``KERNEL_MAX_TILE_ROWS`` rows;
 - otherwise the numpy backend's decision for the call (``numpy_backend.route_attention``:
   "numpy BLAS" (its item kernel over every layout and codec it reads), or the generic
   code for a codec neither declares): float64 (no kernel is compiled for it), strided buffers,
@@ -59,6 +60,14 @@ from .numpy_backend import NumpyBackend
 #: paged (16) 0.77, 0.97, 1.06. The kernel's work grows with the G x T rows of its tile
 #: while BLAS's matmuls stay efficient, so past 8 queries BLAS is faster.
 KERNEL_MAX_QUERIES = 8
+#: Tiles of more rows than this (G query heads x T queries of one KV head) take the NumPy
+#: BLAS path: the kernel's work per key grows with its tile's rows, BLAS's matmuls stay
+#: efficient. It matters for shared-prefix calls (``gqakv.ops.shared_prefix``: a group's
+#: queries stacked into the heads, G' = G x queries). Kernel / BLAS time, one T = 1 call
+#: over 4,096 paged keys (pages of 16), Hkv=8, d=128, float32, 2 threads, both alternating
+#: in one process (quiet machine, load 1.4): G = 16: 0.30, 32: 0.40, 64: 0.65, 128: 0.78,
+#: 256: 1.04, 512: 1.30 (bfloat16 up to 128: 0.23-0.72).
+KERNEL_MAX_TILE_ROWS = 256
 #: Queries of one item: the tile holds G * QUERY_BLOCK rows.
 QUERY_BLOCK = 16
 #: A row's keys are split across threads only into pieces at least this long.
@@ -99,12 +108,15 @@ def route_attention(request: Request) -> Route:
     ``route`` all ask it): the kernels (``KERNEL_PATH``, then the chunk and buffer
     conditions), else the NumPy backend's decision for the call
     (``numpy_backend.route_attention``), with the reason the kernels do not serve it."""
-    t_q = request.t_q
+    t_q, rows = request.t_q, request.group * request.t_q
     why = (KERNEL_PATH.rejection(request)
            or request.buffers
            or (f"T={t_q} queries > {KERNEL_MAX_QUERIES}: a prefill chunk is compute-bound, "
                "BLAS matmuls are faster there"
-               if t_q > KERNEL_MAX_QUERIES and not request.invariant else None))
+               if t_q > KERNEL_MAX_QUERIES and not request.invariant else None)
+           or (f"tiles of G={request.group} heads x T={t_q} queries = {rows} rows > "
+               f"{KERNEL_MAX_TILE_ROWS}: compute-bound, BLAS matmuls are faster there"
+               if rows > KERNEL_MAX_TILE_ROWS and not request.invariant else None))
     if why:
         fallback = _numpy.route_attention(request)
         return Route(fallback.impl, {KERNEL: why, **fallback.rejected})
@@ -223,9 +235,11 @@ class NumbaBackend(NumpyBackend):
         ``tokens``: the call's ``AttentionInputs.token_facts``, default padded q's)."""
         arrays = [k_buf, v_buf]
         if store is None:
-            request = Request("attention", dtype=_dtype_name(k_buf.dtype), head_dim=k_buf.shape[-1])
+            request = Request("attention", dtype=_dtype_name(k_buf.dtype), head_dim=k_buf.shape[-1],
+                              group=max(1, int(q.shape[1]) // _kv_heads(k_buf)))
         else:
-            request = Request.of_store("attention", store)
+            request = Request.of_store("attention", store,
+                                       group=max(1, int(q.shape[1]) // store.kv_heads))
             arrays += [a for a in (store.k_scale, store.v_scale) if a is not None]
         buffers = None if all(a.flags.c_contiguous for a in arrays) else NOT_CONTIGUOUS
         tokens = {"t_q": q.shape[2]} if tokens is None else tokens
@@ -304,6 +318,7 @@ class NumbaBackend(NumpyBackend):
         mixing long chunks and short ones split in two (``plan_mixed``); else the NumPy
         backend's plan."""
         request = Request.of_store("attention", store, features=params.features,
+                                   group=max(1, int(q_shape[1]) // store.kv_heads),
                                    **inputs.token_facts(q_shape))
         if route_attention(request).impl != KERNEL:  # the NumPy backend's path plans its own
             mixed = plan_mixed(store, inputs, params, q_shape, request)

@@ -393,6 +393,9 @@ SMOKE = {
     "StepHostTime": (("numba",), {"LAYERS": 2, "ROUNDS": 1}),
     "MixedBatch": (("numpy",), {"CASE": {"decoders": 3, "chunk": 8, "row_len": 24,
                                          "block_s": 0.001}, "ROUNDS": 1}),
+    "SharedPrefix": (("numpy", "8 rows x 1024", "float32"),
+                     {"CASES": {"8 rows x 1024": (3, 2048)}, "SUFFIX": 5, "ROUNDS": 1,
+                      "BLOCK_S": 0.001}),
 }
 
 
@@ -546,3 +549,31 @@ def test_bench_mixed_batch_reports_packed_padded_and_separate(capsys, monkeypatc
     text = run_cli(capsys, ["bench", *TINY, "--mixed-batch", "--backend", "numpy"]).out
     assert re.search(r"mixed batch: 1 x 8-token chunk \+ 3 decode tokens .* packed [\d.]+ ms = "
                      r"[\d.]+x the separate calls'", text), text
+
+
+def test_bench_shared_prefix_reports_shared_against_unshared(capsys, monkeypatch):
+    """--shared-prefix (shrunk here): rows forked from one prefix against the same rows
+    holding copies, one ratio from one run; the shared plan formed its group and both
+    outputs agree; bad sizes are usage errors."""
+    from gqakv.ops import shared_prefix as sp
+    from gqakv.tools import bench
+
+    monkeypatch.setattr(bench, "SHARED_PREFIX_TIMING", {"rounds": 1, "block_s": 0.001})
+    n = max(sp.MIN_SHARED_TOKENS, sp.MIN_SAVED_TOKENS // 2)  # 3 rows: 2 x n reads saved
+    argv = ["bench", *TINY, "--shared-prefix", str(n), "--shared-rows", "3", "--shared-suffix", "5"]
+    s = json.loads(run_cli(capsys, [*argv, "--json"]).out)["shared_prefix"]
+    t = s["median_s"]
+    assert s["shared_over_unshared"] == pytest.approx(t["shared"] / t["unshared"])
+    assert s["decision"] == f"shared prefix: entries [0, 1, 2] share {n} tokens"
+    assert s["unshared_decision"].startswith("shared prefix not used")
+    assert s["max_abs_diff"] < 1e-5 and (s["rows"], s["suffix"], s["prefix"]) == (3, 5, n)
+    assert s["gflop"] == pytest.approx(4 * 4 * 8 * 3 * (n + 6) / 1e9)
+    text = run_cli(capsys, argv).out
+    assert re.search(rf"shared prefix: 3 rows sharing a {n}-token prefix, 5 tokens of their own, "
+                     r"one decode token .* shared [\d.]+ ms = [\d.]+x the unshared copies'", text), text
+    for flag, value, want in (("--shared-prefix", "0", "--shared-prefix must be >= 1"),
+                              ("--shared-rows", "1", "--shared-rows must be >= 2"),
+                              ("--shared-prefix", "20", "formed no group")):
+        extra = ["--shared-prefix", "300"] if flag == "--shared-rows" else []
+        assert cli.main(["bench", *TINY, *extra, flag, value]) == 2
+        assert want in capsys.readouterr().err

@@ -141,3 +141,48 @@ class QuantizedDecode:
                      self.backend, repeats=9)
 
     track_ratio_to_bfloat16.unit = "x bfloat16 cache time"
+
+
+class SharedPrefix:
+    """Rows that share a prefix (forked), each with 64 tokens of its own: one decode
+    step's attention with the prefix's pages read once (``gqakv.ops.shared_prefix``)
+    against the same rows holding copies of it, alternating in one run
+    (``gqakv.tools.shared_prefix_times``). Targets: 32 rows sharing 4,096 tokens at most
+    0.15x the unshared time, 8 rows sharing 1,024 at most 0.3x (numba, 2 threads,
+    float32 and bfloat16; ``track_shared_over_unshared``)."""
+
+    params = [BACKENDS, ["32 rows x 4096", "8 rows x 1024"], ["float32", "bfloat16"]]
+    param_names = ["backend", "rows x shared prefix", "dtype"]
+    timeout = 600
+    CASES = {"32 rows x 4096": (32, 4096), "8 rows x 1024": (8, 1024)}
+    SUFFIX = 64
+    ROUNDS = 5
+    BLOCK_S = 0.2
+
+    def setup(self, backend, case, dtype):
+        b = backend_or_skip(backend)
+        try:
+            from gqakv.tools.shared_prefix_times import shared_prefix_times
+        except ImportError:
+            raise NotImplementedError("gqakv.tools.shared_prefix_times does not exist in this commit") from None
+        if dtype not in b.dtypes:
+            raise NotImplementedError(f"backend {backend} has no {dtype}")
+        rows, prefix = self.CASES[case]
+        self.result = shared_prefix_times(b, prefix=prefix, rows=rows, suffix=self.SUFFIX,
+                                          kv_heads=HKV, group=4, head_dim=D, dtype=dtype,
+                                          rounds=self.ROUNDS, block_s=self.BLOCK_S)
+
+    def track_shared_over_unshared(self, backend, case, dtype):
+        return self.result["shared_over_unshared"]
+
+    track_shared_over_unshared.unit = "x unshared copies"
+
+    def track_shared_ms(self, backend, case, dtype):
+        return self.result["median_s"]["shared"] * 1e3
+
+    track_shared_ms.unit = "ms"
+
+    def track_unshared_ms(self, backend, case, dtype):
+        return self.result["median_s"]["unshared"] * 1e3
+
+    track_unshared_ms.unit = "ms"

@@ -34,6 +34,8 @@ class Request:
       ``q_dtype``); None: not judged.
     head_dim: d; None: not judged.
     t_q: query tokens per row (attention).
+    group: query heads per KV head, ``G = Hq // Hkv`` (attention; a kernel that folds the G
+      heads x t_q queries of a KV head into one tile judges its size by it).
     layout: the storage layout kind (``"contiguous"``, ``"paged"``).
     codec: the storage codec's name (``gqakv.storage.codecs``; ``"none"`` or None: plain
       values).
@@ -53,6 +55,7 @@ class Request:
     dtype: str | None = None
     head_dim: int | None = None
     t_q: int = 1
+    group: int = 1
     layout: str = CONTIGUOUS
     codec: str = PLAIN_NAME
     features: frozenset[str] = frozenset()
@@ -70,6 +73,7 @@ class Request:
         if self.head_dim is not None:
             object.__setattr__(self, "head_dim", int(self.head_dim))
         object.__setattr__(self, "t_q", int(self.t_q))
+        object.__setattr__(self, "group", int(self.group))
         if self.codec is None:  # the kv_dtype=None of an unquantized cache
             object.__setattr__(self, "codec", PLAIN_NAME)
         object.__setattr__(self, "features", frozenset(self.features))

@@ -17,6 +17,11 @@ A fixed plan (``fixed=True``; backends with ``plan_fixed_attention``, the cupy o
 planned for the batch's capacities instead of its lengths, so what ``run`` launches stays
 the same from step to step (CUDA graphs); ``update`` (or ``Step.adopt``) validates the
 next batch and writes its lengths into the plan's device buffers in place.
+
+Shared prefixes (``gqakv.ops.shared_prefix``): on paged storage, a plan whose batch has
+entries that share enough pages before their new tokens reads those pages once per
+group (a shared call and a suffix call, merged through the LSE); ``plan.shared_prefix``
+says which groups were formed, or why none was, and the plan's repr shows it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 
 from ..core.inputs import (batch_of_n_new, check_flag, check_outputs, check_queries, host_ints,
                            validate_attention_batch)
+from . import shared_prefix as _shared_prefix
 
 
 def packed_or_padded_shape(n_new, q_heads: int, head_dim: int, *, t_q=None,
@@ -83,11 +89,15 @@ class AttentionPlan:
         q_shape: ``(B, Hq, T, d)`` of the queries every run takes (packed: ``(N, Hq, d)``).
         inputs: the validated ``gqakv.core.inputs.AttentionInputs`` (rows, lens, n_new,
             params; host ints [B]).
-        work: what the backend planned (None: it plans nothing ahead).
+        work: what the backend planned (None: it plans nothing ahead, or the batch runs
+            as shared-prefix parts, each with its own plan).
+        shared_prefix: the ``gqakv.ops.shared_prefix.SharedPrefix`` decision: the groups of
+            entries whose shared pages are read once (``.groups``), or the ``.reason``
+            none was formed (not paged, a window, too few shared tokens, ...).
     """
 
     __slots__ = ("backend", "spec", "kv_heads", "head_dim", "q_shape", "inputs", "work", "owner",
-                 "fixed")
+                 "fixed", "shared_prefix", "_shared")
 
     def __init__(self, cache, q_shape, inputs, owner=None, *, fixed: bool = False, splits=None):
         self.owner = owner  # what made it (a Step checks that a plan handed to it is its own)
@@ -101,7 +111,14 @@ class AttentionPlan:
             check_invariant_route(self.backend, cache.store, inputs, self.q_shape)
         if splits is not None and not self.fixed:
             raise TypeError("splits= applies to fixed plans (fixed=True)")
-        if self.fixed:
+        self.shared_prefix = _shared_prefix.decide(cache.store, inputs, self.q_shape,
+                                                   fixed=self.fixed)
+        self._shared = None
+        if self.shared_prefix.used:  # the two parts' plans instead of the whole batch's
+            self._shared = _shared_prefix.SharedPrefixWork(self.backend, cache.store, inputs,
+                                                           self.q_shape, self.shared_prefix)
+            self.work = None
+        elif self.fixed:
             if len(self.q_shape) == 3:
                 raise ValueError("fixed plans take padded queries [B, Hq, T, d] (packed ones "
                                  "change shape with n_new)")
@@ -171,6 +188,11 @@ class AttentionPlan:
             raise ValueError(f"the plan is stale: row {int(rows[i])} held {int(lens[i])} tokens "
                              f"when it was planned and holds {int(now[i])} now (plan again "
                              "after every append)")
+        if self._shared is not None:  # its page tables were read when it was planned
+            moved = self._shared.moved_row(cache.store)
+            if moved is not None:
+                raise ValueError(f"the plan is stale: row {moved}'s pages changed since it was "
+                                 "planned (a reorder, fork or copy on write; plan again)")
 
     def check_cache_kind(self, cache) -> None:
         """ValueError unless ``cache`` has the plan's backend, storage, heads and head dim."""
@@ -197,6 +219,8 @@ class AttentionPlan:
     def launch(self, q, store, return_lse: bool, out=None, lse_out=None):
         """The backend's attention of checked tensors over ``store`` (no checks here)."""
         backend, inputs = self.backend, self.inputs
+        if self._shared is not None:
+            return self._shared.launch(q, store, return_lse, out, lse_out)
         if self.work is None:
             if out is None and lse_out is None:
                 return backend.attention(q, store, inputs, inputs.params, return_lse=return_lse)
@@ -208,4 +232,5 @@ class AttentionPlan:
 
     def __repr__(self) -> str:
         return (f"<AttentionPlan {self.backend.name} q {list(self.q_shape)} "
-                f"n_new={self.inputs.n_new.tolist()} {self.params.variant}>")
+                f"n_new={self.inputs.n_new.tolist()} {self.params.variant}; "
+                f"{self.shared_prefix}>")

@@ -592,6 +592,16 @@ def add_arguments(parser) -> None:
                         help="also time a mixed batch (1 row attending a 512-token prefill chunk, "
                              "31 decoding one token, rows of 2,048 tokens; Hkv=8, G=4, d=64): "
                              "packed, padded and as two separate calls")
+    parser.add_argument("--shared-prefix", type=int, default=None, metavar="N",
+                        help="also time one decode step of --shared-rows rows sharing an N-token "
+                             "prefix (forked: its pages read once, gqakv.ops.shared_prefix), each "
+                             "with --shared-suffix tokens of its own, against the same rows "
+                             "holding copies of the prefix (--heads/--kv-heads/--head-dim/--dtype, "
+                             "--page-size (default 16), --kv-dtype); alternating, one ratio")
+    parser.add_argument("--shared-rows", type=int, default=SHARED_PREFIX["rows"],
+                        help="rows of --shared-prefix (default %(default)s)")
+    parser.add_argument("--shared-suffix", type=int, default=SHARED_PREFIX["suffix"],
+                        help="each row's own tokens past the shared prefix (default %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
@@ -638,6 +648,13 @@ def _config(args) -> Config:
             raise UsageError(str(exc)) from None
     if args.heads % args.kv_heads:
         raise UsageError(f"--heads={args.heads} must be a multiple of --kv-heads={args.kv_heads}")
+    shared = getattr(args, "shared_prefix", None)
+    if shared is not None:
+        for name, value, low in (("--shared-prefix", shared, 1),
+                                 ("--shared-rows", args.shared_rows, 2),
+                                 ("--shared-suffix", args.shared_suffix, 0)):
+            if value < low:
+                raise UsageError(f"{name} must be >= {low}, got {value}")
     return Config(batch=args.batch, prompt_lens=prompts, chunk=args.chunk, steps=args.steps,
                   heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                   dtype=args.dtype, backend=args.backend, seed=args.seed, page_size=page_size,
@@ -684,6 +701,15 @@ def run(args) -> int:
         from .mixed_batch import mixed_batch_times
 
         mixed = mixed_batch_times(cache.backend, **MIXED_BATCH)
+    shared = None
+    if args.shared_prefix is not None:
+        from .shared_prefix_times import shared_prefix_times
+
+        shared = shared_prefix_times(
+            cache.backend, prefix=args.shared_prefix, rows=args.shared_rows,
+            suffix=args.shared_suffix, kv_heads=cfg.kv_heads, group=cfg.heads // cfg.kv_heads,
+            head_dim=cfg.head_dim, dtype=cfg.dtype, page_size=cfg.page_size or 16,
+            kv_dtype=cfg.kv_dtype, **SHARED_PREFIX_TIMING)
     t_end = time.perf_counter()
     times = {"workload_s": res.wall_s, "bandwidth_s": t_compare - t_bw if bw else None,
              "compare_s": t_end - t_compare if compare else None,
@@ -694,6 +720,8 @@ def run(args) -> int:
         report["host_time"] = host
     if mixed is not None:
         report["mixed_batch"] = mixed
+    if shared is not None:
+        report["shared_prefix"] = shared
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -702,7 +730,28 @@ def run(args) -> int:
             _print_host_time(host)
         if mixed is not None:
             _print_mixed_batch(mixed)
+        if shared is not None:
+            _print_shared_prefix(shared)
     return 0
+
+
+#: ``--shared-prefix``'s defaults (``gqakv.tools.shared_prefix_times`` keywords).
+SHARED_PREFIX: dict[str, Any] = {"rows": 32, "suffix": 64}
+#: How ``--shared-prefix`` times (``timing.alternating_blocks``: rounds, seconds per block).
+SHARED_PREFIX_TIMING: dict[str, Any] = {"rounds": 5, "block_s": 0.2}
+
+
+def _print_shared_prefix(s: dict) -> None:
+    t = s["median_s"]
+    kv = f", K/V {s['kv_dtype']}" if s["kv_dtype"] else ""
+    print(f"shared prefix: {s['rows']} rows sharing a {s['prefix']}-token prefix, "
+          f"{s['suffix']} tokens of their own, one decode token (Hkv={s['kv_heads']}, "
+          f"G={s['group']}, d={s['head_dim']}, {s['dtype']}{kv}, pages of {s['page_size']}): "
+          f"shared {t['shared'] * 1e3:.2f} ms = {s['shared_over_unshared']:.3f}x the unshared "
+          f"copies' {t['unshared'] * 1e3:.2f} ms ({s['gflop']:.2f} GFLOP either way; "
+          f"plans {s['plan_s']['shared'] * 1e3:.2f} / {s['plan_s']['unshared'] * 1e3:.2f} ms; "
+          f"outputs differ by {s['max_abs_diff']:.2g})")
+    print(f"  {s['decision']}")
 
 
 #: ``--mixed-batch``'s batch (``gqakv.tools.mixed_batch.mixed_batch_times`` keywords).

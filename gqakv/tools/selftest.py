@@ -48,7 +48,14 @@ the one gqakv would pick here; ``all``: every backend that can run):
      NumPy/ml_dtypes) and every slot past a row's length has scale NaN; attention
      against the reference on the dequantized values, with the tolerances of ``dtype``;
    - ``paged int8``: the paged case at page size 16 over int8 pages (scales paged with
-     their tokens), rows read back as their dequantized values.
+     their tokens), rows read back as their dequantized values;
+   - ``shared pages``: a ``PagedKVCache`` (page size 16) whose rows share a prompt of
+     enough tokens for a group (``MIN_SHARED_TOKENS``, ``MIN_SAVED_TOKENS``) through
+     ``fork`` (one row with a prompt of its own, one idle entry), then a short chunk, decode
+     steps and a decode with soft-cap, sinks and ALiBi: each plan must have formed its
+     groups (``plan.shared_prefix``: the shared pages read once,
+     ``gqakv.ops.shared_prefix``; a plan that did not fails the line with its reason),
+     and every call matches the reference.
 
 Tolerances (attention outputs and LSEs, at the queries that are not padding; padded
 queries must give exactly 0 and -inf): float16/bfloat16 follow FlashAttention's rule,
@@ -81,7 +88,9 @@ from ..caches.paged_cache import PagedKVCache
 from ..core.inputs import validate_attention
 from ..dispatch.registry import get_backend, list_backends
 from ..ops.attention import gqa_attention
+from ..ops import shared_prefix as _shared_prefix
 from ..ops.merge import merge_attention
+from ..ops.plan import AttentionPlan
 from ..ops.reference import naive_low_precision, reference_attention
 from ..storage.quantize import e4m3_table, quantize
 from .errors import UsageError
@@ -106,8 +115,10 @@ PAGE_SIZES = (1, 16)
 KV_DTYPES = {"int8": "quant int8", "float8_e4m3fn": "quant e4m3"}
 #: Paged and quantized at once (page size 16, int8): the scales paged with their tokens.
 PAGED_QUANT = "paged int8"
+#: Rows sharing a prompt's pages, read once per plan (``gqakv.ops.shared_prefix``).
+SHARED_PREFIX = "shared pages"
 FAMILIES = ("compile", "append", "decode", "split+merge", "prefill", "row copies", "variants",
-            *(f"paged P={p}" for p in PAGE_SIZES), *KV_DTYPES.values(), PAGED_QUANT)
+            *(f"paged P={p}" for p in PAGE_SIZES), *KV_DTYPES.values(), PAGED_QUANT, SHARED_PREFIX)
 
 
 # -- bookkeeping -------------------------------------------------------------------------------
@@ -642,6 +653,43 @@ def _quantized(kv_dtype, backend, dtype, rng, quick, checks) -> None:
             _compare(check, what, m, q_host, n_new, out, lse)
 
 
+def _shared_prefix_family(backend, dtype, rng, quick, checks) -> None:
+    """Rows that share a prompt of at least ``MIN_SHARED_TOKENS`` tokens (fork), one row
+    with its own prompt, an idle entry: a short chunk and decode steps (one soft-capped
+    with sinks), each planned (the plan must have formed its groups) and run against the
+    reference."""
+    check = checks[SHARED_PREFIX]
+    P = 16
+    for c in range(1 if quick else 3):
+        s = _shape(rng, quick, batch=(4, 7))
+        members = s.batch - 2  # rows 0 .. B-3 share the prompt; B-2 idle, B-1 its own
+        prompt = max(_shared_prefix.MIN_SHARED_TOKENS,
+                     -(-_shared_prefix.MIN_SAVED_TOKENS // max(1, members - 1))) + P + int(rng.integers(0, 40))
+        steps = [(3, rng.integers(1, 4, s.batch))] + [(1, np.ones(s.batch, np.int64))] * 2
+        m = Mirror(backend, dtype, s.batch, s.kv_heads, prompt + 8, s.head_dim, rng, page_size=P)
+        first = np.zeros(s.batch, np.int64)
+        first[0], first[-1] = prompt, int(rng.integers(1, 40))
+        m.append(first, prompt, None, "")
+        m.fork(0, list(range(1, s.batch - 1)))
+        Hq = s.kv_heads * s.group
+        for step, (width, n_new) in enumerate(steps):
+            n_new = np.array([int(x) for x in n_new], np.int64)
+            n_new[-2] = 0  # an idle entry (its pages shared, no queries)
+            m.append(n_new, width, None, "")
+            variant = ({"softcap": 3.0, "sinks": rng.standard_normal(Hq).astype(np.float32),
+                        "alibi_slopes": rng.uniform(0.0, 0.5, Hq)}
+                       if step == len(steps) - 1 else {})
+            what = f"case {c} ({s}) prompt {prompt} T={width} n_new {list(n_new)} {_describe(variant)}"
+            plan = AttentionPlan.of(m.cache, n_new, q_heads=Hq, t_q=width, **variant)
+            check.cases += 1
+            if not plan.shared_prefix.used:
+                check.worst, check.worst_what = math.inf, f"{what}: {plan.shared_prefix}"
+                continue
+            q_dev, q_host = m.queries(Hq, width, n_new)
+            out, lse = plan.run(q_dev, m.cache, return_lse=True)
+            _compare(check, what, m, q_host, n_new, out, lse, variant)
+
+
 def _describe(variant: dict) -> str:
     return " ".join(f"{k}={list(np.round(v, 2)) if k in ('sinks', 'alibi_slopes') else v}"
                     for k, v in variant.items())
@@ -667,7 +715,8 @@ _FAMILY_RUNNERS: tuple[tuple[str, Callable[..., None]], ...] = (
     ("row copies", _row_copies), ("variants", _variants),
     *((f"paged P={p}", functools.partial(_paged, p)) for p in PAGE_SIZES),
     *((line, functools.partial(_quantized, kv)) for kv, line in KV_DTYPES.items()),
-    (PAGED_QUANT, functools.partial(_paged, 16, kv_dtype="int8")))
+    (PAGED_QUANT, functools.partial(_paged, 16, kv_dtype="int8")),
+    (SHARED_PREFIX, _shared_prefix_family))
 
 
 def selftest_backend(backend, *, quick: bool = False, seed: int = 0, say=print) -> list[Check]:

@@ -147,6 +147,7 @@ def call_facts(backend, op: str, args: tuple) -> dict[str, Any]:
         "layout": store.kind, "codec": store.dtype if store.quantized else None}
     if op == "attention":
         q, inputs, params = args[0], args[2], args[3]
+        facts["group"] = max(1, int(q.shape[1]) // int(store.kv_heads))
         if getattr(inputs, "offsets", None) is None:
             facts.update(t_q=int(q.shape[2]), features=params.features)
         else:  # packed [N, Hq, d]: the queries per row are n_new's (at least one)
@@ -209,7 +210,8 @@ def _numpy_attention(f) -> Any:
 def _numba_attention(f) -> Any:
     if f["codec"] not in CPU_CODECS:
         return Refused((f"kv_dtype={f['codec']!r}",))
-    if f["t_q"] <= 8 and f["dtype"] != "float64":  # decode and short chunks: the kernels
+    # decode and short chunks whose tiles (G heads x T queries) hold at most 256 rows: the kernels
+    if f["t_q"] <= 8 and f.get("group", 1) * f["t_q"] <= 256 and f["dtype"] != "float64":
         return "numba kernel"
     return _numpy_attention(f)
 
