@@ -324,8 +324,14 @@ def _serve(cache, rng, ops: int, *, model: bool):
         elif op == "decode" and busy:
             rows = [b for b in busy if rng.random() < 0.7 and len(tokens[b]) < cache.max_len] or busy[:1]
             rows = [b for b in rows if len(tokens[b]) < cache.max_len]
-            if rows:
-                extend(rows, [[int(rng.integers(0, 5))] for _ in rows])
+            if rows and extend(rows, [[int(rng.integers(0, 5))] for _ in rows]):
+                # the step's attention over matched, forked and own pages: the direct K/V's
+                q = rng.standard_normal((len(rows), HKV * G, 1, D))
+                view = cache.layer(len(layers) - 1) if model else cache
+                got = gqakv.gqa_attention(q, view, [1] * len(rows), rows=rows)
+                kvs = [direct_kv(tokens[r], len(layers) - 1) for r in rows]
+                want, _ = reference_attention(q, [k for k, _ in kvs], [v for _, v in kvs], [1] * len(rows))
+                np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
         elif op == "fork" and busy and empty:
             src = int(rng.choice(busy))
             dst = [int(x) for x in rng.choice(empty, size=int(rng.integers(1, len(empty) + 1)), replace=False)]
@@ -412,3 +418,35 @@ def test_an_aborted_step_gives_back_a_copied_cached_page():
     audit(cache)
     assert cache.match_prefix(1, ids + [0]) == 8
     assert_rows(cache, [ids[:6], ids], layers=(0, 1))
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "numba"])
+def test_requests_matched_from_the_cache_share_their_pages_in_attention(backend_name):
+    """Eight requests start on the cached pages of one 592-token system prompt: the step's
+    plan reads those pages once for all of them (``plan.shared_prefix``), and the result is
+    the float64 reference over each request's own K/V."""
+    P, system = 16, list(range(2000, 2592))  # 7 x 592 key reads saved: past MIN_SAVED_TOKENS
+    cache = gqakv.PagedKVCache(9, HKV, 640, D, dtype="float32", backend=backend_name, page_size=P,
+                               prefix_cache=True)
+    first = system + [1, 2, 3]
+    k, v = direct_kv(first)
+    cache.append(k[None].astype(np.float32), v[None].astype(np.float32), [len(first)], rows=[0])
+    cache.cache_prefix(0, first)
+    cache.reset([0])
+    prompts = [system + [9, t, t] for t in range(8)]
+    for r, prompt in enumerate(prompts, start=1):
+        m = cache.match_prefix(r, prompt)
+        assert m == 592
+        k, v = direct_kv(prompt)
+        cache.append(k[None, :, m:].astype(np.float32), v[None, :, m:].astype(np.float32),
+                     [len(prompt) - m], rows=[r])
+    rows = list(range(1, 9))
+    plan = gqakv.plan_attention(cache, [1] * 8, q_heads=HKV * G, rows=rows)
+    assert plan.shared_prefix.used, plan.shared_prefix
+    q = np.random.default_rng(5).standard_normal((8, HKV * G, 1, D)).astype(np.float32)
+    got = plan.run(q, cache)
+    kvs = [direct_kv(p) for p in prompts]
+    want, _ = reference_attention(q, [x.astype(np.float32) for x, _ in kvs],
+                                  [y.astype(np.float32) for _, y in kvs], [1] * 8)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    audit(cache)
