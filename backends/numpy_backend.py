@@ -6,7 +6,7 @@ import functools
 
 from gqakv.dispatch.backend import GENERIC, Backend, FastPath, Route, choose
 from gqakv.dispatch.request import Request, as_request
-from gqakv.ops.plan import write_into
+from gqakv.ops.outputs import write_into
 from gqakv.storage.codecs import PLAIN_NAME
 from gqakv.core.inputs import PACKED, PADDED, immutable_ints
 from gqakv.storage.store import CONTIGUOUS, PAGED

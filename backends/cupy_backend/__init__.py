@@ -62,7 +62,7 @@ from gqakv.dispatch.backend import GENERIC, Backend, Route
 from gqakv.dispatch.request import Request, as_request
 from gqakv.storage.codecs import PLAIN_NAME
 from gqakv.core.inputs import PACKED, PADDED
-from gqakv.ops.plan import write_into
+from gqakv.ops.outputs import write_into
 from gqakv.storage.store import PAGED
 
 from . import plan as _plan

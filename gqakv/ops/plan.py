@@ -31,6 +31,7 @@ import numpy as np
 from ..core.inputs import (batch_of_n_new, check_flag, check_outputs, check_queries, host_ints,
                            validate_attention_batch)
 from . import shared_prefix as _shared_prefix
+from .outputs import write_into
 
 
 def packed_or_padded_shape(n_new, q_heads: int, head_dim: int, *, t_q=None,
@@ -48,20 +49,6 @@ def packed_or_padded_shape(n_new, q_heads: int, head_dim: int, *, t_q=None,
     if t_q is None:
         t_q = max((int(x) for x in n), default=0)
     return (batch, int(q_heads), int(t_q), int(head_dim))
-
-
-def write_into(result, return_lse: bool, out, lse_out):
-    """``result`` of an attention call made with ``return_lse=True``, i.e. ``(o, lse)``,
-    copied into the caller's ``out`` / ``lse_out`` where given; returns what the call
-    returns: ``out`` (or o), with the lse (``lse_out`` or lse) when ``return_lse``."""
-    o, lse = result
-    if out is not None:
-        out[...] = o
-        o = out
-    if lse_out is not None:
-        lse_out[...] = lse
-        lse = lse_out
-    return (o, lse) if return_lse else o
 
 
 def check_invariant_route(backend, store, inputs, q_shape) -> None:

@@ -55,6 +55,7 @@ from ..core.inputs import AttentionInputs
 from ..storage.paged import PageTableView, PagedStore
 from ..storage.store import PAGED
 from .merge import merge_attention
+from .outputs import write_into
 
 #: The fewest shared tokens (``k * page_size``) a group must read once to be formed.
 MIN_SHARED_TOKENS = 256
@@ -371,14 +372,7 @@ class SharedPrefixWork:
         if not packed:  # back to [B, Hq, T, d] / [B, Hq, T]
             o_sh = xp.permute_dims(xp.reshape(o_sh, (B, T, Hq, d)), (0, 2, 1, 3))
             lse_sh = xp.permute_dims(xp.reshape(lse_sh, (B, T, Hq)), (0, 2, 1))
-        o, lse = merge_attention(o_suf, lse_suf, o_sh, lse_sh)
-        if out is not None:
-            out[...] = o
-            o = out
-        if lse_out is not None:
-            lse_out[...] = lse
-            lse = lse_out
-        return (o, lse) if return_lse else o
+        return write_into(merge_attention(o_suf, lse_suf, o_sh, lse_sh), return_lse, out, lse_out)
 
 
 def _attend(backend, q, store, inputs, work):
