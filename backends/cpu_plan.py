@@ -128,6 +128,11 @@ _threads = _Threads()
 _CAUSAL = AttentionParams(scale=1.0)  # the key ranges of plain causal attention (scale unused)
 
 
+#: The key-split minimum of batch-invariant plans: it splits nothing (a query's keys are
+#: folded in one piece, in key order, whatever the thread count).
+INVARIANT_NO_SPLIT = 1 << 62
+
+
 def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key_split: int,
           params: AttentionParams = _CAUSAL, one_head: bool = False):
     """Cut the call into items ``(i, h0, h1, t0, t1, j0, j1)``.

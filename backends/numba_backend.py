@@ -49,8 +49,7 @@ from gqakv.core.semantics import AttentionParams, block_keys
 from gqakv.storage.store import CONTIGUOUS, PAGED
 
 from . import numpy_backend as _numpy
-from .cpu_plan import ENV_THREADS, _plan, _share, _threads
-from .numpy_attention import INVARIANT_NO_SPLIT
+from .cpu_plan import ENV_THREADS, INVARIANT_NO_SPLIT, _plan, _share, _threads
 from .numpy_backend import NumpyBackend
 
 #: Chunks of more queries than this take the NumPy BLAS path (see ``route_attention``).

@@ -53,7 +53,7 @@ from gqakv.core.semantics import AttentionParams, block_keys, transform, transfo
 
 # Threads, work items and their sharing are planned in cpu_plan (shared with the numba
 # backend); the names stay importable from here.
-from .cpu_plan import (ENV_THREADS, ITEMS_PER_WORKER, K_MAJOR_KERNELS, THIN_QUERIES,  # noqa: F401
+from .cpu_plan import (ENV_THREADS, INVARIANT_NO_SPLIT, ITEMS_PER_WORKER, K_MAJOR_KERNELS, THIN_QUERIES,  # noqa: F401
                        _plan, _share, _threads, _Threads)
 from . import numpy_readers as readers
 from .numpy_readers import MIN_BLOCK_KEYS, to_float32  # noqa: F401 (to_float32: its old home)
@@ -63,10 +63,8 @@ SCORE_BLOCK_ELEMENTS = 1 << 18
 # Queries of one item (per row): 256 queries x G heads share each K/V block read.
 QUERY_BLOCK = 256
 #: Batch-invariant mode (``gqakv.core.invariance``): keys per block, from each query's first
-#: visible key (each query is its own item, and keys are never split among threads) ...
+#: visible key (each query is its own item, and keys are never split among threads).
 INVARIANT_BLOCK_KEYS = 512
-#: ... and the key-split minimum that splits nothing.
-INVARIANT_NO_SPLIT = 1 << 62
 # A row's keys are split across threads only into pieces at least this long.
 MIN_KEY_SPLIT = 1024
 # Below this much work (query-key-head products) threads cost more than they save.

@@ -176,11 +176,7 @@ class RowsAndLengths:
         if table.index is None:
             raise ValueError(f"cannot {what}: this cache has no prefix cache (make it with "
                              "storage='paged', prefix_cache=True)")
-        if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
-            raise TypeError(f"row must be an int row index, got {row!r}")
-        if not 0 <= row < self.batch:
-            raise ValueError(f"row={int(row)} is out of range for a cache of {self.batch} rows")
-        return table, int(row)
+        return table, row_ops._row(row, "row", self.batch)
 
     def match_prefix(self, row: int, token_ids, *, salt=None) -> int:
         """Start empty row ``row`` with the cached pages of the longest prefix of

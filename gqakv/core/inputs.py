@@ -78,6 +78,20 @@ def host_ints(x, what: str, length: int) -> np.ndarray:
     return a.astype(np.int64, copy=True)
 
 
+def ints_1d(x, what: str) -> np.ndarray:
+    """``x`` (an int, a sequence or a 1-D integer array) as host int64 ``[n]``; TypeError /
+    ValueError naming ``what`` otherwise (row lists, lengths, token ids)."""
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        x = [x]
+    if isinstance(x, (list, tuple, range)):
+        x = list(x)
+        return host_ints(x, what, len(x))  # checks the elements before NumPy sees them
+    shape = tuple(getattr(x, "shape", ()))
+    if len(shape) != 1:
+        raise ValueError(f"{what} must be a 1-D list of integers, got {x!r}")
+    return host_ints(x, what, int(shape[0]))
+
+
 def _check_same_library(cache, x, what: str) -> None:
     backend = cache.backend
     if not backend.owns(x):

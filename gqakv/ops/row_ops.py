@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.inputs import check_rows, host_ints
+from ..core.inputs import check_rows, ints_1d as _ints_1d
 from ..storage.row_copies import TEMP, Wave, copy_tokens_array_api, plan_reorder, run_waves  # noqa: F401  (re-exported)
 
 
@@ -30,18 +30,6 @@ def _row_list(rows, what: str, batch: int, *, distinct: bool) -> np.ndarray:
     """``rows`` (an int, a sequence or a 1-D int array) as host int64 [n], every entry in
     0..batch-1 (and distinct if asked)."""
     return check_rows(_ints_1d(rows, what), what, batch, distinct=distinct)
-
-
-def _ints_1d(x, what: str) -> np.ndarray:
-    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-        x = [x]
-    if isinstance(x, (list, tuple, range)):
-        x = list(x)
-        return host_ints(x, what, len(x))  # checks the elements before NumPy sees them
-    shape = tuple(getattr(x, "shape", ()))
-    if len(shape) != 1:
-        raise ValueError(f"{what} must be a 1-D list of integers, got {x!r}")
-    return host_ints(x, what, int(shape[0]))
 
 
 def _row(x, what: str, batch: int) -> int:

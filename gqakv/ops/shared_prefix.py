@@ -212,7 +212,7 @@ class SharedPrefixWork:
 
     __slots__ = ("backend", "decision", "q_shape", "kv_heads", "group", "shared_table",
                  "shared_rows", "shared_len", "shared", "suffix_table", "suffix", "gather",
-                 "pick", "rows", "planned", "live", "lse_shift", "_device_ints")
+                 "pick", "rows", "planned", "live", "lse_shift", "_device_arrays")
 
     def __init__(self, backend, store, inputs, q_shape, decision: SharedPrefix):
         self.backend, self.decision = backend, decision
@@ -293,7 +293,7 @@ class SharedPrefixWork:
         self.rows = inputs.rows
         self.live = np.arange(entries.shape[1])[None, :] < -(-inputs.lens[:, None] // P)
         self.planned = np.where(self.live, entries[inputs.rows], -1)
-        self._device_ints: dict[tuple[str, str], object] = {}
+        self._device_arrays: dict[tuple[str, str], object] = {}
 
     def moved_row(self, store) -> int | None:
         """The first planned row whose live pages ``store``'s page table no longer names
@@ -317,17 +317,17 @@ class SharedPrefixWork:
         """``host`` as an int64 array of q's library and device (kept per device)."""
         dev = self.backend.device_of(q)
         k = (key, str(dev))
-        got = self._device_ints.get(k)
+        got = self._device_arrays.get(k)
         if got is None:
-            got = self._device_ints[k] = self.backend.from_host_ints(host, device=dev)
+            got = self._device_arrays[k] = self.backend.from_host_ints(host, device=dev)
         return got
 
     def _floats(self, key: str, host: np.ndarray, dtype):
         """``host`` as an array of the backend's library in ``dtype`` (the LSE's; kept)."""
-        got = self._device_ints.get((key, str(dtype)))
+        got = self._device_arrays.get((key, str(dtype)))
         if got is None:
             name = "float64" if "64" in str(dtype) else "float32"
-            got = self._device_ints[(key, str(dtype))] = self.backend.from_numpy(host, name)
+            got = self._device_arrays[(key, str(dtype))] = self.backend.from_numpy(host, name)
         return got
 
     # -- running ----------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from array_api_compat import array_namespace
 
 import dataclasses
 
-from .prefix_index import PrefixIndex, token_ids_of
+from .prefix_index import PrefixIndex
 from .store import CONTIGUOUS, DEQUANT_BLOCK_ELEMENTS, PAGED, KVStore, StorageSpec
 
 #: Default tokens per page.
@@ -595,4 +595,4 @@ def check_page_args(page_size, num_pages, batch: int, max_len: int) -> tuple[int
 
 
 __all__ = ["DEFAULT_PAGE_SIZE", "OutOfPages", "PAGED", "PageTable", "PageTableView", "PagedStore",
-           "PrefixIndex", "Reservation", "pages_for", "reserve", "token_ids_of"]
+           "PrefixIndex", "Reservation", "pages_for", "reserve"]

@@ -29,7 +29,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..core.inputs import host_ints
+from ..core.inputs import ints_1d
 
 _DIGEST = 16  # bytes per key: 128-bit keys make an accidental collision negligible
 
@@ -48,16 +48,12 @@ def _salt_bytes(salt) -> bytes:
     raise TypeError(f"salt must be None, a str, bytes or an int, got {type(salt).__name__}")
 
 
-def token_ids_of(token_ids, what: str = "token_ids") -> np.ndarray:
-    """``token_ids`` (a 1-D sequence or array of ints) as host int64 ``[n]``; TypeError /
-    ValueError naming ``what`` otherwise."""
-    if isinstance(token_ids, (list, tuple, range)):
-        token_ids = list(token_ids)
-        return host_ints(token_ids, what, len(token_ids))
-    shape = tuple(getattr(token_ids, "shape", ()))
-    if len(shape) != 1:
-        raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {list(shape)}")
-    return host_ints(token_ids, what, int(shape[0]))
+def token_ids_of(token_ids) -> np.ndarray:
+    """``token_ids`` (a 1-D sequence or array of ints, not one int) as host int64 ``[n]``
+    (``ints_1d``)."""
+    if isinstance(token_ids, (int, np.integer)):
+        raise ValueError(f"token_ids must be a 1-D sequence of token ids, got {token_ids!r}")
+    return ints_1d(token_ids, "token_ids")
 
 
 def chain_keys(token_ids: np.ndarray, page_size: int, salt=None) -> list[bytes]:
