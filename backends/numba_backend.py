@@ -316,7 +316,7 @@ class NumbaBackend(NumpyBackend):
         this batch (``route_attention`` without the per-call buffer check); a packed batch
         mixing long chunks and short ones split in two (``plan_mixed``); else the NumPy
         backend's plan."""
-        request = Request.of_store("attention", store, features=params.features,
+        request = Request.of_store("attention", store, features=inputs.features,
                                    group=max(1, int(q_shape[1]) // store.kv_heads),
                                    **inputs.token_facts(q_shape))
         if route_attention(request).impl != KERNEL:  # the NumPy backend's path plans its own
@@ -340,7 +340,7 @@ class NumbaBackend(NumpyBackend):
         # planned: the route was the kernels' for this storage, chunk and variant; only
         # this layer's buffers are left to judge
         planned = isinstance(work, NumbaWork) and work.inputs is inputs and _c_contiguous(store)
-        if not planned and self._attention_decision(q, store.k, store.v, store, params.features,
+        if not planned and self._attention_decision(q, store.k, store.v, store, inputs.features,
                                                     inputs.token_facts(q.shape)).impl != KERNEL:
             # the NumPy backend's path, with its own plan when the batch was planned for it
             return super().attention(q, store, inputs, params, return_lse=return_lse,

@@ -133,7 +133,7 @@ class NumpyBackend(Backend):
     def plan_attention(self, store, inputs, params, q_shape):
         """The BLAS path's work items and their sharing among threads (``numpy_attention.
         plan_items``) when it serves this batch, else None."""
-        if route_attention(Request.of_store("attention", store, features=params.features,
+        if route_attention(Request.of_store("attention", store, features=inputs.features,
                                             **inputs.token_facts(q_shape))).impl != BLAS:
             return None
         from .numpy_attention import plan_items
@@ -157,7 +157,7 @@ class NumpyBackend(Backend):
         if not (isinstance(work, NumpyWork) and work.inputs is inputs):
             work = None  # planned for another batch (or not for this path): plan here
         if work is not None or route_attention(Request.of_store(
-                "attention", store, features=params.features,
+                "attention", store, features=inputs.features,
                 **inputs.token_facts(q.shape))).impl == BLAS:
             result = attention_store(q, store, inputs, params, return_lse=want_lse,
                                      planned=work)

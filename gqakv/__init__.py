@@ -37,7 +37,7 @@ __version__ = "0.1.0"
 def plan_attention(cache, n_new, *, q_heads: int, t_q: int | None = None, packed: bool = False,
                    rows=None, scale=None, window=None, softcap=None, sinks=None,
                    alibi_slopes=None, params=None, fixed: bool = False,
-                   splits: int | None = None) -> AttentionPlan:
+                   splits: int | None = None, tree=None) -> AttentionPlan:
     """The plan of ``gqa_attention(q, cache, n_new, rows=rows, ...)`` for queries
     ``[len(n_new), q_heads, t_q, d]`` (``t_q`` default: the largest n_new), or packed
     ``[sum(n_new), q_heads, d]`` with ``packed=True``: validated and planned once, then
@@ -48,7 +48,7 @@ def plan_attention(cache, n_new, *, q_heads: int, t_q: int | None = None, packed
     ``splits``: its decode split count."""
     return AttentionPlan.of(cache, n_new, q_heads=q_heads, t_q=t_q, packed=packed, rows=rows, scale=scale,
                             params=params, window=window, softcap=softcap, sinks=sinks,
-                            alibi_slopes=alibi_slopes, fixed=fixed, splits=splits)
+                            alibi_slopes=alibi_slopes, fixed=fixed, splits=splits, tree=tree)
 
 
 __all__ = [

@@ -402,7 +402,7 @@ class CupyBackend(Backend):
         dtype, kv_dtype = _dtypes_of(store)
         d = int(store.k.shape[-1])
         sm_count = capability = None
-        request = Request.of_store("attention", store, features=params.features,
+        request = Request.of_store("attention", store, features=inputs.features,
                                    **inputs.token_facts(q_shape))
         if routing.route_attention(request).impl != GENERIC:
             sm_count, capability = self._facts()

@@ -130,12 +130,17 @@ class ModelKVCache(RowsAndLengths):
 
     # -- the forward step ------------------------------------------------------------------
 
-    def step(self, n_new, *, rows=None) -> "Step":
+    def step(self, n_new, *, rows=None, tree=None) -> "Step":
         """Begin a forward step that appends ``n_new[i]`` tokens to cache row ``rows[i]``.
 
         Args:
             n_new: ``[B']`` ints >= 0 (the first n_new[i] of entry i's T slots are real).
             rows: ``[B']`` distinct cache rows (default ``0..B-1``, then ``B' = B``).
+            tree: None, or each entry's draft tree over its new tokens (speculative
+                verification; ``gqakv.core.tree``: parents ``[B', T]`` or an ancestor mask
+                ``[B', T, T]``): every layer's ``attend`` then masks by it, and
+                ``step.positions`` gives the tokens' logical positions (prefix + depth)
+                for RoPE. Follow with ``accept`` after the commit.
 
         Validated here, before any layer runs: shapes, row indices, and
         ``lens[rows[i]] + n_new[i] <= max_len`` for every entry. Use it as a context
@@ -156,10 +161,14 @@ class ModelKVCache(RowsAndLengths):
                 if n[i] < 0:
                     raise ValueError(f"n_new[{i}]={int(n[i])} is negative (row {int(r[i])})")
             check_capacity(r, starts, n, self.max_len)
+            if tree is not None:
+                from ..core.tree import DraftTree
+
+                tree = DraftTree.of(tree, n)
             # what every layer's write needs, once (paged: pages; OutOfPages: no change)
             reservation = self.store.reserve(self.backend, r, starts, n)
             try:
-                step = Step(self, r, starts, n, reservation)
+                step = Step(self, r, starts, n, reservation, tree=tree)
             except BaseException:
                 self.store.give_back(reservation)
                 raise
@@ -190,10 +199,13 @@ class Step:
             absolute position ``starts[i] + t`` (the positions for rotary embeddings).
         n_new: ``[B']`` real tokens per entry.
         lens: ``[B']`` each row's length after the step (``starts + n_new``).
+        tree: None, or the step's ``gqakv.core.tree.DraftTree`` (every layer's attention
+            masks by it).
     """
 
-    def __init__(self, cache: ModelKVCache, rows, starts, n_new, reservation=None):
+    def __init__(self, cache: ModelKVCache, rows, starts, n_new, reservation=None, tree=None):
         self.cache = cache
+        self.tree = tree
         self._reservation = reservation  # paged: the pages the step took (abort returns them)
         # immutable copies (gqakv.core.inputs.immutable_ints): a read-only flag can be undone,
         # and commit writes ``lens`` into the cache's lengths
@@ -209,6 +221,15 @@ class Step:
         self._append: tuple | None = None  # (signature, AppendInputs)
         self._state = "open"
         self._lock = cache._lengths.lock  # the cache's writer lock (see Lengths)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """``[B', T]`` int64 positions of the step's new tokens for RoPE: ``starts[i] + t``,
+        or with a tree ``starts[i] + depth[i, t]`` (T: the tree's, else the largest n_new)."""
+        if self.tree is not None:
+            return self.tree.positions(self.starts)
+        T = int(self.n_new.max(initial=0))
+        return self.starts[:, None] + np.arange(T, dtype=np.int64)[None, :]
 
     # -- per layer -------------------------------------------------------------------------
 
@@ -284,7 +305,7 @@ class Step:
             if plan is None:
                 plan = self._plan_for(view, q, dict(scale=scale, window=window, softcap=softcap,
                                                     sinks=sinks, params=params,
-                                                    alibi_slopes=alibi_slopes))
+                                                    alibi_slopes=alibi_slopes, tree=self.tree))
             else:
                 self._check_plan(plan, scale, window, softcap, sinks, params, alibi_slopes)
             plan.check_tensors(view, q, out, lse_out)
@@ -309,7 +330,7 @@ class Step:
                                          t_q=t_q, packed=packed)
         inputs = validate_attention_batch(view, q_shape, self.n_new, self.rows, scale, params,
                                           window=window, softcap=softcap, sinks=sinks,
-                                          alibi_slopes=alibi_slopes)
+                                          alibi_slopes=alibi_slopes, tree=self.tree)
         return AttentionPlan(view, q_shape, inputs, owner=self, fixed=fixed, splits=splits)
 
     def adopt(self, plan: AttentionPlan) -> AttentionPlan:

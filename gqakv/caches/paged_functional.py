@@ -182,7 +182,7 @@ def _batch_of(x, n_new, what: str, shape_doc: str) -> int:
 def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: float | None = None,
                     window: int | None = None, softcap: float | None = None, sinks=None,
                     return_lse: bool = False, backend=None, alibi_slopes=None, out=None,
-                    lse_out=None):
+                    lse_out=None, tree=None):
     """Causal grouped-query attention of the newest tokens over caller-owned page pools;
     ``gqa_attention``'s semantics, variants and results for a paged layout the caller manages.
 
@@ -206,7 +206,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: floa
         n_new: ``[B]`` ints, ``0 <= n_new[b] <= min(T, lens[b])``: row b's queries are
             ``q[b, :, :n_new[b]]``, its tokens ``lens[b] - n_new[b] .. lens[b] - 1``; slots
             ``t >= n_new[b]`` are padding and return exactly 0.
-        scale, window, softcap, sinks, alibi_slopes, return_lse, out, lse_out: as
+        scale, window, softcap, sinks, alibi_slopes, return_lse, out, lse_out, tree: as
             ``gqa_attention``.
         backend: a backend name or Backend; None: the default backend when it holds the
             pools' library, else the first registered backend that does.
@@ -236,7 +236,8 @@ def paged_attention(q, k_pages, v_pages, page_table, lens, n_new, *, scale: floa
     backend, store, L, table = _wrap(k_pages, v_pages, page_table, lens, B, backend)
     view = _PoolView(backend, store, L)
     inputs = validate_attention(view, q, n_new, None, scale, None, window=window,
-                                softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+                                softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                                tree=tree)
     _check_pages(table, L, store.page_size, store.num_pages, "holds")
     _check_distinct(table, L, store.page_size)
     q_shape = tuple(int(s) for s in q.shape)
@@ -316,7 +317,7 @@ def _validate_paged_append(k_pages, v_pages, page_table, lens, k_new, v_new, n_n
 def paged_append_attention(q, k_new, v_new, k_pages, v_pages, page_table, lens, n_new, *,
                            scale: float | None = None, window: int | None = None,
                            softcap: float | None = None, sinks=None, return_lse: bool = False,
-                           backend=None, alibi_slopes=None, out=None, lse_out=None):
+                           backend=None, alibi_slopes=None, out=None, lse_out=None, tree=None):
     """``paged_append`` of ``k_new`` / ``v_new`` then ``paged_attention`` of ``q`` over the
     same caller-owned pools, in one call (FlashAttention's ``flash_attn_with_kvcache``
     with a page table): everything both calls check is validated before anything is
@@ -333,7 +334,8 @@ def paged_append_attention(q, k_new, v_new, k_pages, v_pages, page_table, lens, 
                                                     v_new, n_new, backend)
     view = _PoolView(backend, store, host_ints(lens, "lens", store.rows))
     inputs = validate_attention(view, q, n_new, None, scale, None, window=window,
-                                softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+                                softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                                tree=tree)
     q_shape = tuple(int(s) for s in q.shape)
     check_outputs(view, q_shape, out, lse_out)
     plan = AttentionPlan(view, q_shape, inputs)

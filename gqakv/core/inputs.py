@@ -287,6 +287,24 @@ class AttentionInputs:
     offsets: np.ndarray | None = None
     #: batch-invariant mode (``gqakv.core.invariance``), as it was when the call was validated
     invariant: bool = False
+    #: None, or the entries' draft trees (``gqakv.core.tree.DraftTree``): chunk query t sees
+    #: the prefix and its ancestors in the chunk only
+    tree: object = None
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The variant features of this call (``AttentionParams.features``) plus ``"tree"``
+        for a draft tree: what a fast path must declare to serve it."""
+        return self.params.features | {"tree"} if self.tree is not None else self.params.features
+
+    def entry_tree(self, i: int):
+        """Entry i's ``EntryTree`` (None without a tree), built once per entry."""
+        if self.tree is None:
+            return None
+        cache = self.__dict__.setdefault("_entry_trees", {})
+        if i not in cache:
+            cache[i] = self.tree.entry(i)
+        return cache[i]
 
     @property
     def scale(self) -> float:
@@ -308,13 +326,14 @@ PADDED, PACKED = "padded", "packed"
 
 
 def validate_attention(cache, q, n_new, rows=None, scale=None, params=None, *,
-                       window=None, softcap=None, sinks=None, alibi_slopes=None) -> AttentionInputs:
+                       window=None, softcap=None, sinks=None, alibi_slopes=None,
+                       tree=None) -> AttentionInputs:
     """The checked call: the tensor ``q`` (``check_queries``) and everything else
     (``validate_attention_batch``, with q's shape)."""
     check_queries(cache, q)
     return validate_attention_batch(cache, tuple(int(s) for s in q.shape), n_new, rows, scale,
                                     params, window=window, softcap=softcap, sinks=sinks,
-                                    alibi_slopes=alibi_slopes)
+                                    alibi_slopes=alibi_slopes, tree=tree)
 
 
 def check_queries(cache, q, what: str = "q") -> None:
@@ -330,7 +349,7 @@ def check_queries(cache, q, what: str = "q") -> None:
 
 def validate_attention_batch(cache, q_shape: tuple[int, ...], n_new, rows=None,
                              scale=None, params=None, *, window=None, softcap=None, sinks=None,
-                             alibi_slopes=None) -> AttentionInputs:
+                             alibi_slopes=None, tree=None) -> AttentionInputs:
     """Everything of an attention call but the query tensor itself, checked once for a
     batch (a plan serves every layer of a step with it): q's shape ``[B, Hq, T, d]``
     against the cache, rows, n_new against the rows' lengths, and the variant (a packed
@@ -338,7 +357,9 @@ def validate_attention_batch(cache, q_shape: tuple[int, ...], n_new, rows=None,
     (an AttentionParams) is an alternative to ``scale``, ``window``, ``softcap``,
     ``sinks`` and ``alibi_slopes`` that carries them all (not both). Every field of the
     resulting params is checked here (``check_scale``, ``check_window``,
-    ``check_softcap``, ``check_sinks``, ``check_alibi``), whichever way it was given."""
+    ``check_softcap``, ``check_sinks``, ``check_alibi``), whichever way it was given.
+    ``tree``: None, or each entry's draft tree over its n_new tokens (``gqakv.core.tree``:
+    parents ``[B, T]`` or an ancestor mask ``[B, T, T]``), checked here."""
     if params is not None:
         if not isinstance(params, AttentionParams):
             raise TypeError(f"params must be a gqakv.AttentionParams, got {params!r}")
@@ -379,12 +400,16 @@ def validate_attention_batch(cache, q_shape: tuple[int, ...], n_new, rows=None,
                 f"n_new[{i}]={int(n[i])} but row {int(r[i])} holds only {int(lens[i])} tokens "
                 "(attention takes the lengths after the append)"
             )
+    if tree is not None:
+        from .tree import DraftTree  # tree.py reads arrays with this module's helpers
+
+        tree = DraftTree.of(tree, n)
     scale = 1.0 / math.sqrt(d) if scale is None else check_scale(scale)
     params = AttentionParams(scale=scale, window=check_window(window),
                              softcap=check_softcap(softcap), sinks=check_sinks(sinks, hq),
                              alibi_slopes=check_alibi(alibi_slopes, hq))
     return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, params=params, offsets=offsets,
-                           invariant=_invariance.enabled())
+                           invariant=_invariance.enabled(), tree=tree)
 
 
 def lse_dtype(q_dtype: str) -> str:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class AttentionParams:
@@ -60,17 +62,21 @@ class AttentionParams:
         return "+".join(("causal", *sorted(self.features)))
 
 
-def key_range(params: AttentionParams, L, n, t):
+def key_range(params: AttentionParams, L, n, t, tree=None):
     """``(lo, hi)``: query ``t`` sees the keys ``lo <= j < hi`` (``0 <= lo``, ``hi <= L``;
-    ``lo < hi`` for every real query)."""
+    ``lo < hi`` for every real query). With a ``tree`` (an ``EntryTree``) the range bounds
+    what t sees: the window's first key by t's logical position, up to t's own slot."""
+    if tree is not None:
+        P = L - n
+        depth = int(tree.depth[t]) if isinstance(t, int) else tree.depth[np.asarray(t)]
+        lo, _ = key_range(params, L, n, depth)  # t's logical position is P + depth
+        return lo, P + t + 1
     p = L - n + t  # query t's absolute position: it sees keys up to p
     if params.window is None:
         return 0, p + 1
     lo = p - (params.window - 1)
     if isinstance(lo, int):
         return max(0, lo), p + 1
-    import numpy as np
-
     if isinstance(lo, (np.ndarray, np.generic)):
         return np.maximum(lo, 0), p + 1
     from array_api_compat import array_namespace  # another library's array (visible_mask's xp)
@@ -79,15 +85,20 @@ def key_range(params: AttentionParams, L, n, t):
     return xp.where(lo > 0, lo, xp.zeros_like(lo)), p + 1
 
 
-def block_keys(params: AttentionParams, L, n, t0: int, t1: int):
+def block_keys(params: AttentionParams, L, n, t0: int, t1: int, tree=None):
     """``(lo, hi)``: the keys at least one query of ``t0..t1-1`` sees (a block's key span;
     keys outside it are never read)."""
+    if tree is not None:  # the shallowest query's window starts first
+        return int(np.min(key_range(params, L, n, np.arange(t0, t1), tree)[0])), L - n + t1
     return key_range(params, L, n, t0)[0], key_range(params, L, n, t1 - 1)[1]
 
 
-def common_keys(params: AttentionParams, L, n, t0: int, t1: int):
+def common_keys(params: AttentionParams, L, n, t0: int, t1: int, tree=None):
     """``(lo, hi)``: the keys every query of ``t0..t1-1`` sees (``lo >= hi``: none). A key
-    piece cut inside it is masked for no query of the block."""
+    piece cut inside it is masked for no query of the block. With a tree: prefix keys only
+    (two roots do not see each other)."""
+    if tree is not None:
+        return int(np.max(key_range(params, L, n, np.arange(t0, t1), tree)[0])), L - n
     return key_range(params, L, n, t1 - 1)[0], key_range(params, L, n, t0)[1]
 
 
@@ -148,10 +159,52 @@ def transform(params: AttentionParams, s, q_pos, k_pos, head, xp):
     return s + slope * dist
 
 
+def query_positions(L: int, n: int, t0: int, t1: int, tree=None) -> np.ndarray:
+    """``[t1 - t0]`` int64: the positions of queries t0..t1-1 that windows and ALiBi measure
+    (``L - n + t``; with a tree the logical ``L - n + depth[t]``)."""
+    if tree is None:
+        return np.arange(L - n + t0, L - n + t1, dtype=np.int64)
+    return (L - n) + tree.depth[t0:t1]
+
+
+def key_positions(L: int, n: int, j0: int, j1: int, tree=None) -> np.ndarray:
+    """``[j1 - j0]`` int64: the positions of keys j0..j1-1 (< L) that windows and ALiBi
+    measure (j; with a tree a chunk key u = j - (L - n) stands at ``L - n + depth[u]``)."""
+    j = np.arange(j0, j1, dtype=np.int64)
+    if tree is None or n == 0:
+        return j
+    P = L - n
+    return np.where(j < P, j, P + tree.depth[np.clip(j - P, 0, n - 1)])
+
+
+def tree_visible(params: AttentionParams, L: int, n: int, t0: int, t1: int, j0: int, j1: int,
+                 tree) -> np.ndarray:
+    """``[t1 - t0, j1 - j0]`` bools (keys < L): the mask hook's tree clause. Query t sees
+    a prefix key (``j < P = L - n``) and the chunk keys ``P + u`` with ``ancestors[t, u]``;
+    a window keeps the keys whose logical position is within W of t's."""
+    P = L - n
+    t = np.arange(t0, t1)[:, None]
+    j = np.arange(j0, j1)[None, :]
+    u = np.clip(j - P, 0, max(n - 1, 0))
+    vis = np.where(j >= P, tree.ancestors[t, u], j < P)
+    if params.window is not None:
+        q_pos = query_positions(L, n, t0, t1, tree)[:, None]
+        vis &= key_positions(L, n, j0, j1, tree)[None, :] >= q_pos - (params.window - 1)
+    return vis
+
+
 def visible_mask(params: AttentionParams, L: int, n: int, t0: int, t1: int, j0: int, j1: int,
-                 xp=None, device=None):
+                 xp=None, device=None, tree=None):
     """None when every query of ``t0..t1-1`` sees every key of ``j0..j1-1``, else the bool
-    mask ``[t1 - t0, j1 - j0]`` (True: visible), built with ``xp`` (default NumPy)."""
+    mask ``[t1 - t0, j1 - j0]`` (True: visible), built with ``xp`` (default NumPy).
+    ``tree``: an entry's draft tree (``tree_visible``)."""
+    if tree is not None:
+        vis = tree_visible(params, L, n, t0, t1, j0, j1, tree)
+        if vis.all():
+            return None
+        if xp is None or xp is np:
+            return vis
+        return xp.asarray(vis) if device is None else xp.asarray(vis, device=device)
     lo, hi = common_keys(params, L, n, t0, t1)
     if lo <= j0 and j1 <= hi:
         return None

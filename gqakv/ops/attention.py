@@ -15,7 +15,7 @@ from ..core.inputs import check_flag, check_outputs, validate_attention
 from .cache_ops import entry_tokens
 from .plan import AttentionPlan
 from .merge import SoftmaxState, apply_sinks
-from ..core.semantics import block_keys, transform, visible_mask
+from ..core.semantics import block_keys, key_positions, query_positions, transform, visible_mask
 
 # Upper bound, in elements, of one block of attention scores [Hkv, G * q_block, k_block].
 # It bounds the temporaries of a long prefill chunk (16 MiB of float32 by default)
@@ -26,7 +26,7 @@ QUERY_BLOCK = 256
 
 def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | None = None,
                   softcap: float | None = None, sinks=None, return_lse: bool = False,
-                  rows=None, params=None, alibi_slopes=None, out=None, lse_out=None):
+                  rows=None, params=None, alibi_slopes=None, out=None, lse_out=None, tree=None):
     """Causal grouped-query attention of the newest tokens over a KVCache, optionally with
     a sliding window, a logit soft-cap, per-head sinks and ALiBi.
 
@@ -56,6 +56,12 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | 
             ``alibi_slopes[h] * (j - p)`` to its score of key j (after the soft-cap, before
             the mask; sinks get no bias). Positions are the cache's (0 = the row's first
             token), as BLOOM / MPT / Falcon-style checkpoints define them.
+        tree: None, or a draft tree per entry (speculative decoding; ``gqakv.core.tree``):
+            parents ``[B, T]`` ints (``-1 <= parents[i, t] < t``; -1: a child of the row's
+            last cached token) or an ancestor mask ``[B, T, T]`` bools, of any library, or
+            a ``gqakv.DraftTree``. Chunk query t then sees every key before the chunk and,
+            of the chunk, only itself and its ancestors; windows and ALiBi measure logical
+            positions (prefix + depth). Only ``t < n_new[i]`` is read.
         return_lse: (a bool) also return the natural-log log-sum-exp of the scores per
             query, ``[B, Hq, T]`` (float32, or float64 for float64 caches), ``-inf`` for
             padded queries, so partial results over disjoint key sets can be merged. With
@@ -89,6 +95,15 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | 
     A query that sees no key (a padded slot) returns exactly 0 (and lse -inf), with or
     without sinks.
 
+    With ``tree=[[-1, 0, 0, 1]]`` (tokens 1 and 2 continue 0, token 3 continues 1) over
+    L = 6, n = 4 (prefix keys 0 1)::
+
+                 keys 0 1 | 2 3 4 5
+        query 0 (depth 0)   x x | x . . .
+        query 1 (depth 1)   x x | x x . .
+        query 2 (depth 1)   x x | x . x .
+        query 3 (depth 2)   x x | x x . x
+
     Returns:
         ``out`` ``[B, Hq, T, d]`` (packed: ``[N, Hq, d]``) in q's dtype, or ``(out, lse)``
         with ``return_lse``.
@@ -96,7 +111,7 @@ def gqa_attention(q, cache, n_new, *, scale: float | None = None, window: int | 
     return_lse = check_flag(return_lse, "return_lse")
     inputs = validate_attention(cache, q, n_new, rows, scale, params,
                                 window=window, softcap=softcap, sinks=sinks,
-                                alibi_slopes=alibi_slopes)
+                                alibi_slopes=alibi_slopes, tree=tree)
     check_outputs(cache, inputs_shape(q), out, lse_out)
     # one plan, one run (gqakv.ops.plan): a step plans once and runs every layer
     return AttentionPlan(cache, inputs_shape(q), inputs).launch(q, cache.store, return_lse, out, lse_out)
@@ -148,7 +163,8 @@ def attention_array_api(q, store, inputs, params, *, return_lse: bool,
         q_row = xp.reshape(xp.astype(entry_tokens(q, offsets, i, n), acc), (Hkv, G, n, d))
         o_row, lse_row = _attend_row(xp, q_row, store, int(rows[i]), L, params, acc=acc,
                                      score_block_elements=score_block_elements,
-                                     query_block=query_block)
+                                     query_block=query_block, tree=inputs.entry_tree(i)
+                                     if hasattr(inputs, "entry_tree") else None)
         o_row, lse_row = xp.reshape(o_row, (Hq, n, d)), xp.reshape(lse_row, (Hq, n))
         if sinks is not None:  # once per query, after every key (never per key block)
             o_row, lse_row = apply_sinks(o_row, lse_row, sinks)
@@ -164,8 +180,10 @@ def attention_array_api(q, store, inputs, params, *, return_lse: bool,
     return (out, lse) if return_lse else out
 
 
-def _attend_row(xp, q_row, store, row, L, params, *, acc, score_block_elements, query_block):
-    """One row: q_row [Hkv, G, n, d] (compute dtype), the row's last n queries of L tokens.
+def _attend_row(xp, q_row, store, row, L, params, *, acc, score_block_elements, query_block,
+                tree=None):
+    """One row: q_row [Hkv, G, n, d] (compute dtype), the row's last n queries of L tokens
+    (``tree``: the entry's draft tree, ``gqakv.core.tree.EntryTree``).
 
     Query blocks read only the keys some query of theirs sees (``semantics.block_keys``),
     in key blocks from ``store.blocks``, masked by ``semantics.visible_mask``.
@@ -185,7 +203,7 @@ def _attend_row(xp, q_row, store, row, L, params, *, acc, score_block_elements, 
         nq = t1 - t0
         # Fold the group into the query tile: one matmul per KV head serves all G heads.
         qb = xp.reshape(q_row[:, :, t0:t1, :], (Hkv, G * nq, d)) * params.scale
-        lo, hi = block_keys(params, L, n, t0, t1)
+        lo, hi = block_keys(params, L, n, t0, t1, tree)
         k_block = max(1, score_block_elements // max(1, Hkv * G * nq))
         state = SoftmaxState(xp)
         for j0, j1 in store.key_blocks(row, lo, hi, k_block):  # page-aligned when paged
@@ -196,11 +214,13 @@ def _attend_row(xp, q_row, store, row, L, params, *, acc, score_block_elements, 
             if heads is None:  # the soft-cap (if any), before the mask
                 s = transform(params, s, 0, 0, 0, xp)
             else:  # positions matter: [Hkv, G, nq, keys]
-                q_pos = xp.reshape(xp.arange(L - n + t0, L - n + t1, device=dev), (1, 1, nq, 1))
-                k_pos = xp.reshape(xp.arange(j0, j1, device=dev), (1, 1, 1, j1 - j0))
+                q_pos = xp.reshape(_positions(xp, query_positions(L, n, t0, t1, tree), dev),
+                                   (1, 1, nq, 1))
+                k_pos = xp.reshape(_positions(xp, key_positions(L, n, j0, j1, tree), dev),
+                                   (1, 1, 1, j1 - j0))
                 s4 = transform(params, xp.reshape(s, (Hkv, G, nq, j1 - j0)), q_pos, k_pos, heads, xp)
                 s = xp.reshape(s4, (Hkv, G * nq, j1 - j0))
-            visible = visible_mask(params, L, n, t0, t1, j0, j1, xp=xp, device=dev)
+            visible = visible_mask(params, L, n, t0, t1, j0, j1, xp=xp, device=dev, tree=tree)
             if visible is not None:  # [nq, j1-j0]
                 s = xp.reshape(xp.where(visible, xp.reshape(s, (Hkv, G, nq, j1 - j0)), neg_inf),
                                (Hkv, G * nq, j1 - j0))
@@ -213,3 +233,9 @@ def _attend_row(xp, q_row, store, row, L, params, *, acc, score_block_elements, 
         out[:, :, t0:t1, :] = xp.reshape(o_b, (Hkv, G, nq, d))
         lse[:, :, t0:t1] = xp.reshape(lse_b, (Hkv, G, nq))
     return out, lse
+
+
+def _positions(xp, host, dev):
+    """Host int64 positions (``semantics.query_positions`` / ``key_positions``) as an
+    ``xp`` int64 array on ``dev``."""
+    return xp.asarray(host.tolist(), dtype=xp.int64, device=dev)

@@ -57,7 +57,7 @@ def check_invariant_route(backend, store, inputs, q_shape) -> None:
     would compute bits that depend on the batch is refused, naming the implementation."""
     spec = store.spec
     route = backend.route("attention", dtype=spec.q_dtype, head_dim=store.head_dim, layout=spec.kind,
-                          codec=spec.codec.name, features=inputs.params.features,
+                          codec=spec.codec.name, features=inputs.features,
                           **inputs.token_facts(q_shape))
     honours = {p.name for p in backend.fast_paths if p.op == "attention" and p.invariant}
     if route.impl not in honours:
@@ -118,7 +118,7 @@ class AttentionPlan:
     @classmethod
     def of(cls, cache, n_new, *, q_heads: int, t_q: int | None = None, packed: bool = False,
            rows=None, scale=None, params=None, window=None, softcap=None, sinks=None,
-           alibi_slopes=None, fixed: bool = False, splits=None) -> "AttentionPlan":
+           alibi_slopes=None, fixed: bool = False, splits=None, tree=None) -> "AttentionPlan":
         """The plan of ``gqa_attention(q, cache, n_new, rows=rows, ...)`` for queries
         ``[len(n_new), q_heads, t_q, d]`` (``t_q`` default: the largest n_new), or packed
         ``[sum(n_new), q_heads, d]`` with ``packed=True``, validated against ``cache`` as
@@ -128,7 +128,8 @@ class AttentionPlan:
         backends with ``plan_fixed_attention`` only)."""
         q_shape = packed_or_padded_shape(n_new, q_heads, cache.head_dim, t_q=t_q, packed=packed)
         inputs = validate_attention_batch(cache, q_shape, n_new, rows, scale, params, window=window,
-                                          softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+                                          softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                                          tree=tree)
         return cls(cache, q_shape, inputs, fixed=fixed, splits=splits)
 
     def update(self, cache, n_new, *, rows=None) -> None:
@@ -141,6 +142,8 @@ class AttentionPlan:
             raise ValueError("update takes a fixed plan (plan_attention(..., fixed=True)); "
                              "plan again for a new batch")
         self.check_cache_kind(cache)
+        if self.inputs.tree is not None:
+            raise ValueError("a fixed plan with a draft tree cannot take a new batch (plan again)")
         inputs = validate_attention_batch(cache, self.q_shape, n_new, rows, params=self.params)
         self.backend.update_attention(self.work, cache.store, inputs)
         self.inputs = inputs

@@ -137,6 +137,9 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
     if store.kind != PAGED:
         return SharedPrefix(reason=f"{store.kind} storage (only paged rows share pages)")
     params = inputs.params
+    if getattr(inputs, "tree", None) is not None:
+        return SharedPrefix(reason="a draft tree: its chunk keys are masked per query, which the "
+                                   "suffix call does not take")
     if params.window is not None:
         return SharedPrefix(reason=f"sliding window={params.window}: which keys a query sees "
                                    "depends on its position, which the shared call does not keep")
