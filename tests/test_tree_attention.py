@@ -1,0 +1,241 @@
+"""Draft-tree attention (speculative verification) against the loop reference.
+
+The reference (tests/support/reference.py) walks each query's parents up to a root and
+takes the prefix plus those chunk keys, with windows and ALiBi over logical positions
+(prefix + depth); it shares nothing with gqakv.core.semantics. Trees are drawn at random
+(chains, stars, deep and wide ones, up to 64 tokens, ragged across rows, empty drafts)
+and run on every backend, contiguous, paged and 8-bit storage, plain and with every
+variant; the calls that mean to reach the generic path assert that they did.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import gqakv
+from gqakv.core.tree import DraftTree, chain
+from gqakv.dispatch.request import Request
+from gqakv.ops import attention as attention_module
+
+from .support.arrays import BackendArrays
+from .support.reference import reference_attention
+
+
+def random_parents(rng, n: int, shape: str) -> list[int]:
+    """A tree of n tokens in topological order: a chain, a star (every token a root's
+    child... or a root), a deep tree, a wide one, or random parents."""
+    if shape == "chain":
+        return list(range(-1, n - 1))
+    if shape == "star":
+        return [-1] * n
+    if shape == "deep":  # mostly the previous token, sometimes a branch
+        return [-1] + [t - 1 if rng.random() < 0.8 else int(rng.integers(-1, t)) for t in range(1, n)]
+    if shape == "wide":  # few levels, many siblings
+        return [-1] + [int(rng.integers(-1, min(t, 4))) for t in range(1, n)]
+    return [int(rng.integers(-1, t)) for t in range(n)]
+
+
+SHAPES = ("chain", "star", "deep", "wide", "random")
+VARIANTS = [
+    {},
+    {"window": 5},
+    {"softcap": 4.0, "sinks": [0.5, -1.0, 2.0, -np.inf]},
+    {"alibi_slopes": [0.25, -0.125, 0.0625, 0.5], "window": 9},
+]
+STORAGES = [{}, {"storage": "paged", "page_size": 4}, {"kv_dtype": "int8"}]
+
+
+def _draw(rng, B, T_max):
+    n = [int(rng.integers(0, T_max + 1)) for _ in range(B)]
+    n[0] = T_max  # the longest tree is always there
+    if B > 2:
+        n[-1] = 0  # and an empty draft
+    T = max(n)
+    parents = np.full((B, T), -1, dtype=np.int64)
+    for b in range(B):
+        parents[b, :n[b]] = random_parents(rng, n[b], SHAPES[(b + int(rng.integers(5))) % 5])
+    return n, parents
+
+
+@pytest.mark.parametrize("storage", STORAGES, ids=["contiguous", "paged", "int8"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=["plain", "window", "softcap+sinks", "alibi+window"])
+def test_tree_attention_matches_the_reference(backend, storage, variant):
+    """Prefix chunks, then a tree chunk per row: out and lse against the loop reference
+    on what the cache holds (``live_kv``); padded queries exactly 0."""
+    if storage.get("kv_dtype") and backend.name not in ("numpy", "numba", "cupy"):
+        pytest.skip("8-bit storage runs on the numpy, numba and cupy backends")
+    dtype = "float64" if "float64" in backend.dtypes and not storage.get("kv_dtype") else "float32"
+    arrays = BackendArrays(backend)
+    rng = np.random.default_rng(hash((backend.name, str(storage), str(variant))) % 2**32)
+    B, Hkv, G, d = 3, 2, 2, 8
+    cache = gqakv.KVCache(B, Hkv, 96, d, dtype=dtype, backend=backend, **storage)
+    pre = [int(x) for x in rng.integers(0, 20, B)]
+    k0 = rng.standard_normal((B, Hkv, max(pre), d))
+    cache.append(arrays.asarray(k0, dtype), arrays.asarray(rng.standard_normal(k0.shape), dtype), pre)
+    n, parents = _draw(rng, B, 24)
+    T = parents.shape[1]
+    k = rng.standard_normal((B, Hkv, T, d))
+    cache.append(arrays.asarray(k, dtype), arrays.asarray(rng.standard_normal(k.shape), dtype), n)
+    q = rng.standard_normal((B, Hkv * G, T, d))
+    if dtype == "float32":
+        q = q.astype(np.float32).astype(np.float64)
+    out, lse = gqakv.gqa_attention(arrays.asarray(q, dtype), cache, n, tree=parents,
+                                   return_lse=True, **variant)
+    rows = [cache.live_kv(b) for b in range(B)]
+    k_rows = [arrays.to_numpy(r[0]) for r in rows]
+    v_rows = [arrays.to_numpy(r[1]) for r in rows]
+    want, want_lse = reference_attention(q, k_rows, v_rows, n, window=variant.get("window"),
+                                         softcap=variant.get("softcap"), sinks=variant.get("sinks"),
+                                         alibi_slopes=variant.get("alibi_slopes"), parents=parents)
+    tol = 1e-10 if dtype == "float64" else 3e-5
+    got, got_lse = arrays.to_numpy(out), arrays.to_numpy(lse)
+    np.testing.assert_allclose(got, want, atol=tol, rtol=0)
+    real = np.isfinite(want_lse)
+    np.testing.assert_allclose(got_lse[real], want_lse[real], atol=tol * 10, rtol=0)
+    for b in range(B):
+        assert not got[b, :, n[b]:].any()  # padding: exactly 0
+
+
+def test_deep_and_wide_trees_of_64_tokens_over_a_long_prefix():
+    """T = 64 (the EAGLE-sized tree), every shape, numba and numpy, float64."""
+    rng = np.random.default_rng(64)
+    for name in ("numpy", "numba"):
+        B, Hkv, G, d = 5, 1, 4, 8
+        cache = gqakv.KVCache(B, Hkv, 200, d, dtype="float64", backend=name)
+        cache.append(rng.standard_normal((B, Hkv, 100, d)), rng.standard_normal((B, Hkv, 100, d)),
+                     [100, 37, 1, 0, 64])
+        parents = np.array([random_parents(rng, 64, s) for s in SHAPES])
+        k = rng.standard_normal((B, Hkv, 64, d))
+        cache.append(k, rng.standard_normal(k.shape), [64] * B)
+        q = rng.standard_normal((B, Hkv * G, 64, d))
+        out = gqakv.gqa_attention(q, cache, [64] * B, tree=parents)
+        rows = [cache.live_kv(b) for b in range(B)]
+        want, _ = reference_attention(q, [r[0] for r in rows], [r[1] for r in rows], [64] * B,
+                                      parents=parents)
+        np.testing.assert_allclose(out, want, atol=1e-10, rtol=0)
+
+
+def test_a_chain_tree_is_the_causal_chunk_and_a_star_sees_only_itself():
+    """A chain equals no tree (same values; the generic path serves trees); in a star each
+    token sees the prefix and itself only: its result is that of a one-token chunk."""
+    rng = np.random.default_rng(3)
+    cache = gqakv.KVCache(1, 2, 40, 8, dtype="float64", backend="numpy")
+    cache.append(rng.standard_normal((1, 2, 10, 8)), rng.standard_normal((1, 2, 10, 8)), [10])
+    k, v = rng.standard_normal((1, 2, 6, 8)), rng.standard_normal((1, 2, 6, 8))
+    cache.append(k, v, [6])
+    q = rng.standard_normal((1, 4, 6, 8))
+    causal = gqakv.gqa_attention(q, cache, [6])
+    np.testing.assert_allclose(gqakv.gqa_attention(q, cache, [6], tree=chain([6])), causal,
+                               atol=1e-13, rtol=0)
+    star = gqakv.gqa_attention(q, cache, [6], tree=[[-1] * 6])
+    for t in range(6):  # token t alone after the prefix
+        one = gqakv.KVCache(1, 2, 40, 8, dtype="float64", backend="numpy")
+        one.append(np.asarray(cache.live_kv(0)[0])[None, :, :10], np.asarray(cache.live_kv(0)[1])[None, :, :10], [10])
+        one.append(k[:, :, t:t + 1], v[:, :, t:t + 1], [1])
+        np.testing.assert_allclose(star[:, :, t], gqakv.gqa_attention(q[:, :, t:t + 1], one, [1])[:, :, 0],
+                                   atol=1e-13, rtol=0)
+
+
+def test_mask_and_parents_forms_agree_and_bad_trees_are_refused():
+    """The ancestor mask of a tree gives the parents' result; malformed trees (a parent
+    after its child, a mask without its diagonal, a mask that is no ancestor set, wrong
+    shapes, bools as parents, too few tokens) raise naming the entry and token, before
+    anything is computed."""
+    rng = np.random.default_rng(5)
+    cache = gqakv.KVCache(2, 1, 30, 4, dtype="float64", backend="numpy")
+    cache.append(rng.standard_normal((2, 1, 9, 4)), rng.standard_normal((2, 1, 9, 4)), [9, 5])
+    q = rng.standard_normal((2, 2, 5, 4))
+    parents = [[-1, 0, 0, 1, 2], [-1, -1, 1, 0, -1]]
+    tree = DraftTree.of(parents, [5, 4])
+    mask = tree.ancestor_mask()
+    a = gqakv.gqa_attention(q, cache, [5, 4], tree=parents)
+    b = gqakv.gqa_attention(q, cache, [5, 4], tree=mask)
+    np.testing.assert_array_equal(a, b)
+    assert tree.depth.tolist() == [[0, 1, 1, 2, 2], [0, 0, 1, 1, 0]]
+    bad = [
+        ([[-1, 1, 0, 1, 2], [-1] * 5], ValueError, "parents[0, 1]=1"),
+        ([[-1, 0, 0, 1, 7], [-1] * 5], ValueError, "parents[0, 4]=7"),
+        ([[-1, 0], [-1, -1]], ValueError, "entry 0 has n_new=5"),
+        ([[True] * 5, [False] * 5], TypeError, "integers"),
+        ([-1, 0, 0], ValueError, "got 1 dims"),
+    ]
+    no_diag = mask.copy()
+    no_diag[1, 2, 2] = False
+    bad.append((no_diag, ValueError, "mask[1, 2, 2] is False"))
+    not_closed = mask.copy()
+    not_closed[0, 3, 0] = False  # token 3's parent is 1, whose ancestors include 0
+    bad.append((not_closed, ValueError, "mask[0, 3] is not an ancestor set"))
+    upper = mask.copy()
+    upper[0, 1, 3] = True
+    bad.append((upper, ValueError, "mask[0, 1, 3] is True"))
+    for tree_arg, err, words in bad:
+        with pytest.raises(err, match=re.escape(words)):
+            gqakv.gqa_attention(q, cache, [5, 4], tree=tree_arg)
+
+
+def test_tree_calls_are_served_by_the_generic_path_and_the_fast_paths_say_why(monkeypatch):
+    """No fast path declares ``tree`` yet: each rejects it with a sentence naming the
+    variant, and the call reaches the generic array-API code (counted)."""
+    from gqakv_backends.cupy_backend import routing as cupy_routing  # no CuPy needed
+
+    request = Request("attention", dtype="float32", head_dim=64, t_q=16,
+                      features=frozenset({"tree"}))
+    for name in ("numpy", "numba", "cupy"):
+        route = (cupy_routing.route_attention(request) if name == "cupy" else
+                 gqakv.get_backend(name).route(request))
+        assert route.impl.startswith("generic"), (name, route)
+        assert any("does not implement tree" in why for why in route.rejected.values()), route
+    calls = []
+    real = attention_module.attention_array_api
+    monkeypatch.setattr(attention_module, "attention_array_api",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache = gqakv.KVCache(1, 1, 16, 4, dtype="float32", backend="numba")
+    x = np.ones((1, 1, 4, 4), np.float32)
+    cache.append(x, x, [4])
+    gqakv.gqa_attention(np.ones((1, 2, 4, 4), np.float32), cache, [4], tree=[[-1, 0, 0, 2]])
+    assert calls == [1]
+
+
+def test_model_step_with_a_tree_masks_every_layer_and_gives_rope_positions():
+    """``step(tree=)`` masks each layer's attend by the tree; ``step.positions`` are the
+    prefix plus each token's depth; the plan is made once for every layer."""
+    rng = np.random.default_rng(11)
+    L, B, Hkv, G, d = 3, 2, 1, 2, 4
+    model = gqakv.ModelKVCache(L, B, Hkv, 40, d, "float64", "numpy")
+    with model.step([6, 2]) as step:
+        for layer in range(L):
+            x = rng.standard_normal((B, Hkv, 6, d))
+            step.write(layer, x, x)
+    parents = [[-1, 0, 1, 1, -1], [-1, 0, -1, -1, -1]]
+    n = [5, 2]
+    with model.step(n, tree=parents) as step:
+        assert step.positions.tolist() == [[6, 7, 8, 8, 6], [2, 3, 2, 2, 2]]
+        outs = []
+        for layer in range(L):
+            k = rng.standard_normal((B, Hkv, 5, d))
+            q = rng.standard_normal((B, Hkv * G, 5, d))
+            outs.append((q, step.attend(layer, q, k, k)))
+        assert len(step._plans) == 1
+    for layer, (q, out) in enumerate(outs):
+        view = model.layer(layer)
+        rows = [view.live_kv(b) for b in range(B)]
+        want, _ = reference_attention(q, [r[0] for r in rows], [r[1] for r in rows], n,
+                                      parents=parents)
+        np.testing.assert_allclose(out, want, atol=1e-12, rtol=0)
+
+
+def test_paged_functional_attention_takes_a_tree():
+    """``paged_attention(..., tree=)`` over caller-owned pools equals the cache's call."""
+    rng = np.random.default_rng(2)
+    cache = gqakv.PagedKVCache(2, 1, 32, 4, dtype="float64", backend="numpy", page_size=4)
+    cache.append(rng.standard_normal((2, 1, 13, 4)), rng.standard_normal((2, 1, 13, 4)), [13, 6])
+    q = rng.standard_normal((2, 2, 6, 4))
+    parents = [[-1, 0, 0, 2, 2, 1], [-1, -1, 0, 0, 1, 2]]
+    want = gqakv.gqa_attention(q, cache, [6, 5], tree=DraftTree.of(parents, [6, 5]))
+    store = cache.store
+    got = gqakv.paged_attention(q, store.k_pages, store.v_pages, store.page_table, cache.host_lens,
+                                [6, 5], tree=parents)
+    np.testing.assert_array_equal(got, want)
