@@ -228,14 +228,25 @@ def test_model_step_with_a_tree_masks_every_layer_and_gives_rope_positions():
 
 
 def test_paged_functional_attention_takes_a_tree():
-    """``paged_attention(..., tree=)`` over caller-owned pools equals the cache's call."""
+    """``paged_attention(..., tree=)`` over caller-owned pools equals ``gqa_attention`` over a
+    KVCache holding the same tokens."""
     rng = np.random.default_rng(2)
-    cache = gqakv.PagedKVCache(2, 1, 32, 4, dtype="float64", backend="numpy", page_size=4)
-    cache.append(rng.standard_normal((2, 1, 13, 4)), rng.standard_normal((2, 1, 13, 4)), [13, 6])
+    P, lens, n = 4, [19, 11], [6, 5]
+    k_pages = rng.standard_normal((12, 1, P, 4))
+    v_pages = rng.standard_normal((12, 1, P, 4))
+    table = np.array([[7, 2, 9, 0, 5], [3, 11, 1, -1, -1]], dtype=np.int32)
+    cache = gqakv.KVCache(2, 1, 32, 4, dtype="float64", backend="numpy")
+    for b, L in enumerate(lens):  # the same tokens, contiguous
+        k = np.concatenate([k_pages[p] for p in table[b, :-(-L // P)]], axis=1)[:, :L]
+        v = np.concatenate([v_pages[p] for p in table[b, :-(-L // P)]], axis=1)[:, :L]
+        one = [L if r == b else 0 for r in range(2)]
+        pad = np.zeros((2, 1, L, 4))
+        pad[b] = k
+        padv = np.zeros((2, 1, L, 4))
+        padv[b] = v
+        cache.append(pad, padv, one)
     q = rng.standard_normal((2, 2, 6, 4))
     parents = [[-1, 0, 0, 2, 2, 1], [-1, -1, 0, 0, 1, 2]]
-    want = gqakv.gqa_attention(q, cache, [6, 5], tree=DraftTree.of(parents, [6, 5]))
-    store = cache.store
-    got = gqakv.paged_attention(q, store.k_pages, store.v_pages, store.page_table, cache.host_lens,
-                                [6, 5], tree=parents)
-    np.testing.assert_array_equal(got, want)
+    want = gqakv.gqa_attention(q, cache, n, tree=parents)
+    got = gqakv.paged_attention(q, k_pages, v_pages, table, lens, n, tree=parents)
+    np.testing.assert_allclose(got, want, atol=1e-14, rtol=0)
