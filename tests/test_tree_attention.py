@@ -250,3 +250,32 @@ def test_paged_functional_attention_takes_a_tree():
     want = gqakv.gqa_attention(q, cache, n, tree=parents)
     got = gqakv.paged_attention(q, k_pages, v_pages, table, lens, n, tree=parents)
     np.testing.assert_allclose(got, want, atol=1e-14, rtol=0)
+
+
+def test_the_cupy_backend_glue_serves_trees_on_the_generic_path():
+    """The cupy backend's own glue (on the CPU emulation harness: its kernels never run
+    here, since each refuses a tree) sends a tree call to the generic code, which matches
+    the reference on contiguous and paged storage."""
+    from .cuda_emu import harness
+
+    if harness.compiler() is None:
+        pytest.skip("no C++ compiler (g++) for the CUDA emulation harness")
+    from .support.product import _emulated_cupy
+
+    backend = _emulated_cupy()
+    arrays = BackendArrays(backend)
+    rng = np.random.default_rng(9)
+    for storage in ({}, {"storage": "paged", "page_size": 4}):
+        cache = gqakv.KVCache(2, 2, 64, 8, dtype="float32", backend=backend, **storage)
+        k = rng.standard_normal((2, 2, 12, 8))
+        cache.append(arrays.asarray(k, "float32"), arrays.asarray(rng.standard_normal(k.shape), "float32"), [12, 7])
+        n, parents = [9, 4], [[-1, 0, 0, 1, 1, 2, -1, 6, 3], [-1, 0, 0, 1, -1, -1, -1, -1, -1]]
+        k = rng.standard_normal((2, 2, 9, 8))
+        cache.append(arrays.asarray(k, "float32"), arrays.asarray(rng.standard_normal(k.shape), "float32"), n)
+        q = rng.standard_normal((2, 4, 9, 8)).astype(np.float32).astype(np.float64)
+        out = gqakv.gqa_attention(arrays.asarray(q, "float32"), cache, n, tree=parents, softcap=3.0)
+        rows = [cache.live_kv(b) for b in range(2)]
+        want, _ = reference_attention(q, [arrays.to_numpy(r[0]) for r in rows],
+                                      [arrays.to_numpy(r[1]) for r in rows], n, softcap=3.0,
+                                      parents=parents)
+        np.testing.assert_allclose(arrays.to_numpy(out), want, atol=3e-5, rtol=0)

@@ -21,7 +21,17 @@ import math
 
 import numpy as np
 
-from ..core.semantics import AttentionParams, key_range
+from ..core.semantics import AttentionParams, key_positions, key_range, query_positions, tree_visible
+
+
+def _trees(tree, n_new):
+    """Each entry's ``EntryTree`` (None per entry without a ``tree``)."""
+    if tree is None:
+        return [None] * len(n_new)
+    from ..core.tree import DraftTree
+
+    t = DraftTree.of(tree, n_new)
+    return [t.entry(b) for b in range(len(n_new))]
 
 
 def _params(scale, window, softcap, sinks, alibi_slopes=None) -> AttentionParams:
@@ -32,10 +42,12 @@ def _params(scale, window, softcap, sinks, alibi_slopes=None) -> AttentionParams
 
 
 def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, softcap=None,
-                        sinks=None, alibi_slopes=None):
+                        sinks=None, alibi_slopes=None, tree=None):
     """q: [B, Hq, T, d]; k_rows[b], v_rows[b]: [Hkv, L_b, d] live tokens of row b;
     window, softcap, sinks ([Hq] logits), alibi_slopes ([Hq] slopes): the variant, as
-    ``gqakv.AttentionParams`` holds it.
+    ``gqakv.AttentionParams`` holds it; tree: None or the entries' draft trees
+    (``gqakv.core.tree``: query t sees the keys ``semantics.tree_visible`` gives, ALiBi over
+    logical positions).
 
     Returns out [B, Hq, T, d] and lse [B, Hq, T], float64 (lse of the whole denominator,
     sink included); padded queries (t >= n_new[b]) give out = 0 and lse = -inf.
@@ -46,6 +58,7 @@ def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, so
     params = _params(scale, window, softcap, sinks, alibi_slopes)
     out = np.zeros((B, Hq, T, d))
     lse = np.full((B, Hq, T), -math.inf)
+    trees = _trees(tree, n_new)
     for b in range(B):
         k = np.asarray(k_rows[b], dtype=np.float64)
         v = np.asarray(v_rows[b], dtype=np.float64)
@@ -53,14 +66,20 @@ def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, so
         G = Hq // Hkv
         n = int(n_new[b])
         for t in range(n):
-            lo, hi = key_range(params, L, n, t)  # the keys query t sees (gqakv.core.semantics)
+            if trees[b] is None:
+                lo, hi = key_range(params, L, n, t)  # the keys query t sees (gqakv.core.semantics)
+                seen = np.arange(lo, hi)
+            else:
+                seen = np.flatnonzero(tree_visible(params, L, n, t, t + 1, 0, L, trees[b])[0])
+            k_pos = key_positions(L, n, 0, L, trees[b])[seen]
+            q_pos = int(query_positions(L, n, t, t + 1, trees[b])[0])
             for h in range(Hq):
-                keys, values = k[h // G, lo:hi], v[h // G, lo:hi]  # [hi - lo, d]
-                scores = scale * (keys @ q[b, h, t])  # [hi - lo]
+                keys, values = k[h // G, seen], v[h // G, seen]  # [keys seen, d]
+                scores = scale * (keys @ q[b, h, t])  # [keys seen]
                 if softcap is not None:
                     scores = softcap * np.tanh(scores / softcap)
                 if alibi_slopes is not None:  # after the soft-cap: slope x (key position - p)
-                    scores = scores + float(alibi_slopes[h]) * (np.arange(lo, hi) - (L - n + t))
+                    scores = scores + float(alibi_slopes[h]) * (k_pos - q_pos)
                 sink = -math.inf if sinks is None else float(sinks[h])
                 m = max(scores.max(), sink)
                 w = np.exp(scores - m)
@@ -71,7 +90,7 @@ def reference_attention(q, k_rows, v_rows, n_new, scale=None, *, window=None, so
 
 
 def naive_low_precision(q, k_rows, v_rows, n_new, round_to, scale=None, *, window=None,
-                        softcap=None, sinks=None, alibi_slopes=None):
+                        softcap=None, sinks=None, alibi_slopes=None, tree=None):
     """The same attention computed plainly with every intermediate rounded by ``round_to``
     (a function float32 array -> float32 array holding the nearest narrow-dtype values):
     scores, their soft-cap, their max, exp, the sum (sink term included), P @ V and the
@@ -83,6 +102,7 @@ def naive_low_precision(q, k_rows, v_rows, n_new, round_to, scale=None, *, windo
     params = _params(scale, window, softcap, sinks, alibi_slopes)
     out = np.zeros((B, Hq, T, d), dtype=np.float32)
     lse = np.full((B, Hq, T), -np.inf, dtype=np.float32)
+    trees = _trees(tree, n_new)
     for b in range(B):
         k = np.asarray(k_rows[b], dtype=np.float32)
         v = np.asarray(v_rows[b], dtype=np.float32)
@@ -98,11 +118,16 @@ def naive_low_precision(q, k_rows, v_rows, n_new, round_to, scale=None, *, windo
             s = round_to(np.tanh(round_to(s / c)) * c)
         if alibi_slopes is not None:  # [Hkv, G * n, L]: head kv * G + g, query t at L - n + t
             slopes = np.repeat(np.asarray(alibi_slopes, np.float32).reshape(Hkv, G), n, axis=1)[..., None]
-            dist = (np.arange(L)[None, :] - (L - n + np.arange(n))[:, None]).astype(np.float32)
+            dist = (key_positions(L, n, 0, L, trees[b])[None, :]
+                    - query_positions(L, n, 0, n, trees[b])[:, None]).astype(np.float32)
             s = round_to(s + round_to(slopes * np.tile(dist, (G, 1))[None]))
-        lo, hi = key_range(params, L, n, np.arange(n))  # [n]
-        keys = np.arange(L)[:, None]
-        visible = np.tile((keys >= lo) & (keys < hi[None, :]), (1, G)).T  # [G * n, L]
+        if trees[b] is None:
+            lo, hi = key_range(params, L, n, np.arange(n))  # [n]
+            keys = np.arange(L)[:, None]
+            seen = (keys >= lo) & (keys < hi[None, :])  # [L, n]
+        else:
+            seen = tree_visible(params, L, n, 0, n, 0, L, trees[b]).T
+        visible = np.tile(seen, (1, G)).T  # [G * n, L]
         s = np.where(visible, s, -np.inf)
         # [Hkv, G * n, 1]: query head h = kv * G + g, each of its n queries
         sink = np.full((Hkv, G * n, 1), -np.inf, dtype=np.float32) if sinks is None else \

@@ -56,6 +56,10 @@ the one gqakv would pick here; ``all``: every backend that can run):
      groups (``plan.shared_prefix``: the shared pages read once,
      ``gqakv.ops.shared_prefix``; a plan that did not fails the line with its reason),
      and every call matches the reference.
+   - ``draft tree``: a prompt, then per row a chunk of draft tokens given as a random tree
+     (``gqakv.core.tree``; ragged, an empty draft among them), plain and with a window,
+     soft-cap and ALiBi over logical positions, against the reference over the ancestor
+     sets (no fast path implements trees yet: the generic code serves them).
 
 Tolerances (attention outputs and LSEs, at the queries that are not padding; padded
 queries must give exactly 0 and -inf): float16/bfloat16 follow FlashAttention's rule,
@@ -117,8 +121,11 @@ KV_DTYPES = {"int8": "quant int8", "float8_e4m3fn": "quant e4m3"}
 PAGED_QUANT = "paged int8"
 #: Rows sharing a prompt's pages, read once per plan (``gqakv.ops.shared_prefix``).
 SHARED_PREFIX = "shared pages"
+#: Draft-tree chunks (speculative verification; ``gqakv.core.tree``).
+DRAFT_TREE = "draft tree"
 FAMILIES = ("compile", "append", "decode", "split+merge", "prefill", "row copies", "variants",
-            *(f"paged P={p}" for p in PAGE_SIZES), *KV_DTYPES.values(), PAGED_QUANT, SHARED_PREFIX)
+            *(f"paged P={p}" for p in PAGE_SIZES), *KV_DTYPES.values(), PAGED_QUANT, SHARED_PREFIX,
+            DRAFT_TREE)
 
 
 # -- bookkeeping -------------------------------------------------------------------------------
@@ -690,9 +697,36 @@ def _shared_prefix_family(backend, dtype, rng, quick, checks) -> None:
             _compare(check, what, m, q_host, n_new, out, lse, variant)
 
 
+def _draft_tree_family(backend, dtype, rng, quick, checks) -> None:
+    """A prompt, then a chunk of draft tokens per row given as a random tree (ragged, an
+    empty draft among them; random parents, each before its child), plain and with a
+    window, soft-cap and ALiBi, against the reference over the ancestor sets."""
+    check = checks[DRAFT_TREE]
+    for c in range(1 if quick else 3):
+        s = _shape(rng, quick, batch=(2, 5))
+        width = int(rng.integers(4, 33))
+        m = Mirror(backend, dtype, s.batch, s.kv_heads, 64 + width, s.head_dim, rng)
+        m.append(rng.integers(0, 64, s.batch), 64, None, "")
+        n_new = rng.integers(1, width + 1, s.batch)
+        n_new[-1] = 0  # an empty draft
+        parents = np.full((s.batch, width), -1, np.int64)
+        for b in range(s.batch):
+            parents[b, :n_new[b]] = [int(rng.integers(-1, t)) for t in range(int(n_new[b]))]
+        m.append(n_new, width, None, "")
+        Hq = s.kv_heads * s.group
+        for variant in ({"tree": parents},
+                        {"tree": parents, "window": int(rng.integers(1, 40)), "softcap": 3.0,
+                         "alibi_slopes": rng.uniform(-0.25, 0.5, Hq)}):
+            what = f"case {c} ({s}) T={width} n_new {list(n_new)} {_describe(variant)}"
+            q_dev, q_host = m.queries(Hq, width, n_new)
+            out, lse = gqa_attention(q_dev, m.cache, n_new, return_lse=True, **variant)
+            check.cases += 1
+            _compare(check, what, m, q_host, n_new, out, lse, variant)
+
+
 def _describe(variant: dict) -> str:
     return " ".join(f"{k}={list(np.round(v, 2)) if k in ('sinks', 'alibi_slopes') else v}"
-                    for k, v in variant.items())
+                    for k, v in variant.items() if k != "tree")
 
 
 def _compile(backend, dtypes, quick) -> Check:
@@ -716,7 +750,7 @@ _FAMILY_RUNNERS: tuple[tuple[str, Callable[..., None]], ...] = (
     *((f"paged P={p}", functools.partial(_paged, p)) for p in PAGE_SIZES),
     *((line, functools.partial(_quantized, kv)) for kv, line in KV_DTYPES.items()),
     (PAGED_QUANT, functools.partial(_paged, 16, kv_dtype="int8")),
-    (SHARED_PREFIX, _shared_prefix_family))
+    (SHARED_PREFIX, _shared_prefix_family), (DRAFT_TREE, _draft_tree_family))
 
 
 def selftest_backend(backend, *, quick: bool = False, seed: int = 0, say=print) -> list[Check]:
