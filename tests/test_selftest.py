@@ -295,9 +295,40 @@ def test_an_attention_ignoring_the_variant_fails_only_the_variants_line(capsys, 
     status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "6")
     assert status == 1, out
     failed = {(f, d) for f, d, _, _, result, _ in result_lines(out) if result == "FAIL"}
-    # the shared-pages line's last step is a soft-capped decode with sinks
-    assert failed == {(f, d) for f in ("variants", selftest.SHARED_PREFIX)
+    # the shared-pages line's last step is a soft-capped decode with sinks, and the
+    # draft-tree line's second call has a window and a soft-cap
+    assert failed == {(f, d) for f in ("variants", selftest.SHARED_PREFIX, selftest.DRAFT_TREE)
                       for d in gqakv.get_backend("numpy").dtypes}, out
+
+
+def _ignore_the_tree(original, self, q, store, inputs, params, **kw):
+    # plain causal attention whatever tree was given
+    return original(self, q, store, dataclasses.replace(inputs, tree=None), params, **kw)
+
+
+def test_an_attention_ignoring_the_tree_fails_only_the_draft_tree_line(capsys, monkeypatch):
+    _broken(monkeypatch, "attention", _ignore_the_tree)
+    status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "6")
+    assert status == 1, out
+    failed = {(f, d) for f, d, _, _, result, _ in result_lines(out) if result == "FAIL"}
+    assert failed == {(selftest.DRAFT_TREE, d) for d in gqakv.get_backend("numpy").dtypes}, out
+
+
+def test_references_agree_on_trees():
+    """gqakv.ops.reference's tree rule (semantics.tree_visible) against the suite's loop
+    reference walking parents, with a window, soft-cap and ALiBi."""
+    rng = np.random.default_rng(4)
+    Hq, Hkv, d, T = 4, 2, 8, 6
+    lens, n_new = [15, 6, 3], [6, 6, 0]
+    parents = [[-1, 0, 0, 1, 3, -1], [-1, -1, 1, 2, 0, 4], [-1] * 6]
+    k = [rng.standard_normal((Hkv, L, d)) for L in lens]
+    v = [rng.standard_normal((Hkv, L, d)) for L in lens]
+    q = rng.standard_normal((3, Hq, T, d))
+    for variant in ({}, {"window": 3, "softcap": 2.0, "alibi_slopes": [0.5, -0.25, 0.1, 0.0]}):
+        out, lse = reference_attention(q, k, v, n_new, 0.4, tree=parents, **variant)
+        want_out, want_lse = loop_reference(q, k, v, n_new, 0.4, parents=parents, **variant)
+        np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parametrize("variant", [dict(window=1), dict(window=3, softcap=0.2),
