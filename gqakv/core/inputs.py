@@ -15,19 +15,9 @@ import numpy as np
 
 from . import dtypes as _dtypes
 from . import invariance as _invariance
+from .host_arrays import to_numpy as _to_numpy
 from .semantics import AttentionParams
-
-
-def _to_numpy(x) -> np.ndarray:
-    """Host copy of a small integer array from any library (list, NumPy, DLPack, CuPy)."""
-    if isinstance(x, (np.ndarray, list, tuple, int, np.integer)):
-        return np.asarray(x)
-    if hasattr(x, "get") and type(x).__module__.startswith("cupy"):
-        return x.get()
-    try:
-        return np.from_dlpack(x)
-    except Exception:
-        return np.asarray(x)
+from .tree import DraftTree
 
 
 def immutable_ints(a) -> np.ndarray:
@@ -289,7 +279,7 @@ class AttentionInputs:
     invariant: bool = False
     #: None, or the entries' draft trees (``gqakv.core.tree.DraftTree``): chunk query t sees
     #: the prefix and its ancestors in the chunk only
-    tree: object = None
+    tree: DraftTree | None = None
 
     @property
     def features(self) -> frozenset[str]:
@@ -401,8 +391,6 @@ def validate_attention_batch(cache, q_shape: tuple[int, ...], n_new, rows=None,
                 "(attention takes the lengths after the append)"
             )
     if tree is not None:
-        from .tree import DraftTree  # tree.py reads arrays with this module's helpers
-
         tree = DraftTree.of(tree, n)
     scale = 1.0 / math.sqrt(d) if scale is None else check_scale(scale)
     params = AttentionParams(scale=scale, window=check_window(window),

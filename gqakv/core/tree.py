@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .inputs import _to_numpy
+from .host_arrays import to_numpy as _to_numpy
 
 
 @dataclass(frozen=True, eq=False)
