@@ -134,7 +134,7 @@ INVARIANT_NO_SPLIT = 1 << 62
 
 
 def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key_split: int,
-          params: AttentionParams = _CAUSAL, one_head: bool = False):
+          params: AttentionParams = _CAUSAL, one_head: bool = False, trees=None):
     """Cut the call into items ``(i, h0, h1, t0, t1, j0, j1)``.
 
     A query block reads the keys some query of it sees (``semantics.block_keys``); it is
@@ -142,15 +142,18 @@ def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key
     (``semantics.common_keys``), so no piece is all masked for a query, and the pieces
     are merged through their log-sum-exp (``SoftmaxState.merge``, exact either way).
     ``one_head``: every item covers one KV head (the NumPy path's batch-invariant mode, whose
-    block sizes must not depend on how many heads an item holds).
+    block sizes must not depend on how many heads an item holds). ``trees``: None, or
+    entry i -> its draft tree (``AttentionInputs.entry_tree``): key spans by the tree
+    rule, cuts only inside the prefix every query sees.
     """
     tasks = []  # (i, t0, t1, lo, hi, common_hi, cost)
     for i in range(len(n_new)):
         n, L = int(n_new[i]), int(lens[i])
         for t0 in range(0, n, query_block):
             t1 = min(n, t0 + query_block)
-            lo, hi = block_keys(params, L, n, t0, t1)
-            c_lo, c_hi = common_keys(params, L, n, t0, t1)
+            tree = None if trees is None else trees(i)
+            lo, hi = block_keys(params, L, n, t0, t1, tree)
+            c_lo, c_hi = common_keys(params, L, n, t0, t1, tree)
             c_hi = max(lo, min(c_hi, hi)) if c_lo <= lo else lo  # cut points in lo..c_hi
             tasks.append((i, t0, t1, lo, hi, c_hi, Hkv * G * (t1 - t0) * (hi - lo)))
     total = sum(t[-1] for t in tasks)

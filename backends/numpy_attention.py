@@ -49,7 +49,8 @@ from __future__ import annotations
 import numpy as np
 
 from gqakv.ops.merge import SoftmaxState
-from gqakv.core.semantics import AttentionParams, block_keys, transform, transform_scores, visible_mask
+from gqakv.core.semantics import (AttentionParams, block_keys, key_positions, query_positions, transform,
+                                  transform_scores, visible_mask)
 
 # Threads, work items and their sharing are planned in cpu_plan (shared with the numba
 # backend); the names stay importable from here.
@@ -94,7 +95,7 @@ def _tile(x, item, G: int, offsets):
 
 
 def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, js: int, je: int,
-               heads=None):
+               heads=None, tree=None):
     """Fold keys ``js..je-1`` into ``state``: ``qb`` [hh, G*nq, d] from ``item_queries``,
     ``kb``/``vb`` [hh, je-js, d] in the compute dtype (however the storage was read).
     Scores, the score hook (``semantics.transform``: the soft-cap, then ALiBi's bias of
@@ -102,7 +103,8 @@ def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, j
     ``n`` of ``L`` queries ``t0..t1-1`` (``gqakv.core.semantics``), then the online softmax.
     ``heads``: the tile's query heads ``[hh, G, 1, 1]`` (``tile_heads``) when the hook
     needs positions (ALiBi), else None. The one block step of the item kernel, whatever
-    the reader."""
+    the reader. ``tree``: the entry's draft tree (its mask, and positions by depth).
+    """
     hh, rows_, _ = qb.shape
     nq = t1 - t0
     if rows_ <= THIN_QUERIES and _threads.k_major_scores():
@@ -114,18 +116,18 @@ def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, j
     if heads is None:  # the soft-cap, if any: before the mask
         s = transform_scores(params, s, np)
     else:  # positions matter: [hh, G, nq, keys], query head h at position L - n + t
-        q_pos = np.arange(L - n + t0, L - n + t1).reshape(1, 1, nq, 1)
-        k_pos = np.arange(js, je).reshape(1, 1, 1, je - js)
+        q_pos = query_positions(L, n, t0, t1, tree).reshape(1, 1, nq, 1)
+        k_pos = key_positions(L, n, js, je, tree).reshape(1, 1, 1, je - js)
         s4 = transform(params, s.reshape(hh, rows_ // nq, nq, je - js), q_pos, k_pos, heads, np)
         s = s4.reshape(hh, rows_, je - js)
-    visible = visible_mask(params, L, n, t0, t1, js, je)  # None: nothing masked
+    visible = visible_mask(params, L, n, t0, t1, js, je, tree=tree)  # None: nothing masked
     if visible is not None:
         np.copyto(s.reshape(hh, rows_ // nq, nq, je - js), -np.inf, where=~visible)
     state.add(s, vb)
 
 
 def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_elements, offsets=None,
-                 block_keys_fixed=None):
+                 block_keys_fixed=None, tree=None):
     """Online softmax of one item over the blocks ``reader`` hands it (``numpy_readers``:
     a value reader over the store's base reader); returns its ``SoftmaxState`` (o
     unnormalized). o: [hh, G * nq, d]; m, l: [hh, G * nq, 1], in ``acc``."""
@@ -142,7 +144,7 @@ def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_eleme
     for js, je, kb, vb in reader.blocks(i, h0, h1, j0, j1, keys=keys, acc=acc,
                                         block_elements=score_block_elements, d=d):
         fold_block(state, qb, kb, vb, params=params, L=L, n=n, t0=t0, t1=t1, js=js, je=je,
-                   heads=heads)
+                   heads=heads, tree=tree)
     return state
 
 
@@ -209,7 +211,8 @@ class NumpyWork:
 
 def plan_items(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
                workers: int | None = None, query_block: int = QUERY_BLOCK,
-               min_key_split: int = MIN_KEY_SPLIT, invariant: bool = False) -> NumpyWork:
+               min_key_split: int = MIN_KEY_SPLIT, invariant: bool = False,
+               trees=None) -> NumpyWork:
     """``attend``'s items for these lengths and queries ``[B, Hq, T, d]`` (see ``_plan``).
     ``invariant`` (batch-invariant mode): one query and one KV head per item, no key
     splits, blocks of ``INVARIANT_BLOCK_KEYS`` keys (then capped by the readers for the
@@ -220,7 +223,7 @@ def plan_items(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     if invariant:
         query_block, min_key_split = 1, INVARIANT_NO_SPLIT
     items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split, params=params,
-                         one_head=invariant)
+                         one_head=invariant, trees=trees)
     return NumpyWork(items, total, workers, INVARIANT_BLOCK_KEYS if invariant else None)
 
 
@@ -231,8 +234,13 @@ def attention_store(q, store, inputs, params, *, return_lse: bool, **blocking):
     ``blocking``: ``attend``'s keywords (``planned``: a ``plan_items`` of this batch)."""
     reader = readers.reader_of(store, inputs.rows)
     return attend(q, reader, inputs.lens, inputs.n_new, params=params, return_lse=return_lse,
-                  offsets=getattr(inputs, "offsets", None),
+                  offsets=getattr(inputs, "offsets", None), trees=entry_trees(inputs),
                   invariant=getattr(inputs, "invariant", False), **blocking)
+
+
+def entry_trees(inputs):
+    """``inputs.entry_tree`` (entry i -> its draft tree) when the call has a tree, else None."""
+    return inputs.entry_tree if getattr(inputs, "tree", None) is not None else None
 
 
 def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
@@ -241,7 +249,8 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
            query_block: int = QUERY_BLOCK,
            min_key_split: int = MIN_KEY_SPLIT,
            parallel_min_work: int = PARALLEL_MIN_WORK,
-           planned: NumpyWork | None = None, offsets=None, into=None, invariant: bool = False):
+           planned: NumpyWork | None = None, offsets=None, into=None, invariant: bool = False,
+           trees=None):
     """The item kernel over validated inputs: plan the items, share them among threads,
     read each item's K/V blocks through ``reader`` (``numpy_readers``), merge key pieces.
 
@@ -254,7 +263,8 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
     ``into``: ``(out, lse)`` arrays (q's shape, and without d) receiving this batch's
     queries' results in place, left as they are elsewhere (another part of a packed
     batch writes there); returned. ``invariant``: batch-invariant items and blocks when
-    planned here (``plan_items``; a ``planned`` work keeps its own).
+    planned here (``plan_items``; a ``planned`` work keeps its own). ``trees``: None, or
+    entry i -> its draft tree (``gqakv.core.tree.EntryTree``).
     """
     Hq = q.shape[1]  # dim 1 in both layouts
     Hkv = reader.kv_heads
@@ -269,7 +279,7 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
     if planned is None:
         planned = plan_items(lens, n_new, q.shape, Hkv, params, workers=workers,
                              query_block=query_block, min_key_split=min_key_split,
-                             invariant=invariant)
+                             invariant=invariant, trees=trees)
     items, total, workers = planned.items, planned.total, planned.workers
     if not items:
         return (out, lse) if return_lse else out
@@ -280,11 +290,12 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
         """Compute a run of items; finish whole ones, hand back key pieces for merging."""
         pieces = []
         for item in batch:
+            i, t0, t1, j0, j1 = item[0], item[3], item[4], item[5], item[6]
+            tree = None if trees is None else trees(i)
             state = _attend_item(q, reader, lens, n_new, item, params=params, acc=acc,
                                  score_block_elements=score_block_elements, offsets=offsets,
-                                 block_keys_fixed=planned.block_keys)
-            i, t0, t1, j0, j1 = item[0], item[3], item[4], item[5], item[6]
-            if (j0, j1) == block_keys(params, int(lens[i]), int(n_new[i]), t0, t1):  # all its keys
+                                 block_keys_fixed=planned.block_keys, tree=tree)
+            if (j0, j1) == block_keys(params, int(lens[i]), int(n_new[i]), t0, t1, tree):  # all its keys
                 _finish(out, lse, item, state, G, sinks, offsets)  # items write disjoint parts of out
             else:
                 pieces.append((item, state))

@@ -17,7 +17,7 @@ BLAS = "numpy BLAS"
 BLAS_PATHS = (BLAS,)
 
 #: The variant features the item kernel implements (``numpy_attention.fold_block``).
-BLAS_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})
+BLAS_FEATURES = frozenset({"window", "softcap", "sinks", "alibi", "tree"})
 #: What the fast path reads, as data: every layout with a base reader
 #: (``numpy_readers.BASE_READERS``: contiguous rows, pages), with values stored plain or
 #: as the codes of a codec whose ``dequantize_into`` the 8-bit reader calls (``Coded``:
@@ -126,7 +126,7 @@ class NumpyBackend(Backend):
         return {
             BLAS: "attention over contiguous or paged rows (the page table read per key block), "
                   "plain or int8 / float8_e4m3fn (each block dequantized as read), every dtype "
-                  "(float16/bfloat16 in float32); window, softcap, sinks, alibi",
+                  "(float16/bfloat16 in float32); window, softcap, sinks, alibi, draft trees",
             GENERIC: "appends, row copies, attention over other codecs",
         }
 
@@ -136,10 +136,10 @@ class NumpyBackend(Backend):
         if route_attention(Request.of_store("attention", store, features=inputs.features,
                                             **inputs.token_facts(q_shape))).impl != BLAS:
             return None
-        from .numpy_attention import plan_items
+        from .numpy_attention import entry_trees, plan_items
 
         work = plan_items(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params,
-                          invariant=inputs.invariant)
+                          invariant=inputs.invariant, trees=entry_trees(inputs))
         work.inputs = inputs  # the batch it was planned for (attention uses it for that one only)
         return work
 

@@ -18,7 +18,6 @@ import pytest
 import gqakv
 from gqakv.core.tree import DraftTree, chain
 from gqakv.dispatch.request import Request
-from gqakv.ops import attention as attention_module
 
 from .support.arrays import BackendArrays
 from .support.reference import reference_attention
@@ -176,27 +175,34 @@ def test_mask_and_parents_forms_agree_and_bad_trees_are_refused():
             gqakv.gqa_attention(q, cache, [5, 4], tree=tree_arg)
 
 
-def test_tree_calls_are_served_by_the_generic_path_and_the_fast_paths_say_why(monkeypatch):
-    """No fast path declares ``tree`` yet: each rejects it with a sentence naming the
-    variant, and the call reaches the generic array-API code (counted)."""
+def test_tree_calls_reach_the_numpy_blas_path_and_the_kernels_say_why(monkeypatch):
+    """The NumPy BLAS path declares ``tree`` (its item kernel masks by the tree rule); the
+    numba and CUDA kernels do not, and reject a tree call with a sentence naming the
+    variant: numba hands it to the BLAS path, CuPy to the generic code. The BLAS items
+    are counted, so a silent fallback fails here."""
+    from gqakv_backends import numpy_attention
     from gqakv_backends.cupy_backend import routing as cupy_routing  # no CuPy needed
 
     request = Request("attention", dtype="float32", head_dim=64, t_q=16,
                       features=frozenset({"tree"}))
-    for name in ("numpy", "numba", "cupy"):
-        route = (cupy_routing.route_attention(request) if name == "cupy" else
-                 gqakv.get_backend(name).route(request))
-        assert route.impl.startswith("generic"), (name, route)
-        assert any("does not implement tree" in why for why in route.rejected.values()), route
-    calls = []
-    real = attention_module.attention_array_api
-    monkeypatch.setattr(attention_module, "attention_array_api",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
-    cache = gqakv.KVCache(1, 1, 16, 4, dtype="float32", backend="numba")
-    x = np.ones((1, 1, 4, 4), np.float32)
-    cache.append(x, x, [4])
-    gqakv.gqa_attention(np.ones((1, 2, 4, 4), np.float32), cache, [4], tree=[[-1, 0, 0, 2]])
-    assert calls == [1]
+    assert gqakv.get_backend("numpy").route(request).impl == "numpy BLAS"
+    numba_route = gqakv.get_backend("numba").route(request)
+    assert numba_route.impl == "numpy BLAS"
+    assert "does not implement tree" in numba_route.rejected["numba kernel"]
+    cupy_route = cupy_routing.route_attention(request)
+    assert cupy_route.impl.startswith("generic")
+    assert any("does not implement tree" in why for why in cupy_route.rejected.values()), cupy_route
+    items = []
+    real = numpy_attention._attend_item
+    monkeypatch.setattr(numpy_attention, "_attend_item",
+                        lambda *a, **k: items.append(k["tree"]) or real(*a, **k))
+    for name in ("numpy", "numba"):
+        items.clear()
+        cache = gqakv.KVCache(1, 1, 16, 4, dtype="float32", backend=name)
+        x = np.ones((1, 1, 4, 4), np.float32)
+        cache.append(x, x, [4])
+        gqakv.gqa_attention(np.ones((1, 2, 4, 4), np.float32), cache, [4], tree=[[-1, 0, 0, 2]])
+        assert items and all(t is not None and t.parents.tolist() == [-1, 0, 0, 2] for t in items)
 
 
 def test_model_step_with_a_tree_masks_every_layer_and_gives_rope_positions():
@@ -279,3 +285,32 @@ def test_the_cupy_backend_glue_serves_trees_on_the_generic_path():
                                       [arrays.to_numpy(r[1]) for r in rows], n, softcap=3.0,
                                       parents=parents)
         np.testing.assert_allclose(arrays.to_numpy(out), want, atol=3e-5, rtol=0)
+
+
+@pytest.mark.parametrize("variant", [{}, {"window": 6, "alibi_slopes": [0.3, -0.2, 0.1, 0.05],
+                                          "sinks": [0.0, 1.0, -1.0, 2.0]}], ids=["plain", "all"])
+def test_blas_items_split_keys_and_queries_of_a_tree(variant):
+    """The BLAS path's blocking forced small (3-query blocks, 4-key pieces on 2 workers,
+    tiny score blocks): key pieces are cut only in the prefix and merged, query blocks
+    span ragged trees; still the reference."""
+    from gqakv.core.inputs import validate_attention
+    from gqakv_backends import numpy_attention
+
+    rng = np.random.default_rng(12)
+    B, Hkv, G, d = 3, 2, 2, 8
+    cache = gqakv.KVCache(B, Hkv, 80, d, dtype="float64", backend="numpy")
+    cache.append(rng.standard_normal((B, Hkv, 40, d)), rng.standard_normal((B, Hkv, 40, d)), [40, 23, 9])
+    n, parents = _draw(rng, B, 13)
+    T = parents.shape[1]
+    cache.append(rng.standard_normal((B, Hkv, T, d)), rng.standard_normal((B, Hkv, T, d)), n)
+    q = rng.standard_normal((B, Hkv * G, T, d))
+    inputs = validate_attention(cache, q, n, tree=parents, **variant)
+    out, lse = numpy_attention.attention_store(q, cache.store, inputs, inputs.params, return_lse=True,
+                                               workers=2, query_block=3, min_key_split=4,
+                                               score_block_elements=64, parallel_min_work=0)
+    rows = [cache.live_kv(b) for b in range(B)]
+    want, want_lse = reference_attention(q, [r[0] for r in rows], [r[1] for r in rows], n,
+                                         parents=parents, **variant)
+    np.testing.assert_allclose(out, want, atol=1e-12, rtol=0)
+    real = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[real], want_lse[real], atol=1e-12, rtol=0)
