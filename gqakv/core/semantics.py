@@ -123,8 +123,8 @@ def transform_scores(params: AttentionParams, s, xp):
 def allowed(params: AttentionParams, q_pos, k_pos, head=None):
     """The mask hook: whether the query at absolute position ``q_pos`` (of query head
     ``head``: every head alike today) may see the key at ``k_pos`` (Python ints or,
-    elementwise, NumPy int arrays). The same rule as ``key_range``, per pair: a mask that
-    is not a key range (a tree of draft tokens) is one more clause here."""
+    elementwise, NumPy int arrays). The same rule as ``key_range``, per pair; a draft
+    tree's clause (which is no key range) is ``tree_visible``."""
     lo = 0 if params.window is None else q_pos - (params.window - 1)
     return (k_pos >= lo) & (k_pos <= q_pos)
 
