@@ -16,9 +16,10 @@ from .caches.model_cache import ModelKVCache, Step
 from .storage.paged import OutOfPages
 from .storage.prefix_index import PrefixIndex
 from .caches.paged_cache import PagedKVCache
-from .caches.paged_functional import paged_append, paged_append_attention, paged_attention
+from .caches.paged_functional import paged_accept, paged_append, paged_append_attention, paged_attention
 from .ops.merge import apply_sinks, merge_attention
 from .core.semantics import AttentionParams
+from .core.tree import DraftTree
 from .core.invariance import batch_invariant, set_batch_invariant
 from .storage.store import KVStore, StorageSpec
 from .dispatch.registry import (
@@ -55,6 +56,7 @@ __all__ = [
     "AttentionParams",
     "AttentionPlan",
     "Backend",
+    "DraftTree",
     "Request",
     "BackendError",
     "KVCache",
@@ -72,6 +74,7 @@ __all__ = [
     "gqa_attention",
     "list_backends",
     "merge_attention",
+    "paged_accept",
     "paged_append",
     "paged_append_attention",
     "paged_attention",

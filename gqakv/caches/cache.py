@@ -254,6 +254,30 @@ class RowsAndLengths:
             self._check_can_change("truncate rows")
             row_ops.truncate(self._lengths, rows, new_lens, store=self.store)
 
+    def accept(self, paths, tree, *, rows=None) -> None:
+        """Keep one verified path of each entry's draft tree (speculative decoding), every
+        layer at once, after the tree's chunk was appended and attended (``tree=``).
+
+        Args:
+            paths: ``[B']`` paths, one per tree entry: ``paths[i]`` a sequence of ``k_i``
+                chunk indices of entry i's tree from a root down (each the parent of the
+                next; ``tree.is_path``), or empty to reject the whole chunk.
+            tree: the ``gqakv.DraftTree`` (``gqakv.DraftTree.of(parents, n_new)``) whose
+                ``n[i]`` tokens are the last ``n[i]`` of row ``rows[i]``.
+            rows: ``[B']`` distinct rows (default ``0..B'-1``).
+
+        With ``L = lens[rows[i]]`` and ``P = L - n[i]``, chunk token ``path[s]`` (slot
+        ``P + path[s]``) moves to slot ``P + s``, K and V, stored codes and scales bit for
+        bit, and the row holds ``P + k_i`` tokens (paged: pages past that are released).
+        Nothing else moves. Everything is validated first (TypeError / ValueError naming
+        the entry and the numbers), so a refused call changes nothing. Paged: a page the
+        moves would write that other rows also name (or the prefix cache holds) is refused
+        (ValueError), not copied. See ``row_ops.accept``."""
+        with self._lengths.lock:
+            self._check_can_change("accept draft paths")
+            row_ops.accept(self._row_store(), self._lengths, paths, tree, rows,
+                           trim_store=self.store)
+
     def reset(self, rows=None) -> None:
         """Empty ``rows`` (distinct; default every row) for reuse by new requests."""
         with self._lengths.lock:

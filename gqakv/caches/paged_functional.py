@@ -1,4 +1,4 @@
-"""The functional paged layer: attention and append over caller-owned page pools.
+"""The functional paged layer: attention, append and accept over caller-owned page pools.
 
 For engines that run their own page allocator (vLLM-, FlashInfer-style): the caller owns
 the pools, the page table and the lengths; gqakv owns none of them and keeps no state
@@ -343,4 +343,64 @@ def paged_append_attention(q, k_new, v_new, k_pages, v_pages, page_table, lens, 
     return plan.launch(q, store, return_lse, out, lse_out)
 
 
-__all__ = ["paged_append", "paged_append_attention", "paged_attention"]
+def paged_accept(k_pages, v_pages, page_table, lens, paths, tree, *, backend=None) -> np.ndarray:
+    """Keep one verified path of each row's draft tree in caller-owned page pools
+    (``RowsAndLengths.accept`` for the functional paged API); returns the new lengths.
+
+    Args:
+        k_pages, v_pages: the pools, ``[num_pages, Hkv, P, d]`` each, as ``paged_attention``;
+            tokens move in place.
+        page_table: ``[B, pages_per_row]`` integers: row b's pages; its first
+            ``ceil(lens[b] / P)`` entries must name distinct pages of the pool.
+        lens: ``[B]`` ints: row b's tokens, its draft chunk included (as after
+            ``paged_append``).
+        paths: ``[B]`` paths: ``paths[b]`` chunk indices of row b's tree from a root down
+            (may be empty: reject the chunk).
+        tree: a ``gqakv.DraftTree`` of B entries; ``tree.n[b]`` is row b's chunk tokens.
+        backend: as ``paged_attention``.
+
+    Row b's chunk is slots ``lens[b] - n .. lens[b] - 1``; token ``paths[b][s]`` moves to
+    slot ``lens[b] - n + s``. Everything is validated before anything moves, and a page
+    the moves would write that another row's live entries also name is refused
+    (ValueError): copy it first. Returns ``[B]`` int64 host lengths, ``lens[b] - n +
+    len(paths[b])``; the caller frees the pages past them.
+    """
+    from ..core.tree import DraftTree
+    from ..ops import row_ops
+
+    if not isinstance(tree, DraftTree):
+        row_ops.plan_accept(np.zeros(0, dtype=np.int64), paths, tree)  # the TypeError
+    B = tree.batch
+    backend, store, L, table = _wrap(k_pages, v_pages, page_table, lens, B, backend)
+    P = store.page_size
+    _check_pages(table, L, P, store.num_pages, "holds")
+    _check_distinct(table, L, P)
+    plan = row_ops.plan_accept(L, paths, tree)
+    need = [pages_for(int(L[b]), P) for b in range(B)]
+    owners: dict[int, list[int]] = {}
+    for b in range(B):
+        for page in table[b, :need[b]].tolist():
+            owners.setdefault(int(page), []).append(b)
+    moves = []
+    for row, start, path in plan:
+        ks = np.flatnonzero(path != np.arange(path.size))
+        dst, src = start + ks, start + path[ks]
+        for j in sorted({int(d) // P for d in dst}):
+            page = int(table[row, j])
+            others = [o for o in owners[page] if o != row]
+            if others:
+                raise ValueError(
+                    f"row {row}'s page {page} (page_table[{row}, {j}]) would be written by "
+                    f"accept, but rows {others} also name it; copy a shared page before a row "
+                    "writes into it. Nothing was changed")
+        moves.append((row, dst, src))
+    rows_store = store.with_layers(backend.namespace())
+    for row, dst, src in moves:
+        rows_store.move_tokens(row, dst, src)
+    new = L.astype(np.int64).copy()
+    for row, start, path in plan:
+        new[row] = start + path.size
+    return new
+
+
+__all__ = ["paged_accept", "paged_append", "paged_append_attention", "paged_attention"]

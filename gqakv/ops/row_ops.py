@@ -1,4 +1,5 @@
 """Row operations of a serving loop: reorder (beam search), fork (parallel sampling),
+accept (keep a verified draft-tree path),
 truncate (speculative-decoding rollback) and reset (row reuse).
 
 They act on a ``KVStore`` with a leading layer axis (a standalone KVCache passes its
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.inputs import check_rows, ints_1d as _ints_1d
+from ..core.inputs import _to_numpy, check_rows, ints_1d as _ints_1d
 from ..storage.row_copies import TEMP, Wave, copy_tokens_array_api, plan_reorder, run_waves  # noqa: F401  (re-exported)
 
 
@@ -107,3 +108,102 @@ def reset(lengths, rows=None, *, store=None) -> None:
     if store is not None:
         store.trim_rows(r, np.zeros(r.size, dtype=np.int64))
     lengths.set(r, np.zeros(r.size, dtype=np.int64))
+
+
+
+# -- accepting a draft path (speculative decoding) --------------------------------------------
+
+
+def _path_of(x, i: int, n: int) -> np.ndarray:
+    """``paths[i]`` as host int64 ``[k]``: ints (not bools), in ``0..n-1``, no duplicates."""
+    if isinstance(x, (list, tuple, range)):
+        values = list(x)
+    elif hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, (str, bytes)):
+        a = _to_numpy(x)
+        if a.ndim != 1:
+            raise ValueError(f"paths[{i}] must be 1-D chunk indices, got shape {list(a.shape)}")
+        if a.size and (a.dtype == np.bool_ or a.dtype.kind not in "iu"):
+            raise TypeError(f"paths[{i}] must hold integers, got dtype {a.dtype}")
+        values = [int(u) for u in a.tolist()]
+    else:
+        raise TypeError(f"paths[{i}] must be a sequence of chunk indices (ints), got {x!r}")
+    out = np.empty(len(values), dtype=np.int64)
+    for s, u in enumerate(values):
+        if isinstance(u, (bool, np.bool_)) or not isinstance(u, (int, np.integer)):
+            raise TypeError(f"paths[{i}][{s}]={u!r} is not an int chunk index")
+        if not 0 <= int(u) < n:
+            raise ValueError(f"paths[{i}][{s}]={int(u)} is outside entry {i}'s chunk 0..{n - 1} "
+                             f"(its tree has n={n} tokens)")
+        out[s] = int(u)
+    if np.unique(out).size != out.size:
+        vals, counts = np.unique(out, return_counts=True)
+        raise ValueError(f"paths[{i}] names chunk token {int(vals[counts > 1][0])} twice: "
+                         f"{out.tolist()}")
+    return out
+
+
+def plan_accept(lens: np.ndarray, paths, tree, rows=None) -> list[tuple[int, int, np.ndarray]]:
+    """Validate an ``accept`` (see ``accept``) against host lengths ``lens`` ``[batch]``; returns
+    ``(row, P, path)`` per entry (``P``: the row's length before the chunk). Nothing changes."""
+    from ..core.tree import DraftTree
+
+    if not isinstance(tree, DraftTree):
+        raise TypeError(f"tree must be a gqakv.DraftTree, got {type(tree).__name__}; make one "
+                        "with gqakv.DraftTree.of(parents_or_mask, n_new) (n_new: each entry's "
+                        "chunk tokens)")
+    batch, entries = len(lens), tree.batch
+    if rows is None:
+        if entries > batch:
+            raise ValueError(f"the tree has {entries} entries, the cache {batch} rows (pass rows=)")
+        r = np.arange(entries, dtype=np.int64)
+    else:
+        r = _row_list(rows, "rows", batch, distinct=True)
+        if r.size != entries:
+            raise ValueError(f"rows has {r.size} entries, the tree {entries}: one row per tree entry")
+    if isinstance(paths, (str, bytes)) or not hasattr(paths, "__len__"):
+        raise TypeError(f"paths must be a sequence of {entries} paths (one per entry), got {paths!r}")
+    if len(paths) != entries:
+        raise ValueError(f"paths has {len(paths)} entries, the tree {entries}: one path per entry")
+    plan = []
+    for i in range(entries):
+        row, n = int(r[i]), int(tree.n[i])
+        have = int(lens[row])
+        if n > have:
+            raise ValueError(f"entry {i}: row {row} holds {have} tokens, fewer than the tree's "
+                             f"n={n} chunk tokens (accept runs after the chunk was appended)")
+        path = _path_of(paths[i], i, n)
+        why = tree.is_path(i, path)
+        if why is not None:
+            raise ValueError(f"paths[{i}]={path.tolist()} is not a root-down path of entry {i}'s "
+                             f"tree: {why}")
+        plan.append((row, have - n, path))
+    return plan
+
+
+def accept(store, lengths, paths, tree, rows=None, *, trim_store=None) -> int:
+    """Keep one root-down path of each entry's draft tree and drop the rest of its chunk.
+
+    Entry i's chunk (``tree.n[i]`` tokens) is the last part of row ``rows[i]`` (default
+    ``i``): slots ``P..L-1`` with ``L = lens[row]``, ``P = L - n``. ``paths[i]`` (``[k]``
+    chunk indices, a path of ``tree`` from a root down; empty: reject the whole chunk)
+    moves token ``P + path[s]`` to slot ``P + s`` for ``s = 0..k-1`` (stored codes and
+    scales copied bit for bit, every layer, K and V), and the row then holds ``P + k``
+    tokens. ``store`` has a leading layer axis (``_row_store``); ``trim_store`` (the cache's
+    store) releases paged rows' pages past the new lengths. Everything is validated first
+    (including, paged, that no page written is shared: ``KVStore.check_move``); returns the
+    tokens moved per layer."""
+    plan = plan_accept(lengths.host, paths, tree, rows)
+    moves = []
+    for row, P, path in plan:
+        ks = np.flatnonzero(path != np.arange(path.size))
+        dst, src = P + ks, P + path[ks]
+        store.check_move(row, dst)
+        moves.append((row, dst, src))
+    for row, dst, src in moves:
+        store.move_tokens(row, dst, src)
+    r = np.asarray([row for row, _, _ in plan], dtype=np.int64)
+    new = np.asarray([P + path.size for _, P, path in plan], dtype=np.int64)
+    if trim_store is not None:
+        trim_store.trim_rows(r, new)
+    lengths.set(r, new)
+    return int(sum(d.size for _, d, _ in moves))

@@ -547,6 +547,31 @@ class PagedStore(KVStore):
                 for buf, value in zip(parts, values):
                     buf[page, :, a:b, ...] = value[:, src, ...]
 
+    def _slot(self, row: int, j: int) -> tuple[int, int]:
+        P = self.page_size
+        return int(self.page_table.entries[row, j // P]), j % P
+
+    def check_move(self, row: int, dst) -> None:
+        """Refuse (ValueError, before anything is written) a move into a page another row
+        also names or the prefix cache holds: accept does not copy such a page (a caller
+        that forked a row after appending its draft chunk reorders or truncates first). A
+        caller's table (``PageTableView``) has no counts: ``paged_accept`` checks the table."""
+        table = self.page_table
+        refs = getattr(table, "refs", None)
+        if refs is None:
+            return
+        P = self.page_size
+        for j in sorted({int(d) // P for d in dst}):
+            page = int(table.entries[row, j])
+            cached = table.index is not None and table.index.holds(page)
+            if int(refs[page]) > 1 or cached:
+                why = (f"{int(refs[page])} rows name it" if int(refs[page]) > 1
+                       else "the prefix cache holds it")
+                raise ValueError(
+                    f"cannot accept into row {row}: its page {page} (tokens {j * P}.."
+                    f"{(j + 1) * P - 1}) would be written but is shared ({why}); accept moves "
+                    "tokens only within pages the row owns alone. Nothing was changed")
+
     def copy_row(self, dst_row, src, src_row, n) -> None:
         raise TypeError("paged rows are copied by sharing pages (PageTable.fork/reorder), "
                         "not token by token")

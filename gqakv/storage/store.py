@@ -327,6 +327,27 @@ class KVStore:
         for to, of in zip(self.buffers, src.buffers):
             to[dst] = of[at]
 
+    def _slot(self, row: int, j: int) -> tuple[int, int]:
+        """Where token slot ``j`` of ``row`` lives: (index on the rows axis, slot on the token axis)."""
+        return row, j
+
+    def check_move(self, row: int, dst) -> None:
+        """Raise before anything is written when ``move_tokens`` may not write slots ``dst``
+        of ``row`` (contiguous rows are private: never)."""
+
+    def move_tokens(self, row: int, dst, src) -> None:
+        """Slot ``dst[s]`` of ``row`` takes slot ``src[s]``'s stored K and V (codes and
+        scales, bit for bit: nothing is decoded), every layer, for ``s = 0, 1, ...`` in
+        order (so a source may be a slot written earlier only if the caller wants that).
+        Plain slice assignments on the buffers, so every array-API library serves it."""
+        lead = (slice(None),) * len(self.leading)
+        for d, s_ in zip(dst, src):
+            (rd, od), (rs, os_) = self._slot(row, int(d)), self._slot(row, int(s_))
+            to = (*lead, rd, slice(None), slice(od, od + 1), ...)
+            of = (*lead, rs, slice(None), slice(os_, os_ + 1), ...)
+            for buf in self.buffers:
+                buf[to] = buf[of]
+
     def fill(self, value, v_value=None) -> None:
         """Set every K slot, live or not, to ``value`` and every V slot to ``v_value``
         (default: ``value``). The supported way for tests to poison the slots no reader
