@@ -74,6 +74,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tp-timeout", type=float, default=300.0, metavar="S",
                         help="with --tensor-parallel: seconds a collective waits for the other "
                              "ranks before failing (default 300)")
+    parser.add_argument("--speculative", type=int, default=None, metavar="N",
+                        help="also decode speculatively: an n-gram drafter (prompt lookup) proposes a tree of "
+                             "up to N tokens per row per round, the model verifies it in one forward; prints "
+                             "the acceptance rate, tokens per target forward, and whether the tokens equal "
+                             "plain greedy's")
     variants = parser.add_argument_group("attention variants (default: plain causal)")
     variants.add_argument("--window", type=int, default=None, metavar="W",
                           help="sliding window: each query sees the W most recent positions, its own included")
@@ -164,7 +169,7 @@ def _dispatch(args) -> int:
                              "it does not split --model / --gguf")
         return real_model.run(args)
     _refuse_real_model_options(args, UsageError)
-    for name in ("batch", "prompt_len", "new_tokens", "chunk", "layers", "vocab", "prefix_cache"):
+    for name in ("batch", "prompt_len", "new_tokens", "chunk", "layers", "vocab", "prefix_cache", "speculative"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -258,4 +263,22 @@ def _run(args, config, tp, cache_options) -> int:
             f"{'yes' if same else 'NO'}; max |logit difference| {diff:.2e}")
         if not same:
             return 1
+    if getattr(args, "speculative", None) is not None:
+        if tp is not None:
+            raise UsageError("--speculative runs in one process (no --tensor-parallel)")
+        return _speculative(model, prompts, args.new_tokens, args.speculative, cached, out, cache_options)
     return 0
+
+
+def _speculative(model, prompts, new_tokens, max_draft, plain, out, cache_options) -> int:
+    """``--speculative N``: the same prompts decoded speculatively (n-gram draft trees)."""
+    from .speculative import speculative_generate
+
+    spec = speculative_generate(model, prompts, new_tokens, max_draft=max_draft, cache_options=cache_options)
+    same = bool((spec.tokens == plain.tokens).all())
+    out(f"  speculative (n-gram drafts, up to {max_draft} tokens per row per round): "
+        f"{spec.target_forwards} target forwards after prefill for {new_tokens - 1} tokens per row; "
+        f"acceptance rate {spec.acceptance_rate:.2f} ({spec.accepted}/{spec.drafted} draft tokens); "
+        f"{spec.tokens_per_forward:.2f} tokens per target forward; decode {spec.decode_seconds:.3f} s "
+        f"(plain {plain.decode_seconds:.3f} s); tokens identical to plain greedy: {'yes' if same else 'NO'}")
+    return 0 if same else 1

@@ -368,7 +368,7 @@ class LlamaModel:
     # -- forward passes ---------------------------------------------------------------------
 
     def forward(self, tokens, n_new, cache: gqakv.ModelKVCache, *, last_only: bool = False,
-                rows=None) -> np.ndarray:
+                rows=None, tree=None) -> np.ndarray:
         """Cached forward of the next tokens of each row; returns host (NumPy) logits.
 
         Args:
@@ -380,6 +380,10 @@ class LlamaModel:
                 (rows with n_new[b] = 0 give meaningless values).
             rows: ``[B]`` distinct cache rows the batch's entries are (default ``0..B-1``,
                 the whole cache).
+            tree: None, or each entry's draft tree over its new tokens (parents ``[B, T]``
+                or a ``gqakv.DraftTree``; speculative verification): token t attends to the
+                prefix and its ancestors only, and its RoPE position is L_b + depth[b, t]
+                (``step.positions``). Follow with ``cache.accept`` to keep one path per row.
 
         Returns:
             ``[B, T, V]`` logits (padded slots meaningless), or ``[B, V]`` with last_only.
@@ -394,8 +398,9 @@ class LlamaModel:
         guard = self._guard(B, T)
         step = None
         try:
-            step = guard.run(lambda: cache.step(n_new, rows=rows))
-            x = self._decoder(tokens, lambda: step.starts[:, None] + np.arange(T),  # continue from each row's length
+            step = guard.run(lambda: cache.step(n_new, rows=rows, tree=tree))
+            x = self._decoder(tokens, (lambda: step.starts[:, None] + np.arange(T)) if tree is None
+                              else (lambda: step.positions[:, :T]),  # continue from each row's length
                               lambda i, q, k, v: step.attend(i, q, k, v, params=params[i]), guard)
             logits = guard.run(lambda: self._logits(x, np.maximum(n_new - 1, 0) if last_only else None))
             guard.finish()  # tensor parallel: raises on every rank if any rank failed
