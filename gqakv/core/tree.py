@@ -95,9 +95,7 @@ class DraftTree:
         if a.shape[0] != B:
             raise ValueError(f"tree parents have {a.shape[0]} entries, n_new has {B}")
         T = int(a.shape[1])
-        if B and int(n.max(initial=0)) > T:
-            i = int(np.argmax(n))
-            raise ValueError(f"tree parents hold {T} tokens per entry, entry {i} has n_new={int(n[i])}")
+        _check_room(T, n, "tree parents hold")
         parents = np.full((B, T), -1, dtype=np.int64)
         depth = np.zeros((B, T), dtype=np.int64)
         for i in range(B):
@@ -118,11 +116,8 @@ class DraftTree:
             raise ValueError(f"a tree mask must be [B, T, T] with B={B} (n_new's length), got "
                              f"{list(a.shape)}")
         T = int(a.shape[1])
-        if B and int(n.max(initial=0)) > T:
-            i = int(np.argmax(n))
-            raise ValueError(f"the tree mask holds {T} tokens per entry, entry {i} has n_new={int(n[i])}")
+        _check_room(T, n, "the tree mask holds")
         parents = np.full((B, T), -1, dtype=np.int64)
-        depth = np.zeros((B, T), dtype=np.int64)
         for i in range(B):
             m = a[i, :int(n[i]), :int(n[i])]
             for t in range(int(n[i])):
@@ -144,8 +139,7 @@ class DraftTree:
                                      f"token {p}, so mask[{i}, {t}, {u}] must be {bool(want[u])} "
                                      "(the parent's ancestors and nothing else)")
                 parents[i, t] = p
-                depth[i, t] = 0 if p < 0 else depth[i, p] + 1
-        return cls(parents=parents, depth=depth, n=n.copy())
+        return cls._of_parents(parents, n, B)  # the depths, from the parents
 
     @property
     def batch(self) -> int:
@@ -193,6 +187,13 @@ class DraftTree:
                 return (f"path[{s}]={u} is not {want} (its parent is {int(self.parents[i, u])})")
             prev = u
         return None
+
+
+def _check_room(T: int, n: np.ndarray, holds: str) -> None:
+    """ValueError unless every entry's n_new fits the tree's T tokens."""
+    if n.size and int(n.max()) > T:
+        i = int(np.argmax(n))
+        raise ValueError(f"{holds} {T} tokens per entry, entry {i} has n_new={int(n[i])}")
 
 
 def chain(n_new, T: int | None = None) -> DraftTree:
