@@ -148,11 +148,14 @@ def call_facts(backend, op: str, args: tuple) -> dict[str, Any]:
     if op == "attention":
         q, inputs, params = args[0], args[2], args[3]
         facts["group"] = max(1, int(q.shape[1]) // int(store.kv_heads))
+        # the params' variants, and "tree" for a draft tree's call
+        features = params.features | ({"tree"} if getattr(inputs, "tree", None) is not None
+                                      else set())
         if getattr(inputs, "offsets", None) is None:
-            facts.update(t_q=int(q.shape[2]), features=params.features)
+            facts.update(t_q=int(q.shape[2]), features=features)
         else:  # packed [N, Hq, d]: the queries per row are n_new's (at least one)
             facts.update(t_q=max(1, int(np.max(inputs.n_new, initial=0))),
-                         features=params.features, tokens="packed")
+                         features=features, tokens="packed")
         if _kind(backend) == "cupy_emulated":
             from ..cuda_emu.emulated_backend import EmulatedDevice
 
@@ -228,6 +231,8 @@ def _cupy_store(f) -> Any:
         return GENERIC
     if f.get("tokens") == "packed":
         return Refused(("packed tokens",))
+    if "tree" in f.get("features", ()):  # attention facts only carry features
+        return Refused(("tree",))  # the CUDA kernels have no draft-tree clause yet
     return FAST
 
 
