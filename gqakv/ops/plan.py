@@ -209,6 +209,9 @@ class AttentionPlan:
     def launch(self, q, store, return_lse: bool, out=None, lse_out=None):
         """The backend's attention of checked tensors over ``store`` (no checks here)."""
         backend, inputs = self.backend, self.inputs
+        codec = store.spec.codec
+        if codec.rotates_keys:  # keys are stored rotated: q . k needs q in their basis
+            q = codec.rotate_queries(backend.namespace(), q)
         if self._shared is not None:
             return self._shared.launch(q, store, return_lse, out, lse_out)
         if self.work is None:
