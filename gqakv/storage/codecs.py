@@ -145,6 +145,14 @@ class Codec:
         """ValueError naming the numbers when this codec cannot store ``head_dim`` values
         per token (every head dim works here)."""
 
+    def head_dim_of(self, code_width: int) -> int:
+        """The head dim d of a store whose codes (or values) are ``[..., code_width]``."""
+        return int(code_width)
+
+    def describe(self, head_dim: int) -> str:
+        """What one token of one KV head stores, in words (``gqakv size``)."""
+        return f"{int(head_dim)} x {self.code_bytes}-byte codes + a {self.scale_bytes}-byte scale"
+
     def __repr__(self) -> str:
         return f"<gqakv codec {self.name!r}>"
 
@@ -249,7 +257,8 @@ class Grouped(Codec):
     scaled = True
 
     def __init__(self, name: str, bits: int, group: int, rotated: bool = False):
-        self.name = name  # type: ignore[misc]  (an instance's name: one class, several codecs)
+        # one class, several registered codecs: the class-level fields are set per instance
+        self.name = name  # type: ignore[misc]
         self.bits, self.group, self.rotated = int(bits), int(group), bool(rotated)
         self.rotates_keys = self.rotated  # type: ignore[misc]
         # the code of 1: 1 itself (8 bits), nibbles 1 + 8 in both halves (4 bits)
@@ -268,6 +277,15 @@ class Grouped(Codec):
     def bytes_per_token_head(self, head_dim: int, value_bytes: int) -> int:
         d = int(head_dim)
         return d * self.bits // 8 + (d // self.group) * _quantize.SCALE_BYTES
+
+    def head_dim_of(self, code_width: int) -> int:
+        return int(code_width) * 8 // self.bits
+
+    def describe(self, head_dim: int) -> str:
+        d = int(head_dim)
+        rotated = ", keys Hadamard-rotated" if self.rotated else ""
+        return (f"{d} x {self.bits}-bit codes + {d // self.group} x {_quantize.SCALE_BYTES}-byte "
+                f"scales, one per {self.group} values{rotated}")
 
     def code_dtype(self, xp):
         return xp.int8 if self.bits == 8 else xp.uint8
@@ -316,14 +334,20 @@ class Grouped(Codec):
             self._rotations[key] = out
         return out
 
-    def _rotate(self, xp, x, transpose: bool):
-        compute = xp.float64 if x.dtype == xp.float64 else xp.float32
+    def _rotate(self, xp, x, transpose: bool, wide: bool = False):
+        """x ``[..., d]`` times R (R.T with ``transpose``) in x's compute dtype, or float64
+        (``wide``)."""
+        compute = xp.float64 if wide or x.dtype == xp.float64 else xp.float32
+        x = xp.astype(x, compute)
         r = self._rotation(xp, x)
-        y = xp.matmul(xp.astype(x, compute), xp.permute_dims(r, (1, 0)) if transpose else r)
-        return y
+        return xp.matmul(x, xp.permute_dims(r, (1, 0)) if transpose else r)
 
     def encode_keys(self, xp, x) -> tuple:
-        return self.encode(xp, self._rotate(xp, x, False) if self.rotated else x)
+        if not self.rotated:
+            return self.encode(xp, x)
+        # rotated in float64, then rounded to float32: the stored codes then follow the
+        # rule whatever order a library's matmul sums in
+        return self.encode(xp, xp.astype(self._rotate(xp, x, False, wide=True), xp.float32))
 
     def rotate_queries(self, xp, q):
         if not self.rotated:

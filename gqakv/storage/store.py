@@ -140,7 +140,8 @@ class KVStore:
         self._codec_lookup: tuple | None = None  # (the codec's lookup_table,), made on first read
         shape = tuple(int(s) for s in k.shape)
         self.leading = shape[:-4]
-        self.rows, self.kv_heads, self.max_len, self.head_dim = shape[-4:]
+        self.rows, self.kv_heads, self.max_len, width = shape[-4:]
+        self.head_dim = spec.codec.head_dim_of(width)  # 4-bit codes: two values a byte
 
     @classmethod
     def of(cls, k, v) -> "KVStore":

@@ -78,8 +78,9 @@ def run(args) -> int:
               f"{cfg.kv_heads} KV heads x {cfg.head_dim} x {item} bytes")
     else:
         plain = cfg.bytes_per_token(args.dtype)
+        head = codec.bytes_per_token_head(cfg.head_dim, item)
         print(f"  per token : {per:,} bytes ({human_bytes(per)}) = 2 x {cfg.layers} layers x "
-              f"{cfg.kv_heads} KV heads x ({cfg.head_dim} x {item} byte + {codec.scale_bytes}-byte scale); "
+              f"{cfg.kv_heads} KV heads x {head} bytes ({codec.describe(cfg.head_dim)}); "
               f"{per / plain:.2f}x of {args.dtype}'s {plain:,}")
     print(f"  cache     : {total:,} bytes ({human_bytes(total)}) for batch {args.batch} x "
           f"max_len {args.max_len:,}")
