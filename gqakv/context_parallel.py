@@ -380,6 +380,9 @@ class ContextParallel:
         self.grid_rank = dist.get_rank(self.grid_group)
         self.grid_size = dist.get_world_size(self.grid_group)
         self.comm_backend = str(dist.get_backend(group))
+        #: what this rank's all-gathers sent (its parts) and received (the whole gathered
+        #: buffers, its own part included), in bytes, and how many ran
+        self.bytes_sent = self.bytes_gathered = self.gathers = 0
 
     def model_cache(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                     dtype="float32", backend=None, **options) -> ContextParallelCache:
@@ -416,7 +419,12 @@ class ContextParallel:
             import cupy
 
             cupy.cuda.get_current_stream().synchronize()
-        self._collective("all-gather", self.group, lambda: dist.all_gather_into_tensor(to, tx, group=self.group))
+        # torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._collective("all-gather", self.group, lambda: gather(to, tx, group=self.group))
+        self.bytes_sent += tx.numel() * tx.element_size()
+        self.bytes_gathered += to.numel() * to.element_size()
+        self.gathers += 1
         if foreign_cuda:
             torch.cuda.current_stream(to.device).synchronize()
         return out

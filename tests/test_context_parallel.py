@@ -27,6 +27,8 @@ the refusals.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 import time
 
@@ -38,7 +40,7 @@ from gqakv.context_parallel import Interleaved, attend_positions
 from gqakv.core.semantics import AttentionParams
 from gqakv.ops.merge import apply_sinks, merge_attention
 from gqakv_examples.llama import TINY, LlamaModel, generate
-from tests.support.ranks import run_group, write_result
+from tests.support.ranks import loopback_env, run_group, write_result
 
 F64_ATOL = 1e-10
 PROMPTS = [[5, 17, 3, 88, 42, 9, 61, 2, 30, 77, 14], [8, 1], [64, 23, 23, 5, 90, 11, 46], [33]]
@@ -48,6 +50,8 @@ MAX_LEN = 24  # divisible by chunk x C of every scenario: per-rank bytes exactly
 BIG_LEN = 6144  # likewise: a row one process cannot hold within the simulated budget
 WORKER_TIMEOUT_S = 240
 DEAD_PEER_TIMEOUT_S = 20
+#: Llama-3.1-8B's attention shapes (Hq 32, Hkv 8, d 128) in a model small enough to run here.
+LLAMA_HEADS = TINY.replace(n_heads=32, n_kv_heads=8, head_dim=128, hidden_size=64, vocab_size=64)
 VARIANT = dict(n_kv_heads=4, sliding_window=4, global_every=2, softcap=3.0, sinks=True)
 
 # name -> (ranks, LlamaConfig changes, cache options, chunk, TP size[, backend])
@@ -200,6 +204,13 @@ def _worker(rank: int, world: int, outdir: str) -> None:
         long_prompt = [int(t) for t in np.random.default_rng(7).integers(0, 97, 200)]
         g = generate(model, [long_prompt, [1, 2, 3]], 4, chunks=37, cache_options={"page_size": 8})
         out["long"] = {"tokens": g.tokens, "logits": g.logits}
+        # The collective sizes of one decoded token with Llama-3.1-8B's attention shapes.
+        model = LlamaModel(LLAMA_HEADS, seed=1, dtype="float32", backend="numpy", context_parallel=cp4)
+        cache = model.new_cache(1, 64)
+        model.forward(np.array([[1, 2, 3, 4, 5]]), [5], cache)
+        sent, gathered = cp4.bytes_sent, cp4.bytes_gathered
+        model.forward(np.array([[6]]), [1], cache)
+        out["measured"] = (cp4.bytes_sent - sent, cp4.bytes_gathered - gathered)
         dist.barrier()
         if rank in (2, 3):
             _dead_peer_check(cpm.ContextParallel(dying, chunk=2), rank, out, outdir)
@@ -403,8 +414,6 @@ def test_rank_slices_merge_to_the_float64_reference(C, S, variant, storage):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
         np.testing.assert_allclose(got_lse, want_lse, rtol=0, atol=1e-12)
         return
-    from gqakv import gqa_attention
-
     mid = ModelKVCache(1, B, Hkv, int(L.max()), d, "float32", "numpy", kv_dtype="int8")
     with mid.step(starts) as st:
         st.write(0, ks[:, :, :int(starts.max())], vs[:, :, :int(starts.max())])
@@ -445,6 +454,97 @@ def test_bad_steps_are_refused_before_anything_is_written():
                     params=AttentionParams(scale=1.0))
     step.abort()
     assert cache.host_lens.tolist() == [0, 0] and cache.local.host_lens.tolist() == [0, 0]
+
+
+def test_all_gather_bytes_measured_equal_the_formula(ranks):
+    """What the ranks' all-gathers carried for one decoded token (4 ranks, Llama-3.1-8B's
+    heads, float32) is what ``context_parallel_traffic`` computes."""
+    from gqakv.storage import sizing
+
+    cfg = sizing.ModelConfig("8b-heads", LLAMA_HEADS.n_layers, 32, 8, 128, 0)
+    t = sizing.context_parallel_traffic(cfg, 4, context=6, dtype="float32").per_token
+    for r in range(4):
+        sent, gathered = ranks[r]["measured"]
+        assert sent == t["all_gather_send_bytes"] == 2 * (32 * 129 + 1) * 4
+        assert gathered - sent == t["all_gather_recv_bytes"]
+
+
+def test_traffic_numbers_for_llama_31_8b():
+    """Per decoded token on one of 8 ranks: 3.5 MiB received against 2 GiB (128k) and
+    15.3 GiB (1M tokens) of K/V read."""
+    from gqakv.storage import sizing
+
+    for context, local, kv in ((131_072, 16_384, 2 * 2**30), (1_000_000, 125_000, 16_384_000_000)):
+        t = sizing.context_parallel_traffic("llama-3.1-8b", 8, context=context)
+        assert t.local_tokens == local
+        assert t.per_token == {"all_gather_send_bytes": 32 * (32 * 129 + 1) * 4,
+                               "all_gather_recv_bytes": 7 * 32 * (32 * 129 + 1) * 4, "kv_read_bytes": kv}
+    t = sizing.context_parallel_traffic("llama-3.1-8b", 2, context=1000, tensor_parallel=8)
+    assert t.all_gather_send_bytes == (4 * 129 + 1) * 4 and t.kv_read_bytes == 500 * 2 * 1 * 128 * 2
+
+
+def test_size_command_per_device(capsys):
+    from gqakv.tools.cli import main as cli_main
+
+    assert cli_main(["size", "llama-3.1-8b", "--context-parallel", "8", "--max-len", "131072",
+                     "--budget", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "8 devices per row, interleaved chunks of 16 tokens: each holds 16,384 of a 131,072-token row" in out
+    assert "528,512 sent and 3,699,584 (3.5 MiB) received per token over 32 layers" in out
+    assert "2,147,483,648 bytes (2.0 GiB) per device to decode one token" in out and "(580x" in out
+    assert "cache     : 2,147,483,648 bytes (2.0 GiB)" in out
+    assert "largest max_len at batch 1: 5,242,880 tokens" in out  # 8 x 655,360
+    assert cli_main(["size", "llama-3.1-8b", "--context-parallel", "8", "--max-len", "1000000"]) == 0
+    out = capsys.readouterr().out
+    assert "16,384,000,000 bytes (15.3 GiB) per device" in out and "(4,429x the received bytes)" in out
+    assert cli_main(["size", "--context-parallel", "0"]) == 2
+    assert "--context-parallel must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--context-parallel", "0"], "--context-parallel must be >= 1, got 0"),
+    (["--context-parallel", "2", "--cp-chunk", "0"], "--cp-chunk must be >= 1, got 0"),
+    (["--context-parallel", "2"], "--context-parallel 2 x --tensor-parallel 1 needs 2 processes started by a "
+                                  "launcher, e.g. torchrun --nproc-per-node 2 -m gqakv generate --context-parallel 2"),
+    (["--context-parallel", "2", "--tensor-parallel", "3"], "--tensor-parallel 3: world_size=3 cannot split"),
+    (["--context-parallel", "2", "--model", "smollm2-135m"], "--context-parallel runs the example model"),
+])
+def test_generate_refuses_bad_context_parallel_options(capsys, argv, match):
+    from gqakv.tools.cli import main as cli_main
+
+    assert cli_main(["generate", "--config", "tiny", *argv]) == 2
+    captured = capsys.readouterr()
+    assert match in captured.err and captured.out == ""
+
+
+def test_generate_one_rank_without_a_launcher(capsys):
+    from gqakv.tools.cli import main as cli_main
+
+    rc = cli_main(["generate", "--config", "tiny", "--context-parallel", "1", "--dtype", "float64",
+                   "--backend", "numpy", "--batch", "2", "--prompt-len", "6", "--new-tokens", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "context parallel: 1 ranks per row (gloo), interleaved chunks of 16 tokens" in out
+    assert "greedy tokens identical: yes" in out
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
+                    reason="torchrun is not installed beside this Python")
+def test_torchrun_generate_command(tmp_path):
+    """torchrun --standalone --nproc-per-node 2 -m gqakv generate --context-parallel 2 ..."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "gqakv", "generate",
+                           "--context-parallel", "2", "--cp-chunk", "3", "--config", "tiny", "--dtype",
+                           "float64", "--backend", "numpy", "--batch", "3", "--prompt-len", "13",
+                           "--new-tokens", "5", "--chunk", "4", "--page-size", "4", "--window", "5",
+                           "--global-every", "2", "--sinks", "--tp-timeout", "60"],
+                          cwd=tmp_path, env=loopback_env(), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert out.count("gqakv generate: tiny model") == 1  # rank 0 alone prints
+    assert "context parallel: 2 ranks per row (gloo), interleaved chunks of 3 tokens; rank 0/2" in out
+    assert "greedy tokens identical: yes" in out
 
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "worker":
