@@ -271,6 +271,9 @@ class LlamaModel:
 
     #: Per layer, the ``[Hq]`` sink logits as Python floats (float32 values), or None.
     sink_logits: list | None = None
+    #: The ``ContextParallel`` this rank belongs to, or None (one process; subclasses that
+    #: load their own weights leave it None).
+    cp = None
 
     def attention_params(self, layer: int) -> gqakv.AttentionParams:
         """What layer ``layer`` attends with: the scale and the config's variants (the sinks
