@@ -64,7 +64,7 @@ from array_api_compat import array_namespace
 
 from .caches.model_cache import ModelKVCache
 from .core.dims import check_dim as _int
-from .core.inputs import host_ints
+from .core.inputs import check_queries, host_ints, validate_attention_batch
 from .core.semantics import AttentionParams, allowed, transform
 from .dispatch.backend import Backend
 from .distributed import TensorParallel, _torch, rank_backend
@@ -294,6 +294,7 @@ class ContextParallelStep:
         for i in range(rows.size):
             picked = np.flatnonzero(mine[i])
             self._idx[i, :picked.size] = picked
+        self._checked: set = set()  # (q shape, params) validated in this step
         self.local = cache.local.step(self.local_n, rows=rows)  # local capacity checked there
 
     @property
@@ -321,10 +322,20 @@ class ContextParallelStep:
             if len(shape) != 4 or shape[0] != self.rows.size or shape[2] < need:
                 raise ValueError(f"{what} has shape {shape}; a context-parallel step takes padded "
                                  f"[B'={self.rows.size}, H, T >= {need}, d] (the largest n_new)")
+        if int(q.shape[2]) != int(k_new.shape[2]):
+            raise ValueError(f"q {list(q.shape)} and k_new {list(k_new.shape)} have different token "
+                             "slots T (dim 2)")
+        plain = AttentionParams(scale=params.scale, window=params.window, softcap=params.softcap,
+                                alibi_slopes=params.alibi_slopes)  # sinks: after the merge
+        view = self.cache.local.layer(layer)
+        key = (tuple(int(s) for s in q.shape), plain)
+        if key not in self._checked:  # q and the variant against the cache, once per step
+            check_queries(view, q)
+            validate_attention_batch(view, key[0], np.zeros(self.rows.size, dtype=np.int64), self.rows,
+                                     params=plain)
+            self._checked.add(key)
         self.local.write(layer, self._mine(k_new), self._mine(v_new))
         view = self.local.layer(layer)
-        plain = AttentionParams(scale=params.scale, window=params.window, softcap=params.softcap,
-                                alibi_slopes=params.alibi_slopes)
         if int(self.n_new.max(initial=0)) <= 1 and params.window is None and params.alibi_slopes is None:
             # decode: every key of this rank precedes the query; the backend's own kernel
             n_q = ((self.n_new == 1) & (view.host_lens[self.rows] > 0)).astype(np.int64)

@@ -64,6 +64,7 @@ SCENARIOS = {
     "c4-variants-paged": ((0, 1, 2, 3), VARIANT, {"page_size": 3}, 2, 1),
     "c4-int8": ((0, 1, 2, 3), VARIANT, {"kv_dtype": "int8"}, 1, 1),
     "tp2xcp2-variants": ((0, 1, 2, 3), VARIANT, {}, 2, 2),
+    "tp2xcp2-paged-int8": ((0, 1, 2, 3), VARIANT, {"page_size": 3, "kv_dtype": "int8"}, 2, 2),
 }
 FAILURE_SCENARIOS = ["c2-contiguous", "c4-variants-paged", "tp2xcp2-variants"]
 FAILURES = (("mid-step", 1), ("after-last-gather", 0))  # (where, failing rank of the grid)
@@ -181,7 +182,8 @@ def _worker(rank: int, world: int, outdir: str) -> None:
             if rank not in ranks:
                 continue
             routes.update(kernel=0, positions=0)
-            if P > 1:
+            if P > 1:  # the grid made above (chunk 2)
+                assert chunk == grid_cp.chunk
                 cp = grid_cp
             else:
                 cp = cpm.ContextParallel(pairs.get(ranks), chunk=chunk)
@@ -452,6 +454,13 @@ def test_bad_steps_are_refused_before_anything_is_written():
                                          r"takes padded \[B'=2, H, T >= 3, d\]"):
         step.attend(0, np.zeros((2, 2, 3, 4)), np.zeros((2, 1, 2, 4)), np.zeros((2, 1, 3, 4)),
                     params=AttentionParams(scale=1.0))
+    with pytest.raises(ValueError, match="q has head dim d=5, the cache has d=4"):
+        step.attend(0, np.zeros((2, 3, 3, 5)), np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 4)),
+                    params=AttentionParams(scale=1.0))
+    with pytest.raises(ValueError, match="window=0 is not allowed: window must be an int >= 1"):
+        step.attend(0, np.zeros((2, 2, 3, 4)), np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 4)),
+                    params=AttentionParams(scale=1.0, window=0))
+    assert not step.local._written.any()  # nothing was written by the refused calls
     step.abort()
     assert cache.host_lens.tolist() == [0, 0] and cache.local.host_lens.tolist() == [0, 0]
 
