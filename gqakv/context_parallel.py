@@ -239,9 +239,37 @@ class ContextParallelCache:
         lens.flags.writeable = False
         return lens
 
+    # Row operations: call them with the same arguments on every rank of the CP group (each
+    # moves its own tokens; the absolute lengths follow). The local cache validates first.
+
     def reset(self, rows=None) -> None:
+        """Empty ``rows`` (default every row) on this rank."""
         self.local.reset(rows)
         self._lens[np.arange(self.batch) if rows is None else np.asarray(rows, dtype=np.int64)] = 0
+
+    def reorder(self, src_rows) -> None:
+        """Row b takes row ``src_rows[b]``'s tokens (this rank's) and length."""
+        self.local.reorder(src_rows)
+        self._lens[:] = self._lens[np.asarray(src_rows, dtype=np.int64)]
+
+    def fork(self, src: int, dst_rows) -> None:
+        """Copy row ``src``'s tokens (this rank's) and length into each of ``dst_rows``."""
+        self.local.fork(src, dst_rows)
+        self._lens[np.asarray(dst_rows, dtype=np.int64)] = self._lens[int(src)]
+
+    def truncate(self, rows, new_lens) -> None:
+        """Shorten ``rows[i]`` to ``new_lens[i] <= lens[rows[i]]`` absolute tokens."""
+        r = host_ints(rows, "rows", len(rows))
+        n = host_ints(new_lens, "new_lens", r.size)
+        if r.size and (r.min() < 0 or r.max() >= self.batch):
+            raise ValueError(f"rows={r.tolist()} must be rows of 0..{self.batch - 1}")
+        bad = np.flatnonzero((n < 0) | (n > self._lens[r]))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"new_lens[{i}]={int(n[i])} must be within 0..{int(self._lens[r[i]])} "
+                             f"(row {int(r[i])}'s length)")
+        self.local.truncate(r, self.placement.count(n))
+        self._lens[r] = n
 
     def step(self, n_new, *, rows=None, tree=None) -> "ContextParallelStep":
         """Begin a step appending ``n_new[i]`` tokens to row ``rows[i]`` at absolute

@@ -556,5 +556,35 @@ def test_torchrun_generate_command(tmp_path):
     assert "greedy tokens identical: yes" in out
 
 
+def test_row_operations_keep_every_rank_in_step():
+    """Each simulated rank runs the same row operations on its slice; the slices then hold
+    exactly the tokens the placement deals them of the rows the operations made."""
+    from gqakv.context_parallel import ContextParallelCache
+
+    C, S, B, L = 3, 2, 3, 17
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((B, 1, L, 4))
+    caches = [ContextParallelCache(Interleaved.plan(C, r, S), 1, B, 1, 24, 4, "float64", "numpy", page_size=4)
+              for r in range(C)]
+    lens = np.array([17, 5, 9])
+    for cache in caches:
+        st = cache.step(lens)
+        st.local.write(0, st._mine(k), st._mine(k))
+        st.commit()
+    for cache in caches:
+        cache.reorder([2, 0, 0])
+        cache.truncate([1], [11])
+        cache.fork(1, [2])
+    want_rows = {0: (2, 9), 1: (0, 11), 2: (0, 11)}  # row -> (source row of k, length)
+    for cache in caches:
+        pl = cache.placement
+        assert cache.host_lens.tolist() == [9, 11, 11]
+        for row, (src, n) in want_rows.items():
+            held = np.flatnonzero(pl.owner(np.arange(n)) == pl.rank)
+            np.testing.assert_array_equal(cache.live_kv(0, row)[0], k[src][:, held])
+    with pytest.raises(ValueError, match=r"new_lens\[0\]=12 must be within 0..11 \(row 1's length\)"):
+        caches[0].truncate([1], [12])
+
+
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "worker":
     _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
