@@ -556,6 +556,26 @@ def test_torchrun_generate_command(tmp_path):
     assert "greedy tokens identical: yes" in out
 
 
+def test_grid_refuses_sizes_that_are_not_the_groups():
+    import torch.distributed as dist
+
+    from gqakv import context_parallel, distributed
+
+    distributed.init(1)  # a one-process group
+    try:
+        with pytest.raises(ValueError, match=r"tensor_parallel=2 x context_parallel=2 = 4 ranks, but the "
+                                             r"process group has 1"):
+            context_parallel.grid(2, 2)
+        with pytest.raises(ValueError, match="context_parallel must be >= 1, got 0"):
+            context_parallel.grid(1, 0)
+        with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
+            context_parallel.ContextParallel(None, chunk=0)
+        tp, cp = context_parallel.grid(1, 1, chunk=5)
+        assert tp is None and (cp.world_size, cp.rank, cp.chunk) == (1, 0, 5)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_row_operations_keep_every_rank_in_step():
     """Each simulated rank runs the same row operations on its slice; the slices then hold
     exactly the tokens the placement deals them of the rows the operations made."""
