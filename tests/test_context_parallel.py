@@ -205,7 +205,7 @@ def _worker(rank: int, world: int, outdir: str) -> None:
                            context_parallel=cp4)
         long_prompt = [int(t) for t in np.random.default_rng(7).integers(0, 97, 200)]
         g = generate(model, [long_prompt, [1, 2, 3]], 4, chunks=37, cache_options={"page_size": 8})
-        out["long"] = {"tokens": g.tokens, "logits": g.logits}
+        out["long"] = {"tokens": g.tokens, "logits": g.logits, "cache_nbytes": g.cache_nbytes}
         # The collective sizes of one decoded token with Llama-3.1-8B's attention shapes.
         model = LlamaModel(LLAMA_HEADS, seed=1, dtype="float32", backend="numpy", context_parallel=cp4)
         cache = model.new_cache(1, 64)
@@ -286,9 +286,11 @@ def test_a_long_row_equals_one_process(ranks):
     model = LlamaModel(TINY.replace(**VARIANT), seed=3, dtype="float64", backend="numpy")
     long_prompt = [int(t) for t in np.random.default_rng(7).integers(0, 97, 200)]
     want = generate(model, [long_prompt, [1, 2, 3]], 4, chunks=37, cache_options={"page_size": 8})
+    budget = want.cache_nbytes // 3  # a device one process's cache outgrows 3 times over
     for r in range(4):
         np.testing.assert_array_equal(ranks[r]["long"]["tokens"], want.tokens)
         np.testing.assert_allclose(ranks[r]["long"]["logits"], want.logits, rtol=0, atol=F64_ATOL)
+        assert ranks[r]["long"]["cache_nbytes"] <= budget < want.cache_nbytes
 
 
 @pytest.mark.parametrize("name", FAILURE_SCENARIOS)
