@@ -158,6 +158,9 @@ def attend_positions(q, store, rows, starts, n_new, placement: Interleaved, para
     neg_inf = xp.asarray(-math.inf, dtype=acc, device=dev)
     heads = (None if params.alibi_slopes is None else
              xp.reshape(xp.arange(Hq, device=dev), (Hkv, G, 1, 1)))
+    codec = store.spec.codec
+    if getattr(codec, "rotates_keys", False):  # keys stored in a rotated basis: q . k needs q in it
+        q = codec.rotate_queries(xp, q)
     for i in range(B):
         n, p0 = int(n_new[i]), int(starts[i])
         if n == 0:
