@@ -25,7 +25,8 @@ from gqakv.storage import codecs
 from gqakv.storage.store import StorageSpec
 
 from .support.arrays import BackendArrays
-from .support.quantization import GROUPED, hard_tokens, held_grouped, reference_grouped, rotation
+from .support.quantization import (GROUPED, hard_tokens, held_grouped, reference_grouped, rotation,
+                                   walsh_hadamard_rotation)
 from .support.reference import reference_attention
 from .support.routes import assert_product_routes
 
@@ -127,17 +128,29 @@ def test_live_kv_gives_keys_in_the_callers_basis(name):
     np.testing.assert_array_equal(got_v, reference_grouped(k[0], name, False)[2])
     if GROUPED[name][2]:  # and keys really are stored rotated
         stored = codecs.of(name).dequantize(np, cache.store.k[0, :, :5], cache.store.k_scale[0, :, :5])
-        np.testing.assert_allclose(stored, k[0] @ rotation(32), atol=0.5)
+        np.testing.assert_allclose(stored, k[0].astype(np.float64) @ rotation(32), atol=0.5)
         assert not np.allclose(stored, k[0], atol=0.5)
 
 
 def test_rotation_is_orthogonal_and_the_documented_one():
+    """R (built here from the Hadamard matrix's formula) is orthogonal and is the library's;
+    the butterflies compute x R (and y R.T) to float32 rounding, the library's bit for bit
+    with this file's, whatever the batch shape."""
+    from gqakv.storage import quantize
+
+    rng = np.random.default_rng(1)
     for d in (1, 2, 8, 64, 128):
         R = rotation(d)
         np.testing.assert_allclose(R @ R.T, np.eye(d), atol=1e-12)
-        from gqakv.storage import quantize
-
         np.testing.assert_array_equal(quantize.hadamard_rotation(d), R)
+        x = rng.standard_normal((3, 4, d)).astype(np.float32)
+        y = walsh_hadamard_rotation(x)
+        np.testing.assert_allclose(y, x.astype(np.float64) @ R, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(walsh_hadamard_rotation(y, inverse=True), x, atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(quantize.rotate(np, x), y)
+        np.testing.assert_array_equal(quantize.rotate(np, x[1:2, 1:]), y[1:2, 1:])  # shape-blind
+        np.testing.assert_array_equal(quantize.rotate(np, y, inverse=True),
+                                      walsh_hadamard_rotation(y, inverse=True))
 
 
 @pytest.mark.parametrize("name,d,words", [

@@ -134,7 +134,8 @@ class Codec:
         return self.encode(xp, x)
 
     def rotate_queries(self, xp, q):
-        """Queries ``[..., d]`` in the stored keys' basis (the identity here)."""
+        """Queries ``[..., d]`` in the stored keys' basis (the identity here; a rotating
+        codec returns them in float32, float64 for float64 q)."""
         return q
 
     def unrotate_keys(self, xp, k):
@@ -263,7 +264,6 @@ class Grouped(Codec):
         self.rotates_keys = self.rotated  # type: ignore[misc]
         # the code of 1: 1 itself (8 bits), nibbles 1 + 8 in both halves (4 bits)
         self.fill_code = 1 if bits == 8 else 0x99  # type: ignore[misc]
-        self._rotations: dict = {}
 
     def check_head_dim(self, head_dim: int) -> None:
         d = int(head_dim)
@@ -318,50 +318,14 @@ class Grouped(Codec):
             np.subtract(codes >> 4, 8, out=out[..., 1::2], dtype=np.float32, casting="unsafe")
         return np.multiply(out, np.repeat(scales, self.group, axis=-1), out=out)
 
-    def _rotation(self, xp, x):
-        """R (``quantize.hadamard_rotation``) as an array of ``xp`` in x's compute dtype
-        (float64 for float64 x, else float32) on x's device; NumPy's kept."""
-        import numpy as np
-
-        d = int(x.shape[-1])
-        wide = x.dtype == xp.float64
-        key = (d, wide)
-        if _is_numpy_namespace(xp) and key in self._rotations:
-            return self._rotations[key]
-        r = _quantize.hadamard_rotation(d).astype(np.float64 if wide else np.float32)
-        out = xp.asarray(r, device=getattr(x, "device", None))
-        if _is_numpy_namespace(xp):
-            self._rotations[key] = out
-        return out
-
-    def _rotate(self, xp, x, transpose: bool, wide: bool = False):
-        """x ``[..., d]`` times R (R.T with ``transpose``) in x's compute dtype, or float64
-        (``wide``)."""
-        compute = xp.float64 if wide or x.dtype == xp.float64 else xp.float32
-        x = xp.astype(x, compute)
-        r = self._rotation(xp, x)
-        return xp.matmul(x, xp.permute_dims(r, (1, 0)) if transpose else r)
-
     def encode_keys(self, xp, x) -> tuple:
-        if not self.rotated:
-            return self.encode(xp, x)
-        # rotated in float64, then rounded to float32: the stored codes then follow the
-        # rule whatever order a library's matmul sums in
-        return self.encode(xp, xp.astype(self._rotate(xp, x, False, wide=True), xp.float32))
+        return self.encode(xp, _quantize.rotate(xp, x) if self.rotated else x)
 
     def rotate_queries(self, xp, q):
-        if not self.rotated:
-            return q
-        return xp.astype(self._rotate(xp, q, False), q.dtype)
+        return _quantize.rotate(xp, q) if self.rotated else q
 
     def unrotate_keys(self, xp, k):
-        if not self.rotated:
-            return k
-        return xp.astype(self._rotate(xp, k, True), k.dtype)
-
-
-def _is_numpy_namespace(xp) -> bool:
-    return getattr(xp, "__name__", "").endswith("numpy") and "cupy" not in getattr(xp, "__name__", "")
+        return xp.astype(_quantize.rotate(xp, k, inverse=True), k.dtype) if self.rotated else k
 
 
 PLAIN = PlainCodec()

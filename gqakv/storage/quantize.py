@@ -139,7 +139,13 @@ def dequantize(xp, codes, scales, kv_dtype: str, table=None):
 # ``R = diag(s) H / sqrt(d)`` (``hadamard_rotation``: H the d x d Walsh-Hadamard matrix, s
 # fixed random signs): an outlier channel is spread over every channel of the block, so the
 # blocks' scales stop being set by it. Queries are rotated by the same R at attention, so
-# q . k is unchanged in exact arithmetic (R is orthogonal: q R . k R = q . k).
+# q . k is unchanged in exact arithmetic (R is orthogonal: q R . k R = q . k). ``x R`` is
+# computed exactly so (``rotate``), in float32 (float64 for float64 inputs): ``y = x * s``,
+# then the fast Walsh-Hadamard transform's stages h = 1, 2, 4, ..., d / 2, each replacing
+# every pair ``(y[i], y[i + h])`` (i in a block of 2h starting at a multiple of 2h, i within
+# its first h) by ``(y[i] + y[i + h], y[i] - y[i + h])``, then ``y * (1 / sqrt(d))`` (the
+# factor rounded to the dtype). Every element is one fixed sequence of additions, so every
+# library and batch shape gets the same bits.
 
 #: Largest stored magnitude of each code width of the grouped schemes.
 GROUP_QMAX = {8: 127.0, 4: 7.0}
@@ -185,6 +191,39 @@ def dequantize_groups(xp, codes, scales, bits: int, group: int):
     lead = tuple(values.shape)[:-1]
     out = xp.reshape(values, (*lead, n_groups, group)) * scales[..., None]
     return xp.reshape(out, (*lead, d))
+
+
+def _walsh_hadamard(xp, y):
+    """``y @ H`` (Sylvester's order) by the transform's butterflies, stage h = 1, 2, ...."""
+    shape = tuple(y.shape)
+    d = shape[-1]
+    h = 1
+    while h < d:
+        pairs = xp.reshape(y, (*shape[:-1], d // (2 * h), 2, h))
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = xp.reshape(xp.stack([a + b, a - b], axis=-2), shape)
+        h *= 2
+    return y
+
+
+def _signs(xp, d: int, like):
+    """The rotation's fixed signs s ``[d]`` as an array of ``xp`` in like's dtype and device."""
+    s = np.where(np.random.default_rng(ROTATION_SEED).random(d) < 0.5, -1.0, 1.0)
+    return xp.asarray(s.astype(np.float64 if like.dtype == xp.float64 else np.float32),
+                      device=getattr(like, "device", None))
+
+
+def rotate(xp, x, inverse: bool = False):
+    """``x @ R`` (``inverse``: ``x @ R.T``) for x ``[..., d]``, d a power of two, computed as
+    the module docstring says, in float32 (float64 for float64 x)."""
+    compute = xp.float64 if x.dtype == xp.float64 else xp.float32
+    y = xp.astype(x, compute)
+    d = int(y.shape[-1])
+    s = _signs(xp, d, y)
+    factor = xp.asarray(1.0 / math.sqrt(d), dtype=compute)
+    if inverse:  # R.T = H diag(s) / sqrt(d)
+        return _walsh_hadamard(xp, y) * factor * s
+    return _walsh_hadamard(xp, y * s) * factor
 
 
 def hadamard_rotation(d: int) -> np.ndarray:

@@ -73,18 +73,39 @@ def rotation(d: int) -> np.ndarray:
     return s[:, None] * H / np.sqrt(d)
 
 
+def walsh_hadamard_rotation(x: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """x [..., d] float32 times R (``inverse``: R.T) by the documented butterflies, element
+    by element: signs first (inverse: last), stages h = 1, 2, ..., each pair (i, i + h) of
+    a block of 2h becoming (a + b, a - b), then times float32(1 / sqrt(d))."""
+    y = np.array(x, dtype=np.float32)
+    d = y.shape[-1]
+    s = np.where(np.random.default_rng(Q.ROTATION_SEED).random(d) < 0.5, -1, 1).astype(np.float32)
+    if not inverse:
+        y = y * s
+    h = 1
+    while h < d:
+        out = np.empty_like(y)
+        for start in range(0, d, 2 * h):
+            for i in range(start, start + h):
+                a, b = y[..., i], y[..., i + h]
+                out[..., i], out[..., i + h] = a + b, a - b
+        y = out
+        h *= 2
+    y = y * np.float32(1.0 / np.sqrt(d))
+    return y * s if inverse else y
+
+
 def reference_grouped(x: np.ndarray, name: str, keys: bool = False):
     """x [..., d] -> (stored codes, scales [..., d / g] float32, dequantized float32 [..., d]
     in the stored basis) under the grouped rule: per block of g values scale = amax /
     QMAX (127, or 7 for 4 bits), codes = x / scale rounded half to even, clipped; a zero
     block: scale 0 and codes 0; a non-finite block: scale NaN, codes 0. 4 bits: nibble
-    c + 8, value 2i low, 2i + 1 high. ``keys`` of a rotated codec are first rotated (in
-    float64, rounded to float32)."""
+    c + 8, value 2i low, 2i + 1 high. ``keys`` of a rotated codec are first rotated
+    (``walsh_hadamard_rotation``, float32)."""
     bits, g, rotated = GROUPED[name]
-    x = np.asarray(x, np.float64 if rotated and keys else np.float32)
+    x = np.asarray(x, np.float32)
     if rotated and keys:
-        x = x @ rotation(x.shape[-1])
-    x = x.astype(np.float32)
+        x = walsh_hadamard_rotation(x)
     d = x.shape[-1]
     qmax = np.float32(127 if bits == 8 else 7)
     blocks = x.reshape(*x.shape[:-1], d // g, g)
@@ -104,7 +125,7 @@ def reference_grouped(x: np.ndarray, name: str, keys: bool = False):
 def held_grouped(x: np.ndarray, name: str, keys: bool) -> np.ndarray:
     """What a cache of grouped codec ``name`` holds for ``x`` [..., d], in the caller's
     basis (float64): the dequantized values, keys of a rotated codec rotated back."""
-    values = reference_grouped(x, name, keys)[2].astype(np.float64)
+    values = reference_grouped(x, name, keys)[2]
     if GROUPED[name][2] and keys:
-        values = values @ rotation(x.shape[-1]).T
-    return values
+        values = walsh_hadamard_rotation(values, inverse=True)
+    return values.astype(np.float64)
