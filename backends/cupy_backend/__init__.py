@@ -25,6 +25,10 @@
   the device. Fixed plans (``plan_fixed_attention``, for CUDA graphs) are sized for the
   capacities, so their launches do not depend on the lengths, which ``update_attention``
   rewrites in place.
+* Draft trees (speculative verification, ``gqa_attention(..., tree=)``): the prefill
+  kernels' tree instantiation (variant.cuh's TREE flag) serves a tree call of any t_q, over
+  every storage and with every variant; the tree's ancestor sets and depths are uploaded
+  once per plan (work.tree_arrays). The decode kernels have no tree clause.
 * What each kernel implements (layouts, codecs, variant features) is declared as data,
   ``CupyBackend.fast_paths`` (``routing.FAST_PATHS``); anything else (an unknown codec, a
   variant no kernel implements) is refused by the kernels with that declaration's sentence.
@@ -423,7 +427,8 @@ class CupyBackend(Backend):
                                lambda: _plan_or_refusal(_plan.plan_attention, dtype, d, **kwargs))
 
     def _plan_kwargs(self, store, q_shape, lens, n_new, params, sm_count, capability,
-                     q_strides, out_strides, force_splits=None, invariant=False) -> dict:
+                     q_strides, out_strides, force_splits=None, invariant=False,
+                     tree_stride=None) -> dict:
         B, Hq, T, _ = (int(s) for s in q_shape)
         Hkv = int(store.k.shape[1])
         kwargs = dict(batch=B, kv_heads=Hkv, group=Hq // Hkv, t_q=T,
@@ -437,6 +442,8 @@ class CupyBackend(Backend):
             kwargs["force_splits"] = int(force_splits)
         if invariant:
             kwargs["invariant"] = True
+        if tree_stride is not None:  # a draft tree: the prefill kernels' tree instantiation
+            kwargs["tree_stride"] = int(tree_stride)
         return kwargs
 
     def _plan_work(self, store, inputs, params, q_shape, *, fixed: bool = False, splits=None):
@@ -456,7 +463,7 @@ class CupyBackend(Backend):
         contiguous = _contiguous_strides(q_shape)[:3]
         kwargs = self._plan_kwargs(store, q_shape, lens, n_new, params, sm_count, capability,
                                    contiguous, contiguous, splits if fixed else None,
-                                   invariant=inputs.invariant)
+                                   invariant=inputs.invariant, tree_stride=_work.tree_stride(inputs))
         plan = self._kernel_plan(dtype, d, kwargs)
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
             return f"the route is {routing.route_attention(request.with_(grid=plan))}"
@@ -550,7 +557,7 @@ class CupyBackend(Backend):
         assert capability is not None  # a kernel route: the device's facts were read above
         kwargs = self._plan_kwargs(store, (B, Hq, T, d), lens, n_new, params, sm_count,
                                    capability, _strides(q)[:3], _strides(out)[:3],
-                                   invariant=inputs.invariant)
+                                   invariant=inputs.invariant, tree_stride=_work.tree_stride(inputs))
         plan = self._kernel_plan(dtype, d, kwargs)
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
             route = routing.route_attention(request.with_(grid=plan))
@@ -564,6 +571,9 @@ class CupyBackend(Backend):
                 arrays["sinks"] = self._upload_floats(params.sinks)
             if params.alibi_slopes is not None:  # [Hq] float32 slopes, kept by value
                 arrays["alibi"] = self._upload_floats(params.alibi_slopes)
+            if inputs.tree is not None:  # its ancestor sets and depths, kept by value
+                arrays["tree_mask"], arrays["tree_depth"] = (
+                    self._upload(a) for a in _work.tree_arrays(inputs.tree))
             if kwargs["pages"] is not None:
                 arrays["table"] = self._upload_table(store)
             if kv_dtype:

@@ -19,7 +19,8 @@ axis may be narrowed); ``Instantiation.name`` spells one entry as C++.
 
 Adding to the table:
   a variant feature   one entry in ``VARIANT_FLAGS`` (its bit, as kernels/variant.cuh spells
-                      it); every kernel whose ``variant_mask`` is ``ALL`` takes it;
+                      it); every kernel whose ``variant_mask`` is ``ALL`` takes it (the draft
+                      tree's bit, ``TREE``, is added to the prefill kernels' masks only);
   a (storage, reader) one line in ``LAYOUTS``, e.g. ``("quantized", "paged")``: every kernel
                       that reads that storage and has a reader parameter ("R") gets it;
   a kernel            one ``Kernel`` in ``KERNELS``.
@@ -39,10 +40,18 @@ CTYPES = {"float32": "float", "float16": "gqakv_half", "bfloat16": "gqakv_bf16"}
 CODE_CTYPES = {"int8": "gqakv_i8", "float8_e4m3fn": "gqakv_e4m3"}
 
 #: The variant trait's flags (kernels/variant.cuh: GQAKV_VARIANT_*), by feature name of
-#: ``gqakv.core.semantics.AttentionParams.features``.
-VARIANT_FLAGS = {"window": 1, "softcap": 2, "sinks": 4, "alibi": 8}
-#: Every feature at once: the variant mask of a kernel that implements all of them.
-ALL = sum(VARIANT_FLAGS.values())
+#: ``gqakv.core.inputs.AttentionInputs.features``: the ``AttentionParams`` features, and
+#: ``tree`` (a draft tree's mask clause: speculative verification, gqakv.core.tree).
+VARIANT_FLAGS = {"window": 1, "softcap": 2, "sinks": 4, "alibi": 8, "tree": 16}
+#: The draft-tree bit: only the prefill kernels take it (their ``variant_mask`` is
+#: ``ALL | TREE``); a tree call of any length runs on them (routing.py), so the decode
+#: kernels and the merge keep their instantiations.
+TREE = VARIANT_FLAGS["tree"]
+#: Every score / window feature at once (window, softcap, sinks, alibi): the variant mask
+#: of a kernel that implements all of them.
+ALL = sum(v for name, v in VARIANT_FLAGS.items() if name != "tree")
+#: The largest flag set of the table (every bit).
+_ANY = sum(VARIANT_FLAGS.values())
 
 #: Reader -> the template argument naming it ("" for the default: the K/V pack is empty).
 READERS = {"contiguous": "", "paged": "KVPages"}
@@ -88,7 +97,7 @@ class Kernel:
 
     def variants(self) -> tuple[int, ...]:
         """The variant flags it is instantiated for (0: plain causal), ascending."""
-        return tuple(v for v in range(ALL + 1) if v & ~self.variant_mask == 0)
+        return tuple(v for v in range(_ANY + 1) if v & ~self.variant_mask == 0)
 
 
 #: Every kernel, one line each (the tensor-core ones have no quantized storage: routing.py
@@ -103,8 +112,9 @@ KERNELS = {k.name: k for k in (
            rejection=limits.decode_mma_rejection),
     Kernel("gqakv_merge", "merge.cu", ("T", "D", "V"), ("plain",), VARIANT_FLAGS["sinks"],
            storage_blind=True),
-    Kernel("gqakv_prefill", "prefill.cu", ("S", "D", "V", "R"), ("plain", "quantized"), ALL),
-    Kernel("gqakv_prefill_mma", "prefill_mma.cu", ("S", "D", "V", "R"), ("plain",), ALL,
+    # the prefill kernels also take the draft tree's clause (TREE): tree calls of every t_q
+    Kernel("gqakv_prefill", "prefill.cu", ("S", "D", "V", "R"), ("plain", "quantized"), ALL | TREE),
+    Kernel("gqakv_prefill_mma", "prefill_mma.cu", ("S", "D", "V", "R"), ("plain",), ALL | TREE,
            rejection=limits.prefill_mma_rejection),
 )}
 
@@ -170,7 +180,7 @@ def rejection(inst: Instantiation) -> str | None:
         return f"no {kind} x {inst.reader} instantiations (instantiated: {LAYOUTS})"
     if inst.variant not in k.variants():
         with_variants = ", ".join(n for n, x in KERNELS.items() if x.variant_mask)
-        return (f"{k.name} has no variant={inst.variant} (variants: flags 1..{ALL} of "
+        return (f"{k.name} has no variant={inst.variant} (variants: flags 1..{_ANY} of "
                 f"{with_variants}; {k.name} takes {k.variants()})")
     if not 1 <= inst.head_dim <= limits.MAX_FUSED_HEAD_DIM:
         return f"no fused kernels for head_dim={inst.head_dim} (fused: 1..{limits.MAX_FUSED_HEAD_DIM})"
@@ -207,7 +217,7 @@ def select(kernels: Iterable[str] | None = None, dtypes: Iterable[str] | None = 
         KERNELS if kernels is None else kernels, CTYPES if dtypes is None else dtypes, head_dims,
         (None, *CODE_CTYPES) if kv_dtypes is None else kv_dtypes,
         READERS if readers is None else readers,
-        range(ALL + 1) if variants is None else variants)
+        range(_ANY + 1) if variants is None else variants)
     for kernel, dtype, d, kv, reader, v in axes:
         tiles = limits.DECODE_QUERY_TILES if "QB" in KERNELS[kernel].params else (None,)
         for tile in tiles:

@@ -16,7 +16,9 @@ Buffers a plan refers to:
              (pre-filled with -inf); workspace part_o ``[B, Hq, T, splits, d]`` and
              part_lse ``[B, Hq, T, splits]`` fp32 when split-KV is used; dummy (1 fp32);
              sinks ``[Hq]`` fp32 (only under the sinks variant); alibi ``[Hq]`` fp32
-             slopes (only under the alibi variant).
+             slopes (only under the alibi variant); a draft tree's tree_mask ``[B, S, S]``
+             uint8 (its ancestor sets) and tree_depth ``[B, S]`` int64 (S: the tree's
+             tokens per entry, ``tree_stride``; only under the tree variant).
   paged (write_kv, attention with ``pages``): k_buf, v_buf are the page pools
              ``[num_pages, Hkv, page_size, d]`` (their strides: page, head, token) and
              table the page table ``[R, pages_per_row]`` int32 (kernels/paged_kv.cuh);
@@ -29,7 +31,9 @@ Buffers a plan refers to:
              the code strides, checked by the caller).
 The attention kernels take their runtime parameters as one struct (``KernelParams``, the
 kernels' ``AttnParams`` in kernels/variant.cuh) and the variant as a template flag
-(``variant_flags``): which of window / softcap / sinks / alibi the instantiation implements.
+(``variant_flags``): which of window / softcap / sinks / alibi the instantiation implements,
+and the draft tree's bit (``tree_stride``: a tree call, served by the prefill kernels at
+any t_q).
 Strides are in elements; the head-dim stride is 1 and row strides keep vector alignment.
 """
 
@@ -96,9 +100,10 @@ VARIANT_FLAGS = instantiations.VARIANT_FLAGS
 PARAMS_DTYPE = structs.ATTN_PARAMS.dtype
 
 
-def variant_flags(params: semantics.AttentionParams) -> int:
-    """The template flag of the kernels implementing ``params``' variant (0: causal)."""
-    return sum(VARIANT_FLAGS[f] for f in params.features)
+def variant_flags(params: semantics.AttentionParams, tree: bool = False) -> int:
+    """The template flag of the kernels implementing ``params``' variant (0: causal), with
+    the draft tree's bit when ``tree``."""
+    return sum(VARIANT_FLAGS[f] for f in params.features) | (instantiations.TREE if tree else 0)
 
 
 @dataclass(frozen=True)
@@ -113,21 +118,30 @@ class KernelParams:
     k_scale: Buf | None = None  # a quantized cache's scales
     v_scale: Buf | None = None
     alibi: Buf | None = None  # [Hq] float32 ALiBi slopes
+    tree_mask: Buf | None = None  # a draft tree: [B, S, S] uint8 ancestor sets
+    tree_depth: Buf | None = None  # and [B, S] int64 depths
+    tree_stride: int = 0  # S (0: no tree)
 
     @classmethod
-    def of(cls, params: semantics.AttentionParams, quantized: bool = False) -> "KernelParams":
+    def of(cls, params: semantics.AttentionParams, quantized: bool = False,
+           tree_stride: int | None = None) -> "KernelParams":
         scales = (Buf("k_scale"), Buf("v_scale")) if quantized else (None, None)
+        tree = tree_stride is not None
         return cls(scale=float(params.scale), softcap=float(params.softcap or 0.0),
                    window=int(params.window or 0), sinks=Buf("sinks") if params.sinks is not None else None,
                    k_scale=scales[0], v_scale=scales[1],
-                   alibi=Buf("alibi") if params.alibi_slopes is not None else None)
+                   alibi=Buf("alibi") if params.alibi_slopes is not None else None,
+                   tree_mask=Buf("tree_mask") if tree else None,
+                   tree_depth=Buf("tree_depth") if tree else None,
+                   tree_stride=int(tree_stride) if tree else 0)
 
     def record(self, address) -> np.void:
         """The struct as a NumPy record of ``PARAMS_DTYPE``; ``address(buf)`` gives a Buf's
         device address."""
         r = np.zeros((), PARAMS_DTYPE)
         r["scale"], r["softcap"], r["window"] = self.scale, self.softcap, self.window
-        for name in ("sinks", "k_scale", "v_scale", "alibi"):
+        r["tree_stride"] = self.tree_stride
+        for name in ("sinks", "k_scale", "v_scale", "alibi", "tree_mask", "tree_depth"):
             buf = getattr(self, name)
             r[name] = 0 if buf is None else int(address(buf))
         return cast(np.void, r[()])  # a 0-d record indexed by () is its np.void
@@ -364,7 +378,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
                    tensor_cores: bool = True,
                    params: semantics.AttentionParams | None = None,
                    pages: PageTableArg | None = None, kv_dtype: str | None = None,
-                   invariant: bool = False) -> Plan:
+                   invariant: bool = False, tree_stride: int | None = None) -> Plan:
     """Launches computing attention of q over the cache into out and lse.
 
     lens, n_new: host int arrays [B] (lens are post-append lengths of each entry's row).
@@ -381,14 +395,20 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     instantiation, see routing.py). Both: the quantized reader over pages (QuantizedKV
     over PagedKV, the scales' page pools found from the codes' strides). invariant
     (batch-invariant mode): the prefill kernel for every t_q, whose per-query results do
-    not depend on the batch (no split-KV).
+    not depend on the batch (no split-KV). tree_stride: a draft-tree call (None: none), S
+    the tree's tokens per entry (its arrays ``tree_mask`` [B, S, S], ``tree_depth`` [B, S]):
+    the prefill kernels' tree instantiation at every t_q, T = 1 included (the decode
+    kernels have no tree clause); each block's keys start at its entry's prefix window
+    (the window start of a depth-0 query: semantics.block_keys(tree=) starts there or
+    later, masked between).
     """
     if params is None:
         if scale is None:
             raise TypeError("plan_attention needs scale= or params=")
         params = semantics.AttentionParams(scale=scale)
-    variant = variant_flags(params)
-    kparams = KernelParams.of(params, quantized=kv_dtype is not None)
+    tree = tree_stride is not None
+    variant = variant_flags(params, tree)
+    kparams = KernelParams.of(params, quantized=kv_dtype is not None, tree_stride=tree_stride)
     if kv_dtype is not None:
         tensor_cores = False
     plan = Plan()
@@ -403,7 +423,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     strides = (*_i64(*q_strides), *_i64(*buf_strides), *_i64(*out_strides))
     bufs = (Buf("q"), Buf("k_buf"), Buf("v_buf"), Buf("rows"), Buf("lens"), Buf("n_new"),
             Buf("out"), Buf("lse"))
-    if t_q <= DECODE_MAX_T and not invariant:
+    if t_q <= DECODE_MAX_T and not invariant and not tree:
         kernel, tile, n_qchunks, per_sm = decode_kernel(dtype, head_dim, group * t_q, tensor_cores)
         ctas = batch * kv_heads * n_qchunks
         if force_splits:

@@ -67,6 +67,9 @@ _QUANTIZED = frozenset(QUANTIZED_DTYPES)
 _CODECS = frozenset({PLAIN_NAME, *QUANTIZED_DTYPES})
 #: The variant features of variant.cuh's trait (plan.VARIANT_FLAGS).
 VARIANT_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})
+#: A draft tree's clause (speculative verification): the prefill kernels' TREE flag only,
+#: so a tree call of any t_q runs on them (route_attention).
+TREE_FEATURE = "tree"
 _MMA = frozenset(limits.MMA_DTYPES)
 FAST_PATHS: tuple[FastPath, ...] = (
     FastPath("gqakv_write_kv", "write_kv", _LAYOUTS, frozenset({PLAIN_NAME}), dtypes=frozenset(FUSED_DTYPES)),
@@ -79,10 +82,11 @@ FAST_PATHS: tuple[FastPath, ...] = (
     FastPath("gqakv_decode", "attention", _LAYOUTS, _CODECS, VARIANT_FEATURES, frozenset(FUSED_DTYPES)),
     # the prefill kernels keep a query's bits independent of its block (key tiles at multiples
     # of their width, each row's softmax its own): batch-invariant mode runs every t_q on them
-    FastPath("gqakv_prefill_mma", "attention", _LAYOUTS, frozenset({PLAIN_NAME}), VARIANT_FEATURES, _MMA,
-             invariant=True),
-    FastPath("gqakv_prefill", "attention", _LAYOUTS, _CODECS, VARIANT_FEATURES, frozenset(FUSED_DTYPES),
-             invariant=True),
+    # and they take a draft tree (instantiations.TREE)
+    FastPath("gqakv_prefill_mma", "attention", _LAYOUTS, frozenset({PLAIN_NAME}),
+             VARIANT_FEATURES | {TREE_FEATURE}, _MMA, invariant=True),
+    FastPath("gqakv_prefill", "attention", _LAYOUTS, _CODECS, VARIANT_FEATURES | {TREE_FEATURE},
+             frozenset(FUSED_DTYPES), invariant=True),
 )
 PATHS = {p.name: p for p in FAST_PATHS}
 
@@ -140,7 +144,8 @@ def route_copy_tokens(request: Request) -> Route:
 
 @functools.lru_cache(maxsize=1024)
 def route_attention(request: Request) -> Route:
-    """The decode kernels for t_q <= DECODE_MAX_T, the prefill kernels above; in each
+    """The decode kernels for t_q <= DECODE_MAX_T, the prefill kernels above (and for a
+    draft tree at every t_q: only they have its clause); in each
     family the tensor-core kernel where it serves (dtype, head_dim) and the device has
     mma.m16n8k16, else the fp32-FMA one; the generic code when neither can run.
     ``grid`` (the planner's refusal) rules out the kernel the family would have run;
@@ -149,9 +154,12 @@ def route_attention(request: Request) -> Route:
     dtype, head_dim = _needs_dtype_and_head_dim(request)
     t_q = request.t_q
     rejected: dict[str, str] = {}
-    decode = t_q <= limits.DECODE_MAX_T and not request.invariant
+    tree = TREE_FEATURE in request.features
+    decode = t_q <= limits.DECODE_MAX_T and not request.invariant and not tree
     family, other = (DECODE_KERNELS, PREFILL_KERNELS) if decode else (PREFILL_KERNELS, DECODE_KERNELS)
     why_family = (f"t_q={t_q} <= {limits.DECODE_MAX_T}: the decode kernels serve it" if decode else
+                  "a draft tree: the prefill kernels serve every t_q (the decode kernels do not "
+                  "implement tree)" if tree else
                   "batch-invariant mode: the prefill kernels serve every t_q (the decode kernels' "
                   "key splits follow the batch)" if request.invariant else
                   f"t_q={t_q} (the decode kernels serve up to {limits.DECODE_MAX_T} query tokens)")
@@ -205,10 +213,10 @@ def implementations() -> dict[str, str]:
                          f"{', '.join(map(str, limits.DECODE_QUERY_TILES))}; {paged}; also over "
                          f"{quant} K/V (contiguous or paged; dequantized in registers)"),
         "gqakv_merge": "joins split-KV decode partials",
-        "gqakv_prefill_mma": (f"t_q > {t}; {mma}; head_dim a multiple of "
+        "gqakv_prefill_mma": (f"t_q > {t} (draft trees: every t_q); {mma}; head_dim a multiple of "
                               f"{limits.PREFILL_MMA_HEAD_DIM_MULTIPLE} up to "
                               f"{limits.MAX_FUSED_HEAD_DIM}; {mma_cc}; {paged}"),
-        "gqakv_prefill": (f"t_q > {t}; {fused}; {paged}; also over {quant} K/V "
+        "gqakv_prefill": (f"t_q > {t} (draft trees: every t_q); {fused}; {paged}; also over {quant} K/V "
                           "(contiguous or paged)"),
         GENERIC: "everything else (float64, larger head dims, other layouts, grids past "
                  f"CUDA's limits of {limits.MAX_GRID_X} x {limits.MAX_GRID_Y} CTAs)",

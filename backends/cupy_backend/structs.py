@@ -28,6 +28,8 @@ FIELD_TYPES: dict[str, tuple[str, type]] = {
     "i64": ("<i8", ctypes.c_int64),
     "const float*": ("<u8", ctypes.c_uint64),
     "const int*": ("<u8", ctypes.c_uint64),
+    "const i64*": ("<u8", ctypes.c_uint64),
+    "const unsigned char*": ("<u8", ctypes.c_uint64),
 }
 
 
@@ -87,6 +89,10 @@ ATTN_PARAMS = Struct("AttnParams", "Runtime attention parameters, one struct pas
     Field("k_scale", "const float*", "a quantized cache's per-token K scales (quantized_kv.cuh; else null, never read)"),
     Field("v_scale", "const float*", "its V scales, likewise"),
     Field("alibi", "const float*", "[Hq] float32 ALiBi slopes, one per query head (read only under VARIANT_ALIBI)"),
+    Field("tree_mask", "const unsigned char*",
+          "[B, tree_stride, tree_stride] uint8 draft-tree ancestor sets (read only under VARIANT_TREE)"),
+    Field("tree_depth", "const i64*", "[B, tree_stride] int64 depths of the draft tokens (only under VARIANT_TREE)"),
+    Field("tree_stride", "i64", "T, the tree's tokens per entry (only under VARIANT_TREE)"),
 ))
 
 #: The page table as the paged kernels take it (plan.PageTableArg fills it; paged_kv.cuh).

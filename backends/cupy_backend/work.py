@@ -3,7 +3,8 @@
 ``CupyBackend.plan_attention`` returns a ``CupyWork`` for a batch its fused kernels serve
 (padded queries; packed ones take the generic code on CuPy, so they get no work): the
 kernel plan (``plan.Plan``), the device index arrays the kernels read (rows / lens /
-n_new ``[B]`` int64 from one upload, the sinks and ALiBi slopes ``[Hq]`` float32, a paged
+n_new ``[B]`` int64 from one upload, the sinks and ALiBi slopes ``[Hq]`` float32, a draft
+tree's ancestor sets ``[B, S, S]`` uint8 and depths ``[B, S]`` int64 (``tree_arrays``), a paged
 store's table ``[R, pages_per_row]`` int32) and the split workspaces the plan names
 (``part_o`` / ``part_lse``, and the 1-element ``dummy``), all allocated once. A run then
 hands these to the launcher as they are: no host-to-device copy, and no allocation when
@@ -20,6 +21,7 @@ arrays in place (``ndarray.set``) for the next step and the launches stay the sa
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +48,8 @@ class CupyWork:
             queued on. A run on another stream is not planned (the uploads may not have
             landed for it, and two streams would share the workspaces), except for a fixed
             work, whose caller orders its streams (a CUDA graph is captured on its own).
-        arrays: name -> device array: rows, lens, n_new, [sinks], [alibi], [table],
+        arrays: name -> device array: rows, lens, n_new, [sinks], [alibi], [tree_mask,
+            tree_depth], [table],
             [part_o, part_lse], dummy.
         ints: the ``[3, B]`` int64 array rows / lens / n_new are views of.
         table: the ``PageTable`` whose entries were uploaded (paged), and ``entries`` a
@@ -85,6 +88,29 @@ def table_entries(store) -> np.ndarray:
     return np.array(store.page_table.entries, dtype=np.int32, order="C")
 
 
+_TREE_ARRAYS: "weakref.WeakKeyDictionary[Any, tuple[np.ndarray, np.ndarray]]" = weakref.WeakKeyDictionary()
+
+
+def tree_arrays(tree) -> tuple[np.ndarray, np.ndarray]:
+    """A draft tree (``gqakv.core.tree.DraftTree``) as the kernels read it (variant.cuh,
+    under the tree flag): the ancestor sets ``[B, S, S]`` uint8 (1 where chunk token u is t
+    or one of its ancestors; 0 at padded slots) and the depths ``[B, S]`` int64, C-ordered,
+    S the tree's tokens per entry (``tree_stride``). Made once per tree (every layer of a
+    step uploads the same bytes)."""
+    got = _TREE_ARRAYS.get(tree)
+    if got is None:
+        mask = np.ascontiguousarray(tree.ancestor_mask(), dtype=np.uint8)
+        depth = np.ascontiguousarray(tree.depth, dtype=np.int64)
+        got = _TREE_ARRAYS[tree] = (mask, depth)
+    return got
+
+
+def tree_stride(inputs) -> int | None:
+    """The planner's ``tree_stride`` for ``inputs`` (None without a draft tree)."""
+    tree = getattr(inputs, "tree", None)
+    return None if tree is None else int(tree.parents.shape[1])
+
+
 def needs_fill(q_shape, n_new, fixed: bool) -> bool:
     """Whether out / lse must be pre-filled (0 / -inf): some padded query or idle row
     that no kernel writes, or a fixed plan (its next lengths are not known)."""
@@ -110,6 +136,8 @@ def upload(cp, work: CupyWork, store, params, put=None) -> None:
         work.arrays["sinks"] = put(np.asarray(params.sinks, dtype=np.float32))
     if params.alibi_slopes is not None:
         work.arrays["alibi"] = put(np.asarray(params.alibi_slopes, dtype=np.float32))
+    if inputs.tree is not None:
+        work.arrays["tree_mask"], work.arrays["tree_depth"] = (put(a) for a in tree_arrays(inputs.tree))
     if work.kwargs.get("pages") is not None:
         work.table, work.entries = store.page_table, table_entries(store)
         work.arrays["table"] = put(work.entries)

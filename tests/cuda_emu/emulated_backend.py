@@ -187,7 +187,11 @@ def emulator(head_dim: int, families: tuple[str, ...] = harness.FAMILIES) -> har
 PRODUCT_HEAD_DIM = 8
 #: Each feature alone, window+softcap+sinks, and all of them together (instantiations.VARIANT_FLAGS):
 #: the product's ATTENTION_PARAMS.
-PRODUCT_VARIANT_FLAGS = (*table.VARIANT_FLAGS.values(), table.ALL & ~table.VARIANT_FLAGS["alibi"], table.ALL)
+PRODUCT_VARIANT_FLAGS = tuple(v for v in (*table.VARIANT_FLAGS.values(), table.ALL & ~table.VARIANT_FLAGS["alibi"],
+                                           table.ALL) if not v & table.TREE)
+#: The draft tree's flags in the product's library (its "tree" family: the prefill kernels
+#: only): the tree with each variant the tree tests run (harness.TREE_VARIANTS).
+PRODUCT_TREE_FLAGS = harness.TREE_VARIANTS
 
 
 def product_registrations(families: tuple[str, ...], d: int = PRODUCT_HEAD_DIM) -> list[harness.Unit]:
@@ -208,6 +212,10 @@ def product_registrations(families: tuple[str, ...], d: int = PRODUCT_HEAD_DIM) 
         units += [harness.unit(kind, d, table.select(dtypes=(t,), head_dims=(d,), kv_dtypes=(kv,),
                                                      readers=(reader,), variants=v))
                   for t in table.CTYPES]
+        if "tree" in families:  # the draft tree's prefill instantiations, their own units
+            units += [harness.unit(kind + " tree", d, table.select(dtypes=(t,), head_dims=(d,), kv_dtypes=(kv,),
+                                                                   readers=(reader,), variants=PRODUCT_TREE_FLAGS))
+                      for t in table.CTYPES]
     return [u for u in units if u.entries]
 
 
@@ -226,9 +234,12 @@ _FAMILY_MARKS = {"paged": ("KVPages",), "quantized": ("gqakv_i8", "gqakv_e4m3")}
 
 
 def plan_families(plan) -> tuple[str, ...]:
-    """The kernel families ``plan``'s launches need (plain kernels are always there)."""
+    """The kernel families ``plan``'s launches need (plain kernels are always there; a
+    draft tree's launches, whose parameters name its arrays, need the "tree" family)."""
     names = " ".join(launch.name for launch in plan.launches)
-    return tuple(f for f, marks in _FAMILY_MARKS.items() if any(m in names for m in marks))
+    tree = any(getattr(a, "tree_mask", None) is not None for launch in plan.launches for a in launch.args)
+    return (*(f for f, marks in _FAMILY_MARKS.items() if any(m in names for m in marks)),
+            *(("tree",) if tree else ()))
 
 
 @functools.cache
@@ -244,7 +255,8 @@ def _library(head_dims: tuple[int, ...], families: tuple[str, ...],
 #: build a test waits for.
 SMALL_LIBRARIES = ((1, ()), (16, ()), (8, ()), (4, ()), (8, ("paged",)), (8, ("quantized",)),
                    (8, ("paged", "quantized")),
-                   (2, ()), (16, ("quantized",)), (4, ("paged",)), (2, ("paged",)), (16, ("paged",)))
+                   (2, ()), (16, ("quantized",)), (4, ("paged",)), (2, ("paged",)), (16, ("paged",)),
+                   (8, ("tree",)), (8, ("paged", "tree")), (8, ("quantized", "tree")))
 
 
 def prebuild_for(items) -> None:

@@ -66,10 +66,21 @@ QUANTIZED_VARIANT_HEAD_DIMS = (64,)
 #: paged one), as for PAGED_VARIANTS.
 PAGED_QUANTIZED_HEAD_DIMS = (64,)
 PAGED_QUANTIZED_VARIANTS = (0, 7, 15)
+#: The draft tree's instantiations (instantiations.TREE: the prefill kernels only): the
+#: head dims they are built at in a library that asks for the "tree" family, and their
+#: flags: the tree alone, with a window, with softcap + sinks, with ALiBi + a window and with
+#: every feature (tests/test_cupy_emulated_tree.py's variants), in float32 and bfloat16
+#: (tensor-core prefill: bfloat16 only), over each storage the library's other families
+#: name. d = 16: the smallest head dim both prefill kernels take.
+TREE_HEAD_DIMS = (16,)
+_W, _C, _S = (table.VARIANT_FLAGS[f] for f in ("window", "softcap", "sinks"))
+TREE_VARIANTS = tuple(table.TREE | v for v in (0, _W, _C | _S, _ALIBI | _W, table.ALL))
+TREE_DTYPES = ("float32", "bfloat16")
 #: Kernel families a library holds beside the plain (contiguous, unquantized) kernels. The
-#: default library holds both; a one-head-dim library (emulated_backend) is built with the
-#: families its launches name, so a small head dim pays only for what its tests run.
-FAMILIES = ("paged", "quantized")
+#: default library holds the first two (its head dims have no "tree" units); a one-head-dim
+#: library (emulated_backend) is built with the families its launches name, so a small head
+#: dim pays only for what its tests run.
+FAMILIES = ("paged", "quantized", "tree")
 
 
 def kernel_dir() -> Path:
@@ -192,6 +203,18 @@ def registrations(head_dims: tuple[int, ...] = HEAD_DIMS,
         units += [unit("paged quantized", d, sel(head_dims=(d,), kv_dtypes=codes, readers=paged,
                                                  variants=PAGED_VARIANTS if d in PAGED_HEAD_DIMS else (0,)))
                   for d in head_dims if d in PAGED_HEAD_DIMS or tuple(head_dims) != HEAD_DIMS]
+    if "tree" in families:
+        # The draft tree's prefill instantiations (TREE_VARIANTS) at TREE_HEAD_DIMS, one unit
+        # per storage: contiguous rows, and the paged / 8-bit readers of the other families.
+        storages: list[tuple[tuple[str | None, ...], tuple[str, ...], str]] = [((None,), plain, "tree")]
+        if "paged" in families:
+            storages.append(((None,), paged, "tree paged"))
+        if "quantized" in families:
+            storages.append((codes[:1], plain, "tree int8"))  # int8: the tests' 8-bit storage
+        prefill = [k for k in table.KERNELS if table.KERNELS[k].variant_mask & table.TREE]
+        units += [unit(kind, d, sel(kernels=prefill, dtypes=TREE_DTYPES, head_dims=(d,), kv_dtypes=kv,
+                                    readers=readers, variants=TREE_VARIANTS))
+                  for d in TREE_HEAD_DIMS if d in head_dims for kv, readers, kind in storages]
     return [u for u in units if u.entries]
 
 

@@ -5,7 +5,8 @@ several emulated suites share (test_cupy_emulated_variants, _paged, _paged_quant
 _alibi), kept here so no test module imports another.
 
 - ``run_variant``: one attention plan over contiguous rows (``alibi_pattern`` names the
-  ALiBi slope patterns);
+  ALiBi slope patterns); ``run_tree``: the same with a draft tree (the prefill kernels'
+  tree instantiation);
 - ``run_paged_plan``: one attention plan over a shuffled pool of pages (``shuffled_pool``,
   ``pool_row``; ``sinks_pattern`` names the sink patterns);
 - ``run_paged_quantized_plan``: the same over shuffled 8-bit pages (``quantized_pool``,
@@ -25,7 +26,10 @@ import gqakv
 from gqakv.core import semantics
 from gqakv.storage import quantize as Q
 
+from gqakv.core.tree import DraftTree
+
 from gqakv_backends.cupy_backend import plan as planmod
+from gqakv_backends.cupy_backend import work as workmod
 
 from . import cases
 from ..support.reference import reference_attention
@@ -89,6 +93,76 @@ def run_variant(emu, *, dtype, d, kv_heads, group, lens, n_new, params, pad=1,
     assert not np.isnan(lse).any()
     stats = {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0}
     case = types.SimpleNamespace(name=f"{dtype} d={d} {params.variant}", dtype=dtype)
+    cases._check_out(case, 0, out, lse, ref_out, ref_lse, n_new, stats)
+    return plan
+
+
+def run_tree(emu, *, dtype, d, kv_heads, group, lens, n_new, parents, params, tensor_cores=True,
+             seed=0, poison=False):
+    """One draft-tree attention call (``parents`` ``[B, S]``, each entry's first n_new[b]
+    tokens its tree) of ``params`` on contiguous rows holding ``lens[b]`` tokens, checked
+    against the loop reference (which walks the parents) by ``cases._check_out``; returns
+    the plan. With ``poison`` (the AddressSanitizer build): the K/V before each row's first
+    window (a root's, the kernels' key span), the dead tails, the padded queries and the
+    tree mask's padded rows (t >= n_new[b]) may not be touched."""
+    rng = np.random.default_rng(seed)
+    st = cases.STORAGE[dtype]
+    lens = np.asarray(lens, np.int64)
+    n_new = np.asarray(n_new, np.int64)
+    parents = np.asarray(parents, np.int64)
+    B, Hq = len(lens), kv_heads * group
+    tree = DraftTree.of(parents, n_new)
+    S_tree = int(parents.shape[1])
+    S = int(lens.max()) + 3
+    T = max(int(n_new.max()), 1)
+    k_buf = np.full((B, kv_heads, S, d), np.nan, st)  # dead tails NaN: never read
+    v_buf = np.full_like(k_buf, np.nan)
+    for b in range(B):
+        k_buf[b, :, :lens[b]] = rng.standard_normal((kv_heads, lens[b], d)).astype(st)
+        v_buf[b, :, :lens[b]] = rng.standard_normal((kv_heads, lens[b], d)).astype(st)
+    q = (2.0 * rng.standard_normal((B, Hq, T, d))).astype(st)
+    for b in range(B):
+        q[b, :, n_new[b]:] = np.nan
+    out = np.zeros((B, Hq, T, d), st)
+    lse = np.full((B, Hq, T), -np.inf, np.float32)
+    strides = lambda a: tuple(s // a.itemsize for s in a.strides)[:3]  # noqa: E731
+    plan = planmod.plan_attention(dtype, d, batch=B, kv_heads=kv_heads, group=group, t_q=T,
+                                  lens=lens, n_new=n_new, params=params, q_strides=strides(q),
+                                  buf_strides=strides(k_buf), out_strides=strides(out),
+                                  sm_count=132, tensor_cores=tensor_cores, tree_stride=S_tree)
+    mask, depth = workmod.tree_arrays(tree)
+    arrays = {"q": q, "k_buf": k_buf, "v_buf": v_buf, "rows": np.arange(B, dtype=np.int64),
+              "lens": lens, "n_new": n_new, "out": out, "lse": lse, "tree_mask": mask.copy(),
+              "tree_depth": depth.copy()}
+    if params.sinks is not None:
+        arrays["sinks"] = np.asarray(params.sinks, np.float32)
+    if params.alibi_slopes is not None:
+        arrays["alibi"] = np.asarray(params.alibi_slopes, np.float32)
+    ranges = None
+    if poison:
+        kv_ranges = []
+        for b in range(B):
+            P = int(lens[b] - n_new[b])
+            lo = semantics.key_range(params, P + 1, 1, 0)[0] if n_new[b] else int(lens[b])  # a root's window
+            for h in range(kv_heads):
+                kv_ranges += [cases._token_ranges(k_buf, b, h, 0, int(lo)),
+                              cases._token_ranges(k_buf, b, h, int(lens[b]), S)]
+        q_ranges = [cases._token_ranges(q, b, h, int(n_new[b]), T) for b in range(B) for h in range(Hq)]
+        mask_ranges = [((b * S_tree + int(n_new[b])) * S_tree, (S_tree - int(n_new[b])) * S_tree)
+                       for b in range(B)]
+        ranges = {"k_buf": kv_ranges, "v_buf": kv_ranges, "q": q_ranges, "out": q_ranges,
+                  "tree_mask": mask_ranges}
+    emu.run(plan, arrays, poison=ranges)
+    k_rows = [k_buf[b, :, :lens[b]] for b in range(B)]
+    v_rows = [v_buf[b, :, :lens[b]] for b in range(B)]
+    ref_out, ref_lse = reference_attention(q.astype(np.float64), k_rows, v_rows, n_new, params.scale,
+                                           window=params.window, softcap=params.softcap,
+                                           sinks=params.sinks, alibi_slopes=params.alibi_slopes,
+                                           parents=parents)
+    assert not np.isnan(ref_out).any() and not np.isnan(out.astype(np.float64)).any()
+    assert not np.isnan(lse).any()
+    stats = {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0}
+    case = types.SimpleNamespace(name=f"{dtype} d={d} tree {params.variant}", dtype=dtype)
     cases._check_out(case, 0, out, lse, ref_out, ref_lse, n_new, stats)
     return plan
 

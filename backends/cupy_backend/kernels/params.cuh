@@ -5,15 +5,18 @@
 
 // Runtime attention parameters, one struct passed by value (plan.KernelParams).
 struct AttnParams {
-    float scale;           // the softmax scale applied to q . k
-    float softcap;         // c > 0 (read only under VARIANT_SOFTCAP)
-    i64 window;            // W >= 1 (read only under VARIANT_WINDOW)
-    const float* sinks;    // [Hq] float32 logits on the device (read only under VARIANT_SINKS)
-    const float* k_scale;  // a quantized cache's per-token K scales (quantized_kv.cuh; else null, never read)
-    const float* v_scale;  // its V scales, likewise
-    const float* alibi;    // [Hq] float32 ALiBi slopes, one per query head (read only under VARIANT_ALIBI)
+    float scale;                     // the softmax scale applied to q . k
+    float softcap;                   // c > 0 (read only under VARIANT_SOFTCAP)
+    i64 window;                      // W >= 1 (read only under VARIANT_WINDOW)
+    const float* sinks;              // [Hq] float32 logits on the device (read only under VARIANT_SINKS)
+    const float* k_scale;            // a quantized cache's per-token K scales (quantized_kv.cuh; else null, never read)
+    const float* v_scale;            // its V scales, likewise
+    const float* alibi;              // [Hq] float32 ALiBi slopes, one per query head (read only under VARIANT_ALIBI)
+    const unsigned char* tree_mask;  // [B, tree_stride, tree_stride] uint8 draft-tree ancestor sets (read only under VARIANT_TREE)
+    const i64* tree_depth;           // [B, tree_stride] int64 depths of the draft tokens (only under VARIANT_TREE)
+    i64 tree_stride;                 // T, the tree's tokens per entry (only under VARIANT_TREE)
 };
-static_assert(sizeof(AttnParams) == 48, "AttnParams: the size of structs.py's dtype");
+static_assert(sizeof(AttnParams) == 72, "AttnParams: the size of structs.py's dtype");
 #ifdef GQAKV_EMULATION  // g++ has offsetof; NVRTC has no <cstddef>
 static_assert(__builtin_offsetof(AttnParams, scale) == 0, "AttnParams.scale: the offset of structs.py's dtype");
 static_assert(__builtin_offsetof(AttnParams, softcap) == 4, "AttnParams.softcap: the offset of structs.py's dtype");
@@ -22,6 +25,9 @@ static_assert(__builtin_offsetof(AttnParams, sinks) == 16, "AttnParams.sinks: th
 static_assert(__builtin_offsetof(AttnParams, k_scale) == 24, "AttnParams.k_scale: the offset of structs.py's dtype");
 static_assert(__builtin_offsetof(AttnParams, v_scale) == 32, "AttnParams.v_scale: the offset of structs.py's dtype");
 static_assert(__builtin_offsetof(AttnParams, alibi) == 40, "AttnParams.alibi: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(AttnParams, tree_mask) == 48, "AttnParams.tree_mask: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(AttnParams, tree_depth) == 56, "AttnParams.tree_depth: the offset of structs.py's dtype");
+static_assert(__builtin_offsetof(AttnParams, tree_stride) == 64, "AttnParams.tree_stride: the offset of structs.py's dtype");
 #endif
 
 // The page table as the paged kernels take it (paged_kv.cuh; plan.PageTableArg).

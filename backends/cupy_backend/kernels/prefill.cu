@@ -4,7 +4,8 @@
 // (group head g, token t) pairs: GC heads of the group times BQ tokens (GC * BQ <= ROWS),
 // so a K/V tile in shared memory serves every head of the group. Query t of entry b sits
 // at absolute position p = L - n + t (bottom-right causal) and sees the keys the variant
-// trait allows (variant.cuh: 0..p, or p - W + 1..p); key tiles outside the block's span
+// trait allows (variant.cuh: 0..p, or p - W + 1..p; with a draft tree, the prefix and its
+// ancestors, windowed by logical positions: Variant::masked_score); key tiles outside the block's span
 // are skipped and nothing at or past L is read. Scores and the online softmax are in the
 // log2 domain (softmax.cuh): q is scaled by the variant's fold on load.
 // Padded rows (t >= n, g >= G) are computed as fully masked and never written.
@@ -102,6 +103,7 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
 
     const int tr = threadIdx.x / S::TC, tc = threadIdx.x % S::TC;
     i64 pos[S::RPT];  // absolute position of each owned row; -1 for padding
+    i64 q_log[S::RPT];  // the position its window and ALiBi measure (a tree's logical one)
     int head[S::RPT];  // its query head
     float slope[S::RPT];  // its head's ALiBi slope, log2 domain (0 without ALiBi)
     SoftmaxState<false> st[S::RPT];
@@ -111,6 +113,7 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
         const int r = tr * S::RPT + i;
         const int gi = r / BQ, t = t0 + r % BQ, g = gc * GC + gi;
         pos[i] = (gi < GC && g < G && t < n) ? start + t : -1;
+        q_log[i] = pos[i] < 0 ? -1 : V::query_position(params, b, start, t);
         head[i] = kvh * G + g;
         slope[i] = pos[i] < 0 ? 0.f : V::alibi_log2(params, head[i]);
         st[i].init();
@@ -165,9 +168,10 @@ __global__ void __launch_bounds__(128, 1) gqakv_prefill(
 #pragma unroll
             for (int jj = 0; jj < S::SPT; ++jj) {
                 const i64 j = j0 + tc + S::TC * jj;
-                // The variant's score and mask hooks; padded rows (pos -1) mask all.
-                s[i][jj] = V::transform_at(params, s[i][jj], slope[i], (float)(j - pos[i]));
-                if (!V::allowed(params, pos[i], j, head[i])) s[i][jj] = GQAKV_NEG_INF;
+                // The variant's score and mask hooks (a draft tree's clause too); padded
+                // rows (pos -1) mask all.
+                s[i][jj] = V::masked_score(params, s[i][jj], slope[i], pos[i], q_log[i], b, start, j,
+                                           head[i]);
                 row_max = fmaxf(row_max, s[i][jj]);
             }
             row_max = group_max<S::TC>(row_max);

@@ -8,7 +8,10 @@
 // of its query block, the entry's length L and new tokens n, the position of the chunk's
 // token 0 (start = L - n), and the block's key span [k_begin, k_end) (gqakv.semantics.
 // block_keys): k_begin the first key its first token sees (0, or the window's start),
-// k_end one past its last token's last key.
+// k_end one past its last token's last key. With a draft tree (TREE) a query's window
+// starts by its logical position start + depth >= start, so the window start of a root
+// (start itself) is a safe k_begin for every block of the entry (semantics.block_keys'
+// tree span starts there or later; the keys between are masked).
 struct PrefillCta {
     int gc, kvh, b, t0;
     i64 L, n, start, k_begin, k_end;
@@ -26,7 +29,7 @@ __device__ __forceinline__ PrefillCta prefill_cta(const i64* __restrict__ lens,
     w.L = lens[w.b];
     w.n = n_new[w.b];
     w.start = w.L - w.n;
-    w.k_begin = V::key_lo(params, w.start + w.t0);
+    w.k_begin = V::key_lo(params, V::TREE ? w.start : w.start + w.t0);
     w.k_end = w.start + (w.t0 + BQ < w.n ? w.t0 + BQ : w.n);
     return w;
 }

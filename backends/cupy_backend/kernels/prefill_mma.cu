@@ -4,7 +4,8 @@
 // Same work split and semantics as gqakv_prefill (prefill.cu): one CTA per (entry b, KV
 // head, group chunk, query block); its ROWS = 64 query rows are (group head g, token t)
 // pairs, GC heads times BQ tokens (GC * BQ <= 64). Query t of entry b sits at absolute
-// position L - n + t and sees the keys of the variant trait (variant.cuh); key tiles
+// position L - n + t and sees the keys of the variant trait (variant.cuh; a draft tree's
+// clause too, Variant::masked_score); key tiles
 // outside the block's span are skipped, nothing at or past L is read, and padded rows (t >= n, g >= G) are
 // fully masked and never written. Offsets are 64-bit.
 //
@@ -162,6 +163,7 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
     const int grp = lane >> 2, tig = lane % 4;  // the fragment layout's groupID, threadID_in_group
     const int r0 = warp * 16;                   // first query row of this warp
     i64 pos[2];  // absolute position of rows r0 + grp (h = 0) and r0 + grp + 8 (h = 1); -1: padding
+    i64 q_log[2];  // the positions their windows and ALiBi measure (a tree's logical ones)
     int head[2];  // their query heads
     float slope[2];  // their heads' ALiBi slopes, log2 domain (0 without ALiBi)
     SoftmaxState<false> st[2];  // running max and sum of fp32 P
@@ -171,6 +173,7 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
         const int r = r0 + grp + 8 * h;
         const int gi = r / BQ, t = t0 + r % BQ, g = gc * GC + gi;
         pos[h] = (gi < GC && g < G && t < n) ? start + t : -1;
+        q_log[h] = pos[h] < 0 ? -1 : V::query_position(params, b, start, t);
         head[h] = kvh * G + g;
         slope[h] = pos[h] < 0 ? 0.f : V::alibi_log2(params, head[h]);
         st[h].init();
@@ -226,16 +229,22 @@ __global__ void __launch_bounds__(128, PrefillMmaShape<T, D>::MIN_CTAS) gqakv_pr
                 float row_max = GQAKV_NEG_INF;
                 // ALiBi: this lane's first key of the tile from the row's position (a float
                 // per tile, not an i64 per key: the kernel is at its register budget)
-                const float dist0 = V::ALIBI ? (float)(j0 + 2 * tig - pos[h]) : 0.f;
+                const float dist0 = V::ALIBI && !V::TREE ? (float)(j0 + 2 * tig - pos[h]) : 0.f;
 #pragma unroll
                 for (int nt = 0; nt < S::NT_S; ++nt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const i64 j = j0 + nt * 8 + 2 * tig + e;
                         // The variant's score and mask hooks; padded rows (pos -1) mask all.
-                        float x = V::transform_at(params, s[nt][2 * h + e] * qscale, slope[h],
-                                                  dist0 + (float)(nt * 8 + e));
-                        if (!V::allowed(params, pos[h], j, head[h])) x = GQAKV_NEG_INF;
+                        float x;
+                        if constexpr (V::TREE) {  // the tree's clause, logical distances
+                            x = V::masked_score(params, s[nt][2 * h + e] * qscale, slope[h], pos[h],
+                                                q_log[h], b, start, j, head[h]);
+                        } else {
+                            x = V::transform_at(params, s[nt][2 * h + e] * qscale, slope[h],
+                                                dist0 + (float)(nt * 8 + e));
+                            if (!V::allowed(params, pos[h], j, head[h])) x = GQAKV_NEG_INF;
+                        }
                         s[nt][2 * h + e] = x;
                         row_max = fmaxf(row_max, x);
                     }

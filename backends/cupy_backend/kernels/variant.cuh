@@ -3,7 +3,9 @@
 //   Variant<FLAGS>  which keys a query sees (key_lo / key_hi, and per pair the mask hook
 //                   allowed), how a score is formed (the score hook transform, the scale
 //                   folded into it) and the sink term: causal, plus the sliding window,
-//                   soft-cap, sinks and ALiBi as compile-time switches (never copies);
+//                   soft-cap, sinks and ALiBi as compile-time switches (never copies),
+//                   and a draft tree's clause (TREE: speculative verification; the
+//                   prefill kernels only, masked_score);
 //   ContiguousKV    how K and V rows are read (the address arithmetic): contiguous rows of
 //                   a dense [rows, Hkv, S, d] cache (PagedKV in paged_kv.cuh reads pages);
 //   KernelTypes<T>  the q, K/V and output element types (one storage type today).
@@ -17,7 +19,9 @@
 // c > 0 (read only under VARIANT_SOFTCAP); window W >= 1 (only under VARIANT_WINDOW);
 // sinks, [Hq] float32 logits on the device (only under VARIANT_SINKS); k_scale, v_scale, a
 // quantized cache's per-token scales (quantized_kv.cuh; null and never read otherwise);
-// alibi, [Hq] float32 ALiBi slopes, one per query head (only under VARIANT_ALIBI).
+// alibi, [Hq] float32 ALiBi slopes, one per query head (only under VARIANT_ALIBI);
+// tree_mask [B, T, T] uint8 (1: chunk token u is query t or one of its ancestors),
+// tree_depth [B, T] int64 and tree_stride T, a draft tree (only under VARIANT_TREE).
 #include "params.cuh"
 
 // Variant flags (plan.VARIANT_FLAGS spells the same bits).
@@ -25,14 +29,19 @@
 #define GQAKV_VARIANT_SOFTCAP 2
 #define GQAKV_VARIANT_SINKS 4
 #define GQAKV_VARIANT_ALIBI 8
+#define GQAKV_VARIANT_TREE 16
 
 template <int FLAGS>
 struct Variant {
-    static_assert(FLAGS >= 0 && FLAGS < 16, "variant flags: window 1, softcap 2, sinks 4, alibi 8");
+    static_assert(FLAGS >= 0 && FLAGS < 32, "variant flags: window 1, softcap 2, sinks 4, alibi 8, tree 16");
     static constexpr bool WINDOW = (FLAGS & GQAKV_VARIANT_WINDOW) != 0;
     static constexpr bool SOFTCAP = (FLAGS & GQAKV_VARIANT_SOFTCAP) != 0;
     static constexpr bool SINKS = (FLAGS & GQAKV_VARIANT_SINKS) != 0;
     static constexpr bool ALIBI = (FLAGS & GQAKV_VARIANT_ALIBI) != 0;
+    // A draft tree (gqakv.core.tree): chunk query t sees the prefix and its ancestors
+    // only, and windows / ALiBi measure logical positions (masked_score). Only the
+    // prefill kernels are instantiated with it (instantiations.py).
+    static constexpr bool TREE = (FLAGS & GQAKV_VARIANT_TREE) != 0;
     // Whether a raw score needs the score hook at all (kernels skip it otherwise).
     static constexpr bool TRANSFORMS = SOFTCAP || ALIBI;
 
@@ -81,6 +90,45 @@ struct Variant {
         if (ALIBI) x = fmaf(slope_log2, dist, x);
         return x;
     }
+    // ---- the draft tree (TREE; gqakv.core.semantics.tree_visible) ----------------------------
+    // Entry b's chunk starts at `start` (P = L - n). Chunk token u stands at the logical
+    // position start + depth[b, u] (its position once its path is accepted); a prefix key j
+    // at j. Query t sees prefix key j (j < start) and chunk key start + u iff
+    // tree_mask[b, t, u]; a window keeps the keys whose logical position is within W of the
+    // query's, and ALiBi measures logical distances.
+    static __device__ __forceinline__ i64 tree_depth(const AttnParams& p, int b, i64 u) {
+        return p.tree_depth[(i64)b * p.tree_stride + u];
+    }
+    // The position windows and ALiBi measure for chunk token t (start + t; with a tree, its
+    // logical start + depth[b, t]).
+    static __device__ __forceinline__ i64 query_position(const AttnParams& p, int b, i64 start, i64 t) {
+        return TREE ? start + tree_depth(p, b, t) : start + t;
+    }
+    // The score and mask hooks of the prefill key loops at once: the folded score x of the
+    // query at absolute position q_pos (-1: a padded row, which sees nothing) and logical
+    // position q_log (query_position; q_pos without a tree) against key j, as the softmax
+    // takes it, or -inf where the query does not see the key. Without a tree this is
+    // transform_at then allowed, exactly; with one, the tree's clause decides and the key's
+    // logical position feeds the window and ALiBi (no tree entry is read for a key past
+    // the query or in the prefix).
+    static __device__ __forceinline__ float masked_score(const AttnParams& p, float x, float slope_log2,
+                                                         i64 q_pos, i64 q_log, int b, i64 start,
+                                                         i64 j, int head) {
+        if (!TREE) {
+            x = transform_at(p, x, slope_log2, (float)(j - q_pos));
+            return allowed(p, q_pos, j, head) ? x : GQAKV_NEG_INF;
+        }
+        if (j >= key_hi(q_pos)) return GQAKV_NEG_INF;  // past the query's own slot (or padding)
+        i64 k_log = j;
+        if (j >= start) {
+            const i64 u = j - start, t = q_pos - start;  // u <= t
+            if (p.tree_mask[((i64)b * p.tree_stride + t) * p.tree_stride + u] == 0) return GQAKV_NEG_INF;
+            k_log = start + tree_depth(p, b, u);
+        }
+        if (WINDOW && k_log < q_log - p.window + 1) return GQAKV_NEG_INF;
+        return transform_at(p, x, slope_log2, (float)(k_log - q_log));
+    }
+
     // Query head h's sink logit in the log2 domain (-inf: no sink term).
     static __device__ __forceinline__ float sink_log2(const AttnParams& p, int h) {
         return SINKS ? p.sinks[h] * GQAKV_LOG2E : GQAKV_NEG_INF;
