@@ -229,14 +229,16 @@ def test_plans_use_explicitly_typed_scalars():
     assert launch.kernel == "gqakv_prefill_mma"  # float16, d = 64: the tensor-core prefill
     for a in launch.args:
         assert isinstance(a, (plan.Buf, np.int32, np.int64, np.float32, plan.KernelParams)), a
-    # The params struct goes as a record of the kernels' AttnParams layout (48 bytes:
-    # float scale, float softcap, int64 window, pointers sinks, k_scale, v_scale, alibi).
+    # The params struct goes as a record of the kernels' AttnParams layout (72 bytes:
+    # float scale, float softcap, int64 window, pointers sinks, k_scale, v_scale, alibi, the
+    # draft tree's tree_mask and tree_depth pointers and its int64 tree_stride).
     (params,) = [a for a in launch.args if isinstance(a, plan.KernelParams)]
     rec = params.record(lambda buf: 0)
-    assert rec.dtype == plan.PARAMS_DTYPE and plan.PARAMS_DTYPE.itemsize == 48
+    assert rec.dtype == plan.PARAMS_DTYPE and plan.PARAMS_DTYPE.itemsize == 72
     assert [plan.PARAMS_DTYPE.fields[f][1] for f in ("scale", "softcap", "window", "sinks", "k_scale",
-                                                    "v_scale")] == [0, 4, 8, 16, 24, 32]
-    assert (float(rec["scale"]), int(rec["window"]), int(rec["sinks"])) == (0.125, 0, 0)
+                                                    "v_scale", "alibi", "tree_mask", "tree_depth",
+                                                    "tree_stride")] == [0, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert (float(rec["scale"]), int(rec["window"]), int(rec["sinks"]), int(rec["tree_stride"])) == (0.125, 0, 0, 0)
     assert plan.plan_write_kv("float32", 64, np.array([0, 0]), 2, 3, (1, 1, 1), (1, 1, 1)).launches == []
 
 

@@ -46,11 +46,12 @@ def _params():
 
 def _variant_params():
     """The variant instantiations with every feature a kernel takes on (its variant mask:
-    window, softcap, sinks; gqakv_merge: sinks) at the fast head dims 64 and 128."""
+    window, softcap, sinks, alibi; gqakv_merge: sinks) at the fast head dims 64 and 128
+    (the draft tree's bit is ``_tree_params``')."""
     for kernel, decl in table.KERNELS.items():
         if not decl.variant_mask:
             continue
-        flags = decl.variant_mask
+        flags = decl.variant_mask & ~table.TREE
         for dtype in table.CTYPES:
             for d in (64, 128):
                 for e in table.select([kernel], [dtype], [d], [None], ["contiguous"], [flags]):
@@ -166,6 +167,33 @@ def test_alibi_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
     test_paged_kernel_compiles_without_spills(kernel, dtype, head_dim, name)
 
 
+def _tree_params():
+    """The draft tree's instantiations (instantiations.TREE: the prefill kernels only) with
+    every other feature on (flags 31, the most registers), at the fast head dims in every
+    dtype, contiguous, and paged and over int8 pages (bfloat16 q) at d = 128; the tree alone
+    (flags 16) at d = 128; sm_90 only, as for ``_paged_params``."""
+    every = table.ALL | table.TREE
+    for kernel in (k for k, decl in table.KERNELS.items() if decl.variant_mask & table.TREE):
+        for dtype in table.CTYPES:
+            for d in FAST_HEAD_DIMS:
+                names = [e.name for e in table.select([kernel], [dtype], [d], [None], ["contiguous"],
+                                                      [every, table.TREE] if d == 128 else [every])]
+                if d == 128 and names:
+                    names += [sources.paged_name_expression(kernel, dtype, d, variant=every)]
+                    if dtype == "bfloat16" and kernel == "gqakv_prefill":
+                        names.append(sources.paged_name_expression(kernel, dtype, d, variant=every,
+                                                                   kv_dtype="int8"))
+                for name in names:
+                    yield pytest.param(kernel, dtype, d, name, id=name)
+
+
+@pytest.mark.parametrize("kernel,dtype,head_dim,name", list(_tree_params()))
+def test_tree_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
+    """The tree clause (the ancestor row and depths read per key, a logical position per
+    row) must still fit the prefill kernels' __launch_bounds__ occupancy unspilled."""
+    test_paged_kernel_compiles_without_spills(kernel, dtype, head_dim, name)
+
+
 def test_ptxas_report_parsing_sees_spills():
     """The spill check can fail: a kernel forced into local memory reports its spills."""
     log = ("ptxas info    : Compiling entry function '_Z1kv' for 'sm_90'\n"
@@ -185,8 +213,10 @@ def test_name_expressions_reject_unsupported():
         sources.name_expression("gqakv_decode", "float16", 64, 16)
     with pytest.raises(KeyError, match="takes no query_tile"):
         sources.name_expression("gqakv_merge", "float16", 64, 8)
-    with pytest.raises(KeyError, match="no variant=16"):
-        sources.name_expression("gqakv_prefill", "float16", 64, variant=16)
+    with pytest.raises(KeyError, match="no variant=32"):
+        sources.name_expression("gqakv_prefill", "float16", 64, variant=32)
+    with pytest.raises(KeyError, match="no variant=16"):  # the draft tree: prefill kernels only
+        sources.name_expression("gqakv_decode", "float16", 64, 8, variant=16)
     with pytest.raises(KeyError, match="no variant=1"):
         sources.name_expression("gqakv_write_kv", "float16", 64, variant=1)
     assert sources.name_expression("gqakv_decode", "float16", 64, 8, variant=5) == "gqakv_decode<gqakv_half, 64, 8, 5>"

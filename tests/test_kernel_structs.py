@@ -33,7 +33,7 @@ def test_plan_packs_the_declared_structs():
     assert plan.PARAMS_DTYPE == structs.ATTN_PARAMS.dtype and plan.PAGES_DTYPE == structs.KV_PAGES.dtype
     # the layouts the kernels were written against (a declaration edit shows here)
     assert (plan.PARAMS_DTYPE.itemsize, [plan.PARAMS_DTYPE.fields[n][1] for n in plan.PARAMS_DTYPE.names]) == (
-        48, [0, 4, 8, 16, 24, 32, 40])
+        72, [0, 4, 8, 16, 24, 32, 40, 48, 56, 64])
     assert (plan.PAGES_DTYPE.itemsize, [plan.PAGES_DTYPE.fields[n][1] for n in plan.PAGES_DTYPE.names]) == (
         32, [0, 8, 16, 20, 24])
 

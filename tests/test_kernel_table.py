@@ -59,7 +59,7 @@ def test_rejections_name_the_axis(inst, match):
 
 def _emulator_units() -> list[harness.Unit]:
     units = harness.registrations()
-    for families in ((), ("paged",), ("quantized",), ("paged", "quantized")):
+    for families in ((), ("paged",), ("quantized",), ("paged", "quantized"), ("paged", "quantized", "tree")):
         units += emulated_backend.product_registrations(families)
     return units
 

@@ -178,9 +178,9 @@ def test_mask_and_parents_forms_agree_and_bad_trees_are_refused():
 def test_tree_calls_reach_the_fast_paths_and_the_cuda_kernels_say_why(monkeypatch):
     """The NumPy BLAS path and the numba kernels declare ``tree``: numba's kernels serve a
     tree of up to 8 tokens (its chunk limit; longer ones go to the BLAS path with that
-    reason, not the tree); the CUDA kernels do not declare it and reject a tree call with a
-    sentence naming it (CuPy runs the generic code). What ran is counted, with its tree,
-    so a silent fallback fails here."""
+    reason, not the tree); of the CUDA kernels the prefill ones declare it and serve a
+    tree call of every length, the decode ones reject it with a sentence naming it. What
+    ran is counted, with its tree, so a silent fallback fails here."""
     from gqakv_backends import numba_kernels, numpy_attention
     from gqakv_backends.cupy_backend import routing as cupy_routing  # no CuPy needed
 
@@ -194,9 +194,12 @@ def test_tree_calls_reach_the_fast_paths_and_the_cuda_kernels_say_why(monkeypatc
     long_route = numba.route(request(16))
     assert long_route.impl == "numpy BLAS"
     assert "T=16 queries > 8" in long_route.rejected["numba kernel"]
-    cupy_route = cupy_routing.route_attention(request(8))
-    assert cupy_route.impl.startswith("generic")
-    assert any("does not implement tree" in why for why in cupy_route.rejected.values()), cupy_route
+    # the CUDA prefill kernels take the tree (their TREE flag) at every t_q, T = 1 too; the
+    # decode kernels do not, and say so
+    for t_q in (16, 8, 1):
+        cupy_route = cupy_routing.route_attention(request(t_q))
+        assert cupy_route.impl == "gqakv_prefill", cupy_route
+        assert "does not implement tree" in cupy_route.rejected["gqakv_decode"], cupy_route
     seen: list = []
     real_item = numpy_attention._attend_item
     monkeypatch.setattr(numpy_attention, "_attend_item",
@@ -434,17 +437,18 @@ def test_paged_functional_attention_takes_a_tree():
     np.testing.assert_allclose(got, want, atol=1e-14, rtol=0)
 
 
-def test_the_cupy_backend_glue_serves_trees_on_the_generic_path():
-    """The cupy backend's own glue (on the CPU emulation harness: its kernels never run
-    here, since each refuses a tree) sends a tree call to the generic code, which matches
-    the reference on contiguous and paged storage."""
+def test_the_cupy_backend_serves_trees_with_its_prefill_kernels(monkeypatch):
+    """The cupy backend (on the CPU emulation harness) runs a tree call on its prefill
+    kernels' tree instantiation (the generic code is made to fail), which matches the
+    reference on contiguous and paged storage (tests/test_cupy_emulated_tree.py covers
+    the kernels further)."""
     from .cuda_emu import harness
 
     if harness.compiler() is None:
         pytest.skip("no C++ compiler (g++) for the CUDA emulation harness")
-    from .support.product import _emulated_cupy
+    from .cuda_emu.emulated_backend import kernels_only
 
-    backend = _emulated_cupy()
+    backend = kernels_only(monkeypatch, "CUDA tree kernels")
     arrays = BackendArrays(backend)
     rng = np.random.default_rng(9)
     for storage in ({}, {"storage": "paged", "page_size": 4}):
@@ -461,6 +465,8 @@ def test_the_cupy_backend_glue_serves_trees_on_the_generic_path():
                                       [arrays.to_numpy(r[1]) for r in rows], n, softcap=3.0,
                                       parents=parents)
         np.testing.assert_allclose(arrays.to_numpy(out), want, atol=3e-5, rtol=0)
+        # softcap 2 + tree 16 (the fp32-FMA prefill: float32), paged: KVPages
+        assert any(name.startswith("gqakv_prefill<float, 8, 18") for name in backend.kernels)
 
 
 @pytest.mark.parametrize("variant", [{}, {"window": 6, "alibi_slopes": [0.3, -0.2, 0.1, 0.05],
