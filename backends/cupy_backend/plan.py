@@ -133,7 +133,7 @@ class KernelParams:
                    alibi=Buf("alibi") if params.alibi_slopes is not None else None,
                    tree_mask=Buf("tree_mask") if tree else None,
                    tree_depth=Buf("tree_depth") if tree else None,
-                   tree_stride=int(tree_stride) if tree else 0)
+                   tree_stride=0 if tree_stride is None else int(tree_stride))
 
     def record(self, address) -> np.void:
         """The struct as a NumPy record of ``PARAMS_DTYPE``; ``address(buf)`` gives a Buf's

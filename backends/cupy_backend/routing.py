@@ -158,13 +158,14 @@ def route_attention(request: Request) -> Route:
     decode = t_q <= limits.DECODE_MAX_T and not request.invariant and not tree
     family, other = (DECODE_KERNELS, PREFILL_KERNELS) if decode else (PREFILL_KERNELS, DECODE_KERNELS)
     why_family = (f"t_q={t_q} <= {limits.DECODE_MAX_T}: the decode kernels serve it" if decode else
-                  "a draft tree: the prefill kernels serve every t_q (the decode kernels do not "
-                  "implement tree)" if tree else
+                  "a draft tree: the prefill kernels serve every t_q" if tree else
                   "batch-invariant mode: the prefill kernels serve every t_q (the decode kernels' "
                   "key splits follow the batch)" if request.invariant else
                   f"t_q={t_q} (the decode kernels serve up to {limits.DECODE_MAX_T} query tokens)")
     for kernel in other:
-        rejected[kernel] = why_family
+        # a tree: the decode kernels' own declaration says why (they do not implement it)
+        declared = _declared_rejection(kernel, request) if tree else None
+        rejected[kernel] = f"{declared} ({why_family})" if declared else why_family
     mma, fma = family
     # the fp32-FMA kernel declares every layout, codec and feature the family has
     why = (_fused_rejection(dtype, head_dim) or _declared_rejection(fma, request)
