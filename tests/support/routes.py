@@ -227,7 +227,8 @@ def _plain_contiguous(impl):
 
 def _cupy_store(f) -> Any:
     # every (layout, codec) pair and variant the product has, paged 8-bit and ALiBi too
-    # (the 8-bit reader wraps the paged one; ALiBi is a flag of the variant trait); float64
+    # (the 8-bit reader wraps the paged one; ALiBi is a flag of the variant trait), and draft
+    # trees (the prefill kernels' TREE flag, at every t_q); float64
     # has no kernels; the kernels read padded tokens only: packed ones are refused by name
     if f["dtype"] == "float64":
         return GENERIC
