@@ -167,6 +167,34 @@ def test_short_trees_run_on_the_prefill_kernels(monkeypatch, dtype):
         assert "does not implement tree" in route.rejected[kernel], route
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["planned", "fixed"])
+def test_planned_tree_calls_upload_the_tree_once(monkeypatch, fixed):
+    """``gqakv.plan_attention(..., tree=)`` (a planned batch, and a fixed plan sized for the
+    capacities): the work holds the tree's device arrays (uploaded once) and every run of
+    the plan (two layers here) gives ``gqa_attention``'s result, on the kernels only."""
+    be = kernels_only(monkeypatch, "CUDA tree kernels")
+    arrays = BackendArrays(be)
+    rng = np.random.default_rng(21)
+    B, Hkv, G, T = 3, 2, 4, 12
+    caches = [gqakv.KVCache(B, Hkv, 64, D, dtype="float32", backend=be) for _ in range(2)]
+    n, parents = draw_trees(rng, B, T)
+    for cache in caches:
+        for m in ([17, 4, 30], n):
+            k = rng.standard_normal((B, Hkv, max(m), D))
+            cache.append(arrays.asarray(k, "float32"), arrays.asarray(rng.standard_normal(k.shape), "float32"), m)
+    params = variant_params(D, Hkv * G, 4, None, None, "mixed")  # alibi + window (built: 25)
+    kw = dict(window=params.window, sinks=params.sinks, alibi_slopes=params.alibi_slopes)
+    plan = gqakv.plan_attention(caches[0], n, q_heads=Hkv * G, t_q=T, tree=parents, fixed=fixed, **kw)
+    assert plan.work is not None and {"tree_mask", "tree_depth"} <= set(plan.work.arrays)
+    assert plan.work.arrays["tree_mask"].shape == (B, T, T)
+    for cache in caches:
+        q = arrays.asarray(rng.standard_normal((B, Hkv * G, T, D)), "float32")
+        got = arrays.to_numpy(plan.run(q, cache))
+        want = arrays.to_numpy(gqakv.gqa_attention(q, cache, n, tree=parents, **kw))
+        np.testing.assert_array_equal(got, want)  # the same launches, bit for bit
+    assert _launch_name("float32", {}, params) in be.kernels
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=VIDS)
 def test_bfloat16_fma_tree_kernel(variant):
     """The fp32-FMA prefill in bfloat16 (the tensor-core one serves bfloat16 on the backend
