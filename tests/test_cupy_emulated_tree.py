@@ -208,6 +208,24 @@ def test_bfloat16_fma_tree_kernel(variant):
     assert plan.launches[0].kernel == "gqakv_prefill"
 
 
+@pytest.mark.parametrize("dtype,tensor_cores", [("float32", False), ("bfloat16", True)], ids=["fma", "mma"])
+def test_64_token_trees_over_long_prefixes(dtype, tensor_cores):
+    """EAGLE-sized trees (64 tokens: four query blocks at G = 4; every shape across the
+    entries) over prefixes of up to 300 keys (many key tiles before the chunk), plain and
+    with ALiBi + a window that starts inside the prefix."""
+    emu = _emulator()
+    rng = np.random.default_rng(64)
+    n = [64, 64, 37, 64, 0]
+    parents = np.full((5, 64), -1, dtype=np.int64)
+    for b, shape in enumerate(SHAPES):
+        parents[b, :n[b]] = tree_parents(rng, n[b], shape)
+    lens = [300 + 64, 64, 150 + 37, 77 + 64, 12]
+    for variant in VARIANTS[:1] + VARIANTS[3:]:
+        plan = run_tree(emu, dtype=dtype, d=D, kv_heads=1, group=4, lens=lens, n_new=n, parents=parents,
+                        params=variant_params(D, 4, *variant), tensor_cores=tensor_cores, seed=2)
+        assert plan.launches[0].grid[1] == 4  # query blocks of 16 tokens
+
+
 def _emulator():
     return harness.Emulator(harness.build(asan=False, head_dims=(D,), families=("tree",)))
 
