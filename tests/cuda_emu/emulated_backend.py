@@ -190,13 +190,10 @@ PRODUCT_HEAD_DIM = 8
 PRODUCT_VARIANT_FLAGS = tuple(v for v in (*table.VARIANT_FLAGS.values(), table.ALL & ~table.VARIANT_FLAGS["alibi"],
                                            table.ALL) if not v & table.TREE)
 #: The draft tree's instantiations in the product's library (its "tree" family: the prefill
-#: kernels only): the tree with each of the product's flag sets and with those the tree
-#: tests run (harness.TREE_VARIANTS), q float32 over plain and int8 K/V (what
-#: tests/test_tree_attention.py runs here: its 16-bit and e4m3 trees are
-#: tests/test_cupy_emulated_tree.py's, at d = 16).
+#: kernels only): the tree with each of the product's flag sets (the parity product runs a
+#: tree chunk at every point: tests/test_variants.py) and with those the tree tests run
+#: (harness.TREE_VARIANTS), in every dtype and storage of the product.
 PRODUCT_TREE_FLAGS = tuple(sorted({table.TREE | v for v in (0, *PRODUCT_VARIANT_FLAGS)} | set(harness.TREE_VARIANTS)))
-PRODUCT_TREE_DTYPES = ("float32",)
-PRODUCT_TREE_KV = (None, "int8")
 
 
 def product_registrations(families: tuple[str, ...], d: int = PRODUCT_HEAD_DIM) -> list[harness.Unit]:
@@ -217,10 +214,10 @@ def product_registrations(families: tuple[str, ...], d: int = PRODUCT_HEAD_DIM) 
         units += [harness.unit(kind, d, table.select(dtypes=(t,), head_dims=(d,), kv_dtypes=(kv,),
                                                      readers=(reader,), variants=v))
                   for t in table.CTYPES]
-        if "tree" in families and kv in PRODUCT_TREE_KV:  # the draft tree's, units of their own
-            units.append(harness.unit(kind + " tree", d, table.select(
-                dtypes=PRODUCT_TREE_DTYPES, head_dims=(d,), kv_dtypes=(kv,), readers=(reader,),
-                variants=PRODUCT_TREE_FLAGS)))
+        if "tree" in families:  # the draft tree's, units of their own
+            units += [harness.unit(kind + " tree", d, table.select(dtypes=(t,), head_dims=(d,), kv_dtypes=(kv,),
+                                                                   readers=(reader,), variants=PRODUCT_TREE_FLAGS))
+                      for t in table.CTYPES]
     return [u for u in units if u.entries]
 
 
@@ -261,7 +258,8 @@ def _library(head_dims: tuple[int, ...], families: tuple[str, ...],
 SMALL_LIBRARIES = ((1, ()), (16, ()), (8, ()), (4, ()), (8, ("paged",)), (8, ("quantized",)),
                    (8, ("paged", "quantized")),
                    (2, ()), (16, ("quantized",)), (4, ("paged",)), (2, ("paged",)), (16, ("paged",)),
-                   (8, ("tree",)), (8, ("paged", "tree")), (8, ("quantized", "tree")))
+                   (8, ("tree",)), (8, ("paged", "tree")), (8, ("quantized", "tree")),
+                   (8, ("paged", "quantized", "tree")))
 
 
 def prebuild_for(items) -> None:

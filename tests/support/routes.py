@@ -236,8 +236,6 @@ def _cupy_store(f) -> Any:
         return Refused((f"kv_dtype={f['codec']!r}",))
     if f.get("tokens") == "packed":
         return Refused(("packed tokens",))
-    if "tree" in f.get("features", ()):  # attention facts only carry features
-        return Refused(("tree",))  # the CUDA kernels have no draft-tree clause yet
     return FAST
 
 
