@@ -380,6 +380,7 @@ SMOKE = {
     "DecodeHalf": (("numpy", "bfloat16"), {"SIZE": (2, 40)}),
     "WindowedDecode": (("numpy",), {"L": 64, "W": 16}),
     "RaggedDecode": (("numpy",), {"LENS": (3, 50)}),
+    "DraftTree": (("numba", 8, "float32"), {"PREFIX": 40}),
     "ChunkedPrefill": (("numpy", "4096 in 8"), {"CASES": {"4096 in 8": (4, 16)}}),
     "VsTorch": (("decode 4x4096",), {"CASES": {"decode 4x4096": (2, 40, 1)}}),
     "VsOnnxRuntime": (("4x4096", "float16"), {"CASES": {"4x4096": (2, 40)}}),

@@ -14,7 +14,7 @@ import numpy as np
 import gqakv
 
 from .common import (BACKENDS, D, HKV, HQ, attend, backend_or_skip, filled_cache, live_kv_bytes,
-                     queries, ratio, reader, sync, temp_mib, timing, torch_or_skip)
+                     queries, ratio, reader, require, sync, temp_mib, timing, torch_or_skip)
 
 DECODE_SIZES = ["4x4096", "1x32768", "32x1024"]  # batch x live length
 
@@ -328,3 +328,39 @@ class TempMemory:
         return temp_mib(self.call)
 
     track_temp_mib.unit = "MiB"
+
+
+@timing
+class DraftTree:
+    """Speculative verification: a draft tree of T tokens over a 4,096-token row against the
+    causal chunk of the same length, the same tokens (issue 28's target: at most 1.0x)."""
+
+    params = [BACKENDS, [8, 16, 64], ["float32", "bfloat16"]]
+    param_names = ["backend", "draft_tokens", "dtype"]
+    timeout = 300
+    PREFIX = 4096
+
+    def setup(self, backend, draft_tokens, dtype):
+        self.backend = backend_or_skip(backend)
+        require(gqakv, "DraftTree")
+        if dtype not in getattr(self.backend, "dtypes", ()):
+            raise NotImplementedError(f"{backend} does not hold {dtype}")
+        T = draft_tokens
+        self.cache = filled_cache(self.backend, [self.PREFIX + T], dtype=dtype)
+        self.q = queries(self.backend, 1, T, dtype=dtype)
+        self.n_new = np.array([T], dtype=np.int64)
+        rng = np.random.default_rng(T)  # a random tree: each token's parent any earlier one
+        self.parents = np.array([[int(rng.integers(-1, t)) for t in range(T)]])
+
+    def _tree(self):
+        gqakv.gqa_attention(self.q, self.cache, self.n_new, tree=self.parents)
+        sync(self.backend)
+
+    def time_tree(self, backend, draft_tokens, dtype):
+        self._tree()
+
+    def track_ratio_to_causal(self, backend, draft_tokens, dtype):
+        return ratio(self._tree, lambda: attend(self.backend, self.q, self.cache, self.n_new),
+                     self.backend)
+
+    track_ratio_to_causal.unit = "x the causal chunk's time"
