@@ -42,7 +42,7 @@ def poison_unnamed(cache) -> None:
         for p in range(t.num_pages):
             if p not in named:
                 for buf in (store.k, store.v):
-                    buf[(*lead, p)] = math.nan
+                    buf[(*lead, p, ...)] = math.nan
 
 
 def state(cache, arrays):
@@ -148,22 +148,33 @@ def test_random_operations_match_full_history_numpy(seed, page_size, window):
     assert released > 0
 
 
-def test_random_operations_match_full_history_every_backend(backend):
+def test_random_operations_match_full_history_every_backend(backend, route_spy):
+    """Every backend, through the path it routes paged storage to (the spy checks that each
+    append and attention ran what ``route()`` names and the path meant)."""
+    from .support.routes import assert_product_routes
+
     if "float64" not in backend.dtypes:
         pytest.skip(f"{backend.name} has no float64")
     if backend.name == "cupy_emulated":
         pytest.skip("the emulator's time: its paged kernels read from key_lo as the others "
                     "(the planner's splits start at the window); run on a device")
+    spy = route_spy(backend)
     seen, released = _random_window_ops(backend, 7, 40, 4, 5)
     assert "released pages" in seen and released > 0
+    assert_product_routes(spy)
 
 
-def test_float32_on_every_backend(backend):
-    """The kernels' dtype: windowed and full-history caches agree bit for bit."""
+def test_float32_on_every_backend(backend, route_spy):
+    """The kernels' dtype (numba's paged kernel, NumPy's BLAS path over the page table):
+    windowed and full-history caches agree bit for bit, and match the reference."""
+    from .support.routes import assert_product_routes
+
     if "float32" not in backend.dtypes or backend.name == "cupy_emulated":
         pytest.skip(f"{backend.name}: no float32, or the emulator's time")
+    spy = route_spy(backend)
     seen, released = _random_window_ops(backend, 11, 30, 4, 7, dtype="float32")
     assert released > 0
+    assert_product_routes(spy)
 
 
 def test_decode_releases_pages_as_the_window_moves_and_a_window_pool_suffices():
