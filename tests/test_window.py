@@ -466,3 +466,82 @@ def test_size_command_prints_window_storage(capsys):
     assert "32 sliding layers (window 4,096)" in out
     assert "full history  4,294,967,296 bytes (4.0 GiB)" in out
     assert "window-sized  538,968,064 bytes" in out
+
+
+# -- transformers: GqakvCache(window_storage=True) ----------------------------------------------
+
+
+def _tiny_sliding_model(family: str):
+    """A tiny random float64 model with sliding window 5: Mistral (every layer sliding) or
+    gpt-oss (sliding and full layers alternate, sinks)."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    common = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2, sliding_window=5)
+    if family == "mistral":
+        config, model_cls = tf.MistralConfig(**common), tf.MistralForCausalLM
+    else:
+        common.update(head_dim=8, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+        config, model_cls = tf.GptOssConfig(**common), tf.GptOssForCausalLM
+    torch.manual_seed(0)
+    model = model_cls(config).to(torch.float64).eval()
+    if family == "gpt_oss":
+        model.set_experts_implementation("eager")
+    return model
+
+
+@pytest.mark.parametrize("family", ["mistral", "gpt_oss"])
+def test_transformers_window_storage_generates_the_same_bits(family):
+    """Left-padded prompts longer than the window, greedy generate (rows of 200 tokens
+    capacity): the window-sized cache's
+    tokens and logits equal the full-history cache's bit for bit; its sliding layers are
+    windowed paged caches that released pages, its full layers unchanged."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import gqakv
+    from gqakv.integrations.transformers import CACHE_KWARG, GqakvCache, register
+
+    register()
+    model = _tiny_sliding_model(family)
+    model.set_attn_implementation("gqakv")
+    g = torch.Generator().manual_seed(4)
+    lens, width = [13, 9], 13
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lens):
+        ids[b, width - n:] = torch.randint(3, 101, (n,), generator=g)
+        mask[b, width - n:] = 1
+    runs = []
+    for window_storage in (False, True):
+        cache = GqakvCache(model.config, max_cache_len=200, window_storage=window_storage)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True, eos_token_id=None,
+                                 pad_token_id=0, **{CACHE_KWARG: cache})
+        runs.append((out.sequences, torch.stack(out.logits), cache))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1])
+    types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * 2
+    for t, full, win in zip(types, runs[0][2].kv_caches, runs[1][2].kv_caches):
+        assert full.host_lens.tolist() == win.host_lens.tolist() == [13 + 23, 9 + 23]
+        if t == "sliding_attention":
+            assert isinstance(win, gqakv.PagedKVCache) and win.window == 5
+            assert win.pages_released > 0 and win.nbytes < full.nbytes
+            assert win.num_pages == 2 * window_pages(5, 200, 16, 13)  # sized by the prompt
+            assert win.store.page_table.audit(win.host_lens) == []
+        else:
+            assert type(win) is gqakv.KVCache and win.nbytes == full.nbytes
+
+
+def test_transformers_window_storage_needs_a_window():
+    pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    from gqakv.integrations.transformers import GqakvCache
+
+    config = tf.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="no sliding window"):
+        GqakvCache(config, max_cache_len=16, window_storage=True)
+    with pytest.raises(ValueError, match="max_chunk"):
+        GqakvCache(config, max_cache_len=16, max_chunk=0)

@@ -43,7 +43,9 @@ class PagedKVCache(KVCache):
             ValueError naming the numbers; so is truncating (or accepting a draft) to a
             length whose next query would see one (0 always works), ``live_kv`` of a row
             that released pages, and ``cache_prefix`` after the window moved. Outputs are
-            bit for bit those of the same cache without a window.
+            bit for bit those of the same cache without a window. Unlike other paged rows,
+            a windowed row must not be attended by one thread while another appends to it
+            (the append may reuse the pages behind its window for its new tokens).
 
     Attributes (besides KVCache's):
         k, v: the page pool, ``[num_pages, Hkv, page_size, d]`` each (heads-major inside a

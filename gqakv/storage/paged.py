@@ -519,6 +519,14 @@ class PageTableView:
 
     reserve = point = undo = reorder = fork = trim = attach = _refuse
     index = None  # a caller's pools keep their own gqakv.storage.prefix_index.PrefixIndex
+    window = None  # a caller's table releases nothing on its own
+
+    def first_held(self, rows) -> np.ndarray:
+        """Zeros: gqakv releases none of a caller's pages (the caller's table says what is live)."""
+        return np.zeros(len(rows), dtype=np.int64)
+
+    def check_keep(self, rows, new_lens, what: str) -> None:
+        """Nothing to refuse: a caller's table keeps what the caller keeps."""
 
 
 class PagedStore(KVStore):
@@ -610,21 +618,17 @@ class PagedStore(KVStore):
     @property
     def window(self) -> int | None:
         """The sliding window whose pages behind it this store releases (None: keeps all)."""
-        return getattr(self.page_table, "window", None)
+        return self.page_table.window
 
     def first_held(self, rows) -> np.ndarray:
         """``[len(rows)]`` int64: the first token each row still holds (0 unless the
         window released pages; a caller's table keeps every page)."""
-        table = self.page_table
-        if getattr(table, "window", None) is None:
-            return np.zeros(len(rows), dtype=np.int64)
-        return table.first_held(rows)
+        return self.page_table.first_held(rows)
 
     def check_keep(self, rows, new_lens, what: str) -> None:
         """ValueError (nothing changed) when a row at ``new_lens[i]`` tokens would need keys
         the window released (``PageTable.check_keep``)."""
-        if getattr(self.page_table, "window", None) is not None:
-            self.page_table.check_keep(rows, new_lens, what)
+        self.page_table.check_keep(rows, new_lens, what)
 
     def row_kv(self, backend, row: int, n: int):
         """Copies gathered from the row's pages (the pages are shared and move between

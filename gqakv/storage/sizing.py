@@ -171,7 +171,8 @@ def config_from_hf(config, name: str | None = None) -> ModelConfig:
     if head_dim <= 0:
         raise ValueError("config gives neither head_dim nor hidden_size")
     max_pos = first("max_position_embeddings", "n_positions", "n_ctx", default=0, minimum=0)
-    window, types = 0, ()
+    window = 0
+    types: tuple[str, ...] = ()
     if config.get("sliding_window") is not None and config.get("use_sliding_window", True) is not False:
         window = first("sliding_window")
         given = config.get("layer_types")

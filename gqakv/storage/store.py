@@ -249,8 +249,10 @@ class KVStore:
     def trim_rows(self, rows: np.ndarray, new_lens: np.ndarray) -> None:
         """Rows ``rows`` now hold ``new_lens`` tokens: nothing moves or is released here."""
 
-    #: The sliding window whose history the store lets go of (None: it keeps every token).
-    window: int | None = None
+    @property
+    def window(self) -> int | None:
+        """The sliding window whose history the store lets go of (None: it keeps every token)."""
+        return None
 
     def first_held(self, rows) -> np.ndarray:
         """``[len(rows)]`` int64: the first token each row still holds (0: contiguous rows
