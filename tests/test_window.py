@@ -177,6 +177,36 @@ def test_float32_on_every_backend(backend, route_spy):
     assert_product_routes(spy)
 
 
+def test_cuda_kernels_read_from_the_window_on_the_emulator(backend, route_spy):
+    """The cupy backend's paged kernels (append, chunked prefill, decode), run on the CPU
+    emulator: the windowed cache equals the full-history one bit for bit, with every free,
+    released or never-written page slot NaN, and each call ran the kernel ``route()`` names."""
+    from .support.routes import assert_product_routes
+
+    if backend.name != "cupy_emulated":
+        pytest.skip("the CUDA kernels' check (the other backends run the tests above)")
+    arrays = BackendArrays(backend)
+    spy = route_spy(backend)
+    rng = np.random.default_rng(0)
+    B, Hkv, d, S, W, P, dt = 2, 1, 8, 48, 5, 4, "bfloat16"
+    full, win = (gqakv.PagedKVCache(B, Hkv, S, d, dtype=dt, backend=backend, page_size=P, window=w)
+                 for w in (None, W))
+    for c in (full, win):
+        c.store.fill(math.nan)
+    for T, n in [(9, [9, 7]), (1, [1, 1]), (12, [12, 3]), (1, [1, 0]), (1, [1, 1]), (4, [4, 4])]:
+        k, v = rng.standard_normal((2, B, Hkv, T, d))
+        q = rng.standard_normal((B, 2, T, d))
+        outs = []
+        for c in (full, win):
+            c.append(arrays.asarray(k, dt), arrays.asarray(v, dt), n)
+            outs.append(arrays.to_numpy(gqakv.gqa_attention(arrays.asarray(q, dt), c, n, window=W)))
+        np.testing.assert_array_equal(_bits(outs[0]), _bits(outs[1]))
+        assert np.isfinite(outs[1].astype(np.float32)).all()
+        audit(win)
+    assert win.pages_released == 7
+    assert_product_routes(spy)
+
+
 def test_decode_releases_pages_as_the_window_moves_and_a_window_pool_suffices():
     """Rows decoding to max_len in a pool of ``window_pages`` pages per row: never out of
     pages; each row ends holding only its window's pages; the released count is exact."""
@@ -403,6 +433,13 @@ def test_model_cache_layers_by_kind(backend_name):
         if step == 30:
             for c in (ref, win):
                 c.reset([0])
+        if step % 9 == 4:  # an aborted step: its pages go back, its window releases stand
+            qa, ka, va = rng.standard_normal((3, B, 2, 3, d))
+            for c in (ref, win):
+                with pytest.raises(KeyError):
+                    with c.step(np.minimum([3, 3, 3], S - c.host_lens)) as st:
+                        st.attend(0, qa, ka[:, :Hkv], va[:, :Hkv], window=windows[0])
+                        raise KeyError("abort")
         for w, table in win.store.page_tables.items():
             assert table.audit(win.host_lens) == [], w
     tables = win.store.page_tables
