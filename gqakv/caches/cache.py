@@ -166,7 +166,9 @@ class RowsAndLengths:
     @property
     def prefix_index(self):
         """The prefix cache's ``gqakv.storage.prefix_index.PrefixIndex`` (None without one;
-        paged storage only)."""
+        paged storage only; None for a model cache of several layer kinds, which has none)."""
+        if getattr(self.store, "page_tables", None) is not None:
+            return None
         return self._page_table().index
 
     # -- the prefix cache (paged storage made with prefix_cache=True) ---------------------------

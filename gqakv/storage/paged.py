@@ -212,14 +212,6 @@ class PageTable:
                 plan.append((r, k))
         return plan
 
-    def _window_gain(self, plan) -> int:
-        """Pages ``plan``'s releases would hand back to the pool (those no other entry names)."""
-        if not plan:
-            return 0
-        pages = np.concatenate([self.entries[r, int(self.released[r]):k] for r, k in plan])
-        ids, counts = np.unique(pages.astype(np.int64), return_counts=True)
-        return int((self.refs[ids] == counts).sum())
-
     def _window_release(self, plan) -> int:
         """Release ``plan``'s pages (entries set to -1); returns how many pages were released."""
         done = 0
