@@ -297,18 +297,26 @@ def test_out_of_pages_takes_the_window_releases_back():
     audit(cache)
 
 
-def test_accept_with_a_window_matches_full_history():
-    """Speculative decoding: a draft tree's chunk appended and attended (window), a path
-    accepted; the windowed cache equals the full-history one, and an accept whose next
-    query would need released keys is refused before any move."""
-    arrays = BackendArrays(gqakv.get_backend("numpy"))
+@pytest.mark.parametrize("backend_name, dtype", [("numpy", "float64"), ("numba", "float32"),
+                                                 ("torch", "float32")])
+def test_accept_with_a_window_matches_full_history(backend_name, dtype):
+    """Speculative decoding: a draft tree's chunk appended and attended (window, by
+    logical position), a path accepted; the windowed cache equals the full-history one,
+    and an accept whose next query would need released keys is refused before any move."""
+    backend = gqakv.get_backend(backend_name)
+    if backend.unavailable_reason():
+        pytest.skip(f"{backend_name}: {backend.unavailable_reason()}")
+    arrays = BackendArrays(backend)
     B, Hkv, d, S, W, P = 2, 1, 4, 80, 6, 2
-    full, win = (gqakv.PagedKVCache(B, Hkv, S, d, dtype="float64", backend="numpy", page_size=P,
+    full, win = (gqakv.PagedKVCache(B, Hkv, S, d, dtype=dtype, backend=backend, page_size=P,
                                     window=w) for w in (None, W))
     rng = np.random.default_rng(5)
+
+    def a(x):
+        return arrays.asarray(x, dtype)
     k, v = rng.standard_normal((2, B, Hkv, 30, d))
     for c in (full, win):
-        c.append(k, v, [30, 21])
+        c.append(a(k), a(v), [30, 21])
     parents = np.array([[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]])
     tree = gqakv.DraftTree.of(parents, [5, 5])
     for trial in range(3):
@@ -316,9 +324,9 @@ def test_accept_with_a_window_matches_full_history():
         q = rng.standard_normal((B, 2, 5, d))
         outs = []
         for c in (full, win):
-            c.append(k, v, [5, 5])
-            outs.append(gqakv.gqa_attention(q, c, [5, 5], window=W, tree=parents))
-        np.testing.assert_array_equal(outs[0], outs[1])
+            c.append(a(k), a(v), [5, 5])
+            outs.append(arrays.to_numpy(gqakv.gqa_attention(a(q), c, [5, 5], window=W, tree=parents)))
+        np.testing.assert_array_equal(_bits(outs[0]), _bits(outs[1]))
         paths = [[0, 1, 3], [0, 1, 2, 3]] if trial % 2 else [[0, 2, 4], []]
         for c in (full, win):
             c.accept(paths, tree)
@@ -327,17 +335,17 @@ def test_accept_with_a_window_matches_full_history():
         q = rng.standard_normal((B, 2, 1, d))
         outs = []
         for c in (full, win):
-            c.append(k, v, [1, 1])
-            outs.append(gqakv.gqa_attention(q, c, [1, 1], window=W))
-        np.testing.assert_array_equal(outs[0], outs[1])
+            c.append(a(k), a(v), [1, 1])
+            outs.append(arrays.to_numpy(gqakv.gqa_attention(a(q), c, [1, 1], window=W)))
+        np.testing.assert_array_equal(_bits(outs[0]), _bits(outs[1]))
     assert win.pages_released > 0
     # a chunk appended in two appends: the window moved in between, so rejecting the whole
     # tree would leave the row shorter than its released history allows
     before = state(win, arrays)
     r0 = int(win.host_lens[0])
     k, v = rng.standard_normal((2, B, Hkv, 20, d))
-    win.append(k, v, [20, 0])
-    win.append(k[:, :, :2], v[:, :, :2], [2, 0])
+    win.append(a(k), a(v), [20, 0])
+    win.append(a(k[:, :, :2]), a(v[:, :, :2]), [2, 0])
     long_tree = gqakv.DraftTree.of(np.array([list(range(-1, 21)), [-1] * 22]), [22, 0])
     mid = state(win, arrays)
     with pytest.raises(ValueError, match=r"cannot accept draft paths of row 0 to %d tokens" % r0):
