@@ -156,8 +156,8 @@ def test_random_operations_match_full_history_every_backend(backend, route_spy):
     if "float64" not in backend.dtypes:
         pytest.skip(f"{backend.name} has no float64")
     if backend.name == "cupy_emulated":
-        pytest.skip("the emulator's time: its paged kernels read from key_lo as the others "
-                    "(the planner's splits start at the window); run on a device")
+        pytest.skip("the emulator's time: test_cuda_kernels_read_from_the_window_on_the_emulator "
+                    "runs the CUDA kernels on a shorter sequence")
     spy = route_spy(backend)
     seen, released = _random_window_ops(backend, 7, 40, 4, 5)
     assert "released pages" in seen and released > 0
@@ -170,7 +170,7 @@ def test_float32_on_every_backend(backend, route_spy):
     from .support.routes import assert_product_routes
 
     if "float32" not in backend.dtypes or backend.name == "cupy_emulated":
-        pytest.skip(f"{backend.name}: no float32, or the emulator's time")
+        pytest.skip(f"{backend.name}: no float32, or the emulator's time (its own test below)")
     spy = route_spy(backend)
     seen, released = _random_window_ops(backend, 11, 30, 4, 7, dtype="float32")
     assert released > 0
