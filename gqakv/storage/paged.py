@@ -19,7 +19,18 @@ Bookkeeping (``PageTable``, host NumPy, shared by every layer):
   A cached page's tokens never change while it is cached: a write into it (a row
   truncated into a cached page, then appending) copies it first, as for a shared page.
 
-Invariant outside an open model step: row b holds exactly ``ceil(lens[b] / P)`` pages.
+- optionally a sliding window W (``window=W``, window-sized storage for a sliding layer):
+  ``released`` ``[B]`` counts each row's leading pages given back to the pool, their entries
+  -1. When an append starts at a row's length ``s``, its pages whose every key is before
+  ``s - W + 1`` (the first key the append's first query, at position ``s``, sees; no
+  later query sees an earlier one) are released first (``window_releasable``), so they
+  can serve that append. Readers start at the window's first key and so never look at a
+  released entry (``PagedStore._page_view`` raises if one does); a length whose next query
+  would see a released key is refused (``check_keep``: truncate, accept), as is attention
+  over one (``gqakv.core.inputs.check_held_keys``).
+
+Invariant outside an open model step: row b holds exactly ``ceil(lens[b] / P)`` pages
+(``held``, the window's released ones included; it names ``held - released`` of them).
 Every page a row holds is full except perhaps its last, so the only page a write can
 land in that another row may also name is that partly filled last page: it is copied
 first (copy on write), and only its live tokens are copied; the table names the copy
