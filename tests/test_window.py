@@ -616,3 +616,27 @@ def test_quantized_pages_release_with_their_scales(backend_name):
         np.testing.assert_array_equal(_bits(outs[0]), _bits(outs[1]))
         audit(win)
     assert win.pages_released > 0
+
+
+def test_prefill_chunks_then_decode_fit_a_window_pool():
+    """Chunks of C tokens then decode, forked rows included, in a pool of exactly
+    ``rows x window_pages(W, max_len, P, C)`` pages: never out of pages, and a row's
+    peak reaches ``window_pages`` (the bound is not loose)."""
+    B, Hkv, d, S, W, P, C = 3, 1, 2, 160, 13, 4, 7
+    per_row = window_pages(W, S, P, C)
+    cache = gqakv.PagedKVCache(B, Hkv, S, d, dtype="float64", backend="numpy", page_size=P,
+                               window=W, num_pages=B * per_row)
+    rng = np.random.default_rng(8)
+    peak = row_peak = 0
+    while cache.host_lens.max() + C <= S:
+        n = [C, C, 1] if cache.host_lens[0] < 60 else [1, 1, 1]
+        k, v = rng.standard_normal((2, B, Hkv, C, d))
+        cache.append(k, v, n)
+        peak = max(peak, cache.pages_used)
+        row_peak = max([row_peak] + [int(cache.store.page_table.row_pages(b).size) for b in range(B)])
+        if int(cache.host_lens[0]) == 63:  # a fork: rows 1 and 2 continue row 0
+            cache.fork(0, [1, 2])
+        audit(cache)
+    assert peak <= B * per_row
+    assert row_peak == per_row
+    assert cache.pages_released > 0
