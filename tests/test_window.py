@@ -642,3 +642,39 @@ def test_prefill_chunks_then_decode_fit_a_window_pool():
     assert peak <= B * per_row
     assert row_peak == per_row
     assert cache.pages_released > 0
+
+
+def test_a_plan_made_on_a_full_layer_is_refused_on_a_windowed_one():
+    """A step's plans serve every layer; a plan that reads the whole history (window=None,
+    made on a full layer, or by plan_attention) is refused on a layer whose window released
+    pages, before that layer is written."""
+    rng = np.random.default_rng(0)
+    cache = gqakv.ModelKVCache(2, 1, 1, 64, 4, dtype="float64", backend="numpy", page_size=2,
+                               windows=[None, 5])
+
+    def qkv(T):
+        return rng.standard_normal((3, 1, 1, T, 4))
+
+    with cache.step([20]) as st:
+        for l, w in enumerate([None, 5]):
+            q, k, v = qkv(20)
+            st.attend(l, q, k, v, window=w)
+    with cache.step([1]) as st:  # the window releases pages as this step opens
+        for l, w in enumerate([None, 5]):
+            q, k, v = qkv(1)
+            st.attend(l, q, k, v, window=w)
+    assert cache.store.page_tables[5].released[0] == (20 - 5 + 1) // 2
+    with pytest.raises(ValueError, match=r"row 0 holds keys 16\.\.21 only.*window=None"):
+        with cache.step([1]) as st:
+            q, k, v = qkv(1)
+            st.attend(0, q, k, v)  # a full layer, full attention: fine (plan cached)
+            st.attend(1, q, k, v)  # the same plan on the windowed layer: refused
+    with pytest.raises(ValueError, match=r"window=None"):
+        with cache.step([1]) as st:
+            plan = st.plan_attention(1, window=None)
+            q, k, v = qkv(1)
+            st.attend(0, q, k, v, plan=plan)
+            st.attend(1, q, k, v, plan=plan)
+    assert cache.host_lens.tolist() == [21]  # both steps aborted
+    for table in cache.store.page_tables.values():
+        assert table.audit(cache.host_lens) == []
