@@ -472,6 +472,8 @@ def test_model_cache_with_one_window_is_one_pool():
         gqakv.ModelKVCache(3, 2, 1, 64, 4, windows=[8, 8])
     with pytest.raises(ValueError, match=r"windows\[1\]"):
         gqakv.ModelKVCache(3, 2, 1, 64, 4, windows=[8, 0, 8])
+    with pytest.raises(ValueError, match="needs storage='paged', got storage='contiguous'"):
+        gqakv.ModelKVCache(2, 2, 1, 64, 4, windows=[None, 8], storage="contiguous")
     with pytest.raises(ValueError, match="prefix_cache=True needs layers of one kind"):
         gqakv.ModelKVCache(2, 2, 1, 64, 4, windows=[8, None], prefix_cache=True)
 

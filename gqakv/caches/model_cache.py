@@ -86,6 +86,10 @@ class ModelKVCache(RowsAndLengths):
         kinds = _layer_windows(windows, self.layers)
         if storage is None:
             storage = PAGED if page_size is not None or any(w is not None for w in kinds) else "contiguous"
+        if storage != PAGED and any(w is not None for w in kinds):
+            raise ValueError(f"windows={list(kinds)} (window-sized storage for sliding layers) needs "
+                             f"storage='paged', got storage={storage!r}: contiguous rows keep max_len "
+                             "slots (a ring buffer of W slots is not implemented)")
         distinct = list(dict.fromkeys(kinds))  # the layer kinds, in order of first layer
         if isinstance(num_pages, dict):
             unknown = [w for w in num_pages if w not in distinct]
