@@ -521,7 +521,7 @@ def test_size_command_prints_window_storage(capsys):
 # -- transformers: GqakvCache(window_storage=True) ----------------------------------------------
 
 
-def _tiny_sliding_model(family: str):
+def _tiny_sliding_model(family: str, seed: int = 0):
     """A tiny random float64 model with sliding window 5: Mistral (every layer sliding) or
     gpt-oss (sliding and full layers alternate, sinks)."""
     torch = pytest.importorskip("torch")
@@ -534,7 +534,7 @@ def _tiny_sliding_model(family: str):
     else:
         common.update(head_dim=8, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
         config, model_cls = tf.GptOssConfig(**common), tf.GptOssForCausalLM
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = model_cls(config).to(torch.float64).eval()
     if family == "gpt_oss":
         model.set_experts_implementation("eager")
@@ -582,6 +582,49 @@ def test_transformers_window_storage_generates_the_same_bits(family):
             assert win.store.page_table.audit(win.host_lens) == []
         else:
             assert type(win) is gqakv.KVCache and win.nbytes == full.nbytes
+
+
+@pytest.mark.parametrize("how", ["beams", "assisted"])
+def test_transformers_window_storage_beams_and_assisted_decoding(how, monkeypatch):
+    """Beam search (reorders of the rows) and assisted decoding with an assistant of other
+    weights (drafts rejected: crops of the last forward's tokens): the same sequences bit for
+    bit with window-sized sliding layers as with the full-history cache."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from gqakv.integrations.transformers import CACHE_KWARG, GqakvCache, GqakvLayer, register
+
+    register()
+    crops, real_crop = [], GqakvLayer.crop
+
+    def crop(self, tokens_to_remove):
+        crops.append(int(tokens_to_remove))
+        return real_crop(self, tokens_to_remove)
+
+    monkeypatch.setattr(GqakvLayer, "crop", crop)
+    model = _tiny_sliding_model("mistral")
+    model.set_attn_implementation("gqakv")
+    ids = torch.randint(3, 101, (1 if how == "assisted" else 2, 11),
+                        generator=torch.Generator().manual_seed(6))
+    extra: dict = {"num_beams": 2} if how == "beams" else {}
+    if how == "assisted":
+        assistant = _tiny_sliding_model("mistral", seed=1)
+        assistant.set_attn_implementation("eager")
+        extra = {"assistant_model": assistant}
+    runs = []
+    for window_storage in (False, True):
+        cache = GqakvCache(model.config, max_cache_len=64, max_batch_size=4,
+                           window_storage=window_storage, max_chunk=11)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 **{CACHE_KWARG: cache}, **extra)
+        runs.append((out, cache))
+    assert torch.equal(runs[0][0], runs[1][0])
+    if how == "assisted":
+        assert any(c < 0 for c in crops)  # rejected drafts were cropped, window-sized layers too
+    win = runs[1][1].kv_caches[0]
+    assert win.window == 5 and win.pages_released > 0
+    assert win.store.page_table.audit(win.host_lens) == []
 
 
 def test_transformers_window_storage_needs_a_window():
