@@ -46,6 +46,7 @@ from gqakv.dispatch.request import Request, as_request
 from gqakv.storage.codecs import PLAIN_NAME
 from gqakv.core.inputs import PACKED, PADDED, AttentionInputs
 from gqakv.core.semantics import AttentionParams, block_keys
+from gqakv.core.tree import DraftTree
 from gqakv.storage.store import CONTIGUOUS, PAGED
 
 from . import numpy_backend as _numpy
@@ -94,7 +95,8 @@ _CODECS = frozenset({PLAIN_NAME, *_KERNEL_KV_DTYPES})
 #: What the compiled paths implement (as data; ``route_*`` adds the per-call conditions:
 #: chunk length and buffer layout).
 KERNEL_PATH = FastPath(KERNEL, "attention", frozenset({CONTIGUOUS, PAGED}), _CODECS,
-                       frozenset({"window", "softcap", "sinks", "alibi"}), frozenset(_KERNEL_DTYPES),
+                       frozenset({"window", "softcap", "sinks", "alibi", "tree"}),
+                       frozenset(_KERNEL_DTYPES),
                        tokens=frozenset({PADDED, PACKED}), invariant=True)
 WRITE_PATH = FastPath(WRITE_KERNEL, "write_kv", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}),
                       tokens=frozenset({PADDED, PACKED}))
@@ -160,7 +162,8 @@ class NumbaBackend(NumpyBackend):
         "float16/bfloat16 converted in registers, computed in float32",
         "float64 and long prefill chunks: the numpy backend's BLAS path",
         "threads: GQAKV_NUM_THREADS, else all cores",
-        "variants in the kernels: window (reads min(L, W) keys), softcap, sinks",
+        "variants in the kernels: window (reads min(L, W) keys), softcap, sinks, ALiBi",
+        "draft trees in the kernels (speculative verification: ancestors per chunk query)",
     })
 
     fast_paths = (KERNEL_PATH, *_numpy.FAST_PATHS, WRITE_PATH, COPY_PATH)
@@ -324,7 +327,7 @@ class NumbaBackend(NumpyBackend):
             return mixed if mixed is not None else super().plan_attention(store, inputs, params,
                                                                            q_shape)
         work = plan_numba(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params,
-                          invariant=inputs.invariant)
+                          invariant=inputs.invariant, tree=inputs.tree)
         work.inputs = inputs  # the batch it was planned for (attention uses it for that one only)
         return work
 
@@ -352,7 +355,7 @@ class NumbaBackend(NumpyBackend):
             k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
         if not (isinstance(work, NumbaWork) and work.inputs is inputs):
             work = plan_numba(inputs.lens, inputs.n_new, tuple(q.shape), _kv_heads(k_buf), params,
-                              invariant=inputs.invariant)
+                              invariant=inputs.invariant, tree=inputs.tree)
         return run_numba(work, q, k_buf, v_buf, inputs.rows, inputs.lens, inputs.n_new,
                          return_lse=return_lse, out=out, lse_out=lse_out, offsets=inputs.offsets)
 
@@ -439,7 +442,8 @@ class NumbaWork:
     [workers + 1]; part_rows [n] (an item's first row in the split partials, -1 when the
     item covers all its queries' keys); groups / group_starts / piece_rows: the key pieces
     merged per (i, h0, h1, t0, t1); n_part: rows of the partials; the variant's kernel
-    arguments (scale, softcap, window, sinks [Hq], alibi [Hq] or None)."""
+    arguments (scale, softcap, window, sinks [Hq], alibi [Hq] or None, tree: a
+    ``numba_kernels.Tree`` or None)."""
 
     q_shape: tuple[int, ...]
     G: int
@@ -457,18 +461,22 @@ class NumbaWork:
     window: int
     sinks: np.ndarray
     alibi: np.ndarray | None
+    tree: object  # numba_kernels.Tree, or None: compiled without the tree's clause
     inputs: object  # the AttentionInputs it was planned for (None: planned for a bare call)
 
 
 def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
                workers: int | None = None, query_block: int = QUERY_BLOCK,
                min_key_split: int = MIN_KEY_SPLIT, key_block: int | None = None,
-               parallel_min_work: int = PARALLEL_MIN_WORK, invariant: bool = False) -> NumbaWork:
+               parallel_min_work: int = PARALLEL_MIN_WORK, invariant: bool = False,
+               tree=None) -> NumbaWork:
     """The items, their sharing among threads and the merge layout of a call with these
     lengths, queries of ``q_shape`` (padded ``[B, Hq, T, d]`` or packed ``[N, Hq, d]``) and
     variant (see ``NumbaWork``). ``invariant`` (batch-invariant mode): one query per item
     and no key splits, so each query's keys are folded from its first visible key in
-    blocks of ``key_block`` (fixed by the head dim) whatever the batch."""
+    blocks of ``key_block`` (fixed by the head dim) whatever the batch. ``tree``: the
+    call's ``DraftTree`` (None: none): key spans by the tree rule (``cpu_plan._plan``) and
+    the kernels' ``Tree``."""
     import numba
 
     nk = _kernels()
@@ -487,12 +495,21 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     # None compiles the kernels without ALiBi (numba_kernels.bias)
     w.alibi = None if params.alibi_slopes is None else np.asarray(params.alibi_slopes, np.float32)
     w.key_block = max(8, KEY_BLOCK_BYTES // (4 * d)) if key_block is None else key_block
+    trees, w.tree = None, None
+    if tree is not None:
+        entries = [tree.entry(i) for i in range(tree.batch)]
+        trees = entries.__getitem__
+        ancestors = np.zeros(tree.parents.shape + tree.parents.shape[1:], dtype=np.uint8)
+        for i, e in enumerate(entries):
+            ancestors[i, :e.size, :e.size] = e.ancestors
+        w.tree = nk.Tree(ancestors, np.ascontiguousarray(tree.depth, dtype=np.int64))
     if workers is None:
         workers = default_workers()
     workers = max(1, min(workers, numba.config.NUMBA_NUM_THREADS))
     if invariant:
         query_block, min_key_split = 1, INVARIANT_NO_SPLIT
-    items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split, params=params)
+    items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split,
+                         params=params, trees=trees)
     if items and total < parallel_min_work:
         workers = 1
     w.workers = workers
@@ -503,7 +520,8 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     groups: dict[tuple, list[int]] = {}
     n_part = 0
     for x, (i, h0, h1, t0, t1, j0, j1, _) in enumerate(order):
-        if (j0, j1) != block_keys(params, int(lens[i]), int(n_new[i]), t0, t1):  # a key piece
+        tr = None if trees is None else trees(i)
+        if (j0, j1) != block_keys(params, int(lens[i]), int(n_new[i]), t0, t1, tr):  # a key piece
             w.part_rows[x] = n_part
             groups.setdefault((i, h0, h1, t0, t1), []).append(n_part)
             n_part += (h1 - h0) * G * (t1 - t0)
@@ -550,7 +568,8 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
             numba.set_num_threads(work.workers)
             nk.attention_items(q4, k_buf, v_buf, rows, lens, n_new, work.items, work.run_starts,
                                work.part_rows, work.scale, work.softcap, work.window, work.sinks,
-                               work.alibi, work.key_block, o4, lse3, o_part, ml_part, at)
+                               work.alibi, work.key_block, o4, lse3, o_part, ml_part, at,
+                               work.tree)
             if work.groups is not None:
                 nk.merge_pieces(work.groups, work.group_starts, work.piece_rows, o_part, ml_part,
                                 work.G, work.sinks, o4, lse3, at)
@@ -573,9 +592,14 @@ class MixedWork:
 def _subset(inputs, selected: np.ndarray):
     """The AttentionInputs of the batch entries ``selected`` (a packed batch: their offsets
     still address the whole q)."""
+    tree = inputs.tree
+    if tree is not None:  # the selected entries' trees
+        tree = DraftTree(parents=tree.parents[selected], depth=tree.depth[selected],
+                         n=tree.n[selected])
     return AttentionInputs(rows=inputs.rows[selected], lens=inputs.lens[selected],
                            n_new=inputs.n_new[selected], params=inputs.params,
-                           offsets=inputs.offsets[selected], invariant=inputs.invariant)
+                           offsets=inputs.offsets[selected], invariant=inputs.invariant,
+                           tree=tree)
 
 
 def plan_mixed(store, inputs, params, q_shape, request) -> MixedWork | None:
@@ -584,7 +608,7 @@ def plan_mixed(store, inputs, params, q_shape, request) -> MixedWork | None:
     variant, dtype) and the BLAS path the long ones; None for any other batch (a padded
     one included: its subsets would need copies of q). Continuous batching's step (one
     prefill chunk among decode tokens) then costs what its two kinds of rows cost apart."""
-    from .numpy_attention import plan_items
+    from .numpy_attention import entry_trees, plan_items
 
     if inputs.offsets is None or inputs.invariant:  # invariant: the kernels serve every row
         return None
@@ -595,8 +619,10 @@ def plan_mixed(store, inputs, params, q_shape, request) -> MixedWork | None:
             or _numpy.route_attention(request).impl != _numpy.BLAS):
         return None
     a, b = _subset(inputs, np.flatnonzero(short)), _subset(inputs, np.flatnonzero(~short))
-    return MixedWork(inputs, a, plan_numba(a.lens, a.n_new, q_shape, store.kv_heads, params),
-                     b, plan_items(b.lens, b.n_new, q_shape, store.kv_heads, params))
+    return MixedWork(inputs, a, plan_numba(a.lens, a.n_new, q_shape, store.kv_heads, params,
+                                           tree=a.tree),
+                     b, plan_items(b.lens, b.n_new, q_shape, store.kv_heads, params,
+                                   trees=entry_trees(b)))
 
 
 def run_mixed(work: MixedWork, q, store, *, return_lse: bool, out=None, lse_out=None):
@@ -605,7 +631,7 @@ def run_mixed(work: MixedWork, q, store, *, return_lse: bool, out=None, lse_out=
     path writes the long rows into the same arrays; ``out`` / ``lse_out`` as in
     ``run_numba``."""
     from . import numpy_readers
-    from .numpy_attention import attend
+    from .numpy_attention import attend, entry_trees
 
     o, lse = _result_buffers(q, q.shape, out, lse_out)
     k_buf, v_buf = kernel_layout(store)
@@ -615,7 +641,8 @@ def run_mixed(work: MixedWork, q, store, *, return_lse: bool, out=None, lse_out=
     run_numba(work.short_work, q, k_buf, v_buf, a.rows, a.lens, a.n_new, return_lse=True,
               out=o, lse_out=lse, offsets=a.offsets)
     attend(q, numpy_readers.reader_of(store, b.rows), b.lens, b.n_new, params=b.params,
-           return_lse=True, planned=work.long_work, offsets=b.offsets, into=(o, lse))
+           return_lse=True, planned=work.long_work, offsets=b.offsets, into=(o, lse),
+           trees=entry_trees(b))
     return _hand_back(q, o, lse, out, lse_out, return_lse)
 
 

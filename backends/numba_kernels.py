@@ -16,7 +16,10 @@ so later storage kinds and attention variants replace one piece, not the loop:
 - which keys a query sees: ``visible_keys(q_pos, window)`` gives the key range
   ``lo, hi`` (bottom-right causal, ``0, q_pos + 1``, with a sliding window's first key
   as ``lo``: ``gqakv.core.semantics.key_range`` in kernel form; the planner's items already
-  start at the window, so only the first block of a query block is masked by it);
+  start at the window, so only the first block of a query block is masked by it); a
+  draft tree (``Tree``: ancestors and depths, or None, chosen by type) adds its clause to
+  the blocks that reach into the chunk (``tree_masks_block``, ``tree_score_row``: a chunk
+  key is seen only by its descendants, windows and ALiBi measure logical positions);
 - how a score is modified (the score hook, ``semantics.transform``): ``score(dot, scale,
   softcap)`` (scaling, then the soft-cap ``c * tanh(s / c)`` when softcap > 0, through
   the vectorizable ``tanh_f32``), then ``bias(alibi, x, head, q_pos, j)`` (ALiBi's
@@ -511,6 +514,65 @@ def join_sink(m, l, sink):
     return np.float32(1.0), l + exp_nonpos(sink - m), m
 
 
+#: A draft tree as the kernels take it (``gqakv.core.tree.DraftTree``): ``ancestors``
+#: uint8 [B, T, T] (1 where chunk key u is query t or one of its ancestors) and ``depth``
+#: int64 [B, T] (a root's is 0). A call without a tree passes None: the tree's clause then
+#: compiles to nothing (``tree_query_position``, ``tree_masks_block``).
+Tree = namedtuple("Tree", ["ancestors", "depth"])
+
+
+def tree_query_position(tree, i, t, start):
+    """The position windows and ALiBi measure for entry i's chunk query t, the chunk
+    starting at ``start`` (overloaded below): ``start + t``, or with a ``Tree`` the logical
+    ``start + depth[i, t]`` (``semantics.query_positions``)."""
+    raise NotImplementedError
+
+
+@overload(tree_query_position, jit_options={"cache": True})
+def _tree_query_position(tree, i, t, start):
+    if isinstance(tree, types.NoneType):
+        return lambda tree, i, t, start: start + t
+    if _is(tree, Tree):
+        return lambda tree, i, t, start: start + tree.depth[i, t]
+    return None
+
+
+def tree_masks_block(tree, js, n, start):
+    """Whether keys js .. js + n - 1 hold chunk keys (>= ``start``) that a ``Tree`` may
+    hide from a query (overloaded below): always False without a tree (a constant, so the
+    tree's scoring is not compiled in)."""
+    raise NotImplementedError
+
+
+@overload(tree_masks_block, jit_options={"cache": True})
+def _tree_masks_block(tree, js, n, start):
+    if isinstance(tree, types.NoneType):
+        return lambda tree, js, n, start: False
+    if _is(tree, Tree):
+        return lambda tree, js, n, start: js + n > start
+    return None
+
+
+def tree_score_row(tree, i, t, start, s_row, n, js, lo, hi, scale, softcap, alibi, head, q_pos):
+    """``_score_row`` with the tree's clause (overloaded below; only called when
+    ``tree_masks_block``): chunk key u = j - start is seen only when ``ancestors[i, t, u]``
+    and, like the prefix keys, only from ``lo`` on in logical positions (``start +
+    depth[i, u]``), where ALiBi measures it too (``semantics.tree_visible``)."""
+    raise NotImplementedError
+
+
+@overload(tree_score_row, jit_options={"cache": True})
+def _tree_score_row(tree, i, t, start, s_row, n, js, lo, hi, scale, softcap, alibi, head, q_pos):
+    if isinstance(tree, types.NoneType):  # never called (tree_masks_block is False)
+        return lambda tree, i, t, start, s_row, n, js, lo, hi, scale, softcap, alibi, head, q_pos: \
+            (np.float32(0.0), False)
+    if _is(tree, Tree):
+        return lambda tree, i, t, start, s_row, n, js, lo, hi, scale, softcap, alibi, head, q_pos: \
+            _score_row_tree(s_row, n, js, lo, hi, scale, softcap, alibi, head, q_pos,
+                            tree.ancestors[i, t], tree.depth[i], start)
+    return None
+
+
 # -- attention -----------------------------------------------------------------------------
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -678,9 +740,33 @@ def _score_row(s_row, n, js, lo, hi, scale, softcap, alibi, head, q_pos):
     return _bits_to_float32(_order_key(km)), nan
 
 
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _score_row_tree(s_row, n, js, lo, hi, scale, softcap, alibi, head, q_pos, seen, depth, start):
+    """``_score_row`` for a block reaching into a draft tree's chunk (from key ``start``):
+    key j < start stands at j, chunk key u = j - start at ``start + depth[u]`` and is seen
+    only where ``seen[u]`` (the query's ancestors and itself); ``lo`` bounds the logical
+    positions (a window, by the query's logical position ``q_pos``), ``hi`` the keys."""
+    km = _NEG_INF_KEY
+    nan = False
+    last = depth.shape[0] - 1
+    for jj in range(n):
+        j = js + jj
+        u = min(max(j - start, 0), last)
+        chunk = j >= start
+        k_pos = start + depth[u] if chunk else j
+        x = bias(alibi, score(s_row[jj], scale, softcap), head, q_pos, k_pos)
+        if (k_pos < lo) | (j >= hi) | (chunk & (seen[u] == 0)):
+            x = _NEG_INF
+        s_row[jj] = x
+        b = _float32_bits(x)
+        nan |= (b & 0x7FFFFFFF) > 0x7F800000
+        km = max(km, _order_key(b))
+    return _bits_to_float32(_order_key(km)), nan
+
+
 @njit(fastmath=FASTMATH, cache=True)
 def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, window, alibi,
-            key_block, s, acc, m, l):
+            key_block, s, acc, m, l, tree, i):
     """Online softmax of one tile (KV head h of row r, queries t0..t0+nq) over keys j0:j1.
 
     qt: [nq * G, d] float32, row t * G + g is query t0 + t of query head h * G + g;
@@ -690,6 +776,8 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
     and l NaN (its output is NaN, as in the reference); other rows are unaffected.
 
     alibi: None, or ALiBi's float32 slopes [Hq] (row rr is query head h * G + rr % G).
+    tree: None, or the call's ``Tree`` (i: the tile's batch entry): blocks reaching into
+    the chunk are scored by its clause (``tree_score_row``), queries placed by depth.
     Per block of keys: all dots of the tile (``_block_dots``), then per row the score
     (``_score_row``: scale, soft-cap, ALiBi, visibility mask), the block max (one rescale per
     block) and the exponentials, then the P V update of the whole tile (``_accumulate``).
@@ -714,10 +802,19 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
                 for jj in range(n):
                     s[rr, jj] = 0.0
                 continue
-            q_pos = start + t0 + rr // G
-            lo, hi = visible_keys(q_pos, window)
+            t = t0 + rr // G
+            q_pos = tree_query_position(tree, i, t, start)  # what windows and ALiBi measure
+            lo, _ = visible_keys(q_pos, window)
+            hi = start + t + 1  # no key past the query's own slot
             head = h * G + rr % G
-            if softcap > 0:
+            if tree_masks_block(tree, js, n, start):  # False without a tree: folded away
+                if softcap > 0:
+                    bm, nan = tree_score_row(tree, i, t, start, s[rr], n, js, lo, hi, scale,
+                                             softcap, alibi, head, q_pos)
+                else:
+                    bm, nan = tree_score_row(tree, i, t, start, s[rr], n, js, lo, hi, scale,
+                                             np.float32(0.0), alibi, head, q_pos)
+            elif softcap > 0:
                 bm, nan = _score_row(s[rr], n, js, lo, hi, scale, softcap, alibi, head, q_pos)
             else:  # the soft-cap's branch folds away in this copy
                 bm, nan = _score_row(s[rr], n, js, lo, hi, scale, np.float32(0.0), alibi, head,
@@ -766,7 +863,7 @@ def query_slot(offsets, i, t):
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_rows,
                     scale, softcap, window, sinks, alibi, key_block, out, lse, o_part, ml_part,
-                    offsets):
+                    offsets, tree):
     """Every item of the plan; runs of items go to threads (one prange index per run).
 
     q: [B, Hq, T, d] float32 (out and lse [B, Hq, T] alike), or packed [N, Hq, 1, d] with
@@ -782,7 +879,8 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
     (running max, sum), merged by ``merge_pieces``. scale, softcap (0: none): float32;
     window: int (``NO_WINDOW``: none); sinks: float32 [Hq] (-inf: none), joined to an
     item that covers every key of its queries, else after the merge; alibi: None (no
-    ALiBi: compiled without it) or float32 slopes [Hq] (``bias``).
+    ALiBi: compiled without it) or float32 slopes [Hq] (``bias``); tree: None (compiled
+    without the clause) or a ``Tree`` over the B entries (draft-tree verification).
     """
     d = q.shape[3]
     Hkv = kv_heads(k_buf)
@@ -811,7 +909,7 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
                         for c in range(d):
                             qt[t * G + g, c] = q[ia, h * G + g, ib, c]
                 _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, window,
-                        alibi, key_block, s, acc, m, l)
+                        alibi, key_block, s, acc, m, l, tree, i)
                 base = part_rows[it]
                 for t in range(nq):
                     ia, ib = query_slot(offsets, i, t0 + t)

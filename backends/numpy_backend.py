@@ -7,7 +7,7 @@ import functools
 from gqakv.dispatch.backend import GENERIC, Backend, FastPath, Route, choose
 from gqakv.dispatch.request import Request, as_request
 from gqakv.ops.outputs import write_into
-from gqakv.storage.codecs import PLAIN_NAME
+from gqakv.storage.codecs import GROUPED, PLAIN_NAME
 from gqakv.core.inputs import PACKED, PADDED, immutable_ints
 from gqakv.storage.store import CONTIGUOUS, PAGED
 
@@ -24,7 +24,7 @@ BLAS_FEATURES = frozenset({"window", "softcap", "sinks", "alibi", "tree"})
 #: over either base reader). Any other codec is refused here and runs the generic path.
 FAST_PATHS: tuple[FastPath, ...] = (
     FastPath(BLAS, "attention", frozenset({CONTIGUOUS, PAGED}),
-             frozenset({PLAIN_NAME, "int8", "float8_e4m3fn"}), BLAS_FEATURES,
+             frozenset({PLAIN_NAME, "int8", "float8_e4m3fn", *GROUPED}), BLAS_FEATURES,
              tokens=frozenset({PADDED, PACKED}), invariant=True),
 )
 

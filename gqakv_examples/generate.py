@@ -12,6 +12,12 @@ both, and whether the greedy tokens agree.
 
 Every rank runs the same generation on its shard (all-reducing the projections'
 partial sums) and rank 0 prints.
+
+``--context-parallel C`` spreads every row's tokens over C processes
+(``gqakv.context_parallel``; with ``--tensor-parallel P`` a P x C grid of P * C
+processes)::
+
+    torchrun --standalone --nproc-per-node 2 -m gqakv generate --context-parallel 2 --config tiny
 """
 
 from __future__ import annotations
@@ -74,6 +80,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tp-timeout", type=float, default=300.0, metavar="S",
                         help="with --tensor-parallel: seconds a collective waits for the other "
                              "ranks before failing (default 300)")
+    parser.add_argument("--context-parallel", type=int, default=None, metavar="C",
+                        help="spread every row's tokens over C processes started by torchrun (decode "
+                             "context parallelism, gqakv.context_parallel; with --tensor-parallel P, a "
+                             "P x C grid of P * C processes); needs torch")
+    parser.add_argument("--cp-chunk", type=int, default=16, metavar="S",
+                        help="with --context-parallel: tokens per chunk of the interleaved placement "
+                             "(default 16)")
     parser.add_argument("--speculative", type=int, default=None, metavar="N",
                         help="also decode speculatively: an n-gram drafter (prompt lookup) proposes a tree of "
                              "up to N tokens per row per round, the model verifies it in one forward; prints "
@@ -132,7 +145,11 @@ def _silent(*args, **kwargs) -> None:
 
 def _tensor_parallel(args, config, UsageError):
     """The TensorParallel of ``--tensor-parallel`` (None without it), the split checked
-    against the model before any weight is drawn."""
+    against the model before any weight is drawn; with ``--context-parallel``, the
+    ``(TensorParallel or None, ContextParallel)`` of the grid."""
+    C = getattr(args, "context_parallel", None)
+    if C is not None:
+        return _context_parallel(args, config, UsageError)
     P = args.tensor_parallel
     if P is None:
         return None
@@ -155,6 +172,46 @@ def _tensor_parallel(args, config, UsageError):
     return distributed.init(P, device_kind="cuda" if gpu else "cpu", timeout_s=args.tp_timeout)
 
 
+def _context_parallel(args, config, UsageError):
+    """``(TensorParallel or None, ContextParallel)`` of ``--context-parallel C`` (and
+    ``--tensor-parallel P``): P * C processes, everything checked before joining."""
+    import os
+
+    C, P = args.context_parallel, args.tensor_parallel or 1
+    if C < 1:
+        raise UsageError(f"--context-parallel must be >= 1, got {C}")
+    if P < 1:
+        raise UsageError(f"--tensor-parallel must be >= 1, got {P}")
+    if args.cp_chunk < 1:
+        raise UsageError(f"--cp-chunk must be >= 1, got {args.cp_chunk}")
+    if not (math.isfinite(args.tp_timeout) and args.tp_timeout > 0):
+        raise UsageError(f"--tp-timeout must be a finite number of seconds > 0, got {args.tp_timeout}")
+    try:
+        HeadShard.plan(config.n_heads, config.n_kv_heads, P)
+        even_slice(config.intermediate_size, P, 0, "intermediate_size")
+    except ValueError as exc:
+        raise UsageError(f"--tensor-parallel {P}: {exc}") from None
+    launch = (f"torchrun --nproc-per-node {P * C} -m gqakv generate --context-parallel {C}"
+              + ("" if P == 1 else f" --tensor-parallel {P}"))
+    world = os.environ.get("WORLD_SIZE") if "RANK" in os.environ else None
+    if world is None and P * C > 1:
+        raise UsageError(f"--context-parallel {C} x --tensor-parallel {P} needs {P * C} processes started "
+                         f"by a launcher, e.g. {launch} ... (no RANK/WORLD_SIZE in this process's environment)")
+    if world is not None and int(world) != P * C:
+        raise UsageError(f"--context-parallel {C} x --tensor-parallel {P} needs {P * C} processes, but the "
+                         f"launcher started WORLD_SIZE={world} ({launch} ...)")
+    try:
+        import torch
+    except ImportError as exc:
+        raise UsageError(f"--context-parallel needs torch.distributed: {exc}") from None
+    from gqakv import context_parallel
+
+    name = get_backend(args.backend, dtype=args.dtype, head_dim=config.head_dim).name
+    gpu = name in ("torch", "cupy") and torch.cuda.is_available()
+    distributed.init(P * C, device_kind="cuda" if gpu else "cpu", timeout_s=args.tp_timeout)
+    return context_parallel.grid(P, C, chunk=args.cp_chunk)
+
+
 def run(args) -> int:
     if getattr(args, "batch_invariant", False):
         with gqakv.batch_invariant():
@@ -164,6 +221,9 @@ def run(args) -> int:
 
 def _dispatch(args) -> int:
     if real_model.wants_real_model(args):
+        if getattr(args, "context_parallel", None) is not None:
+            raise UsageError("--context-parallel runs the example model (random weights, --config); "
+                             "it does not split --model / --gguf")
         if getattr(args, "tensor_parallel", None) is not None:
             raise UsageError("--tensor-parallel runs the example model (random weights, --config); "
                              "it does not split --model / --gguf")
@@ -202,7 +262,11 @@ def _dispatch(args) -> int:
 
 
 def _run(args, config, tp, cache_options) -> int:
-    speaks = tp is None or tp.rank == 0  # under tensor parallelism rank 0 prints, the others compute
+    cp = None
+    if isinstance(tp, tuple):  # --context-parallel: (TensorParallel or None, ContextParallel)
+        tp, cp = tp
+    first = (tp is None or tp.rank == 0) and (cp is None or cp.rank == 0)
+    speaks = first  # under tensor / context parallelism rank 0 prints, the others compute
     say = _say if speaks else _silent
     out = print if speaks else _silent
     say(f"gqakv generate: {args.config} model, {config.n_layers} layers, {config.n_heads} query / "
@@ -212,7 +276,8 @@ def _run(args, config, tp, cache_options) -> int:
         f"{'tied' if config.tie_embeddings else 'untied'} head)")
     say(f"  attention: {config.variant}")
     t = time.perf_counter()
-    model = LlamaModel(config, seed=args.seed, dtype=args.dtype, backend=args.backend, tensor_parallel=tp)
+    model = LlamaModel(config, seed=args.seed, dtype=args.dtype, backend=args.backend, tensor_parallel=tp,
+                       context_parallel=cp)
     say(f"  weights drawn from seed {args.seed} in {time.perf_counter() - t:.1f} s; "
         f"backend {model.backend.name}")
     if tp is not None:
@@ -220,11 +285,16 @@ def _run(args, config, tp, cache_options) -> int:
         say(f"  tensor parallel: {tp.world_size} ranks ({tp.comm_backend}); {model.shard}; "
             f"MLP columns {tp.rank * F}..{(tp.rank + 1) * F - 1}; 2 all-reduces of "
             f"[B, T, {config.hidden_size}] per layer")
+    if cp is not None:
+        say(f"  context parallel: {cp.world_size} ranks per row ({cp.comm_backend}), interleaved chunks of "
+            f"{cp.chunk} tokens; rank {cp.rank}/{cp.world_size} holds positions "
+            f"{cp.rank * cp.chunk}..{(cp.rank + 1) * cp.chunk - 1} of every {cp.chunk * cp.world_size}; "
+            f"1 all-gather of [B, {model.local_heads}, T, {config.head_dim + 1}] per layer")
 
     rng = np.random.default_rng(args.seed + 1)
     if args.prefix_cache is not None:
-        if tp is not None:
-            raise UsageError("--prefix-cache runs in one process (no --tensor-parallel)")
+        if tp is not None or cp is not None:
+            raise UsageError("--prefix-cache runs in one process (no --tensor-parallel or --context-parallel)")
         system = rng.integers(0, config.vocab_size, args.prefix_cache).tolist()
         questions = [rng.integers(0, config.vocab_size, n).tolist() for n in (24, 17)]
         return prefix_demo.run(model, system, questions, args.new_tokens, args.chunk, say=say)
@@ -241,6 +311,7 @@ def _run(args, config, tp, cache_options) -> int:
     generate(model, [prompts[0][:4]], 2)
     generate_uncached(model, [prompts[0][:4]], 2)
     say("  running with the gqakv KV cache ...")
+    gathered0 = 0 if cp is None else cp.bytes_gathered
     cached = generate(model, prompts, args.new_tokens, chunks=args.chunk, cache_options=cache_options)
     rows = [("KV cache (gqakv)", cached)]
     if not args.no_baseline:
@@ -253,8 +324,12 @@ def _run(args, config, tp, cache_options) -> int:
     for name, g in rows:
         out(f"  {name:<24}{g.time_to_first_token:>19.3f} s{g.decode_tokens_per_s:>18.1f}"
             f"{g.tokens_per_s:>19.1f}")
-    per = "" if tp is None else f" on each of {tp.world_size} ranks"
+    ranks = (1 if tp is None else tp.world_size) * (1 if cp is None else cp.world_size)
+    per = "" if ranks == 1 else f" on each of {ranks} ranks"
     out(f"  KV cache: {cached.cache_nbytes / 2**20:.1f} MiB{per}, allocated once")
+    if cp is not None:
+        out(f"  all-gathered by this rank during the cached run: {cp.bytes_gathered - gathered0:,} bytes "
+            f"({cp.gathers} all-gathers so far)")
     if not args.no_baseline:
         same = bool((cached.tokens == uncached.tokens).all())
         diff = float(np.max(np.abs(cached.logits - uncached.logits)))
@@ -264,8 +339,8 @@ def _run(args, config, tp, cache_options) -> int:
         if not same:
             return 1
     if getattr(args, "speculative", None) is not None:
-        if tp is not None:
-            raise UsageError("--speculative runs in one process (no --tensor-parallel)")
+        if tp is not None or cp is not None:
+            raise UsageError("--speculative runs in one process (no --tensor-parallel or --context-parallel)")
         return _speculative(model, prompts, args.new_tokens, args.speculative, cached, out, cache_options)
     return 0
 

@@ -21,6 +21,14 @@ the rank's own heads through its own ``ModelKVCache`` (``new_cache``), so the lo
 equal one process's up to the order of the all-reduce's sums; a step that fails on one
 rank aborts on all of them (``gqakv.distributed.StepGuard``).
 
+Context parallel (``context_parallel=``, a ``gqakv.context_parallel.ContextParallel``): every
+rank of a CP group keeps the same weights (its TP shard's, in a TP x CP grid) and the same
+activations; its cache (``new_cache``) holds the tokens the interleaved placement deals
+it, each layer's attention is this rank's partial ``(out, lse)`` over them, and one
+all-gather per layer merges the C parts (sinks applied once, after the merge:
+``ContextParallelGuard.gather_attention``). A failure on any rank of the grid aborts the
+step everywhere.
+
 Two forward passes share every weight and op except attention:
 
 - ``forward`` (cached): the new tokens of each row are written to the model-wide
@@ -185,19 +193,28 @@ class LlamaModel:
         backend: a gqakv backend (name or instance); None uses gqakv's choice.
         tensor_parallel: None (one process), or a ``gqakv.distributed.TensorParallel``:
             this rank keeps its shard of the weights (the module docstring says which).
+        context_parallel: None, or a ``gqakv.context_parallel.ContextParallel``: this rank
+            holds its slice of every row's tokens (with a TP x CP grid, its ``tp`` is the
+            tensor parallelism).
     """
 
     def __init__(self, config: LlamaConfig, *, seed: int = 0, dtype="float32", backend=None,
-                 tensor_parallel=None):
+                 tensor_parallel=None, context_parallel=None):
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype={dtype!r}: the example model runs in float32 or float64")
         self.config = c = config
         self.dtype = dtype
+        self.cp = context_parallel
+        if context_parallel is not None and context_parallel.tp is not None:
+            if tensor_parallel is not None and tensor_parallel is not context_parallel.tp:
+                raise ValueError("tensor_parallel= must be the context_parallel's own TensorParallel "
+                                 "(gqakv.context_parallel.grid returns both)")
+            tensor_parallel = context_parallel.tp
         self.tp = tp = tensor_parallel
         # Checked before anything is drawn: the head split and the MLP columns.
         self.shard = None if tp is None else tp.heads(c.n_heads, c.n_kv_heads)
         mlp = slice(None) if tp is None else tp.columns(c.intermediate_size, "intermediate_size")
-        if tp is not None and not isinstance(backend, gqakv.Backend):  # on this rank's device
+        if (tp is not None or self.cp is not None) and not isinstance(backend, gqakv.Backend):  # this rank's device
             backend = rank_backend(backend, dtype=dtype, head_dim=c.head_dim)
         self.backend = gqakv.get_backend(backend, dtype=dtype, head_dim=c.head_dim)
         self.xp = self.backend.namespace()
@@ -254,6 +271,9 @@ class LlamaModel:
 
     #: Per layer, the ``[Hq]`` sink logits as Python floats (float32 values), or None.
     sink_logits: list | None = None
+    #: The ``ContextParallel`` this rank belongs to, or None (one process; subclasses that
+    #: load their own weights leave it None).
+    cp = None
 
     def attention_params(self, layer: int) -> gqakv.AttentionParams:
         """What layer ``layer`` attends with: the scale and the config's variants (the sinks
@@ -275,6 +295,9 @@ class LlamaModel:
         parallel: this rank's ``Hkv_local`` heads only). ``options``: ModelKVCache's
         (``page_size``, ``num_pages``, ``kv_dtype``, ``storage``)."""
         c = self.config
+        if self.cp is not None:  # this rank's tokens of its (TP: local) KV heads
+            return self.cp.model_cache(c.n_layers, batch, self.local_kv_heads, max_len, c.head_dim,
+                                       dtype=self.dtype, backend=self.backend, **options)
         if self.tp is not None:
             return self.tp.model_cache(c.n_layers, batch, c.n_heads, c.n_kv_heads, max_len, c.head_dim,
                                        dtype=self.dtype, backend=self.backend, **options)
@@ -283,6 +306,9 @@ class LlamaModel:
 
     def _guard(self, B: int, T: int):
         """How one forward pass runs its local work and joins partial sums (see _decoder)."""
+        if self.cp is not None:
+            return self.cp.guard(self.backend, (B, T, self.config.hidden_size), self.dtype,
+                                 (B, self.local_heads, T, self.config.head_dim))
         if self.tp is None:
             return _OneProcess()
         return self.tp.guard(self.backend, (B, T, self.config.hidden_size), self.dtype)
@@ -319,7 +345,7 @@ class LlamaModel:
                                           device=self.backend.device_of(self.embed))
         return self.xp.reshape(self.xp.take(self.embed, ids, axis=0), (B, T, self.config.hidden_size))
 
-    def _decoder(self, tokens: np.ndarray, positions, attend, guard):
+    def _decoder(self, tokens: np.ndarray, positions, attend, guard, gathered: bool = False):
         """Shared trunk: tokens ``[B, T]`` -> final hidden states ``[B, T, D]``.
 
         ``positions()`` gives the ``[B, T]`` RoPE positions; ``attend(layer, q, k, v)`` maps
@@ -328,6 +354,9 @@ class LlamaModel:
         (``guard.run``) and adds each row-parallel projection's partial sum, all-reduced
         under tensor parallelism (``guard.add_reduced``); with a StepGuard a failed rank
         gets None here and every other rank too, once the flags are reduced.
+        ``gathered`` (context parallel): ``attend`` returns this rank's partial ``(out,
+        lse)``, merged over the CP group by ``guard.gather_attention`` (the layer's sinks
+        applied there, once).
         """
         xp, c = self.xp, self.config
         B, T = tokens.shape
@@ -336,13 +365,18 @@ class LlamaModel:
         def start():
             return self._rope_tables(positions()), self._embed(tokens)
 
-        def attention_part(i, w, x, cos, sin):  # [B, T, D], this process's heads' share
+        def attention_in(i, w, x, cos, sin):  # attend's result for this process's heads
             h = self._rmsnorm(x, w["attn_norm"])
             q = self._rope(self._heads(h @ w["wq"], B, T, Hq), cos, sin)
             k = self._rope(self._heads(h @ w["wk"], B, T, Hkv), cos, sin)
             v = self._heads(h @ w["wv"], B, T, Hkv)
-            o = attend(i, q, k, v)  # [B, Hq, T, d]
+            return attend(i, q, k, v)  # [B, Hq, T, d] (gathered: its partial (out, lse))
+
+        def attention_out(w, o):  # [B, Hq, T, d] -> [B, T, D], this process's heads' share
             return xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, T, Hq * d)) @ w["wo"]
+
+        def attention_part(i, w, x, cos, sin):
+            return attention_out(w, attention_in(i, w, x, cos, sin))
 
         def mlp_part(w, x):  # [B, T, D], this process's MLP columns' share
             h = self._rmsnorm(x, w["mlp_norm"])
@@ -352,7 +386,12 @@ class LlamaModel:
         started = guard.run(start)
         (cos, sin), x = started if started is not None else ((None, None), None)
         for i, w in enumerate(self.layers):
-            x = guard.add_reduced(x, lambda: attention_part(i, w, x, cos, sin))
+            if gathered:
+                o = guard.gather_attention(lambda: attention_in(i, w, x, cos, sin),
+                                           self.attention_params(i).sinks)
+                x = guard.add_reduced(x, lambda: attention_out(w, o))
+            else:
+                x = guard.add_reduced(x, lambda: attention_part(i, w, x, cos, sin))
             x = guard.add_reduced(x, lambda: mlp_part(w, x))
         return guard.run(lambda: self._rmsnorm(x, self.final_norm))
 
@@ -401,7 +440,8 @@ class LlamaModel:
             step = guard.run(lambda: cache.step(n_new, rows=rows, tree=tree))
             x = self._decoder(tokens, (lambda: step.starts[:, None] + np.arange(T)) if tree is None
                               else (lambda: step.positions[:, :T]),  # continue from each row's length
-                              lambda i, q, k, v: step.attend(i, q, k, v, params=params[i]), guard)
+                              lambda i, q, k, v: step.attend(i, q, k, v, params=params[i]), guard,
+                              gathered=self.cp is not None)
             logits = guard.run(lambda: self._logits(x, np.maximum(n_new - 1, 0) if last_only else None))
             guard.finish()  # tensor parallel: raises on every rank if any rank failed
         except BaseException:

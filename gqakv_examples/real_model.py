@@ -23,6 +23,7 @@ import numpy as np
 
 import gqakv
 from gqakv.dispatch.registry import get_backend
+from gqakv.storage import codecs as _codecs
 from gqakv.tools.errors import UsageError
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -45,14 +46,16 @@ def add_arguments(parser) -> None:
     storage.add_argument("--page-size", type=int, default=None, metavar="N",
                          help="a paged KV cache with pages of N tokens")
     g.add_argument("--compare-cache", default=None, nargs="+", choices=sorted(COMPARE_DTYPES), metavar="DTYPE",
-                   help="accuracy of a K/V cache in DTYPE (float16, bfloat16, int8, float8_e4m3fn; several "
+                   help="accuracy of a K/V cache in DTYPE (float16, bfloat16, or a kv_dtype: int8, float8_e4m3fn, "
+                        "int8_g32, int4_g32, int4_g64, int4_g32_rotated; several "
                         "share one float32 run) against the float32 cache: greedy agreement on 5 prompts "
                         "over --new-tokens tokens, and the mean log-likelihood of a fixed paragraph")
 
 
 #: --compare-cache dtypes: stored by the cache (quantized kinds) or K/V rounded to it before
 #: they are stored (float16/bfloat16: what a cache of that dtype would hold; attention in float32).
-COMPARE_DTYPES = {"float16": "rounded", "bfloat16": "rounded", "int8": "kv_dtype", "float8_e4m3fn": "kv_dtype"}
+COMPARE_DTYPES = {"float16": "rounded", "bfloat16": "rounded", "int8": "kv_dtype", "float8_e4m3fn": "kv_dtype",
+                  **{name: "kv_dtype" for name in _codecs.GROUPED}}
 COMPARE_PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
                    "The three most important inventions of the twentieth century were",
                    "Water boils at a temperature of"]

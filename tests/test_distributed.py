@@ -27,9 +27,7 @@ compare it with one process of the same model (NumPy, float64):
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +40,7 @@ from gqakv.storage import sizing
 from gqakv.tools.cli import main as cli_main
 from gqakv.distributed import HeadShard, even_slice
 from gqakv_examples.llama import TINY, LlamaModel, generate
+from tests.support.ranks import loopback_env, run_group, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 F64_ATOL = 1e-10
@@ -146,7 +145,7 @@ def _dead_peer_check(tp, rank: int, out: dict, outdir: str) -> None:
     cache = model.new_cache(len(PROMPTS), 16, page_size=4)
     model.forward(np.array([[p[0]] for p in PROMPTS]), [1, 1, 1, 1], cache)
     if rank == 3:
-        _write(out, outdir)
+        write_result(out, outdir)
         os._exit(0)  # dies without a word to its peer
     before = _snapshot(cache)
     t0 = time.monotonic()
@@ -156,11 +155,6 @@ def _dead_peer_check(tp, rank: int, out: dict, outdir: str) -> None:
     except Exception as exc:
         out["dead peer"] = (f"{type(exc).__name__}: {exc}", time.monotonic() - t0,
                             _snapshot(cache) == before, cache._open_step is None)
-
-
-def _write(out: dict, outdir: str) -> None:
-    with open(os.path.join(outdir, f"rank{out['rank']}.pkl"), "wb") as f:
-        pickle.dump(out, f)
 
 
 def _worker(rank: int, world: int, outdir: str) -> None:
@@ -204,60 +198,13 @@ def _worker(rank: int, world: int, outdir: str) -> None:
         import traceback
 
         out["error"] = traceback.format_exc()
-    _write(out, outdir)
+    write_result(out, outdir)
     os._exit(0)  # no teardown handshake with a peer that is gone
-
-
-# -- starting the processes -------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _loopback_env(**extra) -> dict:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def _run_group(world: int, outdir: Path) -> list[dict]:
-    """``world`` worker processes on the loopback interface; all killed if any is late."""
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_distributed", "worker", str(r), str(world),
-                               str(outdir)], cwd=ROOT,
-                              env=_loopback_env(MASTER_PORT=port, RANK=r, WORLD_SIZE=world, LOCAL_RANK=r),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    logs = []
-    try:
-        for p in procs:
-            stdout, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            logs.append(stdout)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = []
-    for r in range(world):
-        path = outdir / f"rank{r}.pkl"
-        assert path.exists(), f"rank {r} wrote no result; output:\n" + "\n".join(logs)
-        with open(path, "rb") as f:
-            res = pickle.load(f)
-        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
-        results.append(res)
-    assert all(p.returncode == 0 for p in procs), logs
-    return results
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return _run_group(4, tmp_path_factory.mktemp("tp"))
+    return run_group("tests.test_distributed", 4, tmp_path_factory.mktemp("tp"), WORKER_TIMEOUT_S)
 
 
 def _float32_error(changes) -> float:
@@ -490,7 +437,7 @@ def test_torchrun_generate_command(tmp_path):
                            "--tensor-parallel", "2", "--config", "tiny", "--dtype", "float64", "--backend",
                            "numpy", "--batch", "3", "--prompt-len", "9", "--new-tokens", "4", "--chunk", "4",
                            "--page-size", "4", "--tp-timeout", "60"],
-                          cwd=tmp_path, env=_loopback_env(), capture_output=True, text=True, timeout=180)
+                          cwd=tmp_path, env=loopback_env(), capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert out.count("gqakv generate: tiny model") == 1  # rank 0 alone prints

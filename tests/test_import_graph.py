@@ -38,14 +38,15 @@ PLUGINS = "gqakv_backends"
 #: The floors, lowest first: a module imports only from its own floor or those below. The
 #: plugins sit on the caches' floor (they implement what the dispatch layer declares and
 #: import core, storage, ops and dispatch, never a cache); ``gqakv`` is the package's
-#: ``__init__`` (the public API), ``gqakv.distributed`` runs a cache per rank.
+#: ``__init__`` (the public API), ``gqakv.distributed`` and ``gqakv.context_parallel`` run a
+#: cache per rank.
 LAYERS = [
     ("gqakv.core",),
     ("gqakv.storage",),
     ("gqakv.ops",),
     ("gqakv.dispatch",),
     ("gqakv.caches", PLUGINS),
-    ("gqakv", "gqakv.distributed"),
+    ("gqakv", "gqakv.distributed", "gqakv.context_parallel"),
     ("gqakv.integrations",),
     (TOOLS,),
     ("gqakv.__main__", EXAMPLES),

@@ -119,7 +119,7 @@ def _failed_lines(out):
 
 def test_paged_and_quantized_lines_exist():
     assert PAGED_LINES == {"paged P=1", "paged P=16"}
-    assert QUANT_LINES == {"quant int8", "quant e4m3"}
+    assert QUANT_LINES == {"quant int8", "quant e4m3", "quant i8/32", "quant i4/32r"}
     assert PAGED_LINES | QUANT_LINES | {selftest.PAGED_QUANT} <= set(selftest.FAMILIES)
 
 
@@ -178,11 +178,21 @@ def test_a_broken_quantizing_append_fails_the_quantized_lines(capsys, monkeypatc
 
     original = quantize.quantize
 
+    original_groups = quantize.quantize_groups
+
     def off_scale(xp, x, kv_dtype):
         codes, scale = original(xp, x, kv_dtype)
         return codes, scale * 1.01
+
+    def off_group_scales(xp, x, bits, group):
+        codes, scale = original_groups(xp, x, bits, group)
+        return codes, scale * 1.01
     monkeypatch.setattr(quantize, "quantize", off_scale)
-    monkeypatch.setattr(selftest, "_dequantized_rule", lambda x, kv: _honest_rule(original, x, kv))
+    monkeypatch.setattr(quantize, "quantize_groups", off_group_scales)
+    honest = selftest._dequantized_rule  # the selftest's host rule, through the originals
+    monkeypatch.setattr(selftest, "_dequantized_rule",
+                        lambda x, kv, keys=False: _honest_rule(original, original_groups, honest,
+                                                               x, kv, keys))
     status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "9")
     assert status == 1, out
     assert {f for f, _ in _failed_lines(out)} == QUANT_LINES | {selftest.PAGED_QUANT}, out
@@ -211,9 +221,15 @@ def test_a_broken_paged_dequantization_fails_only_the_paged_int8_line(capsys, mo
     assert _failed_lines(out) == {(selftest.PAGED_QUANT, d) for d in dtypes}, out
 
 
-def _honest_rule(quantize_fn, x, kv_dtype):
-    codes, scales = quantize_fn(np, x, kv_dtype)
-    return selftest._dequantize_host(np.asarray(codes), np.asarray(scales), kv_dtype)
+def _honest_rule(quantize_fn, groups_fn, rule, x, kv_dtype, keys=False):
+    """The selftest's host rule with the unpatched quantizers (``rule`` reads the module's
+    ``quantize`` / ``quantize_groups`` names: swapped back while it runs)."""
+    patched = selftest.quantize, selftest.quantize_groups
+    selftest.quantize, selftest.quantize_groups = quantize_fn, groups_fn
+    try:
+        return rule(x, kv_dtype, keys)
+    finally:
+        selftest.quantize, selftest.quantize_groups = patched
 
 
 class _ProbeBackend(NumpyBackend):

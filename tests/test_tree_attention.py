@@ -175,34 +175,210 @@ def test_mask_and_parents_forms_agree_and_bad_trees_are_refused():
             gqakv.gqa_attention(q, cache, [5, 4], tree=tree_arg)
 
 
-def test_tree_calls_reach_the_numpy_blas_path_and_the_kernels_say_why(monkeypatch):
-    """The NumPy BLAS path declares ``tree`` (its item kernel masks by the tree rule); the
-    numba and CUDA kernels do not, and reject a tree call with a sentence naming the
-    variant: numba hands it to the BLAS path, CuPy to the generic code. The BLAS items
-    are counted, so a silent fallback fails here."""
-    from gqakv_backends import numpy_attention
+def test_tree_calls_reach_the_fast_paths_and_the_cuda_kernels_say_why(monkeypatch):
+    """The NumPy BLAS path and the numba kernels declare ``tree``: numba's kernels serve a
+    tree of up to 8 tokens (its chunk limit; longer ones go to the BLAS path with that
+    reason, not the tree); the CUDA kernels do not declare it and reject a tree call with a
+    sentence naming it (CuPy runs the generic code). What ran is counted, with its tree,
+    so a silent fallback fails here."""
+    from gqakv_backends import numba_kernels, numpy_attention
     from gqakv_backends.cupy_backend import routing as cupy_routing  # no CuPy needed
 
-    request = Request("attention", dtype="float32", head_dim=64, t_q=16,
-                      features=frozenset({"tree"}))
-    assert gqakv.get_backend("numpy").route(request).impl == "numpy BLAS"
-    numba_route = gqakv.get_backend("numba").route(request)
-    assert numba_route.impl == "numpy BLAS"
-    assert "does not implement tree" in numba_route.rejected["numba kernel"]
-    cupy_route = cupy_routing.route_attention(request)
+    def request(t_q):
+        return Request("attention", dtype="float32", head_dim=64, t_q=t_q,
+                       features=frozenset({"tree"}))
+
+    assert gqakv.get_backend("numpy").route(request(16)).impl == "numpy BLAS"
+    numba = gqakv.get_backend("numba")
+    assert numba.route(request(8)).impl == "numba kernel"
+    long_route = numba.route(request(16))
+    assert long_route.impl == "numpy BLAS"
+    assert "T=16 queries > 8" in long_route.rejected["numba kernel"]
+    cupy_route = cupy_routing.route_attention(request(8))
     assert cupy_route.impl.startswith("generic")
     assert any("does not implement tree" in why for why in cupy_route.rejected.values()), cupy_route
-    items = []
-    real = numpy_attention._attend_item
+    seen: list = []
+    real_item = numpy_attention._attend_item
     monkeypatch.setattr(numpy_attention, "_attend_item",
-                        lambda *a, **k: items.append(k["tree"]) or real(*a, **k))
-    for name in ("numpy", "numba"):
-        items.clear()
+                        lambda *a, **k: seen.append(("blas", k["tree"])) or real_item(*a, **k))
+    real_kernel = numba_kernels.attention_items
+    monkeypatch.setattr(numba_kernels, "attention_items",
+                        lambda *a: seen.append(("kernel", a[-1])) or real_kernel(*a))
+    for name, want in (("numpy", "blas"), ("numba", "kernel")):
+        seen.clear()
         cache = gqakv.KVCache(1, 1, 16, 4, dtype="float32", backend=name)
         x = np.ones((1, 1, 4, 4), np.float32)
         cache.append(x, x, [4])
         gqakv.gqa_attention(np.ones((1, 2, 4, 4), np.float32), cache, [4], tree=[[-1, 0, 0, 2]])
-        assert items and all(t is not None and t.parents.tolist() == [-1, 0, 0, 2] for t in items)
+        assert seen and all(kind == want for kind, _ in seen), seen
+        for _, tree in seen:
+            if want == "blas":
+                assert tree.parents.tolist() == [-1, 0, 0, 2]
+            else:  # the kernels' Tree: ancestor rows and depths
+                assert tree.depth.tolist() == [[0, 1, 1, 2]]
+                assert tree.ancestors[0].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0],
+                                                      [1, 0, 1, 1]]
+
+
+#: (storage, dtype) points of the numba kernels' tree tests: every layout and codec the
+#: kernels read, and each 16-bit dtype once (each point compiles its own kernels).
+KERNEL_POINTS = [({}, "float32"), ({"storage": "paged", "page_size": 4}, "float32"),
+                 ({"kv_dtype": "int8"}, "float32"), ({"kv_dtype": "float8_e4m3fn"}, "float32"),
+                 ({"storage": "paged", "page_size": 4, "kv_dtype": "int8"}, "float32"),
+                 ({}, "bfloat16"), ({"storage": "paged", "page_size": 8}, "float16")]
+
+
+def _kernel_calls(monkeypatch):
+    """The trees the numba kernels were called with (None: a call without one)."""
+    from gqakv_backends import numba_kernels
+
+    trees: list = []
+    real = numba_kernels.attention_items
+    monkeypatch.setattr(numba_kernels, "attention_items",
+                        lambda *a: trees.append(a[-1]) or real(*a))
+    return trees
+
+
+@pytest.mark.parametrize("storage,dtype", KERNEL_POINTS,
+                         ids=[f"{s.get('storage', 'contiguous')}-{s.get('kv_dtype', '')}-{d}"
+                              for s, d in KERNEL_POINTS])
+def test_numba_kernels_serve_trees_of_up_to_8_tokens(storage, dtype, monkeypatch):
+    """Ragged trees of up to 8 tokens (every shape, an empty draft) through the numba
+    kernels in every storage they read, plain and with every variant: the float64 loop
+    reference on what the cache holds (16-bit dtypes by the same-dtype naive rule), and
+    every call ran the kernels with its tree."""
+    from .support.arrays import BackendArrays
+    from .support.parity import assert_matches_reference, low_precision_bounds
+
+    backend = gqakv.get_backend("numba")
+    arrays = BackendArrays(backend)
+    trees = _kernel_calls(monkeypatch)
+    rng = np.random.default_rng(len(str(storage)) * 7 + len(dtype))
+    B, Hkv, G, d = 4, 2, 2, 16
+    cache = gqakv.KVCache(B, Hkv, 96, d, dtype=dtype, backend=backend, **storage)
+    pre = [50, 0, 13, 33]  # the 50-token row's chunk straddles key blocks
+    k0 = rng.standard_normal((B, Hkv, max(pre), d))
+    cache.append(arrays.asarray(k0, dtype), arrays.asarray(rng.standard_normal(k0.shape), dtype), pre)
+    n, parents = _draw(rng, B, 8)
+    T = parents.shape[1]
+    k = rng.standard_normal((B, Hkv, T, d))
+    cache.append(arrays.asarray(k, dtype), arrays.asarray(rng.standard_normal(k.shape), dtype), n)
+    rows = [cache.live_kv(b) for b in range(B)]
+    k_rows = [arrays.to_numpy(r[0]).astype(np.float64) for r in rows]
+    v_rows = [arrays.to_numpy(r[1]).astype(np.float64) for r in rows]
+    qd = arrays.asarray(rng.standard_normal((B, Hkv * G, T, d)), dtype)
+    q = arrays.to_numpy(qd).astype(np.float64)  # the queries as the dtype holds them
+    for variant in VARIANTS:
+        trees.clear()
+        out, lse = gqakv.gqa_attention(qd, cache, n, tree=parents, return_lse=True, **variant)
+        assert trees and all(t is not None for t in trees), f"{variant}: the kernels did not run"
+        want, want_lse = reference_attention(q, k_rows, v_rows, n, parents=parents, **variant)
+        bounds = None
+        if dtype != "float32":
+            bounds = low_precision_bounds(dtype, want, want_lse, q, k_rows, v_rows, n, None,
+                                          tree=parents, **variant)
+        got = arrays.to_numpy(out).astype(np.float64)
+        assert_matches_reference(got, arrays.to_numpy(lse), want, want_lse, dtype, bounds,
+                                 what=f"{storage} {variant}")
+        for b in range(B):
+            assert not got[b, :, n[b]:].any()  # padding: exactly 0
+
+
+@pytest.mark.parametrize("variant", [{}, {"window": 40},
+                                     {"alibi_slopes": [0.25, -0.125, 0.0625, 0.5], "window": 45}],
+                         ids=["plain", "window", "alibi+window"])
+def test_numba_tree_kernels_with_small_blocks_and_key_splits(variant):
+    """The kernels' tree clause where a key block straddles the prefix and the chunk, over
+    query blocks of 3 and keys split across 2 threads (merged by their LSE): blocks of 8
+    keys, pieces of at least 16, against the float64 reference. Keys are cut only where
+    every query of a block sees them, and under a window each query's keys start
+    elsewhere: there the blocks hold one query each and are too small to be cut (the
+    plain tree's blocks are)."""
+    from gqakv_backends.numba_backend import plan_numba, run_numba
+
+    from gqakv.core.semantics import AttentionParams
+
+    rng = np.random.default_rng(17)
+    B, Hkv, G, d, S = 3, 2, 2, 8, 90
+    pre, n = np.array([61, 5, 30]), np.array([8, 7, 0])
+    parents = np.array([[-1, 0, 1, 1, 0, -1, 5, 2], [-1, 0, -1, 2, 2, 0, 4, -1], [-1] * 8])
+    lens = pre + n
+    k = rng.standard_normal((B, Hkv, S, d)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, S, d)).astype(np.float32)
+    q = rng.standard_normal((B, Hkv * G, 8, d)).astype(np.float32)
+    params = AttentionParams(scale=1 / np.sqrt(d), **{key: (tuple(val) if isinstance(val, list) else val)
+                                                      for key, val in variant.items()})
+    query_block = 1 if "window" in variant else 3
+    work = plan_numba(lens, n, q.shape, Hkv, params, workers=2, query_block=query_block, min_key_split=16,
+                      key_block=8, parallel_min_work=0, tree=DraftTree.of(parents, n))
+    assert (work.groups is not None) == ("window" not in variant)  # key pieces, merged
+    out, lse = run_numba(work, q, k, v, np.arange(B), lens, n, return_lse=True)
+    want, want_lse = reference_attention(q.astype(np.float64), [k[b, :, :L] for b, L in enumerate(lens)],
+                                         [v[b, :, :L] for b, L in enumerate(lens)], n,
+                                         parents=parents, **variant)
+    np.testing.assert_allclose(out, want, atol=3e-6, rtol=0)
+    real = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[real], want_lse[real], atol=3e-5, rtol=0)
+    assert np.isneginf(lse[~real]).all()
+
+
+def test_numba_kernels_serve_long_trees_in_batch_invariant_mode(monkeypatch):
+    """In batch-invariant mode the numba kernels serve every chunk length, so a 40-token
+    tree runs there too (one query per item): the reference, and a row's bits alone equal
+    its bits in the batch."""
+    trees = _kernel_calls(monkeypatch)
+    rng = np.random.default_rng(23)
+    B, Hkv, G, d = 3, 1, 4, 8
+    cache = gqakv.KVCache(B, Hkv, 120, d, dtype="float32", backend="numba")
+    k0 = rng.standard_normal((B, Hkv, 60, d)).astype(np.float32)
+    cache.append(k0, k0 * 0.5, [60, 12, 0])
+    n, parents = _draw(rng, B, 40)
+    T = parents.shape[1]
+    k = rng.standard_normal((B, Hkv, T, d)).astype(np.float32)
+    cache.append(k, -k, n)
+    q = rng.standard_normal((B, Hkv * G, T, d)).astype(np.float32)
+    with gqakv.batch_invariant():
+        out = gqakv.gqa_attention(q, cache, n, tree=parents, window=17)
+        alone = gqakv.gqa_attention(q[:1], cache, n[:1], tree=parents[:1], rows=[0], window=17)
+    assert trees and all(t is not None for t in trees)
+    rows = [cache.live_kv(b) for b in range(B)]
+    want, _ = reference_attention(q.astype(np.float64), [np.asarray(r[0], np.float64) for r in rows],
+                                  [np.asarray(r[1], np.float64) for r in rows], n, parents=parents,
+                                  window=17)
+    np.testing.assert_allclose(out, want, atol=3e-6, rtol=0)
+    np.testing.assert_array_equal(alone[0], out[0])
+
+
+def test_a_packed_mixed_batch_with_a_tree_splits_between_kernels_and_blas(monkeypatch):
+    """A packed batch mixing a 12-token tree (the BLAS path) with trees of up to 8 tokens
+    (the kernels) keeps each part's tree: the reference for every row."""
+    from .support.packing import pack_tokens
+
+    trees = _kernel_calls(monkeypatch)
+    rng = np.random.default_rng(29)
+    B, Hkv, G, d = 3, 2, 2, 8
+    model = gqakv.ModelKVCache(2, B, Hkv, 64, d, "float32", "numba")
+    hist = rng.standard_normal((B, Hkv, 20, d)).astype(np.float32)
+    with model.step([20, 9, 3]) as step:
+        for layer in range(2):
+            step.write(layer, hist, hist)
+    n = np.array([12, 5, 3])
+    parents = np.full((B, 12), -1)
+    parents[0] = random_parents(rng, 12, "random")
+    parents[1, :5] = [-1, 0, 0, 2, -1]
+    parents[2, :3] = [-1, 0, 1]
+    q = rng.standard_normal((B, Hkv * G, 12, d)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, 12, d)).astype(np.float32)
+    with model.step(n, tree=parents) as step:
+        assert step.plan_attention(Hkv * G, packed=True).work.long is not None  # split
+        kp = np.ascontiguousarray(pack_tokens(k, n))
+        out = step.attend(0, np.ascontiguousarray(pack_tokens(q, n)), kp, kp)
+        step.write(1, kp, kp)
+    assert trees and all(t is not None for t in trees)
+    rows = [model.live_kv(0, b) for b in range(B)]
+    want, _ = reference_attention(q.astype(np.float64), [np.asarray(r[0], np.float64) for r in rows],
+                                  [np.asarray(r[1], np.float64) for r in rows], n, parents=parents)
+    np.testing.assert_allclose(out, pack_tokens(want, n), atol=3e-6, rtol=0)
 
 
 def test_model_step_with_a_tree_masks_every_layer_and_gives_rope_positions():

@@ -73,9 +73,10 @@ class Rows:
     def host(self, x):
         return self.arrays.to_numpy(x)
 
-    def chunk(self, n_new, T: int, hq: int, variant: dict, scale: float):
+    def chunk(self, n_new, T: int, hq: int, variant: dict, scale: float, tree=None):
         """Append n_new[i] of T tokens to every row of both caches, attend with
-        ``variant`` through gqa_attention and Step.attend, and check both."""
+        ``variant`` (and the draft ``tree``'s parents [B, T], if any) through gqa_attention
+        and Step.attend, and check both."""
         B, hkv, d = self.shape
         n_new = np.asarray(n_new, dtype=np.int64)
         k = self.rng.standard_normal((B, hkv, T, d)) * 1.5
@@ -91,24 +92,24 @@ class Rows:
             self.v[i] = np.concatenate([self.v[i], held(v[i, :, :n], self.storage)], axis=1)
         self.cache.append(kd, vd, n_new)
         out, lse = gqakv.gqa_attention(qd, self.cache, n_new, scale=scale, return_lse=True,
-                                       **variant)
-        with self.model.step(n_new) as st:
+                                       tree=tree, **variant)
+        with self.model.step(n_new, tree=tree) as st:
             outs = [st.attend(0, qd, kd, vd, scale=scale, **variant),
                     st.attend(1, qd, kd, vd, return_lse=True,
                               params=AttentionParams(scale=scale, **_as_params(variant)))]
-        self.check(q, n_new, scale, variant, [(out, lse), (outs[0], None), outs[1]])
+        self.check(q, n_new, scale, variant, [(out, lse), (outs[0], None), outs[1]], tree)
 
-    def check(self, q, n_new, scale, variant, results):
+    def check(self, q, n_new, scale, variant, results, tree=None):
         """Every (out, lse) of ``results`` equals the reference; padding exactly 0 / -inf."""
         want, want_lse = reference_attention(np.where(np.isfinite(q), q, 0), self.k, self.v,
-                                             n_new, scale, **variant)
+                                             n_new, scale, parents=tree, **variant)
         T = q.shape[2]
         pad = np.arange(T)[None, :] >= np.asarray(n_new)[:, None]  # [B, T]
         bounds = None
         if self.dtype in LOW_PRECISION:  # the same attention computed naively in the dtype
             bounds = low_precision_bounds(self.dtype, want, want_lse,
                                           np.where(np.isfinite(q), q, 0), self.k, self.v,
-                                          n_new, scale, **variant)
+                                          n_new, scale, tree=tree, **variant)
         for out, lse in results:
             got = self.host(out)
             assert not np.isnan(got).any(), variant
@@ -292,11 +293,17 @@ def test_partials_merged_then_sinks_equal_the_whole(backend, window):
                                    atol=10 * ATOL[dtype])
 
 
+#: The product's draft tree (speculative verification): per row the parents of its chunk
+#: tokens (-1: a child of the cached prefix), a branching tree, a chain, an empty draft.
+PRODUCT_TREE = [[-1, 0, 0, 1, -1, 4], [-1, 0, 1, 2, -1, -1], [-1] * 6]
+
+
 def _product_point(case: Case, spy) -> None:
     """One point of the product through chunked prefill (7 queries), a decode-sized
-    chunk, a fork (its copy on write on a paged cache) and decode, on a KVCache and a
-    2-layer ModelKVCache, the case's params given as params= and as keywords; every
-    result against the float64 reference, every hot call's route against what ran."""
+    chunk, a draft tree's chunk, a fork (its copy on write on a paged cache) and decode,
+    on a KVCache and a 2-layer ModelKVCache, the case's params given as params= and as
+    keywords; every result against the float64 reference, every hot call's route against
+    what ran."""
     rng = np.random.default_rng(3)
     B, hkv, G, d = 3, 2, 3, 8
     hq = hkv * G
@@ -304,6 +311,7 @@ def _product_point(case: Case, spy) -> None:
     variant = dict(case.params)
     rows.chunk([7, 0, 5], 7, hq, variant, 0.45)
     rows.chunk([3, 2, 0], 3, hq, variant, 0.45)
+    rows.chunk([6, 4, 0], 6, hq, variant, 0.45, tree=PRODUCT_TREE)
     for c in (rows.cache, rows.model):
         c.fork(0, [2])
     rows.k[2], rows.v[2] = rows.k[0], rows.v[0]

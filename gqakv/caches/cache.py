@@ -423,7 +423,11 @@ class KVCache(RowsAndLengths):
         if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.batch:
             raise ValueError(f"row={row!r} is not a row of this cache (0..{self.batch - 1})")
         n = int(self._lengths.host[row])
-        return self.store.row_kv(self.backend, int(row), n)  # views, or the layout's copies
+        k, v = self.store.row_kv(self.backend, int(row), n)  # views, or the layout's copies
+        codec = self.store.spec.codec
+        if codec.rotates_keys:  # stored rotated: handed back in the caller's basis
+            k = codec.unrotate_keys(self.backend.namespace(), k)
+        return k, v
 
     def __repr__(self) -> str:
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, max_len={self.max_len}, "

@@ -89,6 +89,8 @@ def block_keys(params: AttentionParams, L, n, t0: int, t1: int, tree=None):
     """``(lo, hi)``: the keys at least one query of ``t0..t1-1`` sees (a block's key span;
     keys outside it are never read)."""
     if tree is not None:  # the shallowest query's window starts first
+        if params.window is None:  # every query's keys start at 0 (no arrays: planners ask often)
+            return 0, L - n + t1
         return int(np.min(key_range(params, L, n, np.arange(t0, t1), tree)[0])), L - n + t1
     return key_range(params, L, n, t0)[0], key_range(params, L, n, t1 - 1)[1]
 
@@ -98,6 +100,8 @@ def common_keys(params: AttentionParams, L, n, t0: int, t1: int, tree=None):
     piece cut inside it is masked for no query of the block. With a tree: prefix keys only
     (two roots do not see each other)."""
     if tree is not None:
+        if params.window is None:
+            return 0, L - n
         return int(np.max(key_range(params, L, n, np.arange(t0, t1), tree)[0])), L - n
     return key_range(params, L, n, t1 - 1)[0], key_range(params, L, n, t0)[1]
 
@@ -199,6 +203,8 @@ def visible_mask(params: AttentionParams, L: int, n: int, t0: int, t1: int, j0: 
     mask ``[t1 - t0, j1 - j0]`` (True: visible), built with ``xp`` (default NumPy).
     ``tree``: an entry's draft tree (``tree_visible``)."""
     if tree is not None:
+        if j1 <= L - n and params.window is None:  # prefix keys only: each query sees them all
+            return None
         vis = tree_visible(params, L, n, t0, t1, j0, j1, tree)
         if vis.all():
             return None

@@ -212,6 +212,12 @@ class AttentionPlan:
 
     def launch(self, q, store, return_lse: bool, out=None, lse_out=None):
         """The backend's attention of checked tensors over ``store`` (no checks here)."""
+        codec = store.spec.codec
+        if codec.rotates_keys:  # keys are stored rotated: q . k needs q in their basis
+            return self._launch_rotated(codec, q, store, return_lse, out, lse_out)
+        return self._launch(q, store, return_lse, out, lse_out)
+
+    def _launch(self, q, store, return_lse: bool, out=None, lse_out=None):
         backend, inputs = self.backend, self.inputs
         if self._shared is not None:
             return self._shared.launch(q, store, return_lse, out, lse_out)
@@ -223,6 +229,16 @@ class AttentionPlan:
         result = backend.attention(q, store, inputs, inputs.params, return_lse=True,
                                    work=self.work, out=out, lse_out=lse_out)
         return result if return_lse else result[0]
+
+    def _launch_rotated(self, codec, q, store, return_lse: bool, out, lse_out):
+        """``launch`` over keys stored rotated: q rotated alike, kept in float32 (float64 for
+        float64) so a 16-bit q is not rounded twice (the backends compute in float32 and
+        the keys are decoded to it), the output cast back to q's dtype."""
+        xp = self.backend.namespace()
+        o, lse = self._launch(codec.rotate_queries(xp, q), store, True)
+        if o.dtype != q.dtype:
+            o = xp.astype(o, q.dtype)
+        return write_into((o, lse), return_lse, out, lse_out)
 
     def __repr__(self) -> str:
         return (f"<AttentionPlan {self.backend.name} q {list(self.q_shape)} "

@@ -3,7 +3,10 @@
 A storage spec names its codec by the stored dtype (``StorageSpec.dtype``): a float
 dtype is stored as itself (``PLAIN``); ``"int8"`` and ``"float8_e4m3fn"`` are 8-bit codes
 with one float32 scale per (row, KV head, token) (``gqakv.storage.quantize`` has the exact
-rule). A codec owns everything that depends on the scheme: the dtype its codes are kept
+rule); ``"int8_g32"``, ``"int4_g32"``, ``"int4_g64"`` and ``"int4_g32_rotated"`` keep a
+float32 scale per block of 32 or 64 values along d (``Grouped``; 4 bits pack two codes
+per byte; the rotated one stores keys Hadamard-rotated and attention rotates the queries
+alike). A codec owns everything that depends on the scheme: the dtype its codes are kept
 in, the shape of its scales, bytes per token, quantize / dequantize, and the code that
 dequantizes to 1 (``fill_code``, what ``KVStore.fill`` writes). Callers ask the codec
 instead of branching on a name, so a new codec is one class plus ``register`` here, and
@@ -120,6 +123,37 @@ class Codec:
         """``xp``'s dtype of what ``decode`` returns for parts stored as ``stored_dtype``."""
         return xp.float32
 
+    # -- keys in another basis (a rotating codec) --------------------------------------------
+    #: True when keys are stored rotated (``encode_keys``): attention then rotates the
+    #: queries alike (``rotate_queries``), and a row's keys read back for the caller are
+    #: rotated back (``unrotate_keys``).
+    rotates_keys: ClassVar[bool] = False
+
+    def encode_keys(self, xp, x) -> tuple:
+        """The parts that store keys ``x`` ``[..., d]`` (``encode``, after a rotation)."""
+        return self.encode(xp, x)
+
+    def rotate_queries(self, xp, q):
+        """Queries ``[..., d]`` in the stored keys' basis (the identity here; a rotating
+        codec returns them in float32, float64 for float64 q)."""
+        return q
+
+    def unrotate_keys(self, xp, k):
+        """Decoded keys ``[..., d]`` back in the caller's basis (the identity here)."""
+        return k
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """ValueError naming the numbers when this codec cannot store ``head_dim`` values
+        per token (every head dim works here)."""
+
+    def head_dim_of(self, code_width: int) -> int:
+        """The head dim d of a store whose codes (or values) are ``[..., code_width]``."""
+        return int(code_width)
+
+    def describe(self, head_dim: int) -> str:
+        """What one token of one KV head stores, in words (``gqakv size``)."""
+        return f"{int(head_dim)} x {self.code_bytes}-byte codes + a {self.scale_bytes}-byte scale"
+
     def __repr__(self) -> str:
         return f"<gqakv codec {self.name!r}>"
 
@@ -213,6 +247,87 @@ class E4M3PerToken(Codec):
         return xp.asarray(_quantize.e4m3_table(), device=device)
 
 
+class Grouped(Codec):
+    """Codes with a float32 scale per block of ``group`` values along d (llama.cpp's q8_0 /
+    q4_0 blocks, with a float32 scale): ``bits`` 8 (int8 codes) or 4 (two codes per byte),
+    and optionally keys rotated by a fixed Hadamard rotation (``gqakv.storage.quantize``
+    has the exact rule). A block's scale follows its own largest value, so one outlier
+    channel costs only its block's precision. Parts: codes ``[..., d * bits / 8]`` and
+    scales ``[..., d / group]``."""
+
+    scaled = True
+
+    def __init__(self, name: str, bits: int, group: int, rotated: bool = False):
+        # one class, several registered codecs: the class-level fields are set per instance
+        self.name = name  # type: ignore[misc]
+        self.bits, self.group, self.rotated = int(bits), int(group), bool(rotated)
+        self.rotates_keys = self.rotated  # type: ignore[misc]
+        # the code of 1: 1 itself (8 bits), nibbles 1 + 8 in both halves (4 bits)
+        self.fill_code = 1 if bits == 8 else 0x99  # type: ignore[misc]
+
+    def check_head_dim(self, head_dim: int) -> None:
+        d = int(head_dim)
+        if d % self.group:
+            raise ValueError(f"kv_dtype={self.name!r} stores blocks of {self.group} values: "
+                             f"head_dim={d} is not a multiple of {self.group}")
+        if self.rotated and d & (d - 1):
+            raise ValueError(f"kv_dtype={self.name!r} rotates keys by a Hadamard matrix: "
+                             f"head_dim={d} is not a power of two")
+
+    def bytes_per_token_head(self, head_dim: int, value_bytes: int) -> int:
+        d = int(head_dim)
+        return d * self.bits // 8 + (d // self.group) * _quantize.SCALE_BYTES
+
+    def head_dim_of(self, code_width: int) -> int:
+        return int(code_width) * 8 // self.bits
+
+    def describe(self, head_dim: int) -> str:
+        d = int(head_dim)
+        rotated = ", keys Hadamard-rotated" if self.rotated else ""
+        return (f"{d} x {self.bits}-bit codes + {d // self.group} x {_quantize.SCALE_BYTES}-byte "
+                f"scales, one per {self.group} values{rotated}")
+
+    def code_dtype(self, xp):
+        return xp.int8 if self.bits == 8 else xp.uint8
+
+    def allocate_parts(self, backend, dtype: str, shape: tuple[int, ...], device) -> tuple:
+        d = int(shape[-1])
+        self.check_head_dim(d)
+        scales = backend.empty((*shape[:-1], d // self.group), "float32", device=device)
+        xp = backend.namespace()
+        try:
+            codes = xp.empty((*shape[:-1], d * self.bits // 8), dtype=self.code_dtype(xp),
+                             device=getattr(scales, "device", None))
+        except RuntimeError as exc:  # torch's CPU out-of-memory
+            raise MemoryError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+        return codes, scales
+
+    def quantize(self, xp, x):
+        return _quantize.quantize_groups(xp, x, self.bits, self.group)
+
+    def dequantize(self, xp, codes, scales, table=None):
+        return _quantize.dequantize_groups(xp, codes, scales, self.bits, self.group)
+
+    def dequantize_into(self, codes, scales, out):
+        import numpy as np
+
+        if self.bits == 8:
+            np.copyto(out, codes, casting="unsafe")  # exact: every int8 is a float32
+        else:  # low nibble: even values, high nibble: odd ones (code = nibble - 8)
+            np.subtract(codes & 15, 8, out=out[..., 0::2], dtype=np.float32, casting="unsafe")
+            np.subtract(codes >> 4, 8, out=out[..., 1::2], dtype=np.float32, casting="unsafe")
+        return np.multiply(out, np.repeat(scales, self.group, axis=-1), out=out)
+
+    def encode_keys(self, xp, x) -> tuple:
+        return self.encode(xp, _quantize.rotate(xp, x) if self.rotated else x)
+
+    def rotate_queries(self, xp, q):
+        return _quantize.rotate(xp, q) if self.rotated else q
+
+    def unrotate_keys(self, xp, k):
+        return xp.astype(_quantize.rotate(xp, k, inverse=True), k.dtype) if self.rotated else k
+
+
 PLAIN = PlainCodec()
 _REGISTRY: dict[str, Codec] = {}
 
@@ -263,7 +378,11 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-for _codec in (Int8PerToken(), E4M3PerToken()):
+#: The grouped codecs (``Grouped``): name -> (bits, group, rotated keys).
+GROUPED = {"int8_g32": (8, 32, False), "int4_g32": (4, 32, False), "int4_g64": (4, 64, False),
+           "int4_g32_rotated": (4, 32, True)}
+for _codec in (Int8PerToken(), E4M3PerToken(),
+               *(Grouped(name, *spec) for name, spec in GROUPED.items())):
     register(_codec)
 #: The built-in codecs' names.
 BUILTIN = frozenset(_REGISTRY)

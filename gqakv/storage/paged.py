@@ -726,7 +726,8 @@ class PagedStore(KVStore):
         n = int(k.shape[1])
         xp = array_namespace(k)
         # each token's parts (quantized: codes and scale, from that token alone), then page by page
-        writes = [(parts, self.spec.codec.encode(xp, x)) for parts, x in ((self._k_parts, k), (self._v_parts, v))]
+        codec = self.spec.codec
+        writes = [(self._k_parts, codec.encode_keys(xp, k)), (self._v_parts, codec.encode(xp, v))]
         for j0, j1 in self.key_blocks(row, start, start + n, P):
             page = int(self.page_table.entries[row, j0 // P])
             a, b = j0 - (j0 // P) * P, j1 - (j0 // P) * P

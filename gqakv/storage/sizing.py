@@ -30,7 +30,8 @@ Split over P devices by heads (``gqakv.distributed``, ``gqakv size --tensor-para
 each device holds ``Hkv / P`` KV heads (one, replicated, when P > Hkv), so its cache is
 the formula above with ``kv_heads`` replaced by that (``ModelConfig.per_device``);
 ``tensor_parallel_traffic`` sets the two all-reduces per layer and token against the
-K/V bytes each device reads per decode step.
+K/V bytes each device reads per decode step; ``context_parallel_traffic`` the one
+all-gather per layer of context parallelism against them.
 """
 
 from __future__ import annotations
@@ -367,6 +368,55 @@ def tensor_parallel_traffic(model, tensor_parallel: int, *, context: int, dtype=
                                  context=_positive("context", context), all_reduce_bytes=msg,
                                  ring_send_bytes=msg * 2 * (P - 1) // P,
                                  kv_read_bytes=context * one_layer.bytes_per_token(dtype, kv_dtype))
+
+
+@dataclass(frozen=True)
+class ContextParallelTraffic:
+    """Per layer and decoded token of one row, what one of the C ranks of a context-parallel
+    group sends and reads (``gqakv.context_parallel``; in a TP x CP grid, one device's heads).
+
+    all_gather_send_bytes: this rank's part of the layer's one all-gather, the packed
+        ``[Hq, d + 1]`` partial (out and lse) of its heads in the compute dtype (float32;
+        float64 for float64 models) plus one failure flag: ``(Hq (d + 1) + 1) x 4``.
+    all_gather_recv_bytes: what it receives, ``(C - 1)`` such parts.
+    kv_read_bytes: K/V bytes this rank reads, its ``ceil(context / C)``-token share of
+        the row (interleaved placement: within one chunk of ``context / C``) of its heads.
+    """
+
+    context_parallel: int
+    tensor_parallel: int
+    layers: int
+    context: int
+    local_tokens: int
+    all_gather_send_bytes: int
+    all_gather_recv_bytes: int
+    kv_read_bytes: int
+
+    @property
+    def per_token(self) -> dict[str, int]:
+        """The same numbers over all layers."""
+        return {"all_gather_send_bytes": self.layers * self.all_gather_send_bytes,
+                "all_gather_recv_bytes": self.layers * self.all_gather_recv_bytes,
+                "kv_read_bytes": self.layers * self.kv_read_bytes}
+
+
+def context_parallel_traffic(model, context_parallel: int, *, context: int, dtype="bfloat16",
+                             kv_dtype=None, tensor_parallel: int = 1) -> ContextParallelTraffic:
+    """The all-gather against the K/V reads of one rank of ``context_parallel`` (C) to
+    decode one token of a row holding ``context`` tokens (``ContextParallelTraffic``); the
+    heads are one of ``tensor_parallel`` devices' (``ModelConfig.per_device``)."""
+    cfg = resolve_model(model)
+    C = _positive("context_parallel", context_parallel)
+    dev = cfg.per_device(_positive("tensor_parallel", tensor_parallel))
+    context = _positive("context", context)
+    acc = 8 if _dtypes.canonical_name(dtype) == "float64" else 4
+    part = (dev.q_heads * (dev.head_dim + 1) + 1) * acc
+    local = -(-context // C)
+    one_layer = dataclasses.replace(dev, layers=1)
+    return ContextParallelTraffic(context_parallel=C, tensor_parallel=int(tensor_parallel),
+                                  layers=cfg.layers, context=context, local_tokens=local,
+                                  all_gather_send_bytes=part, all_gather_recv_bytes=(C - 1) * part,
+                                  kv_read_bytes=local * one_layer.bytes_per_token(dtype, kv_dtype))
 
 
 def max_batch(model, *, max_len: int, budget: int, dtype="bfloat16", kv_dtype=None) -> int:

@@ -140,7 +140,8 @@ class KVStore:
         self._codec_lookup: tuple | None = None  # (the codec's lookup_table,), made on first read
         shape = tuple(int(s) for s in k.shape)
         self.leading = shape[:-4]
-        self.rows, self.kv_heads, self.max_len, self.head_dim = shape[-4:]
+        self.rows, self.kv_heads, self.max_len, width = shape[-4:]
+        self.head_dim = spec.codec.head_dim_of(width)  # 4-bit codes: two values a byte
 
     @classmethod
     def of(cls, k, v) -> "KVStore":
@@ -198,6 +199,7 @@ class KVStore:
         """A store of ``shape`` = ``(*leading, rows, Hkv, max_len, d)`` on ``backend``
         (uninitialized); a MemoryError names the bytes asked for."""
         *_, kv_heads, _, head_dim = shape
+        spec.codec.check_head_dim(head_dim)  # a block codec's d must hold whole blocks
         total = spec.nbytes(math.prod(shape[:-4]) * shape[-4] * shape[-2], kv_heads, head_dim)
 
         def fail(why: str):
@@ -338,8 +340,10 @@ class KVStore:
 
         n = int(k.shape[1])
         xp = array_namespace(k)
-        for parts, x in ((self._k_parts, k), (self._v_parts, v)):
-            for buf, value in zip(parts, self.spec.codec.encode(xp, x)):
+        codec = self.spec.codec
+        for parts, values in ((self._k_parts, codec.encode_keys(xp, k)),
+                              (self._v_parts, codec.encode(xp, v))):
+            for buf, value in zip(parts, values):
                 buf[row, :, start:start + n, ...] = value
 
     def copy_row(self, dst_row: int, src: "KVStore", src_row: int, n: int) -> None:

@@ -47,6 +47,9 @@ the one gqakv would pick here; ``all``: every backend that can run):
      codes x scales equal the scheme applied on the host (``gqakv.storage.quantize`` through
      NumPy/ml_dtypes) and every slot past a row's length has scale NaN; attention
      against the reference on the dequantized values, with the tolerances of ``dtype``;
+   - ``quant i8/32``, ``quant i4/32r``: the same with a scale per block of 32 values
+     (``int8_g32``; ``int4_g32_rotated``, two 4-bit codes a byte and keys stored
+     Hadamard-rotated: the mirror holds them rotated back, as ``live_kv`` hands them);
    - ``paged int8``: the paged case at page size 16 over int8 pages (scales paged with
      their tokens), rows read back as their dequantized values;
    - ``shared pages``: a ``PagedKVCache`` (page size 16) whose rows share a prompt of
@@ -59,7 +62,8 @@ the one gqakv would pick here; ``all``: every backend that can run):
    - ``draft tree``: a prompt, then per row a chunk of draft tokens given as a random tree
      (``gqakv.core.tree``; ragged, an empty draft among them), plain and with a window,
      soft-cap and ALiBi over logical positions, against the reference over the ancestor
-     sets (no fast path implements trees yet: the generic code serves them).
+     sets; the first case's drafts hold at most 8 tokens (the numba kernels serve those),
+     the others up to 32 (the BLAS path on the CPU).
 
 Tolerances (attention outputs and LSEs, at the queries that are not padding; padded
 queries must give exactly 0 and -inf): float16/bfloat16 follow FlashAttention's rule,
@@ -96,7 +100,8 @@ from ..ops import shared_prefix as _shared_prefix
 from ..ops.merge import merge_attention
 from ..ops.plan import AttentionPlan
 from ..ops.reference import naive_low_precision, reference_attention
-from ..storage.quantize import e4m3_table, quantize
+from ..storage.codecs import GROUPED
+from ..storage.quantize import dequantize_groups, e4m3_table, quantize, quantize_groups, rotate
 from .errors import UsageError
 
 #: Error bound of the low-precision rule, as FlashAttention's tests use it.
@@ -116,7 +121,11 @@ CASES = {True: 2, False: 12}
 #: (the default; forks share a partly filled last page, copied on write).
 PAGE_SIZES = (1, 16)
 #: Quantized storage of the quantized families (one line each): kv_dtype -> line name.
-KV_DTYPES = {"int8": "quant int8", "float8_e4m3fn": "quant e4m3"}
+KV_DTYPES = {"int8": "quant int8", "float8_e4m3fn": "quant e4m3",
+             # a scale per block of 32 values: 8-bit, and 4-bit with keys rotated
+             "int8_g32": "quant i8/32", "int4_g32_rotated": "quant i4/32r"}
+#: Head dims of the grouped lines (whole blocks; a power of two for the rotation).
+GROUPED_HEAD_DIMS = (64, 128)
 #: Paged and quantized at once (page size 16, int8): the scales paged with their tokens.
 PAGED_QUANT = "paged int8"
 #: Rows sharing a prompt's pages, read once per plan (``gqakv.ops.shared_prefix``).
@@ -201,17 +210,32 @@ def _rounder(dtype: str):
     return None
 
 
-def _dequantize_host(codes: np.ndarray, scales: np.ndarray, kv_dtype: str) -> np.ndarray:
-    """float64 of float32 ``value(code) x scale`` (the scheme's dequantization, on the host)."""
+def _dequantize_host(codes: np.ndarray, scales: np.ndarray, kv_dtype: str,
+                     keys: bool = False) -> np.ndarray:
+    """float64 of float32 ``value(code) x scale`` (the scheme's dequantization, on the host);
+    a grouped scheme's block scales, and ``keys`` of a rotated one rotated back in float64."""
+    if kv_dtype in GROUPED:
+        bits, group, rotated = GROUPED[kv_dtype]
+        values = dequantize_groups(np, codes, scales.astype(np.float32), bits, group)
+        if rotated and keys:  # the library's rotation: the same bits on both sides
+            values = rotate(np, values, inverse=True)
+        return values.astype(np.float64)
     values = codes.astype(np.float32) if kv_dtype == "int8" else e4m3_table()[codes]
     return (values * scales.astype(np.float32)[..., None]).astype(np.float64)
 
 
-def _dequantized_rule(x: np.ndarray, kv_dtype: str) -> np.ndarray:
+def _dequantized_rule(x: np.ndarray, kv_dtype: str, keys: bool = False) -> np.ndarray:
     """What a quantized cache must hold for float32 tokens ``x`` [..., d]: the scheme of
-    ``gqakv.storage.quantize`` applied on the host (NumPy, ml_dtypes), then dequantized."""
-    codes, scales = quantize(np, x, kv_dtype)
-    return _dequantize_host(np.asarray(codes), np.asarray(scales), kv_dtype)
+    ``gqakv.storage.quantize`` applied on the host (NumPy, ml_dtypes), then dequantized
+    (``keys`` of a rotated scheme: rotated, stored, rotated back)."""
+    if kv_dtype in GROUPED:
+        bits, group, rotated = GROUPED[kv_dtype]
+        if rotated and keys:
+            x = rotate(np, x)
+        codes, scales = quantize_groups(np, x, bits, group)
+    else:
+        codes, scales = quantize(np, x, kv_dtype)
+    return _dequantize_host(np.asarray(codes), np.asarray(scales), kv_dtype, keys)
 
 
 # -- a cache with a host mirror ------------------------------------------------------------------
@@ -243,7 +267,7 @@ class Mirror:
     def host(self, x) -> np.ndarray:
         return np.asarray(self.backend.to_numpy(x)).astype(np.float64)
 
-    def tokens(self, shape, n_new):
+    def tokens(self, shape, n_new, keys: bool = False):
         """Random [B, H, T, d] data (device, host float64 of what the cache should hold:
         quantized, the dequantized values); slots t >= n_new[i] hold PAD_KV (never to be
         written). Quantized: a few real tokens are large (x 20) or all zero."""
@@ -257,13 +281,13 @@ class Mirror:
         dev = self.backend.from_numpy(x, self.dtype)
         host = self.host(dev)
         if self.kv_dtype is not None:
-            host = _dequantized_rule(host.astype(np.float32), self.kv_dtype).astype(np.float64)
+            host = _dequantized_rule(host.astype(np.float32), self.kv_dtype, keys)
         return dev, host
 
     def append(self, n_new, T: int, check: Check | None, what: str):
         """Append random tokens (n_new[i] of T slots real) and check the buffers."""
         c = self.cache
-        k_dev, k_host = self.tokens((c.batch, c.kv_heads, T, c.head_dim), n_new)
+        k_dev, k_host = self.tokens((c.batch, c.kv_heads, T, c.head_dim), n_new, keys=True)
         v_dev, v_host = self.tokens((c.batch, c.kv_heads, T, c.head_dim), n_new)
         self.cache.append(k_dev, v_dev, np.asarray(n_new, dtype=np.int64))
         for b, n in enumerate(n_new):
@@ -290,7 +314,7 @@ class Mirror:
             return
         if store.quantized:
             raw = lambda x: np.asarray(self.backend.to_numpy(x))  # noqa: E731
-            k = _dequantize_host(raw(store.k), raw(store.k_scale), self.kv_dtype)
+            k = _dequantize_host(raw(store.k), raw(store.k_scale), self.kv_dtype, keys=True)
             v = _dequantize_host(raw(store.v), raw(store.v_scale), self.kv_dtype)
         else:
             k, v = self.host(self.cache.k), self.host(self.cache.v)
@@ -645,6 +669,8 @@ def _quantized(kv_dtype, backend, dtype, rng, quick, checks) -> None:
     check = checks[KV_DTYPES[kv_dtype]]
     for c in range(CASES[quick]):
         s = _shape(rng, quick)
+        if kv_dtype in GROUPED:  # whole blocks of 32 (and a power of two for the rotation)
+            s.head_dim = int(rng.choice(GROUPED_HEAD_DIMS))
         T = int(rng.choice([1, 5, 16]))
         prompts, chunks = _ragged_prompts(rng, s.batch, T)
         m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + 2, s.head_dim, rng,
@@ -702,9 +728,9 @@ def _draft_tree_family(backend, dtype, rng, quick, checks) -> None:
     empty draft among them; random parents, each before its child), plain and with a
     window, soft-cap and ALiBi, against the reference over the ancestor sets."""
     check = checks[DRAFT_TREE]
-    for c in range(1 if quick else 3):
+    for c in range(2 if quick else 3):  # case 0: the kernels' trees (<= 8 tokens)
         s = _shape(rng, quick, batch=(2, 5))
-        width = int(rng.integers(4, 33))
+        width = int(rng.integers(2, 9) if c == 0 else rng.integers(9, 33))
         m = Mirror(backend, dtype, s.batch, s.kv_heads, 64 + width, s.head_dim, rng)
         m.append(rng.integers(0, 64, s.batch), 64, None, "")
         n_new = rng.integers(1, width + 1, s.batch)

@@ -7,7 +7,8 @@ from ..core import dtypes as _dtypes
 from ..storage import codecs as _codecs
 from ..core.units import human_bytes
 from ..storage.sizing import (PRESETS, ModelConfig, cache_bytes, max_batch, max_len_for, paged_cache_bytes,
-                              parse_bytes, resolve_model, tensor_parallel_traffic, window_cache_bytes)
+                              parse_bytes, resolve_model, tensor_parallel_traffic,
+                              context_parallel_traffic, window_cache_bytes)
 from .errors import UsageError
 
 
@@ -37,6 +38,13 @@ def add_arguments(parser) -> None:
                         help="split the heads over P devices (gqakv.distributed): print the "
                         "bytes per device (every number below, --budget included, is per "
                         "device) and the all-reduce bytes per token")
+    parser.add_argument("--context-parallel", type=int, default=None, metavar="C",
+                        help="spread every row's tokens over C devices (gqakv.context_parallel; with "
+                        "--tensor-parallel a P x C grid): print the bytes per device and the "
+                        "all-gather bytes per decoded token against the K/V bytes each device reads")
+    parser.add_argument("--cp-chunk", type=int, default=16, metavar="S",
+                        help="with --context-parallel: tokens per chunk of the interleaved placement "
+                        "(default 16)")
 
 
 def run(args) -> int:
@@ -65,7 +73,16 @@ def run(args) -> int:
             cfg = full.per_device(P)  # every count below is one device's
         except ValueError as exc:
             raise UsageError(f"--tensor-parallel {P}: {exc}") from None
-    total = cache_bytes(cfg, max_len=args.max_len, batch=args.batch, dtype=args.dtype,
+    C = getattr(args, "context_parallel", None)
+    local_len = args.max_len  # tokens of a row one device holds
+    if C is not None:
+        if C < 1:
+            raise UsageError(f"--context-parallel must be >= 1, got {C}")
+        if args.cp_chunk < 1:
+            raise UsageError(f"--cp-chunk must be >= 1, got {args.cp_chunk}")
+        S = args.cp_chunk
+        local_len = -(-args.max_len // (S * C)) * S  # gqakv.context_parallel.Interleaved.capacity
+    total = cache_bytes(cfg, max_len=local_len, batch=args.batch, dtype=args.dtype,
                         kv_dtype=kv_dtype)
     budget = _cli_budget(args.budget) if args.budget is not None else None
     rows = _paged_rows(args)  # checked before any output
@@ -77,16 +94,20 @@ def run(args) -> int:
           f"head dim {cfg.head_dim}, {what}" + (f"  [{cfg.source}]" if cfg.source else ""))
     if P is not None:
         _print_tensor_parallel(full, cfg, P, args, kv_dtype)
+    if C is not None:
+        _print_context_parallel(full, C, P or 1, local_len, args, kv_dtype)
     if kv_dtype is None:
         print(f"  per token : {per:,} bytes ({human_bytes(per)}) = 2 x {cfg.layers} layers x "
               f"{cfg.kv_heads} KV heads x {cfg.head_dim} x {item} bytes")
     else:
         plain = cfg.bytes_per_token(args.dtype)
+        head = codec.bytes_per_token_head(cfg.head_dim, item)
         print(f"  per token : {per:,} bytes ({human_bytes(per)}) = 2 x {cfg.layers} layers x "
-              f"{cfg.kv_heads} KV heads x ({cfg.head_dim} x {item} byte + {codec.scale_bytes}-byte scale); "
+              f"{cfg.kv_heads} KV heads x {head} bytes ({codec.describe(cfg.head_dim)}); "
               f"{per / plain:.2f}x of {args.dtype}'s {plain:,}")
+    held = "" if C is None else f" ({local_len:,} of each row's tokens on this device)"
     print(f"  cache     : {total:,} bytes ({human_bytes(total)}) for batch {args.batch} x "
-          f"max_len {args.max_len:,}")
+          f"max_len {args.max_len:,}{held}")
     if cfg.max_position and args.max_len > cfg.max_position:
         print(f"  note      : max_len {args.max_len:,} exceeds the model's context "
               f"{cfg.max_position:,}")
@@ -95,8 +116,10 @@ def run(args) -> int:
     if rows is not None:
         _print_paged(cfg, args, rows)
     if budget is not None:
-        b = max_batch(cfg, max_len=args.max_len, budget=budget, dtype=args.dtype, kv_dtype=kv_dtype)
+        b = max_batch(cfg, max_len=local_len, budget=budget, dtype=args.dtype, kv_dtype=kv_dtype)
         n = max_len_for(cfg, batch=args.batch, budget=budget, dtype=args.dtype, kv_dtype=kv_dtype)
+        if C is not None:  # whole chunks per device, C devices per row
+            n = (n // args.cp_chunk) * args.cp_chunk * C
         print(f"  budget    : {budget:,} bytes ({human_bytes(budget)})")
         print(f"    largest batch at max_len {args.max_len:,}: {b:,}")
         print(f"    largest max_len at batch {args.batch}: {n:,} tokens")
@@ -137,6 +160,23 @@ def _print_window(cfg: ModelConfig, args, kv_dtype) -> None:
           f"layer holds at most {w.pages_sliding:,} pages ({w.pages_sliding * P:,} token slots), "
           f"{w.full_history_bytes / max(1, w.window_bytes):.2f}x less (gqakv.ModelKVCache.for_model("
           "..., window_storage=True))")
+
+
+def _print_context_parallel(full: ModelConfig, C: int, P: int, local_len: int, args, kv_dtype) -> None:
+    grid = "" if P == 1 else f" (a {P} x {C} grid with the tensor parallelism: {P * C} devices)"
+    print(f"  context parallel: {C} devices per row{grid}, interleaved chunks of {args.cp_chunk} tokens: "
+          f"each holds {local_len:,} of a {args.max_len:,}-token row; every size below is per device")
+    t = context_parallel_traffic(full, C, context=args.max_len, dtype=args.dtype, kv_dtype=kv_dtype,
+                                 tensor_parallel=P)
+    tot = t.per_token
+    print(f"  all-gather: 1 per layer; each device sends {t.all_gather_send_bytes:,} bytes ([Hq, d + 1] "
+          f"float32 partials and a flag) and receives {t.all_gather_recv_bytes:,}: "
+          f"{tot['all_gather_send_bytes']:,} sent and {tot['all_gather_recv_bytes']:,} "
+          f"({human_bytes(tot['all_gather_recv_bytes'])}) received per token over {t.layers} layers")
+    ratio = (f"{tot['kv_read_bytes'] / tot['all_gather_recv_bytes']:,.0f}x the received bytes"
+             if tot["all_gather_recv_bytes"] else "no all-gather with one device")
+    print(f"  K/V read : {tot['kv_read_bytes']:,} bytes ({human_bytes(tot['kv_read_bytes'])}) per device "
+          f"to decode one token of a row at {args.max_len:,} tokens ({ratio})")
 
 
 def _paged_rows(args) -> list[int] | None:

@@ -30,7 +30,7 @@ def rounder(dtype: str):
 
 def low_precision_bounds(dtype: str, want, want_lse, q, k_rows, v_rows, n_new, scale, *,
                          window=None, softcap=None, sinks=None,
-                         alibi_slopes=None) -> tuple[float, float]:
+                         alibi_slopes=None, tree=None) -> tuple[float, float]:
     """(out bound, lse bound): ``K_ERR x`` the naive same-dtype errors against the float64
     reference ``want`` / ``want_lse`` (finite entries) plus ``EPS``. q, k_rows, v_rows: the
     values the cache holds (float64 arrays, as for the reference). Where the naive
@@ -38,7 +38,7 @@ def low_precision_bounds(dtype: str, want, want_lse, q, k_rows, v_rows, n_new, s
     EPS: the result must be exact too."""
     naive, naive_lse = naive_low_precision(q, k_rows, v_rows, n_new, rounder(dtype), scale,
                                            window=window, softcap=softcap, sinks=sinks,
-                                           alibi_slopes=alibi_slopes)
+                                           alibi_slopes=alibi_slopes, tree=tree)
     fin = np.isfinite(want_lse)
     err = float(np.max(np.abs(naive - want), initial=0.0))
     err_lse = float(np.max(np.abs(naive_lse[fin] - want_lse[fin]), initial=0.0))

@@ -143,16 +143,19 @@ def call_facts(backend, op: str, args: tuple) -> dict[str, Any]:
     dst_rows, src, src_rows, n_tokens)."""
     store = args[1] if op == "attention" else args[0]
     facts: dict[str, Any] = {
-        "dtype": store.spec.q_dtype, "head_dim": int(store.k.shape[-1]),
+        "dtype": store.spec.q_dtype, "head_dim": int(store.head_dim),
         "layout": store.kind, "codec": store.dtype if store.quantized else None}
     if op == "attention":
         q, inputs, params = args[0], args[2], args[3]
         facts["group"] = max(1, int(q.shape[1]) // int(store.kv_heads))
+        # the params' variants, and "tree" for a draft tree's call
+        features = params.features | ({"tree"} if getattr(inputs, "tree", None) is not None
+                                      else set())
         if getattr(inputs, "offsets", None) is None:
-            facts.update(t_q=int(q.shape[2]), features=params.features)
+            facts.update(t_q=int(q.shape[2]), features=features)
         else:  # packed [N, Hq, d]: the queries per row are n_new's (at least one)
             facts.update(t_q=max(1, int(np.max(inputs.n_new, initial=0))),
-                         features=params.features, tokens="packed")
+                         features=features, tokens="packed")
         if _kind(backend) == "cupy_emulated":
             from ..cuda_emu.emulated_backend import EmulatedDevice
 
@@ -196,20 +199,22 @@ class Refused:
     words: tuple[str, ...]
 
 
-#: The codecs the NumPy and numba fast paths document (numpy_readers' 8-bit reader over
-#: either layout; the numba kernels' decoders): any other is refused by name.
+#: The codecs the numba and CUDA kernels document (their decoders): the 8-bit per-token ones.
 CPU_CODECS = (None, "int8", "float8_e4m3fn")
+#: ... and the NumPy BLAS path's (numpy_readers' coded reader over either layout): those and
+#: the grouped codecs (a scale per block of values). Any other is refused by name.
+BLAS_CODECS = (*CPU_CODECS, "int8_g32", "int4_g32", "int4_g64", "int4_g32_rotated")
 
 
 def _numpy_attention(f) -> Any:
-    if f["codec"] not in CPU_CODECS:
+    if f["codec"] not in BLAS_CODECS:
         return Refused((f"kv_dtype={f['codec']!r}",))
     return FAST
 
 
 def _numba_attention(f) -> Any:
-    if f["codec"] not in CPU_CODECS:
-        return Refused((f"kv_dtype={f['codec']!r}",))
+    if f["codec"] not in CPU_CODECS:  # the kernels decode none of these: the BLAS path's
+        return _numpy_attention(f)
     # decode and short chunks whose tiles (G heads x T queries) hold at most 256 rows: the kernels
     if f["t_q"] <= 8 and f.get("group", 1) * f["t_q"] <= 256 and f["dtype"] != "float64":
         return "numba kernel"
@@ -226,8 +231,12 @@ def _cupy_store(f) -> Any:
     # has no kernels; the kernels read padded tokens only: packed ones are refused by name
     if f["dtype"] == "float64":
         return GENERIC
+    if f.get("codec") not in CPU_CODECS:  # the kernels decode the 8-bit per-token codes only
+        return Refused((f"kv_dtype={f['codec']!r}",))
     if f.get("tokens") == "packed":
         return Refused(("packed tokens",))
+    if "tree" in f.get("features", ()):  # attention facts only carry features
+        return Refused(("tree",))  # the CUDA kernels have no draft-tree clause yet
     return FAST
 
 
