@@ -640,17 +640,19 @@ def test_transformers_window_storage_needs_a_window():
         GqakvCache(config, max_cache_len=16, max_chunk=0)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4_g32_rotated"])
 @pytest.mark.parametrize("backend_name", ["numpy", "numba", "torch"])
-def test_quantized_pages_release_with_their_scales(backend_name):
-    """int8 pages (codes and per-token scales paged together): the windowed cache's outputs
-    equal the full-history int8 cache's bit for bit while pages are released."""
+def test_quantized_pages_release_with_their_scales(backend_name, kv_dtype):
+    """Quantized pages (codes and scales paged together; int8 per token, 4-bit with a
+    scale per block of 32 and rotated keys): the windowed cache's outputs equal the
+    full-history cache's of the same codec bit for bit while pages are released."""
     backend = gqakv.get_backend(backend_name)
     if backend.unavailable_reason():
         pytest.skip(f"{backend_name}: {backend.unavailable_reason()}")
     arrays = BackendArrays(backend)
-    B, Hkv, d, S, W, P = 2, 2, 8, 64, 7, 4
+    B, Hkv, d, S, W, P = 2, 2, 32, 64, 7, 4
     full, win = (gqakv.PagedKVCache(B, Hkv, S, d, dtype="float32", backend=backend, page_size=P,
-                                    kv_dtype="int8", window=w) for w in (None, W))
+                                    kv_dtype=kv_dtype, window=w) for w in (None, W))
     rng = np.random.default_rng(2)
     for T, n in [(10, [10, 4]), (1, [1, 1]), (9, [3, 9]), (1, [1, 1]), (16, [16, 2]), (1, [0, 1])]:
         k, v = rng.standard_normal((2, B, Hkv, T, d))
