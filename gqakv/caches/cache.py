@@ -104,7 +104,7 @@ class RowsAndLengths:
 
     def _allocate(self, leading: tuple[int, ...], batch, kv_heads, max_len, head_dim, dtype,
                   backend, what: str, storage: str = "contiguous", page_size=None,
-                  num_pages=None, kv_dtype=None, prefix_cache=False) -> None:
+                  num_pages=None, kv_dtype=None, prefix_cache=False, window=None) -> None:
         """Check the dimensions, pick the backend, allocate K and V
         ``[*leading, B, Hkv, max_len, d]`` once (paged storage: a pool of ``num_pages``
         pages of ``page_size`` tokens, ``gqakv.storage.paged``) and start every row empty."""
@@ -115,7 +115,7 @@ class RowsAndLengths:
         self.kv_dtype: str | None = spec.dtype if spec.quantized else None
         layout = store_class(spec.kind)
         args = layout.layout_args(self.batch, self.max_len, page_size=page_size, num_pages=num_pages,
-                                  prefix_cache=prefix_cache)
+                                  prefix_cache=prefix_cache, window=window)
         self.backend = get_backend(backend, dtype=self.dtype, head_dim=self.head_dim)
         shape = (*leading, self.batch, self.kv_heads, self.max_len, self.head_dim)
         self.store = layout.allocate(self.backend, spec, shape, what, **args)
@@ -166,7 +166,9 @@ class RowsAndLengths:
     @property
     def prefix_index(self):
         """The prefix cache's ``gqakv.storage.prefix_index.PrefixIndex`` (None without one;
-        paged storage only)."""
+        paged storage only; None for a model cache of several layer kinds, which has none)."""
+        if getattr(self.store, "page_tables", None) is not None:
+            return None
         return self._page_table().index
 
     # -- the prefix cache (paged storage made with prefix_cache=True) ---------------------------
@@ -214,6 +216,13 @@ class RowsAndLengths:
             table, row = self._index_and_row(row, "cache a prefix")
             ids = token_ids_of(token_ids)
             have = int(self._lengths.host[row])
+            gone = int(self.store.first_held([row])[0])
+            if gone:
+                raise ValueError(
+                    f"cannot cache a prefix of row {row}: its sliding window (window="
+                    f"{self.store.window}) released its tokens 0..{gone - 1}, and a cached prefix "
+                    "starts at token 0 (call cache_prefix right after the prompt's prefill, before "
+                    "the next append lets the window move)")
             if ids.size > have:
                 raise ValueError(f"token_ids has {ids.size} ids, but row {row} holds {have} "
                                  "tokens: cache_prefix names tokens the row already holds")
@@ -231,7 +240,7 @@ class RowsAndLengths:
         """Live tokens per row, ``[B]`` int64, as an array of the cache's backend: a new
         snapshot for each call (NumPy: one that cannot be made writable), so writing it
         changes nothing else."""
-        return self._lengths.device(self.backend, self.store.k)
+        return self._lengths.device(self.backend, self.store.any_buffer)
 
     def reorder(self, src_rows) -> None:
         """Row b takes the contents and length of row ``src_rows[b]`` (``[B]`` ints; duplicates
@@ -302,6 +311,12 @@ class KVCache(RowsAndLengths):
         prefix_cache: paged storage only: keep full pages findable by the tokens they hold
             (``match_prefix`` / ``cache_prefix``; pages no row names stay cached until the
             pool needs them). Default False.
+        window: paged storage only: None (default: every token kept), or the sliding
+            window W (>= 1) of the layer this cache serves: as each row grows, the pages
+            wholly behind the window of every query it can still make go back to the pool
+            (``gqakv.PagedKVCache``). Attention must then read no earlier key (it is refused,
+            naming the numbers, e.g. ``window=None`` after pages went), truncating into
+            released history is refused, and ``live_kv`` of such a row is refused.
         kv_dtype: how K and V are stored: None (as ``dtype``), "int8" or "float8_e4m3fn"
             (8-bit codes plus a float32 scale per row, KV head and token, ``gqakv.storage.quantize``;
             contiguous or paged storage, dtype float32/float16/bfloat16). ``dtype`` stays the dtype
@@ -319,9 +334,9 @@ class KVCache(RowsAndLengths):
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype="float32", backend=None, *, storage: str = "contiguous",
                  page_size: int | None = None, num_pages: int | None = None, kv_dtype=None,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, window: int | None = None):
         self._allocate((), batch, kv_heads, max_len, head_dim, dtype, backend, "KV cache",
-                       storage, page_size, num_pages, kv_dtype, prefix_cache)
+                       storage, page_size, num_pages, kv_dtype, prefix_cache, window)
         self._frozen: str | None = None  # why this cache cannot change its own lengths (layer views)
 
     @classmethod

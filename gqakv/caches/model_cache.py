@@ -60,6 +60,15 @@ class ModelKVCache(RowsAndLengths):
         prefix_cache: paged storage: a prefix cache over the shared page table, as
             ``PagedKVCache``'s (``match_prefix`` / ``cache_prefix`` act on every layer at
             once: a page holds its tokens of every layer). Default False.
+        windows: None (default: every layer keeps every token), or one entry per layer:
+            None for a full-attention layer, W for a sliding-window layer (window-sized
+            storage, as ``PagedKVCache``'s ``window``; the layer must attend with
+            ``window=W`` or a smaller one). Paged storage only (``storage`` defaults to
+            "paged" then). Layers of one kind share a page table and pool: all of one kind,
+            ``store`` is one PagedStore as without windows; of several kinds, ``store`` is a
+            ``gqakv.storage.layer_groups.LayerGroups`` (a pool per kind, ``page_tables``)
+            and ``num_pages`` may be a dict ``{window: pages}`` (None: the full layers').
+            A prefix cache takes layers of one kind only.
 
     Attributes:
         store: the KVStore, leading axis ``(layers,)``; what the backend's operations take.
@@ -71,25 +80,77 @@ class ModelKVCache(RowsAndLengths):
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype="float32", backend=None, *, storage: str | None = None,
-                 page_size: int | None = None, num_pages: int | None = None, kv_dtype=None,
-                 prefix_cache: bool = False):
+                 page_size: int | None = None, num_pages=None, kv_dtype=None,
+                 prefix_cache: bool = False, windows=None):
         self.layers = check_dim("layers", layers, 1)
+        kinds = _layer_windows(windows, self.layers)
         if storage is None:
-            storage = PAGED if page_size is not None else "contiguous"
-        self._allocate((self.layers,), batch, kv_heads, max_len, head_dim, dtype, backend,
-                       "model KV cache", storage, page_size, num_pages, kv_dtype=kv_dtype,
-                       prefix_cache=prefix_cache)
+            storage = PAGED if page_size is not None or any(w is not None for w in kinds) else "contiguous"
+        if storage != PAGED and any(w is not None for w in kinds):
+            raise ValueError(f"windows={list(kinds)} (window-sized storage for sliding layers) needs "
+                             f"storage='paged', got storage={storage!r}: contiguous rows keep max_len "
+                             "slots (a ring buffer of W slots is not implemented)")
+        distinct = list(dict.fromkeys(kinds))  # the layer kinds, in order of first layer
+        if isinstance(num_pages, dict):
+            unknown = [w for w in num_pages if w not in distinct]
+            if unknown:
+                raise ValueError(f"num_pages has entries for windows {unknown} no layer has "
+                                 f"(the layers' kinds: {distinct}; None: full attention)")
+        pages = {w: num_pages.get(w) if isinstance(num_pages, dict) else num_pages for w in distinct}
+        if len(distinct) > 1 and prefix_cache:
+            raise ValueError(f"prefix_cache=True needs layers of one kind, got {len(distinct)} "
+                             f"({distinct}; None: full attention): each kind pages through its "
+                             "own table, and the prefix cache indexes one")
+        members = {w: [l for l in range(self.layers) if kinds[l] == w] for w in distinct}
+        first = distinct[0]
+        self._allocate((len(members[first]),), batch, kv_heads, max_len, head_dim, dtype, backend,
+                       "model KV cache", storage, page_size, pages[first], kv_dtype=kv_dtype,
+                       prefix_cache=prefix_cache, window=first)
+        self.windows: tuple[int | None, ...] = tuple(kinds)
+        if len(distinct) > 1:
+            from ..storage.layer_groups import LayerGroups
+            from ..storage.layouts import store_class
+
+            groups = [(first, members[first], self.store)]
+            layout = store_class(PAGED)
+            for w in distinct[1:]:
+                args = layout.layout_args(self.batch, self.max_len, page_size=page_size,
+                                          num_pages=pages[w], window=w)
+                shape = (len(members[w]), self.batch, self.kv_heads, self.max_len, self.head_dim)
+                groups.append((w, members[w], layout.allocate(
+                    self.backend, self.store.spec, shape,
+                    f"model KV cache ({'full' if w is None else f'window={w}'} layers)", **args)))
+            self.store = LayerGroups(groups, self.layers)
         self._layer_stores = [self.store.layer(l) for l in range(self.layers)]
         self._views = [KVCache._view_of(st, self._lengths, backend=self.backend, frozen=_LAYER_VIEW)
                        for st in self._layer_stores]
         self._open_step: Step | None = None
 
     @classmethod
-    def for_model(cls, model, *, batch: int, max_len: int, dtype="bfloat16", backend=None):
+    def for_model(cls, model, *, batch: int, max_len: int, dtype="bfloat16", backend=None,
+                  window_storage: bool = False, page_size: int | None = None,
+                  num_pages=None, chunk: int | None = None):
         """A cache shaped for ``model``: a preset name (``gqakv size --list``) or a
-        ``gqakv.storage.sizing.ModelConfig``."""
+        ``gqakv.storage.sizing.ModelConfig``. ``window_storage``: paged, each sliding layer
+        of the model (``ModelConfig.layer_windows``) in window-sized storage, its pool
+        sized for rows of ``max_len`` appending at most ``chunk`` tokens at once
+        (``gqakv.storage.sizing.window_pages``; default: ``max_len``, no saving) unless
+        ``num_pages`` is given."""
         cfg = resolve_model(model)
-        return cls(cfg.layers, batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, backend)
+        if not window_storage:
+            if page_size is not None or num_pages is not None or chunk is not None:
+                raise ValueError("page_size, num_pages and chunk apply with window_storage=True")
+            return cls(cfg.layers, batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, backend)
+        from ..storage.paged import DEFAULT_PAGE_SIZE
+        from ..storage.sizing import window_pages
+
+        P = DEFAULT_PAGE_SIZE if page_size is None else page_size
+        windows = cfg.layer_windows()
+        if num_pages is None:
+            num_pages = {w: batch * window_pages(w, max_len, P, max_len if chunk is None else chunk)
+                         for w in set(windows)}
+        return cls(cfg.layers, batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, backend,
+                   storage=PAGED, page_size=P, num_pages=num_pages, windows=windows)
 
     # -- sizing ----------------------------------------------------------------------------
 
@@ -188,6 +249,27 @@ class ModelKVCache(RowsAndLengths):
         return (f"ModelKVCache(layers={self.layers}, batch={self.batch}, kv_heads={self.kv_heads}, "
                 f"max_len={self.max_len}, head_dim={self.head_dim}, dtype={self.dtype!r}, "
                 f"backend={self.backend.name!r}, {human_bytes(self.nbytes)})")
+
+
+def _layer_windows(windows, layers: int) -> list[int | None]:
+    """``windows`` (None, or one entry per layer: None or a window W >= 1) as a checked list."""
+    from ..core.inputs import check_window
+
+    if windows is None:
+        return [None] * layers
+    if isinstance(windows, (str, bytes)) or not hasattr(windows, "__len__"):
+        raise TypeError(f"windows must be a sequence of {layers} entries (None or a window W >= 1 "
+                        f"per layer), got {windows!r}")
+    if len(windows) != layers:
+        raise ValueError(f"windows has {len(windows)} entries, the cache {layers} layers: one per "
+                         "layer (None for a full-attention layer, W for a sliding one)")
+    out = []
+    for l, w in enumerate(windows):
+        try:
+            out.append(check_window(w))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"windows[{l}]: {exc}") from None
+    return out
 
 
 class Step:

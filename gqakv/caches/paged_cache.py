@@ -32,6 +32,20 @@ class PagedKVCache(KVCache):
             prefill of them). Pages no row names stay cached, in an LRU, and are evicted
             only when an append needs them (``pages_free`` counts them, ``pages_reusable``
             says how many). Default False.
+        window: None (default: every token kept), or the sliding window W >= 1 of the
+            layer this cache serves (attention then passes ``window=W``, or a smaller one):
+            window-sized storage. When an append starts at a row's length ``s``, the row's
+            pages whose every key is before ``s - W + 1`` (the first key the append's first
+            query, at position s, sees) go back to the pool first, so a row holds about
+            ``W + chunk`` tokens of pages however long it grows (size ``num_pages`` by
+            ``gqakv.storage.sizing.window_pages``). Attention that would read a released
+            key (``window=None``, a larger window, queries further back) is refused with a
+            ValueError naming the numbers; so is truncating (or accepting a draft) to a
+            length whose next query would see one (0 always works), ``live_kv`` of a row
+            that released pages, and ``cache_prefix`` after the window moved. Outputs are
+            bit for bit those of the same cache without a window. Unlike other paged rows,
+            a windowed row must not be attended by one thread while another appends to it
+            (the append may reuse the pages behind its window for its new tokens).
 
     Attributes (besides KVCache's):
         k, v: the page pool, ``[num_pages, Hkv, page_size, d]`` each (heads-major inside a
@@ -52,10 +66,21 @@ class PagedKVCache(KVCache):
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype="float32", backend=None, *, page_size: int = DEFAULT_PAGE_SIZE,
-                 num_pages: int | None = None, kv_dtype=None, prefix_cache: bool = False):
+                 num_pages: int | None = None, kv_dtype=None, prefix_cache: bool = False,
+                 window: int | None = None):
         super().__init__(batch, kv_heads, max_len, head_dim, dtype, backend, storage=PAGED,
                          page_size=page_size, num_pages=num_pages, kv_dtype=kv_dtype,
-                         prefix_cache=prefix_cache)
+                         prefix_cache=prefix_cache, window=window)
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window W whose history this cache lets go of (None: keeps all)."""
+        return self.store.window
+
+    @property
+    def pages_released(self) -> int:
+        """Pages the window has released so far (a running count over the cache's life)."""
+        return self._page_table().window_released
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(batch={self.batch}, kv_heads={self.kv_heads}, max_len={self.max_len}, "
@@ -63,4 +88,5 @@ class PagedKVCache(KVCache):
                 + (f"kv_dtype={self.kv_dtype!r}, " if self.kv_dtype else "")
                 + f"backend={self.backend.name!r}, "
                 f"page_size={self.page_size}, num_pages={self.num_pages}, "
+                + (f"window={self.window}, " if self.window is not None else "") +
                 f"pages_used={self.pages_used})")

@@ -16,7 +16,7 @@ import numpy as np
 from . import dtypes as _dtypes
 from . import invariance as _invariance
 from .host_arrays import to_numpy as _to_numpy
-from .semantics import AttentionParams
+from .semantics import AttentionParams, key_range
 from .tree import DraftTree
 
 
@@ -396,8 +396,31 @@ def validate_attention_batch(cache, q_shape: tuple[int, ...], n_new, rows=None,
     params = AttentionParams(scale=scale, window=check_window(window),
                              softcap=check_softcap(softcap), sinks=check_sinks(sinks, hq),
                              alibi_slopes=check_alibi(alibi_slopes, hq))
+    check_held_keys(cache.store, params, r, lens, n)
     return AttentionInputs(rows=r, lens=lens.copy(), n_new=n, params=params, offsets=offsets,
                            invariant=_invariance.enabled(), tree=tree)
+
+
+def check_held_keys(store, params: AttentionParams, rows, lens, n_new) -> None:
+    """Refuse (ValueError naming the entry and the numbers) a call whose queries would read
+    keys a sliding-window store released (``store.first_held``): entry i's first query
+    (at position ``lens[i] - n_new[i]``; a draft tree's roots stand there too) sees keys
+    from ``key_range(params, ...)``'s ``lo`` on, which must be held."""
+    if getattr(store, "window", None) is None:
+        return
+    held = store.first_held(rows)
+    for i in range(len(rows)):
+        if int(n_new[i]) == 0 or int(held[i]) == 0:
+            continue
+        lo, _ = key_range(params, int(lens[i]), int(n_new[i]), 0)
+        if lo < int(held[i]):
+            first = int(lens[i]) - int(n_new[i])
+            raise ValueError(
+                f"entry {i}: row {int(rows[i])} holds keys {int(held[i])}..{int(lens[i]) - 1} only "
+                f"(its sliding window, window={store.window}, released the earlier ones), but its "
+                f"first query (position {first}) would read keys from {int(lo)} on with "
+                f"window={params.window} (attend with window={store.window} or a smaller one, "
+                f"over at most the tokens appended since the window last moved)")
 
 
 def lse_dtype(q_dtype: str) -> str:

@@ -52,11 +52,19 @@
   ``s_aux`` (gpt-oss's learned per-head sink logits ``[Hq]``) becomes ``sinks=``
   (as float32 values, read to the host once per weight update).
   ``scaling`` is the model's own (e.g. Gemma's ``query_pre_attn_scalar ** -0.5``).
-  Memory: a sliding layer's GqakvLayer keeps the whole history (``max_cache_len`` real
-  tokens per row, like a full layer); the window limits what attention *reads*
-  (min(L, W) keys per query), not what is stored. A model of F full and S sliding
-  layers thus holds ``(F + S) * rows * max_cache_len * Hkv * d * 2 * itemsize`` bytes,
-  where transformers' own DynamicCache keeps about ``W`` tokens in a sliding layer.
+  Memory: by default a sliding layer's GqakvLayer keeps the whole history
+  (``max_cache_len`` real tokens per row, like a full layer); the window limits what
+  attention *reads* (min(L, W) keys per query), not what is stored. A model of F full
+  and S sliding layers thus holds ``(F + S) * rows * max_cache_len * Hkv * d * 2 *
+  itemsize`` bytes, where transformers' own DynamicCache keeps about ``W`` tokens in a
+  sliding layer. ``GqakvCache(..., window_storage=True)`` gives each sliding layer
+  window-sized storage instead: a ``gqakv.PagedKVCache(window=W)`` whose pool holds
+  ``rows x window_pages(W, max_cache_len, 16, max_chunk)`` pages (``max_chunk``: the most
+  real tokens one forward appends, default the first forward's), the pages behind the
+  window released as rows grow; outputs are bit for bit the same. Cropping (assisted
+  decoding) works within the last forward's tokens; a crop into released history, or a
+  later forward longer than ``max_chunk`` that the pool cannot serve, is refused with the
+  numbers (ValueError / ``gqakv.OutOfPages``).
   Sliding windows count positions (real tokens); transformers counts token slots, which
   is the same for left padding but not for pads between real tokens, so such a mask is
   refused for a model with sliding layers.
@@ -243,10 +251,13 @@ class GqakvLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, max_cache_len: int, batch_size: int | None = None, max_batch_size: int | None = None,
-                 kv_dtype=None):
+                 kv_dtype=None, window: int | None = None, max_chunk: int | None = None):
         super().__init__()
         self.max_cache_len = int(max_cache_len)
         self.kv_dtype = kv_dtype  # None, "int8" or "float8_e4m3fn" (validated by GqakvCache)
+        # window-sized storage: the sliding window W of this layer (None: keep every token), and
+        # the most real tokens one forward appends (None: the first forward's)
+        self.window, self.max_chunk = window, max_chunk
         self.batch_size = batch_size
         self.max_batch_size = max_batch_size
         self.kv: gqakv.KVCache = None  # type: ignore[assignment]  # made at the first forward
@@ -265,8 +276,20 @@ class GqakvLayer(CacheLayerMixin):
             raise ValueError(f"GqakvCache was made for max_batch_size={rows} rows, got a batch of {B}")
         self.batch_size = int(B)
         self.device = key_states.device
-        self.kv = gqakv.KVCache(rows, int(hkv), self.max_cache_len, int(d), dtype=key_states.dtype,
-                                backend=_torch_backend(key_states.device), kv_dtype=self.kv_dtype)
+        backend = _torch_backend(key_states.device)
+        if self.window is None:
+            self.kv = gqakv.KVCache(rows, int(hkv), self.max_cache_len, int(d), dtype=key_states.dtype,
+                                    backend=backend, kv_dtype=self.kv_dtype)
+        else:  # window-sized: a pool for rows appending at most max_chunk tokens per forward
+            from gqakv.storage.paged import DEFAULT_PAGE_SIZE
+            from gqakv.storage.sizing import window_pages
+
+            chunk = int(key_states.shape[2]) if self.max_chunk is None else self.max_chunk
+            pages = rows * window_pages(self.window, self.max_cache_len, DEFAULT_PAGE_SIZE,
+                                        min(max(1, chunk), self.max_cache_len))
+            self.kv = gqakv.PagedKVCache(rows, int(hkv), self.max_cache_len, int(d), dtype=key_states.dtype,
+                                         backend=backend, kv_dtype=self.kv_dtype, window=self.window,
+                                         num_pages=pages)
         self.keys, self.values = self.kv.k, self.kv.v
         self.is_initialized = True
 
@@ -301,6 +324,15 @@ class GqakvLayer(CacheLayerMixin):
         self._unwritten = True
         setattr(key_states, _HANDLE, self)
         return key_states, value_states
+
+    def check_window(self, sliding_window) -> None:
+        """A layer in window-sized storage attends with its own window (a full-attention call,
+        or another window, would need keys the storage let go)."""
+        if self.window is not None and sliding_window != self.window:
+            self._unwritten = False  # refused before anything is written
+            raise ValueError(f"this GqakvCache layer keeps window-sized storage for sliding_window="
+                             f"{self.window}, but the model's attention passed sliding_window="
+                             f"{sliding_window!r} (make the cache with window_storage=False)")
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, padding: Padding | None):
         """Append the real tokens of ``[B, Hkv, T, d]`` keys/values in place at each row's length.
@@ -464,26 +496,50 @@ class GqakvCache(Cache):
         kv_dtype: how K/V are stored: None (in the model's dtype), "int8" or
             "float8_e4m3fn" (``gqakv.KVCache``'s ``kv_dtype``: per-token scales; the model's
             dtype must be float32, float16 or bfloat16, checked at the first forward).
+        window_storage: give each ``sliding_attention`` layer (every layer of a model whose
+            config sets ``sliding_window`` without ``layer_types``, as Mistral's) window-sized
+            paged storage (``gqakv.PagedKVCache(window=sliding_window)``; see the module
+            docstring). Default False: every layer keeps every token.
+        max_chunk: with ``window_storage``: the most real tokens one forward appends per row
+            (the prompt, a prefill chunk, a draft); sizes the sliding layers' pools (default:
+            the first forward's length).
 
     Beam search, batch selection and crop are gqakv row operations on the buffers
     allocated at the first forward (see ``GqakvLayer``); nothing is ever reallocated.
     """
 
     def __init__(self, config, max_cache_len: int, batch_size: int | None = None,
-                 max_batch_size: int | None = None, kv_dtype=None):
+                 max_batch_size: int | None = None, kv_dtype=None, *, window_storage: bool = False,
+                 max_chunk: int | None = None):
         kv_dtype = gqakv.storage.codecs.kv_dtype_name(kv_dtype)  # a bad name is refused here, naming it
         text = config.get_text_config(decoder=True)
-        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        given = getattr(text, "layer_types", None)
+        types = given or ["full_attention"] * text.num_hidden_layers
         other = sorted(set(types) - LAYER_TYPES)
         if other:
             raise ValueError(f"GqakvCache supports the layer types {sorted(LAYER_TYPES)}, the model also has {other}")
-        super().__init__(layers=[GqakvLayer(max_cache_len, batch_size, max_batch_size, kv_dtype)
-                                 for _ in types])
+        if not isinstance(window_storage, bool):
+            raise TypeError(f"window_storage must be a bool, got {window_storage!r}")
+        if max_chunk is not None and (isinstance(max_chunk, bool) or not isinstance(max_chunk, int)
+                                      or max_chunk < 1):
+            raise ValueError(f"max_chunk must be None or an int >= 1, got {max_chunk!r}")
+        windows: list[int | None] = [None] * len(types)
+        if window_storage:
+            W = getattr(text, "sliding_window", None)
+            if W is None or getattr(text, "use_sliding_window", True) is False:
+                raise ValueError("window_storage=True, but the model's config has no sliding window "
+                                 f"(sliding_window={W!r}, use_sliding_window="
+                                 f"{getattr(text, 'use_sliding_window', None)!r})")
+            sliding = [t == "sliding_attention" for t in types] if given else [True] * len(types)
+            windows = [int(W) if s else None for s in sliding]
+        super().__init__(layers=[GqakvLayer(max_cache_len, batch_size, max_batch_size, kv_dtype,
+                                            window=w, max_chunk=max_chunk)
+                                 for w in windows])
         self.max_cache_len = int(max_cache_len)
         self.kv_dtype = kv_dtype
 
     @property
-    def kv_caches(self) -> list[gqakv.KVCache | None]:
+    def kv_caches(self) -> list[gqakv.KVCache | None]:  # PagedKVCache for window-sized layers
         """The gqakv.KVCache of each layer (None until the first forward)."""
         return [layer.kv for layer in self.layers]
 
@@ -519,6 +575,7 @@ def gqakv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if layer is not None:
         if padding is None and getattr(module, "layer_idx", 0) == 0:
             layer.check_positions(kwargs.get("position_ids"))
+        layer.check_window(sliding_window)
         kv, n_new, rows = layer.write(key, value, padding)
     else:
         B, hkv, S, d = key.shape

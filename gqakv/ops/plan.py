@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.inputs import (batch_of_n_new, check_flag, check_outputs, check_queries, host_ints,
+from ..core.inputs import (batch_of_n_new, check_flag, check_held_keys, check_outputs, check_queries, host_ints,
                            validate_attention_batch)
 from . import shared_prefix as _shared_prefix
 from .outputs import write_into
@@ -197,9 +197,13 @@ class AttentionPlan:
                              f"d={cache.head_dim}")
 
     def check_tensors(self, cache, q, out=None, lse_out=None) -> None:
-        """The per-run checks: ``q`` (library, device, rank, dtype and ``q_shape``) and the
-        caller's output buffers."""
+        """The per-run checks: ``q`` (library, device, rank, dtype and ``q_shape``), the
+        caller's output buffers, and that ``cache`` still holds every key the plan reads
+        (a layer in window-sized storage, run with a plan made on another layer:
+        ``check_held_keys``)."""
         check_queries(cache, q)
+        inputs = self.inputs
+        check_held_keys(cache.store, inputs.params, inputs.rows, inputs.lens, inputs.n_new)
         if tuple(int(s) for s in q.shape) != self.q_shape:
             names = "[N, Hq, d]" if len(self.q_shape) == 3 else "[B, Hq, T, d]"
             raise ValueError(f"q has shape {list(q.shape)}, the plan is for {list(self.q_shape)} "

@@ -81,7 +81,9 @@ def truncate(lengths, rows, new_lens, *, store=None) -> None:
 
     ``0 <= new_lens[i] <= lens[rows[i]]``; the dropped tokens stay in the buffer but are
     no longer live, and the next append overwrites them. A paged ``store`` releases the
-    row's pages past ``ceil(new_lens[i] / page_size)``.
+    row's pages past ``ceil(new_lens[i] / page_size)``. A store whose sliding window
+    released a row's first pages refuses (ValueError, nothing changed) a length whose next
+    query would see released keys (``KVStore.check_keep``); 0 is always allowed.
     """
     batch = len(lengths.host)
     r = _row_list(rows, "rows", batch, distinct=True)
@@ -96,6 +98,7 @@ def truncate(lengths, rows, new_lens, *, store=None) -> None:
                 f"holds {have} tokens (truncate only shortens rows)"
             )
     if store is not None:
+        store.check_keep(r, n, "truncate")  # a sliding window's released keys: refused
         store.trim_rows(r, n)  # paged: pages past the new lengths go back to the pool
     lengths.set(r, n)
 
@@ -193,6 +196,9 @@ def accept(store, lengths, paths, tree, rows=None, *, trim_store=None) -> int:
     (including, paged, that no page written is shared: ``KVStore.check_move``); returns the
     tokens moved per layer."""
     plan = plan_accept(lengths.host, paths, tree, rows)
+    if trim_store is not None:  # a sliding window's released keys: refused before any move
+        trim_store.check_keep([row for row, _, _ in plan],
+                              [P + path.size for _, P, path in plan], "accept draft paths of")
     moves = []
     for row, P, path in plan:
         ks = np.flatnonzero(path != np.arange(path.size))

@@ -19,7 +19,18 @@ Bookkeeping (``PageTable``, host NumPy, shared by every layer):
   A cached page's tokens never change while it is cached: a write into it (a row
   truncated into a cached page, then appending) copies it first, as for a shared page.
 
-Invariant outside an open model step: row b holds exactly ``ceil(lens[b] / P)`` pages.
+- optionally a sliding window W (``window=W``, window-sized storage for a sliding layer):
+  ``released`` ``[B]`` counts each row's leading pages given back to the pool, their entries
+  -1. When an append starts at a row's length ``s``, its pages whose every key is before
+  ``s - W + 1`` (the first key the append's first query, at position ``s``, sees; no
+  later query sees an earlier one) are released first (``window_releasable``), so they
+  can serve that append. Readers start at the window's first key and so never look at a
+  released entry (``PagedStore._page_view`` raises if one does); a length whose next query
+  would see a released key is refused (``check_keep``: truncate, accept), as is attention
+  over one (``gqakv.core.inputs.check_held_keys``).
+
+Invariant outside an open model step: row b holds exactly ``ceil(lens[b] / P)`` pages
+(``held``, the window's released ones included; it names ``held - released`` of them).
 Every page a row holds is full except perhaps its last, so the only page a write can
 land in that another row may also name is that partly filled last page: it is copied
 first (copy on write), and only its live tokens are copied; the table names the copy
@@ -85,6 +96,9 @@ class Reservation:
     evicted: the pages of ``taken`` evicted from the prefix cache to serve it (``undo``
         returns them as free pages, not cached ones: the write may have reused them).
     pointed: whether ``point`` made the table name the copies.
+    window_released: pages the window released as the call opened (a sliding-window
+        table, ``PageTable.window``): ``undo`` does not take them back (they are behind
+        every query the rows can still make at their lengths).
     """
 
     copies: list[tuple[int, int, int, int, int]] = dataclasses.field(default_factory=list)
@@ -92,6 +106,7 @@ class Reservation:
     taken: list[int] = dataclasses.field(default_factory=list)
     evicted: list[int] = dataclasses.field(default_factory=list)
     pointed: bool = False
+    window_released: int = 0
 
 
 class PageTable:
@@ -100,16 +115,25 @@ class PageTable:
     after the caller validated its arguments."""
 
     def __init__(self, batch: int, max_len: int, page_size: int, num_pages: int, *,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, window: int | None = None):
         self.page_size, self.num_pages = int(page_size), int(num_pages)
+        #: None (every page kept), or the sliding window W of the layers paging through this
+        #: table: ``reserve`` releases each row's pages wholly behind the window (see
+        #: ``window_releasable``)
+        self.window = None if window is None else int(window)
         #: the prefix cache's index (None: no prefix cache; pages no entry names are free)
         self.index = PrefixIndex(self.page_size, self.num_pages) if prefix_cache else None
         self.pages_per_row = pages_for(max_len, page_size)
         self.entries = np.full((batch, self.pages_per_row), -1, dtype=np.int32)
         self.held = np.zeros(batch, dtype=np.int64)
+        #: ``[B]`` int64: how many of row b's first pages the window released (their entries
+        #: are -1; 0 without a window). Row b names ``entries[b, released[b]:held[b]]``.
+        self.released = np.zeros(batch, dtype=np.int64)
         self.refs = np.zeros(self.num_pages, dtype=np.int32)
         # A stack: pop() hands out the lowest free page first (deterministic layouts).
         self._free = list(range(self.num_pages - 1, -1, -1))
+        #: pages the window has released so far, over the table's life (a count)
+        self.window_released = 0
 
     # -- counts ----------------------------------------------------------------------------
 
@@ -138,14 +162,78 @@ class PageTable:
     @staticmethod
     def nbytes_for(batch: int, max_len: int, page_size: int, num_pages: int) -> int:
         """Host bytes of the bookkeeping of such a pool: the entries ``[B, ceil(max_len / P)]``
-        int32, ``held`` ``[B]`` int64, ``refs`` ``[num_pages]`` int32 and a free list of up
-        to ``num_pages`` 8-byte entries."""
-        return (4 * batch * pages_for(max_len, page_size) + 8 * batch
+        int32, ``held`` and ``released`` ``[B]`` int64, ``refs`` ``[num_pages]`` int32 and a
+        free list of up to ``num_pages`` 8-byte entries."""
+        return (4 * batch * pages_for(max_len, page_size) + 16 * batch
                 + (4 + 8) * num_pages)
 
     def row_pages(self, row: int) -> np.ndarray:
-        """Row ``row``'s pages in token order (a view)."""
-        return self.entries[row, :self.held[row]]
+        """The pages row ``row`` names, in token order (a view): its first
+        ``released[row]`` entries, released by the window, are not among them."""
+        return self.entries[row, self.released[row]:self.held[row]]
+
+    # -- the sliding window ------------------------------------------------------------------
+
+    def first_held(self, rows) -> np.ndarray:
+        """``[len(rows)]`` int64: the first token each row still holds (``released x P``;
+        0 without a window). Keys before it are gone: no reader may ask for them."""
+        return self.released[np.asarray(rows, dtype=np.int64)] * self.page_size
+
+    def window_releasable(self, start: int) -> int:
+        """How many leading pages a row may release when an append starts at ``start``
+        (its length then): the pages whose every key is before ``start - W + 1``, the
+        first key the append's first query (at position ``start``) sees; no later query of
+        the row sees an earlier key, as long as its length does not fall below ``start``
+        (``check_keep`` refuses such a truncate once pages are gone)."""
+        if self.window is None:
+            return 0
+        return max(0, int(start) - self.window + 1) // self.page_size
+
+    def check_keep(self, rows, new_lens, what: str) -> None:
+        """Refuse (ValueError naming the row, the window and the numbers; nothing changed)
+        lengths ``new_lens[i]`` for rows ``rows[i]`` whose next query would see a released
+        key: a row at ``L' > 0`` tokens must still hold keys ``max(0, L' - W + 1)..``
+        (``L' = 0`` empties the row: allowed)."""
+        if self.window is None:
+            return
+        W, P = self.window, self.page_size
+        for r, n in zip(rows, new_lens):
+            r, n = int(r), int(n)
+            gone = int(self.released[r]) * P
+            if n > 0 and max(0, n - W + 1) < gone:
+                raise ValueError(
+                    f"cannot {what} row {r} to {n} tokens: its sliding window (window={W}) already "
+                    f"released tokens 0..{gone - 1} ({int(self.released[r])} pages of {P}), and a "
+                    f"row of {n} tokens needs keys from {max(0, n - W + 1)} on (the next query, at "
+                    f"position {n}, sees keys {max(0, n - W + 1)}..{n}); the shortest length "
+                    f"allowed is {gone + W - 1} (or 0, which empties the row). Nothing was changed")
+
+    def _window_plan(self, rows, starts, n_new) -> list[tuple[int, int]]:
+        """``(row, pages)``: each appending row's leading pages the window lets go now
+        (``window_releasable`` of its start, past those already released)."""
+        if self.window is None:
+            return []
+        plan = []
+        for i in range(len(rows)):
+            if int(n_new[i]) == 0:
+                continue
+            r = int(rows[i])
+            k = min(self.window_releasable(int(starts[i])), int(self.held[r]))
+            if k > int(self.released[r]):
+                plan.append((r, k))
+        return plan
+
+    def _window_release(self, plan) -> int:
+        """Release ``plan``'s pages (entries set to -1); returns how many pages were released."""
+        done = 0
+        for r, k in plan:
+            a = int(self.released[r])
+            self._release(self.entries[r, a:k].copy())
+            self.entries[r, a:k] = -1
+            self.released[r] = k
+            done += k - a
+        self.window_released += done
+        return done
 
     # -- taking and releasing --------------------------------------------------------------
 
@@ -187,7 +275,42 @@ class PageTable:
         names the fresh pages at once (past the live tokens, where no reader looks) but not
         the copies: the caller fills them (``Reservation.copies``), then ``point`` makes the
         table name them, so a reader never sees a page before it holds its tokens.
-        ``undo`` gives everything back."""
+        ``undo`` gives everything back.
+
+        A sliding-window table (``window``) first releases each appending row's pages
+        wholly behind its window (``window_releasable(starts[i])``), so they can serve this
+        very append; an OutOfPages takes those releases back too; ``undo`` does not (the
+        released pages are behind every query the rows can still make)."""
+        # The window first lets go of the pages behind it (before the pages the write needs
+        # are counted: they serve it); refused calls take those releases back.
+        window = self._window_plan(rows, starts, n_new)
+        undo_window = [(r, int(self.released[r]), self.entries[r, int(self.released[r]):k].copy())
+                       for r, k in window]
+        released = self._window_release(window)
+        try:
+            res = self._reserve(rows, starts, n_new)
+        except BaseException:
+            self._window_unrelease(undo_window)
+            raise
+        res.window_released = released
+        return res
+
+    def _window_unrelease(self, undo) -> None:
+        """Take back ``_window_release``'s releases (``(row, released before, pages)``, in
+        the order made): a refused ``reserve`` changes nothing."""
+        for r, a, pages in reversed(undo):
+            for p in pages.tolist():
+                if self.refs[p] == 0:  # freed (or left cached, unused) by the release
+                    if self.index is not None and p in self.index.unused:
+                        self.index.use([p])
+                    else:
+                        self._free.remove(p)
+                self.refs[p] += 1
+            self.entries[r, a:a + pages.size] = pages
+            self.released[r] = a
+            self.window_released -= int(pages.size)
+
+    def _reserve(self, rows, starts, n_new) -> "Reservation":
         P = self.page_size
         # A shared last page is kept (written in place) by one of this call's rows only when
         # every row naming it is in the call, and then by the one with the most tokens in it:
@@ -275,6 +398,7 @@ class PageTable:
         first ``k`` pages: a reference each, no copy."""
         pages = np.asarray(pages, dtype=np.int64).reshape(-1)
         assert self.index is not None and int(self.held[row]) == 0 and pages.size <= self.pages_per_row
+        assert int(self.released[row]) == 0
         self.index.use(pages)
         self._share(pages)
         self.entries[row, :pages.size] = pages
@@ -286,9 +410,14 @@ class PageTable:
         """Row ``rows[i]`` keeps the pages of ``new_lens[i]`` tokens and releases the rest."""
         for r, n in zip(rows, new_lens):
             r, keep = int(r), pages_for(n, self.page_size)
-            h = int(self.held[r])
+            h, gone = int(self.held[r]), int(self.released[r])
+            if keep < gone:  # only an emptied row (check_keep): it starts again at its first page
+                assert keep == 0, (r, keep, gone)
+                self.released[r], keep_from = 0, gone
+            else:
+                keep_from = keep
             if keep < h:
-                self._release(self.entries[r, keep:h].copy())
+                self._release(self.entries[r, keep_from:h].copy())
                 self.entries[r, keep:h] = -1
                 self.held[r] = keep
 
@@ -296,38 +425,56 @@ class PageTable:
         """Row b takes row ``src[b]``'s pages (``[B]``, duplicates allowed)."""
         src = np.asarray(src, dtype=np.int64)
         entries, held = self.entries[src].copy(), self.held[src].copy()
+        released = self.released[src].copy()
         none = [np.zeros(0, dtype=np.int32)]
-        self._share(np.concatenate([entries[b, :held[b]] for b in range(len(src))] or none))
+        self._share(np.concatenate([entries[b, released[b]:held[b]] for b in range(len(src))] or none))
         self._release(np.concatenate([self.row_pages(b) for b in range(len(src))] or none))
         self.entries[...] = entries
         self.held[...] = held
+        self.released[...] = released
 
     def fork(self, src: int, dst) -> None:
         """Each row of ``dst`` (distinct, without ``src``) takes ``src``'s pages."""
-        pages = self.row_pages(src).copy()
+        pages = self.row_pages(src).copy()  # the pages it names (the window's are gone)
+        row = self.entries[src].copy()
         for r in dst:
             r = int(r)
             self._share(pages)  # before releasing, in case r already names some of them
             self._release(self.row_pages(r).copy())
-            self.entries[r, :] = -1
-            self.entries[r, :pages.size] = pages
-            self.held[r] = pages.size
+            self.entries[r, :] = row
+            self.held[r], self.released[r] = self.held[src], self.released[src]
 
     # -- checks ------------------------------------------------------------------------------
 
     def audit(self, lens=None) -> list[str]:
         """Every broken invariant of the bookkeeping, as sentences (empty: sound). With
-        ``lens`` (``[B]``), also that row b holds exactly ``ceil(lens[b] / P)`` pages."""
+        ``lens`` (``[B]``), also that row b holds exactly ``ceil(lens[b] / P)`` pages
+        (``held``; the window's released ones among them named by no entry) and released
+        none that its next query sees."""
         problems = []
         counted = np.zeros(self.num_pages, dtype=np.int64)
         for b in range(self.entries.shape[0]):
-            h = int(self.held[b])
-            live, rest = self.entries[b, :h], self.entries[b, h:]
+            h, gone = int(self.held[b]), int(self.released[b])
+            live, rest = self.entries[b, gone:h], self.entries[b, h:]
+            if not 0 <= gone <= h or (gone and self.window is None):
+                problems.append(f"row {b} released {gone} of its {h} pages"
+                                + ("" if self.window is not None else " without a window"))
+                continue
+            if (self.entries[b, :gone] != -1).any():
+                problems.append(f"row {b} still names pages the window released: "
+                                f"{self.entries[b, :gone].tolist()}")
             if (live < 0).any() or (live >= self.num_pages).any():
                 problems.append(f"row {b} names pages outside the pool: {live.tolist()}")
                 continue
             if (rest != -1).any():
                 problems.append(f"row {b} has entries past its {h} pages: {rest.tolist()}")
+            if lens is not None and gone and self.window is not None:
+                # every query the row can still make sees keys from max(0, L - W + 1) on
+                need = max(0, int(lens[b]) - self.window + 1)
+                if gone * self.page_size > need:
+                    problems.append(f"row {b} of {int(lens[b])} tokens released {gone} pages "
+                                    f"(tokens 0..{gone * self.page_size - 1}), past the first key "
+                                    f"{need} its next query sees (window {self.window})")
             if np.unique(live).size != live.size:
                 problems.append(f"row {b} names a page twice: {live.tolist()}")
             np.add.at(counted, live, 1)
@@ -375,6 +522,14 @@ class PageTableView:
 
     reserve = point = undo = reorder = fork = trim = attach = _refuse
     index = None  # a caller's pools keep their own gqakv.storage.prefix_index.PrefixIndex
+    window = None  # a caller's table releases nothing on its own
+
+    def first_held(self, rows) -> np.ndarray:
+        """Zeros: gqakv releases none of a caller's pages (the caller's table says what is live)."""
+        return np.zeros(len(rows), dtype=np.int64)
+
+    def check_keep(self, rows, new_lens, what: str) -> None:
+        """Nothing to refuse: a caller's table keeps what the caller keeps."""
 
 
 class PagedStore(KVStore):
@@ -394,29 +549,37 @@ class PagedStore(KVStore):
 
     @classmethod
     def layout_args(cls, batch: int, max_len: int, *, page_size=None, num_pages=None,
-                    prefix_cache=False) -> dict:
+                    prefix_cache=False, window=None) -> dict:
         """``page_size`` (default ``DEFAULT_PAGE_SIZE``), ``num_pages`` (None: every row
-        at ``max_len``) and ``prefix_cache`` (a bool), checked (``check_page_args``)."""
+        at ``max_len``), ``prefix_cache`` (a bool) and ``window`` (None, or the layers'
+        sliding window W >= 1: pages behind it go back to the pool), checked
+        (``check_page_args``, ``check_window``)."""
+        from ..core.inputs import check_window
+
         page_size, num_pages = check_page_args(DEFAULT_PAGE_SIZE if page_size is None else page_size,
                                                num_pages, batch, max_len)
         if not isinstance(prefix_cache, (bool, np.bool_)):
             raise TypeError(f"prefix_cache must be a bool, got {prefix_cache!r}")
-        return {"page_size": page_size, "num_pages": num_pages, "prefix_cache": bool(prefix_cache)}
+        return {"page_size": page_size, "num_pages": num_pages, "prefix_cache": bool(prefix_cache),
+                "window": check_window(window)}
 
     @classmethod
     def allocate(cls, backend, spec: StorageSpec, shape: tuple[int, ...], what: str,
                  device=None, *, page_size: int = DEFAULT_PAGE_SIZE,
-                 num_pages: int | None = None, prefix_cache: bool = False) -> "PagedStore":
+                 num_pages: int | None = None, prefix_cache: bool = False,
+                 window: int | None = None) -> "PagedStore":
         """A paged store for a cache of ``shape`` = ``(*leading, rows, Hkv, max_len, d)``:
         a pool of ``num_pages`` pages (default: every row at ``max_len``, no overcommit),
-        with a prefix cache's index when ``prefix_cache``."""
+        with a prefix cache's index when ``prefix_cache``; ``window``: its table releases
+        the pages behind each row's sliding window (``PageTable.window``)."""
         *leading, rows, kv_heads, max_len, head_dim = shape
         if num_pages is None:
             num_pages = rows * pages_for(max_len, page_size)
         pool = KVStore.allocate(backend, dataclasses.replace(spec, kind=CONTIGUOUS),
                                 (*leading, num_pages, kv_heads, page_size, head_dim),
                                 f"{what} page pool", device=device)
-        table = PageTable(rows, max_len, page_size, num_pages, prefix_cache=prefix_cache)
+        table = PageTable(rows, max_len, page_size, num_pages, prefix_cache=prefix_cache,
+                          window=window)
         return cls(spec, pool.k, pool.v, table, rows, max_len, pool.k_scale, pool.v_scale)
 
     @property
@@ -455,9 +618,31 @@ class PagedStore(KVStore):
     def trim_rows(self, rows, new_lens) -> None:
         self.page_table.trim(rows, new_lens)  # pages past the new lengths go back to the pool
 
+    @property
+    def window(self) -> int | None:
+        """The sliding window whose pages behind it this store releases (None: keeps all)."""
+        return self.page_table.window
+
+    def first_held(self, rows) -> np.ndarray:
+        """``[len(rows)]`` int64: the first token each row still holds (0 unless the
+        window released pages; a caller's table keeps every page)."""
+        return self.page_table.first_held(rows)
+
+    def check_keep(self, rows, new_lens, what: str) -> None:
+        """ValueError (nothing changed) when a row at ``new_lens[i]`` tokens would need keys
+        the window released (``PageTable.check_keep``)."""
+        self.page_table.check_keep(rows, new_lens, what)
+
     def row_kv(self, backend, row: int, n: int):
         """Copies gathered from the row's pages (the pages are shared and move between
-        rows), even when the row fits in one page."""
+        rows), even when the row fits in one page. A row whose window released pages has
+        no whole history to give: ValueError naming what it still holds."""
+        gone = int(self.first_held([row])[0])
+        if gone:
+            raise ValueError(
+                f"row {row} holds tokens {gone}..{n - 1} of its {n}: its sliding window "
+                f"(window={self.window}) released tokens 0..{gone - 1}, so live_kv cannot return "
+                "the whole row (attention reads only the window, which the cache holds)")
         k, v = self.blocks(row, 0, n)
         xp = backend.namespace()
         return xp.asarray(k, copy=True), xp.asarray(v, copy=True)
@@ -525,6 +710,9 @@ class PagedStore(KVStore):
         (quantized: the page's codes x scales, dequantized copies)."""
         P = self.page_size
         page, o = int(self.page_table.entries[row, j0 // P]), (j0 // P) * P
+        if page < 0:  # a page the window released (or past the row): no reader may get here
+            raise RuntimeError(f"row {row}'s keys {j0}..{j1 - 1} are on no page (entry {j0 // P} "
+                               f"is {page}): a reader asked for keys the cache does not hold")
         a, b = j0 - o, j1 - o
         return (self._decode(tuple(p[page, :, a:b, ...] for p in self._k_parts)),
                 self._decode(tuple(p[page, :, a:b, ...] for p in self._v_parts)))

@@ -13,6 +13,13 @@ With ``kv_dtype="int8"`` or ``"float8_e4m3fn"`` K and V take one byte per value 
 float32 scale per token and KV head each: ``2 x layers x kv_heads x (head_dim + 4)``
 (Llama 3.1 8B: 67,584 bytes per token, 0.52x of bfloat16).
 
+A model's sliding-window layers (Mistral: all 32, window 4,096; Gemma 2 / gpt-oss: every
+other layer) need only their last ``W`` tokens: in window-sized paged storage
+(``PagedKVCache(window=W)``, ``ModelKVCache(windows=...)``) a sliding layer's row holds at
+most ``ceil((W - 1 + chunk) / page_size) + 1`` pages (``window_pages``), so
+``window_cache_bytes`` sets one row of every layer at ``max_len`` against that (Mistral 7B
+at 32,768 tokens, bfloat16, decode: 4.0 GiB against 0.50 GiB).
+
 A paged cache (``gqakv.PagedKVCache``, ``ModelKVCache(page_size=...)``) holds each row's
 live tokens rounded up to whole pages, ``sum(ceil(L_b / page_size)) x page_size x
 bytes_per_token``, plus a small page table on the host; ``paged_cache_bytes`` compares
@@ -56,6 +63,19 @@ class ModelConfig:
     max_position: int  # context length the model's config declares
     source: str = ""  # where the numbers come from (a Hugging Face repo's config.json)
     hidden: int = 0  # the model's hidden size D, when its config gives one that is not Hq x d
+    #: the sliding window W of the model's sliding layers (0: none)
+    sliding_window: int = 0
+    #: per layer "full" or "sliding" (empty: every layer sliding when ``sliding_window``
+    #: is set, else every layer full)
+    layer_types: tuple[str, ...] = ()
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer: None (full attention) or the sliding window W (``ModelKVCache``'s
+        ``windows``)."""
+        if not self.sliding_window:
+            return (None,) * self.layers
+        types = self.layer_types or ("sliding",) * self.layers
+        return tuple(self.sliding_window if t == "sliding" else None for t in types)
 
     def bytes_per_token(self, dtype="bfloat16", kv_dtype=None) -> int:
         """K + V bytes of one token over all layers (with ``kv_dtype``: codes plus scales)."""
@@ -88,10 +108,17 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
     ModelConfig("llama-3.1-405b", 126, 128, 8, 128, 131072, "meta-llama/Llama-3.1-405B"),
     ModelConfig("llama-3.2-1b", 16, 32, 8, 64, 131072, "meta-llama/Llama-3.2-1B"),
     ModelConfig("llama-3.2-3b", 28, 24, 8, 128, 131072, "meta-llama/Llama-3.2-3B"),
-    ModelConfig("mistral-7b", 32, 32, 8, 128, 32768, "mistralai/Mistral-7B-v0.1"),
+    ModelConfig("mistral-7b", 32, 32, 8, 128, 32768, "mistralai/Mistral-7B-v0.1 (sliding_window 4096)",
+                sliding_window=4096),
     ModelConfig("mixtral-8x7b", 32, 32, 8, 128, 32768, "mistralai/Mixtral-8x7B-v0.1"),
     ModelConfig("qwen2.5-7b", 28, 28, 4, 128, 32768, "Qwen/Qwen2.5-7B"),
     ModelConfig("qwen2.5-72b", 80, 64, 8, 128, 32768, "Qwen/Qwen2.5-72B"),
+    ModelConfig("gemma-2-9b", 42, 16, 8, 256, 8192, "google/gemma-2-9b (sliding_window 4096, "
+                "sliding and full layers alternate)", hidden=3584, sliding_window=4096,
+                layer_types=("sliding", "full") * 21),
+    ModelConfig("gpt-oss-20b", 24, 64, 8, 64, 131072, "openai/gpt-oss-20b (sliding_window 128, "
+                "sliding and full layers alternate)", hidden=2880, sliding_window=128,
+                layer_types=("sliding", "full") * 12),
 ]}
 
 _ALIASES = {"gpt2-small": "gpt2", "gpt-2": "gpt2", "gpt-2-small": "gpt2"}
@@ -145,8 +172,19 @@ def config_from_hf(config, name: str | None = None) -> ModelConfig:
     if head_dim <= 0:
         raise ValueError("config gives neither head_dim nor hidden_size")
     max_pos = first("max_position_embeddings", "n_positions", "n_ctx", default=0, minimum=0)
+    window = 0
+    types: tuple[str, ...] = ()
+    if config.get("sliding_window") is not None and config.get("use_sliding_window", True) is not False:
+        window = first("sliding_window")
+        given = config.get("layer_types")
+        if given is not None:
+            if len(given) != layers or not set(given) <= {"full_attention", "sliding_attention"}:
+                raise ValueError(f"config layer_types must be {layers} of 'full_attention' / "
+                                 f"'sliding_attention', got {given!r}")
+            types = tuple("sliding" if t == "sliding_attention" else "full" for t in given)
     return ModelConfig(name or config.get("model_type", "model"), layers, q_heads, kv_heads,
-                       head_dim, max_pos, "config.json", hidden=hidden)
+                       head_dim, max_pos, "config.json", hidden=hidden, sliding_window=window,
+                       layer_types=types)
 
 
 def resolve_model(model) -> ModelConfig:
@@ -223,6 +261,68 @@ def paged_cache_bytes(model, row_lens, *, max_len: int, page_size: int = 16,
                      pool_bytes=pages * page_size * per,
                      metadata_bytes=PageTable.nbytes_for(len(lens), max_len, page_size, pages),
                      live_bytes=sum(lens) * per, contiguous_bytes=len(lens) * max_len * per)
+
+
+def window_pages(window: int | None, max_len: int, page_size: int, chunk: int) -> int:
+    """Pages one row of a layer kind ever holds at once: ``ceil(max_len / P)`` for a full
+    layer (None); for a sliding layer of window W appending at most ``chunk`` tokens at
+    once, the keys an append can still need span ``W - 1 + chunk`` tokens (from ``s - W +
+    1``, the first key its first query at ``s`` sees, to ``s + chunk``), on at most
+    ``ceil((W - 1 + chunk) / P) + 1`` pages (the span need not start on a page boundary),
+    and never more than the full layer's. A pool of ``rows x window_pages(...)`` pages never
+    runs out for rows of ``max_len`` tokens (copies on write included: a copy replaces
+    the row's last page)."""
+    max_len, chunk = _positive("max_len", max_len), _positive("chunk", chunk)
+    page_size, _ = check_page_args(page_size, None, 1, max_len)
+    full = pages_for(max_len, page_size)
+    if window is None:
+        return full
+    return min(full, pages_for(int(window) - 1 + chunk, page_size) + 1)
+
+
+@dataclass(frozen=True)
+class WindowSize:
+    """Per row, a model's K/V bytes with every layer keeping ``max_len`` tokens against
+    its sliding layers in window-sized paged storage (``window_cache_bytes``).
+
+    full_layers / sliding_layers: how many layers of each kind; window: their W (0: none).
+    pages_full / pages_sliding: pages per row a full / sliding layer holds at most
+        (``window_pages``).
+    full_history_bytes: every layer at ``max_len`` tokens (the contiguous cache's row).
+    window_bytes: the full layers' pages plus the sliding layers' window pages.
+    """
+
+    max_len: int
+    page_size: int
+    chunk: int
+    window: int
+    full_layers: int
+    sliding_layers: int
+    pages_full: int
+    pages_sliding: int
+    full_history_bytes: int
+    window_bytes: int
+
+
+def window_cache_bytes(model, *, max_len: int, page_size: int = 16, chunk: int = 1,
+                       dtype="bfloat16", kv_dtype=None) -> WindowSize:
+    """One row's K/V bytes over all layers at ``max_len`` tokens, every layer keeping its
+    history against each sliding layer in window-sized storage (pages of ``page_size``,
+    appends of at most ``chunk`` tokens: 1 for decode; a prefill chunk needs its own
+    length). Mistral 7B at 32,768 tokens, bfloat16: 4.0 GiB against 0.50 GiB."""
+    cfg = resolve_model(model)
+    max_len = _positive("max_len", max_len)
+    windows = cfg.layer_windows()
+    sliding = sum(w is not None for w in windows)
+    one_layer = _store.StorageSpec.of(dtype, kv_dtype=kv_dtype).nbytes(1, cfg.kv_heads, cfg.head_dim)
+    full_pages = window_pages(None, max_len, page_size, chunk)
+    slide_pages = window_pages(cfg.sliding_window or None, max_len, page_size, chunk)
+    return WindowSize(max_len=max_len, page_size=page_size, chunk=chunk,
+                      window=cfg.sliding_window, full_layers=cfg.layers - sliding,
+                      sliding_layers=sliding, pages_full=full_pages, pages_sliding=slide_pages,
+                      full_history_bytes=cfg.layers * max_len * one_layer,
+                      window_bytes=((cfg.layers - sliding) * full_pages + sliding * slide_pages)
+                      * page_size * one_layer)
 
 
 @dataclass(frozen=True)

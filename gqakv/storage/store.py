@@ -176,9 +176,15 @@ class KVStore:
 
     @classmethod
     def layout_args(cls, batch: int, max_len: int, *, page_size=None, num_pages=None,
-                    prefix_cache=False) -> dict:
+                    prefix_cache=False, window=None) -> dict:
         """The checked keyword arguments of ``allocate`` for this layout (contiguous rows
-        take none: ``page_size`` / ``num_pages`` / ``prefix_cache`` are refused, naming them)."""
+        take none: ``page_size`` / ``num_pages`` / ``prefix_cache`` / ``window`` are
+        refused, naming them)."""
+        if window is not None:
+            raise ValueError(f"window={window!r} (window-sized storage for a sliding layer) applies "
+                             f"to storage='paged' only, not storage={CONTIGUOUS!r}: contiguous rows "
+                             "keep max_len slots (a ring buffer of W slots is not implemented); "
+                             "use storage='paged' (gqakv.PagedKVCache(..., window=W))")
         if page_size is not None or num_pages is not None:
             raise ValueError(f"page_size={page_size!r} and num_pages={num_pages!r} apply to "
                              f"storage='paged' only, not storage={CONTIGUOUS!r}")
@@ -245,6 +251,20 @@ class KVStore:
     def trim_rows(self, rows: np.ndarray, new_lens: np.ndarray) -> None:
         """Rows ``rows`` now hold ``new_lens`` tokens: nothing moves or is released here."""
 
+    @property
+    def window(self) -> int | None:
+        """The sliding window whose history the store lets go of (None: it keeps every token)."""
+        return None
+
+    def first_held(self, rows) -> np.ndarray:
+        """``[len(rows)]`` int64: the first token each row still holds (0: contiguous rows
+        hold their whole history)."""
+        return np.zeros(len(rows), dtype=np.int64)
+
+    def check_keep(self, rows, new_lens, what: str) -> None:
+        """Raise (ValueError, before anything changes) when a row cut to ``new_lens[i]``
+        tokens would need keys the store no longer holds (never, for contiguous rows)."""
+
     def row_kv(self, backend, row: int, n: int):
         """Row ``row``'s first ``n`` keys and values ``[Hkv, n, d]`` for ``KVCache.live_kv``:
         views of the buffers for plain contiguous storage (what ``blocks`` reads)."""
@@ -268,6 +288,11 @@ class KVStore:
         if self.leading:
             return self
         return KVStore(self.spec, *(xp.expand_dims(a, axis=0) for a in self.buffers))
+
+    @property
+    def any_buffer(self):
+        """An array of the storage (``k``): where its device is read from."""
+        return self.k
 
     @property
     def buffers(self) -> tuple:

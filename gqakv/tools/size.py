@@ -8,7 +8,7 @@ from ..storage import codecs as _codecs
 from ..core.units import human_bytes
 from ..storage.sizing import (PRESETS, ModelConfig, cache_bytes, max_batch, max_len_for, paged_cache_bytes,
                               parse_bytes, resolve_model, tensor_parallel_traffic,
-                              context_parallel_traffic)
+                              context_parallel_traffic, window_cache_bytes)
 from .errors import UsageError
 
 
@@ -30,6 +30,10 @@ def add_arguments(parser) -> None:
                         "the paged cache's memory for them beside the contiguous cache at --max-len")
     parser.add_argument("--page-size", type=int, default=16,
                         help="tokens per page for --rows (default 16)")
+    parser.add_argument("--chunk", type=int, default=1,
+                        help="for a model with sliding-window layers: the most tokens one append "
+                        "adds (1: decode; a prefill chunk's length), which sizes the window-sized "
+                        "storage of a sliding layer (default 1)")
     parser.add_argument("--tensor-parallel", type=int, default=None, metavar="P",
                         help="split the heads over P devices (gqakv.distributed): print the "
                         "bytes per device (every number below, --budget included, is per "
@@ -107,6 +111,8 @@ def run(args) -> int:
     if cfg.max_position and args.max_len > cfg.max_position:
         print(f"  note      : max_len {args.max_len:,} exceeds the model's context "
               f"{cfg.max_position:,}")
+    if cfg.sliding_window:
+        _print_window(cfg, args, kv_dtype)
     if rows is not None:
         _print_paged(cfg, args, rows)
     if budget is not None:
@@ -135,6 +141,25 @@ def _print_tensor_parallel(full: ModelConfig, dev: ModelConfig, P: int, args, kv
     ratio = f"{tot['kv_read_bytes'] / tot['all_reduce_bytes']:,.0f}x" if tot["all_reduce_bytes"] else "-"
     print(f"  K/V read : {tot['kv_read_bytes']:,} bytes ({human_bytes(tot['kv_read_bytes'])}) per "
           f"device to decode one token of a row at {args.max_len:,} tokens ({ratio} the all-reduced bytes)")
+
+
+def _print_window(cfg: ModelConfig, args, kv_dtype) -> None:
+    chunk, P = getattr(args, "chunk", 1), args.page_size
+    if chunk < 1:
+        raise UsageError(f"--chunk must be >= 1, got {chunk}")
+    if P < 1:
+        raise UsageError(f"--page-size must be >= 1, got {P}")
+    w = window_cache_bytes(cfg, max_len=args.max_len, page_size=P, chunk=chunk, dtype=args.dtype,
+                           kv_dtype=kv_dtype)
+    kinds = f"{w.sliding_layers} sliding layers (window {w.window:,})" + (
+        f" and {w.full_layers} full layers" if w.full_layers else "")
+    print(f"  window    : {kinds}; per row at {args.max_len:,} tokens, appends of up to {chunk:,} "
+          f"token{'s' if chunk > 1 else ''}, page_size {P}:")
+    print(f"              full history  {w.full_history_bytes:,} bytes ({human_bytes(w.full_history_bytes)})")
+    print(f"              window-sized  {w.window_bytes:,} bytes ({human_bytes(w.window_bytes)}): a sliding "
+          f"layer holds at most {w.pages_sliding:,} pages ({w.pages_sliding * P:,} token slots), "
+          f"{w.full_history_bytes / max(1, w.window_bytes):.2f}x less (gqakv.ModelKVCache.for_model("
+          "..., window_storage=True))")
 
 
 def _print_context_parallel(full: ModelConfig, C: int, P: int, local_len: int, args, kv_dtype) -> None:

@@ -1,0 +1,149 @@
+"""Layers stored by their kind: a model whose layers differ in what they keep.
+
+A ``ModelKVCache`` of full-attention and sliding-window layers (Gemma 2/3, gpt-oss) stores
+each kind in its own paged pool: the full layers page through one table that keeps every
+token, and the sliding layers of each window ``W`` through a table of their own that
+releases the pages behind the window (``gqakv.storage.paged.PageTable.window``). One page
+table cannot serve both: a full layer needs the very pages a sliding layer lets go.
+
+``LayerGroups`` is the model cache's store then: it hands out each layer's store
+(``layer``), and runs every row operation (reserve and give back, reorder, fork, trim,
+accept's moves) on each group in turn, all validated before any group changes. The
+lengths are the model's, shared by every group.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .paged import PagedStore
+from .store import PAGED
+
+
+class LayerGroups:
+    """The stores of a model's layer kinds (see the module docstring).
+
+    groups: ``(window, layers, store)`` per kind: ``window`` None (full attention) or W,
+        ``layers`` the model's layer indices it holds (ascending), ``store`` a PagedStore
+        with leading axis ``(len(layers),)``.
+    """
+
+    kind = PAGED
+
+    def __init__(self, groups: list[tuple[int | None, list[int], PagedStore]], layers: int):
+        self.groups = groups
+        self._where: dict[int, tuple[PagedStore, int]] = {}
+        for _, members, store in groups:
+            for i, l in enumerate(members):
+                self._where[int(l)] = (store, i)
+        assert sorted(self._where) == list(range(layers))
+        first = groups[0][2]
+        self.spec = first.spec
+        self.leading = (int(layers),)
+        self.rows, self.kv_heads, self.max_len, self.head_dim = (
+            first.rows, first.kv_heads, first.max_len, first.head_dim)
+
+    # -- what a store says about itself ---------------------------------------------------------
+
+    @property
+    def dtype(self) -> str:
+        return self.spec.dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.spec.quantized
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every group's K and V pool."""
+        return sum(store.nbytes for _, _, store in self.groups)
+
+    @property
+    def window(self) -> None:
+        """None: the groups differ (each layer's store has its own ``window``)."""
+        return None
+
+    @property
+    def any_buffer(self):
+        """An array of the storage (its device is the cache's)."""
+        return self.groups[0][2].k
+
+    def _refuse(self, what: str):
+        windows = ", ".join("full" if w is None else f"window={w}" for w, _, _ in self.groups)
+        return TypeError(f"this cache stores its layers in {len(self.groups)} page pools by kind "
+                         f"({windows}): it has no single {what}; use cache.layer(l) (or "
+                         "cache.page_tables)")
+
+    @property
+    def k(self):
+        raise self._refuse("K buffer")
+
+    @property
+    def v(self):
+        raise self._refuse("V buffer")
+
+    @property
+    def page_table(self):
+        raise self._refuse("page table")
+
+    @property
+    def page_tables(self) -> dict:
+        """``{window: PageTable}`` of each group (None: the full layers')."""
+        return {w: store.page_table for w, _, store in self.groups}
+
+    def layer(self, layer: int) -> PagedStore:
+        store, i = self._where[int(layer)]
+        return store.layer(i)
+
+    def with_layers(self, xp) -> "LayerGroups":
+        return self
+
+    def first_held(self, rows) -> np.ndarray:
+        """The first token every group still holds of each row: the latest of the groups'
+        (the full layers hold all)."""
+        return np.max([store.first_held(rows) for _, _, store in self.groups], axis=0)
+
+    # -- the row operations, every group ---------------------------------------------------------
+
+    def reserve(self, backend, rows, starts, n_new):
+        """Every group's pages for the append (OutOfPages from any: the others given back)."""
+        done = []
+        try:
+            for _, _, store in self.groups:
+                done.append(store.reserve(backend, rows, starts, n_new))
+        except BaseException:
+            self.give_back(done)
+            raise
+        return done
+
+    def give_back(self, reservation) -> None:
+        if reservation is None:
+            return
+        for (_, _, store), res in reversed(list(zip(self.groups, reservation))):
+            store.give_back(res)
+
+    def reorder_rows(self, backend, src_rows, lens) -> int:
+        return sum(store.reorder_rows(backend, src_rows, lens) for _, _, store in self.groups)
+
+    def fork_rows(self, backend, src, dst_rows, n) -> int:
+        return sum(store.fork_rows(backend, src, dst_rows, n) for _, _, store in self.groups)
+
+    def check_keep(self, rows, new_lens, what: str) -> None:
+        for _, _, store in self.groups:
+            store.check_keep(rows, new_lens, what)
+
+    def trim_rows(self, rows, new_lens) -> None:
+        for _, _, store in self.groups:
+            store.trim_rows(rows, new_lens)
+
+    def check_move(self, row: int, dst) -> None:
+        for _, _, store in self.groups:
+            store.check_move(row, dst)
+
+    def move_tokens(self, row: int, dst, src) -> None:
+        for _, _, store in self.groups:
+            store.move_tokens(row, dst, src)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{'full' if w is None else f'window={w}'}: layers {m}" for w, m, _ in self.groups)
+        return f"LayerGroups({parts})"
