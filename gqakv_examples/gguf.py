@@ -227,7 +227,7 @@ class GGUFLlamaModel(LlamaModel):
         self.checkpoint = checkpoint
         self.config = c = checkpoint.config
         self.dtype = dtype
-        self.tp, self.shard = None, None  # one process holds every head
+        self.tp, self.shard, self.cp = None, None, None  # one process holds every head and token
         self.local_heads, self.local_kv_heads = c.n_heads, c.n_kv_heads
         self.backend = gqakv.get_backend(backend, dtype=dtype, head_dim=c.head_dim)
         self.xp = self.backend.namespace()

@@ -21,6 +21,7 @@ from gqakv.dispatch.request import Request
 
 from .support.arrays import BackendArrays
 from .support.reference import reference_attention
+from .support.seeds import stable_seed
 
 
 def random_parents(rng, n: int, shape: str) -> list[int]:
@@ -68,7 +69,7 @@ def test_tree_attention_matches_the_reference(backend, storage, variant):
         pytest.skip("8-bit storage runs on the numpy, numba and cupy backends")
     dtype = "float64" if "float64" in backend.dtypes and not storage.get("kv_dtype") else "float32"
     arrays = BackendArrays(backend)
-    rng = np.random.default_rng(hash((backend.name, str(storage), str(variant))) % 2**32)
+    rng = np.random.default_rng(stable_seed(backend.name, storage, variant))
     B, Hkv, G, d = 3, 2, 2, 8
     cache = gqakv.KVCache(B, Hkv, 96, d, dtype=dtype, backend=backend, **storage)
     pre = [int(x) for x in rng.integers(0, 20, B)]
