@@ -316,7 +316,10 @@ class Grouped(Codec):
         else:  # low nibble: even values, high nibble: odd ones (code = nibble - 8)
             np.subtract(codes & 15, 8, out=out[..., 0::2], dtype=np.float32, casting="unsafe")
             np.subtract(codes >> 4, 8, out=out[..., 1::2], dtype=np.float32, casting="unsafe")
-        return np.multiply(out, np.repeat(scales, self.group, axis=-1), out=out)
+        blocks = out.view()  # [..., d / g, g]: splitting the last axis never copies
+        blocks.shape = (*out.shape[:-1], out.shape[-1] // self.group, self.group)
+        np.multiply(blocks, scales[..., None], out=blocks)  # each block by its scale
+        return out
 
     def encode_keys(self, xp, x) -> tuple:
         return self.encode(xp, _quantize.rotate(xp, x) if self.rotated else x)

@@ -78,19 +78,26 @@ def encode_e4m3(xp, y):
 # -- quantize / dequantize ---------------------------------------------------------------------
 
 
-def quantize(xp, x, kv_dtype: str):
-    """Quantize ``x`` ``[..., d]`` (any float dtype) token by token along the last axis.
-
-    Returns ``(codes [..., d], scales [...] float32)``; see the module docstring."""
-    qmax = QMAX[kv_dtype]
-    x = xp.astype(x, xp.float32)
+def _scaled(xp, x, qmax: float):
+    """``(y, scale)`` for float32 ``x`` ``[..., n]``, scaled over its last axis: ``scale =
+    max|x| / qmax`` ``[...]`` (0 for all zeros, NaN for a non-finite amax) and ``y = x /
+    scale`` clipped to [-qmax, qmax] (0 where the scale is 0 or NaN): the rule every
+    scheme here rounds ``y`` from."""
     amax = xp.max(xp.abs(x), axis=-1)
     finite = xp.isfinite(amax)
     scale = xp.where(finite, amax / qmax, xp.asarray(math.nan, dtype=xp.float32))
     ok = finite & (scale > 0)
     y = x / xp.where(ok, scale, xp.asarray(1.0, dtype=xp.float32))[..., None]
     y = xp.where(ok[..., None], y, xp.asarray(0.0, dtype=xp.float32))
-    y = xp.clip(y, -qmax, qmax)
+    return xp.clip(y, -qmax, qmax), scale
+
+
+def quantize(xp, x, kv_dtype: str):
+    """Quantize ``x`` ``[..., d]`` (any float dtype) token by token along the last axis.
+
+    Returns ``(codes [..., d], scales [...] float32)``; see the module docstring."""
+    qmax = QMAX[kv_dtype]
+    y, scale = _scaled(xp, xp.astype(x, xp.float32), qmax)
     if kv_dtype == "int8":
         codes = xp.astype(xp.round(y), xp.int8)
     elif _is_numpy(y):
@@ -160,14 +167,8 @@ def quantize_groups(xp, x, bits: int, group: int):
     x = xp.astype(x, xp.float32)
     shape = tuple(x.shape)
     d = shape[-1]
-    blocks = xp.reshape(x, (*shape[:-1], d // group, group))
-    amax = xp.max(xp.abs(blocks), axis=-1)
-    finite = xp.isfinite(amax)
-    scale = xp.where(finite, amax / qmax, xp.asarray(math.nan, dtype=xp.float32))
-    ok = finite & (scale > 0)
-    y = blocks / xp.where(ok, scale, xp.asarray(1.0, dtype=xp.float32))[..., None]
-    y = xp.where(ok[..., None], y, xp.asarray(0.0, dtype=xp.float32))
-    c = xp.reshape(xp.round(xp.clip(y, -qmax, qmax)), shape)
+    y, scale = _scaled(xp, xp.reshape(x, (*shape[:-1], d // group, group)), qmax)
+    c = xp.reshape(xp.round(y), shape)
     if bits == 8:
         return xp.astype(c, xp.int8), scale
     u = xp.reshape(xp.astype(c + 8, xp.uint8), (*shape[:-1], d // 2, 2))
