@@ -48,6 +48,7 @@ class NumpyBackend(Backend):
                           "threaded BLAS attention (GQAKV_NUM_THREADS)"})
     fast_paths = FAST_PATHS
     packed_tokens = True  # the BLAS path and the generic defaults take [N, H, d] tokens
+    wide_queries = True  # float32 q over a 16-bit store: computed and returned in float32
 
     def namespace(self):
         import array_api_compat.numpy as xp

@@ -20,6 +20,7 @@ class StrictBackend(Backend):
     features = frozenset({"array_api",
                           "attention variants (window, softcap, sinks) on the generic array-API path"})
     packed_tokens = True  # the generic defaults take packed [N, H, d] tokens
+    wide_queries = True  # float32 q over a 16-bit store: computed and returned in float32
 
     def unavailable_reason(self):
         try:

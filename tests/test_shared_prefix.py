@@ -13,6 +13,7 @@ small shapes exercise the decomposition itself.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -126,6 +127,40 @@ def test_forked_rows_match_reference(backend, arrays, small_groups, monkeypatch,
         _check(dtype, out, lse, q, k_rows, v_rows, n_new, VARIANTS[variant],
                f"step {step}", quantized=kv_dtype is not None)
         assert len(launches) == step + 1
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sixteen_bit_results_are_rounded_once(backend, arrays, small_groups, dtype):
+    """A backend that takes float32 queries over a 16-bit store (``wide_queries``) runs
+    both parts in float32 and rounds once, after the merge: every output lies within one
+    16-bit spacing of the float64 reference (plus 1e-5 for float32's own error where
+    values cancel). Rounding each part first missed by thousands of spacings on these
+    draws (partials of size ~1 rounded, merged into results of size ~1e-4)."""
+    if "emulated" in backend.name:
+        pytest.skip("the emulator's time: its tiny case is test_cupy_emulated_shared_prefix")
+    _skip_unless(backend, dtype)
+    if not backend.wide_queries:
+        pytest.skip(f"{backend.name} rounds each part to q's dtype (no wide_queries)")
+    fmt = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+    B, Hkv, G, d = 6, 2, 2, 8
+    for seed in range(4):
+        rng = np.random.default_rng(stable_seed("rounded once", dtype, seed))
+        cache = _prefix_cache(backend, arrays, rng, dtype, None)
+        for T, n_new in [(5, [5, 2, 0, 3, 4, 2]), (1, [1, 1, 1, 1, 1, 1])]:
+            k, v = (_held(arrays, rng.standard_normal((B, Hkv, T, d)), dtype) for _ in range(2))
+            q = _held(arrays, rng.standard_normal((B, Hkv * G, T, d)), dtype)
+            cache.append(arrays.asarray(k, dtype), arrays.asarray(v, dtype), n_new)
+            variant = VARIANTS["softcap+sinks"]
+            plan = gqakv.plan_attention(cache, n_new, q_heads=Hkv * G, t_q=T, **variant)
+            assert plan.shared_prefix.used, plan.shared_prefix.reason
+            out = arrays.to_numpy(plan.run(arrays.asarray(q, dtype), cache))
+            k_rows, v_rows = _rows_of(cache, arrays, B)
+            want, _ = reference_attention(q, k_rows, v_rows, n_new, **variant)
+            spacing = np.abs(np.spacing(want.astype(fmt))).astype(np.float64)
+            err = np.abs(out - want)
+            worst = float(np.max(err / (spacing + 1e-5)))
+            assert worst <= 1.0, (f"seed {seed}, T={T}: an output is {worst:.3g} x (one {dtype} "
+                                  "spacing + 1e-5) from the float64 reference: rounded twice?")
 
 
 def test_gqa_attention_and_out_buffers(backend, arrays, small_groups, monkeypatch):

@@ -157,6 +157,13 @@ class Backend:
     #: generic defaults do; a backend that overrides them says so once it handles them
     #: (False: a packed call to it is refused before anything is written).
     packed_tokens: ClassVar[bool] = False
+    #: Whether ``attention`` takes float32 queries over a float16 / bfloat16 store (of
+    #: work planned for the store's own q dtype) and returns float32 outputs: what lets a
+    #: call made of parts (``gqakv.ops.shared_prefix``) merge unrounded partials and round
+    #: once. The generic defaults do (they compute in the wider dtype); a backend whose
+    #: compiled kernels are built per q dtype leaves it False, and its partials are then
+    #: rounded to the q dtype before the merge.
+    wide_queries: ClassVar[bool] = False
 
     # -- availability and capabilities ---------------------------------------------------
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from array_api_compat import array_namespace
 
+from ..core.dtypes import canonical_name
 from ..core.inputs import AttentionInputs
 from ..storage.paged import PageTableView, PagedStore
 from ..storage.store import PAGED
@@ -341,6 +342,11 @@ class SharedPrefixWork:
         ``out`` / ``lse_out`` when given."""
         backend = self.backend
         xp = array_namespace(q)
+        q_dtype = q.dtype
+        if backend.wide_queries and canonical_name(q_dtype) in ("float16", "bfloat16"):
+            # both parts in float32 and one rounding after the merge: rounding each
+            # partial to 16 bits first doubled the error (two roundings where one call has one)
+            q = xp.astype(q, xp.float32)
         s_inputs, s_work = self.suffix
         o_suf, lse_suf = _attend(backend, q, self.suffix_store(store), s_inputs, s_work)
         packed = len(self.q_shape) == 3
@@ -375,7 +381,10 @@ class SharedPrefixWork:
         if not packed:  # back to [B, Hq, T, d] / [B, Hq, T]
             o_sh = xp.permute_dims(xp.reshape(o_sh, (B, T, Hq, d)), (0, 2, 1, 3))
             lse_sh = xp.permute_dims(xp.reshape(lse_sh, (B, T, Hq)), (0, 2, 1))
-        return write_into(merge_attention(o_suf, lse_suf, o_sh, lse_sh), return_lse, out, lse_out)
+        o, lse = merge_attention(o_suf, lse_suf, o_sh, lse_sh)
+        if o.dtype != q_dtype:
+            o = xp.astype(o, q_dtype)
+        return write_into((o, lse), return_lse, out, lse_out)
 
 
 def _attend(backend, q, store, inputs, work):
