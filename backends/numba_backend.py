@@ -10,12 +10,15 @@ row, the G query heads of a KV head (times the queries of a small chunk) folded 
 one tile, online softmax in float32, float16/bfloat16 converted in registers. Paged
 and quantized stores run the same kernels over their ``kernel_layout``: the pool read
 through the page table a page run at a time; int8 / float8_e4m3fn codes decoded in
-registers with each token's scale folded into its score and its p.
+registers with each token's scale folded into its score and its p; grouped codes (a
+scale per block of values along d, 8 or 4 bits) decoded a key block at a time into an
+L1-sized float32 block (``numba_kernels.dequantize_rows``).
 
 Which implementation serves a call, and why, is ``route_attention`` (asked by the dispatch,
 by ``route`` and by ``attention_route(...)``):
 - "numba kernel": float32/float16/bfloat16 contiguous or paged storage, or int8 /
-  float8_e4m3fn quantized storage (contiguous or paged), with C-contiguous buffers and chunks of
+  float8_e4m3fn / grouped (int8_g32, int4_g32, int4_g64, int4_g32_rotated) quantized
+  storage (contiguous or paged), with C-contiguous buffers and chunks of
   at most ``KERNEL_MAX_QUERIES`` queries (decode and short chunks) whose tiles (G heads x
   T queries) hold at most ``KERNEL_MAX_TILE_ROWS`` rows;
 - otherwise the numpy backend's decision for the call (``numpy_backend.route_attention``:
@@ -43,7 +46,7 @@ import numpy as np
 
 from gqakv.dispatch.backend import GENERIC, FastPath, Route
 from gqakv.dispatch.request import Request, as_request
-from gqakv.storage.codecs import PLAIN_NAME
+from gqakv.storage.codecs import GROUPED, PLAIN_NAME
 from gqakv.core.inputs import PACKED, PADDED, AttentionInputs
 from gqakv.core.semantics import AttentionParams, block_keys
 from gqakv.core.tree import DraftTree
@@ -81,6 +84,11 @@ _KERNEL_DTYPES = ("float32", "float16", "bfloat16")
 #: The codecs the kernels decode (codes x per-token scale), declared by name: each one's
 #: ``Codec.kernel_tag`` picks its decoder (``numba_kernels.CODE_VIEWS``).
 _KERNEL_KV_DTYPES = ("int8", "float8_e4m3fn")
+#: The grouped codecs the kernels decode (``gqakv.storage.codecs.Grouped``: a scale per
+#: block of g values along d; 8-bit or two 4-bit codes per byte), declared by name: their
+#: codes reach the kernels as stored (int8, or uint8 nibble pairs) with 2-D scales
+#: (``numba_kernels.Grouped``), decoded a key block at a time (``dequantize_rows``).
+_KERNEL_GROUPED = tuple(GROUPED)
 
 #: Implementation names in routes: the attention kernels, the compiled append, the
 #: compiled row copy.
@@ -91,7 +99,7 @@ COPY_KERNEL = "numba copy_rows"
 NOT_CONTIGUOUS = "K/V buffers are not C-contiguous (kernels read contiguous rows)"
 
 
-_CODECS = frozenset({PLAIN_NAME, *_KERNEL_KV_DTYPES})
+_CODECS = frozenset({PLAIN_NAME, *_KERNEL_KV_DTYPES, *_KERNEL_GROUPED})
 #: What the compiled paths implement (as data; ``route_*`` adds the per-call conditions:
 #: chunk length and buffer layout).
 KERNEL_PATH = FastPath(KERNEL, "attention", frozenset({CONTIGUOUS, PAGED}), _CODECS,
@@ -218,7 +226,7 @@ class NumbaBackend(NumpyBackend):
         return Route(route.impl, dict(route.rejected))  # the kept route stays unshared
 
     def implementations(self) -> dict[str, str]:
-        kinds = ", ".join(_KERNEL_DTYPES + _KERNEL_KV_DTYPES)
+        kinds = ", ".join(_KERNEL_DTYPES + _KERNEL_KV_DTYPES + _KERNEL_GROUPED)
         return {
             KERNEL: (f"attention, t_q <= {KERNEL_MAX_QUERIES}; {kinds}; contiguous or paged "
                      "C-contiguous buffers; window, softcap, sinks, alibi"),
@@ -713,7 +721,7 @@ def _kv_heads(buf) -> int:
     nk = _kernels()
     if isinstance(buf, nk.Paged):
         return _kv_heads(buf.pool)
-    if isinstance(buf, (nk.Quantized, nk.PagedQuantized)):
+    if isinstance(buf, (nk.Quantized, nk.PagedQuantized, nk.Grouped, nk.PagedGrouped)):
         return _kv_heads(buf.codes)
     return int(buf.shape[1])
 
@@ -727,6 +735,13 @@ def kernel_layout(store):
     ``PagedQuantized(codes pool, scales pool [num_pages, Hkv, page_size], table, shift)``.
     Views, no copies."""
     nk = _kernels()
+    if store.quantized and store.spec.codec.name in _KERNEL_GROUPED:  # codes as stored, 2-D scales
+        if store.kind == PAGED:
+            table = np.ascontiguousarray(store.page_table.entries, dtype=np.int32)
+            shift = nk.paged(store.k, table).shift
+            return (nk.PagedGrouped(store.k, store.k_scale, table, shift),
+                    nk.PagedGrouped(store.v, store.v_scale, table, shift))
+        return nk.Grouped(store.k, store.k_scale), nk.Grouped(store.v, store.v_scale)
     codes = None
     if store.quantized:  # the codes as the element type the kernels decode the codec's tag from
         view = nk.CODE_VIEWS[store.spec.codec.kernel_tag]

@@ -7,7 +7,9 @@ so later storage kinds and attention variants replace one piece, not the loop:
   j .. j + m - 1 of KV head h of cache row r that lie together in storage (m <= n),
   chosen at compile time by the layout's type: contiguous rows (an array: all n keys,
   a view), ``Paged`` (a pool and page table: up to the end of j's page, one table lookup
-  per run), ``Quantized`` (codes and a per-token scale, either of those layouts); and
+  per run), ``Quantized`` (codes and a per-token scale, either of those layouts),
+  ``Grouped`` / ``PagedGrouped`` (codes and a scale per block of values along d: a run is
+  decoded once into an L1-sized float32 block, ``run_dots`` / ``run_accumulate``); and
   ``decode(x)`` turns one stored element into float32, chosen by the element type
   (float32 as is; float16 bits as uint16 and bfloat16 bits as int16, int8 codes, and
   float8_e4m3fn bits as uint8, converted in registers: ``half_to_float``,
@@ -36,7 +38,9 @@ per block and the exponentials, then O += P V with the loop over d vectorized
 run at a time and, over contiguous rows, prefetch the rows ``PREFETCH_BYTES`` ahead
 (``prefetch_ahead``; paged layouts compile without it). Each K/V element is read and
 converted once per four tile rows, straight from the cache or pool (no scratch copy, no
-dequantized copy). The per-block pieces (``_block_dots``, ``_score_row``, ``_accumulate``) are
+dequantized copy), except grouped codes: their per-block scales would cost a horizontal
+sum per block inside the dot loop, so each run is decoded once into a float32 block of at
+most ``key_block`` rows (16 KiB, in L1) that the same loops then read. The per-block pieces (``_block_dots``, ``_score_row``, ``_accumulate``) are
 inlined into ``_attend`` by numba (``inline="always"``), so the array views of each
 storage run (one per page when paged) are not passed through calls with their reference
 counting on the shared buffers (measured on the loaded 2-core machine against the called
@@ -358,6 +362,15 @@ Quantized = namedtuple("Quantized", ["codes", "scales"])
 #: [num_pages, Hkv, page_size] paged through one ``table`` (``shift`` as ``Paged``'s).
 #: Flat, not a Quantized of Paged: numba's parallel loops take no nested tuples of arrays.
 PagedQuantized = namedtuple("PagedQuantized", ["codes", "scales", "table", "shift"])
+#: Grouped codes (``gqakv.storage.codecs.Grouped``: a float32 scale per block of g values
+#: along d): ``codes`` int8 ``[rows, Hkv, max_len, d]`` (8-bit) or uint8 ``[..., d / 2]``
+#: (4-bit: value 2i in the low nibble of byte i, each nibble the code + 8) and ``scales``
+#: float32 ``[rows, Hkv, max_len, d / g]``. The element type picks the decoder
+#: (``dequantize_rows``); g is d / scales.shape[-1].
+Grouped = namedtuple("Grouped", ["codes", "scales"])
+#: Paged grouped codes: pools ``[num_pages, Hkv, page_size, ...]`` of codes and scales
+#: through one ``table`` (``shift`` as ``Paged``'s).
+PagedGrouped = namedtuple("PagedGrouped", ["codes", "scales", "table", "shift"])
 
 
 def _is(buf, cls):
@@ -373,7 +386,8 @@ def key_run(buf, r, h, j, n):
       after it (how far ``_prefetch_row`` may look ahead): contiguous rows to the row's
       capacity, a page's run alone;
     - scales: the per-token scales of ``Quantized`` / ``PagedQuantized`` codes, [>= m]
-      likewise, else None (``factor``);
+      likewise, the per-block scales of ``Grouped`` / ``PagedGrouped`` codes, [>= m, d / g]
+      (``run_dots``), else None (``factor``);
     - an array [rows, Hkv, max_len, d] gives all n keys (m = n); ``Paged`` up to the end
       of j's page: one page-table lookup per run, never per key.
     """
@@ -395,13 +409,13 @@ def _key_run(buf, r, h, j, n):
             m = min(n, P - at)
             return buf.pool[buf.table[r, page], h, at:at + m], None, m
         return paged_run
-    if _is(buf, PagedQuantized):
+    if _is(buf, PagedQuantized) or _is(buf, PagedGrouped):
         def paged_quantized_run(buf, r, h, j, n):
             rows, _, m = key_run(Paged(buf.codes, buf.table, buf.shift), r, h, j, n)
             scales, _, _ = key_run(Paged(buf.scales, buf.table, buf.shift), r, h, j, m)
             return rows, scales, m
         return paged_quantized_run
-    if _is(buf, Quantized):
+    if _is(buf, Quantized) or _is(buf, Grouped):
         def quantized_run(buf, r, h, j, n):
             rows, _, m = key_run(buf.codes, r, h, j, n)
             scales, _, _ = key_run(buf.scales, r, h, j, m)
@@ -437,7 +451,7 @@ def _kv_heads(buf):
         return lambda buf: buf.shape[1]
     if _is(buf, Paged):
         return lambda buf: buf.pool.shape[1]
-    if _is(buf, Quantized) or _is(buf, PagedQuantized):
+    if _is(buf, Quantized) or _is(buf, PagedQuantized) or _is(buf, Grouped) or _is(buf, PagedGrouped):
         return lambda buf: buf.codes.shape[1]
     return None
 
@@ -455,9 +469,9 @@ def prefetch_ahead(buf):
 def _prefetch_ahead(buf):
     if isinstance(buf, types.Array):
         return lambda buf: max(1, PREFETCH_BYTES // (buf.shape[3] * buf.itemsize))
-    if _is(buf, Quantized):
+    if _is(buf, Quantized) or _is(buf, Grouped):
         return lambda buf: prefetch_ahead(buf.codes)
-    if _is(buf, Paged) or _is(buf, PagedQuantized):
+    if _is(buf, Paged) or _is(buf, PagedQuantized) or _is(buf, PagedGrouped):
         return lambda buf: 0
     return None
 
@@ -574,6 +588,91 @@ def _tree_score_row(tree, i, t, start, s_row, n, js, lo, hi, scale, softcap, ali
 
 
 # -- attention -----------------------------------------------------------------------------
+
+def dequantize_rows(rows, scales, n, out, ahead):
+    """out[jj, :] = the float32 values of grouped code rows jj < n (``Grouped``): each
+    code times its block's scale, exactly ``Grouped.dequantize_into``'s float32 products.
+    Overloaded by the code type: int8 codes are their value; uint8 bytes hold two 4-bit
+    codes (value 2i in the low nibble of byte i, each nibble the code + 8). ``ahead``: rows
+    of codes to prefetch ahead (``prefetch_ahead``; 0: none)."""
+    raise NotImplementedError
+
+
+@overload(dequantize_rows, inline="always", jit_options={"cache": True})
+def _dequantize_rows(rows, scales, n, out, ahead):
+    if not (isinstance(rows, types.Array) and isinstance(scales, types.Array)):
+        return None
+    if rows.dtype == types.int8:
+        def eight_bit(rows, scales, n, out, ahead):
+            _prefer_512_bit_vectors()
+            nb = scales.shape[1]
+            g = np.uint64(out.shape[1] // nb)
+            for jj in range(n):
+                if ahead > 0 and jj + ahead < rows.shape[0]:
+                    _prefetch_row(rows, jj + ahead)
+                src, dst = rows[jj], out[jj]
+                for b in range(nb):
+                    sb = scales[jj, b]
+                    at = np.uint64(b) * g  # unsigned: no negative-index fix-up, so it vectorizes
+                    for c in range(g):
+                        dst[at + c] = np.float32(src[at + c]) * sb
+        return eight_bit
+    if rows.dtype == types.uint8:
+        def four_bit(rows, scales, n, out, ahead):
+            _prefer_512_bit_vectors()
+            nb = scales.shape[1]
+            hg = np.uint64(rows.shape[1] // nb)  # bytes per block: g / 2
+            one = np.uint64(1)
+            for jj in range(n):
+                if ahead > 0 and jj + ahead < rows.shape[0]:
+                    _prefetch_row(rows, jj + ahead)
+                src, dst = rows[jj], out[jj]
+                for b in range(nb):
+                    sb = scales[jj, b]
+                    at = np.uint64(b) * hg
+                    for i in range(hg):
+                        x = np.int32(src[at + i])
+                        dst[(at + i) << one] = np.float32((x & 15) - 8) * sb
+                        dst[((at + i) << one) + one] = np.float32((x >> 4) - 8) * sb
+        return four_bit
+    return None
+
+
+def run_dots(qt, R, rows, scales, n, s, o, ahead, scratch):
+    """``_block_dots`` of one storage run (overloaded by the run's scales): grouped codes
+    (2-D scales) are decoded once into ``scratch`` [>= n, d] float32 (``dequantize_rows``:
+    an L1-sized block, one conversion per element for every row of the tile), then dotted
+    as float32 rows; other layouts are read in place (``decode`` and ``factor``)."""
+    raise NotImplementedError
+
+
+@overload(run_dots, inline="always", jit_options={"cache": True})
+def _run_dots(qt, R, rows, scales, n, s, o, ahead, scratch):
+    if isinstance(scales, types.Array) and scales.ndim == 2:
+        def grouped(qt, R, rows, scales, n, s, o, ahead, scratch):
+            dequantize_rows(rows, scales, n, scratch, ahead)
+            _block_dots(qt, R, scratch, None, n, s, o, 0)
+        return grouped
+    return lambda qt, R, rows, scales, n, s, o, ahead, scratch: _block_dots(
+        qt, R, rows, scales, n, s, o, ahead)
+
+
+def run_accumulate(acc, R, s, o, rows, scales, n, ahead, scratch):
+    """``_accumulate`` of one storage run, grouped codes decoded first as ``run_dots``."""
+    raise NotImplementedError
+
+
+@overload(run_accumulate, inline="always", jit_options={"cache": True})
+def _run_accumulate(acc, R, s, o, rows, scales, n, ahead, scratch):
+    if isinstance(scales, types.Array) and scales.ndim == 2:
+        def grouped(acc, R, s, o, rows, scales, n, ahead, scratch):
+            dequantize_rows(rows, scales, n, scratch, ahead)
+            _accumulate(acc, R, s, o, scratch, None, n, 0)
+        return grouped
+    return lambda acc, R, s, o, rows, scales, n, ahead, scratch: _accumulate(
+        acc, R, s, o, rows, scales, n, ahead)
+
+
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def _block_dots(qt, R, krows, kscales, n, s, o, ahead):
@@ -766,7 +865,7 @@ def _score_row_tree(s_row, n, js, lo, hi, scale, softcap, alibi, head, q_pos, se
 
 @njit(fastmath=FASTMATH, cache=True)
 def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, window, alibi,
-            key_block, s, acc, m, l, tree, i):
+            key_block, s, acc, m, l, tree, i, scratch):
     """Online softmax of one tile (KV head h of row r, queries t0..t0+nq) over keys j0:j1.
 
     qt: [nq * G, d] float32, row t * G + g is query t0 + t of query head h * G + g;
@@ -795,7 +894,7 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
         o = 0
         while o < n:  # the block's keys, one storage run at a time
             krows, kscales, w = key_run(k_buf, r, h, js + o, n - o)
-            _block_dots(qt, R, krows, kscales, w, s, o, kahead)
+            run_dots(qt, R, krows, kscales, w, s, o, kahead, scratch)
             o += w
         for rr in range(R):
             if m[rr] != m[rr]:  # NaN already: nothing can change it
@@ -845,7 +944,7 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
         o = 0
         while o < n:
             vrows, vscales, w = key_run(v_buf, r, h, js + o, n - o)
-            _accumulate(acc, R, s, o, vrows, vscales, w, vahead)
+            run_accumulate(acc, R, s, o, vrows, vscales, w, vahead, scratch)
             o += w
 
 
@@ -895,6 +994,7 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
         m = np.empty(Rmax, np.float32)
         l = np.empty(Rmax, np.float32)
         qt = np.empty((Rmax, d), np.float32)
+        scratch = np.empty((key_block, d), np.float32)  # grouped codes' decoded run
         for it in range(run_starts[run], run_starts[run + 1]):
             i, h0, h1, t0, t1, j0, j1 = (items[it, 0], items[it, 1], items[it, 2], items[it, 3],
                                          items[it, 4], items[it, 5], items[it, 6])
@@ -909,7 +1009,7 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
                         for c in range(d):
                             qt[t * G + g, c] = q[ia, h * G + g, ib, c]
                 _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, window,
-                        alibi, key_block, s, acc, m, l, tree, i)
+                        alibi, key_block, s, acc, m, l, tree, i, scratch)
                 base = part_rows[it]
                 for t in range(nq):
                     ia, ib = query_slot(offsets, i, t0 + t)

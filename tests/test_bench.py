@@ -363,7 +363,7 @@ def test_alternating_blocks_alternates():
      "float16, got bfloat16"),
     (["--kv-dtype", "float8_e4m3fn", "--compare", "torch"],
      "--compare torch reads K/V as float32 values; it cannot run with --kv-dtype float8_e4m3fn "
-     "(the cache holds 8-bit codes and scales)"),
+     "(the cache holds codes and scales)"),
 ])
 def test_bench_rejects_bad_flags(argv, message, capsys):
     assert cli.main(["bench", *argv]) == 2

@@ -6,8 +6,8 @@
   included (an outlier channel, a zero token, huge and tiny ones, NaN and inf);
 - attention over chunked, ragged appends, a fork and decode equals the float64 loop
   reference over the values the cache holds (dequantized, rotated back), contiguous and
-  paged, with the route each backend documents (the NumPy BLAS path on numpy and numba,
-  the generic code elsewhere);
+  paged, with the route each backend documents (the NumPy BLAS path on numpy, the kernels
+  on numba, the generic code elsewhere);
 - ``live_kv`` hands keys back in the caller's basis; bad head dims are refused before
   anything is allocated; sizes follow ``d * bits / 8 + 4 * d / g`` bytes per token-head;
 - with outlier key channels the grouped schemes are more accurate than one scale per token.
@@ -187,8 +187,8 @@ def test_bytes_per_token_head(name):
 
 
 def test_the_routes_name_the_paths():
-    """numpy and numba read the grouped codes on the BLAS path (numba's kernels refuse them
-    by name); CuPy's kernels refuse them by name (the generic code)."""
+    """numpy reads the grouped codes on the BLAS path, numba in its kernels (a key block
+    decoded at a time); CuPy's kernels refuse them by name (the generic code)."""
     from gqakv_backends.cupy_backend import routing as cupy_routing  # no CuPy needed
 
     from gqakv.dispatch.request import Request
@@ -196,9 +196,8 @@ def test_the_routes_name_the_paths():
     for name in NAMES:
         request = Request("attention", dtype="float32", head_dim=64, t_q=1, codec=name)
         assert gqakv.get_backend("numpy").route(request).impl == "numpy BLAS"
-        numba = gqakv.get_backend("numba").route(request)
-        assert numba.impl == "numpy BLAS"
-        assert f"kv_dtype={name!r}" in numba.rejected["numba kernel"]
+        for layout in ("contiguous", "paged"):
+            assert gqakv.get_backend("numba").route(request.with_(layout=layout)).impl == "numba kernel"
         cupy = cupy_routing.route_attention(request)
         assert cupy.impl.startswith("generic")
         assert any(f"kv_dtype={name!r}" in why for why in cupy.rejected.values()), cupy

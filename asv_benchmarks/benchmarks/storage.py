@@ -32,6 +32,8 @@ def _filled(backend, lens, *, max_len=None, dtype="float32", seed=0, **kwargs):
             cache = gqakv.KVCache(B, HKV, max_len, D, dtype=dtype, backend=backend, **kwargs)
         except TypeError as exc:  # commits before kv_dtype
             raise NotImplementedError(f"gqakv.KVCache does not take {sorted(kwargs)} in this commit: {exc}")
+        except ValueError as exc:  # commits before this codec
+            raise NotImplementedError(f"gqakv.KVCache refuses {kwargs} in this commit: {exc}")
     return fill(cache, backend, lens, dtype, seed)
 
 
@@ -111,11 +113,14 @@ class PagedFork:
 
 @timing
 class QuantizedDecode:
-    """One decode step over an int8 / float8_e4m3fn cache (queries and outputs bfloat16),
-    against the same step over a bfloat16 cache holding the same input tokens."""
+    """One decode step over a quantized cache (queries and outputs bfloat16): int8 /
+    float8_e4m3fn (a scale per token) and the grouped codecs (a scale per block of 32 values
+    along d; issue 29's target: int4 at most 0.4x), against the same step over a bfloat16
+    cache holding the same input tokens."""
 
     CASES = {"4x4096": (4, 4096), "1x32768": (1, 32768)}  # label -> (batch, live length)
-    params = [BACKENDS, list(CASES), ["int8", "float8_e4m3fn"]]
+    params = [BACKENDS, list(CASES), ["int8", "float8_e4m3fn", "int8_g32", "int4_g32",
+                                      "int4_g32_rotated"]]
     param_names = ["backend", "batch x length", "kv_dtype"]
     timeout = 300
     DTYPE = "bfloat16"

@@ -5,9 +5,10 @@ the chosen backend: a batch of ragged prompts is prefilled in chunks, then every
 decodes token by token. The report gives the time of each phase, the decode step's
 achieved bandwidth (bytes of live K/V read per step / time) against the machine's
 measured read bandwidth, the cache's memory, and how many bytes a cache grown by
-concatenation would have copied for the same run. ``--kv-dtype int8|float8_e4m3fn`` runs
-it over a quantized cache (alone or with ``--page-size``): every byte count is of what the
-cache actually stores, 8-bit codes plus each token's float32 scales. ``--compare torch``
+concatenation would have copied for the same run. ``--kv-dtype CODEC`` (int8, float8_e4m3fn,
+or a grouped codec: int8_g32, int4_g32, int4_g64, int4_g32_rotated) runs it over a quantized
+cache (alone or with ``--page-size``): every byte count is of what the cache actually
+stores, the codes plus their float32 scales. ``--compare torch``
 times torch's ``scaled_dot_product_attention(enable_gqa=True)`` over the same live views;
 ``--compare onnxruntime`` times ONNX Runtime's ``com.microsoft.GroupQueryAttention`` on its
 CPU provider against gqakv's decode step on the same state, after checking that both
@@ -35,6 +36,7 @@ from ..caches.paged_cache import PagedKVCache
 from ..core.units import human_bytes
 from ..dispatch.registry import get_backend
 from ..ops.attention import gqa_attention
+from ..storage import codecs as _codecs
 from ..storage import store as _store
 from ..storage.paged import pages_for
 from .errors import UsageError
@@ -573,10 +575,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--page-size", type=int, default=None,
                         help="run on a paged cache (gqakv.PagedKVCache) with pages of this many "
                              "tokens, its pool sized to the run's final rows")
-    parser.add_argument("--kv-dtype", choices=["int8", "float8_e4m3fn"], default=None,
-                        help="store K and V quantized (8-bit codes plus a float32 scale per "
-                             "token and KV head); --dtype stays the dtype of q, new K/V and the "
-                             "output. Byte counts and bandwidth are of what is stored")
+    parser.add_argument("--kv-dtype", choices=sorted(_codecs.names()), default=None,
+                        help="store K and V quantized (int8 / float8_e4m3fn: 8-bit codes plus a "
+                             "float32 scale per token and KV head; int8_g32, int4_g32, int4_g64, "
+                             "int4_g32_rotated: a float32 scale per block of 32 or 64 values "
+                             "along d, see docs/guides/storage.md); --dtype stays the dtype of "
+                             "q, new K/V and the output. Byte counts and bandwidth are of what "
+                             "is stored")
     parser.add_argument("--compare", choices=["torch", "onnxruntime"], default=None,
                         help="torch: also time torch SDPA (enable_gqa) over the same live views; "
                              "onnxruntime: ONNX Runtime's GroupQueryAttention (CPU provider, "
@@ -629,7 +634,7 @@ def _config(args) -> Config:
                          "got float64 (the reference precision is never quantized)")
     if kv_dtype is not None and args.compare == "torch":
         raise UsageError(f"--compare torch reads K/V as {args.dtype} values; it cannot run with "
-                         f"--kv-dtype {kv_dtype} (the cache holds 8-bit codes and scales)")
+                         f"--kv-dtype {kv_dtype} (the cache holds codes and scales)")
     if args.compare == "torch":
         try:
             import torch  # noqa: F401

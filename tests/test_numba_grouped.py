@@ -1,0 +1,168 @@
+"""The numba kernels over grouped codes (issue 29: ``int8_g32``, ``int4_g32``, ``int4_g64``,
+``int4_g32_rotated``): a float32 scale per block of g values along d, 8-bit codes or two
+4-bit codes per byte, read by the kernels a key block at a time (``dequantize_rows``).
+
+Every case appends chunked, ragged tokens (chunks the kernels serve, up to
+``KERNEL_MAX_QUERIES``), forks a row and decodes, on contiguous rows and on pages (16,
+and 5: not a power of two), and compares out and lse with the float64 loop reference over
+the values the cache holds (the documented rule's dequantized values, rotated keys turned
+back: tests/support/quantization.py, written apart from the library). A spy asserts that
+the kernels ran, with the grouped layout; key splits over threads are forced once through
+``attention_numba`` with tiny blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import gqakv
+
+numba = pytest.importorskip("numba")
+
+from gqakv_backends import numba_kernels as nk  # noqa: E402
+from gqakv_backends.numba_backend import KERNEL_MAX_QUERIES, attention_numba, kernel_layout  # noqa: E402
+from gqakv.core.inputs import validate_attention  # noqa: E402
+from gqakv.core.semantics import AttentionParams  # noqa: E402
+from gqakv.storage.codecs import GROUPED  # noqa: E402
+
+from .support.quantization import held_grouped  # noqa: E402
+from .support.reference import reference_attention  # noqa: E402
+from .support.seeds import stable_seed  # noqa: E402
+
+#: Small head dims that hold whole blocks: one block of 32 (or 64) and two.
+HEAD_DIM = {32: 64, 64: 64}
+STORAGES = {"contiguous": {}, "paged 16": {"storage": "paged", "page_size": 16},
+            "paged 5": {"storage": "paged", "page_size": 5}}
+SPLIT_EVERYTHING = dict(workers=3, query_block=2, min_key_split=2, key_block=5, parallel_min_work=0)
+
+
+@pytest.fixture
+def kernel_layouts(monkeypatch):
+    """The K layout of every ``attention_items`` call, by type name."""
+    seen = []
+    real = nk.attention_items
+
+    def spy(q, k_buf, v_buf, *rest):
+        seen.append(type(k_buf).__name__)
+        return real(q, k_buf, v_buf, *rest)
+
+    monkeypatch.setattr(nk, "attention_items", spy)
+    return seen
+
+
+def _held_rows(rows_k, rows_v, k, v, n_new, name):
+    for b, n in enumerate(n_new):
+        rows_k[b] = np.concatenate([rows_k[b], held_grouped(k[b, :, :n], name, True)], axis=1)
+        rows_v[b] = np.concatenate([rows_v[b], held_grouped(v[b, :, :n], name, False)], axis=1)
+
+
+def _check(out, lse, want, want_lse, dtype, what):
+    # float32 q: the kernels' float32 arithmetic; bfloat16 q: one rounding of the output
+    atol = 2e-5 if dtype == "float32" else 2.0 ** -7 * max(1.0, float(np.max(np.abs(want))))
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=atol, rtol=0, err_msg=what)
+    lse = np.asarray(lse, np.float64)
+    real = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[real], want_lse[real], atol=2e-4, rtol=0, err_msg=what)
+    assert np.isneginf(lse[~real]).all(), what
+
+
+@pytest.mark.parametrize("storage", list(STORAGES))
+@pytest.mark.parametrize("name", list(GROUPED))
+def test_kernels_match_the_reference(name, storage, kernel_layouts):
+    """Ragged chunks (an idle entry), a fork, decode steps with a window, soft-cap and
+    sinks; the outputs match the float64 reference and every call ran the kernels."""
+    dtype = "float32" if storage != "paged 16" else "bfloat16"
+    rng = np.random.default_rng(stable_seed("numba grouped", name, storage))
+    B, Hkv, G, d = 3, 2, 3, HEAD_DIM[GROUPED[name][1]]
+    cache = gqakv.KVCache(B, Hkv, 80, d, dtype=dtype, backend="numba", kv_dtype=name,
+                          **STORAGES[storage])
+    rows_k = [np.zeros((Hkv, 0, d)) for _ in range(B)]
+    rows_v = [np.zeros((Hkv, 0, d)) for _ in range(B)]
+    be = cache.backend
+    Tk = KERNEL_MAX_QUERIES
+    variants = [{}, {}, {"window": 9, "softcap": 3.0, "sinks": [0.5, -1.0, 2.0, -np.inf, 1.0, 0.0]},
+                {"window": 4}]
+    schedule = [[Tk, 3, 0], [Tk - 1, Tk, 5], [1, 1, 1], [2, 1, 1]]
+    for step, (n_new, variant) in enumerate(zip(schedule, variants)):
+        if step == 2:
+            cache.fork(0, [2])
+            rows_k[2], rows_v[2] = rows_k[0].copy(), rows_v[0].copy()
+        T = max(n_new)
+        k = rng.standard_normal((B, Hkv, T, d)).astype(np.float32)
+        k[..., 3] *= 25.0  # an outlier key channel
+        v = rng.standard_normal((B, Hkv, T, d)).astype(np.float32)
+        q = rng.standard_normal((B, Hkv * G, T, d)).astype(np.float32)
+        qx = be.from_numpy(q, dtype)
+        q64 = be.to_numpy(qx).astype(np.float64)  # the values q holds
+        cache.append(be.from_numpy(k, dtype), be.from_numpy(v, dtype), n_new)
+        _held_rows(rows_k, rows_v, np.asarray(be.to_numpy(be.from_numpy(k, dtype)), np.float32),
+                   np.asarray(be.to_numpy(be.from_numpy(v, dtype)), np.float32), n_new, name)
+        out, lse = gqakv.gqa_attention(qx, cache, n_new, return_lse=True, **variant)
+        want, want_lse = reference_attention(q64, rows_k, rows_v, n_new, **variant)
+        _check(be.to_numpy(out), be.to_numpy(lse), want, want_lse, dtype, f"step {step}")
+    layout = "Grouped" if storage == "contiguous" else "PagedGrouped"
+    assert kernel_layouts == [layout] * len(schedule)
+
+
+@pytest.mark.parametrize("name", ["int4_g32", "int8_g32"])
+def test_key_pieces_split_over_threads_merge_exactly(name):
+    """Tiny key blocks, query blocks and key splits over 3 workers (``attention_numba``
+    direct): the pieces' merge matches the reference, with ALiBi and a window."""
+    rng = np.random.default_rng(stable_seed("numba grouped split", name))
+    B, Hkv, G, d = 2, 2, 2, 64
+    cache = gqakv.PagedKVCache(B, Hkv, 64, d, "float32", backend="numba", page_size=4,
+                               kv_dtype=name)
+    k = rng.standard_normal((B, Hkv, 40, d)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, 40, d)).astype(np.float32)
+    n_new = [40, 23]
+    cache.append(k, v, n_new)
+    rows_k = [np.zeros((Hkv, 0, d)) for _ in range(B)]
+    rows_v = [np.zeros((Hkv, 0, d)) for _ in range(B)]
+    _held_rows(rows_k, rows_v, k, v, n_new, name)
+    q = rng.standard_normal((B, Hkv * G, 3, d)).astype(np.float32)
+    n_q = [3, 2]  # the last queries of each row
+    variant = {"window": 17, "alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}
+    params = AttentionParams(scale=1 / math.sqrt(d), window=17,
+                             alibi_slopes=np.asarray(variant["alibi_slopes"], np.float32))
+    inputs = validate_attention(cache, q, n_q, params=params)
+    k_buf, v_buf = kernel_layout(cache.store)
+    assert isinstance(k_buf, nk.PagedGrouped)
+    out, lse = attention_numba(q, k_buf, v_buf, inputs.rows, inputs.lens, inputs.n_new,
+                               scale=params.scale, return_lse=True, params=params,
+                               **SPLIT_EVERYTHING)
+    want, want_lse = reference_attention(q, rows_k, rows_v, n_q, **variant)
+    _check(out, lse, want, want_lse, "float32", "split")
+
+
+def test_a_draft_tree_and_batch_invariant_mode_run_on_the_kernels(kernel_layouts):
+    """A draft tree over rotated 4-bit keys (the tree clause composes with the reader), and
+    batch-invariant mode: the same row's bits alone and in a batch."""
+    name = "int4_g32_rotated"
+    rng = np.random.default_rng(stable_seed("numba grouped tree"))
+    B, Hkv, G, d = 2, 2, 2, 64
+    cache = gqakv.KVCache(B, Hkv, 64, d, "float32", backend="numba", kv_dtype=name)
+    k = rng.standard_normal((B, Hkv, 30, d)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, 30, d)).astype(np.float32)
+    n_new = [30, 30]
+    cache.append(k, v, n_new)
+    rows_k = [np.zeros((Hkv, 0, d)) for _ in range(B)]
+    rows_v = [np.zeros((Hkv, 0, d)) for _ in range(B)]
+    _held_rows(rows_k, rows_v, k, v, n_new, name)
+    T = 5
+    parents = np.array([[-1, 0, 0, 1, -1], [-1, 0, 1, 2, 3]])
+    k = rng.standard_normal((B, Hkv, T, d)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, T, d)).astype(np.float32)
+    q = rng.standard_normal((B, Hkv * G, T, d)).astype(np.float32)
+    cache.append(k, v, [T, T])
+    _held_rows(rows_k, rows_v, k, v, [T, T], name)
+    out, lse = gqakv.gqa_attention(q, cache, [T, T], tree=parents, return_lse=True)
+    want, want_lse = reference_attention(q, rows_k, rows_v, [T, T], parents=parents)
+    _check(out, lse, want, want_lse, "float32", "tree")
+    with gqakv.batch_invariant():
+        both = gqakv.gqa_attention(q, cache, [T, T], tree=parents)
+        alone = gqakv.gqa_attention(q[1:], cache, [T], tree=parents[1:], rows=[1])
+    np.testing.assert_array_equal(np.asarray(both)[1:], np.asarray(alone))
+    assert kernel_layouts == ["Grouped"] * 3
