@@ -83,7 +83,7 @@ def test_attention_matches_the_reference_over_what_the_cache_holds(backend, name
     dtype = "float32"
     spy = route_spy(backend)
     rng = np.random.default_rng(stable_seed(name, storage))
-    B, Hkv, G, d = 3, 2, 2, 32 if GROUPED[name][1] == 32 else 64
+    B, Hkv, G, d = 3, 2, 2, 64  # every grouped codec's blocks fit (one emulator library)
     cache = gqakv.KVCache(B, Hkv, 24, d, dtype=dtype, backend=backend, kv_dtype=name,
                           **STORAGES[storage])
     rows_k = [np.zeros((Hkv, 0, d)) for _ in range(B)]
@@ -188,7 +188,8 @@ def test_bytes_per_token_head(name):
 
 def test_the_routes_name_the_paths():
     """numpy and numba read the grouped codes on the BLAS path (numba's kernels refuse them
-    by name); CuPy's kernels refuse them by name (the generic code)."""
+    by name); CuPy's fp32-FMA kernels read them (the tensor-core ones and the row copy refuse
+    them by name, as does every kernel at a head dim that splits a block)."""
     from gqakv_backends.cupy_backend import routing as cupy_routing  # no CuPy needed
 
     from gqakv.dispatch.request import Request
@@ -200,8 +201,18 @@ def test_the_routes_name_the_paths():
         assert numba.impl == "numpy BLAS"
         assert f"kv_dtype={name!r}" in numba.rejected["numba kernel"]
         cupy = cupy_routing.route_attention(request)
-        assert cupy.impl.startswith("generic")
-        assert any(f"kv_dtype={name!r}" in why for why in cupy.rejected.values()), cupy
+        assert cupy.impl == "gqakv_decode", cupy
+        assert f"kv_dtype={name!r}" in cupy.rejected["gqakv_decode_mma"]
+        prefill = cupy_routing.route_attention(request.with_(t_q=64, dtype="bfloat16"))
+        assert prefill.impl == "gqakv_prefill", prefill
+        assert f"kv_dtype={name!r}" in prefill.rejected["gqakv_prefill_mma"]
+        write = cupy_routing.route_write_kv(Request("write_kv", dtype="float32", head_dim=64, codec=name))
+        assert write.impl == "gqakv_write_kv_quantized", write
+        copy = cupy_routing.route_copy_tokens(Request("copy_tokens", dtype="float32", head_dim=64, codec=name))
+        assert copy.impl.startswith("generic") and f"kv_dtype={name!r}" in copy.rejected["gqakv_copy_tokens"]
+        split = cupy_routing.route_attention(request.with_(head_dim=96))  # 96 % 64: a split block
+        if GROUPED[name][1] == 64:
+            assert split.impl.startswith("generic") and "head_dim=96" in split.rejected["gqakv_decode"]
 
 
 def test_outlier_key_channels_cost_grouped_scales_less():
