@@ -17,6 +17,17 @@ The table's axes:
 Which (storage, reader) pairs exist is ``LAYOUTS``. ``select`` enumerates the table (every
 axis may be narrowed); ``Instantiation.name`` spells one entry as C++.
 
+Storages: "plain" (K/V as the q dtype), "quantized" (8-bit codes, a scale per token) and
+"grouped" (a scale per block of ``GROUPS[codec]`` values, 8-bit or 4-bit codes; only head
+dims that hold whole blocks). The grouped storage takes every variant flag: the variant
+trait is orthogonal to the reader, and nothing compiles the table whole (the backend
+compiles a name on its first launch; the NVRTC tests, the emulator's libraries and the
+selftest's compile line select from it). Per head dim that is a multiple of 64 the table
+has 1,170 grouped entries (decode 576 = 16 flag sets x 2 tiles x 3 dtypes x 3 code types
+x 2 readers, prefill 576 with the tree's bit, the append 18; the rotated codec shares
+int4_g32's), beside 782 8-bit and 2,543 in all; the emulator builds 160 of them
+(tests/cuda_emu/harness.grouped_units: 4 flag sets, 2 dtypes) and NVRTC compiles 96.
+
 Adding to the table:
   a variant feature   one entry in ``VARIANT_FLAGS`` (its bit, as kernels/variant.cuh spells
                       it); every kernel whose ``variant_mask`` is ``ALL`` takes it (the draft
