@@ -282,3 +282,18 @@ def asan_main() -> int:
 def test_paged_int4_decode_under_asan():
     """AddressSanitizer (a subprocess with libasan preloaded) over ASAN_UNITS' library."""
     harness.check_asan_main("test_cupy_emulated_grouped", len(DECODE_SCENARIOS), units=ASAN_UNITS)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8_g32", "int4_g32_rotated"])
+def test_selftest_grouped_lines_run_the_grouped_kernels(backend, monkeypatch, kv_dtype):
+    """``gqakv selftest --backend cupy``'s grouped lines reach the grouped kernels (here on
+    the emulated backend, quick, at d = 64 where the grouped library has them) and pass."""
+    from gqakv.tools import selftest
+
+    monkeypatch.setattr(selftest, "GROUPED_HEAD_DIMS", (D,))
+    line = selftest.KV_DTYPES[kv_dtype]
+    checks = {line: selftest.Check(line, "bfloat16")}
+    selftest._quantized(kv_dtype, backend, "bfloat16", np.random.default_rng(0), True, checks)
+    assert checks[line].cases > 0 and checks[line].passed, checks[line].line()
+    launched = [n for n in backend.kernels if not n.startswith("gqakv_merge")]
+    assert launched and all(_tag(kv_dtype) in n for n in launched), launched
