@@ -18,7 +18,11 @@
   copies carry the scales, and the fp32-FMA decode / prefill kernels read codes and scales
   through the QuantizedKV reader (kernels/quantized_kv.cuh: code x scale in registers or
   per key-tile row as read, never a dequantized row), which wraps the contiguous or the
-  paged reader: paged 8-bit pages run on the same kernels.
+  paged reader: paged 8-bit pages run on the same kernels. The grouped codecs (int8_g32,
+  int4_g32, int4_g64, int4_g32_rotated: a scale per block of values, 4-bit codes two a
+  byte) run on the same reader and append (a scale per 8-value vector); their row copies
+  are generic (the copy kernel moves one scale per token), and the rotated codec computes
+  in float32 (q arrives rotated in float32; the append rotates K first).
 * Planned batches (``plan_attention``, work.py): a step's layers share one kernel plan,
   one upload of rows / lengths / n_new (and sinks, slopes, page table) and the split
   workspaces; a run given ``out`` / ``lse_out`` allocates nothing and copies nothing to
