@@ -144,6 +144,30 @@ def test_paged_quantized_kernel_compiles_without_spills(kernel, dtype, head_dim,
     test_paged_kernel_compiles_without_spills(kernel, dtype, head_dim, name)
 
 
+def _grouped_params():
+    """The grouped codecs' instantiations (a scale per block; 4-bit codes two a byte) at the
+    fast head dims 64, 128 and 256, one q dtype per code type (bfloat16 over int4_g32,
+    float16 over int4_g64, float32 over int8_g32; the rotated codec shares int4_g32's
+    kernels): the append, decode (every query tile) and prefill, contiguous and paged,
+    plain causal and, at d = 128, decode (both tiles) and prefill with every feature on
+    (flags 15; prefill with the draft tree's too, 31); sm_90 only, as for ``_paged_params``."""
+    for dtype, kv_dtype in (("bfloat16", "int4_g32"), ("float16", "int4_g64"), ("float32", "int8_g32")):
+        for d in FAST_HEAD_DIMS:
+            for kernel in ("gqakv_write_kv_quantized", "gqakv_decode", "gqakv_prefill"):
+                flags = [0]
+                if d == 128 and kernel != "gqakv_write_kv_quantized":
+                    flags += [table.ALL] + ([table.ALL | table.TREE] if kernel == "gqakv_prefill" else [])
+                for e in table.select([kernel], [dtype], [d], [kv_dtype], None, flags):
+                    yield pytest.param(kernel, dtype, d, e.name, id=e.name)
+
+
+@pytest.mark.parametrize("kernel,dtype,head_dim,name", list(_grouped_params()))
+def test_grouped_kernel_compiles_without_spills(kernel, dtype, head_dim, name):
+    """The grouped reader (a block scale per 8-value vector, nibbles unpacked from 32-bit
+    words) must fit the kernels' __launch_bounds__ occupancy unspilled, paged too."""
+    test_paged_kernel_compiles_without_spills(kernel, dtype, head_dim, name)
+
+
 def _alibi_params():
     """ALiBi with every other feature (flags 15: the flag set the product runs beside ALiBi
     alone) in every attention kernel at d = 64 and 128, float32 and bfloat16, contiguous
@@ -231,6 +255,10 @@ def test_name_expressions_reject_unsupported():
             == "gqakv_write_kv_quantized<float, gqakv_e4m3, 64, KVPages>")
     with pytest.raises(KeyError, match="no quantized instantiation"):
         sources.paged_name_expression("gqakv_decode_mma", "bfloat16", 64, kv_dtype="int8")
+    assert (sources.paged_name_expression("gqakv_prefill", "float32", 64, variant=7, kv_dtype="int8_g32")
+            == "gqakv_prefill<gqakv_quantized<float, gqakv_i8g<32>>, 64, 7, KVPages>")
+    with pytest.raises(KeyError, match="multiples of 32"):
+        sources.name_expression("gqakv_decode", "float32", 48, 4, kv_dtype="int4_g32")
 
 
 def test_kernels_need_the_declared_limits(monkeypatch):

@@ -44,10 +44,12 @@ def _values(cache, arrays):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_stored_codes_and_scales_follow_the_rule(backend, name):
+def test_stored_codes_and_scales_follow_the_rule(backend, name, route_spy):
     """Appends in two chunks (ragged); every live slot's codes and scales equal the rule's
-    bit for bit (NaN scales where the rule gives NaN)."""
+    bit for bit (NaN scales where the rule gives NaN), on the append each backend documents
+    (the CUDA kernels' on cupy)."""
     arrays = BackendArrays(backend)
+    spy = route_spy(backend)
     dtype = "float32"
     rng = np.random.default_rng(len(name))
     B, Hkv, d = 2, 2, 64
@@ -66,6 +68,8 @@ def test_stored_codes_and_scales_follow_the_rule(backend, name):
             want_c, want_s, _ = reference_grouped(x[b][:, taken], name, keys)
             np.testing.assert_array_equal(got_c[b, :, :L], want_c)
             np.testing.assert_array_equal(got_s[b, :, :L], want_s)  # NaN where the rule's is
+    if spy.calls:  # backends without a fused append record nothing
+        assert_product_routes(spy)
     bits = GROUPED[name][0]
     if bits == 4:  # every code is a nibble 1..15 (c + 8 for c in -7..7)
         nibbles = np.concatenate([kc[0, :, :6] & 15, kc[0, :, :6] >> 4]).ravel()
@@ -83,7 +87,7 @@ def test_attention_matches_the_reference_over_what_the_cache_holds(backend, name
     dtype = "float32"
     spy = route_spy(backend)
     rng = np.random.default_rng(stable_seed(name, storage))
-    B, Hkv, G, d = 3, 2, 2, 32 if GROUPED[name][1] == 32 else 64
+    B, Hkv, G, d = 3, 2, 2, 64  # every grouped codec's blocks fit (one emulator library)
     cache = gqakv.KVCache(B, Hkv, 24, d, dtype=dtype, backend=backend, kv_dtype=name,
                           **STORAGES[storage])
     rows_k = [np.zeros((Hkv, 0, d)) for _ in range(B)]
@@ -188,7 +192,8 @@ def test_bytes_per_token_head(name):
 
 def test_the_routes_name_the_paths():
     """numpy reads the grouped codes on the BLAS path, numba in its kernels (a key block
-    decoded at a time); CuPy's kernels refuse them by name (the generic code)."""
+    decoded at a time); CuPy's fp32-FMA kernels read them (the tensor-core ones and the row
+    copy refuse them by name, as does every kernel at a head dim that splits a block)."""
     from gqakv_backends.cupy_backend import routing as cupy_routing  # no CuPy needed
 
     from gqakv.dispatch.request import Request
@@ -199,8 +204,18 @@ def test_the_routes_name_the_paths():
         for layout in ("contiguous", "paged"):
             assert gqakv.get_backend("numba").route(request.with_(layout=layout)).impl == "numba kernel"
         cupy = cupy_routing.route_attention(request)
-        assert cupy.impl.startswith("generic")
-        assert any(f"kv_dtype={name!r}" in why for why in cupy.rejected.values()), cupy
+        assert cupy.impl == "gqakv_decode", cupy
+        assert f"kv_dtype={name!r}" in cupy.rejected["gqakv_decode_mma"]
+        prefill = cupy_routing.route_attention(request.with_(t_q=64, dtype="bfloat16"))
+        assert prefill.impl == "gqakv_prefill", prefill
+        assert f"kv_dtype={name!r}" in prefill.rejected["gqakv_prefill_mma"]
+        write = cupy_routing.route_write_kv(Request("write_kv", dtype="float32", head_dim=64, codec=name))
+        assert write.impl == "gqakv_write_kv_quantized", write
+        copy = cupy_routing.route_copy_tokens(Request("copy_tokens", dtype="float32", head_dim=64, codec=name))
+        assert copy.impl.startswith("generic") and f"kv_dtype={name!r}" in copy.rejected["gqakv_copy_tokens"]
+        split = cupy_routing.route_attention(request.with_(head_dim=96))  # 96 % 64: a split block
+        if GROUPED[name][1] == 64:
+            assert split.impl.startswith("generic") and "head_dim=96" in split.rejected["gqakv_decode"]
 
 
 def test_outlier_key_channels_cost_grouped_scales_less():

@@ -40,10 +40,31 @@ def test_entries_spell_template_arguments_in_declared_order():
             == "gqakv_write_kv_quantized<float, gqakv_e4m3, 64>")
     assert e("gqakv_copy_tokens", "bfloat16", 64, "int8").name == "gqakv_copy_tokens<gqakv_i8, 64>"
     assert table.SCALE_COPY.name == "gqakv_copy_tokens<float, 1>"
+    assert (e("gqakv_decode", "bfloat16", 64, "int4_g32", "paged", 7, 4).name
+            == "gqakv_decode<gqakv_quantized<gqakv_bf16, gqakv_i4g<32>>, 64, 4, 7, KVPages>")
+    # the rotated codec stores keys as int4_g32 does (q is rotated on the host): same kernels
+    assert (e("gqakv_write_kv_quantized", "float32", 64, "int4_g32_rotated").name
+            == e("gqakv_write_kv_quantized", "float32", 64, "int4_g32").name
+            == "gqakv_write_kv_quantized<float, gqakv_i4g<32>, 64>")
+
+
+def test_grouped_table_matches_the_codecs():
+    """The table's grouped storages are the library's Grouped codecs, with their blocks."""
+    from gqakv.storage import codecs
+
+    grouped = {n for n in codecs.names() if isinstance(codecs.of(n), codecs.Grouped)}
+    assert set(table.STORAGES["grouped"]) == set(table.GROUPS) == grouped
+    for name, group in table.GROUPS.items():
+        codec = codecs.of(name)
+        assert codec.group == group
+        assert table.CODE_CTYPES[name] == f"gqakv_i{codec.bits}g<{group}>"
 
 
 @pytest.mark.parametrize("inst,match", [
     (table.Instantiation("gqakv_merge", "float32", 64, variant=1), "no variant=1"),
+    (table.Instantiation("gqakv_decode", "float32", 96, "int4_g64", tile=4), "multiples of 64"),
+    (table.Instantiation("gqakv_copy_tokens", "float32", 64, "int4_g32"), "no grouped instantiation"),
+    (table.Instantiation("gqakv_decode_mma", "bfloat16", 64, "int8_g32"), "no grouped instantiation"),
     (table.Instantiation("gqakv_decode_mma", "float32", 64), "dtype=float32"),
     (table.Instantiation("gqakv_prefill_mma", "bfloat16", 72), "head_dim=72"),
     (table.Instantiation("gqakv_decode_mma", "bfloat16", 64, "int8"), "no quantized instantiation"),
@@ -61,7 +82,7 @@ def _emulator_units() -> list[harness.Unit]:
     units = harness.registrations()
     for families in ((), ("paged",), ("quantized",), ("paged", "quantized"), ("paged", "quantized", "tree")):
         units += emulated_backend.product_registrations(families)
-    return units
+    return units + harness.grouped_units(64)
 
 
 def test_emulator_units_hold_every_row_of_the_table():
@@ -74,10 +95,17 @@ def test_emulator_units_hold_every_row_of_the_table():
         return {(e.kernel, table.storage_kind(e.kv_dtype), e.reader, e.variant) for e in entries}
 
     have = rows(e for u in _emulator_units() for e in u.entries)
-    want = rows(table.select(head_dims=(64,), variants=(0, table.ALL)))
+    want = rows(table.select(head_dims=(64,), variants=(0, table.ALL),
+                             kv_dtypes=(None, *table.STORAGES["quantized"])))
     want |= rows(e for e in table.select(head_dims=(emulated_backend.PRODUCT_HEAD_DIM,),
                                          variants=tuple(table.VARIANT_FLAGS.values())))
+    # the grouped codecs' library (harness.grouped_units): plain causal and its richest
+    # flag set (window + soft-cap + sinks; ALiBi is the same trait flag as on 8-bit codes)
+    want |= rows(table.select(head_dims=(64,), kv_dtypes=table.STORAGES["grouped"],
+                              variants=(0, max(harness.GROUPED_VARIANTS))))
     assert len(want) > 40 and want - have == set()
+    assert {k for k, s, _, _ in have if s == "grouped"} == {"gqakv_write_kv_quantized", "gqakv_decode",
+                                                          "gqakv_prefill"}
 
 
 def test_a_layout_is_one_line(monkeypatch):

@@ -18,7 +18,11 @@
   copies carry the scales, and the fp32-FMA decode / prefill kernels read codes and scales
   through the QuantizedKV reader (kernels/quantized_kv.cuh: code x scale in registers or
   per key-tile row as read, never a dequantized row), which wraps the contiguous or the
-  paged reader: paged 8-bit pages run on the same kernels.
+  paged reader: paged 8-bit pages run on the same kernels. The grouped codecs (int8_g32,
+  int4_g32, int4_g64, int4_g32_rotated: a scale per block of values, 4-bit codes two a
+  byte) run on the same reader and append (a scale per 8-value vector); their row copies
+  are generic (the copy kernel moves one scale per token), and the rotated codec computes
+  in float32 (q arrives rotated in float32; the append rotates K first).
 * Planned batches (``plan_attention``, work.py): a step's layers share one kernel plan,
   one upload of rows / lengths / n_new (and sinks, slopes, page table) and the split
   workspaces; a run given ``out`` / ``lse_out`` allocates nothing and copies nothing to
@@ -239,10 +243,15 @@ class CupyBackend(Backend):
         k_buf, v_buf = store.k, store.v
         rows, starts, n_new = inputs.rows, inputs.starts, inputs.n_new
         dtype, kv_dtype = _dtypes_of(store)
-        d = int(k_buf.shape[-1])
+        d = int(store.head_dim)
         request = Request.of_store("write_kv", store, tokens=PACKED if k_new.ndim == 3 else PADDED)
         if routing.route_write_kv(request).impl != GENERIC:
             layout = _store_rejection(store)
+            if layout is None and store.spec.codec.rotates_keys:
+                # keys stored rotated: rotated here (float32, the generic write's bits), V
+                # cast to float32 (exact), and quantized by the float32 instantiation
+                xp = self.namespace()
+                k_new, v_new = store.spec.codec.rotate_queries(xp, k_new), xp.astype(v_new, xp.float32)
             if layout is None:
                 k_new, v_new = self._aligned(k_new, dtype, d), self._aligned(v_new, dtype, d)
                 layout = (_write_layout_rejection(k_buf, v_buf, k_new, v_new, kv_dtype or dtype, d)
@@ -404,7 +413,7 @@ class CupyBackend(Backend):
         """(route, request, sm_count, capability) of an attention call over ``store`` with
         queries of ``q_shape``, judging its K/V buffers (facts None on the generic route)."""
         dtype, kv_dtype = _dtypes_of(store)
-        d = int(store.k.shape[-1])
+        d = int(store.head_dim)
         sm_count = capability = None
         request = Request.of_store("attention", store, features=inputs.features,
                                    **inputs.token_facts(q_shape))
@@ -454,7 +463,7 @@ class CupyBackend(Backend):
         if route.impl == GENERIC:
             return f"the route is {route}"
         dtype, kv_dtype = _dtypes_of(store)
-        d = int(store.k.shape[-1])
+        d = int(store.head_dim)
         B, _, T, _ = q_shape
         lens, n_new = inputs.lens, inputs.n_new
         if fixed:  # sized for the capacity: rows as long as the store holds, T queries each
@@ -538,7 +547,7 @@ class CupyBackend(Backend):
         k_buf, v_buf = store.k, store.v
         rows, lens, n_new = inputs.rows, inputs.lens, inputs.n_new
         dtype, kv_dtype = _dtypes_of(store)
-        d = int(k_buf.shape[-1])
+        d = int(store.head_dim)
         route, request, sm_count, capability = self._attention_route(store, inputs, params,
                                                                      tuple(q.shape))
         if route.impl == GENERIC:
@@ -708,10 +717,12 @@ def _pages_arg(store) -> "_plan.PageTableArg | None":
 def _dtypes_of(store) -> tuple[str, str | None]:
     """(dtype, kv_dtype) as routing takes them: the buffers' dtype and None, or for a
     cache of another codec the dtype of q / inputs / outputs and the codec's name ("int8",
-    ...: the kernels' declarations say which they read)."""
-    codec = store.spec.codec.name
-    if codec != PLAIN_NAME:
-        return store.spec.q_dtype, codec
+    ...: the kernels' declarations say which they read). A codec that stores keys rotated
+    computes in float32 whatever the cache's dtype: q reaches attention rotated in float32
+    (gqakv.ops.plan) and the append rotates K into float32 (``_write_kv``)."""
+    codec = store.spec.codec
+    if codec.name != PLAIN_NAME:
+        return ("float32" if codec.rotates_keys else store.spec.q_dtype), codec.name
     return _dtype_name(store.k), None
 
 
@@ -724,14 +735,24 @@ def _input_dtype_rejection(k_new, v_new, dtype: str) -> str | None:
 
 def _scales_rejection(store, d: int) -> str | None:
     """Why the quantized kernels cannot find each token's scales (None: they can): float32
-    scales of the codes' device laid out like the codes without the head-dim axis (the
-    attention reader finds a key's scale at its code offset / d)."""
+    scales of the codes' device laid out like the codes with the code row (``width``
+    elements) replaced by its ``n`` scales (one per token, or one per block of a grouped
+    codec: a last axis of stride 1), so the reader finds a key's scales at its code offset
+    / width x n (kernels/quantized_kv.cuh)."""
     ks, vs = store.k_scale, store.v_scale
     if _dtype_name(ks) != "float32" or _dtype_name(vs) != "float32":
         return "scales that are not float32"
-    code = _strides(store.k)[:-1]
-    if not (_strides(ks) == _strides(vs) and tuple(s * d for s in _strides(ks)) == code
-            and _strides(store.v)[:-1] == code):
+    code, scales = _strides(store.k)[:-1], _strides(ks)
+    width = int(store.k.shape[-1])
+    group = getattr(store.spec.codec, "group", None)
+    if group is not None:  # [.., S, d / group]: blocks contiguous
+        if ks.ndim != store.k.ndim or scales[-1] != 1:
+            return "block scales whose last axis is not contiguous"
+        scales, n = scales[:-1], d // group
+    else:
+        n = 1
+    if not (_strides(ks) == _strides(vs) and _strides(store.v)[:-1] == code
+            and all(c % width == 0 and c // width * n == s for c, s in zip(code, scales))):
         return "scales not laid out like their codes (strides x head_dim)"
     return None
 

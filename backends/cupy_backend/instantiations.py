@@ -17,6 +17,17 @@ The table's axes:
 Which (storage, reader) pairs exist is ``LAYOUTS``. ``select`` enumerates the table (every
 axis may be narrowed); ``Instantiation.name`` spells one entry as C++.
 
+Storages: "plain" (K/V as the q dtype), "quantized" (8-bit codes, a scale per token) and
+"grouped" (a scale per block of ``GROUPS[codec]`` values, 8-bit or 4-bit codes; only head
+dims that hold whole blocks). The grouped storage takes every variant flag: the variant
+trait is orthogonal to the reader, and nothing compiles the table whole (the backend
+compiles a name on its first launch; the NVRTC tests, the emulator's libraries and the
+selftest's compile line select from it). Per head dim that is a multiple of 64 the table
+has 1,170 grouped entries (decode 576 = 16 flag sets x 2 tiles x 3 dtypes x 3 code types
+x 2 readers, prefill 576 with the tree's bit, the append 18; the rotated codec shares
+int4_g32's), beside 782 8-bit and 2,543 in all; the emulator builds 160 of them
+(tests/cuda_emu/harness.grouped_units: 4 flag sets, 2 dtypes) and NVRTC compiles 96.
+
 Adding to the table:
   a variant feature   one entry in ``VARIANT_FLAGS`` (its bit, as kernels/variant.cuh spells
                       it); every kernel whose ``variant_mask`` is ``ALL`` takes it (the draft
@@ -36,8 +47,17 @@ from . import limits
 
 #: gqakv dtype name -> C++ storage type in the kernels (16-bit types are raw bits).
 CTYPES = {"float32": "float", "float16": "gqakv_half", "bfloat16": "gqakv_bf16"}
-#: Quantized K/V storage (gqakv codecs) -> the kernels' code type (kernels/quantized_kv.cuh).
-CODE_CTYPES = {"int8": "gqakv_i8", "float8_e4m3fn": "gqakv_e4m3"}
+#: Quantized K/V storage (gqakv codecs) -> the kernels' code type (kernels/quantized_kv.cuh):
+#: 8-bit codes with a scale per token, and the grouped codes with a scale per block of G
+#: values (``gqakv_i8g<G>``, ``gqakv_i4g<G>``: 4-bit codes two per byte). The rotated codec
+#: stores its keys as int4_g32 does (the host rotates q), so it shares that code type and
+#: its instantiations (``select`` keeps one entry per name).
+CODE_CTYPES = {"int8": "gqakv_i8", "float8_e4m3fn": "gqakv_e4m3",
+               "int8_g32": "gqakv_i8g<32>", "int4_g32": "gqakv_i4g<32>", "int4_g64": "gqakv_i4g<64>",
+               "int4_g32_rotated": "gqakv_i4g<32>"}
+#: The grouped codes' block (values per scale: gqakv.storage.codecs.Grouped.group): only
+#: head dims holding whole blocks are instantiated.
+GROUPS = {"int8_g32": 32, "int4_g32": 32, "int4_g64": 64, "int4_g32_rotated": 32}
 
 #: The variant trait's flags (kernels/variant.cuh: GQAKV_VARIANT_*), by feature name of
 #: ``gqakv.core.inputs.AttentionInputs.features``: the ``AttentionParams`` features, and
@@ -56,13 +76,16 @@ _ANY = sum(VARIANT_FLAGS.values())
 #: Reader -> the template argument naming it ("" for the default: the K/V pack is empty).
 READERS = {"contiguous": "", "paged": "KVPages"}
 #: Storage kind -> the K/V storages of that kind (None: K/V stored as the q dtype).
-STORAGES: dict[str, tuple[str | None, ...]] = {"plain": (None,), "quantized": tuple(CODE_CTYPES)}
+STORAGES: dict[str, tuple[str | None, ...]] = {
+    "plain": (None,), "quantized": tuple(c for c in CODE_CTYPES if c not in GROUPS), "grouped": tuple(GROUPS)}
 #: The (storage kind, reader) pairs instantiated, one line each.
 LAYOUTS = (
     ("plain", "contiguous"),
     ("plain", "paged"),
     ("quantized", "contiguous"),
     ("quantized", "paged"),  # QuantizedKV<C, PagedKV>: 8-bit pages
+    ("grouped", "contiguous"),  # the same reader: a scale per block, 4-bit codes two a byte
+    ("grouped", "paged"),
 )
 
 
@@ -105,22 +128,24 @@ class Kernel:
 #: variant parameter takes only the sink term).
 KERNELS = {k.name: k for k in (
     Kernel("gqakv_write_kv", "write_kv.cu", ("T", "D", "R")),
-    Kernel("gqakv_write_kv_quantized", "write_kv_quantized.cu", ("T", "C", "D", "R"), ("quantized",)),
+    Kernel("gqakv_write_kv_quantized", "write_kv_quantized.cu", ("T", "C", "D", "R"), ("quantized", "grouped")),
     Kernel("gqakv_copy_tokens", "copy_tokens.cu", ("E", "D"), ("plain", "quantized")),
-    Kernel("gqakv_decode", "decode.cu", ("S", "D", "QB", "V", "R"), ("plain", "quantized"), ALL),
+    Kernel("gqakv_decode", "decode.cu", ("S", "D", "QB", "V", "R"), ("plain", "quantized", "grouped"), ALL),
     Kernel("gqakv_decode_mma", "decode_mma.cu", ("S", "D", "V", "R"), ("plain",), ALL,
            rejection=limits.decode_mma_rejection),
     Kernel("gqakv_merge", "merge.cu", ("T", "D", "V"), ("plain",), VARIANT_FLAGS["sinks"],
            storage_blind=True),
     # the prefill kernels also take the draft tree's clause (TREE): tree calls of every t_q
-    Kernel("gqakv_prefill", "prefill.cu", ("S", "D", "V", "R"), ("plain", "quantized"), ALL | TREE),
+    Kernel("gqakv_prefill", "prefill.cu", ("S", "D", "V", "R"), ("plain", "quantized", "grouped"),
+           ALL | TREE),
     Kernel("gqakv_prefill_mma", "prefill_mma.cu", ("S", "D", "V", "R"), ("plain",), ALL | TREE,
            rejection=limits.prefill_mma_rejection),
 )}
 
 
 def storage_kind(kv_dtype: str | None) -> str:
-    return "plain" if kv_dtype is None else "quantized"
+    """The STORAGES kind holding ``kv_dtype`` (None: "plain")."""
+    return next(kind for kind, names in STORAGES.items() if kv_dtype in names)
 
 
 @dataclass(frozen=True)
@@ -171,6 +196,10 @@ def rejection(inst: Instantiation) -> str | None:
     kind = storage_kind(inst.kv_dtype)
     if kind not in k.storages:
         return f"{k.name} has no {kind} instantiation ({kind}: {', '.join(kernels_with(storage=kind))})"
+    group = GROUPS.get(inst.kv_dtype or "")
+    if group and inst.head_dim % group:
+        return (f"no kv_dtype={inst.kv_dtype!r} instantiation at head_dim={inst.head_dim} (blocks of "
+                f"{group} values: head dims that are multiples of {group})")
     if inst.reader not in READERS:
         return f"reader={inst.reader!r} (readers: {', '.join(READERS)})"
     if inst.reader not in k.readers:

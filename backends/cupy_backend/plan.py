@@ -487,8 +487,9 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
 
 def aligned_for_vectors(ptr: int, strides_el: tuple[int, ...], dtype: str, head_dim: int) -> bool:
     """True when every row start is aligned for the kernels' vector loads."""
-    vec = sources.vec_width(dtype, head_dim)
-    nbytes = vec * (1 if dtype in sources.CODE_CTYPES else sources.ITEMSIZE[dtype])  # codes: 1 byte
+    # a vector's elements (4-bit codes: half its values) and bytes (codes: 1 byte each)
+    vec = max(1, sources.vec_width(dtype, head_dim) // sources.values_per_element(dtype))
+    nbytes = vec * (1 if dtype in sources.CODE_CTYPES else sources.ITEMSIZE[dtype])
     return strides_el[-1] == 1 and ptr % nbytes == 0 and all(s % vec == 0 for s in strides_el[:-1])
 
 

@@ -20,8 +20,9 @@ call costs one cache lookup):
               when they do.
   layout, codec, features: judged by each kernel's declaration (``FAST_PATHS``): every
               kernel below but gqakv_copy_tokens and gqakv_merge has a paged instantiation
-              (kernels/paged_kv.cuh), over 8-bit codes too, and copy on write copies pages
-              as rows of the pool with gqakv_copy_tokens.
+              (kernels/paged_kv.cuh), over 8-bit and grouped codes too (the append and the
+              fp32-FMA attention kernels; the row copy takes 8-bit per-token codes only), and
+              copy on write copies pages as rows of the pool with gqakv_copy_tokens.
   grid:       the planner's refusal of the launch grid (beyond CUDA's limits), None when
               it fits (or before planning).
 """
@@ -35,6 +36,7 @@ from gqakv.dispatch.request import Request
 from gqakv.storage.codecs import PLAIN_NAME
 from gqakv.storage.store import CONTIGUOUS, PAGED
 
+from . import instantiations as table
 from . import limits, sources
 
 #: dtypes the fused kernels are built for (the C++ storage types of sources.CTYPES).
@@ -44,12 +46,24 @@ DECODE_KERNELS = ("gqakv_decode_mma", "gqakv_decode")  # preferred first
 PREFILL_KERNELS = ("gqakv_prefill_mma", "gqakv_prefill")
 
 
-def _fused_rejection(dtype: str, head_dim: int) -> str | None:
-    return limits.dtype_rejection(dtype, FUSED_DTYPES) or limits.head_dim_rejection(head_dim)
+def _fused_rejection(dtype: str, head_dim: int, codec: str | None = None) -> str | None:
+    return (limits.dtype_rejection(dtype, FUSED_DTYPES) or limits.head_dim_rejection(head_dim)
+            or _block_rejection(codec, head_dim))
 
 
-#: Quantized storage the kernels read (kernels/quantized_kv.cuh).
+def _block_rejection(codec: str | None, head_dim: int) -> str | None:
+    """A grouped codec's kernels exist at head dims holding whole blocks only (its caches
+    refuse the others; a bare request may still name one)."""
+    group = table.GROUPS.get(codec or "")
+    if group and head_dim % group:
+        return f"kv_dtype={codec!r} at head_dim={head_dim} (blocks of {group} values: multiples of {group})"
+    return None
+
+
+#: Quantized storage the kernels read (kernels/quantized_kv.cuh): 8-bit codes with a scale
+#: per token, and the grouped codes with a scale per block of values (instantiations.GROUPS).
 QUANTIZED_DTYPES = tuple(sources.CODE_CTYPES)
+GROUPED_DTYPES = tuple(table.GROUPS)
 #: Why the tensor-core kernels do not serve a quantized cache.
 MMA_QUANTIZED_REJECTION = ("kv_dtype={kv_dtype!r}: the tensor-core kernels take 16-bit K/V fragments; "
                            "a quantized cache would need its tiles dequantized into a 16-bit copy "
@@ -65,6 +79,9 @@ MMA_QUANTIZED_REJECTION = ("kv_dtype={kv_dtype!r}: the tensor-core kernels take 
 _LAYOUTS = frozenset({CONTIGUOUS, PAGED})
 _QUANTIZED = frozenset(QUANTIZED_DTYPES)
 _CODECS = frozenset({PLAIN_NAME, *QUANTIZED_DTYPES})
+#: The row copy moves a row as d elements of codes plus one scale per token: grouped rows
+#: (d * bits / 8 bytes, d / g scales) are not that shape, so their copies are generic.
+_COPY_CODECS = _CODECS - set(GROUPED_DTYPES)
 #: The variant features of variant.cuh's trait (plan.VARIANT_FLAGS).
 VARIANT_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})
 #: A draft tree's clause (speculative verification): the prefill kernels' TREE flag only,
@@ -76,7 +93,7 @@ FAST_PATHS: tuple[FastPath, ...] = (
     FastPath("gqakv_write_kv_quantized", "write_kv", _LAYOUTS, _QUANTIZED, dtypes=frozenset(FUSED_DTYPES)),
     # contiguous rows only: paged rows move by sharing pages, a page copy is a row copy of
     # the pool (gqakv.storage.paged.PagedStore.pool_rows, a contiguous store)
-    FastPath("gqakv_copy_tokens", "copy_tokens", frozenset({CONTIGUOUS}), _CODECS,
+    FastPath("gqakv_copy_tokens", "copy_tokens", frozenset({CONTIGUOUS}), _COPY_CODECS,
              dtypes=frozenset(FUSED_DTYPES)),
     FastPath("gqakv_decode_mma", "attention", _LAYOUTS, frozenset({PLAIN_NAME}), VARIANT_FEATURES, _MMA),
     FastPath("gqakv_decode", "attention", _LAYOUTS, _CODECS, VARIANT_FEATURES, frozenset(FUSED_DTYPES)),
@@ -123,7 +140,7 @@ def route_write_kv(request: Request) -> Route:
     # a codes-and-scales cache is no candidate for the plain append: its declaration says why
     plain = _declared_rejection("gqakv_write_kv", request) if quantized else None
     rejected = {"gqakv_write_kv": plain} if plain else {}
-    why = (_fused_rejection(dtype, head_dim) or _declared_rejection(kernel, request)
+    why = (_fused_rejection(dtype, head_dim, request.codec) or _declared_rejection(kernel, request)
            or request.buffers or request.grid)
     if why:
         return Route(GENERIC, {kernel: why, **rejected})
@@ -168,7 +185,7 @@ def route_attention(request: Request) -> Route:
         rejected[kernel] = f"{declared} ({why_family})" if declared else why_family
     mma, fma = family
     # the fp32-FMA kernel declares every layout, codec and feature the family has
-    why = (_fused_rejection(dtype, head_dim) or _declared_rejection(fma, request)
+    why = (_fused_rejection(dtype, head_dim, request.codec) or _declared_rejection(fma, request)
            or request.buffers)
     if why:
         rejected.update((kernel, why) for kernel in family)
@@ -202,12 +219,15 @@ def implementations() -> dict[str, str]:
     t = limits.DECODE_MAX_T
     paged = "contiguous or paged K/V (page table read per key)"
     quant = ", ".join(QUANTIZED_DTYPES)
+    per_token = ", ".join(c for c in QUANTIZED_DTYPES if c not in GROUPED_DTYPES)
     return {
         "gqakv_write_kv": f"{fused}; rows aligned for vector loads; {paged}",
         "gqakv_write_kv_quantized": (f"{fused}; kv_dtype {quant} (quantizes on the device, "
-                                     f"gqakv.storage.quantize's rule bit for bit); {paged}"),
+                                     f"gqakv.storage.quantize's rule bit for bit; grouped codecs at "
+                                     f"head dims holding whole blocks); {paged}"),
         "gqakv_copy_tokens": (f"{fused}; rows aligned for vector loads; contiguous rows (paged: "
-                              "pages as rows of the pool, the copy on write of a shared last page)"),
+                              "pages as rows of the pool, the copy on write of a shared last page); "
+                              f"unquantized or {per_token} K/V"),
         "gqakv_decode_mma": (f"t_q <= {t}; {mma}; head_dim in "
                              f"{', '.join(map(str, limits.DECODE_MMA_HEAD_DIMS))}; {mma_cc}; {paged}"),
         "gqakv_decode": (f"t_q <= {t}; {fused}; query tiles "

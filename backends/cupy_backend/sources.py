@@ -172,9 +172,14 @@ def instantiations(kernel: str, dtype: str, head_dim: int, kv_dtype: str | None 
 
 
 def vec_width(dtype: str, head_dim: int) -> int:
-    """Elements per vector access; mirrors ``VecWidth`` in common.cuh (and its 8-byte
-    specialisation for codes in quantized_kv.cuh)."""
+    """Values per vector access; mirrors ``VecWidth`` in common.cuh (and its specialisations
+    for codes in quantized_kv.cuh: 8 values, 8-byte int8 / e4m3 loads where d allows)."""
     if dtype in CODE_CTYPES:
         return 8 if head_dim % 8 == 0 else 1
     size = ITEMSIZE[dtype]
     return 16 // size if (head_dim * size) % 16 == 0 else 1
+
+
+def values_per_element(dtype: str) -> int:
+    """Values one element of a K/V buffer holds (``CodeLayout<T>::PACK``): 2 for 4-bit codes."""
+    return 2 if CODE_CTYPES.get(dtype, "").startswith("gqakv_i4g") else 1

@@ -169,6 +169,8 @@ def emulator(head_dim: int, families: tuple[str, ...] = harness.FAMILIES) -> har
     default one for its head dims, else one for this head dim alone with the kernel
     ``families`` asked for beside the plain ones (g++, seconds, cached on disk by the
     harness); at PRODUCT_HEAD_DIM also the product's variants (``_product_library``)."""
+    if "grouped" in families:  # a library of its own (harness.grouped_units)
+        return _grouped_library(head_dim)
     if head_dim in harness.HEAD_DIMS:
         # only the default library's units of this head dim: a test here need not wait for
         # the rest of it
@@ -205,9 +207,9 @@ def product_registrations(families: tuple[str, ...], d: int = PRODUCT_HEAD_DIM) 
     if "paged" in families:
         storages.append((None, "paged"))
     if "quantized" in families:
-        storages += [(c, "contiguous") for c in table.CODE_CTYPES]
+        storages += [(c, "contiguous") for c in table.STORAGES["quantized"]]
         if "paged" in families:
-            storages += [(c, "paged") for c in table.CODE_CTYPES]
+            storages += [(c, "paged") for c in table.STORAGES["quantized"]]
     units = []
     for kv, reader in storages:
         kind = "product " + ("paged " if reader == "paged" else "") + (kv or "variants")
@@ -231,8 +233,17 @@ def _product_library(families: tuple[str, ...]) -> harness.Emulator:
     return harness.Emulator([*paths, *variants])
 
 
-#: What in a launch's name says which kernel family (harness.FAMILIES) it belongs to.
-_FAMILY_MARKS = {"paged": ("KVPages",), "quantized": ("gqakv_i8", "gqakv_e4m3")}
+@functools.cache
+def _grouped_library(head_dim: int) -> harness.Emulator:
+    """The grouped codecs' kernels at ``head_dim`` (harness.grouped_units: every launch a
+    grouped cache makes; its row copies are generic)."""
+    return harness.Emulator(harness.build_registrations(False, harness.grouped_units(head_dim)))
+
+
+#: What in a launch's name says which kernel family (harness.FAMILIES, and "grouped") it
+#: belongs to (the 8-bit per-token code types end where the grouped ones go on: "gqakv_i8g<").
+_FAMILY_MARKS = {"paged": ("KVPages",), "quantized": ("gqakv_i8>", "gqakv_i8,", "gqakv_e4m3"),
+                 "grouped": ("gqakv_i8g<", "gqakv_i4g<")}
 
 
 def plan_families(plan) -> tuple[str, ...]:

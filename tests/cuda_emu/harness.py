@@ -81,6 +81,13 @@ TREE_DTYPES = ("float32", "bfloat16")
 #: library (emulated_backend) is built with the families its launches name, so a small head
 #: dim pays only for what its tests run.
 FAMILIES = ("paged", "quantized", "tree")
+#: The grouped codecs' instantiations (instantiations.STORAGES["grouped"]: a scale per block,
+#: 4-bit codes two a byte) are a library of their own per head dim (``grouped_units``), never
+#: part of the default one: only the grouped tests load them. Their variants: plain causal,
+#: window, window + soft-cap, window + soft-cap + sinks (the tests' variants), q float32 and
+#: bfloat16 (the rotated codec computes in float32).
+GROUPED_VARIANTS = (0, _W, _W | _C, _W | _C | _S)
+GROUPED_DTYPES = ("float32", "bfloat16")
 
 
 def kernel_dir() -> Path:
@@ -168,7 +175,7 @@ def registrations(head_dims: tuple[int, ...] = HEAD_DIMS,
     the plain kernels of one head dim with and without its paged kernels, build it once).
     Units the table has no entries for (a family it does not instantiate) are left out."""
     sel = table.select
-    plain, paged, codes = ("contiguous",), ("paged",), tuple(table.CODE_CTYPES)
+    plain, paged, codes = ("contiguous",), ("paged",), table.STORAGES["quantized"]
     units = [unit("plain", d, sel(head_dims=(d,), kv_dtypes=(None,), readers=plain, variants=(0,)))
              for d in head_dims]
     # The variant instantiations (every flag combination) at VARIANT_HEAD_DIMS.
@@ -215,6 +222,23 @@ def registrations(head_dims: tuple[int, ...] = HEAD_DIMS,
         units += [unit(kind, d, sel(kernels=prefill, dtypes=TREE_DTYPES, head_dims=(d,), kv_dtypes=kv,
                                     readers=readers, variants=TREE_VARIANTS))
                   for d in TREE_HEAD_DIMS if d in head_dims for kv, readers, kind in storages]
+    return [u for u in units if u.entries]
+
+
+def grouped_units(head_dim: int, dtypes: tuple[str, ...] = GROUPED_DTYPES,
+                  variants: tuple[int, ...] = GROUPED_VARIANTS, readers=("contiguous", "paged"),
+                  kind: str = "grouped") -> list[Unit]:
+    """Build units of the grouped codecs at ``head_dim``: the append, decode and prefill
+    over their codes (one unit per q dtype and reader, so they compile in parallel), and
+    the merge their split decode launches (plain: it reads fp32 partials)."""
+    sel = table.select
+    units = [unit(f"{kind} {t} {r}", head_dim, sel(dtypes=(t,), head_dims=(head_dim,),
+                                                   kv_dtypes=table.STORAGES["grouped"], readers=(r,),
+                                                   variants=variants))
+             for t in dtypes for r in readers]
+    merge_flags = tuple(sorted({v & table.VARIANT_FLAGS["sinks"] for v in variants}))
+    units.append(unit(f"{kind} merge", head_dim, sel(kernels=["gqakv_merge"], dtypes=dtypes,
+                                                     head_dims=(head_dim,), variants=merge_flags)))
     return [u for u in units if u.entries]
 
 

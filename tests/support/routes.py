@@ -199,11 +199,16 @@ class Refused:
     words: tuple[str, ...]
 
 
-#: The codecs the numba and CUDA kernels document (their decoders): the 8-bit per-token ones.
+#: The codecs the numba kernels and the CUDA row copy document (their decoders): the 8-bit
+#: per-token ones.
 CPU_CODECS = (None, "int8", "float8_e4m3fn")
+#: The grouped codecs (a scale per block of values).
+GROUPED_CODECS = ("int8_g32", "int4_g32", "int4_g64", "int4_g32_rotated")
 #: ... and the NumPy BLAS path's (numpy_readers' coded reader over either layout): those and
-#: the grouped codecs (a scale per block of values). Any other is refused by name.
-BLAS_CODECS = (*CPU_CODECS, "int8_g32", "int4_g32", "int4_g64", "int4_g32_rotated")
+#: the grouped codecs. Any other is refused by name.
+BLAS_CODECS = (*CPU_CODECS, *GROUPED_CODECS)
+#: The CUDA append and attention kernels' (kernels/quantized_kv.cuh's reader and append).
+CUDA_CODECS = BLAS_CODECS
 
 
 def _numpy_attention(f) -> Any:
@@ -232,11 +237,18 @@ def _cupy_store(f) -> Any:
     # has no kernels; the kernels read padded tokens only: packed ones are refused by name
     if f["dtype"] == "float64":
         return GENERIC
-    if f.get("codec") not in CPU_CODECS:  # the kernels decode the 8-bit per-token codes only
+    if f.get("codec") not in CUDA_CODECS:  # the kernels decode the 8-bit and grouped codes only
         return Refused((f"kv_dtype={f['codec']!r}",))
     if f.get("tokens") == "packed":
         return Refused(("packed tokens",))
     return FAST
+
+
+def _cupy_copy(f) -> Any:
+    # the row copy moves d codes and one scale per token: grouped rows are generic, by name
+    if f.get("codec") in GROUPED_CODECS and f["dtype"] != "float64":
+        return Refused((f"kv_dtype={f['codec']!r}",))
+    return _cupy_store(f)
 
 
 INTENDED = {
@@ -244,7 +256,7 @@ INTENDED = {
     "numba": {"attention": _numba_attention, "write_kv": _plain_contiguous("numba write_tokens"),
               "copy_tokens": _plain_contiguous("numba copy_rows")},
     "cupy_emulated": {"attention": _cupy_store, "write_kv": _cupy_store,
-                      "copy_tokens": _cupy_store},
+                      "copy_tokens": _cupy_copy},
 }
 
 

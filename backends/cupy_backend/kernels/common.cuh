@@ -66,6 +66,14 @@ template <> __device__ __forceinline__ gqakv_half from_float<gqakv_half>(float f
 
 // ---- vector access ----------------------------------------------------------------------
 
+// How a K/V element type holds values: PACK values per element (2 for 4-bit codes), one
+// scale per GROUP values (0: none, or one per token). Plain types and 8-bit per-token
+// codes keep this default; quantized_kv.cuh specializes it for the grouped codes.
+template <class T>
+struct CodeLayout {
+    static constexpr int PACK = 1, GROUP = 0;
+};
+
 // Elements per vector access: 16 bytes when a head-dim row is a whole number of 16-byte
 // vectors (so every row start is 16-byte aligned in a contiguous buffer), else 1.
 template <class T, int D>

@@ -67,10 +67,11 @@ template <int QB> struct DecodeOccupancy {
     static_assert(value > 0, "no GQAKV_DECODE_CTAS_PER_SM entry for this query tile");
 };
 
-// One 16-byte (or smaller) vector of storage type T as it came from memory, converted to
-// fp32 only on use. Kept as 32-bit words where it fills them: a struct of eight 16-bit
-// values would be split into eight 32-bit registers, twice the ring's register budget.
-template <class T, int N, bool WORDS = (sizeof(T) * N) % 4 == 0>
+// One 16-byte (or smaller) vector of N values of storage type T as it came from memory
+// (N / PACK elements: 4-bit codes hold two values a byte), converted to fp32 only on use.
+// Kept as 32-bit words where it fills them: a struct of eight 16-bit values would be split
+// into eight 32-bit registers, twice the ring's register budget.
+template <class T, int N, bool WORDS = (sizeof(T) * N / CodeLayout<T>::PACK) % 4 == 0>
 struct RawVec {  // scalar fallback (16-bit types at odd head dims)
     Vec<T, N> x;
     __device__ __forceinline__ void zero() {
@@ -83,21 +84,28 @@ struct RawVec {  // scalar fallback (16-bit types at odd head dims)
 
 template <class T, int N>
 struct RawVec<T, N, true> {
-    static constexpr int NW = (int)sizeof(T) * N / 4;
-    struct alignas(sizeof(T) * N) Words { unsigned w[NW]; };
+    static constexpr int PACK = CodeLayout<T>::PACK;
+    static constexpr int NW = (int)sizeof(T) * N / PACK / 4;
+    struct alignas(sizeof(T) * N / PACK) Words { unsigned w[NW]; };
     Words x;
     __device__ __forceinline__ void zero() {
 #pragma unroll
         for (int i = 0; i < NW; ++i) x.w[i] = 0u;
     }
     __device__ __forceinline__ void load(const T* __restrict__ p) { x = *reinterpret_cast<const Words*>(p); }
-    __device__ __forceinline__ float get(int e) const { return word_to_float(x.w[e * (int)sizeof(T) / 4], e, (T*)0); }
+    __device__ __forceinline__ float get(int e) const {
+        return word_to_float(x.w[e * (int)sizeof(T) / (4 * PACK)], e, (T*)0);
+    }
 
   private:
     static __device__ __forceinline__ float word_to_float(unsigned w, int, float*) { return __uint_as_float(w); }
     template <class C>  // 8-bit codes (quantized_kv.cuh): byte e % 4 of the word
     static __device__ __forceinline__ float word_to_float(unsigned w, int e, C*) {
         return code_to_float((w >> (8 * (e % 4))) & 0xffu, (C*)0);
+    }
+    template <int G>  // 4-bit codes: nibble e % 8 of the word
+    static __device__ __forceinline__ float word_to_float(unsigned w, int e, gqakv_i4g<G>*) {
+        return nibble_to_float(w, e % 8);
     }
     static __device__ __forceinline__ float word_to_float(unsigned w, int e, gqakv_bf16*) {
         return __uint_as_float(e % 2 ? w & 0xffff0000u : w << 16);  // little-endian halves
@@ -109,12 +117,15 @@ struct RawVec<T, N, true> {
     }
 };
 
-// One lane's raw K and V vectors of one key step.
+// One lane's raw K and V vectors of one key step, and their scales (quantized readers
+// only): the key's one K and V scale, or with grouped codes each vector's block's (a
+// vector never straddles a block).
 template <class T, int VEC, int CPL>
 struct KVRaw {
+    static constexpr int NSC = CodeLayout<T>::GROUP ? CPL : 1;
     RawVec<T, VEC> k[CPL];
     RawVec<T, VEC> v[CPL];
-    float ks = 0.f, vs = 0.f;  // the key's K and V scales (quantized readers only)
+    float ks[NSC] = {}, vs[NSC] = {};
 };
 
 // Issue the loads of key `key`'s vectors of this lane (nothing when the key is not live:
@@ -124,18 +135,21 @@ template <class S, class T, class Reader>
 __device__ __forceinline__ void fetch_kv(KVRaw<T, S::VEC, S::CPL>& r, const Reader& kv, i64 key,
                                          bool live, int sub) {
     if (!live) return;
-    if constexpr (Reader::SCALED) {
-        r.ks = kv.k_scale(key);
-        r.vs = kv.v_scale(key);
-    }
-    const T* kp = kv.k_row(key) + sub * S::VEC;
-    const T* vp = kv.v_row(key) + sub * S::VEC;
+    constexpr int PACK = CodeLayout<T>::PACK, NSC = KVRaw<T, S::VEC, S::CPL>::NSC;
+    const T* kp = kv.k_row(key) + sub * S::VEC / PACK;
+    const T* vp = kv.v_row(key) + sub * S::VEC / PACK;
 #pragma unroll
     for (int c = 0; c < S::CPL; ++c) {
         const int ch = sub + c * S::LPK;
         if (ch < S::NCH) {
-            r.k[c].load(kp + c * S::LPK * S::VEC);
-            r.v[c].load(vp + c * S::LPK * S::VEC);
+            r.k[c].load(kp + c * S::LPK * S::VEC / PACK);
+            r.v[c].load(vp + c * S::LPK * S::VEC / PACK);
+            if constexpr (Reader::SCALED) {
+                if (c < NSC) {  // grouped: this vector's block; per token: the key's (c = 0)
+                    r.ks[c] = kv.k_scale(key, ch * S::VEC);
+                    r.vs[c] = kv.v_scale(key, ch * S::VEC);
+                }
+            }
         }
     }
 }
@@ -300,10 +314,11 @@ __global__ void __launch_bounds__(128, DecodeOccupancy<QB>::value) gqakv_decode(
             // Quantized: code x scale in registers, exactly the stored (dequantized) value,
             // so everything after is the unquantized kernel's arithmetic.
             if constexpr (Ty::Reader::SCALED) {
+                constexpr int NSC = KVRaw<KV, S::VEC, S::CPL>::NSC;
 #pragma unroll
                 for (int e = 0; e < S::EPL; ++e) {
-                    kf[e] *= ring[u].ks;
-                    vf[e] *= ring[u].vs;
+                    kf[e] *= ring[u].ks[NSC > 1 ? e / S::VEC : 0];
+                    vf[e] *= ring[u].vs[NSC > 1 ? e / S::VEC : 0];
                 }
             }
             // Refill the slot with step + PIPE before computing this one.

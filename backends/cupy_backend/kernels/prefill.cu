@@ -46,9 +46,9 @@ __device__ __forceinline__ void load_tile(float* __restrict__ tile, const Reader
         float* dst = tile + r * tstride + ch * S::VEC;
         if (row0 + r >= row_begin && row0 + r < row_end) {  // outside: zeros, never read
             const T* src = IS_V ? kv.v_row(row0 + r) : kv.k_row(row0 + r);
-            load_vec<T, S::VEC>(src + ch * S::VEC, dst);
+            ValueLoad<T, S::VEC>::load(src, ch * S::VEC, dst);
             if constexpr (Reader::SCALED) {  // quantized: this tile's row dequantized as it lands
-                const float sc = IS_V ? kv.v_scale(row0 + r) : kv.k_scale(row0 + r);
+                const float sc = IS_V ? kv.v_scale(row0 + r, ch * S::VEC) : kv.k_scale(row0 + r, ch * S::VEC);
 #pragma unroll
                 for (int e = 0; e < S::VEC; ++e) dst[e] *= sc;
             }
