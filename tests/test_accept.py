@@ -408,6 +408,14 @@ def tables(cache) -> list:
     return list(store.page_tables.values()) if hasattr(store, "page_tables") else [store.page_table]
 
 
+def pools(cache) -> list:
+    """``(page table, its pool's buffers)`` of each pool; buffers (codes and scales)
+    ``[layers, num_pages, ...]``."""
+    store = cache._row_store()
+    stores = [g[2] for g in store.groups] if hasattr(store, "groups") else [store]
+    return [(st.page_table, st.buffers) for st in stores]
+
+
 def audit_all(cache) -> None:
     for t in tables(cache):
         assert t.audit(cache.host_lens) == []
@@ -472,6 +480,7 @@ def test_accept_into_forked_rows_copies_shared_pages(kind, page_size, backend):
         paths = [root_path(parents, u) for u in ends[:k]]
         tree = DraftTree.of(np.array([parents] * k), [n] * k)
         before = None if kind == "groups" else live(cache)
+        bytes_before = [[np.array(b).copy() for b in bufs] for _, bufs in pools(cache)]
         cache.accept(paths, tree, rows=rows)
         for r, path in zip(rows, paths):
             accept_want(want, r, n, path)
@@ -485,6 +494,13 @@ def test_accept_into_forked_rows_copies_shared_pages(kind, page_size, backend):
         else:
             assert_rows(cache, want)
         audit_all(cache)
+        # every page no accepted row names now kept its bytes (the shared pages they copied)
+        for (table, bufs), before_bufs in zip(pools(cache), bytes_before):
+            mine = {int(p) for r in rows for p in table.row_pages(r)}
+            for was, now in zip(before_bufs, bufs):
+                now = np.asarray(now)
+                for p in set(range(was.shape[1])) - mine:
+                    assert was[:, p].tobytes() == now[:, p].tobytes(), f"page {p} changed"
         # the page each accepted row first wrote is named by that row alone
         for i, r in enumerate(rows):
             first = (int(cache.host_lens[r]) - len(paths[i])) + next(
