@@ -252,24 +252,6 @@ def test_bad_calls_change_nothing(kind, page_size):
     assert_same(everything(cache), snap)
 
 
-def test_shared_destination_page_is_refused():
-    """Forking a row after its chunk was appended shares the chunk's pages: accept refuses
-    to write them (it does not copy them) and changes nothing."""
-    rng = np.random.default_rng(3)
-    cache = make("paged", "numpy", 4)
-    append(cache, rng, [6, 0, 0, 0])
-    append(cache, rng, [5, 0, 0, 0])
-    cache.fork(0, [1])
-    tree = gqakv.DraftTree.of(np.array([[-1, -1, 1, 2, 3]]), [5])
-    snap = everything(cache)
-    with pytest.raises(ValueError, match="shared"):
-        cache.accept([[1, 2]], tree)
-    assert_same(everything(cache), snap)
-    cache.accept([[]], tree)  # nothing written: only the length (and pages past it) change
-    assert cache.host_lens.tolist() == [6, 11, 0, 0]
-    audit(cache)
-
-
 def test_open_step_refuses():
     cache = make("model", "numpy")
     with cache.step([1, 0, 0, 0]) as step:
@@ -350,19 +332,256 @@ def test_accept_other_array_libraries(kind, backend):
         assert np.array_equal(np.asarray(got), was[:, keep])
 
 
-def test_cached_destination_page_is_refused():
-    """A page the prefix cache holds keeps its tokens: accept refuses to write into it."""
+# -- copy on write: accept into pages other rows or the prefix cache hold ---------------------
+#
+# The expected K/V of every row is built by plain NumPy from the arrays appended (``want``:
+# row -> layer -> [K, V] ``[Hkv, L, d]``), forked and accepted the same way, independently
+# of the cache's pages.
+
+
+def make_cow(kind: str, backend: str, page_size: int = 4, num_pages=None, prefix_cache=False):
+    if kind == "groups":  # a full and a sliding kind: two page tables (LayerGroups)
+        return gqakv.ModelKVCache(3, B, HKV, MAX_LEN, D, "float32", backend=backend,
+                                  page_size=page_size, windows=[None, 96, None],
+                                  num_pages=num_pages)
+    if kind == "model":
+        return gqakv.ModelKVCache(3, B, HKV, MAX_LEN, D, "float32", backend=backend,
+                                  page_size=page_size, num_pages=num_pages,
+                                  prefix_cache=prefix_cache)
+    return gqakv.PagedKVCache(B, HKV, MAX_LEN, D, "float32", backend=backend, page_size=page_size,
+                              num_pages=num_pages, prefix_cache=prefix_cache,
+                              kv_dtype="int8" if kind == "paged_int8" else None)
+
+
+def n_layers(cache) -> int:
+    return cache.layers if isinstance(cache, gqakv.ModelKVCache) else 1
+
+
+def empty_want(cache) -> dict:
+    z = np.zeros((HKV, 0, D), np.float32)
+    return {b: [[z, z] for _ in range(n_layers(cache))] for b in range(B)}
+
+
+def append_into(cache, rng, n_new, rows, want) -> None:
+    """Append random K/V to ``rows``; extend ``want`` with the real tokens."""
+    n_new = np.asarray(n_new, dtype=np.int64)
+    shape = (len(rows), HKV, max(int(n_new.max()), 1), D)
+    kv = [(rng.standard_normal(shape).astype(np.float32),
+           rng.standard_normal(shape).astype(np.float32)) for _ in range(n_layers(cache))]
+    if isinstance(cache, gqakv.ModelKVCache):
+        with cache.step(n_new, rows=rows) as step:
+            for layer, (k, v) in enumerate(kv):
+                step.write(layer, k, v)
+    else:
+        cache.append(*kv[0], n_new, rows=rows)
+    for i, r in enumerate(rows):
+        n = int(n_new[i])
+        want[r] = [[np.concatenate([w, x[i, :, :n]], axis=1) for w, x in zip(wl, xl)]
+                   for wl, xl in zip(want[r], kv)]
+
+
+def accept_want(want, row: int, n: int, path) -> None:
+    """The accepted row: its prefix, then chunk tokens ``path`` in order."""
+    def keep(x):
+        P = x.shape[1] - n
+        return np.concatenate([x[:, :P], x[:, P + np.asarray(path, dtype=np.int64)]], axis=1)
+
+    want[row] = [[keep(x) for x in wl] for wl in want[row]]
+
+
+def stored(cache, row: int) -> list[list[np.ndarray]]:
+    if isinstance(cache, gqakv.ModelKVCache):
+        return [[np.asarray(x) for x in cache.live_kv(l, row)] for l in range(cache.layers)]
+    return [[np.asarray(x) for x in cache.live_kv(row)]]
+
+
+def assert_rows(cache, want) -> None:
+    for b in range(B):
+        for l, (got, exp) in enumerate(zip(stored(cache, b), want[b])):
+            for name, g, w in zip("KV", got, exp):
+                assert g.shape == w.shape, (b, l, name, g.shape, w.shape)
+                assert np.array_equal(g, w), f"row {b} layer {l} {name} differs"
+
+
+def tables(cache) -> list:
+    store = cache.store
+    return list(store.page_tables.values()) if hasattr(store, "page_tables") else [store.page_table]
+
+
+def pools(cache) -> list:
+    """``(page table, its pool's buffers)`` of each pool; buffers (codes and scales)
+    ``[layers, num_pages, ...]``."""
+    store = cache._row_store()
+    stores = [g[2] for g in store.groups] if hasattr(store, "groups") else [store]
+    return [(st.page_table, st.buffers) for st in stores]
+
+
+def audit_all(cache) -> None:
+    for t in tables(cache):
+        assert t.audit(cache.host_lens) == []
+
+
+def snapshot(cache) -> list:
+    """Every byte of every pool, the lengths and every table's bookkeeping (free list and
+    the prefix cache's LRU order included)."""
+    store = cache.store
+    stores = [g[2] for g in store.groups] if hasattr(store, "groups") else [store]
+    out = [np.array(b).copy() for st in stores for b in st.buffers] + [cache.host_lens.copy()]
+    for t in tables(cache):
+        out += [t.entries.copy(), t.held.copy(), t.released.copy(), t.refs.copy(),
+                np.asarray(t._free, dtype=np.int64)]
+        if t.index is not None:
+            out += [np.asarray(list(t.index.unused), dtype=np.int64),
+                    np.asarray(sorted(t.index.key_of), dtype=np.int64)]
+    return out
+
+
+def tree_with_leaves(rng, n: int, leaves: int) -> tuple[list[int], list[int]]:
+    """Random parents (parents before children, node 1 a second root) with at least
+    ``leaves`` leaves, and ``leaves`` distinct leaves: their root paths all move tokens and
+    none is a prefix of another."""
+    while True:
+        parents = [-1, -1] + [int(rng.integers(-1, t)) for t in range(2, n)]
+        leaf = [t for t in range(1, n) if t not in parents]  # not 0: [0] moves nothing
+        if len(leaf) >= leaves:
+            return parents, [int(u) for u in rng.permutation(leaf)[:leaves]]
+
+
+def root_path(parents, u: int) -> list[int]:
+    path = []
+    while u >= 0:
+        path.append(u)
+        u = parents[u]
+    return path[::-1]
+
+
+FORK_KINDS = [("paged", 4), ("paged", 16), ("paged_int8", 4), ("model", 4), ("groups", 4)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,page_size", FORK_KINDS)
+def test_accept_into_forked_rows_copies_shared_pages(kind, page_size, backend):
+    """Rows forked after the draft chunk was appended name the same chunk pages; each
+    accepts a different path (some rows of the fork not at all): every written shared page
+    is copied first, so each row, accepted or not, holds exactly its own tokens."""
+    rng = np.random.default_rng(zlib.crc32(f"cow{kind}{page_size}{backend}".encode()))
+    for trial in range(4):
+        cache = make_cow(kind, backend, page_size)
+        want = empty_want(cache)
+        append_into(cache, rng, [int(rng.integers(1, 30)), 7], [0, 3], want)
+        n = int(rng.integers(8, 24))
+        append_into(cache, rng, [n], [0], want)
+        cache.fork(0, [1, 2])
+        want[1], want[2] = list(want[0]), list(want[0])
+        shared = {int(p) for p in tables(cache)[0].row_pages(0)}
+        parents, ends = tree_with_leaves(rng, n, 3)
+        k = 3 if trial % 2 else 2  # all three forked rows (the last writes in place), or two
+        rows = [int(r) for r in rng.permutation(3)[:k]]
+        paths = [root_path(parents, u) for u in ends[:k]]
+        tree = DraftTree.of(np.array([parents] * k), [n] * k)
+        before = None if kind == "groups" else live(cache)
+        bytes_before = [[np.array(b).copy() for b in bufs] for _, bufs in pools(cache)]
+        cache.accept(paths, tree, rows=rows)
+        for r, path in zip(rows, paths):
+            accept_want(want, r, n, path)
+        if kind == "paged_int8":  # codes and scales: bit for bit the tokens appended
+            after = live(cache)
+            for b in range(B):
+                P = int(cache.host_lens[b]) - (len(paths[rows.index(b)]) if b in rows else n)
+                expect = (before[b][:P] + [before[b][P + u] for u in paths[rows.index(b)]]
+                          if b in rows else before[b])
+                assert_tokens_equal(after[b], expect)
+        else:
+            assert_rows(cache, want)
+        audit_all(cache)
+        # every page no accepted row names now kept its bytes (the shared pages they copied)
+        for (table, bufs), before_bufs in zip(pools(cache), bytes_before):
+            mine = {int(p) for r in rows for p in table.row_pages(r)}
+            for was, now in zip(before_bufs, bufs):
+                now = np.asarray(now)
+                for p in set(range(was.shape[1])) - mine:
+                    assert was[:, p].tobytes() == now[:, p].tobytes(), f"page {p} changed"
+        # the page each accepted row first wrote is named by that row alone
+        for i, r in enumerate(rows):
+            first = (int(cache.host_lens[r]) - len(paths[i])) + next(
+                s for s, u in enumerate(paths[i]) if u != s)
+            page = int(tables(cache)[0].entries[r, first // page_size])
+            others = [b for b in range(B) if b != r and page in tables(cache)[0].row_pages(b)]
+            assert others == [], (r, page, others)
+        assert shared  # the fork shared the chunk's pages
+
+
+@pytest.mark.parametrize("kind", ["paged", "model"])
+def test_accept_into_prefix_cached_page(kind):
+    """A page the prefix cache holds keeps its tokens: accept copies it (also when two
+    rows name it) and a later match still reads the tokens it was cached with."""
     rng = np.random.default_rng(6)
-    cache = gqakv.PagedKVCache(B, HKV, MAX_LEN, D, "float32", backend="numpy", page_size=4,
-                               prefix_cache=True)
-    append(cache, rng, [4, 0, 0, 0])
-    append(cache, rng, [6, 0, 0, 0])
-    cache.cache_prefix(0, list(range(8)))  # pages 0 and 1: the second holds chunk slots 4..7
-    tree = gqakv.DraftTree.of(np.array([[-1, -1, 1, 2, 3, 4]]), [6])
-    snap = everything(cache)
-    with pytest.raises(ValueError, match="prefix cache holds it"):
-        cache.accept([[1, 2]], tree)
-    assert_same(everything(cache), snap)
-    cache.accept([[0]], tree)  # token 0 stays where it is: nothing written
-    assert cache.host_lens.tolist() == [5, 0, 0, 0]
-    audit(cache)
+    cache = make_cow(kind, "numpy", 4, prefix_cache=True)
+    want = empty_want(cache)
+    append_into(cache, rng, [4], [0], want)
+    append_into(cache, rng, [6], [0], want)
+    assert cache.cache_prefix(0, list(range(8))) == 2  # page 1 holds chunk slots 4..7
+    cached = [[x[:, :8].copy() for x in wl] for wl in want[0]]
+    cache.fork(0, [2])
+    want[2] = list(want[0])
+    table = tables(cache)[0]
+    old = int(table.entries[0, 1])
+    tree = DraftTree.of(np.array([[-1, -1, 1, 2, 3, 4]] * 2), [6, 6])
+    cache.accept([[1, 2, 3], [1, 2]], tree, rows=[0, 2])  # slots 4..6 and 4..5: page 1
+    accept_want(want, 0, 6, [1, 2, 3])
+    accept_want(want, 2, 6, [1, 2])
+    assert_rows(cache, want)
+    copies = {int(table.entries[0, 1]), int(table.entries[2, 1])}
+    assert old not in copies and len(copies) == 2  # cached: copied for each writer
+    assert int(table.refs[old]) == 0 and old in table.index.unused
+    audit_all(cache)
+    assert cache.match_prefix(1, list(range(9))) == 8  # the cached pages, as cached
+    want[1] = cached
+    assert_rows(cache, want)
+    audit_all(cache)
+
+
+@pytest.mark.parametrize("kind", ["paged", "paged_prefix", "model", "groups_full", "groups_window"])
+def test_out_of_pages_during_accept_changes_nothing(kind):
+    """An accept whose copies the pool cannot supply raises OutOfPages and changes nothing:
+    lengths, tables, counts, the free list, the prefix cache's LRU, every byte of every
+    pool; with one more page free, the same call succeeds."""
+    rng = np.random.default_rng(7)
+    # rows 0 and 1 share 4 pages (6 prompt tokens + a 10-token chunk, page_size 4); row 3
+    # holds 1; the accept needs 3 copies (row 0 writes pages 1..3 while row 1 names them;
+    # row 1, the last namer, writes page 1 in place): 2 free pages are one short (with a
+    # prefix cache, 1 free and 1 cached unused; after the reset the copies evict that one)
+    pool = 4 + 1 + 2
+    if kind.startswith("groups"):  # the short table is one group's; the other has plenty
+        full, window = (pool, 100) if kind == "groups_full" else (100, pool)
+        cache = make_cow("groups", "numpy", 4, num_pages={None: full, 96: window})
+    else:
+        cache = make_cow("model" if kind == "model" else "paged", "numpy", 4, num_pages=pool,
+                         prefix_cache=kind == "paged_prefix")
+    want = empty_want(cache)
+    if kind == "paged_prefix":  # an unused cached page: counted free, evicted only if needed
+        append_into(cache, rng, [4], [3], want)
+        cache.cache_prefix(3, [9, 9, 9, 9])
+        cache.reset([3])
+        want[3] = empty_want(cache)[3]
+    append_into(cache, rng, [6, 3], [0, 3], want)
+    append_into(cache, rng, [10], [0], want)
+    cache.fork(0, [1])
+    want[1] = list(want[0])
+    tree = DraftTree.of(np.array([[-1, -1, 1, 2, 3, 4, 5, 6, 7, 8]] * 2), [10, 10])
+    paths = [[1, 2, 3, 4, 5, 6, 7], [1, 2]]
+    snap = snapshot(cache)
+    with pytest.raises(gqakv.OutOfPages, match="cannot supply 3 pages"):
+        cache.accept(paths, tree, rows=[0, 1])
+    assert_same(snapshot(cache), snap)
+    audit_all(cache)
+    assert_rows(cache, want)
+    cache.reset([3])  # one more page free: now it fits
+    want[3] = empty_want(cache)[3]
+    cache.accept(paths, tree, rows=[0, 1])
+    if kind == "paged_prefix":
+        assert tables(cache)[0].index.pages_unused == 0  # the third copy evicted it
+    accept_want(want, 0, 10, paths[0])
+    accept_want(want, 1, 10, paths[1])
+    assert_rows(cache, want)
+    audit_all(cache)

@@ -18,7 +18,8 @@ whose generic code is made to fail, so only the kernels can serve the calls), ov
 contiguous, paged and int8 storage, plain and with a window, soft-cap + sinks and ALiBi + a
 window, in float32 (gqakv_prefill) and bfloat16 (gqakv_prefill_mma; over int8 the fp32-FMA
 gqakv_prefill); the bfloat16 fp32-FMA kernel on the harness's plans; one-token trees; and
-the tree instantiations under AddressSanitizer with every byte no query may read poisoned.
+the tree instantiations under AddressSanitizer over contiguous, paged, int8 and paged int8
+storage (``ASAN_SCENARIOS``) with every byte no query may read poisoned.
 """
 
 from __future__ import annotations
@@ -246,31 +247,60 @@ def test_tree_flag_is_the_prefill_kernels_only():
 
 # ---- AddressSanitizer ----------------------------------------------------------------------
 
-#: (dtype, tensor_cores, variant) run under ASan over ragged trees (contiguous rows).
-ASAN_SCENARIOS = [("float32", False, (5, None, None, None)), ("bfloat16", True, (9, 2.0, "mixed", "mixed")),
-                  ("bfloat16", False, (None, None, None, None)), ("float32", False, (3, 1.5, "mixed", "bloom"))]
+#: (dtype, tensor_cores, variant, storage) run under ASan over ragged trees: contiguous rows,
+#: pages of 8 (the chunk and the windows straddle pages), int8 rows and int8 pages (8-bit
+#: K/V run the fp32-FMA kernel).
+ASAN_SCENARIOS = [("float32", False, (5, None, None, None), "contiguous"),
+                  ("bfloat16", True, (9, 2.0, "mixed", "mixed"), "contiguous"),
+                  ("bfloat16", False, (None, None, None, None), "contiguous"),
+                  ("float32", False, (3, 1.5, "mixed", "bloom"), "contiguous"),
+                  ("float32", False, (5, None, None, None), "paged"),
+                  ("bfloat16", True, (9, 2.0, "mixed", "mixed"), "paged"),
+                  ("float32", False, (None, None, None, None), "int8"),
+                  ("bfloat16", False, (None, 4.0, "mixed", None), "int8"),
+                  ("float32", False, (9, None, None, "mixed"), "paged_int8")]
+
+
+def _asan_name(dtype, tc, variant, storage) -> str:
+    """The instantiation a scenario launches (the planner picks it; run_tree checks the reader)."""
+    flags = sum(table.VARIANT_FLAGS[f] for f in variant_params(D, 8, *variant).features) | table.TREE
+    kernel, kv = ("gqakv_prefill_mma" if tc else "gqakv_prefill"), ("int8" if "int8" in storage else None)
+    if storage.startswith("paged"):
+        return sources.paged_name_expression(kernel, dtype, D, variant=flags, kv_dtype=kv)
+    return sources.name_expression(kernel, dtype, D, variant=flags, kv_dtype=kv)
 
 
 def _asan_units():
-    return [u for u in harness._units(True, (D,), ("tree",)) if u.kind == "tree"]
+    """One ASan build unit of exactly the instantiations ASAN_SCENARIOS launch: an ASan
+    build's cost is mostly parsing, once per unit, and compiling instantiations no scenario
+    runs would only add to it."""
+    names = {_asan_name(*s) for s in ASAN_SCENARIOS}
+    prefill = [k for k in table.KERNELS if table.KERNELS[k].variant_mask & table.TREE]
+    entries = [e for e in table.select(kernels=prefill, dtypes=harness.TREE_DTYPES, head_dims=(D,),
+                                       kv_dtypes=(None, "int8"), readers=("contiguous", "paged"),
+                                       variants=harness.TREE_VARIANTS) if e.name in names]
+    assert sorted(e.name for e in entries) == sorted(names), names
+    return [harness.Unit("tree", None, tuple(entries))]
 
 
 def asan_main() -> int:
-    """ASAN_SCENARIOS on the AddressSanitizer build of the tree unit, with the K/V before
-    each row's first window, the dead tails, the padded queries and the tree mask's padded
+    """ASAN_SCENARIOS on the AddressSanitizer build of their instantiations, with the K/V
+    (codes and scales) before each row's first window, the dead tails, the pages no row
+    holds, the table past each row's pages, the padded queries and the tree mask's padded
     rows poisoned (started by the test below with LD_PRELOAD=libasan); prints 'N passed'."""
     emu = harness.Emulator(harness.build_registrations(True, _asan_units()))
-    for i, (dtype, tc, variant) in enumerate(ASAN_SCENARIOS):
+    for i, (dtype, tc, variant, storage) in enumerate(ASAN_SCENARIOS):
         rng = np.random.default_rng(40 + i)
         n, parents = draw_trees(rng, 4, 24)
         lens = [50 + n[0], n[1], 13 + n[2], 33]
-        run_tree(emu, dtype=dtype, d=D, kv_heads=2, group=4, lens=lens, n_new=n, parents=parents,
-                 params=variant_params(D, 8, *variant), tensor_cores=tc, seed=i, poison=True)
-        print(f"ok {dtype} tc={tc} variant={variant}", flush=True)
+        plan = run_tree(emu, dtype=dtype, d=D, kv_heads=2, group=4, lens=lens, n_new=n, parents=parents,
+                        params=variant_params(D, 8, *variant), tensor_cores=tc, seed=i, poison=True,
+                        storage=storage, page_size=8)
+        assert {launch.name for launch in plan.launches} == {_asan_name(dtype, tc, variant, storage)}
+        print(f"ok {dtype} tc={tc} variant={variant} {storage}", flush=True)
     print(f"{len(ASAN_SCENARIOS)} passed")
     return 0
 
 
 def test_tree_kernels_under_address_sanitizer():
     harness.check_asan_main("test_cupy_emulated_tree", len(ASAN_SCENARIOS), units=_asan_units())
-

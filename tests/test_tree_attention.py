@@ -176,6 +176,32 @@ def test_mask_and_parents_forms_agree_and_bad_trees_are_refused():
             gqakv.gqa_attention(q, cache, [5, 4], tree=tree_arg)
 
 
+def test_entry_trees_are_built_once_and_match_the_parents():
+    """Each entry's ancestor sets (built from bitsets, ``DraftTree.entry``) are its parents'
+    closures walked here one token at a time, for trees across the byte and 64-bit
+    widths; built once per tree (layers reuse them), read-only, like the tree's arrays."""
+    rng = np.random.default_rng(8)
+    for T in (1, 7, 8, 9, 63, 64, 65, 130):
+        n = [T, int(rng.integers(0, T + 1)), 0]
+        parents = np.full((3, T), -1, dtype=np.int64)
+        for b in range(3):
+            parents[b, :n[b]] = random_parents(rng, n[b], SHAPES[(b + T) % 5])
+        tree = DraftTree.of(parents, n)
+        for b in range(3):
+            e = tree.entry(b)
+            assert e is tree.entry(b)
+            want = np.zeros((n[b], n[b]), dtype=bool)
+            for t in range(n[b]):
+                u = t
+                while u >= 0:  # t and every ancestor
+                    want[t, u] = True
+                    u = int(parents[b, u])
+            assert e.ancestors.dtype == np.bool_ and np.array_equal(e.ancestors, want), (T, b)
+            assert e.depth.tolist() == [int(r.sum()) - 1 for r in want]
+            for a in (e.ancestors, e.depth, e.parents, tree.parents, tree.depth, tree.n):
+                assert not a.flags.writeable
+
+
 def test_tree_calls_reach_the_fast_paths_and_the_cuda_kernels_say_why(monkeypatch):
     """The NumPy BLAS path and the numba kernels declare ``tree``: numba's kernels serve a
     tree of up to 8 tokens (its chunk limit; longer ones go to the BLAS path with that

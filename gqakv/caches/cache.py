@@ -280,11 +280,13 @@ class RowsAndLengths:
         bit, and the row holds ``P + k_i`` tokens (paged: pages past that are released).
         Nothing else moves. Everything is validated first (TypeError / ValueError naming
         the entry and the numbers), so a refused call changes nothing. Paged: a page the
-        moves would write that other rows also name (or the prefix cache holds) is refused
-        (ValueError), not copied. See ``row_ops.accept``."""
+        moves would write that other rows also name (or the prefix cache holds) is copied
+        first and the row names its copy (copy on write, as for an append); when the pool
+        cannot supply the copies, ``gqakv.OutOfPages`` and nothing changed. See
+        ``row_ops.accept``."""
         with self._lengths.lock:
             self._check_can_change("accept draft paths")
-            row_ops.accept(self._row_store(), self._lengths, paths, tree, rows,
+            row_ops.accept(self.backend, self._row_store(), self._lengths, paths, tree, rows,
                            trim_store=self.store)
 
     def reset(self, rows=None) -> None:

@@ -288,13 +288,9 @@ class AttentionInputs:
         return self.params.features | {"tree"} if self.tree is not None else self.params.features
 
     def entry_tree(self, i: int):
-        """Entry i's ``EntryTree`` (None without a tree), built once per entry."""
-        if self.tree is None:
-            return None
-        cache = self.__dict__.setdefault("_entry_trees", {})
-        if i not in cache:
-            cache[i] = self.tree.entry(i)
-        return cache[i]
+        """Entry i's ``EntryTree`` (None without a tree), built once per tree
+        (``DraftTree.entry``)."""
+        return None if self.tree is None else self.tree.entry(i)
 
     @property
     def scale(self) -> float:

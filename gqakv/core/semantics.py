@@ -187,10 +187,11 @@ def tree_visible(params: AttentionParams, L: int, n: int, t0: int, t1: int, j0: 
     a prefix key (``j < P = L - n``) and the chunk keys ``P + u`` with ``ancestors[t, u]``;
     a window keeps the keys whose logical position is within W of t's."""
     P = L - n
-    t = np.arange(t0, t1)[:, None]
-    j = np.arange(j0, j1)[None, :]
-    u = np.clip(j - P, 0, max(n - 1, 0))
-    vis = np.where(j >= P, tree.ancestors[t, u], j < P)
+    a = min(max(j0, P), j1)  # the block's first chunk key (j1: none)
+    # slices, not a gather: each item's masked block runs this
+    vis = np.empty((t1 - t0, j1 - j0), dtype=bool)
+    vis[:, :a - j0] = True
+    vis[:, a - j0:] = tree.ancestors[t0:t1, a - P:j1 - P]
     if params.window is not None:
         q_pos = query_positions(L, n, t0, t1, tree)[:, None]
         vis &= key_positions(L, n, j0, j1, tree)[None, :] >= q_pos - (params.window - 1)

@@ -27,7 +27,7 @@ caller's: rotate q and k at ``P + depth`` (``DraftTree.positions``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,7 +54,8 @@ class EntryTree:
 
 @dataclass(frozen=True, eq=False)
 class DraftTree:
-    """A validated draft tree per batch entry (see the module docstring); host arrays.
+    """A validated draft tree per batch entry (see the module docstring); host arrays,
+    read-only when made by ``of`` (each entry's ancestor sets are built from them once).
 
     parents: ``[B, T]`` int64 (-1: a root, and every padded slot);
     depth: ``[B, T]`` int64 (0 at padded slots);
@@ -64,6 +65,8 @@ class DraftTree:
     parents: np.ndarray
     depth: np.ndarray
     n: np.ndarray
+    #: entry i -> its EntryTree, built on first use (``entry``)
+    _entries: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, tree, n_new) -> "DraftTree":
@@ -98,15 +101,20 @@ class DraftTree:
         _check_room(T, n, "tree parents hold")
         parents = np.full((B, T), -1, dtype=np.int64)
         depth = np.zeros((B, T), dtype=np.int64)
+        rows = a.tolist()  # Python ints: a call parses its tree each time, so keep it cheap
         for i in range(B):
-            for t in range(int(n[i])):
-                p = int(a[i, t])
+            k = int(n[i])
+            row, d = rows[i][:k], [0] * k
+            for t, p in enumerate(row):
                 if not -1 <= p < t:
                     raise ValueError(f"tree parents[{i}, {t}]={p}: a token's parent is -1 (the last "
                                      f"cached token) or an earlier chunk token 0..{t - 1}")
-                parents[i, t] = p
-                depth[i, t] = 0 if p < 0 else depth[i, p] + 1
-        return cls(parents=parents, depth=depth, n=n.copy())
+                d[t] = 0 if p < 0 else d[p] + 1
+            parents[i, :k], depth[i, :k] = row, d
+        n = n.copy()
+        for x in (parents, depth, n):  # entries are built once from them (``entry``)
+            x.flags.writeable = False
+        return cls(parents=parents, depth=depth, n=n)
 
     @classmethod
     def _of_mask(cls, a, n, B) -> "DraftTree":
@@ -146,16 +154,28 @@ class DraftTree:
         return int(self.n.shape[0])
 
     def entry(self, i: int) -> EntryTree:
-        """Entry i's tree of its ``n[i]`` tokens (``ancestors`` computed here)."""
+        """Entry i's tree of its ``n[i]`` tokens, built once per tree (read-only arrays: a
+        tree made once per step serves every layer's call)."""
+        got = self._entries.get(i)
+        if got is None:  # two threads may both build it: the same values, one kept
+            got = self._entries.setdefault(i, self._entry(i))
+        return got
+
+    def _entry(self, i: int) -> EntryTree:
         k = int(self.n[i])
-        parents = self.parents[i, :k]
-        anc = np.zeros((k, k), dtype=bool)
-        for t in range(k):
-            p = int(parents[t])
-            if p >= 0:
-                anc[t, :p + 1] = anc[p, :p + 1]
-            anc[t, t] = True
-        return EntryTree(ancestors=anc, depth=self.depth[i, :k].copy(), parents=parents.copy())
+        parents = self.parents[i, :k].copy()
+        # each token's ancestor set as a Python int bitset (its parent's plus itself), then
+        # unpacked: a row copy per token in NumPy costs more than the whole unpacking
+        bits: list[int] = []
+        for t, p in enumerate(parents.tolist()):
+            bits.append((bits[p] if p >= 0 else 0) | (1 << t))
+        width = (k + 7) // 8
+        packed = np.frombuffer(b"".join(b.to_bytes(width, "little") for b in bits), dtype=np.uint8)
+        anc = np.unpackbits(packed.reshape(k, width), axis=1, count=k, bitorder="little").view(bool)
+        depth = self.depth[i, :k].copy()
+        for x in (anc, depth, parents):
+            x.flags.writeable = False
+        return EntryTree(ancestors=anc, depth=depth, parents=parents)
 
     def ancestor_mask(self) -> np.ndarray:
         """``[B, T, T]`` bools: ``mask[i, t, u]`` is u in t's ancestor set (t included); False

@@ -183,7 +183,7 @@ def plan_accept(lens: np.ndarray, paths, tree, rows=None) -> list[tuple[int, int
     return plan
 
 
-def accept(store, lengths, paths, tree, rows=None, *, trim_store=None) -> int:
+def accept(backend, store, lengths, paths, tree, rows=None, *, trim_store=None) -> int:
     """Keep one root-down path of each entry's draft tree and drop the rest of its chunk.
 
     Entry i's chunk (``tree.n[i]`` tokens) is the last part of row ``rows[i]`` (default
@@ -192,9 +192,10 @@ def accept(store, lengths, paths, tree, rows=None, *, trim_store=None) -> int:
     moves token ``P + path[s]`` to slot ``P + s`` for ``s = 0..k-1`` (stored codes and
     scales copied bit for bit, every layer, K and V), and the row then holds ``P + k``
     tokens. ``store`` has a leading layer axis (``_row_store``); ``trim_store`` (the cache's
-    store) releases paged rows' pages past the new lengths. Everything is validated first
-    (including, paged, that no page written is shared: ``KVStore.check_move``); returns the
-    tokens moved per layer."""
+    store) releases paged rows' pages past the new lengths. Everything is validated first,
+    then (paged) every page the moves write that another row also names or the prefix
+    cache holds is copied (``KVStore.reserve_moves``: OutOfPages there changes nothing);
+    returns the tokens moved per layer."""
     plan = plan_accept(lengths.host, paths, tree, rows)
     if trim_store is not None:  # a sliding window's released keys: refused before any move
         trim_store.check_keep([row for row, _, _ in plan],
@@ -202,9 +203,8 @@ def accept(store, lengths, paths, tree, rows=None, *, trim_store=None) -> int:
     moves = []
     for row, P, path in plan:
         ks = np.flatnonzero(path != np.arange(path.size))
-        dst, src = P + ks, P + path[ks]
-        store.check_move(row, dst)
-        moves.append((row, dst, src))
+        moves.append((row, P + ks, P + path[ks]))
+    store.reserve_moves(backend, moves, lengths.host)  # copy on write: the last step that may refuse
     for row, dst, src in moves:
         store.move_tokens(row, dst, src)
     r = np.asarray([row for row, _, _ in plan], dtype=np.int64)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .paged import PagedStore
+from .paged import PagedStore, fill_copies
 from .store import PAGED
 
 
@@ -136,9 +136,19 @@ class LayerGroups:
         for _, _, store in self.groups:
             store.trim_rows(rows, new_lens)
 
-    def check_move(self, row: int, dst) -> None:
-        for _, _, store in self.groups:
-            store.check_move(row, dst)
+    def reserve_moves(self, backend, moves, lens):
+        """Every group's copies for accept's moves: every group's pages are taken before any
+        group copies, so an OutOfPages from any changes nothing (not a byte of any pool)."""
+        taken = []
+        try:
+            for _, _, store in self.groups:
+                taken.append(store.take_copies(moves, lens))
+            for (_, _, store), res in zip(self.groups, taken):
+                fill_copies(backend, store, res)
+        except BaseException:
+            self.give_back(taken)
+            raise
+        return taken
 
     def move_tokens(self, row: int, dst, src) -> None:
         for _, _, store in self.groups:

@@ -17,7 +17,8 @@ Bookkeeping (``PageTable``, host NumPy, shared by every layer):
   but kept, matchable, in the index's LRU of unused pages; an append takes free pages
   first and evicts the least recently released unused ones only when none is left.
   A cached page's tokens never change while it is cached: a write into it (a row
-  truncated into a cached page, then appending) copies it first, as for a shared page.
+  truncated into a cached page, then appending; accept moving draft tokens) copies it
+  first, as for a shared page.
 
 - optionally a sliding window W (``window=W``, window-sized storage for a sliding layer):
   ``released`` ``[B]`` counts each row's leading pages given back to the pool, their entries
@@ -31,16 +32,18 @@ Bookkeeping (``PageTable``, host NumPy, shared by every layer):
 
 Invariant outside an open model step: row b holds exactly ``ceil(lens[b] / P)`` pages
 (``held``, the window's released ones included; it names ``held - released`` of them).
-Every page a row holds is full except perhaps its last, so the only page a write can
+Every page a row holds is full except perhaps its last, so the only page an append can
 land in that another row may also name is that partly filled last page: it is copied
 first (copy on write), and only its live tokens are copied; the table names the copy
 only once it holds them, so a reader running alongside an append sees the shared page or
-the filled copy. An aborted model step gives back every page it took, copies included
-(``PageTable.undo``). Row operations are
-bookkeeping: ``reorder`` and ``fork`` copy table entries and bump reference counts,
-``truncate`` and ``reset`` release pages no row names any more. Appends take pages
-from the free list; when it cannot supply a call's pages, ``OutOfPages`` (a MemoryError)
-is raised before anything changes.
+the filled copy. Accept rewrites live slots of a row's last pages: each such page that
+another row names or the prefix cache holds is copied the same way first
+(``reserve_writes``, ``PagedStore.reserve_moves``). An aborted model step gives back every
+page it took, copies included (``PageTable.undo``). Row operations are bookkeeping:
+``reorder`` and ``fork`` copy table entries and bump reference counts, ``truncate`` and
+``reset`` release pages no row names any more. Appends take pages from the free list;
+when it cannot supply a call's pages, ``OutOfPages`` (a MemoryError) is raised before
+anything changes.
 
 Reading. ``PagedStore.key_blocks`` walks a row in page-aligned spans and ``blocks`` of
 one page's span are views of the pool, so the generic attention path reads a row page
@@ -336,26 +339,60 @@ class PageTable:
             plan.append((r, s, fresh, cow))
             if fresh + cow:
                 need[r] = fresh + int(cow)
+        self._check_supply(need)
+        res = Reservation()
+        for r, s, fresh, cow in plan:
+            if cow:  # only the live tokens of the shared last page are copied
+                self._copy(res, r, s // P, s % P)
+            h = int(self.held[r])
+            for j in range(h, h + fresh):
+                self.entries[r, j] = self._take(res)
+            res.grown.append((r, h))
+            self.held[r] = h + fresh
+        return res
+
+    def _check_supply(self, need: dict[int, int]) -> None:
+        """OutOfPages (nothing changed yet) unless the pool can supply ``need`` (row: pages)."""
         total = sum(need.values())
         if total > self.pages_free:
             shown = ", ".join(f"row {r} needs {k}" for r, k in list(need.items())[:8])
             more = " ..." if len(need) > 8 else ""
             raise OutOfPages(
                 f"the page pool cannot supply {total} pages ({shown}{more}): {self.pages_free} of "
-                f"{self.num_pages} pages (page_size {P}) are free"
+                f"{self.num_pages} pages (page_size {self.page_size}) are free"
                 + (f" ({self.pages_reusable} of them cached, unused)" if self.index is not None else "")
                 + "; nothing was written and no "
                 "length changed (truncate or reset rows, or make the cache with more num_pages)")
+
+    def _copy(self, res: "Reservation", r: int, j: int, tokens: int) -> None:
+        """Take a page for a private copy of row ``r``'s entry ``j`` (its first ``tokens``
+        slots to be copied); ``point`` names it once filled."""
+        res.copies.append((r, j, int(self.entries[r, j]), self._take(res), int(tokens)))
+
+    def reserve_writes(self, writes) -> "Reservation":
+        """Private copies of the pages that writes into live slots would change while another
+        row names them or the prefix cache holds them (copy on write; accept's moves).
+
+        ``writes``: ``(row, j, tokens)``: row ``row`` writes into its entry ``j``, whose first
+        ``tokens`` slots are live (they are copied). In order: a page named by several rows of
+        ``writes`` is copied for each but the last, which then names it alone and writes it
+        in place (a cached page is copied for every writer: its tokens never change).
+        OutOfPages, with nothing changed, when the pool is short; the caller fills the copies,
+        then ``point`` (or ``undo``), as for ``reserve``."""
+        left: dict[int, int] = {}  # references a page keeps once the earlier writers' copies are named
+        wanted: list[tuple[int, int, int]] = []
+        need: dict[int, int] = {}
+        for r, j, tokens in writes:
+            page = int(self.entries[r, j])
+            refs = left.get(page, int(self.refs[page]))
+            if refs > 1 or self._cached(page):
+                left[page] = refs - 1
+                wanted.append((r, j, tokens))
+                need[r] = need.get(r, 0) + 1
+        self._check_supply(need)
         res = Reservation()
-        for r, s, fresh, cow in plan:
-            if cow:  # only the live tokens of the shared last page are copied
-                j = s // P
-                res.copies.append((r, j, int(self.entries[r, j]), self._take(res), s % P))
-            h = int(self.held[r])
-            for j in range(h, h + fresh):
-                self.entries[r, j] = self._take(res)
-            res.grown.append((r, h))
-            self.held[r] = h + fresh
+        for r, j, tokens in wanted:
+            self._copy(res, r, j, tokens)
         return res
 
     def point(self, res: "Reservation") -> None:
@@ -740,26 +777,26 @@ class PagedStore(KVStore):
         P = self.page_size
         return int(self.page_table.entries[row, j // P]), j % P
 
-    def check_move(self, row: int, dst) -> None:
-        """Refuse (ValueError, before anything is written) a move into a page another row
-        also names or the prefix cache holds: accept does not copy such a page (a caller
-        that forked a row after appending its draft chunk reorders or truncates first). A
-        caller's table (``PageTableView``) has no counts: ``paged_accept`` checks the table."""
+    def reserve_moves(self, backend, moves, lens) -> Reservation | None:
+        """Make every page accept's ``moves`` (``(row, dst, src)``: slots of ``row``, whose
+        length is ``lens[row]``) would write the row's own before anything is written: a
+        page another row also names or the prefix cache holds is copied first (its live
+        tokens, every layer) and the row names the copy. OutOfPages, with nothing changed
+        (not a byte), when the pool is short. A caller's table (``PageTableView``) has no
+        counts: None (``paged_accept`` checks the table)."""
+        res = self.take_copies(moves, lens)
+        return None if res is None else fill_copies(backend, self, res)
+
+    def take_copies(self, moves, lens) -> Reservation | None:
+        """The bookkeeping half of ``reserve_moves`` (``PageTable.reserve_writes``): pages
+        taken for the copies, nothing copied or named yet."""
         table = self.page_table
-        refs = getattr(table, "refs", None)
-        if refs is None:
-            return
+        if not isinstance(table, PageTable):
+            return None
         P = self.page_size
-        for j in sorted({int(d) // P for d in dst}):
-            page = int(table.entries[row, j])
-            cached = table.index is not None and table.index.holds(page)
-            if int(refs[page]) > 1 or cached:
-                why = (f"{int(refs[page])} rows name it" if int(refs[page]) > 1
-                       else "the prefix cache holds it")
-                raise ValueError(
-                    f"cannot accept into row {row}: its page {page} (tokens {j * P}.."
-                    f"{(j + 1) * P - 1}) would be written but is shared ({why}); accept moves "
-                    "tokens only within pages the row owns alone. Nothing was changed")
+        writes = [(row, j, min(P, int(lens[row]) - j * P))
+                  for row, dst, _ in moves for j in sorted({int(d) // P for d in dst})]
+        return table.reserve_writes(writes)
 
     def copy_row(self, dst_row, src, src_row, n) -> None:
         raise TypeError("paged rows are copied by sharing pages (PageTable.fork/reorder), "
@@ -779,7 +816,13 @@ def reserve(backend, store: PagedStore, rows, starts, n_new) -> Reservation:
     Each copy is filled before the table names it (a reader running alongside sees the
     shared page or the filled copy, never an empty one); if the copy fails, everything is
     given back. Returns the ``Reservation`` (``store.page_table.undo`` gives it back)."""
-    res = store.page_table.reserve(rows, starts, n_new)
+    return fill_copies(backend, store, store.page_table.reserve(rows, starts, n_new))
+
+
+def fill_copies(backend, store: PagedStore, res: Reservation) -> Reservation:
+    """Copy the live tokens of each page ``res`` copies (every layer, codes and scales),
+    then make the table name the copies (``PageTable.point``); if the copy fails,
+    everything ``res`` took is given back."""
     if res.copies:
         new, old, count = (np.asarray([c[i] for c in res.copies], dtype=np.int64)
                            for i in (3, 2, 4))
@@ -809,4 +852,4 @@ def check_page_args(page_size, num_pages, batch: int, max_len: int) -> tuple[int
 
 
 __all__ = ["DEFAULT_PAGE_SIZE", "OutOfPages", "PAGED", "PageTable", "PageTableView", "PagedStore",
-           "PrefixIndex", "Reservation", "pages_for", "reserve"]
+           "PrefixIndex", "Reservation", "fill_copies", "pages_for", "reserve"]

@@ -360,9 +360,11 @@ class KVStore:
         """Where token slot ``j`` of ``row`` lives: (index on the rows axis, slot on the token axis)."""
         return row, j
 
-    def check_move(self, row: int, dst) -> None:
-        """Raise before anything is written when ``move_tokens`` may not write slots ``dst``
-        of ``row`` (contiguous rows are private: never)."""
+    def reserve_moves(self, backend, moves, lens):
+        """Take what accept's ``moves`` (``(row, dst, src)`` slots; ``lens``: the host
+        lengths) need before anything is written; returns what ``give_back`` undoes.
+        Contiguous rows are private: nothing to take (None)."""
+        return None
 
     def move_tokens(self, row: int, dst, src) -> None:
         """Slot ``dst[s]`` of ``row`` takes slot ``src[s]``'s stored K and V (codes and

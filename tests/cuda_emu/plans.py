@@ -5,8 +5,8 @@ several emulated suites share (test_cupy_emulated_variants, _paged, _paged_quant
 _alibi), kept here so no test module imports another.
 
 - ``run_variant``: one attention plan over contiguous rows (``alibi_pattern`` names the
-  ALiBi slope patterns); ``run_tree``: the same with a draft tree (the prefill kernels'
-  tree instantiation);
+  ALiBi slope patterns); ``run_tree``: one with a draft tree (the prefill kernels' tree
+  instantiation) over contiguous, paged, int8 or paged int8 storage (``TREE_STORAGES``);
 - ``run_paged_plan``: one attention plan over a shuffled pool of pages (``shuffled_pool``,
   ``pool_row``; ``sinks_pattern`` names the sink patterns);
 - ``run_paged_quantized_plan``: the same over shuffled 8-bit pages (``quantized_pool``,
@@ -31,7 +31,7 @@ from gqakv.core.tree import DraftTree
 from gqakv_backends.cupy_backend import plan as planmod
 from gqakv_backends.cupy_backend import work as workmod
 
-from . import cases
+from . import cases, quantized_cases
 from ..support.reference import reference_attention
 
 D = 64  # the head dim of the paged 8-bit instantiations of the default library (harness.PAGED_QUANTIZED_*)
@@ -97,14 +97,98 @@ def run_variant(emu, *, dtype, d, kv_heads, group, lens, n_new, params, pad=1,
     return plan
 
 
+#: The storages ``run_tree`` lays its rows out in: contiguous rows, shuffled pages, 8-bit
+#: (int8) rows with per-token scales, and 8-bit pages.
+TREE_STORAGES = ("contiguous", "paged", "int8", "paged_int8")
+
+
+def _tree_kv(rng, st, lens, kv_heads, d, S, storage, P):
+    """The K/V buffers of ``run_tree`` over ``storage`` (rows of ``lens[b]`` random tokens):
+    ``(arrays, plan keyword arguments, k_rows, v_rows, poison)``; the rows float64 as the
+    storage holds them (8-bit: codes x scales), ``poison(lo)`` the byte ranges no kernel may
+    touch when row b's kernels read keys ``lo[b]..lens[b]-1`` (the K and V buffers alike:
+    the same token slots), as a dict over the arrays' names. Unwritten slots are NaN
+    (scales; codes 0x55)."""
+    B = len(lens)
+    quantized, paged = storage in ("int8", "paged_int8"), storage in ("paged", "paged_int8")
+    tokens = [[rng.standard_normal((kv_heads, int(L), d)) for L in lens] for _ in range(2)]  # K, V
+    if paged:  # pages dealt in a shuffled order, 3 that no row holds
+        held = [-(-int(L) // P) for L in lens]
+        num_pages = sum(held) + 3
+        order = rng.permutation(num_pages)
+        table = np.full((B, max(1, max(held) + 1)), -1, np.int32)
+        i = 0
+        for b in range(B):
+            table[b, :held[b]] = order[i:i + held[b]]
+            i += held[b]
+        shape = (num_pages, kv_heads, P, d)
+    else:
+        shape = (B, kv_heads, S, d)
+
+    def slots(b, L):  # (index, slot) of row b's tokens 0..L-1 in the buffers
+        if paged:
+            j = np.arange(L)
+            return table[b, j // P], j % P
+        return np.full(L, b), np.arange(L)
+
+    arrays, held_rows = {}, []
+    for name, rows in zip("kv", tokens):
+        if quantized:
+            codes = np.full(shape, 0x55, np.int8)
+            scales = np.full(shape[:3], np.nan, np.float32)
+            held_rows.append([])
+            for b, x in enumerate(rows):
+                c, sc = Q.quantize(np, x.astype(np.float32), "int8")
+                i0, o = slots(b, x.shape[1])
+                codes[i0, :, o] = c.transpose(1, 0, 2)  # [L, Hkv, d]: the slot axes first
+                scales[i0, :, o] = sc.T
+                held_rows[-1].append(Q.dequantize(np, c, sc, "int8").astype(np.float64))
+            arrays[f"{name}_buf"], arrays[f"{name}_scale"] = codes, scales
+        else:
+            buf = np.full(shape, np.nan, st)
+            for b, x in enumerate(rows):
+                i0, o = slots(b, x.shape[1])
+                buf[i0, :, o] = x.astype(st).transpose(1, 0, 2)
+            arrays[f"{name}_buf"] = buf
+            held_rows.append([x.astype(st).astype(np.float64) for x in rows])
+    kw = {"buf_strides": element_strides(arrays["k_buf"])[:3], "kv_dtype": "int8" if quantized else None}
+    if paged:
+        arrays["table"] = table
+        kw["pages"] = planmod.PageTableArg(table.shape[1], P)
+
+    def poison(lo):
+        if paged:
+            live = lambda b: (int(lo[b]), int(lens[b]))  # noqa: E731
+            ranges = {"k_buf": pool_poison(arrays["k_buf"], table, held, lens, P, live),
+                      "table": table_poison(table, held)}
+            if quantized:
+                ranges["k_scale"] = pool_poison(arrays["k_scale"], table, held, lens, P, live)
+        else:
+            ranges = {"k_buf": [r for b in range(B) for h in range(kv_heads) for r in (
+                cases._token_ranges(arrays["k_buf"], b, h, 0, int(lo[b])),
+                cases._token_ranges(arrays["k_buf"], b, h, int(lens[b]), S))]}
+            if quantized:
+                ranges["k_scale"] = [r for b in range(B) for h in range(kv_heads) for r in (
+                    quantized_cases._scale_ranges(arrays["k_scale"], b, h, 0, int(lo[b])),
+                    quantized_cases._scale_ranges(arrays["k_scale"], b, h, int(lens[b]), S))]
+        ranges["v_buf"] = ranges["k_buf"]
+        if quantized:
+            ranges["v_scale"] = ranges["k_scale"]
+        return ranges
+
+    return arrays, kw, held_rows[0], held_rows[1], poison
+
+
 def run_tree(emu, *, dtype, d, kv_heads, group, lens, n_new, parents, params, tensor_cores=True,
-             seed=0, poison=False):
+             seed=0, poison=False, storage="contiguous", page_size=8):
     """One draft-tree attention call (``parents`` ``[B, S]``, each entry's first n_new[b]
-    tokens its tree) of ``params`` on contiguous rows holding ``lens[b]`` tokens, checked
-    against the loop reference (which walks the parents) by ``cases._check_out``; returns
-    the plan. With ``poison`` (the AddressSanitizer build): the K/V before each row's first
-    window (a root's, the kernels' key span), the dead tails, the padded queries and the
-    tree mask's padded rows (t >= n_new[b]) may not be touched."""
+    tokens its tree) of ``params`` on rows holding ``lens[b]`` tokens in ``storage`` (one of
+    ``TREE_STORAGES``; pages of ``page_size``), checked against the loop reference (which
+    walks the parents) on the values the storage holds by ``cases._check_out``; returns the
+    plan. With ``poison`` (the AddressSanitizer build): the K/V (codes and scales) before
+    each row's first window (a root's, the kernels' key span), the dead tails and unheld
+    pages, the table past each row's pages, the padded queries and the tree mask's padded
+    rows (t >= n_new[b]) may not be touched."""
     rng = np.random.default_rng(seed)
     st = cases.STORAGE[dtype]
     lens = np.asarray(lens, np.int64)
@@ -115,11 +199,7 @@ def run_tree(emu, *, dtype, d, kv_heads, group, lens, n_new, parents, params, te
     S_tree = int(parents.shape[1])
     S = int(lens.max()) + 3
     T = max(int(n_new.max()), 1)
-    k_buf = np.full((B, kv_heads, S, d), np.nan, st)  # dead tails NaN: never read
-    v_buf = np.full_like(k_buf, np.nan)
-    for b in range(B):
-        k_buf[b, :, :lens[b]] = rng.standard_normal((kv_heads, lens[b], d)).astype(st)
-        v_buf[b, :, :lens[b]] = rng.standard_normal((kv_heads, lens[b], d)).astype(st)
+    kv, kw, k_rows, v_rows, kv_poison = _tree_kv(rng, st, lens, kv_heads, d, S, storage, page_size)
     q = (2.0 * rng.standard_normal((B, Hq, T, d))).astype(st)
     for b in range(B):
         q[b, :, n_new[b]:] = np.nan
@@ -128,33 +208,24 @@ def run_tree(emu, *, dtype, d, kv_heads, group, lens, n_new, parents, params, te
     strides = lambda a: tuple(s // a.itemsize for s in a.strides)[:3]  # noqa: E731
     plan = planmod.plan_attention(dtype, d, batch=B, kv_heads=kv_heads, group=group, t_q=T,
                                   lens=lens, n_new=n_new, params=params, q_strides=strides(q),
-                                  buf_strides=strides(k_buf), out_strides=strides(out),
-                                  sm_count=132, tensor_cores=tensor_cores, tree_stride=S_tree)
+                                  out_strides=strides(out), sm_count=132, tensor_cores=tensor_cores,
+                                  tree_stride=S_tree, **kw)
     mask, depth = workmod.tree_arrays(tree)
-    arrays = {"q": q, "k_buf": k_buf, "v_buf": v_buf, "rows": np.arange(B, dtype=np.int64),
-              "lens": lens, "n_new": n_new, "out": out, "lse": lse, "tree_mask": mask.copy(),
-              "tree_depth": depth.copy()}
+    arrays = {**kv, "q": q, "rows": np.arange(B, dtype=np.int64), "lens": lens, "n_new": n_new,
+              "out": out, "lse": lse, "tree_mask": mask.copy(), "tree_depth": depth.copy()}
     if params.sinks is not None:
         arrays["sinks"] = np.asarray(params.sinks, np.float32)
     if params.alibi_slopes is not None:
         arrays["alibi"] = np.asarray(params.alibi_slopes, np.float32)
     ranges = None
     if poison:
-        kv_ranges = []
-        for b in range(B):
-            P = int(lens[b] - n_new[b])
-            lo = semantics.key_range(params, P + 1, 1, 0)[0] if n_new[b] else int(lens[b])  # a root's window
-            for h in range(kv_heads):
-                kv_ranges += [cases._token_ranges(k_buf, b, h, 0, int(lo)),
-                              cases._token_ranges(k_buf, b, h, int(lens[b]), S)]
+        lo = [semantics.key_range(params, int(lens[b] - n_new[b]) + 1, 1, 0)[0] if n_new[b]
+              else int(lens[b]) for b in range(B)]  # a root's window
         q_ranges = [cases._token_ranges(q, b, h, int(n_new[b]), T) for b in range(B) for h in range(Hq)]
         mask_ranges = [((b * S_tree + int(n_new[b])) * S_tree, (S_tree - int(n_new[b])) * S_tree)
                        for b in range(B)]
-        ranges = {"k_buf": kv_ranges, "v_buf": kv_ranges, "q": q_ranges, "out": q_ranges,
-                  "tree_mask": mask_ranges}
+        ranges = {**kv_poison(lo), "q": q_ranges, "out": q_ranges, "tree_mask": mask_ranges}
     emu.run(plan, arrays, poison=ranges)
-    k_rows = [k_buf[b, :, :lens[b]] for b in range(B)]
-    v_rows = [v_buf[b, :, :lens[b]] for b in range(B)]
     ref_out, ref_lse = reference_attention(q.astype(np.float64), k_rows, v_rows, n_new, params.scale,
                                            window=params.window, softcap=params.softcap,
                                            sinks=params.sinks, alibi_slopes=params.alibi_slopes,
@@ -162,8 +233,12 @@ def run_tree(emu, *, dtype, d, kv_heads, group, lens, n_new, parents, params, te
     assert not np.isnan(ref_out).any() and not np.isnan(out.astype(np.float64)).any()
     assert not np.isnan(lse).any()
     stats = {"max_out_err": 0.0, "max_out_tol": 0.0, "max_lse_err": 0.0}
-    case = types.SimpleNamespace(name=f"{dtype} d={d} tree {params.variant}", dtype=dtype)
+    case = types.SimpleNamespace(name=f"{dtype} d={d} {storage} tree {params.variant}", dtype=dtype)
     cases._check_out(case, 0, out, lse, ref_out, ref_lse, n_new, stats)
+    paged, tag = storage in ("paged", "paged_int8"), "gqakv_i8" if "int8" in storage else None
+    for launch in plan.launches:  # the storage's reader was the one launched
+        assert launch.name.endswith("KVPages>") == paged, launch.name
+        assert (tag in launch.name) if tag else "gqakv_i8" not in launch.name, launch.name
     return plan
 
 
