@@ -9,7 +9,7 @@ so later storage kinds and attention variants replace one piece, not the loop:
   a view), ``Paged`` (a pool and page table: up to the end of j's page, one table lookup
   per run), ``Quantized`` (codes and a per-token scale, either of those layouts),
   ``Grouped`` / ``PagedGrouped`` (codes and a scale per block of values along d: a run is
-  decoded once into an L1-sized float32 block, ``run_dots`` / ``run_accumulate``); and
+  decoded once into an L1-sized float32 block, ``readable_run``); and
   ``decode(x)`` turns one stored element into float32, chosen by the element type
   (float32 as is; float16 bits as uint16 and bfloat16 bits as int16, int8 codes, and
   float8_e4m3fn bits as uint8, converted in registers: ``half_to_float``,
@@ -387,7 +387,7 @@ def key_run(buf, r, h, j, n):
       capacity, a page's run alone;
     - scales: the per-token scales of ``Quantized`` / ``PagedQuantized`` codes, [>= m]
       likewise, the per-block scales of ``Grouped`` / ``PagedGrouped`` codes, [>= m, d / g]
-      (``run_dots``), else None (``factor``);
+      (``readable_run``), else None (``factor``);
     - an array [rows, Hkv, max_len, d] gives all n keys (m = n); ``Paged`` up to the end
       of j's page: one page-table lookup per run, never per key.
     """
@@ -638,40 +638,24 @@ def _dequantize_rows(rows, scales, n, out, ahead):
     return None
 
 
-def run_dots(qt, R, rows, scales, n, s, o, ahead, scratch):
-    """``_block_dots`` of one storage run (overloaded by the run's scales): grouped codes
-    (2-D scales) are decoded once into ``scratch`` [>= n, d] float32 (``dequantize_rows``:
-    an L1-sized block, one conversion per element for every row of the tile), then dotted
-    as float32 rows; other layouts are read in place (``decode`` and ``factor``)."""
+def readable_run(rows, scales, n, ahead, scratch):
+    """``(rows, scales, ahead)`` of a storage run (``key_run``) as ``_block_dots`` and
+    ``_accumulate`` read it (overloaded by the run's scales): grouped codes (2-D scales) are
+    decoded once into ``scratch`` [>= n, d] float32 (``dequantize_rows``: an L1-sized
+    block, one conversion per element for every row of the tile) and read as float32 rows
+    (``scratch, None, 0``); other layouts are read in place, as given (``decode`` and
+    ``factor``)."""
     raise NotImplementedError
 
 
-@overload(run_dots, inline="always", jit_options={"cache": True})
-def _run_dots(qt, R, rows, scales, n, s, o, ahead, scratch):
+@overload(readable_run, inline="always", jit_options={"cache": True})
+def _readable_run(rows, scales, n, ahead, scratch):
     if isinstance(scales, types.Array) and scales.ndim == 2:
-        def grouped(qt, R, rows, scales, n, s, o, ahead, scratch):
+        def grouped(rows, scales, n, ahead, scratch):
             dequantize_rows(rows, scales, n, scratch, ahead)
-            _block_dots(qt, R, scratch, None, n, s, o, 0)
+            return scratch, None, 0
         return grouped
-    return lambda qt, R, rows, scales, n, s, o, ahead, scratch: _block_dots(
-        qt, R, rows, scales, n, s, o, ahead)
-
-
-def run_accumulate(acc, R, s, o, rows, scales, n, ahead, scratch):
-    """``_accumulate`` of one storage run, grouped codes decoded first as ``run_dots``."""
-    raise NotImplementedError
-
-
-@overload(run_accumulate, inline="always", jit_options={"cache": True})
-def _run_accumulate(acc, R, s, o, rows, scales, n, ahead, scratch):
-    if isinstance(scales, types.Array) and scales.ndim == 2:
-        def grouped(acc, R, s, o, rows, scales, n, ahead, scratch):
-            dequantize_rows(rows, scales, n, scratch, ahead)
-            _accumulate(acc, R, s, o, scratch, None, n, 0)
-        return grouped
-    return lambda acc, R, s, o, rows, scales, n, ahead, scratch: _accumulate(
-        acc, R, s, o, rows, scales, n, ahead)
-
+    return lambda rows, scales, n, ahead, scratch: (rows, scales, ahead)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -893,8 +877,9 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
         n = min(key_block, j1 - js)
         o = 0
         while o < n:  # the block's keys, one storage run at a time
-            krows, kscales, w = key_run(k_buf, r, h, js + o, n - o)
-            run_dots(qt, R, krows, kscales, w, s, o, kahead, scratch)
+            krun, kscales_run, w = key_run(k_buf, r, h, js + o, n - o)
+            krows, kscales, kfetch = readable_run(krun, kscales_run, w, kahead, scratch)
+            _block_dots(qt, R, krows, kscales, w, s, o, kfetch)
             o += w
         for rr in range(R):
             if m[rr] != m[rr]:  # NaN already: nothing can change it
@@ -943,8 +928,9 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
             l[rr] += tot
         o = 0
         while o < n:
-            vrows, vscales, w = key_run(v_buf, r, h, js + o, n - o)
-            run_accumulate(acc, R, s, o, vrows, vscales, w, vahead, scratch)
+            vrun, vscales_run, w = key_run(v_buf, r, h, js + o, n - o)
+            vrows, vscales, vfetch = readable_run(vrun, vscales_run, w, vahead, scratch)
+            _accumulate(acc, R, s, o, vrows, vscales, w, vfetch)
             o += w
 
 

@@ -31,6 +31,7 @@ from gqakv.storage.codecs import GROUPED  # noqa: E402
 from .support.quantization import held_grouped  # noqa: E402
 from .support.reference import reference_attention  # noqa: E402
 from .support.seeds import stable_seed  # noqa: E402
+from .support.spies import kernel_layouts as spy_layouts  # noqa: E402
 
 #: Small head dims that hold whole blocks: one block of 32 (or 64) and two.
 HEAD_DIM = {32: 64, 64: 64}
@@ -42,15 +43,21 @@ SPLIT_EVERYTHING = dict(workers=3, query_block=2, min_key_split=2, key_block=5, 
 @pytest.fixture
 def kernel_layouts(monkeypatch):
     """The K layout of every ``attention_items`` call, by type name."""
-    seen = []
-    real = nk.attention_items
+    return spy_layouts(monkeypatch)
 
-    def spy(q, k_buf, v_buf, *rest):
-        seen.append(type(k_buf).__name__)
-        return real(q, k_buf, v_buf, *rest)
 
-    monkeypatch.setattr(nk, "attention_items", spy)
-    return seen
+def _prefilled(name, B, Hkv, d, L, n_new, rng, **storage):
+    """A float32 numba cache of codec ``name`` holding ``n_new`` random tokens per row, and
+    the rows it holds (float64, ``held_grouped``): (cache, rows_k, rows_v)."""
+    cache = gqakv.KVCache(B, Hkv, L, d, dtype="float32", backend="numba", kv_dtype=name, **storage)
+    T = max(n_new)
+    k = rng.standard_normal((B, Hkv, T, d)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, T, d)).astype(np.float32)
+    cache.append(k, v, n_new)
+    rows_k = [np.zeros((Hkv, 0, d)) for _ in range(B)]
+    rows_v = [np.zeros((Hkv, 0, d)) for _ in range(B)]
+    _held_rows(rows_k, rows_v, k, v, n_new, name)
+    return cache, rows_k, rows_v
 
 
 def _held_rows(rows_k, rows_v, k, v, n_new, name):
@@ -113,15 +120,8 @@ def test_key_pieces_split_over_threads_merge_exactly(name):
     direct): the pieces' merge matches the reference, with ALiBi and a window."""
     rng = np.random.default_rng(stable_seed("numba grouped split", name))
     B, Hkv, G, d = 2, 2, 2, 64
-    cache = gqakv.PagedKVCache(B, Hkv, 64, d, "float32", backend="numba", page_size=4,
-                               kv_dtype=name)
-    k = rng.standard_normal((B, Hkv, 40, d)).astype(np.float32)
-    v = rng.standard_normal((B, Hkv, 40, d)).astype(np.float32)
-    n_new = [40, 23]
-    cache.append(k, v, n_new)
-    rows_k = [np.zeros((Hkv, 0, d)) for _ in range(B)]
-    rows_v = [np.zeros((Hkv, 0, d)) for _ in range(B)]
-    _held_rows(rows_k, rows_v, k, v, n_new, name)
+    cache, rows_k, rows_v = _prefilled(name, B, Hkv, d, 64, [40, 23], rng, storage="paged",
+                                       page_size=4)
     q = rng.standard_normal((B, Hkv * G, 3, d)).astype(np.float32)
     n_q = [3, 2]  # the last queries of each row
     variant = {"window": 17, "alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}
@@ -143,14 +143,7 @@ def test_a_draft_tree_and_batch_invariant_mode_run_on_the_kernels(kernel_layouts
     name = "int4_g32_rotated"
     rng = np.random.default_rng(stable_seed("numba grouped tree"))
     B, Hkv, G, d = 2, 2, 2, 64
-    cache = gqakv.KVCache(B, Hkv, 64, d, "float32", backend="numba", kv_dtype=name)
-    k = rng.standard_normal((B, Hkv, 30, d)).astype(np.float32)
-    v = rng.standard_normal((B, Hkv, 30, d)).astype(np.float32)
-    n_new = [30, 30]
-    cache.append(k, v, n_new)
-    rows_k = [np.zeros((Hkv, 0, d)) for _ in range(B)]
-    rows_v = [np.zeros((Hkv, 0, d)) for _ in range(B)]
-    _held_rows(rows_k, rows_v, k, v, n_new, name)
+    cache, rows_k, rows_v = _prefilled(name, B, Hkv, d, 64, [30, 30], rng)
     T = 5
     parents = np.array([[-1, 0, 0, 1, -1], [-1, 0, 1, 2, 3]])
     k = rng.standard_normal((B, Hkv, T, d)).astype(np.float32)

@@ -36,6 +36,7 @@ from gqakv.core.semantics import AttentionParams  # noqa: E402
 
 from .support.quantization import hard_tokens, held  # noqa: E402
 from .support.reference import reference_on_buffers  # noqa: E402
+from .support.spies import kernel_layouts  # noqa: E402
 from .support.tolerance import max_error, plain_float32_attention, round_to  # noqa: E402
 
 SPLIT_EVERYTHING = dict(workers=3, query_block=2, min_key_split=2, key_block=5, parallel_min_work=0)
@@ -123,15 +124,7 @@ def _attend_both_ways(rng, cache, model, n_new, T, G, variant, dtype):
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """The layouts the kernel was called with, by type name (Paged / Quantized / ndarray)."""
-    seen = []
-    real = nk.attention_items
-
-    def spy(q, k_buf, v_buf, *rest):
-        seen.append(type(k_buf).__name__)
-        return real(q, k_buf, v_buf, *rest)
-
-    monkeypatch.setattr(nk, "attention_items", spy)
-    return seen
+    return kernel_layouts(monkeypatch)
 
 
 # -- paged ---------------------------------------------------------------------------------------
