@@ -589,51 +589,48 @@ def _tree_score_row(tree, i, t, start, s_row, n, js, lo, hi, scale, softcap, ali
 
 # -- attention -----------------------------------------------------------------------------
 
+@njit(fastmath=FASTMATH, cache=True, inline="always")
 def dequantize_rows(rows, scales, n, out, ahead):
     """out[jj, :] = the float32 values of grouped code rows jj < n (``Grouped``): each
-    code times its block's scale, exactly ``Grouped.dequantize_into``'s float32 products.
-    Overloaded by the code type: int8 codes are their value; uint8 bytes hold two 4-bit
-    codes (value 2i in the low nibble of byte i, each nibble the code + 8). ``ahead``: rows
-    of codes to prefetch ahead (``prefetch_ahead``; 0: none)."""
+    code times its block's scale, exactly ``Grouped.dequantize_into``'s float32 products
+    (``dequantize_block``, by the code type). ``ahead``: rows of codes to prefetch ahead
+    (``prefetch_ahead``; 0: none)."""
+    _prefer_512_bit_vectors()
+    nb = scales.shape[1]
+    for jj in range(n):
+        if ahead > 0 and jj + ahead < rows.shape[0]:
+            _prefetch_row(rows, jj + ahead)
+        src, dst = rows[jj], out[jj]
+        for b in range(nb):
+            dequantize_block(src, dst, np.uint64(b), np.uint64(src.shape[0] // nb), scales[jj, b])
+
+
+def dequantize_block(src, dst, b, width, scale):
+    """dst's values of block b = its codes (``width`` code elements from ``b * width`` on in
+    ``src``) times ``scale`` (overloaded by the code type): int8 codes are their value;
+    uint8 bytes hold two 4-bit codes (value 2i in the low nibble of byte i, each nibble
+    the code + 8). Offsets are unsigned: no negative-index fix-up, so the loop vectorizes."""
     raise NotImplementedError
 
 
-@overload(dequantize_rows, inline="always", jit_options={"cache": True})
-def _dequantize_rows(rows, scales, n, out, ahead):
-    if not (isinstance(rows, types.Array) and isinstance(scales, types.Array)):
+@overload(dequantize_block, inline="always", jit_options={"cache": True})
+def _dequantize_block(src, dst, b, width, scale):
+    if not isinstance(src, types.Array):
         return None
-    if rows.dtype == types.int8:
-        def eight_bit(rows, scales, n, out, ahead):
-            _prefer_512_bit_vectors()
-            nb = scales.shape[1]
-            g = np.uint64(out.shape[1] // nb)
-            for jj in range(n):
-                if ahead > 0 and jj + ahead < rows.shape[0]:
-                    _prefetch_row(rows, jj + ahead)
-                src, dst = rows[jj], out[jj]
-                for b in range(nb):
-                    sb = scales[jj, b]
-                    at = np.uint64(b) * g  # unsigned: no negative-index fix-up, so it vectorizes
-                    for c in range(g):
-                        dst[at + c] = np.float32(src[at + c]) * sb
+    if src.dtype == types.int8:
+        def eight_bit(src, dst, b, width, scale):
+            at = b * width
+            for c in range(width):
+                dst[at + c] = np.float32(src[at + c]) * scale
         return eight_bit
-    if rows.dtype == types.uint8:
-        def four_bit(rows, scales, n, out, ahead):
-            _prefer_512_bit_vectors()
-            nb = scales.shape[1]
-            hg = np.uint64(rows.shape[1] // nb)  # bytes per block: g / 2
+    if src.dtype == types.uint8:
+        def four_bit(src, dst, b, width, scale):
+            at = b * width
             one = np.uint64(1)
-            for jj in range(n):
-                if ahead > 0 and jj + ahead < rows.shape[0]:
-                    _prefetch_row(rows, jj + ahead)
-                src, dst = rows[jj], out[jj]
-                for b in range(nb):
-                    sb = scales[jj, b]
-                    at = np.uint64(b) * hg
-                    for i in range(hg):
-                        x = np.int32(src[at + i])
-                        dst[(at + i) << one] = np.float32((x & 15) - 8) * sb
-                        dst[((at + i) << one) + one] = np.float32((x >> 4) - 8) * sb
+            for i in range(width):
+                x = np.int32(src[at + i])
+                dst[(at + i) << one] = np.float32((x & 15) - 8) * scale
+                dst[((at + i) << one) + one] = np.float32((x >> 4) - 8) * scale
         return four_bit
     return None
 

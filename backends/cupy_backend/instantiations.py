@@ -43,6 +43,8 @@ import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from gqakv.storage.codecs import GROUPED
+
 from . import limits
 
 #: gqakv dtype name -> C++ storage type in the kernels (16-bit types are raw bits).
@@ -57,7 +59,16 @@ CODE_CTYPES = {"int8": "gqakv_i8", "float8_e4m3fn": "gqakv_e4m3",
                "int4_g32_rotated": "gqakv_i4g<32>"}
 #: The grouped codes' block (values per scale: gqakv.storage.codecs.Grouped.group): only
 #: head dims holding whole blocks are instantiated.
-GROUPS = {"int8_g32": 32, "int4_g32": 32, "int4_g64": 64, "int4_g32_rotated": 32}
+GROUPS = {name: group for name, (_, group, _) in GROUPED.items()}
+
+
+def block_rejection(kv_dtype: str | None, head_dim: int) -> str | None:
+    """Why a grouped codec has no kernels at ``head_dim`` (one that splits a block), or None."""
+    group = GROUPS.get(kv_dtype or "")
+    if group and head_dim % group:
+        return (f"kv_dtype={kv_dtype!r} at head_dim={head_dim} (blocks of {group} values: head "
+                f"dims that are multiples of {group})")
+    return None
 
 #: The variant trait's flags (kernels/variant.cuh: GQAKV_VARIANT_*), by feature name of
 #: ``gqakv.core.inputs.AttentionInputs.features``: the ``AttentionParams`` features, and
@@ -196,10 +207,9 @@ def rejection(inst: Instantiation) -> str | None:
     kind = storage_kind(inst.kv_dtype)
     if kind not in k.storages:
         return f"{k.name} has no {kind} instantiation ({kind}: {', '.join(kernels_with(storage=kind))})"
-    group = GROUPS.get(inst.kv_dtype or "")
-    if group and inst.head_dim % group:
-        return (f"no kv_dtype={inst.kv_dtype!r} instantiation at head_dim={inst.head_dim} (blocks of "
-                f"{group} values: head dims that are multiples of {group})")
+    blocks = block_rejection(inst.kv_dtype, inst.head_dim)
+    if blocks:
+        return f"no instantiation: {blocks}"
     if inst.reader not in READERS:
         return f"reader={inst.reader!r} (readers: {', '.join(READERS)})"
     if inst.reader not in k.readers:

@@ -48,16 +48,8 @@ PREFILL_KERNELS = ("gqakv_prefill_mma", "gqakv_prefill")
 
 def _fused_rejection(dtype: str, head_dim: int, codec: str | None = None) -> str | None:
     return (limits.dtype_rejection(dtype, FUSED_DTYPES) or limits.head_dim_rejection(head_dim)
-            or _block_rejection(codec, head_dim))
-
-
-def _block_rejection(codec: str | None, head_dim: int) -> str | None:
-    """A grouped codec's kernels exist at head dims holding whole blocks only (its caches
-    refuse the others; a bare request may still name one)."""
-    group = table.GROUPS.get(codec or "")
-    if group and head_dim % group:
-        return f"kv_dtype={codec!r} at head_dim={head_dim} (blocks of {group} values: multiples of {group})"
-    return None
+            # a grouped codec's caches refuse such head dims; a bare request may still name one
+            or table.block_rejection(codec, head_dim))
 
 
 #: Quantized storage the kernels read (kernels/quantized_kv.cuh): 8-bit codes with a scale
