@@ -1,5 +1,5 @@
 """The ``gqakv`` command: ``info``, ``bench`` (the default job), ``size``, ``generate``,
-``selftest``.
+``selftest``, ``work``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; they are imported only when chosen.
@@ -30,6 +30,9 @@ SUBCOMMANDS = {
                                             "weights, or real ones: --model smollm2-135m, --gguf PATH)"),
     "selftest": ("gqakv.tools.selftest", "check every kernel family of a backend against the float64 "
                                    "reference (run this first on new hardware)"),
+    "work": ("gqakv.tools.work_count", "count the instructions and simulated cache misses of fixed "
+                                       "headline calls under valgrind: a benchmark metric that does "
+                                       "not move with the machine's load"),
 }
 
 EXIT_USAGE = 2
