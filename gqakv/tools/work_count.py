@@ -58,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -123,7 +124,8 @@ def build(s: Scenario):
         backend = gqakv.get_backend(s.backend)
     except Exception as exc:  # unknown, or cannot run here
         raise Skip(f"backend {s.backend}: {exc}") from None
-    extra = {} if s.kv_dtype is None else {"kv_dtype": s.kv_dtype}
+    extra: dict[str, Any] = {} if s.kv_dtype is None else {"kv_dtype": s.kv_dtype}
+    cache: Any
     try:
         if s.page_size is not None:
             cache = gqakv.PagedKVCache(s.batch, HKV, s.length, D, dtype=s.dtype, backend=backend,
@@ -284,7 +286,8 @@ def _warm(spec: str) -> None:
 def _count(spec: str, lib_path: str, report: str) -> None:
     lib = ctypes.CDLL(lib_path)
     region = ctypes.CFUNCTYPE(None)
-    done, dumps = {}, 0
+    done: dict[str, dict[str, Any]] = {}
+    dumps = 0
     for name, scenario in _scenarios(spec).items():
         try:
             call = build(scenario)
