@@ -24,6 +24,7 @@ version: 1
 creator: callgrind-3.19.0
 cmd:  python
 events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw
+summary: 0
 fl=(1) x.c
 fn=(1) f
 16 5 1 1 0 0 0 0 0 0

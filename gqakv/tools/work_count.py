@@ -207,12 +207,14 @@ def _valgrind_command(out_file: Path) -> list[str]:
 
 def read_dump(path: Path) -> dict[str, int]:
     """``{instructions, ll_misses}`` from a callgrind dump's events and totals."""
-    names, totals = None, None
+    names, found = None, {}
     for line in path.read_text().splitlines():
         if line.startswith("events:"):
             names = line.split()[1:]
-        elif line.startswith(("totals:", "summary:")):
-            totals = [int(x) for x in line.split()[1:]]
+        elif line.startswith(("totals:", "summary:")):  # callgrind writes totals (older: summary)
+            key, _, values = line.partition(":")
+            found[key] = [int(x) for x in values.split()]
+    totals = found.get("totals", found.get("summary"))
     if names is None or totals is None:
         raise RuntimeError(f"{path}: no events / totals line (not a callgrind dump?)")
     ev = dict(zip(names, totals + [0] * (len(names) - len(totals))))
