@@ -85,7 +85,13 @@ ONE_THREAD = {"GQAKV_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREA
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     """One fixed call: ``batch`` rows holding ``length`` tokens (the last ``n_new`` of them
-    just appended) and attention of those ``n_new`` queries per row over them."""
+    just appended) and attention of those ``n_new`` queries per row over them, with
+    ``HQ`` / ``HKV`` heads of ``head_dim``.
+
+    With ``layers``, the call is instead a ``ModelKVCache`` decode step of that many layers
+    (each appends one token per row and attends) over rows of about ``length`` tokens,
+    with the backend's kernels no-op'd: the host work of a step alone (validation,
+    planning, dispatch), the deterministic companion of ``gqakv bench --host-time``."""
 
     backend: str
     batch: int = 2
@@ -94,6 +100,8 @@ class Scenario:
     dtype: str = "float32"
     kv_dtype: str | None = None
     page_size: int | None = None
+    head_dim: int = D
+    layers: int | None = None
 
 
 # The headline workloads: decode in every storage kind the numba kernels read, a chunked
@@ -106,6 +114,8 @@ SCENARIOS = {
     "decode-numba-float32-paged16": Scenario("numba", page_size=16),
     "prefill-numba-float32": Scenario("numba", batch=1, length=576, n_new=64),
     "decode-numpy-float32": Scenario("numpy"),
+    # the host target's step (issue 26): 32 layers, B=8, Hkv=8, G=4, d=64, 16 live tokens
+    "step-host-numba": Scenario("numba", batch=8, length=16, head_dim=64, layers=32),
 }
 
 EVENTS = ("instructions", "ll_misses")
@@ -124,21 +134,23 @@ def build(s: Scenario):
         backend = gqakv.get_backend(s.backend)
     except Exception as exc:  # unknown, or cannot run here
         raise Skip(f"backend {s.backend}: {exc}") from None
+    if s.layers is not None:
+        return _host_step(gqakv, backend, s)
     extra: dict[str, Any] = {} if s.kv_dtype is None else {"kv_dtype": s.kv_dtype}
     cache: Any
     try:
         if s.page_size is not None:
-            cache = gqakv.PagedKVCache(s.batch, HKV, s.length, D, dtype=s.dtype, backend=backend,
-                                       page_size=s.page_size, **extra)
+            cache = gqakv.PagedKVCache(s.batch, HKV, s.length, s.head_dim, dtype=s.dtype,
+                                       backend=backend, page_size=s.page_size, **extra)
         else:
-            cache = gqakv.KVCache(s.batch, HKV, s.length, D, dtype=s.dtype, backend=backend,
-                                  **extra)
+            cache = gqakv.KVCache(s.batch, HKV, s.length, s.head_dim, dtype=s.dtype,
+                                  backend=backend, **extra)
     except (TypeError, ValueError, AttributeError) as exc:  # an option this commit lacks
         raise Skip(f"{s}: {exc}") from None
     rng = np.random.default_rng(0)
 
     def tensor(heads, t):
-        x = rng.standard_normal((s.batch, heads, t, D)).astype(np.float32)
+        x = rng.standard_normal((s.batch, heads, t, s.head_dim)).astype(np.float32)
         return backend.from_numpy(x, s.dtype)
 
     history = s.length - s.n_new
@@ -152,6 +164,38 @@ def build(s: Scenario):
     def call():
         gqakv.gqa_attention(q, cache, n_new)
         backend.synchronize()
+
+    return call
+
+
+def _host_step(gqakv, backend, s: Scenario):
+    """``call()`` running one decode step of ``s.layers`` layers with no-op kernels."""
+    try:
+        from gqakv.tools.host_time import kernels_as_no_ops
+    except ImportError:
+        raise Skip("gqakv.tools.host_time does not exist in this commit (added later)") from None
+    if not backend.kernel_entries():
+        raise Skip(f"backend {s.backend} declares no kernel entries to no-op")
+    B, steps = s.batch, 4  # every call appends a token: room for the warm-up and the count
+    cache = gqakv.ModelKVCache(s.layers, B, HKV, s.length + steps, s.head_dim, dtype=s.dtype,
+                               backend=backend)
+    rng = np.random.default_rng(0)
+
+    def tensor(heads, t):
+        return backend.from_numpy(rng.standard_normal((B, heads, t, s.head_dim)).astype(np.float32),
+                                  s.dtype)
+
+    x = tensor(HKV, s.length - 1)
+    with cache.step([s.length - 1] * B) as step:
+        for layer in range(s.layers):
+            step.write(layer, x, x)
+    q, k = tensor(HQ, 1), tensor(HKV, 1)
+    ones = [1] * B
+
+    def call():
+        with kernels_as_no_ops(backend), cache.step(ones) as step:
+            for layer in range(s.layers):
+                step.attend(layer, q, k, k)
 
     return call
 
