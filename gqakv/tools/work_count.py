@@ -176,8 +176,8 @@ def _host_step(gqakv, backend, s: Scenario):
         raise Skip("gqakv.tools.host_time does not exist in this commit (added later)") from None
     if not backend.kernel_entries():
         raise Skip(f"backend {s.backend} declares no kernel entries to no-op")
-    B, steps = s.batch, 4  # every call appends a token: room for the warm-up and the count
-    cache = gqakv.ModelKVCache(s.layers, B, HKV, s.length + steps, s.head_dim, dtype=s.dtype,
+    B, steps, layers = s.batch, 4, int(s.layers or 0)  # every call appends a token: room
+    cache = gqakv.ModelKVCache(layers, B, HKV, s.length + steps, s.head_dim, dtype=s.dtype,
                                backend=backend)
     rng = np.random.default_rng(0)
 
@@ -187,14 +187,14 @@ def _host_step(gqakv, backend, s: Scenario):
 
     x = tensor(HKV, s.length - 1)
     with cache.step([s.length - 1] * B) as step:
-        for layer in range(s.layers):
+        for layer in range(layers):
             step.write(layer, x, x)
     q, k = tensor(HQ, 1), tensor(HKV, 1)
     ones = [1] * B
 
     def call():
         with kernels_as_no_ops(backend), cache.step(ones) as step:
-            for layer in range(s.layers):
+            for layer in range(layers):
                 step.attend(layer, q, k, k)
 
     return call
