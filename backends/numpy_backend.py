@@ -49,6 +49,7 @@ class NumpyBackend(Backend):
     fast_paths = FAST_PATHS
     packed_tokens = True  # the BLAS path and the generic defaults take [N, H, d] tokens
     wide_queries = True  # float32 q over a 16-bit store: computed and returned in float32
+    generic_invariant = True  # equal operands and shapes give equal bits (CPU libraries)
 
     def namespace(self):
         import array_api_compat.numpy as xp

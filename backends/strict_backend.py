@@ -21,6 +21,7 @@ class StrictBackend(Backend):
                           "attention variants (window, softcap, sinks) on the generic array-API path"})
     packed_tokens = True  # the generic defaults take packed [N, H, d] tokens
     wide_queries = True  # float32 q over a 16-bit store: computed and returned in float32
+    generic_invariant = True  # equal operands and shapes give equal bits (CPU libraries)
 
     def unavailable_reason(self):
         try:

@@ -47,6 +47,7 @@ class TorchBackend(Backend):
     })
     packed_tokens = True  # the generic defaults (its write_kv wraps one) take [N, H, d] tokens
     wide_queries = True  # float32 q over a 16-bit store: computed and returned in float32
+    generic_invariant = True  # equal operands and shapes give equal bits (CPU libraries)
 
     def __init__(self, device=None):
         """``device``: a torch device (or string) to allocate on; None follows torch's default."""

@@ -17,7 +17,7 @@ from .support.packing import pack_tokens
 from .support.reference import reference_attention
 
 HKV, G, D = 2, 3, 16
-INVARIANT_BACKENDS = ["numpy", "numba"]
+INVARIANT_BACKENDS = ["numpy", "numba", "torch", "array_api_strict"]
 STORAGES = [{}, {"storage": "paged", "page_size": 16}, {"storage": "paged", "page_size": 5},
             {"kv_dtype": "int8"}]
 
@@ -25,6 +25,11 @@ STORAGES = [{}, {"storage": "paged", "page_size": 16}, {"storage": "paged", "pag
 def same_bits(a, b) -> bool:
     a, b = np.ascontiguousarray(np.asarray(a)), np.ascontiguousarray(np.asarray(b))
     return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def host(backend, x) -> np.ndarray:
+    """A backend's array as NumPy, its dtype (so its bits) kept."""
+    return gqakv.get_backend(backend).to_numpy(x)
 
 
 def make_cache(backend, dtype, storage, batch=1, max_len=400):
@@ -46,6 +51,12 @@ def fill(cache, backend, dtype, k, v, chunks, rows=None):
 
 @pytest.fixture(params=INVARIANT_BACKENDS)
 def inv_backend(request):
+    """numpy (its BLAS path), numba (its kernels), and the generic array-API code on torch
+    and array_api_strict (``Backend.generic_invariant``)."""
+    try:
+        gqakv.get_backend(request.param)
+    except gqakv.BackendError as exc:
+        pytest.skip(str(exc))
     return request.param
 
 
@@ -60,6 +71,12 @@ def test_a_querys_bits_do_not_depend_on_its_chunk_or_its_batch(inv_backend, dtyp
     packed); its prefix from the prefix cache (paged storage). All the same bits."""
     if "kv_dtype" in storage and dtype == "float64":
         pytest.skip("8-bit storage takes float32/float16/bfloat16 q")
+    if inv_backend == "torch" and dtype == "float64":
+        pytest.skip("the generic code in float64 runs on array_api_strict (same code, and torch "
+                    "is the slowest here)")
+    unsupported = gqakv.get_backend(inv_backend).not_supported_reasons(dtype=dtype)
+    if unsupported:
+        pytest.skip("; ".join(unsupported))
     rng = np.random.default_rng(7)
     L, T = 300, 24
     k, v = rng.standard_normal((2, HKV, L, D))
@@ -71,18 +88,18 @@ def test_a_querys_bits_do_not_depend_on_its_chunk_or_its_batch(inv_backend, dtyp
         # the tail of one 300-query chunk
         c = make_cache(inv_backend, dtype, storage)
         fill(c, inv_backend, dtype, k, v, [L])
-        whole = np.asarray(gqakv.gqa_attention(held(inv_backend, q[None], dtype), c, [L], **kw))[0, :, L - T:]
+        whole = host(inv_backend, gqakv.gqa_attention(held(inv_backend, q[None], dtype), c, [L], **kw))[0, :, L - T:]
         # its own 24-token chunk after a prefix cut 100 + 176
         c = make_cache(inv_backend, dtype, storage)
         fill(c, inv_backend, dtype, k, v, [100, L - T - 100, T])
-        chunk = np.asarray(gqakv.gqa_attention(held(inv_backend, q[None, :, L - T:], dtype), c, [T], **kw))[0]
+        chunk = host(inv_backend, gqakv.gqa_attention(held(inv_backend, q[None, :, L - T:], dtype), c, [T], **kw))[0]
         assert same_bits(chunk, whole)
         # one decode step at a time (the last 4)
         c = make_cache(inv_backend, dtype, storage)
         fill(c, inv_backend, dtype, k, v, [L - 4])
         for t in range(L - 4, L):
             fill(c, inv_backend, dtype, k[:, t:], v[:, t:], [1])
-            one = np.asarray(gqakv.gqa_attention(held(inv_backend, q[None, :, t:t + 1], dtype), c, [1], **kw))
+            one = host(inv_backend, gqakv.gqa_attention(held(inv_backend, q[None, :, t:t + 1], dtype), c, [1], **kw))
             assert same_bits(one[0, :, 0], whole[:, t - (L - T)])
         # in a batch of 8 rows (the request in row 5), padded and packed
         B = 8
@@ -101,9 +118,9 @@ def test_a_querys_bits_do_not_depend_on_its_chunk_or_its_batch(inv_backend, dtyp
             fill(c, inv_backend, dtype, kb[:, lens[b] - n_new[b]:], vb[:, lens[b] - n_new[b]:], [n_new[b]], rows=[b])
         qs = rng.standard_normal((B, HKV * G, int(n_new.max()), D))
         qs[5, :, :T] = q[:, L - T:]
-        padded = np.asarray(gqakv.gqa_attention(held(inv_backend, qs, dtype), c, n_new, **kw))
+        padded = host(inv_backend, gqakv.gqa_attention(held(inv_backend, qs, dtype), c, n_new, **kw))
         assert same_bits(padded[5, :, :T], whole)
-        packed = np.asarray(gqakv.gqa_attention(held(inv_backend, pack_tokens(qs, n_new), dtype), c, n_new, **kw))
+        packed = host(inv_backend, gqakv.gqa_attention(held(inv_backend, pack_tokens(qs, n_new), dtype), c, n_new, **kw))
         off = int(n_new[:5].sum())
         assert same_bits(np.swapaxes(packed[off:off + T], 0, 1), whole)
         # its prefix from the prefix cache (paged storage)
@@ -115,7 +132,7 @@ def test_a_querys_bits_do_not_depend_on_its_chunk_or_its_batch(inv_backend, dtyp
             m = c.match_prefix(1, ids)
             assert m > 200
             fill(c, inv_backend, dtype, k[:, m:], v[:, m:], [L - m], rows=[1])
-            hit = np.asarray(gqakv.gqa_attention(held(inv_backend, q[None, :, m:], dtype), c, [L - m], rows=[1], **kw))
+            hit = host(inv_backend, gqakv.gqa_attention(held(inv_backend, q[None, :, m:], dtype), c, [L - m], rows=[1], **kw))
             assert same_bits(hit[0, :, -T:], whole)
     # and right: the float64 reference of the request's queries
     want, _ = reference_attention(np.asarray(gqakv.get_backend("numpy").to_numpy(held("numpy", q[None, :, L - T:], dtype)),
@@ -166,9 +183,17 @@ def test_routes_and_plans_follow_the_mode():
     assert invariance.enabled() is False
 
 
-@pytest.mark.parametrize("name", ["torch", "array_api_strict"])
-def test_backends_without_an_invariant_path_refuse_the_mode(name):
-    backend = gqakv.get_backend(name)
+def test_backends_without_an_invariant_path_refuse_the_mode():
+    """A backend that does not declare its generic code invariant (``generic_invariant``,
+    the default for a third-party backend) refuses a call in the mode that would take it."""
+    from gqakv_backends.strict_backend import StrictBackend
+
+    class Unsure(StrictBackend):
+        name = "strict-unsure"
+        generic_invariant = False
+
+    backend = Unsure()
+    name = backend.name
     xp = backend.namespace()
     cache = gqakv.KVCache(1, HKV, 16, D, backend=backend)
     kv = xp.zeros((1, HKV, 3, D), dtype=backend.dtype("float32"))

@@ -164,6 +164,15 @@ class Backend:
     #: compiled kernels are built per q dtype leaves it False, and its partials are then
     #: rounded to the q dtype before the merge.
     wide_queries: ClassVar[bool] = False
+    #: Whether the generic array-API code keeps a query's bits independent of the batch
+    #: in batch-invariant mode (``gqakv.core.invariance``) on this backend's arrays. In
+    #: that mode the generic code gives each query its own tile, so its keys are read in
+    #: the same blocks whatever its chunk or batch; what it cannot know is whether the
+    #: array library gives equal bits for equal operands and shapes (a matmul that splits
+    #: its reduction by load or by the device's occupancy does not). A backend says so
+    #: once it does (NumPy, torch on the CPU, array-api-strict); False: a call in the mode
+    #: that would take the generic code is refused.
+    generic_invariant: ClassVar[bool] = False
 
     # -- availability and capabilities ---------------------------------------------------
 
@@ -318,6 +327,13 @@ class Backend:
         returns work also takes ``work``, ``out`` and ``lse_out`` here (see there).
         """
         return _attention.attention_array_api(q, store, inputs, params, return_lse=return_lse)
+
+    def invariant_attention(self) -> frozenset[str]:
+        """The names of the attention implementations that honour batch-invariant mode:
+        the fast paths that declare it (``FastPath.invariant``), and the generic code where
+        ``generic_invariant`` says this backend's array library allows it."""
+        names = {p.name for p in self.fast_paths if p.op == "attention" and p.invariant}
+        return frozenset(names | ({GENERIC} if self.generic_invariant else set()))
 
     # -- hooks for the tools (selftest, bench, distributed, integrations) ------------------
     # The tools ask the backend instead of switching on its name, so a third-party backend

@@ -146,6 +146,11 @@ def attention_array_api(q, store, inputs, params, *, return_lse: bool,
     """
     rows, lens, n_new = inputs.rows, inputs.lens, inputs.n_new
     offsets = getattr(inputs, "offsets", None)  # packed q [N, Hq, d] when set
+    if getattr(inputs, "invariant", False):
+        # batch-invariant mode: each query its own tile, so its key range and key blocks
+        # (score_block_elements // (Hkv * G) keys, from its first visible key, page-aligned
+        # when paged) depend on its position alone, not on its chunk or batch
+        query_block = 1
     xp = array_namespace(q)
     Hq, d = int(q.shape[1]), int(q.shape[-1])  # Hq is dim 1 in both layouts
     Hkv = store.kv_heads

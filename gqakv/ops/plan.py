@@ -59,14 +59,13 @@ def check_invariant_route(backend, store, inputs, q_shape) -> None:
     route = backend.route("attention", dtype=spec.q_dtype, head_dim=store.head_dim, layout=spec.kind,
                           codec=spec.codec.name, features=inputs.features,
                           **inputs.token_facts(q_shape))
-    honours = {p.name for p in backend.fast_paths if p.op == "attention" and p.invariant}
-    if route.impl not in honours:
+    if route.impl not in backend.invariant_attention():
         why = "; ".join(f"not {name}: {reason}" for name, reason in route.rejected.items())
         raise ValueError(
             f"batch-invariant mode: backend {backend.name!r} would run {route.impl!r} for this call, "
             f"whose results depend on the batch ({why or 'it declares no batch-invariant path'}); "
-            "the numpy and numba backends' attention honours the mode (gqakv.core.invariance), "
-            "or turn it off")
+            "the numpy, numba, torch and array_api_strict backends' attention honours the mode "
+            "(gqakv.core.invariance), or turn it off")
 
 
 class AttentionPlan:
