@@ -176,7 +176,8 @@ def _host_step(gqakv, backend, s: Scenario):
         raise Skip("gqakv.tools.host_time does not exist in this commit (added later)") from None
     if not backend.kernel_entries():
         raise Skip(f"backend {s.backend} declares no kernel entries to no-op")
-    B, steps, layers = s.batch, 4, int(s.layers or 0)  # every call appends a token: room
+    # every call appends a token per row: room for the warm-up's call and the counted ones
+    B, steps, layers = s.batch, 4, int(s.layers or 0)
     cache = gqakv.ModelKVCache(layers, B, HKV, s.length + steps, s.head_dim, dtype=s.dtype,
                                backend=backend)
     rng = np.random.default_rng(0)
