@@ -70,8 +70,9 @@ def add_arguments(parser) -> None:
                              "the second prefills only its own tokens (time to first token of both, and "
                              "the second against serving it alone)")
     parser.add_argument("--batch-invariant", action="store_true",
-                        help="batch-invariant attention (gqakv.set_batch_invariant): a query's bits do not "
-                             "depend on its chunk or its batch (with --prefix-cache: the second request's "
+                        help="batch-invariant mode (gqakv.set_batch_invariant): attention and the model's "
+                             "projections (one token row at a time) give a token's logits the same bits "
+                             "whatever its chunk or batch (with --prefix-cache: the second request's "
                              "logits bit-identical to serving it alone)")
     parser.add_argument("--tensor-parallel", type=int, default=None, metavar="P",
                         help="split the model by heads over P processes started by torchrun "

@@ -54,6 +54,7 @@ from typing import Sequence
 import numpy as np
 
 import gqakv
+from gqakv.core import invariance
 from gqakv.distributed import rank_backend
 
 
@@ -335,6 +336,21 @@ class LlamaModel:
         out[..., half:] = x2 * cos + x1 * sin
         return out
 
+    def _linear(self, x, w):
+        """``x [..., in] @ w [in, out]``. In batch-invariant mode (``gqakv.batch_invariant``)
+        one token row at a time: a matmul of N rows picks its blocking, so the order of
+        each dot product's sum, by N, and a token's logits would then depend on the other
+        rows of the batch and on the chunk it came in; a ``[1, in]`` product is the same
+        operation whatever the batch. (Slower: decode's matmuls are matrix-vector products
+        per row anyway; prefill loses its matrix-matrix blocking.)"""
+        if not invariance.enabled():
+            return x @ w
+        xp = self.xp
+        n_in, n_out = int(x.shape[-1]), int(w.shape[-1])
+        rows = xp.reshape(x, (-1, n_in))
+        out = xp.concat([rows[i:i + 1, :] @ w for i in range(int(rows.shape[0]))], axis=0)
+        return xp.reshape(out, (*tuple(int(s) for s in x.shape[:-1]), n_out))
+
     def _heads(self, y, B, T, H):
         """``[B, T, H*d]`` -> ``[B, H, T, d]`` (a view where the library allows)."""
         return self.xp.permute_dims(self.xp.reshape(y, (B, T, H, self.config.head_dim)), (0, 2, 1, 3))
@@ -367,21 +383,21 @@ class LlamaModel:
 
         def attention_in(i, w, x, cos, sin):  # attend's result for this process's heads
             h = self._rmsnorm(x, w["attn_norm"])
-            q = self._rope(self._heads(h @ w["wq"], B, T, Hq), cos, sin)
-            k = self._rope(self._heads(h @ w["wk"], B, T, Hkv), cos, sin)
-            v = self._heads(h @ w["wv"], B, T, Hkv)
+            q = self._rope(self._heads(self._linear(h, w["wq"]), B, T, Hq), cos, sin)
+            k = self._rope(self._heads(self._linear(h, w["wk"]), B, T, Hkv), cos, sin)
+            v = self._heads(self._linear(h, w["wv"]), B, T, Hkv)
             return attend(i, q, k, v)  # [B, Hq, T, d] (gathered: its partial (out, lse))
 
         def attention_out(w, o):  # [B, Hq, T, d] -> [B, T, D], this process's heads' share
-            return xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, T, Hq * d)) @ w["wo"]
+            return self._linear(xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, T, Hq * d)), w["wo"])
 
         def attention_part(i, w, x, cos, sin):
             return attention_out(w, attention_in(i, w, x, cos, sin))
 
         def mlp_part(w, x):  # [B, T, D], this process's MLP columns' share
             h = self._rmsnorm(x, w["mlp_norm"])
-            gate = h @ w["w_gate"]
-            return ((gate / (1.0 + xp.exp(-gate))) * (h @ w["w_up"])) @ w["w_down"]  # SwiGLU
+            gate = self._linear(h, w["w_gate"])
+            return self._linear((gate / (1.0 + xp.exp(-gate))) * self._linear(h, w["w_up"]), w["w_down"])  # SwiGLU
 
         started = guard.run(start)
         (cos, sin), x = started if started is not None else ((None, None), None)
@@ -402,7 +418,7 @@ class LlamaModel:
             B, T, D = (int(s) for s in x.shape)
             idx = self.backend.from_host_ints(np.arange(B) * T + last, device=self.backend.device_of(x))
             x = xp.take(xp.reshape(x, (B * T, D)), idx, axis=0)  # [B, D]
-        return self.backend.to_numpy(x @ self.head)
+        return self.backend.to_numpy(self._linear(x, self.head))
 
     # -- forward passes ---------------------------------------------------------------------
 
