@@ -337,13 +337,13 @@ def _table_rows(k_pool, v_pool, table, lens, P):
 
 @pytest.mark.parametrize("what,variant,reason", [
     ("window", {"window": 3}, "sliding window=3"),
-    ("window+alibi", {"window": 30, "alibi_slopes": ALIBI4}, "sliding window=30"),
+    ("window+alibi", {"window": 5, "alibi_slopes": ALIBI4}, "sliding window=5"),
     ("negative alibi", {"alibi_slopes": (0.5, -0.25, 0.0, 0.1)}, "ALiBi with a negative slope"),
 ])
 def test_refused_for_position_dependent_variants(small_groups, monkeypatch, what, variant, reason):
-    """Which keys a query sees under a window depends on its position, and a negative ALiBi
-    slope makes LSEs as large as the positions: the plan keeps the normal path, says why,
-    and still matches the reference."""
+    """Which keys a query sees under a window its rows outgrow (12 tokens here) depends on
+    its position, and a negative ALiBi slope makes LSEs as large as the positions: the plan
+    keeps the normal path, says why, and still matches the reference."""
     backend = gqakv.get_backend("numpy")
     arrays = BackendArrays(backend)
     rng = np.random.default_rng(2)
@@ -360,6 +360,43 @@ def test_refused_for_position_dependent_variants(small_groups, monkeypatch, what
     assert launches == []
     k_rows, v_rows = _rows_of(cache, arrays, 6)
     _check("float64", out, lse, q, k_rows, v_rows, n_new, variant, what)
+
+
+@pytest.mark.parametrize("variant", [{"window": 16}, {"window": 16, "softcap": 2.0, "sinks": SINKS4},
+                                     {"window": 16, "alibi_slopes": ALIBI4}],
+                         ids=["window", "window+softcap+sinks", "window+alibi"])
+def test_a_window_groups_the_rows_it_does_not_reach_into(backend, arrays, small_groups,
+                                                         monkeypatch, variant):
+    """Forked rows under a 16-token window: an entry whose row is at most 16 tokens long
+    (its queries' windows reach back to key 0) is grouped, a longer one takes the normal
+    path, and once every sharing entry is longer the plan says why; every step matches
+    the float64 reference with the window (which the rows past 16 tokens feel)."""
+    if "emulated" in backend.name:
+        pytest.skip("the emulator's time: its tiny case is test_cupy_emulated_shared_prefix")
+    _skip_unless(backend, "float32")
+    rng = np.random.default_rng(stable_seed("window", *variant))
+    B, Hkv, G, d, W = 6, 2, 2, 8, 16
+    cache = _prefix_cache(backend, arrays, rng, "float32", None)
+    launches = counting(monkeypatch, sp.SharedPrefixWork, "launch")
+    steps = [(5, [5, 2, 0, 3, 4, 2], {0, 1, 3}), (1, [1, 1, 1, 1, 1, 1], {1, 2, 3}),
+             (3, [1, 3, 2, 1, 0, 1], {2, 3}), (1, [1, 1, 0, 1, 1, 1], None)]
+    for step, (T, n_new, grouped) in enumerate(steps):
+        k, v = (_held(arrays, rng.standard_normal((B, Hkv, T, d)), "float32") for _ in range(2))
+        q = _held(arrays, rng.standard_normal((B, Hkv * G, T, d)), "float32")
+        cache.append(arrays.asarray(k, "float32"), arrays.asarray(v, "float32"), n_new)
+        plan = gqakv.plan_attention(cache, n_new, q_heads=Hkv * G, t_q=T, **variant)
+        if grouped is None:  # rows 0, 1 and 3 are 17-19 tokens long, row 2 has no query
+            assert not plan.shared_prefix.used
+            assert (f"sliding window={W}: 3 entries are longer than the window"
+                    in plan.shared_prefix.reason), plan.shared_prefix.reason
+        else:
+            assert {i for g in plan.shared_prefix.groups for i in g.entries} == grouped
+        out, lse = plan.run(arrays.asarray(q, "float32"), cache, return_lse=True)
+        k_rows, v_rows = _rows_of(cache, arrays, B)
+        assert max(len(r[0, :, 0]) for r in k_rows) > W or step < 2  # the window bites some rows
+        _check("float32", arrays.to_numpy(out), arrays.to_numpy(lse), q, k_rows, v_rows, n_new,
+               variant, f"step {step}")
+    assert len(launches) == 3
 
 
 def test_refused_without_shared_pages(monkeypatch):

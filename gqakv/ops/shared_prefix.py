@@ -31,9 +31,13 @@ and sees its one query at ``S - 1``, so its scores differ from the true ones by 
 back by that constant before the merge (exact). Negative slopes are refused: the
 farthest keys would score highest, by up to ``|slope| x position``, and LSEs of that size
 lose float32 precision in the merge (measured: twice the normal path's error at 4,000
-keys). A sliding window makes which keys a query sees depend on its position, which the
-virtual call does not keep: the decomposition is refused for it (``decide`` says so) and
-the batch runs the normal path.
+keys). A sliding window of W makes which keys a query sees depend on its position, which
+the virtual call does not keep, except where no query's window reaches into the shared
+keys: an entry of ``lens <= W`` (its last query, at ``lens - 1``, sees keys from
+``lens - W <= 0``). Such entries are grouped (the shared call has no window, the suffix
+call keeps it: it moves with the positions); longer ones take the normal path, and a
+batch with no short enough sharing entries is refused (``decide`` says so). That is the
+common case of sliding layers serving prompts shorter than their window.
 
 ``decide`` is the one place that chooses the groups (``MIN_SHARED_TOKENS``,
 ``MIN_SAVED_TOKENS``, ``MIN_GROUP_ROWS``, ``MAX_GROUP_QUERIES``) or the reason none is
@@ -116,7 +120,8 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
     not depend on the batch's composition, and the split changes the order of the sums).
     Refused: ``off``, batch-invariant mode, fixed
     plans (CUDA graphs: launches must not depend on the batch), storage that is not paged,
-    a sliding window (which keys a query sees depends on its position), ALiBi with a
+    a sliding window that every sharing entry outgrows (``lens > W``; shorter entries are
+    grouped, longer ones left out), ALiBi with a
     negative slope (LSEs as large as the positions: float32 precision), and batches where no two entries with
     queries share ``MIN_SHARED_TOKENS`` tokens of full pages before their chunks, or whose
     groups would save fewer than ``MIN_SAVED_TOKENS`` key reads.
@@ -141,17 +146,35 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
     if getattr(inputs, "tree", None) is not None:
         return SharedPrefix(reason="a draft tree: its chunk keys are masked per query, which the "
                                    "suffix call does not take")
-    if params.window is not None:
-        return SharedPrefix(reason=f"sliding window={params.window}: which keys a query sees "
-                                   "depends on its position, which the shared call does not keep")
     if params.alibi_slopes is not None and min(params.alibi_slopes) < 0:
         return SharedPrefix(reason="ALiBi with a negative slope: the farthest keys score highest "
                                    "(by up to |slope| x position), and the two parts' LSEs at that "
                                    "size would lose float32 precision in the merge")
+    n_new, lens = inputs.n_new, inputs.lens
+    usable = np.where(n_new > 0, (lens - n_new) // int(store.page_size), 0)  # full pages before the chunk
+    if params.window is not None:
+        # the shared call shows every shared key to its one query: exact for an entry whose
+        # every query's window reaches back to key 0 (its last, at lens - 1, sees keys from
+        # lens - W), so entries whose window bites (lens > W) take the normal path
+        bites = lens > int(params.window)
+        left_out = int(((usable > 0) & bites).sum())
+        usable = np.where(bites, 0, usable)
+        if left_out:
+            decision = _groups(store, inputs, q_shape, usable)
+            if decision.used:
+                return decision
+            return SharedPrefix(reason=f"sliding window={params.window}: {left_out} entries "
+                                       "are longer than the window (which shared keys their "
+                                       f"queries see depends on their positions); of the others, "
+                                       f"{decision.reason}")
+    return _groups(store, inputs, q_shape, usable)
+
+
+def _groups(store, inputs, q_shape, usable) -> SharedPrefix:
+    """``decide``'s grouping of the entries with ``usable[i]`` full shared-candidate pages."""
     P = int(store.page_size)
-    n_new, lens, rows = inputs.n_new, inputs.lens, inputs.rows
+    n_new, rows = inputs.n_new, inputs.rows
     G = int(q_shape[1]) // int(store.kv_heads)
-    usable = np.where(n_new > 0, (lens - n_new) // P, 0)  # full pages before the chunk
     live = np.flatnonzero(usable > 0)
     if live.size < MIN_GROUP_ROWS:
         return SharedPrefix(reason=f"{live.size} entries with queries hold a full page before "
@@ -238,7 +261,9 @@ class SharedPrefixWork:
         self.shared_table = PageTableView(shared_entries, P, table.num_pages)
         self.shared_rows, self.shared_len = len(groups), k_max * P
         params = inputs.params
-        shared_params = replace(params, sinks=None)  # sinks: the suffix part's alone
+        # sinks: the suffix part's alone; a window: no grouped query's reaches into the
+        # shared keys (``decide``), so the shared call has none
+        shared_params = replace(params, sinks=None, window=None)
         slopes = None if params.alibi_slopes is None else np.asarray(params.alibi_slopes, np.float64)
         # per group, with ALiBi: [Q, Hq] slope_h * (p - S + 1) (else None)
         self.lse_shift: list[np.ndarray | None] = []
