@@ -218,7 +218,9 @@ def _numpy_attention(f) -> Any:
 
 
 def _numba_attention(f) -> Any:
-    if f["codec"] not in CPU_CODECS:  # the kernels decode none of these: the BLAS path's
+    # the kernels decode the 8-bit per-token codes and the grouped ones (a key block at a
+    # time); any other codec: the BLAS path's
+    if f["codec"] not in (*CPU_CODECS, *GROUPED_CODECS):
         return _numpy_attention(f)
     # decode and short chunks whose tiles (G heads x T queries) hold at most 256 rows: the kernels
     if f["t_q"] <= 8 and f.get("group", 1) * f["t_q"] <= 256 and f["dtype"] != "float64":
