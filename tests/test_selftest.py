@@ -119,7 +119,7 @@ def _failed_lines(out):
 
 def test_paged_and_quantized_lines_exist():
     assert PAGED_LINES == {"paged P=1", "paged P=16"}
-    assert QUANT_LINES == {"quant int8", "quant e4m3", "quant i8/32", "quant i4/32r"}
+    assert QUANT_LINES == {"quant int8", "quant e4m3", "quant i8/32", "quant i4/32r", "quant i4/64"}
     assert PAGED_LINES | QUANT_LINES | {selftest.PAGED_QUANT} <= set(selftest.FAMILIES)
 
 

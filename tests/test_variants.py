@@ -17,7 +17,7 @@ from gqakv.core.semantics import AttentionParams
 from .support.product import Case
 from .support.arrays import BackendArrays
 from .support.parity import LOW_PRECISION, assert_matches_reference, low_precision_bounds
-from .support.quantization import held
+from .support.quantization import GROUPED, held
 from .support.reference import reference_attention
 from .support.routes import assert_product_routes
 
@@ -385,6 +385,27 @@ def test_the_product_sample_covers_every_pair():
         assert {(s, d) for s, _, d in mine} == {(s, d) for s in STORAGE_SPECS for d in dtypes}
         assert {p for _, p, _ in mine} == set(ATTENTION_PARAMS)
     assert len(cases) <= len(_BACKENDS) * len(STORAGE_SPECS) * len(PRODUCT_DTYPES)
+
+
+def test_the_grouped_sample_covers_every_spec():
+    """The grouped axis runs every (backend, grouped spec) pair once, every product dtype
+    and params value the backend runs grouped codes with (``_grouped_axes``), and no
+    float64; the emulated CuPy backend's points are what its grouped library holds."""
+    from .support.product import BACKENDS as _BACKENDS
+    from .support.product import GROUPED_SPECS, _grouped_axes, grouped_product_cases
+
+    cases = grouped_product_cases(_BACKENDS)
+    assert len({(b.name, s, p, d) for b, s, p, d in cases}) == len(cases)
+    for b in _BACKENDS:
+        params, dtypes = _grouped_axes(b)
+        mine = [(s, p, d) for x, s, p, d in cases if x is b]
+        assert sorted(s for s, _, _ in mine) == sorted(GROUPED_SPECS)
+        assert {d for *_, d in mine} == set(dtypes) and "float64" not in dtypes
+        assert {p for _, p, _ in mine} == set(params)
+        assert {GROUPED_SPECS[s]["kv_dtype"] for s in GROUPED_SPECS} == set(GROUPED)
+    emulated = _grouped_axes(next(b for b in _BACKENDS if b.name == "cupy_emulated"))
+    assert set(emulated[0]) == {"causal", "window", "window+softcap+sinks"}
+    assert emulated[1] == ["float32", "bfloat16"]
 
 
 def _runnable(name: str):

@@ -47,9 +47,10 @@ the one gqakv would pick here; ``all``: every backend that can run):
      codes x scales equal the scheme applied on the host (``gqakv.storage.quantize`` through
      NumPy/ml_dtypes) and every slot past a row's length has scale NaN; attention
      against the reference on the dequantized values, with the tolerances of ``dtype``;
-   - ``quant i8/32``, ``quant i4/32r``: the same with a scale per block of 32 values
-     (``int8_g32``; ``int4_g32_rotated``, two 4-bit codes a byte and keys stored
-     Hadamard-rotated: the mirror holds them rotated back, as ``live_kv`` hands them);
+   - ``quant i8/32``, ``quant i4/32r``, ``quant i4/64``: the same with a scale per block
+     of 32 values (``int8_g32``; ``int4_g32_rotated``, two 4-bit codes a byte and keys
+     stored Hadamard-rotated: the mirror holds them rotated back, as ``live_kv`` hands
+     them) or of 64 (``int4_g64``);
    - ``paged int8``: the paged case at page size 16 over int8 pages (scales paged with
      their tokens), rows read back as their dequantized values;
    - ``shared pages``: a ``PagedKVCache`` (page size 16) whose rows share a prompt of
@@ -123,8 +124,9 @@ CASES = {True: 2, False: 12}
 PAGE_SIZES = (1, 16)
 #: Quantized storage of the quantized families (one line each): kv_dtype -> line name.
 KV_DTYPES = {"int8": "quant int8", "float8_e4m3fn": "quant e4m3",
-             # a scale per block of 32 values: 8-bit, and 4-bit with keys rotated
-             "int8_g32": "quant i8/32", "int4_g32_rotated": "quant i4/32r"}
+             # a scale per block of 32 values: 8-bit, and 4-bit with keys rotated; per block
+             # of 64 (the other block width the kernels are built for), 4-bit
+             "int8_g32": "quant i8/32", "int4_g32_rotated": "quant i4/32r", "int4_g64": "quant i4/64"}
 #: Head dims of the grouped lines (whole blocks; a power of two for the rotation).
 GROUPED_HEAD_DIMS = (64, 128)
 #: Paged and quantized at once (page size 16, int8): the scales paged with their tokens.

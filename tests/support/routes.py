@@ -199,8 +199,8 @@ class Refused:
     words: tuple[str, ...]
 
 
-#: The codecs the numba kernels and the CUDA row copy document (their decoders): the 8-bit
-#: per-token ones.
+#: The codecs the CUDA row copy documents: the 8-bit per-token ones (the numba kernels
+#: decode these and the grouped ones).
 CPU_CODECS = (None, "int8", "float8_e4m3fn")
 #: The grouped codecs (a scale per block of values).
 GROUPED_CODECS = ("int8_g32", "int4_g32", "int4_g64", "int4_g32_rotated")
