@@ -29,6 +29,7 @@ import pytest
 import gqakv
 
 from gqakv.tools.selftest import KV_DTYPES as SELFTEST_KV_DTYPES
+from gqakv.tools.selftest import PAGED_KV_DTYPES as SELFTEST_PAGED_KV_DTYPES
 from gqakv_backends.cupy_backend import instantiations as table
 
 from .cuda_emu import cases, harness
@@ -44,6 +45,9 @@ from .cuda_emu import emulated_backend  # noqa: E402
 from .cuda_emu.plans import element_strides, pool_poison, table_poison  # noqa: E402
 
 NAMES = list(GROUPED)
+#: The selftest's grouped lines: (kv_dtype, paged).
+SELFTEST_GROUPED_LINES = [*((kv, False) for kv in SELFTEST_KV_DTYPES if kv in GROUPED),
+                          *((kv, True) for kv in SELFTEST_PAGED_KV_DTYPES if kv in GROUPED)]
 D = 64  # every grouped codec's blocks fit; the one grouped emulation library (harness.grouped_units)
 STORAGES = {"contiguous": {}, "paged": {"storage": "paged", "page_size": 4}}
 
@@ -349,16 +353,22 @@ def test_paged_int4_decode_under_asan():
     harness.check_asan_main("test_cupy_emulated_grouped", len(DECODE_SCENARIOS), units=ASAN_UNITS)
 
 
-@pytest.mark.parametrize("kv_dtype", [kv for kv in SELFTEST_KV_DTYPES if kv in GROUPED])
-def test_selftest_grouped_lines_run_the_grouped_kernels(backend, monkeypatch, kv_dtype):
-    """``gqakv selftest --backend cupy``'s grouped lines reach the grouped kernels (here on
-    the emulated backend, quick, at d = 64 where the grouped library has them) and pass."""
+@pytest.mark.parametrize("kv_dtype,paged", SELFTEST_GROUPED_LINES)
+def test_selftest_grouped_lines_run_the_grouped_kernels(backend, monkeypatch, kv_dtype, paged):
+    """``gqakv selftest --backend cupy``'s grouped lines (contiguous and paged) reach the
+    grouped kernels (here on the emulated backend, quick, at d = 64 where the grouped
+    library has them) and pass."""
     from gqakv.tools import selftest
 
     monkeypatch.setattr(selftest, "GROUPED_HEAD_DIMS", (D,))
-    line = selftest.KV_DTYPES[kv_dtype]
+    line = (selftest.PAGED_KV_DTYPES if paged else selftest.KV_DTYPES)[kv_dtype]
     checks = {line: selftest.Check(line, "bfloat16")}
-    selftest._quantized(kv_dtype, backend, "bfloat16", np.random.default_rng(0), True, checks)
+    rng = np.random.default_rng(0)
+    if paged:
+        selftest._paged(16, backend, "bfloat16", rng, True, checks, kv_dtype=kv_dtype)
+    else:
+        selftest._quantized(kv_dtype, backend, "bfloat16", rng, True, checks)
     assert checks[line].cases > 0 and checks[line].passed, checks[line].line()
     launched = [n for n in backend.kernels if not n.startswith("gqakv_merge")]
     assert launched and all(_tag(kv_dtype) in n for n in launched), launched
+    assert all(n.endswith("KVPages>") == paged for n in launched), launched

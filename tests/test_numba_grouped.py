@@ -28,6 +28,7 @@ from gqakv.core.inputs import validate_attention  # noqa: E402
 from gqakv.core.semantics import AttentionParams  # noqa: E402
 from gqakv.storage.codecs import GROUPED  # noqa: E402
 from gqakv.tools.selftest import KV_DTYPES as SELFTEST_KV_DTYPES  # noqa: E402
+from gqakv.tools.selftest import PAGED_KV_DTYPES as SELFTEST_PAGED_KV_DTYPES  # noqa: E402
 
 from .support.quantization import held_grouped  # noqa: E402
 from .support.reference import reference_attention  # noqa: E402
@@ -162,16 +163,22 @@ def test_a_draft_tree_and_batch_invariant_mode_run_on_the_kernels(kernel_layouts
     assert kernel_layouts == ["Grouped"] * 3
 
 
-@pytest.mark.parametrize("kv_dtype", [kv for kv in SELFTEST_KV_DTYPES if kv in GROUPED])
-def test_selftest_grouped_lines_run_the_kernels(kernel_layouts, kv_dtype):
-    """``gqakv selftest --backend numba``'s grouped lines (quick, bfloat16) pass, and their
-    decode and short chunks ran the kernels over the grouped layout (longer chunks: the
-    BLAS path, by route)."""
+@pytest.mark.parametrize("kv_dtype,paged", [
+    *((kv, False) for kv in SELFTEST_KV_DTYPES if kv in GROUPED),
+    *((kv, True) for kv in SELFTEST_PAGED_KV_DTYPES if kv in GROUPED)])
+def test_selftest_grouped_lines_run_the_kernels(kernel_layouts, kv_dtype, paged):
+    """``gqakv selftest --backend numba``'s grouped lines (contiguous and paged; quick,
+    bfloat16) pass, and their decode and short chunks ran the kernels over the grouped
+    layout (longer chunks: the BLAS path, by route)."""
     from gqakv.tools import selftest
 
-    line = selftest.KV_DTYPES[kv_dtype]
+    line = (selftest.PAGED_KV_DTYPES if paged else selftest.KV_DTYPES)[kv_dtype]
     checks = {line: selftest.Check(line, "bfloat16")}
-    selftest._quantized(kv_dtype, gqakv.get_backend("numba"), "bfloat16", np.random.default_rng(0),
-                        True, checks)
+    backend, rng = gqakv.get_backend("numba"), np.random.default_rng(0)
+    if paged:
+        selftest._paged(16, backend, "bfloat16", rng, True, checks, kv_dtype=kv_dtype)
+    else:
+        selftest._quantized(kv_dtype, backend, "bfloat16", rng, True, checks)
     assert checks[line].cases > 0 and checks[line].passed, checks[line].line()
-    assert kernel_layouts and set(kernel_layouts) == {"Grouped"}, kernel_layouts
+    want = "PagedGrouped" if paged else "Grouped"
+    assert kernel_layouts and set(kernel_layouts) == {want}, kernel_layouts
