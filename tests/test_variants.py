@@ -331,9 +331,10 @@ def test_attention_over_the_product_with_variants(case, route_spy):
 def test_grouped_codecs_over_the_product(grouped_case, route_spy, monkeypatch):
     """The grouped codecs (int8_g32, int4_g32, int4_g64, int4_g32_rotated), contiguous and
     paged, on every backend at d = 64 (tests/support/product.py ``grouped_product_cases``):
-    the product point (chunked prefill, a chunk, a fork, decode; ragged rows, an idle one) against the float64 reference over what the cache holds (the
-    rule's dequantized values, keys rotated back: ``quantization.held_grouped``), float16 /
-    bfloat16 by the same-dtype naive rule, each hot call on the path meant; and on numba
+    the product point (chunked prefill, a chunk, a fork, decode; ragged rows, an idle one)
+    against the float64 reference over what the cache holds (the rule's dequantized
+    values, keys rotated back: ``quantization.held_grouped``), float16 / bfloat16 by the
+    same-dtype naive rule, each hot call on the path meant; and on numba
     every attention call ran the kernels over the grouped layout, on the emulated CuPy
     backend every append and attention launch was a grouped instantiation."""
     from .support.product import GROUPED_HEAD_DIM

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gqakv
 
+from .quantization import GROUPED
+
 
 def _emulated_cupy():
     """The cupy backend's own glue and .cu kernels on the CPU emulation harness
@@ -56,12 +58,12 @@ PRODUCT_DTYPES = ("float32", "bfloat16", "float16")
 PRODUCT_LIMIT = 64
 
 # -- the grouped codecs' axis: its own head dim --------------------------------------------
-#: The grouped codecs (gqakv.storage.codecs.GROUPED: a scale per block of 32 or 64 values
-#: along d), contiguous and paged: their blocks need d a multiple of 64 for every one of
+#: The grouped codecs (tests/support/quantization.py GROUPED, written apart from the
+#: library's table: a scale per block of 32 or 64 values along d), contiguous and paged: their blocks need d a multiple of 64 for every one of
 #: them, so they are an axis of their own at GROUPED_HEAD_DIM (the product above runs d = 8).
 #: name -> KVCache / ModelKVCache keyword arguments, as STORAGE_SPECS.
 GROUPED_SPECS = {f"{layout}{name}": {**spec, "kv_dtype": name}
-                 for name in ("int8_g32", "int4_g32", "int4_g64", "int4_g32_rotated")
+                 for name in GROUPED
                  for layout, spec in (("", {}), ("paged+", {"storage": "paged", "page_size": 4}))}
 #: Head dim of the grouped points: one block of 64, two of 32.
 GROUPED_HEAD_DIM = 64
