@@ -9,7 +9,8 @@ import pytest
 from hypothesis import settings
 
 from .support.arrays import BackendArrays
-from .support.product import ATTENTION_PARAMS, BACKENDS, STORAGE_SPECS, Case, product_cases
+from .support.product import (ATTENTION_PARAMS, BACKENDS, STORAGE_SPECS, Case, grouped_product_cases,
+                               product_cases)
 
 # CI (CI=true) replays the same examples every run, so a landing never depends on the
 # draw; local runs explore new examples each time.
@@ -50,6 +51,13 @@ def _case_param(b, s, p, d):
                                                                      ATTENTION_PARAMS)])
 def case(request) -> Case:
     """A point of backend x storage spec x attention params x dtype (``product_cases``)."""
+    return Case(*request.param)
+
+
+@pytest.fixture(params=[_case_param(*c) for c in grouped_product_cases(_BACKENDS)])
+def grouped_case(request) -> Case:
+    """A point of backend x grouped codec spec x attention params x dtype
+    (``grouped_product_cases``: the grouped codecs at their own head dim)."""
     return Case(*request.param)
 
 

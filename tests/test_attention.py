@@ -315,15 +315,28 @@ def test_attention_over_the_product(case, route_spy):
     slots poisoned, against the float64 reference given the same params (float16/bfloat16
     by the same-dtype naive rule, tests/support/parity.py); each hot call ran what
     ``route()`` names and the path meant (tests/support/routes.py)."""
+    _over_the_product(case, route_spy(case.backend))
+
+
+def test_grouped_codecs_over_the_product_padded_and_packed(grouped_case, route_spy):
+    """The same on the grouped codecs' axis (``grouped_case``: every grouped codec,
+    contiguous and paged, every backend, d = 64), padded and packed tokens: the reference
+    over what the cache holds (the rule's dequantized values, keys rotated back)."""
+    from .support.product import GROUPED_HEAD_DIM
+
+    _over_the_product(grouped_case, route_spy(grouped_case.backend), d=GROUPED_HEAD_DIM)
+
+
+def _over_the_product(case, spy, d: int = 8):
+    """One product point at head dim ``d`` (``test_attention_over_the_product``)."""
     from gqakv.core.semantics import AttentionParams
 
     from .support.parity import LOW_PRECISION, assert_matches_reference, low_precision_bounds
     from .support.routes import assert_product_routes
 
-    spy = route_spy(case.backend)
     arrays = BackendArrays(case.backend)
     rng = np.random.default_rng(11)
-    B, hkv, G, d, S = 3, 2, 3, 8, 40
+    B, hkv, G, S = 3, 2, 3, 40
     lens_before, n_new = np.array([17, 0, 30]), np.array([3, 2, 0])
     T = 4
     dtype = case.dtype
@@ -344,7 +357,7 @@ def test_attention_over_the_product(case, route_spy):
     q = held_in(rng.standard_normal((B, hkv * G, T, d)))
     cache.append(arrays.asarray(k1, dtype), arrays.asarray(v1, dtype), n_new)
     rows_k = [held(np.concatenate([k0[b, :, :lens_before[b]], k1[b, :, :n_new[b]]], axis=1),
-                   case.storage) for b in range(B)]
+                   case.storage, keys=True) for b in range(B)]
     rows_v = [held(np.concatenate([v0[b, :, :lens_before[b]], v1[b, :, :n_new[b]]], axis=1),
                    case.storage) for b in range(B)]
     scale = 0.3

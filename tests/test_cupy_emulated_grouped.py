@@ -28,6 +28,8 @@ import pytest
 
 import gqakv
 
+from gqakv.tools.selftest import KV_DTYPES as SELFTEST_KV_DTYPES
+from gqakv.tools.selftest import PAGED_KV_DTYPES as SELFTEST_PAGED_KV_DTYPES
 from gqakv_backends.cupy_backend import instantiations as table
 
 from .cuda_emu import cases, harness
@@ -43,6 +45,9 @@ from .cuda_emu import emulated_backend  # noqa: E402
 from .cuda_emu.plans import element_strides, pool_poison, table_poison  # noqa: E402
 
 NAMES = list(GROUPED)
+#: The selftest's grouped lines: (kv_dtype, paged).
+SELFTEST_GROUPED_LINES = [*((kv, False) for kv in SELFTEST_KV_DTYPES if kv in GROUPED),
+                          *((kv, True) for kv in SELFTEST_PAGED_KV_DTYPES if kv in GROUPED)]
 D = 64  # every grouped codec's blocks fit; the one grouped emulation library (harness.grouped_units)
 STORAGES = {"contiguous": {}, "paged": {"storage": "paged", "page_size": 4}}
 
@@ -168,6 +173,70 @@ def test_append_stores_the_rule_bit_for_bit(backend, name, storage, dtype):
     assert launched and all(n.startswith("gqakv_write_kv_quantized<") and _tag(name) in n for n in launched)
 
 
+@pytest.mark.parametrize("storage", list(STORAGES))
+@pytest.mark.parametrize("name", NAMES)
+def test_row_operations_move_grouped_rows_bit_for_bit(backend, route_spy, name, storage):
+    """fork, an append (a paged cache copies its shared last pages on write), reorder
+    (duplicates, then a permutation cycle: the one-row temporary), truncate and an append
+    over the cut, on a 2-layer ModelKVCache of grouped codes: every live token's codes and
+    scales, every layer, equal byte for byte the rule's codes (``reference_grouped``) of
+    the tokens a plain-NumPy model of the same operations says each row holds. Rows carry
+    magnitudes 1e-3 .. 1e4, so a scale moved without its codes shows. The copies run the
+    generic row copy (the CUDA one moves per-token rows only: its route says so), the
+    appends the kernels."""
+    from .support.routes import assert_product_routes
+
+    rng = np.random.default_rng(sum(map(ord, name + storage)))
+    layers, B, Hkv, S = 2, 4, 2, 24
+    cache = gqakv.ModelKVCache(layers, B, Hkv, S, D, "float32", backend=backend, kv_dtype=name,
+                               **STORAGES[storage])
+    spy = route_spy(backend)
+    mags = np.array([1e-3, 1.0, 40.0, 1e4])[:, None, None, None]
+    rows = [np.zeros((2, layers, Hkv, 0, D), np.float32) for _ in range(B)]  # (K, V) per row
+
+    def append(n_new):
+        T = max(n_new)
+        kv = (rng.standard_normal((2, layers, B, Hkv, T, D)) * mags).astype(np.float32)
+        with cache.step(n_new) as step:
+            for layer in range(layers):
+                step.write(layer, backend.from_numpy(kv[0, layer]), backend.from_numpy(kv[1, layer]))
+        for b, n in enumerate(n_new):
+            rows[b] = np.concatenate([rows[b], kv[:, :, b, :, :n]], axis=3)
+
+    def check(what):
+        np.testing.assert_array_equal(cache.host_lens, [r.shape[3] for r in rows])
+        store, host = cache.store, backend.to_numpy
+        parts = [np.asarray(host(x)) for x in (store.k, store.k_scale, store.v, store.v_scale)]
+        for b, r in enumerate(rows):
+            L = r.shape[3]
+            if storage == "paged":  # token j of row b: page entries[b, j // P], slot j % P
+                P, entries = store.page_size, np.asarray(store.page_table.entries)
+                live = [np.stack([p[:, entries[b, j // P], :, j % P] for j in range(L)], axis=2)
+                        for p in parts]
+            else:
+                live = [p[:, b, :, :L] for p in parts]
+            for i, keys in ((0, True), (1, False)):
+                want_c, want_s, _ = reference_grouped(r[i], name, keys)
+                assert live[2 * i].tobytes() == want_c.tobytes(), (what, b, "codes", keys)
+                assert live[2 * i + 1].tobytes() == want_s.tobytes(), (what, b, "scales", keys)
+
+    append([5, 9, 3, 7])
+    cache.fork(1, [0, 3])
+    rows[0] = rows[3] = rows[1].copy()
+    check("fork")
+    append([2, 1, 0, 3])  # into the forked rows' shared last page (9 = 2 pages + 1)
+    for src in ([3, 0, 0, 2], [1, 2, 3, 0]):
+        cache.reorder(src)
+        rows = [rows[s].copy() for s in src]
+        check(f"reorder {src}")
+    cache.truncate([0, 2], [6, 1])
+    rows[0], rows[2] = rows[0][..., :6, :], rows[2][..., :1, :]
+    append([3, 0, 4, 1])  # over the cut: what was past it must not come back
+    check("truncate, append")
+    assert any(c.op == "copy_tokens" and c.work for c in spy.calls)
+    assert_product_routes(spy, ops=("write_kv", "copy_tokens"))
+
+
 # ---- a paged int4 decode plan over shuffled pages, and AddressSanitizer ------------------------
 
 def grouped_pool(rng, lens, kv_heads, P, name, spare=3):
@@ -284,16 +353,22 @@ def test_paged_int4_decode_under_asan():
     harness.check_asan_main("test_cupy_emulated_grouped", len(DECODE_SCENARIOS), units=ASAN_UNITS)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8_g32", "int4_g32_rotated"])
-def test_selftest_grouped_lines_run_the_grouped_kernels(backend, monkeypatch, kv_dtype):
-    """``gqakv selftest --backend cupy``'s grouped lines reach the grouped kernels (here on
-    the emulated backend, quick, at d = 64 where the grouped library has them) and pass."""
+@pytest.mark.parametrize("kv_dtype,paged", SELFTEST_GROUPED_LINES)
+def test_selftest_grouped_lines_run_the_grouped_kernels(backend, monkeypatch, kv_dtype, paged):
+    """``gqakv selftest --backend cupy``'s grouped lines (contiguous and paged) reach the
+    grouped kernels (here on the emulated backend, quick, at d = 64 where the grouped
+    library has them) and pass."""
     from gqakv.tools import selftest
 
     monkeypatch.setattr(selftest, "GROUPED_HEAD_DIMS", (D,))
-    line = selftest.KV_DTYPES[kv_dtype]
+    line = (selftest.PAGED_KV_DTYPES if paged else selftest.KV_DTYPES)[kv_dtype]
     checks = {line: selftest.Check(line, "bfloat16")}
-    selftest._quantized(kv_dtype, backend, "bfloat16", np.random.default_rng(0), True, checks)
+    rng = np.random.default_rng(0)
+    if paged:
+        selftest._paged(16, backend, "bfloat16", rng, True, checks, kv_dtype=kv_dtype)
+    else:
+        selftest._quantized(kv_dtype, backend, "bfloat16", rng, True, checks)
     assert checks[line].cases > 0 and checks[line].passed, checks[line].line()
     launched = [n for n in backend.kernels if not n.startswith("gqakv_merge")]
     assert launched and all(_tag(kv_dtype) in n for n in launched), launched
+    assert all(n.endswith("KVPages>") == paged for n in launched), launched

@@ -27,6 +27,8 @@ from gqakv_backends.numba_backend import KERNEL_MAX_QUERIES, attention_numba, ke
 from gqakv.core.inputs import validate_attention  # noqa: E402
 from gqakv.core.semantics import AttentionParams  # noqa: E402
 from gqakv.storage.codecs import GROUPED  # noqa: E402
+from gqakv.tools.selftest import KV_DTYPES as SELFTEST_KV_DTYPES  # noqa: E402
+from gqakv.tools.selftest import PAGED_KV_DTYPES as SELFTEST_PAGED_KV_DTYPES  # noqa: E402
 
 from .support.quantization import held_grouped  # noqa: E402
 from .support.reference import reference_attention  # noqa: E402
@@ -159,3 +161,24 @@ def test_a_draft_tree_and_batch_invariant_mode_run_on_the_kernels(kernel_layouts
         alone = gqakv.gqa_attention(q[1:], cache, [T], tree=parents[1:], rows=[1])
     np.testing.assert_array_equal(np.asarray(both)[1:], np.asarray(alone))
     assert kernel_layouts == ["Grouped"] * 3
+
+
+@pytest.mark.parametrize("kv_dtype,paged", [
+    *((kv, False) for kv in SELFTEST_KV_DTYPES if kv in GROUPED),
+    *((kv, True) for kv in SELFTEST_PAGED_KV_DTYPES if kv in GROUPED)])
+def test_selftest_grouped_lines_run_the_kernels(kernel_layouts, kv_dtype, paged):
+    """``gqakv selftest --backend numba``'s grouped lines (contiguous and paged; quick,
+    bfloat16) pass, and their decode and short chunks ran the kernels over the grouped
+    layout (longer chunks: the BLAS path, by route)."""
+    from gqakv.tools import selftest
+
+    line = (selftest.PAGED_KV_DTYPES if paged else selftest.KV_DTYPES)[kv_dtype]
+    checks = {line: selftest.Check(line, "bfloat16")}
+    backend, rng = gqakv.get_backend("numba"), np.random.default_rng(0)
+    if paged:
+        selftest._paged(16, backend, "bfloat16", rng, True, checks, kv_dtype=kv_dtype)
+    else:
+        selftest._quantized(kv_dtype, backend, "bfloat16", rng, True, checks)
+    assert checks[line].cases > 0 and checks[line].passed, checks[line].line()
+    want = "PagedGrouped" if paged else "Grouped"
+    assert kernel_layouts and set(kernel_layouts) == {want}, kernel_layouts

@@ -38,7 +38,7 @@ def test_numpy_quick_passes_with_one_line_per_family_and_dtype(capsys):
     want = [("compile", "all")] + [(f, d) for d in backend.dtypes for f in selftest.FAMILIES[1:]]
     assert [(f, d) for f, d, *_ in lines] == want
     for family, dtype, cases, worst, result, note in lines:
-        if family in QUANT_LINES | {selftest.PAGED_QUANT} and dtype == "float64":  # refused
+        if family in QUANT_LINES | PAGED_QUANT_LINES and dtype == "float64":  # refused
             assert result == "SKIP" and "float32, float16 or bfloat16" in note
             continue
         assert result == "PASS"
@@ -111,6 +111,7 @@ def test_forced_split_path_is_checked(capsys, monkeypatch):
 
 PAGED_LINES = {f"paged P={p}" for p in selftest.PAGE_SIZES}
 QUANT_LINES = set(selftest.KV_DTYPES.values())
+PAGED_QUANT_LINES = set(selftest.PAGED_KV_DTYPES.values())
 
 
 def _failed_lines(out):
@@ -119,15 +120,16 @@ def _failed_lines(out):
 
 def test_paged_and_quantized_lines_exist():
     assert PAGED_LINES == {"paged P=1", "paged P=16"}
-    assert QUANT_LINES == {"quant int8", "quant e4m3", "quant i8/32", "quant i4/32r"}
-    assert PAGED_LINES | QUANT_LINES | {selftest.PAGED_QUANT} <= set(selftest.FAMILIES)
+    assert QUANT_LINES == {"quant int8", "quant e4m3", "quant i8/32", "quant i4/32r", "quant i4/64"}
+    assert PAGED_QUANT_LINES == {"paged int8", "paged i4/32"}
+    assert PAGED_LINES | QUANT_LINES | PAGED_QUANT_LINES <= set(selftest.FAMILIES)
 
 
 def test_a_broken_paged_read_fails_only_the_paged_lines(capsys, monkeypatch):
     """The NumPy paged reader reading a row's second page in place of its first (a swap
     would not do: attention over all of a row's keys does not depend on their order);
-    every other family but paged int8 (the same reader) runs on contiguous storage and
-    must still pass."""
+    every other family but the paged quantized ones (the same reader) runs on contiguous
+    storage and must still pass."""
     from gqakv_backends import numpy_readers
 
     original = numpy_readers.Pages.__init__
@@ -141,9 +143,9 @@ def test_a_broken_paged_read_fails_only_the_paged_lines(capsys, monkeypatch):
     status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "7")
     assert status == 1, out
     dtypes = set(gqakv.get_backend("numpy").dtypes)
-    # paged 8-bit storage reads its codes and scales through the same page reader, and so
-    # do the shared-pages line's two parts
-    quant = {(selftest.PAGED_QUANT, d) for d in dtypes - {"float64"}}
+    # paged quantized storage reads its codes and scales through the same page reader, and
+    # so do the shared-pages line's two parts
+    quant = {(line, d) for line in PAGED_QUANT_LINES for d in dtypes - {"float64"}}
     shared = {(selftest.SHARED_PREFIX, d) for d in dtypes}
     assert _failed_lines(out) == {(f, d) for f in PAGED_LINES for d in dtypes} | quant | shared, out
     assert any(l.startswith("FAIL paged P=") and "worst case" in l for l in out.splitlines())
@@ -167,7 +169,7 @@ def test_a_broken_dequantization_fails_only_the_quantized_lines(capsys, monkeypa
     status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "8")
     assert status == 1, out
     dtypes = set(gqakv.get_backend("numpy").dtypes) - {"float64"}  # float64: SKIP
-    lines = QUANT_LINES | {selftest.PAGED_QUANT}  # the 8-bit reader over pages too
+    lines = QUANT_LINES | PAGED_QUANT_LINES  # the reader over pages too
     assert _failed_lines(out) == {(f, d) for f in lines for d in dtypes}, out
 
 
@@ -195,13 +197,13 @@ def test_a_broken_quantizing_append_fails_the_quantized_lines(capsys, monkeypatc
                                                                x, kv, keys))
     status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "9")
     assert status == 1, out
-    assert {f for f, _ in _failed_lines(out)} == QUANT_LINES | {selftest.PAGED_QUANT}, out
+    assert {f for f, _ in _failed_lines(out)} == QUANT_LINES | PAGED_QUANT_LINES, out
 
 
-def test_a_broken_paged_dequantization_fails_only_the_paged_int8_line(capsys, monkeypatch):
-    """Quantized pages read with each token's scale taken from its neighbour (the generic
-    path and live_kv both read through PagedStore._page_view)."""
-    from gqakv.storage import quantize
+def test_a_broken_paged_dequantization_fails_only_the_paged_quantized_lines(capsys, monkeypatch):
+    """Quantized pages read with each token's scales taken from its neighbour (the generic
+    path and live_kv both read through PagedStore._page_view; the store's own decoding of
+    codes and scales, ``_decode``, per-token and grouped alike)."""
     from gqakv.storage.paged import PagedStore
 
     original = PagedStore._page_view
@@ -211,14 +213,16 @@ def test_a_broken_paged_dequantization_fails_only_the_paged_int8_line(capsys, mo
             return original(self, row, j0, j1)
         P = self.page_size
         page, a, b = int(self.page_table.entries[row, j0 // P]), j0 % P, j0 % P + (j1 - j0)
-        shift = lambda s: np.roll(np.asarray(s), 1, axis=-1)  # noqa: E731
-        return (quantize.dequantize(np, self.k[page, :, a:b, :], shift(self.k_scale[page, :, a:b]), self.dtype),
-                quantize.dequantize(np, self.v[page, :, a:b, :], shift(self.v_scale[page, :, a:b]), self.dtype))
+
+        def read(parts):  # (codes, scales) of the span, the scales rolled along its tokens
+            codes, scales = (p[page, :, a:b, ...] for p in parts)
+            return self._decode((codes, np.roll(np.asarray(scales), 1, axis=1)))
+        return read(self._k_parts), read(self._v_parts)
     monkeypatch.setattr(PagedStore, "_page_view", neighbour_scale)
     status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "10")
     assert status == 1, out
     dtypes = set(gqakv.get_backend("numpy").dtypes) - {"float64"}
-    assert _failed_lines(out) == {(selftest.PAGED_QUANT, d) for d in dtypes}, out
+    assert _failed_lines(out) == {(line, d) for line in PAGED_QUANT_LINES for d in dtypes}, out
 
 
 def _honest_rule(quantize_fn, groups_fn, rule, x, kv_dtype, keys=False):

@@ -17,7 +17,7 @@ from gqakv.core.semantics import AttentionParams
 from .support.product import Case
 from .support.arrays import BackendArrays
 from .support.parity import LOW_PRECISION, assert_matches_reference, low_precision_bounds
-from .support.quantization import held
+from .support.quantization import GROUPED, held
 from .support.reference import reference_attention
 from .support.routes import assert_product_routes
 
@@ -88,7 +88,7 @@ class Rows:
         # the data as the cache's dtype holds them
         k, v, q = self.host(kd), self.host(vd), self.host(qd)
         for i, n in enumerate(n_new):
-            self.k[i] = np.concatenate([self.k[i], held(k[i, :, :n], self.storage)], axis=1)
+            self.k[i] = np.concatenate([self.k[i], held(k[i, :, :n], self.storage, keys=True)], axis=1)
             self.v[i] = np.concatenate([self.v[i], held(v[i, :, :n], self.storage)], axis=1)
         self.cache.append(kd, vd, n_new)
         out, lse = gqakv.gqa_attention(qd, self.cache, n_new, scale=scale, return_lse=True,
@@ -298,20 +298,21 @@ def test_partials_merged_then_sinks_equal_the_whole(backend, window):
 PRODUCT_TREE = [[-1, 0, 0, 1, -1, 4], [-1, 0, 1, 2, -1, -1], [-1] * 6]
 
 
-def _product_point(case: Case, spy) -> None:
+def _product_point(case: Case, spy, d: int = 8, tree: bool = True) -> None:
     """One point of the product through chunked prefill (7 queries), a decode-sized
-    chunk, a draft tree's chunk, a fork (its copy on write on a paged cache) and decode,
-    on a KVCache and a 2-layer ModelKVCache, the case's params given as params= and as
-    keywords; every result against the float64 reference, every hot call's route against
-    what ran."""
+    chunk, a draft tree's chunk (unless not ``tree``), a fork (its copy on write on a paged
+    cache) and decode, on a KVCache and a 2-layer ModelKVCache of head dim ``d``, the
+    case's params given as params= and as keywords; every result against the float64
+    reference, every hot call's route against what ran."""
     rng = np.random.default_rng(3)
-    B, hkv, G, d = 3, 2, 3, 8
+    B, hkv, G = 3, 2, 3
     hq = hkv * G
     rows = Rows(case.backend, case.dtype, B, hkv, 32, d, rng, storage=case.storage)
     variant = dict(case.params)
     rows.chunk([7, 0, 5], 7, hq, variant, 0.45)
     rows.chunk([3, 2, 0], 3, hq, variant, 0.45)
-    rows.chunk([6, 4, 0], 6, hq, variant, 0.45, tree=PRODUCT_TREE)
+    if tree:
+        rows.chunk([6, 4, 0], 6, hq, variant, 0.45, tree=PRODUCT_TREE)
     for c in (rows.cache, rows.model):
         c.fork(0, [2])
     rows.k[2], rows.v[2] = rows.k[0], rows.v[0]
@@ -325,6 +326,48 @@ def test_attention_over_the_product_with_variants(case, route_spy):
     each append, copy and attention ran what ``route()`` names and the path meant
     (tests/support/routes.py: a kernel that silently falls back fails here)."""
     _product_point(case, route_spy(case.backend))
+
+
+def test_grouped_codecs_over_the_product(grouped_case, route_spy, monkeypatch):
+    """The grouped codecs (int8_g32, int4_g32, int4_g64, int4_g32_rotated), contiguous and
+    paged, on every backend at d = 64 (tests/support/product.py ``grouped_product_cases``):
+    the product point (chunked prefill, a chunk, a fork, decode; ragged rows, an idle one)
+    against the float64 reference over what the cache holds (the rule's dequantized
+    values, keys rotated back: ``quantization.held_grouped``), float16 / bfloat16 by the
+    same-dtype naive rule, each hot call on the path meant; and on numba
+    every attention call ran the kernels over the grouped layout, on the emulated CuPy
+    backend every append and attention launch was a grouped instantiation."""
+    from .support.product import GROUPED_HEAD_DIM
+    from .support.spies import kernel_layouts
+
+    case = grouped_case
+    codec, paged = case.storage["kv_dtype"], case.storage.get("storage") == "paged"
+    spy = route_spy(case.backend)
+    layouts = kernel_layouts(monkeypatch) if case.backend.name == "numba" else None
+    launched: list[str] = []
+    emulated = case.backend.name == "cupy_emulated"
+    if emulated:  # wrapped after the spy's: every launch's instantiation, by name
+        run = case.backend._run_plan
+
+        def recorded(plan, *args):
+            launched.extend(launch.name for launch in plan.launches)
+            return run(plan, *args)
+
+        monkeypatch.setattr(case.backend, "_run_plan", recorded)
+    # no draft tree's chunk: trees over grouped codes are tests/test_numba_grouped.py's (here
+    # each would be one more numba compile per variant; the emulator's grouped library
+    # holds no tree instantiation, harness.grouped_units)
+    _product_point(case, spy, d=GROUPED_HEAD_DIM, tree=False)
+    if layouts is not None:
+        assert set(layouts) == {"PagedGrouped" if paged else "Grouped"}, layouts
+    if emulated:
+        from gqakv_backends.cupy_backend import instantiations as table
+
+        kernels = [n for n in launched if not n.startswith("gqakv_merge")]  # fp32 partials
+        assert all(f"{table.CODE_CTYPES[codec]}" in n for n in kernels), kernels
+        assert all(n.endswith("KVPages>") == paged for n in kernels), kernels
+        for kernel in ("gqakv_write_kv_quantized<", "gqakv_prefill<", "gqakv_decode<"):
+            assert any(n.startswith(kernel) for n in kernels), (kernel, kernels)
 
 
 def test_the_product_sample_covers_every_pair():
@@ -344,6 +387,27 @@ def test_the_product_sample_covers_every_pair():
         assert {(s, d) for s, _, d in mine} == {(s, d) for s in STORAGE_SPECS for d in dtypes}
         assert {p for _, p, _ in mine} == set(ATTENTION_PARAMS)
     assert len(cases) <= len(_BACKENDS) * len(STORAGE_SPECS) * len(PRODUCT_DTYPES)
+
+
+def test_the_grouped_sample_covers_every_spec():
+    """The grouped axis runs every (backend, grouped spec) pair once, every product dtype
+    and params value the backend runs grouped codes with (``_grouped_axes``), and no
+    float64; the emulated CuPy backend's points are what its grouped library holds."""
+    from .support.product import BACKENDS as _BACKENDS
+    from .support.product import GROUPED_SPECS, _grouped_axes, grouped_product_cases
+
+    cases = grouped_product_cases(_BACKENDS)
+    assert len({(b.name, s, p, d) for b, s, p, d in cases}) == len(cases)
+    for b in _BACKENDS:
+        params, dtypes = _grouped_axes(b)
+        mine = [(s, p, d) for x, s, p, d in cases if x is b]
+        assert sorted(s for s, _, _ in mine) == sorted(GROUPED_SPECS)
+        assert {d for *_, d in mine} == set(dtypes) and "float64" not in dtypes
+        assert {p for _, p, _ in mine} == set(params)
+        assert {GROUPED_SPECS[s]["kv_dtype"] for s in GROUPED_SPECS} == set(GROUPED)
+    emulated = _grouped_axes(next(b for b in _BACKENDS if b.name == "cupy_emulated"))
+    assert set(emulated[0]) == {"causal", "window", "window+softcap+sinks"}
+    assert emulated[1] == ["float32", "bfloat16"]
 
 
 def _runnable(name: str):

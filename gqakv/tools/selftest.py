@@ -47,11 +47,13 @@ the one gqakv would pick here; ``all``: every backend that can run):
      codes x scales equal the scheme applied on the host (``gqakv.storage.quantize`` through
      NumPy/ml_dtypes) and every slot past a row's length has scale NaN; attention
      against the reference on the dequantized values, with the tolerances of ``dtype``;
-   - ``quant i8/32``, ``quant i4/32r``: the same with a scale per block of 32 values
-     (``int8_g32``; ``int4_g32_rotated``, two 4-bit codes a byte and keys stored
-     Hadamard-rotated: the mirror holds them rotated back, as ``live_kv`` hands them);
-   - ``paged int8``: the paged case at page size 16 over int8 pages (scales paged with
-     their tokens), rows read back as their dequantized values;
+   - ``quant i8/32``, ``quant i4/32r``, ``quant i4/64``: the same with a scale per block
+     of 32 values (``int8_g32``; ``int4_g32_rotated``, two 4-bit codes a byte and keys
+     stored Hadamard-rotated: the mirror holds them rotated back, as ``live_kv`` hands
+     them) or of 64 (``int4_g64``);
+   - ``paged int8``, ``paged i4/32``: the paged case at page size 16 over int8 pages
+     (scales paged with their tokens) and over ``int4_g32`` pages (a scale per block of
+     32 values), rows read back as their dequantized values;
    - ``shared pages``: a ``PagedKVCache`` (page size 16) whose rows share a prompt of
      enough tokens for a group (``MIN_SHARED_TOKENS``, ``MIN_SAVED_TOKENS``) through
      ``fork`` (one row with a prompt of its own, one idle entry), then a short chunk, decode
@@ -123,18 +125,23 @@ CASES = {True: 2, False: 12}
 PAGE_SIZES = (1, 16)
 #: Quantized storage of the quantized families (one line each): kv_dtype -> line name.
 KV_DTYPES = {"int8": "quant int8", "float8_e4m3fn": "quant e4m3",
-             # a scale per block of 32 values: 8-bit, and 4-bit with keys rotated
-             "int8_g32": "quant i8/32", "int4_g32_rotated": "quant i4/32r"}
+             # a scale per block of 32 values: 8-bit, and 4-bit with keys rotated; per block
+             # of 64 (the other block width the kernels are built for), 4-bit
+             "int8_g32": "quant i8/32", "int4_g32_rotated": "quant i4/32r", "int4_g64": "quant i4/64"}
 #: Head dims of the grouped lines (whole blocks; a power of two for the rotation).
 GROUPED_HEAD_DIMS = (64, 128)
 #: Paged and quantized at once (page size 16, int8): the scales paged with their tokens.
 PAGED_QUANT = "paged int8"
+#: ... and over 4-bit codes with a scale per block of 32 values (their block scales paged too).
+PAGED_GROUPED = "paged i4/32"
+#: The paged quantized lines: kv_dtype -> line name.
+PAGED_KV_DTYPES = {"int8": PAGED_QUANT, "int4_g32": PAGED_GROUPED}
 #: Rows sharing a prompt's pages, read once per plan (``gqakv.ops.shared_prefix``).
 SHARED_PREFIX = "shared pages"
 #: Draft-tree chunks (speculative verification; ``gqakv.core.tree``).
 DRAFT_TREE = "draft tree"
 FAMILIES = ("compile", "append", "decode", "split+merge", "prefill", "row copies", "variants",
-            *(f"paged P={p}" for p in PAGE_SIZES), *KV_DTYPES.values(), PAGED_QUANT, SHARED_PREFIX,
+            *(f"paged P={p}" for p in PAGE_SIZES), *KV_DTYPES.values(), *PAGED_KV_DTYPES.values(), SHARED_PREFIX,
             DRAFT_TREE)
 
 
@@ -634,9 +641,11 @@ def _paged(page_size, backend, dtype, rng, quick, checks, kv_dtype=None) -> None
     steps that write into the shared pages (copy on write): after every append each row
     read back through its pages and the pool's accounting audited; every attention call
     against the reference."""
-    check = checks[PAGED_QUANT if kv_dtype else f"paged P={page_size}"]
+    check = checks[PAGED_KV_DTYPES[kv_dtype] if kv_dtype else f"paged P={page_size}"]
     for c in range(CASES[quick]):
         s = _shape(rng, quick, batch=(3, 6))
+        if kv_dtype in GROUPED:  # whole blocks
+            s.head_dim = int(rng.choice(GROUPED_HEAD_DIMS))
         prompts = rng.integers(1, 70, s.batch)
         T, steps = int(rng.choice([3, 16])), 2
         m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + T + steps,
@@ -777,7 +786,9 @@ _FAMILY_RUNNERS: tuple[tuple[str, Callable[..., None]], ...] = (
     *((f"paged P={p}", functools.partial(_paged, p)) for p in PAGE_SIZES),
     *((line, functools.partial(_quantized, kv)) for kv, line in KV_DTYPES.items()),
     (PAGED_QUANT, functools.partial(_paged, 16, kv_dtype="int8")),
-    (SHARED_PREFIX, _shared_prefix_family), (DRAFT_TREE, _draft_tree_family))
+    (SHARED_PREFIX, _shared_prefix_family), (DRAFT_TREE, _draft_tree_family),
+    # last: its draws leave the families before it what a seed gave them before it came
+    (PAGED_GROUPED, functools.partial(_paged, 16, kv_dtype="int4_g32")))
 
 
 def selftest_backend(backend, *, quick: bool = False, seed: int = 0, say=print) -> list[Check]:
@@ -800,7 +811,7 @@ def selftest_backend(backend, *, quick: bool = False, seed: int = 0, say=print) 
                 chk.skipped = "; ".join(reasons)
         else:
             if dtype == "float64":  # StorageSpec refuses it: float64 is the reference precision
-                for line in (*KV_DTYPES.values(), PAGED_QUANT):
+                for line in (*KV_DTYPES.values(), *PAGED_KV_DTYPES.values()):
                     checks[line].skipped = "quantized K/V take dtype float32, float16 or bfloat16"
             rng = np.random.default_rng([seed, len(lines)])
             for family, runner in _FAMILY_RUNNERS:

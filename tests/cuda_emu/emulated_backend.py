@@ -278,12 +278,15 @@ def prebuild_for(items) -> None:
     ``items`` will load: with a test parametrized by this backend (``backend``, ``case``),
     SMALL_LIBRARIES and the default library (the backend's head dims in harness.HEAD_DIMS);
     with a test of a module that makes this backend itself, the one-dim library of its
-    ``head_dim`` parameter; with a test of a module that builds the default library, that
+    ``head_dim`` parameter; with a grouped codec's product point, the grouped library at
+    its head dim; with a test of a module that builds the default library, that
     one; with an AddressSanitizer test, the ASan library (its child process loads it).
     Anything else is compiled when first asked for (``build``: in parallel, waited for)."""
     if harness.compiler() is None:
         return
-    on_param = uses_default = asan = False
+    from ..support.product import GROUPED_HEAD_DIM, GROUPED_SPECS
+
+    on_param = uses_default = asan = grouped = False
     dims: list[int] = []
     makes: dict[object, tuple[bool, bool]] = {}  # module -> its source makes a backend, a library
     for item in items:
@@ -304,6 +307,9 @@ def prebuild_for(items) -> None:
         if makes_backend and isinstance(d, int) and d not in harness.HEAD_DIMS and d not in dims:
             dims.append(d)
         on_param |= param
+        # a grouped codec's product point (tests/support/product.py GROUPED_SPECS)
+        grouped |= any(isinstance(v, tuple) and len(v) > 1 and isinstance(v[0], EmulatedCupyBackend)
+                       and v[1] in GROUPED_SPECS for v in params.values())
         uses_default |= param or builds
         asan |= "address_sanitizer" in item.name
     if on_param:
@@ -311,6 +317,8 @@ def prebuild_for(items) -> None:
             harness.prebuild(head_dims=(d,), families=families)
             if d == PRODUCT_HEAD_DIM:  # and the product's variants (_product_library)
                 harness.build_registrations(False, product_registrations(families), wait=False)
+    if grouped:  # the grouped library at the product's grouped head dim (_grouped_library)
+        harness.build_registrations(False, harness.grouped_units(GROUPED_HEAD_DIM), wait=False)
     if uses_default:
         harness.prebuild()
     if asan and harness.asan_runtime() is not None:

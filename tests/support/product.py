@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gqakv
 
+from .quantization import GROUPED
+
 
 def _emulated_cupy():
     """The cupy backend's own glue and .cu kernels on the CPU emulation harness
@@ -55,6 +57,48 @@ PRODUCT_DTYPES = ("float32", "bfloat16", "float16")
 #: Largest product run in full.
 PRODUCT_LIMIT = 64
 
+# -- the grouped codecs' axis: its own head dim --------------------------------------------
+#: The grouped codecs (tests/support/quantization.py GROUPED, written apart from the
+#: library's table: a scale per block of 32 or 64 values along d), contiguous and paged: their blocks need d a multiple of 64 for every one of
+#: them, so they are an axis of their own at GROUPED_HEAD_DIM (the product above runs d = 8).
+#: name -> KVCache / ModelKVCache keyword arguments, as STORAGE_SPECS.
+GROUPED_SPECS = {f"{layout}{name}": {**spec, "kv_dtype": name}
+                 for name in GROUPED
+                 for layout, spec in (("", {}), ("paged+", {"storage": "paged", "page_size": 4}))}
+#: Head dim of the grouped points: one block of 64, two of 32.
+GROUPED_HEAD_DIM = 64
+
+
+def _grouped_axes(backend) -> tuple[list[str], list[str]]:
+    """(params names, dtypes) of the grouped product on ``backend``: the product's, but on
+    the emulated CuPy backend only those its grouped emulation library instantiates
+    (tests/cuda_emu/harness.py GROUPED_VARIANTS, GROUPED_DTYPES: CUDA compiles any on a
+    GPU; the emulator's library holds what the tests run)."""
+    dtypes = [d for d in PRODUCT_DTYPES if d in backend.dtypes]
+    if backend.name != "cupy_emulated":
+        return list(ATTENTION_PARAMS), dtypes
+    from gqakv_backends.cupy_backend import instantiations as table
+
+    from ..cuda_emu import harness
+
+    def flags(fields):  # the variant.cuh flags of a params entry
+        return sum(table.VARIANT_FLAGS[f] for f in gqakv.AttentionParams(scale=1.0, **fields).features)
+
+    return ([p for p, fields in ATTENTION_PARAMS.items() if flags(fields) in harness.GROUPED_VARIANTS],
+            [d for d in dtypes if d in harness.GROUPED_DTYPES])
+
+
+def grouped_product_cases(backends) -> list[tuple]:
+    """(backend, grouped spec name, params name, dtype) points: every (backend, spec) pair
+    once, the backend's dtypes and params (``_grouped_axes``) taken in turn, so every
+    (backend, dtype) and (backend, params) pair runs too (8 specs >= 7 params)."""
+    picked = []
+    for i, b in enumerate(backends):
+        variants, dtypes = _grouped_axes(b)
+        for n, s in enumerate(GROUPED_SPECS):
+            picked.append((b, s, variants[(i + n) % len(variants)], dtypes[n % len(dtypes)]))
+    return picked
+
 
 def product_cases(backends, storage_specs, params, dtypes=PRODUCT_DTYPES) -> list[tuple]:
     """(backend, storage name, params name, dtype) points: the full product when it is at
@@ -92,7 +136,7 @@ class Case:
     def __init__(self, backend, storage_name: str, params_name: str, dtype: str = "float32"):
         self.backend = backend
         self.storage_name, self.params_name, self.dtype = storage_name, params_name, dtype
-        self.storage = STORAGE_SPECS[storage_name]
+        self.storage = {**STORAGE_SPECS, **GROUPED_SPECS}[storage_name]
         self.params = ATTENTION_PARAMS[params_name]
 
     def __repr__(self) -> str:

@@ -36,11 +36,15 @@ def dequantized(x: np.ndarray, kv_dtype: str) -> np.ndarray:
     return (values * scale[..., None]).astype(np.float32)
 
 
-def held(x: np.ndarray, storage: dict) -> np.ndarray:
+def held(x: np.ndarray, storage: dict, keys: bool = False) -> np.ndarray:
     """What a cache made with the keyword arguments ``storage`` (a conftest STORAGE_SPECS
-    entry) holds for the values ``x`` [..., d] appended: ``x`` itself, or for a
-    ``kv_dtype`` its dequantized values (float32). For the product tests' references."""
+    or GROUPED_SPECS entry) holds for the values ``x`` [..., d] appended: ``x`` itself, or
+    for a ``kv_dtype`` its dequantized values (float32; a grouped codec's by
+    ``held_grouped``, float64, ``keys`` of a rotated one rotated back). For the product
+    tests' references."""
     kv_dtype = storage.get("kv_dtype")
+    if kv_dtype in GROUPED:
+        return held_grouped(np.asarray(x, np.float32), kv_dtype, keys)
     return x if kv_dtype is None else dequantized(np.asarray(x, np.float32), kv_dtype)
 
 

@@ -199,8 +199,8 @@ class Refused:
     words: tuple[str, ...]
 
 
-#: The codecs the numba kernels and the CUDA row copy document (their decoders): the 8-bit
-#: per-token ones.
+#: The codecs the CUDA row copy documents: the 8-bit per-token ones (the numba kernels
+#: decode these and the grouped ones).
 CPU_CODECS = (None, "int8", "float8_e4m3fn")
 #: The grouped codecs (a scale per block of values).
 GROUPED_CODECS = ("int8_g32", "int4_g32", "int4_g64", "int4_g32_rotated")
@@ -218,7 +218,9 @@ def _numpy_attention(f) -> Any:
 
 
 def _numba_attention(f) -> Any:
-    if f["codec"] not in CPU_CODECS:  # the kernels decode none of these: the BLAS path's
+    # the kernels decode the 8-bit per-token codes and the grouped ones (a key block at a
+    # time); any other codec: the BLAS path's
+    if f["codec"] not in (*CPU_CODECS, *GROUPED_CODECS):
         return _numpy_attention(f)
     # decode and short chunks whose tiles (G heads x T queries) hold at most 256 rows: the kernels
     if f["t_q"] <= 8 and f.get("group", 1) * f["t_q"] <= 256 and f["dtype"] != "float64":
