@@ -404,6 +404,9 @@ def _check_reference(out, lse, q_host, rows, n_new):
     np.testing.assert_allclose(lse[live], ref_lse[live], atol=1e-5)
 
 
+#: Rows whose steps below cross page boundaries (PAGE = 16: 272, 48, 160), so that a
+#: paged step takes new pages and the plan's device table must follow.
+WHOLE_HISTORY = (270, 46, 158)
 #: Per shape: T and the steps' n_new (idle rows, other lengths each step).
 WHOLE_STEPS = {"decode": (1, ([1, 1, 1], [1, 0, 1], [0, 1, 1], [1, 1, 1])),
                "chunk": (3, ([3, 1, 0], [2, 3, 1], [1, 0, 3]))}
@@ -421,8 +424,8 @@ def test_emulated_fixed_step_is_replayed_bit_for_bit_as_eager(monkeypatch, stora
     out and lse the eager step's bits (a second cache stepped with plain ``attend``), its
     cache the same K/V, both within float32 error of the float64 reference."""
     backend = emu.kernels_only(monkeypatch, "fixed kernels")
-    fixed_cache, before = _filled(backend, storage, 71)
-    eager_cache, _ = _filled(backend, storage, 71)
+    fixed_cache, _ = _filled(backend, storage, 71, WHOLE_HISTORY)
+    eager_cache, _ = _filled(backend, storage, 71, WHOLE_HISTORY)
     traffic = _DeviceTraffic(monkeypatch, backend)
     launched = []
     run = backend._run_plan
@@ -440,7 +443,7 @@ def test_emulated_fixed_step_is_replayed_bit_for_bit_as_eager(monkeypatch, stora
     ks = [_garbage(backend, (B, HKV, T, D)) for _ in range(LAYERS)]
     outs = [_garbage(backend, (B, HQ, T, D)) for _ in range(LAYERS)]
     lses = [_garbage(backend, (B, HQ, T)) for _ in range(LAYERS)]
-    plan, per_step = None, []
+    plan, per_step, pages = None, [], []
     with gqakv.batch_invariant():
         for i, n_new in enumerate(n_news):
             q_host = [rng.standard_normal((B, HQ, T, D)).astype(np.float32) for _ in range(LAYERS)]
@@ -465,6 +468,8 @@ def test_emulated_fixed_step_is_replayed_bit_for_bit_as_eager(monkeypatch, stora
                 else:
                     step.replay(graph.launch)
             traffic.on = False  # the commit included
+            if storage == "paged":
+                pages.append(int((fixed_cache.store.page_table.entries >= 0).sum()))
             if i > 0:
                 assert traffic.calls == [], traffic.calls
             per_step.append([x[:3] for launches in launched for x in launches])
@@ -482,7 +487,10 @@ def test_emulated_fixed_step_is_replayed_bit_for_bit_as_eager(monkeypatch, stora
                 for a, b in zip(rows, _live_rows(eager_cache, l)):
                     np.testing.assert_array_equal(a, b)
                 _check_reference(*got, q_host[l], rows, n_new)
-    assert list(fixed_cache.host_lens) == [h + sum(n[b] for n in n_news) for b, h in enumerate(HISTORY)]
+    assert list(fixed_cache.host_lens) == [h + sum(n[b] for n in n_news)
+                                           for b, h in enumerate(WHOLE_HISTORY)]
+    if storage == "paged":  # the replayed steps took pages: adopt uploaded each new table
+        assert pages[-1] > pages[1], pages
     assert len(graph.ops) == LAYERS * 4  # per layer: the append, out's and lse's fills, attention
     assert all(s == per_step[0] for s in per_step[1:])  # eager steps' launches = the replays'
     assert len(per_step[0]) == 2 * LAYERS  # per layer: one append, one attention launch
