@@ -28,7 +28,9 @@
   workspaces; a run given ``out`` / ``lse_out`` allocates nothing and copies nothing to
   the device. Fixed plans (``plan_fixed_attention``, for CUDA graphs) are sized for the
   capacities, so their launches do not depend on the lengths, which ``update_attention``
-  rewrites in place.
+  rewrites in place; they plan the step's append too (``write_kv(..., work=)``: a grid
+  fixed by T over the plan's device ints and page table), so a whole step launches the
+  same kernels with the same arguments every time, with nothing uploaded.
 * Draft trees (speculative verification, ``gqa_attention(..., tree=)``): the prefill
   kernels' tree instantiation (variant.cuh's TREE flag) serves a tree call of any t_q, over
   every storage and with every variant; the tree's ancestor sets and depths are uploaded

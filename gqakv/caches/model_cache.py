@@ -16,6 +16,11 @@ the live tokens, where no reader of the cache looks; attention inside the step s
 them. The lengths advance once, when the block exits normally and every layer was
 written exactly once. If anything raises inside the block, nothing advances, so no
 live token and no length has changed (only dead slots past the lengths were written).
+
+CUDA graphs (the cupy backend): a fixed plan (``step.plan_attention(..., fixed=True)``)
+taken by each later step with ``step.adopt(plan)`` holds the step's device side, the
+append's included, so a step's layers can be captured once and replayed with
+``step.replay(launch)`` (docs/guides/serving.md, "Fixed plans").
 """
 
 from __future__ import annotations
