@@ -544,3 +544,50 @@ def test_emulated_fixed_step_refusals(monkeypatch):
             step.replay(lambda: None)
         for l in range(1, LAYERS):
             step.write(l, x, x)
+
+
+@pytest.mark.parametrize("storage", ["contiguous", "paged"])
+def test_emulated_fixed_step_on_int8_storage(monkeypatch, storage):
+    """The fixed append of a quantized cache (gqakv_write_kv_quantized over the plan's
+    device ints): batch-invariant fixed steps give the eager steps' bits, and the same
+    live K/V (decoded from codes and scales; the eager path's values against the reference: tests/test_cupy_quantized_emulated.py),
+    with no allocation or copy after adopt. d = 8: the emulator's int8 library."""
+    backend = emu.kernels_only(monkeypatch, "fixed kernels")
+    d, kw = 8, (dict(page_size=PAGE) if storage == "paged" else {})
+    caches = [gqakv.ModelKVCache(2, B, HKV, 64, d, backend=backend, kv_dtype="int8", **kw)
+              for _ in range(2)]
+    rng = np.random.default_rng(101)
+    x = backend.from_numpy(rng.standard_normal((B, HKV, 20, d)), "float32")
+    for c in caches:
+        with c.step([20, 13, 15]) as step:
+            for l in range(2):
+                step.write(l, x, x)
+    traffic = _DeviceTraffic(monkeypatch, backend)
+    outs = [_garbage(backend, (B, HQ, 1, d)) for _ in range(2)]
+    lses = [_garbage(backend, (B, HQ, 1)) for _ in range(2)]
+    plan = None
+    with gqakv.batch_invariant():
+        for n_new in ([1, 1, 1], [0, 1, 1], [1, 1, 0], [1, 1, 1]):  # 16 crossed in row 2
+            q = backend.from_numpy(rng.standard_normal((B, HQ, 1, d)), "float32")
+            k = backend.from_numpy(rng.standard_normal((B, HKV, 1, d)), "float32")
+            with caches[0].step(n_new) as step:
+                if plan is None:
+                    plan = step.plan_attention(HQ, t_q=1, fixed=True)
+                    assert isinstance(plan.work.append, type(plan.work.plan)), plan.work.append
+                else:
+                    step.adopt(plan)
+                traffic.calls.clear()
+                traffic.on = True
+                for l in range(2):
+                    step.attend(l, q, k, k, plan=plan, out=outs[l], lse_out=lses[l])
+            traffic.on = False  # the commit included
+            assert traffic.calls == [], traffic.calls
+            with caches[1].step(n_new) as step:
+                want = [step.attend(l, q, k, k, return_lse=True) for l in range(2)]
+            for l, (b, b_lse) in enumerate(want):
+                np.testing.assert_array_equal(backend.to_numpy(outs[l]), backend.to_numpy(b))
+                np.testing.assert_array_equal(backend.to_numpy(lses[l]), backend.to_numpy(b_lse))
+    for l in range(2):  # the live tokens (dead slots hold whatever the allocation had)
+        for b in range(B):
+            for got, want in zip(*(c.live_kv(l, b) for c in caches)):
+                np.testing.assert_array_equal(backend.to_numpy(got), backend.to_numpy(want))
