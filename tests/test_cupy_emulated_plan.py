@@ -331,3 +331,263 @@ def test_emulated_plan_on_another_stream_is_not_used(monkeypatch):
     out, lse = _garbage(backend, (B, HQ, 1, D)), _garbage(backend, (B, HQ, 1))
     fixed.run(q, cache, out=out, lse_out=lse)
     assert counter.calls == []
+
+
+# -- the whole fixed step: append + attention (CUDA graphs) -----------------------------------
+
+class _DeviceTraffic:
+    """Every allocation and host<->device copy of the stand-in cupy (its allocators,
+    ``asarray``, ``ascontiguousarray``, ``ndarray.set`` and ``ndarray.get``) while ``on``."""
+
+    def __init__(self, monkeypatch, backend):
+        self.on, self.calls = False, []
+        cp = backend.runtime.cp
+        for name in ("empty", "zeros", "full", "asarray", "ascontiguousarray"):
+            monkeypatch.setattr(cp, name, self._wrap(name, getattr(cp, name)))
+        for name in ("set", "get"):
+            monkeypatch.setattr(emu.EmulatedDeviceArray, name,
+                                self._wrap(name, getattr(emu.EmulatedDeviceArray, name)))
+
+    def _wrap(self, name, fn):
+        def wrapped(*args, **kwargs):
+            if self.on:
+                self.calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+
+class _Graph:
+    """A CUDA graph's part as the emulator can play it: while ``capturing``, every device
+    operation of the step (the kernel launches with the very arrays they were given, and
+    the output pre-fills) is recorded; ``launch()`` replays them in order, as
+    ``cupy.cuda.Graph.launch`` would, over the same buffers."""
+
+    def __init__(self, monkeypatch, backend):
+        self.capturing, self.ops = False, []
+        run, fill = backend._run_plan, emu.EmulatedDeviceArray.fill
+
+        def recorded_run(plan, arrays, *args):
+            if self.capturing:
+                self.ops.append(lambda: run(plan, arrays, *args))
+            return run(plan, arrays, *args)
+
+        def recorded_fill(a, value):
+            if self.capturing:
+                self.ops.append(lambda: fill(a, value))
+            return fill(a, value)
+
+        backend._run_plan = recorded_run
+        monkeypatch.setattr(emu.EmulatedDeviceArray, "fill", recorded_fill)
+
+    def launch(self):
+        for op in self.ops:
+            op()
+
+
+def _live_rows(cache, l):
+    """Layer ``l``'s live K of every row, on the host: [Hkv, L_b, d] each."""
+    return [np.asarray(cache.backend.to_numpy(cache.live_kv(l, b)[0])) for b in range(B)]
+
+
+def _check_reference(out, lse, q_host, rows, n_new):
+    """out / lse of queries ``q_host`` against the float64 reference over ``rows`` (each
+    row's live K = V after the step), within k x the plain float32 error."""
+    lens = [r.shape[1] for r in rows]
+    full = np.zeros((B, HKV, max(lens), D))
+    for b, r in enumerate(rows):
+        full[b, :, :r.shape[1]] = r
+    ref, ref_lse = reference_on_buffers(q_host, full, full, lens, n_new)
+    plain = plain_float32_attention(q_host, rows, rows, n_new, D ** -0.5)
+    assert max_error(out, ref) <= 4 * max_error(plain, ref) + 1e-6
+    live = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), live)
+    np.testing.assert_allclose(lse[live], ref_lse[live], atol=1e-5)
+
+
+#: Rows whose steps below cross page boundaries (PAGE = 16: 272, 48, 160), so that a
+#: paged step takes new pages and the plan's device table must follow.
+WHOLE_HISTORY = (270, 46, 158)
+#: Per shape: T and the steps' n_new (idle rows, other lengths each step).
+WHOLE_STEPS = {"decode": (1, ([1, 1, 1], [1, 0, 1], [0, 1, 1], [1, 1, 1])),
+               "chunk": (3, ([3, 1, 0], [2, 3, 1], [1, 0, 3]))}
+
+
+@pytest.mark.parametrize("storage", ["contiguous", "paged"])
+@pytest.mark.parametrize("shape", sorted(WHOLE_STEPS))
+def test_emulated_fixed_step_is_replayed_bit_for_bit_as_eager(monkeypatch, storage, shape):
+    """Batch-invariant mode, 4 layers, several steps of new lengths: a fixed plan made in
+    the first step, adopted by the next; in the second step every device operation of the
+    step (each layer's fixed append and attention, pre-fills included) is recorded, and
+    the later steps only adopt the plan, refill q / K / V's buffers and replay the record
+    (``Step.replay``): no allocation and no host<->device copy after ``adopt`` to the end
+    of the step, the same append and attention launches in every step, and every layer's
+    out and lse the eager step's bits (a second cache stepped with plain ``attend``), its
+    cache the same K/V, both within float32 error of the float64 reference."""
+    backend = emu.kernels_only(monkeypatch, "fixed kernels")
+    fixed_cache, _ = _filled(backend, storage, 71, WHOLE_HISTORY)
+    eager_cache, _ = _filled(backend, storage, 71, WHOLE_HISTORY)
+    traffic = _DeviceTraffic(monkeypatch, backend)
+    launched = []
+    run = backend._run_plan
+
+    def seen(plan, arrays, *args):
+        launched.append([(x.name, x.grid, x.args, arrays.get("rows")) for x in plan.launches])
+        return run(plan, arrays, *args)
+
+    backend._run_plan = seen
+    graph = _Graph(monkeypatch, backend)  # its replays go through ``seen`` too
+    rng = np.random.default_rng(72)
+    T, n_news = WHOLE_STEPS[shape]
+    # the graph's inputs and outputs: one buffer each per layer, refilled in place
+    qs = [_garbage(backend, (B, HQ, T, D)) for _ in range(LAYERS)]
+    ks = [_garbage(backend, (B, HKV, T, D)) for _ in range(LAYERS)]
+    outs = [_garbage(backend, (B, HQ, T, D)) for _ in range(LAYERS)]
+    lses = [_garbage(backend, (B, HQ, T)) for _ in range(LAYERS)]
+    plan, per_step, pages = None, [], []
+    with gqakv.batch_invariant():
+        for i, n_new in enumerate(n_news):
+            q_host = [rng.standard_normal((B, HQ, T, D)).astype(np.float32) for _ in range(LAYERS)]
+            k_host = [rng.standard_normal((B, HKV, T, D)).astype(np.float32) for _ in range(LAYERS)]
+            for l in range(LAYERS):
+                qs[l][...], ks[l][...] = q_host[l], k_host[l]
+            launched.clear()
+            with fixed_cache.step(n_new) as step:
+                if plan is None:
+                    plan = step.plan_attention(HQ, t_q=T, fixed=True)
+                    assert isinstance(plan.work.append, type(plan.work.plan)), plan.work.append
+                else:
+                    step.adopt(plan)
+                traffic.calls.clear()
+                traffic.on = True
+                if i < 2:  # eager launches; the second step's recorded as the graph
+                    graph.capturing = i == 1
+                    for l in range(LAYERS):
+                        step.attend(l, qs[l], ks[l], ks[l], plan=plan, out=outs[l],
+                                    lse_out=lses[l])
+                    graph.capturing = False
+                else:
+                    step.replay(graph.launch)
+            traffic.on = False  # the commit included
+            if storage == "paged":
+                pages.append(int((fixed_cache.store.page_table.entries >= 0).sum()))
+            if i > 0:
+                assert traffic.calls == [], traffic.calls
+            per_step.append([x[:3] for launches in launched for x in launches])
+            # every launch reads the plan's device ints (the appends' too)
+            assert all(x[3] is plan.work.arrays["rows"] for launches in launched for x in launches)
+            with eager_cache.step(n_new) as step:
+                eager = [step.attend(l, backend.from_numpy(q_host[l], "float32"),
+                                     *(2 * [backend.from_numpy(k_host[l], "float32")]),
+                                     return_lse=True) for l in range(LAYERS)]
+            for l in range(LAYERS):
+                got = (backend.to_numpy(outs[l]), backend.to_numpy(lses[l]))
+                np.testing.assert_array_equal(got[0], backend.to_numpy(eager[l][0]), err_msg=f"{i} {l}")
+                np.testing.assert_array_equal(got[1], backend.to_numpy(eager[l][1]), err_msg=f"{i} {l}")
+                rows = _live_rows(fixed_cache, l)
+                for a, b in zip(rows, _live_rows(eager_cache, l)):
+                    np.testing.assert_array_equal(a, b)
+                _check_reference(*got, q_host[l], rows, n_new)
+    assert list(fixed_cache.host_lens) == [h + sum(n[b] for n in n_news)
+                                           for b, h in enumerate(WHOLE_HISTORY)]
+    if storage == "paged":  # the replayed steps took pages: adopt uploaded each new table
+        assert pages[-1] > pages[1], pages
+    assert len(graph.ops) == LAYERS * 4  # per layer: the append, out's and lse's fills, attention
+    assert all(s == per_step[0] for s in per_step[1:])  # eager steps' launches = the replays'
+    assert len(per_step[0]) == 2 * LAYERS  # per layer: one append, one attention launch
+
+
+def test_emulated_fixed_step_outside_invariant_mode_differs_from_eager(monkeypatch):
+    """Why the bit-for-bit replay needs batch-invariant mode: outside it, a fixed decode
+    plan splits each row's keys by the capacity (3 splits of MAX_LEN / 3) and the eager
+    call by the row's length, so the merges add other partial sums (float32 rounding)."""
+    backend = emu.kernels_only(monkeypatch, "fixed kernels")
+    fixed_cache, _ = _filled(backend, "contiguous", 81)
+    eager_cache, _ = _filled(backend, "contiguous", 81)
+    rng = np.random.default_rng(82)
+    q = backend.from_numpy(rng.standard_normal((B, HQ, 1, D)), "float32")
+    k = backend.from_numpy(rng.standard_normal((B, HKV, 1, D)), "float32")
+    with fixed_cache.step([1, 1, 1]) as step:
+        plan = step.plan_attention(HQ, t_q=1, fixed=True, splits=3)
+        got = [backend.to_numpy(step.attend(l, q, k, k, plan=plan)) for l in range(LAYERS)]
+    with eager_cache.step([1, 1, 1]) as step:
+        want = [backend.to_numpy(step.attend(l, q, k, k)) for l in range(LAYERS)]
+    assert not all(np.array_equal(a, b) for a, b in zip(got, want))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_emulated_fixed_step_refusals(monkeypatch):
+    """splits= in batch-invariant mode, a plan taken into the other mode, replay without
+    an adopted plan or after a write, a write the fixed append does not serve (K/V of
+    another T: the unplanned append, the same K/V)."""
+    backend = emu.kernels_only(monkeypatch, "fixed kernels")
+    cache, _ = _filled(backend, "contiguous", 91)
+    with cache.step([1, 1, 1]) as step:
+        with gqakv.batch_invariant(), pytest.raises(ValueError, match=r"splits=2: in batch-invariant"):
+            step.plan_attention(HQ, t_q=1, fixed=True, splits=2)
+        with pytest.raises(ValueError, match="replay needs this step to adopt"):
+            step.replay(lambda: None)
+        plan = step.plan_attention(HQ, t_q=2, fixed=True)
+        x = backend.from_numpy(np.ones((B, HKV, 1, D)), "float32")  # T = 1, the plan's is 2
+        for l in range(LAYERS):
+            step.write(l, x, x)
+        assert np.array_equal(backend.to_numpy(cache.store.k[:, 0, :, HISTORY[0]]), np.ones((LAYERS, HKV, D)))
+    with cache.step([1, 1, 1]) as step:
+        ints = plan.work.ints.get()
+        with gqakv.batch_invariant(), pytest.raises(
+                ValueError, match="made with batch-invariant mode off and the mode is on now"):
+            step.adopt(plan)
+        np.testing.assert_array_equal(plan.work.ints.get(), ints)  # nothing changed
+        step.adopt(plan)
+        step.write(0, x, x)
+        with pytest.raises(ValueError, match=r"layers \[0\] were written already"):
+            step.replay(lambda: None)
+        for l in range(1, LAYERS):
+            step.write(l, x, x)
+
+
+@pytest.mark.parametrize("storage", ["contiguous", "paged"])
+def test_emulated_fixed_step_on_int8_storage(monkeypatch, storage):
+    """The fixed append of a quantized cache (gqakv_write_kv_quantized over the plan's
+    device ints): batch-invariant fixed steps give the eager steps' bits, and the same
+    live K/V (decoded from codes and scales; the eager path's values against the reference: tests/test_cupy_quantized_emulated.py),
+    with no allocation or copy after adopt. d = 8: the emulator's int8 library."""
+    backend = emu.kernels_only(monkeypatch, "fixed kernels")
+    d, kw = 8, (dict(page_size=PAGE) if storage == "paged" else {})
+    caches = [gqakv.ModelKVCache(2, B, HKV, 64, d, backend=backend, kv_dtype="int8", **kw)
+              for _ in range(2)]
+    rng = np.random.default_rng(101)
+    x = backend.from_numpy(rng.standard_normal((B, HKV, 20, d)), "float32")
+    for c in caches:
+        with c.step([20, 13, 15]) as step:
+            for l in range(2):
+                step.write(l, x, x)
+    traffic = _DeviceTraffic(monkeypatch, backend)
+    outs = [_garbage(backend, (B, HQ, 1, d)) for _ in range(2)]
+    lses = [_garbage(backend, (B, HQ, 1)) for _ in range(2)]
+    plan = None
+    with gqakv.batch_invariant():
+        for n_new in ([1, 1, 1], [0, 1, 1], [1, 1, 0], [1, 1, 1]):  # 16 crossed in row 2
+            q = backend.from_numpy(rng.standard_normal((B, HQ, 1, d)), "float32")
+            k = backend.from_numpy(rng.standard_normal((B, HKV, 1, d)), "float32")
+            with caches[0].step(n_new) as step:
+                if plan is None:
+                    plan = step.plan_attention(HQ, t_q=1, fixed=True)
+                    assert isinstance(plan.work.append, type(plan.work.plan)), plan.work.append
+                else:
+                    step.adopt(plan)
+                traffic.calls.clear()
+                traffic.on = True
+                for l in range(2):
+                    step.attend(l, q, k, k, plan=plan, out=outs[l], lse_out=lses[l])
+            traffic.on = False  # the commit included
+            assert traffic.calls == [], traffic.calls
+            with caches[1].step(n_new) as step:
+                want = [step.attend(l, q, k, k, return_lse=True) for l in range(2)]
+            for l, (b, b_lse) in enumerate(want):
+                np.testing.assert_array_equal(backend.to_numpy(outs[l]), backend.to_numpy(b))
+                np.testing.assert_array_equal(backend.to_numpy(lses[l]), backend.to_numpy(b_lse))
+    for l in range(2):  # the live tokens (dead slots hold whatever the allocation had)
+        for b in range(B):
+            for got, want in zip(*(c.live_kv(l, b) for c in caches)):
+                np.testing.assert_array_equal(backend.to_numpy(got), backend.to_numpy(want))

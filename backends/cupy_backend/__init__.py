@@ -28,7 +28,9 @@
   workspaces; a run given ``out`` / ``lse_out`` allocates nothing and copies nothing to
   the device. Fixed plans (``plan_fixed_attention``, for CUDA graphs) are sized for the
   capacities, so their launches do not depend on the lengths, which ``update_attention``
-  rewrites in place.
+  rewrites in place; they plan the step's append too (``write_kv(..., work=)``: a grid
+  fixed by T over the plan's device ints and page table), so a whole step launches the
+  same kernels with the same arguments every time, with nothing uploaded.
 * Draft trees (speculative verification, ``gqa_attention(..., tree=)``): the prefill
   kernels' tree instantiation (variant.cuh's TREE flag) serves a tree call of any t_q, over
   every storage and with every variant; the tree's ancestor sets and depths are uploaded
@@ -234,12 +236,32 @@ class CupyBackend(Backend):
     # The store's layout, codec and the variant are judged by the kernels' declarations
     # (``fast_paths``); a paged call adds the page table.
 
-    def write_kv(self, store, k_new, v_new, inputs) -> None:
-        """One launch for all rows; see ``Backend.write_kv``. k/v_new are [B, Hkv, T, d]."""
-        with self._device_of(store.k):
-            self._write_kv(store, k_new, v_new, inputs)
+    def write_kv(self, store, k_new, v_new, inputs, *, work=None) -> None:
+        """One launch for all rows; see ``Backend.write_kv``. k/v_new are [B, Hkv, T, d].
 
-    def _write_kv(self, store, k_new, v_new, inputs) -> None:
+        work: a fixed plan's ``CupyWork`` (``gqakv.ops.plan.AttentionPlan.write``): when it
+        serves this append (``work.serves_write``: its step's rows, starts and n_new, T new
+        tokens per entry) the launch is its capacity plan (grid by T) over its device ints
+        and page table: nothing uploaded, nothing allocated for aligned K/V. Otherwise (or
+        without it) the append is planned and uploaded for its own n_new."""
+        with self._device_of(store.k):
+            if not (isinstance(work, CupyWork)
+                    and _work.serves_write(work, inputs, store, k_new, self.device_of(store.k))):
+                work = None
+            self._write_kv(store, k_new, v_new, inputs, work)
+
+    def _write_plan(self, store, n_new, t_new: int, new_strides):
+        """The append's launch plan for host ``n_new`` [B] into k_new of ``t_new`` tokens
+        and ``new_strides`` (batch, head, token), kept by value (or the planner's refusal)."""
+        dtype, kv_dtype = _dtypes_of(store)
+        args = (dtype, int(store.head_dim), np.asarray(n_new, dtype=np.int64),
+                int(store.k.shape[1]), int(t_new), tuple(new_strides), _strides(store.k)[:3])
+        options = dict(pages=_pages_arg(store), kv_dtype=kv_dtype,
+                       scale_strides=_strides(store.k_scale)[:3] if kv_dtype else None)
+        return self._plans.get(("write_kv", *_hashable(args), *options.values()),
+                               lambda: _plan_or_refusal(_plan.plan_write_kv, *args, **options))
+
+    def _write_kv(self, store, k_new, v_new, inputs, work=None) -> None:
         k_buf, v_buf = store.k, store.v
         rows, starts, n_new = inputs.rows, inputs.starts, inputs.n_new
         dtype, kv_dtype = _dtypes_of(store)
@@ -262,27 +284,52 @@ class CupyBackend(Backend):
         if route.impl == GENERIC:
             return super().write_kv(store, k_new, v_new, inputs)
         n_new = np.asarray(n_new, dtype=np.int64)
-        pages = _pages_arg(store)
-        args = (dtype, d, n_new, int(k_buf.shape[1]), int(k_new.shape[2]), _strides(k_new)[:3],
-                _strides(k_buf)[:3])
-        options = dict(pages=pages, kv_dtype=kv_dtype,
-                       scale_strides=_strides(store.k_scale)[:3] if kv_dtype else None)
-        plan = self._plans.get(("write_kv", *_hashable(args), *options.values()),
-                               lambda: _plan_or_refusal(_plan.plan_write_kv, *args, **options))
+        # a fixed work's append: T tokens per entry, whatever this step's n_new (the kernel
+        # stops at each entry's own n_new, read on the device)
+        planned = np.full_like(n_new, int(k_new.shape[2])) if work is not None else n_new
+        plan = self._write_plan(store, planned, int(k_new.shape[2]), _strides(k_new)[:3])
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
             route = routing.route_write_kv(request.with_(grid=plan))
         if route.impl == GENERIC:
             return super().write_kv(store, k_new, v_new, inputs)
         if not plan.launches:
             return
-        rows_d, starts_d, n_new_d = self._upload_ints(rows, starts, n_new)
-        arrays = {"k_new": k_new, "v_new": v_new, "k_buf": k_buf, "v_buf": v_buf, "rows": rows_d,
-                  "starts": starts_d, "n_new": n_new_d}
-        if pages is not None:
-            arrays["table"] = self._upload_table(store)
+        if work is not None:  # the work's device ints and table, updated for this step
+            arrays = {name: work.arrays[name] for name in ("rows", "starts", "n_new")}
+            if "table" in work.arrays:
+                arrays["table"] = work.arrays["table"]
+        else:
+            rows_d, starts_d, n_new_d = self._upload_ints(rows, starts, n_new)
+            arrays = {"rows": rows_d, "starts": starts_d, "n_new": n_new_d}
+            if _pages_arg(store) is not None:
+                arrays["table"] = self._upload_table(store)
+        arrays.update(k_new=k_new, v_new=v_new, k_buf=k_buf, v_buf=v_buf)
         if kv_dtype:
             arrays.update(k_scale=store.k_scale, v_scale=store.v_scale)
         self.runtime.run_plan(plan, arrays, dtype, d)
+
+    def _fixed_append(self, store, q_shape):
+        """A fixed work's append plan (``CupyWork.append``): T new tokens per entry of
+        contiguous k_new ``[B, Hkv, T, d]``, the grid fixed by T; or why the step's append
+        stays unplanned (a sentence)."""
+        if store.spec.codec.rotates_keys:
+            return "keys are stored rotated: each append rotates K into a new array first"
+        dtype, kv_dtype = _dtypes_of(store)
+        d = int(store.head_dim)
+        B, _, T, _ = q_shape
+        # the cache's own buffers judged here; each write's K/V when it comes
+        layout = (_store_rejection(store)
+                  or _write_layout_rejection(store.k, store.v, store.k, store.v, kv_dtype or dtype, d)
+                  or (_scales_rejection(store, d) if kv_dtype else None))
+        request = Request.of_store("write_kv", store, tokens=PADDED).with_(buffers=layout)
+        route = routing.route_write_kv(request)
+        if route.impl != GENERIC:
+            new_strides = _contiguous_strides((B, int(store.k.shape[1]), T, d))[:3]
+            plan = self._write_plan(store, np.full(B, T, dtype=np.int64), T, new_strides)
+            if not isinstance(plan, str):
+                return plan
+            route = routing.route_write_kv(request.with_(grid=plan))
+        return f"the append's route is {route}"
 
     def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
         """All copies of the call in one launch; see ``Backend.copy_tokens``.
@@ -484,6 +531,8 @@ class CupyBackend(Backend):
                         stream=self.runtime.stream_ptr(),
                         fill=_work.needs_fill(q_shape, inputs.n_new, fixed), fixed=fixed)
         _work.upload(self.runtime.cp, work, store, params, None if fixed else self._upload)
+        if fixed:
+            work.append = self._fixed_append(store, q_shape)
         return work
 
     def _work_serves(self, work, store, inputs) -> bool:

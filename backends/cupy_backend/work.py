@@ -3,7 +3,7 @@
 ``CupyBackend.plan_attention`` returns a ``CupyWork`` for a batch its fused kernels serve
 (padded queries; packed ones take the generic code on CuPy, so they get no work): the
 kernel plan (``plan.Plan``), the device index arrays the kernels read (rows / lens /
-n_new ``[B]`` int64 from one upload, the sinks and ALiBi slopes ``[Hq]`` float32, a draft
+n_new / starts ``[B]`` int64 from one upload, the sinks and ALiBi slopes ``[Hq]`` float32, a draft
 tree's ancestor sets ``[B, S, S]`` uint8 and depths ``[B, S]`` int64 (``tree_arrays``), a paged
 store's table ``[R, pages_per_row]`` int32) and the split workspaces the plan names
 (``part_o`` / ``part_lse``, and the 1-element ``dummy``), all allocated once. A run then
@@ -17,6 +17,13 @@ with T queries, at a split count fixed up front. The launch grid and every scala
 row's own length and n_new from the device arrays (a split past a row's keys writes lse
 -inf, ``write_empty_split``; blocks past n_new return), so ``update`` rewrites those
 arrays in place (``ndarray.set``) for the next step and the launches stay the same.
+
+A fixed work also plans the step's append (``append``: gqakv_write_kv's launch for T new
+tokens per entry, its grid fixed by T, not by the largest n_new): it reads the same device
+rows / n_new and the ``starts`` row (lens - n_new) and the same page table, so one
+``update`` readies the whole step, and ``Step.write`` under an adopted fixed plan
+(``gqakv.ops.plan.AttentionPlan.write``) uploads nothing (``serves_write`` says when it
+applies).
 """
 
 from __future__ import annotations
@@ -48,15 +55,18 @@ class CupyWork:
             queued on. A run on another stream is not planned (the uploads may not have
             landed for it, and two streams would share the workspaces), except for a fixed
             work, whose caller orders its streams (a CUDA graph is captured on its own).
-        arrays: name -> device array: rows, lens, n_new, [sinks], [alibi], [tree_mask,
-            tree_depth], [table],
-            [part_o, part_lse], dummy.
-        ints: the ``[3, B]`` int64 array rows / lens / n_new are views of.
+        arrays: name -> device array: rows, lens, n_new, starts, [sinks], [alibi],
+            [tree_mask, tree_depth], [table], [part_o, part_lse], dummy.
+        ints: the ``[4, B]`` int64 array rows / lens / n_new / starts are views of
+            (``pack_ints``).
         table: the ``PageTable`` whose entries were uploaded (paged), and ``entries`` a
             host copy of them (a run checks they still hold).
         fill: out / lse need their 0 / -inf before the launch (padded queries or idle
             rows; always in fixed mode, whose lengths change without a replan).
         fixed: made for capacities (``update`` takes new lengths).
+        append: a fixed work's append plan (``plan.plan_write_kv`` for T tokens per entry
+            into contiguous k_new ``[B, Hkv, T, d]``), or the reason it has none (a
+            sentence: the step's append is then the unplanned one); None when not fixed.
     """
 
     inputs: AttentionInputs
@@ -74,12 +84,19 @@ class CupyWork:
     entries: np.ndarray | None = None
     fill: bool = True
     fixed: bool = False
+    append: Plan | str | None = None
+
+
+#: The rows of ``pack_ints``' array, in order: the names the kernels' plans give them.
+INTS = ("rows", "lens", "n_new", "starts")
 
 
 def pack_ints(rows, lens, n_new) -> np.ndarray:
-    """rows, lens, n_new ([B] host ints) as the ``[3, B]`` int64 array uploaded at once."""
-    return np.array([np.asarray(a, dtype=np.int64).reshape(-1) for a in (rows, lens, n_new)],
-                    dtype=np.int64)
+    """rows, lens (after the append), n_new ([B] host ints) and starts = lens - n_new (where
+    the append writes: a fixed work's append reads them) as the ``[4, B]`` int64 array
+    uploaded at once."""
+    rows, lens, n_new = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (rows, lens, n_new))
+    return np.array([rows, lens, n_new, lens - n_new], dtype=np.int64)
 
 
 def table_entries(store) -> np.ndarray:
@@ -130,7 +147,7 @@ def upload(cp, work: CupyWork, store, params, put=None) -> None:
     put = put or cp.asarray
     inputs = work.inputs
     work.ints = put(pack_ints(inputs.rows, inputs.lens, inputs.n_new))
-    for i, name in enumerate(("rows", "lens", "n_new")):
+    for i, name in enumerate(INTS):
         work.arrays[name] = work.ints[i]
     if params.sinks is not None:
         work.arrays["sinks"] = put(np.asarray(params.sinks, dtype=np.float32))
@@ -156,6 +173,25 @@ def update(work: CupyWork, store, inputs) -> None:
         work.arrays["table"].set(entries)
         work.table, work.entries = store.page_table, entries
     work.inputs = inputs
+
+
+def serves_write(work: CupyWork, inputs, store, k_new, device: int) -> bool:
+    """Whether a fixed ``work`` may run an append (``AppendInputs`` ``inputs``): it has an
+    append plan, k_new is padded ``[B, Hkv, T, d]`` at the planned B and T, the rows,
+    starts and n_new are the ones its device ints hold (the step it was updated for), on
+    its device, and (paged) through the same page table as uploaded. Any stream (the
+    caller orders them, as for its attention)."""
+    if not (work.fixed and isinstance(work.append, Plan) and work.device == device):
+        return False
+    B, _, T, _ = work.q_shape
+    if inputs.offsets is not None or k_new.ndim != 4 or (k_new.shape[0], k_new.shape[2]) != (B, T):
+        return False
+    planned = work.inputs
+    if not (np.array_equal(inputs.rows, planned.rows) and np.array_equal(inputs.n_new, planned.n_new)
+            and np.array_equal(inputs.starts, planned.lens - planned.n_new)):
+        return False
+    return work.table is None or (store.page_table is work.table and work.entries is not None
+                                  and np.array_equal(store.page_table.entries, work.entries))
 
 
 def serves(work: CupyWork, inputs, store, device: int, stream: int) -> bool:

@@ -16,6 +16,11 @@ the live tokens, where no reader of the cache looks; attention inside the step s
 them. The lengths advance once, when the block exits normally and every layer was
 written exactly once. If anything raises inside the block, nothing advances, so no
 live token and no length has changed (only dead slots past the lengths were written).
+
+CUDA graphs (the cupy backend): a fixed plan (``step.plan_attention(..., fixed=True)``)
+taken by each later step with ``step.adopt(plan)`` holds the step's device side, the
+append's included, so a step's layers can be captured once and replayed with
+``step.replay(launch)`` (docs/guides/serving.md, "Fixed plans").
 """
 
 from __future__ import annotations
@@ -301,6 +306,7 @@ class Step:
         # and the validated append by the new K/V's library, shape and dtype
         self._plans: dict = {}
         self._append: tuple | None = None  # (signature, AppendInputs)
+        self._fixed: AttentionPlan | None = None  # the fixed plan every write goes through
         self._state = "open"
         self._lock = cache._lengths.lock  # the cache's writer lock (see Lengths)
 
@@ -413,19 +419,43 @@ class Step:
         inputs = validate_attention_batch(view, q_shape, self.n_new, self.rows, scale, params,
                                           window=window, softcap=softcap, sinks=sinks,
                                           alibi_slopes=alibi_slopes, tree=self.tree)
-        return AttentionPlan(view, q_shape, inputs, owner=self, fixed=fixed, splits=splits)
+        plan = AttentionPlan(view, q_shape, inputs, owner=self, fixed=fixed, splits=splits)
+        if plan.fixed:
+            self._fixed = plan
+        return plan
 
     def adopt(self, plan: AttentionPlan) -> AttentionPlan:
         """A fixed plan (``plan_attention(..., fixed=True)`` of an earlier step of this
         cache, or ``gqakv.plan_attention(..., fixed=True)``) updated in place for this
         step's batch (``AttentionPlan.update``) and made this step's: pass it as
-        ``attend(..., plan=plan)``. Its launches stay the same (CUDA graphs)."""
+        ``attend(..., plan=plan)``. Its launches stay the same (CUDA graphs), and so do
+        the appends of the layers written after this (``AttentionPlan.write``: K/V
+        ``[B', Hkv, T, d]`` at the plan's T)."""
         self._check_open()
         if not isinstance(plan, AttentionPlan):
             raise TypeError(f"adopt takes an AttentionPlan, got {type(plan).__name__}")
         plan.update(self._view(0), self.n_new, rows=self.rows)
         plan.owner = self
+        self._fixed = plan  # every later write of this step through its buffers
         return plan
+
+    def replay(self, launch) -> None:
+        """Every layer's append and attention by a replay of a captured step: ``launch()``
+        runs it (``lambda: graph.launch(stream)``, a CUDA graph captured around the
+        ``attend(..., plan=plan)`` of every layer of an earlier step), after this step
+        adopted ``plan`` (so its device buffers hold this step's rows, lengths, n_new and
+        page table); then every layer counts as written, and commit advances the lengths.
+        The graph itself is the caller's: this step cannot check what it launches."""
+        with self._lock:
+            self._check_open()
+            if self._fixed is None:
+                raise ValueError("replay needs this step to adopt(plan) the fixed plan the "
+                                 "replayed step was captured with")
+            if self._written.any():
+                raise ValueError(f"replay writes every layer; layers "
+                                 f"{np.flatnonzero(self._written).tolist()} were written already")
+            launch()
+            self._written[:] = True
 
     def _plan_for(self, view, q, variant: dict) -> AttentionPlan:
         """This step's plan for q's shape and the call's variant keywords, made on first
@@ -484,7 +514,10 @@ class Step:
 
     def _write(self, l: int, k_new, v_new, inputs) -> None:
         c = self.cache
-        _cache.write(c.backend, c._layer_stores[l], k_new, v_new, inputs)
+        if self._fixed is not None:  # over the fixed plan's device buffers (CUDA graphs)
+            self._fixed.write(c._layer_stores[l], k_new, v_new, inputs)
+        else:
+            _cache.write(c.backend, c._layer_stores[l], k_new, v_new, inputs)
         self._written[l] = True
 
     # -- ending ----------------------------------------------------------------------------

@@ -16,7 +16,14 @@ the caller's buffers (``attention(..., work=, out=, lse_out=)``) and writes into
 A fixed plan (``fixed=True``; backends with ``plan_fixed_attention``, the cupy one) is
 planned for the batch's capacities instead of its lengths, so what ``run`` launches stays
 the same from step to step (CUDA graphs); ``update`` (or ``Step.adopt``) validates the
-next batch and writes its lengths into the plan's device buffers in place.
+next batch and writes its lengths into the plan's device buffers in place. Its ``write``
+is the step's append over the same buffers (cupy: a launch whose grid is fixed by T, no
+upload), which ``Step.write`` / ``Step.attend`` use once the step adopted the plan, so a
+whole step (append and attention, every layer) launches the same kernels with the same
+arguments every time. In batch-invariant mode (``gqakv.core.invariance``) a fixed plan's
+results are the bits of the eager call (an unplanned one, or a plan for the lengths):
+neither splits keys by the batch; outside it, a fixed plan's decode splits the keys by
+the capacity, an eager call by the lengths, and the results agree to float32 rounding.
 
 Shared prefixes (``gqakv.ops.shared_prefix``): on paged storage, a plan whose batch has
 entries that share enough pages before their new tokens reads those pages once per
@@ -108,6 +115,10 @@ class AttentionPlan:
             if len(self.q_shape) == 3:
                 raise ValueError("fixed plans take padded queries [B, Hq, T, d] (packed ones "
                                  "change shape with n_new)")
+            if splits is not None and inputs.invariant:
+                raise ValueError(f"splits={splits!r}: in batch-invariant mode attention never "
+                                 "splits a row's keys (its bits would depend on the split); "
+                                 "leave splits unset, or plan outside the mode")
             self.work = self.backend.plan_fixed_attention(cache.store, inputs, inputs.params,
                                                           self.q_shape, splits=splits)
         else:
@@ -144,8 +155,22 @@ class AttentionPlan:
         if self.inputs.tree is not None:
             raise ValueError("a fixed plan with a draft tree cannot take a new batch (plan again)")
         inputs = validate_attention_batch(cache, self.q_shape, n_new, rows, params=self.params)
+        if inputs.invariant != self.inputs.invariant:  # its launches are the mode's
+            raise ValueError(f"the plan was made with batch-invariant mode "
+                             f"{'on' if self.inputs.invariant else 'off'} and the mode is "
+                             f"{'on' if inputs.invariant else 'off'} now: plan again in this mode")
         self.backend.update_attention(self.work, cache.store, inputs)
         self.inputs = inputs
+
+    def write(self, store, k_new, v_new, inputs) -> None:
+        """The append of ``k_new`` / ``v_new`` (validated ``AppendInputs`` over ``store``, a
+        layer's store without leading axes): a fixed plan's backend runs it over the plan's
+        device buffers when they hold this append (cupy: ``write_kv(..., work=)``, a grid
+        fixed by T, nothing uploaded), else as an unplanned append (``Backend.write_kv``)."""
+        if self.fixed and self.work is not None:
+            self.backend.write_kv(store, k_new, v_new, inputs, work=self.work)
+        else:
+            self.backend.write_kv(store, k_new, v_new, inputs)
 
     @property
     def params(self):
