@@ -20,10 +20,11 @@ How a count is taken (``count_work``):
    DLmw``) of a fixed simulated cache, which for a call that streams K/V through a cache
    16x smaller than them is its memory traffic in 64-byte lines.
 
-Gate on instructions: they repeat to within 0.01% even across harness changes. Last-level
-misses repeat exactly for the same code and inputs, but move by up to about 1% when
-unrelated code shifts where arrays land (so do first-level misses, by up to 10%, which
-is why they are not reported).
+Gate on instructions: they repeat to within 0.01% across runs, commits and harness
+changes. Last-level misses repeat exactly in one environment, but move by up to 5% when
+the process's environment or unrelated code shifts where arrays land (measured: 3% and
+5% on unchanged code between asv runs), and first-level misses by up to 10%, which is why
+those are not reported.
 
 What is held fixed so that counts repeat: one thread everywhere (gqakv, numba, OpenMP,
 BLAS), ``PYTHONHASHSEED=0``, address-space randomization off (``setarch -R``), the
