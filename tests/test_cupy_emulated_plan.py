@@ -66,16 +66,32 @@ def _reference(q, before, history, new, n_new, **variant):
     return ref, max_error(plain, ref[0])
 
 
-class _Counter:
-    """Counts the stand-in cupy's allocations and host-to-device copies while ``on``."""
+class _DeviceTraffic:
+    """Every allocation and host<->device copy of the stand-in cupy (its allocators,
+    ``asarray``, ``ascontiguousarray``, ``ndarray.set`` and ``ndarray.get``) while ``on``."""
 
     def __init__(self, monkeypatch, backend):
         self.on, self.calls = False, []
         cp = backend.runtime.cp
         for name in ("empty", "zeros", "full", "asarray", "ascontiguousarray"):
             monkeypatch.setattr(cp, name, self._wrap(name, getattr(cp, name)))
-        monkeypatch.setattr(emu.EmulatedDeviceArray, "set",
-                            self._wrap("set", emu.EmulatedDeviceArray.set))
+        for name in ("set", "get"):
+            monkeypatch.setattr(emu.EmulatedDeviceArray, name,
+                                self._wrap(name, getattr(emu.EmulatedDeviceArray, name)))
+
+    def _wrap(self, name, fn):
+        def wrapped(*args, **kwargs):
+            if self.on:
+                self.calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+
+class _Counter(_DeviceTraffic):
+    """``_DeviceTraffic`` counted during the backend's attention calls only."""
+
+    def __init__(self, monkeypatch, backend):
+        super().__init__(monkeypatch, backend)
         attention = backend.attention
 
         def counted(*args, **kwargs):
@@ -86,13 +102,6 @@ class _Counter:
                 self.on = False
 
         monkeypatch.setattr(backend, "attention", counted)
-
-    def _wrap(self, name, fn):
-        def wrapped(*args, **kwargs):
-            if self.on:
-                self.calls.append(name)
-            return fn(*args, **kwargs)
-        return wrapped
 
 
 def _garbage(backend, shape):
@@ -334,27 +343,6 @@ def test_emulated_plan_on_another_stream_is_not_used(monkeypatch):
 
 
 # -- the whole fixed step: append + attention (CUDA graphs) -----------------------------------
-
-class _DeviceTraffic:
-    """Every allocation and host<->device copy of the stand-in cupy (its allocators,
-    ``asarray``, ``ascontiguousarray``, ``ndarray.set`` and ``ndarray.get``) while ``on``."""
-
-    def __init__(self, monkeypatch, backend):
-        self.on, self.calls = False, []
-        cp = backend.runtime.cp
-        for name in ("empty", "zeros", "full", "asarray", "ascontiguousarray"):
-            monkeypatch.setattr(cp, name, self._wrap(name, getattr(cp, name)))
-        for name in ("set", "get"):
-            monkeypatch.setattr(emu.EmulatedDeviceArray, name,
-                                self._wrap(name, getattr(emu.EmulatedDeviceArray, name)))
-
-    def _wrap(self, name, fn):
-        def wrapped(*args, **kwargs):
-            if self.on:
-                self.calls.append(name)
-            return fn(*args, **kwargs)
-        return wrapped
-
 
 class _Graph:
     """A CUDA graph's part as the emulator can play it: while ``capturing``, every device
