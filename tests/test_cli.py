@@ -59,7 +59,7 @@ def one_line_error(capsys, argv, monkeypatch=None, env=None):
     (["bench", "--bogus"], {}, "unrecognized arguments: --bogus (see 'gqakv bench --help')"),
     (["bench", "--batch", "x"], {}, "argument --batch: invalid int value: 'x' (see 'gqakv bench --help')"),
     (["bench", "--dtype", "int8"], {}, "argument --dtype: invalid choice: 'int8'"),
-    (["nosuchcommand"], {}, "argument {bench,info,size,generate,selftest}: invalid choice: 'nosuchcommand'"),
+    (["nosuchcommand"], {}, "argument {bench,info,size,generate,selftest,work}: invalid choice: 'nosuchcommand'"),
 ])
 def test_user_error_is_one_line_and_exit_2(capsys, monkeypatch, argv, env, expected):
     line = one_line_error(capsys, argv, monkeypatch, env)
