@@ -273,3 +273,41 @@ def names(entries: Iterable[Instantiation]) -> list[str]:
 #: The scale copy a quantized cache's token copies launch beside the codes' (plan.py): the
 #: copy kernel over fp32 rows of one element.
 SCALE_COPY = Instantiation("gqakv_copy_tokens", "float32", 1)
+#: Bits per code of the grouped codecs (gqakv.storage.codecs.GROUPED): their code row is
+#: d * bits / 8 bytes.
+BITS = {name: bits for name, (bits, _, _) in GROUPED.items()}
+
+
+def copy_entries(dtype: str, head_dim: int, kv_dtype: str | None = None) -> tuple[Instantiation, ...]:
+    """The copy kernel's launches for one ``Backend.copy_tokens`` call over a store of
+    ``dtype`` (q dtype) / ``kv_dtype`` at ``head_dim`` d, in launch order: what plan.py
+    plans, and what the NVRTC tests and the emulator's libraries build.
+
+    The kernel copies rows of ``D`` elements of type ``E``, whatever they mean, so each
+    part of a token is one launch over rows of that part's width:
+      plain       values ``[.., S, d]``:                    ``<T, d>``;
+      per token   codes ``[.., S, d]``, scales ``[.., S]``:  ``<C, d>``, ``<float, 1>``;
+      grouped     codes ``[.., S, d * bits / 8]`` bytes:     ``<gqakv_i8, d * bits / 8>``
+                  (4-bit codes two a byte are moved as bytes: a copy never looks inside),
+                  scales ``[.., S, d / g]`` float32:        ``<float, d / g>``.
+    The grouped codes' own code types are not copy instantiations (the table refuses the
+    copy kernel a grouped storage: its ``D`` would count values, not bytes). KeyError
+    naming the axis when a part has no instantiation (e.g. a head dim that splits a block).
+    """
+    group = GROUPS.get(kv_dtype or "")
+    parts: tuple[Instantiation, ...]
+    if group:
+        why = block_rejection(kv_dtype, head_dim)
+        if why:
+            raise KeyError(f"gqakv_copy_tokens has no {why}")
+        parts = (Instantiation("gqakv_copy_tokens", dtype, head_dim * BITS[kv_dtype or ""] // 8, "int8"),
+                 Instantiation("gqakv_copy_tokens", "float32", head_dim // group))
+    elif kv_dtype is not None:
+        parts = (Instantiation("gqakv_copy_tokens", dtype, head_dim, kv_dtype), SCALE_COPY)
+    else:
+        parts = (Instantiation("gqakv_copy_tokens", dtype, head_dim),)
+    for inst in parts:
+        why = rejection(inst)
+        if why is not None:
+            raise KeyError(why)
+    return parts
