@@ -15,7 +15,12 @@ with the generic path made to fail (``emulated_backend.kernels_only``):
 * after the kernels' append, stored codes and scales equal the rule bit for bit (hard
   tokens: outlier channels, zero, huge, tiny, NaN and inf blocks), contiguous and paged;
 * a paged int4 decode plan over shuffled pages under AddressSanitizer, every code and
-  scale byte no live token holds poisoned (a subprocess, as in the other emulated suites).
+  scale byte no live token holds poisoned (a subprocess, as in the other emulated suites);
+* row copies (fork, reorder, truncate then append; a paged cache's copy on write) on the
+  copy kernel, codes as byte rows and block scales as float rows
+  (``instantiations.copy_entries``), with the generic copy made to fail: every live code
+  and scale byte equal to a plain-NumPy model's; and grouped copy plans under
+  AddressSanitizer, every byte outside the copied slots poisoned.
 """
 
 from __future__ import annotations
@@ -121,7 +126,12 @@ def test_prefill_and_decode_match_the_reference(backend, name, storage, dtype):
     step([2, 1, 1], {"window": 7, "softcap": 3.0, "sinks": sinks})
     step([1, 1, 1], {})
     tag = _tag(name)
-    launched = [n for n in backend.kernels if not n.startswith("gqakv_merge")]
+    # the fork's copies (contiguous rows; pages are shared): the copy kernel over the codes'
+    # bytes and the block scales' floats (instantiations.copy_entries), names with no code type
+    copies = {n for n in backend.kernels if n.startswith("gqakv_copy_tokens<")}
+    assert copies == (set(table.names(table.copy_entries("float32", D, name))) if storage == "contiguous"
+                      else set()), copies
+    launched = [n for n in backend.kernels if not n.startswith(("gqakv_merge", "gqakv_copy_tokens"))]
     assert all(tag in n for n in launched), launched
     for kernel in ("gqakv_write_kv_quantized<", "gqakv_prefill<", "gqakv_decode<"):
         assert any(n.startswith(kernel) for n in launched), (kernel, launched)
@@ -408,7 +418,7 @@ def test_grouped_row_copies_under_asan():
 def test_selftest_grouped_lines_run_the_grouped_kernels(backend, monkeypatch, kv_dtype, paged):
     """``gqakv selftest --backend cupy``'s grouped lines (contiguous and paged) reach the
     grouped kernels (here on the emulated backend, quick, at d = 64 where the grouped
-    library has them) and pass."""
+    library has them; row copies on the copy kernel's grouped entries) and pass."""
     from gqakv.tools import selftest
 
     monkeypatch.setattr(selftest, "GROUPED_HEAD_DIMS", (D,))
@@ -420,6 +430,9 @@ def test_selftest_grouped_lines_run_the_grouped_kernels(backend, monkeypatch, kv
     else:
         selftest._quantized(kv_dtype, backend, "bfloat16", rng, True, checks)
     assert checks[line].cases > 0 and checks[line].passed, checks[line].line()
-    launched = [n for n in backend.kernels if not n.startswith("gqakv_merge")]
+    # row copies (a paged fork's copy on write: pool pages as rows) are the grouped copies
+    copies = {n for n in backend.kernels if n.startswith("gqakv_copy_tokens<")}
+    assert copies <= set(table.names(table.copy_entries("float32", D, kv_dtype))), copies
+    launched = [n for n in backend.kernels if not n.startswith(("gqakv_merge", "gqakv_copy_tokens"))]
     assert launched and all(_tag(kv_dtype) in n for n in launched), launched
     assert all(n.endswith("KVPages>") == paged for n in launched), launched
