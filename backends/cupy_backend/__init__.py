@@ -393,8 +393,8 @@ class CupyBackend(Backend):
             return "scales on another device than their codes"
         if dst.k_scale.strides != dst.v_scale.strides or src.k_scale.strides != src.v_scale.strides:
             return "K and V scales strided differently"
-        if blocks and not all(int(x.shape[-1]) == entry.head_dim and _is_aligned(x, "float32", entry.head_dim)
-                                 for x in scales):
+        if blocks and not all(int(x.shape[-1]) == entry.head_dim
+                              and _is_aligned(x, "float32", entry.head_dim) for x in scales):
             return f"block scales not in rows of {entry.head_dim} aligned for the kernel's vector loads"
         return None
 

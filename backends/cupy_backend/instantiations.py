@@ -294,14 +294,13 @@ def copy_entries(dtype: str, head_dim: int, kv_dtype: str | None = None) -> tupl
     copy kernel a grouped storage: its ``D`` would count values, not bytes). KeyError
     naming the axis when a part has no instantiation (e.g. a head dim that splits a block).
     """
-    group = GROUPS.get(kv_dtype or "")
     parts: tuple[Instantiation, ...]
-    if group:
+    if kv_dtype is not None and kv_dtype in GROUPS:
         why = block_rejection(kv_dtype, head_dim)
         if why:
             raise KeyError(f"gqakv_copy_tokens has no {why}")
-        parts = (Instantiation("gqakv_copy_tokens", dtype, head_dim * BITS[kv_dtype or ""] // 8, "int8"),
-                 Instantiation("gqakv_copy_tokens", "float32", head_dim // group))
+        parts = (Instantiation("gqakv_copy_tokens", dtype, head_dim * BITS[kv_dtype] // 8, "int8"),
+                 Instantiation("gqakv_copy_tokens", "float32", head_dim // GROUPS[kv_dtype]))
     elif kv_dtype is not None:
         parts = (Instantiation("gqakv_copy_tokens", dtype, head_dim, kv_dtype), SCALE_COPY)
     else:

@@ -72,10 +72,6 @@ MMA_QUANTIZED_REJECTION = ("kv_dtype={kv_dtype!r}: the tensor-core kernels take 
 _LAYOUTS = frozenset({CONTIGUOUS, PAGED})
 _QUANTIZED = frozenset(QUANTIZED_DTYPES)
 _CODECS = frozenset({PLAIN_NAME, *QUANTIZED_DTYPES})
-#: The row copy moves rows of any width and element type, one launch per part of a token
-#: (instantiations.copy_entries): values; per-token codes and their scale; grouped codes as
-#: d * bits / 8 bytes and their d / g block scales. So it declares every codec the kernels read.
-_COPY_CODECS = _CODECS
 #: The variant features of variant.cuh's trait (plan.VARIANT_FLAGS).
 VARIANT_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})
 #: A draft tree's clause (speculative verification): the prefill kernels' TREE flag only,
@@ -87,7 +83,10 @@ FAST_PATHS: tuple[FastPath, ...] = (
     FastPath("gqakv_write_kv_quantized", "write_kv", _LAYOUTS, _QUANTIZED, dtypes=frozenset(FUSED_DTYPES)),
     # contiguous rows only: paged rows move by sharing pages, a page copy is a row copy of
     # the pool (gqakv.storage.paged.PagedStore.pool_rows, a contiguous store)
-    FastPath("gqakv_copy_tokens", "copy_tokens", frozenset({CONTIGUOUS}), _COPY_CODECS,
+    # the row copy moves rows of any width and element type, one launch per part of a token
+    # (instantiations.copy_entries: values; per-token codes and their scale; grouped codes as
+    # d * bits / 8 bytes and their d / g block scales), so it declares every codec the kernels read
+    FastPath("gqakv_copy_tokens", "copy_tokens", frozenset({CONTIGUOUS}), _CODECS,
              dtypes=frozenset(FUSED_DTYPES)),
     FastPath("gqakv_decode_mma", "attention", _LAYOUTS, frozenset({PLAIN_NAME}), VARIANT_FEATURES, _MMA),
     FastPath("gqakv_decode", "attention", _LAYOUTS, _CODECS, VARIANT_FEATURES, frozenset(FUSED_DTYPES)),
