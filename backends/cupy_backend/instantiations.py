@@ -28,6 +28,11 @@ x 2 readers, prefill 576 with the tree's bit, the append 18; the rotated codec s
 int4_g32's), beside 782 8-bit and 2,543 in all; the emulator builds 160 of them
 (tests/cuda_emu/harness.grouped_units: 4 flag sets, 2 dtypes) and NVRTC compiles 96.
 
+Row copies: ``copy_entries`` names the copy kernel's launches for a storage, one per part
+of a token (values; codes and scales), each over rows of that part's width: a grouped
+cache's codes as bytes (``<gqakv_i8, d * bits / 8>``) and its block scales as floats
+(``<float, d / g>``), so the copy kernel serves every storage with no code of its own.
+
 Adding to the table:
   a variant feature   one entry in ``VARIANT_FLAGS`` (its bit, as kernels/variant.cuh spells
                       it); every kernel whose ``variant_mask`` is ``ALL`` takes it (the draft
