@@ -15,7 +15,12 @@ with the generic path made to fail (``emulated_backend.kernels_only``):
 * after the kernels' append, stored codes and scales equal the rule bit for bit (hard
   tokens: outlier channels, zero, huge, tiny, NaN and inf blocks), contiguous and paged;
 * a paged int4 decode plan over shuffled pages under AddressSanitizer, every code and
-  scale byte no live token holds poisoned (a subprocess, as in the other emulated suites).
+  scale byte no live token holds poisoned (a subprocess, as in the other emulated suites);
+* row copies (fork, reorder, truncate then append; a paged cache's copy on write) on the
+  copy kernel, codes as byte rows and block scales as float rows
+  (``instantiations.copy_entries``), with the generic copy made to fail: every live code
+  and scale byte equal to a plain-NumPy model's; and grouped copy plans under
+  AddressSanitizer, every byte outside the copied slots poisoned.
 """
 
 from __future__ import annotations
@@ -54,14 +59,8 @@ STORAGES = {"contiguous": {}, "paged": {"storage": "paged", "page_size": 4}}
 
 @pytest.fixture
 def backend(monkeypatch):
-    """The emulated backend whose generic append and attention fail; row copies stay
-    generic (the copy kernel takes 8-bit per-token rows only: routing.py)."""
-    from gqakv.dispatch.backend import Backend
-
-    copy = Backend.copy_tokens
-    be = emulated_backend.kernels_only(monkeypatch, "grouped-codec kernels")
-    monkeypatch.setattr(Backend, "copy_tokens", copy)
-    return be
+    """The emulated backend whose generic append, attention and row copies fail."""
+    return emulated_backend.kernels_only(monkeypatch, "grouped-codec kernels")
 
 
 def _tag(name: str) -> str:
@@ -127,7 +126,12 @@ def test_prefill_and_decode_match_the_reference(backend, name, storage, dtype):
     step([2, 1, 1], {"window": 7, "softcap": 3.0, "sinks": sinks})
     step([1, 1, 1], {})
     tag = _tag(name)
-    launched = [n for n in backend.kernels if not n.startswith("gqakv_merge")]
+    # the fork's copies (contiguous rows; pages are shared): the copy kernel over the codes'
+    # bytes and the block scales' floats (instantiations.copy_entries), names with no code type
+    copies = {n for n in backend.kernels if n.startswith("gqakv_copy_tokens<")}
+    assert copies == (set(table.names(table.copy_entries("float32", D, name))) if storage == "contiguous"
+                      else set()), copies
+    launched = [n for n in backend.kernels if not n.startswith(("gqakv_merge", "gqakv_copy_tokens"))]
     assert all(tag in n for n in launched), launched
     for kernel in ("gqakv_write_kv_quantized<", "gqakv_prefill<", "gqakv_decode<"):
         assert any(n.startswith(kernel) for n in launched), (kernel, launched)
@@ -181,9 +185,11 @@ def test_row_operations_move_grouped_rows_bit_for_bit(backend, route_spy, name, 
     over the cut, on a 2-layer ModelKVCache of grouped codes: every live token's codes and
     scales, every layer, equal byte for byte the rule's codes (``reference_grouped``) of
     the tokens a plain-NumPy model of the same operations says each row holds. Rows carry
-    magnitudes 1e-3 .. 1e4, so a scale moved without its codes shows. The copies run the
-    generic row copy (the CUDA one moves per-token rows only: its route says so), the
-    appends the kernels."""
+    magnitudes 1e-3 .. 1e4, so a scale moved without its codes shows. Every copy with
+    tokens to move runs gqakv_copy_tokens (its route says so; the generic copy fails here):
+    the codes as byte rows and the scales as float rows (``instantiations.copy_entries``),
+    contiguous rows and a paged cache's copy on write of pool pages alike; the appends run
+    the kernels."""
     from .support.routes import assert_product_routes
 
     rng = np.random.default_rng(sum(map(ord, name + storage)))
@@ -233,7 +239,12 @@ def test_row_operations_move_grouped_rows_bit_for_bit(backend, route_spy, name, 
     rows[0], rows[2] = rows[0][..., :6, :], rows[2][..., :1, :]
     append([3, 0, 4, 1])  # over the cut: what was past it must not come back
     check("truncate, append")
-    assert any(c.op == "copy_tokens" and c.work for c in spy.calls)
+    copies = [c for c in spy.calls if c.op == "copy_tokens" and c.work]
+    assert copies and all(c.ran[:1] == ["gqakv_copy_tokens"] for c in copies), [c.ran for c in copies]
+    for c in copies:
+        assert backend.route("copy_tokens", **c.facts).impl == "gqakv_copy_tokens", c.facts
+    launched = {n for n in backend.kernels if n.startswith("gqakv_copy_tokens<")}
+    assert launched == set(table.names(table.copy_entries("float32", D, name))), launched
     assert_product_routes(spy, ops=("write_kv", "copy_tokens"))
 
 
@@ -353,11 +364,61 @@ def test_paged_int4_decode_under_asan():
     harness.check_asan_main("test_cupy_emulated_grouped", len(DECODE_SCENARIOS), units=ASAN_UNITS)
 
 
+# ---- grouped row copies under AddressSanitizer -------------------------------------------------
+
+#: Row copies of grouped storage (cases.CopyCase with a grouped kv_dtype: codes as byte rows,
+#: scales as float rows, one launch each): a fork, a reorder wave (duplicate sources, an
+#: empty copy), the reorder temporary on either side, and pool pages as rows (a paged
+#: cache's copy on write: rows of page_size slots, partly filled pages); head dims 64 and
+#: 128, so the block scales are rows of 1, 2 and 4 floats (4: 16-byte vector loads) and the
+#: code rows 32, 64 and 128 bytes.
+_LENS = (7, 0, 12, 3, 9, 5)
+COPY_CASES = [
+    cases.CopyCase("grouped-fork-int4_g32-d64", "bfloat16", 64, 2, 2, _LENS, (1, 3, 5), (2, 2, 2),
+                   (12, 12, 12), seed=1, kv_dtype="int4_g32"),
+    cases.CopyCase("grouped-wave-int8_g32-d128", "float32", 128, 2, 3, _LENS, (0, 3, 5, 2), (4, 4, 1, 4),
+                   (9, 9, 0, 6), seed=2, kv_dtype="int8_g32"),
+    cases.CopyCase("grouped-to-temp-int4_g64-d128", "bfloat16", 128, 2, 2, _LENS, (0,), (4,), (9,),
+                   mode="to_temp", seed=3, kv_dtype="int4_g64"),
+    cases.CopyCase("grouped-from-temp-int4_g32_rotated-d64", "float32", 64, 2, 2, _LENS, (2,), (0,), (7,),
+                   mode="from_temp", seed=4, kv_dtype="int4_g32_rotated"),
+    cases.CopyCase("grouped-pages-int4_g64-d64", "float32", 64, 2, 2, (3, 4, 0, 0, 2, 0), (2, 3), (0, 4),
+                   (3, 2), max_len=4, seed=5, kv_dtype="int4_g64"),
+    cases.CopyCase("grouped-pages-int8_g32-d64", "bfloat16", 64, 1, 2, (4, 1, 0, 0, 0), (2, 3, 4), (0, 1, 0),
+                   (4, 1, 4), max_len=4, seed=6, kv_dtype="int8_g32"),
+]
+#: Their AddressSanitizer library: the grouped copy instantiations at both head dims
+#: (harness.grouped_copy_entries: the table's copy_entries of every grouped codec).
+COPY_ASAN_UNITS = [harness.Unit("asan grouped copies", None, tuple(
+    {e.name: e for d in (64, 128) for e in harness.grouped_copy_entries(d)}.values()))]
+
+
+def asan_copies_main() -> int:
+    """COPY_CASES on the AddressSanitizer build, every code and scale byte outside the
+    copied destination slots and the copied source prefixes poisoned; prints 'N passed'."""
+    emu = harness.Emulator(harness.build_registrations(True, COPY_ASAN_UNITS))
+    for case in COPY_CASES:
+        stats = cases.run_copy_case(emu, case, poison=True)
+        want = set(table.names(table.copy_entries(case.dtype, case.head_dim, case.kv_dtype)))
+        assert stats["kernels"] == want, (case.name, stats["kernels"], want)
+        print(f"ok {case.name}", flush=True)
+    print(f"{len(COPY_CASES)} passed")
+    return 0
+
+
+def test_grouped_row_copies_under_asan():
+    """AddressSanitizer (a subprocess with libasan preloaded) over COPY_ASAN_UNITS: each
+    grouped copy moves exactly the model's codes and scales (every byte of every buffer
+    compared) and touches nothing outside them."""
+    harness.check_asan_main("test_cupy_emulated_grouped", len(COPY_CASES), units=COPY_ASAN_UNITS,
+                            main="asan_copies_main")
+
+
 @pytest.mark.parametrize("kv_dtype,paged", SELFTEST_GROUPED_LINES)
 def test_selftest_grouped_lines_run_the_grouped_kernels(backend, monkeypatch, kv_dtype, paged):
     """``gqakv selftest --backend cupy``'s grouped lines (contiguous and paged) reach the
     grouped kernels (here on the emulated backend, quick, at d = 64 where the grouped
-    library has them) and pass."""
+    library has them; row copies on the copy kernel's grouped entries) and pass."""
     from gqakv.tools import selftest
 
     monkeypatch.setattr(selftest, "GROUPED_HEAD_DIMS", (D,))
@@ -369,6 +430,9 @@ def test_selftest_grouped_lines_run_the_grouped_kernels(backend, monkeypatch, kv
     else:
         selftest._quantized(kv_dtype, backend, "bfloat16", rng, True, checks)
     assert checks[line].cases > 0 and checks[line].passed, checks[line].line()
-    launched = [n for n in backend.kernels if not n.startswith("gqakv_merge")]
+    # row copies (a paged fork's copy on write: pool pages as rows) are the grouped copies
+    copies = {n for n in backend.kernels if n.startswith("gqakv_copy_tokens<")}
+    assert copies <= set(table.names(table.copy_entries("float32", D, kv_dtype))), copies
+    launched = [n for n in backend.kernels if not n.startswith(("gqakv_merge", "gqakv_copy_tokens"))]
     assert launched and all(_tag(kv_dtype) in n for n in launched), launched
     assert all(n.endswith("KVPages>") == paged for n in launched), launched

@@ -150,7 +150,9 @@ def _grouped_params():
     float16 over int4_g64, float32 over int8_g32; the rotated codec shares int4_g32's
     kernels): the append, decode (every query tile) and prefill, contiguous and paged,
     plain causal and, at d = 128, decode (both tiles) and prefill with every feature on
-    (flags 15; prefill with the draft tree's too, 31); sm_90 only, as for ``_paged_params``."""
+    (flags 15; prefill with the draft tree's too, 31); and the row copies of every grouped
+    codec at those head dims (``copy_entries``, those ``_quantized_params`` does not list);
+    sm_90 only, as for ``_paged_params``."""
     for dtype, kv_dtype in (("bfloat16", "int4_g32"), ("float16", "int4_g64"), ("float32", "int8_g32")):
         for d in FAST_HEAD_DIMS:
             for kernel in ("gqakv_write_kv_quantized", "gqakv_decode", "gqakv_prefill"):
@@ -159,6 +161,15 @@ def _grouped_params():
                     flags += [table.ALL] + ([table.ALL | table.TREE] if kernel == "gqakv_prefill" else [])
                 for e in table.select([kernel], [dtype], [d], [kv_dtype], None, flags):
                     yield pytest.param(kernel, dtype, d, e.name, id=e.name)
+    # the grouped row copies (instantiations.copy_entries: codes as byte rows of d * bits / 8,
+    # scales as float rows of d / g) of every grouped codec, not already listed above
+    listed = set(table.names(table.copy_entries("bfloat16", 128, "int8")))  # _quantized_params' copies
+    for d in FAST_HEAD_DIMS:
+        for kv_dtype in table.STORAGES["grouped"]:
+            for e in table.copy_entries("float32", d, kv_dtype):
+                if e.name not in listed:
+                    listed.add(e.name)
+                    yield pytest.param(e.kernel, e.dtype, e.head_dim, e.name, id=f"{e.name}-{kv_dtype}-d{d}")
 
 
 @pytest.mark.parametrize("kernel,dtype,head_dim,name", list(_grouped_params()))

@@ -192,8 +192,9 @@ def test_bytes_per_token_head(name):
 
 def test_the_routes_name_the_paths():
     """numpy reads the grouped codes on the BLAS path, numba in its kernels (a key block
-    decoded at a time); CuPy's fp32-FMA kernels read them (the tensor-core ones and the row
-    copy refuse them by name, as does every kernel at a head dim that splits a block)."""
+    decoded at a time); CuPy's fp32-FMA kernels read them and its row copy moves them (the
+    tensor-core ones refuse them by name, as does every kernel at a head dim that splits a
+    block)."""
     from gqakv_backends.cupy_backend import routing as cupy_routing  # no CuPy needed
 
     from gqakv.dispatch.request import Request
@@ -212,10 +213,12 @@ def test_the_routes_name_the_paths():
         write = cupy_routing.route_write_kv(Request("write_kv", dtype="float32", head_dim=64, codec=name))
         assert write.impl == "gqakv_write_kv_quantized", write
         copy = cupy_routing.route_copy_tokens(Request("copy_tokens", dtype="float32", head_dim=64, codec=name))
-        assert copy.impl.startswith("generic") and f"kv_dtype={name!r}" in copy.rejected["gqakv_copy_tokens"]
+        assert copy.impl == "gqakv_copy_tokens", copy
         split = cupy_routing.route_attention(request.with_(head_dim=96))  # 96 % 64: a split block
+        split_copy = cupy_routing.route_copy_tokens(Request("copy_tokens", dtype="float32", head_dim=96, codec=name))
         if GROUPED[name][1] == 64:
             assert split.impl.startswith("generic") and "head_dim=96" in split.rejected["gqakv_decode"]
+            assert split_copy.impl.startswith("generic") and "head_dim=96" in split_copy.rejected["gqakv_copy_tokens"]
 
 
 def test_outlier_key_channels_cost_grouped_scales_less():

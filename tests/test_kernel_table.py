@@ -60,6 +60,31 @@ def test_grouped_table_matches_the_codecs():
         assert table.CODE_CTYPES[name] == f"gqakv_i{codec.bits}g<{group}>"
 
 
+def test_copy_entries_move_each_part_of_a_token_as_rows_of_its_width():
+    """A copy launches the copy kernel once per part of a token, over rows of that part's
+    width and element type: values ``<T, d>``; per-token codes ``<C, d>`` and scales
+    ``<float, 1>``; grouped codes as bytes ``<gqakv_i8, d * bits / 8>`` and block scales
+    ``<float, d / g>`` (every codec's parts, from its own byte formula); a head dim that
+    splits a block has none."""
+    from gqakv.storage import codecs
+
+    names = lambda *args: table.names(table.copy_entries(*args))  # noqa: E731
+    assert names("bfloat16", 64) == ["gqakv_copy_tokens<gqakv_bf16, 64>"]
+    assert names("float16", 64, "int8") == ["gqakv_copy_tokens<gqakv_i8, 64>", "gqakv_copy_tokens<float, 1>"]
+    assert names("float32", 128, "int4_g32") == ["gqakv_copy_tokens<gqakv_i8, 64>", "gqakv_copy_tokens<float, 4>"]
+    assert names("float32", 256, "int4_g64") == ["gqakv_copy_tokens<gqakv_i8, 128>", "gqakv_copy_tokens<float, 4>"]
+    assert names("bfloat16", 64, "int8_g32") == ["gqakv_copy_tokens<gqakv_i8, 64>", "gqakv_copy_tokens<float, 2>"]
+    for name in table.STORAGES["grouped"]:
+        codec = codecs.of(name)
+        for d in (64, 128, 256):
+            codes, scales = table.copy_entries("float32", d, name)
+            # the two rows hold exactly one token's bytes of one KV head (the codec's formula)
+            assert codes.head_dim + 4 * scales.head_dim == codec.bytes_per_token_head(d, 4)
+            assert scales.head_dim == d // codec.group and table.rejection(codes) is None
+        with pytest.raises(KeyError, match=f"multiples of {codec.group}"):
+            table.copy_entries("float32", 48, name)
+
+
 @pytest.mark.parametrize("inst,match", [
     (table.Instantiation("gqakv_merge", "float32", 64, variant=1), "no variant=1"),
     (table.Instantiation("gqakv_decode", "float32", 96, "int4_g64", tile=4), "multiples of 64"),

@@ -336,7 +336,8 @@ def test_grouped_codecs_over_the_product(grouped_case, route_spy, monkeypatch):
     values, keys rotated back: ``quantization.held_grouped``), float16 / bfloat16 by the
     same-dtype naive rule, each hot call on the path meant; and on numba
     every attention call ran the kernels over the grouped layout, on the emulated CuPy
-    backend every append and attention launch was a grouped instantiation."""
+    backend every append and attention launch was a grouped instantiation (and every row
+    copy one of the grouped copy entries)."""
     from .support.product import GROUPED_HEAD_DIM
     from .support.spies import kernel_layouts
 
@@ -363,7 +364,10 @@ def test_grouped_codecs_over_the_product(grouped_case, route_spy, monkeypatch):
     if emulated:
         from gqakv_backends.cupy_backend import instantiations as table
 
-        kernels = [n for n in launched if not n.startswith("gqakv_merge")]  # fp32 partials
+        # row copies move codes as bytes and scales as floats (instantiations.copy_entries)
+        copies = {n for n in launched if n.startswith("gqakv_copy_tokens<")}
+        assert copies <= set(table.names(table.copy_entries("float32", GROUPED_HEAD_DIM, codec))), copies
+        kernels = [n for n in launched if not n.startswith(("gqakv_merge", "gqakv_copy_tokens"))]  # merge: fp32 partials
         assert all(f"{table.CODE_CTYPES[codec]}" in n for n in kernels), kernels
         assert all(n.endswith("KVPages>") == paged for n in kernels), kernels
         for kernel in ("gqakv_write_kv_quantized<", "gqakv_prefill<", "gqakv_decode<"):

@@ -21,8 +21,9 @@
   paged reader: paged 8-bit pages run on the same kernels. The grouped codecs (int8_g32,
   int4_g32, int4_g64, int4_g32_rotated: a scale per block of values, 4-bit codes two a
   byte) run on the same reader and append (a scale per 8-value vector); their row copies
-  are generic (the copy kernel moves one scale per token), and the rotated codec computes
-  in float32 (q arrives rotated in float32; the append rotates K first).
+  run on the same copy kernel (codes as rows of d * bits / 8 bytes, scales as rows of d / g
+  floats: ``instantiations.copy_entries``), and the rotated codec computes in float32 (q
+  arrives rotated in float32; the append rotates K first).
 * Planned batches (``plan_attention``, work.py): a step's layers share one kernel plan,
   one upload of rows / lengths / n_new (and sinks, slopes, page table) and the split
   workspaces; a run given ``out`` / ``lse_out`` allocates nothing and copies nothing to
@@ -75,6 +76,7 @@ from gqakv.core.inputs import PACKED, PADDED
 from gqakv.ops.outputs import write_into
 from gqakv.storage.store import PAGED
 
+from . import instantiations as _table
 from . import plan as _plan
 from . import limits, routing
 from . import work as _work
@@ -346,13 +348,15 @@ class CupyBackend(Backend):
         dst_k, dst_v, src_k, src_v = dst.k, dst.v, src.k, src.v
         n_tokens = np.asarray(n_tokens, dtype=np.int64)
         dtype, kv_dtype = _dtypes_of(dst)
-        d = int(dst_k.shape[-1])
+        d = int(dst.head_dim)  # the values per token (a grouped code row holds d * bits / 8 bytes)
         request = Request.of_store("copy_tokens", dst)
         if routing.route_copy_tokens(request).impl != GENERIC:
+            # the rows each launch moves (instantiations.copy_entries): values or codes, then scales
+            entries = _table.copy_entries(dtype, d, kv_dtype)
             request = request.with_(buffers=(
                 ("src and dst stored differently" if src.spec != dst.spec else None)
-                or self._copy_layout_rejection(dst_k, dst_v, src_k, src_v, kv_dtype)
-                or (self._copy_scales_rejection(dst, src) if kv_dtype else None)))
+                or self._copy_layout_rejection(dst_k, dst_v, src_k, src_v, entries[0])
+                or (self._copy_scales_rejection(dst, src, entries[1]) if kv_dtype else None)))
         route = routing.route_copy_tokens(request)
         if route.impl == GENERIC:
             return super().copy_tokens(dst, dst_rows, src, src_rows, n_tokens)
@@ -375,32 +379,41 @@ class CupyBackend(Backend):
                           src_k_scale=src.k_scale, src_v_scale=src.v_scale)
         self.runtime.run_plan(plan, arrays, dtype, d)
 
-    def _copy_scales_rejection(self, dst, src) -> str | None:
-        """Why the scale copy (gqakv_copy_tokens<float, 1>) cannot move these scales."""
+    def _copy_scales_rejection(self, dst, src, entry) -> str | None:
+        """Why the scale copy (``entry``: ``gqakv_copy_tokens<float, n>``, n scales per
+        token) cannot move these scales: float32 ``[layers, R, Hkv, S]`` (n = 1) or
+        ``[layers, R, Hkv, S, n]`` (a grouped codec's blocks, last axis of stride 1), rows
+        aligned for the kernel's vector loads."""
         scales = (dst.k_scale, dst.v_scale, src.k_scale, src.v_scale)
-        if not all(self.owns(x) and x.ndim == 4 and _dtype_name(x) == "float32" for x in scales):
-            return "scales that are not 4-d float32 CuPy arrays"
+        blocks = getattr(dst.spec.codec, "group", None) is not None  # a grouped codec: a block axis
+        ndim = 5 if blocks else 4
+        if not all(self.owns(x) and x.ndim == ndim and _dtype_name(x) == "float32" for x in scales):
+            return f"scales that are not {ndim}-d float32 CuPy arrays"
         if any(self.device_of(x) != self.device_of(dst.k) for x in scales):
             return "scales on another device than their codes"
         if dst.k_scale.strides != dst.v_scale.strides or src.k_scale.strides != src.v_scale.strides:
             return "K and V scales strided differently"
+        if blocks and not all(int(x.shape[-1]) == entry.head_dim
+                              and _is_aligned(x, "float32", entry.head_dim) for x in scales):
+            return f"block scales not in rows of {entry.head_dim} aligned for the kernel's vector loads"
         return None
 
-    def _copy_layout_rejection(self, dst_k, dst_v, src_k, src_v, kv_dtype=None) -> str | None:
-        """Why the copy kernel cannot read src and write dst in place (None: it can)."""
+    def _copy_layout_rejection(self, dst_k, dst_v, src_k, src_v, entry) -> str | None:
+        """Why the copy kernel (``entry``: the instantiation moving the values or codes, rows
+        of ``entry.head_dim`` elements) cannot read src and write dst in place (None: it can)."""
         bufs = (dst_k, dst_v, src_k, src_v)
         if not all(self.owns(x) and x.ndim == 5 for x in bufs):
             return "buffers that are not 5-d CuPy arrays"
-        dtype, d = kv_dtype or _dtype_name(dst_k), int(dst_k.shape[-1])
+        element, width = entry.kv_dtype or entry.dtype, entry.head_dim
         if any(x.dtype != dst_k.dtype or self.device_of(x) != self.device_of(dst_k) for x in bufs):
             return "buffers of mixed dtypes or devices"
         if (dst_v.shape != dst_k.shape or src_v.shape != src_k.shape
                 or src_k.shape[0] != dst_k.shape[0] or src_k.shape[2] != dst_k.shape[2]
-                or src_k.shape[4] != d):
+                or src_k.shape[4] != width or dst_k.shape[4] != width):
             return "src and dst differ in layers, heads or head dim, or K and V in shape"
         if not (dst_k.strides == dst_v.strides and src_k.strides == src_v.strides):
             return "K and V buffers strided differently"
-        if not all(_is_aligned(x, dtype, d) for x in bufs):
+        if not all(_is_aligned(x, element, width) for x in bufs):
             return "rows not aligned for the kernel's vector loads"
         return None
 

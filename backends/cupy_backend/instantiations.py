@@ -28,6 +28,11 @@ x 2 readers, prefill 576 with the tree's bit, the append 18; the rotated codec s
 int4_g32's), beside 782 8-bit and 2,543 in all; the emulator builds 160 of them
 (tests/cuda_emu/harness.grouped_units: 4 flag sets, 2 dtypes) and NVRTC compiles 96.
 
+Row copies: ``copy_entries`` names the copy kernel's launches for a storage, one per part
+of a token (values; codes and scales), each over rows of that part's width: a grouped
+cache's codes as bytes (``<gqakv_i8, d * bits / 8>``) and its block scales as floats
+(``<float, d / g>``), so the copy kernel serves every storage with no code of its own.
+
 Adding to the table:
   a variant feature   one entry in ``VARIANT_FLAGS`` (its bit, as kernels/variant.cuh spells
                       it); every kernel whose ``variant_mask`` is ``ALL`` takes it (the draft
@@ -273,3 +278,40 @@ def names(entries: Iterable[Instantiation]) -> list[str]:
 #: The scale copy a quantized cache's token copies launch beside the codes' (plan.py): the
 #: copy kernel over fp32 rows of one element.
 SCALE_COPY = Instantiation("gqakv_copy_tokens", "float32", 1)
+#: Bits per code of the grouped codecs (gqakv.storage.codecs.GROUPED): their code row is
+#: d * bits / 8 bytes.
+BITS = {name: bits for name, (bits, _, _) in GROUPED.items()}
+
+
+def copy_entries(dtype: str, head_dim: int, kv_dtype: str | None = None) -> tuple[Instantiation, ...]:
+    """The copy kernel's launches for one ``Backend.copy_tokens`` call over a store of
+    ``dtype`` (q dtype) / ``kv_dtype`` at ``head_dim`` d, in launch order: what plan.py
+    plans, and what the NVRTC tests and the emulator's libraries build.
+
+    The kernel copies rows of ``D`` elements of type ``E``, whatever they mean, so each
+    part of a token is one launch over rows of that part's width:
+      plain       values ``[.., S, d]``:                    ``<T, d>``;
+      per token   codes ``[.., S, d]``, scales ``[.., S]``:  ``<C, d>``, ``<float, 1>``;
+      grouped     codes ``[.., S, d * bits / 8]`` bytes:     ``<gqakv_i8, d * bits / 8>``
+                  (4-bit codes two a byte are moved as bytes: a copy never looks inside),
+                  scales ``[.., S, d / g]`` float32:        ``<float, d / g>``.
+    The grouped codes' own code types are not copy instantiations (the table refuses the
+    copy kernel a grouped storage: its ``D`` would count values, not bytes). KeyError
+    naming the axis when a part has no instantiation (e.g. a head dim that splits a block).
+    """
+    parts: tuple[Instantiation, ...]
+    if kv_dtype is not None and kv_dtype in GROUPS:
+        why = block_rejection(kv_dtype, head_dim)
+        if why:
+            raise KeyError(f"gqakv_copy_tokens has no {why}")
+        parts = (Instantiation("gqakv_copy_tokens", dtype, head_dim * BITS[kv_dtype] // 8, "int8"),
+                 Instantiation("gqakv_copy_tokens", "float32", head_dim // GROUPS[kv_dtype]))
+    elif kv_dtype is not None:
+        parts = (Instantiation("gqakv_copy_tokens", dtype, head_dim, kv_dtype), SCALE_COPY)
+    else:
+        parts = (Instantiation("gqakv_copy_tokens", dtype, head_dim),)
+    for inst in parts:
+        why = rejection(inst)
+        if why is not None:
+            raise KeyError(why)
+    return parts

@@ -278,8 +278,12 @@ def plan_copy_tokens(dtype: str, head_dim: int, n_tokens: np.ndarray, layers: in
 
     n_tokens: host int array [P]; dst_strides, src_strides: element strides (layer, row,
     head, token) of dst_k and src_k. Raises NotImplementedError beyond the grid limits.
-    kv_dtype: a quantized cache: the codes' launch, then a second one (the same kernel at
-    ``<float, 1>``) moving the scales (``*_scale_strides``: their element strides).
+    kv_dtype: a quantized cache: the codes' launch, then a second one of the same kernel
+    moving the scales (``*_scale_strides``: their element strides (layer, row, head,
+    token); the value axis, if any, of stride 1). Each launch's instantiation and row
+    width are ``instantiations.copy_entries``': per-token codes ``<C, d>`` and scales
+    ``<float, 1>``; grouped codes as bytes ``<gqakv_i8, d * bits / 8>`` and scales
+    ``<float, d / g>``.
     """
     plan = Plan()
     P = int(n_tokens.shape[0])
@@ -290,19 +294,17 @@ def plan_copy_tokens(dtype: str, head_dim: int, n_tokens: np.ndarray, layers: in
     if ctas > MAX_GRID_X:
         raise NotImplementedError(f"{P} copies x {layers} layers x {kv_heads} heads = {ctas} CTAs "
                                   f"(grid limit {MAX_GRID_X})")
-    vectors = max_n * (head_dim // sources.vec_width(kv_dtype or dtype, head_dim))
-    grid_y = min(MAX_GRID_Y, -(-vectors // BLOCK[0]))
-    args = (Buf("dst_k"), Buf("dst_v"), Buf("src_k"), Buf("src_v"), Buf("pairs"), np.int32(P),
-            np.int32(layers), np.int32(kv_heads), *_i64(*dst_strides), *_i64(*src_strides))
-    name = sources.name_expression("gqakv_copy_tokens", dtype, head_dim, kv_dtype=kv_dtype)
-    plan.launches.append(Launch("gqakv_copy_tokens", name, (ctas, grid_y, 1), BLOCK, args))
-    if kv_dtype is not None:  # the scales travel with their tokens: [.., S] as d = 1 rows
-        args = (Buf("dst_k_scale"), Buf("dst_v_scale"), Buf("src_k_scale"), Buf("src_v_scale"),
-                Buf("pairs"), np.int32(P), np.int32(layers), np.int32(kv_heads),
-                *_i64(*dst_scale_strides), *_i64(*src_scale_strides))
-        name = sources.name_expression("gqakv_copy_tokens", "float32", 1)
-        grid_y = min(MAX_GRID_Y, -(-max_n // BLOCK[0]))
-        plan.launches.append(Launch("gqakv_copy_tokens", name, (ctas, grid_y, 1), BLOCK, args))
+    # (buffer names, strides) of each part, in copy_entries' order: the values or codes, then the scales
+    parts = ((("dst_k", "dst_v", "src_k", "src_v"), dst_strides, src_strides),
+             (("dst_k_scale", "dst_v_scale", "src_k_scale", "src_v_scale"), dst_scale_strides,
+              src_scale_strides))
+    for entry, (names, dst_s, src_s) in zip(instantiations.copy_entries(dtype, head_dim, kv_dtype), parts):
+        # vectors of the part's row: its element type's width (copy_tokens.cu's VecWidth<E, D>)
+        vectors = max_n * (entry.head_dim // sources.vec_width(entry.kv_dtype or entry.dtype, entry.head_dim))
+        grid_y = min(MAX_GRID_Y, -(-vectors // BLOCK[0]))
+        args = (*map(Buf, names), Buf("pairs"), np.int32(P), np.int32(layers), np.int32(kv_heads),
+                *_i64(*dst_s), *_i64(*src_s))
+        plan.launches.append(Launch("gqakv_copy_tokens", entry.name, (ctas, grid_y, 1), BLOCK, args))
     return plan
 
 

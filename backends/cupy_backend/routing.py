@@ -21,8 +21,9 @@ call costs one cache lookup):
   layout, codec, features: judged by each kernel's declaration (``FAST_PATHS``): every
               kernel below but gqakv_copy_tokens and gqakv_merge has a paged instantiation
               (kernels/paged_kv.cuh), over 8-bit and grouped codes too (the append and the
-              fp32-FMA attention kernels; the row copy takes 8-bit per-token codes only), and
-              copy on write copies pages as rows of the pool with gqakv_copy_tokens.
+              fp32-FMA attention kernels), and copy on write copies pages as rows of the
+              pool with gqakv_copy_tokens (every codec: codes and scales as rows of their
+              own width, instantiations.copy_entries).
   grid:       the planner's refusal of the launch grid (beyond CUDA's limits), None when
               it fits (or before planning).
 """
@@ -71,9 +72,6 @@ MMA_QUANTIZED_REJECTION = ("kv_dtype={kv_dtype!r}: the tensor-core kernels take 
 _LAYOUTS = frozenset({CONTIGUOUS, PAGED})
 _QUANTIZED = frozenset(QUANTIZED_DTYPES)
 _CODECS = frozenset({PLAIN_NAME, *QUANTIZED_DTYPES})
-#: The row copy moves a row as d elements of codes plus one scale per token: grouped rows
-#: (d * bits / 8 bytes, d / g scales) are not that shape, so their copies are generic.
-_COPY_CODECS = _CODECS - set(GROUPED_DTYPES)
 #: The variant features of variant.cuh's trait (plan.VARIANT_FLAGS).
 VARIANT_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})
 #: A draft tree's clause (speculative verification): the prefill kernels' TREE flag only,
@@ -85,7 +83,10 @@ FAST_PATHS: tuple[FastPath, ...] = (
     FastPath("gqakv_write_kv_quantized", "write_kv", _LAYOUTS, _QUANTIZED, dtypes=frozenset(FUSED_DTYPES)),
     # contiguous rows only: paged rows move by sharing pages, a page copy is a row copy of
     # the pool (gqakv.storage.paged.PagedStore.pool_rows, a contiguous store)
-    FastPath("gqakv_copy_tokens", "copy_tokens", frozenset({CONTIGUOUS}), _COPY_CODECS,
+    # the row copy moves rows of any width and element type, one launch per part of a token
+    # (instantiations.copy_entries: values; per-token codes and their scale; grouped codes as
+    # d * bits / 8 bytes and their d / g block scales), so it declares every codec the kernels read
+    FastPath("gqakv_copy_tokens", "copy_tokens", frozenset({CONTIGUOUS}), _CODECS,
              dtypes=frozenset(FUSED_DTYPES)),
     FastPath("gqakv_decode_mma", "attention", _LAYOUTS, frozenset({PLAIN_NAME}), VARIANT_FEATURES, _MMA),
     FastPath("gqakv_decode", "attention", _LAYOUTS, _CODECS, VARIANT_FEATURES, frozenset(FUSED_DTYPES)),
@@ -142,9 +143,10 @@ def route_write_kv(request: Request) -> Route:
 @functools.lru_cache(maxsize=1024)
 def route_copy_tokens(request: Request) -> Route:
     """gqakv_copy_tokens (every layer and row pair in one launch; a quantized cache's
-    scales in a second launch of it) or the generic copies."""
+    scales in a second launch of it: instantiations.copy_entries) or the generic copies."""
     dtype, head_dim = _needs_dtype_and_head_dim(request)
-    why = (_fused_rejection(dtype, head_dim)
+    # a grouped codec at a head dim that splits a block has no copy entries (a bare request may name one)
+    why = (_fused_rejection(dtype, head_dim, request.codec)
            or _declared_rejection("gqakv_copy_tokens", request) or request.buffers or request.grid)
     if why:
         return Route(GENERIC, {"gqakv_copy_tokens": why})
@@ -211,7 +213,6 @@ def implementations() -> dict[str, str]:
     t = limits.DECODE_MAX_T
     paged = "contiguous or paged K/V (page table read per key)"
     quant = ", ".join(QUANTIZED_DTYPES)
-    per_token = ", ".join(c for c in QUANTIZED_DTYPES if c not in GROUPED_DTYPES)
     return {
         "gqakv_write_kv": f"{fused}; rows aligned for vector loads; {paged}",
         "gqakv_write_kv_quantized": (f"{fused}; kv_dtype {quant} (quantizes on the device, "
@@ -219,7 +220,8 @@ def implementations() -> dict[str, str]:
                                      f"head dims holding whole blocks); {paged}"),
         "gqakv_copy_tokens": (f"{fused}; rows aligned for vector loads; contiguous rows (paged: "
                               "pages as rows of the pool, the copy on write of a shared last page); "
-                              f"unquantized or {per_token} K/V"),
+                              f"unquantized or {quant} K/V (codes and scales as rows of their own: "
+                              "grouped codes as d * bits / 8 bytes, their scales as d / g floats)"),
         "gqakv_decode_mma": (f"t_q <= {t}; {mma}; head_dim in "
                              f"{', '.join(map(str, limits.DECODE_MMA_HEAD_DIMS))}; {mma_cc}; {paged}"),
         "gqakv_decode": (f"t_q <= {t}; {fused}; query tiles "

@@ -29,7 +29,9 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: Quantized K/V storage (gqakv.storage.quantize) -> the kernels' code type (kernels/quantized_kv.cuh).
 #: A kernel over a quantized cache names ``gqakv_quantized<q type, code type>`` where others
 #: name the storage type; gqakv_write_kv_quantized names both, ``<input type, code type, D>``;
-#: copy_tokens moves codes as ``<code type, D>`` and scales as ``<float, 1>``.
+#: copy_tokens moves codes as ``<code type, D>`` and scales as ``<float, 1>`` (a grouped
+#: cache: codes as bytes ``<gqakv_i8, d * bits / 8>``, scales ``<float, d / g>``;
+#: instantiations.copy_entries).
 CODE_CTYPES = table.CODE_CTYPES
 
 #: Query tiles (queries per CTA) gqakv_decode is instantiated for, smallest first.

@@ -218,8 +218,10 @@ _QNAN = {"float32": 0x7FC00000, "float16": 0x7E00, "bfloat16": 0x7FC0}
 @dataclass(frozen=True)
 class CopyCase:
     """One ``Backend.copy_tokens`` call (a wave of reorder or fork) on ``[layers, R, Hkv, S, d]``
-    buffers. mode "same": dst and src are the same cache buffers (fork, a reorder wave);
-    "to_temp" / "from_temp": one side is the reorder temporary ``[layers, 1, Hkv, n, d]``."""
+    buffers. mode "same": dst and src are the same cache buffers (fork, a reorder wave, a
+    paged cache's copy on write: pool pages as rows); "to_temp" / "from_temp": one side is
+    the reorder temporary ``[layers, 1, Hkv, n, d]``. ``kv_dtype``: a quantized cache, whose
+    codes and scales (``copy_parts``) are copied by one launch each."""
 
     name: str
     dtype: str
@@ -233,82 +235,101 @@ class CopyCase:
     mode: str = "same"
     max_len: int = 24
     seed: int = 0
+    kv_dtype: str | None = None
+
+
+def copy_parts(case: CopyCase) -> list[tuple[tuple[str, ...], np.dtype, tuple[int, ...]]]:
+    """The parts of a token a copy moves, in ``plan.plan_copy_tokens``' launch order:
+    (dst K, dst V, src K, src V buffer names, element dtype, shape of one token's part):
+    the values ``[d]``; or a quantized cache's codes (``[d]``, grouped ``[d * bits / 8]``
+    bytes) and float32 scales (``[]`` per token, grouped ``[d / g]``)."""
+    from gqakv.storage.codecs import GROUPED
+
+    values = ("dst_k", "dst_v", "src_k", "src_v")
+    scales = ("dst_k_scale", "dst_v_scale", "src_k_scale", "src_v_scale")
+    d, kv = case.head_dim, case.kv_dtype
+    if kv is None:
+        return [(values, STORAGE[case.dtype], (d,))]
+    if kv in GROUPED:
+        bits, group, _ = GROUPED[kv]
+        code = np.dtype(np.int8 if bits == 8 else np.uint8)
+        return [(values, code, (d * bits // 8,)), (scales, np.dtype(np.float32), (d // group,))]
+    return [(values, np.dtype(np.int8 if kv == "int8" else np.uint8), (d,)), (scales, np.dtype(np.float32), ())]
 
 
 def _prefix_poison(a: np.ndarray, allowed: np.ndarray) -> list[tuple[int, int]]:
-    """Byte ranges of a [layers, R, H, S, d] (contiguous) outside token prefix [0, allowed[r])."""
-    layers, R, H, S, D = a.shape
-    row = D * a.itemsize
+    """Byte ranges of a [layers, R, H, S, ...] (contiguous) outside token prefix [0, allowed[r])."""
+    layers, R, H, S = a.shape[:4]
+    row = a.itemsize * math.prod(a.shape[4:])
     return [((((l * R + r) * H + h) * S + int(allowed[r])) * row, (S - int(allowed[r])) * row)
             for l in range(layers) for r in range(R) for h in range(H)]
 
 
 def run_copy_case(emu, case: CopyCase, poison: bool = False) -> dict:
-    """Run the copy plan on the emulator and compare both buffers bit for bit with a NumPy
-    model. Under ``poison`` only the copied slots of dst and the copied prefixes of src
-    (never past the source row's live length) are touchable."""
+    """Run the copy plan on the emulator and compare every buffer (values, or codes and
+    scales) bit for bit with a NumPy model. Under ``poison`` only the copied slots of dst
+    and the copied prefixes of src (never past the source row's live length) are
+    touchable, in every part."""
     rng = np.random.default_rng(case.seed)
-    st = STORAGE[case.dtype]
     Lyr, H, D, S = case.layers, case.kv_heads, case.head_dim, case.max_len
     lens = np.array(case.lens, dtype=np.int64)
     dst_rows, src_rows = np.array(case.dst_rows), np.array(case.src_rows)
     n = np.array(case.n_tokens, dtype=np.int64)
+    temp_len = max(1, int(n.max()))
 
-    def cache(rows, seq, live):
-        a = rng.standard_normal((Lyr, rows, H, seq, D)).astype(st)
-        bits = a.view(f"u{st.itemsize}")
-        for r in range(rows):  # dead tails: NaN whose payload names the row, so a copy
-            bits[:, r, :, live[r]:] = _QNAN[case.dtype] | (r + 1)  # past n shows bitwise
+    def fill(shape, dt, live=None):
+        if dt.kind in "iu":  # codes: every byte value (dead tails random, unlike any copy)
+            return rng.integers(np.iinfo(dt).min, np.iinfo(dt).max + 1, size=shape, dtype=dt)
+        a = rng.standard_normal(shape).astype(dt)
+        if live is not None:
+            bits = a.view(f"u{dt.itemsize}")
+            qnan = _QNAN[next(name for name, st in STORAGE.items() if st == dt)]
+            for r in range(shape[1]):  # dead tails: NaN whose payload names the row, so a copy
+                bits[:, r, :, live[r]:] = qnan | (r + 1)  # past n shows bitwise
         return a
 
-    temp_len = max(1, int(n.max()))
-    k, v = cache(len(lens), S, lens), cache(len(lens), S, lens)
-    if case.mode == "same":
-        src_k, src_v, dst_k, dst_v = k, v, k, v
-    elif case.mode == "to_temp":
-        src_k, src_v = k, v
-        dst_k = rng.standard_normal((Lyr, 1, H, temp_len, D)).astype(st)
-        dst_v = rng.standard_normal((Lyr, 1, H, temp_len, D)).astype(st)
-    elif case.mode == "from_temp":
-        dst_k, dst_v = k, v
-        src_k = rng.standard_normal((Lyr, 1, H, temp_len, D)).astype(st)
-        src_v = rng.standard_normal((Lyr, 1, H, temp_len, D)).astype(st)
-    else:
-        raise ValueError(case.mode)
     if case.mode == "same":  # a wave: no destination is read by the same call
         assert set(dst_rows.tolist()).isdisjoint(src_rows.tolist()), f"{case.name}: not a wave"
-    src_live = lens if src_k is k else np.full(1, temp_len)
+    elif case.mode not in ("to_temp", "from_temp"):
+        raise ValueError(case.mode)
+    src_live = lens if case.mode != "from_temp" else np.full(1, temp_len)
     assert np.all(n <= src_live[src_rows]), f"{case.name}: copies past a live prefix"
-    exp_k, exp_v = dst_k.copy(), dst_v.copy()
-    for i in range(n.size):
-        exp_k[:, dst_rows[i], :, :n[i]] = src_k[:, src_rows[i], :, :n[i]]
-        exp_v[:, dst_rows[i], :, :n[i]] = src_v[:, src_rows[i], :, :n[i]]
-    src_before = (src_k.tobytes(), src_v.tobytes())
-
-    plan = planmod.plan_copy_tokens(case.dtype, D, n, Lyr, H, _element_strides(dst_k)[:4],
-                                    _element_strides(src_k)[:4])
-    # In mode "same" src_k is dst_k: the emulator gives both names one allocation.
-    arrays = {"dst_k": dst_k, "dst_v": dst_v, "src_k": src_k, "src_v": src_v,
-              "pairs": np.stack([dst_rows, src_rows, n]).astype(np.int64)}
-    ppoison = None
-    if poison:
-        dst_allowed = np.zeros(dst_k.shape[1], dtype=np.int64)
-        src_allowed = np.zeros(src_k.shape[1], dtype=np.int64)
+    arrays = {"pairs": np.stack([dst_rows, src_rows, n]).astype(np.int64)}
+    strides, ppoison, checks = [], {}, []
+    for names, dt, tail in copy_parts(case):
+        cache = [fill((Lyr, len(lens), H, S, *tail), dt, lens) for _ in range(2)]
+        temp = [fill((Lyr, 1, H, temp_len, *tail), dt) for _ in range(2)]
+        dst, src = {"same": (cache, cache), "to_temp": (temp, cache), "from_temp": (cache, temp)}[case.mode]
+        expect = [x.copy() for x in dst]
         for i in range(n.size):
-            dst_allowed[dst_rows[i]] = max(dst_allowed[dst_rows[i]], n[i])
-            src_allowed[src_rows[i]] = max(src_allowed[src_rows[i]], n[i])
-        if case.mode == "same":
-            ranges = _prefix_poison(dst_k, np.maximum(dst_allowed, src_allowed))
-            ppoison = {"dst_k": ranges, "dst_v": ranges}
-        else:
-            d_ranges, s_ranges = _prefix_poison(dst_k, dst_allowed), _prefix_poison(src_k, src_allowed)
-            ppoison = {"dst_k": d_ranges, "dst_v": d_ranges, "src_k": s_ranges, "src_v": s_ranges}
-    emu.run(plan, arrays, poison=ppoison)
-    assert dst_k.tobytes() == exp_k.tobytes(), f"{case.name}: K differs from the model after the copy"
-    assert dst_v.tobytes() == exp_v.tobytes(), f"{case.name}: V differs from the model after the copy"
-    if case.mode != "same":
-        assert (src_k.tobytes(), src_v.tobytes()) == src_before, f"{case.name}: the source changed"
-    assert len(plan.launches) == (1 if n.max() > 0 else 0)
+            for e, x in zip(expect, src):
+                e[:, dst_rows[i], :, :n[i]] = x[:, src_rows[i], :, :n[i]]
+        # In mode "same" src is dst: the emulator gives both names one allocation.
+        arrays.update(zip(names, (*dst, *src)))
+        strides.append((_element_strides(dst[0])[:4], _element_strides(src[0])[:4]))
+        checks.append((names, dst, expect, src, [x.tobytes() for x in src]))
+        if poison:
+            dst_allowed = np.zeros(dst[0].shape[1], dtype=np.int64)
+            src_allowed = np.zeros(src[0].shape[1], dtype=np.int64)
+            for i in range(n.size):
+                dst_allowed[dst_rows[i]] = max(dst_allowed[dst_rows[i]], n[i])
+                src_allowed[src_rows[i]] = max(src_allowed[src_rows[i]], n[i])
+            if case.mode == "same":
+                ranges = _prefix_poison(dst[0], np.maximum(dst_allowed, src_allowed))
+                ppoison.update({names[0]: ranges, names[1]: ranges})
+            else:
+                d_ranges, s_ranges = _prefix_poison(dst[0], dst_allowed), _prefix_poison(src[0], src_allowed)
+                ppoison.update(zip(names, (d_ranges, d_ranges, s_ranges, s_ranges)))
+
+    plan = planmod.plan_copy_tokens(case.dtype, D, n, Lyr, H, *strides[0], case.kv_dtype,
+                                    *(strides[1] if len(strides) > 1 else (None, None)))
+    emu.run(plan, arrays, poison=ppoison if poison else None)
+    for names, dst, expect, src, src_before in checks:
+        for name, x, e in zip(names, dst, expect):
+            assert x.tobytes() == e.tobytes(), f"{case.name}: {name} differs from the model after the copy"
+        if case.mode != "same":
+            assert [x.tobytes() for x in src] == src_before, f"{case.name}: the source {names[2:]} changed"
+    assert len(plan.launches) == (len(checks) if n.max() > 0 else 0)
     return {"steps": 1, "splits": 1, "kernels": {l.name for l in plan.launches}}
 
 

@@ -236,7 +236,7 @@ def _product_library(families: tuple[str, ...]) -> harness.Emulator:
 @functools.cache
 def _grouped_library(head_dim: int) -> harness.Emulator:
     """The grouped codecs' kernels at ``head_dim`` (harness.grouped_units: every launch a
-    grouped cache makes; its row copies are generic)."""
+    grouped cache makes, its row copies included)."""
     return harness.Emulator(harness.build_registrations(False, harness.grouped_units(head_dim)))
 
 
@@ -246,12 +246,28 @@ _FAMILY_MARKS = {"paged": ("KVPages",), "quantized": ("gqakv_i8>", "gqakv_i8,", 
                  "grouped": ("gqakv_i8g<", "gqakv_i4g<")}
 
 
-def plan_families(plan) -> tuple[str, ...]:
-    """The kernel families ``plan``'s launches need (plain kernels are always there; a
-    draft tree's launches, whose parameters name its arrays, need the "tree" family)."""
+@functools.cache
+def grouped_only_copies(head_dim: int) -> frozenset[str]:
+    """The copy instantiations only a grouped cache launches at ``head_dim`` (its codes as
+    byte rows of d * bits / 8, its scales as rows of d / g: instantiations.copy_entries),
+    none of which a plain or per-token cache's copy there names: the grouped library holds
+    them. (A grouped copy always names one: a 4-bit code row is d / 2 bytes, an 8-bit one's
+    scales d / 32 floats; at d = 32 both of int8_g32's are int8's, in either library.)"""
+    names = {e.name for e in harness.grouped_copy_entries(head_dim, tuple(table.CTYPES))}
+    others = {e.name for t in table.CTYPES for kv in (None, *table.STORAGES["quantized"])
+              for e in table.copy_entries(t, head_dim, kv)}
+    return frozenset(names - others)
+
+
+def plan_families(plan, head_dim: int) -> tuple[str, ...]:
+    """The kernel families ``plan``'s launches at ``head_dim`` need (plain kernels are
+    always there; a draft tree's launches, whose parameters name its arrays, need the
+    "tree" family; a grouped cache's row copies, "grouped": ``grouped_only_copies``)."""
     names = " ".join(launch.name for launch in plan.launches)
     tree = any(getattr(a, "tree_mask", None) is not None for launch in plan.launches for a in launch.args)
-    return (*(f for f, marks in _FAMILY_MARKS.items() if any(m in names for m in marks)),
+    grouped_copy = any(launch.name in grouped_only_copies(head_dim) for launch in plan.launches)
+    return (*(f for f, marks in _FAMILY_MARKS.items() if any(m in names for m in marks)
+              or (f == "grouped" and grouped_copy)),
             *(("tree",) if tree else ()))
 
 
@@ -383,7 +399,7 @@ class EmulatedCupyBackend(CupyBackend):
                 raise RuntimeError(f"illegal address: {name} is on device {where}, the kernel "
                                    f"was launched on device {current}")
         with _launch_lock:
-            emulator(head_dim, plan_families(plan)).run(plan, {name: memory_span(a)
+            emulator(head_dim, plan_families(plan, head_dim)).run(plan, {name: memory_span(a)
                                                                for name, a in arrays.items()})
             self.launches += len(plan.launches)
 

@@ -117,13 +117,14 @@ def run_asan_child(argv: list[str], cwd=None, timeout: float = 900,
                           timeout=timeout)
 
 
-def check_asan_main(module: str, passed: int, units: "Sequence[Unit] | None" = None) -> None:
-    """Run ``tests.<module>.asan_main()`` under AddressSanitizer (``run_asan_child``; ``units``
-    as there) and assert it exited 0 after printing ``"<passed> passed"``; skips when g++
-    has no AddressSanitizer runtime."""
+def check_asan_main(module: str, passed: int, units: "Sequence[Unit] | None" = None,
+                    main: str = "asan_main") -> None:
+    """Run ``tests.<module>.<main>()`` (default ``asan_main``) under AddressSanitizer
+    (``run_asan_child``; ``units`` as there) and assert it exited 0 after printing
+    ``"<passed> passed"``; skips when g++ has no AddressSanitizer runtime."""
     import pytest
 
-    proc = run_asan_child(["-c", f"import sys; from tests import {module} as m; sys.exit(m.asan_main())"],
+    proc = run_asan_child(["-c", f"import sys; from tests import {module} as m; sys.exit(m.{main}())"],
                           cwd=HERE.parents[1], units=units)
     if proc is None:
         pytest.skip("AddressSanitizer runtime (libasan) not found for g++")
@@ -239,7 +240,21 @@ def grouped_units(head_dim: int, dtypes: tuple[str, ...] = GROUPED_DTYPES,
     merge_flags = tuple(sorted({v & table.VARIANT_FLAGS["sinks"] for v in variants}))
     units.append(unit(f"{kind} merge", head_dim, sel(kernels=["gqakv_merge"], dtypes=dtypes,
                                                      head_dims=(head_dim,), variants=merge_flags)))
+    units.append(unit(f"{kind} copies", head_dim, grouped_copy_entries(head_dim, dtypes)))
     return [u for u in units if u.entries]
+
+
+def grouped_copy_entries(head_dim: int, dtypes: tuple[str, ...] = GROUPED_DTYPES) -> list[table.Instantiation]:
+    """The row copies of every grouped codec at ``head_dim`` (instantiations.copy_entries:
+    codes as byte rows, scales as float rows), one entry per name; none where the head dim
+    splits a block."""
+    out: dict[str, table.Instantiation] = {}
+    for kv in table.STORAGES["grouped"]:
+        if table.block_rejection(kv, head_dim) is None:
+            for t in dtypes:
+                for e in table.copy_entries(t, head_dim, kv):
+                    out.setdefault(e.name, e)
+    return list(out.values())
 
 
 def _flags(asan: bool, registration: Unit | None = None) -> list[str]:

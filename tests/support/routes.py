@@ -199,15 +199,15 @@ class Refused:
     words: tuple[str, ...]
 
 
-#: The codecs the CUDA row copy documents: the 8-bit per-token ones (the numba kernels
-#: decode these and the grouped ones).
+#: The 8-bit per-token codecs (the numba kernels decode these and the grouped ones).
 CPU_CODECS = (None, "int8", "float8_e4m3fn")
 #: The grouped codecs (a scale per block of values).
 GROUPED_CODECS = ("int8_g32", "int4_g32", "int4_g64", "int4_g32_rotated")
 #: ... and the NumPy BLAS path's (numpy_readers' coded reader over either layout): those and
 #: the grouped codecs. Any other is refused by name.
 BLAS_CODECS = (*CPU_CODECS, *GROUPED_CODECS)
-#: The CUDA append and attention kernels' (kernels/quantized_kv.cuh's reader and append).
+#: The CUDA append, attention and row-copy kernels' (kernels/quantized_kv.cuh's reader and
+#: append; the copy moves codes and scales as rows of their own width).
 CUDA_CODECS = BLAS_CODECS
 
 
@@ -246,19 +246,12 @@ def _cupy_store(f) -> Any:
     return FAST
 
 
-def _cupy_copy(f) -> Any:
-    # the row copy moves d codes and one scale per token: grouped rows are generic, by name
-    if f.get("codec") in GROUPED_CODECS and f["dtype"] != "float64":
-        return Refused((f"kv_dtype={f['codec']!r}",))
-    return _cupy_store(f)
-
-
 INTENDED = {
     "numpy": {"attention": _numpy_attention},
     "numba": {"attention": _numba_attention, "write_kv": _plain_contiguous("numba write_tokens"),
               "copy_tokens": _plain_contiguous("numba copy_rows")},
     "cupy_emulated": {"attention": _cupy_store, "write_kv": _cupy_store,
-                      "copy_tokens": _cupy_copy},
+                      "copy_tokens": _cupy_store},
 }
 
 
