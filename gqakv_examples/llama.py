@@ -343,12 +343,13 @@ class LlamaModel:
         rows of the batch and on the chunk it came in; a ``[1, in]`` product is the same
         operation whatever the batch. (Slower: decode's matmuls are matrix-vector products
         per row anyway; prefill loses its matrix-matrix blocking.)"""
-        if not invariance.enabled():
+        n_in, n_out = int(x.shape[-1]), int(w.shape[-1])
+        n_rows = math.prod(int(s) for s in x.shape[:-1])
+        if not invariance.enabled() or n_rows == 0:
             return x @ w
         xp = self.xp
-        n_in, n_out = int(x.shape[-1]), int(w.shape[-1])
-        rows = xp.reshape(x, (-1, n_in))
-        out = xp.concat([rows[i:i + 1, :] @ w for i in range(int(rows.shape[0]))], axis=0)
+        rows = xp.reshape(x, (n_rows, n_in))
+        out = xp.concat([rows[i:i + 1, :] @ w for i in range(n_rows)], axis=0)
         return xp.reshape(out, (*tuple(int(s) for s in x.shape[:-1]), n_out))
 
     def _heads(self, y, B, T, H):
