@@ -236,7 +236,8 @@ def _request_logits(model, prompt, *, batch_prompts, row, chunk):
 def test_a_requests_logits_do_not_depend_on_its_batch_in_batch_invariant_mode(backend, dtype):
     """The whole model, not attention alone (``LlamaModel._linear``): a 23-token request's
     logits at every position have the same bits served alone in one chunk and as row 2 of
-    a batch of 4 other-length prompts in 5-token chunks; without the mode they do not."""
+    a batch of 4 other-length prompts in 5-token chunks, and one token per forward (as
+    decode steps) as row 1; without the mode they do not."""
     try:
         model = _model(backend, dtype=dtype, seed=5, hidden_size=64, n_heads=8, n_kv_heads=2,
                        intermediate_size=256)
@@ -248,7 +249,9 @@ def test_a_requests_logits_do_not_depend_on_its_batch_in_batch_invariant_mode(ba
     with gqakv.batch_invariant():
         alone = _request_logits(model, prompt, batch_prompts=[], row=0, chunk=23)
         batched = _request_logits(model, prompt, batch_prompts=others, row=2, chunk=5)
+        stepped = _request_logits(model, prompt, batch_prompts=others, row=1, chunk=1)  # decode-like
     assert alone.dtype == batched.dtype and np.array_equal(alone.view(np.uint8), batched.view(np.uint8))
+    assert np.array_equal(alone.view(np.uint8), stepped.view(np.uint8))
     plain_alone = _request_logits(model, prompt, batch_prompts=[], row=0, chunk=23)
     plain_batched = _request_logits(model, prompt, batch_prompts=others, row=2, chunk=5)
     assert not np.array_equal(plain_alone, plain_batched)  # the test above is not vacuous
