@@ -105,29 +105,30 @@ class _TimedStep:
     """A ModelKVCache step whose ``attend`` (K/V write + attention) is timed."""
 
     def __init__(self, step, clock):
+        # used with or without ``with`` (LlamaModel.forward commits or aborts the step itself)
         self._step, self._clock = step, clock
+        self.attend = clock.wrap(step.attend)
 
     def __enter__(self):
-        inner = self._step.__enter__()
-        self.attend = self._clock.wrap(inner.attend)
-        self._inner = inner
+        self._step.__enter__()
         return self
 
     def __exit__(self, *exc):
         return self._step.__exit__(*exc)
 
     def __getattr__(self, name):
-        return getattr(self._inner, name)
+        return getattr(self._step, name)
 
 
 class _TimedCache:
     def __init__(self, cache, clock):
         self._cache, self._clock = cache, clock
 
-    def step(self, n_new):
+    def step(self, n_new, **options):
         # Prefill (T > 1) untimed: only decode steps count toward the attention share.
+        # options: what LlamaModel.forward passes on (rows=, tree=)
         self._clock.on = int(np.max(n_new)) == 1
-        return _TimedStep(self._cache.step(n_new), self._clock)
+        return _TimedStep(self._cache.step(n_new, **options), self._clock)
 
     def __getattr__(self, name):
         return getattr(self._cache, name)

@@ -494,3 +494,15 @@ def test_decode_blas_threads_same_tokens_and_restored(checkpoint):
     assert blas_threads() == before
     assert seen[-1] and all(n == 1 for n in seen[-1])  # inside the decode loop
     assert got.tokens == generate_text(model, prompts, 4).tokens
+
+
+def test_real_bench_runs_and_both_sides_agree(checkpoint, torch_mod, capsys):
+    """`python -m gqakv_examples.real_bench` end to end at the smallest size: both systems
+    decode the same greedy tokens, and gqakv's attention share is reported (its timed
+    cache wraps a step used with or without ``with``, as ``LlamaModel.forward`` uses it)."""
+    from gqakv_examples import real_bench
+
+    assert real_bench.main(["--batch", "1", "--prompt-len", "8", "--steps", "2", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "same tokens: yes" in out, out
+    assert "gqakv             tok/s median" in out and "attention" in out, out
