@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gqakv.dispatch.backend import Backend
+from gqakv.dispatch.backend import GENERIC, Backend
 from gqakv.core.dtypes import canonical_name
 
 INSTALL_HINT = "pip install torch==2.13.0 (CPU build) or a CUDA build from pytorch.org"
@@ -47,7 +47,7 @@ class TorchBackend(Backend):
     })
     packed_tokens = True  # the generic defaults (its write_kv wraps one) take [N, H, d] tokens
     wide_queries = True  # float32 q over a 16-bit store: computed and returned in float32
-    generic_invariant = True  # equal operands and shapes give equal bits (CPU libraries)
+    generic_invariant = True  # on the CPU: equal operands and shapes give equal bits
 
     def __init__(self, device=None):
         """``device``: a torch device (or string) to allocate on; None follows torch's default."""
@@ -81,6 +81,17 @@ class TorchBackend(Backend):
         if self._device is None and torch.cuda.is_available():
             return TorchBackend(device=f"cuda:{int(index)}")
         return self
+
+    def invariant_attention(self) -> frozenset[str]:
+        """The generic code honours batch-invariant mode on the CPU only: a device chosen
+        as ``cpu``, or none chosen on a torch without CUDA (GPU reductions were not shown
+        to give equal bits for equal operands)."""
+        import torch
+
+        names = super().invariant_attention()
+        on_cpu = (torch.device(self._device).type == "cpu" if self._device is not None
+                  else not torch.cuda.is_available())
+        return names if on_cpu else names - {GENERIC}
 
     def thread_count(self) -> int | None:
         """torch's intra-op threads on the CPU; None on CUDA."""

@@ -288,3 +288,21 @@ def test_cupy_emulated_kernels_are_batch_invariant(d, dtype, kernel, storage, wi
         qs[1] = q[:, L - T:]
         batch = out(gqakv.gqa_attention(A(qs), c, [3, T, 1], window=window))
         assert same_bits(batch[1], whole)
+
+
+def test_the_generic_code_is_invariant_where_the_backend_says_so():
+    """``Backend.invariant_attention``: numpy's BLAS path and generic code, numba's kernels
+    and generic code (its fallbacks run numpy's), torch's generic code on the CPU only (a
+    torch backend on a CUDA device keeps refusing the mode), cupy's prefill kernels."""
+    from gqakv.dispatch.backend import GENERIC
+
+    pytest.importorskip("torch")
+    from gqakv_backends.torch_backend import TorchBackend
+
+    assert GENERIC in gqakv.get_backend("numpy").invariant_attention()
+    assert GENERIC in gqakv.get_backend("array_api_strict").invariant_attention()
+    assert GENERIC in TorchBackend("cpu").invariant_attention()
+    assert GENERIC not in TorchBackend("cuda:0").invariant_attention()  # constructing needs no GPU
+    from gqakv_backends.cupy_backend import CupyBackend
+
+    assert GENERIC not in CupyBackend().invariant_attention()  # its prefill kernels only
