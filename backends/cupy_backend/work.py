@@ -190,8 +190,16 @@ def serves_write(work: CupyWork, inputs, store, k_new, device: int) -> bool:
     if not (np.array_equal(inputs.rows, planned.rows) and np.array_equal(inputs.n_new, planned.n_new)
             and np.array_equal(inputs.starts, planned.lens - planned.n_new)):
         return False
-    return work.table is None or (store.page_table is work.table and work.entries is not None
-                                  and np.array_equal(store.page_table.entries, work.entries))
+    return holds_table(work, store)
+
+
+def holds_table(work: CupyWork, store) -> bool:
+    """Whether ``store`` reads through the table ``work`` uploaded, its entries still what
+    was uploaded (a reorder keeps lengths but moves pages); True for contiguous work."""
+    if work.table is None:
+        return True
+    return (store.page_table is work.table and work.entries is not None
+            and np.array_equal(store.page_table.entries, work.entries))
 
 
 def serves(work: CupyWork, inputs, store, device: int, stream: int) -> bool:
@@ -203,7 +211,4 @@ def serves(work: CupyWork, inputs, store, device: int, stream: int) -> bool:
         return False
     if stream != work.stream and not work.fixed:
         return False
-    if work.table is None:
-        return True
-    return (store.page_table is work.table and work.entries is not None
-            and np.array_equal(store.page_table.entries, work.entries))
+    return holds_table(work, store)

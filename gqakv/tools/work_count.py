@@ -148,12 +148,7 @@ def build(s: Scenario):
                                   backend=backend, **extra)
     except (TypeError, ValueError, AttributeError) as exc:  # an option this commit lacks
         raise Skip(f"{s}: {exc}") from None
-    rng = np.random.default_rng(0)
-
-    def tensor(heads, t):
-        x = rng.standard_normal((s.batch, heads, t, s.head_dim)).astype(np.float32)
-        return backend.from_numpy(x, s.dtype)
-
+    tensor = _random_tensors(backend, s)
     history = s.length - s.n_new
     if history:
         k = tensor(HKV, history)
@@ -169,6 +164,18 @@ def build(s: Scenario):
     return call
 
 
+def _random_tensors(backend, s: Scenario):
+    """``tensor(heads, t)``: the backend's ``[s.batch, heads, t, s.head_dim]`` arrays of
+    ``s.dtype``, drawn in turn from one fixed seed (the same data for every commit)."""
+    rng = np.random.default_rng(0)
+
+    def tensor(heads, t):
+        x = rng.standard_normal((s.batch, heads, t, s.head_dim)).astype(np.float32)
+        return backend.from_numpy(x, s.dtype)
+
+    return tensor
+
+
 def _host_step(gqakv, backend, s: Scenario):
     """``call()`` running one decode step of ``s.layers`` layers with no-op kernels."""
     try:
@@ -181,12 +188,7 @@ def _host_step(gqakv, backend, s: Scenario):
     B, steps, layers = s.batch, 4, int(s.layers or 0)
     cache = gqakv.ModelKVCache(layers, B, HKV, s.length + steps, s.head_dim, dtype=s.dtype,
                                backend=backend)
-    rng = np.random.default_rng(0)
-
-    def tensor(heads, t):
-        return backend.from_numpy(rng.standard_normal((B, heads, t, s.head_dim)).astype(np.float32),
-                                  s.dtype)
-
+    tensor = _random_tensors(backend, s)
     x = tensor(HKV, s.length - 1)
     with cache.step([s.length - 1] * B) as step:
         for layer in range(layers):
@@ -207,7 +209,7 @@ def _region_library(cache_dir: Path) -> Path:
     source = REGION_SOURCE.read_bytes()
     lib = cache_dir / f"counted_region-{hashlib.sha256(source).hexdigest()[:12]}.so"
     if not lib.exists():
-        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        compiler = _compiler()
         if compiler is None:
             raise RuntimeError("no C compiler (cc or gcc) to build counted_region.c")
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -221,11 +223,16 @@ def _region_library(cache_dir: Path) -> Path:
     return lib
 
 
+def _compiler() -> str | None:
+    """The C compiler that builds counted_region.c: ``$CC`` (default ``cc``), else gcc."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
 def missing_tools() -> list[str]:
     """What count_work needs and this machine lacks (empty when it can run)."""
     need = {"valgrind": "valgrind", "setarch": "setarch (util-linux)"}
     missing = [why for tool, why in need.items() if shutil.which(tool) is None]
-    if shutil.which(os.environ.get("CC", "cc")) is None and shutil.which("gcc") is None:
+    if _compiler() is None:
         missing.append("a C compiler (cc)")
     return missing
 
@@ -268,11 +275,21 @@ def read_dump(path: Path) -> dict[str, int]:
             "ll_misses": ev.get("ILmr", 0) + ev.get("DLmr", 0) + ev.get("DLmw", 0)}
 
 
+def _known(names) -> list[str]:
+    """``names`` (scenario names), or ValueError naming those ``SCENARIOS`` lacks."""
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"unknown scenarios {unknown} (known: {', '.join(SCENARIOS)})")
+    return list(names)
+
+
 def count_work(scenarios=None, *, python: str = sys.executable, cache_dir: Path | None = None,
                timeout: float = 1800) -> dict[str, dict]:
     """Count scenarios with the gqakv that ``python`` imports, in one counted process, in
     the order given. ``scenarios``: names from ``SCENARIOS`` (default: all of them) or a
-    ``{name: Scenario}`` dict. Returns ``{name: {"instructions",
+    ``{name: Scenario}`` dict. A count depends a little on what ran before it in the
+    process (NumPy decode counted alone: 13.11M instructions, after the other scenarios
+    13.01M), so compare counts taken with the same list. Returns ``{name: {"instructions",
     "ll_misses"}}``, or ``{name: {"skipped": reason}}`` for one this gqakv cannot build.
 
     Raises ValueError for an unknown name, RuntimeError naming what this machine lacks
@@ -280,10 +297,7 @@ def count_work(scenarios=None, *, python: str = sys.executable, cache_dir: Path 
     if scenarios is None:
         scenarios = dict(SCENARIOS)
     elif not isinstance(scenarios, dict):
-        unknown = [n for n in scenarios if n not in SCENARIOS]
-        if unknown:
-            raise ValueError(f"unknown scenarios {unknown} (known: {', '.join(SCENARIOS)})")
-        scenarios = {n: SCENARIOS[n] for n in scenarios}
+        scenarios = {n: SCENARIOS[n] for n in _known(scenarios)}
     bad = [n for n, s in scenarios.items() if not isinstance(s, Scenario)]
     if bad:
         raise TypeError(f"scenarios {bad} are not Scenario objects")
@@ -361,9 +375,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    unknown = [n for n in args.scenarios if n not in SCENARIOS]
-    if unknown:
-        raise ValueError(f"unknown scenario {', '.join(unknown)} (known: {', '.join(SCENARIOS)})")
+    _known(args.scenarios)  # before the machine's tools: a bad name is the user's first error
     missing = missing_tools()
     if missing:  # the machine's fault, not gqakv's: one error line, exit 2
         raise ValueError(f"counting work needs {', '.join(missing)} (on Debian: apt-get install "
