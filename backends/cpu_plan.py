@@ -134,7 +134,8 @@ INVARIANT_NO_SPLIT = 1 << 62
 
 
 def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key_split: int,
-          params: AttentionParams = _CAUSAL, one_head: bool = False, trees=None):
+          params: AttentionParams = _CAUSAL, one_head: bool = False, trees=None,
+          max_tile_rows: int | None = None):
     """Cut the call into items ``(i, h0, h1, t0, t1, j0, j1)``.
 
     A query block reads the keys some query of it sees (``semantics.block_keys``); it is
@@ -144,7 +145,9 @@ def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key
     ``one_head``: every item covers one KV head (the NumPy path's batch-invariant mode, whose
     block sizes must not depend on how many heads an item holds). ``trees``: None, or
     entry i -> its draft tree (``AttentionInputs.entry_tree``): key spans by the tree
-    rule, cuts only inside the prefix every query sees.
+    rule, cuts only inside the prefix every query sees. ``max_tile_rows``: at most this
+    many query rows (KV heads x G x queries) per item, the heads split further if needed,
+    down to one KV head per item (whose G x queries rows may be more; None: no limit).
     """
     tasks = []  # (i, t0, t1, lo, hi, common_hi, cost)
     for i in range(len(n_new)):
@@ -161,6 +164,9 @@ def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key
     items = []
     for i, t0, t1, lo, hi, c_hi, cost in tasks:
         head_parts = Hkv if one_head else min(Hkv, max(1, math.ceil(cost / target)))
+        if max_tile_rows is not None:
+            heads_per_item = max(1, max_tile_rows // (G * (t1 - t0)))
+            head_parts = max(head_parts, math.ceil(Hkv / heads_per_item))  # parts of <= that many
         part_cost = cost / head_parts
         # Keys are cut only inside lo..c_hi (seen by every query of the block).
         key_parts = max(1, min(math.ceil(part_cost / target), (c_hi - lo) // min_key_split))

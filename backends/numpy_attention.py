@@ -31,6 +31,10 @@ Work and memory:
   scores and, for float16/bfloat16 caches, the K and V blocks cast to float32) plus
   the queries, the output and the partial outputs of split rows, independent of the
   cache length;
+- an item holds at most ``MAX_TILE_ROWS`` query rows (a prefill chunk's heads are split
+  into items of fewer heads), so its key blocks stay hundreds of keys long and its
+  running output stays in L2: the online softmax rescales that output once per block, so
+  short blocks over a large output cost more in memory traffic than the matmuls;
 - float16 and bfloat16 caches are computed in float32: each K/V block is cast on the
   fly into a reused float32 buffer (NumPy's half-precision matmul is about 10x slower
   than float32, and its float16 cast is scalar code, so ``to_float32`` converts
@@ -61,8 +65,16 @@ from .numpy_readers import MIN_BLOCK_KEYS, to_float32  # noqa: F401 (to_float32:
 
 # One block of scores [heads, G * nq, keys], in elements (1 MiB of float32).
 SCORE_BLOCK_ELEMENTS = 1 << 18
-# Queries of one item (per row): 256 queries x G heads share each K/V block read.
-QUERY_BLOCK = 256
+# Queries of one item (per row): 128 queries x G heads share each K/V block read.
+QUERY_BLOCK = 128
+#: Query rows (KV heads x G x queries) of one item at most: a prefill item's heads are
+#: split further so that its key blocks stay long (SCORE_BLOCK_ELEMENTS / 512 = 512 keys)
+#: and its running output (rows x d) stays in L2. With all 8 KV heads of a 256-query block
+#: in one item (1,024 rows x 8), blocks were 32 keys long and every block streamed the
+#: 4 MiB running output through memory twice: a 4,096-token prompt (Llama-3.1-8B heads,
+#: float32, 2 threads) ran at 66 GFLOP/s, 158 with one head per item, 170 with 128-query
+#: blocks of one head (the same quiet minute; sgemm 310).
+MAX_TILE_ROWS = 512
 #: Batch-invariant mode (``gqakv.core.invariance``): keys per block, from each query's first
 #: visible key (each query is its own item, and keys are never split among threads).
 INVARIANT_BLOCK_KEYS = 512
@@ -212,18 +224,19 @@ class NumpyWork:
 def plan_items(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
                workers: int | None = None, query_block: int = QUERY_BLOCK,
                min_key_split: int = MIN_KEY_SPLIT, invariant: bool = False,
-               trees=None) -> NumpyWork:
+               trees=None, max_tile_rows: int = MAX_TILE_ROWS) -> NumpyWork:
     """``attend``'s items for these lengths and queries ``[B, Hq, T, d]`` (see ``_plan``).
     ``invariant`` (batch-invariant mode): one query and one KV head per item, no key
     splits, blocks of ``INVARIANT_BLOCK_KEYS`` keys (then capped by the readers for the
-    head dim and dtype only), so a query's bits depend on its own row alone."""
+    head dim and dtype only), so a query's bits depend on its own row alone.
+    ``max_tile_rows``: query rows per item at most (``MAX_TILE_ROWS``)."""
     if workers is None:
         workers = _threads.default_workers()
     G = int(q_shape[1]) // kv_heads
     if invariant:
         query_block, min_key_split = 1, INVARIANT_NO_SPLIT
     items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split, params=params,
-                         one_head=invariant, trees=trees)
+                         one_head=invariant, trees=trees, max_tile_rows=max_tile_rows)
     return NumpyWork(items, total, workers, INVARIANT_BLOCK_KEYS if invariant else None)
 
 
@@ -249,6 +262,7 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
            query_block: int = QUERY_BLOCK,
            min_key_split: int = MIN_KEY_SPLIT,
            parallel_min_work: int = PARALLEL_MIN_WORK,
+           max_tile_rows: int = MAX_TILE_ROWS,
            planned: NumpyWork | None = None, offsets=None, into=None, invariant: bool = False,
            trees=None):
     """The item kernel over validated inputs: plan the items, share them among threads,
@@ -279,7 +293,7 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
     if planned is None:
         planned = plan_items(lens, n_new, q.shape, Hkv, params, workers=workers,
                              query_block=query_block, min_key_split=min_key_split,
-                             invariant=invariant, trees=trees)
+                             invariant=invariant, trees=trees, max_tile_rows=max_tile_rows)
     items, total, workers = planned.items, planned.total, planned.workers
     if not items:
         return (out, lse) if return_lse else out

@@ -117,11 +117,13 @@ def _check_variant_options(args, UsageError) -> None:
 
 
 def _refuse_real_model_options(args, UsageError) -> None:
-    """--prompt, --chat and --compare-cache need real weights and a tokenizer: without
-    --model/--gguf they would be ignored while the random-weight demo runs."""
+    """--prompt, --chat, --compare-cache and --decode-blas-threads need real weights (and a
+    tokenizer): without --model/--gguf they would be ignored while the random-weight demo runs."""
     given = [flag for flag, value in (("--prompt", getattr(args, "prompt", None)),
                                       ("--chat", getattr(args, "chat", False)),
-                                      ("--compare-cache", getattr(args, "compare_cache", None))) if value]
+                                      ("--compare-cache", getattr(args, "compare_cache", None)),
+                                      ("--decode-blas-threads",
+                                       getattr(args, "decode_blas_threads", "auto") != "auto")) if value]
     if given:
         raise UsageError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} a real model: add "
                          "--model smollm2-135m or --gguf PATH (without them gqakv generate runs the example "

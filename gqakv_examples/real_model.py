@@ -39,6 +39,10 @@ def add_arguments(parser) -> None:
     g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help=f"prompt text; repeat for a ragged batch (default: {DEFAULT_PROMPT!r})")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the file's chat template")
+    g.add_argument("--decode-blas-threads", default="auto", metavar="N|auto",
+                   help="hold BLAS to N threads during decode (threadpoolctl). auto (default): on the "
+                        "numba backend, 1 while the machine is busy (1-minute load average above "
+                        "its core count), else BLAS as it is; other backends: BLAS as it is")
     # Cache storage applies to the example model (random weights) as well.
     storage = parser.add_argument_group("KV cache storage (random or real weights)")
     storage.add_argument("--kv-dtype", default=None, metavar="DTYPE",
@@ -326,6 +330,35 @@ def _prefix_cache(model, tokenizer, args) -> int:
                            say=lambda m: print(m, flush=True))
 
 
+def decode_blas_threads(value: str, backend_name: str, *, load=None, cores=None) -> tuple[int | None, str]:
+    """``--decode-blas-threads``: the BLAS thread cap of the decode steps (None: BLAS as it
+    is) and a few words saying why. ``auto``: on numba (whose attention runs on its own
+    threads), one thread while the 1-minute load average ``load`` exceeds ``cores``, else
+    none. Decode's matmuls are matrix-vector sized: on a 2-core machine at load 1.0-1.5
+    two BLAS threads beat one by 1.4-1.7x (SmolLM2-135M, batch 1 and 8), while at load 5.6
+    and above BLAS's threads made them 5.6-10.6x slower than one (the real-model guide).
+    Other backends keep BLAS: the numpy backend sizes its attention threads from it."""
+    import os
+
+    if value != "auto":
+        try:
+            n = int(value)
+        except ValueError:
+            raise UsageError(f"--decode-blas-threads must be a whole number >= 1 or auto, got {value!r}") from None
+        if n < 1:
+            raise UsageError(f"--decode-blas-threads must be >= 1 or auto, got {n}")
+        if importlib.util.find_spec("threadpoolctl") is None:
+            raise UsageError("--decode-blas-threads needs threadpoolctl: pip install threadpoolctl")
+        return n, "as asked"
+    if backend_name != "numba" or importlib.util.find_spec("threadpoolctl") is None:
+        return None, "auto: BLAS as it is"
+    load = os.getloadavg()[0] if load is None else load
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    if load > cores:
+        return 1, f"auto: load {load:.1f} on {cores} cores"
+    return None, f"auto: BLAS as it is, load {load:.1f} on {cores} cores"
+
+
 def run(args) -> int:
     from .gguf import GGUFLlamaModel, model_path, read_checkpoint
     from .tokenizer import GGUFTokenizer
@@ -346,7 +379,8 @@ def run(args) -> int:
         raise UsageError("--prompt must not be empty")
     path = model_path(args.model) if args.model is not None else _gguf_file(args.gguf, UsageError)
     # An unknown backend, or one that cannot run here, fails before any output.
-    get_backend(args.backend, dtype=args.dtype, head_dim=64)
+    backend_name = get_backend(args.backend, dtype=args.dtype, head_dim=64).name
+    blas_cap, blas_why = decode_blas_threads(getattr(args, "decode_blas_threads", "auto"), backend_name)
 
     t = time.perf_counter()
     checkpoint = read_checkpoint(path)
@@ -376,25 +410,23 @@ def run(args) -> int:
     cache = gqakv.ModelKVCache(c.n_layers, B, c.n_kv_heads, max_len, c.head_dim, dtype=args.dtype,
                                backend=model.backend, page_size=args.page_size, kv_dtype=args.kv_dtype)
     eos = tokenizer.eos_id
-    # numba's decode kernels run on numba's own threads; the numpy backend sizes its attention
-    # workers from BLAS's thread count, so only numba's decode holds BLAS to one thread.
-    one = 1 if model.backend.name == "numba" and importlib.util.find_spec("threadpoolctl") else None
     skip = bool(args.chat)  # a chat reply ends with the template's end-of-turn token: not shown
     if B == 1:
         sys.stdout.write(shown[0])
         sys.stdout.flush()
         streamer = _Streamer(tokenizer, skip_special_tokens=skip)
         gen = generate_text(model, prompts, max_new, chunk=args.chunk, eos_id=eos, cache=cache, on_token=streamer,
-                            decode_blas_threads=one)
+                            decode_blas_threads=blas_cap)
         print()
     else:
         gen = generate_text(model, prompts, max_new, chunk=args.chunk, eos_id=eos, cache=cache,
-                            decode_blas_threads=one)
+                            decode_blas_threads=blas_cap)
         for b in range(B):
             print(f"[{b}] {shown[b]}{tokenizer.decode(gen.tokens[b], skip_special_tokens=skip)}")
     n_tokens = sum(len(t) for t in gen.tokens)
     print(f"\n{B} row{'s' if B > 1 else ''}, prompts of {', '.join(str(len(p)) for p in prompts)} tokens, "
           f"{n_tokens} tokens generated; time to first token {gen.time_to_first_token:.3f} s, "
-          f"decode {gen.decode_tokens_per_s:.1f} tokens/s; KV cache {gen.cache_nbytes / 2**20:.1f} MiB "
+          f"decode {gen.decode_tokens_per_s:.1f} tokens/s (BLAS threads: "
+          f"{'as they are' if blas_cap is None else blas_cap}, {blas_why}); KV cache {gen.cache_nbytes / 2**20:.1f} MiB "
           f"({cache.store.dtype}, allocated once)")
     return 0

@@ -242,7 +242,7 @@ def _numpy_attention_bytes(lens, n_new, Hkv: int, G: int, d: int, workers: int) 
     from gqakv_backends import numpy_attention as na
 
     items, total = na._plan(np.asarray(lens), np.asarray(n_new), Hkv, G, workers,
-                            na.QUERY_BLOCK, na.MIN_KEY_SPLIT)
+                            na.QUERY_BLOCK, na.MIN_KEY_SPLIT, max_tile_rows=na.MAX_TILE_ROWS)
     Hq, T = Hkv * G, max(n_new)
     out = len(lens) * Hq * T * d * 4
     per_item, pieces = [], 0

@@ -145,6 +145,7 @@ def test_generate_gguf_path_is_checked_first(capsys, argv, expected):
     (["--chat"], "--chat needs"),
     (["--prompt", "Hello", "--chat"], "--prompt and --chat need"),
     (["--compare-cache", "int8"], "--compare-cache needs"),
+    (["--decode-blas-threads", "2"], "--decode-blas-threads needs"),
 ])
 def test_generate_real_model_flags_without_a_model_are_refused(capsys, monkeypatch, flags, named):
     """--prompt/--chat/--compare-cache without --model/--gguf would be ignored while the

@@ -47,8 +47,9 @@ def _run(q, k, v, lens, n_new, **kw):
 @pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("knobs", [SPLIT_EVERYTHING,
                                    dict(workers=2, min_key_split=4, parallel_min_work=0),
-                                   dict(workers=1, score_block_elements=5, query_block=2)],
-                         ids=["split-everything", "two-workers", "serial-tiny-blocks"])
+                                   dict(workers=1, score_block_elements=5, query_block=2),
+                                   dict(workers=2, query_block=5, max_tile_rows=6, parallel_min_work=0)],
+                         ids=["split-everything", "two-workers", "serial-tiny-blocks", "few-tile-rows"])
 def test_all_splits_match_reference(seed, knobs):
     rng = np.random.default_rng(seed)
     hkv, G, d = int(rng.choice([1, 2, 4])), int(rng.integers(1, 5)), int(rng.choice([1, 4, 8]))
@@ -89,6 +90,29 @@ def test_planner_splits_keys_only_where_every_query_sees_the_piece_start():
         pieces = sorted((it[5], it[6]) for it in items if it[3] == t0)
         assert pieces[0][0] == 0 and pieces[-1][1] == 3000 - 512 + t0 + 256
         assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+
+
+@pytest.mark.parametrize("lens, n_new", [([4096], [4096]), ([3512, 3512, 3512, 3512], [512] * 4), ([100, 9000], [1, 300])])
+def test_prefill_items_hold_few_query_rows_and_tile_the_call(lens, n_new):
+    """A prefill chunk's items hold at most MAX_TILE_ROWS query rows (their heads split
+    further), so key blocks stay long; the items still cover every (head, query, key)
+    the call reads exactly once."""
+    hkv, G = 8, 4
+    work = na.plan_items(np.array(lens), np.array(n_new), (len(lens), hkv * G, max(n_new), 128), hkv,
+                         gqakv.AttentionParams(scale=1.0), workers=2)
+    covered = {}
+    for i, h0, h1, t0, t1, j0, j1, _ in work.items:
+        assert (h1 - h0) * G * (t1 - t0) <= na.MAX_TILE_ROWS
+        for h in range(h0, h1):
+            covered.setdefault((i, h, t0, t1), []).append((j0, j1))
+    for i, (L, n) in enumerate(zip(lens, n_new)):
+        blocks = [(t0, min(n, t0 + na.QUERY_BLOCK)) for t0 in range(0, n, na.QUERY_BLOCK)]
+        for h in range(hkv):
+            for t0, t1 in blocks:
+                pieces = sorted(covered.pop((i, h, t0, t1)))
+                assert pieces[0][0] == 0 and pieces[-1][1] == L - n + t1
+                assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    assert not covered
 
 
 def test_work_follows_live_lengths():

@@ -496,6 +496,24 @@ def test_decode_blas_threads_same_tokens_and_restored(checkpoint):
     assert got.tokens == generate_text(model, prompts, 4).tokens
 
 
+def test_decode_blas_threads_option_resolves_by_backend_and_load():
+    """--decode-blas-threads: a number is kept as asked; auto holds BLAS to one thread on
+    numba only while the machine is busy (load above its cores), leaves it elsewhere; a
+    bad value is one clear error naming it."""
+    pytest.importorskip("threadpoolctl")
+    from gqakv.tools.errors import UsageError
+    from gqakv_examples.real_model import decode_blas_threads
+
+    assert decode_blas_threads("3", "numba") == (3, "as asked")
+    assert decode_blas_threads("2", "numpy")[0] == 2
+    assert decode_blas_threads("auto", "numba", load=2.6, cores=2) == (1, "auto: load 2.6 on 2 cores")
+    assert decode_blas_threads("auto", "numba", load=1.5, cores=2)[0] is None
+    assert decode_blas_threads("auto", "numpy", load=9.0, cores=2)[0] is None
+    for bad, named in (("0", "must be >= 1 or auto, got 0"), ("two", "whole number >= 1 or auto, got 'two'")):
+        with pytest.raises(UsageError, match=named):
+            decode_blas_threads(bad, "numba")
+
+
 def test_real_bench_runs_and_both_sides_agree(checkpoint, torch_mod, capsys):
     """`python -m gqakv_examples.real_bench` end to end at the smallest size: both systems
     decode the same greedy tokens, and gqakv's attention share is reported (its timed
