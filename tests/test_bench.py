@@ -121,6 +121,24 @@ def test_bench_progress_and_bandwidth(capsys, monkeypatch):
     assert "% of the best measured read bandwidth" in captured.out and "of one core" in captured.out
 
 
+def test_matmul_rate_is_the_flops_of_the_product(monkeypatch):
+    """matmul_rate counts 2 n^3 FLOP per product over its best time."""
+    times = iter([0.5, 0.25, 0.4])
+    monkeypatch.setattr(bench, "_timed", lambda fn: next(times))
+    assert bench.matmul_rate(n=64, repeats=3) == 2 * 64 ** 3 / 0.25
+
+
+def test_bench_prefill_rate_against_the_matmul_rate(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "read_bandwidth", lambda: {"numpy_sum_1thread": 1e10, "best": 1e10})
+    monkeypatch.setattr(bench, "matmul_rate", lambda: 4e11)
+    argv = [a for a in TINY if a != "--no-bandwidth"]
+    report = json.loads(run_cli(capsys, ["bench", *argv, "--json"]).out)
+    assert report["matmul_flops_per_s"] == 4e11
+    out = run_cli(capsys, ["bench", *argv, "--quiet"]).out
+    assert re.search(r"prefill attention: \d+\.\d GFLOP/s, \d+% of the float32 matmul rate "
+                     r"\(400 GFLOP/s, 2,048-square sgemm\)", out), out
+
+
 def test_read_bandwidth_measures_something():
     bw = bench.read_bandwidth(nbytes=8 << 20, repeats=2)
     assert bw["best"] == max(v for k, v in bw.items() if k != "best") > 1e8
@@ -510,7 +528,7 @@ def test_bench_header_prints_the_chunk_used_and_total_covers_everything(capsys, 
     assert "prefill chunk 9 (--chunk 512 clamped to the longest prompt)," in out
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(r"total \d+\.\d s \(the whole command: workload \d+\.\d s, read bandwidth "
-                        r"\d+\.\d s\)", last), last
+                        r"and matmul \d+\.\d s\)", last), last
     report = json.loads(run_cli(capsys, ["bench", *TINY, "--json"]).out)
     t = report["times"]
     assert t["total_s"] >= t["workload_s"] == report["wall_s"] > 0

@@ -75,6 +75,16 @@ def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> dict[str, float
     return out
 
 
+def matmul_rate(n: int = 2048, repeats: int = 5) -> float:
+    """The machine's float32 matrix-multiply rate in FLOP/s: NumPy's ``[n, n] @ [n, n]``
+    (BLAS's sgemm with its threads as they are), best of ``repeats``: the yardstick of
+    prefill attention, whose work is two matmuls per key block (the float16 and bfloat16
+    caches are computed in float32 too)."""
+    a = np.ones((n, n), dtype=np.float32)
+    a @ a
+    return 2 * n ** 3 / min(_timed(lambda: a @ a) for _ in range(repeats))
+
+
 def token_bytes(kv_heads: int, head_dim: int, dtype, kv_dtype=None) -> int:
     """Bytes of K plus V for one token of one layer as stored (``kv_dtype``: the codes plus
     the token's float32 scales, ``2 x Hkv x (d + 4)``)."""
@@ -588,7 +598,8 @@ def add_arguments(parser) -> None:
                              "float32/float16) against gqakv's decode step on the final rows, "
                              "outputs checked to agree first (needs: " + ORT_INSTALL + ")")
     parser.add_argument("--no-bandwidth", action="store_true",
-                        help="skip measuring the machine's read bandwidth (about 1 s)")
+                        help="skip measuring the machine's yardsticks: read bandwidth and float32 "
+                             "matmul rate (about 2 s)")
     parser.add_argument("--host-time", action="store_true",
                         help="also time a 32-layer decode step (B=8, Hkv=8, G=4, d=64, 16 live "
                              "tokens) as it is and with the backend's kernels no-op'd: the host "
@@ -692,6 +703,7 @@ def run(args) -> int:
     res = run_workload(cfg, progress, cache=cache)
     t_bw = time.perf_counter()
     bw = None if args.no_bandwidth else read_bandwidth()
+    matmul = None if args.no_bandwidth else matmul_rate()
     t_compare = time.perf_counter()
     compare = (_compare_torch(res, cfg) if args.compare == "torch" else
                compare_onnxruntime(res._cache, cfg.heads, seed=cfg.seed + 1)
@@ -721,6 +733,7 @@ def run(args) -> int:
              # from the start of the command to the report: setup and allocation included
              "total_s": t_end - t_start}
     report = _report(res, bw, compare, times)
+    report["matmul_flops_per_s"] = matmul
     if host is not None:
         report["host_time"] = host
     if mixed is not None:
@@ -859,7 +872,11 @@ def _print_report(r: dict) -> None:
             print(f"{name + ' ' + part:<20}{ph['calls']:>7}{ph['tokens']:>9}{secs:>10.3f}{per:>13.3f}")
     print("(the first appends also map the freshly allocated cache's pages into memory)")
     if r["prefill_flops_per_s"]:
-        print(f"\nprefill attention: {r['prefill_flops_per_s'] / 1e9:.1f} GFLOP/s")
+        line = f"\nprefill attention: {r['prefill_flops_per_s'] / 1e9:.1f} GFLOP/s"
+        if r.get("matmul_flops_per_s"):
+            line += (f", {100 * r['prefill_flops_per_s'] / r['matmul_flops_per_s']:.0f}% of the float32 "
+                     f"matmul rate ({r['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s, 2,048-square sgemm)")
+        print(line)
     bw = r["read_bandwidth"]
     if r["decode_bytes_per_s"]:
         per_step = d["kv_bytes_read"] / d["calls"]
@@ -909,7 +926,7 @@ def _print_report(r: dict) -> None:
     t = r["times"]
     parts = [f"workload {t['workload_s']:.1f} s"]
     if t["bandwidth_s"] is not None:
-        parts.append(f"read bandwidth {t['bandwidth_s']:.1f} s")
+        parts.append(f"read bandwidth and matmul {t['bandwidth_s']:.1f} s")
     if t["compare_s"] is not None:
         peer = "onnxruntime" if r["compare"] and "onnxruntime" in r["compare"] else "torch"
         parts.append(f"{peer} comparison {t['compare_s']:.1f} s")
