@@ -473,6 +473,15 @@ def test_benchmark_runs_at_tiny_size(name, monkeypatch):
         assert bench_obj.track_bytes_copied(*args) == 2 * (0 + 4 + 8 + 9 + 10 + 11) * token
 
 
+def test_asv_prefill_flops_count_visible_pairs():
+    """The prefill yardstick's FLOP: 4 x d per (query head, visible key) pair, by a loop."""
+    _benchmark_modules()
+    common = sys.modules["benchmarks.common"]
+    lens, n_new = [5, 9, 4], [3, 1, 4]
+    pairs = sum(L - n + t + 1 for L, n in zip(lens, n_new) for t in range(n))
+    assert common.prefill_flops(lens, n_new, heads=2) == 4 * common.D * 2 * pairs == 4 * common.D * 2 * (12 + 9 + 10)
+
+
 def test_unavailable_backend_is_skipped_by_asv_convention():
     mod = _benchmark_modules()["attention"]
     with pytest.raises(NotImplementedError, match="no-such-backend"):

@@ -154,6 +154,27 @@ def reader(nbytes: int):
     return lambda: matrix @ x
 
 
+def matmul(flops: float, n: int = 1024):
+    """``(call, done)``: a call doing ``done`` (about ``flops``) float32 FLOP as fast as this
+    machine multiplies, BLAS's threaded ``[n, n] @ [n, n]`` repeated (gqakv bench's matmul
+    yardstick); scale a time ratio against it by ``done / flops``."""
+    a = np.ones((n, n), dtype=np.float32)
+    reps = max(1, round(flops / (2 * n ** 3)))
+
+    def call():
+        for _ in range(reps):
+            a @ a
+    return call, reps * 2 * n ** 3
+
+
+def prefill_flops(lens, n_new, heads=None) -> float:
+    """FLOP of the attention of rows of ``lens`` tokens whose last ``n_new`` are the
+    queries (bottom-right causal): 4 x d per visible (query head, key) pair, QK^T and PV."""
+    heads = HQ if heads is None else heads
+    pairs = sum(n * (L - n) + n * (n + 1) // 2 for L, n in zip(lens, n_new))
+    return 4.0 * D * heads * pairs
+
+
 def best_seconds(fn, backend, repeats=7) -> float:
     """Minimum wall time of ``fn()`` over ``repeats`` calls after one warm-up call."""
     fn()
