@@ -106,7 +106,11 @@ class LayerGroups:
     # -- the row operations, every group ---------------------------------------------------------
 
     def reserve(self, backend, rows, starts, n_new):
-        """Every group's pages for the append (OutOfPages from any: the others given back)."""
+        """Every group's pages for the append (OutOfPages from any: the others given back).
+        An append longer than a group's ``max_chunk`` is refused before any group changes
+        (a group's window releases are not given back by ``give_back``)."""
+        for _, _, store in self.groups:
+            store.page_table.check_chunk(rows, n_new)
         done = []
         try:
             for _, _, store in self.groups:
