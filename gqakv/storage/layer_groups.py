@@ -107,10 +107,9 @@ class LayerGroups:
 
     def reserve(self, backend, rows, starts, n_new):
         """Every group's pages for the append (OutOfPages from any: the others given back).
-        An append longer than a group's ``max_chunk`` is refused before any group changes
-        (a group's window releases are not given back by ``give_back``)."""
-        for _, _, store in self.groups:
-            store.page_table.check_chunk(rows, n_new)
+        An append longer than ``max_chunk`` is refused by the first windowed group before it
+        changes anything (every windowed group has the cache's ``max_chunk``; a full group
+        before it is given back exactly)."""
         done = []
         try:
             for _, _, store in self.groups:
