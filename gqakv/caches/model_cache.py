@@ -73,7 +73,8 @@ class ModelKVCache(RowsAndLengths):
             ``storage="contiguous"`` (and ``max_chunk``) each sliding layer's rows are rings
             of pages (``gqakv.storage.ring``: paged storage whose pools hold ``batch x
             window_pages(W, max_len, P, max_chunk)`` pages and never run out; the full
-            layers of a mixed model are paged too, one pool at ``max_len`` per row). Layers of one kind share a page table and pool: all of one kind,
+            layers of a mixed model are paged too, one pool at ``max_len`` per row).
+            Layers of one kind share a page table and pool: all of one kind,
             ``store`` is one PagedStore as without windows; of several kinds, ``store`` is a
             ``gqakv.storage.layer_groups.LayerGroups`` (a pool per kind, ``page_tables``)
             and ``num_pages`` may be a dict ``{window: pages}`` (None: the full layers').
