@@ -21,7 +21,7 @@ def test_layout_names_give_their_store_classes_and_refuse_unknown_ones():
     with pytest.raises(ValueError, match="page_size=16 and num_pages=None apply to storage='paged' only"):
         gqakv.KVCache(1, 1, 8, 4, storage="contiguous", page_size=16)
     assert PagedStore.layout_args(2, 40) == {"page_size": 16, "num_pages": None, "prefix_cache": False,
-                                             "window": None}
+                                             "window": None, "max_chunk": None}
     assert PagedStore.layout_args(2, 40, prefix_cache=True)["prefix_cache"] is True
 
 

@@ -212,7 +212,8 @@ def test_decode_releases_pages_as_the_window_moves_and_a_window_pool_suffices():
     pages; each row ends holding only its window's pages; the released count is exact."""
     B, Hkv, d, S, W, P = 3, 1, 4, 200, 17, 4
     per_row = window_pages(W, S, P, 1)
-    assert per_row == pages_for(W, P) + 1 < pages_for(S, P)
+    # keys s - 16..s on pages of 4: five pages however they fall (ceil((16 + 1 + 3) / 4))
+    assert per_row == 5 < pages_for(S, P)
     cache = gqakv.PagedKVCache(B, Hkv, S, d, dtype="float64", backend="numpy", page_size=P,
                                window=W, num_pages=B * per_row)
     rng = np.random.default_rng(0)
@@ -269,8 +270,8 @@ def test_refusals_name_the_numbers_and_change_nothing():
     cache.truncate([0], [0])  # emptied: starts again at its first page
     assert cache.store.page_table.released[0] == 0
     audit(cache)
-    with pytest.raises(ValueError, match=r"window=4.*storage='paged' only"):
-        gqakv.KVCache(B, Hkv, S, d, window=4)
+    with pytest.raises(ValueError, match=r"window=4 with storage='contiguous'.*give max_chunk"):
+        gqakv.KVCache(B, Hkv, S, d, window=4)  # a contiguous ring needs max_chunk (test_ring.py)
     with pytest.raises(ValueError, match=r"window"):
         gqakv.PagedKVCache(B, Hkv, S, d, window=0)
     with pytest.raises(TypeError, match=r"window"):
@@ -472,7 +473,7 @@ def test_model_cache_with_one_window_is_one_pool():
         gqakv.ModelKVCache(3, 2, 1, 64, 4, windows=[8, 8])
     with pytest.raises(ValueError, match=r"windows\[1\]"):
         gqakv.ModelKVCache(3, 2, 1, 64, 4, windows=[8, 0, 8])
-    with pytest.raises(ValueError, match="needs storage='paged', got storage='contiguous'"):
+    with pytest.raises(ValueError, match="window=8 with storage='contiguous'.*give max_chunk"):
         gqakv.ModelKVCache(2, 2, 1, 64, 4, windows=[None, 8], storage="contiguous")
     with pytest.raises(ValueError, match="prefix_cache=True needs layers of one kind"):
         gqakv.ModelKVCache(2, 2, 1, 64, 4, windows=[8, None], prefix_cache=True)

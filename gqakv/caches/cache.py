@@ -37,6 +37,7 @@ from ..core.units import human_bytes
 from ..dispatch.registry import get_backend
 from ..ops import row_ops
 from ..storage.layouts import store_class
+from ..storage.ring import storage_for
 from ..storage.prefix_index import token_ids_of
 from ..storage.store import MAX_BUFFER_BYTES, KVStore, StorageSpec  # noqa: F401  (MAX_BUFFER_BYTES: re-exported)
 
@@ -104,18 +105,23 @@ class RowsAndLengths:
 
     def _allocate(self, leading: tuple[int, ...], batch, kv_heads, max_len, head_dim, dtype,
                   backend, what: str, storage: str = "contiguous", page_size=None,
-                  num_pages=None, kv_dtype=None, prefix_cache=False, window=None) -> None:
+                  num_pages=None, kv_dtype=None, prefix_cache=False, window=None,
+                  max_chunk=None) -> None:
         """Check the dimensions, pick the backend, allocate K and V
         ``[*leading, B, Hkv, max_len, d]`` once (paged storage: a pool of ``num_pages``
-        pages of ``page_size`` tokens, ``gqakv.storage.paged``) and start every row empty."""
+        pages of ``page_size`` tokens, ``gqakv.storage.paged``; contiguous with a
+        ``window``: a ring of pages per row, ``gqakv.storage.ring``) and start every row
+        empty."""
         self.batch, self.kv_heads, self.max_len, self.head_dim = check_dims(
             batch, kv_heads, max_len, head_dim)
         self.dtype = _dtypes.canonical_name(dtype)
+        storage = storage_for(storage, [window], max_chunk=max_chunk, num_pages=num_pages,
+                              prefix_cache=prefix_cache)
         spec = StorageSpec.of(self.dtype, storage, kv_dtype)
         self.kv_dtype: str | None = spec.dtype if spec.quantized else None
         layout = store_class(spec.kind)
         args = layout.layout_args(self.batch, self.max_len, page_size=page_size, num_pages=num_pages,
-                                  prefix_cache=prefix_cache, window=window)
+                                  prefix_cache=prefix_cache, window=window, max_chunk=max_chunk)
         self.backend = get_backend(backend, dtype=self.dtype, head_dim=self.head_dim)
         shape = (*leading, self.batch, self.kv_heads, self.max_len, self.head_dim)
         self.store = layout.allocate(self.backend, spec, shape, what, **args)
@@ -308,17 +314,26 @@ class KVCache(RowsAndLengths):
         backend: a backend name, a Backend, "auto" or None (see ``gqakv.get_backend``).
         storage: the storage kind (``gqakv.storage.store.KINDS``): "contiguous" (default) or
             "paged" (see ``gqakv.PagedKVCache``).
-        page_size: paged storage only: tokens per page (default 16).
+        page_size: paged storage (or a contiguous ring, ``window``): tokens per page
+            (default 16).
         num_pages: paged storage only: pages in the pool (default: every row at ``max_len``).
         prefix_cache: paged storage only: keep full pages findable by the tokens they hold
             (``match_prefix`` / ``cache_prefix``; pages no row names stay cached until the
             pool needs them). Default False.
-        window: paged storage only: None (default: every token kept), or the sliding
-            window W (>= 1) of the layer this cache serves: as each row grows, the pages
-            wholly behind the window of every query it can still make go back to the pool
-            (``gqakv.PagedKVCache``). Attention must then read no earlier key (it is refused,
-            naming the numbers, e.g. ``window=None`` after pages went), truncating into
-            released history is refused, and ``live_kv`` of such a row is refused.
+        window: None (default: every token kept), or the sliding window W (>= 1) of the
+            layer this cache serves: as each row grows, the pages wholly behind the window
+            of every query it can still make go back to the pool (``gqakv.PagedKVCache``).
+            Attention must then read no earlier key (it is refused, naming the numbers,
+            e.g. ``window=None`` after pages went), truncating into released history is
+            refused, and ``live_kv`` of such a row is refused. With contiguous storage
+            (the default) it needs ``max_chunk`` and makes each row a ring of
+            ``window_pages(W, max_len, page_size, max_chunk)`` pages (``gqakv.storage.ring``):
+            the store is then paged, and ``k``/``v`` are its page pool ``[num_pages, Hkv,
+            page_size, d]``, not ``[B, Hkv, max_len, d]`` rows.
+        max_chunk: with a ``window`` only: None, or the most tokens one append adds to a
+            row (1: decode; a prefill chunk's length). An append of more is refused
+            (ValueError naming the numbers, nothing changed); paged storage without
+            ``num_pages`` sizes its pool from it, as the contiguous ring does.
         kv_dtype: how K and V are stored: None (as ``dtype``), "int8" or "float8_e4m3fn"
             (8-bit codes plus a float32 scale per row, KV head and token, ``gqakv.storage.quantize``;
             contiguous or paged storage, dtype float32/float16/bfloat16). ``dtype`` stays the dtype
@@ -336,9 +351,10 @@ class KVCache(RowsAndLengths):
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype="float32", backend=None, *, storage: str = "contiguous",
                  page_size: int | None = None, num_pages: int | None = None, kv_dtype=None,
-                 prefix_cache: bool = False, window: int | None = None):
+                 prefix_cache: bool = False, window: int | None = None,
+                 max_chunk: int | None = None):
         self._allocate((), batch, kv_heads, max_len, head_dim, dtype, backend, "KV cache",
-                       storage, page_size, num_pages, kv_dtype, prefix_cache, window)
+                       storage, page_size, num_pages, kv_dtype, prefix_cache, window, max_chunk)
         self._frozen: str | None = None  # why this cache cannot change its own lengths (layer views)
 
     @classmethod
@@ -371,6 +387,11 @@ class KVCache(RowsAndLengths):
     @property
     def nbytes(self) -> int:
         return self.store.nbytes
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window W whose history this cache lets go of (None: keeps all)."""
+        return self.store.window
 
     def _check_can_change(self, what: str) -> None:
         if self._frozen is not None:
@@ -435,4 +456,6 @@ class KVCache(RowsAndLengths):
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, max_len={self.max_len}, "
                 f"head_dim={self.head_dim}, dtype={self.dtype!r}, "
                 + (f"kv_dtype={self.kv_dtype!r}, " if self.kv_dtype else "")
+                + (f"window={self.window} (a ring of {self.store.num_pages} pages), "
+                   if self.window is not None else "")
                 + f"backend={self.backend.name!r}, {human_bytes(self.nbytes)})")

@@ -34,6 +34,7 @@ from ..core.inputs import (_rows, check_capacity, check_flag, check_queries, che
                            host_ints, immutable_ints, validate_append, validate_attention_batch)
 from ..ops.plan import AttentionPlan, packed_or_padded_shape
 from ..core.units import human_bytes
+from ..storage.ring import storage_for
 from ..storage.sizing import resolve_model
 from ..storage.store import PAGED, StorageSpec
 from . import cache as _cache
@@ -68,12 +69,20 @@ class ModelKVCache(RowsAndLengths):
         windows: None (default: every layer keeps every token), or one entry per layer:
             None for a full-attention layer, W for a sliding-window layer (window-sized
             storage, as ``PagedKVCache``'s ``window``; the layer must attend with
-            ``window=W`` or a smaller one). Paged storage only (``storage`` defaults to
-            "paged" then). Layers of one kind share a page table and pool: all of one kind,
+            ``window=W`` or a smaller one). ``storage`` defaults to "paged" then; with
+            ``storage="contiguous"`` (and ``max_chunk``) each sliding layer's rows are rings
+            of pages (``gqakv.storage.ring``: paged storage whose pools hold ``batch x
+            window_pages(W, max_len, P, max_chunk)`` pages and never run out; the full
+            layers of a mixed model are paged too, one pool at ``max_len`` per row).
+            Layers of one kind share a page table and pool: all of one kind,
             ``store`` is one PagedStore as without windows; of several kinds, ``store`` is a
             ``gqakv.storage.layer_groups.LayerGroups`` (a pool per kind, ``page_tables``)
             and ``num_pages`` may be a dict ``{window: pages}`` (None: the full layers').
             A prefix cache takes layers of one kind only.
+        max_chunk: with sliding layers only: None, or the most tokens one step appends to a
+            row; a longer step is refused when it opens (ValueError naming the numbers,
+            nothing changed), and a sliding kind's ``num_pages`` defaults to ``batch x
+            window_pages(W, max_len, P, max_chunk)``. Needed by ``storage="contiguous"``.
 
     Attributes:
         store: the KVStore, leading axis ``(layers,)``; what the backend's operations take.
@@ -86,15 +95,18 @@ class ModelKVCache(RowsAndLengths):
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype="float32", backend=None, *, storage: str | None = None,
                  page_size: int | None = None, num_pages=None, kv_dtype=None,
-                 prefix_cache: bool = False, windows=None):
+                 prefix_cache: bool = False, windows=None, max_chunk=None):
         self.layers = check_dim("layers", layers, 1)
         kinds = _layer_windows(windows, self.layers)
         if storage is None:
             storage = PAGED if page_size is not None or any(w is not None for w in kinds) else "contiguous"
-        if storage != PAGED and any(w is not None for w in kinds):
-            raise ValueError(f"windows={list(kinds)} (window-sized storage for sliding layers) needs "
-                             f"storage='paged', got storage={storage!r}: contiguous rows keep max_len "
-                             "slots (a ring buffer of W slots is not implemented)")
+        # contiguous sliding layers are rings of pages (gqakv.storage.ring): paged storage
+        # whose windowed pools are sized by max_chunk
+        storage = storage_for(storage, kinds, max_chunk=max_chunk, num_pages=num_pages,
+                              prefix_cache=prefix_cache)
+        if max_chunk is not None and all(w is None for w in kinds):
+            raise ValueError(f"max_chunk={max_chunk!r} sizes window-sized storage; it applies with "
+                             "sliding layers (windows=[...]), and this cache has none")
         distinct = list(dict.fromkeys(kinds))  # the layer kinds, in order of first layer
         if isinstance(num_pages, dict):
             unknown = [w for w in num_pages if w not in distinct]
@@ -110,7 +122,8 @@ class ModelKVCache(RowsAndLengths):
         first = distinct[0]
         self._allocate((len(members[first]),), batch, kv_heads, max_len, head_dim, dtype, backend,
                        "model KV cache", storage, page_size, pages[first], kv_dtype=kv_dtype,
-                       prefix_cache=prefix_cache, window=first)
+                       prefix_cache=prefix_cache, window=first,
+                       max_chunk=None if first is None else max_chunk)
         self.windows: tuple[int | None, ...] = tuple(kinds)
         if len(distinct) > 1:
             from ..storage.layer_groups import LayerGroups
@@ -120,7 +133,8 @@ class ModelKVCache(RowsAndLengths):
             layout = store_class(PAGED)
             for w in distinct[1:]:
                 args = layout.layout_args(self.batch, self.max_len, page_size=page_size,
-                                          num_pages=pages[w], window=w)
+                                          num_pages=pages[w], window=w,
+                                          max_chunk=None if w is None else max_chunk)
                 shape = (len(members[w]), self.batch, self.kv_heads, self.max_len, self.head_dim)
                 groups.append((w, members[w], layout.allocate(
                     self.backend, self.store.spec, shape,

@@ -46,6 +46,11 @@ class PagedKVCache(KVCache):
             bit for bit those of the same cache without a window. Unlike other paged rows,
             a windowed row must not be attended by one thread while another appends to it
             (the append may reuse the pages behind its window for its new tokens).
+        max_chunk: with a ``window`` only: None (default), or the most tokens one append
+            adds to a row; a longer append is refused (ValueError naming the numbers,
+            nothing changed), and ``num_pages`` defaults to ``batch x window_pages(W,
+            max_len, page_size, max_chunk)``, a pool that never runs out
+            (``gqakv.storage.ring``: what ``KVCache(..., window=W, max_chunk=C)`` makes).
 
     Attributes (besides KVCache's):
         k, v: the page pool, ``[num_pages, Hkv, page_size, d]`` each (heads-major inside a
@@ -67,10 +72,10 @@ class PagedKVCache(KVCache):
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype="float32", backend=None, *, page_size: int = DEFAULT_PAGE_SIZE,
                  num_pages: int | None = None, kv_dtype=None, prefix_cache: bool = False,
-                 window: int | None = None):
+                 window: int | None = None, max_chunk: int | None = None):
         super().__init__(batch, kv_heads, max_len, head_dim, dtype, backend, storage=PAGED,
                          page_size=page_size, num_pages=num_pages, kv_dtype=kv_dtype,
-                         prefix_cache=prefix_cache, window=window)
+                         prefix_cache=prefix_cache, window=window, max_chunk=max_chunk)
 
     @property
     def window(self) -> int | None:

@@ -106,7 +106,10 @@ class LayerGroups:
     # -- the row operations, every group ---------------------------------------------------------
 
     def reserve(self, backend, rows, starts, n_new):
-        """Every group's pages for the append (OutOfPages from any: the others given back)."""
+        """Every group's pages for the append (OutOfPages from any: the others given back).
+        An append longer than ``max_chunk`` is refused by the first windowed group before it
+        changes anything (every windowed group has the cache's ``max_chunk``; a full group
+        before it is given back exactly)."""
         done = []
         try:
             for _, _, store in self.groups:

@@ -118,12 +118,18 @@ class PageTable:
     after the caller validated its arguments."""
 
     def __init__(self, batch: int, max_len: int, page_size: int, num_pages: int, *,
-                 prefix_cache: bool = False, window: int | None = None):
+                 prefix_cache: bool = False, window: int | None = None,
+                 max_chunk: int | None = None):
         self.page_size, self.num_pages = int(page_size), int(num_pages)
         #: None (every page kept), or the sliding window W of the layers paging through this
         #: table: ``reserve`` releases each row's pages wholly behind the window (see
         #: ``window_releasable``)
         self.window = None if window is None else int(window)
+        #: None (appends of any length), or the most tokens one append may add to a row
+        #: (a windowed table only): ``reserve`` refuses a longer one before anything
+        #: changes (``check_chunk``), which is what lets a pool of ``rows x
+        #: window_pages(W, max_len, P, max_chunk)`` pages never run out (``gqakv.storage.ring``)
+        self.max_chunk = None if max_chunk is None else int(max_chunk)
         #: the prefix cache's index (None: no prefix cache; pages no entry names are free)
         self.index = PrefixIndex(self.page_size, self.num_pages) if prefix_cache else None
         self.pages_per_row = pages_for(max_len, page_size)
@@ -211,6 +217,23 @@ class PageTable:
                     f"position {n}, sees keys {max(0, n - W + 1)}..{n}); the shortest length "
                     f"allowed is {gone + W - 1} (or 0, which empties the row). Nothing was changed")
 
+    def check_chunk(self, rows, n_new) -> None:
+        """Refuse (ValueError naming the row, the numbers and the window; nothing changed) an
+        append of more than ``max_chunk`` tokens to a row: the pool was sized for appends
+        of at most that many (``gqakv.storage.ring``). No limit without ``max_chunk``."""
+        if self.max_chunk is None:
+            return
+        for i in range(len(rows)):
+            n = int(n_new[i])
+            if n > self.max_chunk:
+                raise ValueError(
+                    f"an append of n_new[{i}]={n} tokens to row {int(rows[i])} exceeds this "
+                    f"window-sized cache's max_chunk={self.max_chunk} (window={self.window}: its "
+                    f"pool of {self.num_pages} pages of {self.page_size} tokens holds, per row, "
+                    f"the window's {self.window - 1} earlier keys plus at most {self.max_chunk} "
+                    f"new ones); append it in chunks of at most {self.max_chunk} tokens, or make "
+                    "the cache with a larger max_chunk. Nothing was written and no length changed")
+
     def _window_plan(self, rows, starts, n_new) -> list[tuple[int, int]]:
         """``(row, pages)``: each appending row's leading pages the window lets go now
         (``window_releasable`` of its start, past those already released)."""
@@ -283,7 +306,9 @@ class PageTable:
         A sliding-window table (``window``) first releases each appending row's pages
         wholly behind its window (``window_releasable(starts[i])``), so they can serve this
         very append; an OutOfPages takes those releases back too; ``undo`` does not (the
-        released pages are behind every query the rows can still make)."""
+        released pages are behind every query the rows can still make). An append longer
+        than ``max_chunk`` is refused first (``check_chunk``: ValueError, nothing changed)."""
+        self.check_chunk(rows, n_new)  # before anything changes
         # The window first lets go of the pages behind it (before the pages the write needs
         # are counted: they serve it); refused calls take those releases back.
         window = self._window_plan(rows, starts, n_new)
@@ -560,6 +585,10 @@ class PageTableView:
     reserve = point = undo = reorder = fork = trim = attach = _refuse
     index = None  # a caller's pools keep their own gqakv.storage.prefix_index.PrefixIndex
     window = None  # a caller's table releases nothing on its own
+    max_chunk = None
+
+    def check_chunk(self, rows, n_new) -> None:
+        """Nothing to refuse: a caller's table sizes its own pages."""
 
     def first_held(self, rows) -> np.ndarray:
         """Zeros: gqakv releases none of a caller's pages (the caller's table says what is live)."""
@@ -586,29 +615,41 @@ class PagedStore(KVStore):
 
     @classmethod
     def layout_args(cls, batch: int, max_len: int, *, page_size=None, num_pages=None,
-                    prefix_cache=False, window=None) -> dict:
+                    prefix_cache=False, window=None, max_chunk=None) -> dict:
         """``page_size`` (default ``DEFAULT_PAGE_SIZE``), ``num_pages`` (None: every row
-        at ``max_len``), ``prefix_cache`` (a bool) and ``window`` (None, or the layers'
-        sliding window W >= 1: pages behind it go back to the pool), checked
-        (``check_page_args``, ``check_window``)."""
+        at ``max_len``; with ``max_chunk``: ``batch x window_pages(W, max_len, P,
+        max_chunk)``, a ring that never runs out, ``gqakv.storage.ring``), ``prefix_cache``
+        (a bool), ``window`` (None, or the layers' sliding window W >= 1: pages behind it
+        go back to the pool) and ``max_chunk`` (None, or with a window the most tokens one
+        append adds to a row; longer appends are refused), checked (``check_page_args``,
+        ``check_window``, ``gqakv.storage.ring.check_max_chunk``)."""
         from ..core.inputs import check_window
+        from .ring import check_max_chunk, ring_pages
 
         page_size, num_pages = check_page_args(DEFAULT_PAGE_SIZE if page_size is None else page_size,
                                                num_pages, batch, max_len)
         if not isinstance(prefix_cache, (bool, np.bool_)):
             raise TypeError(f"prefix_cache must be a bool, got {prefix_cache!r}")
+        window, max_chunk = check_window(window), check_max_chunk(max_chunk)
+        if max_chunk is not None:
+            if window is None:
+                raise ValueError(f"max_chunk={max_chunk} sizes window-sized storage; it applies "
+                                 "with a sliding window (window=W), and this cache has none")
+            if num_pages is None:
+                num_pages = ring_pages(batch, max_len, page_size, window, max_chunk)
         return {"page_size": page_size, "num_pages": num_pages, "prefix_cache": bool(prefix_cache),
-                "window": check_window(window)}
+                "window": window, "max_chunk": max_chunk}
 
     @classmethod
     def allocate(cls, backend, spec: StorageSpec, shape: tuple[int, ...], what: str,
                  device=None, *, page_size: int = DEFAULT_PAGE_SIZE,
                  num_pages: int | None = None, prefix_cache: bool = False,
-                 window: int | None = None) -> "PagedStore":
+                 window: int | None = None, max_chunk: int | None = None) -> "PagedStore":
         """A paged store for a cache of ``shape`` = ``(*leading, rows, Hkv, max_len, d)``:
         a pool of ``num_pages`` pages (default: every row at ``max_len``, no overcommit),
         with a prefix cache's index when ``prefix_cache``; ``window``: its table releases
-        the pages behind each row's sliding window (``PageTable.window``)."""
+        the pages behind each row's sliding window (``PageTable.window``); ``max_chunk``:
+        its table refuses longer appends (``PageTable.check_chunk``)."""
         *leading, rows, kv_heads, max_len, head_dim = shape
         if num_pages is None:
             num_pages = rows * pages_for(max_len, page_size)
@@ -616,7 +657,7 @@ class PagedStore(KVStore):
                                 (*leading, num_pages, kv_heads, page_size, head_dim),
                                 f"{what} page pool", device=device)
         table = PageTable(rows, max_len, page_size, num_pages, prefix_cache=prefix_cache,
-                          window=window)
+                          window=window, max_chunk=max_chunk)
         return cls(spec, pool.k, pool.v, table, rows, max_len, pool.k_scale, pool.v_scale)
 
     @property

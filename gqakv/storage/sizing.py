@@ -15,8 +15,10 @@ float32 scale per token and KV head each: ``2 x layers x kv_heads x (head_dim + 
 
 A model's sliding-window layers (Mistral: all 32, window 4,096; Gemma 2 / gpt-oss: every
 other layer) need only their last ``W`` tokens: in window-sized paged storage
-(``PagedKVCache(window=W)``, ``ModelKVCache(windows=...)``) a sliding layer's row holds at
-most ``ceil((W - 1 + chunk) / page_size) + 1`` pages (``window_pages``), so
+(``PagedKVCache(window=W)``, ``ModelKVCache(windows=...)``; or contiguous storage with a
+window, ``KVCache(window=W, max_chunk=chunk)``, a ring of such pages, ``gqakv.storage.ring``)
+a sliding layer's row holds at
+most ``ceil((W - 1 + chunk + page_size - 1) / page_size)`` pages (``window_pages``), so
 ``window_cache_bytes`` sets one row of every layer at ``max_len`` against that (Mistral 7B
 at 32,768 tokens, bfloat16, decode: 4.0 GiB against 0.50 GiB).
 
@@ -267,17 +269,17 @@ def window_pages(window: int | None, max_len: int, page_size: int, chunk: int) -
     """Pages one row of a layer kind ever holds at once: ``ceil(max_len / P)`` for a full
     layer (None); for a sliding layer of window W appending at most ``chunk`` tokens at
     once, the keys an append can still need span ``W - 1 + chunk`` tokens (from ``s - W +
-    1``, the first key its first query at ``s`` sees, to ``s + chunk``), on at most
-    ``ceil((W - 1 + chunk) / P) + 1`` pages (the span need not start on a page boundary),
-    and never more than the full layer's. A pool of ``rows x window_pages(...)`` pages never
-    runs out for rows of ``max_len`` tokens (copies on write included: a copy replaces
-    the row's last page)."""
+    1``, the first key its first query at ``s`` sees, to ``s + chunk - 1``); starting at
+    worst on a page's last slot, they lie on at most ``ceil((W - 1 + chunk + P - 1) / P)``
+    pages, and never more than the full layer's. A pool of ``rows x window_pages(...)``
+    pages never runs out for rows of ``max_len`` tokens (copies on write included: a copy
+    replaces the row's last page; ``gqakv.storage.ring`` gives the argument)."""
     max_len, chunk = _positive("max_len", max_len), _positive("chunk", chunk)
     page_size, _ = check_page_args(page_size, None, 1, max_len)
     full = pages_for(max_len, page_size)
     if window is None:
         return full
-    return min(full, pages_for(int(window) - 1 + chunk, page_size) + 1)
+    return min(full, pages_for(int(window) - 1 + chunk + page_size - 1, page_size))
 
 
 @dataclass(frozen=True)

@@ -176,15 +176,17 @@ class KVStore:
 
     @classmethod
     def layout_args(cls, batch: int, max_len: int, *, page_size=None, num_pages=None,
-                    prefix_cache=False, window=None) -> dict:
+                    prefix_cache=False, window=None, max_chunk=None) -> dict:
         """The checked keyword arguments of ``allocate`` for this layout (contiguous rows
-        take none: ``page_size`` / ``num_pages`` / ``prefix_cache`` / ``window`` are
-        refused, naming them)."""
+        take none: ``page_size`` / ``num_pages`` / ``prefix_cache`` / ``window`` /
+        ``max_chunk`` are refused, naming them). A contiguous cache with a sliding window
+        never gets here: it is allocated as a ring of pages (``gqakv.storage.ring``)."""
         if window is not None:
-            raise ValueError(f"window={window!r} (window-sized storage for a sliding layer) applies "
-                             f"to storage='paged' only, not storage={CONTIGUOUS!r}: contiguous rows "
-                             "keep max_len slots (a ring buffer of W slots is not implemented); "
-                             "use storage='paged' (gqakv.PagedKVCache(..., window=W))")
+            raise ValueError(f"window={window!r}: contiguous rows keep max_len slots; a contiguous "
+                             "sliding layer is a ring of pages (gqakv.storage.ring.storage_for)")
+        if max_chunk is not None:
+            raise ValueError(f"max_chunk={max_chunk!r} sizes window-sized storage; it applies with "
+                             "a sliding window (window=W), and this cache has none")
         if page_size is not None or num_pages is not None:
             raise ValueError(f"page_size={page_size!r} and num_pages={num_pages!r} apply to "
                              f"storage='paged' only, not storage={CONTIGUOUS!r}")
