@@ -494,6 +494,24 @@ def test_mistral_shape_bytes_and_a_measured_cache():
     assert plain == 2 * w.full_history_bytes // 32
 
 
+def test_for_model_with_a_chunk_refuses_a_longer_step_before_it_opens():
+    """for_model(window_storage=True, chunk=C) sizes its sliding pools for C tokens per
+    step: a longer step is refused when it opens, naming max_chunk, with nothing taken."""
+    cfg = ModelConfig("mistral-2-layers", 2, 4, 2, 8, 64, sliding_window=6)
+    cache = gqakv.ModelKVCache.for_model(cfg, batch=2, max_len=64, dtype="float32", backend="numpy",
+                                         window_storage=True, chunk=3)
+    with pytest.raises(ValueError, match=r"max_chunk=3"):
+        cache.step([4, 1])
+    assert list(cache.host_lens) == [0, 0]
+    rng = np.random.default_rng(0)
+    for _ in range(5):  # 3 per step fits, whatever the history (15 tokens > the window)
+        with cache.step([3, 3]) as step:
+            for layer in range(2):
+                k, v = rng.standard_normal((2, 2, 2, 3, 8), dtype=np.float32)
+                step.attend(layer, rng.standard_normal((2, 4, 3, 8), dtype=np.float32), k, v)
+    assert list(cache.host_lens) == [15, 15]
+
+
 def test_config_from_hf_reads_windows():
     from gqakv.storage.sizing import config_from_hf, get_preset
 

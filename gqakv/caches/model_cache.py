@@ -154,7 +154,9 @@ class ModelKVCache(RowsAndLengths):
         of the model (``ModelConfig.layer_windows``) in window-sized storage, its pool
         sized for rows of ``max_len`` appending at most ``chunk`` tokens at once
         (``gqakv.storage.sizing.window_pages``; default: ``max_len``, no saving) unless
-        ``num_pages`` is given."""
+        ``num_pages`` is given. With ``chunk`` and no ``num_pages``, a step longer than
+        ``chunk`` is refused when it opens (``max_chunk``: a ValueError naming the numbers,
+        not an OutOfPages part-way through a model)."""
         cfg = resolve_model(model)
         if not window_storage:
             if page_size is not None or num_pages is not None or chunk is not None:
@@ -165,6 +167,9 @@ class ModelKVCache(RowsAndLengths):
 
         P = DEFAULT_PAGE_SIZE if page_size is None else page_size
         windows = cfg.layer_windows()
+        if num_pages is None and chunk is not None and any(w is not None for w in windows):
+            return cls(cfg.layers, batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, backend,
+                       storage=PAGED, page_size=P, windows=windows, max_chunk=min(chunk, max_len))
         if num_pages is None:
             num_pages = {w: batch * window_pages(w, max_len, P, max_len if chunk is None else chunk)
                          for w in set(windows)}
