@@ -35,9 +35,8 @@ queries) against the block with the loop over d vectorized (``_block_dots``: two
 x four rows of accumulators in registers), then per row the mask, one max and rescale
 per block and the exponentials, then O += P V with the loop over d vectorized
 (``_accumulate``: four values into four rows per pass); both walk the block one storage
-run at a time and prefetch the rows ``PREFETCH_BYTES`` ahead (``prefetch_ahead``), paged
-layouts through the page table: the page holding the key that far ahead and the one after
-it, looked up once per run (``ahead_rows``, ``prefetch_rows``). Each K/V element is read and
+run at a time and, over contiguous rows, prefetch the rows ``PREFETCH_BYTES`` ahead
+(``prefetch_ahead``; paged layouts compile without it). Each K/V element is read and
 converted once per four tile rows, straight from the cache or pool (no scratch copy, no
 dequantized copy), except grouped codes: their per-block scales would cost a horizontal
 sum per block inside the dot loop, so each run is decoded once into a float32 block of at
@@ -384,7 +383,8 @@ def key_run(buf, r, h, j, n):
 
     - rows: a view of the stored rows from key j on, [>= m, d], elements read through
       ``decode``; the run is its first m rows, and rows past them lie in storage right
-      after it: contiguous rows to the row's capacity, a page's run alone;
+      after it (how far ``_prefetch_row`` may look ahead): contiguous rows to the row's
+      capacity, a page's run alone;
     - scales: the per-token scales of ``Quantized`` / ``PagedQuantized`` codes, [>= m]
       likewise, the per-block scales of ``Grouped`` / ``PagedGrouped`` codes, [>= m, d / g]
       (``readable_run``), else None (``factor``);
@@ -458,8 +458,10 @@ def _kv_heads(buf):
 
 def prefetch_ahead(buf):
     """How many rows ahead of the one being read the kernels prefetch in a layout
-    (overloaded below): ``PREFETCH_BYTES`` of rows (quantized: of codes), in every layout
-    (paged: through the page table, ``ahead_rows``)."""
+    (overloaded below): ``PREFETCH_BYTES`` of rows for contiguous rows (quantized: of
+    codes); 0 for paged layouts, where the next page lies elsewhere: a constant the
+    compiler folds, so no prefetch code is left in their kernels (with it, decode over
+    16-token pages ran 5-26% slower though no prefetch was issued)."""
     raise NotImplementedError
 
 
@@ -467,85 +469,10 @@ def prefetch_ahead(buf):
 def _prefetch_ahead(buf):
     if isinstance(buf, types.Array):
         return lambda buf: max(1, PREFETCH_BYTES // (buf.shape[3] * buf.itemsize))
-    if _is(buf, Quantized) or _is(buf, Grouped) or _is(buf, PagedQuantized) or _is(buf, PagedGrouped):
-        return lambda buf: prefetch_ahead(buf.codes)
-    if _is(buf, Paged):
-        return lambda buf: prefetch_ahead(buf.pool)
-    return None
-
-
-def ahead_rows(buf, r, h, j, ahead):
-    """``(near, far)``: where the keys (codes) ``ahead`` after those of a storage run from
-    key j lie, so that the run prefetches key j + jj + ahead while it reads key j + jj
-    (overloaded below; ``prefetch_rows``):
-
-    - contiguous rows: near = the row's stored rows from key j + ahead on (empty past
-      its capacity), far = None (a constant: no test of it is compiled);
-    - paged: near = the rows of the page holding key j + ahead, from that key to the
-      page's end, far = all P rows of the page after it (a run holds at most P keys, so
-      its targets lie in these two): two table lookups per run, never per key. A page
-      the row does not hold (past the table's end, or a -1 entry: past the row's held
-      pages, or a sliding window's released ones) gives an empty view [0, d], and no far
-      page is taken past a missing near one, so no address is formed from a missing
-      page (the empty views are of the run's own page, which the row holds).
-    """
-    raise NotImplementedError
-
-
-@overload(ahead_rows, jit_options={"cache": True})
-def _ahead_rows(buf, r, h, j, ahead):
-    if isinstance(buf, types.Array):
-        return lambda buf, r, h, j, ahead: (buf[r, h, min(j + ahead, buf.shape[2]):], None)
     if _is(buf, Quantized) or _is(buf, Grouped):
-        return lambda buf, r, h, j, ahead: ahead_rows(buf.codes, r, h, j, ahead)
-    if _is(buf, Paged):
-        def paged_ahead(buf, r, h, j, ahead):
-            P, pages = buf.pool.shape[2], buf.table.shape[1]
-            x = j + ahead
-            if buf.shift >= 0:  # page_size 2**shift: no division
-                page, q = j >> buf.shift, x >> buf.shift
-            else:
-                page, q = j // P, x // P
-            near = buf.pool[buf.table[r, page], h, :0]
-            far = near
-            if q < pages and buf.table[r, q] >= 0:
-                near = buf.pool[buf.table[r, q], h, x - q * P:]
-                if q + 1 < pages and buf.table[r, q + 1] >= 0:
-                    far = buf.pool[buf.table[r, q + 1], h, :]
-            return near, far
-        return paged_ahead
-    if _is(buf, PagedQuantized) or _is(buf, PagedGrouped):
-        return lambda buf, r, h, j, ahead: ahead_rows(Paged(buf.codes, buf.table, buf.shift),
-                                                      r, h, j, ahead)
-    return None
-
-
-def prefetch_rows(near, far, jj, count):
-    """Start loading the rows ``ahead`` after a run's keys jj .. jj + count - 1
-    (``ahead_rows``' views; overloaded below by far's type): row jj of near, or past
-    near's end row jj - len(near) of far. Contiguous rows (far None): all of them when
-    they lie in near (the last one tested), else none; paged: each row tested. A row in
-    neither view is not prefetched."""
-    raise NotImplementedError
-
-
-@overload(prefetch_rows, inline="always", jit_options={"cache": True})
-def _prefetch_rows(near, far, jj, count):
-    if isinstance(far, types.NoneType):
-        def in_near(near, far, jj, count):
-            if jj + count - 1 < near.shape[0]:
-                for k in range(count):
-                    _prefetch_row(near, jj + k)
-        return in_near
-    if isinstance(far, types.Array):
-        def near_or_far(near, far, jj, count):
-            for k in range(count):
-                y = jj + k
-                if y < near.shape[0]:
-                    _prefetch_row(near, y)
-                elif y - near.shape[0] < far.shape[0]:
-                    _prefetch_row(far, y - near.shape[0])
-        return near_or_far
+        return lambda buf: prefetch_ahead(buf.codes)
+    if _is(buf, Paged) or _is(buf, PagedQuantized) or _is(buf, PagedGrouped):
+        return lambda buf: 0
     return None
 
 
@@ -663,16 +590,16 @@ def _tree_score_row(tree, i, t, start, s_row, n, js, lo, hi, scale, softcap, ali
 # -- attention -----------------------------------------------------------------------------
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def dequantize_rows(rows, scales, n, out, ahead, near, far):
+def dequantize_rows(rows, scales, n, out, ahead):
     """out[jj, :] = the float32 values of grouped code rows jj < n (``Grouped``): each
     code times its block's scale, exactly ``Grouped.dequantize_into``'s float32 products
     (``dequantize_block``, by the code type). ``ahead``: rows of codes to prefetch ahead
-    (``prefetch_ahead``; 0: none), from ``near`` and ``far`` (``ahead_rows``)."""
+    (``prefetch_ahead``; 0: none)."""
     _prefer_512_bit_vectors()
     nb = scales.shape[1]
     for jj in range(n):
-        if ahead > 0:
-            prefetch_rows(near, far, jj, 1)
+        if ahead > 0 and jj + ahead < rows.shape[0]:
+            _prefetch_row(rows, jj + ahead)
         src, dst = rows[jj], out[jj]
         for b in range(nb):
             dequantize_block(src, dst, np.uint64(b), np.uint64(src.shape[0] // nb), scales[jj, b])
@@ -708,34 +635,32 @@ def _dequantize_block(src, dst, b, width, scale):
     return None
 
 
-def readable_run(rows, scales, n, ahead, near, far, scratch):
-    """``(rows, scales, ahead, near, far)`` of a storage run (``key_run``; near, far:
-    ``ahead_rows``) as ``_block_dots`` and ``_accumulate`` read it (overloaded by the run's
-    scales): grouped codes (2-D scales) are decoded once into ``scratch`` [>= n, d] float32
-    (``dequantize_rows``, which prefetches the codes: an L1-sized block, one conversion
-    per element for every row of the tile) and read as float32 rows (``scratch, None, 0,
-    near, far``: nothing left to prefetch); other layouts are read in place, as given
-    (``decode`` and ``factor``)."""
+def readable_run(rows, scales, n, ahead, scratch):
+    """``(rows, scales, ahead)`` of a storage run (``key_run``) as ``_block_dots`` and
+    ``_accumulate`` read it (overloaded by the run's scales): grouped codes (2-D scales) are
+    decoded once into ``scratch`` [>= n, d] float32 (``dequantize_rows``: an L1-sized
+    block, one conversion per element for every row of the tile) and read as float32 rows
+    (``scratch, None, 0``); other layouts are read in place, as given (``decode`` and
+    ``factor``)."""
     raise NotImplementedError
 
 
 @overload(readable_run, inline="always", jit_options={"cache": True})
-def _readable_run(rows, scales, n, ahead, near, far, scratch):
+def _readable_run(rows, scales, n, ahead, scratch):
     if isinstance(scales, types.Array) and scales.ndim == 2:
-        def grouped(rows, scales, n, ahead, near, far, scratch):
-            dequantize_rows(rows, scales, n, scratch, ahead, near, far)
-            return scratch, None, 0, near, far
+        def grouped(rows, scales, n, ahead, scratch):
+            dequantize_rows(rows, scales, n, scratch, ahead)
+            return scratch, None, 0
         return grouped
-    return lambda rows, scales, n, ahead, near, far, scratch: (rows, scales, ahead, near, far)
+    return lambda rows, scales, n, ahead, scratch: (rows, scales, ahead)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def _block_dots(qt, R, krows, kscales, n, s, o, ahead, knear, kfar):
+def _block_dots(qt, R, krows, kscales, n, s, o, ahead):
     """s[rr, o + jj] = qt[rr] . key jj of a run (``key_run``: rows krows [n, d], scales
     kscales), for rr < R and jj < n: raw dot products, times a quantized key's scale.
 
-    ``ahead`` (``prefetch_ahead``): prefetch distance in rows, 0 for none; the rows
-    ``ahead`` after the run's lie in ``knear`` and ``kfar`` (``ahead_rows``).
+    ``ahead`` (``prefetch_ahead``): prefetch distance in rows, 0 for none.
 
     Two keys against four query rows per pass over d: eight accumulators in registers,
     each key element loaded and converted once per four rows. Rows and keys are views
@@ -751,8 +676,9 @@ def _block_dots(qt, R, krows, kscales, n, s, o, ahead, knear, kfar):
         k1 = krows[jj + 1] if two else k0
         f0 = factor(kscales, jj)
         f1 = factor(kscales, jj + 1) if two else f0
-        if ahead > 0:
-            prefetch_rows(knear, kfar, jj, 2)
+        if ahead > 0 and jj + ahead + 1 < krows.shape[0]:  # rows stored right after
+            _prefetch_row(krows, jj + ahead)
+            _prefetch_row(krows, jj + ahead + 1)
         rr = 0
         while rr + 4 <= R:
             q0, q1, q2, q3 = qt[rr], qt[rr + 1], qt[rr + 2], qt[rr + 3]
@@ -800,10 +726,10 @@ def _block_dots(qt, R, krows, kscales, n, s, o, ahead, knear, kfar):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def _accumulate(acc, R, s, o, vrows, vscales, n, ahead, vnear, vfar):
+def _accumulate(acc, R, s, o, vrows, vscales, n, ahead):
     """acc[rr] += sum_jj s[rr, o + jj] * value jj of a run (``key_run``: rows vrows
     [n, d], scales vscales), for rr < R and jj < n (a quantized value's scale multiplies
-    its p here; s itself is not changed). ``ahead``, ``vnear``, ``vfar``: as ``_block_dots``'.
+    its p here; s itself is not changed). ``ahead``: as ``_block_dots``'.
 
     Four values into four rows per pass over d: each value element is loaded and
     converted once for four rows, each accumulator element loaded and stored once per
@@ -813,15 +739,15 @@ def _accumulate(acc, R, s, o, vrows, vscales, n, ahead, vnear, vfar):
     rr = 0
     while rr + 4 <= R:
         _accumulate4(acc[rr], acc[rr + 1], acc[rr + 2], acc[rr + 3], s[rr, o:], s[rr + 1, o:],
-                     s[rr + 2, o:], s[rr + 3, o:], vrows, vscales, n, ahead, vnear, vfar)
+                     s[rr + 2, o:], s[rr + 3, o:], vrows, vscales, n, ahead)
         rr += 4
     while rr < R:  # rows left over when G * queries is not a multiple of 4
         a0, p = acc[rr], s[rr, o:]
         d = a0.size
         for jj in range(n):
             v0 = vrows[jj]
-            if ahead > 0 and R < 4:  # the first pass over them (else _accumulate4's)
-                prefetch_rows(vnear, vfar, jj, 1)
+            if ahead > 0 and R < 4 and jj + ahead < vrows.shape[0]:  # first pass over them
+                _prefetch_row(vrows, jj + ahead)
             p0 = p[jj] * factor(vscales, jj)
             for c in range(d):
                 a0[c] += p0 * decode(v0[c])
@@ -829,14 +755,15 @@ def _accumulate(acc, R, s, o, vrows, vscales, n, ahead, vnear, vfar):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def _accumulate4(a0, a1, a2, a3, s0, s1, s2, s3, vrows, vscales, n, ahead, vnear, vfar):
+def _accumulate4(a0, a1, a2, a3, s0, s1, s2, s3, vrows, vscales, n, ahead):
     """Four rows of ``_accumulate``: a_i [d] += sum_jj s_i[jj] * value jj of the run."""
     _prefer_512_bit_vectors()
     d = a0.size
     jj = 0
     while jj + 4 <= n:
-        if ahead > 0:
-            prefetch_rows(vnear, vfar, jj, 4)
+        if ahead > 0 and jj + ahead + 3 < vrows.shape[0]:  # rows stored right after
+            for k in range(4):
+                _prefetch_row(vrows, jj + ahead + k)
         v0 = vrows[jj]
         v1 = vrows[jj + 1]
         v2 = vrows[jj + 2]
@@ -937,7 +864,7 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
     """
     d = qt.shape[1]
     R = nq * G
-    kahead, vahead = prefetch_ahead(k_buf), prefetch_ahead(v_buf)
+    kahead, vahead = prefetch_ahead(k_buf), prefetch_ahead(v_buf)  # 0: paged, none
     for rr in range(R):
         m[rr] = _NEG_INF
         l[rr] = 0.0
@@ -948,10 +875,8 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
         o = 0
         while o < n:  # the block's keys, one storage run at a time
             krun, kscales_run, w = key_run(k_buf, r, h, js + o, n - o)
-            knear, kfar = ahead_rows(k_buf, r, h, js + o, kahead)
-            krows, kscales, kfetch, knear, kfar = readable_run(krun, kscales_run, w, kahead,
-                                                               knear, kfar, scratch)
-            _block_dots(qt, R, krows, kscales, w, s, o, kfetch, knear, kfar)
+            krows, kscales, kfetch = readable_run(krun, kscales_run, w, kahead, scratch)
+            _block_dots(qt, R, krows, kscales, w, s, o, kfetch)
             o += w
         for rr in range(R):
             if m[rr] != m[rr]:  # NaN already: nothing can change it
@@ -1001,10 +926,8 @@ def _attend(qt, k_buf, v_buf, r, h, start, t0, nq, G, j0, j1, scale, softcap, wi
         o = 0
         while o < n:
             vrun, vscales_run, w = key_run(v_buf, r, h, js + o, n - o)
-            vnear, vfar = ahead_rows(v_buf, r, h, js + o, vahead)
-            vrows, vscales, vfetch, vnear, vfar = readable_run(vrun, vscales_run, w, vahead,
-                                                               vnear, vfar, scratch)
-            _accumulate(acc, R, s, o, vrows, vscales, w, vfetch, vnear, vfar)
+            vrows, vscales, vfetch = readable_run(vrun, vscales_run, w, vahead, scratch)
+            _accumulate(acc, R, s, o, vrows, vscales, w, vfetch)
             o += w
 
 

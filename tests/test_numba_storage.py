@@ -182,51 +182,6 @@ def test_paged_pool_of_huge_pages_and_kernel_layout():
         assert np.shares_memory(k.table, cache.store.page_table.entries) and v.table is k.table
 
 
-@numba.njit
-def _ahead_rows(buf, r, h, j, ahead):
-    return nk.ahead_rows(buf, r, h, j, ahead)
-
-
-def _row_address(rows, i):
-    return rows[i].__array_interface__["data"][0]
-
-
-@pytest.mark.parametrize("P", [3, 4])
-def test_paged_prefetch_targets_the_row_ahead_or_nothing(P):
-    """``ahead_rows`` (where the paged kernels prefetch, ``prefetch_rows``): for every key
-    jj of a run from key j, the row it picks (near[jj], else far[jj - len(near)]) is the
-    stored row of key j + jj + ahead, found through the table, and nothing where the row
-    holds no such page: a -1 entry (past its held pages; before them, a window's
-    released ones) or past the table's end. Run starts at every offset of a page, page
-    sizes a power of two (shift) or not, distances within a page and across pages."""
-    Hkv, d = 2, 8
-    pool = np.arange(6 * Hkv * P * d, dtype=np.float32).reshape(6, Hkv, P, d)
-    table = np.array([[-1, -1, 4, 1, -1],  # two pages released, pages 2-3 held
-                      [0, 2, 3, 5, 1]], dtype=np.int32)  # held to the table's end
-    scales = np.zeros((6, Hkv, P), np.float32)
-    shift = nk.paged(pool, table).shift
-    pages = table.shape[1]
-    for buf in (nk.Paged(pool, table, shift), nk.PagedQuantized(pool, scales, table, shift)):
-        for r, first in ((0, 2), (1, 0)):
-            for j in range(first * P, pages * P):
-                if table[r, j // P] < 0:
-                    continue  # a run only starts in a held page
-                for ahead in (1, P - 1, P, P + 2, 2 * P + 1):
-                    for h in range(Hkv):
-                        near, far = _ahead_rows(buf, r, h, j, ahead)
-                        for jj in range(P - j % P):  # the keys of a run from j
-                            key = j + jj + ahead
-                            page = key // P
-                            held = page < pages and table[r, page] >= 0
-                            want = _row_address(pool[table[r, page], h], key % P) if held else None
-                            got = (_row_address(near, jj) if jj < len(near) else
-                                   _row_address(far, jj - len(near)) if jj - len(near) < len(far)
-                                   else None)
-                            assert got == want, (r, j, ahead, jj)
-    assert numba.njit(lambda b: nk.prefetch_ahead(b))(nk.Paged(pool, table, shift)) == \
-        nk.PREFETCH_BYTES // (d * 4)
-
-
 # -- quantized -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
