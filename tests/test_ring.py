@@ -24,7 +24,7 @@ from gqakv.storage.sizing import ModelConfig, window_cache_bytes, window_pages
 
 from .support.arrays import BackendArrays
 from .support.direct import Direct
-from .support.pages import audit
+from .support.pages import audit, float64_sequence_backend_or_skip
 from .support.parity import assert_matches_reference
 from .support.reference import reference_attention
 from .test_window import _bits, assert_same_state, poison_unnamed, state
@@ -147,11 +147,7 @@ def test_random_operations_match_full_history_every_backend(backend, route_spy):
     append and attention ran what ``route()`` names and the path meant)."""
     from .support.routes import assert_product_routes
 
-    if "float64" not in backend.dtypes:
-        pytest.skip(f"{backend.name} has no float64")
-    if backend.name == "cupy_emulated":
-        pytest.skip("the emulator's time: test_cuda_kernels_read_the_ring_on_the_emulator runs "
-                    "the CUDA kernels on a shorter sequence")
+    float64_sequence_backend_or_skip(backend, "test_cuda_kernels_read_the_ring_on_the_emulator")
     spy = route_spy(backend)
     seen, released = _ring_ops(backend, 7, 50, 4, 5, 12)
     assert {"released pages", "chunk longer than the window", "fork"} <= seen and released > 0

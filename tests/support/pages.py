@@ -1,6 +1,19 @@
-"""The page pool's accounting, checked after every paged operation."""
+"""The page pool's accounting, checked after every paged operation; which backends run the
+randomized paged-sequence tests."""
 
 from __future__ import annotations
+
+import pytest
+
+
+def float64_sequence_backend_or_skip(backend, emulator_test: str) -> None:
+    """Skip a randomized float64 paged sequence on ``backend`` where it cannot run (no
+    float64) or would take the CUDA emulator too long (``emulator_test`` names the shorter
+    test that runs the CUDA kernels instead)."""
+    if "float64" not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no float64")
+    if backend.name == "cupy_emulated":
+        pytest.skip(f"the emulator's time: {emulator_test} runs the CUDA kernels on a shorter sequence")
 
 
 def audit(cache) -> None:
