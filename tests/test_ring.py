@@ -288,7 +288,6 @@ def test_model_cache_rings_match_full_history_through_steps():
     chunks up to max_chunk, a fork, a reorder, a truncate and an aborted step give bit for
     bit the outputs of the paged full-history model cache, match the reference, and a step
     longer than max_chunk is refused when it opens, before any group changes."""
-    arrays = BackendArrays(gqakv.get_backend("numpy"))
     B, Hkv, d, S, P, C = 3, 1, 4, 200, 4, 9
     windows = [5, None, 9, 5]
     ring = gqakv.ModelKVCache(4, B, Hkv, S, d, dtype="float64", backend="numpy", page_size=P,

@@ -221,7 +221,7 @@ class PageTable:
         """Refuse (ValueError naming the row, the numbers and the window; nothing changed) an
         append of more than ``max_chunk`` tokens to a row: the pool was sized for appends
         of at most that many (``gqakv.storage.ring``). No limit without ``max_chunk``."""
-        if self.max_chunk is None:
+        if self.max_chunk is None or self.window is None:  # max_chunk comes with a window
             return
         for i in range(len(rows)):
             n = int(n_new[i])
