@@ -24,10 +24,10 @@ from gqakv.storage.sizing import ModelConfig, window_cache_bytes, window_pages
 
 from .support.arrays import BackendArrays
 from .support.direct import Direct
-from .support.pages import audit, float64_sequence_backend_or_skip
+from .support.pages import (float_bits, assert_same_state, audit, float64_sequence_backend_or_skip,
+                            poison_unnamed, state)
 from .support.parity import assert_matches_reference
 from .support.reference import reference_attention
-from .test_window import _bits, assert_same_state, poison_unnamed, state
 
 
 def _ring_ops(backend, seed, steps, page_size, window, chunk, dtype="float64"):
@@ -63,7 +63,7 @@ def _ring_ops(backend, seed, steps, page_size, window, chunk, dtype="float64"):
             poison_unnamed(ring)
             got = [gqakv.gqa_attention(qa, c, n, window=window, return_lse=True) for c in caches]
             for a, b in zip(got[1], got[2]):
-                np.testing.assert_array_equal(_bits(arrays.to_numpy(a)), _bits(arrays.to_numpy(b)))
+                np.testing.assert_array_equal(float_bits(arrays.to_numpy(a)), float_bits(arrays.to_numpy(b)))
             want, want_lse = reference_attention(q, direct.k, direct.v, n, window=window)
             for c, (o, lse) in zip(("contiguous", "ring"), (got[0], got[2])):
                 assert_matches_reference(arrays.to_numpy(o), arrays.to_numpy(lse), want, want_lse,
@@ -193,7 +193,7 @@ def test_cuda_kernels_read_the_ring_on_the_emulator(backend, route_spy):
         for c in (full, ring):
             c.append(arrays.asarray(k, dt), arrays.asarray(v, dt), n)
             outs.append(arrays.to_numpy(gqakv.gqa_attention(arrays.asarray(q, dt), c, n, window=W)))
-        np.testing.assert_array_equal(_bits(outs[0]), _bits(outs[1]))
+        np.testing.assert_array_equal(float_bits(outs[0]), float_bits(outs[1]))
         assert np.isfinite(outs[1].astype(np.float32)).all()
         audit(ring)
     assert ring.store.page_table.window_released > 0
@@ -312,7 +312,7 @@ def test_model_cache_rings_match_full_history_through_steps():
         for l, w in enumerate(windows):
             directs[l].append(range(B), ks[l], vs[l], n)
             for a, b in zip(outs["ring"][l], outs["full"][l]):
-                np.testing.assert_array_equal(_bits(a), _bits(b))
+                np.testing.assert_array_equal(float_bits(a), float_bits(b))
             want, _ = reference_attention(qs[l], directs[l].k, directs[l].v, n, window=w)
             np.testing.assert_allclose(outs["ring"][l][0], want, atol=1e-12)
         if step == 12:

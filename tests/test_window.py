@@ -25,40 +25,10 @@ from gqakv.storage.sizing import ModelConfig, window_cache_bytes, window_pages
 
 from .support.arrays import BackendArrays
 from .support.direct import Direct
-from .support.pages import audit, float64_sequence_backend_or_skip
+from .support.pages import (float_bits, assert_same_state, audit, float64_sequence_backend_or_skip,
+                            poison_unnamed, state)
 from .support.parity import assert_matches_reference
 from .support.reference import reference_attention
-
-
-def poison_unnamed(cache) -> None:
-    """NaN into every K/V slot of every page no row names (free, released or cached
-    unused), on every layer: a read of a released page then shows in the output."""
-    stores = ([s for _, _, s in cache.store.groups] if hasattr(cache.store, "groups")
-              else [cache.store])
-    for store in stores:
-        t = store.page_table
-        named = {int(p) for b in range(t.entries.shape[0]) for p in t.row_pages(b)}
-        lead = (slice(None),) * len(store.leading)
-        for p in range(t.num_pages):
-            if p not in named:
-                for buf in (store.k, store.v):
-                    buf[(*lead, p, ...)] = math.nan
-
-
-def state(cache, arrays):
-    t = cache.store.page_table
-    return (cache.host_lens.copy(), t.entries.copy(), t.held.copy(), t.released.copy(),
-            t.refs.copy(), list(t._free), arrays.to_numpy(cache.k).copy())
-
-
-def assert_same_state(a, b):
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint8) if x.dtype.kind == "f" else x
 
 
 def _random_window_ops(backend, seed, steps, page_size, window, num_pages=None, dtype="float64"):
@@ -92,7 +62,7 @@ def _random_window_ops(backend, seed, steps, page_size, window, num_pages=None, 
             poison_unnamed(win)
             got = [gqakv.gqa_attention(qa, c, n, window=window, return_lse=True) for c in (full, win)]
             for a, b in zip(got[0], got[1]):
-                np.testing.assert_array_equal(_bits(arrays.to_numpy(a)), _bits(arrays.to_numpy(b)))
+                np.testing.assert_array_equal(float_bits(arrays.to_numpy(a)), float_bits(arrays.to_numpy(b)))
             want, want_lse = reference_attention(q, direct.k, direct.v, n, window=window)
             assert_matches_reference(arrays.to_numpy(got[1][0]), arrays.to_numpy(got[1][1]),
                                      want, want_lse, dtype, what=f"window={window} n={n}")
@@ -196,7 +166,7 @@ def test_cuda_kernels_read_from_the_window_on_the_emulator(backend, route_spy):
         for c in (full, win):
             c.append(arrays.asarray(k, dt), arrays.asarray(v, dt), n)
             outs.append(arrays.to_numpy(gqakv.gqa_attention(arrays.asarray(q, dt), c, n, window=W)))
-        np.testing.assert_array_equal(_bits(outs[0]), _bits(outs[1]))
+        np.testing.assert_array_equal(float_bits(outs[0]), float_bits(outs[1]))
         assert np.isfinite(outs[1].astype(np.float32)).all()
         audit(win)
     assert win.pages_released == 7
@@ -325,7 +295,7 @@ def test_accept_with_a_window_matches_full_history(backend_name, dtype):
         for c in (full, win):
             c.append(a(k), a(v), [5, 5])
             outs.append(arrays.to_numpy(gqakv.gqa_attention(a(q), c, [5, 5], window=W, tree=parents)))
-        np.testing.assert_array_equal(_bits(outs[0]), _bits(outs[1]))
+        np.testing.assert_array_equal(float_bits(outs[0]), float_bits(outs[1]))
         paths = [[0, 1, 3], [0, 1, 2, 3]] if trial % 2 else [[0, 2, 4], []]
         for c in (full, win):
             c.accept(paths, tree)
@@ -336,7 +306,7 @@ def test_accept_with_a_window_matches_full_history(backend_name, dtype):
         for c in (full, win):
             c.append(a(k), a(v), [1, 1])
             outs.append(arrays.to_numpy(gqakv.gqa_attention(a(q), c, [1, 1], window=W)))
-        np.testing.assert_array_equal(_bits(outs[0]), _bits(outs[1]))
+        np.testing.assert_array_equal(float_bits(outs[0]), float_bits(outs[1]))
     assert win.pages_released > 0
     # a chunk appended in two appends: the window moved in between, so rejecting the whole
     # tree would leave the row shorter than its released history allows
@@ -677,7 +647,7 @@ def test_quantized_pages_release_with_their_scales(backend_name, kv_dtype):
             c.append(arrays.asarray(k, "float32"), arrays.asarray(v, "float32"), n)
             outs.append(arrays.to_numpy(gqakv.gqa_attention(arrays.asarray(q, "float32"), c, n,
                                                             window=W)))
-        np.testing.assert_array_equal(_bits(outs[0]), _bits(outs[1]))
+        np.testing.assert_array_equal(float_bits(outs[0]), float_bits(outs[1]))
         audit(win)
     assert win.pages_released > 0
 

@@ -66,6 +66,7 @@ from array_api_compat import array_namespace
 
 import dataclasses
 
+from ..core.dims import check_dim
 from .prefix_index import PrefixIndex
 from .store import CONTIGUOUS, DEQUANT_BLOCK_ELEMENTS, PAGED, KVStore, StorageSpec
 
@@ -85,6 +86,23 @@ class OutOfPages(MemoryError):
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages holding ``tokens`` tokens: ``ceil(tokens / page_size)``."""
     return -(-int(tokens) // int(page_size))
+
+
+def window_pages(window: int | None, max_len: int, page_size: int, chunk: int) -> int:
+    """Pages one row of a layer kind ever holds at once: ``ceil(max_len / P)`` for a full
+    layer (None); for a sliding layer of window W appending at most ``chunk`` tokens at
+    once, the keys an append can still need span ``W - 1 + chunk`` tokens (from ``s - W +
+    1``, the first key its first query at ``s`` sees, to ``s + chunk - 1``); starting at
+    worst on a page's last slot, they lie on at most ``ceil((W - 1 + chunk + P - 1) / P)``
+    pages, and never more than the full layer's. A pool of ``rows x window_pages(...)``
+    pages never runs out for rows of ``max_len`` tokens (copies on write included: a copy
+    replaces the row's last page; ``gqakv.storage.ring`` gives the argument)."""
+    max_len, chunk = check_dim("max_len", max_len, 0), check_dim("chunk", chunk, 0)
+    page_size, _ = check_page_args(page_size, None, 1, max_len)
+    full = pages_for(max_len, page_size)
+    if window is None:
+        return full
+    return min(full, pages_for(int(window) - 1 + chunk + page_size - 1, page_size))
 
 
 @dataclasses.dataclass
@@ -624,7 +642,7 @@ class PagedStore(KVStore):
         append adds to a row; longer appends are refused), checked (``check_page_args``,
         ``check_window``, ``gqakv.storage.ring.check_max_chunk``)."""
         from ..core.inputs import check_window
-        from .ring import check_max_chunk, ring_pages
+        from .ring import check_max_chunk
 
         page_size, num_pages = check_page_args(DEFAULT_PAGE_SIZE if page_size is None else page_size,
                                                num_pages, batch, max_len)
@@ -636,7 +654,8 @@ class PagedStore(KVStore):
                 raise ValueError(f"max_chunk={max_chunk} sizes window-sized storage; it applies "
                                  "with a sliding window (window=W), and this cache has none")
             if num_pages is None:
-                num_pages = ring_pages(batch, max_len, page_size, window, max_chunk)
+                # a ring (gqakv.storage.ring); no append adds more than max_len tokens
+                num_pages = batch * window_pages(window, max_len, page_size, min(max_chunk, max_len))
         return {"page_size": page_size, "num_pages": num_pages, "prefix_cache": bool(prefix_cache),
                 "window": window, "max_chunk": max_chunk}
 

@@ -63,15 +63,6 @@ def check_max_chunk(max_chunk) -> int | None:
     return int(max_chunk)
 
 
-def ring_pages(batch: int, max_len: int, page_size: int, window: int, max_chunk: int) -> int:
-    """Pages of a pool that holds ``batch`` rings (module docstring): ``batch x
-    window_pages(window, max_len, page_size, min(max_chunk, max_len))`` (no append adds
-    more than ``max_len`` tokens)."""
-    from .sizing import window_pages
-
-    return int(batch) * window_pages(window, max_len, page_size, min(int(max_chunk), int(max_len)))
-
-
 def storage_for(storage: str, windows, *, max_chunk, num_pages, prefix_cache) -> str:
     """The storage kind to allocate for ``storage`` and the layers' ``windows`` (None
     entries: full layers): ``"paged"`` for a contiguous cache with a sliding layer (its

@@ -50,7 +50,7 @@ import numpy as np
 from ..core import dtypes as _dtypes
 from ..core.shard import HeadShard
 from . import store as _store
-from .paged import PageTable, check_page_args, pages_for
+from .paged import PageTable, check_page_args, pages_for, window_pages  # noqa: F401  (window_pages: re-exported)
 
 
 @dataclass(frozen=True)
@@ -263,23 +263,6 @@ def paged_cache_bytes(model, row_lens, *, max_len: int, page_size: int = 16,
                      pool_bytes=pages * page_size * per,
                      metadata_bytes=PageTable.nbytes_for(len(lens), max_len, page_size, pages),
                      live_bytes=sum(lens) * per, contiguous_bytes=len(lens) * max_len * per)
-
-
-def window_pages(window: int | None, max_len: int, page_size: int, chunk: int) -> int:
-    """Pages one row of a layer kind ever holds at once: ``ceil(max_len / P)`` for a full
-    layer (None); for a sliding layer of window W appending at most ``chunk`` tokens at
-    once, the keys an append can still need span ``W - 1 + chunk`` tokens (from ``s - W +
-    1``, the first key its first query at ``s`` sees, to ``s + chunk - 1``); starting at
-    worst on a page's last slot, they lie on at most ``ceil((W - 1 + chunk + P - 1) / P)``
-    pages, and never more than the full layer's. A pool of ``rows x window_pages(...)``
-    pages never runs out for rows of ``max_len`` tokens (copies on write included: a copy
-    replaces the row's last page; ``gqakv.storage.ring`` gives the argument)."""
-    max_len, chunk = _positive("max_len", max_len), _positive("chunk", chunk)
-    page_size, _ = check_page_args(page_size, None, 1, max_len)
-    full = pages_for(max_len, page_size)
-    if window is None:
-        return full
-    return min(full, pages_for(int(window) - 1 + chunk + page_size - 1, page_size))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,12 @@
-"""The page pool's accounting, checked after every paged operation; which backends run the
-randomized paged-sequence tests."""
+"""The page pool's accounting, checked after every paged operation; a cache's state to
+compare before and after a refused call; poison for pages no row names; which backends
+run the randomized paged-sequence tests."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 
 
@@ -25,3 +29,37 @@ def audit(cache) -> None:
     reachable = {int(p) for b in range(cache.batch) for p in cache.store.page_table.row_pages(b)}
     assert cache.pages_used == len(reachable)
     assert cache.pages_used + cache.pages_free == cache.num_pages
+
+
+def poison_unnamed(cache) -> None:
+    """NaN into every K/V slot of every page no row names (free, released or cached
+    unused), on every layer: a read of a released page then shows in the output."""
+    stores = ([s for _, _, s in cache.store.groups] if hasattr(cache.store, "groups")
+              else [cache.store])
+    for store in stores:
+        t = store.page_table
+        named = {int(p) for b in range(t.entries.shape[0]) for p in t.row_pages(b)}
+        lead = (slice(None),) * len(store.leading)
+        for p in range(t.num_pages):
+            if p not in named:
+                for buf in (store.k, store.v):
+                    buf[(*lead, p, ...)] = math.nan
+
+
+def state(cache, arrays):
+    """What a refused call must leave as it was: lengths, the page table and K."""
+    t = cache.store.page_table
+    return (cache.host_lens.copy(), t.entries.copy(), t.held.copy(), t.released.copy(),
+            t.refs.copy(), list(t._free), arrays.to_numpy(cache.k).copy())
+
+
+def assert_same_state(a, b):
+    """Two ``state`` snapshots are equal, element for element."""
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def float_bits(x):
+    """A float array's bytes (to compare bit for bit, NaNs included); other arrays as they are."""
+    x = np.asarray(x)
+    return x.view(np.uint8) if x.dtype.kind == "f" else x
