@@ -335,7 +335,8 @@ class NumbaBackend(NumpyBackend):
             return mixed if mixed is not None else super().plan_attention(store, inputs, params,
                                                                            q_shape)
         work = plan_numba(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params,
-                          invariant=inputs.invariant, tree=inputs.tree)
+                          invariant=inputs.invariant, tree=inputs.tree,
+                          paged=store.kind == PAGED)
         work.inputs = inputs  # the batch it was planned for (attention uses it for that one only)
         return work
 
@@ -363,7 +364,8 @@ class NumbaBackend(NumpyBackend):
             k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
         if not (isinstance(work, NumbaWork) and work.inputs is inputs):
             work = plan_numba(inputs.lens, inputs.n_new, tuple(q.shape), _kv_heads(k_buf), params,
-                              invariant=inputs.invariant, tree=inputs.tree)
+                              invariant=inputs.invariant, tree=inputs.tree,
+                              paged=store.kind == PAGED)
         return run_numba(work, q, k_buf, v_buf, inputs.rows, inputs.lens, inputs.n_new,
                          return_lse=return_lse, out=out, lse_out=lse_out, offsets=inputs.offsets)
 
@@ -438,7 +440,7 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
         k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
     work = plan_numba(lens, n_new, tuple(q.shape), _kv_heads(k_buf), params, workers=workers,
                       query_block=query_block, min_key_split=min_key_split, key_block=key_block,
-                      parallel_min_work=parallel_min_work)
+                      parallel_min_work=parallel_min_work, paged=hasattr(k_buf, "table"))
     return run_numba(work, q, k_buf, v_buf, rows, lens, n_new, return_lse=return_lse)
 
 
@@ -477,14 +479,17 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
                workers: int | None = None, query_block: int = QUERY_BLOCK,
                min_key_split: int = MIN_KEY_SPLIT, key_block: int | None = None,
                parallel_min_work: int = PARALLEL_MIN_WORK, invariant: bool = False,
-               tree=None) -> NumbaWork:
+               tree=None, paged: bool = False) -> NumbaWork:
     """The items, their sharing among threads and the merge layout of a call with these
     lengths, queries of ``q_shape`` (padded ``[B, Hq, T, d]`` or packed ``[N, Hq, d]``) and
     variant (see ``NumbaWork``). ``invariant`` (batch-invariant mode): one query per item
     and no key splits, so each query's keys are folded from its first visible key in
     blocks of ``key_block`` (fixed by the head dim) whatever the batch. ``tree``: the
     call's ``DraftTree`` (None: none): key spans by the tree rule (``cpu_plan._plan``) and
-    the kernels' ``Tree``."""
+    the kernels' ``Tree``. ``paged``: the call reads paged storage, whose pages hold every
+    KV head: its rows are cut into key pieces before heads (``_plan``'s ``keys_first``),
+    so an item covers all KV heads of its keys and the kernels read its pages whole, in
+    address order (``numba_kernels.heads_per_pass``)."""
     import numba
 
     nk = _kernels()
@@ -517,7 +522,7 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     if invariant:
         query_block, min_key_split = 1, INVARIANT_NO_SPLIT
     items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split,
-                         params=params, trees=trees)
+                         params=params, trees=trees, keys_first=paged)
     if items and total < parallel_min_work:
         workers = 1
     w.workers = workers
@@ -628,7 +633,7 @@ def plan_mixed(store, inputs, params, q_shape, request) -> MixedWork | None:
         return None
     a, b = _subset(inputs, np.flatnonzero(short)), _subset(inputs, np.flatnonzero(~short))
     return MixedWork(inputs, a, plan_numba(a.lens, a.n_new, q_shape, store.kv_heads, params,
-                                           tree=a.tree),
+                                           tree=a.tree, paged=store.kind == PAGED),
                      b, plan_items(b.lens, b.n_new, q_shape, store.kv_heads, params,
                                    trees=entry_trees(b)))
 
