@@ -9,7 +9,9 @@ bfloat16 caches runs the kernels of ``numba_kernels``: one pass over each live K
 row, the G query heads of a KV head (times the queries of a small chunk) folded into
 one tile, online softmax in float32, float16/bfloat16 converted in registers. Paged
 and quantized stores run the same kernels over their ``kernel_layout``: the pool read
-through the page table a page run at a time; int8 / float8_e4m3fn codes decoded in
+through the page table a page run at a time (pages of at most a key block: every KV
+head of an item a page at a time, so the pool is read in address order, and such calls
+are planned keys first, ``plan_numba``'s ``page_size``); int8 / float8_e4m3fn codes decoded in
 registers with each token's scale folded into its score and its p; grouped codes (a
 scale per block of values along d, 8 or 4 bits) decoded a key block at a time into an
 L1-sized float32 block (``numba_kernels.dequantize_rows``).
