@@ -135,7 +135,7 @@ INVARIANT_NO_SPLIT = 1 << 62
 
 def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key_split: int,
           params: AttentionParams = _CAUSAL, one_head: bool = False, trees=None,
-          max_tile_rows: int | None = None):
+          max_tile_rows: int | None = None, keys_first: bool = False):
     """Cut the call into items ``(i, h0, h1, t0, t1, j0, j1)``.
 
     A query block reads the keys some query of it sees (``semantics.block_keys``); it is
@@ -148,6 +148,9 @@ def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key
     rule, cuts only inside the prefix every query sees. ``max_tile_rows``: at most this
     many query rows (KV heads x G x queries) per item, the heads split further if needed,
     down to one KV head per item (whose G x queries rows may be more; None: no limit).
+    ``keys_first``: a task is cut into key pieces before its heads are (paged storage,
+    whose pages hold every KV head: an item over all heads of a key range reads each page
+    whole, in address order); by default heads are cut first (no merge).
     """
     tasks = []  # (i, t0, t1, lo, hi, common_hi, cost)
     for i in range(len(n_new)):
@@ -163,13 +166,18 @@ def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key
     target = total / (workers * ITEMS_PER_WORKER) if workers > 1 else math.inf
     items = []
     for i, t0, t1, lo, hi, c_hi, cost in tasks:
-        head_parts = Hkv if one_head else min(Hkv, max(1, math.ceil(cost / target)))
+        least_heads = Hkv if one_head else 1  # the fewest head parts allowed
         if max_tile_rows is not None:
             heads_per_item = max(1, max_tile_rows // (G * (t1 - t0)))
-            head_parts = max(head_parts, math.ceil(Hkv / heads_per_item))  # parts of <= that many
-        part_cost = cost / head_parts
+            least_heads = max(least_heads, math.ceil(Hkv / heads_per_item))  # parts of <= that many
         # Keys are cut only inside lo..c_hi (seen by every query of the block).
-        key_parts = max(1, min(math.ceil(part_cost / target), (c_hi - lo) // min_key_split))
+        key_room = (c_hi - lo) // min_key_split
+        if keys_first:
+            key_parts = max(1, min(math.ceil(cost / least_heads / target), key_room))
+            head_parts = max(least_heads, min(Hkv, math.ceil(cost / key_parts / target)))
+        else:
+            head_parts = max(least_heads, min(Hkv, max(1, math.ceil(cost / target))))
+            key_parts = max(1, min(math.ceil(cost / head_parts / target), key_room))
         bounds = [lo] + [lo + (c_hi - lo) * p // key_parts for p in range(1, key_parts)] + [hi]
         for hp in range(head_parts):
             h0, h1 = Hkv * hp // head_parts, Hkv * (hp + 1) // head_parts

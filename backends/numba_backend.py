@@ -9,7 +9,9 @@ bfloat16 caches runs the kernels of ``numba_kernels``: one pass over each live K
 row, the G query heads of a KV head (times the queries of a small chunk) folded into
 one tile, online softmax in float32, float16/bfloat16 converted in registers. Paged
 and quantized stores run the same kernels over their ``kernel_layout``: the pool read
-through the page table a page run at a time; int8 / float8_e4m3fn codes decoded in
+through the page table a page run at a time (pages of at most a key block: every KV
+head of an item a page at a time, so the pool is read in address order, and such calls
+are planned keys first, ``plan_numba``'s ``page_size``); int8 / float8_e4m3fn codes decoded in
 registers with each token's scale folded into its score and its p; grouped codes (a
 scale per block of values along d, 8 or 4 bits) decoded a key block at a time into an
 L1-sized float32 block (``numba_kernels.dequantize_rows``).
@@ -335,7 +337,8 @@ class NumbaBackend(NumpyBackend):
             return mixed if mixed is not None else super().plan_attention(store, inputs, params,
                                                                            q_shape)
         work = plan_numba(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params,
-                          invariant=inputs.invariant, tree=inputs.tree)
+                          invariant=inputs.invariant, tree=inputs.tree,
+                          page_size=_page_size(store))
         work.inputs = inputs  # the batch it was planned for (attention uses it for that one only)
         return work
 
@@ -363,7 +366,8 @@ class NumbaBackend(NumpyBackend):
             k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
         if not (isinstance(work, NumbaWork) and work.inputs is inputs):
             work = plan_numba(inputs.lens, inputs.n_new, tuple(q.shape), _kv_heads(k_buf), params,
-                              invariant=inputs.invariant, tree=inputs.tree)
+                              invariant=inputs.invariant, tree=inputs.tree,
+                              page_size=_page_size(store))
         return run_numba(work, q, k_buf, v_buf, inputs.rows, inputs.lens, inputs.n_new,
                          return_lse=return_lse, out=out, lse_out=lse_out, offsets=inputs.offsets)
 
@@ -438,8 +442,20 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
         k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
     work = plan_numba(lens, n_new, tuple(q.shape), _kv_heads(k_buf), params, workers=workers,
                       query_block=query_block, min_key_split=min_key_split, key_block=key_block,
-                      parallel_min_work=parallel_min_work)
+                      parallel_min_work=parallel_min_work, page_size=_layout_page_size(k_buf))
     return run_numba(work, q, k_buf, v_buf, rows, lens, n_new, return_lse=return_lse)
+
+
+def _page_size(store) -> int | None:
+    """Tokens per page of a paged store (``plan_numba``'s ``page_size``), else None."""
+    return int(store.page_table.page_size) if store.kind == PAGED else None
+
+
+def _layout_page_size(k_buf) -> int | None:
+    """Tokens per page of a kernel layout (``kernel_layout``), None when it is not paged."""
+    if isinstance(k_buf, np.ndarray) or not hasattr(k_buf, "table"):
+        return None
+    return int((k_buf.pool if hasattr(k_buf, "pool") else k_buf.codes).shape[2])
 
 
 class NumbaWork:
@@ -477,14 +493,19 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
                workers: int | None = None, query_block: int = QUERY_BLOCK,
                min_key_split: int = MIN_KEY_SPLIT, key_block: int | None = None,
                parallel_min_work: int = PARALLEL_MIN_WORK, invariant: bool = False,
-               tree=None) -> NumbaWork:
+               tree=None, page_size: int | None = None) -> NumbaWork:
     """The items, their sharing among threads and the merge layout of a call with these
     lengths, queries of ``q_shape`` (padded ``[B, Hq, T, d]`` or packed ``[N, Hq, d]``) and
     variant (see ``NumbaWork``). ``invariant`` (batch-invariant mode): one query per item
     and no key splits, so each query's keys are folded from its first visible key in
     blocks of ``key_block`` (fixed by the head dim) whatever the batch. ``tree``: the
     call's ``DraftTree`` (None: none): key spans by the tree rule (``cpu_plan._plan``) and
-    the kernels' ``Tree``."""
+    the kernels' ``Tree``. ``page_size``: the call reads paged storage of pages of this
+    many tokens (None: contiguous), whose pages hold every KV head; pages of at most
+    ``key_block`` tokens, whose KV heads the kernels read together
+    (``numba_kernels.heads_per_pass``), have their rows cut into key pieces before heads
+    (``_plan``'s ``keys_first``), so an item covers all KV heads of its keys and its pages
+    are read whole, in address order."""
     import numba
 
     nk = _kernels()
@@ -517,7 +538,8 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     if invariant:
         query_block, min_key_split = 1, INVARIANT_NO_SPLIT
     items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split,
-                         params=params, trees=trees)
+                         params=params, trees=trees,
+                         keys_first=page_size is not None and page_size <= w.key_block)
     if items and total < parallel_min_work:
         workers = 1
     w.workers = workers
@@ -628,7 +650,7 @@ def plan_mixed(store, inputs, params, q_shape, request) -> MixedWork | None:
         return None
     a, b = _subset(inputs, np.flatnonzero(short)), _subset(inputs, np.flatnonzero(~short))
     return MixedWork(inputs, a, plan_numba(a.lens, a.n_new, q_shape, store.kv_heads, params,
-                                           tree=a.tree),
+                                           tree=a.tree, page_size=_page_size(store)),
                      b, plan_items(b.lens, b.n_new, q_shape, store.kv_heads, params,
                                    trees=entry_trees(b)))
 

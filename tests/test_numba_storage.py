@@ -182,6 +182,32 @@ def test_paged_pool_of_huge_pages_and_kernel_layout():
         assert np.shares_memory(k.table, cache.store.page_table.entries) and v.table is k.table
 
 
+def test_paged_plans_cover_every_kv_head_of_their_keys(monkeypatch):
+    """On paged storage (pages hold every KV head, heads-major) the planner cuts a row's
+    keys before its heads (``_plan``'s ``keys_first``): each item covers all KV heads of
+    its key range, so the kernels read its pages whole, in address order
+    (``numba_kernels.heads_per_pass``); contiguous rows are still cut by heads (no merge)."""
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs 2 numba threads (one worker splits nothing)")
+    monkeypatch.setenv("GQAKV_NUM_THREADS", "2")
+    backend = gqakv.get_backend("numba")
+    B, hkv, G, d, L = 1, 8, 4, 16, 4096
+    params = AttentionParams(scale=0.25)
+    x = np.zeros((B, hkv, L, d), np.float32)
+    q = np.zeros((B, hkv * G, 1, d), np.float32)
+    heads = {}
+    for kind, cache in (("paged", gqakv.PagedKVCache(B, hkv, L, d, "float32", backend=backend,
+                                                      page_size=16)),
+                        ("contiguous", gqakv.KVCache(B, hkv, L, d, "float32", backend=backend))):
+        cache.append(x, x, [L])
+        inputs = validate_attention(cache, q, [1], params=params)
+        work = backend.plan_attention(cache.store, inputs, params, q.shape)
+        assert len(work.items) >= 2  # both threads have work
+        heads[kind] = {(int(h0), int(h1)) for h0, h1 in work.items[:, 1:3]}
+    assert heads["paged"] == {(0, hkv)}
+    assert all(h1 - h0 < hkv for h0, h1 in heads["contiguous"])
+
+
 # -- quantized -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
