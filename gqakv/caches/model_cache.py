@@ -163,18 +163,16 @@ class ModelKVCache(RowsAndLengths):
                 raise ValueError("page_size, num_pages and chunk apply with window_storage=True")
             return cls(cfg.layers, batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, backend)
         from ..storage.paged import DEFAULT_PAGE_SIZE
-        from ..storage.sizing import window_pages
 
         P = DEFAULT_PAGE_SIZE if page_size is None else page_size
         windows = cfg.layer_windows()
-        if num_pages is None and chunk is not None and any(w is not None for w in windows):
-            return cls(cfg.layers, batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, backend,
-                       storage=PAGED, page_size=P, windows=windows, max_chunk=min(chunk, max_len))
-        if num_pages is None:
-            num_pages = {w: batch * window_pages(w, max_len, P, max_len if chunk is None else chunk)
-                         for w in set(windows)}
+        # max_chunk sizes the sliding pools (window_pages) and caps each step; without it
+        # every pool defaults to every row at max_len (what window_pages gives a chunk of
+        # max_len)
+        ring = num_pages is None and any(w is not None for w in windows)
         return cls(cfg.layers, batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, backend,
-                   storage=PAGED, page_size=P, num_pages=num_pages, windows=windows)
+                   storage=PAGED, page_size=P, num_pages=num_pages, windows=windows,
+                   max_chunk=min(chunk, max_len) if ring and chunk is not None else None)
 
     # -- sizing ----------------------------------------------------------------------------
 
