@@ -382,6 +382,16 @@ def _is(buf, cls):
     return isinstance(buf, types.BaseNamedTuple) and buf.instance_class is cls
 
 
+def _is_paged(buf):
+    """Whether a layout's type reads through a page table (pages hold every KV head)."""
+    return _is(buf, Paged) or _is(buf, PagedQuantized) or _is(buf, PagedGrouped)
+
+
+def _is_rows(buf):
+    """Whether a layout's type is contiguous rows (plain arrays or quantized codes)."""
+    return isinstance(buf, types.Array) or _is(buf, Quantized) or _is(buf, Grouped)
+
+
 def key_run(buf, r, h, j, n):
     """``(rows, scales, m)``: keys (or values) j .. j + m - 1 of KV head h of cache row r,
     1 <= m <= n, as they lie together in storage (overloaded below by the layout's type):
@@ -476,7 +486,7 @@ def _prefetch_ahead(buf):
         return lambda buf: max(1, PREFETCH_BYTES // (buf.shape[3] * buf.itemsize))
     if _is(buf, Quantized) or _is(buf, Grouped):
         return lambda buf: prefetch_ahead(buf.codes)
-    if _is(buf, Paged) or _is(buf, PagedQuantized) or _is(buf, PagedGrouped):
+    if _is_paged(buf):
         return lambda buf: 0
     return None
 
@@ -508,9 +518,9 @@ def heads_read(buf, nh):
 
 @overload(heads_read, inline="always", jit_options={"cache": True})
 def _heads_read(buf, nh):
-    if isinstance(buf, types.Array) or _is(buf, Quantized) or _is(buf, Grouped):
+    if _is_rows(buf):
         return lambda buf, nh: 1
-    if _is(buf, Paged) or _is(buf, PagedQuantized) or _is(buf, PagedGrouped):
+    if _is_paged(buf):
         return lambda buf, nh: nh
     return None
 
@@ -525,7 +535,7 @@ def _paged_heads_per_pass(page_size, rows, key_block):
 
 @overload(heads_per_pass, jit_options={"cache": True})
 def _heads_per_pass(buf, rows, key_block):
-    if isinstance(buf, types.Array) or _is(buf, Quantized) or _is(buf, Grouped):
+    if _is_rows(buf):
         return lambda buf, rows, key_block: 1
     if _is(buf, Paged):
         return lambda buf, rows, key_block: \
