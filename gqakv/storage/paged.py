@@ -68,7 +68,7 @@ import dataclasses
 
 from ..core.dims import check_dim
 from .prefix_index import PrefixIndex
-from .store import CONTIGUOUS, DEQUANT_BLOCK_ELEMENTS, PAGED, KVStore, StorageSpec
+from .store import CONTIGUOUS, DEQUANT_BLOCK_ELEMENTS, PAGED, KVStore, StorageSpec, check_max_chunk
 
 #: Default tokens per page.
 DEFAULT_PAGE_SIZE = 16
@@ -640,22 +640,18 @@ class PagedStore(KVStore):
         (a bool), ``window`` (None, or the layers' sliding window W >= 1: pages behind it
         go back to the pool) and ``max_chunk`` (None, or with a window the most tokens one
         append adds to a row; longer appends are refused), checked (``check_page_args``,
-        ``check_window``, ``gqakv.storage.ring.check_max_chunk``)."""
+        ``check_window``, ``gqakv.storage.store.check_max_chunk``)."""
         from ..core.inputs import check_window
-        from .ring import check_max_chunk
 
         page_size, num_pages = check_page_args(DEFAULT_PAGE_SIZE if page_size is None else page_size,
                                                num_pages, batch, max_len)
         if not isinstance(prefix_cache, (bool, np.bool_)):
             raise TypeError(f"prefix_cache must be a bool, got {prefix_cache!r}")
-        window, max_chunk = check_window(window), check_max_chunk(max_chunk)
-        if max_chunk is not None:
-            if window is None:
-                raise ValueError(f"max_chunk={max_chunk} sizes window-sized storage; it applies "
-                                 "with a sliding window (window=W), and this cache has none")
-            if num_pages is None:
-                # a ring (gqakv.storage.ring); no append adds more than max_len tokens
-                num_pages = batch * window_pages(window, max_len, page_size, min(max_chunk, max_len))
+        window = check_window(window)
+        max_chunk = check_max_chunk(max_chunk, window)
+        if max_chunk is not None and num_pages is None:
+            # a ring (gqakv.storage.ring); no append adds more than max_len tokens
+            num_pages = batch * window_pages(window, max_len, page_size, min(max_chunk, max_len))
         return {"page_size": page_size, "num_pages": num_pages, "prefix_cache": bool(prefix_cache),
                 "window": window, "max_chunk": max_chunk}
 

@@ -45,22 +45,7 @@ whole pages; ``gqakv.storage.layer_groups``).
 
 from __future__ import annotations
 
-import numpy as np
-
 from .store import CONTIGUOUS, PAGED
-
-
-def check_max_chunk(max_chunk) -> int | None:
-    """None, or ``max_chunk`` as a Python int >= 1; TypeError / ValueError naming it."""
-    if max_chunk is None:
-        return None
-    if isinstance(max_chunk, (bool, np.bool_)) or not isinstance(max_chunk, (int, np.integer)):
-        raise TypeError(f"max_chunk must be an int >= 1 (the most tokens one append adds to a "
-                        f"row) or None, got {max_chunk!r}")
-    if int(max_chunk) < 1:
-        raise ValueError(f"max_chunk={int(max_chunk)} is not allowed: the most tokens one "
-                         "append adds to a row must be >= 1 (1: decode only)")
-    return int(max_chunk)
 
 
 def storage_for(storage: str, windows, *, max_chunk, num_pages, prefix_cache) -> str:

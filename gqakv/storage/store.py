@@ -114,6 +114,24 @@ def nbytes(dtype, slots: int, kv_heads: int, head_dim: int) -> int:
     return StorageSpec.of(dtype).nbytes(slots, kv_heads, head_dim)
 
 
+def check_max_chunk(max_chunk, window) -> int | None:
+    """None, or ``max_chunk`` as a Python int >= 1 for a store of sliding ``window`` W;
+    TypeError / ValueError naming it (also when there is no window: max_chunk sizes
+    window-sized storage, ``gqakv.storage.ring``)."""
+    if max_chunk is None:
+        return None
+    if isinstance(max_chunk, (bool, np.bool_)) or not isinstance(max_chunk, (int, np.integer)):
+        raise TypeError(f"max_chunk must be an int >= 1 (the most tokens one append adds to a "
+                        f"row) or None, got {max_chunk!r}")
+    if int(max_chunk) < 1:
+        raise ValueError(f"max_chunk={int(max_chunk)} is not allowed: the most tokens one "
+                         "append adds to a row must be >= 1 (1: decode only)")
+    if window is None:
+        raise ValueError(f"max_chunk={int(max_chunk)} sizes window-sized storage; it applies with "
+                         "a sliding window (window=W), and this cache has none")
+    return int(max_chunk)
+
+
 class KVStore:
     """K/V storage of a cache (see the module docstring).
 
@@ -184,9 +202,7 @@ class KVStore:
         if window is not None:
             raise ValueError(f"window={window!r}: contiguous rows keep max_len slots; a contiguous "
                              "sliding layer is a ring of pages (gqakv.storage.ring.storage_for)")
-        if max_chunk is not None:
-            raise ValueError(f"max_chunk={max_chunk!r} sizes window-sized storage; it applies with "
-                             "a sliding window (window=W), and this cache has none")
+        check_max_chunk(max_chunk, window)  # no window here: any max_chunk is refused
         if page_size is not None or num_pages is not None:
             raise ValueError(f"page_size={page_size!r} and num_pages={num_pages!r} apply to "
                              f"storage='paged' only, not storage={CONTIGUOUS!r}")
