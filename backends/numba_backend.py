@@ -446,6 +446,19 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
     return run_numba(work, q, k_buf, v_buf, rows, lens, n_new, return_lse=return_lse)
 
 
+def default_key_block(head_dim: int) -> int:
+    """Keys per block of the kernels for this head dim when a call names none: float32
+    rows of ``KEY_BLOCK_BYTES`` (at least 8)."""
+    return max(8, KEY_BLOCK_BYTES // (4 * head_dim))
+
+
+def reads_heads_together(store) -> bool:
+    """Whether the kernels read the KV heads of a paged store's pages together: pages of at
+    most a key block (``numba_kernels.heads_per_pass``; the layout's ``together``, and
+    ``plan_numba`` plans such calls keys first)."""
+    return store.kind == PAGED and store.page_table.page_size <= default_key_block(store.head_dim)
+
+
 def _page_size(store) -> int | None:
     """Tokens per page of a paged store (``plan_numba``'s ``page_size``), else None."""
     return int(store.page_table.page_size) if store.kind == PAGED else None
@@ -523,7 +536,7 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
         np.asarray(params.sinks, dtype=np.float32)
     # None compiles the kernels without ALiBi (numba_kernels.bias)
     w.alibi = None if params.alibi_slopes is None else np.asarray(params.alibi_slopes, np.float32)
-    w.key_block = max(8, KEY_BLOCK_BYTES // (4 * d)) if key_block is None else key_block
+    w.key_block = default_key_block(d) if key_block is None else key_block
     trees, w.tree = None, None
     if tree is not None:
         entries = [tree.entry(i) for i in range(tree.batch)]
@@ -754,15 +767,15 @@ def kernel_layout(store):
     pools as their bits):
     ``Paged`` (pool [num_pages, Hkv, page_size, d], table [rows, pages_per_row] int32);
     quantized: ``Quantized(codes, scales [rows, Hkv, max_len])``; paged and quantized:
-    ``PagedQuantized(codes pool, scales pool [num_pages, Hkv, page_size], table, shift)``.
-    Views, no copies."""
+    ``PagedQuantized(codes pool, scales pool [num_pages, Hkv, page_size], table, shift,
+    together)`` (``together``: ``reads_heads_together``, as a type). Views, no copies."""
     nk = _kernels()
     if store.quantized and store.spec.codec.name in _KERNEL_GROUPED:  # codes as stored, 2-D scales
         if store.kind == PAGED:
             table = np.ascontiguousarray(store.page_table.entries, dtype=np.int32)
-            shift = nk.paged(store.k, table).shift
-            return (nk.PagedGrouped(store.k, store.k_scale, table, shift),
-                    nk.PagedGrouped(store.v, store.v_scale, table, shift))
+            _, _, shift, together = nk.paged(store.k, table, reads_heads_together(store))
+            return (nk.PagedGrouped(store.k, store.k_scale, table, shift, together),
+                    nk.PagedGrouped(store.v, store.v_scale, table, shift, together))
         return nk.Grouped(store.k, store.k_scale), nk.Grouped(store.v, store.v_scale)
     codes = None
     if store.quantized:  # the codes as the element type the kernels decode the codec's tag from
@@ -771,11 +784,12 @@ def kernel_layout(store):
     if store.kind == PAGED:
         table = np.ascontiguousarray(store.page_table.entries, dtype=np.int32)
         if codes is not None:  # codes and scales, both paged through the one table
-            shift = nk.paged(store.k, table).shift
-            return (nk.PagedQuantized(codes[0], store.k_scale, table, shift),
-                    nk.PagedQuantized(codes[1], store.v_scale, table, shift))
+            _, _, shift, together = nk.paged(store.k, table, reads_heads_together(store))
+            return (nk.PagedQuantized(codes[0], store.k_scale, table, shift, together),
+                    nk.PagedQuantized(codes[1], store.v_scale, table, shift, together))
         k, v = _kernel_buffers(store.k, store.v, nk)
-        return nk.paged(k, table), nk.paged(v, table)
+        together = reads_heads_together(store)
+        return nk.paged(k, table, together), nk.paged(v, table, together)
     if codes is not None:
         return (nk.Quantized(codes[0], store.k_scale), nk.Quantized(codes[1], store.v_scale))
     return store.k, store.v  # attention_numba takes their bits

@@ -350,15 +350,22 @@ def _decode(x):
 #: Paged storage as the kernels take it: ``pool`` [num_pages, Hkv, page_size, ...] and
 #: ``table`` [rows, pages_per_row] int32 (row r's pages in token order; token j of head
 #: h is ``pool[table[r, j // page_size], h, j % page_size]``); ``shift``: log2(page_size)
-#: when it is a power of two (j's page and place by shift and mask), else -1. Make it
-#: with ``paged(pool, table)``.
-Paged = namedtuple("Paged", ["pool", "table", "shift"])
+#: when it is a power of two (j's page and place by shift and mask), else -1;
+#: ``together``: True where the kernels may read a page's KV heads together (pages of at
+#: most a key block, ``heads_per_pass``), None where they read one head per pass: a
+#: choice made by the field's type, so large pages compile the one-head loops (a head
+#: count known only at run time cost paged 256 / contiguous float32 decode 0.96-1.05 ->
+#: 1.12-1.14, B=1 L=32,768). Make it with ``paged(pool, table, together)``.
+Paged = namedtuple("Paged", ["pool", "table", "shift", "together"])
 
 
-def paged(pool, table) -> Paged:
-    """The ``Paged`` layout of ``pool`` [num_pages, Hkv, page_size, ...] and ``table``."""
+def paged(pool, table, together: bool) -> Paged:
+    """The ``Paged`` layout of ``pool`` [num_pages, Hkv, page_size, ...] and ``table``
+    (``together``: whether its pages are small enough for the kernels to read their KV
+    heads together, ``Paged``'s field)."""
     P = int(pool.shape[2])
-    return Paged(pool, table, np.int64(P.bit_length() - 1 if P & (P - 1) == 0 else -1))
+    return Paged(pool, table, np.int64(P.bit_length() - 1 if P & (P - 1) == 0 else -1),
+                 True if together else None)
 #: Quantized storage as the kernels take it: ``codes`` (int8, or uint8 e4m3fn patterns;
 #: an array [rows, Hkv, max_len, d] or a ``Paged`` of them) and ``scales`` (float32, one
 #: per token: [rows, Hkv, max_len] or a ``Paged`` of them).
@@ -366,7 +373,7 @@ Quantized = namedtuple("Quantized", ["codes", "scales"])
 #: Paged quantized storage: ``codes`` [num_pages, Hkv, page_size, d] and ``scales``
 #: [num_pages, Hkv, page_size] paged through one ``table`` (``shift`` as ``Paged``'s).
 #: Flat, not a Quantized of Paged: numba's parallel loops take no nested tuples of arrays.
-PagedQuantized = namedtuple("PagedQuantized", ["codes", "scales", "table", "shift"])
+PagedQuantized = namedtuple("PagedQuantized", ["codes", "scales", "table", "shift", "together"])
 #: Grouped codes (``gqakv.storage.codecs.Grouped``: a float32 scale per block of g values
 #: along d): ``codes`` int8 ``[rows, Hkv, max_len, d]`` (8-bit) or uint8 ``[..., d / 2]``
 #: (4-bit: value 2i in the low nibble of byte i, each nibble the code + 8) and ``scales``
@@ -375,7 +382,7 @@ PagedQuantized = namedtuple("PagedQuantized", ["codes", "scales", "table", "shif
 Grouped = namedtuple("Grouped", ["codes", "scales"])
 #: Paged grouped codes: pools ``[num_pages, Hkv, page_size, ...]`` of codes and scales
 #: through one ``table`` (``shift`` as ``Paged``'s).
-PagedGrouped = namedtuple("PagedGrouped", ["codes", "scales", "table", "shift"])
+PagedGrouped = namedtuple("PagedGrouped", ["codes", "scales", "table", "shift", "together"])
 
 
 def _is(buf, cls):
@@ -426,8 +433,8 @@ def _key_run(buf, r, h, j, n):
         return paged_run
     if _is(buf, PagedQuantized) or _is(buf, PagedGrouped):
         def paged_quantized_run(buf, r, h, j, n):
-            rows, _, m = key_run(Paged(buf.codes, buf.table, buf.shift), r, h, j, n)
-            scales, _, _ = key_run(Paged(buf.scales, buf.table, buf.shift), r, h, j, m)
+            rows, _, m = key_run(Paged(buf.codes, buf.table, buf.shift, buf.together), r, h, j, n)
+            scales, _, _ = key_run(Paged(buf.scales, buf.table, buf.shift, buf.together), r, h, j, m)
             return rows, scales, m
         return paged_quantized_run
     if _is(buf, Quantized) or _is(buf, Grouped):
@@ -511,14 +518,21 @@ def heads_per_pass(buf, rows, key_block):
 
 
 def heads_read(buf, nh):
-    """``nh`` for paged layouts; the constant 1 for the others (overloaded below), so
-    their kernels compile the one-head loops they had before heads were read together."""
+    """``nh`` for paged layouts that read heads together (``Paged``'s ``together``); the
+    constant 1 for the others (overloaded below), so their kernels compile the one-head
+    loops they had before heads were read together."""
     raise NotImplementedError
+
+
+def _one_head(buf):
+    """Whether a layout's type reads one KV head per pass: contiguous rows, and pages
+    whose ``together`` is None."""
+    return _is_rows(buf) or (_is_paged(buf) and isinstance(buf.types[-1], types.NoneType))
 
 
 @overload(heads_read, inline="always", jit_options={"cache": True})
 def _heads_read(buf, nh):
-    if _is_rows(buf):
+    if _one_head(buf):
         return lambda buf, nh: 1
     if _is_paged(buf):
         return lambda buf, nh: nh
@@ -535,7 +549,7 @@ def _paged_heads_per_pass(page_size, rows, key_block):
 
 @overload(heads_per_pass, jit_options={"cache": True})
 def _heads_per_pass(buf, rows, key_block):
-    if _is_rows(buf):
+    if _one_head(buf):
         return lambda buf, rows, key_block: 1
     if _is(buf, Paged):
         return lambda buf, rows, key_block: \

@@ -29,7 +29,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from gqakv_backends import numba_kernels as nk  # noqa: E402
 from gqakv_backends.numba_backend import (KERNEL_MAX_QUERIES, NumbaBackend, attention_numba,  # noqa: E402
-                                         kernel_layout)
+                                         kernel_layout, reads_heads_together)
 
 from gqakv.core.inputs import validate_attention  # noqa: E402
 from gqakv.core.semantics import AttentionParams  # noqa: E402
@@ -130,10 +130,12 @@ def kernel_calls(monkeypatch):
 # -- paged ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("page_size", [1, 3, 16, 256])
+@pytest.mark.parametrize("page_size", [1, 3, 16, 256, 512])
 def test_paged_matches_reference(page_size, variant, kernel_calls):
     """Ragged rows (one empty), chunked prefill then decode, a fork sharing the prompt's
-    pages (then both rows growing apart through copy on write), unused pages NaN."""
+    pages (then both rows growing apart through copy on write), unused pages NaN. Pages up
+    to 256 tokens are at most the kernels' key block at d = 16 (their KV heads read
+    together); 512-token pages are larger (the kernels compiled for one head a pass)."""
     rng = np.random.default_rng(page_size)
     dtype = "float32" if page_size != 16 else "bfloat16"
     B, hkv, G, d, S = 4, 2, 3, 16, 600
@@ -173,13 +175,24 @@ def test_paged_window_starts_inside_a_page_and_crosses_pages():
 
 def test_paged_pool_of_huge_pages_and_kernel_layout():
     """kernel_layout: views of the pool (no copy) and the shared table; the shift is
-    log2(page_size) for powers of two, else -1 (division)."""
-    for P, shift in ((1, 0), (3, -1), (16, 4), (256, 8), (48, -1)):
-        cache = gqakv.PagedKVCache(2, 2, 300, 8, "bfloat16", backend="numba", page_size=P)
+    log2(page_size) for powers of two, else -1 (division); ``together`` is True for pages
+    of at most the default key block (512 keys at d = 8), None for larger ones, on plain,
+    per-token and grouped codes alike."""
+    for P, shift in ((1, 0), (3, -1), (16, 4), (256, 8), (48, -1), (512, 9), (513, -1)):
+        cache = gqakv.PagedKVCache(2, 2, 1100, 8, "bfloat16", backend="numba", page_size=P)
         k, v = kernel_layout(cache.store)
         assert isinstance(k, nk.Paged) and k.shift == shift
         assert k.pool.dtype == np.int16 and np.shares_memory(k.pool, cache.store.k)
         assert np.shares_memory(k.table, cache.store.page_table.entries) and v.table is k.table
+        together = True if P <= 512 else None
+        assert k.together is together and v.together is together
+        assert reads_heads_together(cache.store) is (P <= 512)
+        for kv_dtype, cls in (("int8", nk.PagedQuantized), ("int8_g32", nk.PagedGrouped)):
+            cache = gqakv.PagedKVCache(2, 2, 1100, 64, "bfloat16", backend="numba",
+                                       page_size=P, kv_dtype=kv_dtype)  # key block 64
+            k, v = kernel_layout(cache.store)
+            assert isinstance(k, cls) and k.shift == shift
+            assert k.together is v.together is (True if P <= 64 else None)
 
 
 def test_paged_plans_cover_every_kv_head_of_their_keys(monkeypatch):

@@ -113,6 +113,7 @@ SCENARIOS = {
     "decode-numba-int8": Scenario("numba", dtype="bfloat16", kv_dtype="int8"),
     "decode-numba-int4_g32": Scenario("numba", dtype="bfloat16", kv_dtype="int4_g32"),
     "decode-numba-float32-paged16": Scenario("numba", page_size=16),
+    "decode-numba-float32-paged256": Scenario("numba", page_size=256),
     "prefill-numba-float32": Scenario("numba", batch=1, length=576, n_new=64),
     "decode-numpy-float32": Scenario("numpy"),
     # the host target's step (issue 26): 32 layers, B=8, Hkv=8, G=4, d=64, 16 live tokens
