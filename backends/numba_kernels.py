@@ -434,7 +434,7 @@ def _key_run(buf, r, h, j, n):
                 page = j // P
                 at = j - page * P
             m = min(n, P - at)
-            return buf.pool[buf.table[r, page], h, at:], None, m  # to the page end: prefetch room
+            return page_rows(buf, buf.table[r, page], h, at), None, m
         return paged_run
     if _is(buf, PagedQuantized) or _is(buf, PagedGrouped):
         def paged_quantized_run(buf, r, h, j, n):
@@ -448,6 +448,28 @@ def _key_run(buf, r, h, j, n):
             scales, _, _ = key_run(buf.scales, r, h, j, m)
             return rows, scales, m
         return quantized_run
+    return None
+
+
+def page_rows(buf, page, h, at):
+    """The rows of a ``Paged`` pool's ``page`` from head h's row ``at`` on, in storage
+    order, as far as the kernels may prefetch (overloaded below): to the end of head h's
+    slice where heads are read one per pass; over the page's later heads too where they
+    are read together (``together`` True: the next head's slice is read next, so a
+    page [Hkv, P, d] is one stream [Hkv * P, d] in address order)."""
+    raise NotImplementedError
+
+
+@overload(page_rows, inline="always", jit_options={"cache": True})
+def _page_rows(buf, page, h, at):
+    if _is(buf, Paged) and not _one_head(buf) and buf.types[0].ndim == 4:
+        def whole_page(buf, page, h, at):
+            pool = buf.pool
+            P = pool.shape[2]
+            return pool[page].reshape((pool.shape[1] * P, pool.shape[3]))[h * P + at:]
+        return whole_page
+    if _is(buf, Paged):
+        return lambda buf, page, h, at: buf.pool[page, h, at:]
     return None
 
 
@@ -486,12 +508,13 @@ def _kv_heads(buf):
 def prefetch_ahead(buf):
     """How many rows ahead of the one being read the kernels prefetch in a layout
     (overloaded below): ``PREFETCH_BYTES`` of rows for contiguous rows (quantized: of
-    codes) and for pages larger than a key block (``Paged``'s ``together`` None), within
-    each page's run; 0 for small pages, whose runs are a few rows and whose next page lies
-    elsewhere: a constant the compiler folds, so no prefetch code is left in their
-    kernels (with it, decode over 16-token pages ran 5-26% slower though no prefetch was
-    issued; prefetching within 256-token pages made float32 / bfloat16 decode at B=1
-    L=32,768 1.08-1.12x faster, at 16-token pages up to 1.1x slower, 2026-12-05)."""
+    codes) and for paged layouts within a page (``page_rows``: one head's slice of a large
+    page, the whole page in address order where its heads are read together), except
+    float32 pages read heads together: 0, a constant the compiler folds, so no prefetch
+    code is left in their kernels. Measured 2026-12-05 (alternating processes, B=4
+    L=4,096 and B=1 L=32,768, load 1.0-1.5): 256-token pages float32 / bfloat16 paged /
+    contiguous 1.24 / 1.41-1.45 -> 1.10-1.12 / 1.12-1.18; 16-token pages bfloat16
+    1.18-1.30 -> 1.14-1.19, float32 1.28-1.40 -> 1.37-1.43 (left without)."""
     raise NotImplementedError
 
 
@@ -507,12 +530,12 @@ def _prefetch_ahead(buf):
         return lambda buf: _row_prefetch(buf)
     if _is(buf, Quantized) or _is(buf, Grouped):
         return lambda buf: _row_prefetch(buf.codes)
-    if _is(buf, Paged) and _one_head(buf):
+    if _is(buf, Paged) and not _one_head(buf) and buf.types[0].dtype.bitwidth > 16:
+        return lambda buf: 0  # float32 small pages: measured 1.03-1.06x slower with it
+    if _is(buf, Paged):
         return lambda buf: _row_prefetch(buf.pool)
-    if (_is(buf, PagedQuantized) or _is(buf, PagedGrouped)) and _one_head(buf):
+    if _is(buf, PagedQuantized) or _is(buf, PagedGrouped):
         return lambda buf: _row_prefetch(buf.codes)
-    if _is_paged(buf):
-        return lambda buf: 0
     return None
 
 
