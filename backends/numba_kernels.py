@@ -35,8 +35,9 @@ queries) against the block with the loop over d vectorized (``_block_dots``: two
 x four rows of accumulators in registers), then per row the mask, one max and rescale
 per block and the exponentials, then O += P V with the loop over d vectorized
 (``_accumulate``: four values into four rows per pass); both walk the block one storage
-run at a time and, over contiguous rows, prefetch the rows ``PREFETCH_BYTES`` ahead
-(``prefetch_ahead``; paged layouts compile without it). Over pages of at most a key
+run at a time and prefetch the rows ``PREFETCH_BYTES`` ahead (``prefetch_ahead``:
+contiguous rows, and paged rows within their page, ``page_rows``; float32 pages of at
+most a key block compile without it). Over pages of at most a key
 block, whose KV heads lie heads-major in each page, an item's heads (up to
 ``PAGED_TILE_ROWS`` tile rows) are attended in one pass, each storage run read for every
 head in turn (``heads_per_pass``), so a page is read in address order (paged 16 /
@@ -996,7 +997,7 @@ def _attend(qt, k_buf, v_buf, r, h0, nh, start, t0, nq, G, j0, j1, scale, softca
     nh = heads_read(k_buf, nh)  # a constant 1 where heads are never read together
     R = nq * G  # rows of one head's tile
     RT = nh * R
-    kahead, vahead = prefetch_ahead(k_buf), prefetch_ahead(v_buf)  # 0: paged, none
+    kahead, vahead = prefetch_ahead(k_buf), prefetch_ahead(v_buf)  # 0: none
     for rr in range(RT):
         m[rr] = _NEG_INF
         l[rr] = 0.0
