@@ -1,18 +1,27 @@
-"""Decode speed on the real model: gqakv's example model against transformers (sdpa +
-DynamicCache) on the same weights, in alternating blocks.
+"""Decode and prompt speed on the real model: gqakv's example model against transformers
+(sdpa + DynamicCache) and, optionally, llama.cpp on the same weights, in alternating blocks.
 
     python -m gqakv_examples.real_bench --batch 1 8 --prompt-len 64 --steps 32 --repeats 3
     python -m gqakv_examples.real_bench --batch 1 --blas-threads 1   # also gqakv with 1 BLAS thread
+    python -m gqakv_examples.real_bench --llamacpp /path/to/venv-with-llama-cpp/bin/python
 
-Both sides get the weights of the packaged SmolLM2-135M GGUF file (read once, dequantized
-by the ``gguf`` package; transformers' model is built from the same float32 arrays, which
-the real-model tests prove equal to transformers' own GGUF load). Each block prefills B
-rows of ``--prompt-len`` tokens (not timed), then times ``--steps`` greedy decode steps;
-blocks alternate gqakv / transformers ``--repeats`` times so that a load change on a
-shared machine hits both; each side's median and range of tokens/s, the range of the
-per-block speedup and the share of a decode step spent in attention (gqakv: the cache's
-``attend``, K/V write + attention; transformers: ``DynamicCache.update`` + the sdpa call)
-are reported with the load average.
+gqakv and transformers get the weights of the packaged SmolLM2-135M GGUF file (read once,
+dequantized by the ``gguf`` package; transformers' model is built from the same float32
+arrays, which the real-model tests prove equal to transformers' own GGUF load). llama.cpp
+(``--llamacpp PYTHON``: an interpreter with llama-cpp-python, which gqakv does not depend
+on; build it from its PyPI sdist) runs the file itself (``q4_1``) and the same file with
+every weight dequantized to float32 by llama.cpp's quantize tool (``f32``), each block in a
+process of its own (``llamacpp_bench.py``: B sequences of one context, flash attention,
+float16 K/V, 2 threads).
+
+Each block prefills B rows of ``--prompt-len`` tokens in one chunk (timed: prompt tok/s),
+then times ``--steps`` greedy decode steps (decode tok/s); blocks alternate the sides
+``--repeats`` times so that a load change on a shared machine hits all of them. Reported
+per side: median and range over blocks, the per-block decode speed over transformers', how
+many rows produced transformers' greedy tokens, and the share of decode time spent in
+attention (gqakv: the cache's ``attend``, K/V write + attention, split into the backend's
+kernels (``Backend.kernel_entries``) and the host work around them; transformers:
+``DynamicCache.update`` + the sdpa call), with the load average.
 Needs torch and transformers (the comparison side only).
 """
 
@@ -73,9 +82,9 @@ class _Clock:
         return timed
 
 
-def _hf_decode(model, prompts: np.ndarray, steps: int) -> tuple[float, np.ndarray, float]:
-    """Prefill (untimed), then ``steps`` greedy steps with a DynamicCache: seconds, tokens,
-    and the seconds of those steps spent in attention (DynamicCache.update + the sdpa call)."""
+def _hf_decode(model, prompts: np.ndarray, steps: int) -> dict:
+    """Prefill, then ``steps`` greedy steps with a DynamicCache, each timed; the seconds of
+    those steps spent in attention (DynamicCache.update + the sdpa call)."""
     import torch
     from transformers import DynamicCache
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -89,6 +98,7 @@ def _hf_decode(model, prompts: np.ndarray, steps: int) -> tuple[float, np.ndarra
     out = []
     try:
         with torch.no_grad():
+            t0 = time.perf_counter()
             logits = model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
             tok = logits.argmax(-1, keepdim=True)
             clock.on = True
@@ -96,9 +106,34 @@ def _hf_decode(model, prompts: np.ndarray, steps: int) -> tuple[float, np.ndarra
             for _ in range(steps):
                 out.append(tok)
                 tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            return time.perf_counter() - t, torch.cat(out, 1).numpy(), clock.seconds
+            return {"prefill": t - t0, "decode": time.perf_counter() - t, "tokens": torch.cat(out, 1).numpy(),
+                    "attention": clock.seconds, "kernels": None}
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+
+
+def _llamacpp_decode(python: str, gguf: str, prompts: np.ndarray, steps: int, threads: int) -> dict:
+    """llama.cpp's prefill and ``steps`` greedy decode steps, in a process of its own
+    (``llamacpp_bench.py`` run by ``python``, which has llama-cpp-python)."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts.tolist(), f)
+    try:
+        run = subprocess.run([python, os.path.join(os.path.dirname(__file__), "llamacpp_bench.py"), "--gguf", gguf,
+                              "--prompts", f.name, "--steps", str(steps + 1), "--threads", str(threads)],
+                             capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    if run.returncode != 0:
+        raise RuntimeError(f"llama.cpp side failed (status {run.returncode}): {run.stderr[-2000:]}")
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    return {"prefill": got["prefill_seconds"], "decode": got["decode_seconds"],
+            "tokens": np.array(got["tokens"])[:, :steps], "attention": None, "kernels": None,
+            "version": got["version"]}
 
 
 class _TimedStep:
@@ -121,36 +156,47 @@ class _TimedStep:
 
 
 class _TimedCache:
-    def __init__(self, cache, clock):
-        self._cache, self._clock = cache, clock
+    def __init__(self, cache, clock, kernel_clock):
+        self._cache, self._clock, self._kernel_clock = cache, clock, kernel_clock
 
     def step(self, n_new, **options):
         # Prefill (T > 1) untimed: only decode steps count toward the attention share.
         # options: what LlamaModel.forward passes on (rows=, tree=)
-        self._clock.on = int(np.max(n_new)) == 1
+        self._clock.on = self._kernel_clock.on = int(np.max(n_new)) == 1
         return _TimedStep(self._cache.step(n_new, **options), self._clock)
 
     def __getattr__(self, name):
         return getattr(self._cache, name)
 
 
-def _gqakv_decode(model, prompts: np.ndarray, steps: int, blas_threads=None) -> tuple[float, np.ndarray, float]:
-    """Prefill (untimed), then ``steps`` greedy steps: seconds, tokens, seconds in attention
-    (the cache's attend: K/V write + attention). ``blas_threads``: cap BLAS to this many."""
+def _gqakv_decode(model, prompts: np.ndarray, steps: int, blas_threads=None) -> dict:
+    """Prefill, then ``steps`` greedy steps, each timed; the seconds of those steps in
+    attention (the cache's attend: K/V write + attention) and, of that, in the backend's
+    kernels (``Backend.kernel_entries``; None where it declares none). ``blas_threads``:
+    cap BLAS to this many."""
     import contextlib
+
+    from gqakv.tools.host_time import kernels_wrapped
 
     from .real_model import generate_text
 
-    clock = _Clock()
-    cache = _TimedCache(model.new_cache(prompts.shape[0], prompts.shape[1] + steps + 1), clock)
+    clock, kernel_clock = _Clock(), _Clock()
+    cache = _TimedCache(model.new_cache(prompts.shape[0], prompts.shape[1] + steps + 1), clock, kernel_clock)
     limit = contextlib.nullcontext()
     if blas_threads is not None:
         from threadpoolctl import threadpool_limits
 
         limit = threadpool_limits(blas_threads, user_api="blas")
-    with limit:
+    has_kernels = bool(model.backend.kernel_entries())
+    with limit, kernels_wrapped(model.backend, kernel_clock.wrap):
         g = generate_text(model, prompts.tolist(), steps + 1, chunk=prompts.shape[1], cache=cache)
-    return g.decode_seconds, np.array(g.tokens)[:, :steps], clock.seconds
+    return {"prefill": g.time_to_first_token, "decode": g.decode_seconds, "tokens": np.array(g.tokens)[:, :steps],
+            "attention": clock.seconds, "kernels": kernel_clock.seconds if has_kernels else None}
+
+
+def _range(values, fmt="{:.1f}") -> str:
+    v = sorted(values)
+    return f"{fmt.format(statistics.median(v))} ({fmt.format(v[0])}-{fmt.format(v[-1])})"
 
 
 def main(argv=None) -> int:
@@ -162,15 +208,22 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default=None, help="gqakv backend (default: gqakv's choice)")
     ap.add_argument("--blas-threads", type=int, default=None, metavar="N",
                     help="also time gqakv with BLAS capped to N threads (threadpoolctl), in the same blocks")
+    ap.add_argument("--llamacpp", default=None, metavar="PYTHON",
+                    help="also time llama.cpp: a Python interpreter that has llama-cpp-python")
+    ap.add_argument("--llamacpp-weights", nargs="+", default=["f32", "q4_1"], choices=["f32", "q4_1"],
+                    help="llama.cpp's weights: the GGUF file's own (q4_1) and/or all dequantized to float32")
     args = ap.parse_args(argv)
 
     import os
+    import subprocess
+    import tempfile
 
     import torch
 
     from .gguf import GGUFLlamaModel, model_path, read_checkpoint
 
-    checkpoint = read_checkpoint(model_path("smollm2-135m"))
+    path = model_path("smollm2-135m")
+    checkpoint = read_checkpoint(path)
     ours = GGUFLlamaModel(checkpoint, dtype="float32", backend=args.backend)
     theirs = _hf_model(checkpoint)
     try:
@@ -180,40 +233,64 @@ def main(argv=None) -> int:
                 if i["user_api"] == "blas"]
     except ImportError:
         blas = ["threads unknown (threadpoolctl missing)"]
-    print(f"SmolLM2-135M float32, prompts of {args.prompt_len} tokens, {args.steps} decode steps, {args.repeats} "
-          f"alternating blocks; gqakv backend {ours.backend.name} (BLAS: {', '.join(blas)}), torch "
-          f"{torch.__version__} with {torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}")
     sides = ["gqakv"] + ([f"gqakv blas={args.blas_threads}"] if args.blas_threads else []) + ["transformers"]
+    workdir = tempfile.TemporaryDirectory()
+    llama: dict[str, str] = {}
+    if args.llamacpp:
+        for w in args.llamacpp_weights:
+            if w == "q4_1":
+                llama[f"llama.cpp {w}"] = path
+            else:  # the same file with every weight dequantized to float32 by llama.cpp's quantize
+                f32 = os.path.join(workdir.name, "smollm2-135m-f32.gguf")
+                subprocess.run([args.llamacpp, os.path.join(os.path.dirname(__file__), "llamacpp_bench.py"),
+                                "--to-f32", path, f32], check=True, capture_output=True)
+                llama[f"llama.cpp {w}"] = f32
+        sides += list(llama)
+    print(f"SmolLM2-135M ({os.path.basename(path)}; gqakv and transformers on its float32 dequantized weights), "
+          f"prompts of {args.prompt_len} tokens, {args.steps} decode steps, {args.repeats} alternating blocks; "
+          f"gqakv backend {ours.backend.name} (BLAS: {', '.join(blas)}), torch {torch.__version__} with "
+          f"{torch.get_num_threads()} threads" + (", llama.cpp 2 threads, flash attention, float16 K/V"
+                                                 if llama else "")
+          + f"; load average {os.getloadavg()[0]:.1f}")
     rng = np.random.default_rng(0)
     for B in args.batch:
         prompts = rng.integers(100, checkpoint.config.vocab_size, (B, args.prompt_len))
         _gqakv_decode(ours, prompts[:, :8], 2)  # warm-up: first touch, JIT, thread pools
         _hf_decode(theirs, prompts[:, :8], 2)
-        secs: dict[str, list[float]] = {s: [] for s in sides}
-        attn: dict[str, list[float]] = {s: [] for s in sides}
-        same, loads = True, []
+        runs: dict[str, list[dict]] = {s: [] for s in sides}
+        loads = []
         for _ in range(args.repeats):  # alternating blocks
-            runs = {"gqakv": _gqakv_decode(ours, prompts, args.steps)}
+            runs["gqakv"].append(_gqakv_decode(ours, prompts, args.steps))
             if args.blas_threads:
-                runs[sides[1]] = _gqakv_decode(ours, prompts, args.steps, blas_threads=args.blas_threads)
-            runs["transformers"] = _hf_decode(theirs, prompts, args.steps)
-            for s, (sec, toks, att) in runs.items():
-                secs[s].append(sec)
-                attn[s].append(att / sec)
-                same &= bool((toks == runs["transformers"][1]).all())
+                runs[sides[1]].append(_gqakv_decode(ours, prompts, args.steps, blas_threads=args.blas_threads))
+            runs["transformers"].append(_hf_decode(theirs, prompts, args.steps))
+            for name, gguf in llama.items():
+                runs[name].append(_llamacpp_decode(args.llamacpp, gguf, prompts, args.steps, threads=2))
             loads.append(os.getloadavg()[0])
-        tok = B * args.steps
-        print(f"batch {B}, prompt {args.prompt_len}: load average {min(loads):.1f}-{max(loads):.1f}; "
-              f"same tokens: {'yes' if same else 'NO'}")
+        hf_tokens = runs["transformers"][0]["tokens"]
+        print(f"batch {B}, prompt {args.prompt_len}: load average {min(loads):.1f}-{max(loads):.1f}")
         for s in sides:
-            rate = sorted(tok / x for x in secs[s])
-            ratio = sorted(t / x for t, x in zip(secs["transformers"], secs[s]))
-            print(f"  {s:<17} tok/s median {statistics.median(rate):7.1f} range {rate[0]:.1f}-{rate[-1]:.1f}; "
-                  f"attention {100 * min(attn[s]):.0f}-{100 * max(attn[s]):.0f}% of a step"
-                  + ("" if s == "transformers" else
-                     f"; speedup over transformers per block {ratio[0]:.2f}-{ratio[-1]:.2f}x"
-                     f" (median {statistics.median(ratio):.2f})"), flush=True)
+            r = runs[s]
+            decode = [B * args.steps / x["decode"] for x in r]
+            prompt = [B * args.prompt_len / x["prefill"] for x in r]
+            same = sum(bool((row_a == row_b).all()) for row_a, row_b in zip(r[-1]["tokens"], hf_tokens))
+            line = (f"  {s:<17} decode tok/s {_range(decode)}, prompt tok/s {_range(prompt, '{:.0f}')}; "
+                    f"rows with transformers' tokens {same}/{B}")
+            if s != "transformers":
+                ratio = [h["decode"] / x["decode"] for h, x in zip(runs["transformers"], r)]
+                line += f"; decode speed / transformers per block {_range(ratio, '{:.2f}')}"
+            if r[0]["attention"] is not None:
+                share = [x["attention"] / x["decode"] for x in r]
+                line += f"; attention {_range([100 * v for v in share], '{:.0f}')}% of decode"
+                if r[0]["kernels"] is not None:
+                    kern = [100 * x["kernels"] / x["decode"] for x in r]
+                    host = [100 * (x["attention"] - x["kernels"]) / x["decode"] for x in r]
+                    line += (f" (kernels {_range(kern, '{:.0f}')}%, host {_range(host, '{:.0f}')}%; "
+                             f"host per layer {_range([1e6 * (x['attention'] - x['kernels']) / args.steps / checkpoint.config.n_layers for x in r], '{:.0f}')} us)")
+            print(line, flush=True)
+    workdir.cleanup()
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -516,11 +516,56 @@ def test_decode_blas_threads_option_resolves_by_backend_and_load():
 
 def test_real_bench_runs_and_both_sides_agree(checkpoint, torch_mod, capsys):
     """`python -m gqakv_examples.real_bench` end to end at the smallest size: both systems
-    decode the same greedy tokens, and gqakv's attention share is reported (its timed
-    cache wraps a step used with or without ``with``, as ``LlamaModel.forward`` uses it)."""
+    decode the same greedy tokens, and gqakv's attention share, split into kernels and host
+    work, is reported (its timed cache wraps a step used with or without ``with``, as
+    ``LlamaModel.forward`` uses it)."""
     from gqakv_examples import real_bench
 
     assert real_bench.main(["--batch", "1", "--prompt-len", "8", "--steps", "2", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
-    assert "same tokens: yes" in out, out
-    assert "gqakv             tok/s median" in out and "attention" in out, out
+    gq = next(line for line in out.splitlines() if line.startswith("  gqakv "))
+    assert "rows with transformers' tokens 1/1" in gq and "prompt tok/s" in gq, out
+    assert "attention" in gq and "kernels" in gq and "host per layer" in gq, out
+
+
+_FAKE_LLAMACPP = """\
+import json, sys
+args = sys.argv[2:]
+if "--to-f32" in args:
+    open(args[args.index("--to-f32") + 2], "w").write("f32")
+    sys.exit(0)
+prompts = json.load(open(args[args.index("--prompts") + 1]))
+steps = int(args[args.index("--steps") + 1])
+gguf = args[args.index("--gguf") + 1]
+open(sys.argv[0] + ".calls", "a").write(gguf + "\\n")
+print("llama.cpp log line")
+print(json.dumps({"prefill_seconds": 0.5, "decode_seconds": 0.25 * (steps - 1), "decode_steps": steps - 1,
+                  "tokens": [[7] * steps for _ in prompts], "version": "fake", "system_info": ""}))
+"""
+
+
+def test_real_bench_runs_llamacpp_in_its_own_process(checkpoint, torch_mod, capsys, tmp_path):
+    """``--llamacpp PYTHON``: each block runs llamacpp_bench.py with that interpreter, once
+    on the GGUF file and once on its float32 copy (made by the same script's ``--to-f32``),
+    and reports its speed from the JSON line it prints (a stand-in interpreter here:
+    llama-cpp-python is not a dependency)."""
+    import os
+    import stat
+    import sys
+
+    from gqakv_examples import real_bench
+
+    fake = tmp_path / "python"
+    # argv: [fake, llamacpp_bench.py, its arguments...]
+    fake.write_text(f"#!{sys.executable}\n{_FAKE_LLAMACPP}")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    assert real_bench.main(["--batch", "2", "--prompt-len", "4", "--steps", "3", "--repeats", "2",
+                            "--llamacpp", str(fake)]) == 0
+    out = capsys.readouterr().out
+    calls = (tmp_path / "python.calls").read_text().split()
+    assert len(calls) == 4 and os.path.basename(calls[1]) == os.path.basename(calls[3]) != \
+        os.path.basename(calls[0]) == os.path.basename(calls[2]), calls  # f32 copy and the file, per block
+    for side in ("llama.cpp f32", "llama.cpp q4_1"):
+        line = next(line for line in out.splitlines() if line.startswith(f"  {side} "))
+        # 2 rows x 3 decode steps in 0.75 s; 2 x 4 prompt tokens in 0.5 s
+        assert "decode tok/s 8.0 (8.0-8.0), prompt tok/s 16 (16-16)" in line, line

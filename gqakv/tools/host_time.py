@@ -21,18 +21,24 @@ from ..caches.model_cache import ModelKVCache
 
 
 @contextlib.contextmanager
-def kernels_as_no_ops(backend):
-    """Every ``backend.kernel_entries()`` function replaced by one that returns None."""
+def kernels_wrapped(backend, wrap):
+    """Every ``backend.kernel_entries()`` function replaced by ``wrap(function)`` (a timer,
+    a no-op), and put back on exit."""
     saved = []
     try:
         for module_name, name in backend.kernel_entries():
             module = importlib.import_module(module_name)
             saved.append((module, name, getattr(module, name)))
-            setattr(module, name, lambda *args, **kwargs: None)
+            setattr(module, name, wrap(getattr(module, name)))
         yield
     finally:
         for module, name, fn in saved:
             setattr(module, name, fn)
+
+
+def kernels_as_no_ops(backend):
+    """Every ``backend.kernel_entries()`` function replaced by one that returns None."""
+    return kernels_wrapped(backend, lambda fn: lambda *args, **kwargs: None)
 
 
 def step_host_time(backend, *, layers: int = 32, batch: int = 8, kv_heads: int = 8,
