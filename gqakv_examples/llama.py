@@ -345,11 +345,17 @@ class LlamaModel:
         per row anyway; prefill loses its matrix-matrix blocking.)"""
         n_in, n_out = int(x.shape[-1]), int(w.shape[-1])
         n_rows = math.prod(int(s) for s in x.shape[:-1])
-        if not invariance.enabled() or n_rows == 0:
-            return x @ w
+        if n_rows <= 1 or (x.ndim == 2 and not invariance.enabled()):
+            return x @ w  # one row: NumPy's matrix-vector product
         xp = self.xp
         rows = xp.reshape(x, (n_rows, n_in))
-        out = xp.concat([rows[i:i + 1, :] @ w for i in range(n_rows)], axis=0)
+        if not invariance.enabled():
+            # one [rows, in] @ [in, out] product: a stacked x [B, T, in] @ w is B products
+            # to NumPy (its matmul loops over the leading dims), each reading all of w
+            # (batch-8 decode of SmolLM2-135M: 1.06x faster)
+            out = rows @ w
+        else:
+            out = xp.concat([rows[i:i + 1, :] @ w for i in range(n_rows)], axis=0)
         return xp.reshape(out, (*tuple(int(s) for s in x.shape[:-1]), n_out))
 
     def _heads(self, y, B, T, H):
