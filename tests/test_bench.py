@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -550,12 +551,32 @@ def test_bench_host_time_reports_the_host_share(capsys):
     the kernel, give or take the rounds' noise), on numpy it says nothing is excluded."""
     report = json.loads(run_cli(capsys, ["bench", *TINY, "--json", "--host-time",
                                          "--backend", "numba"]).out)
-    host = report["host_time"]
-    assert (host["layers"], host["batch"], host["kv_heads"], host["group"]) == (32, 8, 8, 4)
-    assert 0 < host["host_s"] and 0 < host["step_s"]
-    assert host["host_per_layer_us"] == pytest.approx(host["host_s"] / 32 * 1e6)
+    for key, evicted in (("host_time", 0), ("host_time_cold", 32 << 20)):
+        host = report[key]
+        assert (host["layers"], host["batch"], host["kv_heads"], host["group"]) == (32, 8, 8, 4)
+        assert host["evict_bytes"] == evicted
+        assert 0 < host["host_s"] and 0 < host["step_s"]
+        assert host["host_per_layer_us"] == pytest.approx(host["host_s"] / 32 * 1e6)
     text = run_cli(capsys, ["bench", *TINY, "--host-time", "--backend", "numpy"]).out
-    assert "host time: 32-layer decode step" in text and "declares no kernel entries" in text
+    assert text.count("host time: 32-layer decode step") == 2 and "declares no kernel entries" in text
+    assert "caches cold (32 MiB read before each layer, untimed)" in text
+
+
+def test_cold_host_time_leaves_the_sweeps_out():
+    """``evict_bytes``: the sweep before each layer is not timed: a no-op'd step over one
+    layer costs far less than reading the swept buffer (64 MiB: several ms at any read
+    rate this machine has; the host work of one layer is tens of microseconds)."""
+    from gqakv import ModelKVCache
+    from gqakv.tools.host_time import step_host_time
+
+    backend = ModelKVCache(1, 1, 1, 8, 8, backend="numba").backend
+    t = time.perf_counter()
+    np.ones((64 << 20) // 8).sum()
+    sweep_s = time.perf_counter() - t
+    host = step_host_time(backend, layers=1, batch=1, kv_heads=1, group=1, head_dim=8, rounds=3,
+                          steps_per_round=1, evict_bytes=64 << 20)  # medians of 3
+    assert host["evict_bytes"] == 64 << 20
+    assert 0 < host["host_s"] < sweep_s / 4, (host, sweep_s)
 
 
 def test_bench_mixed_batch_reports_packed_padded_and_separate(capsys, monkeypatch):
