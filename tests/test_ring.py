@@ -284,17 +284,25 @@ def test_paged_cache_with_max_chunk_is_the_same_ring():
 
 
 def test_model_cache_rings_match_full_history_through_steps():
-    """A model of full and sliding layers (two windows) with storage="contiguous": steps of
-    chunks up to max_chunk, a fork, a reorder, a truncate and an aborted step give bit for
-    bit the outputs of the paged full-history model cache, match the reference, and a step
-    longer than max_chunk is refused when it opens, before any group changes."""
+    """A model of full and sliding layers (two windows) with storage="contiguous": its full
+    layer keeps contiguous rows and its sliding layers are rings; steps of chunks up to
+    max_chunk, a fork, a reorder, a truncate and an aborted step give bit for bit the
+    outputs of the full-history model caches (the sliding layers the paged one's, the full
+    layer the contiguous one's), match the reference, and a step longer than max_chunk is
+    refused when it opens, before any group changes."""
     B, Hkv, d, S, P, C = 3, 1, 4, 200, 4, 9
     windows = [5, None, 9, 5]
     ring = gqakv.ModelKVCache(4, B, Hkv, S, d, dtype="float64", backend="numpy", page_size=P,
                               windows=windows, storage="contiguous", max_chunk=C)
-    full = gqakv.ModelKVCache(4, B, Hkv, S, d, dtype="float64", backend="numpy", page_size=P)
+    paged = gqakv.ModelKVCache(4, B, Hkv, S, d, dtype="float64", backend="numpy", page_size=P)
+    contiguous = gqakv.ModelKVCache(4, B, Hkv, S, d, dtype="float64", backend="numpy")
+    kinds = {w: store.kind for w, _, store in ring.store.groups}
+    assert kinds == {5: "paged", None: "contiguous", 9: "paged"}
+    assert ring.layer(1).store.k.shape == (B, Hkv, S, d)  # the full layer's rows, whole
     tables = ring.store.page_tables
-    assert tables[None].num_pages == B * (S // P)
+    assert sorted(tables) == [5, 9]  # the paged kinds only
+    slots = B * S + sum(windows.count(w) * B * window_pages(w, S, P, C) * P for w in (5, 9))
+    assert ring.nbytes == slots * 2 * Hkv * d * 8  # K and V, float64
     assert tables[5].num_pages == B * window_pages(5, S, P, C)
     assert tables[9].num_pages == B * window_pages(9, S, P, C)
     rng = np.random.default_rng(1)
@@ -305,24 +313,24 @@ def test_model_cache_rings_match_full_history_through_steps():
         qs = rng.standard_normal((4, B, 2, T, d))
         ks, vs = rng.standard_normal((2, 4, B, Hkv, T, d))
         outs = {}
-        for name, c in (("ring", ring), ("full", full)):
+        for name, c in (("ring", ring), ("paged", paged), ("contiguous", contiguous)):
             with c.step(n) as st:
                 outs[name] = [st.attend(l, qs[l], ks[l], vs[l], window=w, return_lse=True)
                               for l, w in enumerate(windows)]
         for l, w in enumerate(windows):
             directs[l].append(range(B), ks[l], vs[l], n)
-            for a, b in zip(outs["ring"][l], outs["full"][l]):
+            for a, b in zip(outs["ring"][l], outs["paged" if w else "contiguous"][l]):
                 np.testing.assert_array_equal(float_bits(a), float_bits(b))
             want, _ = reference_attention(qs[l], directs[l].k, directs[l].v, n, window=w)
             np.testing.assert_allclose(outs["ring"][l][0], want, atol=1e-12)
         if step == 12:
-            for c in (ring, full):
+            for c in (ring, paged, contiguous):
                 c.fork(0, [2])
             for dr in directs:
                 dr.fork(0, [2])
         if step == 20:
             src = np.array([1, 0, 0])
-            for c in (ring, full):
+            for c in (ring, paged, contiguous):
                 c.reorder(src)
             for dr in directs:
                 dr.reorder(src)
@@ -330,7 +338,7 @@ def test_model_cache_rings_match_full_history_through_steps():
             gone = int(ring.store.first_held([1])[0])
             keep = max(int(ring.host_lens[1]) - 2, gone + 9 - 1 if gone else 0)
             keep = min(keep, int(ring.host_lens[1]))
-            for c in (ring, full):
+            for c in (ring, paged, contiguous):
                 c.truncate([1], [keep])
             for dr in directs:
                 dr.truncate([1], [keep])
@@ -342,7 +350,6 @@ def test_model_cache_rings_match_full_history_through_steps():
         for w, table in tables.items():
             assert table.audit(ring.host_lens) == [], w
     assert tables[5].window_released > 0 and tables[9].window_released > 0
-    assert tables[None].window_released == 0
     before = {w: (t.entries.copy(), t.released.copy(), list(t._free)) for w, t in tables.items()}
     lens = ring.host_lens.copy()
     with pytest.raises(ValueError, match=rf"n_new\[0\]={C + 1} tokens to row 0 exceeds .*"
@@ -358,6 +365,62 @@ def test_model_cache_rings_match_full_history_through_steps():
             q = rng.standard_normal((B, 2, 1, d))
             k, v = rng.standard_normal((2, B, Hkv, 1, d))
             st.attend(l, q, k, v, window=w)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_contiguous_full_layers_of_a_mixed_model_through_trees_and_accept(backend):
+    """storage="contiguous" with full and sliding layers: the full layers' rows are
+    contiguous ([layers, B, Hkv, max_len, d], read by the backend's contiguous path), the
+    sliding ones rings. Draft-tree steps, accepted paths (moves within the contiguous
+    rows and copies on write in the rings' pages), forks and decode give bit for bit the
+    outputs of a contiguous full-history cache on the full layers and of a paged one on
+    the sliding layers; ``live_kv`` of a full layer is its rows, and the rings' audit holds."""
+    B, Hkv, d, S, P, C, T = 3, 2, 8, 96, 4, 6, 5
+    windows = [None, 7, None]
+    ring = gqakv.ModelKVCache(3, B, Hkv, S, d, "float32", backend=backend, page_size=P,
+                              windows=windows, storage="contiguous", max_chunk=C)
+    paged = gqakv.ModelKVCache(3, B, Hkv, S, d, "float32", backend=backend, page_size=P)
+    contiguous = gqakv.ModelKVCache(3, B, Hkv, S, d, "float32", backend=backend)
+    assert [st.kind for st in ring._layer_stores] == ["contiguous", "paged", "contiguous"]
+    caches = {"ring": ring, "paged": paged, "contiguous": contiguous}
+    rng = np.random.default_rng(11)  # both backends hold NumPy arrays
+
+    def step(n, tree=None):
+        qs = rng.standard_normal((3, B, 4, max(n), d)).astype(np.float32)
+        ks, vs = rng.standard_normal((2, 3, B, Hkv, qs.shape[3], d)).astype(np.float32)
+        outs = {}
+        for name, c in caches.items():
+            with c.step(n, tree=tree) as st:
+                outs[name] = [st.attend(l, qs[l], ks[l], vs[l], window=w) for l, w in enumerate(windows)]
+        for l, w in enumerate(windows):
+            np.testing.assert_array_equal(float_bits(outs["ring"][l]),
+                                          float_bits(outs["paged" if w else "contiguous"][l]))
+
+    step([C, C - 1, 2])
+    step([C, 3, C])
+    for trial in range(6):
+        parents = np.array([[-1] + [int(rng.integers(-1, t)) for t in range(1, T)] for _ in range(B)])
+        tree = gqakv.DraftTree.of(parents, [T] * B)
+        step([T] * B, tree)
+        paths = []
+        for b in range(B):  # a root path's prefix (or nothing)
+            u, path = int(rng.integers(0, T)), []
+            while u >= 0:
+                path.append(u)
+                u = int(parents[b, u])
+            paths.append(path[::-1][:int(rng.integers(0, len(path) + 1))])
+        for c in caches.values():
+            c.accept(paths, tree)
+        assert ring.host_lens.tolist() == contiguous.host_lens.tolist()
+        if trial == 2:
+            for c in caches.values():
+                c.fork(1, [0])
+        step([1] * B)
+        for table in ring.store.page_tables.values():
+            assert table.audit(ring.host_lens) == []
+    for b in range(B):
+        for got, want in zip(ring.live_kv(0, b), contiguous.live_kv(0, b)):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_mistral_shape_ring_bytes():

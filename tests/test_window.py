@@ -377,7 +377,7 @@ def test_model_cache_layers_by_kind(backend_name):
                                         9: B * window_pages(9, S, P, 12)})
     assert win.windows == tuple(windows)
     assert win.nbytes < ref.nbytes
-    with pytest.raises(TypeError, match="3 page pools by kind"):
+    with pytest.raises(TypeError, match="3 stores by kind"):
         win.pages_used  # several pools: no single count (win.store.page_tables has each)
     assert win.prefix_index is None
     for step in range(40):

@@ -25,6 +25,7 @@ append's included, so a step's layers can be captured once and replayed with
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import numpy as np
@@ -72,12 +73,13 @@ class ModelKVCache(RowsAndLengths):
             ``window=W`` or a smaller one). ``storage`` defaults to "paged" then; with
             ``storage="contiguous"`` (and ``max_chunk``) each sliding layer's rows are rings
             of pages (``gqakv.storage.ring``: paged storage whose pools hold ``batch x
-            window_pages(W, max_len, P, max_chunk)`` pages and never run out; the full
-            layers of a mixed model are paged too, one pool at ``max_len`` per row).
-            Layers of one kind share a page table and pool: all of one kind,
-            ``store`` is one PagedStore as without windows; of several kinds, ``store`` is a
-            ``gqakv.storage.layer_groups.LayerGroups`` (a pool per kind, ``page_tables``)
-            and ``num_pages`` may be a dict ``{window: pages}`` (None: the full layers').
+            window_pages(W, max_len, P, max_chunk)`` pages and never run out), and the
+            full layers of a mixed model stay contiguous (``[n_full, B, Hkv, max_len,
+            d]``). Layers of one kind share a store (paged: a page table and pool): all
+            of one kind, ``store`` is one store as without windows; of several kinds,
+            ``store`` is a ``gqakv.storage.layer_groups.LayerGroups`` (a store per kind;
+            ``page_tables`` of the paged ones) and ``num_pages`` may be a dict ``{window:
+            pages}`` (None: the full layers', when paged).
             A prefix cache takes layers of one kind only.
         max_chunk: with sliding layers only: None, or the most tokens one step appends to a
             row; a longer step is refused when it opens (ValueError naming the numbers,
@@ -101,9 +103,9 @@ class ModelKVCache(RowsAndLengths):
         if storage is None:
             storage = PAGED if page_size is not None or any(w is not None for w in kinds) else "contiguous"
         # contiguous sliding layers are rings of pages (gqakv.storage.ring): paged storage
-        # whose windowed pools are sized by max_chunk
-        storage = storage_for(storage, kinds, max_chunk=max_chunk, num_pages=num_pages,
-                              prefix_cache=prefix_cache)
+        # whose windowed pools are sized by max_chunk; full layers keep the storage asked for
+        storage_for(storage, kinds, max_chunk=max_chunk, num_pages=num_pages,
+                    prefix_cache=prefix_cache)  # refuses what a ring cannot take
         if max_chunk is not None and all(w is None for w in kinds):
             raise ValueError(f"max_chunk={max_chunk!r} sizes window-sized storage; it applies with "
                              "sliding layers (windows=[...]), and this cache has none")
@@ -119,9 +121,14 @@ class ModelKVCache(RowsAndLengths):
                              f"({distinct}; None: full attention): each kind pages through its "
                              "own table, and the prefix cache indexes one")
         members = {w: [l for l in range(self.layers) if kinds[l] == w] for w in distinct}
+        # each kind's storage: sliding layers asked to be contiguous are rings (paged, sized
+        # by page_size); full layers keep the storage asked for (page_size is the rings')
+        kind_of = {w: storage_for(storage, [w], max_chunk=max_chunk, num_pages=pages[w],
+                                  prefix_cache=prefix_cache) for w in distinct}
+        page_of = {w: page_size if kind_of[w] == PAGED else None for w in distinct}
         first = distinct[0]
         self._allocate((len(members[first]),), batch, kv_heads, max_len, head_dim, dtype, backend,
-                       "model KV cache", storage, page_size, pages[first], kv_dtype=kv_dtype,
+                       "model KV cache", storage, page_of[first], pages[first], kv_dtype=kv_dtype,
                        prefix_cache=prefix_cache, window=first,
                        max_chunk=None if first is None else max_chunk)
         self.windows: tuple[int | None, ...] = tuple(kinds)
@@ -130,14 +137,15 @@ class ModelKVCache(RowsAndLengths):
             from ..storage.layouts import store_class
 
             groups = [(first, members[first], self.store)]
-            layout = store_class(PAGED)
             for w in distinct[1:]:
-                args = layout.layout_args(self.batch, self.max_len, page_size=page_size,
+                layout = store_class(kind_of[w])
+                args = layout.layout_args(self.batch, self.max_len, page_size=page_of[w],
                                           num_pages=pages[w], window=w,
                                           max_chunk=None if w is None else max_chunk)
                 shape = (len(members[w]), self.batch, self.kv_heads, self.max_len, self.head_dim)
+                spec = dataclasses.replace(self.store.spec, kind=kind_of[w])
                 groups.append((w, members[w], layout.allocate(
-                    self.backend, self.store.spec, shape,
+                    self.backend, spec, shape,
                     f"model KV cache ({'full' if w is None else f'window={w}'} layers)", **args)))
             self.store = LayerGroups(groups, self.layers)
         self._layer_stores = [self.store.layer(l) for l in range(self.layers)]

@@ -1,9 +1,11 @@
 """Layers stored by their kind: a model whose layers differ in what they keep.
 
 A ``ModelKVCache`` of full-attention and sliding-window layers (Gemma 2/3, gpt-oss) stores
-each kind in its own paged pool: the full layers page through one table that keeps every
-token, and the sliding layers of each window ``W`` through a table of their own that
-releases the pages behind the window (``gqakv.storage.paged.PageTable.window``). One page
+each kind in a store of its own: the sliding layers of each window ``W`` page through a
+table of their own that releases the pages behind the window
+(``gqakv.storage.paged.PageTable.window``), and the full layers keep every token, either
+paging through one table of their own (paged storage) or in contiguous rows (a cache asked
+for contiguous storage, whose sliding layers are rings: ``gqakv.storage.ring``). One page
 table cannot serve both: a full layer needs the very pages a sliding layer lets go.
 
 ``LayerGroups`` is the model cache's store then: it hands out each layer's store
@@ -17,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .paged import PagedStore, fill_copies
-from .store import PAGED
+from .store import PAGED, KVStore
 
 
 class LayerGroups:
@@ -25,10 +27,11 @@ class LayerGroups:
 
     groups: ``(window, layers, store)`` per kind: ``window`` None (full attention) or W,
         ``layers`` the model's layer indices it holds (ascending), ``store`` a PagedStore
-        with leading axis ``(len(layers),)``.
+        (or, for the full layers, a contiguous KVStore) with leading axis
+        ``(len(layers),)``.
     """
 
-    kind = PAGED
+    kind = PAGED  # what a model cache of several kinds reports (its sliding kinds are paged)
 
     def __init__(self, groups: list[tuple[int | None, list[int], PagedStore]], layers: int):
         self.groups = groups
@@ -69,10 +72,11 @@ class LayerGroups:
         return self.groups[0][2].k
 
     def _refuse(self, what: str):
-        windows = ", ".join("full" if w is None else f"window={w}" for w, _, _ in self.groups)
-        return TypeError(f"this cache stores its layers in {len(self.groups)} page pools by kind "
+        windows = ", ".join(("full" if w is None else f"window={w}") + f" ({store.kind})"
+                            for w, _, store in self.groups)
+        return TypeError(f"this cache stores its layers in {len(self.groups)} stores by kind "
                          f"({windows}): it has no single {what}; use cache.layer(l) (or "
-                         "cache.page_tables)")
+                         "cache.store.page_tables)")
 
     @property
     def k(self):
@@ -88,10 +92,10 @@ class LayerGroups:
 
     @property
     def page_tables(self) -> dict:
-        """``{window: PageTable}`` of each group (None: the full layers')."""
-        return {w: store.page_table for w, _, store in self.groups}
+        """``{window: PageTable}`` of each paged group (None: the full layers', when paged)."""
+        return {w: store.page_table for w, _, store in self.groups if store.kind == PAGED}
 
-    def layer(self, layer: int) -> PagedStore:
+    def layer(self, layer: int) -> KVStore:
         store, i = self._where[int(layer)]
         return store.layer(i)
 
@@ -144,10 +148,11 @@ class LayerGroups:
         group copies, so an OutOfPages from any changes nothing (not a byte of any pool)."""
         taken = []
         try:
-            for _, _, store in self.groups:
-                taken.append(store.take_copies(moves, lens))
+            for _, _, store in self.groups:  # contiguous rows are private: nothing to take
+                taken.append(store.take_copies(moves, lens) if store.kind == PAGED else None)
             for (_, _, store), res in zip(self.groups, taken):
-                fill_copies(backend, store, res)
+                if res is not None:
+                    fill_copies(backend, store, res)
         except BaseException:
             self.give_back(taken)
             raise

@@ -38,9 +38,9 @@ window. ``live_kv`` of a row whose window released pages is refused (it has no w
 history), as are attention that reads further back than the window, and a ``truncate``
 (or accept) to a length whose next query would see released keys (the error names the
 window; 0 always works). Outputs are bit for bit those of the full-history cache.
-A model cache of full and sliding layers stores its full layers in a page pool too, one
-page per ``P`` tokens of every row at ``max_len`` (the contiguous bytes rounded up to
-whole pages; ``gqakv.storage.layer_groups``).
+A model cache of full and sliding layers keeps its full layers in contiguous rows
+(``[layers, B, Hkv, max_len, d]``, read by the backends' contiguous paths) beside the
+sliding layers' rings (``gqakv.storage.layer_groups``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ from .store import CONTIGUOUS, PAGED
 def storage_for(storage: str, windows, *, max_chunk, num_pages, prefix_cache) -> str:
     """The storage kind to allocate for ``storage`` and the layers' ``windows`` (None
     entries: full layers): ``"paged"`` for a contiguous cache with a sliding layer (its
-    ring, module docstring), else ``storage`` unchanged. Refuses (ValueError naming the
+    ring, module docstring), else ``storage`` unchanged (a model cache asks per layer
+    kind, so its full layers stay contiguous). Refuses (ValueError naming the
     argument) what a ring cannot take: no ``max_chunk``, a ``num_pages`` (the ring sizes
     its pool) or a prefix cache."""
     windowed = [w for w in windows if w is not None]
