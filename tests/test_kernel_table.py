@@ -124,10 +124,11 @@ def test_emulator_units_hold_every_row_of_the_table():
                              kv_dtypes=(None, *table.STORAGES["quantized"])))
     want |= rows(e for e in table.select(head_dims=(emulated_backend.PRODUCT_HEAD_DIM,),
                                          variants=tuple(table.VARIANT_FLAGS.values())))
-    # the grouped codecs' library (harness.grouped_units): plain causal and its richest
-    # flag set (window + soft-cap + sinks; ALiBi is the same trait flag as on 8-bit codes)
+    # the grouped codecs' library (harness.grouped_units): every variant flag set of the
+    # parity product, each with a draft tree too (every feature and the tree: the richest)
     want |= rows(table.select(head_dims=(64,), kv_dtypes=table.STORAGES["grouped"],
-                              variants=(0, max(harness.GROUPED_VARIANTS))))
+                              variants=(0, table.ALL, table.TREE, table.TREE | table.ALL)))
+    assert max(harness.GROUPED_VARIANTS) == table.TREE | table.ALL
     assert len(want) > 40 and want - have == set()
     assert {k for k, s, _, _ in have if s == "grouped"} == {"gqakv_write_kv_quantized", "gqakv_decode",
                                                           "gqakv_prefill"}

@@ -6,6 +6,7 @@ and their validation (a bad value is named and changes nothing)."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -355,10 +356,10 @@ def test_grouped_codecs_over_the_product(grouped_case, route_spy, monkeypatch):
             return run(plan, *args)
 
         monkeypatch.setattr(case.backend, "_run_plan", recorded)
-    # no draft tree's chunk: trees over grouped codes are tests/test_numba_grouped.py's (here
-    # each would be one more numba compile per variant; the emulator's grouped library
-    # holds no tree instantiation, harness.grouped_units)
-    _product_point(case, spy, d=GROUPED_HEAD_DIM, tree=False)
+    # a draft tree's chunk on the emulated CuPy backend (its grouped library holds the tree
+    # with every product variant, harness.grouped_units); elsewhere trees over grouped codes
+    # are tests/test_numba_grouped.py's (here each would be one more numba compile per variant)
+    _product_point(case, spy, d=GROUPED_HEAD_DIM, tree=emulated)
     if layouts is not None:
         assert set(layouts) == {"PagedGrouped" if paged else "Grouped"}, layouts
     if emulated:
@@ -372,6 +373,10 @@ def test_grouped_codecs_over_the_product(grouped_case, route_spy, monkeypatch):
         assert all(n.endswith("KVPages>") == paged for n in kernels), kernels
         for kernel in ("gqakv_write_kv_quantized<", "gqakv_prefill<", "gqakv_decode<"):
             assert any(n.startswith(kernel) for n in kernels), (kernel, kernels)
+        # the tree chunk ran the prefill kernel's tree instantiation (variant flags past 15)
+        flags = [int(m.group(1)) for n in kernels if n.startswith("gqakv_prefill<")
+                 for m in [re.search(rf", {GROUPED_HEAD_DIM}, (\d+)[,>]", n)] if m]
+        assert any(f & table.TREE for f in flags), kernels
 
 
 def test_the_product_sample_covers_every_pair():

@@ -83,11 +83,16 @@ TREE_DTYPES = ("float32", "bfloat16")
 FAMILIES = ("paged", "quantized", "tree")
 #: The grouped codecs' instantiations (instantiations.STORAGES["grouped"]: a scale per block,
 #: 4-bit codes two a byte) are a library of their own per head dim (``grouped_units``), never
-#: part of the default one: only the grouped tests load them. Their variants: plain causal,
-#: window, window + soft-cap, window + soft-cap + sinks (the tests' variants), q float32 and
-#: bfloat16 (the rotated codec computes in float32).
-GROUPED_VARIANTS = (0, _W, _W | _C, _W | _C | _S)
-GROUPED_DTYPES = ("float32", "bfloat16")
+#: part of the default one: only the grouped tests load them. Their variants: every variant
+#: of the parity product (tests/support/product.py ATTENTION_PARAMS: plain causal, each
+#: feature alone, window + soft-cap + sinks, all four), window + soft-cap
+#: (tests/test_cupy_emulated_grouped.py), and each of the product's with a draft tree (the
+#: prefill kernels only), q float32, bfloat16 and float16 (the rotated codec computes in
+#: float32).
+GROUPED_PRODUCT_VARIANTS = (0, _W, _C, _S, _W | _C | _S, _ALIBI, table.ALL)
+GROUPED_VARIANTS = (*GROUPED_PRODUCT_VARIANTS, _W | _C,
+                    *(table.TREE | v for v in GROUPED_PRODUCT_VARIANTS))
+GROUPED_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def kernel_dir() -> Path:
