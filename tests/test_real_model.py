@@ -19,6 +19,7 @@ and Q/K un-permutation) on the same file. Tolerances and why:
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -526,6 +527,9 @@ def test_real_bench_runs_and_both_sides_agree(checkpoint, torch_mod, capsys):
     gq = next(line for line in out.splitlines() if line.startswith("  gqakv "))
     assert "rows with transformers' tokens 1/1" in gq and "prompt tok/s" in gq, out
     assert "attention" in gq and "kernels" in gq and "host per layer" in gq, out
+    assert re.search(r"attention \d+ \(\d+-\d+\)% of prefill", gq), gq
+    hf = next(line for line in out.splitlines() if line.startswith("  transformers "))
+    assert "% of prefill" in hf and "% of decode" in hf, hf
 
 
 _FAKE_LLAMACPP = """\
