@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .paged import PagedStore, fill_copies
+from .paged import fill_copies
 from .store import PAGED, KVStore
 
 
@@ -33,9 +33,9 @@ class LayerGroups:
 
     kind = PAGED  # what a model cache of several kinds reports (its sliding kinds are paged)
 
-    def __init__(self, groups: list[tuple[int | None, list[int], PagedStore]], layers: int):
+    def __init__(self, groups: list[tuple[int | None, list[int], KVStore]], layers: int):
         self.groups = groups
-        self._where: dict[int, tuple[PagedStore, int]] = {}
+        self._where: dict[int, tuple[KVStore, int]] = {}
         for _, members, store in groups:
             for i, l in enumerate(members):
                 self._where[int(l)] = (store, i)
