@@ -14,8 +14,11 @@ llama.cpp version and system info.
 
 llama.cpp's AMX / repacked weight buffers are off (``use_extra_bufts = False``, as
 llama-cli's ``--no-repack``): on this project's machine its AMX matmul crashes at the first
-tile load (see docs/figures/llamacpp_kv_agreement.py). ``OMP_WAIT_POLICY=PASSIVE`` unless
-set: spinning OpenMP waits stall for whole scheduler slices on a loaded machine.
+tile load (see docs/figures/llamacpp_kv_agreement.py). ``OMP_WAIT_POLICY`` is left as the
+environment has it: unset, libgomp spins a while before its threads sleep, which is what
+llama.cpp's speed needs (on the idle machine ``PASSIVE`` decoded one row at 33 tok/s
+instead of 97 on the Q4_1 file); the accuracy script sets ``PASSIVE`` because spinning
+stalls on a loaded machine, where speed is not what it measures.
 """
 
 from __future__ import annotations
