@@ -53,8 +53,8 @@ from __future__ import annotations
 import numpy as np
 
 from gqakv.ops.merge import SoftmaxState
-from gqakv.core.semantics import (AttentionParams, block_keys, key_positions, query_positions, transform,
-                                  transform_scores, visible_mask)
+from gqakv.core.semantics import (AttentionParams, block_keys, common_keys, key_positions, query_positions,
+                                  transform, transform_scores, visible_mask)
 
 # Threads, work items and their sharing are planned in cpu_plan (shared with the numba
 # backend); the names stay importable from here.
@@ -132,10 +132,29 @@ def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, j
         k_pos = key_positions(L, n, js, je, tree).reshape(1, 1, 1, je - js)
         s4 = transform(params, s.reshape(hh, rows_ // nq, nq, je - js), q_pos, k_pos, heads, np)
         s = s4.reshape(hh, rows_, je - js)
+    _mask(s.reshape(hh, rows_ // nq, nq, je - js), params, L, n, t0, t1, js, je, tree)
+    state.add(s, vb)
+
+
+def _mask(s4, params, L: int, n: int, t0: int, t1: int, js: int, je: int, tree) -> None:
+    """-inf into the scores ``s4`` ``[hh, G, nq, je - js]`` of keys a query does not see.
+    Only the key columns outside the range every query of the block sees (``common_keys``:
+    a causal block's diagonal part, a window's left edge) are looked at: the same values
+    as masking the whole block, without building and applying a mask over the columns
+    every query sees."""
+    if tree is None:
+        lo, hi = common_keys(params, L, n, t0, t1)
+        a, b = min(max(lo, js), je), max(min(hi, je), js)  # [a, b): seen by all (a >= b: none)
+        if a < b:
+            for u, w in ((js, a), (b, je)):  # the columns left and right of it
+                if u < w:
+                    visible = visible_mask(params, L, n, t0, t1, u, w)
+                    if visible is not None:
+                        np.copyto(s4[..., u - js:w - js], -np.inf, where=~visible)
+            return
     visible = visible_mask(params, L, n, t0, t1, js, je, tree=tree)  # None: nothing masked
     if visible is not None:
-        np.copyto(s.reshape(hh, rows_ // nq, nq, je - js), -np.inf, where=~visible)
-    state.add(s, vb)
+        np.copyto(s4, -np.inf, where=~visible)
 
 
 def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_elements, offsets=None,
