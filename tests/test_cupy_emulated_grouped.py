@@ -341,7 +341,8 @@ def test_paged_int4_decode_over_shuffled_pages(scenario):
 
 #: This module's AddressSanitizer library: the paged 4-bit decode instantiations its
 #: scenarios launch, and the merge of the split one.
-ASAN_UNITS = harness.grouped_units(D, variants=(0, 7), readers=("paged",), kind="asan grouped")
+ASAN_UNITS = harness.grouped_units(D, dtypes=tuple(dict.fromkeys(s[1] for s in DECODE_SCENARIOS)),
+                                   variants=(0, 7), readers=("paged",), kind="asan grouped")
 ASAN_UNITS = [harness.unit(u.kind, D, [e for e in u.entries if e.kernel in ("gqakv_decode", "gqakv_merge")
                                        and (e.kv_dtype is None or e.kv_dtype.startswith("int4"))])
               for u in ASAN_UNITS]

@@ -403,7 +403,7 @@ def test_the_grouped_sample_covers_every_spec():
     and params value the backend runs grouped codes with (``_grouped_axes``), and no
     float64; the emulated CuPy backend's points are what its grouped library holds."""
     from .support.product import BACKENDS as _BACKENDS
-    from .support.product import GROUPED_SPECS, _grouped_axes, grouped_product_cases
+    from .support.product import ATTENTION_PARAMS, GROUPED_SPECS, _grouped_axes, grouped_product_cases
 
     cases = grouped_product_cases(_BACKENDS)
     assert len({(b.name, s, p, d) for b, s, p, d in cases}) == len(cases)
@@ -415,8 +415,9 @@ def test_the_grouped_sample_covers_every_spec():
         assert {p for _, p, _ in mine} == set(params)
         assert {GROUPED_SPECS[s]["kv_dtype"] for s in GROUPED_SPECS} == set(GROUPED)
     emulated = _grouped_axes(next(b for b in _BACKENDS if b.name == "cupy_emulated"))
-    assert set(emulated[0]) == {"causal", "window", "window+softcap+sinks"}
-    assert emulated[1] == ["float32", "bfloat16"]
+    # the grouped emulation library holds every variant and dtype of the product
+    assert set(emulated[0]) == set(ATTENTION_PARAMS)
+    assert emulated[1] == ["float32", "bfloat16", "float16"]
 
 
 def _runnable(name: str):
