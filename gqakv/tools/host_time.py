@@ -10,7 +10,7 @@ entries get only the first (their work is all array-library calls).
 
 In a model the layers' matmuls run between attention calls and stream their weights
 through the CPU's caches, so the host code runs cold: SmolLM2-135M's decode measured its
-attention host work at 100-136 us per layer in place, against 29-31 us in this loop with
+attention host work at 101-139 us per layer in place, against 29-32 us in this loop with
 the same shapes (``gqakv_examples.real_bench``; the real-model guide). ``evict_bytes``
 reproduces that: the loop reads a buffer that large before every layer (untimed).
 """
