@@ -367,6 +367,46 @@ def test_model_cache_rings_match_full_history_through_steps():
             st.attend(l, q, k, v, window=w)
 
 
+def test_cuda_kernels_read_a_mixed_models_contiguous_and_ring_layers_on_the_emulator(backend, route_spy):
+    """The cupy backend on the CPU emulator: a model of full and sliding layers with
+    storage="contiguous" (its full layers contiguous, its sliding one a ring) gives bit for
+    bit the contiguous full-history model's outputs on the full layers and the paged one's
+    on the sliding layer, through chunks longer than the window, a fork and decode, each
+    call on the kernel ``route()`` names."""
+    from .support.routes import assert_product_routes
+
+    if backend.name != "cupy_emulated":
+        pytest.skip("the CUDA kernels' check (numpy and numba: the test below)")
+    arrays = BackendArrays(backend)
+    spy = route_spy(backend)
+    B, Hkv, d, S, P, C, dt = 2, 1, 8, 48, 4, 12, "bfloat16"
+    windows = [None, 5, None]
+    caches = {"ring": gqakv.ModelKVCache(3, B, Hkv, S, d, dtype=dt, backend=backend, page_size=P,
+                                         windows=windows, storage="contiguous", max_chunk=C),
+              "contiguous": gqakv.ModelKVCache(3, B, Hkv, S, d, dtype=dt, backend=backend),
+              "paged": gqakv.ModelKVCache(3, B, Hkv, S, d, dtype=dt, backend=backend, page_size=P)}
+    assert [st.kind for st in caches["ring"]._layer_stores] == ["contiguous", "paged", "contiguous"]
+    rng = np.random.default_rng(2)
+    for T, n in [(9, [9, 7]), (1, [1, 1]), (12, [12, 3]), ("fork", None), (1, [1, 1]), (4, [4, 4])]:
+        if T == "fork":
+            for c in caches.values():
+                c.fork(0, [1])
+            continue
+        qs = rng.standard_normal((3, B, 2, T, d))
+        ks, vs = rng.standard_normal((2, 3, B, Hkv, T, d))
+        outs = {}
+        for name, c in caches.items():
+            with c.step(n) as st:
+                outs[name] = [arrays.to_numpy(st.attend(l, *(arrays.asarray(x[l], dt) for x in (qs, ks, vs)),
+                                                        window=w), np.float32)
+                              for l, w in enumerate(windows)]
+        for l, w in enumerate(windows):
+            np.testing.assert_array_equal(float_bits(outs["ring"][l]),
+                                          float_bits(outs["paged" if w else "contiguous"][l]))
+    assert caches["ring"].store.page_tables[5].window_released > 0
+    assert_product_routes(spy)
+
+
 @pytest.mark.parametrize("backend", ["numpy", "numba"])
 def test_contiguous_full_layers_of_a_mixed_model_through_trees_and_accept(backend):
     """storage="contiguous" with full and sliding layers: the full layers' rows are
