@@ -160,7 +160,8 @@ def _print_window(cfg: ModelConfig, args, kv_dtype) -> None:
           f"layer holds at most {w.pages_sliding:,} pages ({w.pages_sliding * P:,} token slots), "
           f"{w.full_history_bytes / max(1, w.window_bytes):.2f}x less (gqakv.ModelKVCache.for_model("
           f"..., window_storage=True), or ModelKVCache(..., windows=..., storage='contiguous', "
-          f"max_chunk={chunk}): rings)")
+          f"max_chunk={chunk}): rings" + (", its full layers contiguous: max_len slots, not whole pages"
+                                          if w.full_layers else "") + ")")
 
 
 def _print_context_parallel(full: ModelConfig, C: int, P: int, local_len: int, args, kv_dtype) -> None:
