@@ -28,10 +28,15 @@ Needs torch and transformers (the comparison side only).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import numpy as np
+
+#: llama.cpp's side, run by path with the ``--llamacpp`` interpreter (it imports nothing
+#: from gqakv).
+LLAMACPP_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamacpp_bench.py")
 
 
 def _hf_model(checkpoint):
@@ -117,14 +122,13 @@ def _llamacpp_decode(python: str, gguf: str, prompts: np.ndarray, steps: int, th
     """llama.cpp's prefill and ``steps`` greedy decode steps, in a process of its own
     (``llamacpp_bench.py`` run by ``python``, which has llama-cpp-python)."""
     import json
-    import os
     import subprocess
     import tempfile
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts.tolist(), f)
     try:
-        run = subprocess.run([python, os.path.join(os.path.dirname(__file__), "llamacpp_bench.py"), "--gguf", gguf,
+        run = subprocess.run([python, LLAMACPP_SCRIPT, "--gguf", gguf,
                               "--prompts", f.name, "--steps", str(steps + 1), "--threads", str(threads)],
                              capture_output=True, text=True)
     finally:
@@ -222,7 +226,6 @@ def main(argv=None) -> int:
                     help="llama.cpp's weights: the GGUF file's own (q4_1) and/or all dequantized to float32")
     args = ap.parse_args(argv)
 
-    import os
     import subprocess
     import tempfile
 
@@ -250,8 +253,8 @@ def main(argv=None) -> int:
                 llama[f"llama.cpp {w}"] = path
             else:  # the same file with every weight dequantized to float32 by llama.cpp's quantize
                 f32 = os.path.join(workdir.name, "smollm2-135m-f32.gguf")
-                subprocess.run([args.llamacpp, os.path.join(os.path.dirname(__file__), "llamacpp_bench.py"),
-                                "--to-f32", path, f32], check=True, capture_output=True)
+                subprocess.run([args.llamacpp, LLAMACPP_SCRIPT, "--to-f32", path, f32], check=True,
+                               capture_output=True)
                 llama[f"llama.cpp {w}"] = f32
         sides += list(llama)
     print(f"SmolLM2-135M ({os.path.basename(path)}; gqakv and transformers on its float32 dequantized weights), "

@@ -534,7 +534,7 @@ def test_real_bench_runs_and_both_sides_agree(checkpoint, torch_mod, capsys):
 
 _FAKE_LLAMACPP = """\
 import json, sys
-args = sys.argv[2:]
+args = sys.argv[1:]
 if "--to-f32" in args:
     open(args[args.index("--to-f32") + 2], "w").write("f32")
     sys.exit(0)
@@ -548,25 +548,24 @@ print(json.dumps({"prefill_seconds": 0.5, "decode_seconds": 0.25 * (steps - 1), 
 """
 
 
-def test_real_bench_runs_llamacpp_in_its_own_process(checkpoint, torch_mod, capsys, tmp_path):
-    """``--llamacpp PYTHON``: each block runs llamacpp_bench.py with that interpreter, once
-    on the GGUF file and once on its float32 copy (made by the same script's ``--to-f32``),
-    and reports its speed from the JSON line it prints (a stand-in interpreter here:
-    llama-cpp-python is not a dependency)."""
+def test_real_bench_runs_llamacpp_in_its_own_process(checkpoint, torch_mod, capsys, tmp_path, monkeypatch):
+    """``--llamacpp PYTHON``: each block runs llama.cpp's side script with that interpreter,
+    once on the GGUF file and once on its float32 copy (made by the same script's
+    ``--to-f32``), and reports its speed from the JSON line it prints (a stand-in script
+    here: llama-cpp-python is not a dependency)."""
     import os
-    import stat
     import sys
 
     from gqakv_examples import real_bench
 
-    fake = tmp_path / "python"
-    # argv: [fake, llamacpp_bench.py, its arguments...]
-    fake.write_text(f"#!{sys.executable}\n{_FAKE_LLAMACPP}")
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    assert os.path.isfile(real_bench.LLAMACPP_SCRIPT)  # the real one ships beside real_bench
+    fake = tmp_path / "llamacpp_bench.py"
+    fake.write_text(_FAKE_LLAMACPP)
+    monkeypatch.setattr(real_bench, "LLAMACPP_SCRIPT", str(fake))
     assert real_bench.main(["--batch", "2", "--prompt-len", "4", "--steps", "3", "--repeats", "2",
-                            "--llamacpp", str(fake)]) == 0
+                            "--llamacpp", sys.executable]) == 0
     out = capsys.readouterr().out
-    calls = (tmp_path / "python.calls").read_text().split()
+    calls = (tmp_path / "llamacpp_bench.py.calls").read_text().split()
     assert len(calls) == 4 and os.path.basename(calls[1]) == os.path.basename(calls[3]) != \
         os.path.basename(calls[0]) == os.path.basename(calls[2]), calls  # f32 copy and the file, per block
     for side in ("llama.cpp f32", "llama.cpp q4_1"):
