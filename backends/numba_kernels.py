@@ -321,6 +321,56 @@ def tanh_f32(x):
     return big if z >= np.float32(0.625) else small
 
 
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def softmax_block(s, m, l, alpha, nq, pos0, window):
+    """One online-softmax step over a block of causal scores, in place, for the NumPy
+    BLAS path (``numba_backend.FusedSoftmaxState``): the mask, max, subtract, exp and sum
+    passes NumPy makes over ``s`` fused into two over each row (the max as an integer
+    reduction, ``_order_key``; the exp vectorized, ``exp_nonpos``).
+
+    s: [R, K] float32 scaled scores of one block, row r holding query t = r % nq of the
+    block's queries; it sees the block's keys lo <= j < hi, hi = pos0 + t + 1 (pos0: the
+    block's first query's position relative to the block's first key) and, with a window
+    W > 0, lo = hi - W (both clipped to 0..K). s is overwritten by p = exp(s - shift),
+    0 outside [lo, hi). m, l: [R] the running max and sum, updated; alpha: [R] out,
+    exp(m_old - shift), the factor the running output is rescaled by. shift is the new
+    max, or the lowest finite float where it is -inf (no key seen yet: exp(-inf - shift)
+    = 0 where -inf - -inf would be NaN), as ``gqakv.ops.merge.SoftmaxState``; a NaN
+    among a row's visible scores (or in m) makes its p, m, l and alpha NaN. Releases the
+    GIL: the BLAS path's items run on Python threads.
+    """
+    _prefer_512_bit_vectors()
+    lowest = np.float32(-3.4028234663852886e38)
+    K = s.shape[1]
+    for r in range(s.shape[0]):
+        hi = min(K, max(0, pos0 + r % nq + 1))
+        lo = 0 if window <= 0 else min(hi, max(0, hi - window))
+        row = s[r]
+        seen = row[lo:hi]  # loops over a whole view: indices provably in bounds, so they vectorize
+        key = np.int32(_NEG_INF_KEY)
+        bad = False
+        for j in range(seen.size):
+            key = max(key, _order_key(_float32_bits(seen[j])))
+            bad |= seen[j] != seen[j]
+        m_old = m[r]
+        s_max = _bits_to_float32(_order_key(key))
+        m_new = s_max if s_max > m_old else m_old
+        if bad or m_old != m_old:
+            m_new = np.float32(np.nan)
+        shift = lowest if m_new == np.float32(-np.inf) else m_new
+        total = np.float32(0.0)
+        for j in range(seen.size):
+            p = exp_nonpos(seen[j] - shift)
+            seen[j] = p
+            total += p
+        row[:lo] = 0
+        row[hi:] = 0
+        a = exp_nonpos(m_old - shift)
+        alpha[r] = a
+        l[r] = l[r] * a + total
+        m[r] = m_new
+
+
 # -- the pieces: reader, visibility, score --------------------------------------------------
 
 def decode(x):

@@ -40,6 +40,10 @@ Work and memory:
   than float32, and its float16 cast is scalar code, so ``to_float32`` converts
   float16 through its bits), and the result is cast back to the cache's dtype.
 
+A block's online-softmax step is ``attend``'s ``state_class`` (``SoftmaxState``: NumPy
+passes over the scores; a backend may pass a faster one, as numba's
+``FusedSoftmaxState``, whose ``add_causal`` masks causal and windowed blocks itself).
+
 Attention variants (``gqakv.core.semantics``): a sliding window moves each query block's
 first key (the planner's items start at ``block_keys``), so work and bytes read follow
 min(L, W); the score hook ``semantics.transform`` (the soft-cap, then ALiBi's per-head
@@ -132,6 +136,10 @@ def fold_block(state, qb, kb, vb, *, params, L: int, n: int, t0: int, t1: int, j
         k_pos = key_positions(L, n, js, je, tree).reshape(1, 1, 1, je - js)
         s4 = transform(params, s.reshape(hh, rows_ // nq, nq, je - js), q_pos, k_pos, heads, np)
         s = s4.reshape(hh, rows_, je - js)
+    # a state that masks causal / window blocks itself (numba_backend.FusedSoftmaxState)
+    add_causal = None if tree is not None else getattr(state, "add_causal", None)
+    if add_causal is not None and add_causal(s, vb, nq, L - n + t0 - js, params.window or 0):
+        return
     _mask(s.reshape(hh, rows_ // nq, nq, je - js), params, L, n, t0, t1, js, je, tree)
     state.add(s, vb)
 
@@ -158,9 +166,9 @@ def _mask(s4, params, L: int, n: int, t0: int, t1: int, js: int, je: int, tree) 
 
 
 def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_elements, offsets=None,
-                 block_keys_fixed=None, tree=None):
+                 block_keys_fixed=None, tree=None, state_class=SoftmaxState):
     """Online softmax of one item over the blocks ``reader`` hands it (``numpy_readers``:
-    a value reader over the store's base reader); returns its ``SoftmaxState`` (o
+    a value reader over the store's base reader); returns its ``state_class`` state (o
     unnormalized). o: [hh, G * nq, d]; m, l: [hh, G * nq, 1], in ``acc``."""
     i, h0, h1, t0, t1, j0, j1, _ = item
     G = q.shape[1] // reader.kv_heads  # Hq: dim 1 padded and packed
@@ -171,7 +179,7 @@ def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_eleme
     heads = tile_heads(params, h0, h1, G)
     keys = (max(MIN_BLOCK_KEYS, score_block_elements // (hh * G * nq)) if block_keys_fixed is None
             else block_keys_fixed)  # batch-invariant: the same blocks whatever the tile
-    state = SoftmaxState(np)
+    state = state_class(np)
     for js, je, kb, vb in reader.blocks(i, h0, h1, j0, j1, keys=keys, acc=acc,
                                         block_elements=score_block_elements, d=d):
         fold_block(state, qb, kb, vb, params=params, L=L, n=n, t0=t0, t1=t1, js=js, je=je,
@@ -283,7 +291,7 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
            parallel_min_work: int = PARALLEL_MIN_WORK,
            max_tile_rows: int = MAX_TILE_ROWS,
            planned: NumpyWork | None = None, offsets=None, into=None, invariant: bool = False,
-           trees=None):
+           trees=None, state_class=SoftmaxState):
     """The item kernel over validated inputs: plan the items, share them among threads,
     read each item's K/V blocks through ``reader`` (``numpy_readers``), merge key pieces.
 
@@ -297,7 +305,9 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
     queries' results in place, left as they are elsewhere (another part of a packed
     batch writes there); returned. ``invariant``: batch-invariant items and blocks when
     planned here (``plan_items``; a ``planned`` work keeps its own). ``trees``: None, or
-    entry i -> its draft tree (``gqakv.core.tree.EntryTree``).
+    entry i -> its draft tree (``gqakv.core.tree.EntryTree``). ``state_class``: the online
+    softmax a block is folded by (``SoftmaxState``'s interface; the numba backend fuses its
+    passes, ``numba_backend.FusedSoftmaxState``).
     """
     Hq = q.shape[1]  # dim 1 in both layouts
     Hkv = reader.kv_heads
@@ -327,7 +337,8 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
             tree = None if trees is None else trees(i)
             state = _attend_item(q, reader, lens, n_new, item, params=params, acc=acc,
                                  score_block_elements=score_block_elements, offsets=offsets,
-                                 block_keys_fixed=planned.block_keys, tree=tree)
+                                 block_keys_fixed=planned.block_keys, tree=tree,
+                                 state_class=state_class)
             if (j0, j1) == block_keys(params, int(lens[i]), int(n_new[i]), t0, t1, tree):  # all its keys
                 _finish(out, lse, item, state, G, sinks, offsets)  # items write disjoint parts of out
             else:

@@ -145,6 +145,11 @@ class NumpyBackend(Backend):
         work.inputs = inputs  # the batch it was planned for (attention uses it for that one only)
         return work
 
+    def blas_options(self) -> dict:
+        """Keywords of ``numpy_attention.attend`` this backend's BLAS path runs with (a
+        subclass's faster pieces; none here)."""
+        return {}
+
     def attention(self, q, store, inputs, params, *, return_lse: bool, work=None, out=None,
                   lse_out=None):
         """BLAS matmuls on live blocks, shared among threads (``numpy_attention``), read
@@ -162,7 +167,7 @@ class NumpyBackend(Backend):
                 "attention", store, features=inputs.features,
                 **inputs.token_facts(q.shape))).impl == BLAS:
             result = attention_store(q, store, inputs, params, return_lse=want_lse,
-                                     planned=work)
+                                     planned=work, **self.blas_options())
         else:
             result = super().attention(q, store, inputs, params, return_lse=want_lse)
         if out is None and lse_out is None:

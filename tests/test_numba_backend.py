@@ -424,3 +424,138 @@ def test_alibi_is_a_compile_time_piece_of_the_score_loop(monkeypatch):
                                               softcap=params.softcap, sinks=params.sinks,
                                               alibi_slopes=params.alibi_slopes)
         _check(out, lse, want, want_lse, [3, 2], np.float32)
+
+
+# -- the BLAS path's fused softmax step (chunks longer than the kernels take) -----------------
+
+def _softmax_step_reference(s, m_old, l_old, nq, pos0, window):
+    """The step ``softmax_block`` makes, from its definition, row by row: NumPy's max (a
+    NaN reaches it), the difference ``s - shift`` rounded to float32 as the kernel forms
+    it, then exp and the sums in float64. Returns p [R, K], m, l, alpha [R] (float64)."""
+    R, K = s.shape
+    p, m, l, alpha = np.zeros((R, K)), np.empty(R), np.empty(R), np.empty(R)
+    lowest = np.finfo(np.float32).min
+    for r in range(R):
+        hi = min(K, max(0, pos0 + r % nq + 1))
+        lo = 0 if window <= 0 else min(hi, max(0, hi - window))
+        row_max = s[r, lo:hi].max() if hi > lo else np.float32(-np.inf)
+        m[r] = np.maximum(m_old[r], row_max)
+        shift = np.float32(lowest if m[r] == -np.inf else m[r])
+        p[r, lo:hi] = np.exp((s[r, lo:hi] - shift).astype(np.float64))
+        alpha[r] = np.exp(np.float64(np.float32(m_old[r] - shift)))
+        l[r] = l_old[r] * alpha[r] + p[r].sum()
+    return p, m, l, alpha
+
+
+def _assert_exp_close(got, want):
+    """``exp_nonpos``'s rule (test_exp_matches_float64_within_two_ulp): 2 ulp where the
+    value is a normal float32, at most the smallest normal below that; NaN where NaN."""
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    got, want = got[ok].astype(np.float64), want[ok]
+    normal = want > np.finfo(np.float32).tiny
+    np.testing.assert_allclose(got[normal], want[normal], rtol=2.4e-7, atol=0)
+    assert (got[~normal] <= np.finfo(np.float32).tiny * 1.01).all()
+
+
+@pytest.mark.parametrize("window", [0, 1, 4, 100])
+@pytest.mark.parametrize("pos0", [-3, 10, 40])
+def test_fused_softmax_step_matches_its_definition(pos0, window):
+    """``numba_kernels.softmax_block`` over rows that see nothing, part or all of a
+    37-key block (vector tails), with running maxima -inf, below and above the block's
+    scores and NaN, a NaN score seen by its row, one hidden from its row (no effect) and
+    a -inf score: masked keys exactly 0, m bit for bit, p and alpha within exp's 2 ulp,
+    l within the float32 summation bound (K ulp) on top."""
+    rng = np.random.default_rng(1000 + 7 * pos0 + window)
+    nq, G, K = 5, 3, 37
+    R = nq * G
+    s = (rng.standard_normal((R, K)) * 4).astype(np.float32)
+    s[1, 0] = np.nan  # seen by row 1 unless its window starts past key 0
+    s[2, K - 1] = np.nan  # past row 2's last key unless it sees the whole block
+    s[4, 3] = -np.inf
+    m_old = rng.choice([-np.inf, -20.0, 0.5, 30.0], R).astype(np.float32)
+    m_old[7] = np.nan
+    l_old = np.where(m_old == -np.inf, 0.0, rng.uniform(1, 5, R)).astype(np.float32)
+    want_p, want_m, want_l, want_alpha = _softmax_step_reference(s, m_old, l_old, nq, pos0, window)
+    p, m, l, alpha = s.copy(), m_old.copy(), l_old.copy(), np.empty(R, np.float32)
+    nk.softmax_block(p, m, l, alpha, nq, pos0, window)
+    np.testing.assert_array_equal(m, want_m.astype(np.float32))
+    assert not p[want_p == 0].any()  # masked keys and exp(-inf)
+    _assert_exp_close(p, want_p)
+    _assert_exp_close(alpha, want_alpha)
+    np.testing.assert_array_equal(np.isnan(l), np.isnan(want_l))
+    ok = ~np.isnan(want_l)
+    np.testing.assert_allclose(l[ok], want_l[ok], rtol=K * 2.0 ** -24 + 2.4e-7, atol=0)
+    if pos0 == 40:  # every row's keys end at the block's last: row 1 sees key 0 only without a short window
+        assert np.isnan(m[2]) and np.isnan(m[1]) == (window == 0 or window >= K)
+
+
+def _spy_fused(monkeypatch):
+    """Count the blocks ``FusedSoftmaxState.add_causal`` folded (it returned True)."""
+    from gqakv_backends.numba_backend import FusedSoftmaxState
+
+    folded = []
+    real = FusedSoftmaxState.add_causal
+
+    def spy(self, *args):
+        took = real(self, *args)
+        folded.append(took)
+        return took
+
+    monkeypatch.setattr(FusedSoftmaxState, "add_causal", spy)
+    return folded
+
+
+@pytest.mark.parametrize("storage", ["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("seed", range(3))
+def test_long_chunks_fold_through_the_fused_softmax(monkeypatch, storage, dtype, seed):
+    """Chunks longer than the kernels take run the NumPy BLAS path, whose float32 score
+    blocks the numba backend folds with ``softmax_block``: ragged rows (one empty, one
+    decoding) with random variants (window, softcap, sinks, ALiBi) through the public API
+    match the float64 reference, and every block was folded there."""
+    folded = _spy_fused(monkeypatch)
+    rng = np.random.default_rng(2000 + seed)
+    hkv, G, d = int(rng.choice([1, 2])), int(rng.integers(1, 5)), [16, 64, 80][seed]
+    lens = [int(rng.integers(40, 200)), 0, int(rng.integers(9, 40)), 30]
+    n_new = [int(rng.integers(9, 40)), 0, lens[2], 1]
+    q, k, v = _case(rng, lens, n_new, hkv, G, d, DTYPES[dtype])
+    variant = random_variant(rng, hkv * G, max(lens))
+    if seed:
+        variant["alibi_slopes"] = tuple(float(x) for x in 2.0 ** -rng.integers(1, 9, hkv * G))
+    kw = dict(page_size=16) if storage == "paged" else {}
+    cls = gqakv.PagedKVCache if storage == "paged" else gqakv.KVCache
+    cache = cls(len(lens), hkv, max(lens) + 3, d, dtype=dtype, backend="numba", **kw)
+    cache.append(np.ascontiguousarray(k[:, :, :max(lens)]), np.ascontiguousarray(v[:, :, :max(lens)]), lens)
+    params = AttentionParams(scale=1.0 / math.sqrt(d), **variant)
+    out, lse = gqakv.gqa_attention(q, cache, n_new, params=params, return_lse=True)
+    want, want_lse = reference_on_buffers(q, k, v, lens, n_new, params.scale, **variant)
+    _variant_check(out, lse, want, want_lse, n_new, DTYPES[dtype])
+    assert folded and all(folded)
+
+
+def test_fused_softmax_over_many_blocks_and_key_pieces(monkeypatch):
+    """The BLAS path with tiny score blocks, query blocks and key pieces on 3 threads:
+    each item folds many blocks (the running output rescaled by alpha each time) and
+    long rows' pieces merge through their LSE; matches the float64 reference, with
+    windows that leave whole blocks unseen by some of a block's queries."""
+    from gqakv_backends.numba_backend import FusedSoftmaxState
+    from gqakv_backends.numpy_attention import attention_numpy, plan_items
+
+    folded = _spy_fused(monkeypatch)
+    rng = np.random.default_rng(77)
+    lens, n_new = [300, 90, 17], [40, 90, 12]
+    q, k, v = _case(rng, lens, n_new, 2, 3, 16, np.float32)
+    for variant in ({}, dict(window=7, softcap=3.0, sinks=(0.5, -np.inf, 2.0, 8.0, 0.0, 1.0))):
+        folded.clear()
+        params = AttentionParams(scale=0.3, **variant)
+        out, lse = attention_numpy(q, k, v, np.arange(3), np.asarray(lens), np.asarray(n_new),
+                                   scale=0.3, return_lse=True, params=params, workers=3,
+                                   query_block=8, min_key_split=64, parallel_min_work=0,
+                                   score_block_elements=256, state_class=FusedSoftmaxState)
+        want, want_lse = reference_on_buffers(q, k, v, lens, n_new, 0.3, **variant)
+        _variant_check(out, lse, want, want_lse, n_new, np.float32)
+        items = plan_items(np.asarray(lens), np.asarray(n_new), q.shape, 2, params, workers=3,
+                           query_block=8, min_key_split=64).items
+        # blocks of 16 keys (MIN_BLOCK_KEYS): several per item without the window, one with it
+        assert len(folded) >= (1 if variant else 2) * len(items) and all(folded)
