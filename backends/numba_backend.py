@@ -196,8 +196,9 @@ class NumbaBackend(NumpyBackend):
         return None if isinstance(self._reason, bool) else self._reason  # checked: never a bool
 
     def blas_options(self) -> dict:
-        """The BLAS path's online softmax fused into one compiled pass per block."""
-        return {"state_class": FusedSoftmaxState}
+        """The BLAS path's online softmax fused into one compiled pass per block, and its
+        paged blocks gathered by one compiled call."""
+        return {"state_class": FusedSoftmaxState, "gather": gather_pages}
 
     # -- hooks for the tools (gqakv.dispatch.backend.Backend) ----------------------------------------
 
@@ -413,6 +414,23 @@ class FusedSoftmaxState(SoftmaxState):
             self.o *= alpha
             self.o += o_blk
         return True
+
+
+def gather_pages(pool, pages, h0: int, h1: int, out) -> bool:
+    """The BLAS path's paged gather (``numpy_readers.Pages``' ``gather``) through
+    ``numba_kernels.gather_pages``: ``out[:, j] = pool[pages[j], h0:h1]`` for C-contiguous
+    ``pool`` [num_pages, Hkv, P, *tail] and ``out`` [h1 - h0, >= len(pages), P, *tail] of
+    one element size (any dtype: copied as unsigned integers of that size). False, with
+    nothing written, for any other arrays (the reader's own loop then copies)."""
+    nk = _kernels()
+    view = nk.GATHER_VIEW.get(pool.dtype.itemsize)
+    if (view is None or out.dtype.itemsize != pool.dtype.itemsize or not pool.flags.c_contiguous
+            or not out.flags.c_contiguous or pool.ndim != out.ndim or pool.ndim < 3):
+        return False
+    src = pool.view(view).reshape(*pool.shape[:3], -1)
+    dst = out.view(view).reshape(*out.shape[:3], -1)
+    nk.gather_pages(src, np.asarray(pages), h0, h1, dst)
+    return True
 
 
 def _dtype_name(dtype) -> str:
@@ -726,7 +744,7 @@ def run_mixed(work: MixedWork, q, store, *, return_lse: bool, out=None, lse_out=
     a, b = work.short, work.long
     run_numba(work.short_work, q, k_buf, v_buf, a.rows, a.lens, a.n_new, return_lse=True,
               out=o, lse_out=lse, offsets=a.offsets)
-    attend(q, numpy_readers.reader_of(store, b.rows), b.lens, b.n_new, params=b.params,
+    attend(q, numpy_readers.reader_of(store, b.rows, gather_pages), b.lens, b.n_new, params=b.params,
            return_lse=True, planned=work.long_work, offsets=b.offsets, into=(o, lse),
            trees=entry_trees(b), state_class=FusedSoftmaxState)
     return _hand_back(q, o, lse, out, lse_out, return_lse)

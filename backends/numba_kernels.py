@@ -1266,6 +1266,25 @@ def merge_pieces(groups, group_starts, piece_rows, o_part, ml_part, G, sinks, ou
 #: How the write and copy kernels take a buffer: its elements as unsigned integers of the
 #: same width (a copy moves bits; one compiled loop per width serves every float dtype).
 COPY_VIEW = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+#: ``gather_pages``' element views by itemsize (bytes too: codes and nibble pairs).
+GATHER_VIEW = {1: np.uint8, **COPY_VIEW}
+
+
+@njit(cache=True, nogil=True)
+def gather_pages(pool, pages, h0, h1, out):
+    """out[h, j] = pool[pages[j], h0 + h] for the KV heads h0:h1 and the listed pages: a
+    paged block's pages gathered into the BLAS path's buffer in one compiled call (the
+    NumPy reader's loop makes a Python slice assignment per page and array, and holds the
+    GIL meanwhile). pool: [num_pages, Hkv, P, tail]; out: [h1 - h0, >= len(pages), P,
+    tail], both of one unsigned-integer view of the stored element (``GATHER_VIEW``).
+    Releases the GIL: the BLAS path's items run on Python threads."""
+    for h in range(h1 - h0):
+        for j in range(pages.size):
+            src = pool[pages[j], h0 + h]
+            dst = out[h, j]
+            for t in range(src.shape[0]):
+                for e in range(src.shape[1]):
+                    dst[t, e] = src[t, e]
 
 
 @intrinsic

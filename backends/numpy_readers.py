@@ -74,11 +74,14 @@ class Pages:
     element loops: both were measured slower than one slice assignment per page.)
     """
 
-    def __init__(self, arrays, rows, table, page_size: int):
+    def __init__(self, arrays, rows, table, page_size: int, gather=None):
         self.arrays = tuple(arrays)
         self.rows = rows
         self.table = table
         self.page_size = int(page_size)
+        #: ``gather(pool, pages, h0, h1, buf) -> bool``: a faster copy of the listed pages'
+        #: heads h0:h1 into buf[:, :len(pages)] (True when done; False: the loop here does it)
+        self.gather = gather
 
     def block_keys(self, keys: int, hh: int, d: int) -> int:
         P = self.page_size
@@ -107,9 +110,10 @@ class Pages:
                 blocks = tuple(v[:, page, a:b] for v in views)
             else:  # whole pages into the buffers, one slice assignment per page
                 assert bufs is not None
-                for j, page in enumerate(pages[p0:p1]):
-                    for buf, v in zip(bufs, views):
-                        buf[:, j] = v[:, page]
+                for buf, v, pool in zip(bufs, views, self.arrays):
+                    if self.gather is None or not self.gather(pool, pages[p0:p1], h0, h1, buf):
+                        for j, page in enumerate(pages[p0:p1]):
+                            buf[:, j] = v[:, page]
                 blocks = tuple(buf.reshape(hh, -1, *buf.shape[3:])[:, a:b] for buf in bufs)
             yield js, je, blocks
             js = je
@@ -199,25 +203,25 @@ class Coded:
 
 # -- a store's reader -------------------------------------------------------------------------
 
-def _rows(store, arrays, rows):
+def _rows(store, arrays, rows, gather=None):
     return Rows(arrays, rows)
 
 
-def _pages(store, arrays, rows):
-    return Pages(arrays, rows, store.page_table.entries, store.page_size)
+def _pages(store, arrays, rows, gather=None):
+    return Pages(arrays, rows, store.page_table.entries, store.page_size, gather)
 
 
 #: The base reader of each storage layout (``KVStore.kind``) the NumPy kernel reads.
 BASE_READERS = {CONTIGUOUS: _rows, PAGED: _pages}
 
 
-def reader_of(store, rows):
+def reader_of(store, rows, gather=None):
     """The value reader of a KVStore without leading axes (of a layout in
     ``BASE_READERS``) for batch entries reading rows ``rows`` [B]: ``Coded`` over the
     layout's base reader of codes and scales when the codec stores scales, else
-    ``Plain`` over K and V."""
+    ``Plain`` over K and V. ``gather``: a paged reader's faster page copy (``Pages``)."""
     base = BASE_READERS[store.kind]
     codec = store.spec.codec
     if codec.scaled:
-        return Coded(base(store, (store.k, store.v, store.k_scale, store.v_scale), rows), codec)
-    return Plain(base(store, (store.k, store.v), rows))
+        return Coded(base(store, (store.k, store.v, store.k_scale, store.v_scale), rows, gather), codec)
+    return Plain(base(store, (store.k, store.v), rows, gather))

@@ -511,10 +511,16 @@ def _spy_fused(monkeypatch):
 @pytest.mark.parametrize("seed", range(3))
 def test_long_chunks_fold_through_the_fused_softmax(monkeypatch, storage, dtype, seed):
     """Chunks longer than the kernels take run the NumPy BLAS path, whose float32 score
-    blocks the numba backend folds with ``softmax_block``: ragged rows (one empty, one
-    decoding) with random variants (window, softcap, sinks, ALiBi) through the public API
-    match the float64 reference, and every block was folded there."""
+    blocks the numba backend folds with ``softmax_block`` and whose paged blocks it
+    gathers with ``gather_pages``: ragged rows (one empty, one decoding) with random
+    variants (window, softcap, sinks, ALiBi) through the public API match the float64
+    reference, every block was folded there, and (paged) pages were gathered there."""
+    import gqakv_backends.numba_backend as nb
+
     folded = _spy_fused(monkeypatch)
+    gathered = []
+    real_gather = nb.gather_pages
+    monkeypatch.setattr(nb, "gather_pages", lambda *a: gathered.append(real_gather(*a)) or gathered[-1])
     rng = np.random.default_rng(2000 + seed)
     hkv, G, d = int(rng.choice([1, 2])), int(rng.integers(1, 5)), [16, 64, 80][seed]
     lens = [int(rng.integers(40, 200)), 0, int(rng.integers(9, 40)), 30]
@@ -532,6 +538,7 @@ def test_long_chunks_fold_through_the_fused_softmax(monkeypatch, storage, dtype,
     want, want_lse = reference_on_buffers(q, k, v, lens, n_new, params.scale, **variant)
     _variant_check(out, lse, want, want_lse, n_new, DTYPES[dtype])
     assert folded and all(folded)
+    assert all(gathered) and bool(gathered) == (storage == "paged")
 
 
 def test_fused_softmax_over_many_blocks_and_key_pieces(monkeypatch):
@@ -559,3 +566,29 @@ def test_fused_softmax_over_many_blocks_and_key_pieces(monkeypatch):
                            query_block=8, min_key_split=64).items
         # blocks of 16 keys (MIN_BLOCK_KEYS): several per item without the window, one with it
         assert len(folded) >= (1 if variant else 2) * len(items) and all(folded)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "uint8"])
+@pytest.mark.parametrize("tail", [(8,), ()])
+def test_gather_pages_copies_the_listed_pages_heads(dtype, tail):
+    """``numba_backend.gather_pages`` (the BLAS path's paged gather) writes
+    pool[pages[j], h0:h1] into out[:, j] bit for bit, for every element size the
+    stores hold (values, codes, nibble pairs; [.., P, d] blocks and [.., P] scales),
+    leaves the rest of out alone, and declines (False, nothing written) a
+    non-contiguous pool."""
+    from gqakv_backends.numba_backend import gather_pages
+
+    rng = np.random.default_rng(5)
+    np_dtype = DTYPES.get(dtype, np.dtype(dtype))
+    bits = rng.integers(0, 256, (7, 4, 3, *tail, np.dtype(np_dtype).itemsize), dtype=np.uint8)
+    pool = bits.view(np_dtype).reshape(7, 4, 3, *tail)  # every bit pattern, NaNs included
+    pages = np.array([5, 0, 5, 2], dtype=np.int32)
+    out = np.zeros((2, 6, 3, *tail), dtype=np_dtype)
+    assert gather_pages(pool, pages, 1, 3, out)
+    want = np.zeros_like(out)
+    for j, page in enumerate(pages):
+        want[:, j] = pool[page, 1:3]
+    np.testing.assert_array_equal(out.view(np.uint8), want.view(np.uint8))
+    before = out.copy()
+    assert not gather_pages(pool[:, :, ::-1], pages, 1, 3, out)
+    np.testing.assert_array_equal(out.view(np.uint8), before.view(np.uint8))
