@@ -72,11 +72,14 @@ KERNEL_MAX_QUERIES = 8
 #: Tiles of more rows than this (G query heads x T queries of one KV head) take the NumPy
 #: BLAS path: the kernel's work per key grows with its tile's rows, BLAS's matmuls stay
 #: efficient. It matters for shared-prefix calls (``gqakv.ops.shared_prefix``: a group's
-#: queries stacked into the heads, G' = G x queries). Kernel / BLAS time, one T = 1 call
-#: over 4,096 paged keys (pages of 16), Hkv=8, d=128, float32, 2 threads, both alternating
-#: in one process (quiet machine, load 1.4): G = 16: 0.30, 32: 0.40, 64: 0.65, 128: 0.78,
-#: 256: 1.04, 512: 1.30 (bfloat16 up to 128: 0.23-0.72).
-KERNEL_MAX_TILE_ROWS = 256
+#: queries stacked into the heads, G' = G x queries) and for G x T past 32. Kernel / BLAS
+#: time over 4,096 keys, Hkv=8, d=128, B=1, 2 threads, both alternating in one process
+#: (2026-12-05, load 0.3-0.7, since the BLAS path's fused softmax step and compiled paged
+#: gather): T = 1 with G = 32: 1.01, 64: 1.23 (bfloat16 1.04, pages of 16 1.09), 128: 1.59
+#: (bfloat16 1.46, pages 1.62); G = 4 with T = 4: 0.72 (bfloat16 0.50), T = 8: 0.86
+#: (bfloat16 0.65); G = 8 with T = 4: 0.92, T = 8: 1.20 (bfloat16 1.08); G = 16, T = 4:
+#: 1.24. (Before those two changes the kernel led up to 256 rows: 0.78 at 128.)
+KERNEL_MAX_TILE_ROWS = 32
 #: Queries of one item: the tile holds G * QUERY_BLOCK rows.
 QUERY_BLOCK = 16
 #: A row's keys are split across threads only into pieces at least this long.

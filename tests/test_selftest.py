@@ -134,11 +134,11 @@ def test_a_broken_paged_read_fails_only_the_paged_lines(capsys, monkeypatch):
 
     original = numpy_readers.Pages.__init__
 
-    def wrong_first_page(self, arrays, rows, table, page_size):
+    def wrong_first_page(self, arrays, rows, table, page_size, gather=None):
         bad = table.copy()
         two = (bad >= 0).sum(axis=1) >= 2
         bad[two, 0] = table[two, 1]
-        original(self, arrays, rows, bad, page_size)
+        original(self, arrays, rows, bad, page_size, gather)
     monkeypatch.setattr(numpy_readers.Pages, "__init__", wrong_first_page)
     status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "7")
     assert status == 1, out
