@@ -403,6 +403,9 @@ class FusedSoftmaxState(SoftmaxState):
         C-contiguous (the caller then masks and calls ``add``)."""
         if not (s.dtype == v.dtype == np.float32 and s.flags.c_contiguous and s.shape[-1] > 0):
             return False
+        if self.m is not None and not all(x.dtype == np.float32 and x.flags.c_contiguous
+                                          for x in (self.m, self.l)):
+            return False  # a state NumPy's passes began in another layout: they go on
         if self.m is None:
             self.m = np.full(s.shape[:-1] + (1,), -np.inf, dtype=np.float32)
             self.l = np.zeros(s.shape[:-1] + (1,), dtype=np.float32)
@@ -424,15 +427,20 @@ def gather_pages(pool, pages, h0: int, h1: int, out) -> bool:
     ``numba_kernels.gather_pages``: ``out[:, j] = pool[pages[j], h0:h1]`` for C-contiguous
     ``pool`` [num_pages, Hkv, P, *tail] and ``out`` [h1 - h0, >= len(pages), P, *tail] of
     one element size (any dtype: copied as unsigned integers of that size). False, with
-    nothing written, for any other arrays (the reader's own loop then copies)."""
+    nothing written, for any other arrays or a page id outside the pool (the reader's own
+    loop then copies, or raises NumPy's IndexError)."""
     nk = _kernels()
     view = nk.GATHER_VIEW.get(pool.dtype.itemsize)
+    pages = np.asarray(pages)
     if (view is None or out.dtype.itemsize != pool.dtype.itemsize or not pool.flags.c_contiguous
-            or not out.flags.c_contiguous or pool.ndim != out.ndim or pool.ndim < 3):
+            or not out.flags.c_contiguous or pool.ndim != out.ndim or pool.ndim < 3
+            or len(pages) > out.shape[1] or not 0 <= h0 <= h1 <= pool.shape[1] or h1 - h0 != out.shape[0]):
         return False
+    if len(pages) and not (0 <= int(pages.min()) and int(pages.max()) < pool.shape[0]):
+        return False  # the kernel does not check bounds: the reader's loop raises NumPy's error
     src = pool.view(view).reshape(*pool.shape[:3], -1)
     dst = out.view(view).reshape(*out.shape[:3], -1)
-    nk.gather_pages(src, np.asarray(pages), h0, h1, dst)
+    nk.gather_pages(src, pages, h0, h1, dst)
     return True
 
 

@@ -575,7 +575,7 @@ def test_gather_pages_copies_the_listed_pages_heads(dtype, tail):
     pool[pages[j], h0:h1] into out[:, j] bit for bit, for every element size the
     stores hold (values, codes, nibble pairs; [.., P, d] blocks and [.., P] scales),
     leaves the rest of out alone, and declines (False, nothing written) a
-    non-contiguous pool."""
+    non-contiguous pool, page ids outside the pool and a head range that does not fit."""
     from gqakv_backends.numba_backend import gather_pages
 
     rng = np.random.default_rng(5)
@@ -591,4 +591,7 @@ def test_gather_pages_copies_the_listed_pages_heads(dtype, tail):
     np.testing.assert_array_equal(out.view(np.uint8), want.view(np.uint8))
     before = out.copy()
     assert not gather_pages(pool[:, :, ::-1], pages, 1, 3, out)
+    for bad in ([5, 7], [-1, 0]):  # outside the pool: left to NumPy's indexing
+        assert not gather_pages(pool, np.array(bad), 1, 3, out)
+    assert not gather_pages(pool, pages, 1, 4, out)  # 3 heads into a buffer of 2
     np.testing.assert_array_equal(out.view(np.uint8), before.view(np.uint8))
