@@ -71,15 +71,21 @@ from .numpy_backend import NumpyBackend
 KERNEL_MAX_QUERIES = 8
 #: Tiles of more rows than this (G query heads x T queries of one KV head) take the NumPy
 #: BLAS path: the kernel's work per key grows with its tile's rows, BLAS's matmuls stay
-#: efficient. It matters for shared-prefix calls (``gqakv.ops.shared_prefix``: a group's
-#: queries stacked into the heads, G' = G x queries) and for G x T past 32. Kernel / BLAS
-#: time over 4,096 keys, Hkv=8, d=128, B=1, 2 threads, both alternating in one process
-#: (2026-12-05, load 0.3-0.7, since the BLAS path's fused softmax step and compiled paged
-#: gather): T = 1 with G = 32: 1.01, 64: 1.23 (bfloat16 1.04, pages of 16 1.09), 128: 1.59
-#: (bfloat16 1.46, pages 1.62); G = 4 with T = 4: 0.72 (bfloat16 0.50), T = 8: 0.86
-#: (bfloat16 0.65); G = 8 with T = 4: 0.92, T = 8: 1.20 (bfloat16 1.08); G = 16, T = 4:
-#: 1.24. (Before those two changes the kernel led up to 256 rows: 0.78 at 128.)
-KERNEL_MAX_TILE_ROWS = 32
+#: efficient, but each BLAS item costs host time, so where they cross depends on the rows'
+#: lengths, which a route does not see. It matters for shared-prefix calls
+#: (``gqakv.ops.shared_prefix``: a group's queries stacked into the heads, G' = G x
+#: queries) and for large G x T. Kernel / BLAS time, d=128, 2 threads, both alternating in
+#: one process (2026-12-05, load 0.3-0.7, with the BLAS path's fused softmax step and
+#: compiled paged gather):
+#: - Hkv=8, B=1, 4,096 keys, T = 1: G = 32: 1.01, 64: 1.23 (bfloat16 1.04, pages of 16
+#:   1.09), 128: 1.59 (bfloat16 1.46, pages 1.62); G = 4, T = 4 / 8: 0.72 / 0.86; G = 8,
+#:   T = 4 / 8: 0.92 / 1.20; G = 16, T = 4: 1.24;
+#: - Hkv=1, 256 keys (short rows), T = 1: G = 64: 0.67 at B=32 (bfloat16 G = 48: 0.46),
+#:   0.54 at B=8 paged; G = 128: 0.97-0.99; G = 256: 1.49; G = 128 over 1,024 keys: 1.30.
+#: So past 64 rows BLAS is at least as fast; at 64 the kernel's lead on short rows (1.5-2x)
+#: outweighs BLAS's on long ones (1.04-1.23). (Before those two changes the kernel led up
+#: to 256 rows, the cap until then: 0.78 at 128.)
+KERNEL_MAX_TILE_ROWS = 64
 #: Queries of one item: the tile holds G * QUERY_BLOCK rows.
 QUERY_BLOCK = 16
 #: A row's keys are split across threads only into pieces at least this long.

@@ -544,7 +544,7 @@ def test_numba_virtual_call_route(small_groups, monkeypatch, rows, want):
     backend = gqakv.get_backend("numba")
     if backend.unavailable_reason():
         pytest.skip(backend.unavailable_reason())
-    G = 8  # 4 rows x 8 heads = 32 tile rows (the kernel's most), 40 x 8 = 320 (BLAS)
+    G = 8  # 4 rows x 8 heads = 32 tile rows (the kernel's, at most 64), 40 x 8 = 320 (BLAS)
     c = gqakv.PagedKVCache(rows, 1, 24, 8, dtype="float32", backend=backend, page_size=4)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 1, 16, 8)).astype(np.float32)
