@@ -82,9 +82,9 @@ KERNEL_MAX_QUERIES = 8
 #:   T = 4 / 8: 0.92 / 1.20; G = 16, T = 4: 1.24;
 #: - Hkv=1, 256 keys (short rows), T = 1: G = 64: 0.67 at B=32 (bfloat16 G = 48: 0.46),
 #:   0.54 at B=8 paged; G = 128: 0.97-0.99; G = 256: 1.49; G = 128 over 1,024 keys: 1.30.
-#: So past 64 rows BLAS is at least as fast; at 64 the kernel's lead on short rows (1.5-2x)
-#: outweighs BLAS's on long ones (1.04-1.23). (Before those two changes the kernel led up
-#: to 256 rows, the cap until then: 0.78 at 128.)
+#: So past 64 rows BLAS is about as fast (short rows, 128: 0.97-0.99) or faster; at 64 the
+#: kernel's lead on short rows (1.5-2x) outweighs BLAS's on long ones (1.04-1.23). (Before
+#: those two changes the kernel led up to 256 rows, the cap until then: 0.78 at 128.)
 KERNEL_MAX_TILE_ROWS = 64
 #: Queries of one item: the tile holds G * QUERY_BLOCK rows.
 QUERY_BLOCK = 16
