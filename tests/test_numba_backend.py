@@ -543,15 +543,17 @@ def test_long_chunks_fold_through_the_fused_softmax(monkeypatch, storage, dtype,
 
 def test_fused_softmax_over_many_blocks_and_key_pieces(monkeypatch):
     """The BLAS path with tiny score blocks, query blocks and key pieces on 3 threads:
-    each item folds many blocks (the running output rescaled by alpha each time) and
-    long rows' pieces merge through their LSE; matches the float64 reference, with
-    windows that leave whole blocks unseen by some of a block's queries."""
+    each item folds many blocks (the running output rescaled by alpha each time) and,
+    without the window, the 300-key row's 4 queries are split into key pieces merged
+    through their LSE; matches the float64 reference, with windows that leave whole
+    blocks unseen by some of a block's queries."""
+    from gqakv.core.semantics import block_keys
     from gqakv_backends.numba_backend import FusedSoftmaxState
     from gqakv_backends.numpy_attention import attention_numpy, plan_items
 
     folded = _spy_fused(monkeypatch)
     rng = np.random.default_rng(77)
-    lens, n_new = [300, 90, 17], [40, 90, 12]
+    lens, n_new = [300, 90, 17], [4, 90, 12]
     q, k, v = _case(rng, lens, n_new, 2, 3, 16, np.float32)
     for variant in ({}, dict(window=7, softcap=3.0, sinks=(0.5, -np.inf, 2.0, 8.0, 0.0, 1.0))):
         folded.clear()
@@ -566,6 +568,9 @@ def test_fused_softmax_over_many_blocks_and_key_pieces(monkeypatch):
                            query_block=8, min_key_split=64).items
         # blocks of 16 keys (MIN_BLOCK_KEYS): several per item without the window, one with it
         assert len(folded) >= (1 if variant else 2) * len(items) and all(folded)
+        pieces = [it for it in items if (it[5], it[6]) != block_keys(params, lens[it[0]], n_new[it[0]],
+                                                                     it[3], it[4])]
+        assert bool(pieces) == (not variant)  # a window of 7 leaves no row long enough to split
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "uint8"])
