@@ -436,16 +436,15 @@ def gather_pages(pool, pages, h0: int, h1: int, out) -> bool:
     nothing written, for any other arrays or a page id outside the pool (the reader's own
     loop then copies, or raises NumPy's IndexError)."""
     nk = _kernels()
-    view = nk.GATHER_VIEW.get(pool.dtype.itemsize)
+    bits = _copy_bits(pool, out, views=nk.GATHER_VIEW)
     pages = np.asarray(pages)
-    if (view is None or out.dtype.itemsize != pool.dtype.itemsize or not pool.flags.c_contiguous
-            or not out.flags.c_contiguous or pool.ndim != out.ndim or pool.ndim < 3
-            or len(pages) > out.shape[1] or not 0 <= h0 <= h1 <= pool.shape[1] or h1 - h0 != out.shape[0]):
+    if (bits is None or not pool.flags.c_contiguous or not out.flags.c_contiguous
+            or pool.ndim != out.ndim or pool.ndim < 3 or len(pages) > out.shape[1]
+            or not 0 <= h0 <= h1 <= pool.shape[1] or h1 - h0 != out.shape[0]):
         return False
     if len(pages) and not (0 <= int(pages.min()) and int(pages.max()) < pool.shape[0]):
         return False  # the kernel does not check bounds: the reader's loop raises NumPy's error
-    src = pool.view(view).reshape(*pool.shape[:3], -1)
-    dst = out.view(view).reshape(*out.shape[:3], -1)
+    src, dst = (b.reshape(*b.shape[:3], -1) for b in bits)
     nk.gather_pages(src, pages, h0, h1, dst)
     return True
 
@@ -486,14 +485,14 @@ def default_workers() -> int:
     return limit
 
 
-def _copy_bits(*arrays):
-    """The arrays as unsigned integers of their element width (views; ``COPY_VIEW``), or
-    None when they do not share one width the copy kernels take."""
+def _copy_bits(*arrays, views=None):
+    """The arrays as unsigned integers of their element width (views; ``views``, default
+    ``COPY_VIEW``), or None when they do not share one width the kernels take."""
     nk = _kernels()
     widths = {a.dtype.itemsize for a in arrays}
     if len(widths) != 1 or not all(isinstance(a, np.ndarray) for a in arrays):
         return None
-    view = nk.COPY_VIEW.get(widths.pop())
+    view = (nk.COPY_VIEW if views is None else views).get(widths.pop())
     return None if view is None else [a.view(view) for a in arrays]
 
 
