@@ -123,6 +123,12 @@ class _Threads:
 _threads = _Threads()
 
 
+def blas_workers() -> int:
+    """GQAKV_NUM_THREADS if set, else as many threads as BLAS uses now (1 without
+    threadpoolctl): what a kernel that stands in for a BLAS call should use."""
+    return _threads.default_workers()
+
+
 # -- planning ------------------------------------------------------------------------------
 
 _CAUSAL = AttentionParams(scale=1.0)  # the key ranges of plain causal attention (scale unused)

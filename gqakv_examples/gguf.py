@@ -8,7 +8,8 @@ block. What this module adds is the mapping onto ``gqakv_examples.llama``:
   dim, hidden and MLP sizes, RoPE base, RMS epsilon; the vocabulary from the token list;
   tied output head when the file has no ``output.weight``);
 - every tensor by name (``token_embd``, ``blk.N.attn_q`` ..., ``output_norm``,
-  ``output``), transposed to the example model's ``[in, out]`` layout; a tensor that is
+  ``output``), transposed to the example model's ``[in, out]`` layout (a view: Fortran
+  order, each output's weights contiguous, as ``few_rows`` reads them); a tensor that is
   missing, unexpected or of the wrong shape is an error naming it;
 - the Q/K row order undone. llama.cpp's converter permutes the rows of ``attn_q`` and
   ``attn_k`` within each head so that its RoPE can rotate adjacent pairs (x0, x1), (x2,
@@ -32,6 +33,7 @@ import numpy as np
 
 import gqakv
 
+from . import few_rows
 from .llama import LlamaConfig, LlamaModel
 
 #: name -> (pip package, file inside it, pip command that installs it)
@@ -190,11 +192,13 @@ def read_checkpoint(path: str) -> GGUFCheckpoint:
                 w = unpermute_qk(w, c.n_heads)
             elif gname == "attn_k":
                 w = unpermute_qk(w, c.n_kv_heads)
-            layer[key] = w if w.ndim == 1 else np.ascontiguousarray(w.T)  # [in, out]
+            # [in, out] as the transposed view: Fortran order, each output's weights
+            # contiguous as in the file (what few_rows reads; x @ w takes it as it is)
+            layer[key] = w if w.ndim == 1 else w.T
         layers.append(layer)
     tensors = {"embed": take("token_embd.weight", (V, D)), "final_norm": take("output_norm.weight", (D,))}
     if not c.tie_embeddings:
-        tensors["head"] = np.ascontiguousarray(take("output.weight", (V, D)).T)
+        tensors["head"] = take("output.weight", (V, D)).T  # [D, V], Fortran order
     # RoPE frequency tables some converters store are derived data; anything else is unmapped.
     by_name.pop("rope_freqs.weight", None)
     if by_name:
@@ -232,10 +236,12 @@ class GGUFLlamaModel(LlamaModel):
         self.backend = gqakv.get_backend(backend, dtype=dtype, head_dim=c.head_dim)
         self.xp = self.backend.namespace()
         put = lambda w: self.backend.from_numpy(w, dtype)  # noqa: E731
-        self.embed = put(checkpoint.tensors["embed"])
-        self.layers = [{key: put(w) for key, w in layer.items()} for layer in checkpoint.layers]
+        self.embed = put(checkpoint.tensors["embed"])  # [V, D]: a tied head is its transpose
+        # matrices [in, out] in Fortran order (few_rows), the norms' vectors as they are
+        self.layers = [{key: few_rows.column_major(put(w)) for key, w in layer.items()}
+                       for layer in checkpoint.layers]
         self.final_norm = put(checkpoint.tensors["final_norm"])
         self.head = (self.xp.matrix_transpose(self.embed) if c.tie_embeddings
-                     else put(checkpoint.tensors["head"]))
+                     else few_rows.column_major(put(checkpoint.tensors["head"])))
         self.inv_freq = c.rope_theta ** (-np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim)
         self.scale = 1.0 / math.sqrt(c.head_dim)

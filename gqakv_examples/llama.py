@@ -57,6 +57,8 @@ import gqakv
 from gqakv.core import invariance
 from gqakv.distributed import rank_backend
 
+from . import few_rows
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -237,7 +239,8 @@ class LlamaModel:
             return self.backend.from_numpy(np.ascontiguousarray(w[rows, cols]), dtype)
 
         def dense(fan_in, fan_out, rows=whole, cols=whole):  # [in, out], unit-variance outputs
-            return uniform((fan_in, fan_out), 1.0 / math.sqrt(fan_in), rows, cols)
+            # NumPy float32 in Fortran order: each output's weights contiguous (few_rows)
+            return few_rows.column_major(uniform((fan_in, fan_out), 1.0 / math.sqrt(fan_in), rows, cols))
 
         def norm_weight():
             return self.backend.from_numpy(1.0 + 0.1 * rng.standard_normal(c.hidden_size), dtype)
@@ -345,11 +348,17 @@ class LlamaModel:
         per row anyway; prefill loses its matrix-matrix blocking.)"""
         n_in, n_out = int(x.shape[-1]), int(w.shape[-1])
         n_rows = math.prod(int(s) for s in x.shape[:-1])
-        if n_rows <= 1 or (x.ndim == 2 and not invariance.enabled()):
+        invariant = invariance.enabled()
+        if not invariant and 0 < n_rows <= few_rows.MAX_ROWS and type(x) is np.ndarray:
+            # decode's few token rows: a kernel that streams the weights (few_rows)
+            rows = x.reshape(n_rows, n_in)
+            if few_rows.why_not(rows, w) is None:
+                return few_rows.few_rows_matmul(rows, w).reshape(*x.shape[:-1], n_out)
+        if n_rows <= 1 or (x.ndim == 2 and not invariant):
             return x @ w  # one row: NumPy's matrix-vector product
         xp = self.xp
         rows = xp.reshape(x, (n_rows, n_in))
-        if not invariance.enabled():
+        if not invariant:
             # one [rows, in] @ [in, out] product: a stacked x [B, T, in] @ w is B products
             # to NumPy (its matmul loops over the leading dims), each reading all of w
             # (batch-8 decode of SmolLM2-135M: 1.10x faster)
