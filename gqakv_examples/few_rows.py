@@ -1,4 +1,4 @@
-"""The example model's matmul for a few rows: ``x [M, in] @ w [in, out]`` with M <= 32.
+"""The example model's matmul for decode's few rows: ``x [M, in] @ w [in, out]`` streamed.
 
 A decode step multiplies a handful of token rows (the batch) by every weight matrix of the
 model, so its matmuls read each weight once for little arithmetic: they are bound by how
@@ -12,13 +12,17 @@ row (OpenBLAS's sgemv) against about 27 GB/s of read bandwidth; this kernel took
 The kernel computes each output as a dot product of a row of ``x`` and a column of ``w``,
 which must lie contiguously: ``w`` stored in Fortran order (its transpose ``[out, in]`` C
 contiguous, as a GGUF file and torch's ``Linear`` store weights). Two rows of ``x`` meet
-four columns at a time (eight sums in registers, each column read from L1 for the second
-row), the columns cut into blocks spread over numba's threads. At 64 rows OpenBLAS draws
-level (118-125 ms both) and past it leads, so larger products keep ``x @ w``.
+four columns at a time (eight sums in registers; the columns stay in L1 for the next
+pair), the columns cut into blocks spread over numba's threads. At 64 rows OpenBLAS draws
+level (118-125 ms both) and past it leads, so the model keeps ``x @ w`` for more than
+``MAX_ROWS`` rows.
 
-A row's result depends on its partner row in a pair (the vectorized sums differ between
-the paired and the lone-row loop), so in batch-invariant mode (``gqakv.batch_invariant``)
-the model does not use it.
+In batch-invariant mode (``gqakv.batch_invariant``) the model runs every product on it,
+prefill's too, with ``invariant=True``: every row is then summed by the pair loop (an odd
+count's last row paired with itself), so a row's bits do not depend on the other rows or
+the thread count, where BLAS picks its blocking by the row count. Measured in one process
+(load 4.9): pairing the last row with itself costs 15% at one row (26.9 against 22.8 ms)
+and nothing at 2 and 8; summing every row alone instead costs 10-15% at 8 and 16 rows.
 """
 
 from __future__ import annotations
@@ -33,10 +37,14 @@ try:
 except ImportError:  # numba is optional where it has no wheels: x @ w serves
     numba = None
 
-#: Products of more rows than this take ``x @ w`` (see the module docstring).
+#: The model's products of more rows than this take ``x @ w`` (outside batch-invariant
+#: mode; see the module docstring).
 MAX_ROWS = 32
 #: Output columns per parallel task: each task streams its columns' weights once.
 COLUMN_BLOCK = 32
+#: Rows a task takes at a time over its columns (for long products: those rows and the
+#: task's columns, 74 KB each at 576 inputs, stay in L2 while they meet).
+ROW_CHUNK = 32
 #: The kernel's float32 flags: reassociation lets LLVM vectorize each dot product's sum;
 #: never 'nnan' / 'ninf', so NaN and inf propagate as in ``x @ w``.
 FASTMATH = {"contract", "reassoc", "arcp"}
@@ -46,55 +54,60 @@ if numba is not None:
     f32 = np.float32
 
     @njit(parallel=True, fastmath=FASTMATH, nogil=True, cache=True)
-    def _rows_times_columns(x, wt, out):  # pragma: no cover - compiled
+    def _rows_times_columns(x, wt, out, pair_last):  # pragma: no cover - compiled
         """``out[m, o] = x[m] . wt[o]``: x ``[M, K]``, wt ``[N, K]``, out ``[M, N]``
-        float32, x and wt C-contiguous."""
+        float32, x and wt C-contiguous. Rows go in pairs; an odd M's last row alone, or
+        with ``pair_last`` paired with itself, so that every row is summed by the same loop
+        whatever M (which column loop sums it depends on o and N alone)."""
         M, K = x.shape
         N = wt.shape[0]
-        for block in prange((N + COLUMN_BLOCK - 1) // COLUMN_BLOCK):
-            o = block * COLUMN_BLOCK
-            end = min(N, o + COLUMN_BLOCK)
-            while o + 4 <= end:
-                w0, w1, w2, w3 = wt[o], wt[o + 1], wt[o + 2], wt[o + 3]
-                m = 0
-                while m + 2 <= M:
-                    xa, xb = x[m], x[m + 1]
-                    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = f32(0)
-                    for k in range(K):
-                        u0, u1, u2, u3 = w0[k], w1[k], w2[k], w3[k]
-                        s = xa[k]
-                        a0 += s * u0
-                        a1 += s * u1
-                        a2 += s * u2
-                        a3 += s * u3
-                        t = xb[k]
-                        b0 += t * u0
-                        b1 += t * u1
-                        b2 += t * u2
-                        b3 += t * u3
-                    out[m, o], out[m, o + 1], out[m, o + 2], out[m, o + 3] = a0, a1, a2, a3
-                    out[m + 1, o], out[m + 1, o + 1], out[m + 1, o + 2], out[m + 1, o + 3] = b0, b1, b2, b3
-                    m += 2
-                if m < M:  # an odd row count's last row
-                    xa = x[m]
-                    a0 = a1 = a2 = a3 = f32(0)
-                    for k in range(K):
-                        s = xa[k]
-                        a0 += s * w0[k]
-                        a1 += s * w1[k]
-                        a2 += s * w2[k]
-                        a3 += s * w3[k]
-                    out[m, o], out[m, o + 1], out[m, o + 2], out[m, o + 3] = a0, a1, a2, a3
-                o += 4
-            while o < end:  # the block's last columns, one at a time
-                w0 = wt[o]
-                for m in range(M):
-                    xa = x[m]
-                    a0 = f32(0)
-                    for k in range(K):
-                        a0 += xa[k] * w0[k]
-                    out[m, o] = a0
-                o += 1
+        for task in prange((N + COLUMN_BLOCK - 1) // COLUMN_BLOCK):
+            first = task * COLUMN_BLOCK
+            end = min(N, first + COLUMN_BLOCK)
+            for m0 in range(0, M, ROW_CHUNK):  # rows and columns both stay in L2
+                m1 = min(M, m0 + ROW_CHUNK)
+                o = first
+                while o + 4 <= end:
+                    w0, w1, w2, w3 = wt[o], wt[o + 1], wt[o + 2], wt[o + 3]
+                    for m in range(m0, m1, 2):
+                        xa = x[m]
+                        if m + 1 == m1 and not pair_last:  # the last row alone
+                            a0 = a1 = a2 = a3 = f32(0)
+                            for k in range(K):
+                                s = xa[k]
+                                a0 += s * w0[k]
+                                a1 += s * w1[k]
+                                a2 += s * w2[k]
+                                a3 += s * w3[k]
+                            out[m, o], out[m, o + 1], out[m, o + 2], out[m, o + 3] = a0, a1, a2, a3
+                            continue
+                        mb = min(m + 1, m1 - 1)
+                        xb = x[mb]
+                        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = f32(0)
+                        for k in range(K):
+                            u0, u1, u2, u3 = w0[k], w1[k], w2[k], w3[k]
+                            s = xa[k]
+                            a0 += s * u0
+                            a1 += s * u1
+                            a2 += s * u2
+                            a3 += s * u3
+                            t = xb[k]
+                            b0 += t * u0
+                            b1 += t * u1
+                            b2 += t * u2
+                            b3 += t * u3
+                        out[m, o], out[m, o + 1], out[m, o + 2], out[m, o + 3] = a0, a1, a2, a3
+                        out[mb, o], out[mb, o + 1], out[mb, o + 2], out[mb, o + 3] = b0, b1, b2, b3
+                    o += 4
+                while o < end:  # the block's last columns, one at a time
+                    w0 = wt[o]
+                    for m in range(m0, m1):
+                        xa = x[m]
+                        a0 = f32(0)
+                        for k in range(K):
+                            a0 += xa[k] * w0[k]
+                        out[m, o] = a0
+                    o += 1
 
 
 def why_not(x, w) -> str | None:
@@ -107,16 +120,16 @@ def why_not(x, w) -> str | None:
         return f"dtypes {x.dtype} @ {w.dtype}, not float32"
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         return f"shapes {list(x.shape)} @ {list(w.shape)} are not [M, in] @ [in, out]"
-    if x.shape[0] > MAX_ROWS:
-        return f"{x.shape[0]} rows, more than {MAX_ROWS}: BLAS is as fast"
     if not w.flags.f_contiguous:
         return "w is not in Fortran order (its columns do not lie contiguously)"
     return None
 
 
-def few_rows_matmul(x, w, *, threads: int | None = None) -> np.ndarray:
+def few_rows_matmul(x, w, *, invariant: bool = False, threads: int | None = None) -> np.ndarray:
     """``x @ w`` for ``x [M, in]`` and ``w [in, out]``: the kernel when ``why_not`` says
-    it applies, else ``x @ w`` itself. ``threads``: numba threads for the kernel
+    it applies, else ``x @ w`` itself. ``invariant``: each row's bits the same whatever M
+    (an odd M's last row is paired with itself: the same loop as every other row, at the
+    cost of a second copy of its sums). ``threads``: numba threads for the kernel
     (default: as many as BLAS would use for ``x @ w``, GQAKV_NUM_THREADS if set)."""
     if why_not(x, w) is not None:
         return x @ w
@@ -128,7 +141,7 @@ def few_rows_matmul(x, w, *, threads: int | None = None) -> np.ndarray:
         threads = blas_workers()
     # the gqakv numba backend sets numba's thread count per call too: set it every time
     numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
-    _rows_times_columns(np.ascontiguousarray(x), w.T, out)
+    _rows_times_columns(np.ascontiguousarray(x), w.T, out, bool(invariant))
     return out
 
 

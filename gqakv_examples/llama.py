@@ -349,11 +349,14 @@ class LlamaModel:
         n_in, n_out = int(x.shape[-1]), int(w.shape[-1])
         n_rows = math.prod(int(s) for s in x.shape[:-1])
         invariant = invariance.enabled()
-        if not invariant and 0 < n_rows <= few_rows.MAX_ROWS and type(x) is np.ndarray:
-            # decode's few token rows: a kernel that streams the weights (few_rows)
+        if (invariant or 0 < n_rows <= few_rows.MAX_ROWS) and type(x) is np.ndarray:
+            # decode's few token rows: a kernel that streams the weights; it can sum
+            # each row the same way whatever the batch, so in batch-invariant mode it
+            # takes every product (few_rows)
             rows = x.reshape(n_rows, n_in)
             if few_rows.why_not(rows, w) is None:
-                return few_rows.few_rows_matmul(rows, w).reshape(*x.shape[:-1], n_out)
+                out = few_rows.few_rows_matmul(rows, w, invariant=invariant)
+                return out.reshape(*x.shape[:-1], n_out)
         if n_rows <= 1 or (x.ndim == 2 and not invariant):
             return x @ w  # one row: NumPy's matrix-vector product
         xp = self.xp

@@ -27,15 +27,17 @@ def _assert_product(got, x, w):
 
 
 @needs_numba
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 31, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 32, 33, 70])
 @pytest.mark.parametrize("k, n", [(1, 1), (5, 3), (64, 4), (577, 33), (96, 130)])
 def test_matches_float64_products(rows, k, n):
-    """Every row count (pairs and a lone last row), column counts that leave blocks and
-    groups of four partly filled, and short and odd sums."""
+    """Row counts within one chunk of rows and over several (the last partly filled),
+    column counts that leave blocks and groups of four partly filled, and short and odd
+    sums."""
     rng = np.random.default_rng(rows * 1000 + k * 7 + n)
     x, w = rng.standard_normal((rows, k)).astype(np.float32), _weights(rng, k, n)
     assert few_rows.why_not(x, w) is None
     _assert_product(few_rows.few_rows_matmul(x, w), x, w)
+    _assert_product(few_rows.few_rows_matmul(x, w, invariant=True), x, w)
 
 
 @needs_numba
@@ -49,6 +51,24 @@ def test_strided_rows_and_thread_counts():
     one = few_rows.few_rows_matmul(x, w, threads=1)
     _assert_product(one, x, w)
     np.testing.assert_array_equal(one, few_rows.few_rows_matmul(x, w, threads=2))
+
+
+@needs_numba
+def test_a_rows_bits_do_not_depend_on_the_other_rows():
+    """What batch-invariant mode relies on (``invariant=True``): row i of a product of any
+    number of rows (odd or even, one chunk of rows or several) is the product of row i
+    alone, bit for bit, on any number of threads."""
+    rng = np.random.default_rng(8)
+    x, w = rng.standard_normal((75, 96)).astype(np.float32), _weights(rng, 96, 71)
+    whole = few_rows.few_rows_matmul(x, w, invariant=True)
+    _assert_product(whole, x, w)
+    for i in (0, 1, 31, 32, 33, 74):
+        np.testing.assert_array_equal(whole[i:i + 1], few_rows.few_rows_matmul(x[i:i + 1], w, invariant=True))
+    for part in (slice(10, 50), slice(3, 6), slice(0, 33)):
+        np.testing.assert_array_equal(whole[part], few_rows.few_rows_matmul(x[part], w, invariant=True))
+    np.testing.assert_array_equal(whole, few_rows.few_rows_matmul(x, w, invariant=True, threads=1))
+    # not vacuous: summed alone (the default for an odd count's last row), row 0 differs
+    assert not np.array_equal(whole[:1], few_rows.few_rows_matmul(x[:1], w))
 
 
 @needs_numba
@@ -80,7 +100,6 @@ def test_declines_with_reasons_and_falls_back_to_blas():
     rng = np.random.default_rng(5)
     w = _weights(rng, 16, 8)
     cases = {
-        "more than 32": (rng.standard_normal((33, 16)).astype(np.float32), w),
         "Fortran order": (rng.standard_normal((2, 16)).astype(np.float32), np.ascontiguousarray(w)),
         "not float32": (rng.standard_normal((2, 16)), np.asfortranarray(w, dtype=np.float64)),
         "not [M, in] @ [in, out]": (rng.standard_normal((2, 15)).astype(np.float32), w),
@@ -108,7 +127,8 @@ def test_column_major_keeps_values_and_leaves_the_rest():
 @needs_numba
 def test_model_decode_runs_on_it_and_agrees_with_blas(monkeypatch):
     """The example model's decode products take the kernel (counted), prefill's stay with
-    BLAS, and the logits agree with the model run on BLAS alone to float32 rounding."""
+    BLAS, and the logits agree with the model run on BLAS alone to float32 rounding; in
+    batch-invariant mode every product takes it, prefill's too."""
     import gqakv
     from gqakv_examples.llama import LlamaConfig, LlamaModel
 
@@ -119,7 +139,7 @@ def test_model_decode_runs_on_it_and_agrees_with_blas(monkeypatch):
     calls = []
     kernel = few_rows._rows_times_columns
     monkeypatch.setattr(few_rows, "_rows_times_columns",
-                        lambda x, wt, out: (calls.append(x.shape[0]), kernel(x, wt, out)))
+                        lambda x, wt, out, pair_last: (calls.append(x.shape[0]), kernel(x, wt, out, pair_last)))
     rng = np.random.default_rng(7)
     prompts = rng.integers(0, 97, (3, 40))
     nxt = rng.integers(0, 97, (3, 1))
@@ -137,7 +157,7 @@ def test_model_decode_runs_on_it_and_agrees_with_blas(monkeypatch):
     slow = run()
     assert calls == []
     np.testing.assert_allclose(fast, slow, rtol=1e-4, atol=1e-4)
-    with gqakv.batch_invariant():  # a pair's sums differ from a lone row's: not used
-        monkeypatch.setattr(few_rows, "MAX_ROWS", 32)
-        run()
-    assert calls == []
+    with gqakv.batch_invariant():  # every product: each row is summed alone
+        invariant = run()
+    assert calls == [120] * (7 * config.n_layers + 1) + [3] * (7 * config.n_layers + 1)
+    np.testing.assert_allclose(invariant, slow, rtol=1e-4, atol=1e-4)
