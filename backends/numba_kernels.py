@@ -887,7 +887,51 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
                 s[rr + 2, o + jj + 1] = b2 * f1
                 s[rr + 3, o + jj + 1] = b3 * f1
             rr += 4
-        while rr < r1:
+        if r1 - rr == 3:  # G = 3, 7, ...: the last three rows in one pass too
+            q0, q1, q2 = qt[rr], qt[rr + 1], qt[rr + 2]
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            b0 = np.float32(0.0)
+            b1 = np.float32(0.0)
+            b2 = np.float32(0.0)
+            for c in range(d):
+                x = decode(k0[c])
+                y = decode(k1[c])
+                a0 += q0[c] * x
+                a1 += q1[c] * x
+                a2 += q2[c] * x
+                b0 += q0[c] * y
+                b1 += q1[c] * y
+                b2 += q2[c] * y
+            s[rr, o + jj] = a0 * f0
+            s[rr + 1, o + jj] = a1 * f0
+            s[rr + 2, o + jj] = a2 * f0
+            if two:
+                s[rr, o + jj + 1] = b0 * f1
+                s[rr + 1, o + jj + 1] = b1 * f1
+                s[rr + 2, o + jj + 1] = b2 * f1
+            rr += 3
+        elif r1 - rr == 2:  # G = 2, 6, ...
+            q0, q1 = qt[rr], qt[rr + 1]
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            b0 = np.float32(0.0)
+            b1 = np.float32(0.0)
+            for c in range(d):
+                x = decode(k0[c])
+                y = decode(k1[c])
+                a0 += q0[c] * x
+                a1 += q1[c] * x
+                b0 += q0[c] * y
+                b1 += q1[c] * y
+            s[rr, o + jj] = a0 * f0
+            s[rr + 1, o + jj] = a1 * f0
+            if two:
+                s[rr, o + jj + 1] = b0 * f1
+                s[rr + 1, o + jj + 1] = b1 * f1
+            rr += 2
+        if rr < r1:  # one row left (G = 1, 5, ...)
             q0 = qt[rr]
             a0 = np.float32(0.0)
             b0 = np.float32(0.0)
@@ -897,7 +941,6 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
             s[rr, o + jj] = a0 * f0
             if two:
                 s[rr, o + jj + 1] = b0 * f1
-            rr += 1
         jj += 2
 
 
@@ -917,17 +960,24 @@ def _accumulate(acc, r0, r1, s, o, vrows, vscales, n, ahead):
         _accumulate4(acc[rr], acc[rr + 1], acc[rr + 2], acc[rr + 3], s[rr, o:], s[rr + 1, o:],
                      s[rr + 2, o:], s[rr + 3, o:], vrows, vscales, n, ahead)
         rr += 4
-    while rr < r1:  # rows left over when G * queries is not a multiple of 4
+    # rows left over when G * queries is not a multiple of 4, in one pass; it prefetches
+    # only when it is the first pass over the values (fewer than 4 rows in all)
+    left_ahead = ahead if r1 - r0 < 4 else 0
+    if r1 - rr == 3:
+        _accumulate3(acc[rr], acc[rr + 1], acc[rr + 2], s[rr, o:], s[rr + 1, o:], s[rr + 2, o:],
+                     vrows, vscales, n, left_ahead)
+    elif r1 - rr == 2:
+        _accumulate2(acc[rr], acc[rr + 1], s[rr, o:], s[rr + 1, o:], vrows, vscales, n, left_ahead)
+    elif r1 - rr == 1:
         a0, p = acc[rr], s[rr, o:]
         d = a0.size
         for jj in range(n):
             v0 = vrows[jj]
-            if ahead > 0 and r1 - r0 < 4 and jj + ahead < vrows.shape[0]:  # first pass over them
-                _prefetch_row(vrows, jj + ahead)
+            if left_ahead > 0 and jj + left_ahead < vrows.shape[0]:
+                _prefetch_row(vrows, jj + left_ahead)
             p0 = p[jj] * factor(vscales, jj)
             for c in range(d):
                 a0[c] += p0 * decode(v0[c])
-        rr += 1
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -972,6 +1022,87 @@ def _accumulate4(a0, a1, a2, a3, s0, s1, s2, s3, vrows, vscales, n, ahead):
             a1[c] += p10 * x0
             a2[c] += p20 * x0
             a3[c] += p30 * x0
+        jj += 1
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _accumulate3(a0, a1, a2, s0, s1, s2, vrows, vscales, n, ahead):
+    """Three rows of ``_accumulate`` (``_accumulate4``'s loop with a row fewer)."""
+    _prefer_512_bit_vectors()
+    d = a0.size
+    jj = 0
+    while jj + 4 <= n:
+        if ahead > 0 and jj + ahead + 3 < vrows.shape[0]:
+            for k in range(4):
+                _prefetch_row(vrows, jj + ahead + k)
+        v0 = vrows[jj]
+        v1 = vrows[jj + 1]
+        v2 = vrows[jj + 2]
+        v3 = vrows[jj + 3]
+        f0 = factor(vscales, jj)
+        f1 = factor(vscales, jj + 1)
+        f2 = factor(vscales, jj + 2)
+        f3 = factor(vscales, jj + 3)
+        p00, p01, p02, p03 = s0[jj] * f0, s0[jj + 1] * f1, s0[jj + 2] * f2, s0[jj + 3] * f3
+        p10, p11, p12, p13 = s1[jj] * f0, s1[jj + 1] * f1, s1[jj + 2] * f2, s1[jj + 3] * f3
+        p20, p21, p22, p23 = s2[jj] * f0, s2[jj + 1] * f1, s2[jj + 2] * f2, s2[jj + 3] * f3
+        for c in range(d):
+            x0 = decode(v0[c])
+            x1 = decode(v1[c])
+            x2 = decode(v2[c])
+            x3 = decode(v3[c])
+            a0[c] += p00 * x0 + p01 * x1 + p02 * x2 + p03 * x3
+            a1[c] += p10 * x0 + p11 * x1 + p12 * x2 + p13 * x3
+            a2[c] += p20 * x0 + p21 * x1 + p22 * x2 + p23 * x3
+        jj += 4
+    while jj < n:
+        v0 = vrows[jj]
+        f0 = factor(vscales, jj)
+        p00, p10, p20 = s0[jj] * f0, s1[jj] * f0, s2[jj] * f0
+        for c in range(d):
+            x0 = decode(v0[c])
+            a0[c] += p00 * x0
+            a1[c] += p10 * x0
+            a2[c] += p20 * x0
+        jj += 1
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _accumulate2(a0, a1, s0, s1, vrows, vscales, n, ahead):
+    """Two rows of ``_accumulate`` (``_accumulate4``'s loop with two rows fewer)."""
+    _prefer_512_bit_vectors()
+    d = a0.size
+    jj = 0
+    while jj + 4 <= n:
+        if ahead > 0 and jj + ahead + 3 < vrows.shape[0]:
+            for k in range(4):
+                _prefetch_row(vrows, jj + ahead + k)
+        v0 = vrows[jj]
+        v1 = vrows[jj + 1]
+        v2 = vrows[jj + 2]
+        v3 = vrows[jj + 3]
+        f0 = factor(vscales, jj)
+        f1 = factor(vscales, jj + 1)
+        f2 = factor(vscales, jj + 2)
+        f3 = factor(vscales, jj + 3)
+        p00, p01, p02, p03 = s0[jj] * f0, s0[jj + 1] * f1, s0[jj + 2] * f2, s0[jj + 3] * f3
+        p10, p11, p12, p13 = s1[jj] * f0, s1[jj + 1] * f1, s1[jj + 2] * f2, s1[jj + 3] * f3
+        for c in range(d):
+            x0 = decode(v0[c])
+            x1 = decode(v1[c])
+            x2 = decode(v2[c])
+            x3 = decode(v3[c])
+            a0[c] += p00 * x0 + p01 * x1 + p02 * x2 + p03 * x3
+            a1[c] += p10 * x0 + p11 * x1 + p12 * x2 + p13 * x3
+        jj += 4
+    while jj < n:
+        v0 = vrows[jj]
+        f0 = factor(vscales, jj)
+        p00, p10 = s0[jj] * f0, s1[jj] * f0
+        for c in range(d):
+            x0 = decode(v0[c])
+            a0[c] += p00 * x0
+            a1[c] += p10 * x0
         jj += 1
 
 
