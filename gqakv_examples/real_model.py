@@ -40,7 +40,8 @@ def add_arguments(parser) -> None:
                    help=f"prompt text; repeat for a ragged batch (default: {DEFAULT_PROMPT!r})")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the file's chat template")
     g.add_argument("--decode-blas-threads", default="auto", metavar="N|auto",
-                   help="hold BLAS to N threads during decode (threadpoolctl). auto (default): on the "
+                   help="hold BLAS to N threads during decode (threadpoolctl; the decode matmuls' "
+                        "kernel, gqakv_examples.few_rows, uses as many). auto (default): on the "
                         "numba backend, 1 while the machine is busy (1-minute load average above "
                         "its core count), else BLAS as it is; other backends: BLAS as it is")
     # Cache storage applies to the example model (random weights) as well.
@@ -337,7 +338,9 @@ def decode_blas_threads(value: str, backend_name: str, *, load=None, cores=None)
     none. Decode's matmuls are matrix-vector sized: on a 2-core machine at load 1.0-1.5
     two BLAS threads beat one by 1.4-1.7x (SmolLM2-135M, batch 1 and 8), while at load 5.6
     and above BLAS's threads made them 5.6-10.6x slower than one (the real-model guide).
-    Other backends keep BLAS: the numpy backend sizes its attention threads from it."""
+    Other backends keep BLAS: the numpy backend sizes its attention threads from it. Since
+    the example model's decode products run on ``few_rows``' kernel, which takes as many
+    threads as BLAS has, the cap holds them too (those figures were BLAS's own)."""
     import os
 
     if value != "auto":
