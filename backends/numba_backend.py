@@ -86,13 +86,6 @@ KERNEL_MAX_QUERIES = 8
 #: kernel's lead on short rows (1.5-2x) outweighs BLAS's on long ones (1.04-1.23). (Before
 #: those two changes the kernel led up to 256 rows, the cap until then: 0.78 at 128.)
 KERNEL_MAX_TILE_ROWS = 64
-#: Calls whose queries read at most this many keys take the kernels at any chunk length
-#: and tile size (``Request.keys``): there BLAS's per-item cost outweighs its matmuls'
-#: efficiency. Kernel / BLAS time (alternating in one process, float32, 2026-12-05):
-#: SmolLM2 layer (Hkv 3, G 3, d 64) prompts of 64 tokens, B=8 0.46, B=1 0.67; of 128, B=1
-#: 0.76; of 512, B=1 1.23, B=8 1.36; Llama-3.1-8B layer (Hkv 8, G 4, d 128) 64 tokens 0.70,
-#: 256 tokens 1.28.
-KERNEL_SHORT_KEYS = 128
 #: Queries of one item: the tile holds G * QUERY_BLOCK rows.
 QUERY_BLOCK = 16
 #: A row's keys are split across threads only into pieces at least this long.
@@ -146,26 +139,20 @@ def route_attention(request: Request) -> Route:
     conditions), else the NumPy backend's decision for the call
     (``numpy_backend.route_attention``), with the reason the kernels do not serve it."""
     t_q, rows = request.t_q, request.group * request.t_q
-    # over short rows the kernels lead at any chunk (BLAS's items cost more than their work)
-    short = request.keys is not None and request.keys <= KERNEL_SHORT_KEYS
-    long_ok = request.invariant or short
-    keys = "" if request.keys is None else f" over up to {request.keys} keys"
     why = (KERNEL_PATH.rejection(request)
            or request.buffers
-           or (f"T={t_q} queries > {KERNEL_MAX_QUERIES}{keys}: a prefill chunk is compute-bound, "
+           or (f"T={t_q} queries > {KERNEL_MAX_QUERIES}: a prefill chunk is compute-bound, "
                "BLAS matmuls are faster there"
-               if t_q > KERNEL_MAX_QUERIES and not long_ok else None)
+               if t_q > KERNEL_MAX_QUERIES and not request.invariant else None)
            or (f"tiles of G={request.group} heads x T={t_q} queries = {rows} rows > "
-               f"{KERNEL_MAX_TILE_ROWS}{keys}: compute-bound, BLAS matmuls are faster there"
-               if rows > KERNEL_MAX_TILE_ROWS and not long_ok else None))
+               f"{KERNEL_MAX_TILE_ROWS}: compute-bound, BLAS matmuls are faster there"
+               if rows > KERNEL_MAX_TILE_ROWS and not request.invariant else None))
     if why:
         fallback = _numpy.route_attention(request)
         return Route(fallback.impl, {KERNEL: why, **fallback.rejected})
     served = f"{KERNEL} serves this call (kernels come first" + (
         "; batch-invariant mode: every chunk length, so a query's bits do not depend on its chunk)"
-        if request.invariant else
-        f"; rows of at most {KERNEL_SHORT_KEYS} keys: every chunk length)"
-        if short and (t_q > KERNEL_MAX_QUERIES or rows > KERNEL_MAX_TILE_ROWS) else ")")
+        if request.invariant else ")")
     return Route(KERNEL, {impl: served for impl in (*_numpy.BLAS_PATHS, GENERIC)})
 
 

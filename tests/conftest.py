@@ -80,17 +80,3 @@ def pytest_collection_finish(session) -> None:
     from .cuda_emu.emulated_backend import prebuild_for
 
     prebuild_for(session.items)
-
-
-@pytest.fixture
-def chunks_take_blas(monkeypatch):
-    """Chunks of more than ``KERNEL_MAX_QUERIES`` queries route to the BLAS path over rows
-    of any length (``KERNEL_SHORT_KEYS`` 0), so short test rows reach it; the cached
-    routes are dropped before and after."""
-    import gqakv_backends.numba_backend as nb
-
-    monkeypatch.setattr(nb, "KERNEL_SHORT_KEYS", 0)
-    nb.route_attention.cache_clear()
-    yield
-    monkeypatch.undo()
-    nb.route_attention.cache_clear()

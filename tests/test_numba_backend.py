@@ -506,14 +506,12 @@ def _spy_fused(monkeypatch):
 @pytest.mark.parametrize("storage", ["contiguous", "paged"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("seed", range(3))
-def test_long_chunks_fold_through_the_fused_softmax(monkeypatch, chunks_take_blas, storage, dtype,
-                                                     seed):
+def test_long_chunks_fold_through_the_fused_softmax(monkeypatch, storage, dtype, seed):
     """Chunks longer than the kernels take run the NumPy BLAS path, whose float32 score
     blocks the numba backend folds with ``softmax_block`` and whose paged blocks it
     gathers with ``gather_pages``: ragged rows (one empty, one decoding) with random
     variants (window, softcap, sinks, ALiBi) through the public API match the float64
-    reference, every block was folded there, and (paged) pages were gathered there (rows
-    as short as 9 keys: ``chunks_take_blas``)."""
+    reference, every block was folded there, and (paged) pages were gathered there."""
     import gqakv_backends.numba_backend as nb
 
     folded = _spy_fused(monkeypatch)

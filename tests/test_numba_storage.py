@@ -309,11 +309,10 @@ def test_route_of_each_storage_kind():
     assert route == "numpy BLAS" and "dtype=float64" in why
 
 
-def test_long_chunks_over_paged_and_quantized_take_the_numpy_paths(monkeypatch, kernel_calls,
-                                                                   chunks_take_blas):
+def test_long_chunks_over_paged_and_quantized_take_the_numpy_paths(monkeypatch, kernel_calls):
     """A 20-query chunk over paged, 8-bit or paged 8-bit storage goes to the NumPy item
     kernel (BLAS) through the store's reader (pages, the 8-bit reader over rows or over
-    pages), not the kernel (rows of 20 keys: ``chunks_take_blas``)."""
+    pages), not the kernel."""
     from gqakv_backends import numpy_readers
 
     used = []

@@ -298,18 +298,12 @@ class AttentionInputs:
 
     def token_facts(self, q_shape) -> dict:
         """The ``Request`` facts of this call's queries ``q_shape``: ``t_q`` (query tokens
-        per row: T padded, the largest n_new packed), ``tokens`` (their layout),
-        ``invariant`` (batch-invariant mode) and ``keys`` (the most keys a query reads:
-        the longest row, at most the window, rounded up to a power of two)."""
+        per row: T padded, the largest n_new packed), ``tokens`` (their layout) and
+        ``invariant`` (batch-invariant mode)."""
         mode = {"invariant": True} if self.invariant else {}
-        longest = int(self.lens.max(initial=0))
-        if self.params.window is not None:
-            longest = min(longest, int(self.params.window))
-        keys = 1 << max(0, longest - 1).bit_length()
         if self.offsets is None:
-            return {"t_q": int(q_shape[2]), "keys": keys, **mode}
-        return {"t_q": max(1, int(self.n_new.max(initial=0))), "tokens": PACKED, "keys": keys,
-                **mode}
+            return {"t_q": int(q_shape[2]), **mode}
+        return {"t_q": max(1, int(self.n_new.max(initial=0))), "tokens": PACKED, **mode}
 
 
 #: The two layouts of a call's new tokens (q, k_new, v_new, out; ``Request.tokens``):

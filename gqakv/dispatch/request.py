@@ -49,10 +49,6 @@ class Request:
       when not known.
     invariant: batch-invariant mode (``gqakv.core.invariance``): the call's bits must not
       depend on the batch, so only implementations that declare it may serve it.
-    keys: the most keys one query of the call reads (the longest row, bounded by a
-      sliding window), rounded up to a power of two so that decisions stay few; None:
-      not judged (attention; a kernel whose work per key grows with its tile may take
-      long chunks over short rows).
     """
 
     op: str | None = None
@@ -68,7 +64,6 @@ class Request:
     grid: str | None = None
     capability: int | None = None
     invariant: bool = False
-    keys: int | None = None
 
     def __post_init__(self):
         if self.op is not None and self.op not in HOT_OPS:
@@ -87,8 +82,6 @@ class Request:
         if self.capability is not None:
             object.__setattr__(self, "capability", int(self.capability))
         object.__setattr__(self, "invariant", bool(self.invariant))
-        if self.keys is not None:
-            object.__setattr__(self, "keys", int(self.keys))
 
     @classmethod
     def make(cls, op: str | None, **facts) -> "Request":

@@ -65,8 +65,8 @@ the one gqakv would pick here; ``all``: every backend that can run):
      (``gqakv.core.tree``; ragged, an empty draft among them), plain and with a window,
      soft-cap and ALiBi over logical positions, against the reference over the ancestor
      sets; the first case's drafts hold at most 8 tokens (the numba kernels serve those),
-     the others up to 32 (numpy's BLAS path; numba's kernels, since these rows hold at
-     most 128 keys; on CuPy the prefill kernels' tree instantiation serves every case).
+     the others up to 32 (the BLAS path on the CPU; on CuPy the prefill kernels' tree
+     instantiation serves every case).
 
 Tolerances (attention outputs and LSEs, at the queries that are not padding; padded
 queries must give exactly 0 and -inf): float16/bfloat16 follow FlashAttention's rule,

@@ -156,12 +156,6 @@ def call_facts(backend, op: str, args: tuple) -> dict[str, Any]:
         else:  # packed [N, Hq, d]: the queries per row are n_new's (at least one)
             facts.update(t_q=max(1, int(np.max(inputs.n_new, initial=0))),
                          features=features, tokens="packed")
-        # the most keys a query reads: the longest row, at most the window, rounded up to
-        # a power of two
-        longest = int(np.max(np.asarray(inputs.lens), initial=0))
-        if params.window is not None:
-            longest = min(longest, int(params.window))
-        facts["keys"] = 1 << max(0, longest - 1).bit_length()
         if _kind(backend) == "cupy_emulated":
             from ..cuda_emu.emulated_backend import EmulatedDevice
 
@@ -228,11 +222,8 @@ def _numba_attention(f) -> Any:
     # time); any other codec: the BLAS path's
     if f["codec"] not in (*CPU_CODECS, *GROUPED_CODECS):
         return _numpy_attention(f)
-    # decode and short chunks whose tiles (G heads x T queries) hold at most 64 rows, and
-    # chunks of any length over rows of at most 128 keys: the kernels
-    short_rows = f.get("keys") is not None and f["keys"] <= 128
-    small_tiles = f["t_q"] <= 8 and f.get("group", 1) * f["t_q"] <= 64
-    if (short_rows or small_tiles) and f["dtype"] != "float64":
+    # decode and short chunks whose tiles (G heads x T queries) hold at most 256 rows: the kernels
+    if f["t_q"] <= 8 and f.get("group", 1) * f["t_q"] <= 256 and f["dtype"] != "float64":
         return "numba kernel"
     return _numpy_attention(f)
 
