@@ -92,14 +92,17 @@ QUERY_BLOCK = 16
 MIN_KEY_SPLIT = 256
 #: Keys per block (one max/rescale per block per row): float32 rows of KEY_BLOCK_BYTES.
 KEY_BLOCK_BYTES = 16 << 10
-#: Below this much work (multiply-adds of the scores: query-key-head products x d) one
-#: thread runs the call. Decode, one thread against two in alternating calls (float32,
-#: 2-core machine, 2026-12-05; warm / cold caches): 2 threads / 1 at 74K (B=8 Hkv=3 G=3
-#: d=64 L=16) 0.99 / 1.13, 147K 1.06 / 1.10, 262K 0.74-0.96 / 0.89-1.09, 295K 0.83 /
-#: 0.92, 590K 0.67 / 0.81, 1M and more 0.61-0.71. (It was 65,536 products whatever d,
-#: so a SmolLM2 layer at B=8 L=512 (2.4M multiply-adds, 0.5 ms) or a Llama-3.1-8B layer at
-#: B=1 L=1,024 (4.2M) ran on one thread.)
-PARALLEL_MIN_WORK = 1 << 18
+#: Below this much work (query-key-head products) one thread runs the call. Alone, two
+#: threads already pay from about 2^18 multiply-adds (products x d; decode, float32,
+#: 2026-12-05, warm / cold caches: 2 threads / 1 at 74K 0.99 / 1.13, 147K 1.06 / 1.10,
+#: 262K 0.74-0.96 / 0.89-1.09, 590K 0.67 / 0.81, 1M and more 0.61-0.71). But in a model
+#: whose matmuls run on OpenBLAS's threads, those threads still spin when attention
+#: starts, and the kernels' OpenMP threads wait for the cores: SmolLM2-135M's decode with
+#: NumPy matmuls took 37 -> 311 ms per step at B=1 over 512 tokens and 100 -> 223 ms at
+#: B=8 with the cut at 2^18 multiply-adds (with the example model's numba matmuls,
+#: gqakv_examples.few_rows, 38.5 -> 38.9 and 70.2 -> 61.8 ms). So small calls stay on one
+#: thread.
+PARALLEL_MIN_WORK = 1 << 16
 
 _KERNEL_DTYPES = ("float32", "float16", "bfloat16")
 #: The codecs the kernels decode (codes x per-token scale), declared by name: each one's
@@ -636,7 +639,7 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     keys_first = page_size is not None and page_size <= w.key_block
     items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split,
                          params=params, trees=trees, keys_first=keys_first)
-    if items and workers > 1 and total * d < parallel_min_work:
+    if items and workers > 1 and total < parallel_min_work:
         workers = 1  # and cut for one thread: no key pieces to merge
         items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split,
                              params=params, trees=trees, keys_first=keys_first)
