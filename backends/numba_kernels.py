@@ -839,7 +839,8 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
     ``ahead`` (``prefetch_ahead``): prefetch distance in rows, 0 for none.
 
     Two keys against four query rows per pass over d: eight accumulators in registers,
-    each key element loaded and converted once per four rows. Rows and keys are views
+    each key element loaded and converted once per four rows; a tile's last three or two
+    rows (G not a multiple of 4) share a pass too, a last single row has its own. Rows and keys are views
     indexed by the loop counter alone (no negative-index fix-up), so the loop over d
     compiles to plain vector loads and FMAs.
     """
