@@ -340,12 +340,16 @@ class LlamaModel:
         return out
 
     def _linear(self, x, w):
-        """``x [..., in] @ w [in, out]``. In batch-invariant mode (``gqakv.batch_invariant``)
-        one token row at a time: a matmul of N rows picks its blocking, so the order of
-        each dot product's sum, by N, and a token's logits would then depend on the other
-        rows of the batch and on the chunk it came in; a ``[1, in]`` product is the same
-        operation whatever the batch. (Slower: decode's matmuls are matrix-vector products
-        per row anyway; prefill loses its matrix-matrix blocking.)"""
+        """``x [..., in] @ w [in, out]``. Products of at most ``few_rows.MAX_ROWS`` rows of
+        NumPy float32 over a Fortran-order weight (decode's) run on ``few_rows``' kernel,
+        which streams the weight; larger ones on BLAS. In batch-invariant mode
+        (``gqakv.batch_invariant``) every product the kernel can take runs on it with
+        ``invariant=True`` (each row summed by the same loop whatever the batch); the
+        others one token row at a time: a matmul of N rows picks its blocking, so the
+        order of each dot product's sum, by N, and a token's logits would then depend on
+        the other rows of the batch and on the chunk it came in; a ``[1, in]`` product is
+        the same operation whatever the batch (slower: prefill loses its matrix-matrix
+        blocking)."""
         n_in, n_out = int(x.shape[-1]), int(w.shape[-1])
         n_rows = math.prod(int(s) for s in x.shape[:-1])
         invariant = invariance.enabled()
