@@ -13,9 +13,10 @@ The kernel computes each output as a dot product of a row of ``x`` and a column 
 which must lie contiguously: ``w`` stored in Fortran order (its transpose ``[out, in]`` C
 contiguous, as a GGUF file and torch's ``Linear`` store weights). Two rows of ``x`` meet
 four columns at a time (eight sums in registers; the columns stay in L1 for the next
-pair), the columns cut into blocks spread over numba's threads. At 64 rows OpenBLAS draws
-level (118-125 ms both) and past it leads, so the model keeps ``x @ w`` for more than
-``MAX_ROWS`` rows.
+pair), the columns cut into blocks spread over numba's threads. Against OpenBLAS on the
+same Fortran-order weights (the 30 layers' seven products) it leads up to about 40 rows
+(32 rows: 62 against 73 ms; 48: 84 against 81; 64: 111 against 88), so the model keeps
+``x @ w`` for more than ``MAX_ROWS`` rows.
 
 In batch-invariant mode (``gqakv.batch_invariant``) the model runs every product on it,
 prefill's too, with ``invariant=True``: every row is then summed by the pair loop (an odd
