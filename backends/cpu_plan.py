@@ -141,7 +141,8 @@ INVARIANT_NO_SPLIT = 1 << 62
 
 def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key_split: int,
           params: AttentionParams = _CAUSAL, one_head: bool = False, trees=None,
-          max_tile_rows: int | None = None, keys_first: bool = False):
+          max_tile_rows: int | None = None, keys_first: bool = False,
+          parallel_min_work: int = 0):
     """Cut the call into items ``(i, h0, h1, t0, t1, j0, j1)``.
 
     A query block reads the keys some query of it sees (``semantics.block_keys``); it is
@@ -157,6 +158,8 @@ def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key
     ``keys_first``: a task is cut into key pieces before its heads are (paged storage,
     whose pages hold every KV head: an item over all heads of a key range reads each page
     whole, in address order); by default heads are cut first (no merge).
+    ``parallel_min_work``: a call of less work (the returned total) is cut for one
+    worker, whatever ``workers`` (the caller runs it on one).
     """
     tasks = []  # (i, t0, t1, lo, hi, common_hi, cost)
     for i in range(len(n_new)):
@@ -169,7 +172,8 @@ def _plan(lens, n_new, Hkv: int, G: int, workers: int, query_block: int, min_key
             c_hi = max(lo, min(c_hi, hi)) if c_lo <= lo else lo  # cut points in lo..c_hi
             tasks.append((i, t0, t1, lo, hi, c_hi, Hkv * G * (t1 - t0) * (hi - lo)))
     total = sum(t[-1] for t in tasks)
-    target = total / (workers * ITEMS_PER_WORKER) if workers > 1 else math.inf
+    parallel = workers > 1 and total >= parallel_min_work
+    target = total / (workers * ITEMS_PER_WORKER) if parallel else math.inf
     items = []
     for i, t0, t1, lo, hi, c_hi, cost in tasks:
         least_heads = Hkv if one_head else 1  # the fewest head parts allowed

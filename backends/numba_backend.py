@@ -637,12 +637,12 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     if invariant:
         query_block, min_key_split = 1, INVARIANT_NO_SPLIT
     keys_first = page_size is not None and page_size <= w.key_block
+    # a call below parallel_min_work is cut for one thread (no key pieces to merge)
     items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split,
-                         params=params, trees=trees, keys_first=keys_first)
-    if items and workers > 1 and total < parallel_min_work:
-        workers = 1  # and cut for one thread: no key pieces to merge
-        items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split,
-                             params=params, trees=trees, keys_first=keys_first)
+                         params=params, trees=trees, keys_first=keys_first,
+                         parallel_min_work=parallel_min_work)
+    if items and total < parallel_min_work:
+        workers = 1
     w.workers = workers
     runs = _share(items, workers) if items else []
     order = [it for run in runs for it in run]

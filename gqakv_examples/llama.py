@@ -358,7 +358,9 @@ class LlamaModel:
             # each row the same way whatever the batch, so in batch-invariant mode it
             # takes every product (few_rows)
             rows = x.reshape(n_rows, n_in)
-            if few_rows.why_not(rows, w) is None:
+            # outside the mode a product the kernel declines is rows @ w there, as below;
+            # in it such a product goes one row at a time (below)
+            if not invariant or few_rows.why_not(rows, w) is None:
                 out = few_rows.few_rows_matmul(rows, w, invariant=invariant)
                 return out.reshape(*x.shape[:-1], n_out)
         if n_rows <= 1 or (x.ndim == 2 and not invariant):
