@@ -214,9 +214,10 @@ class NumbaBackend(NumpyBackend):
         return None if isinstance(self._reason, bool) else self._reason  # checked: never a bool
 
     def blas_options(self) -> dict:
-        """The BLAS path's online softmax fused into one compiled pass per block, and its
-        paged blocks gathered by one compiled call."""
-        return {"state_class": FusedSoftmaxState, "gather": gather_pages}
+        """The BLAS path's online softmax fused into one compiled pass per block, its
+        paged blocks gathered by one compiled call, and bfloat16 items on AMX tiles where
+        the CPU has them (``amx_prefill``)."""
+        return {"state_class": FusedSoftmaxState, "gather": gather_pages, "item_kernel": _amx_items}
 
     # -- hooks for the tools (gqakv.dispatch.backend.Backend) ----------------------------------------
 
@@ -261,8 +262,8 @@ class NumbaBackend(NumpyBackend):
                      "C-contiguous buffers; window, softcap, sinks, alibi"),
             WRITE_KERNEL: "appends to contiguous unquantized rows",
             COPY_KERNEL: "row copies between contiguous unquantized stores (and page copies)",
-            **{impl: f"{why} (the numpy backend's)" for impl, why in super().implementations().items()
-               if impl != GENERIC},
+            **{impl: f"{why} (the numpy backend's){_amx_line() if impl == _numpy.BLAS else ''}"
+               for impl, why in super().implementations().items() if impl != GENERIC},
             GENERIC: "paged or quantized appends, quantized row copies, attention over "
                      "other codecs",
         }
@@ -427,7 +428,8 @@ class FusedSoftmaxState(SoftmaxState):
         alpha = np.empty_like(self.m)
         # m, l: contiguous arrays this state made, so their flat views are updated in place
         _kernels().softmax_block(s.reshape(-1, s.shape[-1]), self.m.reshape(-1), self.l.reshape(-1),
-                                 alpha.reshape(-1), nq, pos0, window)
+                                 alpha.reshape(-1), nq, pos0, window, 1.0, s.shape[-1],
+                                 _NO_SPLIT, _NO_SPLIT)
         o_blk = s @ v  # s now holds p
         if self.o is None:
             self.o = o_blk
@@ -435,6 +437,25 @@ class FusedSoftmaxState(SoftmaxState):
             self.o *= alpha
             self.o += o_blk
         return True
+
+
+_NO_SPLIT = np.empty((0, 0), dtype=np.uint16)  # softmax_block writes p itself
+
+
+def _amx_line() -> str:
+    """What ``gqakv info`` says of the BLAS path's bfloat16 items on AMX tiles."""
+    from . import amx
+
+    why = amx.why_not()
+    return ("; bfloat16 queries over a plain bfloat16 cache on AMX tiles instead where the "
+            "CPU has them (amx_prefill; here: " + ("on)" if why is None else f"off, {why})"))
+
+
+def _amx_items(q, reader, params, trees):
+    """``amx_prefill.item_kernel`` (imported on first use: it compiles numba kernels)."""
+    from . import amx_prefill
+
+    return amx_prefill.item_kernel(q, reader, params, trees)
 
 
 def gather_pages(pool, pages, h0: int, h1: int, out) -> bool:
@@ -773,7 +794,7 @@ def run_mixed(work: MixedWork, q, store, *, return_lse: bool, out=None, lse_out=
               out=o, lse_out=lse, offsets=a.offsets)
     attend(q, numpy_readers.reader_of(store, b.rows, gather_pages), b.lens, b.n_new, params=b.params,
            return_lse=True, planned=work.long_work, offsets=b.offsets, into=(o, lse),
-           trees=entry_trees(b), state_class=FusedSoftmaxState)
+           trees=entry_trees(b), state_class=FusedSoftmaxState, item_kernel=_amx_items)
     return _hand_back(q, o, lse, out, lse_out, return_lse)
 
 

@@ -322,28 +322,34 @@ def tanh_f32(x):
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def softmax_block(s, m, l, alpha, nq, pos0, window):
+def softmax_block(s, m, l, alpha, nq, pos0, window, scale, keys, p_hi, p_lo):
     """One online-softmax step over a block of causal scores, in place, for the NumPy
-    BLAS path (``numba_backend.FusedSoftmaxState``): the mask, max, subtract, exp and sum
-    passes NumPy makes over ``s`` fused into two over each row (the max as an integer
-    reduction, ``_order_key``; the exp vectorized, ``exp_nonpos``).
+    BLAS path (``numba_backend.FusedSoftmaxState``, ``amx_prefill``): the scale, mask,
+    max, subtract, exp and sum passes NumPy makes over ``s`` fused into two over each row
+    (the max as an integer reduction, ``_order_key``; the exp vectorized, ``exp_nonpos``).
 
-    s: [R, K] float32 scaled scores of one block, row r holding query t = r % nq of the
-    block's queries; it sees the block's keys lo <= j < hi, hi = pos0 + t + 1 (pos0: the
-    block's first query's position relative to the block's first key) and, with a window
-    W > 0, lo = hi - W (both clipped to 0..K). s is overwritten by p = exp(s - shift),
-    0 outside [lo, hi). m, l: [R] the running max and sum, updated; alpha: [R] out,
-    exp(m_old - shift), the factor the running output is rescaled by. shift is the new
-    max, or the lowest finite float where it is -inf (no key seen yet: exp(-inf - shift)
-    = 0 where -inf - -inf would be NaN), as ``gqakv.ops.merge.SoftmaxState``; a NaN
-    among a row's visible scores (or in m) makes its p, m, l and alpha NaN. Releases the
-    GIL: the BLAS path's items run on Python threads.
+    s: [R, K] float32 scores of one block, each to be multiplied by ``scale`` (> 0), row
+    r holding query t = r % nq of the block's queries; it sees the block's keys lo <= j <
+    hi, hi = pos0 + t + 1 (pos0: the block's first query's position relative to the
+    block's first key) and, with a window W > 0, lo = hi - W, both clipped to 0..keys
+    (``keys`` <= K: the columns past it are padding, never seen). s is overwritten by p =
+    exp(scale * s - shift), 0 outside [lo, hi). m, l: [R] the running max and sum of the
+    scaled scores, updated; alpha: [R] out, exp(m_old - shift), the factor the running
+    output is rescaled by. shift is the new max, or the lowest finite float where it is
+    -inf (no key seen yet: exp(-inf - shift) = 0 where -inf - -inf would be NaN), as
+    ``gqakv.ops.merge.SoftmaxState``; a NaN among a row's visible scores (or in m) makes
+    its p, m, l and alpha NaN. p_hi, p_lo: [R, K] uint16, or empty: p is then written as
+    two bfloat16 parts (bits) instead of into s: p_hi = p's top 16 bits, p_lo = p - p_hi
+    (exact in float32) cut the same way, so p_hi + p_lo is p to within 2^-14 of itself,
+    below it (truncation: about 1.4x cheaper here than rounding to nearest; the bound is
+    ``amx_prefill``'s P V product's). Releases the GIL: the BLAS path's items run on
+    Python threads.
     """
     _prefer_512_bit_vectors()
     lowest = np.float32(-3.4028234663852886e38)
-    K = s.shape[1]
+    scale = np.float32(scale)
     for r in range(s.shape[0]):
-        hi = min(K, max(0, pos0 + r % nq + 1))
+        hi = min(keys, max(0, pos0 + r % nq + 1))
         lo = 0 if window <= 0 else min(hi, max(0, hi - window))
         row = s[r]
         seen = row[lo:hi]  # loops over a whole view: indices provably in bounds, so they vectorize
@@ -353,18 +359,33 @@ def softmax_block(s, m, l, alpha, nq, pos0, window):
             key = max(key, _order_key(_float32_bits(seen[j])))
             bad |= seen[j] != seen[j]
         m_old = m[r]
-        s_max = _bits_to_float32(_order_key(key))
+        # rounding is monotone, so the max of the scaled scores is the scaled max
+        s_max = _bits_to_float32(_order_key(key)) * scale
         m_new = s_max if s_max > m_old else m_old
         if bad or m_old != m_old:
             m_new = np.float32(np.nan)
         shift = lowest if m_new == np.float32(-np.inf) else m_new
         total = np.float32(0.0)
-        for j in range(seen.size):
-            p = exp_nonpos(seen[j] - shift)
-            seen[j] = p
-            total += p
-        row[:lo] = 0
-        row[hi:] = 0
+        if p_hi.shape[0] == 0:
+            for j in range(seen.size):
+                p = exp_nonpos(seen[j] * scale - shift)
+                seen[j] = p
+                total += p
+            row[:lo] = 0
+            row[hi:] = 0
+        else:
+            hi_row, lo_row = p_hi[r], p_lo[r]
+            hi_seen, lo_seen = hi_row[lo:hi], lo_row[lo:hi]
+            for j in range(seen.size):
+                p = exp_nonpos(seen[j] * scale - shift)
+                total += p
+                bits = _float32_bits(p)  # p >= 0: truncation rounds towards 0
+                hi_seen[j] = np.uint16(bits >> 16)
+                lo_seen[j] = np.uint16(_float32_bits(p - _bits_to_float32(bits & np.int32(-65536))) >> 16)
+            hi_row[:lo] = 0
+            hi_row[hi:] = 0
+            lo_row[:lo] = 0
+            lo_row[hi:] = 0
         a = exp_nonpos(m_old - shift)
         alpha[r] = a
         l[r] = l[r] * a + total

@@ -100,6 +100,12 @@ def item_queries(q, item, G: int, params, acc, offsets=None):
     return qb.reshape(h1 - h0, G * (t1 - t0), q.shape[-1])
 
 
+def item_tiles(q, item, G: int, offsets=None):
+    """An item's queries as they are stored (unscaled): ``[hh, G * nq, d]``."""
+    i, h0, h1, t0, t1 = item[:5]
+    return _tile(q, item, G, offsets).reshape(h1 - h0, G * (t1 - t0), q.shape[-1])
+
+
 def _tile(x, item, G: int, offsets):
     """The item's part of a queries-shaped array, heads first: ``x[i, heads, t0:t1]``
     padded, ``x[offsets[i] + t0 : offsets[i] + t1, heads]`` transposed packed (a view)."""
@@ -292,7 +298,7 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
            parallel_min_work: int = PARALLEL_MIN_WORK,
            max_tile_rows: int = MAX_TILE_ROWS,
            planned: NumpyWork | None = None, offsets=None, into=None, invariant: bool = False,
-           trees=None, state_class=SoftmaxState):
+           trees=None, state_class=SoftmaxState, item_kernel=None):
     """The item kernel over validated inputs: plan the items, share them among threads,
     read each item's K/V blocks through ``reader`` (``numpy_readers``), merge key pieces.
 
@@ -329,6 +335,7 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
         return (out, lse) if return_lse else out
     if total < parallel_min_work:
         workers = 1
+    fast_item = None if item_kernel is None else item_kernel(q, reader, params, trees)
 
     def run(batch):
         """Compute a run of items; finish whole ones, hand back key pieces for merging."""
@@ -336,10 +343,16 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
         for item in batch:
             i, t0, t1, j0, j1 = item[0], item[3], item[4], item[5], item[6]
             tree = None if trees is None else trees(i)
-            state = _attend_item(q, reader, lens, n_new, item, params=params, acc=acc,
-                                 score_block_elements=score_block_elements, offsets=offsets,
-                                 block_keys_fixed=planned.block_keys, tree=tree,
-                                 state_class=state_class)
+            if fast_item is not None:
+                state = fast_item(q, reader, lens, n_new, item, params=params,
+                                  score_block_elements=score_block_elements,
+                                  tiles=item_tiles(q, item, G, offsets),
+                                  block_keys_fixed=planned.block_keys)
+            else:
+                state = _attend_item(q, reader, lens, n_new, item, params=params, acc=acc,
+                                     score_block_elements=score_block_elements, offsets=offsets,
+                                     block_keys_fixed=planned.block_keys, tree=tree,
+                                     state_class=state_class)
             if (j0, j1) == block_keys(params, int(lens[i]), int(n_new[i]), t0, t1, tree):  # all its keys
                 _finish(out, lse, item, state, G, sinks, offsets)  # items write disjoint parts of out
             else:

@@ -475,7 +475,7 @@ def test_fused_softmax_step_matches_its_definition(pos0, window):
     l_old = np.where(m_old == -np.inf, 0.0, rng.uniform(1, 5, R)).astype(np.float32)
     want_p, want_m, want_l, want_alpha = _softmax_step_reference(s, m_old, l_old, nq, pos0, window)
     p, m, l, alpha = s.copy(), m_old.copy(), l_old.copy(), np.empty(R, np.float32)
-    nk.softmax_block(p, m, l, alpha, nq, pos0, window)
+    nk.softmax_block(p, m, l, alpha, nq, pos0, window, 1.0, p.shape[1], *(np.empty((0, 0), np.uint16),) * 2)
     np.testing.assert_array_equal(m, want_m.astype(np.float32))
     assert not p[want_p == 0].any()  # masked keys and exp(-inf)
     _assert_exp_close(p, want_p)

@@ -1,0 +1,274 @@
+"""bfloat16 matrix products on Intel AMX tiles (``tdpbf16ps``), for the BLAS path's prefill.
+
+NumPy has no bfloat16 matmul that runs at hardware speed (OpenBLAS's ``sbgemm`` is not
+exported by NumPy's build, and ml_dtypes' matmul is an element loop), so bfloat16
+caches were computed in float32 matmuls. CPUs with AMX (Intel Sapphire Rapids and later)
+multiply bfloat16 tiles with float32 accumulation at many times the float32 FMA rate:
+a ``tdpbf16ps`` folds a 16 x 32 by 32 x 16 product into a 16 x 16 float32 tile.
+
+One kernel is compiled here, from LLVM IR through llvmlite (numba's own compiler: no
+extra dependency, nothing built at install time), and called through ctypes, which
+releases the GIL, so the BLAS path's threads run it side by side:
+
+    C[h] (+)= A1[h] @ B[h]  (+ A2[h] @ B[h])      for h < heads
+
+- ``A1``, ``A2``: ``[M, K]`` bfloat16 rows (M a multiple of 32, K of 32), ``lda`` bytes
+  apart; ``A2`` optional (null: none). Two A operands let a float32 operand be split into
+  bfloat16 high and low parts that share one pass over ``B``.
+- ``B``: ``[K / 2, N, 2]`` bfloat16 ("VNNI" pairs: row r holds, for each output column
+  n, the B values of rows 2r and 2r + 1 side by side; ``ldb`` bytes apart; N a multiple
+  of 32), the layout the hardware reads.
+- ``C``: ``[M, N]`` float32, ``ldc`` bytes apart: overwritten, or accumulated into when
+  ``accumulate``.
+
+Blocks of 32 x 32 outputs (four tiles) walk K in steps of 32, two A tiles and two B
+tiles per step; each product of bfloat16 values is exact in float32, so the only
+rounding is the float32 accumulation (in the hardware's order).
+
+Availability (``why_not``): x86-64 Linux whose CPU declares ``amx_bf16``, a kernel that
+grants the process AMX's tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``), llvmlite able
+to compile for it, and ``GQAKV_AMX`` not ``0``. Valgrind does not emulate AMX, so under
+it (``gqakv work``) the path is off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import platform
+import sys
+
+import numpy as np
+
+#: Set to 0 to keep the float32 matmuls even where AMX is available.
+ENV_AMX = "GQAKV_AMX"
+
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+_SYS_ARCH_PRCTL = 158  # x86-64
+
+_TILE = "x86_amx"
+_SHAPE = "i16 16, i16 64"  # every tile: 16 rows of 64 bytes
+
+
+def _load(name: str, ptr: str, stride: str) -> str:
+    return f"  %{name} = call {_TILE} @llvm.x86.tileloadd64.internal({_SHAPE}, ptr %{ptr}, i64 %{stride})\n"
+
+
+def _dot(name: str, acc: str, a: str, b: str) -> str:
+    return (f"  %{name} = call {_TILE} @llvm.x86.tdpbf16ps.internal(i16 16, i16 64, i16 64, "
+            f"{_TILE} %{acc}, {_TILE} %{a}, {_TILE} %{b})\n")
+
+
+def _k_loop(tag: str, operands: tuple[str, ...], entry: str) -> tuple[str, str]:
+    """A loop over K steps folding the row tiles of each A operand in ``operands`` into
+    the four accumulators entering from block ``entry`` (named ``in_{tag}_{tile}``); the
+    step's two B tiles are loaded once for all of them. Returns (IR, its exit block)."""
+    tiles = ("00", "01", "10", "11")
+    ir = [f"{tag}:\n",
+          f"  %{tag}_k = phi i64 [0, %{entry}], [%{tag}_k1, %{tag}]\n"]
+    last = {t: f"{tag}_c{t}" for t in tiles}
+    ir += [f"  %{tag}_c{t} = phi {_TILE} [%in_{tag}_{t}, %{entry}], [%{tag}_n{t}, %{tag}]\n"
+           for t in tiles]
+    ir += [f"  %{tag}_ao = shl i64 %{tag}_k, 6\n",
+           f"  %{tag}_bo = mul i64 %{tag}_k, %bstep\n",
+           f"  %{tag}_pb0 = getelementptr i8, ptr %b_n, i64 %{tag}_bo\n",
+           f"  %{tag}_pb1 = getelementptr i8, ptr %{tag}_pb0, i64 %bcol\n",
+           _load(f"{tag}_tb0", f"{tag}_pb0", "ldb"), _load(f"{tag}_tb1", f"{tag}_pb1", "ldb")]
+    for x, a in enumerate(operands):
+        ir += [f"  %{tag}_{a}0 = getelementptr i8, ptr %{a}_m, i64 %{tag}_ao\n",
+               f"  %{tag}_{a}1 = getelementptr i8, ptr %{tag}_{a}0, i64 %a16\n",
+               _load(f"{tag}_t{a}0", f"{tag}_{a}0", "lda"),
+               _load(f"{tag}_t{a}1", f"{tag}_{a}1", "lda")]
+        for t in tiles:
+            name = f"{tag}_n{t}" if x == len(operands) - 1 else f"{tag}_x{x}_{t}"
+            ir.append(_dot(name, last[t], f"{tag}_t{a}{t[0]}", f"{tag}_tb{t[1]}"))
+            last[t] = name
+    ir += [f"  %{tag}_k1 = add i64 %{tag}_k, 1\n",
+           f"  %{tag}_done = icmp eq i64 %{tag}_k1, %nk\n",
+           f"  br i1 %{tag}_done, label %{tag}_out, label %{tag}\n",
+           f"{tag}_out:\n"]
+    return "".join(ir), f"{tag}_out"
+
+
+def kernel_ir() -> str:
+    """The LLVM IR of ``gqakv_amx_bf16`` (the module docstring's product)."""
+    tiles = ("00", "01", "10", "11")
+    ir = ['target triple = "x86_64-unknown-linux-gnu"\n',
+          f"declare {_TILE} @llvm.x86.tileloadd64.internal(i16, i16, ptr, i64)\n",
+          f"declare {_TILE} @llvm.x86.tdpbf16ps.internal(i16, i16, i16, {_TILE}, {_TILE}, {_TILE})\n",
+          f"declare void @llvm.x86.tilestored64.internal(i16, i16, ptr, i64, {_TILE})\n",
+          f"declare {_TILE} @llvm.x86.tilezero.internal(i16, i16)\n",
+          "define void @gqakv_amx_bf16(ptr %a1, ptr %a2, i64 %lda, ptr %b, i64 %ldb, i64 %bstep, "
+          "i64 %bcol, ptr %c, "
+          "i64 %ldc, i64 %m32, i64 %n32, i64 %nk, i64 %heads, i64 %sa, i64 %sb, i64 %sc, "
+          "i64 %accumulate) #0 {\n",
+          "entry:\n",
+          "  %a16 = shl i64 %lda, 4\n  %a32 = shl i64 %lda, 5\n",
+          "  %bcol2 = shl i64 %bcol, 1\n",
+          "  %c16 = shl i64 %ldc, 4\n  %c32 = shl i64 %ldc, 5\n",
+          "  %acc = icmp ne i64 %accumulate, 0\n",
+          "  %two = icmp ne ptr %a2, null\n",
+          "  br label %head\n",
+          # for h < heads
+          "head:\n",
+          "  %h = phi i64 [0, %entry], [%h1, %head_next]\n",
+          "  %oa = mul i64 %h, %sa\n  %ob = mul i64 %h, %sb\n  %oc = mul i64 %h, %sc\n",
+          "  %a1_h = getelementptr i8, ptr %a1, i64 %oa\n",
+          "  %a2_h = getelementptr i8, ptr %a2, i64 %oa\n",
+          "  %b_h = getelementptr i8, ptr %b, i64 %ob\n",
+          "  %c_h = getelementptr i8, ptr %c, i64 %oc\n",
+          "  br label %row\n",
+          # for each block of 32 rows
+          "row:\n",
+          "  %mi = phi i64 [0, %head], [%mi1, %row_next]\n",
+          "  %ra = mul i64 %mi, %a32\n  %rc = mul i64 %mi, %c32\n",
+          "  %a1_m = getelementptr i8, ptr %a1_h, i64 %ra\n",
+          "  %a2_m = getelementptr i8, ptr %a2_h, i64 %ra\n",
+          "  %c_m = getelementptr i8, ptr %c_h, i64 %rc\n",
+          "  br label %col\n",
+          # for each block of 32 columns
+          "col:\n",
+          "  %ni = phi i64 [0, %row], [%ni1, %col_next]\n",
+          "  %nb = shl i64 %ni, 7\n",  # 32 columns: 128 bytes of C's floats
+          "  %nbb = mul i64 %ni, %bcol2\n",
+          "  %b_n = getelementptr i8, ptr %b_h, i64 %nbb\n",
+          "  %pc00 = getelementptr i8, ptr %c_m, i64 %nb\n",
+          "  %pc01 = getelementptr i8, ptr %pc00, i64 64\n",
+          "  %pc10 = getelementptr i8, ptr %pc00, i64 %c16\n",
+          "  %pc11 = getelementptr i8, ptr %pc10, i64 64\n",
+          "  br i1 %acc, label %load_c, label %zero_c\n",
+          "load_c:\n"]
+    ir += [_load(f"l{t}", f"pc{t}", "ldc") for t in tiles]
+    ir += ["  br label %k_pre\n",
+           "zero_c:\n"]
+    ir += [f"  %z{t} = call {_TILE} @llvm.x86.tilezero.internal({_SHAPE})\n" for t in tiles]
+    ir += ["  br label %k_pre\n",
+           "k_pre:\n"]
+    ir += [f"  %in_{t} = phi {_TILE} [%l{t}, %load_c], [%z{t}, %zero_c]\n" for t in tiles]
+    ir += ["  br i1 %two, label %k2_pre, label %k1_pre\n"]
+    exits = []
+    for tag, operands in (("k1", ("a1",)), ("k2", ("a1", "a2"))):
+        ir += [f"{tag}_pre:\n"]
+        ir += [f"  %in_{tag}_{t} = phi {_TILE} [%in_{t}, %k_pre]\n" for t in tiles]
+        ir += [f"  br label %{tag}\n"]
+        body, out = _k_loop(tag, operands, f"{tag}_pre")
+        ir += [body, "  br label %store\n"]
+        exits.append((tag, out))
+    ir += ["store:\n"]
+    ir += [f"  %s{t} = phi {_TILE} " + ", ".join(f"[%{tag}_n{t}, %{out}]" for tag, out in exits) + "\n"
+           for t in tiles]
+    ir += [f"  call void @llvm.x86.tilestored64.internal({_SHAPE}, ptr %pc{t}, i64 %ldc, {_TILE} %s{t})\n"
+           for t in tiles]
+    ir += ["  br label %col_next\n",
+           "col_next:\n",
+           "  %ni1 = add i64 %ni, 1\n  %col_done = icmp eq i64 %ni1, %n32\n",
+           "  br i1 %col_done, label %row_next, label %col\n",
+           "row_next:\n",
+           "  %mi1 = add i64 %mi, 1\n  %row_done = icmp eq i64 %mi1, %m32\n",
+           "  br i1 %row_done, label %head_next, label %row\n",
+           "head_next:\n",
+           "  %h1 = add i64 %h, 1\n  %head_done = icmp eq i64 %h1, %heads\n",
+           "  br i1 %head_done, label %exit, label %head\n",
+           "exit:\n  ret void\n}\n",
+           'attributes #0 = { nounwind "target-features"="+amx-tile,+amx-bf16" }\n']
+    return "".join(ir)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _under_valgrind() -> bool:
+    return "vgpreload" in os.environ.get("LD_PRELOAD", "")
+
+
+@functools.lru_cache(maxsize=None)
+def _availability() -> str | None:
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"AMX is x86-64 Linux only (this is {sys.platform} {platform.machine()})"
+    if "amx_bf16" not in _cpu_flags():
+        return "the CPU does not declare amx_bf16 (/proc/cpuinfo)"
+    if _under_valgrind():
+        return "running under valgrind, which does not emulate AMX"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+        return f"the kernel refused AMX tile state (arch_prctl errno {ctypes.get_errno()})"
+    try:
+        _compile()
+    except Exception as exc:  # llvmlite missing or too old for the AMX intrinsics
+        return f"the AMX kernel did not compile ({type(exc).__name__}: {exc})"
+    return None
+
+
+def why_not() -> str | None:
+    """None where the AMX kernel can run in this process, else why not (checked once)."""
+    if os.environ.get(ENV_AMX, "1").strip() == "0":
+        return f"{ENV_AMX}=0"
+    return _availability()
+
+
+_ENGINE: list = []  # keeps the compiled module alive
+
+
+@functools.lru_cache(maxsize=None)
+def _compile():
+    import llvmlite.binding as llvm
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    module = llvm.parse_assembly(kernel_ir())
+    module.verify()
+    machine = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=2)
+    engine = llvm.create_mcjit_compiler(module, machine)
+    engine.finalize_object()
+    _ENGINE.append(engine)
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    proto = ctypes.CFUNCTYPE(None, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64,
+                             i64, i64, i64, i64)
+    return proto(engine.get_function_address("gqakv_amx_bf16"))
+
+
+def matmul(a1, b, c, *, a2=None, accumulate: bool = False) -> None:
+    """``c[h] (+)= a1[h] @ B[h] (+ a2[h] @ B[h])`` on AMX tiles (the module docstring).
+
+    a1, a2: ``[heads, M, K]`` bfloat16 (or uint16 bits), rows contiguous, the same
+    strides; b: B's pairs in rows, ``[heads, K / 2, N, 2]`` (rows contiguous), or in
+    tiles, ``[heads, N / 16, K / 32, 16, 16, 2]`` (C-contiguous tiles: each tile one
+    contiguous KiB, so a tile load reads 16 consecutive lines), of the same element size;
+    c: ``[heads, M, N]`` float32, rows contiguous. M, N, K multiples of 32. Call only
+    where ``why_not()`` is None."""
+    heads, M, K = a1.shape
+    N = c.shape[2]
+    tiled = b.ndim == 6
+    b_shape = (heads, N // 16, K // 32, 16, 16, 2) if tiled else (heads, K // 2, N, 2)
+    if (M % 32 or N % 32 or K % 32 or b.shape != b_shape or c.shape != (heads, M, N)
+            or a1.itemsize != 2 or b.itemsize != 2 or c.dtype != np.float32
+            or (a2 is not None and (a2.shape != a1.shape or a2.strides != a1.strides))):
+        raise ValueError(f"amx.matmul: shapes a {a1.shape}, b {b.shape}, c {c.shape} (M, N, K "
+                         f"multiples of 32; b {b_shape}; c float32 [heads, M, N])")
+    inner = (b.strides[1:] == (K // 32 * 1024, 1024, 64, 4, 2)) if tiled else (
+        b.strides[-2:] == (4, 2))
+    if not (inner and a1.strides[-1] == 2 and c.strides[-1] == 4):
+        raise ValueError("amx.matmul: rows (and tiles) must be contiguous")
+    if heads == 0 or M == 0 or N == 0:
+        return
+    if K == 0:  # an empty sum
+        if not accumulate:
+            c[...] = 0
+        return
+    # B's tile of K step k, columns 16j..: in rows at k * 16 rows + j * 64 bytes; in tiles
+    # at (j * K / 32 + k) KiB
+    ldb, step, col = (64, 1024, K // 32 * 1024) if tiled else (b.strides[1], 16 * b.strides[1], 64)
+    _compile()(a1.ctypes.data, None if a2 is None else a2.ctypes.data, a1.strides[1],
+               b.ctypes.data, ldb, step, col, c.ctypes.data, c.strides[1], M // 32, N // 32,
+               K // 32, heads, a1.strides[0], b.strides[0], c.strides[0], int(accumulate))

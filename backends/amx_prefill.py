@@ -1,0 +1,207 @@
+"""bfloat16 prefill items on AMX tiles: the BLAS path's item kernel without float32 copies.
+
+The numba backend's BLAS path (``numpy_attention``) computes a bfloat16 cache in float32:
+each K/V block is cast to float32 and multiplied by OpenBLAS's sgemm. Where the CPU has
+AMX (``amx.why_not``), an item whose queries and K/V are bfloat16 runs here instead:
+
+    S = Q K^T               AMX, bfloat16 x bfloat16 -> float32 (products exact)
+    P = softmax step of S   float32 (``numba_kernels.softmax_block``: scale, mask, max, exp)
+    O = alpha O + P V       AMX, P split into bfloat16 high and low parts, P_hi V + P_lo V
+
+so every product is exact and every sum float32, as on the float32 path: P = P_hi + P_lo
+holds P to about 2^-17 of itself, below float32's sum rounding over a block, and far
+below the bfloat16 output's 2^-9 (the scores' products and the scale are as exact as
+float32's). Torch's CPU flash attention, by contrast, rounds P to bfloat16 once.
+
+Per key block (at most ``score_block_elements`` scores, the BLAS path's blocks) three
+compiled layout steps feed the tiles: K into pairs of d (``keys_as_pairs``: the tile's B
+operand for S holds, for each key, two consecutive d values side by side), V into
+pairs of keys (``values_as_pairs``), and P into its two parts (written by the softmax
+step itself). Rows
+(G x queries) and keys are padded with zeros to multiples of 32, the tiles' blocks; the
+padding is never seen (its scores are masked by ``keys``, its rows dropped).
+
+The item's (m, l, o) state is the float32 ``SoftmaxState`` the BLAS path merges and
+finishes, so key pieces, sinks and the output cast are unchanged. Declines (None, the
+float32 path then runs): AMX unavailable, a dtype other than bfloat16 for q or storage,
+codes, d not a multiple of 32, draft trees and ALiBi (a position-dependent score hook).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import ml_dtypes
+import numpy as np
+from numba import njit
+
+from gqakv.core.semantics import transform_scores
+from gqakv.ops.merge import SoftmaxState
+
+from . import amx
+from .numba_kernels import softmax_block
+from .numpy_readers import MIN_BLOCK_KEYS, Plain
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+#: Rows and keys are padded to multiples of this (a block of 2 x 2 tiles).
+TILE_BLOCK = 32
+
+
+def _round_up(x: int) -> int:
+    return -(-x // TILE_BLOCK) * TILE_BLOCK
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape: tuple, dtype) -> np.ndarray:
+    """A C-contiguous ``shape`` array of this thread's reused memory for ``name`` (not
+    zeroed): a prefill walks hundreds of items per thread, and fresh buffers of a few MiB
+    each would be faulted in and zeroed by the kernel every time."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    pool = getattr(_SCRATCH, "pool", None)
+    if pool is None:
+        pool = _SCRATCH.pool = {}
+    buf = pool.get(name)
+    if buf is None or buf.size < size:
+        buf = pool[name] = np.empty(size, np.uint8)
+    return buf[:size].view(dtype).reshape(shape)
+
+
+def _pitch(n: int, itemsize: int) -> int:
+    """Elements per buffer row for rows of ``n``: ``n``, plus 64 bytes where a row would
+    be a multiple of 512 bytes."""
+    return n + (64 // itemsize if (n * itemsize) % 512 == 0 else 0)
+
+
+@njit(cache=True, nogil=True)
+def keys_as_pairs(k, out):
+    """``out[h, r, n] = k[h, n, r]``: K ``[hh, K, d / 2]`` (as uint32 pairs of bfloat16)
+    into the S product's B operand ``[hh, d / 2, Kp]`` (uint32), keys K..Kp-1 zero. Walks
+    16 x 16 blocks so reads and writes both stay in L1."""
+    hh, K, half = k.shape
+    Kp = out.shape[2]
+    for h in range(hh):
+        for n0 in range(0, Kp, 16):
+            for r0 in range(0, half, 16):
+                for r in range(r0, min(half, r0 + 16)):
+                    for n in range(n0, min(Kp, n0 + 16)):
+                        out[h, r, n] = k[h, n, r] if n < K else np.uint32(0)
+
+
+@njit(cache=True, nogil=True)
+def values_as_pairs(v, out):
+    """``out[h, r, n, e] = v[h, 2r + e, n]``: V ``[hh, K, d]`` (bfloat16 bits) into the
+    P V product's B operand ``[hh, Kp / 2, d, 2]``, keys K..Kp-1 zero."""
+    hh, K, d = v.shape
+    half = out.shape[1]
+    for h in range(hh):
+        for r in range(half):
+            a, b = 2 * r, 2 * r + 1
+            row = out[h, r]
+            if b < K:
+                va, vb = v[h, a], v[h, b]
+                for n in range(d):
+                    row[n, 0] = va[n]
+                    row[n, 1] = vb[n]
+            elif a < K:
+                va = v[h, a]
+                for n in range(d):
+                    row[n, 0] = va[n]
+                    row[n, 1] = 0
+            else:
+                row[:, :] = 0
+
+
+@njit(cache=True, nogil=True)
+def rescale_rows(o, alpha, d):
+    """``o[h, r, :d] *= alpha[h, r]`` (o C-contiguous, its rows padded past d)."""
+    for h in range(o.shape[0]):
+        for r in range(o.shape[1]):
+            row, a = o[h, r, :d], alpha[h, r]
+            for j in range(d):
+                row[j] *= a
+
+
+def declines(q, reader, params, tree) -> str | None:
+    """Why an item of this call does not run here (None: it does)."""
+    why = amx.why_not()
+    if why is not None:
+        return why
+    if q.dtype != BF16 or not isinstance(reader, Plain) or reader.stored != BF16:
+        return "AMX items need bfloat16 queries and a plain bfloat16 cache"
+    if q.shape[-1] % TILE_BLOCK:
+        return f"AMX items need d a multiple of {TILE_BLOCK} (d = {q.shape[-1]})"
+    if tree is not None or params.alibi_slopes is not None:
+        return "draft trees and ALiBi take the float32 path"
+    return None
+
+
+def item_kernel(q, reader, params, trees):
+    """``numpy_attention.attend``'s ``item_kernel``: ``attend_item`` where this call's
+    items can run here (``declines``), else None."""
+    return attend_item if declines(q, reader, params, trees) is None else None
+
+
+def attend_item(q, reader, lens, n_new, item, *, params, score_block_elements: int, tiles,
+                block_keys_fixed=None):
+    """The online softmax of one item (``numpy_attention._attend_item``'s contract) on AMX
+    tiles; returns its float32 ``SoftmaxState`` (o [hh, G * nq, d], m, l [hh, G * nq, 1]),
+    or an empty state when no key block was read. ``tiles``: the item's queries ``[hh, G * nq,
+    d]`` bfloat16 (``numpy_attention._tile``'s view, unscaled). Call where ``declines``
+    says None."""
+    i, h0, h1, t0, t1, j0, j1, _ = item
+    hh, R, d = tiles.shape
+    nq = t1 - t0
+    L, n = int(lens[i]), int(n_new[i])
+    Rp = _round_up(R)
+    # rows of every buffer padded off multiples of 1 KiB (_pitch): tile loads and stores
+    # of 16 rows a power of two apart would fall into a few L1 sets
+    qp = _scratch("q", (hh, Rp, _pitch(d, 2)), np.uint16)[..., :d]
+    qp[:, :R] = tiles.view(np.uint16)
+    qp[:, R:] = 0
+    keys = (max(MIN_BLOCK_KEYS, score_block_elements // (hh * R)) if block_keys_fixed is None
+            else block_keys_fixed)
+    m = np.full((hh, Rp), -np.inf, dtype=np.float32)
+    l = np.zeros((hh, Rp), dtype=np.float32)
+    alpha = np.empty((hh, Rp), dtype=np.float32)
+    o_rows = _scratch("o", (hh, Rp, _pitch(d, 4)), np.float32)  # o: o_rows[..., :d]
+    o_rows[...] = 0
+    o = o_rows[..., :d]
+    window = params.window or 0
+    soft = params.softcap is not None
+    width = 0  # keys the block buffers hold
+    seen = False
+    for js, je, kb, vb in reader.blocks(i, h0, h1, j0, j1, keys=keys, acc=BF16,
+                                        block_elements=score_block_elements, d=d):
+        K = je - js
+        Kp = _round_up(K)
+        if Kp > width:  # the first block (or, rarely, a longer one): buffers for it
+            width = max(Kp, _round_up(min(keys, j1 - j0)))
+            w = _pitch(width, 4)
+            s_full = _scratch("s", (hh, Rp, w), np.float32)
+            hi_full = _scratch("hi", (hh, Rp, w), np.uint16)
+            lo_full = _scratch("lo", (hh, Rp, w), np.uint16)
+            kt_full = _scratch("k", (hh, d // 2, w, 2), np.uint16)
+            vv_full = _scratch("v", (hh, width // 2, _pitch(d, 4), 2), np.uint16)
+        kt = kt_full[:, :, :Kp]
+        vv = vv_full[:, :Kp // 2, :d]
+        keys_as_pairs(kb.view(np.uint16).view(np.uint32), kt.view(np.uint32)[..., 0])
+        values_as_pairs(vb.view(np.uint16), vv)
+        s = s_full[..., :Kp]
+        amx.matmul(qp, kt, s)
+        scale = params.scale
+        if soft:  # the soft-cap reads scaled scores
+            s[..., :K] *= np.float32(scale)
+            s[..., :K] = transform_scores(params, s[..., :K], np)
+            scale = 1.0
+        for h in range(hh):  # p into its two bfloat16 parts; columns from K on: 0
+            softmax_block(s_full[h], m[h], l[h], alpha[h], nq, L - n + t0 - js, window, scale, K,
+                          hi_full[h], lo_full[h])
+        rescale_rows(o_rows, alpha, d)
+        amx.matmul(hi_full[..., :Kp], vv, o, a2=lo_full[..., :Kp], accumulate=True)
+        seen = True
+    if not seen:
+        return SoftmaxState(np)
+    return SoftmaxState(np, m[:, :R, None].copy(), l[:, :R, None].copy(), np.ascontiguousarray(o[:, :R]))
+
