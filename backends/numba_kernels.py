@@ -331,7 +331,9 @@ def softmax_block(s, m, l, alpha, nq, pos0, window, scale, keys, p_hi, p_lo):
     s: [R, K] float32 scores of one block, each to be multiplied by ``scale`` (> 0), row
     r holding query t = r % nq of the block's queries; it sees the block's keys lo <= j <
     hi, hi = pos0 + t + 1 (pos0: the block's first query's position relative to the
-    block's first key) and, with a window W > 0, lo = hi - W, both clipped to 0..keys
+    block's first key) and, with a window W > 0, lo = pos0 + t + 1 - W, both clipped to
+    0..keys (lo from the unclipped end: a query past the block's last key sees only the
+    block's keys inside its window)
     (``keys`` <= K: the columns past it are padding, never seen). s is overwritten by p =
     exp(scale * s - shift), 0 outside [lo, hi). m, l: [R] the running max and sum of the
     scaled scores, updated; alpha: [R] out, exp(m_old - shift), the factor the running
@@ -349,8 +351,9 @@ def softmax_block(s, m, l, alpha, nq, pos0, window, scale, keys, p_hi, p_lo):
     lowest = np.float32(-3.4028234663852886e38)
     scale = np.float32(scale)
     for r in range(s.shape[0]):
-        hi = min(keys, max(0, pos0 + r % nq + 1))
-        lo = 0 if window <= 0 else min(hi, max(0, hi - window))
+        end = pos0 + r % nq + 1  # one past the query's own key (the window ends there too)
+        hi = min(keys, max(0, end))
+        lo = 0 if window <= 0 else min(hi, max(0, end - window))
         row = s[r]
         seen = row[lo:hi]  # loops over a whole view: indices provably in bounds, so they vectorize
         key = np.int32(_NEG_INF_KEY)

@@ -433,8 +433,9 @@ def _softmax_step_reference(s, m_old, l_old, nq, pos0, window):
     p, m, l, alpha = np.zeros((R, K)), np.empty(R), np.empty(R), np.empty(R)
     lowest = np.finfo(np.float32).min
     for r in range(R):
-        hi = min(K, max(0, pos0 + r % nq + 1))
-        lo = 0 if window <= 0 else min(hi, max(0, hi - window))
+        end = pos0 + r % nq + 1
+        hi = min(K, max(0, end))
+        lo = 0 if window <= 0 else min(hi, max(0, end - window))
         row_max = s[r, lo:hi].max() if hi > lo else np.float32(-np.inf)
         m[r] = np.maximum(m_old[r], row_max)
         shift = np.float32(lowest if m[r] == -np.inf else m[r])
@@ -483,8 +484,10 @@ def test_fused_softmax_step_matches_its_definition(pos0, window):
     np.testing.assert_array_equal(np.isnan(l), np.isnan(want_l))
     ok = ~np.isnan(want_l)
     np.testing.assert_allclose(l[ok], want_l[ok], rtol=K * 2.0 ** -24 + 2.4e-7, atol=0)
-    if pos0 == 40:  # every row's keys end at the block's last: row 1 sees key 0 only without a short window
-        assert np.isnan(m[2]) and np.isnan(m[1]) == (window == 0 or window >= K)
+    if pos0 == 40:  # every query is past the block: its window (from position 40 + t) decides
+        # row 2 (t = 2, position 42) sees key K - 1 = 36 for W >= 7; row 1 (41) key 0 for W >= 42
+        assert np.isnan(m[2]) == (window == 0 or window >= 7)
+        assert np.isnan(m[1]) == (window == 0 or window >= 42)
 
 
 def _spy_fused(monkeypatch):
@@ -536,6 +539,32 @@ def test_long_chunks_fold_through_the_fused_softmax(monkeypatch, storage, dtype,
     _variant_check(out, lse, want, want_lse, n_new, DTYPES[dtype])
     assert folded and all(folded)
     assert all(gathered) and bool(gathered) == (storage == "paged")
+
+
+def test_windowed_chunk_past_a_key_block_sees_only_its_window(monkeypatch):
+    """A long chunk with a sliding window over several of the BLAS path's key blocks: a
+    query past a block's last key sees only that block's keys inside its window. (Until
+    2026-12-05 the fused step took the window's left edge from the block's end for such
+    queries, and read up to W keys it must not see; float32 and bfloat16 alike.)"""
+    seen = []
+    real = nk.softmax_block
+
+    def spy(s, m, l, alpha, nq, pos0, window, *rest):
+        seen.append(pos0 + nq > s.shape[1] and window > 0)  # some query past the block
+        return real(s, m, l, alpha, nq, pos0, window, *rest)
+
+    monkeypatch.setattr(nk, "softmax_block", spy)
+    rng = np.random.default_rng(3001)
+    hkv, G, d, window = 1, 7, 32, 169
+    lens, n_new = [432, 0, 84, 41], [128, 0, 84, 1]
+    q, k, v = _case(rng, lens, n_new, hkv, G, d, np.float32)
+    cache = gqakv.KVCache(len(lens), hkv, max(lens) + 3, d, dtype="float32", backend="numba")
+    cache.append(np.ascontiguousarray(k[:, :, :max(lens)]), np.ascontiguousarray(v[:, :, :max(lens)]), lens)
+    params = AttentionParams(scale=1.0 / math.sqrt(d), window=window)
+    out, lse = gqakv.gqa_attention(q, cache, n_new, params=params, return_lse=True)
+    want, want_lse = reference_on_buffers(q, k, v, lens, n_new, params.scale, window=window)
+    _variant_check(out, lse, want, want_lse, n_new, np.float32)
+    assert any(seen)
 
 
 def test_fused_softmax_over_many_blocks_and_key_pieces(monkeypatch):
