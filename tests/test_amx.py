@@ -1,0 +1,247 @@
+"""bfloat16 prefill on AMX tiles (``backends/amx.py``, ``backends/amx_prefill.py``).
+
+What runs anywhere: the kernel's IR verifies, the layout steps and the softmax step's
+bfloat16 split against NumPy, and ``amx.matmul``'s refusals. What needs a CPU with AMX
+(skipped elsewhere, with the reason): the tile product against float64, and bfloat16
+prefill through the public API reaching the AMX items (spied) and matching both the
+float64 reference and the float32 path it replaces (``GQAKV_AMX=0``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import gqakv
+
+numba = pytest.importorskip("numba")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+from gqakv_backends import amx, amx_prefill  # noqa: E402
+from gqakv_backends import numba_kernels as nk  # noqa: E402
+
+from gqakv.core.semantics import AttentionParams  # noqa: E402
+
+from .support.reference import reference_on_buffers  # noqa: E402
+
+BF16 = ml_dtypes.bfloat16
+needs_amx = pytest.mark.skipif(amx.why_not() is not None, reason=f"no AMX here: {amx.why_not()}")
+
+
+def _pairs(b):
+    """B ``[h, K, N]`` as AMX reads it in rows: ``[h, K / 2, N, 2]``."""
+    h, K, N = b.shape
+    return np.ascontiguousarray(b.reshape(h, K // 2, 2, N).transpose(0, 1, 3, 2))
+
+
+def _tiles(b):
+    """B ``[h, K, N]`` in tiles: ``[h, N / 16, K / 32, 16, 16, 2]``."""
+    h, K, N = b.shape
+    return np.ascontiguousarray(b.reshape(h, K // 32, 16, 2, N // 16, 16).transpose(0, 4, 1, 2, 5, 3))
+
+
+def test_the_kernel_ir_verifies():
+    import llvmlite.binding as llvm
+
+    llvm.parse_assembly(amx.kernel_ir()).verify()
+
+
+def test_matmul_refuses_shapes_it_cannot_tile():
+    a = np.zeros((1, 48, 32), np.uint16)  # 48 rows: not a multiple of 32
+    with pytest.raises(ValueError, match=r"a \(1, 48, 32\)"):
+        amx.matmul(a, np.zeros((1, 16, 32, 2), np.uint16), np.zeros((1, 48, 32), np.float32))
+    a = np.zeros((1, 32, 64), np.uint16)[:, :, ::2]  # strided rows
+    with pytest.raises(ValueError, match="contiguous"):
+        amx.matmul(a, np.zeros((1, 16, 32, 2), np.uint16), np.zeros((1, 32, 32), np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        amx.matmul(np.zeros((1, 32, 32), np.uint16), np.zeros((1, 16, 32, 2), np.uint16),
+                   np.zeros((1, 32, 32), np.float64))
+
+
+def test_amx_switch_names_itself(monkeypatch):
+    monkeypatch.setenv(amx.ENV_AMX, "0")
+    assert amx.why_not() == "GQAKV_AMX=0"
+
+
+@needs_amx
+@pytest.mark.parametrize("layout", ["rows", "tiles"])
+@pytest.mark.parametrize("heads, M, K, N, two, accumulate",
+                         [(1, 32, 32, 32, False, False), (3, 64, 96, 64, True, True),
+                          (2, 160, 512, 128, True, False), (1, 96, 128, 544, False, True)])
+def test_matmul_matches_float64(layout, heads, M, K, N, two, accumulate):
+    """Each product of bfloat16 values is exact in float32, so the only error is float32
+    accumulation: at most (K + 1) float32 ulps of the sum of absolute terms. Rows padded
+    past their length (the prefill's pitched buffers) and C accumulated into."""
+    rng = np.random.default_rng(heads * M + K + N)
+    a1 = np.zeros((heads, M, K + 16), BF16)[..., :K]
+    a1[...] = rng.standard_normal((heads, M, K))
+    a2 = None
+    if two:
+        a2 = np.zeros((heads, M, K + 16), BF16)[..., :K]
+        a2[...] = rng.standard_normal((heads, M, K)) * 2.0 ** -9
+    b = rng.standard_normal((heads, K, N)).astype(BF16)
+    c0 = rng.standard_normal((heads, M, N)).astype(np.float32)
+    c = np.zeros((heads, M, N + 16), np.float32)[..., :N]
+    c[...] = c0
+    amx.matmul(a1, _pairs(b) if layout == "rows" else _tiles(b), c, a2=a2, accumulate=accumulate)
+    terms = [(a1, b)] + ([(a2, b)] if two else [])
+    want = sum(x.astype(np.float64) @ y.astype(np.float64) for x, y in terms)
+    size = sum(np.abs(x.astype(np.float64)) @ np.abs(y.astype(np.float64)) for x, y in terms)
+    if accumulate:
+        want, size = want + c0, size + np.abs(c0)
+    assert np.all(np.abs(c - want) <= (len(terms) * K + 2) * 2.0 ** -24 * size)
+
+
+@pytest.mark.parametrize("K", [0, 5, 32, 77])
+def test_layout_steps_match_numpy(K):
+    rng = np.random.default_rng(K)
+    hh, d = 2, 64
+    Kp = -(-K // 32) * 32
+    k = rng.integers(0, 2 ** 16, (hh, K, d), dtype=np.uint16)
+    v = rng.integers(0, 2 ** 16, (hh, K, d), dtype=np.uint16)
+    kt = np.full((hh, d // 2, Kp + 8, 2), 7, np.uint16)[:, :, :Kp]
+    amx_prefill.keys_as_pairs(k.view(np.uint32), kt.view(np.uint32)[..., 0])
+    k_padded = np.zeros((hh, Kp, d), np.uint16)
+    k_padded[:, :K] = k
+    np.testing.assert_array_equal(kt, k_padded.reshape(hh, Kp, d // 2, 2).transpose(0, 2, 1, 3))
+    vv = np.full((hh, Kp // 2, d + 8, 2), 7, np.uint16)[:, :, :d]
+    amx_prefill.values_as_pairs(v, vv)
+    v_padded = np.zeros((hh, Kp, d), np.uint16)
+    v_padded[:, :K] = v
+    np.testing.assert_array_equal(vv, _pairs(v_padded.view(BF16)).view(np.uint16))
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_softmax_step_scales_and_splits_p_into_bfloat16_parts(window):
+    """``scale``: m is the scaled max, p = exp(scale * s - m) (within exp's 2 ulp of
+    float64, the argument formed as the kernel forms it, one rounding). ``p_hi``/``p_lo``:
+    the step writes p's parts instead of p, p_hi = p's top 16 bits and p_lo = (p - p_hi)'s
+    (m and alpha bit for bit as without them, l within its summation bound), so p_hi +
+    p_lo is within 2^-14 of p and not above it. Columns past ``keys`` (padding) and
+    masked keys are zero in both parts."""
+    rng = np.random.default_rng(window)
+    nq, G, K, keys, scale, pos0 = 7, 3, 64, 45, np.float32(0.37), 30
+    R = nq * G
+    s = (rng.standard_normal((R, K)) * 6).astype(np.float32)
+    m0 = np.full(R, -np.inf, np.float32)
+    l0 = np.zeros(R, np.float32)
+    none = np.empty((0, 0), np.uint16)
+    p = s.copy()
+    m, l, alpha = m0.copy(), l0.copy(), np.empty(R, np.float32)
+    nk.softmax_block(p, m, l, alpha, nq, pos0, window, scale, keys, none, none)
+    for r in range(R):  # against the definition
+        end = pos0 + r % nq + 1
+        hi = min(keys, end)
+        lo = 0 if window <= 0 else min(hi, max(0, end - window))
+        assert m[r] == np.float32(s[r, lo:hi].max() * scale)
+        arg = (s[r, lo:hi].astype(np.float64) * np.float64(scale) - m[r]).astype(np.float32)
+        np.testing.assert_allclose(p[r, lo:hi], np.exp(arg.astype(np.float64)), rtol=2.4e-7, atol=0)
+        assert not p[r, :lo].any() and not p[r, hi:].any()
+    hi, lo = np.full((R, K), 9, np.uint16), np.full((R, K), 9, np.uint16)
+    m2, l2, alpha2 = m0.copy(), l0.copy(), np.empty(R, np.float32)
+    nk.softmax_block(s.copy(), m2, l2, alpha2, nq, pos0, window, scale, keys, hi, lo)
+    np.testing.assert_array_equal(m, m2)
+    np.testing.assert_array_equal(alpha, alpha2)
+    np.testing.assert_allclose(l, l2, rtol=K * 2.0 ** -24, atol=0)  # vectorized in another order
+    bits = p.view(np.uint32)
+    np.testing.assert_array_equal(hi, (bits >> 16).astype(np.uint16))
+    rest = p - (bits & np.uint32(0xFFFF0000)).view(np.float32)
+    np.testing.assert_array_equal(lo, (rest.view(np.uint32) >> 16).astype(np.uint16))
+    parts = hi.view(BF16).astype(np.float64) + lo.view(BF16).astype(np.float64)
+    assert np.all(parts <= p) and np.all(parts >= p * (1 - 2.0 ** -14))
+    assert not hi[:, keys:].any() and not lo[:, keys:].any()
+    assert (p[:, :keys] > 0).sum() < R * keys  # some keys masked (zero in both)
+
+
+def _spy_items(monkeypatch):
+    calls = []
+    real = amx_prefill.attend_item
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["tiles"].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(amx_prefill, "attend_item", spy)
+    return calls
+
+
+def _prefill(rng, storage, lens, n_new, hkv, G, d, variant, dtype=BF16):
+    """A cache filled to ``lens`` and bfloat16 queries for the last ``n_new`` of each row;
+    returns (cache, q, k, v, params) with k, v [B, hkv, max_len, d] as stored."""
+    B, max_len = len(lens), max(lens) + 3
+    k = np.zeros((B, hkv, max_len, d), dtype)
+    v = np.zeros((B, hkv, max_len, d), dtype)
+    for b, L in enumerate(lens):
+        k[b, :, :L] = rng.standard_normal((hkv, L, d))
+        v[b, :, :L] = rng.standard_normal((hkv, L, d))
+    q = (2 * rng.standard_normal((B, hkv * G, max(max(n_new), 1), d))).astype(dtype)
+    kw = dict(page_size=16) if storage == "paged" else {}
+    cls = gqakv.PagedKVCache if storage == "paged" else gqakv.KVCache
+    dtype_name = gqakv.core.dtypes.canonical_name(np.dtype(dtype))
+    cache = cls(B, hkv, max_len, d, dtype=dtype_name, backend="numba", **kw)
+    cache.append(k[:, :, :max(lens)], v[:, :, :max(lens)], lens)
+    return cache, q, k, v, AttentionParams(scale=1.0 / math.sqrt(d), **variant)
+
+
+@needs_amx
+@pytest.mark.parametrize("storage", ["contiguous", "paged"])
+@pytest.mark.parametrize("seed", range(4))
+def test_bfloat16_prefill_runs_on_amx_and_matches(monkeypatch, storage, seed):
+    """Ragged rows (one empty, one decoding beside long chunks), G = 1..7, d = 32..128,
+    rows and keys off multiples of 32, and the variants the AMX items take (window,
+    soft-cap, sinks): the items ran on AMX, the output is within twice bfloat16's rounding
+    of the float64 reference, and within one bfloat16 ulp of the float32 path it replaces
+    (where an output cancels to near zero, within P's split bound; lse within float32
+    noise)."""
+    rng = np.random.default_rng(3000 + seed)
+    hkv, G, d = [(2, 4, 64), (1, 7, 32), (3, 3, 128), (2, 1, 96)][seed]
+    lens = [int(rng.integers(300, 700)), 0, int(rng.integers(20, 90)), 41]
+    n_new = [int(rng.integers(20, 300)), 0, lens[2], 1]
+    variant = [{}, {"window": int(rng.integers(20, 200))}, {"softcap": 7.5},
+               {"sinks": tuple(float(x) for x in rng.standard_normal(hkv * G))}][seed]
+    cache, q, k, v, params = _prefill(rng, storage, lens, n_new, hkv, G, d, variant)
+    calls = _spy_items(monkeypatch)
+    out, lse = gqakv.gqa_attention(q, cache, n_new, params=params, return_lse=True)
+    assert calls, "no item ran on AMX"
+    want, want_lse = reference_on_buffers(q.astype(np.float64), k.astype(np.float64),
+                                          v.astype(np.float64), lens, n_new, params.scale, **variant)
+    got = out.astype(np.float64)
+    rounding = np.abs(want.astype(BF16).astype(np.float64) - want).max()
+    assert np.abs(got - want).max() <= 2 * rounding + 1e-6
+    for b, n in enumerate(n_new):  # padded queries are exactly 0
+        assert not out[b, :, n:].astype(np.float64).any()
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=1e-6, atol=2e-5)
+    monkeypatch.setenv(amx.ENV_AMX, "0")
+    calls.clear()
+    out32, lse32 = gqakv.gqa_attention(q, cache, n_new, params=params, return_lse=True)
+    assert not calls
+    a, b = got, out32.astype(np.float64)
+    # one bfloat16 ulp, plus P's split bound (2^-14 of sum p |v| / l <= max |v|) where
+    # an output cancels to near zero
+    slack = 2.0 ** -14 * np.abs(v.astype(np.float64)).max()
+    assert np.all(np.abs(a - b) <= 2.0 ** -7 * np.maximum(np.abs(a), np.abs(b)) + slack)
+    np.testing.assert_allclose(lse[fin], lse32[fin], rtol=1e-6, atol=1e-5)
+
+
+@needs_amx
+@pytest.mark.parametrize("why", ["alibi", "float16", "d80", "switch"])
+def test_calls_the_amx_items_decline_take_the_float32_path(monkeypatch, why):
+    rng = np.random.default_rng(7)
+    hkv, G, d = 2, 2, 80 if why == "d80" else 64
+    variant = {"alibi_slopes": (0.5, 0.25, 0.125, 0.0625)} if why == "alibi" else {}
+    dtype = np.float16 if why == "float16" else BF16
+    lens, n_new = [120, 60], [40, 60]
+    cache, q, k, v, params = _prefill(rng, "contiguous", lens, n_new, hkv, G, d, variant, dtype)
+    if why == "switch":
+        monkeypatch.setenv(amx.ENV_AMX, "0")
+    calls = _spy_items(monkeypatch)
+    out = gqakv.gqa_attention(q, cache, n_new, params=params)
+    assert not calls
+    want, _ = reference_on_buffers(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                   lens, n_new, params.scale, **variant)
+    rounding = np.abs(want.astype(dtype).astype(np.float64) - want).max()
+    assert np.abs(out.astype(np.float64) - want).max() <= 2 * rounding + 1e-6
