@@ -7,8 +7,9 @@ multiply bfloat16 tiles with float32 accumulation at many times the float32 FMA 
 a ``tdpbf16ps`` folds a 16 x 32 by 32 x 16 product into a 16 x 16 float32 tile.
 
 One kernel is compiled here, from LLVM IR through llvmlite (numba's own compiler: no
-extra dependency, nothing built at install time), and called through ctypes, which
-releases the GIL, so the BLAS path's threads run it side by side:
+extra dependency, nothing built at install time), registered as the process symbol
+``gqakv_amx_bf16`` (so numba-compiled code calls it directly, ``amx_prefill``), and
+callable from Python through ctypes (``matmul``):
 
     C[h] (+)= A1[h] @ B[h]  (+ A2[h] @ B[h])      for h < heads
 
@@ -43,6 +44,8 @@ import numpy as np
 
 #: Set to 0 to keep the float32 matmuls even where AMX is available.
 ENV_AMX = "GQAKV_AMX"
+#: The kernel's name, registered as a process symbol once compiled (``_compile``).
+SYMBOL = "gqakv_amx_bf16"
 
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
@@ -232,10 +235,12 @@ def _compile():
     engine = llvm.create_mcjit_compiler(module, machine)
     engine.finalize_object()
     _ENGINE.append(engine)
+    # numba-compiled code calls it by name (``amx_prefill.tile_product``), cached or not
+    llvm.add_symbol(SYMBOL, engine.get_function_address(SYMBOL))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     proto = ctypes.CFUNCTYPE(None, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64,
                              i64, i64, i64, i64)
-    return proto(engine.get_function_address("gqakv_amx_bf16"))
+    return proto(engine.get_function_address(SYMBOL))
 
 
 def matmul(a1, b, c, *, a2=None, accumulate: bool = False) -> None:

@@ -33,18 +33,27 @@ import threading
 
 import ml_dtypes
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from gqakv.core.semantics import transform_scores
 from gqakv.ops.merge import SoftmaxState
 
 from . import amx
-from .numba_kernels import softmax_block
+from .numba_kernels import softmax_block, tanh_f32
 from .numpy_readers import MIN_BLOCK_KEYS, Plain
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 #: Rows and keys are padded to multiples of this (a block of 2 x 2 tiles).
 TILE_BLOCK = 32
+#: Items of less work than this (padded rows x keys x d multiply-adds per product) take
+#: the float32 path: each AMX item pays its layout steps and a few host calls per block.
+#: Measured 2026-12-05 (2 threads, whole calls, AMX / float32 path time): 1.45 at 0.8M
+#: (16 queries of one head over 200 keys), 1.12 at 0.8M (B=8, 64-token rows, d=64), 1.02
+#: at 8.4M (B=8, 128-token prompts, d=128), 0.94 at 6.3M (a 512-token SmolLM2 prompt),
+#: 0.47-0.66 from 16 queries over 3,000 keys up.
+MIN_ITEM_WORK = 1 << 22
 
 
 def _round_up(x: int) -> int:
@@ -123,6 +132,73 @@ def rescale_rows(o, alpha, d):
                 row[j] *= a
 
 
+@intrinsic
+def _kernel(typingctx, a1, a2, lda, b, ldb, bstep, bcol, c, ldc, m32, n32, nk, heads, sa, sb, sc,
+            accumulate):
+    """A call of the AMX kernel (``amx.SYMBOL``, registered by ``amx._compile``) from
+    numba code: its pointers as integers, the rest as in ``amx.matmul``."""
+    args = (a1, a2, lda, b, ldb, bstep, bcol, c, ldc, m32, n32, nk, heads, sa, sb, sc, accumulate)
+    if not all(isinstance(x, types.Integer) for x in args):
+        return None
+    pointers = (0, 1, 3, 7)
+
+    def codegen(context, builder, signature, values):
+        i64, ptr = ir.IntType(64), ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [ptr if k in pointers else i64 for k in range(len(values))])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, amx.SYMBOL)
+        cast = [builder.sext(v, i64) if v.type.width < 64 else v for v in values]
+        builder.call(fn, [builder.inttoptr(v, ptr) if k in pointers else v for k, v in enumerate(cast)])
+        return context.get_dummy_value()
+
+    return types.void(*args), codegen
+
+
+@njit(cache=True, inline="always")
+def _tile_product(a1, a2, two, b, c, accumulate):
+    """``amx.matmul(a1, b, c, a2=a2 if two, accumulate)`` from numba, B's pairs in rows
+    (``[heads, K / 2, N, 2]``, or as uint32 ``[heads, K / 2, N]``); shapes as the caller's
+    (multiples of 32, rows contiguous), unchecked."""
+    heads, M, K = a1.shape
+    N = c.shape[2]
+    _kernel(a1.ctypes.data, a2.ctypes.data if two else 0, a1.strides[1], b.ctypes.data,
+            b.strides[1], 16 * b.strides[1], 64, c.ctypes.data, c.strides[1], M // 32, N // 32,
+            K // 32, heads, a1.strides[0], b.strides[0], c.strides[0], 1 if accumulate else 0)
+
+
+@njit(cache=True, nogil=True)
+def fold_block(qp, k, v, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, nq, pos0, window,
+               scale, softcap, keys):
+    """One key block of an item, without the GIL: K and V into the tiles' layouts,
+    S = Q K^T on AMX, the soft-cap (``softcap`` > 0), the softmax step writing P's
+    bfloat16 parts (``softmax_block``), the output rescaled, O += P V on AMX.
+
+    qp: [hh, Rp, d] bfloat16 bits (rows padded to 32); k: [hh, keys, d / 2] uint32 (pairs
+    of bfloat16), v: [hh, keys, d] bfloat16 bits; kt: [hh, d / 2, Kp] uint32 and vv:
+    [hh, Kp / 2, d, 2] their layout buffers; s_full, hi_full, lo_full: [hh, Rp, >= Kp]
+    C-contiguous; o_rows: [hh, Rp, >= d] C-contiguous, the running output; m, l, alpha:
+    [hh, Rp]; the rest as ``softmax_block``'s."""
+    hh, Rp, d = qp.shape
+    Kp = kt.shape[2]
+    keys_as_pairs(k, kt)
+    values_as_pairs(v, vv)
+    s = s_full[:, :, :Kp]
+    _tile_product(qp, qp, False, kt, s, False)
+    if softcap > 0:  # on the scaled scores, before the mask
+        c = np.float32(softcap)
+        x = np.float32(scale) / c
+        for h in range(hh):
+            for r in range(Rp):
+                row = s_full[h, r, :keys]
+                for j in range(keys):
+                    row[j] = c * tanh_f32(row[j] * x)
+        scale = 1.0
+    for h in range(hh):  # P into its two bfloat16 parts; columns from ``keys`` on: 0
+        softmax_block(s_full[h], m[h], l[h], alpha[h], nq, pos0, window, scale, keys,
+                      hi_full[h], lo_full[h])
+    rescale_rows(o_rows, alpha, d)
+    _tile_product(hi_full[:, :, :Kp], lo_full[:, :, :Kp], True, vv, o_rows[:, :, :d], True)
+
+
 def declines(q, reader, params, tree) -> str | None:
     """Why an item of this call does not run here (None: it does)."""
     why = amx.why_not()
@@ -147,11 +223,13 @@ def attend_item(q, reader, lens, n_new, item, *, params, score_block_elements: i
                 block_keys_fixed=None):
     """The online softmax of one item (``numpy_attention._attend_item``'s contract) on AMX
     tiles; returns its float32 ``SoftmaxState`` (o [hh, G * nq, d], m, l [hh, G * nq, 1]),
-    or an empty state when no key block was read. ``tiles``: the item's queries ``[hh, G * nq,
+    an empty state when no key block was read, or None (declined: ``MIN_ITEM_WORK``). ``tiles``: the item's queries ``[hh, G * nq,
     d]`` bfloat16 (``numpy_attention._tile``'s view, unscaled). Call where ``declines``
     says None."""
     i, h0, h1, t0, t1, j0, j1, _ = item
     hh, R, d = tiles.shape
+    if hh * _round_up(R) * (j1 - j0) * d < MIN_ITEM_WORK:
+        return None  # too small to pay for its layout steps and calls
     nq = t1 - t0
     L, n = int(lens[i]), int(n_new[i])
     Rp = _round_up(R)
@@ -167,9 +245,7 @@ def attend_item(q, reader, lens, n_new, item, *, params, score_block_elements: i
     alpha = np.empty((hh, Rp), dtype=np.float32)
     o_rows = _scratch("o", (hh, Rp, _pitch(d, 4)), np.float32)  # o: o_rows[..., :d]
     o_rows[...] = 0
-    o = o_rows[..., :d]
     window = params.window or 0
-    soft = params.softcap is not None
     width = 0  # keys the block buffers hold
     seen = False
     for js, je, kb, vb in reader.blocks(i, h0, h1, j0, j1, keys=keys, acc=BF16,
@@ -184,24 +260,13 @@ def attend_item(q, reader, lens, n_new, item, *, params, score_block_elements: i
             lo_full = _scratch("lo", (hh, Rp, w), np.uint16)
             kt_full = _scratch("k", (hh, d // 2, w, 2), np.uint16)
             vv_full = _scratch("v", (hh, width // 2, _pitch(d, 4), 2), np.uint16)
-        kt = kt_full[:, :, :Kp]
-        vv = vv_full[:, :Kp // 2, :d]
-        keys_as_pairs(kb.view(np.uint16).view(np.uint32), kt.view(np.uint32)[..., 0])
-        values_as_pairs(vb.view(np.uint16), vv)
-        s = s_full[..., :Kp]
-        amx.matmul(qp, kt, s)
-        scale = params.scale
-        if soft:  # the soft-cap reads scaled scores
-            s[..., :K] *= np.float32(scale)
-            s[..., :K] = transform_scores(params, s[..., :K], np)
-            scale = 1.0
-        for h in range(hh):  # p into its two bfloat16 parts; columns from K on: 0
-            softmax_block(s_full[h], m[h], l[h], alpha[h], nq, L - n + t0 - js, window, scale, K,
-                          hi_full[h], lo_full[h])
-        rescale_rows(o_rows, alpha, d)
-        amx.matmul(hi_full[..., :Kp], vv, o, a2=lo_full[..., :Kp], accumulate=True)
+        fold_block(qp, kb.view(np.uint16).view(np.uint32), vb.view(np.uint16),
+                   kt_full[:, :, :Kp].view(np.uint32)[..., 0], vv_full[:, :Kp // 2, :d],
+                   s_full, hi_full, lo_full, o_rows, m, l, alpha, nq, L - n + t0 - js, window,
+                   params.scale, params.softcap or 0.0, K)
         seen = True
     if not seen:
         return SoftmaxState(np)
-    return SoftmaxState(np, m[:, :R, None].copy(), l[:, :R, None].copy(), np.ascontiguousarray(o[:, :R]))
+    return SoftmaxState(np, m[:, :R, None].copy(), l[:, :R, None].copy(),
+                        np.ascontiguousarray(o_rows[:, :R, :d]))
 

@@ -343,12 +343,10 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
         for item in batch:
             i, t0, t1, j0, j1 = item[0], item[3], item[4], item[5], item[6]
             tree = None if trees is None else trees(i)
-            if fast_item is not None:
-                state = fast_item(q, reader, lens, n_new, item, params=params,
-                                  score_block_elements=score_block_elements,
-                                  tiles=item_tiles(q, item, G, offsets),
-                                  block_keys_fixed=planned.block_keys)
-            else:
+            state = None if fast_item is None else fast_item(
+                q, reader, lens, n_new, item, params=params, score_block_elements=score_block_elements,
+                tiles=item_tiles(q, item, G, offsets), block_keys_fixed=planned.block_keys)
+            if state is None:  # no fast item kernel, or it declined this item
                 state = _attend_item(q, reader, lens, n_new, item, params=params, acc=acc,
                                      score_block_elements=score_block_elements, offsets=offsets,
                                      block_keys_fixed=planned.block_keys, tree=tree,
