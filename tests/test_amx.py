@@ -160,8 +160,10 @@ def _spy_items(monkeypatch):
     real = amx_prefill.attend_item
 
     def spy(*args, **kwargs):
-        calls.append(kwargs["tiles"].shape)
-        return real(*args, **kwargs)
+        state = real(*args, **kwargs)
+        if state is not None:  # ran here (None: declined to the float32 path)
+            calls.append(kwargs["tiles"].shape)
+        return state
 
     monkeypatch.setattr(amx_prefill, "attend_item", spy)
     return calls
@@ -189,14 +191,14 @@ def _prefill(rng, storage, lens, n_new, hkv, G, d, variant, dtype=BF16):
 @pytest.mark.parametrize("storage", ["contiguous", "paged"])
 @pytest.mark.parametrize("seed", range(4))
 def test_bfloat16_prefill_runs_on_amx_and_matches(monkeypatch, storage, seed):
-    """Ragged rows (one empty, one decoding beside long chunks), G = 1..7, d = 32..128,
+    """Ragged rows (one empty, one decoding beside long chunks), G = 2..7, d = 32..128,
     rows and keys off multiples of 32, and the variants the AMX items take (window,
     soft-cap, sinks): the items ran on AMX, the output is within twice bfloat16's rounding
     of the float64 reference, and within one bfloat16 ulp of the float32 path it replaces
     (where an output cancels to near zero, within P's split bound; lse within float32
     noise)."""
     rng = np.random.default_rng(3000 + seed)
-    hkv, G, d = [(2, 4, 64), (1, 7, 32), (3, 3, 128), (2, 1, 96)][seed]
+    hkv, G, d = [(2, 4, 64), (1, 7, 32), (3, 3, 128), (2, 2, 96)][seed]
     lens = [int(rng.integers(300, 700)), 0, int(rng.integers(20, 90)), 41]
     n_new = [int(rng.integers(20, 300)), 0, lens[2], 1]
     variant = [{}, {"window": int(rng.integers(20, 200))}, {"softcap": 7.5},
@@ -228,13 +230,15 @@ def test_bfloat16_prefill_runs_on_amx_and_matches(monkeypatch, storage, seed):
 
 
 @needs_amx
-@pytest.mark.parametrize("why", ["alibi", "float16", "d80", "switch"])
+@pytest.mark.parametrize("why", ["alibi", "float16", "d80", "switch", "small"])
 def test_calls_the_amx_items_decline_take_the_float32_path(monkeypatch, why):
+    """ALiBi (a position-dependent score hook), float16, d off multiples of 32,
+    ``GQAKV_AMX=0`` and items below ``MIN_ITEM_WORK``: the float32 path, still right."""
     rng = np.random.default_rng(7)
     hkv, G, d = 2, 2, 80 if why == "d80" else 64
     variant = {"alibi_slopes": (0.5, 0.25, 0.125, 0.0625)} if why == "alibi" else {}
     dtype = np.float16 if why == "float16" else BF16
-    lens, n_new = [120, 60], [40, 60]
+    lens, n_new = ([30, 20], [12, 20]) if why == "small" else ([120, 60], [40, 60])
     cache, q, k, v, params = _prefill(rng, "contiguous", lens, n_new, hkv, G, d, variant, dtype)
     if why == "switch":
         monkeypatch.setenv(amx.ENV_AMX, "0")
