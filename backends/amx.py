@@ -17,8 +17,10 @@ callable from Python through ctypes (``matmul``):
   apart; ``A2`` optional (null: none). Two A operands let a float32 operand be split into
   bfloat16 high and low parts that share one pass over ``B``.
 - ``B``: ``[K / 2, N, 2]`` bfloat16 ("VNNI" pairs: row r holds, for each output column
-  n, the B values of rows 2r and 2r + 1 side by side; ``ldb`` bytes apart; N a multiple
-  of 32), the layout the hardware reads.
+  n, the B values of rows 2r and 2r + 1 side by side; N a multiple of 32), the layout
+  the hardware reads. The kernel finds the tile of K step k and output columns 16j..16j
+  + 15 at ``b + k * bstep + j * bcol``, its 16 rows ``ldb`` bytes apart (in rows:
+  ``bstep`` = 16 ``ldb``, ``bcol`` = 64).
 - ``C``: ``[M, N]`` float32, ``ldc`` bytes apart: overwritten, or accumulated into when
   ``accumulate``.
 
@@ -247,33 +249,26 @@ def matmul(a1, b, c, *, a2=None, accumulate: bool = False) -> None:
     """``c[h] (+)= a1[h] @ B[h] (+ a2[h] @ B[h])`` on AMX tiles (the module docstring).
 
     a1, a2: ``[heads, M, K]`` bfloat16 (or uint16 bits), rows contiguous, the same
-    strides; b: B's pairs in rows, ``[heads, K / 2, N, 2]`` (rows contiguous), or in
-    tiles, ``[heads, N / 16, K / 32, 16, 16, 2]`` (C-contiguous tiles: each tile one
-    contiguous KiB, so a tile load reads 16 consecutive lines), of the same element size;
-    c: ``[heads, M, N]`` float32, rows contiguous. M, N, K multiples of 32. Call only
-    where ``why_not()`` is None."""
+    strides; b: B's pairs ``[heads, K / 2, N, 2]`` of the same element size, rows
+    contiguous; c: ``[heads, M, N]`` float32, rows contiguous. M, N, K multiples of 32.
+    Call only where ``why_not()`` is None."""
     heads, M, K = a1.shape
     N = c.shape[2]
-    tiled = b.ndim == 6
-    b_shape = (heads, N // 16, K // 32, 16, 16, 2) if tiled else (heads, K // 2, N, 2)
-    if (M % 32 or N % 32 or K % 32 or b.shape != b_shape or c.shape != (heads, M, N)
+    if (M % 32 or N % 32 or K % 32 or b.shape != (heads, K // 2, N, 2) or c.shape != (heads, M, N)
             or a1.itemsize != 2 or b.itemsize != 2 or c.dtype != np.float32
             or (a2 is not None and (a2.shape != a1.shape or a2.strides != a1.strides))):
         raise ValueError(f"amx.matmul: shapes a {a1.shape}, b {b.shape}, c {c.shape} (M, N, K "
-                         f"multiples of 32; b {b_shape}; c float32 [heads, M, N])")
-    inner = (b.strides[1:] == (K // 32 * 1024, 1024, 64, 4, 2)) if tiled else (
-        b.strides[-2:] == (4, 2))
-    if not (inner and a1.strides[-1] == 2 and c.strides[-1] == 4):
-        raise ValueError("amx.matmul: rows (and tiles) must be contiguous")
+                         "multiples of 32; b [heads, K/2, N, 2]; c float32 [heads, M, N])")
+    if not (b.strides[-2:] == (4, 2) and a1.strides[-1] == 2 and c.strides[-1] == 4):
+        raise ValueError("amx.matmul: rows must be contiguous")
     if heads == 0 or M == 0 or N == 0:
         return
     if K == 0:  # an empty sum
         if not accumulate:
             c[...] = 0
         return
-    # B's tile of K step k, columns 16j..: in rows at k * 16 rows + j * 64 bytes; in tiles
-    # at (j * K / 32 + k) KiB
-    ldb, step, col = (64, 1024, K // 32 * 1024) if tiled else (b.strides[1], 16 * b.strides[1], 64)
+    # B's tile of K step k, columns 16j..: 16 rows from row 16k, 64 j bytes in
     _compile()(a1.ctypes.data, None if a2 is None else a2.ctypes.data, a1.strides[1],
-               b.ctypes.data, ldb, step, col, c.ctypes.data, c.strides[1], M // 32, N // 32,
-               K // 32, heads, a1.strides[0], b.strides[0], c.strides[0], int(accumulate))
+               b.ctypes.data, b.strides[1], 16 * b.strides[1], 64, c.ctypes.data, c.strides[1],
+               M // 32, N // 32, K // 32, heads, a1.strides[0], b.strides[0], c.strides[0],
+               int(accumulate))

@@ -36,12 +36,6 @@ def _pairs(b):
     return np.ascontiguousarray(b.reshape(h, K // 2, 2, N).transpose(0, 1, 3, 2))
 
 
-def _tiles(b):
-    """B ``[h, K, N]`` in tiles: ``[h, N / 16, K / 32, 16, 16, 2]``."""
-    h, K, N = b.shape
-    return np.ascontiguousarray(b.reshape(h, K // 32, 16, 2, N // 16, 16).transpose(0, 4, 1, 2, 5, 3))
-
-
 def test_the_kernel_ir_verifies():
     import llvmlite.binding as llvm
 
@@ -66,11 +60,10 @@ def test_amx_switch_names_itself(monkeypatch):
 
 
 @needs_amx
-@pytest.mark.parametrize("layout", ["rows", "tiles"])
 @pytest.mark.parametrize("heads, M, K, N, two, accumulate",
                          [(1, 32, 32, 32, False, False), (3, 64, 96, 64, True, True),
                           (2, 160, 512, 128, True, False), (1, 96, 128, 544, False, True)])
-def test_matmul_matches_float64(layout, heads, M, K, N, two, accumulate):
+def test_matmul_matches_float64(heads, M, K, N, two, accumulate):
     """Each product of bfloat16 values is exact in float32, so the only error is float32
     accumulation: at most (K + 1) float32 ulps of the sum of absolute terms. Rows padded
     past their length (the prefill's pitched buffers) and C accumulated into."""
@@ -85,7 +78,7 @@ def test_matmul_matches_float64(layout, heads, M, K, N, two, accumulate):
     c0 = rng.standard_normal((heads, M, N)).astype(np.float32)
     c = np.zeros((heads, M, N + 16), np.float32)[..., :N]
     c[...] = c0
-    amx.matmul(a1, _pairs(b) if layout == "rows" else _tiles(b), c, a2=a2, accumulate=accumulate)
+    amx.matmul(a1, _pairs(b), c, a2=a2, accumulate=accumulate)
     terms = [(a1, b)] + ([(a2, b)] if two else [])
     want = sum(x.astype(np.float64) @ y.astype(np.float64) for x, y in terms)
     size = sum(np.abs(x.astype(np.float64)) @ np.abs(y.astype(np.float64)) for x, y in terms)

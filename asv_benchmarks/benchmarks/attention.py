@@ -228,6 +228,56 @@ class ChunkedPrefill:
     track_x_matmul_bound.unit = "x matmul-bound time"
 
 
+class Bfloat16PrefillTiles:
+    """bfloat16 prefill on the numba backend where the CPU has AMX: the tile items
+    (``amx_prefill``) against the float32 path they replace (``GQAKV_AMX=0``), calls
+    interleaved in one process. ``track_ratio_to_float32_path``: AMX time / float32-path
+    time (below 1: the tiles are faster; 0.45-0.5 on the development machine, 2026-12-05).
+    Skipped, saying why, without AMX or before the tiles existed."""
+
+    params = [["512 onto 3000", "4096 at once"]]
+    param_names = ["case"]
+    timeout = 300
+    CASES = {"512 onto 3000": (512, 3512), "4096 at once": (4096, 4096)}  # chunk, live length
+
+    def setup(self, case):
+        self.backend = backend_or_skip("numba")
+        try:
+            from gqakv_backends import amx
+        except ImportError:
+            raise NotImplementedError("gqakv_backends.amx does not exist in this commit") from None
+        why = amx.why_not()
+        if why is not None:
+            raise NotImplementedError(f"no AMX tiles: {why}")
+        self.env = amx.ENV_AMX
+        chunk, L = self.CASES[case]
+        self.cache = filled_cache(self.backend, [L], dtype="bfloat16")
+        self.q = queries(self.backend, 1, chunk, dtype="bfloat16")
+        self.n_new = np.array([chunk])
+
+    def _float32_path(self):
+        import os
+
+        before = os.environ.get(self.env)
+        os.environ[self.env] = "0"
+        try:
+            attend(self.backend, self.q, self.cache, self.n_new)
+        finally:
+            if before is None:
+                del os.environ[self.env]
+            else:
+                os.environ[self.env] = before
+
+    def time_prefill(self, case):
+        attend(self.backend, self.q, self.cache, self.n_new)
+
+    def track_ratio_to_float32_path(self, case):
+        return ratio(lambda: attend(self.backend, self.q, self.cache, self.n_new), self._float32_path,
+                     self.backend, repeats=3)
+
+    track_ratio_to_float32_path.unit = "AMX / float32-path time"
+
+
 class VsTorch:
     """gqakv (NumPy backend) / torch SDPA(enable_gqa=True, bottom-right mask) over the same
     live views, calls interleaved. Below 1: gqakv is faster. Skipped, saying so, without torch."""
