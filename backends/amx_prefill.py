@@ -8,23 +8,25 @@ AMX (``amx.why_not``), an item whose queries and K/V are bfloat16 runs here inst
     P = softmax step of S   float32 (``numba_kernels.softmax_block``: scale, mask, max, exp)
     O = alpha O + P V       AMX, P split into bfloat16 high and low parts, P_hi V + P_lo V
 
-so every product is exact and every sum float32, as on the float32 path: P = P_hi + P_lo
-holds P to about 2^-17 of itself, below float32's sum rounding over a block, and far
-below the bfloat16 output's 2^-9 (the scores' products and the scale are as exact as
-float32's). Torch's CPU flash attention, by contrast, rounds P to bfloat16 once.
+so every product is exact and every sum float32, as on the float32 path, and P = P_hi
++ P_lo (P's top 16 bits and the remainder's) is within 2^-14 of P, below it: the
+output's error from it is at most 2^-14 of max |v|, far below the bfloat16 output's
+2^-9. Torch's CPU flash attention, by contrast, rounds P to bfloat16 once (2^-9).
 
-Per key block (at most ``score_block_elements`` scores, the BLAS path's blocks) three
-compiled layout steps feed the tiles: K into pairs of d (``keys_as_pairs``: the tile's B
-operand for S holds, for each key, two consecutive d values side by side), V into
-pairs of keys (``values_as_pairs``), and P into its two parts (written by the softmax
-step itself). Rows
-(G x queries) and keys are padded with zeros to multiples of 32, the tiles' blocks; the
-padding is never seen (its scores are masked by ``keys``, its rows dropped).
+Each key block (at most ``score_block_elements`` scores, the BLAS path's blocks) is one
+GIL-free numba call (``fold_block``): K laid out in pairs of d (``keys_as_pairs``: the
+B operand of S holds, for each key, two consecutive d values side by side), V in pairs
+of keys (``values_as_pairs``), both tile products through the kernel's process symbol
+(``_kernel``), the soft-cap, the softmax step writing P's two parts, the output
+rescaled. Rows (G x queries) and keys are padded with zeros to multiples of 32, the
+tiles' blocks; the padding is never seen (its scores are masked by ``keys``, its rows
+dropped); buffer rows are padded off multiples of 512 bytes (``_pitch``).
 
 The item's (m, l, o) state is the float32 ``SoftmaxState`` the BLAS path merges and
-finishes, so key pieces, sinks and the output cast are unchanged. Declines (None, the
-float32 path then runs): AMX unavailable, a dtype other than bfloat16 for q or storage,
-codes, d not a multiple of 32, draft trees and ALiBi (a position-dependent score hook).
+finishes, so key pieces, sinks and the output cast are unchanged. Declined (the float32
+path runs): AMX unavailable, a dtype other than bfloat16 for q or storage, codes, d not
+a multiple of 32, draft trees and ALiBi (a position-dependent score hook) for a whole
+call (``declines``), and items below ``MIN_ITEM_WORK`` one by one.
 """
 
 from __future__ import annotations
@@ -200,17 +202,15 @@ def fold_block(qp, k, v, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, 
 
 
 def declines(q, reader, params, tree) -> str | None:
-    """Why an item of this call does not run here (None: it does)."""
-    why = amx.why_not()
-    if why is not None:
-        return why
+    """Why an item of this call does not run here (None: it does). The call's facts first:
+    the first ``amx.why_not`` compiles the kernel."""
     if q.dtype != BF16 or not isinstance(reader, Plain) or reader.stored != BF16:
         return "AMX items need bfloat16 queries and a plain bfloat16 cache"
     if q.shape[-1] % TILE_BLOCK:
         return f"AMX items need d a multiple of {TILE_BLOCK} (d = {q.shape[-1]})"
     if tree is not None or params.alibi_slopes is not None:
         return "draft trees and ALiBi take the float32 path"
-    return None
+    return amx.why_not()
 
 
 def item_kernel(q, reader, params, trees):
