@@ -343,9 +343,9 @@ def softmax_block(s, m, l, alpha, nq, pos0, window, scale, keys, p_hi, p_lo):
     its p, m, l and alpha NaN. p_hi, p_lo: [R, K] uint16, or empty: p is then written as
     two bfloat16 parts (bits) instead of into s: p_hi = p's top 16 bits, p_lo = p - p_hi
     (exact in float32) cut the same way, so p_hi + p_lo is p to within 2^-14 of itself,
-    below it (truncation: about 1.4x cheaper here than rounding to nearest; the bound is
-    ``amx_prefill``'s P V product's). Releases the GIL: the BLAS path's items run on
-    Python threads.
+    below it (truncation: the whole step about 1.5x faster than with rounding to nearest;
+    the bound is ``amx_prefill``'s P V product's). Releases the GIL: the BLAS path's items
+    run on Python threads.
     """
     _prefer_512_bit_vectors()
     lowest = np.float32(-3.4028234663852886e38)
