@@ -416,11 +416,13 @@ SMOKE = {
     "SharedPrefix": (("numpy", "8 rows x 1024", "float32"),
                      {"CASES": {"8 rows x 1024": (3, 2048)}, "SUFFIX": 5, "ROUNDS": 1,
                       "BLOCK_S": 0.001}),
+    "Bfloat16PrefillTiles": (("512 onto 3000",), {"CASES": {"512 onto 3000": (64, 300)}}),
 }
 
 
-# benchmarks whose peer is not in the test extra (they skip, with the reason, without it)
-OPTIONAL_PEERS = {"VsOnnxRuntime"}
+# benchmarks whose peer is not in the test extra, or that need hardware (AMX tiles) a
+# machine may lack: they skip, with the reason, without it
+OPTIONAL_PEERS = {"VsOnnxRuntime", "Bfloat16PrefillTiles"}
 
 
 def _benchmark_modules():
