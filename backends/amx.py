@@ -237,7 +237,7 @@ def _compile():
     engine = llvm.create_mcjit_compiler(module, machine)
     engine.finalize_object()
     _ENGINE.append(engine)
-    # numba-compiled code calls it by name (``amx_prefill.tile_product``), cached or not
+    # numba-compiled code calls it by name (``amx_prefill._kernel``), cached or not
     llvm.add_symbol(SYMBOL, engine.get_function_address(SYMBOL))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     proto = ctypes.CFUNCTYPE(None, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64,

@@ -223,9 +223,9 @@ def attend_item(q, reader, lens, n_new, item, *, params, score_block_elements: i
                 block_keys_fixed=None):
     """The online softmax of one item (``numpy_attention._attend_item``'s contract) on AMX
     tiles; returns its float32 ``SoftmaxState`` (o [hh, G * nq, d], m, l [hh, G * nq, 1]),
-    an empty state when no key block was read, or None (declined: ``MIN_ITEM_WORK``). ``tiles``: the item's queries ``[hh, G * nq,
-    d]`` bfloat16 (``numpy_attention._tile``'s view, unscaled). Call where ``declines``
-    says None."""
+    an empty state when no key block was read, or None (declined: ``MIN_ITEM_WORK``).
+    ``tiles``: the item's queries ``[hh, G * nq, d]`` bfloat16 (``numpy_attention.
+    item_tiles``, unscaled). Call where ``declines`` says None."""
     i, h0, h1, t0, t1, j0, j1, _ = item
     hh, R, d = tiles.shape
     if hh * _round_up(R) * (j1 - j0) * d < MIN_ITEM_WORK:
@@ -233,8 +233,8 @@ def attend_item(q, reader, lens, n_new, item, *, params, score_block_elements: i
     nq = t1 - t0
     L, n = int(lens[i]), int(n_new[i])
     Rp = _round_up(R)
-    # rows of every buffer padded off multiples of 1 KiB (_pitch): tile loads and stores
-    # of 16 rows a power of two apart would fall into a few L1 sets
+    # rows of every buffer padded off multiples of 512 bytes (_pitch): tile loads and
+    # stores of 16 rows a power of two apart would fall into a few L1 sets
     qp = _scratch("q", (hh, Rp, _pitch(d, 2)), np.uint16)[..., :d]
     qp[:, :R] = tiles.view(np.uint16)
     qp[:, R:] = 0
