@@ -222,8 +222,10 @@ def _numba_attention(f) -> Any:
     # time); any other codec: the BLAS path's
     if f["codec"] not in (*CPU_CODECS, *GROUPED_CODECS):
         return _numpy_attention(f)
-    # decode and short chunks whose tiles (G heads x T queries) hold at most 256 rows: the kernels
-    if f["t_q"] <= 8 and f.get("group", 1) * f["t_q"] <= 256 and f["dtype"] != "float64":
+    # decode and short chunks whose tiles (G heads x T queries) hold at most 64 rows: the
+    # kernels (numba_backend.KERNEL_MAX_TILE_ROWS; batch-invariant calls, which lift both
+    # caps, are not among the facts gathered here)
+    if f["t_q"] <= 8 and f.get("group", 1) * f["t_q"] <= 64 and f["dtype"] != "float64":
         return "numba kernel"
     return _numpy_attention(f)
 
