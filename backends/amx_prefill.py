@@ -43,7 +43,7 @@ from numba.extending import intrinsic
 from gqakv.ops.merge import SoftmaxState
 
 from . import amx
-from .numba_kernels import softmax_block, tanh_f32
+from .numba_kernels import score, softmax_block
 from .numpy_readers import MIN_BLOCK_KEYS, Plain
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -185,14 +185,13 @@ def fold_block(qp, k, v, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, 
     values_as_pairs(v, vv)
     s = s_full[:, :, :Kp]
     _tile_product(qp, qp, False, kt, s, False)
-    if softcap > 0:  # on the scaled scores, before the mask
-        c = np.float32(softcap)
-        x = np.float32(scale) / c
+    if softcap > 0:  # scaled and soft-capped as the kernels' scores, before the mask
+        c, x = np.float32(softcap), np.float32(scale)
         for h in range(hh):
             for r in range(Rp):
                 row = s_full[h, r, :keys]
                 for j in range(keys):
-                    row[j] = c * tanh_f32(row[j] * x)
+                    row[j] = score(row[j], x, c)
         scale = 1.0
     for h in range(hh):  # P into its two bfloat16 parts; columns from ``keys`` on: 0
         softmax_block(s_full[h], m[h], l[h], alpha[h], nq, pos0, window, scale, keys,
