@@ -175,32 +175,216 @@ def _order_key(b):
 _NEG_INF_KEY = -0x7F800001
 
 
+def _splat(ty, value):
+    """An IR constant of ``ty`` (a scalar type, or a vector of it with every lane ``value``)."""
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [value] * ty.count)
+    return ir.Constant(ty, value)
+
+
+def _like(ty, element):
+    """``element`` as a vector of ``ty``'s lane count when ``ty`` is a vector, else as is."""
+    return ir.VectorType(element, ty.count) if isinstance(ty, ir.VectorType) else element
+
+
+def _emit_to_float32(builder, raw, code):
+    """IR: stored elements ``raw`` (a scalar or a vector of the stored integer type, or of
+    float) -> float32, by ``code``, the stored element's numba type (``decode``'s table):
+    float32 as is, uint16 float16 bits (``_half_bits_to_float32``), int16 bfloat16 bits,
+    int8 codes, uint8 float8_e4m3fn bits (``_e4m3_bits_to_float32``). One spelling for the
+    scalar intrinsics and for the vector loop of ``_dots_4x2``."""
+    ty = raw.type
+    i16, i32 = _like(ty, ir.IntType(16)), _like(ty, ir.IntType(32))
+    f16, f32 = _like(ty, ir.HalfType()), _like(ty, ir.FloatType())
+    if code == types.float32:
+        return raw
+    if code == types.int16:  # bfloat16: the upper half of the float32 bits
+        return builder.bitcast(builder.shl(builder.zext(raw, i32), _splat(i32, 16)), f32)
+    if code == types.int8:
+        return builder.sitofp(raw, f32)
+    if code == types.uint16:
+        # LLVM's ``fpext half`` is exact but the hardware quiets a signaling NaN (sets
+        # float32 bit 22): where the result is NaN and the float16 quiet bit (bit 9) was
+        # clear, bit 22 is cleared again (a test and a masked AND per vector).
+        f = builder.fpext(builder.bitcast(raw, f16), f32)
+        is_nan = builder.fcmp_unordered("uno", f, f)
+        was_signaling = builder.icmp_unsigned("==", builder.and_(raw, _splat(i16, 0x0200)),
+                                              _splat(i16, 0))
+        fb = builder.bitcast(f, i32)
+        cleared = builder.and_(fb, _splat(i32, 0xFFBFFFFF))
+        return builder.bitcast(builder.select(builder.and_(is_nan, was_signaling), cleared, fb), f32)
+    if code == types.uint8:  # e4m3fn, on 16-bit lanes so LLVM keeps them narrow
+        b = builder.zext(raw, i16)
+        a = builder.and_(b, _splat(i16, 0x7F))
+        h = builder.or_(builder.shl(a, _splat(i16, 7)),
+                        builder.shl(builder.and_(b, _splat(i16, 0x80)), _splat(i16, 8)))
+        nan = builder.icmp_unsigned("==", a, _splat(i16, 0x7F))
+        h = builder.select(nan, _splat(i16, 0x7E00), h)  # float16's quiet NaN
+        f = builder.fpext(builder.bitcast(h, f16), f32)
+        return builder.fmul(f, _splat(f32, 256.0))
+    raise TypeError(f"no float32 decoder for stored elements of type {code}")
+
+
 @intrinsic
 def _half_bits_to_float32(typingctx, bits):
-    """float16 bits (uint16) -> float32, bit-exact as NumPy's cast, in a few vector ops.
-
-    LLVM's ``fpext half`` (one vcvtph2ps per vector on F16C/AVX-512 CPUs) is exact for
-    zeros, subnormals, normals and infinities and keeps a NaN's sign and payload, but
-    the hardware quiets a signaling NaN (sets float32 bit 22): where the result is NaN
-    and the float16 quiet bit (bit 9) was clear, bit 22 is cleared again. Written in IR
-    on 16-bit lanes so the fix-up costs a test and a masked AND per vector.
-    """
+    """float16 bits (uint16) -> float32, bit-exact as NumPy's cast, in a few vector ops
+    (``_emit_to_float32``: ``fpext half`` with the signaling-NaN fix-up)."""
     if bits != types.uint16:
         return None
 
     def codegen(context, builder, signature, args):
-        h = args[0]
-        i16, i32, f32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
-        f = builder.fpext(builder.bitcast(h, ir.HalfType()), f32)
-        is_nan = builder.fcmp_unordered("uno", f, f)
-        was_signaling = builder.icmp_unsigned("==", builder.and_(h, ir.Constant(i16, 0x0200)),
-                                              ir.Constant(i16, 0))
-        fb = builder.bitcast(f, i32)
-        cleared = builder.and_(fb, ir.Constant(i32, 0xFFBFFFFF))
-        out = builder.select(builder.and_(is_nan, was_signaling), cleared, fb)
-        return builder.bitcast(out, f32)
+        return _emit_to_float32(builder, args[0], types.uint16)
 
     return types.float32(bits), codegen
+
+
+@intrinsic
+def _dequantize_16(typingctx, src, at, dst, scale):
+    """Sixteen code bytes of ``src`` from element ``at`` on, times ``scale``, into ``dst``
+    (float32) as one vector operation: int8 codes -> ``dst[at:at + 16]``, each its value
+    times scale; uint8 bytes of two 4-bit codes (value 2i in the low nibble of byte i,
+    each nibble the code + 8) -> ``dst[2 at:2 at + 32]``. The same float32 products as the
+    element loop, written as vectors because LLVM vectorizes that loop badly at 32 or 64
+    codes a group (an 8-lane loop with its checks around every group)."""
+    if not (isinstance(src, types.Array) and src.ndim == 1 and src.dtype in (types.int8, types.uint8)
+            and isinstance(dst, types.Array) and dst.ndim == 1 and dst.dtype == types.float32
+            and isinstance(at, types.Integer) and scale == types.float32):
+        return None
+    four_bit = src.dtype == types.uint8
+
+    def codegen(context, builder, signature, args):
+        src_ty, at_ty, dst_ty, _ = signature.args
+        src_arr = context.make_array(src_ty)(context, builder, args[0])
+        dst_arr = context.make_array(dst_ty)(context, builder, args[2])
+        i = context.cast(builder, args[1], at_ty, types.intp)
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        v16 = lambda t: ir.VectorType(t, 16)  # noqa: E731
+        at_src = cgutils.get_item_pointer(context, builder, src_ty, src_arr, [i], wraparound=False)
+        codes = builder.load(builder.bitcast(at_src, v16(i8).as_pointer()), align=1)
+        splat = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(v16(f32), ir.Undefined), args[3], ir.Constant(i32, 0)),
+            ir.Constant(v16(f32), ir.Undefined), ir.Constant(v16(i32), [0] * 16))
+        if not four_bit:
+            values = builder.fmul(builder.sitofp(builder.sext(codes, v16(i32)), v16(f32)), splat)
+            out = cgutils.get_item_pointer(context, builder, dst_ty, dst_arr, [i], wraparound=False)
+            builder.store(values, builder.bitcast(out, v16(f32).as_pointer()), align=4)
+            return context.get_dummy_value()
+        wide = builder.zext(codes, v16(i32))
+        eight = ir.Constant(v16(i32), [8] * 16)
+        low = builder.sub(builder.and_(wide, ir.Constant(v16(i32), [15] * 16)), eight)
+        high = builder.sub(builder.lshr(wide, ir.Constant(v16(i32), [4] * 16)), eight)
+        low = builder.fmul(builder.sitofp(low, v16(f32)), splat)
+        high = builder.fmul(builder.sitofp(high, v16(f32)), splat)
+        pairs = builder.shuffle_vector(  # value 2i from low[i], 2i + 1 from high[i]
+            low, high, ir.Constant(ir.VectorType(i32, 32), [k // 2 + 16 * (k % 2) for k in range(32)]))
+        two_i = builder.shl(i, context.get_constant(types.intp, 1))
+        out = cgutils.get_item_pointer(context, builder, dst_ty, dst_arr, [two_i], wraparound=False)
+        builder.store(pairs, builder.bitcast(out, ir.VectorType(f32, 32).as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.none(src, at, dst, scale), codegen
+
+
+#: Stored element types ``_dots_4x2`` decodes in vectors (``_emit_to_float32``).
+_VECTOR_CODES = (types.float32, types.uint16, types.int16, types.int8, types.uint8)
+
+
+def _halves_masks(n, width):
+    """Shuffle masks of ``_dots_4x2``'s reduction step over two n-lane vectors x, y (y's
+    lanes numbered n..2n-1): ``lo`` takes x's and y's blocks of ``width`` lanes at even
+    block positions, alternately, ``hi`` the blocks right after them."""
+    lo = [i for blk in range(0, n, 2 * width)
+          for i in list(range(blk, blk + width)) + list(range(n + blk, n + blk + width))]
+    return lo[:n], [i + width for i in lo[:n]]
+
+
+def _tree_order():
+    """Where each of ``_dots_4x2``'s eight sums (a0..a3, b0..b3) ends up in the tree's
+    last vector: the tree run on labels instead of values."""
+    def halves(x, y, width):
+        lo, _ = _halves_masks(len(x), width)
+        return [(x + y)[i] for i in lo]
+    level = [[v] * 16 for v in range(8)]
+    level = [halves(level[i], level[i + 1], 8) for i in range(0, 8, 2)]
+    level = [halves(level[i], level[i + 1], 4) for i in range(0, 4, 2)]
+    last = halves(halves(level[0], level[1], 2), halves(level[0], level[1], 2), 1)
+    return [last.index(v) for v in range(8)]
+
+
+@intrinsic
+def _dots_4x2(typingctx, qt, rr, krows, j0, j1):
+    """The eight dot products of query rows ``qt[rr:rr + 4]`` (float32, [*, d]) with two
+    stored rows ``krows[j0]``, ``krows[j1]`` (a [n, >= d] array of a ``decode`` element
+    type, rows of unit stride) as ``(a0, a1, a2, a3, b0, b1, b2, b3)``: a_i = qt[rr + i] .
+    krows[j0], b_i = . krows[j1]. Rows are addressed, not viewed: a view of a row would
+    count a reference on the whole buffer (an atomic add and subtract on a counter every
+    thread shares) for every key.
+
+    For d a multiple of 16 (the caller's check). Written as vectors because LLVM's own
+    vectorization of the dot loop ends each of the eight dots with a horizontal sum of
+    its own (nine shuffles and adds each, as many operations as the loop's FMAs at
+    d = 128); here the eight 16-lane accumulators are summed together in a tree of
+    shuffles (24 operations for the eight). Each key element is loaded and converted
+    once for the four rows; lane c of an accumulator sums elements c, c + 16, ... in
+    order, then the tree adds lanes pairwise."""
+    if not (isinstance(qt, types.Array) and qt.ndim == 2 and qt.dtype == types.float32
+            and isinstance(krows, types.Array) and krows.ndim == 2 and krows.dtype in _VECTOR_CODES
+            and all(isinstance(x, types.Integer) for x in (rr, j0, j1))):
+        return None
+    code = krows.dtype
+
+    def codegen(context, builder, signature, args):
+        qt_ty, rr_ty, k_ty, j0_ty, j1_ty = signature.args
+        i32, f32 = ir.IntType(32), ir.FloatType()
+        lanes = 16
+        vf = ir.VectorType(f32, lanes)
+        stored = context.get_data_type(code)
+        vk = ir.VectorType(stored, lanes)
+        q_arr = context.make_array(qt_ty)(context, builder, args[0])
+        row = context.cast(builder, args[1], rr_ty, types.intp)
+        zero = context.get_constant(types.intp, 0)
+        q_rows = [cgutils.get_item_pointer(context, builder, qt_ty, q_arr,
+                                           [builder.add(row, context.get_constant(types.intp, i)), zero],
+                                           wraparound=False) for i in range(4)]
+        k_arr = context.make_array(k_ty)(context, builder, args[2])
+        k_rows = [cgutils.get_item_pointer(context, builder, k_ty, k_arr,
+                                           [context.cast(builder, j, j_ty, types.intp), zero],
+                                           wraparound=False)
+                  for j, j_ty in ((args[3], j0_ty), (args[4], j1_ty))]
+        d = builder.extract_value(q_arr.shape, 1)
+        fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
+                                                 "llvm.fmuladd.v16f32")
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(8)]
+        step = context.get_constant(types.intp, lanes)
+        with cgutils.for_range_slice(builder, zero, d, step) as (c, _):
+            ks = [_emit_to_float32(builder, builder.load(builder.bitcast(builder.gep(k, [c]), vk.as_pointer()),
+                                                         align=context.get_abi_sizeof(stored)), code)
+                  for k in k_rows]
+            qs = [builder.load(builder.bitcast(builder.gep(q, [c]), vf.as_pointer()), align=4)
+                  for q in q_rows]
+            for j, kv in enumerate(ks):
+                for i, qv in enumerate(qs):
+                    acc = accs[4 * j + i]
+                    builder.store(builder.call(fmuladd, [qv, kv, builder.load(acc)]), acc)
+        vals = [builder.load(a) for a in accs]
+
+        def halves(x, y, width):
+            """Two vectors -> one: blocks of `width` lanes taken alternately from x and y,
+            each the sum of a block and the block after it (``_tree_order`` follows it)."""
+            lo, hi = _halves_masks(x.type.count, width)
+            mask = lambda m: ir.Constant(ir.VectorType(i32, len(m)), m)  # noqa: E731
+            return builder.fadd(builder.shuffle_vector(x, y, mask(lo)),
+                                builder.shuffle_vector(x, y, mask(hi)))
+        # 8 vectors of 16 -> 4 of (2 x 8) -> 2 of (4 x 4) -> 1 of (8 x 2) -> 8 of (8 x 1)
+        level = [halves(vals[i], vals[i + 1], 8) for i in range(0, 8, 2)]
+        level = [halves(level[i], level[i + 1], 4) for i in range(0, 4, 2)]
+        both = halves(level[0], level[1], 2)
+        sums = halves(both, both, 1)  # the eight sums in the even lanes (odd ones repeat them)
+        where = _tree_order()
+        out = [builder.extract_element(sums, ir.Constant(i32, where[i])) for i in range(8)]
+        return context.make_tuple(builder, signature.return_type, out)
+
+    return types.UniTuple(types.float32, 8)(qt, rr, krows, j0, j1), codegen
 
 
 @intrinsic
@@ -239,20 +423,12 @@ def bfloat16_to_float(h):
 @intrinsic
 def _e4m3_bits_to_float32(typingctx, bits):
     """float8_e4m3fn bits (uint8) -> float32 in a few narrow vector ops (see
-    ``e4m3_to_float``), written in IR on 16-bit lanes so LLVM keeps them narrow."""
+    ``e4m3_to_float``; ``_emit_to_float32``)."""
     if bits != types.uint8:
         return None
 
     def codegen(context, builder, signature, args):
-        i16 = ir.IntType(16)
-        b = builder.zext(args[0], i16)
-        a = builder.and_(b, ir.Constant(i16, 0x7F))
-        h = builder.or_(builder.shl(a, ir.Constant(i16, 7)),
-                        builder.shl(builder.and_(b, ir.Constant(i16, 0x80)), ir.Constant(i16, 8)))
-        nan = builder.icmp_unsigned("==", a, ir.Constant(i16, 0x7F))
-        h = builder.select(nan, ir.Constant(i16, 0x7E00), h)  # float16's quiet NaN
-        f = builder.fpext(builder.bitcast(h, ir.HalfType()), ir.FloatType())
-        return builder.fmul(f, ir.Constant(ir.FloatType(), 256.0))
+        return _emit_to_float32(builder, args[0], types.uint8)
 
     return types.float32(bits), codegen
 
@@ -809,7 +985,11 @@ def dequantize_block(src, dst, b, width, scale):
     """dst's values of block b = its codes (``width`` code elements from ``b * width`` on in
     ``src``) times ``scale`` (overloaded by the code type): int8 codes are their value;
     uint8 bytes hold two 4-bit codes (value 2i in the low nibble of byte i, each nibble
-    the code + 8). Offsets are unsigned: no negative-index fix-up, so the loop vectorizes."""
+    the code + 8). Blocks of a multiple of 16 code bytes (every built-in group) go 16 bytes
+    at a time through ``_dequantize_16``: LLVM's own vectorization of the element loop
+    runs 8 lanes wide with its checks around every block of 32 or 64 codes (int4_g32
+    decode, B=4 L=4,096 bfloat16: 1.9x -> 1.5x the bfloat16 time). Other widths take the
+    element loop; its offsets are unsigned, so it vectorizes without negative-index fix-ups."""
     raise NotImplementedError
 
 
@@ -820,12 +1000,20 @@ def _dequantize_block(src, dst, b, width, scale):
     if src.dtype == types.int8:
         def eight_bit(src, dst, b, width, scale):
             at = b * width
+            if width % np.uint64(16) == np.uint64(0):  # every built-in group: 32 or 64 codes
+                for c in range(at, at + width, np.uint64(16)):
+                    _dequantize_16(src, c, dst, scale)
+                return
             for c in range(width):
                 dst[at + c] = np.float32(src[at + c]) * scale
         return eight_bit
     if src.dtype == types.uint8:
         def four_bit(src, dst, b, width, scale):
             at = b * width
+            if width % np.uint64(16) == np.uint64(0):  # groups of 32 or 64 values
+                for i in range(at, at + width, np.uint64(16)):
+                    _dequantize_16(src, i, dst, scale)
+                return
             one = np.uint64(1)
             for i in range(width):
                 x = np.int32(src[at + i])
@@ -864,17 +1052,20 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
 
     Two keys against four query rows per pass over d: eight accumulators in registers,
     each key element loaded and converted once per four rows; a tile's last three or two
-    rows (G not a multiple of 4) share a pass too, a last single row has its own. Rows and keys are views
-    indexed by the loop counter alone (no negative-index fix-up), so the loop over d
+    rows (G not a multiple of 4) share a pass too, a last single row has its own. Four rows
+    at a time go through ``_dots_4x2`` where d is a multiple of 16, which addresses the
+    rows without making views of them (each view counts a reference on the buffer: two
+    atomic operations on a counter the threads share, per key). Other passes take views
+    indexed by the loop counter alone (no negative-index fix-up), so their loop over d
     compiles to plain vector loads and FMAs.
     """
     _prefer_512_bit_vectors()
     d = qt.shape[1]
+    in_vectors = d % 16 == 0  # four rows' dots by _dots_4x2 (one reduction tree for eight)
     jj = 0
     while jj < n:
         two = jj + 1 < n
-        k0 = krows[jj]
-        k1 = krows[jj + 1] if two else k0
+        j1 = jj + 1 if two else jj
         f0 = factor(kscales, jj)
         f1 = factor(kscales, jj + 1) if two else f0
         if ahead > 0 and jj + ahead + 1 < krows.shape[0]:  # rows stored right after
@@ -882,26 +1073,30 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
             _prefetch_row(krows, jj + ahead + 1)
         rr = r0
         while rr + 4 <= r1:
-            q0, q1, q2, q3 = qt[rr], qt[rr + 1], qt[rr + 2], qt[rr + 3]
-            a0 = np.float32(0.0)
-            a1 = np.float32(0.0)
-            a2 = np.float32(0.0)
-            a3 = np.float32(0.0)
-            b0 = np.float32(0.0)
-            b1 = np.float32(0.0)
-            b2 = np.float32(0.0)
-            b3 = np.float32(0.0)
-            for c in range(d):
-                x = decode(k0[c])
-                y = decode(k1[c])
-                a0 += q0[c] * x
-                a1 += q1[c] * x
-                a2 += q2[c] * x
-                a3 += q3[c] * x
-                b0 += q0[c] * y
-                b1 += q1[c] * y
-                b2 += q2[c] * y
-                b3 += q3[c] * y
+            if in_vectors:
+                a0, a1, a2, a3, b0, b1, b2, b3 = _dots_4x2(qt, rr, krows, jj, j1)
+            else:
+                k0, k1 = krows[jj], krows[j1]
+                q0, q1, q2, q3 = qt[rr], qt[rr + 1], qt[rr + 2], qt[rr + 3]
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
+                a2 = np.float32(0.0)
+                a3 = np.float32(0.0)
+                b0 = np.float32(0.0)
+                b1 = np.float32(0.0)
+                b2 = np.float32(0.0)
+                b3 = np.float32(0.0)
+                for c in range(d):
+                    x = decode(k0[c])
+                    y = decode(k1[c])
+                    a0 += q0[c] * x
+                    a1 += q1[c] * x
+                    a2 += q2[c] * x
+                    a3 += q3[c] * x
+                    b0 += q0[c] * y
+                    b1 += q1[c] * y
+                    b2 += q2[c] * y
+                    b3 += q3[c] * y
             s[rr, o + jj] = a0 * f0
             s[rr + 1, o + jj] = a1 * f0
             s[rr + 2, o + jj] = a2 * f0
@@ -913,6 +1108,7 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
                 s[rr + 3, o + jj + 1] = b3 * f1
             rr += 4
         if r1 - rr == 3:  # G = 3, 7, ...: the last three rows in one pass too
+            k0, k1 = krows[jj], krows[j1]
             q0, q1, q2 = qt[rr], qt[rr + 1], qt[rr + 2]
             a0 = np.float32(0.0)
             a1 = np.float32(0.0)
@@ -938,6 +1134,7 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
                 s[rr + 2, o + jj + 1] = b2 * f1
             rr += 3
         elif r1 - rr == 2:  # G = 2, 6, ...
+            k0, k1 = krows[jj], krows[j1]
             q0, q1 = qt[rr], qt[rr + 1]
             a0 = np.float32(0.0)
             a1 = np.float32(0.0)
@@ -957,6 +1154,7 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
                 s[rr + 1, o + jj + 1] = b1 * f1
             rr += 2
         if rr < r1:  # one row left (G = 1, 5, ...)
+            k0, k1 = krows[jj], krows[j1]
             q0 = qt[rr]
             a0 = np.float32(0.0)
             b0 = np.float32(0.0)
@@ -982,8 +1180,7 @@ def _accumulate(acc, r0, r1, s, o, vrows, vscales, n, ahead):
     _prefer_512_bit_vectors()
     rr = r0
     while rr + 4 <= r1:
-        _accumulate4(acc[rr], acc[rr + 1], acc[rr + 2], acc[rr + 3], s[rr, o:], s[rr + 1, o:],
-                     s[rr + 2, o:], s[rr + 3, o:], vrows, vscales, n, ahead)
+        _accumulate4(acc, rr, s, o, vrows, vscales, n, ahead)
         rr += 4
     # rows left over when G * queries is not a multiple of 4, in one pass; it prefetches
     # only when it is the first pass over the values (fewer than 4 rows in all)
@@ -1006,47 +1203,46 @@ def _accumulate(acc, r0, r1, s, o, vrows, vscales, n, ahead):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def _accumulate4(a0, a1, a2, a3, s0, s1, s2, s3, vrows, vscales, n, ahead):
-    """Four rows of ``_accumulate``: a_i [d] += sum_jj s_i[jj] * value jj of the run."""
+def _accumulate4(acc, rr, s, o, vrows, vscales, n, ahead):
+    """Four rows of ``_accumulate``: acc[rr + i, :] += sum_jj s[rr + i, o + jj] * value jj
+    of the run (i < 4). Rows of acc, s and vrows are addressed, not viewed (``_block_dots``
+    says why)."""
     _prefer_512_bit_vectors()
-    d = a0.size
+    d = acc.shape[1]
+    r1, r2, r3 = rr + 1, rr + 2, rr + 3
     jj = 0
     while jj + 4 <= n:
         if ahead > 0 and jj + ahead + 3 < vrows.shape[0]:  # rows stored right after
             for k in range(4):
                 _prefetch_row(vrows, jj + ahead + k)
-        v0 = vrows[jj]
-        v1 = vrows[jj + 1]
-        v2 = vrows[jj + 2]
-        v3 = vrows[jj + 3]
+        j1, j2, j3 = jj + 1, jj + 2, jj + 3
         f0 = factor(vscales, jj)
-        f1 = factor(vscales, jj + 1)
-        f2 = factor(vscales, jj + 2)
-        f3 = factor(vscales, jj + 3)
-        p00, p01, p02, p03 = s0[jj] * f0, s0[jj + 1] * f1, s0[jj + 2] * f2, s0[jj + 3] * f3
-        p10, p11, p12, p13 = s1[jj] * f0, s1[jj + 1] * f1, s1[jj + 2] * f2, s1[jj + 3] * f3
-        p20, p21, p22, p23 = s2[jj] * f0, s2[jj + 1] * f1, s2[jj + 2] * f2, s2[jj + 3] * f3
-        p30, p31, p32, p33 = s3[jj] * f0, s3[jj + 1] * f1, s3[jj + 2] * f2, s3[jj + 3] * f3
+        f1 = factor(vscales, j1)
+        f2 = factor(vscales, j2)
+        f3 = factor(vscales, j3)
+        p00, p01, p02, p03 = s[rr, o + jj] * f0, s[rr, o + j1] * f1, s[rr, o + j2] * f2, s[rr, o + j3] * f3
+        p10, p11, p12, p13 = s[r1, o + jj] * f0, s[r1, o + j1] * f1, s[r1, o + j2] * f2, s[r1, o + j3] * f3
+        p20, p21, p22, p23 = s[r2, o + jj] * f0, s[r2, o + j1] * f1, s[r2, o + j2] * f2, s[r2, o + j3] * f3
+        p30, p31, p32, p33 = s[r3, o + jj] * f0, s[r3, o + j1] * f1, s[r3, o + j2] * f2, s[r3, o + j3] * f3
         for c in range(d):
-            x0 = decode(v0[c])
-            x1 = decode(v1[c])
-            x2 = decode(v2[c])
-            x3 = decode(v3[c])
-            a0[c] += p00 * x0 + p01 * x1 + p02 * x2 + p03 * x3
-            a1[c] += p10 * x0 + p11 * x1 + p12 * x2 + p13 * x3
-            a2[c] += p20 * x0 + p21 * x1 + p22 * x2 + p23 * x3
-            a3[c] += p30 * x0 + p31 * x1 + p32 * x2 + p33 * x3
+            x0 = decode(vrows[jj, c])
+            x1 = decode(vrows[j1, c])
+            x2 = decode(vrows[j2, c])
+            x3 = decode(vrows[j3, c])
+            acc[rr, c] += p00 * x0 + p01 * x1 + p02 * x2 + p03 * x3
+            acc[r1, c] += p10 * x0 + p11 * x1 + p12 * x2 + p13 * x3
+            acc[r2, c] += p20 * x0 + p21 * x1 + p22 * x2 + p23 * x3
+            acc[r3, c] += p30 * x0 + p31 * x1 + p32 * x2 + p33 * x3
         jj += 4
     while jj < n:
-        v0 = vrows[jj]
         f0 = factor(vscales, jj)
-        p00, p10, p20, p30 = s0[jj] * f0, s1[jj] * f0, s2[jj] * f0, s3[jj] * f0
+        p00, p10, p20, p30 = s[rr, o + jj] * f0, s[r1, o + jj] * f0, s[r2, o + jj] * f0, s[r3, o + jj] * f0
         for c in range(d):
-            x0 = decode(v0[c])
-            a0[c] += p00 * x0
-            a1[c] += p10 * x0
-            a2[c] += p20 * x0
-            a3[c] += p30 * x0
+            x0 = decode(vrows[jj, c])
+            acc[rr, c] += p00 * x0
+            acc[r1, c] += p10 * x0
+            acc[r2, c] += p20 * x0
+            acc[r3, c] += p30 * x0
         jj += 1
 
 
@@ -1060,10 +1256,7 @@ def _accumulate3(a0, a1, a2, s0, s1, s2, vrows, vscales, n, ahead):
         if ahead > 0 and jj + ahead + 3 < vrows.shape[0]:
             for k in range(4):
                 _prefetch_row(vrows, jj + ahead + k)
-        v0 = vrows[jj]
-        v1 = vrows[jj + 1]
-        v2 = vrows[jj + 2]
-        v3 = vrows[jj + 3]
+        j1, j2, j3 = jj + 1, jj + 2, jj + 3
         f0 = factor(vscales, jj)
         f1 = factor(vscales, jj + 1)
         f2 = factor(vscales, jj + 2)
@@ -1071,11 +1264,11 @@ def _accumulate3(a0, a1, a2, s0, s1, s2, vrows, vscales, n, ahead):
         p00, p01, p02, p03 = s0[jj] * f0, s0[jj + 1] * f1, s0[jj + 2] * f2, s0[jj + 3] * f3
         p10, p11, p12, p13 = s1[jj] * f0, s1[jj + 1] * f1, s1[jj + 2] * f2, s1[jj + 3] * f3
         p20, p21, p22, p23 = s2[jj] * f0, s2[jj + 1] * f1, s2[jj + 2] * f2, s2[jj + 3] * f3
-        for c in range(d):
-            x0 = decode(v0[c])
-            x1 = decode(v1[c])
-            x2 = decode(v2[c])
-            x3 = decode(v3[c])
+        for c in range(d):  # rows addressed, not viewed (``_block_dots`` says why)
+            x0 = decode(vrows[jj, c])
+            x1 = decode(vrows[j1, c])
+            x2 = decode(vrows[j2, c])
+            x3 = decode(vrows[j3, c])
             a0[c] += p00 * x0 + p01 * x1 + p02 * x2 + p03 * x3
             a1[c] += p10 * x0 + p11 * x1 + p12 * x2 + p13 * x3
             a2[c] += p20 * x0 + p21 * x1 + p22 * x2 + p23 * x3
@@ -1102,21 +1295,18 @@ def _accumulate2(a0, a1, s0, s1, vrows, vscales, n, ahead):
         if ahead > 0 and jj + ahead + 3 < vrows.shape[0]:
             for k in range(4):
                 _prefetch_row(vrows, jj + ahead + k)
-        v0 = vrows[jj]
-        v1 = vrows[jj + 1]
-        v2 = vrows[jj + 2]
-        v3 = vrows[jj + 3]
+        j1, j2, j3 = jj + 1, jj + 2, jj + 3
         f0 = factor(vscales, jj)
         f1 = factor(vscales, jj + 1)
         f2 = factor(vscales, jj + 2)
         f3 = factor(vscales, jj + 3)
         p00, p01, p02, p03 = s0[jj] * f0, s0[jj + 1] * f1, s0[jj + 2] * f2, s0[jj + 3] * f3
         p10, p11, p12, p13 = s1[jj] * f0, s1[jj + 1] * f1, s1[jj + 2] * f2, s1[jj + 3] * f3
-        for c in range(d):
-            x0 = decode(v0[c])
-            x1 = decode(v1[c])
-            x2 = decode(v2[c])
-            x3 = decode(v3[c])
+        for c in range(d):  # rows addressed, not viewed (``_block_dots`` says why)
+            x0 = decode(vrows[jj, c])
+            x1 = decode(vrows[j1, c])
+            x2 = decode(vrows[j2, c])
+            x3 = decode(vrows[j3, c])
             a0[c] += p00 * x0 + p01 * x1 + p02 * x2 + p03 * x3
             a1[c] += p10 * x0 + p11 * x1 + p12 * x2 + p13 * x3
         jj += 4
