@@ -212,6 +212,16 @@ def declines(q, reader, params, tree) -> str | None:
     return amx.why_not()
 
 
+_served = 0
+_served_lock = threading.Lock()
+
+
+def items_served() -> int:
+    """Items ``attend_item`` has run on AMX tiles in this process (declined ones not
+    counted): what ``gqakv selftest`` reports, through the backend's ``served_counts``."""
+    return _served
+
+
 def item_kernel(q, reader, params, trees):
     """``numpy_attention.attend``'s ``item_kernel``: ``attend_item`` where this call's
     items can run here (``declines``), else None."""
@@ -264,6 +274,9 @@ def attend_item(q, reader, lens, n_new, item, *, params, score_block_elements: i
                    s_full, hi_full, lo_full, o_rows, m, l, alpha, nq, L - n + t0 - js, window,
                    params.scale, params.softcap or 0.0, K)
         seen = True
+    global _served
+    with _served_lock:
+        _served += 1
     if not seen:
         return SoftmaxState(np)
     return SoftmaxState(np, m[:, :R, None].copy(), l[:, :R, None].copy(),

@@ -245,6 +245,11 @@ class NumbaBackend(NumpyBackend):
     def compile_note(self) -> str | None:
         return jit_note()
 
+    def served_counts(self) -> dict[str, int]:
+        """The BLAS path's items run on AMX tiles (``amx_prefill``): the numpy BLAS route's
+        bfloat16 fast path where the CPU has the tiles."""
+        return {"items on AMX tiles": _amx_items_served()}
+
     def route(self, request: Request | str, **facts) -> Route:
         """The implementation that runs ``request`` (a ``Request`` or an operation and its
         facts; those not given are taken as favourable), from the decisions the dispatch
@@ -449,6 +454,15 @@ def _amx_line() -> str:
     why = amx.why_not()
     return ("; bfloat16 queries over a plain bfloat16 cache on AMX tiles instead where the "
             "CPU has them (amx_prefill; here: " + ("on)" if why is None else f"off, {why})"))
+
+
+def _amx_items_served() -> int:
+    """``amx_prefill.items_served``, 0 while that module is not loaded (nothing can have
+    run on the tiles; importing it would compile its kernels)."""
+    import sys
+
+    module = sys.modules.get(f"{__package__}.amx_prefill")
+    return 0 if module is None else module.items_served()
 
 
 def _amx_items(q, reader, params, trees):

@@ -242,3 +242,39 @@ def test_calls_the_amx_items_decline_take_the_float32_path(monkeypatch, why):
                                    lens, n_new, params.scale, **variant)
     rounding = np.abs(want.astype(dtype).astype(np.float64) - want).max()
     assert np.abs(out.astype(np.float64) - want).max() <= 2 * rounding + 1e-6
+
+
+@needs_amx
+def test_selftest_long_prefill_line_reaches_the_tiles():
+    """``gqakv selftest --backend numba``'s long-prefill line runs bfloat16 items on the
+    tiles where the CPU has them (its note counts them, through ``served_counts``), and
+    no float32 item (the tiles take bfloat16 queries only)."""
+    from gqakv.tools import selftest
+
+    backend = gqakv.get_backend("numba")
+    lines = {}
+    for dtype in ("bfloat16", "float32"):
+        checks = {f: selftest.Check(f, dtype) for f in selftest.FAMILIES[1:]}
+        before = amx_prefill.items_served()
+        selftest._long_prefill(backend, dtype, np.random.default_rng(0), True, checks)
+        lines[dtype] = (checks[selftest.LONG_PREFILL], amx_prefill.items_served() - before)
+    line, served = lines["bfloat16"]
+    assert line.passed and line.cases > 0 and served > 0
+    assert line.note == f"items on AMX tiles: {served}"
+    line, served = lines["float32"]
+    assert line.passed and line.cases > 0 and served == 0 and line.note == "items on AMX tiles: 0"
+
+
+def test_served_counts_read_zero_without_loading_the_tiles_module():
+    """The base Backend counts nothing; numba's count reads 0 in a fresh process without
+    importing ``amx_prefill`` (which would compile its kernels)."""
+    import subprocess
+    import sys
+
+    from gqakv.dispatch.backend import Backend
+
+    assert Backend.served_counts(gqakv.get_backend("numpy")) == {}
+    code = ("import sys, gqakv; b = gqakv.get_backend('numba'); "
+            "print(b.served_counts(), 'gqakv_backends.amx_prefill' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "{'items on AMX tiles': 0} False", out.stdout + out.stderr

@@ -357,6 +357,12 @@ class Backend:
         ``note`` says how the line exercises splits."""
         return None, "long rows through the backend's attention + merge_attention"
 
+    def served_counts(self) -> dict[str, int]:
+        """Running counts of the work done by fast paths inside an implementation that are
+        not routes of their own (name -> count in this process), so ``gqakv selftest``
+        can say which of them its lines reached; empty by default."""
+        return {}
+
     def kernel_entries(self) -> tuple[tuple[str, str], ...]:
         """``(module, function)`` of each function that runs this backend's kernels (the
         arithmetic and the byte moves, not the host work around them), for the host-time

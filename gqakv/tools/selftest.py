@@ -27,6 +27,10 @@ the one gqakv would pick here; ``all``: every backend that can run):
      combined with ``gqakv.merge_attention``;
    - ``prefill``: T > 1 chunks appended over several calls (later chunks see earlier
      ones), ragged, padded and finished rows;
+   - ``long prefill``: the same with chunks of 64 or 96 queries (G = 4, d = 128 or 64),
+     items big enough for a backend's compute-bound path; its note gives the work done by
+     the paths a backend counts (``Backend.served_counts``; numba: the BLAS path's
+     bfloat16 items on AMX tiles, where the CPU has them);
    - ``row copies``: ``reorder`` (with duplicates) and ``fork`` on a 2-layer
      ModelKVCache: copied rows bit-exact, slots past the copied length and rows not
      copied to untouched;
@@ -140,9 +144,14 @@ PAGED_KV_DTYPES = {"int8": PAGED_QUANT, "int4_g32": PAGED_GROUPED}
 SHARED_PREFIX = "shared pages"
 #: Draft-tree chunks (speculative verification; ``gqakv.core.tree``).
 DRAFT_TREE = "draft tree"
-FAMILIES = ("compile", "append", "decode", "split+merge", "prefill", "row copies", "variants",
-            *(f"paged P={p}" for p in PAGE_SIZES), *KV_DTYPES.values(), *PAGED_KV_DTYPES.values(), SHARED_PREFIX,
-            DRAFT_TREE)
+#: Prefill chunks long enough for compute-bound paths (the CPU's tiles, the GPU's MMA
+#: kernels): 64 or 96 queries of 4 query heads per KV head.
+LONG_PREFILL = "long prefill"
+#: The chunk lengths and head dims of the long-prefill line.
+LONG_CHUNKS, LONG_HEAD_DIMS = (64, 96), (128, 64)
+FAMILIES = ("compile", "append", "decode", "split+merge", "prefill", LONG_PREFILL, "row copies",
+            "variants", *(f"paged P={p}" for p in PAGE_SIZES), *KV_DTYPES.values(),
+            *PAGED_KV_DTYPES.values(), SHARED_PREFIX, DRAFT_TREE)
 
 
 # -- bookkeeping -------------------------------------------------------------------------------
@@ -520,6 +529,30 @@ def _prefill(backend, dtype, rng, quick, checks) -> None:
                      q_host, n_new, out, lse)
 
 
+def _long_prefill(backend, dtype, rng, quick, checks) -> None:
+    """Prompts of 2T + 1 to 3T + 1 tokens appended in chunks of T = 64 or 96 (G = 4, d = 128
+    or 64, ragged and padded, one row empty): items big enough for a backend's compute-bound path; the line's note gives the
+    work its ``served_counts`` paths did (numba: items on AMX tiles, bfloat16 only)."""
+    check = checks[LONG_PREFILL]
+    before = backend.served_counts()
+    for c in range(1 if quick else 3):
+        s = Shape(3, 2, 4, LONG_HEAD_DIMS[c % 2])
+        T = LONG_CHUNKS[c % 2]
+        prompts = rng.integers(2 * T + 1, 3 * T + 2, s.batch)  # later chunks see 2T+ keys
+        prompts[rng.integers(s.batch)] = 0  # an empty row all along
+        chunks = [np.clip(prompts - i * T, 0, T) for i in range(-(-int(prompts.max()) // T))]
+        m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + 1, s.head_dim, rng)
+        for chunk, n_new in enumerate(chunks):
+            m.append(n_new, T, checks["append"], f"case {c} ({s}) T={T} chunk {chunk} append")
+            q_dev, q_host = m.queries(s.kv_heads * s.group, T, n_new)
+            out, lse = gqa_attention(q_dev, m.cache, n_new, return_lse=True)
+            check.cases += 1
+            _compare(check, f"case {c} ({s}) T={T} chunk {chunk} n_new {list(n_new)}", m,
+                     q_host, n_new, out, lse)
+    served = {name: n - before.get(name, 0) for name, n in backend.served_counts().items()}
+    check.note = ", ".join(f"{name}: {n}" for name, n in served.items())
+
+
 def _row_copies(backend, dtype, rng, quick, checks) -> None:
     """reorder (duplicates, cycles) and fork on a 2-layer ModelKVCache filled with NaN."""
     check = checks["row copies"]
@@ -787,8 +820,8 @@ _FAMILY_RUNNERS: tuple[tuple[str, Callable[..., None]], ...] = (
     *((line, functools.partial(_quantized, kv)) for kv, line in KV_DTYPES.items()),
     (PAGED_QUANT, functools.partial(_paged, 16, kv_dtype="int8")),
     (SHARED_PREFIX, _shared_prefix_family), (DRAFT_TREE, _draft_tree_family),
-    # last: its draws leave the families before it what a seed gave them before it came
-    (PAGED_GROUPED, functools.partial(_paged, 16, kv_dtype="int4_g32")))
+    # last: their draws leave the families before them what a seed gave them before they came
+    (PAGED_GROUPED, functools.partial(_paged, 16, kv_dtype="int4_g32")), (LONG_PREFILL, _long_prefill))
 
 
 def selftest_backend(backend, *, quick: bool = False, seed: int = 0, say=print) -> list[Check]:
@@ -813,7 +846,9 @@ def selftest_backend(backend, *, quick: bool = False, seed: int = 0, say=print) 
             if dtype == "float64":  # StorageSpec refuses it: float64 is the reference precision
                 for line in (*KV_DTYPES.values(), *PAGED_KV_DTYPES.values()):
                     checks[line].skipped = "quantized K/V take dtype float32, float16 or bfloat16"
-            rng = np.random.default_rng([seed, len(lines)])
+            # seeded by the lines before this dtype's, not counting the long-prefill lines
+            # (added later, run last): every other line draws what a seed gave it before
+            rng = np.random.default_rng([seed, sum(c.family != LONG_PREFILL for c in lines)])
             for family, runner in _FAMILY_RUNNERS:
                 if family in checks and checks[family].skipped:
                     continue
