@@ -64,11 +64,16 @@ def inv_backend(request):
 @pytest.mark.parametrize("storage", STORAGES, ids=["contiguous", "paged16", "paged5", "int8"])
 @pytest.mark.parametrize("params", [{}, {"window": 40}, {"softcap": 0.7, "sinks": "yes"}],
                          ids=["causal", "window", "softcap+sinks"])
-def test_a_querys_bits_do_not_depend_on_its_chunk_or_its_batch(inv_backend, dtype, storage, params):
+def test_a_querys_bits_do_not_depend_on_its_chunk_or_its_batch(inv_backend, dtype, storage, params,
+                                                                route_spy):
     """One request (a 300-token row, its last 24 tokens the queries) computed: as the tail
     of one long chunk; as its own 24-token chunk after a differently chunked prefix; as
     single decode steps; in a batch of 8 rows of other lengths and chunk sizes (padded and
-    packed); its prefix from the prefix cache (paged storage). All the same bits."""
+    packed); its prefix from the prefix cache (paged storage). All the same bits. Every hot
+    call ran what ``route()`` names for it in this mode and the path meant
+    (tests/support/routes.py: numba's kernels at every chunk length)."""
+    from .support.routes import assert_product_routes
+
     if "kv_dtype" in storage and dtype == "float64":
         pytest.skip("8-bit storage takes float32/float16/bfloat16 q")
     if inv_backend == "torch" and dtype == "float64":
@@ -84,6 +89,7 @@ def test_a_querys_bits_do_not_depend_on_its_chunk_or_its_batch(inv_backend, dtyp
     kw = dict(params)
     if kw.get("sinks") == "yes":
         kw["sinks"] = rng.standard_normal(HKV * G).tolist()
+    spy = route_spy(gqakv.get_backend(inv_backend))
     with gqakv.batch_invariant():
         # the tail of one 300-query chunk
         c = make_cache(inv_backend, dtype, storage)
@@ -134,6 +140,7 @@ def test_a_querys_bits_do_not_depend_on_its_chunk_or_its_batch(inv_backend, dtyp
             fill(c, inv_backend, dtype, k[:, m:], v[:, m:], [L - m], rows=[1])
             hit = host(inv_backend, gqakv.gqa_attention(held(inv_backend, q[None, :, m:], dtype), c, [L - m], rows=[1], **kw))
             assert same_bits(hit[0, :, -T:], whole)
+    assert_product_routes(spy)
     # and right: the float64 reference of the request's queries
     want, _ = reference_attention(np.asarray(gqakv.get_backend("numpy").to_numpy(held("numpy", q[None, :, L - T:], dtype)),
                                              dtype=np.float64),

@@ -156,6 +156,8 @@ def call_facts(backend, op: str, args: tuple) -> dict[str, Any]:
         else:  # packed [N, Hq, d]: the queries per row are n_new's (at least one)
             facts.update(t_q=max(1, int(np.max(inputs.n_new, initial=0))),
                          features=features, tokens="packed")
+        if getattr(inputs, "invariant", False):  # batch-invariant mode, as validated
+            facts["invariant"] = True
         if _kind(backend) == "cupy_emulated":
             from ..cuda_emu.emulated_backend import EmulatedDevice
 
@@ -223,9 +225,10 @@ def _numba_attention(f) -> Any:
     if f["codec"] not in (*CPU_CODECS, *GROUPED_CODECS):
         return _numpy_attention(f)
     # decode and short chunks whose tiles (G heads x T queries) hold at most 64 rows: the
-    # kernels (numba_backend.KERNEL_MAX_TILE_ROWS; batch-invariant calls, which lift both
-    # caps, are not among the facts gathered here)
-    if f["t_q"] <= 8 and f.get("group", 1) * f["t_q"] <= 64 and f["dtype"] != "float64":
+    # kernels (numba_backend.KERNEL_MAX_TILE_ROWS); batch-invariant calls at every chunk
+    # length and tile size (one query per item, so a query's bits do not depend on its chunk)
+    if f["dtype"] != "float64" and (f.get("invariant") or (
+            f["t_q"] <= 8 and f.get("group", 1) * f["t_q"] <= 64)):
         return "numba kernel"
     return _numpy_attention(f)
 
