@@ -531,8 +531,9 @@ def _prefill(backend, dtype, rng, quick, checks) -> None:
 
 def _long_prefill(backend, dtype, rng, quick, checks) -> None:
     """Prompts of 2T + 1 to 3T + 1 tokens appended in chunks of T = 64 or 96 (G = 4, d = 128
-    or 64, ragged and padded, one row empty): items big enough for a backend's compute-bound path; the line's note gives the
-    work its ``served_counts`` paths did (numba: items on AMX tiles, bfloat16 only)."""
+    or 64, ragged and padded, one row empty): items big enough for a backend's
+    compute-bound path; the line's note gives the work its ``served_counts`` paths did
+    (numba: items on AMX tiles, bfloat16 only)."""
     check = checks[LONG_PREFILL]
     before = backend.served_counts()
     for c in range(1 if quick else 3):
