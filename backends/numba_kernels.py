@@ -299,17 +299,37 @@ def _halves_masks(n, width):
     return lo[:n], [i + width for i in lo[:n]]
 
 
-def _tree_order():
-    """Where each of ``_dots_4x2``'s eight sums (a0..a3, b0..b3) ends up in the tree's
-    last vector: the tree run on labels instead of values."""
+def _sum_tree(vals, halves, lanes):
+    """The lane sums of eight vectors of ``lanes`` (16 or 8) lanes by a tree of ``halves``
+    steps: pairs of vectors folded into one (blocks of lanes / 2 lanes, then half that,
+    ...), then the last vector folded on itself while blocks are left. Each vector's sum
+    ends in one lane of the result (``_tree_order`` says which)."""
+    width, level = lanes // 2, list(vals)
+    while len(level) > 1:
+        level = [halves(level[i], level[i + 1], width) for i in range(0, len(level), 2)]
+        width //= 2
+    last = level[0]
+    while width >= 1:
+        last = halves(last, last, width)
+        width //= 2
+    return last
+
+
+def _tree_order(lanes):
+    """The lane of ``_sum_tree``'s result that holds each of the eight sums (a0..a3,
+    b0..b3 of ``_dots_4x2``): the tree run on labels instead of values."""
     def halves(x, y, width):
         lo, _ = _halves_masks(len(x), width)
         return [(x + y)[i] for i in lo]
-    level = [[v] * 16 for v in range(8)]
-    level = [halves(level[i], level[i + 1], 8) for i in range(0, 8, 2)]
-    level = [halves(level[i], level[i + 1], 4) for i in range(0, 4, 2)]
-    last = halves(halves(level[0], level[1], 2), halves(level[0], level[1], 2), 1)
+    last = _sum_tree([[v] * lanes for v in range(8)], halves, lanes)
     return [last.index(v) for v in range(8)]
+
+
+def _vector_lanes(context) -> int:
+    """float32 lanes of the widest vector register numba's target has: 16 with AVX-512,
+    else 8 (AVX2; a 16-lane vector there is two registers and its shuffles cross them)."""
+    features = str(getattr(context.codegen(), "_tm_features", ""))
+    return 16 if "+avx512f" in features else 8
 
 
 @intrinsic
@@ -323,11 +343,12 @@ def _dots_4x2(typingctx, qt, rr, krows, j0, j1):
 
     For d a multiple of 16 (the caller's check). Written as vectors because LLVM's own
     vectorization of the dot loop ends each of the eight dots with a horizontal sum of
-    its own (nine shuffles and adds each, as many operations as the loop's FMAs at
-    d = 128); here the eight 16-lane accumulators are summed together in a tree of
-    shuffles (24 operations for the eight). Each key element is loaded and converted
-    once for the four rows; lane c of an accumulator sums elements c, c + 16, ... in
-    order, then the tree adds lanes pairwise."""
+    its own (nine shuffles and adds each at 16 lanes, as many operations as the loop's
+    FMAs at d = 128); here the eight accumulators are summed together in a tree of
+    shuffles (``_sum_tree``: 24 operations for the eight). Vectors are as wide as the
+    target's registers (``_vector_lanes``: 16 float32 lanes with AVX-512, else 8). Each
+    key element is loaded and converted once for the four rows; lane c of an accumulator
+    sums elements c, c + lanes, ... in order, then the tree adds lanes pairwise."""
     if not (isinstance(qt, types.Array) and qt.ndim == 2 and qt.dtype == types.float32
             and isinstance(krows, types.Array) and krows.ndim == 2 and krows.dtype in _VECTOR_CODES
             and all(isinstance(x, types.Integer) for x in (rr, j0, j1))):
@@ -337,7 +358,7 @@ def _dots_4x2(typingctx, qt, rr, krows, j0, j1):
     def codegen(context, builder, signature, args):
         qt_ty, rr_ty, k_ty, j0_ty, j1_ty = signature.args
         i32, f32 = ir.IntType(32), ir.FloatType()
-        lanes = 16
+        lanes = _vector_lanes(context)
         vf = ir.VectorType(f32, lanes)
         stored = context.get_data_type(code)
         vk = ir.VectorType(stored, lanes)
@@ -354,7 +375,7 @@ def _dots_4x2(typingctx, qt, rr, krows, j0, j1):
                   for j, j_ty in ((args[3], j0_ty), (args[4], j1_ty))]
         d = builder.extract_value(q_arr.shape, 1)
         fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
-                                                 "llvm.fmuladd.v16f32")
+                                                 f"llvm.fmuladd.v{lanes}f32")
         accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(8)]
         step = context.get_constant(types.intp, lanes)
         with cgutils.for_range_slice(builder, zero, d, step) as (c, _):
@@ -371,18 +392,13 @@ def _dots_4x2(typingctx, qt, rr, krows, j0, j1):
 
         def halves(x, y, width):
             """Two vectors -> one: blocks of `width` lanes taken alternately from x and y,
-            each the sum of a block and the block after it (``_tree_order`` follows it)."""
+            each the sum of a block and the block after it (``_halves_masks``)."""
             lo, hi = _halves_masks(x.type.count, width)
             mask = lambda m: ir.Constant(ir.VectorType(i32, len(m)), m)  # noqa: E731
             return builder.fadd(builder.shuffle_vector(x, y, mask(lo)),
                                 builder.shuffle_vector(x, y, mask(hi)))
-        # 8 vectors of 16 -> 4 of (2 x 8) -> 2 of (4 x 4) -> 1 of (8 x 2) -> 8 of (8 x 1)
-        level = [halves(vals[i], vals[i + 1], 8) for i in range(0, 8, 2)]
-        level = [halves(level[i], level[i + 1], 4) for i in range(0, 4, 2)]
-        both = halves(level[0], level[1], 2)
-        sums = halves(both, both, 1)  # the eight sums in the even lanes (odd ones repeat them)
-        where = _tree_order()
-        out = [builder.extract_element(sums, ir.Constant(i32, where[i])) for i in range(8)]
+        sums = _sum_tree(vals, halves, lanes)
+        out = [builder.extract_element(sums, ir.Constant(i32, lane)) for lane in _tree_order(lanes)]
         return context.make_tuple(builder, signature.return_type, out)
 
     return types.UniTuple(types.float32, 8)(qt, rr, krows, j0, j1), codegen

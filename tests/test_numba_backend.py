@@ -626,3 +626,27 @@ def test_gather_pages_copies_the_listed_pages_heads(dtype, tail):
         assert not gather_pages(pool, np.array(bad), 1, 3, out)
     assert not gather_pages(pool, pages, 1, 4, out)  # 3 heads into a buffer of 2
     np.testing.assert_array_equal(out.view(np.uint8), before.view(np.uint8))
+
+
+def test_dots_of_four_rows_and_two_keys_match_float64():
+    """``_dots_4x2`` (the kernels' vector dots, one reduction tree for eight sums) equals
+    float64 dot products to float32 rounding, for every stored element type, head dims
+    of one to sixteen vectors, any two keys (the same key twice at a block's end)."""
+    from .support.dots_check import check
+
+    check()
+
+
+def test_dots_in_eight_lanes_match_float64_where_numba_targets_avx2():
+    """The same in a process whose numba target is Haswell (AVX2: ``_vector_lanes`` gives
+    8 lanes, and the tree folds eight 8-lane vectors)."""
+    import os
+    import subprocess
+    import sys
+
+    from gqakv.tools.work_count import NUMBA_TARGET
+
+    env = {**os.environ, **NUMBA_TARGET}
+    out = subprocess.run([sys.executable, "-m", "tests.support.dots_check"], env=env,
+                         capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0 and out.stdout.strip() == "ok 8", out.stdout + out.stderr
