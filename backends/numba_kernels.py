@@ -34,11 +34,11 @@ Per block of keys (``key_block``, about 32): the dots of the whole tile (G heads
 queries) against the block with the loop over d vectorized (``_block_dots``: two keys
 x four rows of accumulators in registers, written as vector IR in ``_dots_4x2`` where d
 is a multiple of 16, its eight sums reduced by one tree of shuffles), then per row the
-mask, one max and rescale per block and the exponentials, then O += P V with the loop over d vectorized
-(``_accumulate``: four values into four rows per pass); both walk the block one storage
-run at a time and prefetch the rows ``PREFETCH_BYTES`` ahead (``prefetch_ahead``:
-contiguous rows, and paged rows within their page, ``page_rows``; float32 pages of at
-most a key block compile without it). Over pages of at most a key
+mask, one max and rescale per block and the exponentials, then O += P V with the loop
+over d vectorized (``_accumulate``: four values into four rows per pass); both walk
+the block one storage run at a time and prefetch the rows ``PREFETCH_BYTES`` ahead
+(``prefetch_ahead``: contiguous rows, and paged rows within their page, ``page_rows``;
+float32 pages of at most a key block compile without it). Over pages of at most a key
 block, whose KV heads lie heads-major in each page, an item's heads (up to
 ``PAGED_TILE_ROWS`` tile rows) are attended in one pass, each storage run read for every
 head in turn (``heads_per_pass``), so a page is read in address order (paged 16 /
@@ -266,14 +266,14 @@ def _dequantize_16(typingctx, src, at, dst, scale):
             builder.insert_element(ir.Constant(v16(f32), ir.Undefined), args[3], ir.Constant(i32, 0)),
             ir.Constant(v16(f32), ir.Undefined), ir.Constant(v16(i32), [0] * 16))
         if not four_bit:
-            values = builder.fmul(builder.sitofp(builder.sext(codes, v16(i32)), v16(f32)), splat)
+            values = builder.fmul(_emit_to_float32(builder, codes, types.int8), splat)
             out = cgutils.get_item_pointer(context, builder, dst_ty, dst_arr, [i], wraparound=False)
             builder.store(values, builder.bitcast(out, v16(f32).as_pointer()), align=4)
             return context.get_dummy_value()
         wide = builder.zext(codes, v16(i32))
-        eight = ir.Constant(v16(i32), [8] * 16)
-        low = builder.sub(builder.and_(wide, ir.Constant(v16(i32), [15] * 16)), eight)
-        high = builder.sub(builder.lshr(wide, ir.Constant(v16(i32), [4] * 16)), eight)
+        eight = _splat(v16(i32), 8)
+        low = builder.sub(builder.and_(wide, _splat(v16(i32), 15)), eight)
+        high = builder.sub(builder.lshr(wide, _splat(v16(i32), 4)), eight)
         low = builder.fmul(builder.sitofp(low, v16(f32)), splat)
         high = builder.fmul(builder.sitofp(high, v16(f32)), splat)
         pairs = builder.shuffle_vector(  # value 2i from low[i], 2i + 1 from high[i]

@@ -502,31 +502,39 @@ def _merge_halves(backend, dtype, m, q_dev, q_host, n_new, rng, check, what) -> 
     _compare(check, what + f" merged at {cuts}", m, q_host, n_new, out, lse)
 
 
-def _ragged_prompts(rng, batch: int, T: int):
-    """Prompt lengths ``[batch]`` of 1..3T+1 tokens with one row empty all along (batch > 1),
-    and the chunks ``[batch]`` of at most T new tokens each that append them."""
-    prompts = rng.integers(1, 3 * T + 2, batch)
+def _ragged_prompts(rng, batch: int, T: int, shortest: int = 1):
+    """Prompt lengths ``[batch]`` of ``shortest``..3T+1 tokens with one row empty all along
+    (batch > 1), and the chunks ``[batch]`` of at most T new tokens each that append them."""
+    prompts = rng.integers(shortest, 3 * T + 2, batch)
     if batch > 1:
         prompts[rng.integers(batch)] = 0  # an empty row all along
     return prompts, [np.clip(prompts - i * T, 0, T) for i in range(-(-int(prompts.max()) // T))]
 
 
+def _chunked_prefill(backend, dtype, rng, c: int, s: Shape, T: int, prompts, chunks,
+                     append: Check, check: Check) -> None:
+    """Case ``c``: ``prompts`` appended ``chunks`` after ``chunks`` (``_ragged_prompts``) to
+    a fresh mirror, each chunk's T queries attended and compared (``check``), every append
+    read back (``append``)."""
+    m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + 1, s.head_dim, rng)
+    for chunk, n_new in enumerate(chunks):
+        m.append(n_new, T, append, f"case {c} ({s}) T={T} chunk {chunk} append")
+        q_dev, q_host = m.queries(s.kv_heads * s.group, T, n_new)
+        out, lse = gqa_attention(q_dev, m.cache, n_new, return_lse=True)
+        check.cases += 1
+        _compare(check, f"case {c} ({s}) T={T} chunk {chunk} n_new {list(n_new)}", m,
+                 q_host, n_new, out, lse)
+
+
 def _prefill(backend, dtype, rng, quick, checks) -> None:
     """Prompts appended in T-token chunks over several calls; rows ragged, padded in the
     last chunk, finished (idle) or empty."""
-    append, prefill = checks["append"], checks["prefill"]
     for c in range(CASES[quick]):
         s = _shape(rng, quick)
         T = int(rng.choice([2, 5, 16, 37]))
         prompts, chunks = _ragged_prompts(rng, s.batch, T)
-        m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + 1, s.head_dim, rng)
-        for chunk, n_new in enumerate(chunks):
-            m.append(n_new, T, append, f"case {c} ({s}) chunk {chunk} append")
-            q_dev, q_host = m.queries(s.kv_heads * s.group, T, n_new)
-            out, lse = gqa_attention(q_dev, m.cache, n_new, return_lse=True)
-            prefill.cases += 1
-            _compare(prefill, f"case {c} ({s}) T={T} chunk {chunk} n_new {list(n_new)}", m,
-                     q_host, n_new, out, lse)
+        _chunked_prefill(backend, dtype, rng, c, s, T, prompts, chunks, checks["append"],
+                         checks["prefill"])
 
 
 def _long_prefill(backend, dtype, rng, quick, checks) -> None:
@@ -539,17 +547,9 @@ def _long_prefill(backend, dtype, rng, quick, checks) -> None:
     for c in range(1 if quick else 3):
         s = Shape(3, 2, 4, LONG_HEAD_DIMS[c % 2])
         T = LONG_CHUNKS[c % 2]
-        prompts = rng.integers(2 * T + 1, 3 * T + 2, s.batch)  # later chunks see 2T+ keys
-        prompts[rng.integers(s.batch)] = 0  # an empty row all along
-        chunks = [np.clip(prompts - i * T, 0, T) for i in range(-(-int(prompts.max()) // T))]
-        m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + 1, s.head_dim, rng)
-        for chunk, n_new in enumerate(chunks):
-            m.append(n_new, T, checks["append"], f"case {c} ({s}) T={T} chunk {chunk} append")
-            q_dev, q_host = m.queries(s.kv_heads * s.group, T, n_new)
-            out, lse = gqa_attention(q_dev, m.cache, n_new, return_lse=True)
-            check.cases += 1
-            _compare(check, f"case {c} ({s}) T={T} chunk {chunk} n_new {list(n_new)}", m,
-                     q_host, n_new, out, lse)
+        # later chunks see 2T+ keys
+        prompts, chunks = _ragged_prompts(rng, s.batch, T, shortest=2 * T + 1)
+        _chunked_prefill(backend, dtype, rng, c, s, T, prompts, chunks, checks["append"], check)
     served = {name: n - before.get(name, 0) for name, n in backend.served_counts().items()}
     check.note = ", ".join(f"{name}: {n}" for name, n in served.items())
 
