@@ -24,7 +24,8 @@ dropped); buffer rows are padded off multiples of 512 bytes (``_pitch``).
 
 The item's (m, l, o) state is the float32 ``SoftmaxState`` the BLAS path merges and
 finishes, so key pieces, sinks and the output cast are unchanged. Declined (the float32
-path runs): AMX unavailable, a dtype other than bfloat16 for q or storage, codes, d not
+path runs): AMX unavailable, storage other than bfloat16, codes, queries that are not
+bfloat16 values (bfloat16, or float32 holding them: ``holds_bfloat16``), d not
 a multiple of 32, draft trees and ALiBi (a position-dependent score hook) for a whole
 call (``declines``), and items below ``MIN_ITEM_WORK`` one by one.
 """
@@ -200,11 +201,20 @@ def fold_block(qp, k, v, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, 
     _tile_product(hi_full[:, :, :Kp], lo_full[:, :, :Kp], True, vv, o_rows[:, :, :d], True)
 
 
+def holds_bfloat16(q) -> bool:
+    """Whether ``q`` is float32 holding bfloat16 values only (the low 16 bits of every
+    element zero: bfloat16 queries widened by a caller, as the shared-prefix plan's
+    parts are), which the tiles multiply exactly as they are."""
+    return q.dtype == np.float32 and not (q.view(np.uint32) & np.uint32(0xFFFF)).any()
+
+
 def declines(q, reader, params, tree) -> str | None:
     """Why an item of this call does not run here (None: it does). The call's facts first:
     the first ``amx.why_not`` compiles the kernel."""
-    if q.dtype != BF16 or not isinstance(reader, Plain) or reader.stored != BF16:
-        return "AMX items need bfloat16 queries and a plain bfloat16 cache"
+    if not isinstance(reader, Plain) or reader.stored != BF16:
+        return "AMX items need a plain bfloat16 cache"
+    if q.dtype != BF16 and not holds_bfloat16(q):
+        return "AMX items need bfloat16 queries (or float32 queries holding bfloat16 values)"
     if q.shape[-1] % TILE_BLOCK:
         return f"AMX items need d a multiple of {TILE_BLOCK} (d = {q.shape[-1]})"
     if tree is not None or params.alibi_slopes is not None:
@@ -245,7 +255,8 @@ def attend_item(q, reader, lens, n_new, item, *, params, score_block_elements: i
     # rows of every buffer padded off multiples of 512 bytes (_pitch): tile loads and
     # stores of 16 rows a power of two apart would fall into a few L1 sets
     qp = _scratch("q", (hh, Rp, _pitch(d, 2)), np.uint16)[..., :d]
-    qp[:, :R] = tiles.view(np.uint16)
+    # bfloat16 bits; float32 queries here hold bfloat16 values (``declines``): their top half
+    qp[:, :R] = tiles.view(np.uint16) if tiles.dtype == BF16 else tiles.view(np.uint32) >> 16
     qp[:, R:] = 0
     keys = (max(MIN_BLOCK_KEYS, score_block_elements // (hh * R)) if block_keys_fixed is None
             else block_keys_fixed)

@@ -199,6 +199,16 @@ class NumbaBackend(NumpyBackend):
     })
 
     fast_paths = (KERNEL_PATH, *_numpy.FAST_PATHS, WRITE_PATH, COPY_PATH)
+    # The kernels are compute-bound at G = 4 (a shared call's tile does the rows'
+    # arithmetic), so a shared-prefix group over 16-bit or 8-bit storage, whose reads cost
+    # less, must save more of them. Measured 2026-12-05 (shared_prefix_times, Hkv 8, G 4,
+    # d 128, pages of 16, 2 threads, load about 1; shared / unshared time, rows x prefix,
+    # saved reads): bfloat16 8 x 1,024 (7,168) 1.24, 4 x 4,096 (12,288) 0.97, 8 x 4,096
+    # (28,672) 0.84, 16 x 2,048 (30,720) 0.91, 32 x 4,096 0.46; int8 / e4m3 8 x 1,024
+    # 1.08 / 1.14, 8 x 4,096 0.91 / 0.92, 32 x 1,024 (31,744; the shared call's 128 rows
+    # on the float32 BLAS path) 1.38 / 1.20, 16 x 4,096 (61,440) 0.90 / 0.89, 32 x 4,096
+    # 0.74 / 0.67; float32 0.30-0.60 on all of these (the default threshold, 4,096).
+    shared_prefix_read_factor = {2: 4, 1: 16}
 
     def __init__(self):
         self._reason: str | None | bool = False  # False: not checked yet

@@ -278,3 +278,64 @@ def test_served_counts_read_zero_without_loading_the_tiles_module():
             "print(b.served_counts(), 'gqakv_backends.amx_prefill' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "{'items on AMX tiles': 0} False", out.stdout + out.stderr
+
+
+def test_float32_queries_holding_bfloat16_values_are_taken_others_named():
+    """The items take bfloat16 queries and float32 queries whose values are bfloat16 (a
+    caller's widened queries, as the shared-prefix plan's parts: the tiles multiply them
+    exactly); a float32 query off bfloat16 by one ulp, or float16 queries, are declined
+    with the reason (the float32 path runs them: never rounded to fit)."""
+    from gqakv_backends.numpy_readers import Plain, Rows
+
+    rng = np.random.default_rng(41)
+    k = rng.standard_normal((2, 2, 40, 64)).astype(BF16)
+    reader = Plain(Rows((k, k.copy()), np.arange(2)))
+    params = AttentionParams(scale=0.125)
+    q = rng.standard_normal((2, 8, 3, 64)).astype(BF16)
+    q32 = q.astype(np.float32)
+    assert amx_prefill.holds_bfloat16(q32) and not amx_prefill.holds_bfloat16(q)
+    assert amx_prefill.declines(q, reader, params, None) == amx.why_not()
+    assert amx_prefill.declines(q32, reader, params, None) == amx.why_not()
+    off = q32.copy()
+    off[1, 3, 2, 5] = np.nextafter(off[1, 3, 2, 5], np.float32(np.inf))
+    assert not amx_prefill.holds_bfloat16(off)
+    for bad in (off, q.astype(np.float16), off[:, 1::2]):  # a strided view too
+        assert "bfloat16 queries" in amx_prefill.declines(bad, reader, params, None)
+    f16_cache = Plain(Rows((k.astype(np.float16), k.astype(np.float16)), np.arange(2)))
+    assert amx_prefill.declines(q, f16_cache, params, None) == "AMX items need a plain bfloat16 cache"
+
+
+@needs_amx
+def test_a_bfloat16_shared_prefix_call_runs_on_amx(monkeypatch):
+    """Rows forked from one bfloat16 prompt, decoding one token each: the shared-prefix
+    plan's shared call (its G x rows tile past the kernels' rows, so the BLAS path's
+    items) runs on the tiles though the plan widens its queries to float32, and the
+    result is the float64 reference's within bfloat16's rounding."""
+    rng = np.random.default_rng(43)
+    from gqakv.ops.shared_prefix import min_saved_tokens
+    from gqakv.storage.store import StorageSpec
+
+    rows, hkv, G, d = 20, 2, 4, 128
+    least = min_saved_tokens(gqakv.get_backend("numba"), StorageSpec.of("bfloat16"), d)
+    prefix = -(-least // (rows - 1) // 16) * 16  # whole pages saving enough reads for a group
+    cache = gqakv.PagedKVCache(rows, hkv, prefix + 8, d, dtype="bfloat16", backend="numba",
+                               page_size=16)
+    pk = rng.standard_normal((1, hkv, prefix, d)).astype(BF16)
+    pv = rng.standard_normal((1, hkv, prefix, d)).astype(BF16)
+    cache.append(pk, pv, [prefix], rows=[0])
+    cache.fork(0, list(range(1, rows)))
+    kn = rng.standard_normal((rows, hkv, 1, d)).astype(BF16)
+    vn = rng.standard_normal((rows, hkv, 1, d)).astype(BF16)
+    cache.append(kn, vn, [1] * rows)
+    q = rng.standard_normal((rows, hkv * G, 1, d)).astype(BF16)
+    plan = gqakv.plan_attention(cache, [1] * rows, q_heads=hkv * G)
+    assert plan.shared_prefix.used, plan.shared_prefix.reason
+    calls = _spy_items(monkeypatch)
+    out = plan.run(q, cache)
+    assert calls and all(shape[1] == G * rows for shape in calls), calls
+    k = np.concatenate([np.broadcast_to(pk, (rows,) + pk.shape[1:]), kn], axis=2)
+    v = np.concatenate([np.broadcast_to(pv, (rows,) + pv.shape[1:]), vn], axis=2)
+    want, _ = reference_on_buffers(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                   [prefix + 1] * rows, [1] * rows, 1.0 / math.sqrt(d))
+    rounding = np.abs(want.astype(BF16).astype(np.float64) - want).max()
+    assert np.abs(out.astype(np.float64) - want).max() <= 2 * rounding + 1e-6

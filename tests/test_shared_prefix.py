@@ -21,6 +21,7 @@ import gqakv
 from gqakv.dispatch.request import Request
 from gqakv.ops import shared_prefix as sp
 from gqakv.storage.paged import PagedStore
+from gqakv.storage.store import StorageSpec
 
 from .support.arrays import BackendArrays
 from .support.packing import pack_tokens
@@ -501,6 +502,43 @@ def test_grouping(monkeypatch):
     monkeypatch.setattr(sp, "MIN_SHARED_TOKENS", 20)
     plan = gqakv.plan_attention(c, n, q_heads=1)
     assert plan.shared_prefix.groups == (sp.SharedGroup((0, 1, 2), 6, 24),)
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "numba"])
+def test_narrow_storage_asks_the_backends_factor_of_saved_reads(backend_name):
+    """A group must save ``MIN_SAVED_TOKENS`` key reads times its backend's
+    ``shared_prefix_read_factor`` for the storage's bytes per value: numba's kernels are
+    compute-bound on 16-bit and 8-bit storage (4x and 16x: a shared call there costs
+    about what the reads it saves do), numpy keeps the default (1x). Rows forked from one
+    prompt, one decode token each, at the edges of each threshold; the refusal names it."""
+    be = gqakv.get_backend(backend_name)
+    if be.unavailable_reason():
+        pytest.skip(be.unavailable_reason())
+    P, d = 16, 16
+    factors = {"float32": 1, "bfloat16": 4, "int8": 16} if backend_name == "numba" else \
+        {"float32": 1, "bfloat16": 1, "int8": 1}
+    rng = np.random.default_rng(5)
+    for storage, factor in factors.items():
+        dtype, kv_dtype = ("bfloat16", "int8") if storage == "int8" else (storage, None)
+        least = sp.MIN_SAVED_TOKENS * factor
+        assert sp.min_saved_tokens(be, StorageSpec.of(dtype, kv_dtype=kv_dtype), d) == least
+        prompt = least // 2  # 3 rows save 2 x prompt reads: exactly the threshold
+        for rows, grouped in ((3, True), (2, False)):
+            c = gqakv.PagedKVCache(rows, 1, prompt + 1, d, dtype=dtype, backend=be, page_size=P,
+                                   kv_dtype=kv_dtype)
+            x = rng.standard_normal((1, 1, prompt, d)).astype(np.float32)
+            k = be.from_numpy(x, dtype)
+            c.append(k, k, [prompt], rows=[0])
+            c.fork(0, list(range(1, rows)))
+            x = be.from_numpy(rng.standard_normal((rows, 1, 1, d)).astype(np.float32), dtype)
+            c.append(x, x, [1] * rows)
+            decision = gqakv.plan_attention(c, [1] * rows, q_heads=4).shared_prefix
+            assert decision.used == grouped, (storage, rows, decision)
+            if not grouped:
+                assert f"fewer than {least}" in decision.reason or \
+                    f"MIN_SAVED_TOKENS={least}" in decision.reason, decision.reason
+                if factor > 1:
+                    assert f"x {factor}" in decision.reason and storage in decision.reason
 
 
 def test_stale_pages_refused(small_groups):

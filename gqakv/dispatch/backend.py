@@ -164,6 +164,13 @@ class Backend:
     #: compiled kernels are built per q dtype leaves it False, and its partials are then
     #: rounded to the q dtype before the merge.
     wide_queries: ClassVar[bool] = False
+    #: How many times ``gqakv.ops.shared_prefix.MIN_SAVED_TOKENS`` key reads a shared-prefix
+    #: group must save on this backend, by bytes per stored K/V value (4, 2, 1: codes and
+    #: narrower). A group's shared call does the same arithmetic the rows would (so it pays
+    #: only where reading a key costs more than G rows' arithmetic over it), and narrower
+    #: storage saves fewer bytes per read: a backend whose kernels are compute-bound on
+    #: narrow storage asks for more. Missing entries: 1.
+    shared_prefix_read_factor: ClassVar[dict[int, int]] = {}
     #: Whether the generic array-API code keeps a query's bits independent of the batch
     #: in batch-invariant mode (``gqakv.core.invariance``) on this backend's arrays. In
     #: that mode the generic code gives each query its own tile, so its keys are read in

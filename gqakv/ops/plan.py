@@ -105,7 +105,7 @@ class AttentionPlan:
         if splits is not None and not self.fixed:
             raise TypeError("splits= applies to fixed plans (fixed=True)")
         self.shared_prefix = _shared_prefix.decide(cache.store, inputs, self.q_shape,
-                                                   fixed=self.fixed)
+                                                   fixed=self.fixed, backend=self.backend)
         self._shared = None
         if self.shared_prefix.used:  # the two parts' plans instead of the whole batch's
             self._shared = _shared_prefix.SharedPrefixWork(self.backend, cache.store, inputs,

@@ -64,14 +64,14 @@ from .outputs import write_into
 
 #: The fewest shared tokens (``k * page_size``) a group must read once to be formed.
 MIN_SHARED_TOKENS = 256
-#: The fewest key reads a group must save, ``(members - 1) * shared tokens``: the
-#: decomposition adds a call, the queries' gather and the merge (about 0.3 to 1 ms a layer
-#: on numba at Llama-3.1-8B's layer, 2 threads), so a group pays only past a few thousand
-#: saved reads. Measured (numba, 2 threads, loaded 2-core machine; shared / unshared
-#: time): float32 pays from about 600 saved reads (2 rows x 512: 0.88x, 4 x 256: 0.76x;
-#: 4 x 128: 1.30x), bfloat16 (half the bytes saved per read) only past about 4,000
-#: (8 x 256, 1,792 saved: 1.02x; 8 x 1,024: 0.75x). See docs/guides/performance.md,
-#: "Shared prefixes, read once".
+#: The fewest key reads a group must save, ``(members - 1) * shared tokens``, over float32
+#: storage (narrower storage: times the backend's ``shared_prefix_read_factor``,
+#: ``min_saved_tokens``): the decomposition adds a call, the queries' gather and the merge
+#: (about 0.3 to 1 ms a layer on numba at Llama-3.1-8B's layer, 2 threads), so a group
+#: pays only past a few thousand saved reads. Measured (numba, 2 threads, loaded 2-core
+#: machine; shared / unshared time): float32 pays from about 600 saved reads (2 rows x
+#: 512: 0.88x, 4 x 256: 0.76x; 4 x 128: 1.30x). See docs/guides/performance.md, "Shared
+#: prefixes, read once".
 MIN_SAVED_TOKENS = 4096
 #: The fewest batch entries of a group (2: one shared read instead of two).
 MIN_GROUP_ROWS = 2
@@ -112,7 +112,18 @@ class SharedPrefix:
         return "shared prefix: " + "; ".join(str(g) for g in self.groups)
 
 
-def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = None) -> SharedPrefix:
+def min_saved_tokens(backend, spec, head_dim: int) -> int:
+    """The fewest key reads a group must save on ``backend`` over storage ``spec``:
+    ``MIN_SAVED_TOKENS`` times the backend's ``shared_prefix_read_factor`` for the
+    storage's bytes per value (4 and more, 2, or 1 and less: codes with their scales)."""
+    per_value = spec.bytes_per_slot(1, head_dim) / (2 * head_dim)
+    width = 4 if per_value >= 3 else 2 if per_value >= 1.5 else 1
+    factor = 1 if backend is None else backend.shared_prefix_read_factor.get(width, 1)
+    return MIN_SAVED_TOKENS * factor
+
+
+def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = None,
+           backend=None) -> SharedPrefix:
     """The groups of batch entries whose shared pages one plan reads once, or why none.
 
     The one decision point (a mode that turns the decomposition off passes its sentence
@@ -124,7 +135,8 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
     grouped, longer ones left out), ALiBi with a
     negative slope (LSEs as large as the positions: float32 precision), and batches where no two entries with
     queries share ``MIN_SHARED_TOKENS`` tokens of full pages before their chunks, or whose
-    groups would save fewer than ``MIN_SAVED_TOKENS`` key reads.
+    groups would save fewer than ``min_saved_tokens(backend, ...)`` key reads
+    (``MIN_SAVED_TOKENS`` where ``backend`` is None).
 
     Grouping (greedy): entries with queries, by their first page; in each bucket the first
     entry is the pivot, the others sorted by the pages they share with it (only full pages
@@ -151,6 +163,7 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
                                    "(by up to |slope| x position), and the two parts' LSEs at that "
                                    "size would lose float32 precision in the merge")
     n_new, lens = inputs.n_new, inputs.lens
+    min_saved = min_saved_tokens(backend, store.spec, int(q_shape[-1]))
     usable = np.where(n_new > 0, (lens - n_new) // int(store.page_size), 0)  # full pages before the chunk
     if params.window is not None:
         # the shared call shows every shared key to its one query: exact for an entry whose
@@ -160,18 +173,19 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
         left_out = int(((usable > 0) & bites).sum())
         usable = np.where(bites, 0, usable)
         if left_out:
-            decision = _groups(store, inputs, q_shape, usable)
+            decision = _groups(store, inputs, q_shape, usable, min_saved)
             if decision.used:
                 return decision
             return SharedPrefix(reason=f"sliding window={params.window}: {left_out} entries "
                                        "are longer than the window (which shared keys their "
                                        f"queries see depends on their positions); of the others, "
                                        f"{decision.reason}")
-    return _groups(store, inputs, q_shape, usable)
+    return _groups(store, inputs, q_shape, usable, min_saved)
 
 
-def _groups(store, inputs, q_shape, usable) -> SharedPrefix:
-    """``decide``'s grouping of the entries with ``usable[i]`` full shared-candidate pages."""
+def _groups(store, inputs, q_shape, usable, min_saved: int) -> SharedPrefix:
+    """``decide``'s grouping of the entries with ``usable[i]`` full shared-candidate pages,
+    keeping groups that save at least ``min_saved`` key reads."""
     P = int(store.page_size)
     n_new, rows = inputs.n_new, inputs.rows
     G = int(q_shape[1]) // int(store.kv_heads)
@@ -207,7 +221,7 @@ def _groups(store, inputs, q_shape, usable) -> SharedPrefix:
             chosen = [members[0]] + [m for _, m in common[:best_c - 1]]
             k = min([len(pivot)] + [s for s, _ in common[:best_c - 1]])
             best_saved = max(best_saved, best * P)
-            if best * P >= MIN_SAVED_TOKENS:
+            if best * P >= min_saved:
                 groups.append(SharedGroup(tuple(sorted(chosen)), k, k * P))
             members = [m for m in members if m not in chosen]
     if not groups:
@@ -219,8 +233,12 @@ def _groups(store, inputs, q_shape, usable) -> SharedPrefix:
         if best_seen < min_pages:
             return SharedPrefix(reason=f"rows share at most {best_seen * P} tokens of full pages "
                                        f"(fewer than MIN_SHARED_TOKENS={MIN_SHARED_TOKENS})")
+        least = (f"MIN_SAVED_TOKENS={MIN_SAVED_TOKENS}" if min_saved == MIN_SAVED_TOKENS else
+                 f"{min_saved}: MIN_SAVED_TOKENS={MIN_SAVED_TOKENS} x "
+                 f"{min_saved // max(1, MIN_SAVED_TOKENS)}, the backend's factor for "
+                 f"{store.spec.dtype} storage")
         return SharedPrefix(reason=f"the best group saves {best_saved} key reads (fewer than "
-                                   f"MIN_SAVED_TOKENS={MIN_SAVED_TOKENS})")
+                                   f"{least})")
     return SharedPrefix(tuple(sorted(groups, key=lambda g: g.entries)))
 
 
@@ -421,4 +439,4 @@ def _attend(backend, q, store, inputs, work):
 
 
 __all__ = ["MAX_GROUP_QUERIES", "MIN_GROUP_ROWS", "MIN_SAVED_TOKENS", "MIN_SHARED_TOKENS", "SharedGroup",
-           "SharedPrefix", "SharedPrefixWork", "decide"]
+           "SharedPrefix", "SharedPrefixWork", "decide", "min_saved_tokens"]

@@ -108,6 +108,7 @@ from ..ops.merge import merge_attention
 from ..ops.plan import AttentionPlan
 from ..ops.reference import naive_low_precision, reference_attention
 from ..storage.codecs import GROUPED
+from ..storage.store import StorageSpec
 from ..storage.quantize import dequantize_groups, e4m3_table, quantize, quantize_groups, rotate
 from .errors import UsageError
 
@@ -740,8 +741,9 @@ def _shared_prefix_family(backend, dtype, rng, quick, checks) -> None:
     for c in range(1 if quick else 3):
         s = _shape(rng, quick, batch=(4, 7))
         members = s.batch - 2  # rows 0 .. B-3 share the prompt; B-2 idle, B-1 its own
+        least = _shared_prefix.min_saved_tokens(backend, StorageSpec.of(dtype), s.head_dim)
         prompt = max(_shared_prefix.MIN_SHARED_TOKENS,
-                     -(-_shared_prefix.MIN_SAVED_TOKENS // max(1, members - 1))) + P + int(rng.integers(0, 40))
+                     -(-least // max(1, members - 1))) + P + int(rng.integers(0, 40))
         steps = [(3, rng.integers(1, 4, s.batch))] + [(1, np.ones(s.batch, np.int64))] * 2
         m = Mirror(backend, dtype, s.batch, s.kv_heads, prompt + 8, s.head_dim, rng, page_size=P)
         first = np.zeros(s.batch, np.int64)
