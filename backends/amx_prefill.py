@@ -45,7 +45,7 @@ from gqakv.ops.merge import SoftmaxState
 
 from . import amx
 from .numba_kernels import score, softmax_block
-from .numpy_readers import MIN_BLOCK_KEYS, Plain
+from .numpy_readers import MIN_BLOCK_KEYS, Pages, Plain
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 #: Rows and keys are padded to multiples of this (a block of 2 x 2 tiles).
@@ -131,6 +131,51 @@ def values_as_pairs(v, out):
 
 
 @njit(cache=True, nogil=True)
+def pages_as_pairs(pool_k, pool_v, pages, h0, at, K, kt, vv):
+    """``keys_as_pairs`` and ``values_as_pairs`` of keys ``at .. at + K - 1`` of the pages
+    ``pages`` (token t at row t % P of page pages[t // P]), KV heads h0 .. h0 + hh - 1,
+    read from the pools (pool_k [num_pages, Hkv, P, d / 2] uint32, pool_v [num_pages, Hkv,
+    P, d] uint16) without a gathered copy; zero past K, as those."""
+    hh, half, Kp = kt.shape
+    _, Hkv, P, d = pool_v.shape
+    flat_k, flat_v = pool_k.reshape(-1), pool_v.reshape(-1)  # C-contiguous: views
+    row = np.empty(16, np.int64)  # each of 16 keys' row: its first element in the pool
+    for h in range(hh):
+        hd = h0 + h
+        for n0 in range(0, Kp, 16):
+            for n in range(16):
+                t = at + n0 + n
+                page = pages[t // P] if n0 + n < K else 0
+                row[n] = (page * Hkv + hd) * P + t % P
+            if n0 + 16 <= K:
+                for r0 in range(0, half, 16):
+                    for r in range(r0, min(half, r0 + 16)):
+                        for n in range(16):
+                            kt[h, r, n0 + n] = flat_k[row[n] * half + r]
+            else:  # the last keys and the zero padding after them
+                for r in range(half):
+                    for n in range(16):
+                        kt[h, r, n0 + n] = (flat_k[row[n] * half + r] if n0 + n < K
+                                            else np.uint32(0))
+            for e in range(0, 16, 2):  # the values of these 16 keys, a pair at a time
+                i = (n0 + e) // 2
+                if i >= vv.shape[1]:
+                    break
+                a, b = n0 + e, n0 + e + 1
+                if b < K:
+                    va, vb = row[e] * d, row[e + 1] * d
+                    for c in range(d):
+                        w = np.uint32(flat_v[va + c]) | (np.uint32(flat_v[vb + c]) << np.uint32(16))
+                        vv[h, i, c, 0] = np.uint16(w & np.uint32(0xFFFF))
+                        vv[h, i, c, 1] = np.uint16(w >> np.uint32(16))
+                else:
+                    va = row[e] * d
+                    for c in range(d):
+                        vv[h, i, c, 0] = flat_v[va + c] if a < K else np.uint16(0)
+                        vv[h, i, c, 1] = 0
+
+
+@njit(cache=True, nogil=True)
 def rescale_rows(o, alpha, d):
     """``o[h, r, :d] *= alpha[h, r]`` (o C-contiguous, its rows padded past d)."""
     for h in range(o.shape[0]):
@@ -185,10 +230,30 @@ def fold_block(qp, k, v, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, 
     [hh, Kp / 2, d, 2] their layout buffers; s_full, hi_full, lo_full: [hh, Rp, >= Kp]
     C-contiguous; o_rows: [hh, Rp, >= d] C-contiguous, the running output; m, l, alpha:
     [hh, Rp]; the rest as ``softmax_block``'s."""
-    hh, Rp, d = qp.shape
-    Kp = kt.shape[2]
     keys_as_pairs(k, kt)
     values_as_pairs(v, vv)
+    _fold_laid_out(qp, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, nq, pos0, window,
+                   scale, softcap, keys)
+
+
+@njit(cache=True, nogil=True)
+def fold_pages(qp, pool_k, pool_v, pages, h0, at, kt, vv, s_full, hi_full, lo_full, o_rows, m,
+               l, alpha, nq, pos0, window, scale, softcap, keys):
+    """``fold_block`` for a block of paged keys, laid out from the pool's pages in place of
+    a gathered copy (``pages_as_pairs``): the block's ``keys`` keys start at row ``at`` of
+    page ``pages[0]`` and run on through ``pages``; pool_k: [num_pages, Hkv, P, d / 2]
+    uint32, pool_v: [num_pages, Hkv, P, d] uint16; KV heads h0 .. h0 + hh - 1."""
+    pages_as_pairs(pool_k, pool_v, pages, h0, at, keys, kt, vv)
+    _fold_laid_out(qp, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, nq, pos0, window,
+                   scale, softcap, keys)
+
+
+@njit(cache=True, nogil=True)
+def _fold_laid_out(qp, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, nq, pos0, window,
+                   scale, softcap, keys):
+    """``fold_block`` once K and V are in the tiles' layouts (``kt``, ``vv``)."""
+    hh, Rp, d = qp.shape
+    Kp = kt.shape[2]
     s = s_full[:, :, :Kp]
     _tile_product(qp, qp, False, kt, s, False)
     if softcap > 0:  # scaled and soft-capped as the kernels' scores, before the mask
@@ -204,6 +269,37 @@ def fold_block(qp, k, v, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, 
                       hi_full[h], lo_full[h])
     rescale_rows(o_rows, alpha, d)
     _tile_product(hi_full[:, :, :Kp], lo_full[:, :, :Kp], True, vv, o_rows[:, :, :d], True)
+
+
+def _pools_in_place(reader, i: int, j0: int, j1: int):
+    """(K pool as uint32 pairs, V pool as uint16) where ``reader`` reads a paged bfloat16
+    store whose pools the layout step can read in place (C-contiguous) for keys j0..j1-1
+    of entry i, else None (the reader's gathered blocks; also where a page id of those
+    keys lies outside the pool: the layout step does not check, the reader raises)."""
+    base = getattr(reader, "base", None)
+    if not isinstance(base, Pages) or len(base.arrays) != 2:
+        return None
+    k, v = base.arrays
+    if not (k.flags.c_contiguous and v.flags.c_contiguous and k.shape[-1] % 2 == 0):
+        return None
+    P = base.page_size
+    pages = base.table[int(base.rows[i]), j0 // P:-(-j1 // P)]
+    if pages.size and not (0 <= int(pages.min()) and int(pages.max()) < k.shape[0]):
+        return None
+    return k.view(np.uint16).view(np.uint32), v.view(np.uint16)
+
+
+def _page_blocks(pages, P: int, j0: int, j1: int, keys: int):
+    """``(js, je, the block's pages, its first key's row in the first page)`` over keys
+    j0..j1-1 in the blocks ``numpy_readers.Pages.read`` makes (ending ``keys`` after the
+    start of the page they start in), so the blocks and results are those of the
+    gathered reads."""
+    js = j0
+    while js < j1:
+        p0 = js // P
+        je = min(j1, p0 * P + keys)
+        yield js, je, pages[p0:-(-je // P)], js - p0 * P
+        js = je
 
 
 def holds_bfloat16(q) -> bool:
@@ -273,8 +369,15 @@ def attend_item(q, reader, lens, n_new, item, *, params, score_block_elements: i
     window = params.window or 0
     width = 0  # keys the block buffers hold
     seen = False
-    for js, je, kb, vb in reader.blocks(i, h0, h1, j0, j1, keys=keys, acc=BF16,
-                                        block_elements=score_block_elements, d=d):
+    pools = _pools_in_place(reader, i, j0, j1)
+    if pools is None:
+        blocks = reader.blocks(i, h0, h1, j0, j1, keys=keys, acc=BF16,
+                               block_elements=score_block_elements, d=d)
+    else:  # paged: the pages' keys laid out straight from the pool (no gathered copy)
+        base = reader.base
+        keys = base.block_keys(keys, hh, d)
+        blocks = _page_blocks(base.table[int(base.rows[i])], base.page_size, j0, j1, keys)
+    for js, je, kb, vb in blocks:
         K = je - js
         Kp = _round_up(K)
         if Kp > width:  # the first block (or, rarely, a longer one): buffers for it
@@ -285,10 +388,16 @@ def attend_item(q, reader, lens, n_new, item, *, params, score_block_elements: i
             lo_full = _scratch("lo", (hh, Rp, w), np.uint16)
             kt_full = _scratch("k", (hh, d // 2, w, 2), np.uint16)
             vv_full = _scratch("v", (hh, width // 2, _pitch(d, 4), 2), np.uint16)
-        fold_block(qp, kb.view(np.uint16).view(np.uint32), vb.view(np.uint16),
-                   kt_full[:, :, :Kp].view(np.uint32)[..., 0], vv_full[:, :Kp // 2, :d],
-                   s_full, hi_full, lo_full, o_rows, m, l, alpha, nq, L - n + t0 - js, window,
-                   params.scale, params.softcap or 0.0, K)
+        kt = kt_full[:, :, :Kp].view(np.uint32)[..., 0]
+        vv = vv_full[:, :Kp // 2, :d]
+        if pools is None:
+            fold_block(qp, kb.view(np.uint16).view(np.uint32), vb.view(np.uint16), kt, vv,
+                       s_full, hi_full, lo_full, o_rows, m, l, alpha, nq, L - n + t0 - js, window,
+                       params.scale, params.softcap or 0.0, K)
+        else:  # kb: the block's pages, vb: where in the first page it starts
+            fold_pages(qp, pools[0], pools[1], kb, h0, vb, kt, vv, s_full, hi_full, lo_full,
+                       o_rows, m, l, alpha, nq, L - n + t0 - js, window, params.scale,
+                       params.softcap or 0.0, K)
         seen = True
     global _served
     with _served_lock:

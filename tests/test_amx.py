@@ -210,6 +210,14 @@ def test_bfloat16_prefill_runs_on_amx_and_matches(monkeypatch, storage, seed):
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     fin = np.isfinite(want_lse)
     np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=1e-6, atol=2e-5)
+    if storage == "paged":  # laid out from the pool's pages: the gathered blocks' bits
+        monkeypatch.setattr(amx_prefill, "_pools_in_place", lambda *args: None)
+        gathered, gathered_lse = gqakv.gqa_attention(q, cache, n_new, params=params,
+                                                     return_lse=True)
+        np.testing.assert_array_equal(gathered, out)
+        np.testing.assert_array_equal(gathered_lse, lse)
+        monkeypatch.undo()
+        calls = _spy_items(monkeypatch)
     monkeypatch.setenv(amx.ENV_AMX, "0")
     calls.clear()
     out32, lse32 = gqakv.gqa_attention(q, cache, n_new, params=params, return_lse=True)
