@@ -624,7 +624,12 @@ def test_bench_shared_prefix_reports_shared_against_unshared(capsys, monkeypatch
                      r"one decode token .* shared [\d.]+ ms = [\d.]+x the unshared copies'", text), text
     for flag, value, want in (("--shared-prefix", "0", "--shared-prefix must be >= 1"),
                               ("--shared-rows", "1", "--shared-rows must be >= 2"),
-                              ("--shared-prefix", "20", "formed no group")):
+                              ("--shared-prefix", "20", "would form no group (32 rows share 16 "
+                               "tokens of full pages, saving 496 key reads; a group needs 256")):
         extra = ["--shared-prefix", "300"] if flag == "--shared-rows" else []
         assert cli.main(["bench", *TINY, *extra, flag, value]) == 2
         assert want in capsys.readouterr().err
+    # refused before the workload runs (it would take minutes at real sizes)
+    monkeypatch.setattr(bench, "run_workload", lambda *a, **k: pytest.fail("the workload ran"))
+    assert cli.main(["bench", *TINY, "--shared-prefix", "300", "--shared-rows", "2"]) == 2
+    assert "saving 288 key reads" in capsys.readouterr().err

@@ -684,6 +684,8 @@ def run(args) -> int:
     # Everything that can fail on the user's input fails here, before any output: the
     # backend (--backend, GQAKV_BACKEND), the cache's size, GQAKV_NUM_THREADS.
     cache = make_cache(cfg)
+    if args.shared_prefix is not None:
+        _check_shared_prefix(args, cfg, cache.backend)
     _threads_line(cache.backend)
     if args.compare == "onnxruntime" and not isinstance(cache.k, np.ndarray):
         raise ValueError(f"--compare onnxruntime needs a backend holding NumPy arrays (numpy, "
@@ -754,6 +756,25 @@ def run(args) -> int:
         if shared is not None:
             _print_shared_prefix(shared)
     return 0
+
+
+def _check_shared_prefix(args, cfg: Config, backend) -> None:
+    """--shared-prefix's sizes against the plan's thresholds (``shared_prefix.decide``'s
+    ``MIN_SHARED_TOKENS`` and ``min_saved_tokens``), before the workload runs: the rows
+    share the prefix's full pages, and ``rows - 1`` of them save reading those."""
+    from ..ops import shared_prefix as sp
+
+    P = cfg.page_size or 16
+    shared = args.shared_prefix // P * P
+    saved = (args.shared_rows - 1) * shared
+    least = sp.min_saved_tokens(backend, _store.StorageSpec.of(cfg.dtype, kv_dtype=cfg.kv_dtype),
+                                cfg.head_dim)
+    if shared < sp.MIN_SHARED_TOKENS or saved < least:
+        raise UsageError(f"--shared-prefix {args.shared_prefix}: the shared plan would form no "
+                         f"group ({args.shared_rows} rows share {shared} tokens of full pages, "
+                         f"saving {saved} key reads; a group needs {sp.MIN_SHARED_TOKENS} shared "
+                         f"tokens and {least} saved reads on {backend.name} over "
+                         f"{cfg.kv_dtype or cfg.dtype}); give a longer prefix or more rows")
 
 
 #: ``--shared-prefix``'s defaults (``gqakv.tools.shared_prefix_times`` keywords).
