@@ -23,8 +23,16 @@ tiles' blocks; the padding is never seen (its scores are masked by ``keys``, its
 dropped); buffer rows are padded off multiples of 512 bytes (``_pitch``).
 
 The item's (m, l, o) state is the float32 ``SoftmaxState`` the BLAS path merges and
-finishes, so key pieces, sinks and the output cast are unchanged. Declined (the float32
-path runs): AMX unavailable, storage other than bfloat16, codes, queries that are not
+finishes, so key pieces, sinks and the output cast are unchanged.
+
+int8 and float8_e4m3fn codes with per-token scales run here too (``fold_codes``): every
+code's value is a bfloat16, so the codes are laid out as bfloat16 bits through a table
+(``codes_as_pairs``), S = Q C^T on the tiles, each key's score column times its K scale,
+and each p times its value's V scale before P's split: the products of the dequantized
+K and V, each scale applied once per score instead of once per value.
+
+Declined (the float32 path runs): AMX unavailable, storage other than bfloat16 or those
+8-bit codes (grouped codes, float16, float32), queries that are not
 bfloat16 values (bfloat16, or float32 holding them: ``holds_bfloat16``), d not
 a multiple of 32, draft trees and ALiBi (a position-dependent score hook) for a whole
 call (``declines``), and items below ``MIN_ITEM_WORK`` one by one.
@@ -32,6 +40,7 @@ call (``declines``), and items below ``MIN_ITEM_WORK`` one by one.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import ml_dtypes
@@ -44,8 +53,8 @@ from numba.extending import intrinsic
 from gqakv.ops.merge import SoftmaxState
 
 from . import amx
-from .numba_kernels import score, softmax_block
-from .numpy_readers import MIN_BLOCK_KEYS, Pages, Plain
+from .numba_kernels import _bits_to_float32, _float32_bits, score, softmax_block
+from .numpy_readers import MIN_BLOCK_KEYS, Coded, Pages, Plain, _converted_keys
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 #: Rows and keys are padded to multiples of this (a block of 2 x 2 tiles).
@@ -128,6 +137,30 @@ def values_as_pairs(v, out):
                 for n in range(d):
                     out[h, r, n, 0] = v[h, a, n] if a < K else np.uint16(0)
                     out[h, r, n, 1] = 0
+
+
+@njit(cache=True, nogil=True)
+def codes_as_pairs(kc, vc, lut, kt, vv):
+    """``keys_as_pairs`` and ``values_as_pairs`` of 8-bit codes (K and V ``[hh, K, d]``,
+    as uint8) through ``lut`` [256] uint16: each code's value as bfloat16 bits (int8 and
+    float8_e4m3fn values are all bfloat16, so exactly); zero past K."""
+    hh, K, d = kc.shape
+    half, Kp = kt.shape[1], kt.shape[2]
+    for h in range(hh):
+        for n0 in range(0, Kp, 16):
+            for r0 in range(0, half, 16):
+                for r in range(r0, min(half, r0 + 16)):
+                    for n in range(n0, n0 + 16):
+                        if n < K:
+                            kt[h, r, n] = (np.uint32(lut[kc[h, n, 2 * r]])
+                                           | (np.uint32(lut[kc[h, n, 2 * r + 1]]) << np.uint32(16)))
+                        else:
+                            kt[h, r, n] = 0
+        for r in range(vv.shape[1]):
+            a, b = 2 * r, 2 * r + 1
+            for c in range(d):
+                vv[h, r, c, 0] = lut[vc[h, a, c]] if a < K else np.uint16(0)
+                vv[h, r, c, 1] = lut[vc[h, b, c]] if b < K else np.uint16(0)
 
 
 @njit(cache=True, nogil=True)
@@ -249,6 +282,51 @@ def fold_pages(qp, pool_k, pool_v, pages, h0, at, kt, vv, s_full, hi_full, lo_fu
 
 
 @njit(cache=True, nogil=True)
+def fold_codes(qp, kc, vc, ks, vs, lut, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha,
+               nq, pos0, window, scale, softcap, keys):
+    """``fold_block`` for 8-bit codes with per-token scales: the codes laid out as
+    bfloat16 (``codes_as_pairs``: exact), S = Q C^T on the tiles, each key's column times
+    its K scale (ks [hh, keys]), the soft-cap and the softmax step (p into ``s_full``),
+    then each p times its value's V scale (vs [hh, keys]) split into P's two bfloat16
+    parts, and O += P V on the tiles: the dequantized K and V's products, scaled once each
+    instead of per value."""
+    hh, Rp, d = qp.shape
+    Kp = kt.shape[2]
+    codes_as_pairs(kc, vc, lut, kt, vv)
+    s = s_full[:, :, :Kp]
+    _tile_product(qp, qp, False, kt, s, False)
+    c, x = np.float32(softcap), np.float32(scale)
+    for h in range(hh):
+        for r in range(Rp):
+            row = s_full[h, r, :keys]
+            f = ks[h, :keys]
+            for j in range(keys):
+                row[j] *= f[j]
+            if softcap > 0:  # scaled and soft-capped as the kernels' scores, before the mask
+                for j in range(keys):
+                    row[j] = score(row[j], x, c)
+    if softcap > 0:
+        scale = 1.0
+    empty = np.empty((0, 0), np.uint16)
+    for h in range(hh):  # p into s; then times V's scales, split as softmax_block splits
+        softmax_block(s_full[h], m[h], l[h], alpha[h], nq, pos0, window, scale, keys, empty,
+                      empty)
+        for r in range(Rp):
+            row, hi_row, lo_row = s_full[h, r], hi_full[h, r], lo_full[h, r]
+            f = vs[h]
+            for j in range(keys):
+                p = row[j] * f[j]
+                bits = _float32_bits(p)  # p >= 0: truncation rounds towards 0
+                hi_row[j] = np.uint16(bits >> 16)
+                lo_row[j] = np.uint16(_float32_bits(p - _bits_to_float32(bits & np.int32(-65536))) >> 16)
+            for j in range(keys, Kp):
+                hi_row[j] = 0
+                lo_row[j] = 0
+    rescale_rows(o_rows, alpha, d)
+    _tile_product(hi_full[:, :, :Kp], lo_full[:, :, :Kp], True, vv, o_rows[:, :, :d], True)
+
+
+@njit(cache=True, nogil=True)
 def _fold_laid_out(qp, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, nq, pos0, window,
                    scale, softcap, keys):
     """``fold_block`` once K and V are in the tiles' layouts (``kt``, ``vv``)."""
@@ -302,6 +380,27 @@ def _page_blocks(pages, P: int, j0: int, j1: int, keys: int):
         js = je
 
 
+@functools.lru_cache(maxsize=None)
+def _code_table(tag: str) -> np.ndarray:
+    """[256] uint16: the bfloat16 bits of each 8-bit code's value (a code's uint8 bits as
+    the index) for the codec tags ``int8`` and ``e4m3fn``."""
+    bits = np.arange(256, dtype=np.uint8)
+    values = (bits.view(np.int8).astype(np.float32) if tag == "int8"
+              else bits.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    return (values.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _code_values(reader):
+    """The code table (``_code_table``) where ``reader`` reads int8 or float8_e4m3fn codes
+    with per-token scales, else None."""
+    if not isinstance(reader, Coded) or reader.codec.kernel_tag not in ("int8", "e4m3fn"):
+        return None
+    codes, _, scales, _ = reader.base.arrays
+    if scales.ndim != codes.ndim - 1 or codes.dtype.itemsize != 1:
+        return None
+    return _code_table(reader.codec.kernel_tag)
+
+
 def holds_bfloat16(q) -> bool:
     """Whether ``q`` is float32 holding bfloat16 values only (the low 16 bits of every
     element zero: bfloat16 queries widened by a caller, as the shared-prefix plan's
@@ -312,8 +411,8 @@ def holds_bfloat16(q) -> bool:
 def declines(q, reader, params, tree) -> str | None:
     """Why an item of this call does not run here (None: it does). The call's facts first:
     the first ``amx.why_not`` compiles the kernel."""
-    if not isinstance(reader, Plain) or reader.stored != BF16:
-        return "AMX items need a plain bfloat16 cache"
+    if not (isinstance(reader, Plain) and reader.stored == BF16) and _code_values(reader) is None:
+        return "AMX items need a plain bfloat16 cache, or int8 / e4m3 codes with per-token scales"
     if q.dtype != BF16 and not holds_bfloat16(q):
         return "AMX items need bfloat16 queries (or float32 queries holding bfloat16 values)"
     if q.shape[-1] % TILE_BLOCK:
@@ -369,8 +468,15 @@ def attend_item(q, reader, lens, n_new, item, *, params, score_block_elements: i
     window = params.window or 0
     width = 0  # keys the block buffers hold
     seen = False
-    pools = _pools_in_place(reader, i, j0, j1)
-    if pools is None:
+    lut = _code_values(reader)
+    pools = None if lut is not None else _pools_in_place(reader, i, j0, j1)
+    if lut is not None:  # codes and scales as stored (the tiles take the codes' values)
+        base = reader.base
+        keys = base.block_keys(_converted_keys(keys, score_block_elements, hh, d), hh, d)
+        blocks = ((js, je, a, b) for js, je, a, b in
+                  ((js, je, arrays[:2], arrays[2:]) for js, je, arrays in
+                   base.read(i, h0, h1, j0, j1, keys)))
+    elif pools is None:
         blocks = reader.blocks(i, h0, h1, j0, j1, keys=keys, acc=BF16,
                                block_elements=score_block_elements, d=d)
     else:  # paged: the pages' keys laid out straight from the pool (no gathered copy)
@@ -390,7 +496,11 @@ def attend_item(q, reader, lens, n_new, item, *, params, score_block_elements: i
             vv_full = _scratch("v", (hh, width // 2, _pitch(d, 4), 2), np.uint16)
         kt = kt_full[:, :, :Kp].view(np.uint32)[..., 0]
         vv = vv_full[:, :Kp // 2, :d]
-        if pools is None:
+        if lut is not None:  # kb: the block's K and V codes, vb: their scales
+            fold_codes(qp, kb[0].view(np.uint8), kb[1].view(np.uint8), vb[0], vb[1], lut, kt,
+                       vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, nq, L - n + t0 - js,
+                       window, params.scale, params.softcap or 0.0, K)
+        elif pools is None:
             fold_block(qp, kb.view(np.uint16).view(np.uint32), vb.view(np.uint16), kt, vv,
                        s_full, hi_full, lo_full, o_rows, m, l, alpha, nq, L - n + t0 - js, window,
                        params.scale, params.softcap or 0.0, K)

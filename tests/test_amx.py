@@ -310,7 +310,7 @@ def test_float32_queries_holding_bfloat16_values_are_taken_others_named():
     for bad in (off, q.astype(np.float16), off[:, 1::2]):  # a strided view too
         assert "bfloat16 queries" in amx_prefill.declines(bad, reader, params, None)
     f16_cache = Plain(Rows((k.astype(np.float16), k.astype(np.float16)), np.arange(2)))
-    assert amx_prefill.declines(q, f16_cache, params, None) == "AMX items need a plain bfloat16 cache"
+    assert amx_prefill.declines(q, f16_cache, params, None).startswith("AMX items need a plain bfloat16 cache")
 
 
 @needs_amx
@@ -347,3 +347,56 @@ def test_a_bfloat16_shared_prefix_call_runs_on_amx(monkeypatch):
                                    [prefix + 1] * rows, [1] * rows, 1.0 / math.sqrt(d))
     rounding = np.abs(want.astype(BF16).astype(np.float64) - want).max()
     assert np.abs(out.astype(np.float64) - want).max() <= 2 * rounding + 1e-6
+
+
+@needs_amx
+@pytest.mark.parametrize("storage", ["contiguous", "paged"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_8bit_codes_run_on_amx_and_match(monkeypatch, storage, kv_dtype):
+    """bfloat16 queries over int8 / e4m3 codes with per-token scales: the items run on the
+    tiles (codes as bfloat16, exactly; each key's scale on its score column, each value's
+    on its p), within twice bfloat16's rounding of the float64 reference over the
+    dequantized values, and within one bfloat16 ulp plus P's split bound of the float32
+    path (``GQAKV_AMX=0``); a soft-capped, windowed call as well."""
+    from gqakv.storage.quantize import dequantize
+
+    rng = np.random.default_rng(59 if kv_dtype == "int8" else 61)
+    hkv, G, d = 2, 4, 64
+    lens, n_new = [420, 0, 260], [150, 0, 260]
+    B, max_len = len(lens), max(lens) + 3
+    x = [rng.standard_normal((B, hkv, max(lens), d)).astype(BF16) for _ in range(2)]
+    kw = dict(page_size=16) if storage == "paged" else {}
+    cls = gqakv.PagedKVCache if storage == "paged" else gqakv.KVCache
+    cache = cls(B, hkv, max_len, d, dtype="bfloat16", backend="numba", kv_dtype=kv_dtype, **kw)
+    cache.append(x[0], x[1], lens)
+    held = []  # the values the cache holds: its codes times their scales (live slots only read)
+    for codes, scales in ((cache.store.k, cache.store.k_scale), (cache.store.v, cache.store.v_scale)):
+        if storage == "paged":
+            codes = np.stack([codes[cache.store.page_table.entries[b, :max_len // 16 + 1]]
+                              .transpose(1, 0, 2, 3).reshape(hkv, -1, d)[:, :max_len] for b in range(B)])
+            scales = np.stack([scales[cache.store.page_table.entries[b, :max_len // 16 + 1]]
+                               .transpose(1, 0, 2).reshape(hkv, -1)[:, :max_len] for b in range(B)])
+        with np.errstate(over="ignore", invalid="ignore"):  # unwritten slots hold anything
+            held.append(np.asarray(dequantize(np, codes[:, :, :max_len], scales[:, :, :max_len],
+                                              kv_dtype), np.float64))
+    q = (2 * rng.standard_normal((B, hkv * G, max(n_new), d))).astype(BF16)
+    for variant in ({}, {"softcap": 9.0, "window": 100}):
+        params = AttentionParams(scale=1.0 / math.sqrt(d), **variant)
+        calls = _spy_items(monkeypatch)
+        out, lse = gqakv.gqa_attention(q, cache, n_new, params=params, return_lse=True)
+        assert calls, "no item ran on AMX"
+        want, want_lse = reference_on_buffers(q.astype(np.float64), held[0], held[1], lens, n_new,
+                                              params.scale, **variant)
+        got = out.astype(np.float64)
+        rounding = np.abs(want.astype(BF16).astype(np.float64) - want).max()
+        assert np.abs(got - want).max() <= 2 * rounding + 1e-6
+        fin = np.isfinite(want_lse)
+        np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=1e-6, atol=2e-5)
+        monkeypatch.setenv(amx.ENV_AMX, "0")
+        calls.clear()
+        out32 = gqakv.gqa_attention(q, cache, n_new, params=params).astype(np.float64)
+        assert not calls
+        live_v = max(np.abs(held[1][b, :, :L]).max(initial=0.0) for b, L in enumerate(lens))
+        slack = 2.0 ** -14 * live_v  # P's split bound (the module docstring)
+        assert np.all(np.abs(got - out32) <= 2.0 ** -7 * np.maximum(np.abs(got), np.abs(out32)) + slack)
+        monkeypatch.undo()
