@@ -443,8 +443,9 @@ def attend_item(q, reader, lens, n_new, item, *, params, score_block_elements: i
     """The online softmax of one item (``numpy_attention._attend_item``'s contract) on AMX
     tiles; returns its float32 ``SoftmaxState`` (o [hh, G * nq, d], m, l [hh, G * nq, 1]),
     an empty state when no key block was read, or None (declined: ``MIN_ITEM_WORK``).
-    ``tiles``: the item's queries ``[hh, G * nq, d]`` bfloat16 (``numpy_attention.
-    item_tiles``, unscaled). Call where ``declines`` says None."""
+    ``tiles``: the item's queries ``[hh, G * nq, d]`` (``numpy_attention.item_tiles``,
+    unscaled): bfloat16, or float32 holding bfloat16 values. Call where ``declines`` says
+    None."""
     i, h0, h1, t0, t1, j0, j1, _ = item
     hh, R, d = tiles.shape
     if hh * _round_up(R) * (j1 - j0) * d < MIN_ITEM_WORK:
@@ -473,9 +474,8 @@ def attend_item(q, reader, lens, n_new, item, *, params, score_block_elements: i
     if lut is not None:  # codes and scales as stored (the tiles take the codes' values)
         base = reader.base
         keys = base.block_keys(_converted_keys(keys, score_block_elements, hh, d), hh, d)
-        blocks = ((js, je, a, b) for js, je, a, b in
-                  ((js, je, arrays[:2], arrays[2:]) for js, je, arrays in
-                   base.read(i, h0, h1, j0, j1, keys)))
+        blocks = ((js, je, arrays[:2], arrays[2:])  # (K codes, V codes), (K scales, V scales)
+                  for js, je, arrays in base.read(i, h0, h1, j0, j1, keys))
     elif pools is None:
         blocks = reader.blocks(i, h0, h1, j0, j1, keys=keys, acc=BF16,
                                block_elements=score_block_elements, d=d)
