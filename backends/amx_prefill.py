@@ -53,7 +53,7 @@ from numba.extending import intrinsic
 from gqakv.ops.merge import SoftmaxState
 
 from . import amx
-from .numba_kernels import _bits_to_float32, _float32_bits, score, softmax_block
+from .numba_kernels import bfloat16_parts, score, softmax_block
 from .numpy_readers import MIN_BLOCK_KEYS, Coded, Pages, Plain, _converted_keys
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -285,55 +285,32 @@ def fold_pages(qp, pool_k, pool_v, pages, h0, at, kt, vv, s_full, hi_full, lo_fu
 def fold_codes(qp, kc, vc, ks, vs, lut, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha,
                nq, pos0, window, scale, softcap, keys):
     """``fold_block`` for 8-bit codes with per-token scales: the codes laid out as
-    bfloat16 (``codes_as_pairs``: exact), S = Q C^T on the tiles, each key's column times
-    its K scale (ks [hh, keys]), the soft-cap and the softmax step (p into ``s_full``),
-    then each p times its value's V scale (vs [hh, keys]) split into P's two bfloat16
-    parts, and O += P V on the tiles: the dequantized K and V's products, scaled once each
-    instead of per value."""
-    hh, Rp, d = qp.shape
-    Kp = kt.shape[2]
+    bfloat16 (``codes_as_pairs``: exact), then ``_fold_laid_out`` with the K scales (ks
+    [hh, keys]) on the score columns and the V scales (vs [hh, keys]) on p: the
+    dequantized K and V's products, each scale applied once per score instead of once
+    per value."""
     codes_as_pairs(kc, vc, lut, kt, vv)
-    s = s_full[:, :, :Kp]
-    _tile_product(qp, qp, False, kt, s, False)
-    c, x = np.float32(softcap), np.float32(scale)
-    for h in range(hh):
-        for r in range(Rp):
-            row = s_full[h, r, :keys]
-            f = ks[h, :keys]
-            for j in range(keys):
-                row[j] *= f[j]
-            if softcap > 0:  # scaled and soft-capped as the kernels' scores, before the mask
-                for j in range(keys):
-                    row[j] = score(row[j], x, c)
-    if softcap > 0:
-        scale = 1.0
-    empty = np.empty((0, 0), np.uint16)
-    for h in range(hh):  # p into s; then times V's scales, split as softmax_block splits
-        softmax_block(s_full[h], m[h], l[h], alpha[h], nq, pos0, window, scale, keys, empty,
-                      empty)
-        for r in range(Rp):
-            row, hi_row, lo_row = s_full[h, r], hi_full[h, r], lo_full[h, r]
-            f = vs[h]
-            for j in range(keys):
-                p = row[j] * f[j]
-                bits = _float32_bits(p)  # p >= 0: truncation rounds towards 0
-                hi_row[j] = np.uint16(bits >> 16)
-                lo_row[j] = np.uint16(_float32_bits(p - _bits_to_float32(bits & np.int32(-65536))) >> 16)
-            for j in range(keys, Kp):
-                hi_row[j] = 0
-                lo_row[j] = 0
-    rescale_rows(o_rows, alpha, d)
-    _tile_product(hi_full[:, :, :Kp], lo_full[:, :, :Kp], True, vv, o_rows[:, :, :d], True)
+    _fold_laid_out(qp, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, nq, pos0, window,
+                   scale, softcap, keys, ks, vs)
 
 
 @njit(cache=True, nogil=True)
 def _fold_laid_out(qp, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, nq, pos0, window,
-                   scale, softcap, keys):
-    """``fold_block`` once K and V are in the tiles' layouts (``kt``, ``vv``)."""
+                   scale, softcap, keys, ks=None, vs=None):
+    """``fold_block`` once K and V are in the tiles' layouts (``kt``, ``vv``). ``ks``,
+    ``vs``: None, or per-token scales [hh, keys] of codes: K's multiply the score columns
+    before the soft-cap, V's each p before P's split (None compiles both out)."""
     hh, Rp, d = qp.shape
     Kp = kt.shape[2]
     s = s_full[:, :, :Kp]
     _tile_product(qp, qp, False, kt, s, False)
+    if ks is not None:
+        for h in range(hh):
+            f = ks[h, :keys]
+            for r in range(Rp):
+                row = s_full[h, r, :keys]
+                for j in range(keys):
+                    row[j] *= f[j]
     if softcap > 0:  # scaled and soft-capped as the kernels' scores, before the mask
         c, x = np.float32(softcap), np.float32(scale)
         for h in range(hh):
@@ -343,8 +320,21 @@ def _fold_laid_out(qp, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, nq
                     row[j] = score(row[j], x, c)
         scale = 1.0
     for h in range(hh):  # P into its two bfloat16 parts; columns from ``keys`` on: 0
-        softmax_block(s_full[h], m[h], l[h], alpha[h], nq, pos0, window, scale, keys,
-                      hi_full[h], lo_full[h])
+        if vs is None:
+            softmax_block(s_full[h], m[h], l[h], alpha[h], nq, pos0, window, scale, keys,
+                          hi_full[h], lo_full[h])
+        else:  # p into s, then times its value's scale, split as softmax_block splits
+            empty = np.empty((0, 0), np.uint16)
+            softmax_block(s_full[h], m[h], l[h], alpha[h], nq, pos0, window, scale, keys,
+                          empty, empty)
+            f = vs[h]
+            for r in range(Rp):
+                row, hi_row, lo_row = s_full[h, r], hi_full[h, r], lo_full[h, r]
+                for j in range(keys):
+                    hi_row[j], lo_row[j] = bfloat16_parts(row[j] * f[j])
+                for j in range(keys, Kp):
+                    hi_row[j] = 0
+                    lo_row[j] = 0
     rescale_rows(o_rows, alpha, d)
     _tile_product(hi_full[:, :, :Kp], lo_full[:, :, :Kp], True, vv, o_rows[:, :, :d], True)
 

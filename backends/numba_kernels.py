@@ -514,6 +514,16 @@ def tanh_f32(x):
     return big if z >= np.float32(0.625) else small
 
 
+@njit(cache=True, inline="always")
+def bfloat16_parts(p):
+    """p (float32, >= 0) as two bfloat16 bit patterns (uint16): its top 16 bits, and the
+    top 16 of p minus them (exact in float32): truncation, which rounds p >= 0 towards 0,
+    so the parts sum to p within 2^-14 of it, below it (``softmax_block``'s P split)."""
+    bits = _float32_bits(p)
+    return (np.uint16(bits >> 16),
+            np.uint16(_float32_bits(p - _bits_to_float32(bits & np.int32(-65536))) >> 16))
+
+
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def softmax_block(s, m, l, alpha, nq, pos0, window, scale, keys, p_hi, p_lo):
     """One online-softmax step over a block of causal scores, in place, for the NumPy
@@ -575,9 +585,7 @@ def softmax_block(s, m, l, alpha, nq, pos0, window, scale, keys, p_hi, p_lo):
             for j in range(seen.size):
                 p = exp_nonpos(seen[j] * scale - shift)
                 total += p
-                bits = _float32_bits(p)  # p >= 0: truncation rounds towards 0
-                hi_seen[j] = np.uint16(bits >> 16)
-                lo_seen[j] = np.uint16(_float32_bits(p - _bits_to_float32(bits & np.int32(-65536))) >> 16)
+                hi_seen[j], lo_seen[j] = bfloat16_parts(p)
             hi_row[:lo] = 0
             hi_row[hi:] = 0
             lo_row[:lo] = 0
