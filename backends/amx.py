@@ -44,6 +44,8 @@ import sys
 
 import numpy as np
 
+#: Rows, keys and d of the products come in multiples of this (a block of 2 x 2 tiles).
+TILE_BLOCK = 32
 #: Set to 0 to keep the float32 matmuls even where AMX is available.
 ENV_AMX = "GQAKV_AMX"
 #: The kernel's name, registered as a process symbol once compiled (``_compile``).

@@ -58,7 +58,7 @@ from .numpy_readers import MIN_BLOCK_KEYS, Coded, Pages, Plain, _converted_keys
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 #: Rows and keys are padded to multiples of this (a block of 2 x 2 tiles).
-TILE_BLOCK = 32
+TILE_BLOCK = amx.TILE_BLOCK
 #: Items of less work than this (padded rows x keys x d multiply-adds per product) take
 #: the float32 path: each AMX item pays its layout steps and a few host calls per block.
 #: Measured 2026-12-05 (2 threads, whole calls, AMX / float32 path time): 1.45 at 0.8M

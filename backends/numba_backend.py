@@ -30,6 +30,13 @@ by ``route`` and by ``attention_route(...)``):
   this backend folds each float32 block of causal or windowed scores with one compiled
   step (``FusedSoftmaxState``: mask, max, exp and sum in two vectorized passes per row,
   ``numba_kernels.softmax_block``) instead of NumPy's five.
+- "numba AMX": that BLAS path with its items on AMX tiles (``amx_prefill``), for the calls
+  ``AMX_PATH`` declares (bfloat16 queries over plain bfloat16 storage or int8 /
+  float8_e4m3fn codes with per-token scales; window, softcap, sinks; d a multiple of 32)
+  where the CPU has them and ``GQAKV_AMX`` is not 0. Within such a call, items too small
+  to pay for the tiles' layout steps, and float32 queries that are not bfloat16 values,
+  run the float32 matmuls (``amx_prefill.declines``); ``served_counts`` counts the items
+  the tiles ran.
 Appends and row copies: ``route_copy``.
 
 Work is cut by the CPU planner shared with the numpy backend (``cpu_plan``): items of
@@ -58,6 +65,7 @@ from gqakv.core.tree import DraftTree
 from gqakv.ops.merge import SoftmaxState
 from gqakv.storage.store import CONTIGUOUS, PAGED
 
+from . import amx
 from . import numpy_backend as _numpy
 from .cpu_plan import ENV_THREADS, INVARIANT_NO_SPLIT, _plan, _share, _threads
 from .numpy_backend import NumpyBackend
@@ -117,6 +125,8 @@ _KERNEL_GROUPED = tuple(GROUPED)
 #: Implementation names in routes: the attention kernels, the compiled append, the
 #: compiled row copy.
 KERNEL = "numba kernel"
+#: The BLAS path with its items on AMX tiles (``amx_prefill``), where the CPU has them.
+AMX = "numba AMX"
 WRITE_KERNEL = "numba write_tokens"
 COPY_KERNEL = "numba copy_rows"
 #: Why the buffers do not suit the attention kernels (the request's ``buffers``).
@@ -130,17 +140,49 @@ KERNEL_PATH = FastPath(KERNEL, "attention", frozenset({CONTIGUOUS, PAGED}), _COD
                        frozenset({"window", "softcap", "sinks", "alibi", "tree"}),
                        frozenset(_KERNEL_DTYPES),
                        tokens=frozenset({PADDED, PACKED}), invariant=True)
+#: What the BLAS path's items on AMX tiles take (``amx_prefill.declines``, as data; the
+#: per-call conditions are the BLAS path's, d a multiple of ``amx.TILE_BLOCK`` and the
+#: machine's ``amx.why_not``): bfloat16 queries over a plain bfloat16 cache or 8-bit codes
+#: with per-token scales (every code's value is a bfloat16).
+AMX_PATH = FastPath(AMX, "attention", frozenset({CONTIGUOUS, PAGED}),
+                    frozenset({PLAIN_NAME, *_KERNEL_KV_DTYPES}),
+                    frozenset({"window", "softcap", "sinks"}), frozenset({"bfloat16"}),
+                    tokens=frozenset({PADDED, PACKED}))
 WRITE_PATH = FastPath(WRITE_KERNEL, "write_kv", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}),
                       tokens=frozenset({PADDED, PACKED}))
 COPY_PATH = FastPath(COPY_KERNEL, "copy_tokens", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}))
 
 
-@functools.lru_cache(maxsize=1024)
 def route_attention(request: Request) -> Route:
     """The numba backend's attention decision (its dispatch, ``attention_route`` and
     ``route`` all ask it): the kernels (``KERNEL_PATH``, then the chunk and buffer
     conditions), else the NumPy backend's decision for the call
-    (``numpy_backend.route_attention``), with the reason the kernels do not serve it."""
+    (``numpy_backend.route_attention``), with the reason the kernels do not serve it;
+    where that is the BLAS path and the call is one ``AMX_PATH`` takes, "numba AMX" when
+    this machine has them (``amx.why_not``, asked per call: ``GQAKV_AMX`` may change)."""
+    route = _route_by_facts(request)
+    if route.impl != AMX:
+        return route
+    why = amx.why_not()
+    if why is None:
+        return route
+    rejected = dict(route.rejected)
+    del rejected[_numpy.BLAS]
+    return Route(_numpy.BLAS, {**rejected, AMX: f"this machine runs no AMX tiles: {why}"})
+
+
+def _amx_rejection(request: Request) -> str | None:
+    """Why the BLAS path's items do not run on AMX tiles for ``request`` (its facts only)."""
+    why = AMX_PATH.rejection(request)
+    if why is None and request.head_dim is not None and request.head_dim % amx.TILE_BLOCK:
+        why = f"head_dim={request.head_dim} ({AMX} needs d a multiple of {amx.TILE_BLOCK})"
+    return why
+
+
+@functools.lru_cache(maxsize=1024)
+def _route_by_facts(request: Request) -> Route:
+    """``route_attention`` from the request's facts alone (kept: the machine's part is
+    asked per call)."""
     t_q, rows = request.t_q, request.group * request.t_q
     why = (KERNEL_PATH.rejection(request)
            or request.buffers
@@ -152,11 +194,19 @@ def route_attention(request: Request) -> Route:
                if rows > KERNEL_MAX_TILE_ROWS and not request.invariant else None))
     if why:
         fallback = _numpy.route_attention(request)
-        return Route(fallback.impl, {KERNEL: why, **fallback.rejected})
+        if fallback.impl != _numpy.BLAS:
+            return Route(fallback.impl, {KERNEL: why, **fallback.rejected})
+        why_not_amx = _amx_rejection(request)
+        if why_not_amx:
+            return Route(_numpy.BLAS, {KERNEL: why, AMX: why_not_amx, **fallback.rejected})
+        return Route(AMX, {KERNEL: why, _numpy.BLAS: (
+            f"{AMX} serves this call: its items on AMX tiles (those too small to pay for the "
+            "tiles' layout steps, amx_prefill.MIN_ITEM_WORK, and float32 queries that are not "
+            "bfloat16 values run the float32 matmuls)"), **fallback.rejected})
     served = f"{KERNEL} serves this call (kernels come first" + (
         "; batch-invariant mode: every chunk length, so a query's bits do not depend on its chunk)"
         if request.invariant else ")")
-    return Route(KERNEL, {impl: served for impl in (*_numpy.BLAS_PATHS, GENERIC)})
+    return Route(KERNEL, {impl: served for impl in (AMX, *_numpy.BLAS_PATHS, GENERIC)})
 
 
 @functools.lru_cache(maxsize=256)
@@ -198,7 +248,7 @@ class NumbaBackend(NumpyBackend):
         "draft trees in the kernels (speculative verification: ancestors per chunk query)",
     })
 
-    fast_paths = (KERNEL_PATH, *_numpy.FAST_PATHS, WRITE_PATH, COPY_PATH)
+    fast_paths = (KERNEL_PATH, AMX_PATH, *_numpy.FAST_PATHS, WRITE_PATH, COPY_PATH)
     # The kernels are compute-bound at G = 4 (a shared call's tile does the rows'
     # arithmetic), so a shared-prefix group over 16-bit or 8-bit storage, whose reads cost
     # less, must save more of them. Measured 2026-12-05 (shared_prefix_times, Hkv 8, G 4,
@@ -277,7 +327,8 @@ class NumbaBackend(NumpyBackend):
                      "C-contiguous buffers; window, softcap, sinks, alibi"),
             WRITE_KERNEL: "appends to contiguous unquantized rows",
             COPY_KERNEL: "row copies between contiguous unquantized stores (and page copies)",
-            **{impl: f"{why} (the numpy backend's){_amx_line() if impl == _numpy.BLAS else ''}"
+            AMX: _amx_line(),
+            **{impl: f"{why} (the numpy backend's)"
                for impl, why in super().implementations().items() if impl != GENERIC},
             GENERIC: "paged or quantized appends, quantized row copies, attention over "
                      "other codecs",
@@ -302,14 +353,15 @@ class NumbaBackend(NumpyBackend):
 
     def attention_route(self, q, k_buf, v_buf, store=None) -> tuple[str, str]:
         """(implementation, why) for a plain causal attention call over these arrays:
-        "numba kernel" with an empty reason, or "numpy BLAS" (the NumPy backend's path for
-        the storage kind; ``route`` names which) with the reason the kernel is not used.
+        "numba kernel" with an empty reason, or "numpy BLAS" / "numba AMX" (the NumPy
+        backend's path for the storage kind, its items on AMX tiles where they take the
+        call) with the reason the kernel is not used.
         ``store``: the call's KVStore, when its kind (paged: ``k_buf``/``v_buf`` are the
         pool) or quantized storage (``k_buf``/``v_buf`` hold codes) matters."""
         route = self._attention_decision(q, k_buf, v_buf, store)
         if route.impl == KERNEL:
             return KERNEL, ""
-        return "numpy BLAS", route.rejected[KERNEL]
+        return route.impl, route.rejected[KERNEL]
 
     def _write_decision(self, store, k_new, v_new) -> tuple[Route, list | None]:
         """``route_copy`` for an append, and the buffers as the copy kernel's bits."""
@@ -458,12 +510,13 @@ _NO_SPLIT = np.empty((0, 0), dtype=np.uint16)  # softmax_block writes p itself
 
 
 def _amx_line() -> str:
-    """What ``gqakv info`` says of the BLAS path's bfloat16 items on AMX tiles."""
-    from . import amx
-
+    """What ``gqakv info`` says of the BLAS path's items on AMX tiles."""
     why = amx.why_not()
-    return ("; bfloat16 queries over a plain bfloat16 cache on AMX tiles instead where the "
-            "CPU has them (amx_prefill; here: " + ("on)" if why is None else f"off, {why})"))
+    return ("the numpy BLAS path's calls with their items on the tiles where the CPU has them "
+            f"(amx_prefill; here: {'on' if why is None else f'off, {why}'}): bfloat16 queries "
+            "over a plain bfloat16 cache or int8 / float8_e4m3fn codes with per-token scales, "
+            f"contiguous or paged, d a multiple of {amx.TILE_BLOCK}; window, softcap, sinks; "
+            "items too small to pay for their layout steps run the float32 matmuls")
 
 
 def _amx_items_served() -> int:
