@@ -19,6 +19,7 @@ from gqakv.ops import attention as attention_module
 
 from .support.arrays import BackendArrays
 from .support.packing import pack_tokens
+from .support.product import ATTENTION_PARAMS, STORAGE_SPECS
 from .support.quantization import held
 from .support.reference import reference_attention
 
@@ -327,8 +328,43 @@ def test_grouped_codecs_over_the_product_padded_and_packed(grouped_case, route_s
     _over_the_product(grouped_case, route_spy(grouped_case.backend), d=GROUPED_HEAD_DIM)
 
 
-def _over_the_product(case, spy, d: int = 8):
-    """One product point at head dim ``d`` (``test_attention_over_the_product``)."""
+#: A long-chunk point of the product (``test_long_chunks_over_the_product``): chunks past the
+#: kernels' 8 queries, so numba runs its BLAS path (its compiled softmax step and page
+#: gather; with bfloat16 where the CPU has AMX, its items on the tiles: the first row's
+#: item is large enough to pay for them, the second's is not), over rows of hundreds of keys.
+LONG_CHUNKS = dict(S=450, lens_before=(380, 4, 0), n_new=(64, 5, 0), T=64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("params_name", list(ATTENTION_PARAMS))
+@pytest.mark.parametrize("storage_name", list(STORAGE_SPECS))
+def test_long_chunks_over_the_product(storage_name, params_name, dtype, route_spy):
+    """The product's storage specs and attention params on numba with chunks of 64 queries
+    (``LONG_CHUNKS``, d = 64): the BLAS path, and its items on AMX tiles for bfloat16 where
+    the CPU has them (``route`` names "numba AMX", the tiles ran items, counted by
+    ``served_counts``), against the float64 reference; padded and packed, a cache and a
+    model step."""
+    from .support.product import Case
+
+    backend = next(b for b in gqakv.list_backends() if b.name == "numba")
+    if backend.unavailable_reason():
+        pytest.skip(backend.unavailable_reason())
+    case = Case(backend, storage_name, params_name, dtype)
+    served = backend.served_counts().get("items on AMX tiles", 0)
+    _over_the_product(case, route_spy(backend), d=64, **LONG_CHUNKS)
+    amx = backend.route("attention", dtype=dtype, head_dim=64, t_q=LONG_CHUNKS["T"],
+                        features=gqakv.AttentionParams(scale=1.0, **case.params).features,
+                        layout=case.storage.get("storage", "contiguous"),
+                        codec=case.storage.get("kv_dtype")).impl == "numba AMX"
+    ran = backend.served_counts().get("items on AMX tiles", 0) - served
+    assert (ran > 0) == amx, f"route says {'numba AMX' if amx else 'no tiles'}, {ran} items ran there"
+
+
+def _over_the_product(case, spy, d: int = 8, *, S: int = 40, lens_before=(17, 0, 30),
+                      n_new=(3, 2, 0), T: int = 4):
+    """One product point at head dim ``d`` (``test_attention_over_the_product``): three
+    rows of at most ``S`` tokens holding ``lens_before``, then ``n_new`` more (chunks of at
+    most ``T``) attended."""
     from gqakv.core.semantics import AttentionParams
 
     from .support.parity import LOW_PRECISION, assert_matches_reference, low_precision_bounds
@@ -336,9 +372,9 @@ def _over_the_product(case, spy, d: int = 8):
 
     arrays = BackendArrays(case.backend)
     rng = np.random.default_rng(11)
-    B, hkv, G, S = 3, 2, 3, 40
-    lens_before, n_new = np.array([17, 0, 30]), np.array([3, 2, 0])
-    T = 4
+    B, hkv, G = 3, 2, 3
+    lens_before, n_new = np.array(lens_before), np.array(n_new)
+    k_len = int(lens_before.max())
     dtype = case.dtype
     cache = gqakv.KVCache(B, hkv, S, d, dtype=dtype, backend=case.backend, **case.storage)
     model = gqakv.ModelKVCache(2, B, hkv, S, d, dtype=dtype, backend=case.backend,
@@ -348,7 +384,7 @@ def _over_the_product(case, spy, d: int = 8):
     def held_in(x):  # the values a dtype array holds, as float64
         return arrays.to_numpy(arrays.asarray(x, dtype))
 
-    k0, v0 = held_in(rng.standard_normal((2, B, hkv, 30, d)))
+    k0, v0 = held_in(rng.standard_normal((2, B, hkv, k_len, d)))
     cache.append(arrays.asarray(k0, dtype), arrays.asarray(v0, dtype), lens_before)
     with model.step(lens_before) as step:
         for l in range(2):

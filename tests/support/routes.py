@@ -5,7 +5,8 @@
 instance: ``write_kv``, ``copy_tokens``, ``attention``) and the entry of every
 implementation they can reach: the generic array-API functions, the NumPy BLAS path
 (``numpy_attention.attention_store``: one item kernel over every reader), the numba kernels
-(``numba_kernels.attention_items``, ``write_tokens``, ``copy_rows``) and, for the
+(``numba_kernels.attention_items``, ``write_tokens``, ``copy_rows``; the BLAS path's
+items on AMX tiles, where its hook takes a call) and, for the
 emulated CuPy backend, its kernel launches (``EmulatedCupyBackend._run_plan``: the first
 launch's kernel). Each hot-operation call is recorded as a ``Call``: the operation, the
 facts ``route`` reads, worked out here from the call's arguments (not by the backend's
@@ -24,6 +25,7 @@ its own open call).
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +44,10 @@ NUMPY_ENTRIES = (("gqakv_backends.numpy_attention", "attention_store", "numpy BL
 NUMBA_ENTRIES = (("gqakv_backends.numba_kernels", "attention_items", "numba kernel"),
                  ("gqakv_backends.numba_kernels", "write_tokens", "numba write_tokens"),
                  ("gqakv_backends.numba_kernels", "copy_rows", "numba copy_rows"))
+#: The numba backend's BLAS path with its items on AMX tiles: the hook that hands a call's
+#: items to the tiles (its result None: the call is not theirs). A call it takes ran
+#: "numba AMX" rather than the BLAS path it refines.
+NUMBA_AMX_ENTRY = ("gqakv_backends.numba_backend", "_amx_items", "numba AMX", "numpy BLAS")
 
 
 @dataclass
@@ -74,6 +80,7 @@ class RouteSpy:
         if kind == "numba":
             for module, name, impl in NUMBA_ENTRIES:
                 self._spy_entry(monkeypatch, module, name, impl)
+            self._spy_refinement(monkeypatch, *NUMBA_AMX_ENTRY)
         if kind == "cupy_emulated":
             real_run = backend._run_plan
 
@@ -106,6 +113,21 @@ class RouteSpy:
             return real(*args, **kwargs)
 
         monkeypatch.setattr(mod, name, entry)
+
+    def _spy_refinement(self, monkeypatch, module: str, name: str, impl: str, refines: str) -> None:
+        """Spy on a hook through which the implementation ``refines`` hands a call to
+        ``impl`` (a result that is not None: it took the call): the call then ran ``impl``."""
+        mod = importlib.import_module(module)
+        real = getattr(mod, name)
+
+        def hook(*args, **kwargs):
+            result = real(*args, **kwargs)
+            frames = self._frames()
+            if result is not None and frames and frames[-1].ran[:1] == [refines]:
+                frames[-1].ran.insert(0, impl)
+            return result
+
+        monkeypatch.setattr(mod, name, hook)
 
     def _spy_op(self, op: str, real):
         def hot(*args, **kwargs):
@@ -219,6 +241,30 @@ def _numpy_attention(f) -> Any:
     return FAST
 
 
+def cpu_has_amx() -> bool:
+    """Whether this machine runs AMX bfloat16 tiles for gqakv: Linux's CPU flags name
+    ``amx_bf16`` and ``GQAKV_AMX`` is not 0 (the performance guide's conditions)."""
+    if os.environ.get("GQAKV_AMX", "1").strip() == "0":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def _numba_blas(f) -> Any:
+    # the BLAS path; its items on AMX tiles where the CPU has them, for bfloat16 queries
+    # over plain bfloat16 or per-token 8-bit codes, d a multiple of 32, and the variants
+    # window, softcap and sinks (the performance guide, "bfloat16 on AMX tiles")
+    want = _numpy_attention(f)
+    if (want == FAST and f["dtype"] == "bfloat16" and f["codec"] in CPU_CODECS
+            and f["head_dim"] % 32 == 0 and not f.get("features", set()) - {"window", "softcap", "sinks"}
+            and cpu_has_amx()):
+        return "numba AMX"
+    return want
+
+
 def _numba_attention(f) -> Any:
     # the kernels decode the 8-bit per-token codes and the grouped ones (a key block at a
     # time); any other codec: the BLAS path's
@@ -230,7 +276,7 @@ def _numba_attention(f) -> Any:
     if f["dtype"] != "float64" and (f.get("invariant") or (
             f["t_q"] <= 8 and f.get("group", 1) * f["t_q"] <= 64)):
         return "numba kernel"
-    return _numpy_attention(f)
+    return _numba_blas(f)
 
 
 def _plain_contiguous(impl):
