@@ -187,7 +187,9 @@ def _route_by_facts(request: Request) -> Route:
     why = (KERNEL_PATH.rejection(request)
            or request.buffers
            or (f"T={t_q} queries > {KERNEL_MAX_QUERIES}: a prefill chunk is compute-bound, "
-               "BLAS matmuls are faster there"
+               "BLAS matmuls are faster there" + (
+                   f" (a packed batch's rows of at most {KERNEL_MAX_QUERIES} queries still run "
+                   "the kernels, plan_mixed)" if request.tokens == PACKED else "")
                if t_q > KERNEL_MAX_QUERIES and not request.invariant else None)
            or (f"tiles of G={request.group} heads x T={t_q} queries = {rows} rows > "
                f"{KERNEL_MAX_TILE_ROWS}: compute-bound, BLAS matmuls are faster there"
@@ -841,13 +843,15 @@ def plan_mixed(store, inputs, params, q_shape, request) -> MixedWork | None:
 
     if inputs.offsets is None or inputs.invariant:  # invariant: the kernels serve every row
         return None
-    short = inputs.n_new <= KERNEL_MAX_QUERIES
-    if short.all() or not short.any():
+    # idle rows (no query) join neither part: a packed batch has no slot of theirs
+    short = (inputs.n_new > 0) & (inputs.n_new <= KERNEL_MAX_QUERIES)
+    long = inputs.n_new > KERNEL_MAX_QUERIES
+    if not (short.any() and long.any()):
         return None
     if (route_attention(request.with_(t_q=KERNEL_MAX_QUERIES)).impl != KERNEL
             or _numpy.route_attention(request).impl != _numpy.BLAS):
         return None
-    a, b = _subset(inputs, np.flatnonzero(short)), _subset(inputs, np.flatnonzero(~short))
+    a, b = _subset(inputs, np.flatnonzero(short)), _subset(inputs, np.flatnonzero(long))
     return MixedWork(inputs, a, plan_numba(a.lens, a.n_new, q_shape, store.kv_heads, params,
                                            tree=a.tree, page_size=_page_size(store)),
                      b, plan_items(b.lens, b.n_new, q_shape, store.kv_heads, params,

@@ -60,6 +60,10 @@ class Call:
     facts: dict[str, Any]
     work: bool
     ran: list[str] = field(default_factory=list)
+    #: a packed batch split between the numba kernels (rows of at most 8 queries) and
+    #: the BLAS path (``numba_backend.run_mixed``): its route names the long rows' path
+    #: (``t_q`` is the longest row's), so that path is the one it ran, the kernels after
+    mixed: bool = False
 
 
 class RouteSpy:
@@ -81,6 +85,7 @@ class RouteSpy:
             for module, name, impl in NUMBA_ENTRIES:
                 self._spy_entry(monkeypatch, module, name, impl)
             self._spy_refinement(monkeypatch, *NUMBA_AMX_ENTRY)
+            self._spy_mixed(monkeypatch)
         if kind == "cupy_emulated":
             real_run = backend._run_plan
 
@@ -123,11 +128,35 @@ class RouteSpy:
         def hook(*args, **kwargs):
             result = real(*args, **kwargs)
             frames = self._frames()
-            if result is not None and frames and frames[-1].ran[:1] == [refines]:
-                frames[-1].ran.insert(0, impl)
+            if result is not None and frames and refines in frames[-1].ran:
+                ran = frames[-1].ran
+                if impl not in ran:
+                    ran.insert(ran.index(refines), impl)
             return result
 
         monkeypatch.setattr(mod, name, hook)
+
+    def _spy_mixed(self, monkeypatch) -> None:
+        """Mark the calls that run a packed batch split in two (``Call.mixed``); its BLAS
+        part enters ``numpy_attention.attend`` directly, recorded as the BLAS path."""
+        from gqakv_backends import numba_backend, numpy_attention
+
+        real_mixed, real_attend = numba_backend.run_mixed, numpy_attention.attend
+
+        def run_mixed(*args, **kwargs):
+            frames = self._frames()
+            if frames:
+                frames[-1].mixed = True
+            return real_mixed(*args, **kwargs)
+
+        def attend(*args, **kwargs):
+            frames = self._frames()
+            if frames and frames[-1].mixed and "numpy BLAS" not in frames[-1].ran:
+                frames[-1].ran.append("numpy BLAS")
+            return real_attend(*args, **kwargs)
+
+        monkeypatch.setattr(numba_backend, "run_mixed", run_mixed)
+        monkeypatch.setattr(numpy_attention, "attend", attend)
 
     def _spy_op(self, op: str, real):
         def hot(*args, **kwargs):
@@ -137,6 +166,8 @@ class RouteSpy:
                 return real(*args, **kwargs)
             finally:
                 self._frames().pop()
+                if call.mixed:  # the long rows' path first (stable: the kernels after it)
+                    call.ran.sort(key=lambda impl: impl == "numba kernel")
                 with self._lock:
                     self.calls.append(call)
 
