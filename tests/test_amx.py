@@ -253,19 +253,21 @@ def test_calls_the_amx_items_decline_take_the_float32_path(monkeypatch, why):
 
 
 @needs_amx
-def test_selftest_long_prefill_line_reaches_the_tiles():
-    """``gqakv selftest --backend numba``'s long-prefill line runs bfloat16 items on the
-    tiles where the CPU has them (its note counts them, through ``served_counts``), and
-    no float32 item (the tiles take bfloat16 queries only)."""
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_selftest_long_prefill_line_reaches_the_tiles(kv_dtype):
+    """``gqakv selftest --backend numba``'s long-prefill lines (plain and int8 storage) run
+    bfloat16 items on the tiles where the CPU has them (the note counts them, through
+    ``served_counts``), and no float32 item (the tiles take bfloat16 queries only)."""
     from gqakv.tools import selftest
 
     backend = gqakv.get_backend("numba")
+    name = selftest.LONG_PREFILL_INT8 if kv_dtype else selftest.LONG_PREFILL
     lines = {}
     for dtype in ("bfloat16", "float32"):
         checks = {f: selftest.Check(f, dtype) for f in selftest.FAMILIES[1:]}
         before = amx_prefill.items_served()
-        selftest._long_prefill(backend, dtype, np.random.default_rng(0), True, checks)
-        lines[dtype] = (checks[selftest.LONG_PREFILL], amx_prefill.items_served() - before)
+        selftest._long_prefill(backend, dtype, np.random.default_rng(0), True, checks, kv_dtype)
+        lines[dtype] = (checks[name], amx_prefill.items_served() - before)
     line, served = lines["bfloat16"]
     assert line.passed and line.cases > 0 and served > 0
     assert line.note == f"items on AMX tiles: {served}"

@@ -38,7 +38,7 @@ def test_numpy_quick_passes_with_one_line_per_family_and_dtype(capsys):
     want = [("compile", "all")] + [(f, d) for d in backend.dtypes for f in selftest.FAMILIES[1:]]
     assert [(f, d) for f, d, *_ in lines] == want
     for family, dtype, cases, worst, result, note in lines:
-        if family in QUANT_LINES | PAGED_QUANT_LINES and dtype == "float64":  # refused
+        if family in QUANT_LINES | PAGED_QUANT_LINES | {selftest.LONG_PREFILL_INT8} and dtype == "float64":
             assert result == "SKIP" and "float32, float16 or bfloat16" in note
             continue
         assert result == "PASS"
@@ -169,7 +169,8 @@ def test_a_broken_dequantization_fails_only_the_quantized_lines(capsys, monkeypa
     status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "8")
     assert status == 1, out
     dtypes = set(gqakv.get_backend("numpy").dtypes) - {"float64"}  # float64: SKIP
-    lines = QUANT_LINES | PAGED_QUANT_LINES  # the reader over pages too
+    # the reader over pages too, and the long chunks over int8
+    lines = QUANT_LINES | PAGED_QUANT_LINES | {selftest.LONG_PREFILL_INT8}
     assert _failed_lines(out) == {(f, d) for f in lines for d in dtypes}, out
 
 
@@ -197,7 +198,8 @@ def test_a_broken_quantizing_append_fails_the_quantized_lines(capsys, monkeypatc
                                                                x, kv, keys))
     status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "9")
     assert status == 1, out
-    assert {f for f, _ in _failed_lines(out)} == QUANT_LINES | PAGED_QUANT_LINES, out
+    assert {f for f, _ in _failed_lines(out)} == (QUANT_LINES | PAGED_QUANT_LINES
+                                                  | {selftest.LONG_PREFILL_INT8}), out
 
 
 def test_a_broken_paged_dequantization_fails_only_the_paged_quantized_lines(capsys, monkeypatch):

@@ -27,10 +27,11 @@ the one gqakv would pick here; ``all``: every backend that can run):
      combined with ``gqakv.merge_attention``;
    - ``prefill``: T > 1 chunks appended over several calls (later chunks see earlier
      ones), ragged, padded and finished rows;
-   - ``long prefill``: the same with chunks of 64 or 96 queries (G = 4, d = 128 or 64),
-     items big enough for a backend's compute-bound path; its note gives the work done by
-     the paths a backend counts (``Backend.served_counts``; numba: the BLAS path's
-     bfloat16 items on AMX tiles, where the CPU has them);
+   - ``long prefill``, ``long int8``: the same with chunks of 64 or 96 queries
+     (G = 4, d = 128 or 64), items big enough for a backend's compute-bound path, over
+     plain and int8 storage (the codes read back as for ``quant int8``); its note gives
+     the work done by the paths a backend counts (``Backend.served_counts``; numba: the
+     BLAS path's bfloat16 items on AMX tiles, where the CPU has them);
    - ``row copies``: ``reorder`` (with duplicates) and ``fork`` on a 2-layer
      ModelKVCache: copied rows bit-exact, slots past the copied length and rows not
      copied to untouched;
@@ -148,10 +149,13 @@ DRAFT_TREE = "draft tree"
 #: Prefill chunks long enough for compute-bound paths (the CPU's tiles, the GPU's MMA
 #: kernels): 64 or 96 queries of 4 query heads per KV head.
 LONG_PREFILL = "long prefill"
-#: The chunk lengths and head dims of the long-prefill line.
+#: ... over int8 codes with per-token scales (numba's AMX items take those too).
+LONG_PREFILL_INT8 = "long int8"
+LONG_LINES = (LONG_PREFILL, LONG_PREFILL_INT8)
+#: The chunk lengths and head dims of the long-prefill lines.
 LONG_CHUNKS, LONG_HEAD_DIMS = (64, 96), (128, 64)
-FAMILIES = ("compile", "append", "decode", "split+merge", "prefill", LONG_PREFILL, "row copies",
-            "variants", *(f"paged P={p}" for p in PAGE_SIZES), *KV_DTYPES.values(),
+FAMILIES = ("compile", "append", "decode", "split+merge", "prefill", LONG_PREFILL, LONG_PREFILL_INT8,
+            "row copies", "variants", *(f"paged P={p}" for p in PAGE_SIZES), *KV_DTYPES.values(),
             *PAGED_KV_DTYPES.values(), SHARED_PREFIX, DRAFT_TREE)
 
 
@@ -513,11 +517,12 @@ def _ragged_prompts(rng, batch: int, T: int, shortest: int = 1):
 
 
 def _chunked_prefill(backend, dtype, rng, c: int, s: Shape, T: int, prompts, chunks,
-                     append: Check, check: Check) -> None:
+                     append: Check, check: Check, kv_dtype=None) -> None:
     """Case ``c``: ``prompts`` appended ``chunks`` after ``chunks`` (``_ragged_prompts``) to
-    a fresh mirror, each chunk's T queries attended and compared (``check``), every append
-    read back (``append``)."""
-    m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + 1, s.head_dim, rng)
+    a fresh mirror (of ``kv_dtype`` storage), each chunk's T queries attended and compared
+    (``check``), every append read back (``append``)."""
+    m = Mirror(backend, dtype, s.batch, s.kv_heads, int(prompts.max()) + 1, s.head_dim, rng,
+               kv_dtype=kv_dtype)
     for chunk, n_new in enumerate(chunks):
         m.append(n_new, T, append, f"case {c} ({s}) T={T} chunk {chunk} append")
         q_dev, q_host = m.queries(s.kv_heads * s.group, T, n_new)
@@ -538,19 +543,20 @@ def _prefill(backend, dtype, rng, quick, checks) -> None:
                          checks["prefill"])
 
 
-def _long_prefill(backend, dtype, rng, quick, checks) -> None:
+def _long_prefill(backend, dtype, rng, quick, checks, kv_dtype=None) -> None:
     """Prompts of 2T + 1 to 3T + 1 tokens appended in chunks of T = 64 or 96 (G = 4, d = 128
-    or 64, ragged and padded, one row empty): items big enough for a backend's
-    compute-bound path; the line's note gives the work its ``served_counts`` paths did
-    (numba: items on AMX tiles, bfloat16 only)."""
-    check = checks[LONG_PREFILL]
+    or 64, ragged and padded, one row empty), over plain or ``kv_dtype`` storage: items big
+    enough for a backend's compute-bound path; the line's note gives the work its
+    ``served_counts`` paths did (numba: items on AMX tiles, bfloat16 only)."""
+    check = checks[LONG_PREFILL_INT8 if kv_dtype == "int8" else LONG_PREFILL]
+    append = check if kv_dtype else checks["append"]  # codes read back as the quant lines do
     before = backend.served_counts()
     for c in range(1 if quick else 3):
         s = Shape(3, 2, 4, LONG_HEAD_DIMS[c % 2])
         T = LONG_CHUNKS[c % 2]
         # later chunks see 2T+ keys
         prompts, chunks = _ragged_prompts(rng, s.batch, T, shortest=2 * T + 1)
-        _chunked_prefill(backend, dtype, rng, c, s, T, prompts, chunks, checks["append"], check)
+        _chunked_prefill(backend, dtype, rng, c, s, T, prompts, chunks, append, check, kv_dtype)
     served = {name: n - before.get(name, 0) for name, n in backend.served_counts().items()}
     check.note = ", ".join(f"{name}: {n}" for name, n in served.items())
 
@@ -824,7 +830,8 @@ _FAMILY_RUNNERS: tuple[tuple[str, Callable[..., None]], ...] = (
     (PAGED_QUANT, functools.partial(_paged, 16, kv_dtype="int8")),
     (SHARED_PREFIX, _shared_prefix_family), (DRAFT_TREE, _draft_tree_family),
     # last: their draws leave the families before them what a seed gave them before they came
-    (PAGED_GROUPED, functools.partial(_paged, 16, kv_dtype="int4_g32")), (LONG_PREFILL, _long_prefill))
+    (PAGED_GROUPED, functools.partial(_paged, 16, kv_dtype="int4_g32")), (LONG_PREFILL, _long_prefill),
+    (LONG_PREFILL_INT8, functools.partial(_long_prefill, kv_dtype="int8")))
 
 
 def selftest_backend(backend, *, quick: bool = False, seed: int = 0, say=print) -> list[Check]:
@@ -847,11 +854,11 @@ def selftest_backend(backend, *, quick: bool = False, seed: int = 0, say=print) 
                 chk.skipped = "; ".join(reasons)
         else:
             if dtype == "float64":  # StorageSpec refuses it: float64 is the reference precision
-                for line in (*KV_DTYPES.values(), *PAGED_KV_DTYPES.values()):
+                for line in (*KV_DTYPES.values(), *PAGED_KV_DTYPES.values(), LONG_PREFILL_INT8):
                     checks[line].skipped = "quantized K/V take dtype float32, float16 or bfloat16"
             # seeded by the lines before this dtype's, not counting the long-prefill lines
             # (added later, run last): every other line draws what a seed gave it before
-            rng = np.random.default_rng([seed, sum(c.family != LONG_PREFILL for c in lines)])
+            rng = np.random.default_rng([seed, sum(c.family not in LONG_LINES for c in lines)])
             for family, runner in _FAMILY_RUNNERS:
                 if family in checks and checks[family].skipped:
                     continue
