@@ -335,18 +335,24 @@ def test_grouped_codecs_over_the_product_padded_and_packed(grouped_case, route_s
 #: Every row with queries has more than 8, so a packed batch is not split between the
 #: kernels and the BLAS path (``numba_backend.plan_mixed``; tests/test_packed.py has those).
 LONG_CHUNKS = dict(S=450, lens_before=(380, 4, 0), n_new=(64, 12, 0), T=64)
+#: ... and with a row of 5 queries beside the chunk: packed, numba splits that batch, the
+#: short row through its kernels and the chunk through the BLAS path (``plan_mixed``).
+MIXED_CHUNKS = dict(LONG_CHUNKS, n_new=(64, 5, 0))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("params_name", list(ATTENTION_PARAMS))
 @pytest.mark.parametrize("storage_name", list(STORAGE_SPECS))
-def test_long_chunks_over_the_product(storage_name, params_name, dtype, route_spy):
+@pytest.mark.parametrize("rows", ["long", "mixed"])
+def test_long_chunks_over_the_product(rows, storage_name, params_name, dtype, route_spy):
     """The product's storage specs and attention params on numba with chunks of 64 queries
     (``LONG_CHUNKS``, d = 64): the BLAS path, and its items on AMX tiles for bfloat16 where
     the CPU has them (``route`` names "numba AMX" and the spy saw the tiles take the call;
     without a window, whose few keys make every item too small for them, the tiles ran
     items, counted by ``served_counts``), against the float64 reference; padded and
-    packed, a cache and a model step."""
+    packed, a cache and a model step. ``mixed``: a short row beside the chunk, so the
+    packed calls are split between the kernels and that path (``MIXED_CHUNKS``; the spy
+    saw both run)."""
     from .support.product import Case
 
     backend = next(b for b in gqakv.list_backends() if b.name == "numba")
@@ -354,7 +360,13 @@ def test_long_chunks_over_the_product(storage_name, params_name, dtype, route_sp
         pytest.skip(backend.unavailable_reason())
     case = Case(backend, storage_name, params_name, dtype)
     served = backend.served_counts().get("items on AMX tiles", 0)
-    _over_the_product(case, route_spy(backend), d=64, **LONG_CHUNKS)
+    spy = route_spy(backend)
+    _over_the_product(case, spy, d=64, **(MIXED_CHUNKS if rows == "mixed" else LONG_CHUNKS))
+    split = [c.ran for c in spy.calls if c.mixed]
+    if rows == "mixed":  # the packed cache's call and the packed model step's two layers
+        assert len(split) == 3 and all("numba kernel" in ran[1:] for ran in split), split
+    else:
+        assert not split, split
     amx = backend.route("attention", dtype=dtype, head_dim=64, t_q=LONG_CHUNKS["T"],
                         features=gqakv.AttentionParams(scale=1.0, **case.params).features,
                         layout=case.storage.get("storage", "contiguous"),
@@ -455,8 +467,13 @@ def _over_the_product(case, spy, d: int = 8, *, S: int = 40, lens_before=(17, 0,
                              bounds, lse_atol=TOL.get(dtype), lse_rtol=1e-7)
     layout = dict(dtype=dtype, head_dim=d, features=params.features,
                   layout=case.storage.get("storage", "contiguous"), codec=case.storage.get("kv_dtype"))
-    if (case.backend.route("attention", t_q=T, **layout).impl
-            == case.backend.route("attention", t_q=int(n_new.max()), tokens="packed", **layout).impl):
+    # a packed batch of short and long rows that numba splits runs the kernels on the
+    # short ones, which the padded call (one route for every row) does not
+    split = (case.backend.name == "numba" and ((n_new > 0) & (n_new <= 8)).any()
+             and (n_new > 8).any())
+    if not split and (case.backend.route("attention", t_q=T, **layout).impl
+                      == case.backend.route("attention", t_q=int(n_new.max()), tokens="packed",
+                                            **layout).impl):
         for got, ref in ((p_out, out), (p_lse, lse), *zip(p_outs, outs)):
             np.testing.assert_array_equal(arrays.to_numpy(got),
                                           pack_tokens(arrays.to_numpy(ref), n_new))
