@@ -404,6 +404,146 @@ def _dots_4x2(typingctx, qt, rr, krows, j0, j1):
     return types.UniTuple(types.float32, 8)(qt, rr, krows, j0, j1), codegen
 
 
+def _pv_rows(R: int, V: int):
+    """An intrinsic ``(acc, rr, s, o, vrows, vscales, n, c0, ahead)``: for the ``R`` rows
+    from ``rr`` and the ``16 V`` columns from ``c0``, ``acc[rr + i, c] += sum_jj p_ij *
+    value jj[c]`` over the run's ``n`` values (``p_ij = s[rr + i, o + jj]`` times value
+    jj's scale, ``vscales`` [n] float32 or None), the values rows of ``vrows`` (a [n, >= d]
+    array of a ``decode`` element type, rows of unit stride) converted in registers once
+    for the R rows.
+
+    The R x V accumulators stay in registers for the whole run (one FMA per value vector
+    and row, in key order) and are loaded and stored once, where a loop over d per key
+    loads and stores them every few keys: 27-28 against 33-40 ns per key for one thread's
+    whole ``_attend`` (bfloat16, float32 or int8, G = 4, d = 128, an L2-resident row).
+    ``ahead`` > 0: each step also prefetches value row jj + ahead (inside the view), as
+    ``_prefetch_row``."""
+    lanes = 16
+
+    @intrinsic
+    def pv(typingctx, acc, rr, s, o, vrows, vscales, n, c0, ahead):
+        if not (isinstance(acc, types.Array) and acc.ndim == 2 and acc.dtype == types.float32
+                and isinstance(s, types.Array) and s.ndim == 2 and s.dtype == types.float32
+                and isinstance(vrows, types.Array) and vrows.ndim == 2
+                and vrows.dtype in _VECTOR_CODES
+                and (isinstance(vscales, types.NoneType)
+                     or (isinstance(vscales, types.Array) and vscales.ndim == 1
+                         and vscales.dtype == types.float32))
+                and all(isinstance(x, types.Integer) for x in (rr, o, n, c0, ahead))):
+            return None
+        code = vrows.dtype
+        scaled = isinstance(vscales, types.Array)
+
+        def codegen(context, builder, signature, args):
+            acc_ty, rr_ty, s_ty, o_ty, v_ty, sc_ty, n_ty, c0_ty, ah_ty = signature.args
+            intp = lambda x, ty: context.cast(builder, x, ty, types.intp)  # noqa: E731
+            const = lambda x: context.get_constant(types.intp, x)  # noqa: E731
+            f32 = ir.FloatType()
+            vf = ir.VectorType(f32, lanes)
+            stored = context.get_data_type(code)
+            vk = ir.VectorType(stored, lanes)
+            acc_arr = context.make_array(acc_ty)(context, builder, args[0])
+            s_arr = context.make_array(s_ty)(context, builder, args[2])
+            v_arr = context.make_array(v_ty)(context, builder, args[4])
+            rr_, o_, n_ = intp(args[1], rr_ty), intp(args[3], o_ty), intp(args[6], n_ty)
+            c0_, ahead_ = intp(args[7], c0_ty), intp(args[8], ah_ty)
+            acc_ptrs = [[builder.bitcast(cgutils.get_item_pointer(
+                context, builder, acc_ty, acc_arr,
+                [builder.add(rr_, const(i)), builder.add(c0_, const(lanes * v))],
+                wraparound=False), vf.as_pointer()) for v in range(V)] for i in range(R)]
+            accs = [[cgutils.alloca_once_value(builder, builder.load(p, align=4)) for p in row]
+                    for row in acc_ptrs]
+            fmuladd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fmuladd.v{lanes}f32")
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                "llvm.prefetch.p0i8")
+            nrows = builder.extract_value(v_arr.shape, 0)
+            row_bytes = builder.mul(builder.extract_value(v_arr.shape, 1),
+                                    const(context.get_abi_sizeof(stored)))
+            if scaled:
+                sc_arr = context.make_array(sc_ty)(context, builder, args[5])
+            zero = const(0)
+            with cgutils.for_range_slice(builder, zero, n_, const(1)) as (jj, _):
+                ahead_row = builder.add(jj, ahead_)
+                wanted = builder.and_(builder.icmp_signed(">", ahead_, zero),
+                                      builder.icmp_signed("<", ahead_row, nrows))
+                with builder.if_then(wanted, likely=True):
+                    base = builder.bitcast(cgutils.get_item_pointer(
+                        context, builder, v_ty, v_arr, [ahead_row, zero], wraparound=False), i8p)
+                    with cgutils.for_range_slice(builder, zero, row_bytes, const(64)) as (at, _):
+                        builder.call(prefetch, [builder.gep(base, [at]), ir.Constant(i32, 0),
+                                                ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                factor_ = None
+                if scaled:
+                    factor_ = builder.load(cgutils.get_item_pointer(
+                        context, builder, sc_ty, sc_arr, [jj], wraparound=False))
+                ps = []
+                for i in range(R):
+                    p = builder.load(cgutils.get_item_pointer(
+                        context, builder, s_ty, s_arr,
+                        [builder.add(rr_, const(i)), builder.add(o_, jj)], wraparound=False))
+                    if factor_ is not None:
+                        p = builder.fmul(p, factor_)
+                    splat = builder.insert_element(ir.Constant(vf, None), p, ir.Constant(i32, 0))
+                    ps.append(builder.shuffle_vector(splat, ir.Constant(vf, None),
+                                                     ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)))
+                for v in range(V):
+                    ptr = cgutils.get_item_pointer(context, builder, v_ty, v_arr,
+                                                   [jj, builder.add(c0_, const(lanes * v))],
+                                                   wraparound=False)
+                    raw = builder.load(builder.bitcast(ptr, vk.as_pointer()),
+                                       align=context.get_abi_sizeof(stored))
+                    x = _emit_to_float32(builder, raw, code)
+                    for i in range(R):
+                        slot = accs[i][v]
+                        builder.store(builder.call(fmuladd, [ps[i], x, builder.load(slot)]), slot)
+            for i in range(R):
+                for v in range(V):
+                    builder.store(builder.load(accs[i][v]), acc_ptrs[i][v], align=4)
+            return context.get_dummy_value()
+
+        return types.none(acc, rr, s, o, vrows, vscales, n, c0, ahead), codegen
+
+    return pv
+
+
+#: ``_pv_rows`` by rows (1 to 4), 64 and 16 columns at a time.
+_pv1_64, _pv2_64, _pv3_64, _pv4_64 = (_pv_rows(r, 4) for r in range(1, 5))
+_pv1_16, _pv2_16, _pv3_16, _pv4_16 = (_pv_rows(r, 1) for r in range(1, 5))
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _pv_update(acc, rr, rows, s, o, vrows, vscales, n, ahead):
+    """``_pv_rows`` over every column for ``rows`` (1 to 4) rows from ``rr`` (d a
+    multiple of 16): 64 columns at a time, then 16; ``ahead`` on the first pass only."""
+    d = acc.shape[1]
+    c0 = 0
+    while c0 < d:
+        a = ahead if c0 == 0 else 0
+        if c0 + 64 <= d:
+            if rows == 4:
+                _pv4_64(acc, rr, s, o, vrows, vscales, n, c0, a)
+            elif rows == 3:
+                _pv3_64(acc, rr, s, o, vrows, vscales, n, c0, a)
+            elif rows == 2:
+                _pv2_64(acc, rr, s, o, vrows, vscales, n, c0, a)
+            else:
+                _pv1_64(acc, rr, s, o, vrows, vscales, n, c0, a)
+            c0 += 64
+        else:
+            if rows == 4:
+                _pv4_16(acc, rr, s, o, vrows, vscales, n, c0, a)
+            elif rows == 3:
+                _pv3_16(acc, rr, s, o, vrows, vscales, n, c0, a)
+            elif rows == 2:
+                _pv2_16(acc, rr, s, o, vrows, vscales, n, c0, a)
+            else:
+                _pv1_16(acc, rr, s, o, vrows, vscales, n, c0, a)
+            c0 += 16
+
+
 @intrinsic
 def _prefer_512_bit_vectors(typingctx):
     """Let LLVM vectorize the calling function with 512-bit registers.
@@ -1198,11 +1338,21 @@ def _accumulate(acc, r0, r1, s, o, vrows, vscales, n, ahead):
     [n, d], scales vscales), for r0 <= rr < r1 and jj < n (a quantized value's scale multiplies
     its p here; s itself is not changed). ``ahead``: as ``_block_dots``'.
 
-    Four values into four rows per pass over d: each value element is loaded and
-    converted once for four rows, each accumulator element loaded and stored once per
-    four values (16 FMAs per 8 loads and 4 stores); the loop over d vectorizes.
+    Where d is a multiple of 16 (every head dim the models use), up to four rows at a
+    time through ``_pv_rows``: their accumulators in registers for the whole run, each
+    value vector loaded and converted once for the rows. Otherwise four values into four
+    rows per pass over d: each value element is loaded and converted once for four rows,
+    each accumulator element loaded and stored once per four values (16 FMAs per 8 loads
+    and 4 stores); the loop over d vectorizes.
     """
     _prefer_512_bit_vectors()
+    if acc.shape[1] % 16 == 0:  # accumulators in registers for the run (_pv_rows)
+        rr = r0
+        while rr < r1:
+            rows = min(4, r1 - rr)
+            _pv_update(acc, rr, rows, s, o, vrows, vscales, n, ahead if rr == r0 else 0)
+            rr += rows
+        return
     rr = r0
     while rr + 4 <= r1:
         _accumulate4(acc, rr, s, o, vrows, vscales, n, ahead)
