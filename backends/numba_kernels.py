@@ -332,76 +332,92 @@ def _vector_lanes(context) -> int:
     return 16 if "+avx512f" in features else 8
 
 
-@intrinsic
-def _dots_4x2(typingctx, qt, rr, krows, j0, j1):
-    """The eight dot products of query rows ``qt[rr:rr + 4]`` (float32, [*, d]) with two
-    stored rows ``krows[j0]``, ``krows[j1]`` (a [n, >= d] array of a ``decode`` element
-    type, rows of unit stride) as ``(a0, a1, a2, a3, b0, b1, b2, b3)``: a_i = qt[rr + i] .
-    krows[j0], b_i = . krows[j1]. Rows are addressed, not viewed: a view of a row would
-    count a reference on the whole buffer (an atomic add and subtract on a counter every
-    thread shares) for every key.
+def _dots_rows(R: int):
+    """An intrinsic ``(qt, rr, krows, j0, j1)``: the 2R dot products of query rows
+    ``qt[rr:rr + R]`` (float32, [*, d]) with two stored rows ``krows[j0]``, ``krows[j1]``
+    (a [n, >= d] array of a ``decode`` element type, rows of unit stride) as ``(a_0 ..
+    a_{R-1}, b_0 .. b_{R-1})``: a_i = qt[rr + i] . krows[j0], b_i = . krows[j1]. Rows are
+    addressed, not viewed: a view of a row would count a reference on the whole buffer
+    (an atomic add and subtract on a counter every thread shares) for every key.
 
     For d a multiple of 16 (the caller's check). Written as vectors because LLVM's own
-    vectorization of the dot loop ends each of the eight dots with a horizontal sum of
-    its own (nine shuffles and adds each at 16 lanes, as many operations as the loop's
-    FMAs at d = 128); here the eight accumulators are summed together in a tree of
-    shuffles (``_sum_tree``: 24 operations for the eight). Vectors are as wide as the
-    target's registers (``_vector_lanes``: 16 float32 lanes with AVX-512, else 8). Each
-    key element is loaded and converted once for the four rows; lane c of an accumulator
-    sums elements c, c + lanes, ... in order, then the tree adds lanes pairwise."""
-    if not (isinstance(qt, types.Array) and qt.ndim == 2 and qt.dtype == types.float32
-            and isinstance(krows, types.Array) and krows.ndim == 2 and krows.dtype in _VECTOR_CODES
-            and all(isinstance(x, types.Integer) for x in (rr, j0, j1))):
-        return None
-    code = krows.dtype
+    vectorization of the dot loop ends each dot with a horizontal sum of its own (nine
+    shuffles and adds each at 16 lanes, as many operations as the loop's FMAs at d = 128);
+    here the accumulators are summed together in a tree of shuffles (``_sum_tree``: 24
+    operations for eight sums; with fewer than four rows the missing ones are -0.0 vectors,
+    which the adds fold away). Vectors are as wide as the target's registers
+    (``_vector_lanes``: 16 float32 lanes with AVX-512, else 8). Each key element is loaded
+    and converted once for the R rows; lane c of an accumulator sums elements c, c +
+    lanes, ... in order, then the tree adds lanes pairwise, so a row's dots are the same
+    bits whichever R its pass has."""
 
-    def codegen(context, builder, signature, args):
-        qt_ty, rr_ty, k_ty, j0_ty, j1_ty = signature.args
-        i32, f32 = ir.IntType(32), ir.FloatType()
-        lanes = _vector_lanes(context)
-        vf = ir.VectorType(f32, lanes)
-        stored = context.get_data_type(code)
-        vk = ir.VectorType(stored, lanes)
-        q_arr = context.make_array(qt_ty)(context, builder, args[0])
-        row = context.cast(builder, args[1], rr_ty, types.intp)
-        zero = context.get_constant(types.intp, 0)
-        q_rows = [cgutils.get_item_pointer(context, builder, qt_ty, q_arr,
-                                           [builder.add(row, context.get_constant(types.intp, i)), zero],
-                                           wraparound=False) for i in range(4)]
-        k_arr = context.make_array(k_ty)(context, builder, args[2])
-        k_rows = [cgutils.get_item_pointer(context, builder, k_ty, k_arr,
-                                           [context.cast(builder, j, j_ty, types.intp), zero],
-                                           wraparound=False)
-                  for j, j_ty in ((args[3], j0_ty), (args[4], j1_ty))]
-        d = builder.extract_value(q_arr.shape, 1)
-        fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
-                                                 f"llvm.fmuladd.v{lanes}f32")
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(8)]
-        step = context.get_constant(types.intp, lanes)
-        with cgutils.for_range_slice(builder, zero, d, step) as (c, _):
-            ks = [_emit_to_float32(builder, builder.load(builder.bitcast(builder.gep(k, [c]), vk.as_pointer()),
-                                                         align=context.get_abi_sizeof(stored)), code)
-                  for k in k_rows]
-            qs = [builder.load(builder.bitcast(builder.gep(q, [c]), vf.as_pointer()), align=4)
-                  for q in q_rows]
-            for j, kv in enumerate(ks):
-                for i, qv in enumerate(qs):
-                    acc = accs[4 * j + i]
-                    builder.store(builder.call(fmuladd, [qv, kv, builder.load(acc)]), acc)
-        vals = [builder.load(a) for a in accs]
+    @intrinsic
+    def dots(typingctx, qt, rr, krows, j0, j1):
+        if not (isinstance(qt, types.Array) and qt.ndim == 2 and qt.dtype == types.float32
+                and isinstance(krows, types.Array) and krows.ndim == 2
+                and krows.dtype in _VECTOR_CODES
+                and all(isinstance(x, types.Integer) for x in (rr, j0, j1))):
+            return None
+        code = krows.dtype
 
-        def halves(x, y, width):
-            """Two vectors -> one: blocks of `width` lanes taken alternately from x and y,
-            each the sum of a block and the block after it (``_halves_masks``)."""
-            lo, hi = _halves_masks(x.type.count, width)
-            mask = lambda m: ir.Constant(ir.VectorType(i32, len(m)), m)  # noqa: E731
-            return builder.fadd(builder.shuffle_vector(x, y, mask(lo)),
-                                builder.shuffle_vector(x, y, mask(hi)))
-        sums = _sum_tree(vals, halves, lanes)
-        out = [builder.extract_element(sums, ir.Constant(i32, lane)) for lane in _tree_order(lanes)]
-        return context.make_tuple(builder, signature.return_type, out)
+        def codegen(context, builder, signature, args):
+            qt_ty, rr_ty, k_ty, j0_ty, j1_ty = signature.args
+            i32, f32 = ir.IntType(32), ir.FloatType()
+            lanes = _vector_lanes(context)
+            vf = ir.VectorType(f32, lanes)
+            stored = context.get_data_type(code)
+            vk = ir.VectorType(stored, lanes)
+            q_arr = context.make_array(qt_ty)(context, builder, args[0])
+            row = context.cast(builder, args[1], rr_ty, types.intp)
+            zero = context.get_constant(types.intp, 0)
+            q_rows = [cgutils.get_item_pointer(context, builder, qt_ty, q_arr,
+                                               [builder.add(row, context.get_constant(types.intp, i)),
+                                                zero], wraparound=False) for i in range(R)]
+            k_arr = context.make_array(k_ty)(context, builder, args[2])
+            k_rows = [cgutils.get_item_pointer(context, builder, k_ty, k_arr,
+                                               [context.cast(builder, j, j_ty, types.intp), zero],
+                                               wraparound=False)
+                      for j, j_ty in ((args[3], j0_ty), (args[4], j1_ty))]
+            d = builder.extract_value(q_arr.shape, 1)
+            fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
+                                                     f"llvm.fmuladd.v{lanes}f32")
+            accs = {(j, i): cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+                    for j in range(2) for i in range(R)}
+            step = context.get_constant(types.intp, lanes)
+            with cgutils.for_range_slice(builder, zero, d, step) as (c, _):
+                ks = [_emit_to_float32(builder, builder.load(builder.bitcast(builder.gep(k, [c]),
+                                                                             vk.as_pointer()),
+                                                             align=context.get_abi_sizeof(stored)), code)
+                      for k in k_rows]
+                qs = [builder.load(builder.bitcast(builder.gep(q, [c]), vf.as_pointer()), align=4)
+                      for q in q_rows]
+                for j, kv in enumerate(ks):
+                    for i, qv in enumerate(qs):
+                        acc = accs[j, i]
+                        builder.store(builder.call(fmuladd, [qv, kv, builder.load(acc)]), acc)
+            pad = ir.Constant(vf, [-0.0] * lanes)  # x + -0.0 is x: the tree's adds fold
+            vals = [builder.load(accs[j, i]) if i < R else pad for j in range(2) for i in range(4)]
 
-    return types.UniTuple(types.float32, 8)(qt, rr, krows, j0, j1), codegen
+            def halves(x, y, width):
+                """Two vectors -> one: blocks of `width` lanes taken alternately from x and
+                y, each the sum of a block and the block after it (``_halves_masks``)."""
+                lo, hi = _halves_masks(x.type.count, width)
+                mask = lambda m: ir.Constant(ir.VectorType(i32, len(m)), m)  # noqa: E731
+                return builder.fadd(builder.shuffle_vector(x, y, mask(lo)),
+                                    builder.shuffle_vector(x, y, mask(hi)))
+            sums = _sum_tree(vals, halves, lanes)
+            order = _tree_order(lanes)
+            out = [builder.extract_element(sums, ir.Constant(i32, order[4 * j + i]))
+                   for j in range(2) for i in range(R)]
+            return context.make_tuple(builder, signature.return_type, out)
+
+        return types.UniTuple(types.float32, 2 * R)(qt, rr, krows, j0, j1), codegen
+
+    return dots
+
+
+#: ``_dots_rows`` for four rows (the tiles' passes), and for the last three, two or one.
+_dots_4x2, _dots_3x2, _dots_2x2, _dots_1x2 = (_dots_rows(r) for r in (4, 3, 2, 1))
 
 
 def _pv_rows(R: int, V: int):
@@ -1220,13 +1236,14 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
     rows (G not a multiple of 4) share a pass too, a last single row has its own. Four rows
     at a time go through ``_dots_4x2`` where d is a multiple of 16, which addresses the
     rows without making views of them (each view counts a reference on the buffer: two
-    atomic operations on a counter the threads share, per key). Other passes take views
+    atomic operations on a counter the threads share, per key); so do the last three,
+    two or one rows (``_dots_rows``). Where d is not a multiple of 16 the passes take views
     indexed by the loop counter alone (no negative-index fix-up), so their loop over d
     compiles to plain vector loads and FMAs.
     """
     _prefer_512_bit_vectors()
     d = qt.shape[1]
-    in_vectors = d % 16 == 0  # four rows' dots by _dots_4x2 (one reduction tree for eight)
+    in_vectors = d % 16 == 0  # dots by _dots_rows (one reduction tree per pass)
     jj = 0
     while jj < n:
         two = jj + 1 < n
@@ -1272,7 +1289,31 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
                 s[rr + 2, o + jj + 1] = b2 * f1
                 s[rr + 3, o + jj + 1] = b3 * f1
             rr += 4
-        if r1 - rr == 3:  # G = 3, 7, ...: the last three rows in one pass too
+        if r1 - rr == 3 and in_vectors:  # G = 3, 7, ...: the last three rows in one pass too
+            a0, a1, a2, b0, b1, b2 = _dots_3x2(qt, rr, krows, jj, j1)
+            s[rr, o + jj] = a0 * f0
+            s[rr + 1, o + jj] = a1 * f0
+            s[rr + 2, o + jj] = a2 * f0
+            if two:
+                s[rr, o + jj + 1] = b0 * f1
+                s[rr + 1, o + jj + 1] = b1 * f1
+                s[rr + 2, o + jj + 1] = b2 * f1
+            rr += 3
+        elif r1 - rr == 2 and in_vectors:  # G = 2, 6, ...
+            a0, a1, b0, b1 = _dots_2x2(qt, rr, krows, jj, j1)
+            s[rr, o + jj] = a0 * f0
+            s[rr + 1, o + jj] = a1 * f0
+            if two:
+                s[rr, o + jj + 1] = b0 * f1
+                s[rr + 1, o + jj + 1] = b1 * f1
+            rr += 2
+        elif r1 - rr == 1 and in_vectors:  # G = 1, 5, ...
+            a0, b0 = _dots_1x2(qt, rr, krows, jj, j1)
+            s[rr, o + jj] = a0 * f0
+            if two:
+                s[rr, o + jj + 1] = b0 * f1
+            rr += 1
+        elif r1 - rr == 3:  # d off multiples of 16: the loops below
             k0, k1 = krows[jj], krows[j1]
             q0, q1, q2 = qt[rr], qt[rr + 1], qt[rr + 2]
             a0 = np.float32(0.0)
