@@ -420,24 +420,25 @@ def _dots_rows(R: int):
 _dots_4x2, _dots_3x2, _dots_2x2, _dots_1x2 = (_dots_rows(r) for r in (4, 3, 2, 1))
 
 
-def _pv_rows(R: int, V: int):
-    """An intrinsic ``(acc, rr, s, o, vrows, vscales, n, c0, ahead)``: for the ``R`` rows
-    from ``rr`` and the ``16 V`` columns from ``c0``, ``acc[rr + i, c] += sum_jj p_ij *
-    value jj[c]`` over the run's ``n`` values (``p_ij = s[rr + i, o + jj]`` times value
-    jj's scale, ``vscales`` [n] float32 or None), the values rows of ``vrows`` (a [n, >= d]
-    array of a ``decode`` element type, rows of unit stride) converted in registers once
-    for the R rows.
+def _pv_rows(R: int):
+    """An intrinsic ``(acc, rr, s, o, vrows, vscales, n, ahead)``: for the ``R`` rows from
+    ``rr``, ``acc[rr + i, :] += sum_jj p_ij * value jj`` over the run's ``n`` values
+    (``p_ij = s[rr + i, o + jj]`` times value jj's scale, ``vscales`` [n] float32 or None),
+    the values rows of ``vrows`` (a [n, >= d] array of a ``decode`` element type, rows of
+    unit stride; d = acc's row length, a multiple of 16) converted in registers once for
+    the R rows.
 
-    The R x V accumulators stay in registers for the whole run (one FMA per value vector
-    and row, in key order) and are loaded and stored once, where a loop over d per key
-    loads and stores them every few keys: 27-28 against 33-40 ns per key for one thread's
-    whole ``_attend`` (bfloat16, float32 or int8, G = 4, d = 128, an L2-resident row).
-    ``ahead`` > 0: each step also prefetches value row jj + ahead (inside the view), as
+    The columns go by in passes of 64 (then 16) over the run, each pass's R x 4 (R x 1)
+    accumulators in registers for the whole run (one FMA per value vector and row, in key
+    order) and loaded and stored once, where a loop over d per key loads and stores them
+    every few keys: 27-28 against 33-40 ns per key for one thread's whole ``_attend``
+    (bfloat16, float32 or int8, G = 4, d = 128, an L2-resident row). ``ahead`` > 0: the
+    first pass also prefetches value row jj + ahead at step jj (inside the view), as
     ``_prefetch_row``."""
     lanes = 16
 
     @intrinsic
-    def pv(typingctx, acc, rr, s, o, vrows, vscales, n, c0, ahead):
+    def pv(typingctx, acc, rr, s, o, vrows, vscales, n, ahead):
         if not (isinstance(acc, types.Array) and acc.ndim == 2 and acc.dtype == types.float32
                 and isinstance(s, types.Array) and s.ndim == 2 and s.dtype == types.float32
                 and isinstance(vrows, types.Array) and vrows.ndim == 2
@@ -445,119 +446,100 @@ def _pv_rows(R: int, V: int):
                 and (isinstance(vscales, types.NoneType)
                      or (isinstance(vscales, types.Array) and vscales.ndim == 1
                          and vscales.dtype == types.float32))
-                and all(isinstance(x, types.Integer) for x in (rr, o, n, c0, ahead))):
+                and all(isinstance(x, types.Integer) for x in (rr, o, n, ahead))):
             return None
         code = vrows.dtype
         scaled = isinstance(vscales, types.Array)
 
         def codegen(context, builder, signature, args):
-            acc_ty, rr_ty, s_ty, o_ty, v_ty, sc_ty, n_ty, c0_ty, ah_ty = signature.args
+            acc_ty, rr_ty, s_ty, o_ty, v_ty, sc_ty, n_ty, ah_ty = signature.args
             intp = lambda x, ty: context.cast(builder, x, ty, types.intp)  # noqa: E731
             const = lambda x: context.get_constant(types.intp, x)  # noqa: E731
             f32 = ir.FloatType()
             vf = ir.VectorType(f32, lanes)
             stored = context.get_data_type(code)
             vk = ir.VectorType(stored, lanes)
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
             acc_arr = context.make_array(acc_ty)(context, builder, args[0])
             s_arr = context.make_array(s_ty)(context, builder, args[2])
             v_arr = context.make_array(v_ty)(context, builder, args[4])
+            sc_arr = context.make_array(sc_ty)(context, builder, args[5]) if scaled else None
             rr_, o_, n_ = intp(args[1], rr_ty), intp(args[3], o_ty), intp(args[6], n_ty)
-            c0_, ahead_ = intp(args[7], c0_ty), intp(args[8], ah_ty)
-            acc_ptrs = [[builder.bitcast(cgutils.get_item_pointer(
-                context, builder, acc_ty, acc_arr,
-                [builder.add(rr_, const(i)), builder.add(c0_, const(lanes * v))],
-                wraparound=False), vf.as_pointer()) for v in range(V)] for i in range(R)]
-            accs = [[cgutils.alloca_once_value(builder, builder.load(p, align=4)) for p in row]
-                    for row in acc_ptrs]
+            ahead_ = intp(args[7], ah_ty)
             fmuladd = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fmuladd.v{lanes}f32")
-            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
             prefetch = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
                 "llvm.prefetch.p0i8")
             nrows = builder.extract_value(v_arr.shape, 0)
             row_bytes = builder.mul(builder.extract_value(v_arr.shape, 1),
                                     const(context.get_abi_sizeof(stored)))
-            if scaled:
-                sc_arr = context.make_array(sc_ty)(context, builder, args[5])
             zero = const(0)
-            with cgutils.for_range_slice(builder, zero, n_, const(1)) as (jj, _):
-                ahead_row = builder.add(jj, ahead_)
-                wanted = builder.and_(builder.icmp_signed(">", ahead_, zero),
-                                      builder.icmp_signed("<", ahead_row, nrows))
-                with builder.if_then(wanted, likely=True):
-                    base = builder.bitcast(cgutils.get_item_pointer(
-                        context, builder, v_ty, v_arr, [ahead_row, zero], wraparound=False), i8p)
-                    with cgutils.for_range_slice(builder, zero, row_bytes, const(64)) as (at, _):
-                        builder.call(prefetch, [builder.gep(base, [at]), ir.Constant(i32, 0),
-                                                ir.Constant(i32, 3), ir.Constant(i32, 1)])
-                factor_ = None
-                if scaled:
-                    factor_ = builder.load(cgutils.get_item_pointer(
-                        context, builder, sc_ty, sc_arr, [jj], wraparound=False))
-                ps = []
-                for i in range(R):
-                    p = builder.load(cgutils.get_item_pointer(
-                        context, builder, s_ty, s_arr,
-                        [builder.add(rr_, const(i)), builder.add(o_, jj)], wraparound=False))
-                    if factor_ is not None:
-                        p = builder.fmul(p, factor_)
-                    splat = builder.insert_element(ir.Constant(vf, None), p, ir.Constant(i32, 0))
-                    ps.append(builder.shuffle_vector(splat, ir.Constant(vf, None),
-                                                     ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)))
-                for v in range(V):
-                    ptr = cgutils.get_item_pointer(context, builder, v_ty, v_arr,
-                                                   [jj, builder.add(c0_, const(lanes * v))],
-                                                   wraparound=False)
-                    raw = builder.load(builder.bitcast(ptr, vk.as_pointer()),
-                                       align=context.get_abi_sizeof(stored))
-                    x = _emit_to_float32(builder, raw, code)
+            d = builder.extract_value(acc_arr.shape, 1)
+
+            def one_pass(c0, V):
+                """Columns c0 .. c0 + 16 V of the R rows over the whole run."""
+                acc_ptrs = [[builder.bitcast(cgutils.get_item_pointer(
+                    context, builder, acc_ty, acc_arr,
+                    [builder.add(rr_, const(i)), builder.add(c0, const(lanes * v))],
+                    wraparound=False), vf.as_pointer()) for v in range(V)] for i in range(R)]
+                accs = [[cgutils.alloca_once_value(builder, builder.load(p, align=4)) for p in row]
+                        for row in acc_ptrs]
+                first = builder.icmp_signed("==", c0, zero)  # the pass that prefetches
+                with cgutils.for_range_slice(builder, zero, n_, const(1)) as (jj, _):
+                    ahead_row = builder.add(jj, ahead_)
+                    wanted = builder.and_(first, builder.and_(
+                        builder.icmp_signed(">", ahead_, zero),
+                        builder.icmp_signed("<", ahead_row, nrows)))
+                    with builder.if_then(wanted, likely=True):
+                        base = builder.bitcast(cgutils.get_item_pointer(
+                            context, builder, v_ty, v_arr, [ahead_row, zero], wraparound=False), i8p)
+                        with cgutils.for_range_slice(builder, zero, row_bytes, const(64)) as (at, _):
+                            builder.call(prefetch, [builder.gep(base, [at]), ir.Constant(i32, 0),
+                                                    ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                    factor_ = None
+                    if scaled:
+                        factor_ = builder.load(cgutils.get_item_pointer(
+                            context, builder, sc_ty, sc_arr, [jj], wraparound=False))
+                    ps = []
                     for i in range(R):
-                        slot = accs[i][v]
-                        builder.store(builder.call(fmuladd, [ps[i], x, builder.load(slot)]), slot)
-            for i in range(R):
-                for v in range(V):
-                    builder.store(builder.load(accs[i][v]), acc_ptrs[i][v], align=4)
+                        p = builder.load(cgutils.get_item_pointer(
+                            context, builder, s_ty, s_arr,
+                            [builder.add(rr_, const(i)), builder.add(o_, jj)], wraparound=False))
+                        if factor_ is not None:
+                            p = builder.fmul(p, factor_)
+                        splat = builder.insert_element(ir.Constant(vf, None), p, ir.Constant(i32, 0))
+                        ps.append(builder.shuffle_vector(
+                            splat, ir.Constant(vf, None),
+                            ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)))
+                    for v in range(V):
+                        ptr = cgutils.get_item_pointer(context, builder, v_ty, v_arr,
+                                                       [jj, builder.add(c0, const(lanes * v))],
+                                                       wraparound=False)
+                        raw = builder.load(builder.bitcast(ptr, vk.as_pointer()),
+                                           align=context.get_abi_sizeof(stored))
+                        x = _emit_to_float32(builder, raw, code)
+                        for i in range(R):
+                            slot = accs[i][v]
+                            builder.store(builder.call(fmuladd, [ps[i], x, builder.load(slot)]), slot)
+                for i in range(R):
+                    for v in range(V):
+                        builder.store(builder.load(accs[i][v]), acc_ptrs[i][v], align=4)
+
+            wide = builder.sub(d, builder.srem(d, const(4 * lanes)))  # columns in passes of 64
+            with cgutils.for_range_slice(builder, zero, wide, const(4 * lanes)) as (c0, _):
+                one_pass(c0, 4)
+            with cgutils.for_range_slice(builder, wide, d, const(lanes)) as (c0, _):
+                one_pass(c0, 1)
             return context.get_dummy_value()
 
-        return types.none(acc, rr, s, o, vrows, vscales, n, c0, ahead), codegen
+        return types.none(acc, rr, s, o, vrows, vscales, n, ahead), codegen
 
     return pv
 
 
-#: ``_pv_rows`` by rows (1 to 4), 64 and 16 columns at a time.
-_pv1_64, _pv2_64, _pv3_64, _pv4_64 = (_pv_rows(r, 4) for r in range(1, 5))
-_pv1_16, _pv2_16, _pv3_16, _pv4_16 = (_pv_rows(r, 1) for r in range(1, 5))
-
-
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def _pv_update(acc, rr, rows, s, o, vrows, vscales, n, ahead):
-    """``_pv_rows`` over every column for ``rows`` (1 to 4) rows from ``rr`` (d a
-    multiple of 16): 64 columns at a time, then 16; ``ahead`` on the first pass only."""
-    d = acc.shape[1]
-    c0 = 0
-    while c0 < d:
-        a = ahead if c0 == 0 else 0
-        if c0 + 64 <= d:
-            if rows == 4:
-                _pv4_64(acc, rr, s, o, vrows, vscales, n, c0, a)
-            elif rows == 3:
-                _pv3_64(acc, rr, s, o, vrows, vscales, n, c0, a)
-            elif rows == 2:
-                _pv2_64(acc, rr, s, o, vrows, vscales, n, c0, a)
-            else:
-                _pv1_64(acc, rr, s, o, vrows, vscales, n, c0, a)
-            c0 += 64
-        else:
-            if rows == 4:
-                _pv4_16(acc, rr, s, o, vrows, vscales, n, c0, a)
-            elif rows == 3:
-                _pv3_16(acc, rr, s, o, vrows, vscales, n, c0, a)
-            elif rows == 2:
-                _pv2_16(acc, rr, s, o, vrows, vscales, n, c0, a)
-            else:
-                _pv1_16(acc, rr, s, o, vrows, vscales, n, c0, a)
-            c0 += 16
+#: ``_pv_rows`` for four rows (the tiles' passes), and for the last three, two or one.
+_pv_4, _pv_3, _pv_2, _pv_1 = (_pv_rows(r) for r in (4, 3, 2, 1))
 
 
 @intrinsic
@@ -1389,10 +1371,16 @@ def _accumulate(acc, r0, r1, s, o, vrows, vscales, n, ahead):
     _prefer_512_bit_vectors()
     if acc.shape[1] % 16 == 0:  # accumulators in registers for the run (_pv_rows)
         rr = r0
-        while rr < r1:
-            rows = min(4, r1 - rr)
-            _pv_update(acc, rr, rows, s, o, vrows, vscales, n, ahead if rr == r0 else 0)
-            rr += rows
+        while rr + 4 <= r1:
+            _pv_4(acc, rr, s, o, vrows, vscales, n, ahead if rr == r0 else 0)
+            rr += 4
+        left_ahead = ahead if rr == r0 else 0
+        if r1 - rr == 3:
+            _pv_3(acc, rr, s, o, vrows, vscales, n, left_ahead)
+        elif r1 - rr == 2:
+            _pv_2(acc, rr, s, o, vrows, vscales, n, left_ahead)
+        elif r1 - rr == 1:
+            _pv_1(acc, rr, s, o, vrows, vscales, n, left_ahead)
         return
     rr = r0
     while rr + 4 <= r1:
