@@ -196,9 +196,11 @@ def _route_by_facts(request: Request) -> Route:
                if rows > KERNEL_MAX_TILE_ROWS and not request.invariant else None))
     if why:
         fallback = _numpy.route_attention(request)
-        if fallback.impl != _numpy.BLAS:
-            return Route(fallback.impl, {KERNEL: why, **fallback.rejected})
         why_not_amx = _amx_rejection(request)
+        if fallback.impl != _numpy.BLAS:  # the tiles run the BLAS path's items only
+            return Route(fallback.impl, {KERNEL: why, AMX: why_not_amx or (
+                f"{AMX} runs the numpy BLAS path's items, which does not serve this call"),
+                **fallback.rejected})
         if why_not_amx:
             return Route(_numpy.BLAS, {KERNEL: why, AMX: why_not_amx, **fallback.rejected})
         return Route(AMX, {KERNEL: why, _numpy.BLAS: (
