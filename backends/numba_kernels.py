@@ -428,14 +428,15 @@ def _pv_rows(R: int):
     unit stride; d = acc's row length, a multiple of 16) converted in registers once for
     the R rows.
 
-    The columns go by in passes of 64 (then 16) over the run, each pass's R x 4 (R x 1)
-    accumulators in registers for the whole run (one FMA per value vector and row, in key
+    The columns go by in passes of V vectors (then one) over the run, each pass's R x V
+    (R x 1) accumulators in registers for the whole run (one FMA per value vector and row, in key
     order) and loaded and stored once, where a loop over d per key loads and stores them
     every few keys: 27-28 against 33-40 ns per key for one thread's whole ``_attend``
     (bfloat16, float32 or int8, G = 4, d = 128, an L2-resident row). ``ahead`` > 0: the
     first pass also prefetches value row jj + ahead at step jj (inside the view), as
-    ``_prefetch_row``."""
-    lanes = 16
+    ``_prefetch_row``. Vectors are as wide as the target's registers (``_vector_lanes``):
+    passes of four 16-lane vectors a row with AVX-512 (32 registers), of two 8-lane ones
+    with AVX2 (16), so the accumulators never spill."""
 
     @intrinsic
     def pv(typingctx, acc, rr, s, o, vrows, vscales, n, ahead):
@@ -453,6 +454,8 @@ def _pv_rows(R: int):
 
         def codegen(context, builder, signature, args):
             acc_ty, rr_ty, s_ty, o_ty, v_ty, sc_ty, n_ty, ah_ty = signature.args
+            lanes = _vector_lanes(context)
+            V = 4 if lanes == 16 else 2  # vectors a row per pass: R x V accumulators
             intp = lambda x, ty: context.cast(builder, x, ty, types.intp)  # noqa: E731
             const = lambda x: context.get_constant(types.intp, x)  # noqa: E731
             f32 = ir.FloatType()
@@ -477,12 +480,12 @@ def _pv_rows(R: int):
             zero = const(0)
             d = builder.extract_value(acc_arr.shape, 1)
 
-            def one_pass(c0, V):
-                """Columns c0 .. c0 + 16 V of the R rows over the whole run."""
+            def one_pass(c0, vectors):
+                """Columns c0 .. c0 + lanes x vectors of the R rows over the whole run."""
                 acc_ptrs = [[builder.bitcast(cgutils.get_item_pointer(
                     context, builder, acc_ty, acc_arr,
                     [builder.add(rr_, const(i)), builder.add(c0, const(lanes * v))],
-                    wraparound=False), vf.as_pointer()) for v in range(V)] for i in range(R)]
+                    wraparound=False), vf.as_pointer()) for v in range(vectors)] for i in range(R)]
                 accs = [[cgutils.alloca_once_value(builder, builder.load(p, align=4)) for p in row]
                         for row in acc_ptrs]
                 first = builder.icmp_signed("==", c0, zero)  # the pass that prefetches
@@ -512,7 +515,7 @@ def _pv_rows(R: int):
                         ps.append(builder.shuffle_vector(
                             splat, ir.Constant(vf, None),
                             ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)))
-                    for v in range(V):
+                    for v in range(vectors):
                         ptr = cgutils.get_item_pointer(context, builder, v_ty, v_arr,
                                                        [jj, builder.add(c0, const(lanes * v))],
                                                        wraparound=False)
@@ -523,12 +526,12 @@ def _pv_rows(R: int):
                             slot = accs[i][v]
                             builder.store(builder.call(fmuladd, [ps[i], x, builder.load(slot)]), slot)
                 for i in range(R):
-                    for v in range(V):
+                    for v in range(vectors):
                         builder.store(builder.load(accs[i][v]), acc_ptrs[i][v], align=4)
 
-            wide = builder.sub(d, builder.srem(d, const(4 * lanes)))  # columns in passes of 64
-            with cgutils.for_range_slice(builder, zero, wide, const(4 * lanes)) as (c0, _):
-                one_pass(c0, 4)
+            wide = builder.sub(d, builder.srem(d, const(V * lanes)))  # columns in whole passes
+            with cgutils.for_range_slice(builder, zero, wide, const(V * lanes)) as (c0, _):
+                one_pass(c0, V)
             with cgutils.for_range_slice(builder, wide, d, const(lanes)) as (c0, _):
                 one_pass(c0, 1)
             return context.get_dummy_value()
