@@ -32,10 +32,12 @@ so later storage kinds and attention variants replace one piece, not the loop:
 
 Per block of keys (``key_block``, about 32): the dots of the whole tile (G heads x
 queries) against the block with the loop over d vectorized (``_block_dots``: two keys
-x four rows of accumulators in registers, written as vector IR in ``_dots_4x2`` where d
-is a multiple of 16, its eight sums reduced by one tree of shuffles), then per row the
-mask, one max and rescale per block and the exponentials, then O += P V with the loop
-over d vectorized (``_accumulate``: four values into four rows per pass); both walk
+x up to four rows of accumulators in registers, written as vector IR in ``_dots_rows``
+where d is a multiple of 16, their sums reduced by one tree of shuffles), then per row
+the mask, one max and rescale per block and the exponentials, then O += P V
+(``_accumulate``: where d is a multiple of 16, up to four rows at a time with their
+accumulators in registers for the whole run, vector IR in ``_pv_rows``; else four
+values into four rows per pass with the loop over d vectorized); both walk
 the block one storage run at a time and prefetch the rows ``PREFETCH_BYTES`` ahead
 (``prefetch_ahead``: contiguous rows, and paged rows within their page, ``page_rows``;
 float32 pages of at most a key block compile without it). Over pages of at most a key
