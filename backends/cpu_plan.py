@@ -123,6 +123,41 @@ class _Threads:
 _threads = _Threads()
 
 
+#: OpenBLAS's setting (read once, when the library loads) of how long its idle worker
+#: threads spin before they sleep: 2**n time-stamp ticks, n from 4 to 30 (default 28:
+#: about 0.1 s at 2.5 GHz).
+OPENBLAS_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
+
+
+def blas_spin_note() -> str | None:
+    """Advice for a process whose BLAS keeps idle threads spinning, else None.
+
+    OpenBLAS's pthreads build (NumPy's wheels) keeps its worker threads spinning for
+    about 0.1 s after every threaded call. In a model whose own matmuls run on it,
+    those workers are still spinning when attention starts, and take a core from this
+    backend's threads (the BLAS path's workers, the numba kernels' OpenMP threads):
+    in SmolLM2-135M's prefill its attention ran 1.6-1.8x slower (performance guide,
+    "Threads shared with the model's BLAS"). ``OPENBLAS_THREAD_TIMEOUT=4`` in the
+    environment before NumPy is imported makes them sleep at once, which made the whole
+    model faster on one machine and slower on another; it is the process's setting, so
+    gqakv only says so."""
+    if os.environ.get(OPENBLAS_TIMEOUT_ENV):
+        return None
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return None
+    spinning = [i for i in threadpool_info() if i.get("internal_api") == "openblas"
+                and i.get("threading_layer") == "pthreads" and int(i.get("num_threads") or 1) > 1]
+    if not spinning:
+        return None
+    return (f"OpenBLAS ({spinning[0]['num_threads']} threads, pthreads) keeps its workers spinning "
+            "for about 0.1 s after each threaded call; where the process runs its own matmuls "
+            "between attention calls (a model) they take a core from this backend's threads: "
+            f"set {OPENBLAS_TIMEOUT_ENV}=4 before NumPy loads (the performance guide, "
+            "\"Threads shared with the model's BLAS\")")
+
+
 def blas_workers() -> int:
     """GQAKV_NUM_THREADS if set, else as many threads as BLAS uses now (1 without
     threadpoolctl): what a kernel that stands in for a BLAS call should use."""

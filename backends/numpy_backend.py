@@ -111,6 +111,11 @@ class NumpyBackend(Backend):
         return ", ".join(f"{info.get('internal_api')} {info.get('version')} kernel {info.get('architecture')}"
                          for info in threadpool_info() if info.get("user_api") == "blas")
 
+    def thread_note(self) -> str | None:
+        from .cpu_plan import blas_spin_note
+
+        return blas_spin_note()
+
     # -- routing ---------------------------------------------------------------------------
 
     def route(self, request: Request | str, **facts) -> Route:

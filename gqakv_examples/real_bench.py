@@ -263,6 +263,11 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()} threads" + (", llama.cpp 2 threads, flash attention, float16 K/V"
                                                  if llama else "")
           + f"; load average {os.getloadavg()[0]:.1f}")
+    timeout, note = os.environ.get("OPENBLAS_THREAD_TIMEOUT"), ours.backend.thread_note()
+    if timeout:  # it changes every side's BLAS threads: say so beside the numbers
+        print(f"OPENBLAS_THREAD_TIMEOUT={timeout}: OpenBLAS's idle workers sleep after 2**{timeout} ticks")
+    elif note:
+        print(f"note: {note}")
     rng = np.random.default_rng(0)
     for B in args.batch:
         prompts = rng.integers(100, checkpoint.config.vocab_size, (B, args.prompt_len))

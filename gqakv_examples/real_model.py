@@ -394,6 +394,9 @@ def run(args) -> int:
     print(f"gqakv generate: {name} ({c.n_params / 1e6:.0f}M params: {c.n_layers} layers, {c.n_heads} query / "
           f"{c.n_kv_heads} KV heads, head dim {c.head_dim}), read in {time.perf_counter() - t:.1f} s; "
           f"backend {model.backend.name}, {args.dtype}", flush=True)
+    note = model.backend.thread_note()
+    if note:  # the model's matmuls run between attention calls: the case it is about
+        print(f"note: {note}", file=sys.stderr, flush=True)
 
     if getattr(args, "prefix_cache", None) is not None:
         return _prefix_cache(model, tokenizer, args)

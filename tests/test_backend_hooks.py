@@ -4,7 +4,10 @@ forced key splits, thread count, device binding, its declared fast paths) reach
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
+import pytest
 
 import gqakv
 from gqakv.tools import bench, selftest
@@ -42,6 +45,9 @@ class HookedBackend(NumpyBackend):
     def for_local_device(self, index):
         type(self).calls.append(("device", index))
         return self
+
+    def thread_note(self):
+        return "hooked threads spin"
 
 
 def test_selftest_bench_and_distributed_use_the_backend_hooks(monkeypatch):
@@ -86,3 +92,43 @@ def test_a_backend_without_kernels_says_so_and_declares_no_fast_path():
     assert bench.thread_count(plain, "cpu") is None and bench.backend_threads(plain) == 1
     assert plain.for_local_device(3) is plain
     assert gqakv.Backend.route(plain, "attention").impl == GENERIC
+
+
+def test_info_prints_a_backends_thread_note(capsys):
+    """``Backend.thread_note`` reaches ``gqakv info`` under the backend that gives it."""
+    gqakv.register_backend(HookedBackend)
+    try:
+        from gqakv.tools import info
+
+        assert info.run(argparse.Namespace(json=False)) == 0
+        lines = capsys.readouterr().out.splitlines()
+        # the backend's block: its row, then the indented lines up to the next backend's row
+        start = next(i for i, line in enumerate(lines) if line.startswith("  hooked-test "))
+        end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("   ")),
+                   len(lines))
+        assert any(line.strip() == "note: hooked threads spin" for line in lines[start:end])
+    finally:
+        gqakv.unregister_backend("hooked-test")
+
+
+def test_blas_spin_note_follows_openblas_threads_and_its_timeout(monkeypatch):
+    """The numpy backend (and numba, its subclass) advise OPENBLAS_THREAD_TIMEOUT exactly
+    when NumPy's BLAS is OpenBLAS's pthreads build running more than one thread and the
+    variable is unset; one thread, or the variable set, and there is nothing to say."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from gqakv_backends.cpu_plan import OPENBLAS_TIMEOUT_ENV, blas_spin_note
+
+    blas = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+    if not any(i["internal_api"] == "openblas" and i.get("threading_layer") == "pthreads"
+               for i in blas):
+        pytest.skip(f"NumPy's BLAS here is not OpenBLAS on pthreads: {blas}")
+    monkeypatch.delenv(OPENBLAS_TIMEOUT_ENV, raising=False)
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+        note = blas_spin_note()
+        assert note is not None and f"{OPENBLAS_TIMEOUT_ENV}=4" in note and "2 threads" in note
+        assert NumpyBackend().thread_note() == note
+        monkeypatch.setenv(OPENBLAS_TIMEOUT_ENV, "4")
+        assert blas_spin_note() is None
+        monkeypatch.delenv(OPENBLAS_TIMEOUT_ENV)
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        assert blas_spin_note() is None

@@ -387,6 +387,11 @@ class Backend:
         say); raises ValueError for a bad thread setting (GQAKV_NUM_THREADS)."""
         return ""
 
+    def thread_note(self) -> str | None:
+        """Advice about the process's threads that would cost this backend time (``gqakv
+        info`` and ``gqakv generate`` print it), or None: nothing to say."""
+        return None
+
     def for_device(self, device) -> "Backend":
         """This backend allocating on ``device`` (a device of its array library); the
         default, for single-device backends: itself when ``device`` is None."""

@@ -17,9 +17,12 @@ def run(args) -> int:
     impls = {b.name: b.implementations() for b in list_backends()}
     # What each fast path declares it implements (Backend.fast_paths, class data).
     declared_paths = {b.name: {p.name: p.describe() for p in b.fast_paths} for b in list_backends()}
+    # Advice on the process's threads that would cost a backend time (Backend.thread_note).
+    notes = {b.name: b.thread_note() for b in list_backends()}
     for r in rows:
         r["implementations"] = impls.get(r["name"], {})
         r["fast_paths"] = declared_paths.get(r["name"], {})
+        r["thread_note"] = notes.get(r["name"]) if r["available"] else None
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -36,6 +39,8 @@ def run(args) -> int:
             print(f"  {'':<18} {impl}: {declared}")
         for impl, declared in r["fast_paths"].items():
             print(f"  {'':<18} declares {impl}: {declared}")
+        if r["thread_note"]:
+            print(f"  {'':<18} note: {r['thread_note']}")
     try:
         chosen = get_backend(None).name
     except Exception as exc:  # say why nothing could be chosen instead of a traceback
