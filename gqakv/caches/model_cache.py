@@ -415,13 +415,14 @@ class Step:
                 raise ValueError(
                     f"packed q {list(q_shape)} and k_new {list(k_new.shape)} hold different "
                     "numbers of tokens (dim 0)")
-            if plan is None:
+            if plan is None:  # _plan_for checks q (check_queries) before it reads q.shape
                 plan = self._plan_for(view, q, dict(scale=scale, window=window, softcap=softcap,
                                                     sinks=sinks, params=params,
                                                     alibi_slopes=alibi_slopes, tree=self.tree))
+                plan.check_checked_queries(view, q, out, lse_out)
             else:
                 self._check_plan(plan, scale, window, softcap, sinks, params, alibi_slopes)
-            plan.check_tensors(view, q, out, lse_out)
+                plan.check_tensors(view, q, out, lse_out)
             self._write(l, k_new, v_new, inputs)
         # Attention reads only this step's rows up to their pending lengths, which no other
         # writer touches while the step is open, so it runs outside the lock.
@@ -488,7 +489,8 @@ class Step:
         check_queries(view, q)
         q_shape = tuple(int(s) for s in q.shape)
         try:  # values with their types: window=True must not find window=1's plan
-            key = (q_shape, tuple((type(v), v) for v in variant.values()))
+            key = (q_shape, None if all(v is None for v in variant.values())
+                   else tuple((type(v), v) for v in variant.values()))
             plan = self._plans.get(key)
         except TypeError:  # unhashable keywords: validated and planned for this call
             key, plan = None, None

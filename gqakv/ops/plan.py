@@ -226,6 +226,11 @@ class AttentionPlan:
         (a layer in window-sized storage, run with a plan made on another layer:
         ``check_held_keys``)."""
         check_queries(cache, q)
+        self.check_checked_queries(cache, q, out, lse_out)
+
+    def check_checked_queries(self, cache, q, out=None, lse_out=None) -> None:
+        """``check_tensors`` after ``check_queries(cache, q)`` passed (a step's first
+        layer checks q before it looks up its plan; the later checks are the same)."""
         inputs = self.inputs
         check_held_keys(cache.store, inputs.params, inputs.rows, inputs.lens, inputs.n_new)
         if tuple(int(s) for s in q.shape) != self.q_shape:
