@@ -22,7 +22,8 @@ by ``route`` and by ``attention_route(...)``):
   float8_e4m3fn / grouped (int8_g32, int4_g32, int4_g64, int4_g32_rotated) quantized
   storage (contiguous or paged), with C-contiguous buffers and chunks of
   at most ``KERNEL_MAX_QUERIES`` queries (decode and short chunks) whose tiles (G heads x
-  T queries) hold at most ``KERNEL_MAX_TILE_ROWS`` rows;
+  T queries) hold at most ``KERNEL_MAX_TILE_ROWS`` rows, or of any length and tile size
+  where every row holds at most ``KERNEL_SHORT_ROW_KEYS`` keys (``Request.keys``);
 - otherwise the numpy backend's decision for the call (``numpy_backend.route_attention``:
   "numpy BLAS" (its item kernel over every layout and codec it reads), or the generic
   code for a codec neither declares): float64 (no kernel is compiled for it), strided buffers,
@@ -94,6 +95,17 @@ KERNEL_MAX_QUERIES = 8
 #: kernel's lead on short rows (1.5-2x) outweighs BLAS's on long ones (1.04-1.23). (Before
 #: those two changes the kernel led up to 256 rows, the cap until then: 0.78 at 128.)
 KERNEL_MAX_TILE_ROWS = 64
+#: Calls whose rows hold at most this many keys (``Request.keys``: the longest row's, a
+#: power of two) take the kernels at every chunk length and tile size: the BLAS path's
+#: items cost host work each (their blocks, softmax states, matmul calls) that short rows'
+#: arithmetic does not repay. Kernel / BLAS time on a 2-core AMD EPYC (2026-12-06, float32,
+#: both alternating in one process; the performance guide, "On another CPU"), T queries
+#: over P cached keys: SmolLM2's layer (Hq 9, Hkv 3, d 64) T = 16-128 at P = 0: 0.54-0.81
+#: (B=8, T = 64: 0.40), T = 64 at P = 32 / 64: 0.98 / 1.08-1.11 (B=8: 0.69); Llama-3.1-8B's
+#: (Hq 32, Hkv 8, d 128) T = 16-128 at P = 0: 0.46-0.64, T = 32-64 at P = 32-96: 0.70-0.88.
+#: Longer rows stay with the caps above (at 256 keys 0.79-0.96, 512 0.97-1.07 there, and
+#: on the Xeon BLAS won from 12 queries over 4,096 keys).
+KERNEL_SHORT_ROW_KEYS = 128
 #: Queries of one item: the tile holds G * QUERY_BLOCK rows.
 QUERY_BLOCK = 16
 #: A row's keys are split across threads only into pieces at least this long.
@@ -184,16 +196,22 @@ def _route_by_facts(request: Request) -> Route:
     """``route_attention`` from the request's facts alone (kept: the machine's part is
     asked per call)."""
     t_q, rows = request.t_q, request.group * request.t_q
+    # every chunk length and tile size: batch-invariant calls, and calls over short rows
+    any_chunk = request.invariant or (request.keys is not None
+                                      and request.keys <= KERNEL_SHORT_ROW_KEYS)
+    rows_then = ("" if request.keys is None else
+                 f" over rows of up to {request.keys} keys (the kernels take every chunk over "
+                 f"rows of at most {KERNEL_SHORT_ROW_KEYS})")
     why = (KERNEL_PATH.rejection(request)
            or request.buffers
-           or (f"T={t_q} queries > {KERNEL_MAX_QUERIES}: a prefill chunk is compute-bound, "
-               "BLAS matmuls are faster there" + (
+           or (f"T={t_q} queries > {KERNEL_MAX_QUERIES}{rows_then}: a prefill chunk is "
+               "compute-bound, BLAS matmuls are faster there" + (
                    f" (a packed batch's rows of at most {KERNEL_MAX_QUERIES} queries still run "
                    "the kernels, plan_mixed)" if request.tokens == PACKED else "")
-               if t_q > KERNEL_MAX_QUERIES and not request.invariant else None)
+               if t_q > KERNEL_MAX_QUERIES and not any_chunk else None)
            or (f"tiles of G={request.group} heads x T={t_q} queries = {rows} rows > "
-               f"{KERNEL_MAX_TILE_ROWS}: compute-bound, BLAS matmuls are faster there"
-               if rows > KERNEL_MAX_TILE_ROWS and not request.invariant else None))
+               f"{KERNEL_MAX_TILE_ROWS}{rows_then}: compute-bound, BLAS matmuls are faster there"
+               if rows > KERNEL_MAX_TILE_ROWS and not any_chunk else None))
     if why:
         fallback = _numpy.route_attention(request)
         why_not_amx = _amx_rejection(request)
@@ -209,7 +227,9 @@ def _route_by_facts(request: Request) -> Route:
             "bfloat16 values run the float32 matmuls)"), **fallback.rejected})
     served = f"{KERNEL} serves this call (kernels come first" + (
         "; batch-invariant mode: every chunk length, so a query's bits do not depend on its chunk)"
-        if request.invariant else ")")
+        if request.invariant else
+        f"; rows of at most {KERNEL_SHORT_ROW_KEYS} keys: every chunk length)"
+        if t_q > KERNEL_MAX_QUERIES or rows > KERNEL_MAX_TILE_ROWS else ")")
     return Route(KERNEL, {impl: served for impl in (AMX, *_numpy.BLAS_PATHS, GENERIC)})
 
 
@@ -242,7 +262,8 @@ class NumbaBackend(NumpyBackend):
     priority = 20  # above numpy (10): the CPU default when numba imports; below cupy (100)
     # array_library, device_kind, dtypes and head_dims are NumpyBackend's (same arrays)
     features = frozenset({
-        f"numba kernels: decode and chunks <= {KERNEL_MAX_QUERIES} queries (float32, float16, bfloat16)",
+        f"numba kernels: decode and chunks <= {KERNEL_MAX_QUERIES} queries, every chunk over rows "
+        f"<= {KERNEL_SHORT_ROW_KEYS} keys (float32, float16, bfloat16)",
         "paged storage in the kernels (page table read once per page run)",
         "int8 / float8_e4m3fn storage in the kernels (decoded in registers, scales folded)",
         "float16/bfloat16 converted in registers, computed in float32",
@@ -327,7 +348,8 @@ class NumbaBackend(NumpyBackend):
     def implementations(self) -> dict[str, str]:
         kinds = ", ".join(_KERNEL_DTYPES + _KERNEL_KV_DTYPES + _KERNEL_GROUPED)
         return {
-            KERNEL: (f"attention, t_q <= {KERNEL_MAX_QUERIES}; {kinds}; contiguous or paged "
+            KERNEL: (f"attention, t_q <= {KERNEL_MAX_QUERIES} (any t_q over rows of at most "
+                     f"{KERNEL_SHORT_ROW_KEYS} keys); {kinds}; contiguous or paged "
                      "C-contiguous buffers; window, softcap, sinks, alibi"),
             WRITE_KERNEL: "appends to contiguous unquantized rows",
             COPY_KERNEL: "row copies between contiguous unquantized stores (and page copies)",

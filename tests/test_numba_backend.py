@@ -523,7 +523,8 @@ def test_long_chunks_fold_through_the_fused_softmax(monkeypatch, storage, dtype,
     monkeypatch.setattr(nb, "gather_pages", lambda *a: gathered.append(real_gather(*a)) or gathered[-1])
     rng = np.random.default_rng(2000 + seed)
     hkv, G, d = int(rng.choice([1, 2])), int(rng.integers(1, 5)), [16, 64, 80][seed]
-    lens = [int(rng.integers(40, 200)), 0, int(rng.integers(9, 40)), 30]
+    # the longest row past KERNEL_SHORT_ROW_KEYS: over shorter rows the kernels take chunks
+    lens = [int(rng.integers(140, 260)), 0, int(rng.integers(9, 40)), 30]
     n_new = [int(rng.integers(9, 40)), 0, lens[2], 1]
     q, k, v = _case(rng, lens, n_new, hkv, G, d, DTYPES[dtype])
     variant = random_variant(rng, hkv * G, max(lens))
@@ -539,6 +540,50 @@ def test_long_chunks_fold_through_the_fused_softmax(monkeypatch, storage, dtype,
     _variant_check(out, lse, want, want_lse, n_new, DTYPES[dtype])
     assert folded and all(folded)
     assert all(gathered) and bool(gathered) == (storage == "paged")
+
+
+@pytest.mark.parametrize("storage", ["contiguous", "paged", "int8"])
+@pytest.mark.parametrize("seed", range(3))
+def test_chunks_over_short_rows_take_the_kernels(route_spy, storage, seed):
+    """Over rows of at most ``KERNEL_SHORT_ROW_KEYS`` keys the kernels take chunks of any
+    length and tiles of any size (there the BLAS path's per-item host work costs more than
+    the arithmetic it saves): ragged rows (one empty, one decoding, the longest exactly at
+    the limit) with random variants, padded, match the float64 reference, and the spy saw
+    the kernels run as ``route`` names them; one key more and the same call is the BLAS
+    path's."""
+    from gqakv_backends.numba_backend import KERNEL_SHORT_ROW_KEYS
+
+    from .support.quantization import held
+    from .support.routes import assert_routes_ran
+
+    backend = next(b for b in gqakv.list_backends() if b.name == "numba")
+    rng = np.random.default_rng(3000 + seed)
+    hkv, G, d = int(rng.choice([1, 2])), int(rng.integers(3, 9)), [16, 64, 80][seed]
+    for longest, impl in ((KERNEL_SHORT_ROW_KEYS, "numba kernel"),
+                          (KERNEL_SHORT_ROW_KEYS + 1, "numpy BLAS")):
+        T = int(rng.integers(9, 100))
+        lens = [longest, 0, int(rng.integers(T, longest)), 30]
+        n_new = [T, 0, T, 1]
+        q, k, v = _case(rng, lens, n_new, hkv, G, d, np.float32)
+        variant = random_variant(rng, hkv * G, max(lens))
+        kw = {"paged": dict(storage="paged", page_size=16), "int8": dict(kv_dtype="int8"),
+              "contiguous": {}}[storage]
+        cache = gqakv.KVCache(len(lens), hkv, max(lens) + 3, d, dtype="float32", backend="numba", **kw)
+        cache.append(np.ascontiguousarray(k[:, :, :max(lens)]), np.ascontiguousarray(v[:, :, :max(lens)]),
+                     lens)
+        kh, vh = k.copy(), v.copy()  # the values as the cache holds them (int8: decoded codes)
+        for b, L in enumerate(lens if storage == "int8" else []):
+            for x, h in ((k, kh), (v, vh)):
+                h[b, :, :L] = held(x[b, :, :L], {"kv_dtype": "int8"})
+        params = AttentionParams(scale=1.0 / math.sqrt(d), **variant)
+        spy = route_spy(backend)
+        out, lse = gqakv.gqa_attention(q, cache, n_new, params=params, return_lse=True)
+        want, want_lse = reference_on_buffers(q, kh, vh, lens, n_new, params.scale, **variant)
+        _variant_check(out, lse, want, want_lse, n_new, np.float32)
+        attends = [c for c in spy.calls if c.op == "attention"]
+        assert [c.ran[0] for c in attends] == [impl], (longest, [c.ran for c in attends])
+        assert backend.route("attention", **attends[0].facts).impl == impl
+        assert_routes_ran(spy)
 
 
 def test_windowed_chunk_past_a_key_block_sees_only_its_window(monkeypatch):

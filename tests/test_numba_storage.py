@@ -310,9 +310,10 @@ def test_route_of_each_storage_kind():
 
 
 def test_long_chunks_over_paged_and_quantized_take_the_numpy_paths(monkeypatch, kernel_calls):
-    """A 20-query chunk over paged, 8-bit or paged 8-bit storage goes to the NumPy item
-    kernel (BLAS) through the store's reader (pages, the 8-bit reader over rows or over
-    pages), not the kernel."""
+    """A 20-query chunk over 150 keys (rows longer than ``KERNEL_SHORT_ROW_KEYS``, whose
+    chunks the kernels take at any length) over paged, 8-bit or paged 8-bit storage goes
+    to the NumPy item kernel (BLAS) through the store's reader (pages, the 8-bit reader
+    over rows or over pages), not the kernel."""
     from gqakv_backends import numpy_readers
 
     used = []
@@ -325,15 +326,15 @@ def test_long_chunks_over_paged_and_quantized_take_the_numpy_paths(monkeypatch, 
 
     monkeypatch.setattr(numpy_readers, "reader_of", spy)
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((1, 1, 20, 8)).astype(np.float32)
+    x = rng.standard_normal((1, 1, 150, 8)).astype(np.float32)
     q = rng.standard_normal((1, 2, 20, 8)).astype(np.float32)
-    for cache in (gqakv.PagedKVCache(1, 1, 40, 8, backend="numba", page_size=4),
-                  gqakv.KVCache(1, 1, 40, 8, backend="numba", kv_dtype="int8"),
-                  gqakv.PagedKVCache(1, 1, 40, 8, backend="numba", page_size=4, kv_dtype="int8")):
-        cache.append(x, x, [20])
+    for cache in (gqakv.PagedKVCache(1, 1, 160, 8, backend="numba", page_size=4),
+                  gqakv.KVCache(1, 1, 160, 8, backend="numba", kv_dtype="int8"),
+                  gqakv.PagedKVCache(1, 1, 160, 8, backend="numba", page_size=4, kv_dtype="int8")):
+        cache.append(x, x, [150])  # the chunk: its last 20 tokens
         out = gqakv.gqa_attention(q, cache, [20])
         kx = held(x, {"kv_dtype": "int8"} if cache.store.quantized else {})
-        want, _ = reference_on_buffers(q, kx, kx, [20], [20], 1 / math.sqrt(8))
+        want, _ = reference_on_buffers(q, kx, kx, [150], [20], 1 / math.sqrt(8))
         np.testing.assert_allclose(out, want, atol=1e-5)
     assert used == [("Plain", "Pages"), ("Coded", "Rows"), ("Coded", "Pages")]
     assert kernel_calls == []

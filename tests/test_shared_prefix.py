@@ -576,22 +576,24 @@ def test_store_views_share_the_pool(small_groups):
 def test_numba_virtual_call_route(small_groups, monkeypatch, rows, want):
     """On numba the shared call (G' = G x the group's queries per KV head, one query
     position) runs the kernel while its tile holds at most KERNEL_MAX_TILE_ROWS rows and
-    the BLAS path past it (measured faster there); spies on both entries say which ran."""
+    the BLAS path past it (measured faster there) over a prefix longer than
+    KERNEL_SHORT_ROW_KEYS (shorter rows take the kernels at any tile size); spies on both
+    entries say which ran."""
     from gqakv_backends import numba_backend, numpy_attention
 
     backend = gqakv.get_backend("numba")
     if backend.unavailable_reason():
         pytest.skip(backend.unavailable_reason())
     G = 8  # 4 rows x 8 heads = 32 tile rows (the kernel's, at most 64), 40 x 8 = 320 (BLAS)
-    c = gqakv.PagedKVCache(rows, 1, 24, 8, dtype="float32", backend=backend, page_size=4)
+    c = gqakv.PagedKVCache(rows, 1, 144, 8, dtype="float32", backend=backend, page_size=4)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, 1, 16, 8)).astype(np.float32)
-    c.append(x, x, [16], rows=[0])
+    x = rng.standard_normal((1, 1, 136, 8)).astype(np.float32)
+    c.append(x, x, [136], rows=[0])
     c.fork(0, list(range(1, rows)))
     y = rng.standard_normal((rows, 1, 1, 8)).astype(np.float32)
     c.append(y, y, [1] * rows)
     plan = gqakv.plan_attention(c, [1] * rows, q_heads=G)
-    assert plan.shared_prefix.groups == (sp.SharedGroup(tuple(range(rows)), 4, 16),)
+    assert plan.shared_prefix.groups == (sp.SharedGroup(tuple(range(rows)), 34, 136),)
     v_inputs, v_shape, _ = plan._shared.shared[0]
     assert v_shape == (1, G * rows, 1, 8)
     request = Request.of_store("attention", c.store, group=G * rows)

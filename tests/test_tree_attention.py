@@ -380,16 +380,17 @@ def test_numba_kernels_serve_long_trees_in_batch_invariant_mode(monkeypatch):
 
 
 def test_a_packed_mixed_batch_with_a_tree_splits_between_kernels_and_blas(monkeypatch):
-    """A packed batch mixing a 12-token tree (the BLAS path) with trees of up to 8 tokens
-    (the kernels) keeps each part's tree: the reference for every row."""
+    """A packed batch mixing a 12-token tree (the BLAS path: its row is longer than
+    KERNEL_SHORT_ROW_KEYS) with trees of up to 8 tokens (the kernels) keeps each part's
+    tree: the reference for every row."""
     from .support.packing import pack_tokens
 
     trees = _kernel_calls(monkeypatch)
     rng = np.random.default_rng(29)
     B, Hkv, G, d = 3, 2, 2, 8
-    model = gqakv.ModelKVCache(2, B, Hkv, 64, d, "float32", "numba")
-    hist = rng.standard_normal((B, Hkv, 20, d)).astype(np.float32)
-    with model.step([20, 9, 3]) as step:
+    model = gqakv.ModelKVCache(2, B, Hkv, 160, d, "float32", "numba")
+    hist = rng.standard_normal((B, Hkv, 140, d)).astype(np.float32)
+    with model.step([140, 9, 3]) as step:
         for layer in range(2):
             step.write(layer, hist, hist)
     n = np.array([12, 5, 3])

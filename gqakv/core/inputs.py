@@ -298,12 +298,14 @@ class AttentionInputs:
 
     def token_facts(self, q_shape) -> dict:
         """The ``Request`` facts of this call's queries ``q_shape``: ``t_q`` (query tokens
-        per row: T padded, the largest n_new packed), ``tokens`` (their layout) and
-        ``invariant`` (batch-invariant mode)."""
+        per row: T padded, the largest n_new packed), ``keys`` (the longest row's live
+        tokens), ``tokens`` (their layout) and ``invariant`` (batch-invariant mode)."""
         mode = {"invariant": True} if self.invariant else {}
+        keys = int(self.lens.max(initial=0))
         if self.offsets is None:
-            return {"t_q": int(q_shape[2]), **mode}
-        return {"t_q": max(1, int(self.n_new.max(initial=0))), "tokens": PACKED, **mode}
+            return {"t_q": int(q_shape[2]), "keys": keys, **mode}
+        return {"t_q": max(1, int(self.n_new.max(initial=0))), "keys": keys, "tokens": PACKED,
+                **mode}
 
 
 #: The two layouts of a call's new tokens (q, k_new, v_new, out; ``Request.tokens``):

@@ -34,6 +34,9 @@ class Request:
       ``q_dtype``); None: not judged.
     head_dim: d; None: not judged.
     t_q: query tokens per row (attention).
+    keys: the keys of the call's longest row (attention: its live tokens after the
+      append), rounded up to a power of two so that routes stay few enough to keep;
+      None: not known (judged as long rows).
     group: query heads per KV head, ``G = Hq // Hkv`` (attention; a kernel that folds the G
       heads x t_q queries of a KV head into one tile judges its size by it).
     layout: the storage layout kind (``"contiguous"``, ``"paged"``).
@@ -55,6 +58,7 @@ class Request:
     dtype: str | None = None
     head_dim: int | None = None
     t_q: int = 1
+    keys: int | None = None
     group: int = 1
     layout: str = CONTIGUOUS
     codec: str = PLAIN_NAME
@@ -73,6 +77,11 @@ class Request:
         if self.head_dim is not None:
             object.__setattr__(self, "head_dim", int(self.head_dim))
         object.__setattr__(self, "t_q", int(self.t_q))
+        if self.keys is not None:  # its power-of-two bucket (0 and 1 stay)
+            keys = int(self.keys)
+            if keys < 0:
+                raise ValueError(f"keys={keys} must be >= 0")
+            object.__setattr__(self, "keys", keys if keys <= 1 else 1 << (keys - 1).bit_length())
         object.__setattr__(self, "group", int(self.group))
         if self.codec is None:  # the kv_dtype=None of an unquantized cache
             object.__setattr__(self, "codec", PLAIN_NAME)

@@ -209,6 +209,7 @@ def call_facts(backend, op: str, args: tuple) -> dict[str, Any]:
         else:  # packed [N, Hq, d]: the queries per row are n_new's (at least one)
             facts.update(t_q=max(1, int(np.max(inputs.n_new, initial=0))),
                          features=features, tokens="packed")
+        facts["keys"] = int(np.max(inputs.lens, initial=0))  # the longest row's live tokens
         if getattr(inputs, "invariant", False):  # batch-invariant mode, as validated
             facts["invariant"] = True
         if _kind(backend) == "cupy_emulated":
@@ -303,8 +304,10 @@ def _numba_attention(f) -> Any:
         return _numpy_attention(f)
     # decode and short chunks whose tiles (G heads x T queries) hold at most 64 rows: the
     # kernels (numba_backend.KERNEL_MAX_TILE_ROWS); batch-invariant calls at every chunk
-    # length and tile size (one query per item, so a query's bits do not depend on its chunk)
-    if f["dtype"] != "float64" and (f.get("invariant") or (
+    # length and tile size (one query per item, so a query's bits do not depend on its chunk),
+    # and so are calls whose rows hold at most 128 keys (KERNEL_SHORT_ROW_KEYS)
+    short_rows = f.get("keys") is not None and f["keys"] <= 128
+    if f["dtype"] != "float64" and (f.get("invariant") or short_rows or (
             f["t_q"] <= 8 and f.get("group", 1) * f["t_q"] <= 64)):
         return "numba kernel"
     return _numba_blas(f)
