@@ -546,8 +546,9 @@ def _prefill(backend, dtype, rng, quick, checks) -> None:
 def _long_prefill(backend, dtype, rng, quick, checks, kv_dtype=None) -> None:
     """Prompts of 2T + 1 to 3T + 1 tokens appended in chunks of T = 64 or 96 (G = 4, d = 128
     or 64, ragged and padded, one row empty), over plain or ``kv_dtype`` storage: items big
-    enough for a backend's compute-bound path; the line's note gives the work its
-    ``served_counts`` paths did (numba: items on AMX tiles, bfloat16 only)."""
+    enough for a backend's compute-bound path (numba: the chunks over rows of more than
+    ``KERNEL_SHORT_ROW_KEYS`` keys; the first ones take its kernels); the line's note gives
+    the work its ``served_counts`` paths did (numba: items on AMX tiles, bfloat16 only)."""
     check = checks[LONG_PREFILL_INT8 if kv_dtype == "int8" else LONG_PREFILL]
     append = check if kv_dtype else checks["append"]  # codes read back as the quant lines do
     before = backend.served_counts()
