@@ -34,9 +34,6 @@ class Request:
       ``q_dtype``); None: not judged.
     head_dim: d; None: not judged.
     t_q: query tokens per row (attention).
-    keys: the keys of the call's longest row (attention: its live tokens after the
-      append), rounded up to a power of two so that routes stay few enough to keep;
-      None: not known (judged as long rows).
     group: query heads per KV head, ``G = Hq // Hkv`` (attention; a kernel that folds the G
       heads x t_q queries of a KV head into one tile judges its size by it).
     layout: the storage layout kind (``"contiguous"``, ``"paged"``).
@@ -52,13 +49,15 @@ class Request:
       when not known.
     invariant: batch-invariant mode (``gqakv.core.invariance``): the call's bits must not
       depend on the batch, so only implementations that declare it may serve it.
+    keys: the keys of the call's longest row (attention: its live tokens after the
+      append), rounded up to a power of two so that routes stay few enough to keep;
+      None: not known (judged as long rows).
     """
 
     op: str | None = None
     dtype: str | None = None
     head_dim: int | None = None
     t_q: int = 1
-    keys: int | None = None
     group: int = 1
     layout: str = CONTIGUOUS
     codec: str = PLAIN_NAME
@@ -68,6 +67,7 @@ class Request:
     grid: str | None = None
     capability: int | None = None
     invariant: bool = False
+    keys: int | None = None  # the newest field, last: positional Requests keep their meaning
 
     def __post_init__(self):
         if self.op is not None and self.op not in HOT_OPS:
