@@ -230,13 +230,19 @@ def test_a_bool_window_is_refused_after_an_int_window_planned(backend):
 def test_the_cpu_backends_use_their_plan_on_every_layer(monkeypatch, name, t_q, planner):
     """The work a CPU backend planned is what every layer runs: numba's kernels
     (plan_numba) for decode, the NumPy BLAS path (plan_items) for a 16-query chunk on
-    numba and on numpy: one planning call for 32 layers, none per layer."""
+    numba (over rows longer than its KERNEL_SHORT_ROW_KEYS: shorter ones take its
+    kernels) and on numpy: one planning call for 32 layers, none per layer."""
     from gqakv_backends import numba_backend, numpy_attention
 
     backend = gqakv.get_backend(name)
+    cache = gqakv.ModelKVCache(LAYERS, 2, HKV, 160, D, dtype="float32", backend=backend)
+    before = 130  # tokens already in each row
+    h = np.ones((2, HKV, before, D), np.float32)
+    with cache.step([before, before]) as step:
+        for l in range(LAYERS):
+            step.write(l, h, h)
     calls = counting(monkeypatch, numba_backend if planner == "numba" else numpy_attention,
                       "plan_numba" if planner == "numba" else "plan_items")
-    cache = gqakv.ModelKVCache(LAYERS, 2, HKV, 64, D, dtype="float32", backend=backend)
     x = np.ones((2, HKV, t_q, D), np.float32)
     q = np.ones((2, HKV * G, t_q, D), np.float32)
     with cache.step([t_q, t_q]) as step:
