@@ -143,15 +143,13 @@ def blas_spin_note() -> str | None:
     gqakv only says so."""
     if os.environ.get(OPENBLAS_TIMEOUT_ENV):
         return None
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return None
-    spinning = [i for i in threadpool_info() if i.get("internal_api") == "openblas"
-                and i.get("threading_layer") == "pthreads" and int(i.get("num_threads") or 1) > 1]
+    blas = _threads._blas_controller()  # the controller the BLAS guard holds (no new scan)
+    spinning = [c for c in (blas.lib_controllers if blas else [])
+                if c.internal_api == "openblas" and getattr(c, "threading_layer", None) == "pthreads"
+                and c.num_threads > 1]
     if not spinning:
         return None
-    return (f"OpenBLAS ({spinning[0]['num_threads']} threads, pthreads) keeps its workers spinning "
+    return (f"OpenBLAS ({spinning[0].num_threads} threads, pthreads) keeps its workers spinning "
             "for about 0.1 s after each threaded call; where the process runs its own matmuls "
             "between attention calls (a model) they take a core from this backend's threads: "
             f"set {OPENBLAS_TIMEOUT_ENV}=4 before NumPy loads (the performance guide, "
