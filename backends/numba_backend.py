@@ -123,6 +123,18 @@ KEY_BLOCK_BYTES = 16 << 10
 #: gqakv_examples.few_rows, 38.5 -> 38.9 and 70.2 -> 61.8 ms). So small calls stay on one
 #: thread.
 PARALLEL_MIN_WORK = 1 << 16
+#: Chunks (calls with rows of more than one query) run on one thread below this many
+#: multiply-adds (query-key-head products x d), whatever ``PARALLEL_MIN_WORK``. They are
+#: compute-bound, and a second thread that finds OpenBLAS's worker spinning after the
+#: model's last matmul waits most of a scheduler slice (3-10 ms) for a core. Kernel time on
+#: a 2-core AMD EPYC (2026-12-06, float32 prefill over short rows; 2 threads / 1, alone /
+#: right after a [B*T, 576] @ [576, 1536] matmul): SmolLM2's layer B=1 T=128 (2^22.3
+#: products x d) 1.16 / 4.2, B=8 T=64 (2^23.5) 0.72 / 2.4, T=128 (2^25.3) 1.38 / 1.48;
+#: Llama-3.1-8B's layer B=1 T=128 (2^25.2) 0.62 / 1.82, B=8 T=64 (2^26.3) 0.56 / 1.09,
+#: B=8 T=128 (2^28.2) 0.56 / 1.08. In the example model on SmolLM2's weights, 64-token prompts at B=8:
+#: attention 182-190 ms a prompt on two threads, 56-115 on one (the BLAS path 143-147).
+#: Past this size a lone call's second thread is worth it (0.56-0.62 alone).
+CHUNK_PARALLEL_MIN_MACS = 1 << 26
 
 _KERNEL_DTYPES = ("float32", "float16", "bfloat16")
 #: The codecs the kernels decode (codes x per-token scale), declared by name: each one's
@@ -632,7 +644,7 @@ def _copy_bits(*arrays, views=None):
 def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_lse: bool,
                     workers: int | None = None, query_block: int = QUERY_BLOCK,
                     min_key_split: int = MIN_KEY_SPLIT, key_block: int | None = None,
-                    parallel_min_work: int = PARALLEL_MIN_WORK,
+                    parallel_min_work: int | None = None,
                     params: AttentionParams | None = None):
     """Attention through the numba kernels; see ``gqakv.gqa_attention`` for the semantics.
 
@@ -654,6 +666,15 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
                       query_block=query_block, min_key_split=min_key_split, key_block=key_block,
                       parallel_min_work=parallel_min_work, page_size=_layout_page_size(k_buf))
     return run_numba(work, q, k_buf, v_buf, rows, lens, n_new, return_lse=return_lse)
+
+
+def default_parallel_min_work(n_new, head_dim: int) -> int:
+    """The work (query-key-head products) below which a call runs on one thread when it
+    names none: ``PARALLEL_MIN_WORK``, raised to ``CHUNK_PARALLEL_MIN_MACS`` / d where a
+    row takes more than one query (n_new: host ints [B])."""
+    if int(np.max(n_new, initial=0)) > 1:
+        return max(PARALLEL_MIN_WORK, -(-CHUNK_PARALLEL_MIN_MACS // head_dim))
+    return PARALLEL_MIN_WORK
 
 
 def default_key_block(head_dim: int) -> int:
@@ -715,7 +736,7 @@ class NumbaWork:
 def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
                workers: int | None = None, query_block: int = QUERY_BLOCK,
                min_key_split: int = MIN_KEY_SPLIT, key_block: int | None = None,
-               parallel_min_work: int = PARALLEL_MIN_WORK, invariant: bool = False,
+               parallel_min_work: int | None = None, invariant: bool = False,
                tree=None, page_size: int | None = None) -> NumbaWork:
     """The items, their sharing among threads and the merge layout of a call with these
     lengths, queries of ``q_shape`` (padded ``[B, Hq, T, d]`` or packed ``[N, Hq, d]``) and
@@ -728,7 +749,8 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     ``key_block`` tokens, whose KV heads the kernels read together
     (``numba_kernels.heads_per_pass``), have their rows cut into key pieces before heads
     (``_plan``'s ``keys_first``), so an item covers all KV heads of its keys and its pages
-    are read whole, in address order."""
+    are read whole, in address order. ``parallel_min_work``: a call of less work
+    (query-key-head products) runs on one thread (None: ``default_parallel_min_work``)."""
     import numba
 
     nk = _kernels()
@@ -761,6 +783,8 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     if invariant:
         query_block, min_key_split = 1, INVARIANT_NO_SPLIT
     keys_first = page_size is not None and page_size <= w.key_block
+    if parallel_min_work is None:
+        parallel_min_work = default_parallel_min_work(n_new, d)
     # a call below parallel_min_work is cut for one thread (no key pieces to merge)
     items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split,
                          params=params, trees=trees, keys_first=keys_first,

@@ -242,6 +242,35 @@ def test_threads_follow_gqakv_num_threads(monkeypatch):
     assert default_workers() == numba.config.NUMBA_NUM_THREADS
 
 
+def test_chunks_run_on_one_thread_below_their_multiply_add_floor():
+    """A chunk (rows of more than one query) stays on one thread below
+    CHUNK_PARALLEL_MIN_MACS multiply-adds, even past PARALLEL_MIN_WORK products; a decode
+    call keeps PARALLEL_MIN_WORK; an explicit parallel_min_work overrides both."""
+    from gqakv_backends import numba_backend as nb
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba runs one thread here")
+    Hq, Hkv, d = 8, 2, 64
+    params = AttentionParams(scale=d ** -0.5)
+
+    def workers(lens, n_new, **kw):
+        B, T = len(lens), max(n_new)
+        return nb.plan_numba(lens, n_new, (B, Hq, T, d), Hkv, params, workers=2, **kw).workers
+
+    # 8 rows x 8 heads x 64 queries over 64 keys: 196,608 products, 2^23.6 multiply-adds
+    chunk = ([64] * 8, [64] * 8)
+    assert nb.default_parallel_min_work(chunk[1], d) == nb.CHUNK_PARALLEL_MIN_MACS // d
+    assert nb.PARALLEL_MIN_WORK < 196_608 < nb.CHUNK_PARALLEL_MIN_MACS // d
+    assert workers(*chunk) == 1
+    assert workers(*chunk, parallel_min_work=0) == 2
+    # 16 rows x 8 heads x 256 queries over 256 keys: 2^27.1 multiply-adds
+    assert workers([256] * 16, [256] * 16) == 2
+    # decode: 8 rows x 8 heads over 2,048 keys = 131,072 products, past PARALLEL_MIN_WORK
+    assert nb.default_parallel_min_work([1] * 8, d) == nb.PARALLEL_MIN_WORK
+    assert workers([2048] * 8, [1] * 8) == 2
+    assert workers([512] * 8, [1] * 8) == 1  # 32,768 products
+
+
 # -- attention variants: window, softcap, sinks -----------------------------------------------
 
 def test_tanh_matches_float64_within_three_ulp():
