@@ -417,6 +417,7 @@ SMOKE = {
                      {"CASES": {"8 rows x 1024": (3, 2048)}, "SUFFIX": 5, "ROUNDS": 1,
                       "BLOCK_S": 0.001}),
     "Bfloat16PrefillTiles": (("512 onto 3000",), {"CASES": {"512 onto 3000": (64, 300)}}),
+    "AfterModelMatmul": (("numpy", "2x8"), {"PAUSE_S": 0.0}),
 }
 
 

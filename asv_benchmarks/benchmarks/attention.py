@@ -9,6 +9,8 @@ live lengths. Every number is lower-is-better.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 import gqakv
@@ -430,3 +432,56 @@ class DraftTree:
                      self.backend)
 
     track_ratio_to_causal.unit = "x the causal chunk's time"
+
+
+class AfterModelMatmul:
+    """A short prefill chunk's attention (a prompt of T tokens, B rows) timed right after a
+    model-sized float32 matmul on NumPy's BLAS, over the same call's best time alone: what
+    a NumPy model's layer gets of the call's speed. NumPy's OpenBLAS keeps its workers
+    spinning about 0.1 s after each threaded call, and an attention call that starts a
+    second thread then waits for a core (on a 2-core machine the numba kernels' 64-token
+    chunks at B=8 took 2.4x as long after a matmul, before chunks below
+    ``CHUNK_PARALLEL_MIN_MACS`` stayed on one thread: the performance guide, "On another
+    CPU"). 1.0: the model gets the call's best. Both sides take the same route and thread
+    count, so what one thread costs a call alone shows in ``ChunkedPrefill`` and the
+    ``gqakv bench`` figures, not here. Cases 'B x T': 1x128 and 8x32 fall below numba's
+    chunk thread floor, 8x64 and 8x128 above it. Measured 2026-12-06 (2-core AMD EPYC, load
+    about 1, two runs): numba with the floor 1.20-1.21, 1.25-1.34, 1.24-2.39, 2.04-2.16;
+    without it (every chunk past ``PARALLEL_MIN_WORK`` on two threads) 1.60-1.62,
+    1.60-1.68, 1.30-1.97, 1.86-1.90; numpy 1.04, 1.10, 1.76, 1.66."""
+
+    params = [[b for b in BACKENDS if b in ("numpy", "numba")], ["1x128", "8x32", "8x64", "8x128"]]
+    param_names = ["backend", "batch x prompt"]
+    timeout = 300
+    PAUSE_S = 0.15  # past OpenBLAS's spin (about 0.1 s): the calls alone meet no spinning worker
+
+    def setup(self, backend, case):
+        self.backend = backend_or_skip(backend)
+        B, T = _sizes(case)
+        self.cache = filled_cache(self.backend, [T] * B)
+        self.q = queries(self.backend, B, T)
+        self.n_new = np.full(B, T)
+        rng = np.random.default_rng(3)
+        # the key projection's shape in a layer of this model: [B*T, Hq*d] @ [Hq*d, Hkv*d]
+        self.x = rng.standard_normal((B * T, HQ * D), dtype=np.float32)
+        self.w = rng.standard_normal((HQ * D, HKV * D), dtype=np.float32) / (HQ * D)
+
+    def _timed(self):
+        t = time.perf_counter()
+        attend(self.backend, self.q, self.cache, self.n_new)
+        return time.perf_counter() - t
+
+    def track_ratio_after_matmul(self, backend, case):
+        """The median over 15 calls each right after a matmul (whether a call meets a
+        spinning worker varies from call to call; a minimum would pick the lucky one) over
+        the best of 7 calls back to back after a pause (thread pools warm, BLAS idle)."""
+        attend(self.backend, self.q, self.cache, self.n_new)
+        time.sleep(self.PAUSE_S)
+        alone = min(self._timed() for _ in range(7))
+        after = []
+        for _ in range(15):
+            self.x @ self.w
+            after.append(self._timed())
+        return float(np.median(after) / alone)
+
+    track_ratio_after_matmul.unit = "x best time alone"
