@@ -123,10 +123,15 @@ KEY_BLOCK_BYTES = 16 << 10
 #: gqakv_examples.few_rows, 38.5 -> 38.9 and 70.2 -> 61.8 ms). So small calls stay on one
 #: thread.
 PARALLEL_MIN_WORK = 1 << 16
-#: Chunks (calls with rows of more than one query) run on one thread below this many
-#: multiply-adds (query-key-head products x d), whatever ``PARALLEL_MIN_WORK``. They are
-#: compute-bound, and a second thread that finds OpenBLAS's worker spinning after the
-#: model's last matmul waits most of a scheduler slice (3-10 ms) for a core. Kernel time on
+#: Prefill chunks (calls with a row of more than ``KERNEL_MAX_QUERIES`` queries, which
+#: the kernels take over short rows and in batch-invariant mode) run on one thread below
+#: this many multiply-adds (query-key-head products x d), whatever ``PARALLEL_MIN_WORK``.
+#: They are compute-bound and come right after the model's matmuls over as many rows,
+#: which run on OpenBLAS's threads: a second thread that finds OpenBLAS's worker still
+#: spinning waits most of a scheduler slice (3-10 ms) for a core. (Decode and short chunks
+#: keep ``PARALLEL_MIN_WORK``: they read long rows at the memory's pace, and a model's
+#: matmuls of so few rows need not run threaded; the performance guide, "Threads shared
+#: with the model's BLAS".) Kernel time on
 #: a 2-core AMD EPYC (2026-12-06, float32 prefill over short rows; 2 threads / 1, alone /
 #: right after a [B*T, 576] @ [576, 1536] matmul): SmolLM2's layer B=1 T=128 (2^22.3
 #: products x d) 1.16 / 4.2, B=8 T=64 (2^23.5) 0.72 / 2.4, T=128 (2^25.3) 1.38 / 1.48;
@@ -671,8 +676,8 @@ def attention_numba(q, k_buf, v_buf, rows, lens, n_new, *, scale: float, return_
 def default_parallel_min_work(n_new, head_dim: int) -> int:
     """The work (query-key-head products) below which a call runs on one thread when it
     names none: ``PARALLEL_MIN_WORK``, raised to ``CHUNK_PARALLEL_MIN_MACS`` / d where a
-    row takes more than one query (n_new: host ints [B])."""
-    if int(np.max(n_new, initial=0)) > 1:
+    row takes more than ``KERNEL_MAX_QUERIES`` queries (n_new: host ints [B])."""
+    if int(np.max(n_new, initial=0)) > KERNEL_MAX_QUERIES:
         return max(PARALLEL_MIN_WORK, -(-CHUNK_PARALLEL_MIN_MACS // head_dim))
     return PARALLEL_MIN_WORK
 

@@ -243,9 +243,10 @@ def test_threads_follow_gqakv_num_threads(monkeypatch):
 
 
 def test_chunks_run_on_one_thread_below_their_multiply_add_floor():
-    """A chunk (rows of more than one query) stays on one thread below
-    CHUNK_PARALLEL_MIN_MACS multiply-adds, even past PARALLEL_MIN_WORK products; a decode
-    call keeps PARALLEL_MIN_WORK; an explicit parallel_min_work overrides both."""
+    """A prefill chunk (a row of more than KERNEL_MAX_QUERIES queries) stays on one thread
+    below CHUNK_PARALLEL_MIN_MACS multiply-adds, even past PARALLEL_MIN_WORK products;
+    decode and chunks of at most KERNEL_MAX_QUERIES keep PARALLEL_MIN_WORK; an explicit
+    parallel_min_work overrides both."""
     from gqakv_backends import numba_backend as nb
 
     if numba.config.NUMBA_NUM_THREADS < 2:
@@ -269,6 +270,11 @@ def test_chunks_run_on_one_thread_below_their_multiply_add_floor():
     assert nb.default_parallel_min_work([1] * 8, d) == nb.PARALLEL_MIN_WORK
     assert workers([2048] * 8, [1] * 8) == 2
     assert workers([512] * 8, [1] * 8) == 1  # 32,768 products
+    # rows of KERNEL_MAX_QUERIES queries: no chunk floor
+    short = [nb.KERNEL_MAX_QUERIES] * 2
+    assert nb.default_parallel_min_work(short, d) == nb.PARALLEL_MIN_WORK
+    assert nb.default_parallel_min_work([1, nb.KERNEL_MAX_QUERIES + 1], d) > nb.PARALLEL_MIN_WORK
+    assert workers([1024] * 2, short) == 2  # 2 x 8 x 8 x 1,024 = 131,072 products, 2^23 x d
 
 
 # -- attention variants: window, softcap, sinks -----------------------------------------------
