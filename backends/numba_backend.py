@@ -131,14 +131,14 @@ PARALLEL_MIN_WORK = 1 << 16
 #: spinning waits most of a scheduler slice (3-10 ms) for a core. (Decode and short chunks
 #: keep ``PARALLEL_MIN_WORK``: they read long rows at the memory's pace, and a model's
 #: matmuls of so few rows need not run threaded; the performance guide, "Threads shared
-#: with the model's BLAS".) Kernel time on
-#: a 2-core AMD EPYC (2026-12-06, float32 prefill over short rows; 2 threads / 1, alone /
-#: right after a [B*T, 576] @ [576, 1536] matmul): SmolLM2's layer B=1 T=128 (2^22.3
-#: products x d) 1.16 / 4.2, B=8 T=64 (2^23.5) 0.72 / 2.4, T=128 (2^25.3) 1.38 / 1.48;
-#: Llama-3.1-8B's layer B=1 T=128 (2^25.2) 0.62 / 1.82, B=8 T=64 (2^26.3) 0.56 / 1.09,
-#: B=8 T=128 (2^28.2) 0.56 / 1.08. In the example model on SmolLM2's weights, 64-token prompts at B=8:
-#: attention 182-190 ms a prompt on two threads, 56-115 on one (the BLAS path 143-147).
-#: Past this size a lone call's second thread is worth it (0.56-0.62 alone).
+#: with the model's BLAS".) Kernel time on a 2-core AMD EPYC (2026-12-06, float32 prefill
+#: over short rows; 2 threads / 1, alone / right after a [B*T, 576] @ [576, 1536] matmul):
+#: SmolLM2's layer B=1 T=128 (2^22.3 products x d) 1.16 / 4.2, B=8 T=64 (2^23.5) 0.72 /
+#: 2.4, T=128 (2^25.3) 1.38 / 1.48; Llama-3.1-8B's layer B=1 T=128 (2^25.2) 0.62 / 1.82,
+#: B=8 T=64 (2^26.3) 0.56 / 1.09, B=8 T=128 (2^28.2) 0.56 / 1.08: past this size a lone
+#: call's second thread is worth it. In the example model on SmolLM2's weights, 64-token
+#: prompts at B=8: attention 182-190 ms a prompt on two threads, 116-130 with this floor
+#: (the BLAS path 156-191).
 CHUNK_PARALLEL_MIN_MACS = 1 << 26
 
 _KERNEL_DTYPES = ("float32", "float16", "bfloat16")

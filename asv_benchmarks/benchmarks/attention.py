@@ -439,8 +439,9 @@ class AfterModelMatmul:
     model-sized float32 matmul on NumPy's BLAS, over the same call's best time alone: what
     a NumPy model's layer gets of the call's speed. NumPy's OpenBLAS keeps its workers
     spinning about 0.1 s after each threaded call, and an attention call that starts a
-    second thread then waits for a core (on a 2-core machine the numba kernels' 64-token
-    chunks at B=8 took 2.4x as long after a matmul, before chunks below
+    second thread then waits for a core (on a 2-core machine SmolLM2's 64-token chunks at
+    B=8 took 2.4x as long on the numba kernels' two threads as on one after a matmul,
+    before chunks below
     ``CHUNK_PARALLEL_MIN_MACS`` stayed on one thread: the performance guide, "On another
     CPU"). 1.0: the model gets the call's best. Both sides take the same route and thread
     count, so what one thread costs a call alone shows in ``ChunkedPrefill`` and the
