@@ -15,8 +15,9 @@ import numpy as np
 
 import gqakv
 
-from .common import (BACKENDS, D, HKV, HQ, attend, backend_or_skip, filled_cache, live_kv_bytes, matmul,
-                     prefill_flops, queries, ratio, reader, require, sync, temp_mib, timing, torch_or_skip)
+from .common import (BACKENDS, D, HKV, HQ, attend, backend_or_skip, best_seconds, filled_cache, live_kv_bytes,
+                     matmul, prefill_flops, queries, ratio, reader, require, sync, temp_mib, timing,
+                     torch_or_skip)
 
 DECODE_SIZES = ["4x4096", "1x32768", "32x1024"]  # batch x live length
 
@@ -476,9 +477,9 @@ class AfterModelMatmul:
         """The median over 15 calls each right after a matmul (whether a call meets a
         spinning worker varies from call to call; a minimum would pick the lucky one) over
         the best of 7 calls back to back after a pause (thread pools warm, BLAS idle)."""
-        attend(self.backend, self.q, self.cache, self.n_new)
         time.sleep(self.PAUSE_S)
-        alone = min(self._timed() for _ in range(7))
+        alone = best_seconds(lambda: attend(self.backend, self.q, self.cache, self.n_new),
+                             self.backend, repeats=7)
         after = []
         for _ in range(15):
             self.x @ self.w
