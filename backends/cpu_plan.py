@@ -141,12 +141,7 @@ def blas_spin_note() -> str | None:
     environment before NumPy is imported makes them sleep at once, which made the whole
     model faster on one machine and slower on another; it is the process's setting, so
     gqakv only says so."""
-    if os.environ.get(OPENBLAS_TIMEOUT_ENV):
-        return None
-    blas = _threads._blas_controller()  # the controller the BLAS guard holds (no new scan)
-    spinning = [c for c in (blas.lib_controllers if blas else [])
-                if c.internal_api == "openblas" and getattr(c, "threading_layer", None) == "pthreads"
-                and c.num_threads > 1]
+    spinning = _spinning_blas()
     if not spinning:
         return None
     return (f"OpenBLAS ({spinning[0].num_threads} threads, pthreads) keeps its workers spinning "
@@ -154,6 +149,22 @@ def blas_spin_note() -> str | None:
             "between attention calls (a model) they take a core from this backend's threads: "
             f"set {OPENBLAS_TIMEOUT_ENV}=4 before NumPy loads (the performance guide, "
             "\"Threads shared with the model's BLAS\")")
+
+
+def _spinning_blas() -> list:
+    """The BLAS libraries of this process whose idle threads spin (``blas_spin_note``)."""
+    if os.environ.get(OPENBLAS_TIMEOUT_ENV):
+        return []
+    blas = _threads._blas_controller()  # the controller the BLAS guard holds (no new scan)
+    return [c for c in (blas.lib_controllers if blas else [])
+            if c.internal_api == "openblas" and getattr(c, "threading_layer", None) == "pthreads"
+            and c.num_threads > 1]
+
+
+def blas_spins() -> bool:
+    """Whether a threaded BLAS call of this process leaves its workers spinning (OpenBLAS's
+    pthreads build on more than one thread, ``OPENBLAS_THREAD_TIMEOUT`` unset)."""
+    return bool(_spinning_blas())
 
 
 def blas_workers() -> int:

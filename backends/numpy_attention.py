@@ -54,6 +54,8 @@ scores before the mask; sinks join once per query, after its key pieces are merg
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from gqakv.ops.merge import SoftmaxState
@@ -63,7 +65,7 @@ from gqakv.core.semantics import (AttentionParams, block_keys, common_keys, key_
 # Threads, work items and their sharing are planned in cpu_plan (shared with the numba
 # backend); the names stay importable from here.
 from .cpu_plan import (ENV_THREADS, INVARIANT_NO_SPLIT, ITEMS_PER_WORKER, K_MAJOR_KERNELS, THIN_QUERIES,  # noqa: F401
-                       _plan, _share, _threads, _Threads)
+                       _plan, _share, _threads, _Threads, blas_spins)
 from . import numpy_readers as readers
 from .numpy_readers import MIN_BLOCK_KEYS, to_float32  # noqa: F401 (to_float32: its old home)
 
@@ -86,6 +88,18 @@ INVARIANT_BLOCK_KEYS = 512
 MIN_KEY_SPLIT = 1024
 # Below this much work (query-key-head products) threads cost more than they save.
 PARALLEL_MIN_WORK = 1 << 18
+#: Where BLAS keeps its idle threads spinning (``cpu_plan.blas_spins``: NumPy's OpenBLAS
+#: wheels), a call of fewer multiply-adds (query-key-head products x d) than this, planned
+#: with the default worker count, runs its items on the calling thread and leaves their
+#: matmuls to BLAS's own threads instead of two workers with BLAS held to one. In a model,
+#: attention follows the model's own matmuls, whose workers still spin when it starts and
+#: take a core from a second worker; a call this small ends inside their spin (about
+#: 0.1 s). SmolLM2 and Llama-3.1-8B layers, float32, on the 2-core machine: right after
+#: the layer's QKV matmul one worker took 0.54-0.95x the time of two (prompts of 256 to
+#: 1,536 tokens, batch 1 to 8, and decode), and 0.7-1.1x with idle threads before; at
+#: 2^30.2 multiply-adds and above it lost up to 1.8x with idle threads before (performance
+#: guide, "Threads shared with the model's BLAS").
+SPINNING_BLAS_ONE_WORKER_MACS = 1 << 30
 
 
 # -- the kernel ----------------------------------------------------------------------------
@@ -262,14 +276,23 @@ def plan_items(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     ``invariant`` (batch-invariant mode): one query and one KV head per item, no key
     splits, blocks of ``INVARIANT_BLOCK_KEYS`` keys (then capped by the readers for the
     head dim and dtype only), so a query's bits depend on its own row alone.
-    ``max_tile_rows``: query rows per item at most (``MAX_TILE_ROWS``)."""
+    ``max_tile_rows``: query rows per item at most (``MAX_TILE_ROWS``). ``workers``: None
+    for the default (``cpu_plan._Threads.default_workers``), one where BLAS spins and the
+    call is below ``SPINNING_BLAS_ONE_WORKER_MACS`` (GQAKV_NUM_THREADS unset)."""
+    one_worker_below = 0  # work (products) below which the call is planned for one worker
     if workers is None:
         workers = _threads.default_workers()
+        # invariant items hold one query each: too small for BLAS to thread them
+        if workers > 1 and not invariant and not os.environ.get(ENV_THREADS) and blas_spins():
+            one_worker_below = -(-SPINNING_BLAS_ONE_WORKER_MACS // int(q_shape[-1]))
     G = int(q_shape[1]) // kv_heads
     if invariant:
         query_block, min_key_split = 1, INVARIANT_NO_SPLIT
     items, total = _plan(lens, n_new, kv_heads, G, workers, query_block, min_key_split, params=params,
-                         one_head=invariant, trees=trees, max_tile_rows=max_tile_rows)
+                         one_head=invariant, trees=trees, max_tile_rows=max_tile_rows,
+                         parallel_min_work=one_worker_below)
+    if total < one_worker_below:
+        workers = 1  # attend runs one worker's items outside the guard: BLAS keeps its threads
     return NumpyWork(items, total, workers, INVARIANT_BLOCK_KEYS if invariant else None)
 
 

@@ -233,6 +233,86 @@ def test_thread_count_from_environment(monkeypatch):
         na._threads.default_workers()
 
 
+def _spinning_openblas_or_skip():
+    """threadpoolctl, where NumPy's BLAS is OpenBLAS's pthreads build (else skip)."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    blas = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+    if not any(i["internal_api"] == "openblas" and i.get("threading_layer") == "pthreads"
+               for i in blas):
+        pytest.skip(f"NumPy's BLAS here is not OpenBLAS on pthreads: {blas}")
+    return threadpoolctl
+
+
+def test_calls_below_the_spin_cut_run_on_one_worker_with_blas_threads(monkeypatch):
+    """Where OpenBLAS spins (2 threads, no timeout set) a default-planned call of fewer
+    than SPINNING_BLAS_ONE_WORKER_MACS multiply-adds is planned for one worker, unsplit,
+    and its items run outside the guard (BLAS keeps its 2 threads); one at or above the
+    cut, GQAKV_NUM_THREADS set, OPENBLAS_THREAD_TIMEOUT set, an explicit worker count or
+    batch-invariant mode keep two workers. The one-worker call matches the reference."""
+    from gqakv.core.semantics import AttentionParams
+    from gqakv_backends.cpu_plan import OPENBLAS_TIMEOUT_ENV
+
+    threadpoolctl = _spinning_openblas_or_skip()
+    monkeypatch.delenv(na.ENV_THREADS, raising=False)
+    monkeypatch.delenv(OPENBLAS_TIMEOUT_ENV, raising=False)
+    params = AttentionParams(scale=1.0)
+    d, hkv, G = 64, 2, 4
+    cut = na.SPINNING_BLAS_ONE_WORKER_MACS // d  # in query-key-head products
+
+    def planned(T, **kw):
+        lens = np.array([T]) if np.ndim(T) == 0 else np.asarray(T)
+        return na.plan_items(lens, lens, (len(lens), hkv * G, int(lens.max()), d), hkv, params, **kw)
+
+    def causal_products(T):
+        """plan_items' total for one causal T-query prompt (whole query blocks)."""
+        return sum(hkv * G * (min(T, t0 + na.QUERY_BLOCK) - t0) * min(T, t0 + na.QUERY_BLOCK)
+                   for t0 in range(0, T, na.QUERY_BLOCK))
+
+    below = max(T for T in range(128, 8192, 128) if causal_products(T) < cut)
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+        small, large = planned(below), planned(below + 128)
+        assert small.total < cut <= large.total
+        assert small.workers == 1 and large.workers == 2
+        # one worker's items: one per query block and head part (MAX_TILE_ROWS), no key pieces
+        assert all(it[5] == 0 for it in small.items)
+        assert planned(below, workers=2).workers == 2
+        assert planned(below, invariant=True).workers == 2
+        monkeypatch.setenv(na.ENV_THREADS, "2")
+        assert planned(below).workers == 2
+        monkeypatch.delenv(na.ENV_THREADS)
+        monkeypatch.setenv(OPENBLAS_TIMEOUT_ENV, "4")
+        assert planned(below).workers == 2
+        monkeypatch.delenv(OPENBLAS_TIMEOUT_ENV)
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        assert planned(below).workers == 1  # one BLAS thread: one worker by default anyway
+
+    # the route it means: items on the calling thread, BLAS not held to one thread
+    rng = np.random.default_rng(3)
+    lens, n_new = [300, 41], [300, 17]
+    q, k, v = _case(rng, lens, n_new, hkv, G, d)
+    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+    seen = []
+
+    def recording_kernel(q, reader, params, trees):
+        def item(*args, **kw):
+            seen.append(min(c.num_threads for c in threadpoolctl.ThreadpoolController()
+                            .select(user_api="blas").lib_controllers))
+            return None  # declined: the plain item kernel computes it
+        return item
+
+    reader = na.readers.Plain(na.readers.Rows((k32, v32), np.arange(2)))
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+        out, lse = na.attend(q32, reader, np.array(lens), np.array(n_new),
+                             params=AttentionParams(scale=1.0 / math.sqrt(d)), return_lse=True,
+                             item_kernel=recording_kernel)
+    assert seen and set(seen) == {2}
+    want, want_lse = reference_on_buffers(q, k, v, lens, n_new)
+    np.testing.assert_allclose(out, want, atol=1e-5)
+    fin = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), ~fin)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], atol=1e-5)
+
+
 @pytest.mark.parametrize("k_major", [True, False])
 def test_both_score_layouts_match_reference(monkeypatch, k_major):
     """Thin (decode) tiles use K @ q^T on AVX-512 OpenBLAS kernels: same answer either way."""
