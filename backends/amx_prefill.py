@@ -1,12 +1,14 @@
-"""bfloat16 prefill items on AMX tiles: the BLAS path's item kernel without float32 copies.
+"""bfloat16 prefill items on bfloat16 products: the BLAS path's item kernel without float32 copies.
 
 The numba backend's BLAS path (``numpy_attention``) computes a bfloat16 cache in float32:
 each K/V block is cast to float32 and multiplied by OpenBLAS's sgemm. Where the CPU has
-AMX (``amx.why_not``), an item whose queries and K/V are bfloat16 runs here instead:
+bfloat16 products with float32 sums (``amx.why_not``: AMX tiles, or where there are none
+AVX-512 BF16 dot products, the same product with the same operand layouts,
+``avx512_bf16``), an item whose queries and K/V are bfloat16 runs here instead:
 
-    S = Q K^T               AMX, bfloat16 x bfloat16 -> float32 (products exact)
+    S = Q K^T               bfloat16 x bfloat16 -> float32 (products exact)
     P = softmax step of S   float32 (``numba_kernels.softmax_block``: scale, mask, max, exp)
-    O = alpha O + P V       AMX, P split into bfloat16 high and low parts, P_hi V + P_lo V
+    O = alpha O + P V       P split into bfloat16 high and low parts, P_hi V + P_lo V
 
 so every product is exact and every sum float32, as on the float32 path, and P = P_hi
 + P_lo (P's top 16 bits and the remainder's) is within 2^-14 of P, below it: the
@@ -31,7 +33,7 @@ code's value is a bfloat16, so the codes are laid out as bfloat16 bits through a
 and each p times its value's V scale before P's split: the products of the dequantized
 K and V, each scale applied once per score instead of once per value.
 
-Declined (the float32 path runs): AMX unavailable, storage other than bfloat16 or those
+Declined (the float32 path runs): neither engine available, storage other than bfloat16 or those
 8-bit codes (grouped codes, float16, float32), queries that are not
 bfloat16 values (bfloat16, or float32 holding them: ``holds_bfloat16``), d not
 a multiple of 32, draft trees and ALiBi (a position-dependent score hook) for a whole
@@ -221,7 +223,8 @@ def rescale_rows(o, alpha, d):
 @intrinsic
 def _kernel(typingctx, a1, a2, lda, b, ldb, bstep, bcol, c, ldc, m32, n32, nk, heads, sa, sb, sc,
             accumulate):
-    """A call of the AMX kernel (``amx.SYMBOL``, registered by ``amx._compile``) from
+    """A call of the product (``amx.SYMBOL``, registered by ``amx._compile``: AMX or AVX-512
+    BF16) from
     numba code: its pointers as integers, the rest as in ``amx.matmul``."""
     args = (a1, a2, lda, b, ldb, bstep, bcol, c, ldc, m32, n32, nk, heads, sa, sb, sc, accumulate)
     if not all(isinstance(x, types.Integer) for x in args):
@@ -255,8 +258,8 @@ def _tile_product(a1, a2, two, b, c, accumulate):
 def fold_block(qp, k, v, kt, vv, s_full, hi_full, lo_full, o_rows, m, l, alpha, nq, pos0, window,
                scale, softcap, keys):
     """One key block of an item, without the GIL: K and V into the tiles' layouts,
-    S = Q K^T on AMX, the soft-cap (``softcap`` > 0), the softmax step writing P's
-    bfloat16 parts (``softmax_block``), the output rescaled, O += P V on AMX.
+    S = Q K^T on the product, the soft-cap (``softcap`` > 0), the softmax step writing P's
+    bfloat16 parts (``softmax_block``), the output rescaled, O += P V on the product.
 
     qp: [hh, Rp, d] bfloat16 bits (rows padded to 32); k: [hh, keys, d / 2] uint32 (pairs
     of bfloat16), v: [hh, keys, d] bfloat16 bits; kt: [hh, d / 2, Kp] uint32 and vv:
@@ -402,11 +405,11 @@ def declines(q, reader, params, tree) -> str | None:
     """Why an item of this call does not run here (None: it does). The call's facts first:
     the first ``amx.why_not`` compiles the kernel."""
     if not (isinstance(reader, Plain) and reader.stored == BF16) and _code_values(reader) is None:
-        return "AMX items need a plain bfloat16 cache, or int8 / e4m3 codes with per-token scales"
+        return "bf16-product items need a plain bfloat16 cache, or int8 / e4m3 codes with per-token scales"
     if q.dtype != BF16 and not holds_bfloat16(q):
-        return "AMX items need bfloat16 queries (or float32 queries holding bfloat16 values)"
+        return "bf16-product items need bfloat16 queries (or float32 queries holding bfloat16 values)"
     if q.shape[-1] % TILE_BLOCK:
-        return f"AMX items need d a multiple of {TILE_BLOCK} (d = {q.shape[-1]})"
+        return f"bf16-product items need d a multiple of {TILE_BLOCK} (d = {q.shape[-1]})"
     if tree is not None or params.alibi_slopes is not None:
         return "draft trees and ALiBi take the float32 path"
     return amx.why_not()
@@ -417,7 +420,7 @@ _served_lock = threading.Lock()
 
 
 def items_served() -> int:
-    """Items ``attend_item`` has run on AMX tiles in this process (declined ones not
+    """Items ``attend_item`` has run on the bfloat16 products in this process (declined ones not
     counted): what ``gqakv selftest`` reports, through the backend's ``served_counts``."""
     return _served
 

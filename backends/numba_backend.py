@@ -31,13 +31,14 @@ by ``route`` and by ``attention_route(...)``):
   this backend folds each float32 block of causal or windowed scores with one compiled
   step (``FusedSoftmaxState``: mask, max, exp and sum in two vectorized passes per row,
   ``numba_kernels.softmax_block``) instead of NumPy's five.
-- "numba AMX": that BLAS path with its items on AMX tiles (``amx_prefill``), for the calls
-  ``AMX_PATH`` declares (bfloat16 queries over plain bfloat16 storage or int8 /
-  float8_e4m3fn codes with per-token scales; window, softcap, sinks; d a multiple of 32)
-  where the CPU has them and ``GQAKV_AMX`` is not 0. Within such a call, items too small
-  to pay for the tiles' layout steps, and float32 queries that are not bfloat16 values,
-  run the float32 matmuls (``amx_prefill.declines``); ``served_counts`` counts the items
-  the tiles ran.
+- "numba bf16 products": that BLAS path with its items on bfloat16 products with float32
+  sums (``amx_prefill``): AMX tiles, or AVX-512 BF16 dot products on CPUs without tiles
+  (``amx.engine``), for the calls ``AMX_PATH`` declares (bfloat16 queries over plain
+  bfloat16 storage or int8 / float8_e4m3fn codes with per-token scales; window, softcap,
+  sinks; d a multiple of 32) where the CPU has them and ``GQAKV_AMX`` is not 0. Within
+  such a call, items too small to pay for their layout steps, and float32 queries that
+  are not bfloat16 values, run the float32 matmuls (``amx_prefill.declines``);
+  ``served_counts`` counts the items the products ran.
 Appends and row copies: ``route_copy``.
 
 Work is cut by the CPU planner shared with the numpy backend (``cpu_plan``): items of
@@ -154,8 +155,9 @@ _KERNEL_GROUPED = tuple(GROUPED)
 #: Implementation names in routes: the attention kernels, the compiled append, the
 #: compiled row copy.
 KERNEL = "numba kernel"
-#: The BLAS path with its items on AMX tiles (``amx_prefill``), where the CPU has them.
-AMX = "numba AMX"
+#: The BLAS path with its items on bfloat16 products (``amx_prefill``: AMX tiles or AVX-512
+#: BF16 dot products), where the CPU has them.
+AMX = "numba bf16 products"
 WRITE_KERNEL = "numba write_tokens"
 COPY_KERNEL = "numba copy_rows"
 #: Why the buffers do not suit the attention kernels (the request's ``buffers``).
@@ -169,7 +171,7 @@ KERNEL_PATH = FastPath(KERNEL, "attention", frozenset({CONTIGUOUS, PAGED}), _COD
                        frozenset({"window", "softcap", "sinks", "alibi", "tree"}),
                        frozenset(_KERNEL_DTYPES),
                        tokens=frozenset({PADDED, PACKED}), invariant=True)
-#: What the BLAS path's items on AMX tiles take (``amx_prefill.declines``, as data; the
+#: What the BLAS path's items on bf16 products take (``amx_prefill.declines``, as data; the
 #: per-call conditions are the BLAS path's, d a multiple of ``amx.TILE_BLOCK`` and the
 #: machine's ``amx.why_not``): bfloat16 queries over a plain bfloat16 cache or 8-bit codes
 #: with per-token scales (every code's value is a bfloat16).
@@ -187,7 +189,7 @@ def route_attention(request: Request) -> Route:
     ``route`` all ask it): the kernels (``KERNEL_PATH``, then the chunk and buffer
     conditions), else the NumPy backend's decision for the call
     (``numpy_backend.route_attention``), with the reason the kernels do not serve it;
-    where that is the BLAS path and the call is one ``AMX_PATH`` takes, "numba AMX" when
+    where that is the BLAS path and the call is one ``AMX_PATH`` takes, "numba bf16 products" when
     this machine has them (``amx.why_not``, asked per call: ``GQAKV_AMX`` may change)."""
     route = _route_by_facts(request)
     if route.impl != AMX:
@@ -197,11 +199,12 @@ def route_attention(request: Request) -> Route:
         return route
     rejected = dict(route.rejected)
     del rejected[_numpy.BLAS]
-    return Route(_numpy.BLAS, {**rejected, AMX: f"this machine runs no AMX tiles: {why}"})
+    return Route(_numpy.BLAS, {**rejected, AMX: f"this machine runs no bfloat16 products (AMX "
+                                                f"tiles or AVX-512 BF16): {why}"})
 
 
 def _amx_rejection(request: Request) -> str | None:
-    """Why the BLAS path's items do not run on AMX tiles for ``request`` (its facts only)."""
+    """Why the BLAS path's items do not run on bfloat16 products for ``request`` (its facts only)."""
     why = AMX_PATH.rejection(request)
     if why is None and request.head_dim is not None and request.head_dim % amx.TILE_BLOCK:
         why = f"head_dim={request.head_dim} ({AMX} needs d a multiple of {amx.TILE_BLOCK})"
@@ -239,7 +242,7 @@ def _route_by_facts(request: Request) -> Route:
         if why_not_amx:
             return Route(_numpy.BLAS, {KERNEL: why, AMX: why_not_amx, **fallback.rejected})
         return Route(AMX, {KERNEL: why, _numpy.BLAS: (
-            f"{AMX} serves this call: its items on AMX tiles (those too small to pay for the "
+            f"{AMX} serves this call: its items on bf16 products (those too small to pay for the "
             "tiles' layout steps, amx_prefill.MIN_ITEM_WORK, and float32 queries that are not "
             "bfloat16 values run the float32 matmuls)"), **fallback.rejected})
     served = f"{KERNEL} serves this call (kernels come first" + (
@@ -317,7 +320,7 @@ class NumbaBackend(NumpyBackend):
 
     def blas_options(self) -> dict:
         """The BLAS path's online softmax fused into one compiled pass per block, its
-        paged blocks gathered by one compiled call, and bfloat16 items on AMX tiles where
+        paged blocks gathered by one compiled call, and bfloat16 items on bf16 products where
         the CPU has them (``amx_prefill``)."""
         return {"state_class": FusedSoftmaxState, "gather": gather_pages, "item_kernel": _amx_items}
 
@@ -348,9 +351,9 @@ class NumbaBackend(NumpyBackend):
         return jit_note()
 
     def served_counts(self) -> dict[str, int]:
-        """The BLAS path's items run on AMX tiles (``amx_prefill``): the numpy BLAS route's
+        """The BLAS path's items run on bfloat16 products (``amx_prefill``): the numpy BLAS route's
         bfloat16 fast path where the CPU has the tiles."""
-        return {"items on AMX tiles": _amx_items_served()}
+        return {"items on bf16 products": _amx_items_served()}
 
     def route(self, request: Request | str, **facts) -> Route:
         """The implementation that runs ``request`` (a ``Request`` or an operation and its
@@ -396,8 +399,8 @@ class NumbaBackend(NumpyBackend):
 
     def attention_route(self, q, k_buf, v_buf, store=None) -> tuple[str, str]:
         """(implementation, why) for a plain causal attention call over these arrays:
-        "numba kernel" with an empty reason, or "numpy BLAS" / "numba AMX" (the NumPy
-        backend's path for the storage kind, its items on AMX tiles where they take the
+        "numba kernel" with an empty reason, or "numpy BLAS" / "numba bf16 products" (the NumPy
+        backend's path for the storage kind, its items on bf16 products where they take the
         call) with the reason the kernel is not used.
         ``store``: the call's KVStore, when its kind (paged: ``k_buf``/``v_buf`` are the
         pool) or quantized storage (``k_buf``/``v_buf`` hold codes) matters."""
@@ -480,6 +483,14 @@ class NumbaBackend(NumpyBackend):
         work.inputs = inputs  # the batch it was planned for (attention uses it for that one only)
         return work
 
+    def items_on_blas(self, store, inputs, q_shape) -> bool:
+        """No where the BLAS path's items run on bfloat16 products (route "numba bf16
+        products"): one worker would run them on one core."""
+        request = Request.of_store("attention", store, features=inputs.features,
+                                   group=max(1, int(q_shape[1]) // store.kv_heads),
+                                   **inputs.token_facts(q_shape))
+        return route_attention(request).impl != AMX
+
     def attention(self, q, store, inputs, params, *, return_lse: bool, work=None, out=None,
                   lse_out=None):
         """Compiled decode/short-chunk attention over contiguous, paged or quantized
@@ -553,10 +564,11 @@ _NO_SPLIT = np.empty((0, 0), dtype=np.uint16)  # softmax_block writes p itself
 
 
 def _amx_line() -> str:
-    """What ``gqakv info`` says of the BLAS path's items on AMX tiles."""
+    """What ``gqakv info`` says of the BLAS path's items on bf16 products."""
     why = amx.why_not()
-    return ("the numpy BLAS path's calls with their items on the tiles where the CPU has them "
-            f"(amx_prefill; here: {'on' if why is None else f'off, {why}'}): bfloat16 queries "
+    here = f"on, {amx.engine()}" if why is None else f"off, {why}"
+    return ("the numpy BLAS path's calls with their items on bfloat16 products where the CPU has "
+            f"them, AMX tiles or AVX-512 BF16 (amx_prefill; here: {here}): bfloat16 queries "
             "over a plain bfloat16 cache or int8 / float8_e4m3fn codes with per-token scales, "
             f"contiguous or paged, d a multiple of {amx.TILE_BLOCK}; window, softcap, sinks; "
             "items too small to pay for their layout steps run the float32 matmuls")
@@ -908,7 +920,8 @@ def plan_mixed(store, inputs, params, q_shape, request) -> MixedWork | None:
     return MixedWork(inputs, a, plan_numba(a.lens, a.n_new, q_shape, store.kv_heads, params,
                                            tree=a.tree, page_size=_page_size(store)),
                      b, plan_items(b.lens, b.n_new, q_shape, store.kv_heads, params,
-                                   trees=entry_trees(b)))
+                                   trees=entry_trees(b),
+                                   blas_items=route_attention(request).impl != AMX))
 
 
 def run_mixed(work: MixedWork, q, store, *, return_lse: bool, out=None, lse_out=None):

@@ -64,8 +64,8 @@ from gqakv.core.semantics import (AttentionParams, block_keys, common_keys, key_
 
 # Threads, work items and their sharing are planned in cpu_plan (shared with the numba
 # backend); the names stay importable from here.
-from .cpu_plan import (ENV_THREADS, INVARIANT_NO_SPLIT, ITEMS_PER_WORKER, K_MAJOR_KERNELS, THIN_QUERIES,  # noqa: F401
-                       _plan, _share, _threads, _Threads, blas_spins)
+from .cpu_plan import (ENV_THREADS, INVARIANT_NO_SPLIT, ITEMS_PER_WORKER,  # noqa: F401
+                       K_MAJOR_KERNELS, THIN_QUERIES, _plan, _share, _threads, _Threads, blas_spins)
 from . import numpy_readers as readers
 from .numpy_readers import MIN_BLOCK_KEYS, to_float32  # noqa: F401 (to_float32: its old home)
 
@@ -271,19 +271,22 @@ class NumpyWork:
 def plan_items(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
                workers: int | None = None, query_block: int = QUERY_BLOCK,
                min_key_split: int = MIN_KEY_SPLIT, invariant: bool = False,
-               trees=None, max_tile_rows: int = MAX_TILE_ROWS) -> NumpyWork:
+               trees=None, max_tile_rows: int = MAX_TILE_ROWS, blas_items: bool = True) -> NumpyWork:
     """``attend``'s items for these lengths and queries ``[B, Hq, T, d]`` (see ``_plan``).
     ``invariant`` (batch-invariant mode): one query and one KV head per item, no key
     splits, blocks of ``INVARIANT_BLOCK_KEYS`` keys (then capped by the readers for the
     head dim and dtype only), so a query's bits depend on its own row alone.
     ``max_tile_rows``: query rows per item at most (``MAX_TILE_ROWS``). ``workers``: None
-    for the default (``cpu_plan._Threads.default_workers``), one where BLAS spins and the
-    call is below ``SPINNING_BLAS_ONE_WORKER_MACS`` (GQAKV_NUM_THREADS unset)."""
+    for the default (``cpu_plan._Threads.default_workers``), one where BLAS spins, the
+    items' matmuls run on BLAS (``blas_items``: not an item kernel of the backend's own,
+    whose one worker would run on one core) and the call is below
+    ``SPINNING_BLAS_ONE_WORKER_MACS`` (GQAKV_NUM_THREADS unset)."""
     one_worker_below = 0  # work (products) below which the call is planned for one worker
     if workers is None:
         workers = _threads.default_workers()
         # invariant items hold one query each: too small for BLAS to thread them
-        if workers > 1 and not invariant and not os.environ.get(ENV_THREADS) and blas_spins():
+        if (workers > 1 and blas_items and not invariant and not os.environ.get(ENV_THREADS)
+                and blas_spins()):
             one_worker_below = -(-SPINNING_BLAS_ONE_WORKER_MACS // int(q_shape[-1]))
     G = int(q_shape[1]) // kv_heads
     if invariant:
@@ -349,16 +352,17 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
     else:
         out, lse = into
     sinks = None if params.sinks is None else np.asarray(params.sinks, dtype=acc)  # [Hq]
+    fast_item = None if item_kernel is None else item_kernel(q, reader, params, trees)
     if planned is None:
         planned = plan_items(lens, n_new, q.shape, Hkv, params, workers=workers,
                              query_block=query_block, min_key_split=min_key_split,
-                             invariant=invariant, trees=trees, max_tile_rows=max_tile_rows)
+                             invariant=invariant, trees=trees, max_tile_rows=max_tile_rows,
+                             blas_items=fast_item is None)
     items, total, workers = planned.items, planned.total, planned.workers
     if not items:
         return (out, lse) if return_lse else out
     if total < parallel_min_work:
         workers = 1
-    fast_item = None if item_kernel is None else item_kernel(q, reader, params, trees)
 
     def run(batch):
         """Compute a run of items; finish whole ones, hand back key pieces for merging."""

@@ -146,9 +146,15 @@ class NumpyBackend(Backend):
         from .numpy_attention import entry_trees, plan_items
 
         work = plan_items(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params,
-                          invariant=inputs.invariant, trees=entry_trees(inputs))
+                          invariant=inputs.invariant, trees=entry_trees(inputs),
+                          blas_items=self.items_on_blas(store, inputs, q_shape))
         work.inputs = inputs  # the batch it was planned for (attention uses it for that one only)
         return work
+
+    def items_on_blas(self, store, inputs, q_shape) -> bool:
+        """Whether the BLAS path's items of this batch multiply on BLAS (``plan_items``'
+        ``blas_items``): yes here; a subclass whose own item kernel takes them says no."""
+        return True
 
     def blas_options(self) -> dict:
         """Keywords of ``numpy_attention.attend`` this backend's BLAS path runs with (a

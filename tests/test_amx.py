@@ -1,4 +1,5 @@
-"""bfloat16 prefill on AMX tiles (``backends/amx.py``, ``backends/amx_prefill.py``).
+"""bfloat16 prefill on AMX tiles or AVX-512 BF16 dot products (``backends/amx.py``,
+``backends/avx512_bf16.py``, ``backends/amx_prefill.py``).
 
 What runs anywhere: the kernel's IR verifies, the layout steps and the softmax step's
 bfloat16 split against NumPy, and ``amx.matmul``'s refusals. What needs a CPU with AMX
@@ -27,7 +28,8 @@ from gqakv.core.semantics import AttentionParams  # noqa: E402
 from .support.reference import reference_on_buffers  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
-needs_amx = pytest.mark.skipif(amx.why_not() is not None, reason=f"no AMX here: {amx.why_not()}")
+needs_amx = pytest.mark.skipif(amx.why_not() is not None,
+                               reason=f"no bfloat16 products here: {amx.why_not()}")
 
 
 def _pairs(b):
@@ -39,7 +41,20 @@ def _pairs(b):
 def test_the_kernel_ir_verifies():
     import llvmlite.binding as llvm
 
+    from gqakv_backends import avx512_bf16
+
     llvm.parse_assembly(amx.kernel_ir()).verify()
+    llvm.parse_assembly(avx512_bf16.kernel_ir("gqakv_test_bf16")).verify()
+
+
+def _engines_here() -> list:
+    """The product's engines this machine runs: AMX where ``amx.engine`` chose it, and the
+    AVX-512 BF16 dot products wherever the CPU declares them (a CPU with AMX has those
+    too, so both are tested there)."""
+    engines = [amx.AMX_ENGINE] if amx.engine() == amx.AMX_ENGINE else []
+    if amx.why_not() is None and "avx512_bf16" in amx._cpu_flags():
+        engines.append(amx.DOT_ENGINE)
+    return engines
 
 
 def test_matmul_refuses_shapes_it_cannot_tile():
@@ -59,14 +74,17 @@ def test_amx_switch_names_itself(monkeypatch):
     assert amx.why_not() == "GQAKV_AMX=0"
 
 
-@needs_amx
+@pytest.mark.parametrize("engine_name", [amx.AMX_ENGINE, amx.DOT_ENGINE])
 @pytest.mark.parametrize("heads, M, K, N, two, accumulate",
                          [(1, 32, 32, 32, False, False), (3, 64, 96, 64, True, True),
                           (2, 160, 512, 128, True, False), (1, 96, 128, 544, False, True)])
-def test_matmul_matches_float64(heads, M, K, N, two, accumulate):
+def test_matmul_matches_float64(heads, M, K, N, two, accumulate, engine_name):
     """Each product of bfloat16 values is exact in float32, so the only error is float32
     accumulation: at most (K + 1) float32 ulps of the sum of absolute terms. Rows padded
-    past their length (the prefill's pitched buffers) and C accumulated into."""
+    past their length (the prefill's pitched buffers) and C accumulated into. Each engine
+    the CPU has (AMX tiles, AVX-512 BF16 dot products)."""
+    if engine_name not in _engines_here():
+        pytest.skip(f"no {engine_name} here: {amx.why_not() or 'the CPU does not declare it'}")
     rng = np.random.default_rng(heads * M + K + N)
     a1 = np.zeros((heads, M, K + 16), BF16)[..., :K]
     a1[...] = rng.standard_normal((heads, M, K))
@@ -78,7 +96,7 @@ def test_matmul_matches_float64(heads, M, K, N, two, accumulate):
     c0 = rng.standard_normal((heads, M, N)).astype(np.float32)
     c = np.zeros((heads, M, N + 16), np.float32)[..., :N]
     c[...] = c0
-    amx.matmul(a1, _pairs(b), c, a2=a2, accumulate=accumulate)
+    amx.matmul(a1, _pairs(b), c, a2=a2, accumulate=accumulate, engine_name=engine_name)
     terms = [(a1, b)] + ([(a2, b)] if two else [])
     want = sum(x.astype(np.float64) @ y.astype(np.float64) for x, y in terms)
     size = sum(np.abs(x.astype(np.float64)) @ np.abs(y.astype(np.float64)) for x, y in terms)
@@ -271,9 +289,9 @@ def test_selftest_long_prefill_line_reaches_the_tiles(kv_dtype):
         lines[dtype] = (checks[name], amx_prefill.items_served() - before)
     line, served = lines["bfloat16"]
     assert line.passed and line.cases > 0 and served > 0
-    assert line.note == f"items on AMX tiles: {served}"
+    assert line.note == f"items on bf16 products: {served}"
     line, served = lines["float32"]
-    assert line.passed and line.cases > 0 and served == 0 and line.note == "items on AMX tiles: 0"
+    assert line.passed and line.cases > 0 and served == 0 and line.note == "items on bf16 products: 0"
 
 
 def test_served_counts_read_zero_without_loading_the_tiles_module():
@@ -288,7 +306,7 @@ def test_served_counts_read_zero_without_loading_the_tiles_module():
     code = ("import sys, gqakv; b = gqakv.get_backend('numba'); "
             "print(b.served_counts(), 'gqakv_backends.amx_prefill' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "{'items on AMX tiles': 0} False", out.stdout + out.stderr
+    assert out.stdout.strip() == "{'items on bf16 products': 0} False", out.stdout + out.stderr
 
 
 def test_float32_queries_holding_bfloat16_values_are_taken_others_named():
@@ -313,7 +331,8 @@ def test_float32_queries_holding_bfloat16_values_are_taken_others_named():
     for bad in (off, q.astype(np.float16), off[:, 1::2]):  # a strided view too
         assert "bfloat16 queries" in amx_prefill.declines(bad, reader, params, None)
     f16_cache = Plain(Rows((k.astype(np.float16), k.astype(np.float16)), np.arange(2)))
-    assert amx_prefill.declines(q, f16_cache, params, None).startswith("AMX items need a plain bfloat16 cache")
+    assert amx_prefill.declines(q, f16_cache, params, None).startswith(
+        "bf16-product items need a plain bfloat16 cache")
 
 
 @needs_amx
@@ -403,3 +422,60 @@ def test_8bit_codes_run_on_amx_and_match(monkeypatch, storage, kv_dtype):
         slack = 2.0 ** -14 * live_v  # P's split bound (the module docstring)
         assert np.all(np.abs(got - out32) <= 2.0 ** -7 * np.maximum(np.abs(got), np.abs(out32)) + slack)
         monkeypatch.undo()
+
+
+@needs_amx
+@pytest.mark.parametrize("planned", [False, True], ids=["call", "plan"])
+def test_items_on_the_products_keep_two_workers_where_blas_spins(monkeypatch, planned):
+    """Where OpenBLAS spins, a BLAS-path call below ``SPINNING_BLAS_ONE_WORKER_MACS`` runs
+    on one worker and leaves its matmuls to BLAS's threads; items on the bfloat16 products
+    use no BLAS thread, so a call they take keeps two workers (its items run on the pool's
+    threads, planned per call or by ``gqakv.plan_attention``), while the same call on the
+    float32 path (``GQAKV_AMX=0``) runs on the calling thread."""
+    import threading
+
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from gqakv_backends import numpy_attention as na
+    from gqakv_backends.cpu_plan import OPENBLAS_TIMEOUT_ENV
+
+    blas = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+    if not any(i["internal_api"] == "openblas" and i.get("threading_layer") == "pthreads"
+               for i in blas):
+        pytest.skip(f"NumPy's BLAS here is not OpenBLAS on pthreads: {blas}")
+    monkeypatch.delenv(na.ENV_THREADS, raising=False)
+    monkeypatch.delenv(OPENBLAS_TIMEOUT_ENV, raising=False)
+    rng = np.random.default_rng(44)
+    lens = n_new = [320, 256]
+    cache, q, k, v, params = _prefill(rng, "contiguous", lens, n_new, 2, 4, 64, {})
+    assert 4 * 2 * sum(n * n for n in n_new) // 2 * 64 < na.SPINNING_BLAS_ONE_WORKER_MACS
+    threads = []
+    real_item, real_attend = amx_prefill.attend_item, na._attend_item
+
+    def item_spy(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return real_item(*args, **kwargs)
+
+    def float32_spy(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return real_attend(*args, **kwargs)
+
+    monkeypatch.setattr(amx_prefill, "attend_item", item_spy)
+    monkeypatch.setattr(na, "_attend_item", float32_spy)
+
+    def run():
+        threads.clear()
+        if planned:
+            return gqakv.plan_attention(cache, n_new, q_heads=q.shape[1]).run(q, cache)
+        return gqakv.gqa_attention(q, cache, n_new, params=params)
+
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+        out = run()
+        assert len(threads) > 1 and threading.get_ident() not in threads, threads
+        monkeypatch.setenv(amx.ENV_AMX, "0")
+        out32 = run()
+        assert threads and set(threads) == {threading.get_ident()}, threads
+    want, _ = reference_on_buffers(q.astype(np.float64), k.astype(np.float64),
+                                   v.astype(np.float64), lens, n_new, params.scale)
+    rounding = np.abs(want.astype(BF16).astype(np.float64) - want).max()
+    for got in (out, out32):
+        assert np.abs(got.astype(np.float64) - want).max() <= 2 * rounding + 1e-6

@@ -346,8 +346,8 @@ MIXED_CHUNKS = dict(LONG_CHUNKS, n_new=(64, 5, 0))
 @pytest.mark.parametrize("rows", ["long", "mixed"])
 def test_long_chunks_over_the_product(rows, storage_name, params_name, dtype, route_spy):
     """The product's storage specs and attention params on numba with chunks of 64 queries
-    (``LONG_CHUNKS``, d = 64): the BLAS path, and its items on AMX tiles for bfloat16 where
-    the CPU has them (``route`` names "numba AMX" and the spy saw the tiles take the call;
+    (``LONG_CHUNKS``, d = 64): the BLAS path, and its items on bf16 products for bfloat16 where
+    the CPU has them (``route`` names "numba bf16 products" and the spy saw the tiles take the call;
     without a window, whose few keys make every item too small for them, the tiles ran
     items, counted by ``served_counts``), against the float64 reference; padded and
     packed, a cache and a model step. ``mixed``: a short row beside the chunk, so the
@@ -359,7 +359,7 @@ def test_long_chunks_over_the_product(rows, storage_name, params_name, dtype, ro
     if backend.unavailable_reason():
         pytest.skip(backend.unavailable_reason())
     case = Case(backend, storage_name, params_name, dtype)
-    served = backend.served_counts().get("items on AMX tiles", 0)
+    served = backend.served_counts().get("items on bf16 products", 0)
     spy = route_spy(backend)
     _over_the_product(case, spy, d=64, **(MIXED_CHUNKS if rows == "mixed" else LONG_CHUNKS))
     split = [c.ran for c in spy.calls if c.mixed]
@@ -370,12 +370,12 @@ def test_long_chunks_over_the_product(rows, storage_name, params_name, dtype, ro
     amx = backend.route("attention", dtype=dtype, head_dim=64, t_q=LONG_CHUNKS["T"],
                         features=gqakv.AttentionParams(scale=1.0, **case.params).features,
                         layout=case.storage.get("storage", "contiguous"),
-                        codec=case.storage.get("kv_dtype")).impl == "numba AMX"
-    ran = backend.served_counts().get("items on AMX tiles", 0) - served
+                        codec=case.storage.get("kv_dtype")).impl == "numba bf16 products"
+    ran = backend.served_counts().get("items on bf16 products", 0) - served
     if not amx:
         assert ran == 0, f"the route names no tiles, yet {ran} items ran there"
     elif "window" not in case.params:  # a window of 2 or 3 keys: every item too small for them
-        assert ran > 0, "the route names numba AMX, yet no item ran on the tiles"
+        assert ran > 0, "the route names numba bf16 products, yet no item ran on the tiles"
 
 
 def _over_the_product(case, spy, d: int = 8, *, S: int = 40, lens_before=(17, 0, 30),

@@ -292,19 +292,18 @@ def test_calls_below_the_spin_cut_run_on_one_worker_with_blas_threads(monkeypatc
     q, k, v = _case(rng, lens, n_new, hkv, G, d)
     q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
     seen = []
+    real_item = na._attend_item
 
-    def recording_kernel(q, reader, params, trees):
-        def item(*args, **kw):
-            seen.append(min(c.num_threads for c in threadpoolctl.ThreadpoolController()
-                            .select(user_api="blas").lib_controllers))
-            return None  # declined: the plain item kernel computes it
-        return item
+    def recording_item(*args, **kw):
+        seen.append(min(c.num_threads for c in threadpoolctl.ThreadpoolController()
+                        .select(user_api="blas").lib_controllers))
+        return real_item(*args, **kw)
 
+    monkeypatch.setattr(na, "_attend_item", recording_item)
     reader = na.readers.Plain(na.readers.Rows((k32, v32), np.arange(2)))
     with threadpoolctl.threadpool_limits(2, user_api="blas"):
         out, lse = na.attend(q32, reader, np.array(lens), np.array(n_new),
-                             params=AttentionParams(scale=1.0 / math.sqrt(d)), return_lse=True,
-                             item_kernel=recording_kernel)
+                             params=AttentionParams(scale=1.0 / math.sqrt(d)), return_lse=True)
     assert seen and set(seen) == {2}
     want, want_lse = reference_on_buffers(q, k, v, lens, n_new)
     np.testing.assert_allclose(out, want, atol=1e-5)

@@ -253,17 +253,17 @@ def test_cpu_routes_check_their_facts(name):
     assert route.impl == "numpy BLAS" and GENERIC in route.rejected
     if name == "numba":
         assert route.rejected["numba kernel"].startswith("dtype=float64")
-        from .support.routes import cpu_has_amx
+        from .support.routes import cpu_has_bf16_products
 
         t9 = backend.route("attention", dtype="bfloat16", t_q=9, codec="int8")
-        amx = "numba AMX" if cpu_has_amx() else "numpy BLAS"
+        amx = "numba bf16 products" if cpu_has_bf16_products() else "numpy BLAS"
         assert t9.impl == amx and "T=9" in t9.rejected["numba kernel"], t9
-        # the BLAS path's items on AMX tiles: what they do not take is named
+        # the BLAS path's items on bf16 products: what they do not take is named
         for facts, words in (({"head_dim": 80}, "head_dim=80"), ({"dtype": "float16"}, "float16"),
                              ({"codec": "int4_g32"}, "int4_g32"),
                              ({"features": frozenset({"alibi"})}, "alibi")):
             route = backend.route("attention", **{"dtype": "bfloat16", "t_q": 9, **facts})
-            assert route.impl == "numpy BLAS" and words in route.rejected["numba AMX"], route
+            assert route.impl == "numpy BLAS" and words in route.rejected["numba bf16 products"], route
         assert backend.route("attention", dtype="bfloat16", t_q=8, layout="paged",
                              codec="int8").impl == "numba kernel"
         assert backend.route("write_kv", dtype="float32").impl == "numba write_tokens"

@@ -31,7 +31,7 @@ the one gqakv would pick here; ``all``: every backend that can run):
      (G = 4, d = 128 or 64), items big enough for a backend's compute-bound path, over
      plain and int8 storage (the codes read back as for ``quant int8``); its note gives
      the work done by the paths a backend counts (``Backend.served_counts``; numba: the
-     BLAS path's bfloat16 items on AMX tiles, where the CPU has them);
+     BLAS path's bfloat16 items on bf16 products, where the CPU has them);
    - ``row copies``: ``reorder`` (with duplicates) and ``fork`` on a 2-layer
      ModelKVCache: copied rows bit-exact, slots past the copied length and rows not
      copied to untouched;
@@ -153,7 +153,7 @@ LONG_PREFILL = "long prefill"
 LONG_PREFILL_INT8 = "long int8"
 LONG_LINES = (LONG_PREFILL, LONG_PREFILL_INT8)
 #: The chunk lengths and head dims of the long-prefill lines.
-LONG_CHUNKS, LONG_HEAD_DIMS = (64, 96), (128, 64)
+LONG_CHUNKS, LONG_HEAD_DIMS = (96, 64), (128, 64)
 FAMILIES = ("compile", "append", "decode", "split+merge", "prefill", LONG_PREFILL, LONG_PREFILL_INT8,
             "row copies", "variants", *(f"paged P={p}" for p in PAGE_SIZES), *KV_DTYPES.values(),
             *PAGED_KV_DTYPES.values(), SHARED_PREFIX, DRAFT_TREE)
@@ -548,7 +548,7 @@ def _long_prefill(backend, dtype, rng, quick, checks, kv_dtype=None) -> None:
     or 64, ragged and padded, one row empty), over plain or ``kv_dtype`` storage: items big
     enough for a backend's compute-bound path (numba: the chunks over rows of more than
     ``KERNEL_SHORT_ROW_KEYS`` keys; the first ones take its kernels); the line's note gives
-    the work its ``served_counts`` paths did (numba: items on AMX tiles, bfloat16 only)."""
+    the work its ``served_counts`` paths did (numba: items on bf16 products, bfloat16 only)."""
     check = checks[LONG_PREFILL_INT8 if kv_dtype == "int8" else LONG_PREFILL]
     append = check if kv_dtype else checks["append"]  # codes read back as the quant lines do
     before = backend.served_counts()

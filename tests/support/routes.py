@@ -6,7 +6,7 @@ instance: ``write_kv``, ``copy_tokens``, ``attention``) and the entry of every
 implementation they can reach: the generic array-API functions, the NumPy BLAS path
 (``numpy_attention.attention_store``: one item kernel over every reader), the numba kernels
 (``numba_kernels.attention_items``, ``write_tokens``, ``copy_rows``; the BLAS path's
-items on AMX tiles, where its hook takes a call) and, for the
+items on bf16 products, where its hook takes a call) and, for the
 emulated CuPy backend, its kernel launches (``EmulatedCupyBackend._run_plan``: the first
 launch's kernel). Each hot-operation call is recorded as a ``Call``: the operation, the
 facts ``route`` reads, worked out here from the call's arguments (not by the backend's
@@ -44,10 +44,10 @@ NUMPY_ENTRIES = (("gqakv_backends.numpy_attention", "attention_store", "numpy BL
 NUMBA_ENTRIES = (("gqakv_backends.numba_kernels", "attention_items", "numba kernel"),
                  ("gqakv_backends.numba_kernels", "write_tokens", "numba write_tokens"),
                  ("gqakv_backends.numba_kernels", "copy_rows", "numba copy_rows"))
-#: The numba backend's BLAS path with its items on AMX tiles: the hook that hands a call's
+#: The numba backend's BLAS path with its items on bf16 products: the hook that hands a call's
 #: items to the tiles (its result None: the call is not theirs). A call it takes ran
-#: "numba AMX" rather than the BLAS path it refines.
-NUMBA_AMX_ENTRY = ("gqakv_backends.numba_backend", "_amx_items", "numba AMX", "numpy BLAS")
+#: "numba bf16 products" rather than the BLAS path it refines.
+NUMBA_AMX_ENTRY = ("gqakv_backends.numba_backend", "_amx_items", "numba bf16 products", "numpy BLAS")
 
 
 @dataclass
@@ -273,27 +273,29 @@ def _numpy_attention(f) -> Any:
     return FAST
 
 
-def cpu_has_amx() -> bool:
-    """Whether this machine runs AMX bfloat16 tiles for gqakv: Linux's CPU flags name
-    ``amx_bf16`` and ``GQAKV_AMX`` is not 0 (the performance guide's conditions)."""
+def cpu_has_bf16_products() -> bool:
+    """Whether this machine runs gqakv's bfloat16 products (AMX tiles or AVX-512 BF16 dot
+    products): Linux's CPU flags name ``amx_bf16`` or ``avx512_bf16`` and ``GQAKV_AMX`` is
+    not 0 (the performance guide's conditions)."""
     if os.environ.get("GQAKV_AMX", "1").strip() == "0":
         return False
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+            return any(line.startswith("flags") and {"amx_bf16", "avx512_bf16"} & set(line.split())
+                       for line in f)
     except OSError:
         return False
 
 
 def _numba_blas(f) -> Any:
-    # the BLAS path; its items on AMX tiles where the CPU has them, for bfloat16 queries
+    # the BLAS path; its items on bf16 products where the CPU has them, for bfloat16 queries
     # over plain bfloat16 or per-token 8-bit codes, d a multiple of 32, and the variants
     # window, softcap and sinks (the performance guide, "bfloat16 on AMX tiles")
     want = _numpy_attention(f)
     if (want == FAST and f["dtype"] == "bfloat16" and f["codec"] in CPU_CODECS
             and f["head_dim"] % 32 == 0 and not f.get("features", set()) - {"window", "softcap", "sinks"}
-            and cpu_has_amx()):
-        return "numba AMX"
+            and cpu_has_bf16_products()):
+        return "numba bf16 products"
     return want
 
 

@@ -1,0 +1,144 @@
+"""bfloat16 matrix products on AVX-512 BF16 dot products (``vdpbf16ps``): the AMX kernel's
+product (``amx``) for CPUs that have the dot products but no tiles (AMD Zen 4 and later,
+Intel Cooper Lake).
+
+The same product, signature and operand layouts as ``amx.kernel_ir``, so the code that
+lays operands out and calls it (``amx_prefill``) runs unchanged on either:
+
+    C[h] (+)= A1[h] @ B[h]  (+ A2[h] @ B[h])      for h < heads
+
+A ``vdpbf16ps`` folds, in each of 16 float32 lanes, one pair of bfloat16 products into
+the lane: ``acc[n] += a[2n] b[2n] + a[2n + 1] b[2n + 1]``. B's "VNNI" pairs are exactly
+its operand: one pair row of B (two consecutive K values for 16 output columns, 64
+bytes) is one vector, and the A pair it meets (two consecutive K values of one A row,
+4 bytes) is broadcast to all lanes. A block of 8 rows x 32 columns keeps 16
+accumulators in registers over the whole K loop; each pair row of B is loaded once per
+block and met by 8 broadcast A pairs (16 dot products per 2 B loads). Each product of
+bfloat16 values is exact in float32; the sums are float32 (a pair's two products are
+added before the accumulator, in the hardware's order).
+"""
+
+from __future__ import annotations
+
+#: Rows of A folded at once (each against two 16-column B vectors: 16 accumulators).
+ROWS = 8
+_V = "<16 x float>"
+_W = "<16 x i32>"
+_DOT = "@llvm.x86.avx512bf16.dpbf16ps.512"
+
+
+def _row_block(tag: str, operands: tuple[str, ...], r0: int) -> list[str]:
+    """The IR of one block of ``ROWS`` rows from row ``r0`` of the 32-row block: C into
+    16 accumulators (or zeros), the loop over B's pair rows, C stored back. Starts in
+    block ``{tag}`` and falls through to block ``{tag}_end``."""
+    rows = range(ROWS)
+    ir = [f"{tag}:\n"]
+    for i in rows:
+        ir += [f"  %{tag}_ro{i} = mul i64 %ldc, {r0 + i}\n",
+               f"  %{tag}_pc{i}0 = getelementptr i8, ptr %c_n, i64 %{tag}_ro{i}\n",
+               f"  %{tag}_pc{i}1 = getelementptr i8, ptr %{tag}_pc{i}0, i64 64\n"]
+        for a in operands:
+            ir += [f"  %{tag}_ao{a}{i} = mul i64 %lda, {r0 + i}\n",
+                   f"  %{tag}_pa{a}{i} = getelementptr i8, ptr %{a}_m, i64 %{tag}_ao{a}{i}\n"]
+        for j in (0, 1):
+            ir += [f"  %{tag}_l{i}{j} = load {_V}, ptr %{tag}_pc{i}{j}, align 4\n",
+                   f"  %{tag}_i{i}{j} = select i1 %acc, {_V} %{tag}_l{i}{j}, {_V} zeroinitializer\n"]
+    ir += [f"  br label %{tag}_k\n", f"{tag}_k:\n",
+           f"  %{tag}_p = phi i64 [0, %{tag}], [%{tag}_p1, %{tag}_k]\n"]
+    for i in rows:
+        for j in (0, 1):
+            ir.append(f"  %{tag}_c{i}{j} = phi {_V} [%{tag}_i{i}{j}, %{tag}], [%{tag}_n{i}{j}, %{tag}_k]\n")
+    # pair row p: K step p / 16 (bstep bytes each), row p % 16 of it (ldb bytes each)
+    ir += [f"  %{tag}_ks = lshr i64 %{tag}_p, 4\n",
+           f"  %{tag}_kr = and i64 %{tag}_p, 15\n",
+           f"  %{tag}_bo1 = mul i64 %{tag}_ks, %bstep\n",
+           f"  %{tag}_bo2 = mul i64 %{tag}_kr, %ldb\n",
+           f"  %{tag}_bo = add i64 %{tag}_bo1, %{tag}_bo2\n",
+           f"  %{tag}_pb0 = getelementptr i8, ptr %b_n, i64 %{tag}_bo\n",
+           f"  %{tag}_pb1 = getelementptr i8, ptr %{tag}_pb0, i64 %bcol\n",
+           f"  %{tag}_w0 = load {_W}, ptr %{tag}_pb0, align 4\n",
+           f"  %{tag}_w1 = load {_W}, ptr %{tag}_pb1, align 4\n",
+           f"  %{tag}_b0 = bitcast {_W} %{tag}_w0 to <32 x bfloat>\n",
+           f"  %{tag}_b1 = bitcast {_W} %{tag}_w1 to <32 x bfloat>\n",
+           f"  %{tag}_ap = shl i64 %{tag}_p, 2\n"]
+    for i in rows:
+        last = {j: f"%{tag}_c{i}{j}" for j in (0, 1)}
+        for x, a in enumerate(operands):
+            ir += [f"  %{tag}_q{a}{i} = getelementptr i8, ptr %{tag}_pa{a}{i}, i64 %{tag}_ap\n",
+                   f"  %{tag}_s{a}{i} = load i32, ptr %{tag}_q{a}{i}, align 4\n",
+                   f"  %{tag}_e{a}{i} = insertelement {_W} poison, i32 %{tag}_s{a}{i}, i64 0\n",
+                   f"  %{tag}_v{a}{i} = shufflevector {_W} %{tag}_e{a}{i}, {_W} poison, "
+                   "<16 x i32> zeroinitializer\n",
+                   f"  %{tag}_x{a}{i} = bitcast {_W} %{tag}_v{a}{i} to <32 x bfloat>\n"]
+            for j in (0, 1):
+                name = f"%{tag}_n{i}{j}" if x == len(operands) - 1 else f"%{tag}_d{a}{i}{j}"
+                ir.append(f"  {name} = call {_V} {_DOT}({_V} {last[j]}, <32 x bfloat> "
+                          f"%{tag}_x{a}{i}, <32 x bfloat> %{tag}_b{j})\n")
+                last[j] = name
+    ir += [f"  %{tag}_p1 = add i64 %{tag}_p, 1\n",
+           f"  %{tag}_done = icmp eq i64 %{tag}_p1, %np\n",
+           f"  br i1 %{tag}_done, label %{tag}_st, label %{tag}_k\n",
+           f"{tag}_st:\n"]
+    for i in rows:
+        for j in (0, 1):
+            ir.append(f"  store {_V} %{tag}_n{i}{j}, ptr %{tag}_pc{i}{j}, align 4\n")
+    ir.append(f"  br label %{tag}_end\n")
+    return ir
+
+
+def kernel_ir(symbol: str) -> str:
+    """The LLVM IR of the product, as a function named ``symbol`` with ``amx.kernel_ir``'s
+    parameters (M, N, K in blocks of 32: ``m32``, ``n32``, ``nk``; as there, nk >= 1: an
+    empty sum is the caller's)."""
+    ir = ['target triple = "x86_64-unknown-linux-gnu"\n',
+          f"declare {_V} {_DOT}({_V}, <32 x bfloat>, <32 x bfloat>)\n",
+          f"define void @{symbol}(ptr %a1, ptr %a2, i64 %lda, ptr %b, i64 %ldb, i64 %bstep, "
+          "i64 %bcol, ptr %c, i64 %ldc, i64 %m32, i64 %n32, i64 %nk, i64 %heads, i64 %sa, "
+          "i64 %sb, i64 %sc, i64 %accumulate) #0 {\n",
+          "entry:\n",
+          "  %a32 = shl i64 %lda, 5\n  %c32 = shl i64 %ldc, 5\n",
+          "  %bcol2 = shl i64 %bcol, 1\n",
+          "  %np = shl i64 %nk, 4\n",  # pair rows of B: 16 per K step of 32
+          "  %acc = icmp ne i64 %accumulate, 0\n",
+          "  %two = icmp ne ptr %a2, null\n",
+          "  br label %head\n",
+          "head:\n",
+          "  %h = phi i64 [0, %entry], [%h1, %head_next]\n",
+          "  %oa = mul i64 %h, %sa\n  %ob = mul i64 %h, %sb\n  %oc = mul i64 %h, %sc\n",
+          "  %a1_h = getelementptr i8, ptr %a1, i64 %oa\n",
+          "  %a2_h = getelementptr i8, ptr %a2, i64 %oa\n",
+          "  %b_h = getelementptr i8, ptr %b, i64 %ob\n",
+          "  %c_h = getelementptr i8, ptr %c, i64 %oc\n",
+          "  br label %row\n",
+          "row:\n",
+          "  %mi = phi i64 [0, %head], [%mi1, %row_next]\n",
+          "  %ra = mul i64 %mi, %a32\n  %rc = mul i64 %mi, %c32\n",
+          "  %a1_m = getelementptr i8, ptr %a1_h, i64 %ra\n",
+          "  %a2_m = getelementptr i8, ptr %a2_h, i64 %ra\n",
+          "  %c_m = getelementptr i8, ptr %c_h, i64 %rc\n",
+          "  br label %col\n",
+          "col:\n",
+          "  %ni = phi i64 [0, %row], [%ni1, %col_next]\n",
+          "  %nb = shl i64 %ni, 7\n",  # 32 columns: 128 bytes of C's floats
+          "  %nbb = mul i64 %ni, %bcol2\n",
+          "  %b_n = getelementptr i8, ptr %b_h, i64 %nbb\n",
+          "  %c_n = getelementptr i8, ptr %c_m, i64 %nb\n",
+          "  br i1 %two, label %t0, label %o0\n"]
+    for tag, operands in (("o", ("a1",)), ("t", ("a1", "a2"))):
+        for blk in range(32 // ROWS):
+            body = _row_block(f"{tag}{blk}", operands, blk * ROWS)
+            ir += body
+            nxt = f"{tag}{blk + 1}" if blk + 1 < 32 // ROWS else "col_next"
+            ir += [f"{tag}{blk}_end:\n", f"  br label %{nxt}\n"]
+    ir += ["col_next:\n",
+           "  %ni1 = add i64 %ni, 1\n  %col_done = icmp eq i64 %ni1, %n32\n",
+           "  br i1 %col_done, label %row_next, label %col\n",
+           "row_next:\n",
+           "  %mi1 = add i64 %mi, 1\n  %row_done = icmp eq i64 %mi1, %m32\n",
+           "  br i1 %row_done, label %head_next, label %row\n",
+           "head_next:\n",
+           "  %h1 = add i64 %h, 1\n  %head_done = icmp eq i64 %h1, %heads\n",
+           "  br i1 %head_done, label %exit, label %head\n",
+           "exit:\n  ret void\n}\n",
+           'attributes #0 = { nounwind "target-features"="+avx512f,+avx512bw,+avx512bf16" }\n']
+    return "".join(ir)
