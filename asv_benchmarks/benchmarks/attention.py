@@ -232,11 +232,13 @@ class ChunkedPrefill:
 
 
 class Bfloat16PrefillTiles:
-    """bfloat16 prefill on the numba backend where the CPU has AMX: the tile items
-    (``amx_prefill``) against the float32 path they replace (``GQAKV_AMX=0``), calls
-    interleaved in one process. ``track_ratio_to_float32_path``: AMX time / float32-path
-    time (below 1: the tiles are faster; 0.45-0.5 on the development machine, 2026-12-05).
-    Skipped, saying why, without AMX or before the tiles existed."""
+    """bfloat16 prefill on the numba backend where the CPU has bfloat16 products (AMX
+    tiles, or AVX-512 BF16 dot products since 2026-12-06: ``amx.engine``): the product
+    items (``amx_prefill``) against the float32 path they replace (``GQAKV_AMX=0``), calls
+    interleaved in one process. ``track_ratio_to_float32_path``: product time /
+    float32-path time (below 1: the products are faster; 0.45-0.5 on AMX tiles on the
+    Xeon, 2026-12-05; 0.71-0.77 on AVX-512 BF16 on the AMD EPYC, 2026-12-06). Skipped,
+    saying why, on CPUs without either or before the tiles existed."""
 
     params = [["512 onto 3000", "4096 at once"]]
     param_names = ["case"]
@@ -251,7 +253,7 @@ class Bfloat16PrefillTiles:
             raise NotImplementedError("gqakv_backends.amx does not exist in this commit") from None
         why = amx.why_not()
         if why is not None:
-            raise NotImplementedError(f"no AMX tiles: {why}")
+            raise NotImplementedError(f"no bfloat16 products: {why}")
         self.env = amx.ENV_AMX
         chunk, L = self.CASES[case]
         self.cache = filled_cache(self.backend, [L], dtype="bfloat16")
@@ -278,7 +280,7 @@ class Bfloat16PrefillTiles:
         return ratio(lambda: attend(self.backend, self.q, self.cache, self.n_new), self._float32_path,
                      self.backend, repeats=3)
 
-    track_ratio_to_float32_path.unit = "AMX / float32-path time"
+    track_ratio_to_float32_path.unit = "bf16-product / float32-path time"
 
 
 class VsTorch:
