@@ -27,18 +27,21 @@ _W = "<16 x i32>"
 _DOT = "@llvm.x86.avx512bf16.dpbf16ps.512"
 
 
-def _row_block(tag: str, operands: tuple[str, ...], r0: int) -> list[str]:
-    """The IR of one block of ``ROWS`` rows from row ``r0`` of the 32-row block: C into
-    16 accumulators (or zeros), the loop over B's pair rows, C stored back. Starts in
-    block ``{tag}`` and falls through to block ``{tag}_end``."""
+def _row_blocks(tag: str, operands: tuple[str, ...]) -> list[str]:
+    """The IR of the loop over the 32-row block's ``32 / ROWS`` blocks of ``ROWS`` rows,
+    each: C into 16 accumulators (or zeros), the loop over B's pair rows, C stored back.
+    Starts in block ``{tag}`` and leaves to block ``col_next``."""
     rows = range(ROWS)
-    ir = [f"{tag}:\n"]
+    ir = [f"{tag}:\n",
+          f"  %{tag}_blk = phi i64 [0, %col], [%{tag}_blk1, %{tag}_st]\n",
+          f"  %{tag}_r0 = mul i64 %{tag}_blk, {ROWS}\n"]
     for i in rows:
-        ir += [f"  %{tag}_ro{i} = mul i64 %ldc, {r0 + i}\n",
+        ir += [f"  %{tag}_row{i} = add i64 %{tag}_r0, {i}\n",
+               f"  %{tag}_ro{i} = mul i64 %ldc, %{tag}_row{i}\n",
                f"  %{tag}_pc{i}0 = getelementptr i8, ptr %c_n, i64 %{tag}_ro{i}\n",
                f"  %{tag}_pc{i}1 = getelementptr i8, ptr %{tag}_pc{i}0, i64 64\n"]
         for a in operands:
-            ir += [f"  %{tag}_ao{a}{i} = mul i64 %lda, {r0 + i}\n",
+            ir += [f"  %{tag}_ao{a}{i} = mul i64 %lda, %{tag}_row{i}\n",
                    f"  %{tag}_pa{a}{i} = getelementptr i8, ptr %{a}_m, i64 %{tag}_ao{a}{i}\n"]
         for j in (0, 1):
             ir += [f"  %{tag}_l{i}{j} = load {_V}, ptr %{tag}_pc{i}{j}, align 4\n",
@@ -82,7 +85,9 @@ def _row_block(tag: str, operands: tuple[str, ...], r0: int) -> list[str]:
     for i in rows:
         for j in (0, 1):
             ir.append(f"  store {_V} %{tag}_n{i}{j}, ptr %{tag}_pc{i}{j}, align 4\n")
-    ir.append(f"  br label %{tag}_end\n")
+    ir += [f"  %{tag}_blk1 = add i64 %{tag}_blk, 1\n",
+           f"  %{tag}_all = icmp eq i64 %{tag}_blk1, {32 // ROWS}\n",
+           f"  br i1 %{tag}_all, label %col_next, label %{tag}\n"]
     return ir
 
 
@@ -123,13 +128,9 @@ def kernel_ir(symbol: str) -> str:
           "  %nbb = mul i64 %ni, %bcol2\n",
           "  %b_n = getelementptr i8, ptr %b_h, i64 %nbb\n",
           "  %c_n = getelementptr i8, ptr %c_m, i64 %nb\n",
-          "  br i1 %two, label %t0, label %o0\n"]
+          "  br i1 %two, label %t, label %o\n"]
     for tag, operands in (("o", ("a1",)), ("t", ("a1", "a2"))):
-        for blk in range(32 // ROWS):
-            body = _row_block(f"{tag}{blk}", operands, blk * ROWS)
-            ir += body
-            nxt = f"{tag}{blk + 1}" if blk + 1 < 32 // ROWS else "col_next"
-            ir += [f"{tag}{blk}_end:\n", f"  br label %{nxt}\n"]
+        ir += _row_blocks(tag, operands)
     ir += ["col_next:\n",
            "  %ni1 = add i64 %ni, 1\n  %col_done = icmp eq i64 %ni1, %n32\n",
            "  br i1 %col_done, label %row_next, label %col\n",
