@@ -113,24 +113,26 @@ def _k_loop(tag: str, operands: tuple[str, ...], entry: str) -> tuple[str, str]:
     return "".join(ir), f"{tag}_out"
 
 
-def kernel_ir() -> str:
-    """The LLVM IR of ``gqakv_amx_bf16`` (the module docstring's product)."""
-    tiles = ("00", "01", "10", "11")
-    ir = ['target triple = "x86_64-unknown-linux-gnu"\n',
-          f"declare {_TILE} @llvm.x86.tileloadd64.internal(i16, i16, ptr, i64)\n",
-          f"declare {_TILE} @llvm.x86.tdpbf16ps.internal(i16, i16, i16, {_TILE}, {_TILE}, {_TILE})\n",
-          f"declare void @llvm.x86.tilestored64.internal(i16, i16, ptr, i64, {_TILE})\n",
-          f"declare {_TILE} @llvm.x86.tilezero.internal(i16, i16)\n",
-          "define void @gqakv_amx_bf16(ptr %a1, ptr %a2, i64 %lda, ptr %b, i64 %ldb, i64 %bstep, "
-          "i64 %bcol, ptr %c, "
-          "i64 %ldc, i64 %m32, i64 %n32, i64 %nk, i64 %heads, i64 %sa, i64 %sb, i64 %sc, "
-          "i64 %accumulate) #0 {\n",
+def product_ir(symbol: str, declarations: list[str], entry: list[str], column_block: list[str],
+               features: str) -> str:
+    """The LLVM IR of a product ``symbol`` with this module's signature (the module
+    docstring): the loops over heads, blocks of 32 rows and blocks of 32 columns, shared
+    by both engines, around ``column_block``, the IR of one 32 x 32 block of C. That block
+    starts at label ``col`` after ``%a1_m`` / ``%a2_m`` (the block's first A rows),
+    ``%b_n`` (its first B column pairs) and ``%c_n`` (its first C element) and ends with
+    ``br label %col_next``; it may use ``%acc`` (accumulate into C), ``%two`` (A2 given)
+    and ``entry``'s values. ``declarations``: the intrinsics it calls; ``features``: the
+    target features it needs."""
+    ir = ['target triple = "x86_64-unknown-linux-gnu"\n', *declarations,
+          f"define void @{symbol}(ptr %a1, ptr %a2, i64 %lda, ptr %b, i64 %ldb, i64 %bstep, "
+          "i64 %bcol, ptr %c, i64 %ldc, i64 %m32, i64 %n32, i64 %nk, i64 %heads, i64 %sa, "
+          "i64 %sb, i64 %sc, i64 %accumulate) #0 {\n",
           "entry:\n",
-          "  %a16 = shl i64 %lda, 4\n  %a32 = shl i64 %lda, 5\n",
+          "  %a32 = shl i64 %lda, 5\n  %c32 = shl i64 %ldc, 5\n",
           "  %bcol2 = shl i64 %bcol, 1\n",
-          "  %c16 = shl i64 %ldc, 4\n  %c32 = shl i64 %ldc, 5\n",
           "  %acc = icmp ne i64 %accumulate, 0\n",
           "  %two = icmp ne ptr %a2, null\n",
+          *entry,
           "  br label %head\n",
           # for h < heads
           "head:\n",
@@ -155,7 +157,32 @@ def kernel_ir() -> str:
           "  %nb = shl i64 %ni, 7\n",  # 32 columns: 128 bytes of C's floats
           "  %nbb = mul i64 %ni, %bcol2\n",
           "  %b_n = getelementptr i8, ptr %b_h, i64 %nbb\n",
-          "  %pc00 = getelementptr i8, ptr %c_m, i64 %nb\n",
+          "  %c_n = getelementptr i8, ptr %c_m, i64 %nb\n",
+          *column_block,
+          "col_next:\n",
+          "  %ni1 = add i64 %ni, 1\n  %col_done = icmp eq i64 %ni1, %n32\n",
+          "  br i1 %col_done, label %row_next, label %col\n",
+          "row_next:\n",
+          "  %mi1 = add i64 %mi, 1\n  %row_done = icmp eq i64 %mi1, %m32\n",
+          "  br i1 %row_done, label %head_next, label %row\n",
+          "head_next:\n",
+          "  %h1 = add i64 %h, 1\n  %head_done = icmp eq i64 %h1, %heads\n",
+          "  br i1 %head_done, label %exit, label %head\n",
+          "exit:\n  ret void\n}\n",
+          f'attributes #0 = {{ nounwind "target-features"="{features}" }}\n']
+    return "".join(ir)
+
+
+def kernel_ir(symbol: str = SYMBOL) -> str:
+    """The LLVM IR of the AMX product (the module docstring's), named ``symbol``."""
+    tiles = ("00", "01", "10", "11")
+    declarations = [
+        f"declare {_TILE} @llvm.x86.tileloadd64.internal(i16, i16, ptr, i64)\n",
+        f"declare {_TILE} @llvm.x86.tdpbf16ps.internal(i16, i16, i16, {_TILE}, {_TILE}, {_TILE})\n",
+        f"declare void @llvm.x86.tilestored64.internal(i16, i16, ptr, i64, {_TILE})\n",
+        f"declare {_TILE} @llvm.x86.tilezero.internal(i16, i16)\n"]
+    entry = ["  %a16 = shl i64 %lda, 4\n", "  %c16 = shl i64 %ldc, 4\n"]
+    ir = ["  %pc00 = getelementptr i8, ptr %c_n, i64 0\n",
           "  %pc01 = getelementptr i8, ptr %pc00, i64 64\n",
           "  %pc10 = getelementptr i8, ptr %pc00, i64 %c16\n",
           "  %pc11 = getelementptr i8, ptr %pc10, i64 64\n",
@@ -182,19 +209,8 @@ def kernel_ir() -> str:
            for t in tiles]
     ir += [f"  call void @llvm.x86.tilestored64.internal({_SHAPE}, ptr %pc{t}, i64 %ldc, {_TILE} %s{t})\n"
            for t in tiles]
-    ir += ["  br label %col_next\n",
-           "col_next:\n",
-           "  %ni1 = add i64 %ni, 1\n  %col_done = icmp eq i64 %ni1, %n32\n",
-           "  br i1 %col_done, label %row_next, label %col\n",
-           "row_next:\n",
-           "  %mi1 = add i64 %mi, 1\n  %row_done = icmp eq i64 %mi1, %m32\n",
-           "  br i1 %row_done, label %head_next, label %row\n",
-           "head_next:\n",
-           "  %h1 = add i64 %h, 1\n  %head_done = icmp eq i64 %h1, %heads\n",
-           "  br i1 %head_done, label %exit, label %head\n",
-           "exit:\n  ret void\n}\n",
-           'attributes #0 = { nounwind "target-features"="+amx-tile,+amx-bf16" }\n']
-    return "".join(ir)
+    ir += ["  br label %col_next\n"]
+    return product_ir(symbol, declarations, entry, ir, "+amx-tile,+amx-bf16")
 
 
 def _cpu_flags() -> set[str]:
@@ -271,7 +287,7 @@ def _compile(engine_name: str, symbol: str = SYMBOL):
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     if engine_name == AMX_ENGINE:
-        source = kernel_ir().replace(f"@{SYMBOL}(", f"@{symbol}(")
+        source = kernel_ir(symbol)
     else:
         from . import avx512_bf16
         source = avx512_bf16.kernel_ir(symbol)

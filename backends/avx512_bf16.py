@@ -95,51 +95,11 @@ def kernel_ir(symbol: str) -> str:
     """The LLVM IR of the product, as a function named ``symbol`` with ``amx.kernel_ir``'s
     parameters (M, N, K in blocks of 32: ``m32``, ``n32``, ``nk``; as there, nk >= 1: an
     empty sum is the caller's)."""
-    ir = ['target triple = "x86_64-unknown-linux-gnu"\n',
-          f"declare {_V} {_DOT}({_V}, <32 x bfloat>, <32 x bfloat>)\n",
-          f"define void @{symbol}(ptr %a1, ptr %a2, i64 %lda, ptr %b, i64 %ldb, i64 %bstep, "
-          "i64 %bcol, ptr %c, i64 %ldc, i64 %m32, i64 %n32, i64 %nk, i64 %heads, i64 %sa, "
-          "i64 %sb, i64 %sc, i64 %accumulate) #0 {\n",
-          "entry:\n",
-          "  %a32 = shl i64 %lda, 5\n  %c32 = shl i64 %ldc, 5\n",
-          "  %bcol2 = shl i64 %bcol, 1\n",
-          "  %np = shl i64 %nk, 4\n",  # pair rows of B: 16 per K step of 32
-          "  %acc = icmp ne i64 %accumulate, 0\n",
-          "  %two = icmp ne ptr %a2, null\n",
-          "  br label %head\n",
-          "head:\n",
-          "  %h = phi i64 [0, %entry], [%h1, %head_next]\n",
-          "  %oa = mul i64 %h, %sa\n  %ob = mul i64 %h, %sb\n  %oc = mul i64 %h, %sc\n",
-          "  %a1_h = getelementptr i8, ptr %a1, i64 %oa\n",
-          "  %a2_h = getelementptr i8, ptr %a2, i64 %oa\n",
-          "  %b_h = getelementptr i8, ptr %b, i64 %ob\n",
-          "  %c_h = getelementptr i8, ptr %c, i64 %oc\n",
-          "  br label %row\n",
-          "row:\n",
-          "  %mi = phi i64 [0, %head], [%mi1, %row_next]\n",
-          "  %ra = mul i64 %mi, %a32\n  %rc = mul i64 %mi, %c32\n",
-          "  %a1_m = getelementptr i8, ptr %a1_h, i64 %ra\n",
-          "  %a2_m = getelementptr i8, ptr %a2_h, i64 %ra\n",
-          "  %c_m = getelementptr i8, ptr %c_h, i64 %rc\n",
-          "  br label %col\n",
-          "col:\n",
-          "  %ni = phi i64 [0, %row], [%ni1, %col_next]\n",
-          "  %nb = shl i64 %ni, 7\n",  # 32 columns: 128 bytes of C's floats
-          "  %nbb = mul i64 %ni, %bcol2\n",
-          "  %b_n = getelementptr i8, ptr %b_h, i64 %nbb\n",
-          "  %c_n = getelementptr i8, ptr %c_m, i64 %nb\n",
-          "  br i1 %two, label %t, label %o\n"]
+    from .amx import product_ir
+
+    entry = ["  %np = shl i64 %nk, 4\n"]  # pair rows of B: 16 per K step of 32
+    column_block = ["  br i1 %two, label %t, label %o\n"]
     for tag, operands in (("o", ("a1",)), ("t", ("a1", "a2"))):
-        ir += _row_blocks(tag, operands)
-    ir += ["col_next:\n",
-           "  %ni1 = add i64 %ni, 1\n  %col_done = icmp eq i64 %ni1, %n32\n",
-           "  br i1 %col_done, label %row_next, label %col\n",
-           "row_next:\n",
-           "  %mi1 = add i64 %mi, 1\n  %row_done = icmp eq i64 %mi1, %m32\n",
-           "  br i1 %row_done, label %head_next, label %row\n",
-           "head_next:\n",
-           "  %h1 = add i64 %h, 1\n  %head_done = icmp eq i64 %h1, %heads\n",
-           "  br i1 %head_done, label %exit, label %head\n",
-           "exit:\n  ret void\n}\n",
-           'attributes #0 = { nounwind "target-features"="+avx512f,+avx512bw,+avx512bf16" }\n']
-    return "".join(ir)
+        column_block += _row_blocks(tag, operands)
+    return product_ir(symbol, [f"declare {_V} {_DOT}({_V}, <32 x bfloat>, <32 x bfloat>)\n"],
+                      entry, column_block, "+avx512f,+avx512bw,+avx512bf16")
