@@ -94,11 +94,12 @@ PARALLEL_MIN_WORK = 1 << 18
 #: matmuls to BLAS's own threads instead of two workers with BLAS held to one. In a model,
 #: attention follows the model's own matmuls, whose workers still spin when it starts and
 #: take a core from a second worker; a call this small ends inside their spin (about
-#: 0.1 s). SmolLM2 and Llama-3.1-8B layers, float32, on the 2-core machine: right after
-#: the layer's QKV matmul one worker took 0.54-0.95x the time of two (prompts of 256 to
-#: 1,536 tokens, batch 1 to 8, and decode), and 0.7-1.1x with idle threads before; at
-#: 2^30.2 multiply-adds and above it lost up to 1.8x with idle threads before (performance
-#: guide, "Threads shared with the model's BLAS").
+#: 0.1 s). SmolLM2 and Llama-3.1-8B layers, float32, on the 2-core AMD machine (prompts
+#: of 256 to 1,536 tokens at batch 1 to 8, and decode; rounds of alternating calls): right
+#: after the layer's QKV matmul one worker took 0.53-1.1x the time of two (most rounds
+#: 0.55-0.85), and 0.6-1.2x after idle threads; at 2^30.2 multiply-adds and above it lost
+#: up to 1.8x after idle threads (performance guide, "Threads shared with the model's
+#: BLAS"). Not measured on the Xeon.
 SPINNING_BLAS_ONE_WORKER_MACS = 1 << 30
 
 
