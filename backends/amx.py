@@ -55,7 +55,8 @@ import numpy as np
 
 #: Rows, keys and d of the products come in multiples of this (a block of 2 x 2 tiles).
 TILE_BLOCK = 32
-#: Set to 0 to keep the float32 matmuls even where AMX is available.
+#: Set to 0 to keep the float32 matmuls even where bfloat16 products (AMX or AVX-512 BF16)
+#: are available.
 ENV_AMX = "GQAKV_AMX"
 #: The kernel's name, registered as a process symbol once compiled (``_compile``): the
 #: AMX kernel, or where the CPU has no tiles the same product on AVX-512 BF16 dot
