@@ -3,9 +3,10 @@
 
 What runs anywhere: the kernel's IR verifies, the layout steps and the softmax step's
 bfloat16 split against NumPy, and ``amx.matmul``'s refusals. What needs a CPU with AMX
-(skipped elsewhere, with the reason): the tile product against float64, and bfloat16
-prefill through the public API reaching the AMX items (spied) and matching both the
-float64 reference and the float32 path it replaces (``GQAKV_AMX=0``).
+or AVX-512 BF16 (skipped elsewhere, with the reason): each engine's product against
+float64, and bfloat16 prefill through the public API reaching the product items (spied)
+and matching both the float64 reference and the float32 path it replaces
+(``GQAKV_AMX=0``).
 """
 
 from __future__ import annotations

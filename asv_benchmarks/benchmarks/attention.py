@@ -452,9 +452,12 @@ class AfterModelMatmul:
     chunk thread floor, 8x64 and 8x128 above it. Measured 2026-12-06 (2-core AMD EPYC, load
     about 1, two runs): numba with the floor 1.20-1.21, 1.25-1.34, 1.24-2.39, 2.04-2.16;
     without it (every chunk past ``PARALLEL_MIN_WORK`` on two threads) 1.60-1.62,
-    1.60-1.68, 1.30-1.97, 1.86-1.90; numpy 1.04, 1.10, 1.76, 1.66."""
+    1.60-1.68, 1.30-1.97, 1.86-1.90; numpy 1.04, 1.10, 1.76, 1.66. 1x512 takes the BLAS
+    path on both backends, one worker on BLAS's own threads where OpenBLAS spins (below
+    ``numpy_attention.SPINNING_BLAS_ONE_WORKER_MACS``), added with that rule."""
 
-    params = [[b for b in BACKENDS if b in ("numpy", "numba")], ["1x128", "8x32", "8x64", "8x128"]]
+    params = [[b for b in BACKENDS if b in ("numpy", "numba")],
+              ["1x128", "8x32", "8x64", "8x128", "1x512"]]
     param_names = ["backend", "batch x prompt"]
     timeout = 300
     PAUSE_S = 0.15  # past OpenBLAS's spin (about 0.1 s): the calls alone meet no spinning worker
