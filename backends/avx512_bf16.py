@@ -20,6 +20,8 @@ added before the accumulator, in the hardware's order).
 
 from __future__ import annotations
 
+from .product_ir import product_ir
+
 #: Rows of A folded at once (each against two 16-column B vectors: 16 accumulators).
 ROWS = 8
 _V = "<16 x float>"
@@ -95,8 +97,6 @@ def kernel_ir(symbol: str) -> str:
     """The LLVM IR of the product, as a function named ``symbol`` with ``amx.kernel_ir``'s
     parameters (M, N, K in blocks of 32: ``m32``, ``n32``, ``nk``; as there, nk >= 1: an
     empty sum is the caller's)."""
-    from .amx import product_ir
-
     entry = ["  %np = shl i64 %nk, 4\n"]  # pair rows of B: 16 per K step of 32
     column_block = ["  br i1 %two, label %t, label %o\n"]
     for tag, operands in (("o", ("a1",)), ("t", ("a1", "a2"))):
