@@ -14,8 +14,8 @@ bytes) is one vector, and the A pair it meets (two consecutive K values of one A
 4 bytes) is broadcast to all lanes. A block of 8 rows x 32 columns keeps 16
 accumulators in registers over the whole K loop; each pair row of B is loaded once per
 block and met by 8 broadcast A pairs (16 dot products per 2 B loads). Each product of
-bfloat16 values is exact in float32; the sums are float32 (a pair's two products are
-added before the accumulator, in the hardware's order).
+bfloat16 values is exact in float32; the sums are float32, in the hardware's order (the
+instruction, like the tiles, treats denormal inputs and results as zero).
 """
 
 from __future__ import annotations
