@@ -274,8 +274,11 @@ def matmul(a1, b, c, *, a2=None, accumulate: bool = False, engine_name: str | No
             c[...] = 0
         return
     # B's tile of K step k, columns 16j..: 16 rows from row 16k, 64 j bytes in
-    kernel = (_compile(_availability()[0]) if engine_name is None
-              else _compile(engine_name, f"{SYMBOL}_{engine_name.replace(' ', '_').replace('-', '_')}"))
+    here = _availability()[0]
+    if engine_name in (None, here):
+        kernel = _compile(here)
+    else:  # the other engine, under a symbol of its own (numba code calls SYMBOL)
+        kernel = _compile(engine_name, f"{SYMBOL}_{'amx' if engine_name == AMX_ENGINE else 'dot'}")
     kernel(a1.ctypes.data, None if a2 is None else a2.ctypes.data, a1.strides[1],
            b.ctypes.data, b.strides[1], 16 * b.strides[1], 64, c.ctypes.data, c.strides[1],
            M // 32, N // 32, K // 32, heads, a1.strides[0], b.strides[0], c.strides[0],

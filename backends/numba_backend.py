@@ -470,9 +470,7 @@ class NumbaBackend(NumpyBackend):
         this batch (``route_attention`` without the per-call buffer check); a packed batch
         mixing long chunks and short ones split in two (``plan_mixed``); else the NumPy
         backend's plan."""
-        request = Request.of_store("attention", store, features=inputs.features,
-                                   group=max(1, int(q_shape[1]) // store.kv_heads),
-                                   **inputs.token_facts(q_shape))
+        request = _attention_request(store, inputs, q_shape)
         if route_attention(request).impl != KERNEL:  # the NumPy backend's path plans its own
             mixed = plan_mixed(store, inputs, params, q_shape, request)
             return mixed if mixed is not None else super().plan_attention(store, inputs, params,
@@ -486,10 +484,7 @@ class NumbaBackend(NumpyBackend):
     def items_on_blas(self, store, inputs, q_shape) -> bool:
         """No where the BLAS path's items run on bfloat16 products (route "numba bf16
         products"): one worker would run them on one core."""
-        request = Request.of_store("attention", store, features=inputs.features,
-                                   group=max(1, int(q_shape[1]) // store.kv_heads),
-                                   **inputs.token_facts(q_shape))
-        return route_attention(request).impl != AMX
+        return route_attention(_attention_request(store, inputs, q_shape)).impl != AMX
 
     def attention(self, q, store, inputs, params, *, return_lse: bool, work=None, out=None,
                   lse_out=None):
@@ -561,6 +556,13 @@ class FusedSoftmaxState(SoftmaxState):
 
 
 _NO_SPLIT = np.empty((0, 0), dtype=np.uint16)  # softmax_block writes p itself
+
+
+def _attention_request(store, inputs, q_shape) -> Request:
+    """The routing request of a planned attention batch (``plan_attention``'s facts)."""
+    return Request.of_store("attention", store, features=inputs.features,
+                            group=max(1, int(q_shape[1]) // store.kv_heads),
+                            **inputs.token_facts(q_shape))
 
 
 def _amx_line() -> str:
