@@ -26,6 +26,7 @@ from gqakv_backends import numba_kernels as nk  # noqa: E402
 
 from gqakv.core.semantics import AttentionParams  # noqa: E402
 
+from .support.blas import openblas_pthreads_or_skip  # noqa: E402
 from .support.reference import reference_on_buffers  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
@@ -435,14 +436,10 @@ def test_items_on_the_products_keep_two_workers_where_blas_spins(monkeypatch, pl
     float32 path (``GQAKV_AMX=0``) runs on the calling thread."""
     import threading
 
-    threadpoolctl = pytest.importorskip("threadpoolctl")
     from gqakv_backends import numpy_attention as na
     from gqakv_backends.cpu_plan import OPENBLAS_TIMEOUT_ENV
 
-    blas = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
-    if not any(i["internal_api"] == "openblas" and i.get("threading_layer") == "pthreads"
-               for i in blas):
-        pytest.skip(f"NumPy's BLAS here is not OpenBLAS on pthreads: {blas}")
+    threadpoolctl = openblas_pthreads_or_skip()
     monkeypatch.delenv(na.ENV_THREADS, raising=False)
     monkeypatch.delenv(OPENBLAS_TIMEOUT_ENV, raising=False)
     rng = np.random.default_rng(44)

@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-import pytest
 
 import gqakv
 from gqakv.tools import bench, selftest
 from gqakv.dispatch.backend import GENERIC, FastPath
 from gqakv.distributed import rank_backend
 from gqakv_backends.numpy_backend import NumpyBackend
+
+from .support.blas import openblas_pthreads_or_skip
 
 
 class HookedBackend(NumpyBackend):
@@ -115,13 +116,9 @@ def test_blas_spin_note_follows_openblas_threads_and_its_timeout(monkeypatch):
     """The numpy backend (and numba, its subclass) advise OPENBLAS_THREAD_TIMEOUT exactly
     when NumPy's BLAS is OpenBLAS's pthreads build running more than one thread and the
     variable is unset; one thread, or the variable set, and there is nothing to say."""
-    threadpoolctl = pytest.importorskip("threadpoolctl")
     from gqakv_backends.cpu_plan import OPENBLAS_TIMEOUT_ENV, blas_spin_note
 
-    blas = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
-    if not any(i["internal_api"] == "openblas" and i.get("threading_layer") == "pthreads"
-               for i in blas):
-        pytest.skip(f"NumPy's BLAS here is not OpenBLAS on pthreads: {blas}")
+    threadpoolctl = openblas_pthreads_or_skip()
     monkeypatch.delenv(OPENBLAS_TIMEOUT_ENV, raising=False)
     with threadpoolctl.threadpool_limits(2, user_api="blas"):
         note = blas_spin_note()

@@ -19,6 +19,7 @@ import pytest
 import gqakv
 from gqakv_backends import numpy_attention as na
 
+from .support.blas import openblas_pthreads_or_skip
 from .support.reference import reference_attention, reference_on_buffers
 from .support.variants import random_variant
 
@@ -233,16 +234,6 @@ def test_thread_count_from_environment(monkeypatch):
         na._threads.default_workers()
 
 
-def _spinning_openblas_or_skip():
-    """threadpoolctl, where NumPy's BLAS is OpenBLAS's pthreads build (else skip)."""
-    threadpoolctl = pytest.importorskip("threadpoolctl")
-    blas = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
-    if not any(i["internal_api"] == "openblas" and i.get("threading_layer") == "pthreads"
-               for i in blas):
-        pytest.skip(f"NumPy's BLAS here is not OpenBLAS on pthreads: {blas}")
-    return threadpoolctl
-
-
 def test_calls_below_the_spin_cut_run_on_one_worker_with_blas_threads(monkeypatch):
     """Where OpenBLAS spins (2 threads, no timeout set) a default-planned call of fewer
     than SPINNING_BLAS_ONE_WORKER_MACS multiply-adds is planned for one worker, unsplit,
@@ -252,7 +243,7 @@ def test_calls_below_the_spin_cut_run_on_one_worker_with_blas_threads(monkeypatc
     from gqakv.core.semantics import AttentionParams
     from gqakv_backends.cpu_plan import OPENBLAS_TIMEOUT_ENV
 
-    threadpoolctl = _spinning_openblas_or_skip()
+    threadpoolctl = openblas_pthreads_or_skip()
     monkeypatch.delenv(na.ENV_THREADS, raising=False)
     monkeypatch.delenv(OPENBLAS_TIMEOUT_ENV, raising=False)
     params = AttentionParams(scale=1.0)
