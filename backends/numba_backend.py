@@ -13,8 +13,9 @@ through the page table a page run at a time (pages of at most a key block: every
 head of an item a page at a time, so the pool is read in address order, and such calls
 are planned keys first, ``plan_numba``'s ``page_size``); int8 / float8_e4m3fn codes decoded in
 registers with each token's scale folded into its score and its p; grouped codes (a
-scale per block of values along d, 8 or 4 bits) decoded a key block at a time into an
-L1-sized float32 block (``numba_kernels.dequantize_rows``).
+scale per block of values along d, 8 or 4 bits) decoded in registers too, times their
+block's scale, or for tall tiles a key block at a time into an L1-sized float32 block
+(``numba_kernels.run_dots``).
 
 Which implementation serves a call, and why, is ``route_attention`` (asked by the dispatch,
 by ``route`` and by ``attention_route(...)``):
@@ -149,7 +150,7 @@ _KERNEL_KV_DTYPES = ("int8", "float8_e4m3fn")
 #: The grouped codecs the kernels decode (``gqakv.storage.codecs.Grouped``: a scale per
 #: block of g values along d; 8-bit or two 4-bit codes per byte), declared by name: their
 #: codes reach the kernels as stored (int8, or uint8 nibble pairs) with 2-D scales
-#: (``numba_kernels.Grouped``), decoded a key block at a time (``dequantize_rows``).
+#: (``numba_kernels.Grouped``), decoded in registers (``numba_kernels.run_dots``).
 _KERNEL_GROUPED = tuple(GROUPED)
 
 #: Implementation names in routes: the attention kernels, the compiled append, the

@@ -9,7 +9,8 @@ so later storage kinds and attention variants replace one piece, not the loop:
   a view), ``Paged`` (a pool and page table: up to the end of j's page, one table lookup
   per run), ``Quantized`` (codes and a per-token scale, either of those layouts),
   ``Grouped`` / ``PagedGrouped`` (codes and a scale per block of values along d: a run is
-  decoded once into an L1-sized float32 block, ``readable_run``); and
+  decoded in registers, or once into an L1-sized float32 block for tall tiles,
+  ``run_dots``); and
   ``decode(x)`` turns one stored element into float32, chosen by the element type
   (float32 as is; float16 bits as uint16 and bfloat16 bits as int16, int8 codes, and
   float8_e4m3fn bits as uint8, converted in registers: ``half_to_float``,
@@ -47,9 +48,10 @@ head in turn (``heads_per_pass``), so a page is read in address order (paged 16 
 contiguous float32 decode 1.28-1.31 -> 1.03-1.06 and bfloat16 1.37-1.47 -> 0.94, one
 thread, B=4 L=4,096 and B=1 L=32,768). Each K/V element is read and
 converted once per four tile rows, straight from the cache or pool (no scratch copy, no
-dequantized copy), except grouped codes: their per-block scales would cost a horizontal
-sum per block inside the dot loop, so each run is decoded once into a float32 block of at
-most ``key_block`` rows (16 KiB, in L1) that the same loops then read. The per-block pieces (``_block_dots``, ``_score_row``, ``_accumulate``) are
+dequantized copy). Grouped codes are decoded in registers too, each vector times its
+block's scale (``_emit_grouped_vectors``), except under tiles too tall for that to pay:
+there each run is decoded once into a float32 block of at most ``key_block`` rows (16
+KiB, in L1) that the same loops then read (``run_dots``; the same bits either way). The per-block pieces (``_block_dots``, ``_score_row``, ``_accumulate``) are
 inlined into ``_attend`` by numba (``inline="always"``), so the array views of each
 storage run (one per page when paged) are not passed through calls with their reference
 counting on the shared buffers (measured on the loaded 2-core machine against the called
@@ -292,6 +294,68 @@ def _dequantize_16(typingctx, src, at, dst, scale):
 _VECTOR_CODES = (types.float32, types.uint16, types.int16, types.int8, types.uint8)
 
 
+#: float32 value of each 4-bit nibble (the code + 8): the table ``_emit_grouped_vectors``
+#: looks nibbles up in with one AVX-512 permute (``vpermps`` reads an index's low 4 bits).
+_NIBBLE_VALUES = [float(i - 8) for i in range(16)]
+
+
+def _emit_grouped_vectors(builder, row, c, scale, lanes, four_bit, count):
+    """IR: ``count`` float32 vectors of ``lanes`` values, columns c .. c + count x lanes - 1
+    of a grouped code row (``Grouped``: ``row`` points at its first code element, i8 or
+    u8), each its code times ``scale`` (the float32 scale of the block holding them;
+    blocks are multiples of 32 values): the same float32 products as ``dequantize_block``.
+    4-bit: column c is nibble c % 2 of byte c // 2 (the code + 8). With AVX-512 (16 lanes)
+    a nibble becomes its value by one table permute (``_NIBBLE_VALUES``), and a pair of
+    vectors (count even, c a multiple of 32) comes from one 16-byte load: low and high
+    nibbles split by a mask and a shift, interleaved into column order by two permutes
+    (int4_g32 decode, one thread's K and V passes, G = 4: 40 -> 29 ns per key)."""
+    i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+    vi, vf = ir.VectorType(i32, lanes), ir.VectorType(f32, lanes)
+    splat = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), scale,
+                                                          ir.Constant(i32, 0)),
+                                   ir.Constant(vf, ir.Undefined), ir.Constant(vi, [0] * lanes))
+    mask = lambda m: ir.Constant(ir.VectorType(i32, len(m)), m)  # noqa: E731
+
+    def bytes_at(column, nbytes):
+        at = builder.lshr(column, ir.Constant(column.type, 1)) if four_bit else column
+        ty = ir.VectorType(i8, nbytes)
+        return builder.load(builder.bitcast(builder.gep(row, [at]), ty.as_pointer()), align=1)
+
+    def nibble_values(nibbles):  # i32 lanes whose low 4 bits are nibbles -> their values
+        if lanes == 16:
+            permute = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vf, [vf, vi]), "llvm.x86.avx512.permvar.sf.512")
+            return builder.call(permute, [ir.Constant(vf, _NIBBLE_VALUES), nibbles])
+        return builder.sitofp(builder.sub(builder.and_(nibbles, _splat(vi, 15)), _splat(vi, 8)), vf)
+
+    out = []
+    if four_bit and lanes == 16 and count % 2 == 0:
+        for pair in range(count // 2):
+            wide = builder.zext(bytes_at(builder.add(c, ir.Constant(c.type, 32 * pair)), 16), vi)
+            low, high = wide, builder.lshr(wide, _splat(vi, 4))  # the permute masks the low one
+            for half in range(2):
+                out.append(builder.fmul(nibble_values(builder.shuffle_vector(
+                    low, high, mask([8 * half + k // 2 + 16 * (k % 2) for k in range(16)]))), splat))
+        return out
+    for v in range(count):
+        column = builder.add(c, ir.Constant(c.type, lanes * v))
+        if four_bit:
+            raw = bytes_at(column, lanes // 2)
+            pairs = builder.shuffle_vector(raw, ir.Constant(raw.type, ir.Undefined),
+                                           mask([k // 2 for k in range(lanes)]))
+            nibbles = builder.lshr(builder.zext(pairs, vi), mask([4 * (k % 2) for k in range(lanes)]))
+            values = nibble_values(nibbles)
+        else:
+            values = builder.sitofp(bytes_at(column, lanes), vf)
+        out.append(builder.fmul(values, splat))
+    return out
+
+
+def _is_grouped_scales(scales):
+    """Whether a run's scales (``key_run``) are a grouped codec's: [n, d / g] float32."""
+    return isinstance(scales, types.Array) and scales.ndim == 2 and scales.dtype == types.float32
+
+
 def _halves_masks(n, width):
     """Shuffle masks of ``_dots_4x2``'s reduction step over two n-lane vectors x, y (y's
     lanes numbered n..2n-1): ``lo`` takes x's and y's blocks of ``width`` lanes at even
@@ -335,12 +399,18 @@ def _vector_lanes(context) -> int:
 
 
 def _dots_rows(R: int):
-    """An intrinsic ``(qt, rr, krows, j0, j1)``: the 2R dot products of query rows
+    """An intrinsic ``(qt, rr, krows, kscales, j0, j1)``: the 2R dot products of query rows
     ``qt[rr:rr + R]`` (float32, [*, d]) with two stored rows ``krows[j0]``, ``krows[j1]``
     (a [n, >= d] array of a ``decode`` element type, rows of unit stride) as ``(a_0 ..
     a_{R-1}, b_0 .. b_{R-1})``: a_i = qt[rr + i] . krows[j0], b_i = . krows[j1]. Rows are
     addressed, not viewed: a view of a row would count a reference on the whole buffer
     (an atomic add and subtract on a counter every thread shares) for every key.
+    ``kscales``: None or per-token scales [n] (ignored here: the caller's ``factor``), or
+    a grouped codec's [n, d / g] (``_is_grouped_scales``): then krows are its codes (int8
+    [n, d], or uint8 nibble pairs [n, d / 2]) and each vector of them is decoded in
+    registers times its block's scale (``_emit_grouped_vectors``: the float32 values
+    ``dequantize_rows`` would write), so the dots are those over the decoded rows, bit
+    for bit, without writing them.
 
     For d a multiple of 16 (the caller's check). Written as vectors because LLVM's own
     vectorization of the dot loop ends each dot with a horizontal sum of its own (nine
@@ -354,49 +424,72 @@ def _dots_rows(R: int):
     bits whichever R its pass has."""
 
     @intrinsic
-    def dots(typingctx, qt, rr, krows, j0, j1):
+    def dots(typingctx, qt, rr, krows, kscales, j0, j1):
         if not (isinstance(qt, types.Array) and qt.ndim == 2 and qt.dtype == types.float32
                 and isinstance(krows, types.Array) and krows.ndim == 2
                 and krows.dtype in _VECTOR_CODES
                 and all(isinstance(x, types.Integer) for x in (rr, j0, j1))):
             return None
         code = krows.dtype
+        grouped = _is_grouped_scales(kscales)
+        if grouped and code not in (types.int8, types.uint8):
+            return None
 
         def codegen(context, builder, signature, args):
-            qt_ty, rr_ty, k_ty, j0_ty, j1_ty = signature.args
+            qt_ty, rr_ty, k_ty, sc_ty, j0_ty, j1_ty = signature.args
             i32, f32 = ir.IntType(32), ir.FloatType()
             lanes = _vector_lanes(context)
             vf = ir.VectorType(f32, lanes)
             stored = context.get_data_type(code)
             vk = ir.VectorType(stored, lanes)
+            intp = lambda x: context.get_constant(types.intp, x)  # noqa: E731
             q_arr = context.make_array(qt_ty)(context, builder, args[0])
             row = context.cast(builder, args[1], rr_ty, types.intp)
-            zero = context.get_constant(types.intp, 0)
+            zero = intp(0)
             q_rows = [cgutils.get_item_pointer(context, builder, qt_ty, q_arr,
-                                               [builder.add(row, context.get_constant(types.intp, i)),
-                                                zero], wraparound=False) for i in range(R)]
+                                               [builder.add(row, intp(i)), zero], wraparound=False)
+                      for i in range(R)]
             k_arr = context.make_array(k_ty)(context, builder, args[2])
-            k_rows = [cgutils.get_item_pointer(context, builder, k_ty, k_arr,
-                                               [context.cast(builder, j, j_ty, types.intp), zero],
-                                               wraparound=False)
-                      for j, j_ty in ((args[3], j0_ty), (args[4], j1_ty))]
+            js = [context.cast(builder, j, j_ty, types.intp)
+                  for j, j_ty in ((args[4], j0_ty), (args[5], j1_ty))]
+            k_rows = [cgutils.get_item_pointer(context, builder, k_ty, k_arr, [j, zero],
+                                               wraparound=False) for j in js]
             d = builder.extract_value(q_arr.shape, 1)
             fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
                                                      f"llvm.fmuladd.v{lanes}f32")
             accs = {(j, i): cgutils.alloca_once_value(builder, ir.Constant(vf, None))
                     for j in range(2) for i in range(R)}
-            step = context.get_constant(types.intp, lanes)
-            with cgutils.for_range_slice(builder, zero, d, step) as (c, _):
-                ks = [_emit_to_float32(builder, builder.load(builder.bitcast(builder.gep(k, [c]),
-                                                                             vk.as_pointer()),
-                                                             align=context.get_abi_sizeof(stored)), code)
-                      for k in k_rows]
+
+            def columns(c, ks):
+                """The FMAs of columns c .. c + lanes - 1, given the two keys' vectors."""
                 qs = [builder.load(builder.bitcast(builder.gep(q, [c]), vf.as_pointer()), align=4)
                       for q in q_rows]
                 for j, kv in enumerate(ks):
                     for i, qv in enumerate(qs):
                         acc = accs[j, i]
                         builder.store(builder.call(fmuladd, [qv, kv, builder.load(acc)]), acc)
+
+            if grouped:  # block by block: each block's scales loaded once per key
+                sc_arr = context.make_array(sc_ty)(context, builder, args[3])
+                blocks = builder.extract_value(sc_arr.shape, 1)
+                g = builder.sdiv(d, blocks)
+                with cgutils.for_range_slice(builder, zero, blocks, intp(1)) as (b, _):
+                    scales = [builder.load(cgutils.get_item_pointer(context, builder, sc_ty, sc_arr,
+                                                                    [j, b], wraparound=False))
+                              for j in js]
+                    c0 = builder.mul(b, g)
+                    per = 2 if code == types.uint8 and lanes == 16 else 1  # vectors per step
+                    with cgutils.for_range_slice(builder, c0, builder.add(c0, g),
+                                                 intp(lanes * per)) as (c, _):
+                        ks = [_emit_grouped_vectors(builder, k, c, f, lanes, code == types.uint8, per)
+                              for k, f in zip(k_rows, scales)]
+                        for v in range(per):
+                            columns(builder.add(c, intp(lanes * v)), [k[v] for k in ks])
+            else:
+                with cgutils.for_range_slice(builder, zero, d, intp(lanes)) as (c, _):
+                    columns(c, [_emit_to_float32(builder, builder.load(
+                        builder.bitcast(builder.gep(k, [c]), vk.as_pointer()),
+                        align=context.get_abi_sizeof(stored)), code) for k in k_rows])
             pad = ir.Constant(vf, [-0.0] * lanes)  # x + -0.0 is x: the tree's adds fold
             vals = [builder.load(accs[j, i]) if i < R else pad for j in range(2) for i in range(4)]
 
@@ -413,7 +506,7 @@ def _dots_rows(R: int):
                    for j in range(2) for i in range(R)]
             return context.make_tuple(builder, signature.return_type, out)
 
-        return types.UniTuple(types.float32, 2 * R)(qt, rr, krows, j0, j1), codegen
+        return types.UniTuple(types.float32, 2 * R)(qt, rr, krows, kscales, j0, j1), codegen
 
     return dots
 
@@ -428,7 +521,10 @@ def _pv_rows(R: int):
     (``p_ij = s[rr + i, o + jj]`` times value jj's scale, ``vscales`` [n] float32 or None),
     the values rows of ``vrows`` (a [n, >= d] array of a ``decode`` element type, rows of
     unit stride; d = acc's row length, a multiple of 16) converted in registers once for
-    the R rows.
+    the R rows. Grouped codes (``vscales`` [n, d / g], ``_is_grouped_scales``; vrows int8
+    [n, d] or uint8 nibble pairs [n, d / 2]): each vector is decoded times its block's
+    scale (``_emit_grouped_vectors``), the values ``dequantize_rows`` would write, and p
+    is used as it is.
 
     The columns go by in passes of V vectors (then one) over the run, each pass's R x V
     (R x 1) accumulators in registers for the whole run (one FMA per value vector and row, in key
@@ -447,12 +543,15 @@ def _pv_rows(R: int):
                 and isinstance(vrows, types.Array) and vrows.ndim == 2
                 and vrows.dtype in _VECTOR_CODES
                 and (isinstance(vscales, types.NoneType)
-                     or (isinstance(vscales, types.Array) and vscales.ndim == 1
+                     or (isinstance(vscales, types.Array) and vscales.ndim in (1, 2)
                          and vscales.dtype == types.float32))
                 and all(isinstance(x, types.Integer) for x in (rr, o, n, ahead))):
             return None
         code = vrows.dtype
-        scaled = isinstance(vscales, types.Array)
+        grouped = _is_grouped_scales(vscales)
+        if grouped and code not in (types.int8, types.uint8):
+            return None
+        scaled = isinstance(vscales, types.Array) and not grouped
 
         def codegen(context, builder, signature, args):
             acc_ty, rr_ty, s_ty, o_ty, v_ty, sc_ty, n_ty, ah_ty = signature.args
@@ -468,7 +567,8 @@ def _pv_rows(R: int):
             acc_arr = context.make_array(acc_ty)(context, builder, args[0])
             s_arr = context.make_array(s_ty)(context, builder, args[2])
             v_arr = context.make_array(v_ty)(context, builder, args[4])
-            sc_arr = context.make_array(sc_ty)(context, builder, args[5]) if scaled else None
+            sc_arr = (context.make_array(sc_ty)(context, builder, args[5])
+                      if scaled or grouped else None)
             rr_, o_, n_ = intp(args[1], rr_ty), intp(args[3], o_ty), intp(args[6], n_ty)
             ahead_ = intp(args[7], ah_ty)
             fmuladd = cgutils.get_or_insert_function(
@@ -490,6 +590,10 @@ def _pv_rows(R: int):
                     wraparound=False), vf.as_pointer()) for v in range(vectors)] for i in range(R)]
                 accs = [[cgutils.alloca_once_value(builder, builder.load(p, align=4)) for p in row]
                         for row in acc_ptrs]
+                if grouped:  # the block of each vector's columns (blocks: multiples of lanes)
+                    g = builder.sdiv(d, builder.extract_value(sc_arr.shape, 1))
+                    blocks = [builder.sdiv(builder.add(c0, const(lanes * v)), g)
+                              for v in range(vectors)]
                 first = builder.icmp_signed("==", c0, zero)  # the pass that prefetches
                 with cgutils.for_range_slice(builder, zero, n_, const(1)) as (jj, _):
                     ahead_row = builder.add(jj, ahead_)
@@ -517,13 +621,26 @@ def _pv_rows(R: int):
                         ps.append(builder.shuffle_vector(
                             splat, ir.Constant(vf, None),
                             ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)))
-                    for v in range(vectors):
-                        ptr = cgutils.get_item_pointer(context, builder, v_ty, v_arr,
-                                                       [jj, builder.add(c0, const(lanes * v))],
+                    if grouped:  # pairs of vectors share a block (blocks: multiples of 32)
+                        row = cgutils.get_item_pointer(context, builder, v_ty, v_arr, [jj, zero],
                                                        wraparound=False)
-                        raw = builder.load(builder.bitcast(ptr, vk.as_pointer()),
-                                           align=context.get_abi_sizeof(stored))
-                        x = _emit_to_float32(builder, raw, code)
+                        per = 2 if vectors % 2 == 0 else 1
+                        xs = []
+                        for v in range(0, vectors, per):
+                            scale = builder.load(cgutils.get_item_pointer(
+                                context, builder, sc_ty, sc_arr, [jj, blocks[v]], wraparound=False))
+                            xs += _emit_grouped_vectors(builder, row, builder.add(c0, const(lanes * v)),
+                                                        scale, lanes, code == types.uint8, per)
+                    for v in range(vectors):
+                        c = builder.add(c0, const(lanes * v))
+                        if grouped:
+                            x = xs[v]
+                        else:
+                            ptr = cgutils.get_item_pointer(context, builder, v_ty, v_arr, [jj, c],
+                                                           wraparound=False)
+                            raw = builder.load(builder.bitcast(ptr, vk.as_pointer()),
+                                               align=context.get_abi_sizeof(stored))
+                            x = _emit_to_float32(builder, raw, code)
                         for i in range(R):
                             slot = accs[i][v]
                             builder.store(builder.call(fmuladd, [ps[i], x, builder.load(slot)]), slot)
@@ -833,7 +950,7 @@ def key_run(buf, r, h, j, n):
       capacity, a page's rows to the page's end;
     - scales: the per-token scales of ``Quantized`` / ``PagedQuantized`` codes, [>= m]
       likewise, the per-block scales of ``Grouped`` / ``PagedGrouped`` codes, [>= m, d / g]
-      (``readable_run``), else None (``factor``);
+      (``run_dots``), else None (``factor``);
     - an array [rows, Hkv, max_len, d] gives all n keys (m = n); ``Paged`` up to the end
       of j's page: one page-table lookup per run, never per key.
     """
@@ -901,7 +1018,7 @@ def factor(scales, jj):
 
 @overload(factor, jit_options={"cache": True})
 def _factor(scales, jj):
-    if isinstance(scales, types.NoneType):
+    if isinstance(scales, types.NoneType) or _is_grouped_scales(scales):  # grouped: per vector
         return lambda scales, jj: np.float32(1.0)
     if isinstance(scales, types.Array):
         return lambda scales, jj: scales[jj]
@@ -1191,24 +1308,61 @@ def _dequantize_block(src, dst, b, width, scale):
     return None
 
 
-def readable_run(rows, scales, n, ahead, scratch):
-    """``(rows, scales, ahead)`` of a storage run (``key_run``) as ``_block_dots`` and
-    ``_accumulate`` read it (overloaded by the run's scales): grouped codes (2-D scales) are
-    decoded once into ``scratch`` [>= n, d] float32 (``dequantize_rows``: an L1-sized
-    block, one conversion per element for every row of the tile) and read as float32 rows
-    (``scratch, None, 0``); other layouts are read in place, as given (``decode`` and
-    ``factor``)."""
+#: Most tile rows for which grouped codes are decoded in registers by every pass of up to
+#: four rows over a run (``run_dots``, ``run_accumulate``), by code type; taller tiles
+#: decode each run once into a float32 block that the passes then read. Measured
+#: 2026-12-06 (one thread, a block's dots then its P V, d = 128, blocks of 32, 32,768
+#: keys, ns per key in registers / from the block): 4-bit 4 rows 38 / 50-57, 8 rows
+#: 74 / 66.5; 8-bit 4 rows 32 / 41, 8 rows 66 / 80, 12 and 16 rows alike.
+GROUPED_REGISTER_ROWS = {types.int8: 8, types.uint8: 4}
+
+
+def run_dots(qt, r0, r1, rows, scales, n, s, o, ahead, scratch):
+    """``_block_dots`` over a storage run (``key_run``: ``rows``, ``scales``) as its layout
+    is best read (overloaded by the run's scales): in place for every layout (``decode``
+    and ``factor``, grouped codes decoded in registers, ``_dots_rows``), except grouped
+    codes under tiles of more than ``GROUPED_REGISTER_ROWS`` rows: decoded once into
+    ``scratch`` [>= n, d] float32 (``dequantize_rows``: an L1-sized block, one conversion
+    per element for every row of the tile), which the passes read."""
     raise NotImplementedError
 
 
-@overload(readable_run, inline="always", jit_options={"cache": True})
-def _readable_run(rows, scales, n, ahead, scratch):
-    if isinstance(scales, types.Array) and scales.ndim == 2:
-        def grouped(rows, scales, n, ahead, scratch):
-            dequantize_rows(rows, scales, n, scratch, ahead)
-            return scratch, None, 0
+@overload(run_dots, inline="always", jit_options={"cache": True})
+def _run_dots(qt, r0, r1, rows, scales, n, s, o, ahead, scratch):
+    if _is_grouped_scales(scales):
+        most = GROUPED_REGISTER_ROWS[rows.dtype]
+
+        def grouped(qt, r0, r1, rows, scales, n, s, o, ahead, scratch):
+            if r1 - r0 <= most:
+                _block_dots(qt, r0, r1, rows, scales, n, s, o, ahead)
+            else:
+                dequantize_rows(rows, scales, n, scratch, ahead)
+                _block_dots(qt, r0, r1, scratch, None, n, s, o, 0)
         return grouped
-    return lambda rows, scales, n, ahead, scratch: (rows, scales, ahead)
+    return lambda qt, r0, r1, rows, scales, n, s, o, ahead, scratch: \
+        _block_dots(qt, r0, r1, rows, scales, n, s, o, ahead)
+
+
+def run_accumulate(acc, r0, r1, s, o, rows, scales, n, ahead, scratch):
+    """``_accumulate`` over a storage run of values, read as ``run_dots`` reads keys
+    (overloaded by the run's scales)."""
+    raise NotImplementedError
+
+
+@overload(run_accumulate, inline="always", jit_options={"cache": True})
+def _run_accumulate(acc, r0, r1, s, o, rows, scales, n, ahead, scratch):
+    if _is_grouped_scales(scales):
+        most = GROUPED_REGISTER_ROWS[rows.dtype]
+
+        def grouped(acc, r0, r1, s, o, rows, scales, n, ahead, scratch):
+            if r1 - r0 <= most:
+                _accumulate(acc, r0, r1, s, o, rows, scales, n, ahead)
+            else:
+                dequantize_rows(rows, scales, n, scratch, ahead)
+                _accumulate(acc, r0, r1, s, o, scratch, None, n, 0)
+        return grouped
+    return lambda acc, r0, r1, s, o, rows, scales, n, ahead, scratch: \
+        _accumulate(acc, r0, r1, s, o, rows, scales, n, ahead)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -1243,7 +1397,7 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
         rr = r0
         while rr + 4 <= r1:
             if in_vectors:
-                a0, a1, a2, a3, b0, b1, b2, b3 = _dots_4x2(qt, rr, krows, jj, j1)
+                a0, a1, a2, a3, b0, b1, b2, b3 = _dots_4x2(qt, rr, krows, kscales, jj, j1)
             else:
                 k0, k1 = krows[jj], krows[j1]
                 q0, q1, q2, q3 = qt[rr], qt[rr + 1], qt[rr + 2], qt[rr + 3]
@@ -1277,7 +1431,7 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
                 s[rr + 3, o + jj + 1] = b3 * f1
             rr += 4
         if r1 - rr == 3 and in_vectors:  # G = 3, 7, ...: the last three rows in one pass too
-            a0, a1, a2, b0, b1, b2 = _dots_3x2(qt, rr, krows, jj, j1)
+            a0, a1, a2, b0, b1, b2 = _dots_3x2(qt, rr, krows, kscales, jj, j1)
             s[rr, o + jj] = a0 * f0
             s[rr + 1, o + jj] = a1 * f0
             s[rr + 2, o + jj] = a2 * f0
@@ -1287,7 +1441,7 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
                 s[rr + 2, o + jj + 1] = b2 * f1
             rr += 3
         elif r1 - rr == 2 and in_vectors:  # G = 2, 6, ...
-            a0, a1, b0, b1 = _dots_2x2(qt, rr, krows, jj, j1)
+            a0, a1, b0, b1 = _dots_2x2(qt, rr, krows, kscales, jj, j1)
             s[rr, o + jj] = a0 * f0
             s[rr + 1, o + jj] = a1 * f0
             if two:
@@ -1295,7 +1449,7 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
                 s[rr + 1, o + jj + 1] = b1 * f1
             rr += 2
         elif r1 - rr == 1 and in_vectors:  # G = 1, 5, ...
-            a0, b0 = _dots_1x2(qt, rr, krows, jj, j1)
+            a0, b0 = _dots_1x2(qt, rr, krows, kscales, jj, j1)
             s[rr, o + jj] = a0 * f0
             if two:
                 s[rr, o + jj + 1] = b0 * f1
@@ -1615,8 +1769,7 @@ def _attend(qt, k_buf, v_buf, r, h0, nh, start, t0, nq, G, j0, j1, scale, softca
             w = n - o
             for hh in range(nh):  # one run's length for every head (the same pages)
                 krun, kscales_run, w = key_run(k_buf, r, h0 + hh, js + o, w)
-                krows, kscales, kfetch = readable_run(krun, kscales_run, w, kahead, scratch)
-                _block_dots(qt, hh * R, hh * R + R, krows, kscales, w, s, o, kfetch)
+                run_dots(qt, hh * R, hh * R + R, krun, kscales_run, w, s, o, kahead, scratch)
             o += w
         for rr in range(RT):
             if m[rr] != m[rr]:  # NaN already: nothing can change it
@@ -1668,8 +1821,7 @@ def _attend(qt, k_buf, v_buf, r, h0, nh, start, t0, nq, G, j0, j1, scale, softca
             w = n - o
             for hh in range(nh):
                 vrun, vscales_run, w = key_run(v_buf, r, h0 + hh, js + o, w)
-                vrows, vscales, vfetch = readable_run(vrun, vscales_run, w, vahead, scratch)
-                _accumulate(acc, hh * R, hh * R + R, s, o, vrows, vscales, w, vfetch)
+                run_accumulate(acc, hh * R, hh * R + R, s, o, vrun, vscales_run, w, vahead, scratch)
             o += w
 
 

@@ -1,6 +1,7 @@
 """The numba kernels over grouped codes (issue 29: ``int8_g32``, ``int4_g32``, ``int4_g64``,
 ``int4_g32_rotated``): a float32 scale per block of g values along d, 8-bit codes or two
-4-bit codes per byte, read by the kernels a key block at a time (``dequantize_rows``).
+4-bit codes per byte, decoded by the kernels in registers or a key block at a time
+(``run_dots``; tests/support/dots_check.py holds the two to the same bits).
 
 Every case appends chunked, ragged tokens (chunks the kernels serve, up to
 ``KERNEL_MAX_QUERIES``), forks a row and decodes, on contiguous rows and on pages (16,

@@ -1,5 +1,7 @@
 """``numba_kernels._dots_4x2`` against float64 dot products, for every stored element type
-the kernels decode and head dims from one vector to several; run in-process by
+the kernels decode and head dims from one vector to several, and grouped codes decoded in
+registers against the float32 rows ``dequantize_rows`` writes (``check_grouped``: the
+dots and the P V sums bit for bit); run in-process by
 tests/test_numba_backend.py and, for the 8-lane (AVX2) form, in a process whose numba
 target is Haswell (``python -m tests.support.dots_check``; prints "ok" and the lanes the dots used)."""
 
@@ -14,7 +16,20 @@ from gqakv_backends import numba_kernels as nk
 
 @njit(fastmath=nk.FASTMATH, cache=False)
 def _dots(qt, rr, krows, j0, j1):
-    return nk._dots_4x2(qt, rr, krows, j0, j1)
+    return nk._dots_4x2(qt, rr, krows, None, j0, j1)
+
+
+@njit(fastmath=nk.FASTMATH, cache=False)
+def _grouped_passes(qt, r1, codes, scales, s, acc, decoded):
+    """Rows 0..r1 of a tile over the n keys of ``codes`` / ``scales`` (grouped), twice:
+    decoded in registers (s[0], acc[0]) and from the rows ``dequantize_rows`` writes into
+    ``decoded`` (s[1], acc[1]); each as ``_attend`` runs a block's dots, then its P V."""
+    n = codes.shape[0]
+    nk._block_dots(qt, 0, r1, codes, scales, n, s[0], 0, 0)
+    nk._accumulate(acc[0], 0, r1, s[0], 0, codes, scales, n, 0)
+    nk.dequantize_rows(codes, scales, n, decoded, 0)
+    nk._block_dots(qt, 0, r1, decoded, None, n, s[1], 0, 0)
+    nk._accumulate(acc[1], 0, r1, s[1], 0, decoded, None, n, 0)
 
 
 def stored(name: str, x: np.ndarray):
@@ -45,6 +60,34 @@ def check(seed: int = 0) -> None:
                 err = np.abs(got - want).max() / np.abs(want).max()
                 # float32 products summed in float32 over d <= 256 terms
                 assert err < 1e-6, f"d={d} {name} rows {rr}.. keys {j0},{j1}: error {err:.3g}"
+    check_grouped(seed)
+
+
+def check_grouped(seed: int = 0) -> None:
+    """Grouped codes (8-bit, 4-bit nibble pairs; blocks of 32 and 64 values) read in
+    registers give the bits of the float32 rows they decode to: the dots of 1 to 4 tile
+    rows and their P V sums, over head dims of one block to several (96: a last pass of
+    fewer vectors than the others), every code and a zero scale included."""
+    rng = np.random.default_rng(seed)
+    for bits in (8, 4):
+        for group, d in ((32, 32), (32, 96), (32, 128), (64, 64), (64, 192)):
+            n = 9  # odd: the last key of a block has no partner
+            if bits == 8:
+                codes = rng.integers(-128, 128, (n, d)).astype(np.int8)
+                codes[0] = np.resize(np.arange(-128, 128), d)
+            else:
+                codes = rng.integers(0, 256, (n, d // 2)).astype(np.uint8)
+                codes[0] = np.resize(np.arange(256), d // 2)
+            scales = rng.standard_normal((n, d // group)).astype(np.float32)
+            scales[1, 0] = 0.0
+            qt = rng.standard_normal((4, d)).astype(np.float32)
+            for r1 in (1, 2, 3, 4):
+                s = np.zeros((2, 4, n), np.float32)
+                acc = np.tile(rng.standard_normal((1, 4, d)).astype(np.float32), (2, 1, 1))
+                _grouped_passes(qt, r1, codes, scales, s, acc, np.empty((n, d), np.float32))
+                what = f"{bits}-bit blocks of {group}, d={d}, {r1} rows"
+                assert np.array_equal(s[0].view(np.uint32), s[1].view(np.uint32)), f"dots: {what}"
+                assert np.array_equal(acc[0].view(np.uint32), acc[1].view(np.uint32)), f"P V: {what}"
 
 
 if __name__ == "__main__":
