@@ -1085,7 +1085,7 @@ def _prefetch_ahead(buf):
 #: head of Llama-3.1-8B (8 x 4), and of one head's tile of an 8-query chunk. Though its
 #: accumulators and queries (32 KiB at d = 128) fill a 32 KiB L1, half of it lost on the
 #: AMD EPYC (2026-12-06, B=4 L=4,096, pages of 16 / contiguous, 2 rounds, load 1.0-1.2):
-#: bfloat16 1.15 -> 1.42-1.68, float32 1.10-1.13 -> 1.12-1.19 (a page read in two passes).
+#: bfloat16 1.15 -> 1.42-1.68, float32 1.10-1.13 -> 1.12-1.20 (a page read in two passes).
 PAGED_TILE_ROWS = 32
 
 
