@@ -150,8 +150,9 @@ _KERNEL_KV_DTYPES = ("int8", "float8_e4m3fn")
 #: The grouped codecs the kernels decode (``gqakv.storage.codecs.Grouped``: a scale per
 #: block of g values along d; 8-bit or two 4-bit codes per byte), declared by name: their
 #: codes reach the kernels as stored (int8, or uint8 nibble pairs) with 2-D scales
-#: (``numba_kernels.Grouped``), decoded in registers (``numba_kernels.run_dots``).
-_KERNEL_GROUPED = tuple(GROUPED)
+#: (``numba_kernels.Grouped``), decoded in registers (``numba_kernels.run_dots``), 32
+#: values at a time, so only blocks of a multiple of 32 values (every built-in group).
+_KERNEL_GROUPED = tuple(name for name, (_, group, _) in GROUPED.items() if group % 32 == 0)
 
 #: Implementation names in routes: the attention kernels, the compiled append, the
 #: compiled row copy.

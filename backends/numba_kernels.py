@@ -1320,57 +1320,45 @@ def _dequantize_block(src, dst, b, width, scale):
 #: four rows over a run (``run_dots``, ``run_accumulate``), by code type; taller tiles
 #: decode each run once into a float32 block that the passes then read. Measured
 #: 2026-12-06 (one thread, a block's dots then its P V, d = 128, blocks of 32, 32,768
-#: keys, ns per key in registers / from the block): 4-bit 4 rows 38 / 50-57, 8 rows
-#: 74 / 66.5; 8-bit 4 rows 32 / 41, 8 rows 66 / 80, 12 and 16 rows alike.
+#: keys, ns per key in registers / from the block): 4-bit 4 rows 35-38 / 41-57, 8 rows
+#: 74 / 66.5; 8-bit 4 rows 30-32 / 38-44, 8 rows 66 / 80, 12 and 16 rows alike.
 GROUPED_REGISTER_ROWS = {types.int8: 8, types.uint8: 4}
 
 
 def run_dots(qt, r0, r1, rows, scales, n, s, o, ahead, scratch):
     """``_block_dots`` over a storage run (``key_run``: ``rows``, ``scales``) as its layout
-    is best read (overloaded by the run's scales): in place for every layout (``decode``
-    and ``factor``, grouped codes decoded in registers, ``_dots_rows``), except grouped
-    codes under tiles of more than ``GROUPED_REGISTER_ROWS`` rows: decoded once into
-    ``scratch`` [>= n, d] float32 (``dequantize_rows``: an L1-sized block, one conversion
-    per element for every row of the tile), which the passes read."""
+    is best read (overloaded by the run's scales, ``_run_overload``): in place for every
+    layout (``decode`` and ``factor``, grouped codes decoded in registers,
+    ``_dots_rows``), except grouped codes under tiles of more than
+    ``GROUPED_REGISTER_ROWS`` rows: decoded once into ``scratch`` [>= n, d] float32
+    (``dequantize_rows``: an L1-sized block, one conversion per element for every row of
+    the tile), which the passes read."""
     raise NotImplementedError
 
 
-@overload(run_dots, inline="always", jit_options={"cache": True})
-def _run_dots(qt, r0, r1, rows, scales, n, s, o, ahead, scratch):
-    if _is_grouped_scales(scales):
-        most = GROUPED_REGISTER_ROWS[rows.dtype]
-
-        def grouped(qt, r0, r1, rows, scales, n, s, o, ahead, scratch):
-            if r1 - r0 <= most:
-                _block_dots(qt, r0, r1, rows, scales, n, s, o, ahead)
-            else:
-                dequantize_rows(rows, scales, n, scratch, ahead)
-                _block_dots(qt, r0, r1, scratch, None, n, s, o, 0)
-        return grouped
-    return lambda qt, r0, r1, rows, scales, n, s, o, ahead, scratch: \
-        _block_dots(qt, r0, r1, rows, scales, n, s, o, ahead)
-
-
-def run_accumulate(acc, r0, r1, s, o, rows, scales, n, ahead, scratch):
-    """``_accumulate`` over a storage run of values, read as ``run_dots`` reads keys
-    (overloaded by the run's scales)."""
+def run_accumulate(acc, r0, r1, rows, scales, n, s, o, ahead, scratch):
+    """``_accumulate`` over a storage run of values (as ``run_dots``' arguments), read as
+    ``run_dots`` reads keys."""
     raise NotImplementedError
 
 
-@overload(run_accumulate, inline="always", jit_options={"cache": True})
-def _run_accumulate(acc, r0, r1, s, o, rows, scales, n, ahead, scratch):
-    if _is_grouped_scales(scales):
+def _run_overload(step):
+    """The overload of ``run_dots`` / ``run_accumulate`` around ``step(x, r0, r1, rows,
+    scales, n, s, o, ahead)`` (x: qt or acc)."""
+    def typed(x, r0, r1, rows, scales, n, s, o, ahead, scratch):
+        if not _is_grouped_scales(scales):
+            return lambda x, r0, r1, rows, scales, n, s, o, ahead, scratch: \
+                step(x, r0, r1, rows, scales, n, s, o, ahead)
         most = GROUPED_REGISTER_ROWS[rows.dtype]
 
-        def grouped(acc, r0, r1, s, o, rows, scales, n, ahead, scratch):
+        def grouped(x, r0, r1, rows, scales, n, s, o, ahead, scratch):
             if r1 - r0 <= most:
-                _accumulate(acc, r0, r1, s, o, rows, scales, n, ahead)
+                step(x, r0, r1, rows, scales, n, s, o, ahead)
             else:
                 dequantize_rows(rows, scales, n, scratch, ahead)
-                _accumulate(acc, r0, r1, s, o, scratch, None, n, 0)
+                step(x, r0, r1, scratch, None, n, s, o, 0)
         return grouped
-    return lambda acc, r0, r1, s, o, rows, scales, n, ahead, scratch: \
-        _accumulate(acc, r0, r1, s, o, rows, scales, n, ahead)
+    return typed
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -1571,6 +1559,17 @@ def _accumulate(acc, r0, r1, s, o, vrows, vscales, n, ahead):
             p0 = p[jj] * factor(vscales, jj)
             for c in range(d):
                 a0[c] += p0 * decode(v0[c])
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _accumulate_run(acc, r0, r1, rows, scales, n, s, o, ahead):
+    """``_accumulate`` with ``run_dots``' order of arguments (``_run_overload``)."""
+    _accumulate(acc, r0, r1, s, o, rows, scales, n, ahead)
+
+
+overload(run_dots, inline="always", jit_options={"cache": True})(_run_overload(_block_dots))
+overload(run_accumulate, inline="always", jit_options={"cache": True})(
+    _run_overload(_accumulate_run))
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -1829,7 +1828,7 @@ def _attend(qt, k_buf, v_buf, r, h0, nh, start, t0, nq, G, j0, j1, scale, softca
             w = n - o
             for hh in range(nh):
                 vrun, vscales_run, w = key_run(v_buf, r, h0 + hh, js + o, w)
-                run_accumulate(acc, hh * R, hh * R + R, s, o, vrun, vscales_run, w, vahead, scratch)
+                run_accumulate(acc, hh * R, hh * R + R, vrun, vscales_run, w, s, o, vahead, scratch)
             o += w
 
 
