@@ -249,7 +249,8 @@ def _dequantize_16(typingctx, src, at, dst, scale):
     (float32) as one vector operation: int8 codes -> ``dst[at:at + 16]``, each its value
     times scale; uint8 bytes of two 4-bit codes (value 2i in the low nibble of byte i,
     each nibble the code + 8) -> ``dst[2 at:2 at + 32]``. The same float32 products as the
-    element loop, written as vectors because LLVM vectorizes that loop badly at 32 or 64
+    element loop, written as vectors (``_emit_grouped_vectors``, the decoder the dots and
+    P V read codes in registers with) because LLVM vectorizes that loop badly at 32 or 64
     codes a group (an 8-lane loop with its checks around every group)."""
     if not (isinstance(src, types.Array) and src.ndim == 1 and src.dtype in (types.int8, types.uint8)
             and isinstance(dst, types.Array) and dst.ndim == 1 and dst.dtype == types.float32
@@ -262,29 +263,17 @@ def _dequantize_16(typingctx, src, at, dst, scale):
         src_arr = context.make_array(src_ty)(context, builder, args[0])
         dst_arr = context.make_array(dst_ty)(context, builder, args[2])
         i = context.cast(builder, args[1], at_ty, types.intp)
-        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-        v16 = lambda t: ir.VectorType(t, 16)  # noqa: E731
-        at_src = cgutils.get_item_pointer(context, builder, src_ty, src_arr, [i], wraparound=False)
-        codes = builder.load(builder.bitcast(at_src, v16(i8).as_pointer()), align=1)
-        splat = builder.shuffle_vector(
-            builder.insert_element(ir.Constant(v16(f32), ir.Undefined), args[3], ir.Constant(i32, 0)),
-            ir.Constant(v16(f32), ir.Undefined), ir.Constant(v16(i32), [0] * 16))
-        if not four_bit:
-            values = builder.fmul(_emit_to_float32(builder, codes, types.int8), splat)
-            out = cgutils.get_item_pointer(context, builder, dst_ty, dst_arr, [i], wraparound=False)
-            builder.store(values, builder.bitcast(out, v16(f32).as_pointer()), align=4)
-            return context.get_dummy_value()
-        wide = builder.zext(codes, v16(i32))
-        eight = _splat(v16(i32), 8)
-        low = builder.sub(builder.and_(wide, _splat(v16(i32), 15)), eight)
-        high = builder.sub(builder.lshr(wide, _splat(v16(i32), 4)), eight)
-        low = builder.fmul(builder.sitofp(low, v16(f32)), splat)
-        high = builder.fmul(builder.sitofp(high, v16(f32)), splat)
-        pairs = builder.shuffle_vector(  # value 2i from low[i], 2i + 1 from high[i]
-            low, high, ir.Constant(ir.VectorType(i32, 32), [k // 2 + 16 * (k % 2) for k in range(32)]))
-        two_i = builder.shl(i, context.get_constant(types.intp, 1))
-        out = cgutils.get_item_pointer(context, builder, dst_ty, dst_arr, [two_i], wraparound=False)
-        builder.store(pairs, builder.bitcast(out, ir.VectorType(f32, 32).as_pointer()), align=4)
+        lanes = _vector_lanes(context)
+        column = builder.shl(i, context.get_constant(types.intp, 1)) if four_bit else i
+        row = cgutils.get_item_pointer(context, builder, src_ty, src_arr,
+                                       [context.get_constant(types.intp, 0)], wraparound=False)
+        vectors = _emit_grouped_vectors(builder, row, column, args[3], lanes, four_bit,
+                                        (32 if four_bit else 16) // lanes)
+        for v, values in enumerate(vectors):
+            out = cgutils.get_item_pointer(
+                context, builder, dst_ty, dst_arr,
+                [builder.add(column, context.get_constant(types.intp, lanes * v))], wraparound=False)
+            builder.store(values, builder.bitcast(out, values.type.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return types.none(src, at, dst, scale), codegen

@@ -67,7 +67,9 @@ def check_grouped(seed: int = 0) -> None:
     """Grouped codes (8-bit, 4-bit nibble pairs; blocks of 32 and 64 values) read in
     registers give the bits of the float32 rows they decode to: the dots of 1 to 4 tile
     rows and their P V sums, over head dims of one block to several (96: a last pass of
-    fewer vectors than the others), every code and a zero scale included."""
+    fewer vectors than the others), every code and a zero scale included; and those rows
+    are NumPy's float32 code x scale, bit for bit (the one decoder checked on its own, in
+    this process's lanes)."""
     rng = np.random.default_rng(seed)
     for bits in (8, 4):
         for group, d in ((32, 32), (32, 96), (32, 128), (64, 64), (64, 192)):
@@ -80,12 +82,21 @@ def check_grouped(seed: int = 0) -> None:
                 codes[0] = np.resize(np.arange(256), d // 2)
             scales = rng.standard_normal((n, d // group)).astype(np.float32)
             scales[1, 0] = 0.0
+            if bits == 8:
+                values = codes.astype(np.float32)
+            else:
+                values = np.empty((n, d), np.float32)
+                values[:, 0::2] = (codes & 15).astype(np.float32) - 8
+                values[:, 1::2] = (codes >> 4).astype(np.float32) - 8
+            want = values * np.repeat(scales, group, axis=1)
             qt = rng.standard_normal((4, d)).astype(np.float32)
             for r1 in (1, 2, 3, 4):
                 s = np.zeros((2, 4, n), np.float32)
                 acc = np.tile(rng.standard_normal((1, 4, d)).astype(np.float32), (2, 1, 1))
-                _grouped_passes(qt, r1, codes, scales, s, acc, np.empty((n, d), np.float32))
+                decoded = np.empty((n, d), np.float32)
+                _grouped_passes(qt, r1, codes, scales, s, acc, decoded)
                 what = f"{bits}-bit blocks of {group}, d={d}, {r1} rows"
+                assert np.array_equal(decoded.view(np.uint32), want.view(np.uint32)), f"rows: {what}"
                 assert np.array_equal(s[0].view(np.uint32), s[1].view(np.uint32)), f"dots: {what}"
                 assert np.array_equal(acc[0].view(np.uint32), acc[1].view(np.uint32)), f"P V: {what}"
 
