@@ -1,8 +1,12 @@
 // CPU emulation of the small part of CUDA the gqakv kernels use (force-included by g++).
 //
 // Model: a launch runs its blocks one after another; within a block every CUDA thread is
-// an OS thread (std::thread), created once per launch and reused for each block.
-//   __syncthreads()      a std::barrier over the block's threads
+// a fiber (its own stack and context, driver.cpp), all of them taking turns on the one OS
+// thread that called emu_launch: a thread runs until it waits at a barrier, then the next
+// one that can go on runs. Created once per launch and reused for each block. (They were
+// OS threads until 2026-12-06: a barrier of a 128-thread block woke 128 threads through
+// the kernel, and on a 2-core machine the emulated tests spent most of their time there.)
+//   __syncthreads()      a barrier over the block's threads (gqakv_emu::Barrier)
 //   __shfl_xor_sync      full mask only: each lane writes its value to a per-warp slot,
 //                        a 32-thread warp barrier, reads its partner's slot, and a second
 //                        warp barrier before the slots are reused
@@ -14,11 +18,18 @@
 //                        this a thread at the end of the block, or a lane at a different
 //                        shuffle, would complete another's barrier and the divergence would
 //                        pass unseen (on a GPU: a hang or undefined values).
-//   deadlock watchdog    a launch in which no barrier completes for GQAKV_EMU_DEADLOCK_S
-//                        seconds (default 300) aborts: threads wait at barriers the others
-//                        never reach (e.g. one lane at an extra shuffle).
+//   deadlock             when every unfinished thread waits at a barrier that cannot
+//                        complete (e.g. one lane at an extra shuffle while the rest of the
+//                        block is at __syncthreads) the run aborts at once; a watchdog also
+//                        aborts a launch in which no barrier completes for
+//                        GQAKV_EMU_DEADLOCK_S seconds (default 300: a thread that never
+//                        reaches its next barrier).
+//   order                threads run in index order between barriers, so code that reads
+//                        another thread's writes without a barrier between sees a fixed
+//                        interleaving: a missing __syncthreads is caught only where that
+//                        order gives a wrong result (as on a GPU, where it is a race).
 //   __shared__           `static` storage: one copy, used by one block at a time
-//   threadIdx/blockIdx   thread-locals; blockDim/gridDim set per launch
+//   threadIdx/blockIdx   per thread, swapped in by the scheduler; blockDim/gridDim per launch
 //   half / bfloat16      conversions through _Float16 (binary16 with round to nearest even)
 //   mma m16n8k16         warp-collective, f16/bf16 inputs, fp32 accumulators (see below)
 // Anything else a kernel might use is missing on purpose, so the build fails on it.
@@ -26,7 +37,6 @@
 #define GQAKV_EMULATION 1
 
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -47,24 +57,32 @@ struct dim3 {
 };
 
 namespace gqakv_emu {
+// A barrier of `expected` threads (fibers): arrive_and_wait returns once all have arrived
+// in this phase; the last to arrive goes on without yielding (driver.cpp).
+struct Barrier {
+    unsigned expected;
+    unsigned arrived = 0;
+    uint64_t phase = 0;
+    void arrive_and_wait();
+};
 struct Warp {
-    std::barrier<>* bar;
+    Barrier* bar;
     uint64_t slot[32];
     uint64_t seq[32];       // each lane's count of warp collectives (divergence check)
     uint32_t mma_a[32][4];  // each lane's A fragment registers (mma exchange)
     uint32_t mma_b[32][2];  // each lane's B fragment registers
 };
 struct Block {
-    std::barrier<>* bar;
+    Barrier* bar;
     Warp* warps;
     unsigned nthreads;
     uint64_t* sync_seq[2];  // each thread's __syncthreads count, by its parity
 };
 extern Block g_block;               // the block being run (one at a time)
-extern thread_local unsigned g_tid;  // linear thread index within the block
+extern unsigned g_tid;  // linear thread index within the block (of the running fiber)
 // Per-thread counts of __syncthreads and of warp collectives since the launch began
 // (never reset between blocks, so a stale count from an earlier block cannot match).
-extern thread_local uint64_t g_sync_count, g_warp_count;
+extern uint64_t g_sync_count, g_warp_count;
 // Completed barriers (counted by one thread of each), watched for deadlock by emu_launch.
 extern std::atomic<uint64_t> g_progress;
 // The tag a lane publishes at a warp collective: its count, and what it is at (bits 48+).
@@ -82,8 +100,8 @@ inline void check_warp_converged(const Warp& w, const char* what) {
 }
 }  // namespace gqakv_emu
 
-extern thread_local dim3 threadIdx;
-extern thread_local dim3 blockIdx;
+extern dim3 threadIdx;  // the running fiber's (driver.cpp swaps them in)
+extern dim3 blockIdx;
 extern dim3 blockDim;
 extern dim3 gridDim;
 

@@ -14,6 +14,10 @@
 #include <utility>
 #include <vector>
 
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
 #include "write_kv.cu"
 #include "write_kv_quantized.cu"
 #include "copy_tokens.cu"
@@ -27,16 +31,79 @@
 #include <sanitizer/asan_interface.h>
 #endif
 
-thread_local dim3 threadIdx;
-thread_local dim3 blockIdx;
+dim3 threadIdx;
+dim3 blockIdx;
 dim3 blockDim;
 dim3 gridDim;
 
 namespace gqakv_emu {
 Block g_block;
-thread_local unsigned g_tid;
-thread_local uint64_t g_sync_count, g_warp_count;
+unsigned g_tid;
+uint64_t g_sync_count, g_warp_count;
 std::atomic<uint64_t> g_progress{0};
+
+// -- fibers: the block's CUDA threads, run in turn on the launching thread ----------------
+// A fiber runs until it waits at a Barrier that is not complete (or leaves the kernel);
+// the scheduler (emu_launch) then resumes the next fiber whose barrier has completed. The
+// per-thread globals (g_tid, the counts, threadIdx, blockIdx) are the running fiber's:
+// the scheduler swaps them in and out around each turn.
+struct Fiber {
+    ucontext_t ctx;
+    unsigned tid = 0;
+    bool done = false;
+    const Barrier* wait = nullptr;  // the barrier it waits at, in phase wait_phase
+    uint64_t wait_phase = 0;
+    uint64_t sync_count = 0, warp_count = 0;
+    dim3 thread_idx, block_idx;
+    void* fake_stack = nullptr;  // AddressSanitizer's, while switched out
+};
+
+// What every fiber of the running launch runs (set by emu_launch).
+struct Launch {
+    std::function<void(void**)> const* call;
+    void** args;
+    dim3 grid;
+    Warp* warps;
+    Barrier* block_bar;
+};
+Launch g_launch;
+Fiber* g_current = nullptr;
+ucontext_t g_scheduler;
+// The scheduler's stack as AddressSanitizer reports it on the first switch into a fiber.
+const void* g_scheduler_bottom = nullptr;
+size_t g_scheduler_size = 0;
+
+// AddressSanitizer is told of every switch between stacks (its fiber annotations), so it
+// checks each fiber's stack as a stack; without it these do nothing.
+inline void start_switch(void** fake_save, const void* bottom, size_t size) {
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_start_switch_fiber(fake_save, bottom, size);
+#else
+    (void)fake_save; (void)bottom; (void)size;
+#endif
+}
+inline void finish_switch(void* fake_save, const void** bottom_old, size_t* size_old) {
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_finish_switch_fiber(fake_save, bottom_old, size_old);
+#else
+    (void)fake_save; (void)bottom_old; (void)size_old;
+#endif
+}
+
+void Barrier::arrive_and_wait() {
+    const uint64_t mine = phase;
+    if (++arrived == expected) {  // complete: the waiting fibers may go on; this one does
+        arrived = 0;
+        ++phase;
+        return;
+    }
+    Fiber* f = g_current;
+    f->wait = this;
+    f->wait_phase = mine;
+    start_switch(&f->fake_stack, g_scheduler_bottom, g_scheduler_size);
+    swapcontext(&f->ctx, &g_scheduler);
+    finish_switch(f->fake_stack, &g_scheduler_bottom, &g_scheduler_size);
+}
 
 // Aborts the process when no barrier of the running launch completes for the limit.
 class Watchdog {
@@ -162,6 +229,62 @@ struct Init {
 } init;
 }  // namespace gqakv_emu
 
+namespace gqakv_emu {
+// A fiber's whole life: CUDA thread g_current->tid of every block of the launch, in order.
+void fiber_main() {
+    finish_switch(nullptr, &g_scheduler_bottom, &g_scheduler_size);
+    Fiber* f = g_current;
+    const unsigned tid = f->tid;
+    const Launch& L = g_launch;
+    for (unsigned z = 0; z < L.grid.z; ++z)
+        for (unsigned y = 0; y < L.grid.y; ++y)
+            for (unsigned x = 0; x < L.grid.x; ++x) {
+                blockIdx = dim3{x, y, z};
+                (*L.call)(L.args);
+                // Leaving the kernel is a warp-level event too: a lane that returns while
+                // the rest of its warp waits at a collective meets them here.
+                Warp& w = L.warps[tid / 32];
+                w.seq[tid % 32] = warp_tag(EMU_EXIT, 0);
+                w.bar->arrive_and_wait();
+                check_warp_converged(w, "a lane left the kernel while others of its warp were at a warp collective");
+                L.block_bar->arrive_and_wait();  // the next block starts when all are done
+                if (tid == 0) g_progress.fetch_add(1, std::memory_order_relaxed);
+            }
+    g_current->done = true;
+    start_switch(nullptr, g_scheduler_bottom, g_scheduler_size);  // this stack is done
+    setcontext(&g_scheduler);
+}
+
+// Each fiber's stack, with an inaccessible page below it (an overflow faults, not corrupts).
+// The kernels' frames are a few KiB, AddressSanitizer's a few times more. Mapped without
+// reserve: only the pages a fiber touches are allocated. Smaller under AddressSanitizer:
+// its swapcontext clears the shadow of the whole stack switched to, at every switch.
+class Stacks {
+  public:
+#if defined(__SANITIZE_ADDRESS__)
+    static constexpr size_t kSize = size_t(256) << 10;
+#else
+    static constexpr size_t kSize = size_t(1) << 20;
+#endif
+    explicit Stacks(unsigned n) : page_((size_t)sysconf(_SC_PAGESIZE)), n_(n) {
+        bytes_ = n_ * (kSize + page_);
+        base_ = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (base_ == MAP_FAILED) fail("could not map the fibers' stacks");
+        for (unsigned i = 0; i < n_; ++i)
+            if (mprotect(static_cast<char*>(base_) + i * (kSize + page_), page_, PROT_NONE))
+                fail("could not protect a fiber stack's guard page");
+    }
+    ~Stacks() { munmap(base_, bytes_); }
+    void* bottom(unsigned i) const { return static_cast<char*>(base_) + i * (kSize + page_) + page_; }
+
+  private:
+    size_t page_, bytes_ = 0;
+    unsigned n_;
+    void* base_ = nullptr;
+};
+}  // namespace gqakv_emu
+
 extern "C" {
 
 // 0 ok; 1 unknown kernel; 2 argument count/size mismatch; 3 bad launch shape.
@@ -181,39 +304,53 @@ int emu_launch(const char* name, const unsigned* grid, const unsigned* block, vo
         return 3;  // CUDA's limits (limits.py): gridDim.x < 2^31, y and z <= 65535, none 0
     gridDim = dim3{grid[0], grid[1], grid[2]};
     blockDim = dim3{block[0], block[1], block[2]};
-    std::barrier<> block_bar(nthreads);
-    std::vector<std::unique_ptr<std::barrier<>>> warp_bars;
+    Barrier block_bar{nthreads};
+    std::vector<Barrier> warp_bars(nthreads / 32, Barrier{32});
     std::vector<Warp> warps(nthreads / 32);
-    for (auto& w : warps) {
-        warp_bars.emplace_back(new std::barrier<>(32));
-        w.bar = warp_bars.back().get();
-    }
+    for (size_t i = 0; i < warps.size(); ++i) warps[i].bar = &warp_bars[i];
     std::vector<uint64_t> sync_even(nthreads, 0), sync_odd(nthreads, 0);
     g_block = Block{&block_bar, warps.data(), nthreads, {sync_even.data(), sync_odd.data()}};
-    Watchdog watchdog;  // declared before the threads: joined after them
-    std::vector<std::thread> threads;
+    g_launch = Launch{&e.call, args, gridDim, warps.data(), &block_bar};
+    Stacks stacks(nthreads);
+    std::vector<Fiber> fibers(nthreads);
     for (unsigned tid = 0; tid < nthreads; ++tid) {
-        threads.emplace_back([&, tid] {
-            g_tid = tid;
-            g_sync_count = g_warp_count = 0;
-            threadIdx = dim3{tid % block[0], (tid / block[0]) % block[1], tid / (block[0] * block[1])};
-            for (unsigned z = 0; z < grid[2]; ++z)
-                for (unsigned y = 0; y < grid[1]; ++y)
-                    for (unsigned x = 0; x < grid[0]; ++x) {
-                        blockIdx = dim3{x, y, z};
-                        e.call(args);
-                        // Leaving the kernel is a warp-level event too: a lane that returns
-                        // while the rest of its warp waits at a collective meets them here.
-                        Warp& w = warps[tid / 32];
-                        w.seq[tid % 32] = warp_tag(EMU_EXIT, 0);
-                        w.bar->arrive_and_wait();
-                        check_warp_converged(w, "a lane left the kernel while others of its warp were at a warp collective");
-                        block_bar.arrive_and_wait();  // the next block starts when all are done
-                        if (tid == 0) g_progress.fetch_add(1, std::memory_order_relaxed);
-                    }
-        });
+        Fiber& f = fibers[tid];
+        f.tid = tid;
+        f.thread_idx = dim3{tid % block[0], (tid / block[0]) % block[1], tid / (block[0] * block[1])};
+        if (getcontext(&f.ctx)) fail("getcontext failed");
+        f.ctx.uc_stack.ss_sp = stacks.bottom(tid);
+        f.ctx.uc_stack.ss_size = Stacks::kSize;
+        f.ctx.uc_link = nullptr;
+        makecontext(&f.ctx, fiber_main, 0);
     }
-    for (auto& t : threads) t.join();
+    Watchdog watchdog;  // a thread that never reaches its next barrier
+    // Sweep the fibers in index order, each that can go on for one turn, until all are done.
+    for (unsigned alive = nthreads; alive > 0;) {
+        bool ran = false;
+        for (Fiber& f : fibers) {
+            if (f.done || (f.wait && f.wait->phase == f.wait_phase)) continue;
+            f.wait = nullptr;
+            g_current = &f;
+            g_tid = f.tid;
+            g_sync_count = f.sync_count;
+            g_warp_count = f.warp_count;
+            threadIdx = f.thread_idx;
+            blockIdx = f.block_idx;
+            void* fake = nullptr;
+            start_switch(&fake, stacks.bottom(f.tid), Stacks::kSize);
+            swapcontext(&g_scheduler, &f.ctx);
+            finish_switch(fake, nullptr, nullptr);
+            f.sync_count = g_sync_count;
+            f.warp_count = g_warp_count;
+            f.block_idx = blockIdx;
+            alive -= f.done;
+            ran = true;
+        }
+        if (!ran)
+            fail("deadlock: no barrier completed: every thread left waits at a __syncthreads or "
+                 "warp collective that others of its block or warp never reach");
+    }
+    g_current = nullptr;
     return 0;
 }
 
