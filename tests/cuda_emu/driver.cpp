@@ -8,7 +8,6 @@
 #include <functional>
 #include <mutex>
 #include <map>
-#include <memory>
 #include <string>
 #include <thread>
 #include <utility>
@@ -250,7 +249,7 @@ void fiber_main() {
                 L.block_bar->arrive_and_wait();  // the next block starts when all are done
                 if (tid == 0) g_progress.fetch_add(1, std::memory_order_relaxed);
             }
-    g_current->done = true;
+    f->done = true;
     start_switch(nullptr, g_scheduler_bottom, g_scheduler_size);  // this stack is done
     setcontext(&g_scheduler);
 }
