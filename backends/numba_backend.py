@@ -53,7 +53,6 @@ sinks join once per query after its pieces are merged (``numba_kernels``). Threa
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -414,20 +413,25 @@ class NumbaBackend(NumpyBackend):
     def _write_decision(self, store, k_new, v_new) -> tuple[Route, list | None]:
         """``route_copy`` for an append, and the buffers as the copy kernel's bits."""
         bits, layout = None, None
-        if store.kind == CONTIGUOUS and not store.quantized:
+        args = store_args(store)
+        if args.write_view is not False:  # contiguous and not quantized
             if not k_new.dtype == store.k.dtype == v_new.dtype:
                 layout = (f"k_new / v_new of dtype {k_new.dtype} / {v_new.dtype} "
                           f"({WRITE_KERNEL} copies the cache's {store.k.dtype} values)")
-            elif not (store.k.flags.c_contiguous and store.v.flags.c_contiguous):
+            elif not args.c_contiguous:
                 layout = "cache buffers are not C-contiguous"
-            elif not all(x.strides[-1] == x.itemsize for x in (k_new, v_new)):
+            elif not (k_new.strides[-1] == k_new.itemsize and v_new.strides[-1] == v_new.itemsize):
                 layout = "k_new / v_new head dim is strided (the kernel copies contiguous runs of d)"
-            else:
-                bits = _copy_bits(store.k, store.v, k_new, v_new)
-                if bits is None:
-                    layout = "buffers that are not NumPy arrays of one element width"
+            elif (args.write_view is None or not isinstance(k_new, np.ndarray)
+                  or not isinstance(v_new, np.ndarray)):
+                layout = "buffers that are not NumPy arrays of one element width"
+            else:  # one width: the store's dtype is k_new's
+                bits = [*args.write_bits, k_new.view(args.write_view), v_new.view(args.write_view)]
         tokens = PACKED if k_new.ndim == 3 else PADDED
-        route = _write_route(store.spec, store.head_dim, layout, tokens)
+        route = args.write_routes.get((layout, tokens))
+        if route is None:
+            route = args.write_routes[layout, tokens] = _write_route(store.spec, store.head_dim,
+                                                                     layout, tokens)
         if bits is not None and tokens == PACKED:  # [N, Hkv, d] as [N, Hkv, 1, d] (query_slot)
             bits[2:] = [x.reshape(x.shape[0], x.shape[1], 1, x.shape[2]) for x in bits[2:]]
         return route, bits
@@ -439,11 +443,11 @@ class NumbaBackend(NumpyBackend):
         route, bits = self._write_decision(store, k_new, v_new)
         if route.impl == GENERIC:
             return super().write_kv(store, k_new, v_new, inputs)
-        nk = _kernels()
         assert bits is not None  # the route chose the kernel: its buffers were viewed
-        nk.write_tokens(*bits, *(np.asarray(a, dtype=np.int64) for a in
-                                 (inputs.rows, inputs.starts, inputs.n_new)),
-                        _offsets_arg(inputs.offsets))
+        _kernels().write_tokens(*bits, np.asarray(inputs.rows, dtype=np.int64),
+                                np.asarray(inputs.starts, dtype=np.int64),
+                                np.asarray(inputs.n_new, dtype=np.int64),
+                                _offsets_arg(inputs.offsets))
 
     def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
         """Contiguous, unquantized stores (rows, or a paged pool's pages as rows): every copy
@@ -495,21 +499,19 @@ class NumbaBackend(NumpyBackend):
         (``route_attention`` decides; the NumPy backend hands what its BLAS paths do not
         serve on to the generic code). ``work``: this batch's ``plan_numba`` (from
         ``plan_attention``); ``out`` / ``lse_out``: the caller's buffers (see there)."""
-        if isinstance(work, MixedWork) and work.inputs is inputs and _c_contiguous(store):
+        args = store_args(store)
+        if isinstance(work, MixedWork) and work.inputs is inputs and args.c_contiguous:
             return run_mixed(work, q, store, return_lse=return_lse, out=out, lse_out=lse_out)
         # planned: the route was the kernels' for this storage, chunk and variant; only
         # this layer's buffers are left to judge
-        planned = isinstance(work, NumbaWork) and work.inputs is inputs and _c_contiguous(store)
+        planned = isinstance(work, NumbaWork) and work.inputs is inputs and args.c_contiguous
         if not planned and self._attention_decision(q, store.k, store.v, store, inputs.features,
                                                     inputs.token_facts(q.shape)).impl != KERNEL:
             # the NumPy backend's path, with its own plan when the batch was planned for it
             return super().attention(q, store, inputs, params, return_lse=return_lse,
                                      work=None if isinstance(work, NumbaWork) else work,
                                      out=out, lse_out=lse_out)
-        k_buf, v_buf = kernel_layout(store)
-        if isinstance(k_buf, np.ndarray):  # contiguous arrays: float16/bfloat16 as their bits
-            nk = _kernels()
-            k_buf, v_buf = _kernel_buffers(k_buf, v_buf, nk)
+        k_buf, v_buf = args.layout(store)
         if not (isinstance(work, NumbaWork) and work.inputs is inputs):
             work = plan_numba(inputs.lens, inputs.n_new, tuple(q.shape), _kv_heads(k_buf), params,
                               invariant=inputs.invariant, tree=inputs.tree,
@@ -841,8 +843,6 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
     first query's row). ``out`` (q's shape and dtype) and ``lse_out`` (q's shape without
     d, float32), when given, receive the results (checked by the caller) and are
     returned; padded query slots are 0 and -inf there too."""
-    import numba
-
     nk = _kernels()
     shape = work.q_shape
     d = shape[-1]
@@ -864,16 +864,28 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
         at = _offsets_arg(offsets)
         # BLAS held at one thread while numba's threads run (one worker: the calling
         # thread alone, nothing to share the cores with)
-        with _threads if work.workers > 1 else _NO_GUARD:
-            numba.set_num_threads(work.workers)
-            nk.attention_items(q4, k_buf, v_buf, rows, lens, n_new, work.items, work.run_starts,
-                               work.part_rows, work.scale, work.softcap, work.window, work.sinks,
-                               work.alibi, work.key_block, o4, lse3, o_part, ml_part, at,
-                               work.tree)
-            if work.groups is not None:
-                nk.merge_pieces(work.groups, work.group_starts, work.piece_rows, o_part, ml_part,
-                                work.G, work.sinks, o4, lse3, at)
+        if work.workers > 1:
+            with _threads:
+                _run_items(nk, work, q4, k_buf, v_buf, rows, lens, n_new, o4, lse3, o_part,
+                           ml_part, at)
+        else:
+            _run_items(nk, work, q4, k_buf, v_buf, rows, lens, n_new, o4, lse3, o_part, ml_part,
+                       at)
     return _hand_back(q, o, lse, out, lse_out, return_lse)
+
+
+def _run_items(nk, work: NumbaWork, q4, k_buf, v_buf, rows, lens, n_new, o4, lse3, o_part,
+               ml_part, at) -> None:
+    """``run_numba``'s kernels, on ``work.workers`` threads."""
+    import numba
+
+    numba.set_num_threads(work.workers)
+    nk.attention_items(q4, k_buf, v_buf, rows, lens, n_new, work.items, work.run_starts,
+                       work.part_rows, work.scale, work.softcap, work.window, work.sinks,
+                       work.alibi, work.key_block, o4, lse3, o_part, ml_part, at, work.tree)
+    if work.groups is not None:
+        nk.merge_pieces(work.groups, work.group_starts, work.piece_rows, o_part, ml_part,
+                        work.G, work.sinks, o4, lse3, at)
 
 
 class MixedWork:
@@ -937,9 +949,7 @@ def run_mixed(work: MixedWork, q, store, *, return_lse: bool, out=None, lse_out=
     from .numpy_attention import attend, entry_trees
 
     o, lse = _result_buffers(q, q.shape, out, lse_out)
-    k_buf, v_buf = kernel_layout(store)
-    if isinstance(k_buf, np.ndarray):  # contiguous arrays: float16/bfloat16 as their bits
-        k_buf, v_buf = _kernel_buffers(k_buf, v_buf, _kernels())
+    k_buf, v_buf = store_args(store).layout(store)
     a, b = work.short, work.long
     run_numba(work.short_work, q, k_buf, v_buf, a.rows, a.lens, a.n_new, return_lse=True,
               out=o, lse_out=lse, offsets=a.offsets)
@@ -978,7 +988,6 @@ def _hand_back(q, o, lse, out, lse_out, return_lse: bool):
 
 
 _PADDED_OFFSETS = np.zeros(0, dtype=np.int64)
-_NO_GUARD = contextlib.nullcontext()
 _KERNEL_MODULE = None
 
 
@@ -1002,6 +1011,59 @@ def _c_contiguous(store) -> bool:
     """Whether every buffer of ``store`` (K, V and the scales) is C-contiguous."""
     return all(a.flags.c_contiguous for a in (store.k, store.v, store.k_scale, store.v_scale)
                if a is not None)
+
+
+class StoreArgs:
+    """What the kernels take of one KVStore (no leading axes), worked out once and kept
+    in ``store.memo``: every layer of every step asks, and a store's buffers never move.
+
+    c_contiguous: ``_c_contiguous(store)``.
+    write_view: False unless the store is contiguous and not quantized; then the unsigned
+        integer type the copy kernel takes the values as (None: no such type of their width).
+    write_bits: K and V viewed as ``write_view`` (empty when there is none).
+    write_routes: ``_write_route``'s answers for this store, by (buffers, tokens).
+    table: a paged store's table entries when this was made (the kernel layout holds them;
+        a store whose table is another object now is worked out again).
+    ``layout(store)``: ``(K, V)`` as the kernels read them, made on first use (a store the
+    kernels do not read, float64 say, never asks).
+    """
+
+    __slots__ = ("_layout", "c_contiguous", "write_view", "write_bits", "write_routes",
+                 "table")
+
+    def __init__(self, store, table):
+        self.table = table
+        self.c_contiguous = _c_contiguous(store)
+        self._layout: tuple | None = None
+        self.write_view, self.write_bits, self.write_routes = False, (), {}
+        if store.kind == CONTIGUOUS and not store.quantized:
+            bits = _copy_bits(store.k, store.v)
+            self.write_view = None if bits is None else bits[0].dtype.type
+            self.write_bits = () if bits is None else tuple(bits)
+
+    def layout(self, store) -> tuple:
+        """``kernel_layout(store)``, contiguous float16/bfloat16 as their bits."""
+        if self._layout is None:
+            k_buf, v_buf = kernel_layout(store)
+            if isinstance(k_buf, np.ndarray):
+                k_buf, v_buf = _kernel_buffers(k_buf, v_buf, _kernels())
+            if self.table is not None and getattr(k_buf, "table", None) is not self.table:
+                return k_buf, v_buf  # the kernels read a copy of the table: made each call
+            self._layout = (k_buf, v_buf)
+        return self._layout
+
+
+_MEMO_KEY = "numba"
+
+
+def store_args(store) -> StoreArgs:
+    """``store``'s ``StoreArgs``, from its memo when its buffers (and a paged store's
+    table) are the ones it was made for."""
+    args = store.memo.get(_MEMO_KEY)
+    if args is None or (args.table is not None and args.table is not store.page_table.entries):
+        table = store.page_table.entries if store.kind == PAGED else None
+        args = store.memo[_MEMO_KEY] = StoreArgs(store, table)
+    return args
 
 
 def _kernel_buffers(k_buf, v_buf, nk):

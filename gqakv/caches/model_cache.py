@@ -331,6 +331,7 @@ class Step:
         # and the validated append by the new K/V's library, shape and dtype
         self._plans: dict = {}
         self._append: tuple | None = None  # (signature, AppendInputs)
+        self._queries_checked: tuple | None = None  # (q's signature, spec) check_queries passed
         self._fixed: AttentionPlan | None = None  # the fixed plan every write goes through
         self._state = "open"
         self._lock = cache._lengths.lock  # the cache's writer lock (see Lengths)
@@ -416,9 +417,14 @@ class Step:
                     f"packed q {list(q_shape)} and k_new {list(k_new.shape)} hold different "
                     "numbers of tokens (dim 0)")
             if plan is None:  # _plan_for checks q (check_queries) before it reads q.shape
-                plan = self._plan_for(view, q, dict(scale=scale, window=window, softcap=softcap,
-                                                    sinks=sinks, params=params,
-                                                    alibi_slopes=alibi_slopes, tree=self.tree))
+                if (scale is None and window is None and softcap is None and sinks is None
+                        and params is None and alibi_slopes is None and self.tree is None):
+                    plan = self._plan_for(view, q, None)
+                else:
+                    plan = self._plan_for(view, q, dict(scale=scale, window=window,
+                                                        softcap=softcap, sinks=sinks,
+                                                        params=params, alibi_slopes=alibi_slopes,
+                                                        tree=self.tree))
                 plan.check_checked_queries(view, q, out, lse_out)
             else:
                 self._check_plan(plan, scale, window, softcap, sinks, params, alibi_slopes)
@@ -483,19 +489,22 @@ class Step:
             launch()
             self._written[:] = True
 
-    def _plan_for(self, view, q, variant: dict) -> AttentionPlan:
-        """This step's plan for q's shape and the call's variant keywords, made on first
-        use; keywords that cannot be a dict key (an array of sinks) plan each call."""
-        check_queries(view, q)
-        q_shape = tuple(int(s) for s in q.shape)
+    def _plan_for(self, view, q, variant: dict | None) -> AttentionPlan:
+        """This step's plan for q's shape and the call's variant keywords (None: none given
+        and no tree), made on first use; keywords that cannot be a dict key (an array of
+        sinks) plan each call."""
+        self._check_queries(view, q)
+        shape = q.shape
+        q_shape = shape if type(shape) is tuple else tuple(int(s) for s in shape)
         try:  # values with their types: window=True must not find window=1's plan
-            key = (q_shape, None if all(v is None for v in variant.values())
+            key = (q_shape, None if variant is None or all(v is None for v in variant.values())
                    else tuple((type(v), v) for v in variant.values()))
             plan = self._plans.get(key)
         except TypeError:  # unhashable keywords: validated and planned for this call
             key, plan = None, None
         if plan is None:
-            inputs = validate_attention_batch(view, q_shape, self.n_new, self.rows, **variant)
+            inputs = validate_attention_batch(view, q_shape, self.n_new, self.rows,
+                                              **(variant or {}))
             plan = AttentionPlan(view, q_shape, inputs, owner=self)
             if key is not None:
                 self._plans[key] = plan
@@ -528,16 +537,22 @@ class Step:
         return inputs
 
     def _signature(self, k_new, v_new):
-        """What ``validate_append`` judged of the tensors (library, device, shape, dtype),
-        or None for objects that are not arrays of the cache's backend."""
-        backend = self.cache.backend
-        try:
-            if not (backend.owns(k_new) and backend.owns(v_new)):
-                return None
-            return tuple((type(x), backend.device_of(x), tuple(x.shape), x.dtype)
-                         for x in (k_new, v_new))
-        except Exception:  # anything odd: validate in full
-            return None
+        """What ``validate_append`` judged of the tensors (library, device, shape, dtype;
+        ``Backend.signature``), or None for objects that are not arrays of the cache's
+        backend."""
+        signature = self.cache.backend.signature
+        k, v = signature(k_new), signature(v_new)
+        return None if k is None or v is None else (k, v)
+
+    def _check_queries(self, view, q) -> None:
+        """``check_queries(view, q)``, in full once per signature of q and spec of the
+        layer (``Backend.signature``): the layers of a step pass alike shaped queries."""
+        sig = self.cache.backend.signature(q)
+        spec = view.store.spec
+        if sig is not None and self._queries_checked == (sig, spec):
+            return
+        check_queries(view, q)
+        self._queries_checked = (sig, spec)
 
     def _write(self, l: int, k_new, v_new, inputs) -> None:
         c = self.cache

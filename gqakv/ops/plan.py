@@ -233,7 +233,8 @@ class AttentionPlan:
         layer checks q before it looks up its plan; the later checks are the same)."""
         inputs = self.inputs
         check_held_keys(cache.store, inputs.params, inputs.rows, inputs.lens, inputs.n_new)
-        if tuple(int(s) for s in q.shape) != self.q_shape:
+        shape = q.shape
+        if (shape if type(shape) is tuple else tuple(int(s) for s in shape)) != self.q_shape:
             names = "[N, Hq, d]" if len(self.q_shape) == 3 else "[B, Hq, T, d]"
             raise ValueError(f"q has shape {list(q.shape)}, the plan is for {list(self.q_shape)} "
                              f"{names}")

@@ -142,10 +142,15 @@ class KVStore:
         k_scale, v_scale: quantized only: float32 ``[*leading, rows, Hkv, max_len]``, the
             scale of each token's codes (None otherwise).
         leading: ``()`` or ``(layers,)``; rows, kv_heads, max_len, head_dim: ints.
+        memo: a dict where a backend keeps what it derived from these buffers for its
+            kernels (views of them as its kernels take them), by the backend's own key.
+            Derived data only, made on first use and dropped with the store: the buffers
+            never move, so it stays true (a paged store's table changes in place; a
+            backend that keeps table views checks that the table is the same object).
     """
 
     __slots__ = ("spec", "k", "v", "leading", "rows", "kv_heads", "max_len", "head_dim",
-                 "k_scale", "v_scale", "_codec_lookup", "_k_parts", "_v_parts")
+                 "k_scale", "v_scale", "_codec_lookup", "_k_parts", "_v_parts", "memo")
 
     def __init__(self, spec: StorageSpec, k, v, k_scale=None, v_scale=None):
         self.spec = spec
@@ -156,6 +161,7 @@ class KVStore:
         self._k_parts = (k,) if k_scale is None else (k, k_scale)
         self._v_parts = (v,) if v_scale is None else (v, v_scale)
         self._codec_lookup: tuple | None = None  # (the codec's lookup_table,), made on first read
+        self.memo: dict = {}
         shape = tuple(int(s) for s in k.shape)
         self.leading = shape[:-4]
         self.rows, self.kv_heads, self.max_len, width = shape[-4:]
