@@ -447,7 +447,8 @@ class NumbaBackend(NumpyBackend):
         _kernels().write_tokens(*bits, np.asarray(inputs.rows, dtype=np.int64),
                                 np.asarray(inputs.starts, dtype=np.int64),
                                 np.asarray(inputs.n_new, dtype=np.int64),
-                                _offsets_arg(inputs.offsets))
+                                _PADDED_OFFSETS if inputs.offsets is None else
+                                np.asarray(inputs.offsets, dtype=np.int64))
 
     def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
         """Contiguous, unquantized stores (rows, or a paged pool's pages as rows): every copy
@@ -861,7 +862,7 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
         if len(shape) == 3:  # packed [N, Hq, d] as [N, Hq, 1, d] (numba_kernels.query_slot)
             N, Hq = shape[:2]
             q4, o4, lse3 = q32.reshape(N, Hq, 1, d), o.reshape(N, Hq, 1, d), lse.reshape(N, Hq, 1)
-        at = _offsets_arg(offsets)
+        at = _PADDED_OFFSETS if offsets is None else np.asarray(offsets, dtype=np.int64)
         # BLAS held at one thread while numba's threads run (one worker: the calling
         # thread alone, nothing to share the cores with)
         if work.workers > 1:
@@ -874,12 +875,37 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
     return _hand_back(q, o, lse, out, lse_out, return_lse)
 
 
+def _set_threads(n: int) -> None:
+    """``numba.set_num_threads(n)``. That call takes two locks and checks its argument on
+    every call, about 1 us that every layer's launch paid; once numba's threading layer
+    is up, the C function it ends in (``_set_num_threads``, not public: without it the
+    public call serves) sets the same per-thread count for n in its range."""
+    global _SET_THREADS
+    if _SET_THREADS is None:
+        import numba
+        from numba.np.ufunc import parallel
+
+        numba.set_num_threads(n)  # starts the threading layer, checks n
+        direct = getattr(parallel, "_set_num_threads", None)
+        _SET_THREADS = (direct if callable(direct) else numba.set_num_threads,
+                        int(numba.config.NUMBA_NUM_THREADS))
+        return
+    direct, limit = _SET_THREADS
+    if 1 <= n <= limit:
+        direct(n)
+    else:
+        import numba
+
+        numba.set_num_threads(n)  # numba's own error
+
+
+_SET_THREADS: tuple | None = None
+
+
 def _run_items(nk, work: NumbaWork, q4, k_buf, v_buf, rows, lens, n_new, o4, lse3, o_part,
                ml_part, at) -> None:
     """``run_numba``'s kernels, on ``work.workers`` threads."""
-    import numba
-
-    numba.set_num_threads(work.workers)
+    _set_threads(work.workers)
     nk.attention_items(q4, k_buf, v_buf, rows, lens, n_new, work.items, work.run_starts,
                        work.part_rows, work.scale, work.softcap, work.window, work.sinks,
                        work.alibi, work.key_block, o4, lse3, o_part, ml_part, at, work.tree)
@@ -987,7 +1013,7 @@ def _hand_back(q, o, lse, out, lse_out, return_lse: bool):
     return (o, lse) if return_lse else o
 
 
-_PADDED_OFFSETS = np.zeros(0, dtype=np.int64)
+_PADDED_OFFSETS = np.zeros(0, dtype=np.int64)  # the kernels' offsets of padded tokens (query_slot)
 _KERNEL_MODULE = None
 
 
@@ -1000,11 +1026,6 @@ def _kernels():
 
         _KERNEL_MODULE = numba_kernels
     return _KERNEL_MODULE
-
-
-def _offsets_arg(offsets) -> np.ndarray:
-    """The kernels' ``offsets`` argument: int64 [B] packed, empty padded (``query_slot``)."""
-    return _PADDED_OFFSETS if offsets is None else np.asarray(offsets, dtype=np.int64)
 
 
 def _c_contiguous(store) -> bool:

@@ -400,7 +400,8 @@ class Step:
         """
         c = self.cache
         l = c._layer_index(layer)
-        return_lse = check_flag(return_lse, "return_lse")
+        if return_lse is not False:  # (the common case without a call)
+            return_lse = check_flag(return_lse, "return_lse")
         with self._lock:
             self._check_open()
             inputs = self._validate_write(l, k_new, v_new)

@@ -238,11 +238,12 @@ class AttentionPlan:
             names = "[N, Hq, d]" if len(self.q_shape) == 3 else "[B, Hq, T, d]"
             raise ValueError(f"q has shape {list(q.shape)}, the plan is for {list(self.q_shape)} "
                              f"{names}")
-        check_outputs(cache, self.q_shape, out, lse_out)
+        if out is not None or lse_out is not None:
+            check_outputs(cache, self.q_shape, out, lse_out)
 
     def launch(self, q, store, return_lse: bool, out=None, lse_out=None):
         """The backend's attention of checked tensors over ``store`` (no checks here)."""
-        codec = store.spec.codec
+        codec = store.codec
         if codec.rotates_keys:  # keys are stored rotated: q . k needs q in their basis
             return self._launch_rotated(codec, q, store, return_lse, out, lse_out)
         return self._launch(q, store, return_lse, out, lse_out)

@@ -41,7 +41,7 @@ class LayerGroups:
                 self._where[int(l)] = (store, i)
         assert sorted(self._where) == list(range(layers))
         first = groups[0][2]
-        self.spec = first.spec
+        self.spec, self.codec = first.spec, first.codec
         self.leading = (int(layers),)
         self.rows, self.kv_heads, self.max_len, self.head_dim = (
             first.rows, first.kv_heads, first.max_len, first.head_dim)

@@ -142,6 +142,9 @@ class KVStore:
         k_scale, v_scale: quantized only: float32 ``[*leading, rows, Hkv, max_len]``, the
             scale of each token's codes (None otherwise).
         leading: ``()`` or ``(layers,)``; rows, kv_heads, max_len, head_dim: ints.
+        kind, dtype, quantized, codec: the spec's (its layout kind, storage dtype's name,
+            whether ``k``/``v`` hold codes with scales, its ``gqakv.storage.codecs`` codec),
+            read once: every layer's call asks.
         memo: a dict where a backend keeps what it derived from these buffers for its
             kernels (views of them as its kernels take them), by the backend's own key.
             Derived data only, made on first use and dropped with the store: the buffers
@@ -150,10 +153,14 @@ class KVStore:
     """
 
     __slots__ = ("spec", "k", "v", "leading", "rows", "kv_heads", "max_len", "head_dim",
-                 "k_scale", "v_scale", "_codec_lookup", "_k_parts", "_v_parts", "memo")
+                 "k_scale", "v_scale", "_codec_lookup", "_k_parts", "_v_parts", "memo",
+                 "kind", "dtype", "quantized", "codec")
 
     def __init__(self, spec: StorageSpec, k, v, k_scale=None, v_scale=None):
         self.spec = spec
+        self.kind, self.dtype = spec.kind, spec.dtype
+        self.codec = spec.codec
+        self.quantized = self.codec.scaled
         self.k, self.v = k, v
         self.k_scale, self.v_scale = k_scale, v_scale
         # K's and V's parts as the codec keeps them (gqakv.storage.codecs: values, or codes
@@ -165,7 +172,7 @@ class KVStore:
         shape = tuple(int(s) for s in k.shape)
         self.leading = shape[:-4]
         self.rows, self.kv_heads, self.max_len, width = shape[-4:]
-        self.head_dim = spec.codec.head_dim_of(width)  # 4-bit codes: two values a byte
+        self.head_dim = self.codec.head_dim_of(width)  # 4-bit codes: two values a byte
 
     @classmethod
     def of(cls, k, v) -> "KVStore":
@@ -176,20 +183,6 @@ class KVStore:
             raise ValueError(f"K {list(k.shape)} {k.dtype} and V {list(v.shape)} {v.dtype} must "
                              "be equal shapes [..., rows, Hkv, max_len, d] of one dtype")
         return cls(StorageSpec.of(k.dtype), k, v)
-
-    @property
-    def kind(self) -> str:
-        return self.spec.kind
-
-    @property
-    def dtype(self) -> str:
-        """The storage dtype's name."""
-        return self.spec.dtype
-
-    @property
-    def quantized(self) -> bool:
-        """True when ``k``/``v`` hold 8-bit codes with per-token scales (``gqakv.storage.quantize``)."""
-        return self.spec.quantized
 
     @property
     def nbytes(self) -> int:
