@@ -203,6 +203,38 @@ def test_bad_outputs_are_refused_before_anything_is_written(backend):
             gqakv.gqa_attention(q, cache, [2, 1, 0], **kwargs)
 
 
+def test_later_layers_tensors_are_checked_like_the_first(backend):
+    """A step checks a later layer's q / k_new / v_new by comparing their signatures
+    (``Backend.signature``) with what the first layer passed: a later layer's wrong dtype,
+    shape or library is refused as the first layer's would be, with nothing written, and
+    good tensors after it go on."""
+    rng = np.random.default_rng(8)
+    model = gqakv.ModelKVCache(3, B, HKV, 16, D, dtype="float32", backend=backend)
+    x = _rng_arrays(backend, rng, (B, HKV, 2, D))
+    q = _rng_arrays(backend, rng, (B, HKV * G, 2, D))
+    wide_q = backend.from_numpy(rng.standard_normal((B, HKV * G, 2, D)), "float64")
+    wide_x = backend.from_numpy(rng.standard_normal((B, HKV, 2, D)), "float64")
+    short_q = _rng_arrays(backend, rng, (B, HKV * G, 1, D))
+    bad = [((wide_q, x, x), TypeError, "q has dtype float64, the cache holds float32"),
+           ((q, wide_x, x), TypeError, "k_new has dtype float64"),
+           ((q, x, wide_x), TypeError, "v_new has dtype float64"),
+           ((short_q, x, x), ValueError, r"q \[3, 4, 1, 20\] does not match k_new")]
+    if not backend.owns(np.zeros(1)):
+        bad.append(((np.asarray(backend.to_numpy(q)), x, x), TypeError, "q is a numpy.ndarray"))
+    with model.step([2, 1, 0]) as step:
+        first = step.attend(0, q, x, x)
+        before = [np.array(backend.to_numpy(b)) for b in (model.store.k, model.store.v)]
+        for args, exc, match in bad:
+            with pytest.raises(exc, match=match):
+                step.attend(1, *args)
+            assert not step._written[1]
+            for b, a in zip(before, (model.store.k, model.store.v)):
+                np.testing.assert_array_equal(b, backend.to_numpy(a))
+        for l in (1, 2):  # the same data in every layer: the same result
+            np.testing.assert_array_equal(backend.to_numpy(step.attend(l, q, x, x)),
+                                          backend.to_numpy(first))
+
+
 def test_out_may_be_q_itself(backend):
     """``out=q``: the result is the same as into a fresh buffer (a kernel that zeroed or
     wrote out before reading q would compute from its own output)."""

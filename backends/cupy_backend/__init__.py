@@ -114,6 +114,8 @@ class CupyBackend(Backend):
         # rows/lengths: both are kept (by value) so only the first layer pays for them.
         self._plans = _LruCache(64)
         self._uploads = _LruCache(64)
+        # (inputs, store geometry, (T, k_new strides, unfixed), plan) of the last append
+        self._last_write_plan: tuple | None = None
 
     @property
     def runtime(self) -> CupyRuntime:
@@ -266,32 +268,43 @@ class CupyBackend(Backend):
     def _write_kv(self, store, k_new, v_new, inputs, work=None) -> None:
         k_buf, v_buf = store.k, store.v
         rows, starts, n_new = inputs.rows, inputs.starts, inputs.n_new
-        dtype, kv_dtype = _dtypes_of(store)
-        d = int(store.head_dim)
-        request = Request.of_store("write_kv", store, tokens=PACKED if k_new.ndim == 3 else PADDED)
-        if routing.route_write_kv(request).impl != GENERIC:
-            layout = _store_rejection(store)
-            if layout is None and store.spec.codec.rotates_keys:
+        facts = _write_facts(store, PACKED if k_new.ndim == 3 else PADDED)
+        dtype, kv_dtype, d = facts.dtype, facts.kv_dtype, facts.head_dim
+        route = facts.route
+        if route.impl != GENERIC:
+            layout = facts.store_rejection
+            if layout is None and facts.rotates_keys:
                 # keys stored rotated: rotated here (float32, the generic write's bits), V
                 # cast to float32 (exact), and quantized by the float32 instantiation
                 xp = self.namespace()
-                k_new, v_new = store.spec.codec.rotate_queries(xp, k_new), xp.astype(v_new, xp.float32)
+                k_new, v_new = store.codec.rotate_queries(xp, k_new), xp.astype(v_new, xp.float32)
             if layout is None:
                 k_new, v_new = self._aligned(k_new, dtype, d), self._aligned(v_new, dtype, d)
-                layout = (_write_layout_rejection(k_buf, v_buf, k_new, v_new, kv_dtype or dtype, d)
+                layout = (facts.buffers_rejection
+                          or ("K and V strided differently" if k_new.strides != v_new.strides
+                              else None)
                           or _input_dtype_rejection(k_new, v_new, dtype)
-                          or (_scales_rejection(store, d) if kv_dtype else None))
-            request = request.with_(buffers=layout)
-        route = routing.route_write_kv(request)
+                          or facts.scales_rejection)
+            route = facts.route_with(layout)
         if route.impl == GENERIC:
             return super().write_kv(store, k_new, v_new, inputs)
-        n_new = np.asarray(n_new, dtype=np.int64)
-        # a fixed work's append: T tokens per entry, whatever this step's n_new (the kernel
-        # stops at each entry's own n_new, read on the device)
-        planned = np.full_like(n_new, int(k_new.shape[2])) if work is not None else n_new
-        plan = self._write_plan(store, planned, int(k_new.shape[2]), _strides(k_new)[:3])
+        t_new, new_strides = int(k_new.shape[2]), _strides(k_new)[:3]
+        # every layer of a step appends the same inputs into stores of one geometry: the
+        # plan of the last append serves when both are the same
+        memo = self._last_write_plan
+        if (memo is not None and memo[0] is inputs and memo[1] == facts.geometry
+                and memo[2] == (t_new, new_strides, work is None)):
+            plan = memo[3]
+        else:
+            n_new = np.asarray(n_new, dtype=np.int64)
+            # a fixed work's append: T tokens per entry, whatever this step's n_new (the
+            # kernel stops at each entry's own n_new, read on the device)
+            planned = np.full_like(n_new, t_new) if work is not None else n_new
+            plan = self._write_plan(store, planned, t_new, new_strides)
+            self._last_write_plan = (inputs, facts.geometry, (t_new, new_strides, work is None),
+                                     plan)
         if isinstance(plan, str):  # the planner refused the grid: routed again with that fact
-            route = routing.route_write_kv(request.with_(grid=plan))
+            route = routing.route_write_kv(facts.request.with_(grid=plan))
         if route.impl == GENERIC:
             return super().write_kv(store, k_new, v_new, inputs)
         if not plan.launches:
@@ -303,7 +316,7 @@ class CupyBackend(Backend):
         else:
             rows_d, starts_d, n_new_d = self._upload_ints(rows, starts, n_new)
             arrays = {"rows": rows_d, "starts": starts_d, "n_new": n_new_d}
-            if _pages_arg(store) is not None:
+            if facts.paged:
                 arrays["table"] = self._upload_table(store)
         arrays.update(k_new=k_new, v_new=v_new, k_buf=k_buf, v_buf=v_buf)
         if kv_dtype:
@@ -485,10 +498,18 @@ class CupyBackend(Backend):
 
     @staticmethod
     def _buffers_rejection(store, dtype: str, d: int) -> str | None:
-        """Why the attention kernels cannot read this layer's K/V (and scales)."""
-        return (_store_rejection(store)
-                or _attention_layout_rejection(store.k, store.v, dtype, d)
-                or (_scales_rejection(store, d) if store.spec.codec.name != PLAIN_NAME else None))
+        """Why the attention kernels cannot read this layer's K/V (and scales); kept in the
+        store's memo (it judges the store's buffers alone, which never move)."""
+        key = ("cupy attention buffers", dtype, d)
+        try:
+            return store.memo[key]
+        except KeyError:
+            pass
+        why = store.memo[key] = (
+            _store_rejection(store)
+            or _attention_layout_rejection(store.k, store.v, dtype, d)
+            or (_scales_rejection(store, d) if store.spec.codec.name != PLAIN_NAME else None))
+        return why
 
     def _kernel_plan(self, dtype: str, d: int, kwargs: dict):
         """The planner's plan for these keywords, kept by value (or its refusal)."""
@@ -740,11 +761,26 @@ def _canonical(dtype) -> str:
 
 def _dtype_name(x) -> str:
     """dtype name of a buffer, e.g. "bfloat16" (routing decides whether a kernel takes it;
-    another library's dtype keeps its own spelling, which no kernel takes)."""
+    another library's dtype keeps its own spelling, which no kernel takes). Kept by dtype
+    object: NumPy works a name out in Python, and every layer's call asks several times."""
+    dt = x.dtype
     try:
-        return np.dtype(x.dtype).name
+        return _DTYPE_NAMES[dt]
+    except (KeyError, TypeError):  # not seen yet, or not hashable
+        pass
+    try:
+        name = np.dtype(dt).name
     except TypeError:
-        return str(x.dtype)
+        name = str(dt)
+    try:
+        if len(_DTYPE_NAMES) < 256:  # the few dtypes of real buffers
+            _DTYPE_NAMES[dt] = name
+    except TypeError:
+        pass
+    return name
+
+
+_DTYPE_NAMES: dict = {}
 
 
 def _plan_or_refusal(planner, *args, **kwargs):
@@ -766,6 +802,60 @@ def _store_rejection(store) -> str | None:
         return (f"paged rows of {slots} slots (the paged "
                 f"kernels index a row's keys in 32 bits: fewer than {_plan.MAX_PAGED_ROW_SLOTS})")
     return None
+
+
+class _WriteFacts:
+    """What an append into one store judges of the store alone, worked out once and kept
+    in ``store.memo`` (its buffers never move; every layer of every step appends):
+
+    dtype, kv_dtype: ``_dtypes_of(store)``; head_dim; paged: whether it pages;
+    request: the append's ``Request`` over it (no ``buffers`` fact); route: its route;
+    store_rejection, buffers_rejection, scales_rejection: ``_store_rejection``, the cache
+    rows' part of ``_write_layout_rejection`` and ``_scales_rejection`` (None: no objection;
+    the last two judged only where the route and the store leave the kernel possible);
+    rotates_keys: the codec's; geometry: what ``_write_plan`` reads of the store.
+    ``route_with(layout)``: the route with the call's ``buffers`` fact, kept by value.
+    """
+
+    __slots__ = ("dtype", "kv_dtype", "head_dim", "paged", "request", "route", "store_rejection",
+                 "buffers_rejection", "scales_rejection", "rotates_keys", "geometry", "_routes")
+
+    def __init__(self, store, tokens: str):
+        self.dtype, self.kv_dtype = _dtypes_of(store)
+        d = self.head_dim = int(store.head_dim)
+        pages = _pages_arg(store)
+        self.paged = pages is not None
+        self.request = Request.of_store("write_kv", store, tokens=tokens)
+        self.route = routing.route_write_kv(self.request)
+        self.store_rejection = _store_rejection(store)
+        self.rotates_keys = bool(store.codec.rotates_keys)
+        self.buffers_rejection = self.scales_rejection = None
+        if self.route.impl != GENERIC and self.store_rejection is None:
+            k_buf, v_buf, dtype = store.k, store.v, self.kv_dtype or self.dtype
+            self.buffers_rejection = (
+                "cache rows not aligned for the kernel's vector loads"
+                if not (_is_aligned(k_buf, dtype, d) and _is_aligned(v_buf, dtype, d))
+                else "K and V strided differently" if k_buf.strides != v_buf.strides else None)
+            self.scales_rejection = _scales_rejection(store, d) if self.kv_dtype else None
+        self.geometry = (self.dtype, d, int(store.k.shape[1]), _strides(store.k)[:3], pages,
+                         self.kv_dtype,
+                         _strides(store.k_scale)[:3] if self.kv_dtype else None)
+        self._routes: dict = {}
+
+    def route_with(self, layout: str | None) -> Route:
+        route = self._routes.get(layout)
+        if route is None:
+            route = self._routes[layout] = routing.route_write_kv(self.request.with_(buffers=layout))
+        return route
+
+
+def _write_facts(store, tokens: str) -> _WriteFacts:
+    """``store``'s ``_WriteFacts`` for appends of ``tokens`` (padded or packed), kept in its memo."""
+    key = ("cupy write", tokens)
+    facts = store.memo.get(key)
+    if facts is None:
+        facts = store.memo[key] = _WriteFacts(store, tokens)
+    return facts
 
 
 def _pages_arg(store) -> "_plan.PageTableArg | None":
@@ -909,7 +999,18 @@ def _writable_lse(lse, q_span) -> bool:
 
 
 def _strides(x) -> tuple[int, ...]:
-    return tuple(s // x.itemsize for s in x.strides)
+    """x's strides in elements, kept by (byte strides, itemsize): every layer's call asks
+    for several buffers of a few layouts."""
+    key = (x.strides, x.itemsize)
+    strides = _ELEMENT_STRIDES.get(key)
+    if strides is None:
+        strides = _ELEMENT_STRIDES[key] = tuple(s // x.itemsize for s in x.strides)
+        if len(_ELEMENT_STRIDES) > 4096:
+            _ELEMENT_STRIDES.clear()
+    return strides
+
+
+_ELEMENT_STRIDES: dict = {}
 
 
 def _address(x) -> int:
@@ -920,4 +1021,15 @@ def _address(x) -> int:
 
 
 def _is_aligned(x, dtype: str, d: int) -> bool:
-    return _plan.aligned_for_vectors(_address(x), _strides(x), dtype, d)
+    """``aligned_for_vectors`` of x: its strides' part kept by (strides, itemsize, dtype,
+    d), so a call judges only the address (every layer's call asks for each buffer)."""
+    key = (x.strides, x.itemsize, dtype, d)
+    rule = _ALIGNMENT_RULES.get(key)
+    if rule is None:
+        rule = _ALIGNMENT_RULES[key] = _plan.vector_alignment(_strides(x), dtype, d)
+        if len(_ALIGNMENT_RULES) > 4096:
+            _ALIGNMENT_RULES.clear()
+    return rule != 0 and _address(x) % rule == 0
+
+
+_ALIGNMENT_RULES: dict = {}

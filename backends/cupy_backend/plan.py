@@ -489,11 +489,20 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
 
 def aligned_for_vectors(ptr: int, strides_el: tuple[int, ...], dtype: str, head_dim: int) -> bool:
     """True when every row start is aligned for the kernels' vector loads."""
+    nbytes = vector_alignment(strides_el, dtype, head_dim)
+    return nbytes != 0 and ptr % nbytes == 0
+
+
+def vector_alignment(strides_el: tuple[int, ...], dtype: str, head_dim: int) -> int:
+    """The bytes an array of these element strides must start at a multiple of for every
+    row start to be aligned for the kernels' vector loads; 0 when its strides break them
+    (a strided head dim, or rows that are not whole vectors apart)."""
     # a vector's elements (4-bit codes: half its values) and bytes (codes: 1 byte each)
     vec = max(1, sources.vec_width(dtype, head_dim) // sources.values_per_element(dtype))
     nbytes = vec * (1 if dtype in sources.CODE_CTYPES else sources.ITEMSIZE[dtype])
-    return strides_el[-1] == 1 and ptr % nbytes == 0 and all(s % vec == 0 for s in strides_el[:-1])
+    return nbytes if strides_el[-1] == 1 and all(s % vec == 0 for s in strides_el[:-1]) else 0
 
 
 __all__ = ["Buf", "KernelParams", "PageTableArg", "PAGES_DTYPE", "page_divisor", "Launch", "Plan", "PARAMS_DTYPE", "VARIANT_FLAGS", "variant_flags", "plan_write_kv", "plan_copy_tokens", "plan_attention",
-           "choose_splits", "choose_query_tile", "decode_kernel", "prefill_kernel", "prefill_rows", "aligned_for_vectors"]
+           "choose_splits", "choose_query_tile", "decode_kernel", "prefill_kernel", "prefill_rows", "aligned_for_vectors",
+           "vector_alignment"]
