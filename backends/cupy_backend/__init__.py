@@ -281,8 +281,7 @@ class CupyBackend(Backend):
             if layout is None:
                 k_new, v_new = self._aligned(k_new, dtype, d), self._aligned(v_new, dtype, d)
                 layout = (facts.buffers_rejection
-                          or ("K and V strided differently" if k_new.strides != v_new.strides
-                              else None)
+                          or _new_kv_rejection(k_new, v_new)
                           or _input_dtype_rejection(k_new, v_new, dtype)
                           or facts.scales_rejection)
             route = facts.route_with(layout)
@@ -810,9 +809,9 @@ class _WriteFacts:
 
     dtype, kv_dtype: ``_dtypes_of(store)``; head_dim; paged: whether it pages;
     request: the append's ``Request`` over it (no ``buffers`` fact); route: its route;
-    store_rejection, buffers_rejection, scales_rejection: ``_store_rejection``, the cache
-    rows' part of ``_write_layout_rejection`` and ``_scales_rejection`` (None: no objection;
-    the last two judged only where the route and the store leave the kernel possible);
+    store_rejection, buffers_rejection, scales_rejection: ``_store_rejection``,
+    ``_cache_rows_rejection`` and ``_scales_rejection`` (None: no objection; the last two
+    judged only where the route and the store leave the kernel possible);
     rotates_keys: the codec's; geometry: what ``_write_plan`` reads of the store.
     ``route_with(layout)``: the route with the call's ``buffers`` fact, kept by value.
     """
@@ -831,11 +830,8 @@ class _WriteFacts:
         self.rotates_keys = bool(store.codec.rotates_keys)
         self.buffers_rejection = self.scales_rejection = None
         if self.route.impl != GENERIC and self.store_rejection is None:
-            k_buf, v_buf, dtype = store.k, store.v, self.kv_dtype or self.dtype
-            self.buffers_rejection = (
-                "cache rows not aligned for the kernel's vector loads"
-                if not (_is_aligned(k_buf, dtype, d) and _is_aligned(v_buf, dtype, d))
-                else "K and V strided differently" if k_buf.strides != v_buf.strides else None)
+            self.buffers_rejection = _cache_rows_rejection(store.k, store.v,
+                                                           self.kv_dtype or self.dtype, d)
             self.scales_rejection = _scales_rejection(store, d) if self.kv_dtype else None
         self.geometry = (self.dtype, d, int(store.k.shape[1]), _strides(store.k)[:3], pages,
                          self.kv_dtype,
@@ -909,22 +905,30 @@ def _scales_rejection(store, d: int) -> str | None:
     return None
 
 
-def _write_layout_rejection(k_buf, v_buf, k_new, v_new, dtype: str, d: int) -> str | None:
-    """Why gqakv_write_kv cannot take these buffers (k/v_new already aligned copies)."""
-    if not (_is_aligned(k_buf, dtype, d) and _is_aligned(v_buf, dtype, d)):
-        return "cache rows not aligned for the kernel's vector loads"
-    if k_buf.strides != v_buf.strides or k_new.strides != v_new.strides:
-        return "K and V strided differently"
-    return None
-
-
-def _attention_layout_rejection(k_buf, v_buf, dtype: str, d: int) -> str | None:
-    """Why the attention kernels cannot read this cache (q is copied when unaligned)."""
+def _cache_rows_rejection(k_buf, v_buf, dtype: str, d: int) -> str | None:
+    """Why the kernels cannot read or write the cache's K and V rows in place: rows not
+    aligned for their vector accesses, or K and V strided differently."""
     if not (_is_aligned(k_buf, dtype, d) and _is_aligned(v_buf, dtype, d)):
         return "cache rows not aligned for the kernel's vector loads"
     if k_buf.strides != v_buf.strides:
         return "K and V strided differently"
-    return limits.key_span_rejection(int(k_buf.shape[2]), _strides(k_buf)[2], d)
+    return None
+
+
+def _new_kv_rejection(k_new, v_new) -> str | None:
+    """Why gqakv_write_kv cannot read these new K/V (already aligned copies) together."""
+    return "K and V strided differently" if k_new.strides != v_new.strides else None
+
+
+def _write_layout_rejection(k_buf, v_buf, k_new, v_new, dtype: str, d: int) -> str | None:
+    """Why gqakv_write_kv cannot take these buffers (k/v_new already aligned copies)."""
+    return _cache_rows_rejection(k_buf, v_buf, dtype, d) or _new_kv_rejection(k_new, v_new)
+
+
+def _attention_layout_rejection(k_buf, v_buf, dtype: str, d: int) -> str | None:
+    """Why the attention kernels cannot read this cache (q is copied when unaligned)."""
+    return (_cache_rows_rejection(k_buf, v_buf, dtype, d)
+            or limits.key_span_rejection(int(k_buf.shape[2]), _strides(k_buf)[2], d))
 
 
 class _LruCache:
