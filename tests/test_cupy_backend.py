@@ -184,6 +184,37 @@ def test_split_plan_skips_idle_rows():
     assert (one.num_splits, one.keys_per_split) == (two.num_splits, two.keys_per_split) == (33, 249)
 
 
+def test_plans_kept_by_extent_equal_fresh_plans():
+    """The backend keeps attention plans by ``plan.attention_extent`` and the keywords but
+    the lengths, so that a decode step one token longer finds its plan: over randomized
+    lengths, n_new, windows and query counts (decode, split and not, and prefill), the kept
+    plan is the one ``plan_attention`` makes for the call's own lengths, launch for launch."""
+    backend = CupyBackend()
+    rng = np.random.default_rng(7)
+    hits = 0
+    for _ in range(300):
+        B, T = int(rng.integers(1, 6)), int(rng.choice([1, 1, 2, 3, 16]))
+        n_new = rng.integers(0, T + 1, B)
+        lens = n_new + rng.integers(0, int(rng.choice([40, 300, 5000])), B)
+        window = None if rng.random() < 0.5 else int(rng.integers(1, 600))
+        params = gqakv.AttentionParams(scale=0.125, window=window)
+        strides = (4 * T * 64, T * 64, 64)
+        kwargs = dict(batch=B, kv_heads=2, group=2, t_q=T, lens=lens, n_new=n_new,
+                      params=params, q_strides=strides, buf_strides=(2 * 8192 * 64, 8192 * 64, 64),
+                      out_strides=strides, sm_count=int(rng.choice([2, 16, 132])),
+                      tensor_cores=True, pages=None, kv_dtype=None)
+        before = len(backend._plans._values)
+        kept = backend._kernel_plan("float16", 64, kwargs)
+        hits += len(backend._plans._values) == before
+        fresh = plan.plan_attention("float16", 64, **kwargs)
+        assert kept == fresh, (lens, n_new, T, window)
+        if fresh.launches and fresh.num_splits == 1 and T <= plan.DECODE_MAX_T:
+            keys = plan.attention_extent("float16", 64, **kwargs).keys
+            read = gqakv.core.semantics.keys_read(params, lens, n_new)[n_new > 0]
+            assert keys & (keys - 1) == 0 and keys >= int(read.max())
+    assert hits > 30  # the cache served lengths it was not made for
+
+
 def test_decode_occupancy_matches_the_kernel_registers():
     """The resident CTAs per SM the split planner assumes (plan.DECODE_CTAS_PER_SM per
     tile, plan.DECODE_MMA_CTAS_PER_SM per head dim) hold on the GPU: ptxas' register count

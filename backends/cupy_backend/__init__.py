@@ -116,6 +116,10 @@ class CupyBackend(Backend):
         self._uploads = _LruCache(64)
         # (inputs, store geometry, (T, k_new strides, unfixed), plan) of the last append
         self._last_write_plan: tuple | None = None
+        # (inputs, (device, stream), device ints) and ((device, stream), host entries,
+        # device table) of the last unplanned append (``_append_arrays``)
+        self._last_append_ints: tuple | None = None
+        self._last_append_table: tuple | None = None
 
     @property
     def runtime(self) -> CupyRuntime:
@@ -267,7 +271,6 @@ class CupyBackend(Backend):
 
     def _write_kv(self, store, k_new, v_new, inputs, work=None) -> None:
         k_buf, v_buf = store.k, store.v
-        rows, starts, n_new = inputs.rows, inputs.starts, inputs.n_new
         facts = _write_facts(store, PACKED if k_new.ndim == 3 else PADDED)
         dtype, kv_dtype, d = facts.dtype, facts.kv_dtype, facts.head_dim
         route = facts.route
@@ -295,7 +298,7 @@ class CupyBackend(Backend):
                 and memo[2] == (t_new, new_strides, work is None)):
             plan = memo[3]
         else:
-            n_new = np.asarray(n_new, dtype=np.int64)
+            n_new = np.asarray(inputs.n_new, dtype=np.int64)
             # a fixed work's append: T tokens per entry, whatever this step's n_new (the
             # kernel stops at each entry's own n_new, read on the device)
             planned = np.full_like(n_new, t_new) if work is not None else n_new
@@ -313,14 +316,37 @@ class CupyBackend(Backend):
             if "table" in work.arrays:
                 arrays["table"] = work.arrays["table"]
         else:
-            rows_d, starts_d, n_new_d = self._upload_ints(rows, starts, n_new)
-            arrays = {"rows": rows_d, "starts": starts_d, "n_new": n_new_d}
-            if facts.paged:
-                arrays["table"] = self._upload_table(store)
+            arrays = self._append_arrays(inputs, store if facts.paged else None)
         arrays.update(k_new=k_new, v_new=v_new, k_buf=k_buf, v_buf=v_buf)
         if kv_dtype:
             arrays.update(k_scale=store.k_scale, v_scale=store.v_scale)
         self.runtime.run_plan(plan, arrays, dtype, d)
+
+    def _append_arrays(self, inputs, paged_store=None) -> dict:
+        """The append's device rows, starts and n_new (``_upload_ints``'s) and, for a
+        ``paged_store``, its page table (``_upload_table``'s), kept for the next layers of
+        the step on the same device and stream: the ints while the ``inputs`` object is the
+        same (a step never changes its host arrays), the table while its entries are still
+        the uploaded ones (compared as bytes: a table changes in place). So later layers
+        look nothing up by value."""
+        rt = self.runtime
+        where = (rt.device().id, rt.stream_ptr())
+        memo = self._last_append_ints
+        if memo is not None and memo[0] is inputs and memo[1] == where:
+            arrays = dict(memo[2])
+        else:
+            rows_d, starts_d, n_new_d = self._upload_ints(inputs.rows, inputs.starts, inputs.n_new)
+            arrays = {"rows": rows_d, "starts": starts_d, "n_new": n_new_d}
+            self._last_append_ints = (inputs, where, dict(arrays))
+        if paged_store is not None:
+            entries = paged_store.page_table.entries
+            table = self._last_append_table
+            if not (table is not None and table[0] == where and _work.same_entries(entries, table[1])):
+                table = (where, np.array(entries, dtype=np.int32, order="C"),
+                         self._upload_table(paged_store))
+                self._last_append_table = table
+            arrays["table"] = table[2]
+        return arrays
 
     def _fixed_append(self, store, q_shape):
         """A fixed work's append plan (``CupyWork.append``): T new tokens per entry of
@@ -511,8 +537,13 @@ class CupyBackend(Backend):
         return why
 
     def _kernel_plan(self, dtype: str, d: int, kwargs: dict):
-        """The planner's plan for these keywords, kept by value (or its refusal)."""
-        return self._plans.get(("attention", dtype, d, *_hashable(kwargs.values())),
+        """The planner's plan for these keywords (or its refusal), kept by its ``Extent``
+        and the keywords but the lengths: the next decode step, its rows one token longer,
+        finds it (the split planner runs, the launches are not made again: ``plan_attention``
+        is ``plan_attention_extent`` of ``attention_extent``)."""
+        extent = _plan.attention_extent(dtype, d, **kwargs)
+        layout = tuple(item for item in kwargs.items() if item[0] not in ("lens", "n_new"))
+        return self._plans.get(("attention", dtype, d, extent, *layout),
                                lambda: _plan_or_refusal(_plan.plan_attention, dtype, d, **kwargs))
 
     def _plan_kwargs(self, store, q_shape, lens, n_new, params, sm_count, capability,

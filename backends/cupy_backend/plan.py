@@ -404,43 +404,125 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
     (the window start of a depth-0 query: semantics.block_keys(tree=) starts there or
     later, masked between).
     """
+    extent = attention_extent(dtype, head_dim, batch=batch, kv_heads=kv_heads, group=group,
+                              t_q=t_q, lens=lens, n_new=n_new, scale=scale, sm_count=sm_count,
+                              min_keys_per_split=min_keys_per_split, force_splits=force_splits,
+                              tensor_cores=tensor_cores, params=params, kv_dtype=kv_dtype,
+                              invariant=invariant, tree_stride=tree_stride)
+    return plan_attention_extent(dtype, head_dim, extent, batch=batch, kv_heads=kv_heads,
+                                 group=group, t_q=t_q, scale=scale, q_strides=q_strides,
+                                 buf_strides=buf_strides, out_strides=out_strides,
+                                 tensor_cores=tensor_cores, params=params, pages=pages,
+                                 kv_dtype=kv_dtype, invariant=invariant, tree_stride=tree_stride)
+
+
+@dataclass(frozen=True)
+class Extent:
+    """What an attention plan takes from the batch's lengths and n_new (everything else in
+    it follows from shapes, strides and the variant): the decode launch's split count and
+    keys per split, or the prefill launch's longest chunk. A backend keeps plans by it, so
+    the next decode step, one token longer, finds its plan (``plan_attention_extent``)."""
+
+    decode: bool
+    splits: int = 1
+    keys: int = 0
+    max_n: int = 0
+
+
+def _attention_params(params, scale) -> semantics.AttentionParams:
     if params is None:
         if scale is None:
             raise TypeError("plan_attention needs scale= or params=")
         params = semantics.AttentionParams(scale=scale)
+    return params
+
+
+#: plan_attention's keywords that only one of its two stages reads (the other passes them over).
+_LAYOUT_KEYWORDS = frozenset({"q_strides", "buf_strides", "out_strides", "pages"})
+_LENGTH_KEYWORDS = frozenset({"lens", "n_new", "sm_count", "min_keys_per_split", "force_splits"})
+
+
+def _check_keywords(given: dict, known: frozenset) -> None:
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {unknown}")
+
+
+def _decodes(t_q: int, invariant: bool, tree_stride) -> bool:
+    """Whether the decode kernel serves the call (else the prefill kernel)."""
+    return t_q <= DECODE_MAX_T and not invariant and tree_stride is None
+
+
+def attention_extent(dtype: str, head_dim: int, *, batch: int, kv_heads: int, group: int,
+                     t_q: int, lens: np.ndarray, n_new: np.ndarray, scale: float | None = None,
+                     sm_count: int, min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
+                     force_splits: int | None = None, tensor_cores: bool = True,
+                     params: semantics.AttentionParams | None = None,
+                     kv_dtype: str | None = None, invariant: bool = False,
+                     tree_stride: int | None = None, **layout) -> Extent | None:
+    """``plan_attention``'s ``Extent`` for these lengths (None: no entry has queries, the
+    plan launches nothing). ``layout``: the rest of plan_attention's keywords (strides,
+    pages), which the extent does not depend on. One split covers a power of two of keys
+    at least as long as the longest row's (the kernel stops at each row's end), so the
+    plan stays the same while rows grow."""
+    _check_keywords(layout, _LAYOUT_KEYWORDS)
+    params = _attention_params(params, scale)
+    live = n_new > 0
+    if batch == 0 or t_q == 0 or not live.any():
+        return None
+    if not _decodes(t_q, invariant, tree_stride):
+        return Extent(decode=False, max_n=int(n_new.max()))
+    if kv_dtype is not None:
+        tensor_cores = False
+    # Keys each entry's queries read (the one definition, gqakv.core.semantics): what splits
+    # are sized by. The kernels apply the same rule on the device (variant.cuh).
+    keys_read = semantics.keys_read(params, lens, n_new)
+    max_len = int(keys_read[live].max())
+    _, _, n_qchunks, per_sm = decode_kernel(dtype, head_dim, group * t_q, tensor_cores)
+    if force_splits:
+        keys = -(-max_len // force_splits)
+        splits = -(-max_len // keys)
+    else:
+        splits, keys = choose_splits(keys_read[live], kv_heads * n_qchunks, sm_count, per_sm,
+                                     min_keys_per_split)
+    if splits == 1:  # a power of two of keys (the kernel stops at each row's end)
+        keys = max(max_len, min(1 << (max_len - 1).bit_length(), MAX_KEYS_PER_SPLIT))
+    return Extent(decode=True, splits=splits, keys=keys)
+
+
+def plan_attention_extent(dtype: str, head_dim: int, extent: Extent | None, *, batch: int,
+                          kv_heads: int, group: int, t_q: int, scale: float | None = None,
+                          q_strides, buf_strides, out_strides, tensor_cores: bool = True,
+                          params: semantics.AttentionParams | None = None,
+                          pages: PageTableArg | None = None, kv_dtype: str | None = None,
+                          invariant: bool = False, tree_stride: int | None = None,
+                          **lengths) -> Plan:
+    """``plan_attention``'s plan for ``extent`` (``attention_extent``'s): the same
+    keywords but the lengths, which it does not read (``lengths``: lens, n_new and the
+    split planner's, passed over)."""
+    _check_keywords(lengths, _LENGTH_KEYWORDS)
+    params = _attention_params(params, scale)
     tree = tree_stride is not None
     variant = variant_flags(params, tree)
     kparams = KernelParams.of(params, quantized=kv_dtype is not None, tree_stride=tree_stride)
     if kv_dtype is not None:
         tensor_cores = False
     plan = Plan()
-    live = n_new > 0
-    if batch == 0 or t_q == 0 or not live.any():
+    if extent is None:
         return plan
-    # Keys each entry's queries read (the one definition, gqakv.core.semantics): what splits
-    # are sized by. The kernels apply the same rule on the device (variant.cuh).
-    keys_read = semantics.keys_read(params, lens, n_new)
-    max_len = int(keys_read[live].max())
-    max_n = int(n_new.max())
     strides = (*_i64(*q_strides), *_i64(*buf_strides), *_i64(*out_strides))
     bufs = (Buf("q"), Buf("k_buf"), Buf("v_buf"), Buf("rows"), Buf("lens"), Buf("n_new"),
             Buf("out"), Buf("lse"))
-    if t_q <= DECODE_MAX_T and not invariant and not tree:
-        kernel, tile, n_qchunks, per_sm = decode_kernel(dtype, head_dim, group * t_q, tensor_cores)
+    if extent.decode:
+        kernel, tile, n_qchunks, _ = decode_kernel(dtype, head_dim, group * t_q, tensor_cores)
         ctas = batch * kv_heads * n_qchunks
-        if force_splits:
-            keys = -(-max_len // force_splits)
-            splits = -(-max_len // keys)
-        else:
-            splits, keys = choose_splits(keys_read[live], kv_heads * n_qchunks, sm_count, per_sm,
-                                         min_keys_per_split)
+        splits, keys = extent.splits, extent.keys
         _check_grid(kernel, f"{batch} entries x {kv_heads} KV heads x {n_qchunks} query chunks, "
                     f"{splits} splits", ctas, splits)
         if splits > 1:
             _check_grid("gqakv_merge", f"{batch} entries x {kv_heads * group} heads x {t_q} tokens",
                         batch * kv_heads * group * t_q)
         if splits == 1:
-            keys = max_len
             part = (Buf("dummy"), Buf("dummy"))
         else:
             hq = kv_heads * group
@@ -466,6 +548,7 @@ def plan_attention(dtype: str, head_dim: int, *, batch: int, kv_heads: int, grou
             plan.launches.append(Launch("gqakv_merge", name,
                                         (batch * kv_heads * group * t_q, 1, 1), BLOCK, margs))
         return plan
+    max_n = extent.max_n
     kernel = prefill_kernel(dtype, head_dim, tensor_cores)
     rows_per_cta = prefill_rows(head_dim, kernel)
     gc = min(group, rows_per_cta)
@@ -504,5 +587,5 @@ def vector_alignment(strides_el: tuple[int, ...], dtype: str, head_dim: int) -> 
 
 
 __all__ = ["Buf", "KernelParams", "PageTableArg", "PAGES_DTYPE", "page_divisor", "Launch", "Plan", "PARAMS_DTYPE", "VARIANT_FLAGS", "variant_flags", "plan_write_kv", "plan_copy_tokens", "plan_attention",
-           "choose_splits", "choose_query_tile", "decode_kernel", "prefill_kernel", "prefill_rows", "aligned_for_vectors",
+           "Extent", "attention_extent", "plan_attention_extent", "choose_splits", "choose_query_tile", "decode_kernel", "prefill_kernel", "prefill_rows", "aligned_for_vectors",
            "vector_alignment"]

@@ -116,6 +116,7 @@ def entry(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None,
     return inst
 
 
+@functools.lru_cache(maxsize=4096)  # every step's plan names its launches again
 def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None,
                     variant: int = 0, kv_dtype: str | None = None) -> str:
     """The template instantiation, e.g. ``gqakv_write_kv<gqakv_bf16, 128>`` or
@@ -127,6 +128,7 @@ def name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | No
     return entry(kernel, dtype, head_dim, query_tile, variant, kv_dtype).name
 
 
+@functools.lru_cache(maxsize=4096)
 def paged_name_expression(kernel: str, dtype: str, head_dim: int, query_tile: int | None = None,
                           variant: int = 0, kv_dtype: str | None = None) -> str:
     """The paged instantiation of ``kernel``: ``name_expression``'s with the variant flags

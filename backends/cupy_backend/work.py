@@ -199,7 +199,16 @@ def holds_table(work: CupyWork, store) -> bool:
     if work.table is None:
         return True
     return (store.page_table is work.table and work.entries is not None
-            and np.array_equal(store.page_table.entries, work.entries))
+            and same_entries(store.page_table.entries, work.entries))
+
+
+def same_entries(entries, uploaded: np.ndarray) -> bool:
+    """Whether a page table's ``entries`` are, as the kernels read them (``table_entries``),
+    the int32 array ``uploaded``: compared as bytes (every layer of a step asks; 0.2 us for
+    a 4 KiB table, where ``np.array_equal`` takes 3)."""
+    entries = np.asarray(entries)
+    return (entries.shape == uploaded.shape
+            and np.ascontiguousarray(entries, dtype=np.int32).tobytes() == uploaded.tobytes())
 
 
 def serves(work: CupyWork, inputs, store, device: int, stream: int) -> bool:
