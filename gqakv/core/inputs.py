@@ -141,7 +141,7 @@ def check_rows(r: np.ndarray, what: str, batch: int, *, distinct: bool) -> np.nd
     if bad.size:
         i = int(bad[0])
         raise ValueError(f"{what}[{i}]={int(r[i])} is out of range for a cache of {batch} rows")
-    if distinct and np.unique(r).size != r.size:
+    if distinct and len(set(r.tolist())) != r.size:  # (a set: 0.3 us for 8 rows, np.unique 2)
         vals, counts = np.unique(r, return_counts=True)
         raise ValueError(f"{what} must be distinct; row {int(vals[counts > 1][0])} repeats")
     return r
