@@ -235,6 +235,39 @@ def test_later_layers_tensors_are_checked_like_the_first(backend):
                                           backend.to_numpy(first))
 
 
+def test_later_layers_outputs_are_checked_like_the_first(backend):
+    """A step checks a later layer's out / lse_out by comparing their signatures with the
+    last ones it checked in full: a later layer's out of the wrong dtype or shape, or an
+    lse_out of the wrong dtype, is refused as the first layer's would be, with nothing
+    written (not the cache, not the buffers), and good buffers after it go on."""
+    rng = np.random.default_rng(9)
+    model = gqakv.ModelKVCache(3, B, HKV, 16, D, dtype="float32", backend=backend)
+    x = _rng_arrays(backend, rng, (B, HKV, 1, D))
+    q = _rng_arrays(backend, rng, (B, HKV * G, 1, D))
+    out = backend.from_numpy(np.zeros((B, HKV * G, 1, D)), "float32")
+    lse = backend.from_numpy(np.zeros((B, HKV * G, 1)), "float32")
+    bad = [((backend.from_numpy(np.zeros((B, HKV * G, 1, D)), "float64"), lse), TypeError,
+            "out has dtype float64"),
+           ((backend.from_numpy(np.zeros((B, HKV * G, 2, D)), "float32"), lse), ValueError,
+            r"out has shape \[3, 4, 2, 20\]"),
+           ((out, backend.from_numpy(np.zeros((B, HKV * G, 1)), "float64")), TypeError,
+            "lse_out has dtype float64")]
+    with model.step([1, 1, 1]) as step:
+        first, first_lse = step.attend(0, q, x, x, out=out, lse_out=lse, return_lse=True)
+        first, first_lse = backend.to_numpy(first).copy(), backend.to_numpy(first_lse).copy()
+        before = [np.array(backend.to_numpy(b)) for b in (model.store.k, model.store.v, out, lse)]
+        for (o, l), exc, match in bad:
+            with pytest.raises(exc, match=match):
+                step.attend(1, q, x, x, out=o, lse_out=l, return_lse=True)
+            assert not step._written[1]
+            for b, a in zip(before, (model.store.k, model.store.v, out, lse)):
+                np.testing.assert_array_equal(b, backend.to_numpy(a))
+        for l in (1, 2):  # the same data in every layer: the same result
+            got, got_lse = step.attend(l, q, x, x, out=out, lse_out=lse, return_lse=True)
+            np.testing.assert_array_equal(backend.to_numpy(got), first)
+            np.testing.assert_array_equal(backend.to_numpy(got_lse), first_lse)
+
+
 def test_out_may_be_q_itself(backend):
     """``out=q``: the result is the same as into a fresh buffer (a kernel that zeroed or
     wrote out before reading q would compute from its own output)."""

@@ -617,8 +617,11 @@ class CupyBackend(Backend):
         cp = self.runtime.cp
         dtype, d = work.dtype, work.head_dim
         B, Hq, T, _ = work.q_shape
-        q = self._aligned(q, dtype, d)
-        q_span = _extent(q) if out is not None or lse_out is not None else (0, 0)
+        q_start = _address(q)
+        if not _is_aligned(q, dtype, d, q_start):
+            q = self.runtime.cp.ascontiguousarray(q)
+            q_start = _address(q)
+        q_span = _extent(q, q_start) if out is not None or lse_out is not None else (0, 0)
         o = out if out is not None and _writable_out(out, q_span, dtype, d) else None
         lse = lse_out if lse_out is not None and _writable_lse(lse_out, q_span) else None
         if o is None:
@@ -1004,20 +1007,31 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _extent(x) -> tuple[int, int]:
+def _extent(x, start: int | None = None) -> tuple[int, int]:
     """[first, last + 1) byte addresses ``x`` covers (any strides, a flipped view's
-    negative ones included; empty: (0, 0))."""
-    if x.size == 0:
+    negative ones included; empty: (0, 0)). ``start``: x's ``_address``, when known.
+    The offsets from the first element are kept by (shape, strides, itemsize)."""
+    key = (x.shape, x.strides, x.itemsize)
+    offsets = _EXTENT_OFFSETS.get(key)
+    if offsets is None:  # (empty, from the first element's address down, up)
+        steps = [(n - 1) * s for n, s in zip(x.shape, x.strides)]  # negative strides reach below
+        offsets = (x.size == 0, sum(t for t in steps if t < 0),
+                   sum(t for t in steps if t > 0) + x.itemsize)
+        _EXTENT_OFFSETS[key] = offsets
+        if len(_EXTENT_OFFSETS) > 4096:
+            _EXTENT_OFFSETS.clear()
+    if offsets[0]:
         return 0, 0
-    start = _address(x)  # the first element's; negative strides reach below it
-    steps = [(n - 1) * s for n, s in zip(x.shape, x.strides)]
-    return (start + sum(t for t in steps if t < 0),
-            start + sum(t for t in steps if t > 0) + x.itemsize)
+    start = _address(x) if start is None else start
+    return start + offsets[1], start + offsets[2]
 
 
-def _disjoint(x, span: tuple[int, int]) -> bool:
-    """Whether ``x`` shares no byte with the ``_extent`` ``span``."""
-    lo, hi = _extent(x)
+_EXTENT_OFFSETS: dict = {}
+
+
+def _disjoint(x, span: tuple[int, int], start: int | None = None) -> bool:
+    """Whether ``x`` (at ``start``, when known) shares no byte with the ``_extent`` ``span``."""
+    lo, hi = _extent(x, start)
     return lo == hi or span[0] == span[1] or hi <= span[0] or span[1] <= lo
 
 
@@ -1025,7 +1039,8 @@ def _writable_out(out, q_span, dtype: str, d: int) -> bool:
     """Whether the kernels may write ``out`` in place: rows aligned for their vector
     stores, and no memory shared with q (``q_span``: the pre-fill, or another CTA's
     stores, would change queries not yet read)."""
-    return _is_aligned(out, dtype, d) and _disjoint(out, q_span)
+    start = _address(out)
+    return _is_aligned(out, dtype, d, start) and _disjoint(out, q_span, start)
 
 
 def _writable_lse(lse, q_span) -> bool:
@@ -1055,16 +1070,17 @@ def _address(x) -> int:
     return x.data.ptr
 
 
-def _is_aligned(x, dtype: str, d: int) -> bool:
-    """``aligned_for_vectors`` of x: its strides' part kept by (strides, itemsize, dtype,
-    d), so a call judges only the address (every layer's call asks for each buffer)."""
+def _is_aligned(x, dtype: str, d: int, start: int | None = None) -> bool:
+    """``aligned_for_vectors`` of x (at ``start``, its ``_address`` when known): its
+    strides' part kept by (strides, itemsize, dtype, d), so a call judges only the
+    address (every layer's call asks for each buffer)."""
     key = (x.strides, x.itemsize, dtype, d)
     rule = _ALIGNMENT_RULES.get(key)
     if rule is None:
         rule = _ALIGNMENT_RULES[key] = _plan.vector_alignment(_strides(x), dtype, d)
         if len(_ALIGNMENT_RULES) > 4096:
             _ALIGNMENT_RULES.clear()
-    return rule != 0 and _address(x) % rule == 0
+    return rule != 0 and (_address(x) if start is None else start) % rule == 0
 
 
 _ALIGNMENT_RULES: dict = {}

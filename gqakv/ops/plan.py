@@ -90,7 +90,7 @@ class AttentionPlan:
     """
 
     __slots__ = ("backend", "spec", "kv_heads", "head_dim", "q_shape", "inputs", "work", "owner",
-                 "fixed", "shared_prefix", "_shared")
+                 "fixed", "shared_prefix", "_shared", "_outputs_checked")
 
     def __init__(self, cache, q_shape, inputs, owner=None, *, fixed: bool = False, splits=None):
         self.owner = owner  # what made it (a Step checks that a plan handed to it is its own)
@@ -99,6 +99,7 @@ class AttentionPlan:
         self.kv_heads, self.head_dim = cache.kv_heads, cache.head_dim
         self.q_shape = tuple(int(s) for s in q_shape)
         self.inputs = inputs
+        self._outputs_checked: tuple | None = None  # (see _check_outputs)
         self.fixed = check_flag(fixed, "fixed")
         if inputs.invariant:
             check_invariant_route(self.backend, cache.store, inputs, self.q_shape)
@@ -239,7 +240,19 @@ class AttentionPlan:
             raise ValueError(f"q has shape {list(q.shape)}, the plan is for {list(self.q_shape)} "
                              f"{names}")
         if out is not None or lse_out is not None:
+            self._check_outputs(cache, out, lse_out)
+
+    def _check_outputs(self, cache, out, lse_out) -> None:
+        """``check_outputs``, in full once per signature of out and lse_out
+        (``Backend.signature``) and spec of the layer: a step's layers pass alike buffers."""
+        signature = self.backend.signature
+        sig_out = None if out is None else signature(out)
+        sig_lse = None if lse_out is None else signature(lse_out)
+        unsigned = (out is not None and sig_out is None) or (lse_out is not None and sig_lse is None)
+        key = (out is None, sig_out, lse_out is None, sig_lse, cache.store.spec)
+        if unsigned or self._outputs_checked != key:
             check_outputs(cache, self.q_shape, out, lse_out)
+            self._outputs_checked = None if unsigned else key
 
     def launch(self, q, store, return_lse: bool, out=None, lse_out=None):
         """The backend's attention of checked tensors over ``store`` (no checks here)."""

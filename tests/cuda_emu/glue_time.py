@@ -3,6 +3,7 @@ no-op'd (what is left is Python: routing, planning, uploads, allocations, checks
 
     python -m tests.cuda_emu.glue_time [--layers 32] [--batch 8] [--kv-heads 8] [--group 4]
                                        [--head-dim 64] [--steps 30] [--storage contiguous]
+                                       [--wall] [--unpoisoned]
 
 A decode step of ``layers`` layers (``Step.attend`` per layer: its append and its
 attention), ``steps`` times (each step one token longer, so every step's first layer
@@ -23,7 +24,7 @@ import numpy as np
 
 import gqakv
 
-from .emulated_backend import EmulatedCupyBackend
+from .emulated_backend import EmulatedCupyBackend, _on_device
 
 
 #: The clock: this thread's CPU time (other processes on a loaded machine count less
@@ -67,6 +68,11 @@ def step_times(backend, cache, layers, q, k, out, lse_out, steps, fixed=None):
             statistics.median(adopt) if adopt else 0.0)
 
 
+def unpoisoned_empty(shape, dtype=float):
+    """The emulator's ``cupy.empty`` without its NaN fill (``--unpoisoned``)."""
+    return _on_device(np.empty(shape, dtype=dtype))
+
+
 def replay_times(cache, fixed, steps):
     """Median seconds of a whole replayed step on the host: the step's open, ``adopt``,
     ``Step.replay`` of a no-op (a CUDA graph's launch, not timed here) and the commit."""
@@ -91,10 +97,15 @@ def main(argv=None) -> None:
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--storage", default="contiguous", choices=("contiguous", "paged"))
     ap.add_argument("--wall", action="store_true", help="wall time (default: thread CPU time)")
+    ap.add_argument("--unpoisoned", action="store_true",
+                    help="allocations not filled with NaN (the tests' emulator fills them, so "
+                         "that a read before a write shows; CuPy's pool fills nothing)")
     a = ap.parse_args(argv)
     global CLOCK
     CLOCK = time.perf_counter if a.wall else time.thread_time
     backend = EmulatedCupyBackend()
+    if a.unpoisoned:
+        backend.runtime.cp.empty = unpoisoned_empty
     backend._run_plan = lambda *args: None  # launches no-op'd: host time only
     kw = dict(page_size=16) if a.storage == "paged" else {}
     cache = gqakv.ModelKVCache(a.layers, a.batch, a.kv_heads, a.max_len, a.head_dim,
@@ -122,7 +133,7 @@ def main(argv=None) -> None:
     fixed_times = step_times(backend, cache, a.layers, q, k, out, lse, a.steps, fixed)
     replayed = replay_times(cache, fixed, a.steps)
     print(f"{a.storage} decode, {a.layers} layers, B={a.batch} Hkv={a.kv_heads} G={a.group} "
-          f"d={a.head_dim}, {'wall' if a.wall else 'CPU'} time, median of {a.steps} steps, per layer: Step.attend {plain[0] * 1e6:.1f} "
+          f"d={a.head_dim}, {'wall' if a.wall else 'CPU'} time{', unpoisoned' if a.unpoisoned else ''}, median of {a.steps} steps, per layer: Step.attend {plain[0] * 1e6:.1f} "
           f"us (attention {plain[1] * 1e6:.1f} us); with out/lse_out {given[0] * 1e6:.1f} us "
           f"(attention {given[1] * 1e6:.1f} us); fixed plan adopted, out/lse_out "
           f"{fixed_times[0] * 1e6:.1f} us (attention {fixed_times[1] * 1e6:.1f} us), adopt "
