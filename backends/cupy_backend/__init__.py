@@ -70,7 +70,7 @@ from typing import cast
 import numpy as np
 
 from gqakv.dispatch.backend import GENERIC, Backend, Route
-from gqakv.dispatch.request import Request, as_request
+from gqakv.dispatch.request import Request, as_request, key_bucket
 from gqakv.storage.codecs import PLAIN_NAME
 from gqakv.core.inputs import PACKED, PADDED
 from gqakv.ops.outputs import write_into
@@ -509,7 +509,23 @@ class CupyBackend(Backend):
 
     def _attention_route(self, store, inputs, params, q_shape):
         """(route, request, sm_count, capability) of an attention call over ``store`` with
-        queries of ``q_shape``, judging its K/V buffers (facts None on the generic route)."""
+        queries of ``q_shape``, judging its K/V buffers (facts None on the generic route).
+        Kept in the store's memo by the current device and its facts and the call's
+        request facts (its variant features and token facts), which are all that it
+        reads of the call."""
+        facts = inputs.token_facts(q_shape)
+        facts["keys"] = key_bucket(facts["keys"])  # as the request keeps them
+        key = ("cupy attention route", self.runtime.device().id, self._facts(),
+               inputs.features, *sorted(facts.items()))
+        kept = store.memo.get(key)
+        if kept is None:
+            if len(store.memo) > 512:  # chunks of ever new sizes: their routes go, not the rest
+                for old in [k for k in store.memo if k[0] == key[0]]:
+                    del store.memo[old]
+            kept = store.memo[key] = self._route_attention(store, inputs, q_shape)
+        return kept
+
+    def _route_attention(self, store, inputs, q_shape):
         dtype, kv_dtype = _dtypes_of(store)
         d = int(store.head_dim)
         sm_count = capability = None

@@ -39,6 +39,7 @@ Strides are in elements; the head-dim stride is 1 and row strides keep vector al
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -321,6 +322,7 @@ def choose_query_tile(queries: int) -> tuple[int, int]:
     return next(t for t in tiles if t >= per_chunk), chunks
 
 
+@functools.lru_cache(maxsize=1024)  # every step's plan asks
 def decode_kernel(dtype: str, head_dim: int, queries: int,
                   tensor_cores: bool = True) -> tuple[str, int | None, int, int]:
     """(kernel, query tile, query chunks, resident CTAs per SM) of the decode launch for

@@ -81,7 +81,7 @@ class Request:
             keys = int(self.keys)
             if keys < 0:
                 raise ValueError(f"keys={keys} must be >= 0")
-            object.__setattr__(self, "keys", keys if keys <= 1 else 1 << (keys - 1).bit_length())
+            object.__setattr__(self, "keys", key_bucket(keys))
         object.__setattr__(self, "group", int(self.group))
         if self.codec is None:  # the kv_dtype=None of an unquantized cache
             object.__setattr__(self, "codec", PLAIN_NAME)
@@ -119,6 +119,14 @@ class Request:
         ``kv_dtype=`` a user gave for such a cache."""
         return None if self.codec == PLAIN_NAME else self.codec
 
+
+
+
+def key_bucket(keys: int) -> int:
+    """``Request.keys`` as a request keeps it: the power of two at or above ``keys`` (0
+    and 1 stay), so that routes stay few enough to keep."""
+    keys = int(keys)
+    return keys if keys <= 1 else 1 << (keys - 1).bit_length()
 
 _FACTS = frozenset(f.name for f in fields(Request) if f.name != "op")
 
