@@ -203,11 +203,12 @@ def test_bad_outputs_are_refused_before_anything_is_written(backend):
             gqakv.gqa_attention(q, cache, [2, 1, 0], **kwargs)
 
 
-def test_later_layers_tensors_are_checked_like_the_first(backend):
+@pytest.mark.parametrize("given_plan", [False, True], ids=["planned-by-step", "plan="])
+def test_later_layers_tensors_are_checked_like_the_first(backend, given_plan):
     """A step checks a later layer's q / k_new / v_new by comparing their signatures
     (``Backend.signature``) with what the first layer passed: a later layer's wrong dtype,
     shape or library is refused as the first layer's would be, with nothing written, and
-    good tensors after it go on."""
+    good tensors after it go on; alike with the step's own plan passed as ``plan=``."""
     rng = np.random.default_rng(8)
     model = gqakv.ModelKVCache(3, B, HKV, 16, D, dtype="float32", backend=backend)
     x = _rng_arrays(backend, rng, (B, HKV, 2, D))
@@ -222,16 +223,17 @@ def test_later_layers_tensors_are_checked_like_the_first(backend):
     if not backend.owns(np.zeros(1)):
         bad.append(((np.asarray(backend.to_numpy(q)), x, x), TypeError, "q is a numpy.ndarray"))
     with model.step([2, 1, 0]) as step:
-        first = step.attend(0, q, x, x)
+        kw = dict(plan=step.plan_attention(HKV * G, t_q=2)) if given_plan else {}
+        first = step.attend(0, q, x, x, **kw)
         before = [np.array(backend.to_numpy(b)) for b in (model.store.k, model.store.v)]
         for args, exc, match in bad:
             with pytest.raises(exc, match=match):
-                step.attend(1, *args)
+                step.attend(1, *args, **kw)
             assert not step._written[1]
             for b, a in zip(before, (model.store.k, model.store.v)):
                 np.testing.assert_array_equal(b, backend.to_numpy(a))
         for l in (1, 2):  # the same data in every layer: the same result
-            np.testing.assert_array_equal(backend.to_numpy(step.attend(l, q, x, x)),
+            np.testing.assert_array_equal(backend.to_numpy(step.attend(l, q, x, x, **kw)),
                                           backend.to_numpy(first))
 
 

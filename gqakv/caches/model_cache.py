@@ -429,7 +429,8 @@ class Step:
                 plan.check_checked_queries(view, q, out, lse_out)
             else:
                 self._check_plan(plan, scale, window, softcap, sinks, params, alibi_slopes)
-                plan.check_tensors(view, q, out, lse_out)
+                self._check_queries(view, q)  # plan.check_tensors, q by its signature
+                plan.check_checked_queries(view, q, out, lse_out)
             self._write(l, k_new, v_new, inputs)
         # Attention reads only this step's rows up to their pending lengths, which no other
         # writer touches while the step is open, so it runs outside the lock.
