@@ -120,6 +120,7 @@ class CupyBackend(Backend):
         # device table) of the last unplanned append (``_append_arrays``)
         self._last_append_ints: tuple | None = None
         self._last_append_table: tuple | None = None
+        self._array_type: type | None = None  # (see owns)
 
     @property
     def runtime(self) -> CupyRuntime:
@@ -213,7 +214,10 @@ class CupyBackend(Backend):
             return rt.cp.empty(shape, dtype=self.dtype(dtype))
 
     def owns(self, x) -> bool:
-        return isinstance(x, self.runtime.cp.ndarray)
+        array_type = self._array_type  # CuPy's ndarray, looked up once (every layer asks often)
+        if array_type is None:
+            array_type = self._array_type = self.runtime.cp.ndarray
+        return isinstance(x, array_type)
 
     def device_of(self, x):
         return x.device.id
@@ -633,6 +637,7 @@ class CupyBackend(Backend):
         cp = self.runtime.cp
         dtype, d = work.dtype, work.head_dim
         B, Hq, T, _ = work.q_shape
+        kw = work.kwargs
         q_start = _address(q)
         if not _is_aligned(q, dtype, d, q_start):
             q = self.runtime.cp.ascontiguousarray(q)
@@ -650,8 +655,9 @@ class CupyBackend(Backend):
         elif work.fill:
             lse.fill(-math.inf)
         plan = work.plan
-        strides = (_strides(q)[:3], _strides(store.k)[:3], _strides(o)[:3])
-        kw = work.kwargs
+        # (an out allocated here is C-contiguous: the strides the plan was made for)
+        strides = (_strides(q)[:3], _strides(store.k)[:3],
+                   kw["out_strides"] if o is not out else _strides(o)[:3])
         if strides != (kw["q_strides"], kw["buf_strides"], kw["out_strides"]):
             # this layer's q / K/V / out are laid out otherwise: the same launches with its
             # strides (kept by value; the grid and the workspaces do not depend on them)
