@@ -320,21 +320,21 @@ class CupyBackend(Backend):
             if "table" in work.arrays:
                 arrays["table"] = work.arrays["table"]
         else:
-            arrays = self._append_arrays(inputs, store if facts.paged else None)
+            arrays = self._append_arrays(inputs, self.device_of(k_buf),
+                                         store if facts.paged else None)
         arrays.update(k_new=k_new, v_new=v_new, k_buf=k_buf, v_buf=v_buf)
         if kv_dtype:
             arrays.update(k_scale=store.k_scale, v_scale=store.v_scale)
         self.runtime.run_plan(plan, arrays, dtype, d)
 
-    def _append_arrays(self, inputs, paged_store=None) -> dict:
+    def _append_arrays(self, inputs, device: int, paged_store=None) -> dict:
         """The append's device rows, starts and n_new (``_upload_ints``'s) and, for a
         ``paged_store``, its page table (``_upload_table``'s), kept for the next layers of
-        the step on the same device and stream: the ints while the ``inputs`` object is the
-        same (a step never changes its host arrays), the table while its entries are still
-        the uploaded ones (compared as bytes: a table changes in place). So later layers
-        look nothing up by value."""
-        rt = self.runtime
-        where = (rt.device().id, rt.stream_ptr())
+        the step on the same device (``device``: the current one, the cache's) and stream:
+        the ints while the ``inputs`` object is the same (a step never changes its host
+        arrays), the table while its entries are still the uploaded ones (compared as
+        bytes: a table changes in place). So later layers look nothing up by value."""
+        where = (device, self.runtime.stream_ptr())
         memo = self._last_append_ints
         if memo is not None and memo[0] is inputs and memo[1] == where:
             arrays = dict(memo[2])

@@ -524,16 +524,17 @@ class Step:
     def _validate_write(self, l: int, k_new, v_new):
         if self._written[l]:
             raise ValueError(f"layer {l} was already written in this step (each layer exactly once)")
+        # Every layer appends the same rows, starts and n_new: validated once for new K/V of
+        # this library, device, shape and dtype, then only that signature is compared (the
+        # tensors that passed had the step's batch too).
+        sig = self._signature(k_new, v_new)
+        if self._append is not None and sig is not None and self._append[0] == sig:
+            return self._append[1]
         for what, x in (("k_new", k_new), ("v_new", v_new)):
             shape = tuple(getattr(x, "shape", ()))
             if len(shape) == 4 and int(shape[0]) != self.rows.size:  # packed: checked by sum
                 raise ValueError(f"{what} has batch {int(shape[0])} (dim 0 of {list(shape)}), but "
                                  f"this step has {self.rows.size} entries (B' = len(rows))")
-        # Every layer appends the same rows, starts and n_new: validated once for new K/V of
-        # this library, device, shape and dtype, then only that signature is compared.
-        sig = self._signature(k_new, v_new)
-        if self._append is not None and sig is not None and self._append[0] == sig:
-            return self._append[1]
         inputs = validate_append(self.cache.layer(l), k_new, v_new, self.n_new, self.rows)
         self._append = (sig, inputs)
         return inputs
