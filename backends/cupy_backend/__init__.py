@@ -358,21 +358,18 @@ class CupyBackend(Backend):
         stays unplanned (a sentence)."""
         if store.spec.codec.rotates_keys:
             return "keys are stored rotated: each append rotates K into a new array first"
-        dtype, kv_dtype = _dtypes_of(store)
-        d = int(store.head_dim)
+        facts = _write_facts(store, PADDED)
+        d = facts.head_dim
         B, _, T, _ = q_shape
-        # the cache's own buffers judged here; each write's K/V when it comes
-        layout = (_store_rejection(store)
-                  or _write_layout_rejection(store.k, store.v, store.k, store.v, kv_dtype or dtype, d)
-                  or (_scales_rejection(store, d) if kv_dtype else None))
-        request = Request.of_store("write_kv", store, tokens=PADDED).with_(buffers=layout)
-        route = routing.route_write_kv(request)
+        # the cache's own buffers judged here (the append's facts); each write's K/V when it comes
+        layout = facts.store_rejection or facts.buffers_rejection or facts.scales_rejection
+        route = facts.route_with(layout)
         if route.impl != GENERIC:
             new_strides = _contiguous_strides((B, int(store.k.shape[1]), T, d))[:3]
             plan = self._write_plan(store, np.full(B, T, dtype=np.int64), T, new_strides)
             if not isinstance(plan, str):
                 return plan
-            route = routing.route_write_kv(request.with_(grid=plan))
+            route = routing.route_write_kv(facts.request.with_(grid=plan))
         return f"the append's route is {route}"
 
     def copy_tokens(self, dst, dst_rows, src, src_rows, n_tokens) -> None:
@@ -526,15 +523,15 @@ class CupyBackend(Backend):
             if len(store.memo) > 512:  # chunks of ever new sizes: their routes go, not the rest
                 for old in [k for k in store.memo if k[0] == key[0]]:
                     del store.memo[old]
-            kept = store.memo[key] = self._route_attention(store, inputs, q_shape)
+            kept = store.memo[key] = self._route_attention(store, inputs.features, facts)
         return kept
 
-    def _route_attention(self, store, inputs, q_shape):
+    def _route_attention(self, store, features, token_facts: dict):
+        """``_attention_route``'s value, from the request facts its memo key holds."""
         dtype, kv_dtype = _dtypes_of(store)
         d = int(store.head_dim)
         sm_count = capability = None
-        request = Request.of_store("attention", store, features=inputs.features,
-                                   **inputs.token_facts(q_shape))
+        request = Request.of_store("attention", store, features=features, **token_facts)
         if routing.route_attention(request).impl != GENERIC:
             sm_count, capability = self._facts()
             request = request.with_(capability=capability, buffers=self._buffers_rejection(
@@ -974,11 +971,6 @@ def _cache_rows_rejection(k_buf, v_buf, dtype: str, d: int) -> str | None:
 def _new_kv_rejection(k_new, v_new) -> str | None:
     """Why gqakv_write_kv cannot read these new K/V (already aligned copies) together."""
     return "K and V strided differently" if k_new.strides != v_new.strides else None
-
-
-def _write_layout_rejection(k_buf, v_buf, k_new, v_new, dtype: str, d: int) -> str | None:
-    """Why gqakv_write_kv cannot take these buffers (k/v_new already aligned copies)."""
-    return _cache_rows_rejection(k_buf, v_buf, dtype, d) or _new_kv_rejection(k_new, v_new)
 
 
 def _attention_layout_rejection(k_buf, v_buf, dtype: str, d: int) -> str | None:

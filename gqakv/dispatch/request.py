@@ -120,13 +120,12 @@ class Request:
         return None if self.codec == PLAIN_NAME else self.codec
 
 
-
-
 def key_bucket(keys: int) -> int:
     """``Request.keys`` as a request keeps it: the power of two at or above ``keys`` (0
     and 1 stay), so that routes stay few enough to keep."""
     keys = int(keys)
     return keys if keys <= 1 else 1 << (keys - 1).bit_length()
+
 
 _FACTS = frozenset(f.name for f in fields(Request) if f.name != "op")
 
