@@ -321,9 +321,10 @@ class NumbaBackend(NumpyBackend):
 
     def blas_options(self) -> dict:
         """The BLAS path's online softmax fused into one compiled pass per block, its
-        paged blocks gathered by one compiled call, and bfloat16 items on bf16 products where
-        the CPU has them (``amx_prefill``)."""
-        return {"state_class": FusedSoftmaxState, "gather": gather_pages, "item_kernel": _amx_items}
+        paged blocks gathered and its float16/bfloat16 blocks widened by compiled calls,
+        and bfloat16 items on bf16 products where the CPU has them (``amx_prefill``)."""
+        return {"state_class": FusedSoftmaxState, "gather": gather_pages, "widen": widen_block,
+                "item_kernel": _amx_items}
 
     # -- hooks for the tools (gqakv.dispatch.backend.Backend) ----------------------------------------
 
@@ -616,6 +617,32 @@ def gather_pages(pool, pages, h0: int, h1: int, out) -> bool:
     src, dst = (b.reshape(*b.shape[:3], -1) for b in bits)
     nk.gather_pages(src, pages, h0, h1, dst)
     return True
+
+
+#: The element views ``widen_block`` hands ``numba_kernels.convert_bits`` (its ``decode``
+#: reads uint16 as float16 bits and int16 as bfloat16 bits).
+_WIDEN_VIEW = {"float16": np.uint16, "bfloat16": np.int16}
+
+
+def widen_block(x, out):
+    """The BLAS path's float16/bfloat16 block cast (``numpy_readers.Plain``'s ``widen``):
+    ``out[:] = x`` as float32, one GIL-free compiled pass per KV head
+    (``numba_kernels.convert_bits``: the hardware's float16 conversion, exact with
+    infinities and NaN), where NumPy's cast takes six passes over float16 bits and holds
+    the GIL between them. ``x`` [hh, n, d] and ``out`` (float32, its shape) must each be
+    C-contiguous within a head, as the readers' blocks are; returns ``out``, or None with
+    nothing written for anything else (the reader's NumPy cast then runs)."""
+    view = _WIDEN_VIEW.get(_dtype_name(x.dtype)) if isinstance(x, np.ndarray) else None
+    if (view is None or not isinstance(out, np.ndarray) or out.dtype != np.float32
+            or out.shape != x.shape or x.ndim < 2):
+        return None
+    heads = [(x[h], out[h]) for h in range(x.shape[0])]
+    if not all(s.flags.c_contiguous and t.flags.c_contiguous for s, t in heads):
+        return None
+    convert = _kernels().convert_bits
+    for s, t in heads:
+        convert(s.view(view).reshape(-1), t.reshape(-1))
+    return out
 
 
 def _dtype_name(dtype) -> str:
@@ -979,7 +1006,7 @@ def run_mixed(work: MixedWork, q, store, *, return_lse: bool, out=None, lse_out=
     a, b = work.short, work.long
     run_numba(work.short_work, q, k_buf, v_buf, a.rows, a.lens, a.n_new, return_lse=True,
               out=o, lse_out=lse, offsets=a.offsets)
-    attend(q, numpy_readers.reader_of(store, b.rows, gather_pages), b.lens, b.n_new, params=b.params,
+    attend(q, numpy_readers.reader_of(store, b.rows, gather_pages, widen_block), b.lens, b.n_new, params=b.params,
            return_lse=True, planned=work.long_work, offsets=b.offsets, into=(o, lse),
            trees=entry_trees(b), state_class=FusedSoftmaxState, item_kernel=_amx_items)
     return _hand_back(q, o, lse, out, lse_out, return_lse)

@@ -714,10 +714,12 @@ def e4m3_to_float(x):
     return _e4m3_bits_to_float32(x)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def convert_bits(src, dst):
     """dst[:] = float32 values of the stored elements src, by src's dtype (``decode``):
-    uint16 float16 bits, int16 bfloat16 bits, int8 codes, uint8 e4m3fn bits."""
+    uint16 float16 bits, int16 bfloat16 bits, int8 codes, uint8 e4m3fn bits. Releases the
+    GIL: the BLAS path's items widen their float16/bfloat16 blocks with it on Python
+    threads (``numba_backend.widen_block``)."""
     _prefer_512_bit_vectors()
     for x in range(src.size):
         dst[x] = decode(src[x])

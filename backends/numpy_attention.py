@@ -300,13 +300,15 @@ def plan_items(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     return NumpyWork(items, total, workers, INVARIANT_BLOCK_KEYS if invariant else None)
 
 
-def attention_store(q, store, inputs, params, *, return_lse: bool, gather=None, **blocking):
+def attention_store(q, store, inputs, params, *, return_lse: bool, gather=None, widen=None,
+                    **blocking):
     """The NumPy backend's fast path: attention of ``q`` [B, Hq, T, d] over a KVStore
     without leading axes of any layout and codec ``numpy_readers.reader_of`` reads
     (``numpy_backend.FAST_PATHS`` declares which); see ``gqakv.gqa_attention``.
-    ``gather``: the paged reader's faster page copy (``numpy_readers.Pages``);
-    ``blocking``: ``attend``'s keywords (``planned``: a ``plan_items`` of this batch)."""
-    reader = readers.reader_of(store, inputs.rows, gather)
+    ``gather``: the paged reader's faster page copy (``numpy_readers.Pages``); ``widen``:
+    a faster float16/bfloat16 block cast (``numpy_readers.Plain``); ``blocking``:
+    ``attend``'s keywords (``planned``: a ``plan_items`` of this batch)."""
+    reader = readers.reader_of(store, inputs.rows, gather, widen)
     return attend(q, reader, inputs.lens, inputs.n_new, params=params, return_lse=return_lse,
                   offsets=getattr(inputs, "offsets", None), trees=entry_trees(inputs),
                   invariant=getattr(inputs, "invariant", False), **blocking)

@@ -153,10 +153,13 @@ def _converted_keys(keys: int, block_elements: int, hh: int, d: int) -> int:
 
 class Plain:
     """Values stored as themselves (``base``'s arrays: K and V); float16/bfloat16 blocks
-    cast into reused compute-dtype buffers."""
+    cast into reused compute-dtype buffers, by ``widen(block, out) -> out`` where given
+    (a backend's faster cast, the same values; it may decline by returning None), else by
+    ``to_float32``."""
 
-    def __init__(self, base):
+    def __init__(self, base, widen=None):
         self.base = base
+        self.widen = widen
         self.stored = base.arrays[0].dtype
         self.kv_heads = int(base.arrays[0].shape[1])
 
@@ -175,8 +178,14 @@ class Plain:
             return
         k32 = np.empty((hh, min(keys, j1 - j0), d), dtype=acc)
         v32 = np.empty_like(k32)
+        widen = self.widen
+
+        def to_acc(x, out):
+            done = None if widen is None else widen(x, out)
+            return to_float32(x, out) if done is None else done
+
         for js, je, (kb, vb) in self.base.read(i, h0, h1, j0, j1, keys):
-            yield js, je, to_float32(kb, k32[:, :je - js]), to_float32(vb, v32[:, :je - js])
+            yield js, je, to_acc(kb, k32[:, :je - js]), to_acc(vb, v32[:, :je - js])
 
 
 class Coded:
@@ -215,13 +224,14 @@ def _pages(store, arrays, rows, gather=None):
 BASE_READERS = {CONTIGUOUS: _rows, PAGED: _pages}
 
 
-def reader_of(store, rows, gather=None):
+def reader_of(store, rows, gather=None, widen=None):
     """The value reader of a KVStore without leading axes (of a layout in
     ``BASE_READERS``) for batch entries reading rows ``rows`` [B]: ``Coded`` over the
     layout's base reader of codes and scales when the codec stores scales, else
-    ``Plain`` over K and V. ``gather``: a paged reader's faster page copy (``Pages``)."""
+    ``Plain`` over K and V. ``gather``: a paged reader's faster page copy (``Pages``);
+    ``widen``: a faster float16/bfloat16 -> float32 block cast (``Plain``)."""
     base = BASE_READERS[store.kind]
     codec = store.spec.codec
     if codec.scaled:
         return Coded(base(store, (store.k, store.v, store.k_scale, store.v_scale), rows, gather), codec)
-    return Plain(base(store, (store.k, store.v), rows, gather))
+    return Plain(base(store, (store.k, store.v), rows, gather), widen)

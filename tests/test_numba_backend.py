@@ -553,9 +553,10 @@ def test_long_chunks_fold_through_the_fused_softmax(monkeypatch, storage, dtype,
     import gqakv_backends.numba_backend as nb
 
     folded = _spy_fused(monkeypatch)
-    gathered = []
-    real_gather = nb.gather_pages
+    gathered, widened = [], []
+    real_gather, real_widen = nb.gather_pages, nb.widen_block
     monkeypatch.setattr(nb, "gather_pages", lambda *a: gathered.append(real_gather(*a)) or gathered[-1])
+    monkeypatch.setattr(nb, "widen_block", lambda *a: widened.append(real_widen(*a)) or widened[-1])
     rng = np.random.default_rng(2000 + seed)
     hkv, G, d = int(rng.choice([1, 2])), int(rng.integers(1, 5)), [16, 64, 80][seed]
     # the longest row past KERNEL_SHORT_ROW_KEYS: over shorter rows the kernels take chunks
@@ -575,6 +576,8 @@ def test_long_chunks_fold_through_the_fused_softmax(monkeypatch, storage, dtype,
     _variant_check(out, lse, want, want_lse, n_new, DTYPES[dtype])
     assert folded and all(folded)
     assert all(gathered) and bool(gathered) == (storage == "paged")
+    # half-precision blocks were widened by the compiled cast, none declined to NumPy's
+    assert all(w is not None for w in widened) and bool(widened) == (dtype != "float32")
 
 
 @pytest.mark.parametrize("storage", ["contiguous", "paged", "int8"])
@@ -706,6 +709,31 @@ def test_gather_pages_copies_the_listed_pages_heads(dtype, tail):
         assert not gather_pages(pool, np.array(bad), 1, 3, out)
     assert not gather_pages(pool, pages, 1, 4, out)  # 3 heads into a buffer of 2
     np.testing.assert_array_equal(out.view(np.uint8), before.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_widen_block_casts_every_pattern_exactly_and_declines_the_rest(dtype):
+    """``numba_backend.widen_block`` (the BLAS path's float16/bfloat16 block cast) gives
+    the float32 bits of NumPy's / ml_dtypes' cast for every bit pattern (subnormals,
+    infinities, NaN payloads), read through a block view of a cache ([heads, keys, d] of
+    [Hkv, max_len, d]: strided across heads) into part of a buffer; it declines (None,
+    nothing written) float32, a block not contiguous within a head, a shape mismatch and
+    a float64 out, and then the reader's NumPy cast serves."""
+    from gqakv_backends.numba_backend import widen_block
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    cache = bits.view(DTYPES[dtype]).reshape(4, 512, 32)  # [Hkv, max_len, d]
+    block = cache[1:3, 100:400]
+    buf = np.full((2, 320, 32), 7.0, dtype=np.float32)
+    out = buf[:, :300]
+    assert widen_block(block, out) is out
+    np.testing.assert_array_equal(out.view(np.uint32), block.astype(np.float32).view(np.uint32))
+    assert (buf[:, 300:] == 7.0).all()
+    before = buf.copy()
+    for x, o in ((block.astype(np.float32), out), (block[:, :, ::2], out[:, :, :16]),
+                 (block, buf[:, :299]), (block, out.astype(np.float64))):
+        assert widen_block(x, o) is None
+    np.testing.assert_array_equal(buf, before)
 
 
 def test_dots_of_four_rows_and_two_keys_match_float64():

@@ -319,8 +319,8 @@ def test_long_chunks_over_paged_and_quantized_take_the_numpy_paths(monkeypatch, 
     used = []
     real = numpy_readers.reader_of
 
-    def spy(store, rows, gather=None):
-        reader = real(store, rows, gather)
+    def spy(store, rows, *args):
+        reader = real(store, rows, *args)
         used.append((type(reader).__name__, type(reader.base).__name__))
         return reader
 

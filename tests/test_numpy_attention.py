@@ -181,8 +181,8 @@ def test_backend_uses_threaded_path_through_public_api(monkeypatch):
     seen = []
     real = na.readers.reader_of
 
-    def spy(store, rows, gather=None):
-        reader = real(store, rows, gather)
+    def spy(store, rows, *args):
+        reader = real(store, rows, *args)
         seen.append(reader.base.arrays[0])
         return reader
 
