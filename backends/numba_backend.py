@@ -321,10 +321,11 @@ class NumbaBackend(NumpyBackend):
 
     def blas_options(self) -> dict:
         """The BLAS path's online softmax fused into one compiled pass per block, its
-        paged blocks gathered and its float16/bfloat16 blocks widened by compiled calls,
-        and bfloat16 items on bf16 products where the CPU has them (``amx_prefill``)."""
+        paged blocks gathered, its float16/bfloat16 blocks and queries widened and its
+        float16 results narrowed by compiled calls, and bfloat16 items on bf16 products
+        where the CPU has them (``amx_prefill``)."""
         return {"state_class": FusedSoftmaxState, "gather": gather_pages, "widen": widen_block,
-                "item_kernel": _amx_items}
+                "narrow": narrow_block, "item_kernel": _amx_items}
 
     # -- hooks for the tools (gqakv.dispatch.backend.Backend) ----------------------------------------
 
@@ -642,6 +643,26 @@ def widen_block(x, out):
     convert = _kernels().convert_bits
     for s, t in heads:
         convert(s.view(view).reshape(-1), t.reshape(-1))
+    return out
+
+
+def narrow_block(x, out):
+    """The BLAS path's float16 result store (``numpy_attention.attend``'s ``narrow``):
+    ``out[:] = x`` for float32 ``x`` [hh, n, d] into float16 ``out`` (its shape), one
+    GIL-free compiled pass per head (``numba_kernels.narrow_to_half``: the hardware's
+    conversion, rounding to nearest even as NumPy's cast, which is scalar code here).
+    Both must be C-contiguous within a head (a padded output's tile is; a packed one's is
+    not); returns ``out``, or None with nothing written for anything else (NumPy's
+    assignment then runs)."""
+    if (not isinstance(x, np.ndarray) or not isinstance(out, np.ndarray) or x.dtype != np.float32
+            or out.dtype != np.float16 or out.shape != x.shape or x.ndim < 2):
+        return None
+    heads = [(x[h], out[h]) for h in range(x.shape[0])]
+    if not all(s.flags.c_contiguous and t.flags.c_contiguous for s, t in heads):
+        return None
+    convert = _kernels().narrow_to_half
+    for s, t in heads:
+        convert(s.reshape(-1), t.view(np.uint16).reshape(-1))
     return out
 
 
@@ -1008,7 +1029,8 @@ def run_mixed(work: MixedWork, q, store, *, return_lse: bool, out=None, lse_out=
               out=o, lse_out=lse, offsets=a.offsets)
     attend(q, numpy_readers.reader_of(store, b.rows, gather_pages, widen_block), b.lens, b.n_new, params=b.params,
            return_lse=True, planned=work.long_work, offsets=b.offsets, into=(o, lse),
-           trees=entry_trees(b), state_class=FusedSoftmaxState, item_kernel=_amx_items)
+           trees=entry_trees(b), state_class=FusedSoftmaxState, item_kernel=_amx_items,
+           widen=widen_block, narrow=narrow_block)
     return _hand_back(q, o, lse, out, lse_out, return_lse)
 
 
@@ -1027,13 +1049,15 @@ def _result_buffers(q, shape, out, lse_out):
 def _hand_back(q, o, lse, out, lse_out, return_lse: bool):
     """The call's result from the buffers ``_result_buffers`` chose: copied into the
     caller's ``out`` / ``lse_out`` where the kernels did not write them, else o in q's
-    dtype."""
+    dtype (float16 through ``narrow_block``)."""
     if out is not None:  # (returned as given: never a cast copy of it)
         if o is not out:
-            out[...] = o
+            if narrow_block(o, out) is None:
+                out[...] = o
             o = out
     elif o.dtype != q.dtype:
-        o = o.astype(q.dtype)
+        narrowed = narrow_block(o, np.empty(o.shape, dtype=q.dtype))
+        o = o.astype(q.dtype) if narrowed is None else narrowed
     if lse_out is not None and lse is not lse_out:
         lse_out[...] = lse
         lse = lse_out

@@ -714,6 +714,31 @@ def e4m3_to_float(x):
     return _e4m3_bits_to_float32(x)
 
 
+@intrinsic
+def _float32_to_half_bits(typingctx, x):
+    """float32 -> float16 bits (uint16): LLVM's ``fptrunc`` to half, the hardware's
+    conversion (F16C ``vcvtps2ph``): round to nearest even, overflow to infinity,
+    subnormals kept; a NaN stays a NaN (quieted)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(x), codegen
+
+
+@njit(cache=True, nogil=True)
+def narrow_to_half(src, dst):
+    """dst[:] = float16 bits (uint16) of the float32 values src, NumPy's cast (round to
+    nearest even) in vectors; NaN payloads may differ (the hardware quiets them). Releases
+    the GIL: the BLAS path's items store float16 results with it on Python threads
+    (``numba_backend.narrow_block``)."""
+    _prefer_512_bit_vectors()
+    for x in range(src.size):
+        dst[x] = _float32_to_half_bits(src[x])
+
+
 @njit(cache=True, nogil=True)
 def convert_bits(src, dst):
     """dst[:] = float32 values of the stored elements src, by src's dtype (``decode``):

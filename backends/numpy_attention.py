@@ -38,7 +38,9 @@ Work and memory:
 - float16 and bfloat16 caches are computed in float32: each K/V block is cast on the
   fly into a reused float32 buffer (NumPy's half-precision matmul is about 10x slower
   than float32, and its float16 cast is scalar code, so ``to_float32`` converts
-  float16 through its bits), and the result is cast back to the cache's dtype.
+  float16 through its bits; a backend may pass a faster cast, as numba's
+  ``widen_block``, through ``attention_store``'s ``widen``), and the result is cast back
+  to the cache's dtype.
 
 A block's online-softmax step is ``attend``'s ``state_class`` (``SoftmaxState``: NumPy
 passes over the scores; a backend may pass a faster one, as numba's
@@ -105,11 +107,17 @@ SPINNING_BLAS_ONE_WORKER_MACS = 1 << 30
 
 # -- the kernel ----------------------------------------------------------------------------
 
-def item_queries(q, item, G: int, params, acc, offsets=None):
+def item_queries(q, item, G: int, params, acc, offsets=None, widen=None):
     """An item's queries as one tile per KV head, scaled, in the compute dtype ``acc``:
     ``[hh, G * nq, d]`` (query head h0*G + kv*G + g reads KV head h0 + kv). q: padded
-    [B, Hq, T, d], or packed [N, Hq, d] with ``offsets`` (entry i's first query's row)."""
-    qb = _tile(q, item, G, offsets).astype(acc)
+    [B, Hq, T, d], or packed [N, Hq, d] with ``offsets`` (entry i's first query's row).
+    ``widen``: a faster cast of float16/bfloat16 queries (``attend``'s)."""
+    tile = _tile(q, item, G, offsets)
+    qb = None
+    if widen is not None and tile.dtype != acc:
+        qb = widen(tile, np.empty(tile.shape, dtype=acc))
+    if qb is None:
+        qb = tile.astype(acc)
     qb *= params.scale  # a Python float: no promotion
     i, h0, h1, t0, t1 = item[:5]
     return qb.reshape(h1 - h0, G * (t1 - t0), q.shape[-1])
@@ -187,7 +195,7 @@ def _mask(s4, params, L: int, n: int, t0: int, t1: int, js: int, je: int, tree) 
 
 
 def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_elements, offsets=None,
-                 block_keys_fixed=None, tree=None, state_class=SoftmaxState):
+                 block_keys_fixed=None, tree=None, state_class=SoftmaxState, widen=None):
     """Online softmax of one item over the blocks ``reader`` hands it (``numpy_readers``:
     a value reader over the store's base reader); returns its ``state_class`` state (o
     unnormalized). o: [hh, G * nq, d]; m, l: [hh, G * nq, 1], in ``acc``."""
@@ -196,7 +204,7 @@ def _attend_item(q, reader, lens, n_new, item, *, params, acc, score_block_eleme
     d = q.shape[-1]
     hh, nq = h1 - h0, t1 - t0
     L, n = int(lens[i]), int(n_new[i])
-    qb = item_queries(q, item, G, params, acc, offsets)
+    qb = item_queries(q, item, G, params, acc, offsets, widen)
     heads = tile_heads(params, h0, h1, G)
     keys = (max(MIN_BLOCK_KEYS, score_block_elements // (hh * G * nq)) if block_keys_fixed is None
             else block_keys_fixed)  # batch-invariant: the same blocks whatever the tile
@@ -232,15 +240,18 @@ def _with_sinks(state, sinks, h0, h1, G, nq):
     return SoftmaxState.merge(np, [state, pseudo])
 
 
-def _finish(out, lse, item, state, G, sinks=None, offsets=None):
+def _finish(out, lse, item, state, G, sinks=None, offsets=None, narrow=None):
     """Normalize and store one item's (merged) result into out (q's layout) and lse;
-    ``sinks`` ([Hq] or None) join here, once every key of the item's queries is summed."""
+    ``sinks`` ([Hq] or None) join here, once every key of the item's queries is summed.
+    ``narrow``: a faster store of results into a lower-precision out (``attend``'s)."""
     i, h0, h1, t0, t1 = item[:5]
     if sinks is not None:
         state = _with_sinks(state, sinks, h0, h1, G, t1 - t0)
     o, lse_item = state.result()
     hh, nq, d = h1 - h0, t1 - t0, o.shape[-1]
-    _tile(out, item, G, offsets)[...] = o.reshape(hh * G, nq, d)
+    dst, o = _tile(out, item, G, offsets), o.reshape(hh * G, nq, d)
+    if narrow is None or dst.dtype == o.dtype or narrow(o, dst) is None:
+        dst[...] = o
     if lse is not None:
         _tile(lse, item, G, offsets)[...] = lse_item.reshape(hh * G, nq)
 
@@ -301,15 +312,17 @@ def plan_items(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
 
 
 def attention_store(q, store, inputs, params, *, return_lse: bool, gather=None, widen=None,
-                    **blocking):
+                    narrow=None, **blocking):
     """The NumPy backend's fast path: attention of ``q`` [B, Hq, T, d] over a KVStore
     without leading axes of any layout and codec ``numpy_readers.reader_of`` reads
     (``numpy_backend.FAST_PATHS`` declares which); see ``gqakv.gqa_attention``.
-    ``gather``: the paged reader's faster page copy (``numpy_readers.Pages``); ``widen``:
-    a faster float16/bfloat16 block cast (``numpy_readers.Plain``); ``blocking``:
-    ``attend``'s keywords (``planned``: a ``plan_items`` of this batch)."""
+    ``gather``: the paged reader's faster page copy (``numpy_readers.Pages``); ``widen``,
+    ``narrow``: faster float16/bfloat16 casts of K/V blocks and queries and of results
+    (``numpy_readers.Plain``, ``attend``); ``blocking``: ``attend``'s keywords
+    (``planned``: a ``plan_items`` of this batch)."""
     reader = readers.reader_of(store, inputs.rows, gather, widen)
     return attend(q, reader, inputs.lens, inputs.n_new, params=params, return_lse=return_lse,
+                  widen=widen, narrow=narrow,
                   offsets=getattr(inputs, "offsets", None), trees=entry_trees(inputs),
                   invariant=getattr(inputs, "invariant", False), **blocking)
 
@@ -327,7 +340,7 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
            parallel_min_work: int = PARALLEL_MIN_WORK,
            max_tile_rows: int = MAX_TILE_ROWS,
            planned: NumpyWork | None = None, offsets=None, into=None, invariant: bool = False,
-           trees=None, state_class=SoftmaxState, item_kernel=None):
+           trees=None, state_class=SoftmaxState, item_kernel=None, widen=None, narrow=None):
     """The item kernel over validated inputs: plan the items, share them among threads,
     read each item's K/V blocks through ``reader`` (``numpy_readers``), merge key pieces.
 
@@ -343,7 +356,10 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
     planned here (``plan_items``; a ``planned`` work keeps its own). ``trees``: None, or
     entry i -> its draft tree (``gqakv.core.tree.EntryTree``). ``state_class``: the online
     softmax a block is folded by (``SoftmaxState``'s interface; the numba backend fuses its
-    passes, ``numba_backend.FusedSoftmaxState``).
+    passes, ``numba_backend.FusedSoftmaxState``). ``widen(x, out)`` / ``narrow(x, out)``:
+    a backend's faster casts of float16/bfloat16 queries to the compute dtype and of
+    results back to q's dtype (``numba_backend.widen_block`` / ``narrow_block``), each
+    returning ``out``, or None to leave that cast to NumPy.
     """
     Hq = q.shape[1]  # dim 1 in both layouts
     Hkv = reader.kv_heads
@@ -380,9 +396,10 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
                 state = _attend_item(q, reader, lens, n_new, item, params=params, acc=acc,
                                      score_block_elements=score_block_elements, offsets=offsets,
                                      block_keys_fixed=planned.block_keys, tree=tree,
-                                     state_class=state_class)
+                                     state_class=state_class, widen=widen)
             if (j0, j1) == block_keys(params, int(lens[i]), int(n_new[i]), t0, t1, tree):  # all its keys
-                _finish(out, lse, item, state, G, sinks, offsets)  # items write disjoint parts of out
+                # items write disjoint parts of out
+                _finish(out, lse, item, state, G, sinks, offsets, narrow)
             else:
                 pieces.append((item, state))
         return pieces
@@ -393,15 +410,15 @@ def attend(q, reader, lens, n_new, *, params: AttentionParams, return_lse: bool,
         with _threads:
             futures = [_threads.pool(workers).submit(run, batch) for batch in _share(items, workers)]
             pieces = [p for f in futures for p in f.result()]
-    _merge(out, lse, pieces, G, sinks, offsets)
+    _merge(out, lse, pieces, G, sinks, offsets, narrow)
     return (out, lse) if return_lse else out
 
 
-def _merge(out, lse, pieces, G, sinks=None, offsets=None):
+def _merge(out, lse, pieces, G, sinks=None, offsets=None, narrow=None):
     """Combine the key pieces of split items (``SoftmaxState.merge``) and store them
     (sinks join after the merge, never per piece)."""
     groups: dict[tuple, list] = {}
     for item, state in pieces:
         groups.setdefault(item[:5], []).append(state)
     for key, states in groups.items():
-        _finish(out, lse, key, SoftmaxState.merge(np, states), G, sinks, offsets)
+        _finish(out, lse, key, SoftmaxState.merge(np, states), G, sinks, offsets, narrow)

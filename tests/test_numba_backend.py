@@ -553,10 +553,11 @@ def test_long_chunks_fold_through_the_fused_softmax(monkeypatch, storage, dtype,
     import gqakv_backends.numba_backend as nb
 
     folded = _spy_fused(monkeypatch)
-    gathered, widened = [], []
-    real_gather, real_widen = nb.gather_pages, nb.widen_block
+    gathered, widened, narrowed = [], [], []
+    real_gather, real_widen, real_narrow = nb.gather_pages, nb.widen_block, nb.narrow_block
     monkeypatch.setattr(nb, "gather_pages", lambda *a: gathered.append(real_gather(*a)) or gathered[-1])
     monkeypatch.setattr(nb, "widen_block", lambda *a: widened.append(real_widen(*a)) or widened[-1])
+    monkeypatch.setattr(nb, "narrow_block", lambda *a: narrowed.append(real_narrow(*a)) or narrowed[-1])
     rng = np.random.default_rng(2000 + seed)
     hkv, G, d = int(rng.choice([1, 2])), int(rng.integers(1, 5)), [16, 64, 80][seed]
     # the longest row past KERNEL_SHORT_ROW_KEYS: over shorter rows the kernels take chunks
@@ -576,8 +577,10 @@ def test_long_chunks_fold_through_the_fused_softmax(monkeypatch, storage, dtype,
     _variant_check(out, lse, want, want_lse, n_new, DTYPES[dtype])
     assert folded and all(folded)
     assert all(gathered) and bool(gathered) == (storage == "paged")
-    # half-precision blocks were widened by the compiled cast, none declined to NumPy's
+    # half-precision blocks and queries were widened by the compiled cast (none declined
+    # to NumPy's), float16 results narrowed by it
     assert all(w is not None for w in widened) and bool(widened) == (dtype != "float32")
+    assert any(w is not None for w in narrowed) == (dtype == "float16")
 
 
 @pytest.mark.parametrize("storage", ["contiguous", "paged", "int8"])
@@ -734,6 +737,32 @@ def test_widen_block_casts_every_pattern_exactly_and_declines_the_rest(dtype):
                  (block, buf[:, :299]), (block, out.astype(np.float64))):
         assert widen_block(x, o) is None
     np.testing.assert_array_equal(buf, before)
+
+
+def test_narrow_block_rounds_as_numpy_and_declines_the_rest():
+    """``numba_backend.narrow_block`` (the BLAS path's float16 result store) gives NumPy's
+    float16 bits (round to nearest even, overflow to infinity, subnormals) for a million
+    float32 patterns spread over all 2^32, NaN for NaN, into a head-wise contiguous part
+    of a buffer; it declines (None, nothing written) a bfloat16 or float32 out, a float64
+    x, an out not contiguous within a head and a shape mismatch."""
+    from gqakv_backends.numba_backend import narrow_block
+
+    bits = np.arange(0, 1 << 32, 4099, dtype=np.uint64).astype(np.uint32)[: 2 * 1022 * 512]
+    x = bits.view(np.float32).reshape(2, 1022, 512)
+    buf = np.full((2, 1024, 512), 7.0, dtype=np.float16)
+    out = buf[:, :1022]
+    assert narrow_block(x, out) is out
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(out.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+    assert np.isnan(out[nan]).all() and nan.any()
+    assert (buf[:, 1022:] == 7.0).all()
+    before = buf.copy()
+    for xx, o in ((x, np.empty(out.shape, DTYPES["bfloat16"])), (x, np.empty(out.shape, np.float32)),
+                  (np.zeros(x.shape), out), (x[:, :, ::2], out[:, :, :256]), (x, buf[:, :1021])):
+        assert narrow_block(xx, o) is None
+    np.testing.assert_array_equal(buf.view(np.uint16), before.view(np.uint16))
 
 
 def test_dots_of_four_rows_and_two_keys_match_float64():
