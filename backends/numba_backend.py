@@ -626,43 +626,45 @@ _WIDEN_VIEW = {"float16": np.uint16, "bfloat16": np.int16}
 
 
 def widen_block(x, out):
-    """The BLAS path's float16/bfloat16 block cast (``numpy_readers.Plain``'s ``widen``):
-    ``out[:] = x`` as float32, one GIL-free compiled pass per KV head
-    (``numba_kernels.convert_bits``: the hardware's float16 conversion, exact with
-    infinities and NaN), where NumPy's cast takes six passes over float16 bits and holds
-    the GIL between them. ``x`` [hh, n, d] and ``out`` (float32, its shape) must each be
-    C-contiguous within a head, as the readers' blocks are; returns ``out``, or None with
-    nothing written for anything else (the reader's NumPy cast then runs)."""
+    """The BLAS path's float16/bfloat16 block cast (``numpy_readers.Plain``'s ``widen``,
+    ``numpy_attention.attend``'s for query tiles): ``out[:] = x`` as float32, one GIL-free
+    compiled pass per head (``numba_kernels.convert_bits``: the hardware's float16
+    conversion, exact with infinities and NaN), where NumPy's cast takes six passes over
+    float16 bits and holds the GIL between them. ``x`` [hh, n, d] and ``out`` (float32, its
+    shape) must each be C-contiguous within a head, as the readers' blocks are; returns
+    ``out``, or None with nothing written for anything else (NumPy's cast then runs)."""
     view = _WIDEN_VIEW.get(_dtype_name(x.dtype)) if isinstance(x, np.ndarray) else None
-    if (view is None or not isinstance(out, np.ndarray) or out.dtype != np.float32
-            or out.shape != x.shape or x.ndim < 2):
+    if view is None or not isinstance(out, np.ndarray) or out.dtype != np.float32:
         return None
-    heads = [(x[h], out[h]) for h in range(x.shape[0])]
-    if not all(s.flags.c_contiguous and t.flags.c_contiguous for s, t in heads):
-        return None
-    convert = _kernels().convert_bits
-    for s, t in heads:
-        convert(s.view(view).reshape(-1), t.reshape(-1))
-    return out
+    return _cast_per_head(_kernels().convert_bits, x, view, out, np.float32)
 
 
 def narrow_block(x, out):
-    """The BLAS path's float16 result store (``numpy_attention.attend``'s ``narrow``):
-    ``out[:] = x`` for float32 ``x`` [hh, n, d] into float16 ``out`` (its shape), one
-    GIL-free compiled pass per head (``numba_kernels.narrow_to_half``: the hardware's
-    conversion, rounding to nearest even as NumPy's cast, which is scalar code here).
-    Both must be C-contiguous within a head (a padded output's tile is; a packed one's is
-    not); returns ``out``, or None with nothing written for anything else (NumPy's
-    assignment then runs)."""
+    """The BLAS path's float16 result store (``numpy_attention.attend``'s ``narrow``) and
+    the kernels' (``_hand_back``): ``out[:] = x`` for float32 ``x`` [hh, n, d] into float16
+    ``out`` (its shape), one GIL-free compiled pass per head
+    (``numba_kernels.narrow_to_half``: the hardware's conversion, rounding to nearest even
+    as NumPy's cast, which is scalar code here). Both must be C-contiguous within a head
+    (a padded output's tile is; a packed one's is not); returns ``out``, or None with
+    nothing written for anything else (NumPy's assignment then runs)."""
     if (not isinstance(x, np.ndarray) or not isinstance(out, np.ndarray) or x.dtype != np.float32
-            or out.dtype != np.float16 or out.shape != x.shape or x.ndim < 2):
+            or out.dtype != np.float16):
+        return None
+    return _cast_per_head(_kernels().narrow_to_half, x, np.float32, out, np.uint16)
+
+
+def _cast_per_head(convert, x, x_view, out, out_view):
+    """``convert(src, dst)`` over each head h of ``x`` and ``out`` (dim 0), both flattened
+    (``x[h]`` viewed as ``x_view``, ``out[h]`` as ``out_view``); returns ``out``, or None
+    with nothing written unless they share a shape of two or more dims and every head of
+    both is C-contiguous (a flattened view, never a copy)."""
+    if out.shape != x.shape or x.ndim < 2:
         return None
     heads = [(x[h], out[h]) for h in range(x.shape[0])]
     if not all(s.flags.c_contiguous and t.flags.c_contiguous for s, t in heads):
         return None
-    convert = _kernels().narrow_to_half
     for s, t in heads:
-        convert(s.reshape(-1), t.view(np.uint16).reshape(-1))
+        convert(s.view(x_view).reshape(-1), t.view(out_view).reshape(-1))
     return out
 
 
