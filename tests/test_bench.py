@@ -229,6 +229,41 @@ def _onnxruntime_or_skip():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("B, past, T", [(1, [7], 5), (2, [0, 0], 6)])
+def test_onnxruntime_peer_computes_the_same_prefill_chunk(dtype, B, past, T):
+    """T > 1 new tokens per row (a chunk over a past at B = 1, whole prompts at B = 2):
+    the float64 reference with the bottom-right causal mask, the chunk's K/V written
+    from each row's length on, nothing else touched."""
+    _onnxruntime_or_skip()
+    from tests.support.reference import reference_attention
+
+    rng = np.random.default_rng(1)
+    Hq, Hkv, M, d = 4, 2, 16, 8
+    past = np.array(past)
+
+    def draw(*shape):
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+    k_buf, v_buf = draw(B, Hkv, M, d), draw(B, Hkv, M, d)
+    q, k_new, v_new = draw(B, Hq, T, d), draw(B, Hkv, T, d), draw(B, Hkv, T, d)
+    k_before, v_before = k_buf.copy(), v_buf.copy()
+    run, out = bench.onnxruntime_gqa(q, k_new, v_new, k_buf, v_buf, past, threads=1)
+    run()
+    k_rows = [np.concatenate([k_before[b, :, :past[b]], k_new[b]], axis=1) for b in range(B)]
+    v_rows = [np.concatenate([v_before[b, :, :past[b]], v_new[b]], axis=1) for b in range(B)]
+    want, _ = reference_attention(q, k_rows, v_rows, [T] * B)
+    got = np.asarray(out, dtype=np.float64)
+    assert out.shape == (B, Hq, T, d) and out.dtype == dtype
+    bound = float(np.finfo(dtype).eps) * np.abs(want) + 1e-5
+    assert (np.abs(got - want) <= bound).all(), np.abs(got - want).max()
+    for buf, before, new in ((k_buf, k_before, k_new), (v_buf, v_before, v_new)):
+        expected = before.copy()
+        for b in range(B):
+            expected[b, :, past[b]:past[b] + T] = new[b]
+        np.testing.assert_array_equal(buf, expected)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_onnxruntime_peer_computes_the_same_decode_step(dtype):
     """The GroupQueryAttention the ratio is taken against is the same decode step: the
     float64 reference over each row's past plus its new token, the new K/V written at
@@ -403,6 +438,7 @@ SMOKE = {
     "ChunkedPrefill": (("numpy", "4096 in 8"), {"CASES": {"4096 in 8": (4, 16)}}),
     "VsTorch": (("decode 4x4096",), {"CASES": {"decode 4x4096": (2, 40, 1)}}),
     "VsOnnxRuntime": (("4x4096", "float16"), {"CASES": {"4x4096": (2, 40)}}),
+    "PrefillVsOnnxRuntime": (("512 onto 3000", "float16"), {"CASES": {"512 onto 3000": (30, 12)}}),
     "TempMemory": (("prefill 512 onto 16000",), {"CASES": {"prefill 512 onto 16000": (1, 40, 8)}}),
     "Append": (("numpy", "ragged chunk 4 rows x <=512"), {}),
     "GenerationLoop": (("numpy", "2x9"), {}),
@@ -423,7 +459,7 @@ SMOKE = {
 
 # benchmarks whose peer is not in the test extra, or that need hardware (AMX tiles) a
 # machine may lack: they skip, with the reason, without it
-OPTIONAL_PEERS = {"VsOnnxRuntime", "Bfloat16PrefillTiles"}
+OPTIONAL_PEERS = {"VsOnnxRuntime", "PrefillVsOnnxRuntime", "Bfloat16PrefillTiles"}
 
 
 def _benchmark_modules():

@@ -361,6 +361,61 @@ class VsOnnxRuntime:
     track_ratio_to_onnxruntime.unit = "gqakv/onnxruntime time"
 
 
+class PrefillVsOnnxRuntime:
+    """gqakv's prefill chunk (append + attention on the CPU default backend) / ONNX Runtime's
+    ``com.microsoft.GroupQueryAttention`` doing the same (its chunk's K/V written in place,
+    2 threads as gqakv's), calls interleaved; below 1, gqakv is faster (issue 31's prefill
+    target). One row: ONNX Runtime refuses a chunk over a past at B > 1. ``setup`` first
+    checks that both give the same outputs. Skipped, saying so, without onnxruntime."""
+
+    CASES = {"512 onto 3000": (3000, 512), "4096 at once": (0, 4096)}  # case -> (past, T)
+    params = [list(CASES), ["float32", "float16"]]
+    param_names = ["chunk", "dtype"]
+    timeout = 600
+
+    def setup(self, case, dtype):
+        name = "numba" if "numba" in BACKENDS else "numpy"
+        self.backend = backend_or_skip(name)
+        from .common import bench  # the commit's bench module, wherever it lives
+
+        if not hasattr(bench, "onnxruntime_gqa"):
+            raise NotImplementedError("gqakv.tools.bench.onnxruntime_gqa does not exist in this commit (added later)")
+        try:
+            bench.import_onnxruntime()
+        except ImportError as exc:
+            raise NotImplementedError(str(exc)) from None
+        past, T = self.CASES[case]
+        cache = (filled_cache(self.backend, [past], max_len=past + T, dtype=dtype) if past
+                 else gqakv.KVCache(1, HKV, T, D, dtype=dtype, backend=self.backend))
+        q = queries(self.backend, 1, T, dtype)
+        kv = np.ascontiguousarray(q[:, :HKV])
+        n_new, rows, base = np.array([T]), np.array([0]), np.array([past])
+        try:
+            self.ort, ort_out = bench.onnxruntime_gqa(
+                q, kv, kv, np.ascontiguousarray(cache.k), np.ascontiguousarray(cache.v), base,
+                threads=bench.backend_threads(self.backend))
+        except ValueError as exc:  # an onnxruntime without this op or dtype
+            raise NotImplementedError(str(exc)) from None
+
+        def step():
+            cache.append(kv, kv, n_new)
+            out = attend(self.backend, q, cache, n_new)
+            cache.truncate(rows, base)  # O(1): the same state for the next call
+            return out
+
+        self.ort()
+        ours = np.asarray(step(), dtype=np.float64)
+        tol = 8 * float(np.finfo(dtype).eps) * max(1.0, float(np.abs(ours).max()))
+        if not np.abs(ours - np.asarray(ort_out, dtype=np.float64)).max() <= tol:
+            raise ValueError(f"onnxruntime and gqakv disagree on the prefill chunk {case} ({dtype})")
+        self.step = step
+
+    def track_ratio_to_onnxruntime(self, case, dtype):
+        return ratio(self.step, self.ort, self.backend, repeats=5)
+
+    track_ratio_to_onnxruntime.unit = "gqakv/onnxruntime time"
+
+
 class TempMemory:
     """Peak MiB a call allocates beyond its inputs and the cache (NumPy backend, tracemalloc
     started after set-up): about workers x 3 x 1 MiB score blocks plus queries and output for

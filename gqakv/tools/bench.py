@@ -159,19 +159,22 @@ def import_onnxruntime():
 
 def onnxruntime_gqa(q, k_new, v_new, k_buf, v_buf, past_lens, *, threads: int | None = None,
                     spinning: bool = True):
-    """ONNX Runtime's ``com.microsoft.GroupQueryAttention`` (CPU provider) for one decode
-    step: each row b attends from its new token over its ``past_lens[b]`` cached tokens
-    plus the new one, and the op writes the new K/V at position ``past_lens[b]``. Returns
-    ``(run, out)``: ``run()`` executes the step, ``out`` is ``[B, Hq, 1, d]`` (a view of
-    the op's ``[B, 1, Hq * d]`` output buffer, refreshed by every ``run()``).
+    """ONNX Runtime's ``com.microsoft.GroupQueryAttention`` (CPU provider) for one step of
+    T new tokens per row (T = 1: a decode step; T > 1: a prefill chunk): row b's new
+    token t attends, bottom-right causal, over its ``past_lens[b]`` cached tokens and new
+    tokens 0..t, and the op writes the new K/V from position ``past_lens[b]`` on. Returns
+    ``(run, out)``: ``run()`` executes the step, ``out`` is ``[B, Hq, T, d]`` (a view of
+    the op's ``[B, T, Hq * d]`` output buffer, refreshed by every ``run()``).
 
-    Shapes: q ``[B, Hq, 1, d]``; k_new, v_new ``[B, Hkv, 1, d]``; k_buf, v_buf
+    Shapes: q ``[B, Hq, T, d]``; k_new, v_new ``[B, Hkv, T, d]`` (read once here: for
+    T > 1 the op's token-major copies are made here, outside ``run``); k_buf, v_buf
     ``[B, Hkv, max_len, d]``, float32 or float16 NumPy arrays, C-contiguous (ONNX
     Runtime's past/present layout, BNSH, is gqakv's contiguous cache layout), written in
     place: past and present are bound to one buffer of ``max_len`` tokens (ONNX Runtime
     then appends in place instead of copying the cache). ``seqlens_k`` is
-    ``past_lens`` (the op wants total length - 1) and ``total_sequence_length``
-    ``max(past_lens) + 1``; no rotary embedding, scale ``1/sqrt(d)``. ``threads``: ONNX
+    ``past_lens + T - 1`` (the op wants total length - 1) and ``total_sequence_length``
+    ``max(past_lens) + T``; no rotary embedding, scale ``1/sqrt(d)``. ONNX Runtime 1.32
+    refuses T > 1 over a past at B > 1 (its error, from ``run()``). ``threads``: ONNX
     Runtime's intra-op threads; ``spinning``: whether they spin while waiting for work
     (ONNX Runtime's default, kept: measured 1.2x faster than without on this loaded
     machine, and the peer gets its best settings). Raises ImportError (with the pip
@@ -186,6 +189,7 @@ def onnxruntime_gqa(q, k_new, v_new, k_buf, v_buf, past_lens, *, threads: int | 
                          f"not {np.dtype(k_buf.dtype).name}")
     B, Hkv, M, d = k_buf.shape
     Hq = q.shape[1]
+    T = q.shape[2] if q.ndim == 4 else 0
     past_lens = np.asarray(past_lens, dtype=np.int64)
     arrays = {"query": q, "key": k_new, "value": v_new, "past_key": k_buf, "past_value": v_buf}
     for name, a in arrays.items():
@@ -193,13 +197,14 @@ def onnxruntime_gqa(q, k_new, v_new, k_buf, v_buf, past_lens, *, threads: int | 
             raise ValueError(f"onnxruntime_gqa: {name} must be a C-contiguous NumPy array of "
                              f"{k_buf.dtype}, got {type(a).__name__} "
                              f"{getattr(a, 'dtype', '?')}")
-    if q.shape != (B, Hq, 1, d) or k_new.shape != (B, Hkv, 1, d) or v_new.shape != k_new.shape \
-            or v_buf.shape != k_buf.shape or Hq % Hkv:
+    if T < 1 or q.shape != (B, Hq, T, d) or k_new.shape != (B, Hkv, T, d) \
+            or v_new.shape != k_new.shape or v_buf.shape != k_buf.shape or Hq % Hkv:
         raise ValueError(f"onnxruntime_gqa: shapes q {q.shape}, k_new {k_new.shape}, v_new "
-                         f"{v_new.shape}, buffers {k_buf.shape}/{v_buf.shape} are not one decode step")
-    if past_lens.shape != (B,) or past_lens.min(initial=0) < 0 or past_lens.max(initial=0) >= M:
+                         f"{v_new.shape}, buffers {k_buf.shape}/{v_buf.shape} are not one step "
+                         "of T >= 1 new tokens per row")
+    if past_lens.shape != (B,) or past_lens.min(initial=0) < 0 or past_lens.max(initial=0) > M - T:
         raise ValueError(f"onnxruntime_gqa: past_lens={past_lens.tolist()} must be [B={B}] ints "
-                         f"in [0, max_len - 1 = {M - 1}] (room for the new token)")
+                         f"in [0, max_len - T = {M - T}] (room for the {T} new tokens)")
 
     def info(name, shape, kind=elem):
         return helper.make_tensor_value_info(name, kind, list(shape))
@@ -211,10 +216,10 @@ def onnxruntime_gqa(q, k_new, v_new, k_buf, v_buf, past_lens, *, threads: int | 
         outputs=["output", "present_key", "present_value"])
     graph = helper.make_graph(
         [node], "gqakv_compare_decode",
-        [info("query", (B, 1, Hq * d)), info("key", (B, 1, Hkv * d)), info("value", (B, 1, Hkv * d)),
+        [info("query", (B, T, Hq * d)), info("key", (B, T, Hkv * d)), info("value", (B, T, Hkv * d)),
          info("past_key", k_buf.shape), info("past_value", v_buf.shape),
          info("seqlens_k", (B,), TensorProto.INT32), info("total_sequence_length", (1,), TensorProto.INT32)],
-        [info("output", (B, 1, Hq * d)), info("present_key", k_buf.shape),
+        [info("output", (B, T, Hq * d)), info("present_key", k_buf.shape),
          info("present_value", v_buf.shape)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])
@@ -230,12 +235,15 @@ def onnxruntime_gqa(q, k_new, v_new, k_buf, v_buf, past_lens, *, threads: int | 
         raise ValueError(f"onnxruntime {ort.__version__} cannot run GroupQueryAttention in "
                          f"{np.dtype(k_buf.dtype).name} on the CPU ({first})") from None
 
-    out = np.empty((B, 1, Hq * d), dtype=k_buf.dtype)
+    def token_major(x, heads):  # [B, heads, T, d] -> the op's [B, T, heads * d] (a view at T = 1)
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(B, T, heads * d)
+
+    out = np.empty((B, T, Hq * d), dtype=k_buf.dtype)
     values = {
-        "query": q.reshape(B, 1, Hq * d), "key": k_new.reshape(B, 1, Hkv * d),
-        "value": v_new.reshape(B, 1, Hkv * d), "past_key": k_buf, "past_value": v_buf,
-        "seqlens_k": past_lens.astype(np.int32),
-        "total_sequence_length": np.array([int(past_lens.max(initial=0)) + 1], dtype=np.int32),
+        "query": token_major(q, Hq), "key": token_major(k_new, Hkv),
+        "value": token_major(v_new, Hkv), "past_key": k_buf, "past_value": v_buf,
+        "seqlens_k": (past_lens + T - 1).astype(np.int32),
+        "total_sequence_length": np.array([int(past_lens.max(initial=0)) + T], dtype=np.int32),
     }
     # OrtValues over the NumPy memory (no copies); present_* bound to the past_* buffers.
     ort_values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in values.items()}
@@ -250,7 +258,7 @@ def onnxruntime_gqa(q, k_new, v_new, k_buf, v_buf, past_lens, *, threads: int | 
         sess.run_with_iobinding(binding)
 
     setattr(run, "_keep", (values, ort_values, sess))  # the memory the binding points at
-    return run, out.reshape(B, 1, Hq, d).transpose(0, 2, 1, 3)
+    return run, out.reshape(B, T, Hq, d).transpose(0, 2, 1, 3)
 
 
 def compare_onnxruntime(cache, heads: int, *, seed: int = 0, rounds: int = 5, block_s: float = 0.1) -> dict:
