@@ -321,11 +321,11 @@ class NumbaBackend(NumpyBackend):
 
     def blas_options(self) -> dict:
         """The BLAS path's online softmax fused into one compiled pass per block, its
-        paged blocks gathered, its float16/bfloat16 blocks and queries widened and its
-        float16 results narrowed by compiled calls, and bfloat16 items on bf16 products
+        paged blocks gathered, its float16/bfloat16 blocks and queries widened, its 8-bit
+        code blocks dequantized and its float16 results narrowed by compiled calls, and bfloat16 items on bf16 products
         where the CPU has them (``amx_prefill``)."""
         return {"state_class": FusedSoftmaxState, "gather": gather_pages, "widen": widen_block,
-                "narrow": narrow_block, "item_kernel": _amx_items}
+                "narrow": narrow_block, "dequantize": dequantize_block, "item_kernel": _amx_items}
 
     # -- hooks for the tools (gqakv.dispatch.backend.Backend) ----------------------------------------
 
@@ -651,6 +651,35 @@ def narrow_block(x, out):
             or out.dtype != np.float16):
         return None
     return _cast_per_head(_kernels().narrow_to_half, x, np.float32, out, np.uint16)
+
+
+#: The per-token codecs whose codes ``numba_kernels.decode`` reads as stored: int8 codes,
+#: uint8 float8_e4m3fn bit patterns.
+_PER_TOKEN_CODES = {"int8": np.int8, "float8_e4m3fn": np.uint8}
+
+
+def dequantize_block(codec, codes, scales, out):
+    """The BLAS path's dequantization of an 8-bit block with per-token scales
+    (``numpy_readers.Coded``'s ``dequantize``): ``out[h, j] = value(codes[h, j]) x
+    scales[h, j]``, one GIL-free compiled pass per head
+    (``numba_kernels.dequantize_per_token``: the codec's own float32 arithmetic, bit for
+    bit; e4m3fn's NaN codes give NaN), where NumPy's int8 cast and e4m3 lookup run one to two orders slower. ``codes``
+    [hh, n, d], ``scales`` [hh, n] float32 and ``out`` [hh, n, d] float32, each
+    C-contiguous within a head; returns ``out``, or None with nothing written for any
+    other codec (block scales) or layout (the codec's NumPy pass then runs)."""
+    view = _PER_TOKEN_CODES.get(getattr(codec, "name", None))
+    arrays = (codes, scales, out)
+    if (view is None or not all(isinstance(a, np.ndarray) for a in arrays)
+            or codes.dtype.itemsize != 1 or scales.dtype != np.float32 or out.dtype != np.float32
+            or codes.ndim < 2 or out.shape != codes.shape or scales.shape != codes.shape[:-1]):
+        return None
+    heads = [(codes[h], scales[h], out[h]) for h in range(codes.shape[0])]
+    if not all(a.flags.c_contiguous for head in heads for a in head):
+        return None
+    kernel = _kernels().dequantize_per_token
+    for c, s, o in heads:
+        kernel(c.view(view), s, o)
+    return out
 
 
 def _cast_per_head(convert, x, x_view, out, out_view):
@@ -1029,7 +1058,7 @@ def run_mixed(work: MixedWork, q, store, *, return_lse: bool, out=None, lse_out=
     a, b = work.short, work.long
     run_numba(work.short_work, q, k_buf, v_buf, a.rows, a.lens, a.n_new, return_lse=True,
               out=o, lse_out=lse, offsets=a.offsets)
-    attend(q, numpy_readers.reader_of(store, b.rows, gather_pages, widen_block), b.lens, b.n_new, params=b.params,
+    attend(q, numpy_readers.reader_of(store, b.rows, gather_pages, widen_block, dequantize_block), b.lens, b.n_new, params=b.params,
            return_lse=True, planned=work.long_work, offsets=b.offsets, into=(o, lse),
            trees=entry_trees(b), state_class=FusedSoftmaxState, item_kernel=_amx_items,
            widen=widen_block, narrow=narrow_block)

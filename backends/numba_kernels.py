@@ -740,6 +740,21 @@ def narrow_to_half(src, dst):
 
 
 @njit(cache=True, nogil=True)
+def dequantize_per_token(codes, scales, out):
+    """out[j, :] = value of codes[j, :] x scales[j] (float32, one rounding: NumPy's
+    codec arithmetic, bit for bit; e4m3fn's NaN patterns give NaN): codes [n, d] int8 codes or uint8 float8_e4m3fn bits
+    (``decode``), scales [n] float32, out [n, d] float32. Releases the GIL: the BLAS
+    path's items dequantize their blocks with it on Python threads
+    (``numba_backend.dequantize_block``)."""
+    _prefer_512_bit_vectors()
+    for j in range(codes.shape[0]):
+        s = scales[j]
+        row, o = codes[j], out[j]
+        for e in range(row.size):
+            o[e] = decode(row[e]) * s
+
+
+@njit(cache=True, nogil=True)
 def convert_bits(src, dst):
     """dst[:] = float32 values of the stored elements src, by src's dtype (``decode``):
     uint16 float16 bits, int16 bfloat16 bits, int8 codes, uint8 e4m3fn bits. Releases the

@@ -312,15 +312,16 @@ def plan_items(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
 
 
 def attention_store(q, store, inputs, params, *, return_lse: bool, gather=None, widen=None,
-                    narrow=None, **blocking):
+                    narrow=None, dequantize=None, **blocking):
     """The NumPy backend's fast path: attention of ``q`` [B, Hq, T, d] over a KVStore
     without leading axes of any layout and codec ``numpy_readers.reader_of`` reads
     (``numpy_backend.FAST_PATHS`` declares which); see ``gqakv.gqa_attention``.
     ``gather``: the paged reader's faster page copy (``numpy_readers.Pages``); ``widen``,
     ``narrow``: faster float16/bfloat16 casts of K/V blocks and queries and of results
-    (``numpy_readers.Plain``, ``attend``); ``blocking``: ``attend``'s keywords
+    (``numpy_readers.Plain``, ``attend``); ``dequantize``: a faster dequantization of
+    code blocks (``numpy_readers.Coded``); ``blocking``: ``attend``'s keywords
     (``planned``: a ``plan_items`` of this batch)."""
-    reader = readers.reader_of(store, inputs.rows, gather, widen)
+    reader = readers.reader_of(store, inputs.rows, gather, widen, dequantize)
     return attend(q, reader, inputs.lens, inputs.n_new, params=params, return_lse=return_lse,
                   widen=widen, narrow=narrow,
                   offsets=getattr(inputs, "offsets", None), trees=entry_trees(inputs),

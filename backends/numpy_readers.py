@@ -191,11 +191,14 @@ class Plain:
 class Coded:
     """Codes plus per-token scales (``base``'s arrays: K codes, V codes, K scales, V
     scales, one base reader for all four, so the scales come from the codes' positions),
-    dequantized through ``codec`` into reused float32 buffers."""
+    dequantized through ``codec`` into reused float32 buffers, or by ``dequantize(codec,
+    codes, scales, out) -> out`` where given (a backend's faster pass, the same values; it
+    may decline by returning None)."""
 
-    def __init__(self, base, codec):
+    def __init__(self, base, codec, dequantize=None):
         self.base = base
         self.codec = codec
+        self.dequantize = dequantize
         self.kv_heads = int(base.arrays[0].shape[1])
 
     def blocks(self, i: int, h0: int, h1: int, j0: int, j1: int, *, keys: int, acc,
@@ -205,7 +208,12 @@ class Coded:
         keys = self.base.block_keys(_converted_keys(keys, block_elements, hh, d), hh, d)
         k32 = np.empty((hh, min(keys, j1 - j0), d), dtype=np.float32)
         v32 = np.empty_like(k32)
-        into = self.codec.dequantize_into
+        codec, fast = self.codec, self.dequantize
+
+        def into(codes, scales, out):
+            done = None if fast is None else fast(codec, codes, scales, out)
+            return codec.dequantize_into(codes, scales, out) if done is None else done
+
         for js, je, (kc, vc, ks, vs) in self.base.read(i, h0, h1, j0, j1, keys):
             yield js, je, into(kc, ks, k32[:, :je - js]), into(vc, vs, v32[:, :je - js])
 
@@ -224,14 +232,16 @@ def _pages(store, arrays, rows, gather=None):
 BASE_READERS = {CONTIGUOUS: _rows, PAGED: _pages}
 
 
-def reader_of(store, rows, gather=None, widen=None):
+def reader_of(store, rows, gather=None, widen=None, dequantize=None):
     """The value reader of a KVStore without leading axes (of a layout in
     ``BASE_READERS``) for batch entries reading rows ``rows`` [B]: ``Coded`` over the
     layout's base reader of codes and scales when the codec stores scales, else
     ``Plain`` over K and V. ``gather``: a paged reader's faster page copy (``Pages``);
-    ``widen``: a faster float16/bfloat16 -> float32 block cast (``Plain``)."""
+    ``widen``: a faster float16/bfloat16 -> float32 block cast (``Plain``);
+    ``dequantize``: a faster dequantization of code blocks (``Coded``)."""
     base = BASE_READERS[store.kind]
     codec = store.spec.codec
     if codec.scaled:
-        return Coded(base(store, (store.k, store.v, store.k_scale, store.v_scale), rows, gather), codec)
+        return Coded(base(store, (store.k, store.v, store.k_scale, store.v_scale), rows, gather), codec,
+                     dequantize)
     return Plain(base(store, (store.k, store.v), rows, gather), widen)

@@ -765,6 +765,73 @@ def test_narrow_block_rounds_as_numpy_and_declines_the_rest():
     np.testing.assert_array_equal(buf.view(np.uint16), before.view(np.uint16))
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_dequantize_block_matches_the_codec_bit_for_bit_and_declines_the_rest(kv_dtype):
+    """``numba_backend.dequantize_block`` (the BLAS path's 8-bit blocks with per-token
+    scales) writes exactly the codec's own NumPy values (``dequantize_into``; NaN where
+    they are NaN) for all 256 codes at scales from subnormal to huge, read through a block view of a cache into part
+    of a buffer; it declines (None, nothing written) block scales, another codec, a float64
+    out, codes not contiguous within a head and a shape mismatch."""
+    from gqakv.storage import codecs
+    from gqakv_backends.numba_backend import dequantize_block
+
+    codec = codecs.of(kv_dtype)
+    rng = np.random.default_rng(11)
+    code_dtype = np.int8 if kv_dtype == "int8" else np.uint8
+    codes = np.arange(256, dtype=np.uint8).view(code_dtype)[rng.permutation(256 * 12) % 256]
+    cache_codes = codes.reshape(3, 64, 16)  # [Hkv, max_len, d]
+    scales = (10.0 ** rng.uniform(-40, 30, (3, 64))).astype(np.float32)
+    scales[0, :3] = (0.0, 1.0, np.finfo(np.float32).max)
+    block, block_scales = cache_codes[1:3, 5:60], scales[1:3, 5:60]
+    buf = np.full((2, 60, 16), 7.0, dtype=np.float32)
+    out = buf[:, :55]
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = codec.dequantize_into(block, block_scales, np.empty(out.shape, np.float32))
+        assert dequantize_block(codec, block, block_scales, out) is out
+    nan = np.isnan(want)  # e4m3fn's two NaN patterns: NaN either way (its sign may differ)
+    np.testing.assert_array_equal(out.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
+    assert np.isnan(out[nan]).all() and nan.any() == (kv_dtype != "int8")
+    assert (buf[:, 55:] == 7.0).all()
+    before = buf.copy()
+    for c, k, sc, o in ((codecs.of("int8_g32"), block, block_scales, out),
+                        (codec, block, block_scales[..., None].repeat(16, -1), out),
+                        (codec, block, block_scales, np.zeros(out.shape)),
+                        (codec, block[:, :, ::2], block_scales, out[:, :, :8]),
+                        (codec, block, block_scales[:, :54], out)):
+        assert dequantize_block(c, k, sc, o) is None
+    np.testing.assert_array_equal(buf, before)
+
+
+@pytest.mark.parametrize("storage", ["contiguous", "paged"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_long_chunks_over_codes_dequantize_in_compiled_passes(monkeypatch, storage, kv_dtype):
+    """float32 queries over an 8-bit cache take the BLAS path's float32 items (the bf16
+    products take bfloat16 queries only): ragged rows (one empty, one decoding) through
+    the public API match the float64 reference over the values the cache holds, and every
+    code block was dequantized by ``dequantize_block`` (none declined)."""
+    import gqakv_backends.numba_backend as nb
+
+    from .support.quantization import held
+
+    done = []
+    real = nb.dequantize_block
+    monkeypatch.setattr(nb, "dequantize_block", lambda *a: done.append(real(*a)) or done[-1])
+    rng = np.random.default_rng(4000 + len(storage) + len(kv_dtype))
+    hkv, G, d = 2, 3, 64
+    lens = [int(rng.integers(140, 260)), 0, int(rng.integers(9, 40)), 30]
+    n_new = [int(rng.integers(9, 40)), 0, lens[2], 1]
+    q, k, v = _case(rng, lens, n_new, hkv, G, d, np.float32)
+    kw = dict(page_size=16) if storage == "paged" else {}
+    cls = gqakv.PagedKVCache if storage == "paged" else gqakv.KVCache
+    cache = cls(len(lens), hkv, max(lens) + 3, d, dtype="float32", kv_dtype=kv_dtype, backend="numba", **kw)
+    cache.append(np.ascontiguousarray(k[:, :, :max(lens)]), np.ascontiguousarray(v[:, :, :max(lens)]), lens)
+    out, lse = gqakv.gqa_attention(q, cache, n_new, return_lse=True)
+    spec = {"kv_dtype": kv_dtype}
+    want, want_lse = reference_on_buffers(q, held(k, spec), held(v, spec), lens, n_new, 1.0 / math.sqrt(d))
+    _check(out, lse, want, want_lse, n_new, np.float32)
+    assert done and all(x is not None for x in done)
+
+
 def test_dots_of_four_rows_and_two_keys_match_float64():
     """``_dots_4x2`` (the kernels' vector dots, one reduction tree for eight sums) equals
     float64 dot products to float32 rounding, for every stored element type, head dims

@@ -313,6 +313,22 @@ class VsTorch:
     track_ratio_to_torch.unit = "gqakv/torch time"
 
 
+def _onnxruntime_peer_or_skip():
+    """(the CPU default backend, the commit's ``gqakv.tools.bench``) for the ONNX Runtime
+    ratios; NotImplementedError (asv: skipped, with the reason) without onnxruntime or in
+    a commit older than the peer."""
+    backend = backend_or_skip("numba" if "numba" in BACKENDS else "numpy")
+    from .common import bench  # the commit's bench module, wherever it lives
+
+    if not hasattr(bench, "onnxruntime_gqa"):
+        raise NotImplementedError("gqakv.tools.bench.onnxruntime_gqa does not exist in this commit (added later)")
+    try:
+        bench.import_onnxruntime()
+    except ImportError as exc:
+        raise NotImplementedError(str(exc)) from None
+    return backend, bench
+
+
 class VsOnnxRuntime:
     """gqakv's decode step (append + attention on the CPU default backend) / ONNX Runtime's
     ``com.microsoft.GroupQueryAttention`` (CPU provider, past and present sharing one
@@ -326,16 +342,7 @@ class VsOnnxRuntime:
     timeout = 600
 
     def setup(self, case, dtype):
-        name = "numba" if "numba" in BACKENDS else "numpy"
-        self.backend = backend_or_skip(name)
-        from .common import bench  # the commit's bench module, wherever it lives
-
-        if not hasattr(bench, "onnxruntime_gqa"):
-            raise NotImplementedError("gqakv.tools.bench.onnxruntime_gqa does not exist in this commit (added later)")
-        try:
-            bench.import_onnxruntime()
-        except ImportError as exc:
-            raise NotImplementedError(str(exc)) from None
+        self.backend, bench = _onnxruntime_peer_or_skip()
         B, L = self.CASES[case]
         cache = filled_cache(self.backend, [L] * B, dtype=dtype)
         bench.compare_onnxruntime(cache, HQ, rounds=1, block_s=0.0)  # ValueError if they differ
@@ -374,16 +381,7 @@ class PrefillVsOnnxRuntime:
     timeout = 600
 
     def setup(self, case, dtype):
-        name = "numba" if "numba" in BACKENDS else "numpy"
-        self.backend = backend_or_skip(name)
-        from .common import bench  # the commit's bench module, wherever it lives
-
-        if not hasattr(bench, "onnxruntime_gqa"):
-            raise NotImplementedError("gqakv.tools.bench.onnxruntime_gqa does not exist in this commit (added later)")
-        try:
-            bench.import_onnxruntime()
-        except ImportError as exc:
-            raise NotImplementedError(str(exc)) from None
+        self.backend, bench = _onnxruntime_peer_or_skip()
         past, T = self.CASES[case]
         cache = (filled_cache(self.backend, [past], max_len=past + T, dtype=dtype) if past
                  else gqakv.KVCache(1, HKV, T, D, dtype=dtype, backend=self.backend))

@@ -115,8 +115,10 @@ SCENARIOS = {
     "decode-numba-float32-paged16": Scenario("numba", page_size=16),
     "decode-numba-float32-paged256": Scenario("numba", page_size=256),
     "prefill-numba-float32": Scenario("numba", batch=1, length=576, n_new=64),
-    # the same in float16: K/V blocks widened to float32 for the BLAS path's matmuls
+    # the same in float16 (K/V blocks widened to float32 for the BLAS path's matmuls) and
+    # over int8 codes (blocks dequantized to float32)
     "prefill-numba-float16": Scenario("numba", batch=1, length=576, n_new=64, dtype="float16"),
+    "prefill-numba-int8": Scenario("numba", batch=1, length=576, n_new=64, kv_dtype="int8"),
     "decode-numpy-float32": Scenario("numpy"),
     # the host target's step (issue 26): 32 layers, B=8, Hkv=8, G=4, d=64, 16 live tokens
     "step-host-numba": Scenario("numba", batch=8, length=16, head_dim=64, layers=32),
