@@ -634,9 +634,10 @@ def widen_block(x, out):
     shape) must each be C-contiguous within a head, as the readers' blocks are; returns
     ``out``, or None with nothing written for anything else (NumPy's cast then runs)."""
     view = _WIDEN_VIEW.get(_dtype_name(x.dtype)) if isinstance(x, np.ndarray) else None
-    if view is None or not isinstance(out, np.ndarray) or out.dtype != np.float32:
+    if (view is None or not isinstance(out, np.ndarray) or out.dtype != np.float32
+            or out.shape != x.shape or x.ndim < 2):
         return None
-    return _cast_per_head(_kernels().convert_bits, x, view, out, np.float32)
+    return _each_head(_kernels().convert_bits, out, x.view(view))
 
 
 def narrow_block(x, out):
@@ -648,9 +649,10 @@ def narrow_block(x, out):
     (a padded output's tile is; a packed one's is not); returns ``out``, or None with
     nothing written for anything else (NumPy's assignment then runs)."""
     if (not isinstance(x, np.ndarray) or not isinstance(out, np.ndarray) or x.dtype != np.float32
-            or out.dtype != np.float16):
+            or out.dtype != np.float16 or out.shape != x.shape or x.ndim < 2):
         return None
-    return _cast_per_head(_kernels().narrow_to_half, x, np.float32, out, np.uint16)
+    done = _each_head(_kernels().narrow_to_half, out.view(np.uint16), x)
+    return None if done is None else out
 
 
 #: The per-token codecs whose codes ``numba_kernels.decode`` reads as stored: int8 codes,
@@ -663,8 +665,9 @@ def dequantize_block(codec, codes, scales, out):
     (``numpy_readers.Coded``'s ``dequantize``): ``out[h, j] = value(codes[h, j]) x
     scales[h, j]``, one GIL-free compiled pass per head
     (``numba_kernels.dequantize_per_token``: the codec's own float32 arithmetic, bit for
-    bit; e4m3fn's NaN codes give NaN), where NumPy's int8 cast and e4m3 lookup run one to two orders slower. ``codes``
-    [hh, n, d], ``scales`` [hh, n] float32 and ``out`` [hh, n, d] float32, each
+    bit; e4m3fn's NaN codes give NaN), where NumPy's int8 cast and e4m3 lookup run one to
+    two orders slower. ``codes`` [hh, n, d], ``scales`` [hh, n] float32 and ``out`` [hh,
+    n, d] float32, each
     C-contiguous within a head; returns ``out``, or None with nothing written for any
     other codec (block scales) or layout (the codec's NumPy pass then runs)."""
     view = _PER_TOKEN_CODES.get(getattr(codec, "name", None))
@@ -673,27 +676,20 @@ def dequantize_block(codec, codes, scales, out):
             or codes.dtype.itemsize != 1 or scales.dtype != np.float32 or out.dtype != np.float32
             or codes.ndim < 2 or out.shape != codes.shape or scales.shape != codes.shape[:-1]):
         return None
-    heads = [(codes[h], scales[h], out[h]) for h in range(codes.shape[0])]
-    if not all(a.flags.c_contiguous for head in heads for a in head):
-        return None
-    kernel = _kernels().dequantize_per_token
-    for c, s, o in heads:
-        kernel(c.view(view), s, o)
-    return out
+    return _each_head(_kernels().dequantize_per_token, out, codes.view(view), scales, flat=False)
 
 
-def _cast_per_head(convert, x, x_view, out, out_view):
-    """``convert(src, dst)`` over each head h of ``x`` and ``out`` (dim 0), both flattened
-    (``x[h]`` viewed as ``x_view``, ``out[h]`` as ``out_view``); returns ``out``, or None
-    with nothing written unless they share a shape of two or more dims and every head of
-    both is C-contiguous (a flattened view, never a copy)."""
-    if out.shape != x.shape or x.ndim < 2:
+def _each_head(kernel, out, *arrays, flat: bool = True):
+    """``kernel(*heads, out_head)`` for each head h (dim 0) of ``arrays`` and ``out``, the
+    heads flattened where ``flat`` (the element-wise kernels take 1-D arrays); returns
+    ``out``, or None with nothing written unless every head of each is C-contiguous (so a
+    flattened head is a view, never a copy). The callers check shapes and dtypes."""
+    every = (*arrays, out)
+    heads = [[a[h] for a in every] for h in range(out.shape[0])]
+    if not all(part.flags.c_contiguous for parts in heads for part in parts):
         return None
-    heads = [(x[h], out[h]) for h in range(x.shape[0])]
-    if not all(s.flags.c_contiguous and t.flags.c_contiguous for s, t in heads):
-        return None
-    for s, t in heads:
-        convert(s.view(x_view).reshape(-1), t.view(out_view).reshape(-1))
+    for parts in heads:
+        kernel(*(part.reshape(-1) if flat else part for part in parts))
     return out
 
 
