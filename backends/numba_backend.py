@@ -111,8 +111,19 @@ KERNEL_SHORT_ROW_KEYS = 128
 QUERY_BLOCK = 16
 #: A row's keys are split across threads only into pieces at least this long.
 MIN_KEY_SPLIT = 256
-#: Keys per block (one max/rescale per block per row): float32 rows of KEY_BLOCK_BYTES.
-KEY_BLOCK_BYTES = 16 << 10
+#: Keys per block of the kernels: each tile row takes one max, one rescale of its running
+#: output and one pass of exponentials per block, so that cost shrinks as blocks grow; the
+#: score block is tile rows x KEY_BLOCK float32 (4 KiB for a decode tile of G = 4). 256
+#: against the 32 of 16 KiB float32 rows at d = 128 before 2026-12-07 (2-core AMD EPYC, load
+#: about 1, both alternating in one process, median of 10-40 calls, one and two threads):
+#: decode B=4 L=4,096 0.88-0.94x the time in float32, float16, bfloat16, int8 and int4_g32,
+#: B=32 L=1,024 0.77-0.82x, B=1 L=32,768 0.88x, 8-query chunks 0.88-0.94x, d = 64 (B=8
+#: L=1,024) 0.93-0.94x; 512 and 1,024 were no better for chunks (the score block of their
+#: 32-row tiles outgrows L1).
+KEY_BLOCK = 256
+#: Pages of at most this many bytes of float32 rows of the head dim (32 tokens at d = 128)
+#: have their KV heads read together by the kernels (``reads_heads_together``).
+TOGETHER_PAGE_BYTES = 16 << 10
 #: Below this much work (query-key-head products) one thread runs the call. Alone, two
 #: threads already pay from about 2^18 multiply-adds (products x d; decode, float32,
 #: 2026-12-05, warm / cold caches: 2 threads / 1 at 74K 0.99 / 1.13, 147K 1.06 / 1.10,
@@ -777,16 +788,25 @@ def default_parallel_min_work(n_new, head_dim: int) -> int:
 
 
 def default_key_block(head_dim: int) -> int:
-    """Keys per block of the kernels for this head dim when a call names none: float32
-    rows of ``KEY_BLOCK_BYTES`` (at least 8)."""
-    return max(8, KEY_BLOCK_BYTES // (4 * head_dim))
+    """Keys per block of the kernels when a call names none: ``KEY_BLOCK`` for every head
+    dim (``head_dim``: kept for callers that ask by it)."""
+    return KEY_BLOCK
+
+
+def together_page_limit(head_dim: int) -> int:
+    """The largest page (tokens) whose KV heads the kernels read together: float32 rows of
+    ``TOGETHER_PAGE_BYTES`` (at least 8), within the default key block."""
+    return min(KEY_BLOCK, max(8, TOGETHER_PAGE_BYTES // (4 * head_dim)))
 
 
 def reads_heads_together(store) -> bool:
     """Whether the kernels read the KV heads of a paged store's pages together: pages of at
-    most a key block (``numba_kernels.heads_per_pass``; the layout's ``together``, and
-    ``plan_numba`` plans such calls keys first)."""
-    return store.kind == PAGED and store.page_table.page_size <= default_key_block(store.head_dim)
+    most ``together_page_limit`` tokens (``numba_kernels.heads_per_pass``; the layout's
+    ``together``, and ``plan_numba`` plans such calls keys first). Larger pages keep one
+    head per pass: read together, 8 streams 128 KB apart cost 1.2x at 256-token pages
+    (the performance guide)."""
+    return (store.kind == PAGED
+            and store.page_table.page_size <= together_page_limit(store.head_dim))
 
 
 def _page_size(store) -> int | None:
@@ -841,11 +861,11 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     lengths, queries of ``q_shape`` (padded ``[B, Hq, T, d]`` or packed ``[N, Hq, d]``) and
     variant (see ``NumbaWork``). ``invariant`` (batch-invariant mode): one query per item
     and no key splits, so each query's keys are folded from its first visible key in
-    blocks of ``key_block`` (fixed by the head dim) whatever the batch. ``tree``: the
+    blocks of ``key_block`` (``KEY_BLOCK`` by default) whatever the batch. ``tree``: the
     call's ``DraftTree`` (None: none): key spans by the tree rule (``cpu_plan._plan``) and
     the kernels' ``Tree``. ``page_size``: the call reads paged storage of pages of this
     many tokens (None: contiguous), whose pages hold every KV head; pages of at most
-    ``key_block`` tokens, whose KV heads the kernels read together
+    ``key_block`` and ``together_page_limit`` tokens, whose KV heads the kernels read together
     (``numba_kernels.heads_per_pass``), have their rows cut into key pieces before heads
     (``_plan``'s ``keys_first``), so an item covers all KV heads of its keys and its pages
     are read whole, in address order. ``parallel_min_work``: a call of less work
@@ -881,7 +901,9 @@ def plan_numba(lens, n_new, q_shape, kv_heads: int, params: AttentionParams, *,
     workers = max(1, min(workers, numba.config.NUMBA_NUM_THREADS))
     if invariant:
         query_block, min_key_split = 1, INVARIANT_NO_SPLIT
-    keys_first = page_size is not None and page_size <= w.key_block
+    # keys first where the kernels read a page's heads together (the layout's ``together``)
+    keys_first = (page_size is not None
+                  and page_size <= min(w.key_block, together_page_limit(d)))
     if parallel_min_work is None:
         parallel_min_work = default_parallel_min_work(n_new, d)
     # a call below parallel_min_work is cut for one thread (no key pieces to merge)

@@ -31,7 +31,7 @@ so later storage kinds and attention variants replace one piece, not the loop:
 - sinks: ``join_sink`` adds a query head's sink to a finished (m, l) once every key
   of the query is summed (an item's own keys, or its merged key pieces).
 
-Per block of keys (``key_block``, about 32): the dots of the whole tile (G heads x
+Per block of keys (``key_block``, 256 by default): the dots of the whole tile (G heads x
 queries) against the block with the loop over d vectorized (``_block_dots``: two keys
 x up to four rows of accumulators in registers, written as vector IR in ``_dots_rows``
 where d is a multiple of 16, their sums reduced by one tree of shuffles), then per row
@@ -50,8 +50,9 @@ thread, B=4 L=4,096 and B=1 L=32,768). Each K/V element is read and
 converted once per four tile rows, straight from the cache or pool (no scratch copy, no
 dequantized copy). Grouped codes are decoded in registers too, each vector times its
 block's scale (``_emit_grouped_vectors``), except under tiles too tall for that to pay:
-there each run is decoded once into a float32 block of at most ``key_block`` rows (16
-KiB, in L1) that the same loops then read (``run_dots``; the same bits either way). The per-block pieces (``_block_dots``, ``_score_row``, ``_accumulate``) are
+there each run is decoded once into a float32 block of at most ``key_block`` rows (128
+KiB at d = 128: L2, not L1, yet an 8-query int4_g32 chunk took 0.91x the time of 32-key
+blocks decoded into 16 KiB, 2026-12-07) that the same loops then read (``run_dots``; the same bits either way). The per-block pieces (``_block_dots``, ``_score_row``, ``_accumulate``) are
 inlined into ``_attend`` by numba (``inline="always"``), so the array views of each
 storage run (one per page when paged) are not passed through calls with their reference
 counting on the shared buffers (measured on the loaded 2-core machine against the called
@@ -83,7 +84,9 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
+from numba.np.arrayobj import make_view
 
 FASTMATH = {"contract", "reassoc", "arcp"}
 #: How the kernels take each cache dtype's buffers: the view whose element type
@@ -1032,14 +1035,44 @@ def page_rows(buf, page, h, at):
     raise NotImplementedError
 
 
+@intrinsic
+def _page_stream(typingctx, pool, page, start):
+    """Rows ``start`` on of page ``page`` of a C-contiguous pool [num_pages, Hkv, P, d],
+    the page's heads one after another: the view ``pool[page].reshape((Hkv * P, d))[start:]``
+    ([Hkv * P - start, d], C-contiguous, on the pool's buffer) made without numba's
+    reshape, which calls a C helper that cannot be inlined: 19 ns a view, one per head
+    and storage run of a page-order read, about 4 ns per key-head of a bfloat16 decode
+    at 16-token pages whose kernel does ~34 (measured 2026-12-07, one thread)."""
+    if not (isinstance(pool, types.Array) and pool.ndim == 4 and pool.layout == "C"
+            and isinstance(page, types.Integer) and isinstance(start, types.Integer)):
+        return None
+    view_ty = types.Array(pool.dtype, 2, "C")
+
+    def codegen(context, builder, signature, args):
+        pool_ty, page_ty, start_ty = signature.args
+        ary = context.make_array(pool_ty)(context, builder, args[0])
+        page_ = context.cast(builder, args[1], page_ty, types.intp)
+        start_ = context.cast(builder, args[2], start_ty, types.intp)
+        zero = context.get_constant(types.intp, 0)
+        shape = cgutils.unpack_tuple(builder, ary.shape, 4)
+        strides = cgutils.unpack_tuple(builder, ary.strides, 4)
+        # C order: heads lie P rows apart, so row `start` of the stream is pool[page, 0, start]
+        data = cgutils.get_item_pointer(context, builder, pool_ty, ary,
+                                        [page_, zero, start_, zero], wraparound=False)
+        rows = builder.sub(builder.mul(shape[1], shape[2]), start_)
+        view = make_view(context, builder, pool_ty, ary, view_ty, data,
+                         cgutils.pack_array(builder, [rows, shape[3]]),
+                         cgutils.pack_array(builder, [strides[2], strides[3]]))
+        return impl_ret_borrowed(context, builder, view_ty, view._getvalue())
+
+    return view_ty(pool, page, start), codegen
+
+
 @overload(page_rows, inline="always", jit_options={"cache": True})
 def _page_rows(buf, page, h, at):
     if _is(buf, Paged) and not _one_head(buf) and buf.types[0].ndim == 4:
-        def whole_page(buf, page, h, at):
-            pool = buf.pool
-            P = pool.shape[2]
-            return pool[page].reshape((pool.shape[1] * P, pool.shape[3]))[h * P + at:]
-        return whole_page
+        # (a pool the cache allocated: C-contiguous, as _page_stream needs)
+        return lambda buf, page, h, at: _page_stream(buf.pool, page, h * buf.pool.shape[2] + at)
     if _is(buf, Paged):
         return lambda buf, page, h, at: buf.pool[page, h, at:]
     return None

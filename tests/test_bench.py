@@ -443,7 +443,7 @@ SMOKE = {
     "Append": (("numpy", "ragged chunk 4 rows x <=512"), {}),
     "GenerationLoop": (("numpy", "2x9"), {}),
     "ConcatBaseline": (("2x9",), {}),
-    "PagedDecode": (("numpy", "4x4096", 16), {"CASES": {"4x4096": (2, 40)}}),
+    "PagedDecode": (("numpy", "4x4096", 16, "bfloat16"), {"CASES": {"4x4096": (2, 40)}}),
     "PagedFork": (("numpy",), {"L": 40, "ROWS": 3}),
     "QuantizedDecode": (("numpy", "4x4096", "int8"), {"CASES": {"4x4096": (2, 40)}}),
     "StepHostTime": (("numba",), {"LAYERS": 2, "ROUNDS": 1}),

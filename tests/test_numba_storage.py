@@ -134,7 +134,7 @@ def kernel_calls(monkeypatch):
 def test_paged_matches_reference(page_size, variant, kernel_calls):
     """Ragged rows (one empty), chunked prefill then decode, a fork sharing the prompt's
     pages (then both rows growing apart through copy on write), unused pages NaN. Pages up
-    to 256 tokens are at most the kernels' key block at d = 16 (their KV heads read
+    to 256 tokens are within ``together_page_limit`` at d = 16 (their KV heads read
     together); 512-token pages are larger (the kernels compiled for one head a pass)."""
     rng = np.random.default_rng(page_size)
     dtype = "float32" if page_size != 16 else "bfloat16"
@@ -173,23 +173,51 @@ def test_paged_window_starts_inside_a_page_and_crosses_pages():
             _attend_both_ways(rng, cache, model, [1, 1], 1, G, dict(window=window), "float32")
 
 
+def test_page_order_views_are_the_pages_rows_in_place():
+    """``page_rows`` of a layout read heads together: the page's rows [Hkv * P, d] from
+    head h's row ``at`` on, the very memory of the pool (a write through the view lands
+    in it), built by address arithmetic (``_page_stream``); every page, head and offset of
+    a small pool, 16-bit and float32 rows."""
+    from numba import njit
+
+    @njit
+    def view_and_mark(buf, page, h, at):
+        rows = nk.page_rows(buf, page, h, at)
+        seen = rows.copy()
+        rows[0, 0] = -1
+        return seen
+
+    for dtype in (np.int16, np.float32):
+        pool = np.arange(5 * 3 * 4 * 8).astype(dtype).reshape(5, 3, 4, 8)
+        layout = nk.paged(pool, np.zeros((1, 1), dtype=np.int32), True)
+        for page in range(5):
+            for h in range(3):
+                for at in range(4):
+                    want = pool[page].reshape(12, 8)[h * 4 + at:].copy()
+                    got = view_and_mark(layout, page, h, at)
+                    np.testing.assert_array_equal(got, want)
+                    assert pool[page, h, at, 0] == -1
+                    pool[page, h, at, 0] = want[0, 0]
+
+
 def test_paged_pool_of_huge_pages_and_kernel_layout():
     """kernel_layout: views of the pool (no copy) and the shared table; the shift is
     log2(page_size) for powers of two, else -1 (division); ``together`` is True for pages
-    of at most the default key block (512 keys at d = 8), None for larger ones, on plain,
-    per-token and grouped codes alike."""
+    of at most ``together_page_limit`` tokens (16 KiB of float32 rows, within the 256-key
+    default block: 256 at d = 8, 64 at d = 64), None for larger ones, on plain, per-token
+    and grouped codes alike."""
     for P, shift in ((1, 0), (3, -1), (16, 4), (256, 8), (48, -1), (512, 9), (513, -1)):
         cache = gqakv.PagedKVCache(2, 2, 1100, 8, "bfloat16", backend="numba", page_size=P)
         k, v = kernel_layout(cache.store)
         assert isinstance(k, nk.Paged) and k.shift == shift
         assert k.pool.dtype == np.int16 and np.shares_memory(k.pool, cache.store.k)
         assert np.shares_memory(k.table, cache.store.page_table.entries) and v.table is k.table
-        together = True if P <= 512 else None
+        together = True if P <= 256 else None
         assert k.together is together and v.together is together
-        assert reads_heads_together(cache.store) is (P <= 512)
+        assert reads_heads_together(cache.store) is (P <= 256)
         for kv_dtype, cls in (("int8", nk.PagedQuantized), ("int8_g32", nk.PagedGrouped)):
             cache = gqakv.PagedKVCache(2, 2, 1100, 64, "bfloat16", backend="numba",
-                                       page_size=P, kv_dtype=kv_dtype)  # key block 64
+                                       page_size=P, kv_dtype=kv_dtype)  # limit 64
             k, v = kernel_layout(cache.store)
             assert isinstance(k, cls) and k.shift == shift
             assert k.together is v.together is (True if P <= 64 else None)

@@ -114,6 +114,7 @@ SCENARIOS = {
     "decode-numba-int4_g32": Scenario("numba", dtype="bfloat16", kv_dtype="int4_g32"),
     "decode-numba-float32-paged16": Scenario("numba", page_size=16),
     "decode-numba-float32-paged256": Scenario("numba", page_size=256),
+    "decode-numba-bfloat16-paged16": Scenario("numba", dtype="bfloat16", page_size=16),
     "prefill-numba-float32": Scenario("numba", batch=1, length=576, n_new=64),
     # the same in float16 (K/V blocks widened to float32 for the BLAS path's matmuls) and
     # over int8 codes (blocks dequantized to float32)
