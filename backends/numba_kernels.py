@@ -41,8 +41,9 @@ accumulators in registers for the whole run, vector IR in ``_pv_rows``; else fou
 values into four rows per pass with the loop over d vectorized); both walk
 the block one storage run at a time and prefetch the rows ``PREFETCH_BYTES`` ahead
 (``prefetch_ahead``: contiguous rows, and paged rows within their page, ``page_rows``;
-float32 pages of at most a key block compile without it). Over pages of at most a key
-block, whose KV heads lie heads-major in each page, an item's heads (up to
+float32 pages read heads together compile without it). Over pages small enough
+(``numba_backend.together_page_limit``: 32 tokens at d = 128, within a key block), whose
+KV heads lie heads-major in each page, an item's heads (up to
 ``PAGED_TILE_ROWS`` tile rows) are attended in one pass, each storage run read for every
 head in turn (``heads_per_pass``), so a page is read in address order (paged 16 /
 contiguous float32 decode 1.28-1.31 -> 1.03-1.06 and bfloat16 1.37-1.47 -> 0.94, one
@@ -1156,7 +1157,8 @@ PAGED_TILE_ROWS = 32
 def heads_per_pass(buf, rows, key_block):
     """How many KV heads the kernel reads together, a storage run at a time, given one
     head's tile of ``rows`` rows and ``key_block`` keys per block (overloaded below): for
-    paged layouts of pages of at most ``key_block`` tokens, whose runs are then a head's
+    paged layouts whose heads are read together (``Paged``'s ``together``: pages of at most
+    ``numba_backend.together_page_limit`` tokens) and of at most ``key_block``, whose runs are then a head's
     whole slice of a page ([Hkv, page_size, d], heads-major), as many heads as
     ``PAGED_TILE_ROWS`` rows hold (at least 1), so a page's heads are read one after
     another, in address order, instead of one head's slice of every page before the next
