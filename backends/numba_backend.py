@@ -116,7 +116,7 @@ MIN_KEY_SPLIT = 256
 #: score block is tile rows x KEY_BLOCK float32 (4 KiB for a decode tile of G = 4). 256
 #: against the 32 of 16 KiB float32 rows at d = 128 before 2026-12-07 (2-core AMD EPYC, load
 #: about 1, both alternating in one process, median of 10-40 calls, one and two threads):
-#: decode B=4 L=4,096 0.88-0.94x the time in float32, float16, bfloat16, int8 and int4_g32,
+#: decode B=4 L=4,096 0.82-0.94x the time in float32, float16, bfloat16, int8 and int4_g32,
 #: B=32 L=1,024 0.77-0.82x, B=1 L=32,768 0.88x, 8-query chunks 0.88-0.94x, d = 64 (B=8
 #: L=1,024) 0.93-0.94x; 512 and 1,024 were no better for chunks (the score block of their
 #: 32-row tiles outgrows L1).
