@@ -333,10 +333,10 @@ class NumbaBackend(NumpyBackend):
     def blas_options(self) -> dict:
         """The BLAS path's online softmax fused into one compiled pass per block, its
         paged blocks gathered, its float16/bfloat16 blocks and queries widened, its 8-bit
-        code blocks dequantized and its float16 results narrowed by compiled calls, and bfloat16 items on bf16 products
-        where the CPU has them (``amx_prefill``)."""
-        return {"state_class": FusedSoftmaxState, "gather": gather_pages, "widen": widen_block,
-                "narrow": narrow_block, "dequantize": dequantize_block, "item_kernel": _amx_items}
+        code blocks dequantized and its float16 results narrowed by compiled calls, and
+        bfloat16 items on bf16 products
+        where the CPU has them (``amx_prefill``): ``_blas_hooks``."""
+        return _blas_hooks()
 
     # -- hooks for the tools (gqakv.dispatch.backend.Backend) ----------------------------------------
 
@@ -1068,19 +1068,24 @@ def run_mixed(work: MixedWork, q, store, *, return_lse: bool, out=None, lse_out=
     one float32 out / lse ``[N, Hq, d]`` / ``[N, Hq]`` (zeroing the rest), then the BLAS
     path writes the long rows into the same arrays; ``out`` / ``lse_out`` as in
     ``run_numba``."""
-    from . import numpy_readers
-    from .numpy_attention import attend, entry_trees
+    from .numpy_attention import attention_store
 
     o, lse = _result_buffers(q, q.shape, out, lse_out)
     k_buf, v_buf = store_args(store).layout(store)
     a, b = work.short, work.long
     run_numba(work.short_work, q, k_buf, v_buf, a.rows, a.lens, a.n_new, return_lse=True,
               out=o, lse_out=lse, offsets=a.offsets)
-    attend(q, numpy_readers.reader_of(store, b.rows, gather_pages, widen_block, dequantize_block), b.lens, b.n_new, params=b.params,
-           return_lse=True, planned=work.long_work, offsets=b.offsets, into=(o, lse),
-           trees=entry_trees(b), state_class=FusedSoftmaxState, item_kernel=_amx_items,
-           widen=widen_block, narrow=narrow_block)
+    attention_store(q, store, b, b.params, return_lse=True, planned=work.long_work,
+                    into=(o, lse), **_blas_hooks())
     return _hand_back(q, o, lse, out, lse_out, return_lse)
+
+
+def _blas_hooks() -> dict:
+    """The compiled pieces numba lends the NumPy BLAS path (``attention_store``'s and
+    ``attend``'s keywords), for whole calls (``blas_options``) and a mixed batch's long
+    rows (``run_mixed``) alike."""
+    return {"state_class": FusedSoftmaxState, "gather": gather_pages, "widen": widen_block,
+            "narrow": narrow_block, "dequantize": dequantize_block, "item_kernel": _amx_items}
 
 
 def _result_buffers(q, shape, out, lse_out):

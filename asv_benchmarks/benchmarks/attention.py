@@ -329,6 +329,18 @@ def _onnxruntime_peer_or_skip():
     return backend, bench
 
 
+def _append_attend_reset(backend, cache, q, kv, n_new, rows, base):
+    """A call that appends ``kv`` as K and V (``n_new`` tokens per row), attends with
+    ``q`` and returns the output, then truncates ``rows`` back to ``base`` (O(1)), so
+    every call starts from the same state."""
+    def step():
+        cache.append(kv, kv, n_new)
+        out = attend(backend, q, cache, n_new)
+        cache.truncate(rows, base)
+        return out
+    return step
+
+
 class VsOnnxRuntime:
     """gqakv's decode step (append + attention on the CPU default backend) / ONNX Runtime's
     ``com.microsoft.GroupQueryAttention`` (CPU provider, past and present sharing one
@@ -355,12 +367,7 @@ class VsOnnxRuntime:
                                             np.ascontiguousarray(cache.v), base,
                                             threads=bench.backend_threads(self.backend))
 
-        def step():
-            cache.append(kv, kv, ones)
-            attend(self.backend, q, cache, ones)
-            cache.truncate(rows, base)  # O(1): the same state for the next call
-
-        self.step = step
+        self.step = _append_attend_reset(self.backend, cache, q, kv, ones, rows, base)
 
     def track_ratio_to_onnxruntime(self, case, dtype):
         return ratio(self.step, self.ort, self.backend, repeats=7)
@@ -395,12 +402,7 @@ class PrefillVsOnnxRuntime:
         except ValueError as exc:  # an onnxruntime without this op or dtype
             raise NotImplementedError(str(exc)) from None
 
-        def step():
-            cache.append(kv, kv, n_new)
-            out = attend(self.backend, q, cache, n_new)
-            cache.truncate(rows, base)  # O(1): the same state for the next call
-            return out
-
+        step = _append_attend_reset(self.backend, cache, q, kv, n_new, rows, base)
         self.ort()
         ours = np.asarray(step(), dtype=np.float64)
         tol = 8 * float(np.finfo(dtype).eps) * max(1.0, float(np.abs(ours).max()))
