@@ -332,8 +332,9 @@ class CupyBackend(Backend):
         ``paged_store``, its page table (``_upload_table``'s), kept for the next layers of
         the step on the same device (``device``: the current one, the cache's) and stream:
         the ints while the ``inputs`` object is the same (a step never changes its host
-        arrays), the table while its entries are still the uploaded ones (compared as
-        bytes: a table changes in place). So later layers look nothing up by value."""
+        arrays), the table while it is the same table at the same version
+        (``work.same_table``: a table changes in place). So later layers look nothing up
+        by value."""
         where = (device, self.runtime.stream_ptr())
         memo = self._last_append_ints
         if memo is not None and memo[0] is inputs and memo[1] == where:
@@ -343,11 +344,11 @@ class CupyBackend(Backend):
             arrays = {"rows": rows_d, "starts": starts_d, "n_new": n_new_d}
             self._last_append_ints = (inputs, where, dict(arrays))
         if paged_store is not None:
-            entries = paged_store.page_table.entries
+            page_table = paged_store.page_table
             table = self._last_append_table
-            if not (table is not None and table[0] == where and _work.same_entries(entries, table[1])):
-                table = (where, np.array(entries, dtype=np.int32, order="C"),
-                         self._upload_table(paged_store))
+            if not (table is not None and table[0] == where
+                    and _work.same_table(table[1], page_table)):
+                table = (where, _work.table_stamp(page_table), self._upload_table(paged_store))
                 self._last_append_table = table
             arrays["table"] = table[2]
         return arrays

@@ -59,8 +59,8 @@ class CupyWork:
             [tree_mask, tree_depth], [table], [part_o, part_lse], dummy.
         ints: the ``[4, B]`` int64 array rows / lens / n_new / starts are views of
             (``pack_ints``).
-        table: the ``PageTable`` whose entries were uploaded (paged), and ``entries`` a
-            host copy of them (a run checks they still hold).
+        table: the ``table_stamp`` of the page table whose entries were uploaded (paged):
+            a run checks they still hold.
         fill: out / lse need their 0 / -inf before the launch (padded queries or idle
             rows; always in fixed mode, whose lengths change without a replan).
         fixed: made for capacities (``update`` takes new lengths).
@@ -83,8 +83,7 @@ class CupyWork:
     stream: int = 0  # the stream it was planned on (its uploads were queued there)
     arrays: dict = field(default_factory=dict)
     ints: Any = None  # a device array (the runtime's cp.ndarray)
-    table: Any = None  # gqakv.storage.paged.PageTable
-    entries: np.ndarray | None = None
+    table: tuple | None = None  # table_stamp(the uploaded page table)
     fill: bool = True
     fixed: bool = False
     append: Plan | str | None = None
@@ -104,9 +103,23 @@ def pack_ints(rows, lens, n_new) -> np.ndarray:
 
 
 def table_entries(store) -> np.ndarray:
-    """A host copy of a paged store's page table as the kernels read it: ``[R,
-    pages_per_row]`` int32 (a copy: the table changes in place, the work compares)."""
-    return np.array(store.page_table.entries, dtype=np.int32, order="C")
+    """A paged store's page table as the kernels read it: ``[R, pages_per_row]`` int32,
+    C-ordered (a copy only where the entries are not that already)."""
+    return np.ascontiguousarray(store.page_table.entries, dtype=np.int32)
+
+
+def table_stamp(table) -> tuple:
+    """What says a page table still holds the entries it held when stamped: the table,
+    its ``entries`` array and its ``version`` (``PageTable`` counts every change it makes
+    to its entries; a caller's ``PageTableView`` never changes). Every layer of a step
+    asks, so a stamp is compared by identity (``same_table``), not by the entries' bytes."""
+    return (table, table.entries, table.version)
+
+
+def same_table(stamp: tuple | None, table) -> bool:
+    """Whether ``table`` is the one ``stamp`` (``table_stamp``'s) was made of, unchanged."""
+    return (stamp is not None and stamp[0] is table and stamp[1] is table.entries
+            and stamp[2] == table.version)
 
 
 _TREE_ARRAYS: "weakref.WeakKeyDictionary[Any, tuple[np.ndarray, np.ndarray]]" = weakref.WeakKeyDictionary()
@@ -160,8 +173,8 @@ def upload(cp, work: CupyWork, store, params, put=None) -> None:
     if inputs.tree is not None:
         work.arrays["tree_mask"], work.arrays["tree_depth"] = (put(a) for a in tree_arrays(inputs.tree))
     if work.kwargs.get("pages") is not None:
-        work.table, work.entries = store.page_table, table_entries(store)
-        work.arrays["table"] = put(work.entries)
+        work.table = table_stamp(store.page_table)
+        work.arrays["table"] = put(table_entries(store))
     for name, shape in work.plan.workspace.items():
         work.arrays[name] = cp.empty(shape, dtype=cp.float32)
     work.arrays["dummy"] = cp.empty(1, dtype=cp.float32)
@@ -173,9 +186,8 @@ def update(work: CupyWork, store, inputs) -> None:
     launches name, no allocation on the device."""
     work.ints.set(pack_ints(inputs.rows, inputs.lens, inputs.n_new))
     if work.table is not None:
-        entries = table_entries(store)
-        work.arrays["table"].set(entries)
-        work.table, work.entries = store.page_table, entries
+        work.arrays["table"].set(table_entries(store))
+        work.table = table_stamp(store.page_table)
     work.inputs = inputs
 
 
@@ -204,19 +216,7 @@ def serves_write(work: CupyWork, inputs, store, k_new, device: int) -> bool:
 def holds_table(work: CupyWork, store) -> bool:
     """Whether ``store`` reads through the table ``work`` uploaded, its entries still what
     was uploaded (a reorder keeps lengths but moves pages); True for contiguous work."""
-    if work.table is None:
-        return True
-    return (store.page_table is work.table and work.entries is not None
-            and same_entries(store.page_table.entries, work.entries))
-
-
-def same_entries(entries, uploaded: np.ndarray) -> bool:
-    """Whether a page table's ``entries`` are, as the kernels read them (``table_entries``),
-    the int32 array ``uploaded``: compared as bytes (every layer of a step asks; 0.2 us for
-    a 4 KiB table, where ``np.array_equal`` takes 3)."""
-    entries = np.asarray(entries)
-    return (entries.shape == uploaded.shape
-            and np.ascontiguousarray(entries, dtype=np.int32).tobytes() == uploaded.tobytes())
+    return work.table is None or same_table(work.table, store.page_table)
 
 
 def serves(work: CupyWork, inputs, store, device: int, stream: int) -> bool:

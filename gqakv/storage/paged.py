@@ -59,6 +59,7 @@ their own. ``blocks`` then returns dequantized float32 copies (never views).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -130,10 +131,28 @@ class Reservation:
     window_released: int = 0
 
 
+def _changes_entries(method):
+    """Marks a ``PageTable`` method that may write ``entries``: ``version`` counts each
+    call, even one that raises part way (what a device copy of the table is kept by)."""
+    @functools.wraps(method)
+    def counted(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.version += 1
+    return counted
+
+
 class PageTable:
     """Page tables, reference counts and the free list of one pool (see the module
     docstring). Host NumPy only; every mutation is called under the cache's writer lock,
-    after the caller validated its arguments."""
+    after the caller validated its arguments.
+
+    ``entries`` changes only through the methods marked ``_changes_entries``, each of which
+    counts ``version`` up: a backend that keeps a device copy of the table (CuPy) knows it
+    still holds when ``entries`` is the same array at the same version, without comparing
+    its bytes on every layer. Code outside the table reads ``entries`` and never writes it
+    (the test suite's page audit checks that every change came with a new version)."""
 
     def __init__(self, batch: int, max_len: int, page_size: int, num_pages: int, *,
                  prefix_cache: bool = False, window: int | None = None,
@@ -152,6 +171,8 @@ class PageTable:
         self.index = PrefixIndex(self.page_size, self.num_pages) if prefix_cache else None
         self.pages_per_row = pages_for(max_len, page_size)
         self.entries = np.full((batch, self.pages_per_row), -1, dtype=np.int32)
+        #: counts the calls that may have changed ``entries`` (see the class docstring)
+        self.version = 0
         self.held = np.zeros(batch, dtype=np.int64)
         #: ``[B]`` int64: how many of row b's first pages the window released (their entries
         #: are -1; 0 without a window). Row b names ``entries[b, released[b]:held[b]]``.
@@ -267,6 +288,7 @@ class PageTable:
                 plan.append((r, k))
         return plan
 
+    @_changes_entries
     def _window_release(self, plan) -> int:
         """Release ``plan``'s pages (entries set to -1); returns how many pages were released."""
         done = 0
@@ -341,6 +363,7 @@ class PageTable:
         res.window_released = released
         return res
 
+    @_changes_entries
     def _window_unrelease(self, undo) -> None:
         """Take back ``_window_release``'s releases (``(row, released before, pages)``, in
         the order made): a refused ``reserve`` changes nothing."""
@@ -356,6 +379,7 @@ class PageTable:
             self.released[r] = a
             self.window_released -= int(pages.size)
 
+    @_changes_entries
     def _reserve(self, rows, starts, n_new) -> "Reservation":
         P = self.page_size
         # A shared last page is kept (written in place) by one of this call's rows only when
@@ -438,6 +462,7 @@ class PageTable:
             self._copy(res, r, j, tokens)
         return res
 
+    @_changes_entries
     def point(self, res: "Reservation") -> None:
         """Make the table name ``res``'s copies (filled by now) instead of the shared pages
         they copy; each shared page loses one reference (other rows still name it)."""
@@ -446,6 +471,7 @@ class PageTable:
             self._release([old])
         res.pointed = True
 
+    @_changes_entries
     def undo(self, res: "Reservation") -> None:
         """Give back everything ``res`` took: the table, held counts, reference counts and
         free list return exactly to what they were before ``reserve`` (nothing else may have
@@ -473,6 +499,7 @@ class PageTable:
 
     # -- the prefix cache ----------------------------------------------------------------------
 
+    @_changes_entries
     def attach(self, row: int, pages) -> None:
         """Empty row ``row`` names ``pages`` (int ``[k]``, cached pages matched for it) as its
         first ``k`` pages: a reference each, no copy."""
@@ -486,6 +513,7 @@ class PageTable:
 
     # -- row operations ----------------------------------------------------------------------
 
+    @_changes_entries
     def trim(self, rows, new_lens) -> None:
         """Row ``rows[i]`` keeps the pages of ``new_lens[i]`` tokens and releases the rest."""
         for r, n in zip(rows, new_lens):
@@ -501,6 +529,7 @@ class PageTable:
                 self.entries[r, keep:h] = -1
                 self.held[r] = keep
 
+    @_changes_entries
     def reorder(self, src) -> None:
         """Row b takes row ``src[b]``'s pages (``[B]``, duplicates allowed)."""
         src = np.asarray(src, dtype=np.int64)
@@ -513,6 +542,7 @@ class PageTable:
         self.held[...] = held
         self.released[...] = released
 
+    @_changes_entries
     def fork(self, src: int, dst) -> None:
         """Each row of ``dst`` (distinct, without ``src``) takes ``src``'s pages."""
         pages = self.row_pages(src).copy()  # the pages it names (the window's are gone)
@@ -601,6 +631,7 @@ class PageTableView:
                         "gqakv reads it and never takes, shares or releases its pages")
 
     reserve = point = undo = reorder = fork = trim = attach = _refuse
+    version = 0  # its entries never change (PageTable.version)
     index = None  # a caller's pools keep their own gqakv.storage.prefix_index.PrefixIndex
     window = None  # a caller's table releases nothing on its own
     max_chunk = None

@@ -5,6 +5,7 @@ run the randomized paged-sequence tests."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -20,12 +21,25 @@ def float64_sequence_backend_or_skip(backend, emulator_test: str) -> None:
         pytest.skip(f"the emulator's time: {emulator_test} runs the CUDA kernels on a shorter sequence")
 
 
+#: table -> (its entries' bytes, its version) at the last ``audit``
+_AUDITED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def audit(cache) -> None:
     """``PageTable.audit`` finds nothing (each page's reference count equals the table
     entries naming it, the free list holds exactly the unnamed pages, no page twice, each
-    row holds ceil(L / page_size) pages), and the used / free counts add up."""
-    problems = cache.store.page_table.audit(cache.host_lens)
+    row holds ceil(L / page_size) pages), the used / free counts add up, and the entries
+    changed since the last audit of the table only with a new ``version`` (the CuPy
+    backend keeps its device copy of the table by version, not by bytes)."""
+    table = cache.store.page_table
+    problems = table.audit(cache.host_lens)
     assert problems == []
+    now = (table.entries.tobytes(), table.version)
+    last = _AUDITED.get(table)
+    if last is not None and last[0] != now[0]:
+        assert now[1] != last[1], (f"the page table's entries changed at version {now[1]} "
+                                   "(a write that does not count PageTable.version)")
+    _AUDITED[table] = now
     reachable = {int(p) for b in range(cache.batch) for p in cache.store.page_table.row_pages(b)}
     assert cache.pages_used == len(reachable)
     assert cache.pages_used + cache.pages_free == cache.num_pages
