@@ -256,11 +256,12 @@ class CupyBackend(Backend):
         tokens per entry) the launch is its capacity plan (grid by T) over its device ints
         and page table: nothing uploaded, nothing allocated for aligned K/V. Otherwise (or
         without it) the append is planned and uploaded for its own n_new."""
-        with self._device_of(store.k):
+        device = self._device_id(store.k)
+        with self._on_device(device):
             if not (isinstance(work, CupyWork)
-                    and _work.serves_write(work, inputs, store, k_new, self.device_of(store.k))):
+                    and _work.serves_write(work, inputs, store, k_new, device)):
                 work = None
-            self._write_kv(store, k_new, v_new, inputs, work)
+            self._write_kv(store, k_new, v_new, inputs, work, device)
 
     def _write_plan(self, store, n_new, t_new: int, new_strides):
         """The append's launch plan for host ``n_new`` [B] into k_new of ``t_new`` tokens
@@ -273,7 +274,8 @@ class CupyBackend(Backend):
         return self._plans.get(("write_kv", *_hashable(args), *options.values()),
                                lambda: _plan_or_refusal(_plan.plan_write_kv, *args, **options))
 
-    def _write_kv(self, store, k_new, v_new, inputs, work=None) -> None:
+    def _write_kv(self, store, k_new, v_new, inputs, work=None, device=None) -> None:
+        """``write_kv`` on ``store``'s device (``device``: its id, current; None: looked up)."""
         k_buf, v_buf = store.k, store.v
         facts = _write_facts(store, PACKED if k_new.ndim == 3 else PADDED)
         dtype, kv_dtype, d = facts.dtype, facts.kv_dtype, facts.head_dim
@@ -320,7 +322,7 @@ class CupyBackend(Backend):
             if "table" in work.arrays:
                 arrays["table"] = work.arrays["table"]
         else:
-            arrays = self._append_arrays(inputs, self.device_of(k_buf),
+            arrays = self._append_arrays(inputs, self.device_of(k_buf) if device is None else device,
                                          store if facts.paged else None)
         arrays.update(k_new=k_new, v_new=v_new, k_buf=k_buf, v_buf=v_buf)
         if kv_dtype:
@@ -467,8 +469,9 @@ class CupyBackend(Backend):
         caller's buffers, written by the kernels when they can take them (out aligned for
         their vector stores and not overlapping q, lse_out C-contiguous), else filled
         from the kernels' own (a device copy). A work for other inputs is not used."""
-        with self._device_of(store.k):
-            if isinstance(work, CupyWork) and self._work_serves(work, store, inputs):
+        device = self._device_id(store.k)
+        with self._on_device(device):
+            if isinstance(work, CupyWork) and self._work_serves(work, store, inputs, device):
                 return self._run_work(work, q, store, return_lse, out, lse_out)
             if out is None and lse_out is None:
                 return self._attention(q, store, inputs, params, return_lse=return_lse)
@@ -617,14 +620,14 @@ class CupyBackend(Backend):
             work.append = self._fixed_append(store, q_shape)
         return work
 
-    def _work_serves(self, work, store, inputs) -> bool:
-        """Whether ``work`` runs this call: its inputs, device and page table
-        (``work.serves``), a store of its kind, and this layer's K/V readable by the
-        kernels (else the call is routed as an unplanned one, which says why)."""
+    def _work_serves(self, work, store, inputs, device) -> bool:
+        """Whether ``work`` runs this call: its inputs, device (``device``: the store's,
+        current) and page table (``work.serves``), a store of its kind, and this layer's K/V
+        readable by the kernels (else the call is routed as an unplanned one, which says
+        why)."""
         if (work.kwargs["pages"] is None) != (store.kind != PAGED):
             return False
-        if not _work.serves(work, inputs, store, self.device_of(store.k),
-                            self.runtime.stream_ptr()):
+        if not _work.serves(work, inputs, store, device, self.runtime.stream_ptr()):
             return False
         return self._buffers_rejection(store, work.kv_dtype or work.dtype, work.head_dim) is None
 
@@ -733,9 +736,15 @@ class CupyBackend(Backend):
     def _device_of(self, buf):
         """Context making ``buf``'s device current (a no-op for arrays that are not CuPy's:
         the generic fallbacks take those as they are)."""
-        if not self.owns(buf):
-            return contextlib.nullcontext()
-        return self.runtime.device(self.device_of(buf))
+        return self._on_device(self._device_id(buf))
+
+    def _device_id(self, buf) -> int | None:
+        """``buf``'s device id, or None for an array that is not CuPy's."""
+        return self.device_of(buf) if self.owns(buf) else None
+
+    def _on_device(self, device: int | None):
+        """Context making device ``device`` current (``_device_id``'s; None: a no-op)."""
+        return contextlib.nullcontext() if device is None else self.runtime.device(device)
 
     def _facts(self) -> tuple[int, int]:
         """(multiprocessors, compute capability as CuPy spells it, e.g. 90) of the current

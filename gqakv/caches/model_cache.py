@@ -327,6 +327,7 @@ class Step:
         pending[rows] = self.lens
         self._pending = Lengths.of(pending)
         self._written = np.zeros(cache.layers, dtype=bool)
+        self._views: dict[int, KVCache] = {}  # layer -> its view (_view)
         # planned once, used by every layer: attention plans by query shape and variant,
         # and the validated append by the new K/V's library, shape and dtype
         self._plans: dict = {}
@@ -359,9 +360,15 @@ class Step:
         return self._view(l)
 
     def _view(self, l: int) -> KVCache:
-        c = self.cache
-        return KVCache._view_of(c._layer_stores[l], self._pending, backend=c.backend,
-                               frozen="it is a step's view of one layer")
+        """Layer ``l`` as a cache at the step's pending lengths (made once per step: the
+        view shares ``_pending``, which the step never replaces)."""
+        view = self._views.get(l)
+        if view is None:
+            c = self.cache
+            view = self._views[l] = KVCache._view_of(c._layer_stores[l], self._pending,
+                                                     backend=c.backend,
+                                                     frozen="it is a step's view of one layer")
+        return view
 
     def write(self, layer: int, k_new, v_new) -> None:
         """Write layer ``layer``'s new K and V (``[B', Hkv, T, d]``, ``n_new[i] <= T``, or
