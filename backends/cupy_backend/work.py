@@ -191,7 +191,7 @@ def update(work: CupyWork, store, inputs) -> None:
     work.inputs = inputs
 
 
-def serves_write(work: CupyWork, inputs, store, k_new, device: int) -> bool:
+def serves_write(work: CupyWork, inputs, store, k_new, device: int | None) -> bool:
     """Whether a fixed ``work`` may run an append (``AppendInputs`` ``inputs``): it has an
     append plan, k_new is padded ``[B, Hkv, T, d]`` at the planned B and T, the rows,
     starts and n_new are the ones its device ints hold (the step it was updated for), on
@@ -219,7 +219,7 @@ def holds_table(work: CupyWork, store) -> bool:
     return work.table is None or same_table(work.table, store.page_table)
 
 
-def serves(work: CupyWork, inputs, store, device: int, stream: int) -> bool:
+def serves(work: CupyWork, inputs, store, device: int | None, stream: int) -> bool:
     """Whether ``work`` may run this call: planned for these very ``inputs``, on the
     store's device and this stream (see ``CupyWork``), and (paged) through the same page
     table, whose entries still hold what was uploaded (a reorder keeps lengths but moves
