@@ -85,7 +85,6 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 from numba.np.arrayobj import make_view
 
@@ -1038,17 +1037,27 @@ def page_rows(buf, page, h, at):
 
 @intrinsic
 def _page_stream(typingctx, pool, page, start):
-    """Rows ``start`` on of page ``page`` of a C-contiguous pool [num_pages, Hkv, P, d],
-    the page's heads one after another: the view ``pool[page].reshape((Hkv * P, d))[start:]``
-    ([Hkv * P - start, d], C-contiguous, on the pool's buffer) made without numba's
-    reshape, which calls a C helper that cannot be inlined: 19 ns a view, one per head
-    and storage run of a page-order read (K and V: two per 16 key-heads at 16-token
-    pages, about 2.4 ns per key-head of a bfloat16 decode whose kernel does about 34;
-    measured 2026-12-07, one thread)."""
-    if not (isinstance(pool, types.Array) and pool.ndim == 4 and pool.layout == "C"
+    """Rows ``start`` on of page ``page`` of a C-contiguous pool [num_pages, Hkv, P, d]
+    (or of scales [num_pages, Hkv, P]), the page's heads one after another: the view
+    ``pool[page].reshape((Hkv * P, d))[start:]`` ([Hkv * P - start, d], or [Hkv * P -
+    start], C-contiguous, on the pool's buffer), made by address arithmetic and unowned.
+
+    - Address arithmetic: numba's reshape calls a C helper that cannot be inlined (19 ns
+      a view, one per head and storage run of a page-order read: K and V, two per 16
+      key-heads at 16-token pages, about 2.4 ns per key-head of a bfloat16 decode whose
+      kernel does about 34; measured 2026-12-07, one thread).
+    - Unowned (no meminfo, so no reference count): a view that names the pool's meminfo
+      adds and drops a reference on it, an atomic add on a counter that both threads'
+      views of the pool share. At 16-token pages that was 10-13% of a bfloat16 paged
+      decode (paged 16 / contiguous 1.30 -> 1.14 with two threads, 1.31 -> 1.22 with one;
+      B=4 L=4,096, 2026-12-07). The view is valid while the pool is, which the kernel's
+      caller holds for the whole call; it must never leave the kernel (returned or kept,
+      it would not keep the pool alive)."""
+    if not (isinstance(pool, types.Array) and pool.ndim in (3, 4) and pool.layout == "C"
             and isinstance(page, types.Integer) and isinstance(start, types.Integer)):
         return None
-    view_ty = types.Array(pool.dtype, 2, "C")
+    rows_of_values = pool.ndim == 4
+    view_ty = types.Array(pool.dtype, 2 if rows_of_values else 1, "C")
 
     def codegen(context, builder, signature, args):
         pool_ty, page_ty, start_ty = signature.args
@@ -1056,24 +1065,26 @@ def _page_stream(typingctx, pool, page, start):
         page_ = context.cast(builder, args[1], page_ty, types.intp)
         start_ = context.cast(builder, args[2], start_ty, types.intp)
         zero = context.get_constant(types.intp, 0)
-        shape = cgutils.unpack_tuple(builder, ary.shape, 4)
-        strides = cgutils.unpack_tuple(builder, ary.strides, 4)
+        shape = cgutils.unpack_tuple(builder, ary.shape, pool_ty.ndim)
+        strides = cgutils.unpack_tuple(builder, ary.strides, pool_ty.ndim)
         # C order: heads lie P rows apart, so row `start` of the stream is pool[page, 0, start]
-        data = cgutils.get_item_pointer(context, builder, pool_ty, ary,
-                                        [page_, zero, start_, zero], wraparound=False)
+        at = [page_, zero, start_] + ([zero] if rows_of_values else [])
+        data = cgutils.get_item_pointer(context, builder, pool_ty, ary, at, wraparound=False)
         rows = builder.sub(builder.mul(shape[1], shape[2]), start_)
+        view_shape = [rows, shape[3]] if rows_of_values else [rows]
         view = make_view(context, builder, pool_ty, ary, view_ty, data,
-                         cgutils.pack_array(builder, [rows, shape[3]]),
-                         cgutils.pack_array(builder, [strides[2], strides[3]]))
-        return impl_ret_borrowed(context, builder, view_ty, view._getvalue())
+                         cgutils.pack_array(builder, view_shape),
+                         cgutils.pack_array(builder, list(strides[2:])))
+        view.meminfo = cgutils.get_null_value(view.meminfo.type)  # unowned (see above)
+        return view._getvalue()
 
     return view_ty(pool, page, start), codegen
 
 
 @overload(page_rows, inline="always", jit_options={"cache": True})
 def _page_rows(buf, page, h, at):
-    if _is(buf, Paged) and not _one_head(buf) and buf.types[0].ndim == 4:
-        # (a pool the cache allocated: C-contiguous, as _page_stream needs)
+    if _is(buf, Paged) and not _one_head(buf) and buf.types[0].ndim in (3, 4):
+        # (a pool or scales the cache allocated: C-contiguous, as _page_stream needs)
         return lambda buf, page, h, at: _page_stream(buf.pool, page, h * buf.pool.shape[2] + at)
     if _is(buf, Paged):
         return lambda buf, page, h, at: buf.pool[page, h, at:]

@@ -174,30 +174,31 @@ def test_paged_window_starts_inside_a_page_and_crosses_pages():
 
 
 def test_page_order_views_are_the_pages_rows_in_place():
-    """``page_rows`` of a layout read heads together: the page's rows [Hkv * P, d] from
-    head h's row ``at`` on, the very memory of the pool (a write through the view lands
-    in it), built by address arithmetic (``_page_stream``); every page, head and offset of
-    a small pool, 16-bit and float32 rows."""
+    """``page_rows`` of a layout read heads together: the page's rows [Hkv * P, d] (or
+    scales [Hkv * P]) from head h's row ``at`` on, the very memory of the pool (a write
+    through the view lands in it), built by address arithmetic (``_page_stream``); every
+    page, head and offset of a small pool, 16-bit and float32 rows and float32 scales."""
     from numba import njit
 
     @njit
     def view_and_mark(buf, page, h, at):
         rows = nk.page_rows(buf, page, h, at)
         seen = rows.copy()
-        rows[0, 0] = -1
+        rows[0, ...] = -1
         return seen
 
-    for dtype in (np.int16, np.float32):
-        pool = np.arange(5 * 3 * 4 * 8).astype(dtype).reshape(5, 3, 4, 8)
+    for dtype, row_shape in ((np.int16, (8,)), (np.float32, (8,)), (np.float32, ())):
+        pool = np.arange(5 * 3 * 4 * 8).astype(dtype)[:5 * 3 * 4 * int(np.prod(row_shape))]
+        pool = pool.reshape(5, 3, 4, *row_shape)
         layout = nk.paged(pool, np.zeros((1, 1), dtype=np.int32), True)
         for page in range(5):
             for h in range(3):
                 for at in range(4):
-                    want = pool[page].reshape(12, 8)[h * 4 + at:].copy()
+                    want = pool[page].reshape(12, *row_shape)[h * 4 + at:].copy()
                     got = view_and_mark(layout, page, h, at)
                     np.testing.assert_array_equal(got, want)
-                    assert pool[page, h, at, 0] == -1
-                    pool[page, h, at, 0] = want[0, 0]
+                    assert np.all(pool[page, h, at] == -1)
+                    pool[page, h, at] = want[0]
 
 
 def test_paged_pool_of_huge_pages_and_kernel_layout():
