@@ -1036,56 +1036,69 @@ def page_rows(buf, page, h, at):
 
 
 @intrinsic
-def _page_stream(typingctx, pool, page, start):
-    """Rows ``start`` on of page ``page`` of a C-contiguous pool [num_pages, Hkv, P, d]
-    (or of scales [num_pages, Hkv, P]), the page's heads one after another: the view
-    ``pool[page].reshape((Hkv * P, d))[start:]`` ([Hkv * P - start, d], or [Hkv * P -
-    start], C-contiguous, on the pool's buffer), made by address arithmetic and unowned.
+def _rows_from(typingctx, arr, a, b, j, count):
+    """``count`` rows of a C-contiguous array [A, B, n, d] (or [A, B, n]) from row
+    ``arr[a, b, j]`` on, in address order: the view ``arr[a, b, j:j + count]`` where the
+    rows stay in ``arr[a, b]``, and where they run on into ``arr[a, b + 1]``, ... (a page's
+    heads one after another: ``arr[a].reshape(-1, d)[b * n + j:][:count]``); the caller
+    keeps them inside the array. [count, d] (or [count]), C-contiguous, on arr's buffer,
+    made by address arithmetic and unowned:
 
-    - Address arithmetic: numba's reshape calls a C helper that cannot be inlined (19 ns
+    - address arithmetic: numba's reshape calls a C helper that cannot be inlined (19 ns
       a view, one per head and storage run of a page-order read: K and V, two per 16
       key-heads at 16-token pages, about 2.4 ns per key-head of a bfloat16 decode whose
-      kernel does about 34; measured 2026-12-07, one thread).
-    - Unowned (no meminfo, so no reference count): a view that names the pool's meminfo
+      kernel does about 34; measured 2026-12-07, one thread);
+    - unowned (no meminfo, so no reference count): a view that names the array's meminfo
       adds and drops a reference on it, an atomic add on a counter that both threads'
-      views of the pool share. At 16-token pages that was 10-13% of a bfloat16 paged
-      decode (paged 16 / contiguous 1.30 -> 1.14 with two threads, 1.31 -> 1.22 with one;
-      B=4 L=4,096, 2026-12-07). The view is valid while the pool is, which the kernel's
-      caller holds for the whole call; it must never leave the kernel (returned or kept,
-      it would not keep the pool alive)."""
-    if not (isinstance(pool, types.Array) and pool.ndim in (3, 4) and pool.layout == "C"
-            and isinstance(page, types.Integer) and isinstance(start, types.Integer)):
+      views share. At 16-token pages that was 10-13% of a bfloat16 paged decode (paged
+      16 / contiguous 1.30 -> 1.14 with two threads, 1.31 -> 1.22 with one; B=4 L=4,096,
+      2026-12-07). The view is valid while ``arr`` is, which the kernel's caller holds for
+      the whole call; it must never leave the kernel (returned or kept, it would not keep
+      the array alive)."""
+    if not (isinstance(arr, types.Array) and arr.ndim in (3, 4) and arr.layout == "C"
+            and all(isinstance(x, types.Integer) for x in (a, b, j, count))):
         return None
-    rows_of_values = pool.ndim == 4
-    view_ty = types.Array(pool.dtype, 2 if rows_of_values else 1, "C")
+    rows_of_values = arr.ndim == 4
+    view_ty = types.Array(arr.dtype, 2 if rows_of_values else 1, "C")
 
     def codegen(context, builder, signature, args):
-        pool_ty, page_ty, start_ty = signature.args
-        ary = context.make_array(pool_ty)(context, builder, args[0])
-        page_ = context.cast(builder, args[1], page_ty, types.intp)
-        start_ = context.cast(builder, args[2], start_ty, types.intp)
+        arr_ty = signature.args[0]
+        ary = context.make_array(arr_ty)(context, builder, args[0])
+        a_, b_, j_, count_ = (context.cast(builder, v, t, types.intp)
+                              for v, t in zip(args[1:], signature.args[1:]))
         zero = context.get_constant(types.intp, 0)
-        shape = cgutils.unpack_tuple(builder, ary.shape, pool_ty.ndim)
-        strides = cgutils.unpack_tuple(builder, ary.strides, pool_ty.ndim)
-        # C order: heads lie P rows apart, so row `start` of the stream is pool[page, 0, start]
-        at = [page_, zero, start_] + ([zero] if rows_of_values else [])
-        data = cgutils.get_item_pointer(context, builder, pool_ty, ary, at, wraparound=False)
-        rows = builder.sub(builder.mul(shape[1], shape[2]), start_)
-        view_shape = [rows, shape[3]] if rows_of_values else [rows]
-        view = make_view(context, builder, pool_ty, ary, view_ty, data,
+        shape = cgutils.unpack_tuple(builder, ary.shape, arr_ty.ndim)
+        strides = cgutils.unpack_tuple(builder, ary.strides, arr_ty.ndim)
+        at = [a_, b_, j_] + ([zero] if rows_of_values else [])
+        data = cgutils.get_item_pointer(context, builder, arr_ty, ary, at, wraparound=False)
+        view_shape = [count_, shape[3]] if rows_of_values else [count_]
+        view = make_view(context, builder, arr_ty, ary, view_ty, data,
                          cgutils.pack_array(builder, view_shape),
                          cgutils.pack_array(builder, list(strides[2:])))
         view.meminfo = cgutils.get_null_value(view.meminfo.type)  # unowned (see above)
         return view._getvalue()
 
-    return view_ty(pool, page, start), codegen
+    return view_ty(arr, a, b, j, count), codegen
+
+
+def _c_rows(arr) -> bool:
+    """Whether ``_rows_from`` takes an array of this type (3-D or 4-D, C-contiguous: the
+    caches' buffers, pools and scales)."""
+    return isinstance(arr, types.Array) and arr.ndim in (3, 4) and arr.layout == "C"
 
 
 @overload(page_rows, inline="always", jit_options={"cache": True})
 def _page_rows(buf, page, h, at):
-    if _is(buf, Paged) and not _one_head(buf) and buf.types[0].ndim in (3, 4):
-        # (a pool or scales the cache allocated: C-contiguous, as _page_stream needs)
-        return lambda buf, page, h, at: _page_stream(buf.pool, page, h * buf.pool.shape[2] + at)
+    if _is(buf, Paged) and _c_rows(buf.types[0]):
+        if _one_head(buf):
+            return lambda buf, page, h, at: _rows_from(buf.pool, page, h, at,
+                                                       buf.pool.shape[2] - at)
+        # the page's rows from head h's row `at` on, its later heads' too
+        def stream(buf, page, h, at):
+            start = h * buf.pool.shape[2] + at
+            return _rows_from(buf.pool, page, 0, start,
+                              buf.pool.shape[1] * buf.pool.shape[2] - start)
+        return stream
     if _is(buf, Paged):
         return lambda buf, page, h, at: buf.pool[page, h, at:]
     return None

@@ -173,32 +173,51 @@ def test_paged_window_starts_inside_a_page_and_crosses_pages():
             _attend_both_ways(rng, cache, model, [1, 1], 1, G, dict(window=window), "float32")
 
 
-def test_page_order_views_are_the_pages_rows_in_place():
-    """``page_rows`` of a layout read heads together: the page's rows [Hkv * P, d] (or
-    scales [Hkv * P]) from head h's row ``at`` on, the very memory of the pool (a write
-    through the view lands in it), built by address arithmetic (``_page_stream``); every
-    page, head and offset of a small pool, 16-bit and float32 rows and float32 scales."""
+def test_kernel_views_are_the_rows_in_place():
+    """The views the kernels read runs through (``_rows_from``: address arithmetic, no
+    reference count) are the very memory of the buffers (a write through one lands in
+    it), for 16-bit and float32 rows and float32 scales, at every page or row, head and
+    offset of a small buffer: ``page_rows`` of pages read heads together (the page's rows
+    [Hkv * P, d] from head h's row ``at`` on), of pages read one head at a time (head
+    h's rows from ``at``), and ``key_run`` of contiguous rows (row r, head h from key j)."""
     from numba import njit
 
     @njit
-    def view_and_mark(buf, page, h, at):
+    def page_view_and_mark(buf, page, h, at):
         rows = nk.page_rows(buf, page, h, at)
         seen = rows.copy()
         rows[0, ...] = -1
         return seen
 
+    @njit
+    def run_view_and_mark(buf, r, h, j):
+        rows, _, m = nk.key_run(buf, r, h, j, 2)
+        seen = rows.copy()
+        rows[0, ...] = -1
+        return seen, m
+
     for dtype, row_shape in ((np.int16, (8,)), (np.float32, (8,)), (np.float32, ())):
         pool = np.arange(5 * 3 * 4 * 8).astype(dtype)[:5 * 3 * 4 * int(np.prod(row_shape))]
         pool = pool.reshape(5, 3, 4, *row_shape)
-        layout = nk.paged(pool, np.zeros((1, 1), dtype=np.int32), True)
-        for page in range(5):
+        for together in (True, False):
+            layout = nk.paged(pool, np.zeros((1, 1), dtype=np.int32), together)
+            for page in range(5):
+                for h in range(3):
+                    for at in range(4):
+                        want = (pool[page].reshape(12, *row_shape)[h * 4 + at:] if together
+                                else pool[page, h, at:]).copy()
+                        got = page_view_and_mark(layout, page, h, at)
+                        np.testing.assert_array_equal(got, want)
+                        assert np.all(pool[page, h, at] == -1)
+                        pool[page, h, at] = want[0]
+        for r in range(5):  # the same array as contiguous rows [B, Hkv, max_len, ...]
             for h in range(3):
-                for at in range(4):
-                    want = pool[page].reshape(12, *row_shape)[h * 4 + at:].copy()
-                    got = view_and_mark(layout, page, h, at)
+                for j in range(4):
+                    want = pool[r, h, j:].copy()
+                    got, m = run_view_and_mark(pool, r, h, j)
                     np.testing.assert_array_equal(got, want)
-                    assert np.all(pool[page, h, at] == -1)
-                    pool[page, h, at] = want[0]
+                    assert m == 2 and np.all(pool[r, h, j] == -1)
+                    pool[r, h, j] = want[0]
 
 
 def test_paged_pool_of_huge_pages_and_kernel_layout():
