@@ -1003,19 +1003,19 @@ def _key_run(buf, r, h, j, n):
     if _is(buf, Paged):
         def paged_run(buf, r, h, j, n):
             P = buf.pool.shape[2]
-            if buf.shift >= 0:  # page_size 2**shift: no division
-                page, at = j >> buf.shift, j & (P - 1)
-            else:
-                page = j // P
-                at = j - page * P
-            m = min(n, P - at)
-            return page_rows(buf, buf.table[r, page], h, at), None, m
+            page, at = _page_and_slot(buf.shift, P, j)
+            rows = pool_rows(buf.pool, buf.together, buf.table[r, page], h, at)
+            return rows, None, min(n, P - at)
         return paged_run
     if _is(buf, PagedQuantized) or _is(buf, PagedGrouped):
+        # (the codes' and the scales' views straight from their pools: a Paged tuple made
+        # of each here would count a reference on the pool and the table per run)
         def paged_quantized_run(buf, r, h, j, n):
-            rows, _, m = key_run(Paged(buf.codes, buf.table, buf.shift, buf.together), r, h, j, n)
-            scales, _, _ = key_run(Paged(buf.scales, buf.table, buf.shift, buf.together), r, h, j, m)
-            return rows, scales, m
+            P = buf.codes.shape[2]
+            page, at = _page_and_slot(buf.shift, P, j)
+            p = buf.table[r, page]
+            return (pool_rows(buf.codes, buf.together, p, h, at),
+                    pool_rows(buf.scales, buf.together, p, h, at), min(n, P - at))
         return paged_quantized_run
     if _is(buf, Quantized) or _is(buf, Grouped):
         def quantized_run(buf, r, h, j, n):
@@ -1026,12 +1026,28 @@ def _key_run(buf, r, h, j, n):
     return None
 
 
+@njit(cache=True, inline="always")
+def _page_and_slot(shift, P, j):
+    """(j // P, j % P): the page index of token j in its row's table and its slot there
+    (``shift`` >= 0: P is 2**shift, no division)."""
+    if shift >= 0:
+        return j >> shift, j & (P - 1)
+    page = j // P
+    return page, j - page * P
+
+
 def page_rows(buf, page, h, at):
     """The rows of a ``Paged`` pool's ``page`` from head h's row ``at`` on, in storage
+    order, as far as the kernels may prefetch: ``pool_rows(buf.pool, buf.together, ...)``."""
+    raise NotImplementedError
+
+
+def pool_rows(pool, together, page, h, at):
+    """The rows (or scales) of ``pool``'s ``page`` from head h's row ``at`` on, in storage
     order, as far as the kernels may prefetch (overloaded below): to the end of head h's
-    slice where heads are read one per pass; over the page's later heads too where they
-    are read together (``together`` True: the next head's slice is read next, so a
-    page [Hkv, P, d] is one stream [Hkv * P, d] in address order)."""
+    slice where heads are read one per pass (``together`` None); over the page's later
+    heads too where they are read together (``together`` True: the next head's slice is
+    read next, so a page [Hkv, P, d] is one stream [Hkv * P, d] in address order)."""
     raise NotImplementedError
 
 
@@ -1089,18 +1105,25 @@ def _c_rows(arr) -> bool:
 
 @overload(page_rows, inline="always", jit_options={"cache": True})
 def _page_rows(buf, page, h, at):
-    if _is(buf, Paged) and _c_rows(buf.types[0]):
-        if _one_head(buf):
-            return lambda buf, page, h, at: _rows_from(buf.pool, page, h, at,
-                                                       buf.pool.shape[2] - at)
-        # the page's rows from head h's row `at` on, its later heads' too
-        def stream(buf, page, h, at):
-            start = h * buf.pool.shape[2] + at
-            return _rows_from(buf.pool, page, 0, start,
-                              buf.pool.shape[1] * buf.pool.shape[2] - start)
-        return stream
     if _is(buf, Paged):
-        return lambda buf, page, h, at: buf.pool[page, h, at:]
+        return lambda buf, page, h, at: pool_rows(buf.pool, buf.together, page, h, at)
+    return None
+
+
+@overload(pool_rows, inline="always", jit_options={"cache": True})
+def _pool_rows(pool, together, page, h, at):
+    one_head = isinstance(together, types.NoneType)
+    if _c_rows(pool):  # (a pool or scales the cache allocated: C-contiguous)
+        if one_head:
+            return lambda pool, together, page, h, at: _rows_from(pool, page, h, at,
+                                                                  pool.shape[2] - at)
+        # the page's rows from head h's row `at` on, its later heads' too
+        def stream(pool, together, page, h, at):
+            start = h * pool.shape[2] + at
+            return _rows_from(pool, page, 0, start, pool.shape[1] * pool.shape[2] - start)
+        return stream
+    if isinstance(pool, types.Array):  # other layouts: head h's slice (prefetch stops there)
+        return lambda pool, together, page, h, at: pool[page, h, at:]
     return None
 
 
