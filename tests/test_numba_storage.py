@@ -174,12 +174,13 @@ def test_paged_window_starts_inside_a_page_and_crosses_pages():
 
 
 def test_kernel_views_are_the_rows_in_place():
-    """The views the kernels read runs through (``_rows_from``: address arithmetic, no
-    reference count) are the very memory of the buffers (a write through one lands in
-    it), for 16-bit and float32 rows and float32 scales, at every page or row, head and
-    offset of a small buffer: ``page_rows`` of pages read heads together (the page's rows
-    [Hkv * P, d] from head h's row ``at`` on), of pages read one head at a time (head
-    h's rows from ``at``), and ``key_run`` of contiguous rows (row r, head h from key j)."""
+    """The views the kernels read runs through are the very memory of the buffers (a
+    write through one lands in it), for 16-bit and float32 rows and float32 scales, at
+    every page or row, head and offset of a small buffer: ``page_rows`` (``_rows_from``:
+    address arithmetic, no reference count) of pages read heads together (the page's rows
+    [Hkv * P, d] from head h's row ``at`` on) and of pages read one head at a time (head
+    h's rows from ``at``), and ``key_run`` of contiguous rows (numba's own view of row r,
+    head h from key j)."""
     from numba import njit
 
     @njit
