@@ -334,8 +334,8 @@ class NumbaBackend(NumpyBackend):
         """The BLAS path's online softmax fused into one compiled pass per block, its
         paged blocks gathered, its float16/bfloat16 blocks and queries widened, its 8-bit
         code blocks dequantized and its float16 results narrowed by compiled calls, and
-        bfloat16 items on bf16 products
-        where the CPU has them (``amx_prefill``): ``_blas_hooks``."""
+        bfloat16 items on bf16 products where the CPU has them (``amx_prefill``):
+        ``_blas_hooks``."""
         return _blas_hooks()
 
     # -- hooks for the tools (gqakv.dispatch.backend.Backend) ----------------------------------------

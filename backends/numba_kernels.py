@@ -1071,8 +1071,7 @@ def _rows_from(typingctx, arr, a, b, j, count):
       2026-12-07). The view is valid while ``arr`` is, which the kernel's caller holds for
       the whole call; it must never leave the kernel (returned or kept, it would not keep
       the array alive)."""
-    if not (isinstance(arr, types.Array) and arr.ndim in (3, 4) and arr.layout == "C"
-            and all(isinstance(x, types.Integer) for x in (a, b, j, count))):
+    if not (_c_rows(arr) and all(isinstance(x, types.Integer) for x in (a, b, j, count))):
         return None
     rows_of_values = arr.ndim == 4
     view_ty = types.Array(arr.dtype, 2 if rows_of_values else 1, "C")

@@ -274,8 +274,8 @@ class CupyBackend(Backend):
         return self._plans.get(("write_kv", *_hashable(args), *options.values()),
                                lambda: _plan_or_refusal(_plan.plan_write_kv, *args, **options))
 
-    def _write_kv(self, store, k_new, v_new, inputs, work=None, device=None) -> None:
-        """``write_kv`` on ``store``'s device (``device``: its id, current; None: looked up)."""
+    def _write_kv(self, store, k_new, v_new, inputs, work, device) -> None:
+        """``write_kv`` on ``store``'s device (``device``: its id, made current by the caller)."""
         k_buf, v_buf = store.k, store.v
         facts = _write_facts(store, PACKED if k_new.ndim == 3 else PADDED)
         dtype, kv_dtype, d = facts.dtype, facts.kv_dtype, facts.head_dim
@@ -322,8 +322,7 @@ class CupyBackend(Backend):
             if "table" in work.arrays:
                 arrays["table"] = work.arrays["table"]
         else:
-            arrays = self._append_arrays(inputs, self.device_of(k_buf) if device is None else device,
-                                         store if facts.paged else None)
+            arrays = self._append_arrays(inputs, device, store if facts.paged else None)
         arrays.update(k_new=k_new, v_new=v_new, k_buf=k_buf, v_buf=v_buf)
         if kv_dtype:
             arrays.update(k_scale=store.k_scale, v_scale=store.v_scale)

@@ -183,9 +183,6 @@ def decide(store, inputs, q_shape, *, fixed: bool = False, off: str | None = Non
     return _groups(store, inputs, q_shape, usable, min_saved)
 
 
-_NOTHING_SHARED = "no two entries' rows share a page before their new tokens"
-
-
 def _groups(store, inputs, q_shape, usable, min_saved: int) -> SharedPrefix:
     """``decide``'s grouping of the entries with ``usable[i]`` full shared-candidate pages,
     keeping groups that save at least ``min_saved`` key reads."""
@@ -197,15 +194,15 @@ def _groups(store, inputs, q_shape, usable, min_saved: int) -> SharedPrefix:
         return SharedPrefix(reason=f"{live.size} entries with queries hold a full page before "
                                    f"their new tokens (a group needs {MIN_GROUP_ROWS})")
     entries = store.page_table.entries
-    first = entries[np.asarray(rows)[live], 0]
-    if len(set(first.tolist())) == first.size:
+    first = entries[np.asarray(rows)[live], 0].tolist()  # each live entry's first page
+    if len(set(first)) == len(first):
         # every entry's first page is its own (the common batch of unrelated rows): no
         # bucket below has two members, so the greedy grouping would find nothing
-        return SharedPrefix(reason=_NOTHING_SHARED)
+        return SharedPrefix(reason="no two entries' rows share a page before their new tokens")
     pages = {int(i): entries[int(rows[i]), :int(usable[i])] for i in live}
     buckets: dict[int, list[int]] = {}
-    for i in live:
-        buckets.setdefault(int(pages[int(i)][0]), []).append(int(i))
+    for i, page in zip(live.tolist(), first):
+        buckets.setdefault(page, []).append(i)
     min_pages = -(-MIN_SHARED_TOKENS // P)
     groups, best_seen, best_saved, capped = [], 0, 0, False
     for members in buckets.values():
@@ -236,8 +233,6 @@ def _groups(store, inputs, q_shape, usable, min_saved: int) -> SharedPrefix:
         if best_seen == 0 and capped:
             return SharedPrefix(reason=f"two entries' queries (G x n_new each) exceed "
                                        f"MAX_GROUP_QUERIES={MAX_GROUP_QUERIES} per KV head")
-        if best_seen == 0:
-            return SharedPrefix(reason=_NOTHING_SHARED)
         if best_seen < min_pages:
             return SharedPrefix(reason=f"rows share at most {best_seen * P} tokens of full pages "
                                        f"(fewer than MIN_SHARED_TOKENS={MIN_SHARED_TOKENS})")
