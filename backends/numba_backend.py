@@ -58,7 +58,7 @@ import os
 
 import numpy as np
 
-from gqakv.dispatch.backend import GENERIC, FastPath, Route
+from gqakv.dispatch.backend import GENERIC, Backend, FastPath, Route
 from gqakv.dispatch.request import Request, as_request
 from gqakv.storage.codecs import GROUPED, PLAIN_NAME
 from gqakv.core.inputs import PACKED, PADDED, AttentionInputs
@@ -454,8 +454,8 @@ class NumbaBackend(NumpyBackend):
         call (``numba_kernels.write_tokens``) instead of a slice assignment per row; paged
         and quantized storage: the NumPy path (pages to look up, codes to compute)."""
         route, bits = self._write_decision(store, k_new, v_new)
-        if route.impl == GENERIC:
-            return super().write_kv(store, k_new, v_new, inputs)
+        if route.impl == GENERIC:  # the generic per-row writes (this backend's route says so)
+            return Backend.write_kv(self, store, k_new, v_new, inputs)
         assert bits is not None  # the route chose the kernel: its buffers were viewed
         _kernels().write_tokens(*bits, np.asarray(inputs.rows, dtype=np.int64),
                                 np.asarray(inputs.starts, dtype=np.int64),

@@ -272,10 +272,11 @@ class NumpyWork:
     """The planned part of a BLAS-path call (``plan_items``): the work items, their total
     cost and the worker count, for every layer of a step."""
 
-    __slots__ = ("items", "total", "workers", "inputs", "block_keys")
+    __slots__ = ("items", "total", "workers", "inputs", "block_keys", "batch")
 
     def __init__(self, items, total, workers: int, block_keys=None):
         self.items, self.total, self.workers = items, total, workers
+        self.batch = None  # numpy_batch.BatchPlan: the call runs as one pass instead (set by the backend)
         self.inputs = None  # the AttentionInputs it was planned for (set by plan_attention)
         self.block_keys = block_keys  # fixed keys per block (batch-invariant), else None
 

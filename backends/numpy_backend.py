@@ -15,6 +15,9 @@ from gqakv.storage.store import CONTIGUOUS, PAGED
 #: one item kernel (``numpy_attention``) over the block readers of ``numpy_readers``.
 BLAS = "numpy BLAS"
 BLAS_PATHS = (BLAS,)
+#: The NumPy backend's append into contiguous plain storage: every entry's tokens by one
+#: fancy-indexed assignment per buffer (``numpy_batch.write_tokens``), not one per row.
+WRITE = "numpy write_tokens"
 
 #: The variant features the item kernel implements (``numpy_attention.fold_block``).
 BLAS_FEATURES = frozenset({"window", "softcap", "sinks", "alibi", "tree"})
@@ -27,6 +30,19 @@ FAST_PATHS: tuple[FastPath, ...] = (
              frozenset({PLAIN_NAME, "int8", "float8_e4m3fn", *GROUPED}), BLAS_FEATURES,
              tokens=frozenset({PADDED, PACKED}), invariant=True),
 )
+WRITE_PATH = FastPath(WRITE, "write_kv", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}),
+                      tokens=frozenset({PADDED, PACKED}))
+
+
+@functools.lru_cache(maxsize=256)
+def route_write(request: Request) -> Route:
+    """The NumPy backend's append decision: ``numpy_batch.write_tokens`` into contiguous
+    plain storage held in NumPy arrays (``buffers`` None), else the generic per-row writes
+    (pages to look up, codes to compute)."""
+    why = WRITE_PATH.rejection(request) or request.buffers
+    if why:
+        return Route(GENERIC, {WRITE: why})
+    return Route(WRITE, {GENERIC: f"{WRITE} serves this call (one assignment for every row)"})
 
 
 @functools.lru_cache(maxsize=1024)
@@ -35,6 +51,13 @@ def route_attention(request: Request) -> Route:
     the BLAS path when it declares the request's layout, codec and variant
     (``FAST_PATHS``; every dtype, head dim and chunk length), else the generic code."""
     return choose(FAST_PATHS, request)
+
+
+@functools.lru_cache(maxsize=256)
+def _write_route(spec, head_dim: int, tokens: str) -> Route:
+    """``route_write`` of an append into a store of ``spec`` (kept: every layer asks it)."""
+    return route_write(Request.make("write_kv", dtype=spec.q_dtype, head_dim=head_dim,
+                                    layout=spec.kind, codec=spec.codec.name, tokens=tokens))
 
 
 class NumpyBackend(Backend):
@@ -46,7 +69,7 @@ class NumpyBackend(Backend):
     head_dims = None
     features = frozenset({"array_api", "bfloat16 via ml_dtypes", "float16/bfloat16 computed in float32",
                           "threaded BLAS attention (GQAKV_NUM_THREADS)"})
-    fast_paths = FAST_PATHS
+    fast_paths = (*FAST_PATHS, WRITE_PATH)
     packed_tokens = True  # the BLAS path and the generic defaults take [N, H, d] tokens
     wide_queries = True  # float32 q over a 16-bit store: computed and returned in float32
     generic_invariant = True  # equal operands and shapes give equal bits (CPU libraries)
@@ -129,6 +152,8 @@ class NumpyBackend(Backend):
         itself takes (``route_attention``); appends and row copies are the generic code
         here."""
         request = as_request(request, facts)
+        if request.op == "write_kv":
+            return route_write(request)
         if request.op != "attention":
             return super().route(request)
         route = route_attention(request)
@@ -138,21 +163,44 @@ class NumpyBackend(Backend):
         return {
             BLAS: "attention over contiguous or paged rows (the page table read per key block), "
                   "plain or int8 / float8_e4m3fn (each block dequantized as read), every dtype "
-                  "(float16/bfloat16 in float32); window, softcap, sinks, alibi, draft trees",
-            GENERIC: "appends, row copies, attention over other codecs",
+                  "(float16/bfloat16 in float32); window, softcap, sinks, alibi, draft trees; "
+                  "a small call as one pass over the whole batch (numpy_batch)",
+            WRITE: "appends to contiguous unquantized rows, one assignment for every row",
+            GENERIC: "other appends, row copies, attention over other codecs",
         }
+
+    def write_kv(self, store, k_new, v_new, inputs) -> None:
+        """Contiguous plain storage: every entry's tokens by one assignment per buffer
+        (``numpy_batch.append``); paged and quantized storage: the generic per-row writes
+        (``route_write`` decides)."""
+        from . import numpy_batch
+
+        if _write_route(store.spec, store.head_dim, PACKED if k_new.ndim == 3 else PADDED).impl == WRITE:
+            numpy_batch.append(store, k_new, v_new, inputs)
+        else:
+            super().write_kv(store, k_new, v_new, inputs)
+
+    def kernel_entries(self) -> tuple[tuple[str, str], ...]:
+        """The one-pass batch's arithmetic and the append's byte moves (``numpy_batch``);
+        the item kernel's NumPy calls are not separable from the host work around them."""
+        return ((f"{__package__}.numpy_batch", "attend_batch"),
+                (f"{__package__}.numpy_batch", "write_tokens"))
 
     def plan_attention(self, store, inputs, params, q_shape):
         """The BLAS path's work items and their sharing among threads (``numpy_attention.
-        plan_items``) when it serves this batch, else None."""
+        plan_items``) when it serves this batch, else None; with them, a small batch's
+        one-pass plan (``numpy_batch.plan_batch``, None where the items run)."""
         if route_attention(Request.of_store("attention", store, features=inputs.features,
                                             **inputs.token_facts(q_shape))).impl != BLAS:
             return None
+        from . import numpy_batch
         from .numpy_attention import entry_trees, plan_items
 
         work = plan_items(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params,
                           invariant=inputs.invariant, trees=entry_trees(inputs),
                           blas_items=self.items_on_blas(store, inputs, q_shape))
+        if self.items_on_blas(store, inputs, q_shape):  # (not where a subclass's items take it)
+            work.batch = numpy_batch.plan_batch(store, inputs, params, q_shape)
         work.inputs = inputs  # the batch it was planned for (attention uses it for that one only)
         return work
 
@@ -174,12 +222,15 @@ class NumpyBackend(Backend):
         otherwise the generic path (``route_attention`` decides). ``work``: this batch's
         ``plan_items`` (from ``plan_attention``); ``out`` / ``lse_out``: the caller's
         buffers, filled from the result."""
+        from . import numpy_batch
         from .numpy_attention import NumpyWork, attention_store
 
         want_lse = return_lse or lse_out is not None
         if not (isinstance(work, NumpyWork) and work.inputs is inputs):
             work = None  # planned for another batch (or not for this path): plan here
-        if work is not None or route_attention(Request.of_store(
+        if work is not None and work.batch is not None:  # a small call: one pass over the batch
+            result = numpy_batch.attention(work.batch, q, store, params, return_lse=want_lse)
+        elif work is not None or route_attention(Request.of_store(
                 "attention", store, features=inputs.features,
                 **inputs.token_facts(q.shape))).impl == BLAS:
             result = attention_store(q, store, inputs, params, return_lse=want_lse,

@@ -177,7 +177,11 @@ def test_blas_threads_restored():
 
 def test_backend_uses_threaded_path_through_public_api(monkeypatch):
     """gqa_attention on the numpy backend goes through the item kernel (attention_store)
-    with a reader over the cache's own buffers."""
+    with a reader over the cache's own buffers (a call too big for one pass over the
+    batch: here every call is, ``numpy_batch.BATCH_MAX_SCORES`` 0)."""
+    from gqakv_backends import numpy_batch
+
+    monkeypatch.setattr(numpy_batch, "BATCH_MAX_SCORES", 0)
     seen = []
     real = na.readers.reader_of
 

@@ -127,7 +127,7 @@ class ConcatBaseline:
 class StepHostTime:
     """Host time per layer of a 32-layer decode step (B=8, Hkv=8, G=4, d=64, 16 live tokens):
     the step timed as it is and with the backend's kernels no-op'd, in alternating rounds
-    (``gqakv.tools.host_time``); the issue's target is 40 us per layer on numba. Also cold:
+    (``gqakv.tools.host_time``); the issue's target is 40 us per layer on numba and numpy. Also cold:
     32 MiB read before each layer (untimed), as a model's matmuls leave the caches (3.5x
     the tight loop's figure on numba, as SmolLM2's decode measures in place). Backends
     that declare no kernel entries are skipped."""

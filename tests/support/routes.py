@@ -39,7 +39,10 @@ GENERIC_ENTRIES = (("gqakv.ops.attention", "attention_array_api"),
                    ("gqakv.ops.cache_ops", "write_kv_array_api"),
                    ("gqakv.ops.row_ops", "copy_tokens_array_api"))
 #: (module, function, implementation name) of the NumPy backend's BLAS path.
-NUMPY_ENTRIES = (("gqakv_backends.numpy_attention", "attention_store", "numpy BLAS"),)
+#: (A small call's one pass over the batch, ``numpy_batch.attention``, is the BLAS path too.)
+NUMPY_ENTRIES = (("gqakv_backends.numpy_attention", "attention_store", "numpy BLAS"),
+                 ("gqakv_backends.numpy_batch", "attention", "numpy BLAS"),
+                 ("gqakv_backends.numpy_batch", "write_tokens", "numpy write_tokens"))
 #: ... and of the numba backend's kernels (it also reaches the NumPy paths).
 NUMBA_ENTRIES = (("gqakv_backends.numba_kernels", "attention_items", "numba kernel"),
                  ("gqakv_backends.numba_kernels", "write_tokens", "numba write_tokens"),
@@ -334,7 +337,7 @@ def _cupy_store(f) -> Any:
 
 
 INTENDED = {
-    "numpy": {"attention": _numpy_attention},
+    "numpy": {"attention": _numpy_attention, "write_kv": _plain_contiguous("numpy write_tokens")},
     "numba": {"attention": _numba_attention, "write_kv": _plain_contiguous("numba write_tokens"),
               "copy_tokens": _plain_contiguous("numba copy_rows")},
     "cupy_emulated": {"attention": _cupy_store, "write_kv": _cupy_store,

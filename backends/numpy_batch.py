@@ -1,0 +1,243 @@
+"""The NumPy backend's small calls as one pass over the whole batch.
+
+A decode step of a small model is many tiny products. The item kernel
+(``numpy_attention``) runs one item per row and KV-head range, each a dozen NumPy calls,
+so at B=8 rows of 16 tokens (Hkv=8, G=4, d=64) a layer's attention cost about 0.5 ms of
+call overhead for 260K multiply-adds, and the append's per-row slice assignments another
+0.1 ms. Here both are one set of NumPy calls over every row at once:
+
+- ``write_tokens``: every entry's new tokens land by one fancy-indexed assignment per
+  buffer (contiguous, plain storage);
+- ``attend_batch``: the keys ``k0..k1`` that some query of the call sees, of every row
+  side by side (a view where the rows are consecutive), one stacked matmul for the
+  scores ``[B, Hkv, G * T, k1 - k0]``, the mask of each row's own causal window (built
+  once per step by ``plan_batch``), one softmax and one stacked matmul for P V.
+
+A row shorter than the longest (or whose window starts later) reads columns past its own
+keys: its scores there are masked, and its values there are never multiplied, because the
+values of such rows are copied with those columns zeroed (a slot past a row's length may
+hold anything, NaN included). A query that sees no key (padding, an empty row) gives
+exactly 0 and lse -inf. The padded work is bounded: ``plan_batch`` takes a call only when
+its scores are at most ``BATCH_MAX_SCORES`` and at most ``BATCH_MAX_WASTE`` times the
+scores the item kernel would compute; otherwise the items run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from gqakv.core.semantics import block_keys, transform_scores, visible_mask
+from gqakv.storage.store import CONTIGUOUS
+
+from .cpu_plan import THIN_QUERIES, _threads
+
+_QUIET = contextlib.nullcontext()
+
+#: Scores ``B x Hq x T x keys`` of a call at most (512 KiB of float32). Below
+#: ``numpy_attention.PARALLEL_MIN_WORK`` (2^18) the items run on one thread too, and the
+#: one pass costs what they do less their per-item overhead; at 2^18 their two threads
+#: pay. numpy backend, float32, one pass / items, alternating in one process (2-core AMD
+#: EPYC, load 1.5): decode B=8 Hkv=8 G=4 d=64 at L=16 0.55-0.58, L=128 0.27-0.67, L=256
+#: 0.67-0.68, L=512 0.93, L=1,024 0.95; B=32 L=64 d=128 0.65-0.70; B=1 L=512 d=128 0.98;
+#: a 16-query chunk over 256 keys (Hq 32, d 128, 2^17 scores) 1.02-1.08; B=4 L=2,048
+#: d=128 (2^18) 1.13.
+BATCH_MAX_SCORES = 1 << 17
+#: The padded scores at most this many times the items' own (rows of unequal length pad
+#: to the longest; padded query slots count too).
+BATCH_MAX_WASTE = 2
+
+
+class BatchPlan:
+    """What ``attend_batch`` needs of one batch, worked out once per step.
+
+    rows: ``slice`` of consecutive rows (K/V read as views) or ``[B]`` row indices;
+    k0, k1: the keys read, the union of every entry's (``block_keys``); T: query slots
+    per entry (packed: n_new, equal for every entry); hidden: bool ``[B, 1, 1, T, k1 -
+    k0]`` (True: the query does not see the key) or None when every query sees every key;
+    empty: bool ``[B, 1, 1, T, 1]`` (True: the query sees no key) or None when none is;
+    ranges: ``[(lo, hi)]`` per entry, the keys its queries see, when some entry's differ
+    from ``k0..k1`` (its values there are copied, the rest zeroed), else None; packed:
+    whether q is ``[B * T, Hq, d]``.
+    """
+
+    __slots__ = ("rows", "k0", "k1", "T", "hidden", "empty", "ranges", "packed")
+
+    def __init__(self, rows, k0: int, k1: int, T: int, hidden, empty, ranges, packed: bool):
+        self.rows, self.k0, self.k1, self.T = rows, k0, k1, T
+        self.hidden, self.empty, self.ranges, self.packed = hidden, empty, ranges, packed
+
+
+def plan_batch(store, inputs, params, q_shape) -> BatchPlan | None:
+    """The batch's ``BatchPlan`` when one pass serves it (contiguous plain storage without
+    leading axes; no ALiBi, draft tree or batch-invariant mode; packed queries only when
+    every entry has as many; scores within ``BATCH_MAX_SCORES`` and ``BATCH_MAX_WASTE``),
+    else None (the items run)."""
+    if (store.kind != CONTIGUOUS or store.quantized or store.leading
+            or not isinstance(store.k, np.ndarray) or params.alibi_slopes is not None
+            or getattr(inputs, "tree", None) is not None or inputs.invariant):
+        return None
+    lens, n_new = inputs.lens, inputs.n_new
+    B = len(n_new)
+    packed = len(q_shape) == 3
+    if packed:
+        if B == 0 or int(n_new.min()) != int(n_new.max()):
+            return None
+        T = int(n_new[0])
+    else:
+        T = int(q_shape[2])
+    spans = [block_keys(params, int(lens[i]), int(n_new[i]), 0, int(n_new[i])) if n_new[i] else None
+             for i in range(B)]
+    live = [s for s in spans if s is not None and s[1] > s[0]]
+    if not live:
+        return None  # nothing to read: the items return zeros at once
+    k0, k1 = min(s[0] for s in live), max(s[1] for s in live)
+    own = sum(int(n_new[i]) * (s[1] - s[0]) for i, s in enumerate(spans) if s is not None)
+    padded = B * T * (k1 - k0)
+    if padded * int(q_shape[1]) > BATCH_MAX_SCORES or padded > BATCH_MAX_WASTE * own:
+        return None  # (q_shape[1]: Hq in both layouts)
+    hidden = np.zeros((B, 1, 1, T, k1 - k0), dtype=bool)
+    for i, span in enumerate(spans):
+        L, n = int(lens[i]), int(n_new[i])
+        if span is None:
+            hidden[i] = True
+            continue
+        hidden[i, ..., n:, :] = True  # padding slots
+        visible = visible_mask(params, L, n, 0, n, k0, k1)
+        if visible is not None:
+            hidden[i, ..., :n, :] = ~visible
+    uneven = any(s != (k0, k1) for s in spans)
+    ranges = [s if s is not None else (k0, k0) for s in spans] if uneven else None
+    rows = np.asarray(inputs.rows, dtype=np.int64)
+    r0 = int(rows[0])
+    consecutive = bool(np.array_equal(rows, np.arange(r0, r0 + B)))
+    empty = hidden.all(axis=-1, keepdims=True)
+    return BatchPlan(slice(r0, r0 + B) if consecutive else rows, k0, k1, T,
+                     hidden if hidden.any() else None, empty if empty.any() else None, ranges,
+                     packed)
+
+
+def attention(plan: BatchPlan, q, store, params, *, return_lse: bool):
+    """Attention of ``q`` (``[B, Hq, T, d]``, packed ``[B * T, Hq, d]``) over ``store`` by
+    ``plan``: out in q's shape and dtype and, if asked, lse (``[B, Hq, T]`` / ``[B * T,
+    Hq]``, float32; float64 for float64 q). The keys are read and ``attend_batch`` does
+    the arithmetic."""
+    acc = np.float64 if q.dtype == np.float64 else np.float32
+    out = np.zeros(q.shape, dtype=q.dtype)
+    lse = np.full(q.shape[:-1], -np.inf, dtype=acc) if return_lse else None
+    k = store.k[plan.rows, :, plan.k0:plan.k1]
+    v = store.v[plan.rows, :, plan.k0:plan.k1]
+    if plan.ranges is not None:  # columns past a row's own keys: zeros, never what they hold
+        v_own = np.zeros(v.shape, dtype=v.dtype)
+        for i, (lo, hi) in enumerate(plan.ranges):
+            v_own[i, :, lo - plan.k0:hi - plan.k0] = v[i, :, lo - plan.k0:hi - plan.k0]
+        v = v_own
+    if plan.packed:  # [B * T, Hq, d] as [B, Hq, T, d] (views)
+        B = q.shape[0] // plan.T
+        q4 = q.reshape(B, plan.T, *q.shape[1:]).swapaxes(1, 2)
+        out4 = out.reshape(B, plan.T, *out.shape[1:]).swapaxes(1, 2)
+        lse4 = None if lse is None else lse.reshape(B, plan.T, -1).swapaxes(1, 2)
+    else:
+        q4, out4, lse4 = q, out, lse
+    attend_batch(q4, k, v, plan.hidden, plan.empty, params, acc, out4, lse4)
+    return (out, lse) if return_lse else out
+
+
+def attend_batch(q, k, v, hidden, empty, params, acc, out, lse) -> None:
+    """The arithmetic (the host-time benchmark's kernel entry): ``q`` ``[B, Hq, T, d]``,
+    ``k``/``v`` ``[B, Hkv, K, d]`` (any dtype, computed in ``acc``), ``hidden`` bool
+    ``[B, 1, 1, T, K]`` or None, ``empty`` bool ``[B, 1, 1, T, 1]`` (the query sees no
+    key) or None; results into ``out`` ``[B, Hq, T, d]`` and ``lse`` ``[B, Hq, T]`` (or
+    None). Query head h reads KV head h // G (row g * T + t of KV head h // G's tile)."""
+    B, Hq, T, d = q.shape
+    Hkv, K = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    qb = np.multiply(q, params.scale, dtype=acc)  # as the items: cast, then scaled
+    kb = k if k.dtype == acc else k.astype(acc)
+    vb = v if v.dtype == acc else v.astype(acc)
+    qb = qb.reshape(B, Hkv, G * T, d)
+    # hidden keys may be slots past a row's length, holding anything: their scores are
+    # replaced, so what they hold (inf, NaN) makes no warning
+    with np.errstate(invalid="ignore", over="ignore") if hidden is not None else _QUIET:
+        if G * T <= THIN_QUERIES and _threads.k_major_scores():  # as the items' thin tiles
+            s = np.ascontiguousarray(np.matmul(kb, qb.swapaxes(-1, -2)).swapaxes(-1, -2))
+        else:
+            s = np.matmul(qb, kb.swapaxes(-1, -2))  # [B, Hkv, G*T, K]
+        s = transform_scores(params, s, np)
+    if hidden is not None:
+        np.copyto(s.reshape(B, Hkv, G, T, K), -np.inf, where=hidden)
+    m = s.max(axis=-1, keepdims=True)  # [B, Hkv, G*T, 1]; -inf: the query sees no key
+    # the lowest finite float where no key is seen (exp(-inf - it) = 0); NaN stays NaN
+    shift = np.maximum(m, np.finfo(acc).min)
+    sink = None
+    if params.sinks is not None:  # a softmax term of value 0 per query head, where keys are seen
+        sink = np.repeat(np.asarray(params.sinks, dtype=acc).reshape(1, Hkv, G), T, axis=-1)
+        sink = np.where(m > -np.inf, sink.reshape(1, Hkv, G * T, 1), -np.inf)
+        np.maximum(shift, sink, out=shift)
+    s -= shift
+    np.exp(s, out=s)
+    total = s.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total += np.exp(sink - shift)
+    o = np.matmul(s, vb)  # [B, Hkv, G*T, d]
+    if empty is None:
+        o /= total
+    else:  # out 0 (p = 0 times values the query never sees), lse -inf
+        none = np.broadcast_to(empty, (B, Hkv, G, T, 1)).reshape(B, Hkv, G * T, 1)
+        o /= np.where(none, 1, total)
+        np.copyto(o, 0, where=none)
+    out[...] = o.reshape(B, Hq, T, d)
+    if lse is not None:
+        with np.errstate(divide="ignore"):  # log(0) = -inf where no key is seen
+            lse[...] = (shift + np.log(total)).reshape(B, Hq, T)
+
+
+def write_tokens(k_buf, v_buf, k_new, v_new, dst_rows, dst_slots, src) -> None:
+    """The append's byte moves (the host-time benchmark's kernel entry): token ``j`` of
+    the call, ``src[j]`` (``(entries, slots)`` of padded ``[B, Hkv, T, d]`` or
+    ``(rows,)`` of packed ``[N, Hkv, d]``), into ``[dst_rows[j], :, dst_slots[j]]`` of
+    ``k_buf``/``v_buf`` ``[rows, Hkv, max_len, d]``, cast to their dtype."""
+    if len(src) == 2:
+        e, t = src
+        k_buf[dst_rows, :, dst_slots] = k_new[e, :, t]
+        v_buf[dst_rows, :, dst_slots] = v_new[e, :, t]
+    else:
+        k_buf[dst_rows, :, dst_slots] = k_new[src[0]]
+        v_buf[dst_rows, :, dst_slots] = v_new[src[0]]
+
+
+def append(store, k_new, v_new, inputs) -> None:
+    """Every entry's new tokens into ``store`` (contiguous plain storage without leading
+    axes, NumPy buffers: the backend's ``route_write``) by ``write_tokens``: entry i's
+    first ``n_new[i]`` tokens at slots ``starts[i]...`` of row ``rows[i]``."""
+    index = _write_index(inputs)
+    if index is not None:
+        write_tokens(store.k, store.v, k_new, v_new, *index)
+
+
+#: The last append's ``(inputs, index)``: a step's layers append by one ``AppendInputs``
+#: (frozen), so their index arrays are made once per step.
+_last_append: list = [(None, None)]
+
+
+def _write_index(inputs):
+    """``(dst_rows, dst_slots, src)`` of ``write_tokens`` for ``inputs``, None for no token."""
+    inputs_then, index = _last_append[0]  # one read: another thread may set it meanwhile
+    if inputs_then is inputs:
+        return index
+    n = np.asarray(inputs.n_new, dtype=np.int64)
+    count = int(n.sum())
+    index = None
+    if count:
+        entry = np.repeat(np.arange(len(n)), n)
+        slot = np.arange(count) - np.repeat(np.cumsum(n) - n, n)  # token index within its entry
+        rows = np.asarray(inputs.rows, dtype=np.int64)[entry]
+        dst = np.asarray(inputs.starts, dtype=np.int64)[entry] + slot
+        if inputs.offsets is None:
+            src: tuple = (entry, slot)
+        else:
+            src = (np.asarray(inputs.offsets, dtype=np.int64)[entry] + slot,)
+        index = (rows, dst, src)
+    _last_append[0] = (inputs, index)
+    return index

@@ -1,0 +1,219 @@
+"""The NumPy backend's small calls as one pass over the batch (``numpy_batch``).
+
+Randomized ragged batches (rows of unequal length, padded and empty query slots, rows
+not in order, NaN in every slot past a row's length, in the cache's buffers) through the
+public API on the numpy backend, each call asserted to have taken the one-pass plan, against
+the independent float64 reference (tests/support/reference.py), in every dtype and
+variant the plan takes; the calls it must leave to the items; and the append's one
+assignment against the per-row writes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gqakv
+from gqakv_backends import numpy_batch
+from gqakv_backends.numpy_backend import WRITE
+
+from gqakv.core.inputs import validate_append
+from gqakv.dispatch.backend import GENERIC
+
+from .support.reference import reference_attention
+
+TOL = {"float64": 1e-10, "float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
+
+
+def _filled(rng, B, hkv, d, dtype, max_len):
+    """An empty numpy KVCache of ``B`` rows with NaN in every slot, and float64 K/V
+    ``[B, hkv, max_len, d]`` holding values the cache's dtype stores exactly."""
+    cache = gqakv.KVCache(B, hkv, max_len, d, dtype=dtype, backend="numpy")
+    cache.k[...] = np.nan
+    cache.v[...] = np.nan
+    k = rng.standard_normal((B, hkv, max_len, d))
+    v = rng.standard_normal((B, hkv, max_len, d))
+    k, v = (np.asarray(x.astype(cache.k.dtype), dtype=np.float64) for x in (k, v))  # stored values
+    return cache, k, v
+
+
+def _attend(cache, q, n_new, rows, **variant):
+    """(out, lse) of one call, and whether its plan took the one pass."""
+    plan = gqakv.plan_attention(cache, n_new, q_heads=q.shape[1], t_q=q.shape[2], rows=rows,
+                                **variant)
+    out, lse = plan.run(q, cache, return_lse=True)
+    return out, lse, plan.work is not None and plan.work.batch is not None
+
+
+def _variant(rng, Hq):
+    kind = int(rng.integers(0, 4))
+    if kind == 1:
+        return {"window": int(rng.integers(1, 12))}
+    if kind == 2:
+        return {"softcap": float(rng.uniform(2, 20))}
+    if kind == 3:
+        sinks = rng.standard_normal(Hq).astype(np.float32).astype(np.float64)  # (held as float32)
+        sinks[0] = -np.inf
+        return {"sinks": sinks}
+    return {}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("seed", range(12))
+def test_one_pass_matches_reference(seed, dtype):
+    rng = np.random.default_rng(seed)
+    for _ in range(50):  # draws until one the one pass takes (most are)
+        case = _ragged_case(rng, dtype)
+        out, lse, one_pass = _attend(*case[:4], **case[-1])
+        if one_pass:
+            break
+    assert one_pass, "no draw took the one pass over the batch"
+    cache, q, n_new, rows, k, v, lens, variant = case
+    want, want_lse = reference_attention(np.asarray(q, dtype=np.float64),
+                                         [k[r, :, :L] for r, L in zip(rows, lens)],
+                                         [v[r, :, :L] for r, L in zip(rows, lens)], n_new,
+                                         **variant)
+    out64 = np.asarray(out, dtype=np.float64)
+    assert np.isfinite(out64).all()
+    np.testing.assert_allclose(out64, want, atol=TOL[dtype], rtol=TOL[dtype])
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], atol=TOL[dtype], rtol=TOL[dtype])
+    for b, n in enumerate(n_new):
+        assert not out64[b, :, n:].any()  # padded queries are exactly 0
+
+
+def _ragged_case(rng, dtype):
+    """A cache of 1-5 rows, NaN past each row's length, a call over some of them in random
+    order (ragged lengths and chunks, empty entries, padded slots) and a random variant:
+    ``(cache, q, n_new, rows, k, v, lens, variant)``, k / v the float64 truth."""
+    hkv, G, d = int(rng.choice([1, 2, 3])), int(rng.integers(1, 5)), int(rng.choice([4, 8, 16]))
+    rows_total = int(rng.integers(1, 6))
+    B = int(rng.integers(1, rows_total + 1))
+    rows = rng.permutation(rows_total)[:B]
+    past = rng.integers(0, 20, B)
+    n_new = rng.integers(0, 5, B)
+    n_new[int(rng.integers(0, B))] = max(1, int(n_new.max()))  # some query in the call
+    T = int(n_new.max()) + int(rng.integers(0, 2))  # padded slots past the longest chunk too
+    cache, k, v = _filled(rng, rows_total, hkv, d, dtype, max_len=40)
+    full = np.zeros(rows_total, dtype=np.int64)
+    full[rows] = past + n_new
+    for r in range(rows_total):  # each row's tokens, written through the API
+        if full[r]:
+            cache.append(k[r:r + 1, :, :full[r]].astype(cache.k.dtype),
+                         v[r:r + 1, :, :full[r]].astype(cache.k.dtype), [int(full[r])], rows=[r])
+    q = rng.standard_normal((B, hkv * G, T, d)).astype(cache.k.dtype)
+    return cache, q, n_new, rows, k, v, full[rows], _variant(rng, hkv * G)
+
+
+def test_packed_equal_chunks_take_the_one_pass():
+    """Packed queries ``[B * n, Hq, d]`` with the same n per entry: the same bits as padded."""
+    rng = np.random.default_rng(3)
+    cache, k, v = _filled(rng, 3, 2, 8, "float32", max_len=30)
+    cache.append(k[:, :, :9].astype(np.float32), v[:, :, :9].astype(np.float32), [7, 9, 4])
+    n_new = [2, 2, 2]
+    q = rng.standard_normal((3, 6, 2, 8)).astype(np.float32)
+    padded, lse_p, one_pass = _attend(cache, q, n_new, None)
+    plan = gqakv.plan_attention(cache, n_new, q_heads=6, packed=True)
+    assert plan.work.batch is not None and plan.work.batch.packed
+    packed, lse_k = plan.run(q.transpose(0, 2, 1, 3).reshape(6, 6, 8), cache, return_lse=True)
+    assert one_pass
+    np.testing.assert_array_equal(packed.reshape(3, 2, 6, 8).transpose(0, 2, 1, 3), padded)
+    np.testing.assert_array_equal(lse_k.reshape(3, 2, 6).transpose(0, 2, 1), lse_p)
+
+
+def test_what_the_items_keep():
+    """ALiBi, draft trees, batch-invariant mode, paged and quantized storage, packed
+    chunks of unequal length, calls over ``BATCH_MAX_SCORES`` and calls that would pad
+    more than ``BATCH_MAX_WASTE`` times their own scores run the items."""
+    rng = np.random.default_rng(5)
+
+    def planned(cache, n_new, **kw):
+        plan = gqakv.plan_attention(cache, n_new, q_heads=4, **kw)
+        return plan.work.batch
+
+    cache, k, v = _filled(rng, 2, 2, 8, "float32", max_len=4000)
+    cache.append(k[:, :, :12].astype(np.float32), v[:, :, :12].astype(np.float32), [12, 12])
+    assert planned(cache, [1, 1]) is not None
+    assert planned(cache, [1, 1], alibi_slopes=[0.1, 0.2, 0.3, 0.4]) is None
+    assert planned(cache, [1, 1], packed=True) is not None
+    assert planned(cache, [1, 3], packed=True) is None
+    with gqakv.batch_invariant():
+        assert planned(cache, [1, 1]) is None
+    # a row of 12 beside one of 2,000 tokens: padded to 2,000 keys, 1.99x its own scores
+    long = np.zeros((1, 2, 2000, 8), dtype=np.float32)
+    cache.append(long[:, :, :1988], long[:, :, :1988], [1988], rows=[1])
+    assert planned(cache, [1, 1]) is not None  # (2 x 2,000 padded, 2,012 own: under 2x)
+    short = gqakv.KVCache(3, 2, 4000, 8, dtype="float32", backend="numpy")
+    short.append(np.zeros((3, 2, 1, 8), np.float32), np.zeros((3, 2, 1, 8), np.float32), [1, 1, 1])
+    short.append(long[:, :, :1990], long[:, :, :1990], [1990], rows=[2])
+    assert planned(short, [1, 1, 1]) is None  # 3 x 1,991 padded against 1,993 own
+    big = gqakv.KVCache(1, 2, 4200, 8, dtype="float32", backend="numpy")
+    big.append(np.zeros((1, 2, 4096, 8), np.float32), np.zeros((1, 2, 4096, 8), np.float32), [4096])
+    assert planned(big, [8]) is not None  # 4 heads x 8 queries x 4,096 keys: BATCH_MAX_SCORES
+    big.append(np.zeros((1, 2, 1, 8), np.float32), np.zeros((1, 2, 1, 8), np.float32), [1])
+    assert planned(big, [8]) is None  # one key more
+    paged = gqakv.PagedKVCache(2, 2, 64, 8, page_size=16, dtype="float32", backend="numpy")
+    paged.append(np.zeros((2, 2, 5, 8), np.float32), np.zeros((2, 2, 5, 8), np.float32), [5, 5])
+    assert planned(paged, [1, 1]) is None
+    coded = gqakv.KVCache(2, 2, 64, 8, kv_dtype="int8", backend="numpy")
+    coded.append(np.ones((2, 2, 5, 8), np.float32), np.ones((2, 2, 5, 8), np.float32), [5, 5])
+    assert planned(coded, [1, 1]) is None
+
+
+def test_nan_past_a_short_row_stays_out():
+    """Rows of 3 and 30 tokens: the short row's one pass reads 27 slots past its length,
+    all NaN in both buffers; its output is the reference's, finite."""
+    rng = np.random.default_rng(9)
+    cache, k, v = _filled(rng, 2, 1, 4, "float64", max_len=40)
+    cache.append(k[:, :, :30], v[:, :, :30], [3, 30])
+    q = rng.standard_normal((2, 2, 1, 4))
+    out, lse, one_pass = _attend(cache, q, [1, 1], None)
+    assert one_pass and np.isfinite(out).all()
+    want, _ = reference_attention(q, [k[0, :, :3], k[1, :, :30]], [v[0, :, :3], v[1, :, :30]], [1, 1])
+    np.testing.assert_allclose(out, want, atol=1e-12)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_append_in_one_assignment_matches_per_row_writes(packed, dtype):
+    """``numpy write_tokens`` (the route of a contiguous plain append) writes what the
+    generic per-row writes do, ragged and with rows out of order; paged storage keeps the
+    generic writes."""
+    rng = np.random.default_rng(11)
+    backend = gqakv.get_backend("numpy")
+    one = gqakv.KVCache(4, 2, 16, 8, dtype=dtype, backend="numpy")
+    other = gqakv.KVCache(4, 2, 16, 8, dtype=dtype, backend="numpy")
+    n_new, rows = [3, 0, 5], [2, 0, 1]
+    for cache in (one, other):
+        cache.append(np.ones((4, 2, 2, 8), one.k.dtype), np.ones((4, 2, 2, 8), one.k.dtype), [2, 1, 0, 2])
+    if packed:
+        k = rng.standard_normal((8, 2, 8)).astype(one.k.dtype)
+        v = rng.standard_normal((8, 2, 8)).astype(one.k.dtype)
+    else:
+        k = rng.standard_normal((3, 2, 5, 8)).astype(one.k.dtype)
+        v = rng.standard_normal((3, 2, 5, 8)).astype(one.k.dtype)
+    tokens = "packed" if packed else "padded"
+    assert backend.route("write_kv", dtype=dtype, head_dim=8, layout="contiguous", codec=None,
+                         tokens=tokens).impl == WRITE
+    one.append(k, v, n_new, rows=rows)
+    gqakv.Backend.write_kv(backend, other.store, k, v, validate_append(other, k, v, n_new, rows))
+    for r, L in enumerate(np.asarray(one.lens)):  # the written slots, bit for bit
+        for a, b in ((one.k, other.k), (one.v, other.v)):
+            np.testing.assert_array_equal(a[r, :, :L].view(np.uint8), b[r, :, :L].view(np.uint8))
+    assert np.asarray(one.lens).tolist() == [2 + 0, 1 + 5, 0 + 3, 2]  # rows 2, 0, 1 got 3, 0, 5
+    assert backend.route("write_kv", dtype=dtype, head_dim=8, layout="paged", codec=None).impl == GENERIC
+
+
+def test_one_pass_and_write_are_the_host_time_kernels():
+    """The numpy backend declares the one pass and the append's moves as its kernels, so
+    the host-time benchmark gives its host work; no-op'd, a decode step computes nothing."""
+    from gqakv.tools.host_time import step_host_time
+
+    backend = gqakv.get_backend("numpy")
+    assert set(backend.kernel_entries()) == {("gqakv_backends.numpy_batch", "attend_batch"),
+                                             ("gqakv_backends.numpy_batch", "write_tokens")}
+    host = step_host_time(backend, layers=2, batch=2, kv_heads=2, group=2, head_dim=8, rounds=1,
+                          steps_per_round=1)
+    assert host["host_s"] is not None and 0 < host["host_s"]
+    assert numpy_batch.attend_batch.__module__ == "gqakv_backends.numpy_batch"  # put back
