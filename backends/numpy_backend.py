@@ -73,6 +73,8 @@ class NumpyBackend(Backend):
     packed_tokens = True  # the BLAS path and the generic defaults take [N, H, d] tokens
     wide_queries = True  # float32 q over a 16-bit store: computed and returned in float32
     generic_invariant = True  # equal operands and shapes give equal bits (CPU libraries)
+    #: Whether a small call runs as one pass over the whole batch (``numpy_batch``).
+    one_pass_batches = True
 
     def namespace(self):
         import array_api_compat.numpy as xp
@@ -199,7 +201,7 @@ class NumpyBackend(Backend):
         work = plan_items(inputs.lens, inputs.n_new, q_shape, store.kv_heads, params,
                           invariant=inputs.invariant, trees=entry_trees(inputs),
                           blas_items=self.items_on_blas(store, inputs, q_shape))
-        if self.items_on_blas(store, inputs, q_shape):  # (not where a subclass's items take it)
+        if self.one_pass_batches:
             work.batch = numpy_batch.plan_batch(store, inputs, params, q_shape)
         work.inputs = inputs  # the batch it was planned for (attention uses it for that one only)
         return work

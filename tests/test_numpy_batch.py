@@ -159,6 +159,14 @@ def test_what_the_items_keep():
     coded = gqakv.KVCache(2, 2, 64, 8, kv_dtype="int8", backend="numpy")
     coded.append(np.ones((2, 2, 5, 8), np.float32), np.ones((2, 2, 5, 8), np.float32), [5, 5])
     assert planned(coded, [1, 1]) is None
+    # numba: its kernels take small calls, and a chunk its BLAS path takes keeps the items
+    pytest.importorskip("numba")
+    chunk = gqakv.KVCache(1, 2, 300, 8, dtype="float32", backend="numba")
+    chunk.append(np.zeros((1, 2, 200, 8), np.float32), np.zeros((1, 2, 200, 8), np.float32), [200])
+    work = planned(chunk, [16])
+    assert work is None and gqakv.get_backend("numba").route(
+        "attention", dtype="float32", head_dim=8, layout="contiguous", codec=None, t_q=16,
+        keys=200, group=2).impl == "numpy BLAS"
 
 
 def test_nan_past_a_short_row_stays_out():
