@@ -151,8 +151,8 @@ class NumpyBackend(Backend):
     def route(self, request: Request | str, **facts) -> Route:
         """The implementation that runs ``request`` (a ``Request`` or an operation and its
         facts; those not given are taken as favourable), from the decision the dispatch
-        itself takes (``route_attention``); appends and row copies are the generic code
-        here."""
+        itself takes (``route_attention``; appends: ``route_write``); row copies are the
+        generic code here."""
         request = as_request(request, facts)
         if request.op == "write_kv":
             return route_write(request)
