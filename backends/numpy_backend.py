@@ -15,8 +15,9 @@ from gqakv.storage.store import CONTIGUOUS, PAGED
 #: one item kernel (``numpy_attention``) over the block readers of ``numpy_readers``.
 BLAS = "numpy BLAS"
 BLAS_PATHS = (BLAS,)
-#: The NumPy backend's append into contiguous plain storage: every entry's tokens by one
-#: fancy-indexed assignment per buffer (``numpy_batch.write_tokens``), not one per row.
+#: The NumPy backend's append into plain storage (contiguous rows or pages): every entry's
+#: tokens by one fancy-indexed assignment per buffer (``numpy_batch.write_tokens``), not
+#: one slice per row (and page).
 WRITE = "numpy write_tokens"
 
 #: The variant features the item kernel implements (``numpy_attention.fold_block``).
@@ -30,15 +31,15 @@ FAST_PATHS: tuple[FastPath, ...] = (
              frozenset({PLAIN_NAME, "int8", "float8_e4m3fn", *GROUPED}), BLAS_FEATURES,
              tokens=frozenset({PADDED, PACKED}), invariant=True),
 )
-WRITE_PATH = FastPath(WRITE, "write_kv", frozenset({CONTIGUOUS}), frozenset({PLAIN_NAME}),
+WRITE_PATH = FastPath(WRITE, "write_kv", frozenset({CONTIGUOUS, PAGED}), frozenset({PLAIN_NAME}),
                       tokens=frozenset({PADDED, PACKED}))
 
 
 @functools.lru_cache(maxsize=256)
 def route_write(request: Request) -> Route:
-    """The NumPy backend's append decision: ``numpy_batch.write_tokens`` into contiguous
-    plain storage held in NumPy arrays (``buffers`` None), else the generic per-row writes
-    (pages to look up, codes to compute)."""
+    """The NumPy backend's append decision: ``numpy_batch.write_tokens`` into plain
+    storage, contiguous or paged, held in NumPy arrays (``buffers`` None), else the generic
+    per-row writes (codes and scales to compute)."""
     why = WRITE_PATH.rejection(request) or request.buffers
     if why:
         return Route(GENERIC, {WRITE: why})
@@ -167,13 +168,13 @@ class NumpyBackend(Backend):
                   "plain or int8 / float8_e4m3fn (each block dequantized as read), every dtype "
                   "(float16/bfloat16 in float32); window, softcap, sinks, alibi, draft trees; "
                   "a small call as one pass over the whole batch (numpy_batch)",
-            WRITE: "appends to contiguous unquantized rows, one assignment for every row",
+            WRITE: "appends to unquantized rows or pages, one assignment for every row",
             GENERIC: "other appends, row copies, attention over other codecs",
         }
 
     def write_kv(self, store, k_new, v_new, inputs) -> None:
-        """Contiguous plain storage: every entry's tokens by one assignment per buffer
-        (``numpy_batch.append``); paged and quantized storage: the generic per-row writes
+        """Plain storage (contiguous or paged): every entry's tokens by one assignment per
+        buffer (``numpy_batch.append``); quantized storage: the generic per-row writes
         (``route_write`` decides)."""
         from . import numpy_batch
 

@@ -7,7 +7,7 @@ call overhead for 260K multiply-adds, and the append's per-row slice assignments
 0.1 ms. Here both are one set of NumPy calls over every row at once:
 
 - ``write_tokens``: every entry's new tokens land by one fancy-indexed assignment per
-  buffer (contiguous, plain storage);
+  buffer (plain storage, contiguous rows or pages);
 - ``attend_batch``: the keys ``k0..k1`` that some query of the call sees, of every row
   side by side (a view where the rows are consecutive), one stacked matmul for the
   scores ``[B, Hkv, G * T, k1 - k0]``, the mask of each row's own causal window (built
@@ -29,7 +29,7 @@ import contextlib
 import numpy as np
 
 from gqakv.core.semantics import block_keys, transform_scores, visible_mask
-from gqakv.storage.store import CONTIGUOUS
+from gqakv.storage.store import CONTIGUOUS, PAGED
 
 from .cpu_plan import THIN_QUERIES, _threads
 
@@ -197,7 +197,8 @@ def write_tokens(k_buf, v_buf, k_new, v_new, dst_rows, dst_slots, src) -> None:
     """The append's byte moves (the host-time benchmark's kernel entry): token ``j`` of
     the call, ``src[j]`` (``(entries, slots)`` of padded ``[B, Hkv, T, d]`` or
     ``(rows,)`` of packed ``[N, Hkv, d]``), into ``[dst_rows[j], :, dst_slots[j]]`` of
-    ``k_buf``/``v_buf`` ``[rows, Hkv, max_len, d]``, cast to their dtype."""
+    ``k_buf``/``v_buf`` ``[rows, Hkv, max_len, d]`` (paged: pages and page offsets of a
+    pool ``[num_pages, Hkv, P, d]``), cast to their dtype."""
     if len(src) == 2:
         e, t = src
         k_buf[dst_rows, :, dst_slots] = k_new[e, :, t]
@@ -208,12 +209,24 @@ def write_tokens(k_buf, v_buf, k_new, v_new, dst_rows, dst_slots, src) -> None:
 
 
 def append(store, k_new, v_new, inputs) -> None:
-    """Every entry's new tokens into ``store`` (contiguous plain storage without leading
-    axes, NumPy buffers: the backend's ``route_write``) by ``write_tokens``: entry i's
-    first ``n_new[i]`` tokens at slots ``starts[i]...`` of row ``rows[i]``."""
+    """Every entry's new tokens into ``store`` (plain storage without leading axes, NumPy
+    buffers: the backend's ``route_write``) by ``write_tokens``: entry i's first
+    ``n_new[i]`` tokens at slots ``starts[i]...`` of row ``rows[i]``; paged, slot j of a
+    row at offset j % P of the page its table names for j // P (reserved before: a slot
+    on no page raises RuntimeError, nothing written)."""
     index = _write_index(inputs)
-    if index is not None:
-        write_tokens(store.k, store.v, k_new, v_new, *index)
+    if index is None:
+        return
+    rows, dst, src = index
+    if store.kind == PAGED:  # the table read per call: it is the layer's (one per step)
+        P = store.page_size
+        pages = store.page_table.entries[rows, dst // P]
+        if int(pages.min()) < 0:
+            bad = int(np.flatnonzero(pages < 0)[0])
+            raise RuntimeError(f"row {int(rows[bad])}'s slot {int(dst[bad])} is on no page (its "
+                               "table entry is -1): appends need their pages reserved first")
+        rows, dst = pages, dst % P
+    write_tokens(store.k, store.v, k_new, v_new, rows, dst, src)
 
 
 #: The last append's ``(inputs, index)``: a step's layers append by one ``AppendInputs``

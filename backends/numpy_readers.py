@@ -98,7 +98,11 @@ class Pages:
         # key piece) can start the item's keys inside a page
         bufs = None
         if keys > P and (j1 - 1) // P > j0 // P:
-            bufs = [np.empty((hh, keys // P, *v.shape[2:]), dtype=v.dtype) for v in views]
+            # no more pages than the item's keys span: a short row's buffers stay small (a
+            # 1 MiB one per call cost its allocation's page faults, 50 us a read)
+            spanned = -(-(j1 - j0 // P * P) // P)
+            bufs = [np.empty((hh, min(keys // P, spanned), *v.shape[2:]), dtype=v.dtype)
+                    for v in views]
         js = j0
         while js < j1:
             p0 = js // P

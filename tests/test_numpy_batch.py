@@ -210,7 +210,40 @@ def test_append_in_one_assignment_matches_per_row_writes(packed, dtype):
         for a, b in ((one.k, other.k), (one.v, other.v)):
             np.testing.assert_array_equal(a[r, :, :L].view(np.uint8), b[r, :, :L].view(np.uint8))
     assert np.asarray(one.lens).tolist() == [2 + 0, 1 + 5, 0 + 3, 2]  # rows 2, 0, 1 got 3, 0, 5
-    assert backend.route("write_kv", dtype=dtype, head_dim=8, layout="paged", codec=None).impl == GENERIC
+    assert backend.route("write_kv", dtype=dtype, head_dim=8, layout="paged", codec=None).impl == WRITE
+    assert backend.route("write_kv", dtype=dtype, head_dim=8, layout="contiguous",
+                         codec="int8").impl == GENERIC
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_paged_append_in_one_assignment(packed):
+    """Appends into 4-token pages (ragged, rows out of order, across page ends) land where
+    the page table says: every row reads back what a contiguous cache got from the same
+    appends; a slot on no page raises before anything is written."""
+    rng = np.random.default_rng(13)
+    paged = gqakv.PagedKVCache(3, 2, 24, 8, page_size=4, dtype="float32", backend="numpy")
+    flat = gqakv.KVCache(3, 2, 24, 8, dtype="float32", backend="numpy")
+    for n_new, rows in (([3, 6, 1], [1, 0, 2]), ([5, 0, 2], [2, 1, 0]), ([1, 1, 1], None)):
+        total, B = sum(n_new), len(n_new)
+        shape = (total, 2, 8) if packed else (B, 2, max(n_new), 8)
+        k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+        for cache in (paged, flat):
+            cache.append(k, v, n_new, rows=rows)
+    entries = np.asarray(paged.store.page_table.entries)
+    for r, L in enumerate(np.asarray(flat.lens)):
+        j = np.arange(L)
+        for pool, want in ((paged.k, flat.k), (paged.v, flat.v)):
+            got = pool[entries[r, j // 4], :, j % 4]  # [L, Hkv, d]
+            np.testing.assert_array_equal(got, want[r, :, :L].swapaxes(0, 1))
+    from gqakv.core.inputs import AppendInputs
+
+    before = paged.k.copy()
+    far = AppendInputs(rows=np.array([0, 1]), starts=np.array([int(paged.lens[0]), 20]),
+                       n_new=np.array([1, 1]))
+    x = np.ones((2, 2, 1, 8), np.float32)
+    with pytest.raises(RuntimeError, match="row 1's slot 20 is on no page"):
+        numpy_batch.append(paged.store, x, x, far)
+    np.testing.assert_array_equal(paged.k, before)
 
 
 def test_one_pass_and_write_are_the_host_time_kernels():

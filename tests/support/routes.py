@@ -337,7 +337,8 @@ def _cupy_store(f) -> Any:
 
 
 INTENDED = {
-    "numpy": {"attention": _numpy_attention, "write_kv": _plain_contiguous("numpy write_tokens")},
+    "numpy": {"attention": _numpy_attention,
+              "write_kv": lambda f: GENERIC if f["codec"] else "numpy write_tokens"},
     "numba": {"attention": _numba_attention, "write_kv": _plain_contiguous("numba write_tokens"),
               "copy_tokens": _plain_contiguous("numba copy_rows")},
     "cupy_emulated": {"attention": _cupy_store, "write_kv": _cupy_store,
