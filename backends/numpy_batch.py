@@ -14,9 +14,9 @@ call overhead for 260K multiply-adds, and the append's per-row slice assignments
   once per step by ``plan_batch``), one softmax and one stacked matmul for P V.
 
 A row shorter than the longest (or whose window starts later) reads columns past its own
-keys: its scores there are masked, and its values there are never multiplied, because the
-values of such rows are copied with those columns zeroed (a slot past a row's length may
-hold anything, NaN included). A query that sees no key (padding, an empty row) gives
+keys: its scores there are masked, and its values there are read as zeros (such rows'
+values are copied with those columns zeroed: a slot past a row's length may hold anything,
+NaN included, and p = 0 times NaN is NaN). A query that sees no key (padding, an empty row) gives
 exactly 0 and lse -inf. The padded work is bounded: ``plan_batch`` takes a call only when
 its scores are at most ``BATCH_MAX_SCORES`` and at most ``BATCH_MAX_WASTE`` times the
 scores the item kernel would compute; otherwise the items run.
