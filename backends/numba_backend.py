@@ -268,10 +268,8 @@ def _route_by_facts(request: Request) -> Route:
 @functools.lru_cache(maxsize=256)
 def _write_route(spec, head_dim: int, buffers: str | None, tokens: str) -> Route:
     """``route_copy`` of an append into a store of ``spec`` (kept: every layer of every
-    step asks it, and building the Request costs more than the lookup)."""
-    return route_copy(Request.make("write_kv", dtype=spec.q_dtype, head_dim=head_dim,
-                                   layout=spec.kind, codec=spec.codec.name, buffers=buffers,
-                                   tokens=tokens))
+    step asks it)."""
+    return route_copy(_numpy.write_request(spec, head_dim, tokens, buffers))
 
 
 @functools.lru_cache(maxsize=256)

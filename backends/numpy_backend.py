@@ -55,10 +55,11 @@ def route_attention(request: Request) -> Route:
 
 
 @functools.lru_cache(maxsize=256)
-def _write_route(spec, head_dim: int, tokens: str) -> Route:
-    """``route_write`` of an append into a store of ``spec`` (kept: every layer asks it)."""
-    return route_write(Request.make("write_kv", dtype=spec.q_dtype, head_dim=head_dim,
-                                    layout=spec.kind, codec=spec.codec.name, tokens=tokens))
+def write_request(spec, head_dim: int, tokens: str, buffers: str | None = None) -> Request:
+    """The routing request of an append into a store of ``spec`` (kept: every layer of
+    every step asks, and building a Request costs more than the lookup)."""
+    return Request.make("write_kv", dtype=spec.q_dtype, head_dim=head_dim, layout=spec.kind,
+                        codec=spec.codec.name, buffers=buffers, tokens=tokens)
 
 
 class NumpyBackend(Backend):
@@ -178,7 +179,8 @@ class NumpyBackend(Backend):
         (``route_write`` decides)."""
         from . import numpy_batch
 
-        if _write_route(store.spec, store.head_dim, PACKED if k_new.ndim == 3 else PADDED).impl == WRITE:
+        tokens = PACKED if k_new.ndim == 3 else PADDED
+        if route_write(write_request(store.spec, store.head_dim, tokens)).impl == WRITE:
             numpy_batch.append(store, k_new, v_new, inputs)
         else:
             super().write_kv(store, k_new, v_new, inputs)

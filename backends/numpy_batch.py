@@ -56,7 +56,8 @@ class BatchPlan:
     k0, k1: the keys read, the union of every entry's (``block_keys``); T: query slots
     per entry (packed: n_new, equal for every entry); hidden: bool ``[B, 1, 1, T, k1 -
     k0]`` (True: the query does not see the key) or None when every query sees every key;
-    empty: bool ``[B, 1, 1, T, 1]`` (True: the query sees no key) or None when none is;
+    empty: bool ``[B, Hkv, G * T, 1]`` (True: the tile row's query sees no key) or None
+    when none is;
     ranges: ``[(lo, hi)]`` per entry, the keys its queries see, when some entry's differ
     from ``k0..k1`` (its values there are copied, the rest zeroed), else None; packed:
     whether q is ``[B * T, Hq, d]``.
@@ -112,7 +113,11 @@ def plan_batch(store, inputs, params, q_shape) -> BatchPlan | None:
     rows = np.asarray(inputs.rows, dtype=np.int64)
     r0 = int(rows[0])
     consecutive = bool(np.array_equal(rows, np.arange(r0, r0 + B)))
-    empty = hidden.all(axis=-1, keepdims=True)
+    empty = hidden.all(axis=-1, keepdims=True)  # [B, 1, 1, T, 1]
+    if empty.any():  # as the tiles' rows (row g * T + t of KV head h), once per step
+        Hkv = store.kv_heads
+        G = int(q_shape[1]) // Hkv
+        empty = np.ascontiguousarray(np.broadcast_to(empty, (B, Hkv, G, T, 1))).reshape(B, Hkv, G * T, 1)
     return BatchPlan(slice(r0, r0 + B) if consecutive else rows, k0, k1, T,
                      hidden if hidden.any() else None, empty if empty.any() else None, ranges,
                      packed)
@@ -147,8 +152,8 @@ def attention(plan: BatchPlan, q, store, params, *, return_lse: bool):
 def attend_batch(q, k, v, hidden, empty, params, acc, out, lse) -> None:
     """The arithmetic (the host-time benchmark's kernel entry): ``q`` ``[B, Hq, T, d]``,
     ``k``/``v`` ``[B, Hkv, K, d]`` (any dtype, computed in ``acc``), ``hidden`` bool
-    ``[B, 1, 1, T, K]`` or None, ``empty`` bool ``[B, 1, 1, T, 1]`` (the query sees no
-    key) or None; results into ``out`` ``[B, Hq, T, d]`` and ``lse`` ``[B, Hq, T]`` (or
+    ``[B, 1, 1, T, K]`` or None, ``empty`` bool ``[B, Hkv, G * T, 1]`` (the tile row's
+    query sees no key) or None; results into ``out`` ``[B, Hq, T, d]`` and ``lse`` ``[B, Hq, T]`` (or
     None). Query head h reads KV head h // G (row g * T + t of KV head h // G's tile)."""
     B, Hq, T, d = q.shape
     Hkv, K = k.shape[1], k.shape[2]
@@ -184,9 +189,8 @@ def attend_batch(q, k, v, hidden, empty, params, acc, out, lse) -> None:
     if empty is None:
         o /= total
     else:  # out 0 (p = 0 times values the query never sees), lse -inf
-        none = np.broadcast_to(empty, (B, Hkv, G, T, 1)).reshape(B, Hkv, G * T, 1)
-        o /= np.where(none, 1, total)
-        np.copyto(o, 0, where=none)
+        o /= np.where(empty, 1, total)
+        np.copyto(o, 0, where=empty)
     out[...] = o.reshape(B, Hq, T, d)
     if lse is not None:
         with np.errstate(divide="ignore"):  # log(0) = -inf where no key is seen
