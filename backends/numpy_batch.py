@@ -11,7 +11,12 @@ call overhead for 260K multiply-adds, and the append's per-row slice assignments
 - ``attend_batch``: the keys ``k0..k1`` that some query of the call sees, of every row
   side by side (a view where the rows are consecutive), one stacked matmul for the
   scores ``[B, Hkv, G * T, k1 - k0]``, the mask of each row's own causal window (built
-  once per step by ``plan_batch``), one softmax and one stacked matmul for P V.
+  once per step by ``plan_batch``), one softmax and one stacked matmul for P V;
+- over pages, ``gather_pages`` first copies those keys and values of every row into this
+  thread's reused buffers ``[B, Hkv, k1 - k0, d]``: one ``np.take`` per pool through an
+  index of pool rows built once per step (``PageIndex``), so no buffer is allocated per
+  layer (fresh ones cost their page faults: a one-pass attempt that allocated them ran
+  slower than the items).
 
 A row shorter than the longest (or whose window starts later) reads columns past its own
 keys: its scores there are masked, and its values there are read as zeros (such rows'
@@ -25,6 +30,7 @@ scores the item kernel would compute; otherwise the items run.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 
@@ -49,6 +55,45 @@ BATCH_MAX_SCORES = 1 << 17
 BATCH_MAX_WASTE = 2
 
 
+class PageIndex:
+    """Where each key ``k0..k1`` of each entry and KV head lies in a paged store's pools,
+    as rows of the pool seen as ``[num_pages * Hkv * P, d]``: ``rows`` ``[B, Hkv, k1 -
+    k0]`` int64 (keys outside an entry's own range point at row 0: their scores are
+    masked and their values zeroed). Built for one page table state: ``stamp`` is the
+    table's entries array and ``version`` (``PageTable.version``), checked before each use."""
+
+    __slots__ = ("stamp", "rows")
+
+    def __init__(self, stamp, rows):
+        self.stamp, self.rows = stamp, rows
+
+
+def _page_index(store, rows, k0: int, k1: int, ranges) -> PageIndex | None:
+    """The ``PageIndex`` of entries ``rows`` (``[B]``) over keys ``k0..k1`` (each entry's own
+    ``ranges``, or all of them when None), or None when a key an entry sees is on no page
+    or on a page outside the pool (the items raise those errors) or the pools are not
+    C-contiguous."""
+    table = store.page_table
+    if not (store.k.flags.c_contiguous and store.v.flags.c_contiguous):
+        return None
+    P, Hkv = store.page_size, store.kv_heads
+    keys = np.arange(k0, k1)
+    pages = table.entries[np.asarray(rows)[:, None], keys // P].astype(np.int64)  # [B, K]
+    if ranges is not None:
+        outside = (keys < np.array([lo for lo, _ in ranges])[:, None]) | (
+            keys >= np.array([hi for _, hi in ranges])[:, None])
+        if (pages[~outside] < 0).any():
+            return None
+        pages[outside] = 0
+    elif (pages < 0).any():
+        return None
+    if pages.size and int(pages.max()) >= store.k.shape[0]:
+        return None  # an entry outside the pool: the items' reads raise
+    # pool row of (page, head, offset): (page * Hkv + head) * P + offset
+    index = (pages[:, None, :] * Hkv + np.arange(Hkv)[None, :, None]) * P + (keys % P)
+    return PageIndex((table.entries, table.version), index)
+
+
 class BatchPlan:
     """What ``attend_batch`` needs of one batch, worked out once per step.
 
@@ -60,22 +105,25 @@ class BatchPlan:
     when none is;
     ranges: ``[(lo, hi)]`` per entry, the keys its queries see, when some entry's differ
     from ``k0..k1`` (its values there are copied, the rest zeroed), else None; packed:
-    whether q is ``[B * T, Hq, d]``.
+    whether q is ``[B * T, Hq, d]``; pages: the ``PageIndex`` of a paged store (None:
+    contiguous).
     """
 
-    __slots__ = ("rows", "k0", "k1", "T", "hidden", "empty", "ranges", "packed")
+    __slots__ = ("rows", "k0", "k1", "T", "hidden", "empty", "ranges", "packed", "pages")
 
-    def __init__(self, rows, k0: int, k1: int, T: int, hidden, empty, ranges, packed: bool):
+    def __init__(self, rows, k0: int, k1: int, T: int, hidden, empty, ranges, packed: bool,
+                 pages: PageIndex | None = None):
         self.rows, self.k0, self.k1, self.T = rows, k0, k1, T
         self.hidden, self.empty, self.ranges, self.packed = hidden, empty, ranges, packed
+        self.pages = pages
 
 
 def plan_batch(store, inputs, params, q_shape) -> BatchPlan | None:
-    """The batch's ``BatchPlan`` when one pass serves it (contiguous plain storage without
-    leading axes; no ALiBi, draft tree or batch-invariant mode; packed queries only when
-    every entry has as many; scores within ``BATCH_MAX_SCORES`` and ``BATCH_MAX_WASTE``),
-    else None (the items run)."""
-    if (store.kind != CONTIGUOUS or store.quantized or store.leading
+    """The batch's ``BatchPlan`` when one pass serves it (plain storage without leading
+    axes, contiguous or paged in C-contiguous pools; no ALiBi, draft tree or
+    batch-invariant mode; packed queries only when every entry has as many; scores within
+    ``BATCH_MAX_SCORES`` and ``BATCH_MAX_WASTE``), else None (the items run)."""
+    if (store.kind not in (CONTIGUOUS, PAGED) or store.quantized or store.leading
             or not isinstance(store.k, np.ndarray) or params.alibi_slopes is not None
             or getattr(inputs, "tree", None) is not None or inputs.invariant):
         return None
@@ -111,6 +159,11 @@ def plan_batch(store, inputs, params, q_shape) -> BatchPlan | None:
     uneven = any(s != (k0, k1) for s in spans)
     ranges = [s if s is not None else (k0, k0) for s in spans] if uneven else None
     rows = np.asarray(inputs.rows, dtype=np.int64)
+    pages = None
+    if store.kind == PAGED:
+        pages = _page_index(store, rows, k0, k1, ranges)
+        if pages is None:
+            return None
     r0 = int(rows[0])
     consecutive = bool(np.array_equal(rows, np.arange(r0, r0 + B)))
     empty = hidden.all(axis=-1, keepdims=True)  # [B, 1, 1, T, 1]
@@ -120,7 +173,7 @@ def plan_batch(store, inputs, params, q_shape) -> BatchPlan | None:
         empty = np.ascontiguousarray(np.broadcast_to(empty, (B, Hkv, G, T, 1))).reshape(B, Hkv, G * T, 1)
     return BatchPlan(slice(r0, r0 + B) if consecutive else rows, k0, k1, T,
                      hidden if hidden.any() else None, empty if empty.any() else None, ranges,
-                     packed)
+                     packed, pages)
 
 
 def attention(plan: BatchPlan, q, store, params, *, return_lse: bool):
@@ -131,9 +184,13 @@ def attention(plan: BatchPlan, q, store, params, *, return_lse: bool):
     acc = np.float64 if q.dtype == np.float64 else np.float32
     out = np.zeros(q.shape, dtype=q.dtype)
     lse = np.full(q.shape[:-1], -np.inf, dtype=acc) if return_lse else None
-    k = store.k[plan.rows, :, plan.k0:plan.k1]
-    v = store.v[plan.rows, :, plan.k0:plan.k1]
-    if plan.ranges is not None:  # columns past a row's own keys: zeros, never what they hold
+    if plan.pages is not None:
+        k, v = _gathered(plan, store)
+    else:
+        k = store.k[plan.rows, :, plan.k0:plan.k1]
+        v = store.v[plan.rows, :, plan.k0:plan.k1]
+    if plan.ranges is not None and plan.pages is None:  # columns past a row's own keys:
+        # zeros, never what they hold
         v_own = np.zeros(v.shape, dtype=v.dtype)
         for i, (lo, hi) in enumerate(plan.ranges):
             v_own[i, :, lo - plan.k0:hi - plan.k0] = v[i, :, lo - plan.k0:hi - plan.k0]
@@ -195,6 +252,57 @@ def attend_batch(q, k, v, hidden, empty, params, acc, out, lse) -> None:
     if lse is not None:
         with np.errstate(divide="ignore"):  # log(0) = -inf where no key is seen
             lse[...] = (shift + np.log(total)).reshape(B, Hq, T)
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape: tuple, dtype) -> np.ndarray:
+    """A C-contiguous ``shape`` array of this thread's reused memory for ``name`` (not
+    zeroed, valid until this thread asks for ``name`` again)."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = getattr(_SCRATCH, name, None)
+    if buf is None or buf.size < size:
+        buf = np.empty(size, np.uint8)
+        setattr(_SCRATCH, name, buf)
+    return buf[:size].view(dtype).reshape(shape)
+
+
+def _gathered(plan: BatchPlan, store):
+    """The keys and values ``plan`` reads from a paged store, ``[B, Hkv, k1 - k0, d]``
+    each in this thread's scratch buffers (``gather_pages``), the index rebuilt first if the
+    page table changed since it was planned."""
+    table, index = store.page_table, plan.pages
+    assert index is not None
+    if index.stamp[0] is not table.entries or index.stamp[1] != table.version:
+        rows = np.arange(plan.rows.start, plan.rows.stop) if isinstance(plan.rows, slice) else plan.rows
+        fresh = _page_index(store, rows, plan.k0, plan.k1, plan.ranges)
+        if fresh is None:
+            raise RuntimeError("a key the batch reads is no longer on a page of its row "
+                               "(the page table changed since the step was planned)")
+        index = plan.pages = fresh
+    shape = (*index.rows.shape, store.k.shape[-1])
+    k = _scratch("k", shape, store.k.dtype)
+    v = _scratch("v", shape, store.v.dtype)
+    gather_pages(store.k, store.v, index.rows, plan.ranges, plan.k0, k, v)
+    return k, v
+
+
+def gather_pages(k_pool, v_pool, index, ranges, k0: int, k_out, v_out) -> None:
+    """Paged keys and values side by side (the host-time benchmark's kernel entry): pool
+    rows ``index`` (``[B, Hkv, K]`` into the pools seen as ``[num_pages * Hkv * P, d]``)
+    into ``k_out`` / ``v_out`` ``[B, Hkv, K, d]``; then, where ``ranges`` (``[(lo, hi)]``
+    per entry, or None) leaves columns outside an entry's own keys ``lo - k0 .. hi - k0``,
+    its values there are zeroed (what those pool rows hold is never read as a value)."""
+    d = k_pool.shape[-1]
+    # mode "clip": the index is checked when built (``_page_index``), and "raise" would
+    # gather into a temporary and copy it to out
+    np.take(k_pool.reshape(-1, d), index, axis=0, out=k_out, mode="clip")
+    np.take(v_pool.reshape(-1, d), index, axis=0, out=v_out, mode="clip")
+    if ranges is not None:
+        for i, (lo, hi) in enumerate(ranges):
+            v_out[i, :, :lo - k0] = 0
+            v_out[i, :, hi - k0:] = 0
 
 
 def write_tokens(k_buf, v_buf, k_new, v_new, dst_rows, dst_slots, src) -> None:

@@ -25,10 +25,15 @@ from .support.reference import reference_attention
 TOL = {"float64": 1e-10, "float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
 
 
-def _filled(rng, B, hkv, d, dtype, max_len):
-    """An empty numpy KVCache of ``B`` rows with NaN in every slot, and float64 K/V
-    ``[B, hkv, max_len, d]`` holding values the cache's dtype stores exactly."""
-    cache = gqakv.KVCache(B, hkv, max_len, d, dtype=dtype, backend="numpy")
+def _filled(rng, B, hkv, d, dtype, max_len, page_size=None):
+    """An empty numpy KVCache of ``B`` rows (a PagedKVCache with ``page_size``) with NaN in
+    every slot (every page of the pool), and float64 K/V ``[B, hkv, max_len, d]`` holding
+    values the cache's dtype stores exactly."""
+    if page_size is None:
+        cache = gqakv.KVCache(B, hkv, max_len, d, dtype=dtype, backend="numpy")
+    else:
+        cache = gqakv.PagedKVCache(B, hkv, max_len, d, page_size=page_size, dtype=dtype,
+                                   backend="numpy")
     cache.k[...] = np.nan
     cache.v[...] = np.nan
     k = rng.standard_normal((B, hkv, max_len, d))
@@ -58,12 +63,13 @@ def _variant(rng, Hq):
     return {}
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("seed", range(12))
-def test_one_pass_matches_reference(seed, dtype):
+def test_one_pass_matches_reference(seed, dtype, layout):
     rng = np.random.default_rng(seed)
     for _ in range(50):  # draws until one the one pass takes (most are)
-        case = _ragged_case(rng, dtype)
+        case = _ragged_case(rng, dtype, paged=layout == "paged")
         out, lse, one_pass = _attend(*case[:4], **case[-1])
         if one_pass:
             break
@@ -83,10 +89,12 @@ def test_one_pass_matches_reference(seed, dtype):
         assert not out64[b, :, n:].any()  # padded queries are exactly 0
 
 
-def _ragged_case(rng, dtype):
+def _ragged_case(rng, dtype, paged=False):
     """A cache of 1-5 rows, NaN past each row's length, a call over some of them in random
     order (ragged lengths and chunks, empty entries, padded slots) and a random variant:
-    ``(cache, q, n_new, rows, k, v, lens, variant)``, k / v the float64 truth."""
+    ``(cache, q, n_new, rows, k, v, lens, variant)``, k / v the float64 truth. ``paged``:
+    pages of 1-8 tokens, the rows written a few tokens at a time in turn, so that each
+    row's pages lie scattered through the pool among the other rows'."""
     hkv, G, d = int(rng.choice([1, 2, 3])), int(rng.integers(1, 5)), int(rng.choice([4, 8, 16]))
     rows_total = int(rng.integers(1, 6))
     B = int(rng.integers(1, rows_total + 1))
@@ -95,13 +103,15 @@ def _ragged_case(rng, dtype):
     n_new = rng.integers(0, 5, B)
     n_new[int(rng.integers(0, B))] = max(1, int(n_new.max()))  # some query in the call
     T = int(n_new.max()) + int(rng.integers(0, 2))  # padded slots past the longest chunk too
-    cache, k, v = _filled(rng, rows_total, hkv, d, dtype, max_len=40)
+    page_size = int(rng.choice([1, 2, 3, 4, 8])) if paged else None
+    cache, k, v = _filled(rng, rows_total, hkv, d, dtype, max_len=40, page_size=page_size)
     full = np.zeros(rows_total, dtype=np.int64)
     full[rows] = past + n_new
-    for r in range(rows_total):  # each row's tokens, written through the API
-        if full[r]:
-            cache.append(k[r:r + 1, :, :full[r]].astype(cache.k.dtype),
-                         v[r:r + 1, :, :full[r]].astype(cache.k.dtype), [int(full[r])], rows=[r])
+    while (left := full - np.asarray(cache.lens)).any():  # each row's tokens, through the API
+        r = int(rng.choice(np.flatnonzero(left)))
+        s, n = int(cache.lens[r]), min(int(left[r]), int(rng.integers(1, 6)))
+        cache.append(k[r:r + 1, :, s:s + n].astype(cache.k.dtype),
+                     v[r:r + 1, :, s:s + n].astype(cache.k.dtype), [n], rows=[r])
     q = rng.standard_normal((B, hkv * G, T, d)).astype(cache.k.dtype)
     return cache, q, n_new, rows, k, v, full[rows], _variant(rng, hkv * G)
 
@@ -123,7 +133,7 @@ def test_packed_equal_chunks_take_the_one_pass():
 
 
 def test_what_the_items_keep():
-    """ALiBi, draft trees, batch-invariant mode, paged and quantized storage, packed
+    """ALiBi, draft trees, batch-invariant mode, quantized storage, packed
     chunks of unequal length, calls over ``BATCH_MAX_SCORES`` and calls that would pad
     more than ``BATCH_MAX_WASTE`` times their own scores run the items."""
     rng = np.random.default_rng(5)
@@ -155,7 +165,7 @@ def test_what_the_items_keep():
     assert planned(big, [8]) is None  # one key more
     paged = gqakv.PagedKVCache(2, 2, 64, 8, page_size=16, dtype="float32", backend="numpy")
     paged.append(np.zeros((2, 2, 5, 8), np.float32), np.zeros((2, 2, 5, 8), np.float32), [5, 5])
-    assert planned(paged, [1, 1]) is None
+    assert planned(paged, [1, 1]).pages is not None  # pages: gathered (test_paged_* below)
     coded = gqakv.KVCache(2, 2, 64, 8, kv_dtype="int8", backend="numpy")
     coded.append(np.ones((2, 2, 5, 8), np.float32), np.ones((2, 2, 5, 8), np.float32), [5, 5])
     assert planned(coded, [1, 1]) is None
@@ -180,6 +190,81 @@ def test_nan_past_a_short_row_stays_out():
     assert one_pass and np.isfinite(out).all()
     want, _ = reference_attention(q, [k[0, :, :3], k[1, :, :30]], [v[0, :, :3], v[1, :, :30]], [1, 1])
     np.testing.assert_allclose(out, want, atol=1e-12)
+
+
+def test_gather_zeroes_values_outside_each_entrys_keys():
+    """``gather_pages`` copies the indexed pool rows, and where an entry's own keys end
+    (or start later) its values are 0 whatever those pool rows hold (NaN here), so that
+    p = 0 there adds nothing."""
+    pool_k = np.full((3, 2, 4, 8), np.nan, dtype=np.float32)  # [num_pages, Hkv, P, d]
+    pool_v = np.full((3, 2, 4, 8), np.nan, dtype=np.float32)
+    pool_k[1], pool_v[1] = 1.0, 2.0
+    pool_k[1, 1, 2], pool_v[1, 1, 2] = 5.0, 7.0
+    rows = (1 * 2 + np.arange(2)[None, :, None]) * 4 + np.arange(4)[None, None, :]  # page 1
+    index = np.concatenate([rows, np.zeros_like(rows)])  # entry 1 reads NaN rows outside
+    k_out = np.empty((2, 2, 4, 8), np.float32)
+    v_out = np.empty((2, 2, 4, 8), np.float32)
+    numpy_batch.gather_pages(pool_k, pool_v, index, [(10, 14), (11, 13)], 10, k_out, v_out)
+    np.testing.assert_array_equal(k_out[0], pool_k[1])
+    np.testing.assert_array_equal(v_out[0], pool_v[1])
+    assert not v_out[1, :, 0].any() and not v_out[1, :, 3].any()  # outside keys 11..12
+    assert np.isnan(v_out[1, :, 1:3]).all()  # the rows it was told to read, as they are
+
+
+def test_paged_window_reads_no_released_page():
+    """A windowed PagedKVCache releases the pages behind each row's window: rows of
+    unequal length then read a key range whose start lies on released pages (-1) of the
+    longer rows. The one pass takes the call, reads none of them, and matches the
+    reference."""
+    rng = np.random.default_rng(21)
+    W, d = 6, 8
+    cache = gqakv.PagedKVCache(3, 2, 64, d, page_size=2, window=W, dtype="float64",
+                               backend="numpy")
+    cache.k[...] = np.nan
+    cache.v[...] = np.nan
+    k, v = rng.standard_normal((3, 2, 64, d)), rng.standard_normal((3, 2, 64, d))
+    lens = [14, 10, 9]  # window keys 8..13, 4..9 and 3..8: the one pass reads keys 3..13
+    for r, L in enumerate(lens):
+        for s in range(0, L, 3):
+            n = min(3, L - s)
+            cache.append(k[r:r + 1, :, s:s + n], v[r:r + 1, :, s:s + n], [n], rows=[r])
+    assert (np.asarray(cache.store.page_table.entries)[0, 1:3] < 0).all()  # keys 2..5 released
+    q = rng.standard_normal((3, 4, 1, d))
+    out, lse, one_pass = _attend(cache, q, [1, 1, 1], None, window=W)
+    assert one_pass
+    want, want_lse = reference_attention(q, [k[r, :, :L] for r, L in enumerate(lens)],
+                                         [v[r, :, :L] for r, L in enumerate(lens)], [1, 1, 1],
+                                         window=W)
+    np.testing.assert_allclose(out, want, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-12)
+
+
+def test_paged_plan_follows_the_table_it_runs_over():
+    """A plan made over one paged cache runs over another of the same lengths (another
+    layer's) whose pages lie elsewhere, and back: each run reads its own cache's pages
+    (the index is rebuilt when the table or its version differs from the one planned)."""
+    rng = np.random.default_rng(23)
+    caches = []
+    for order in ([0, 1, 2], [2, 0, 1]):  # the rows' pages taken in another order
+        cache, k, v = _filled(rng, 3, 2, 8, "float32", max_len=32, page_size=4)
+        for r in order:
+            cache.append(k[r:r + 1, :, :10].astype(np.float32),
+                         v[r:r + 1, :, :10].astype(np.float32), [10], rows=[r])
+        caches.append((cache, k, v))
+    plan = gqakv.plan_attention(caches[0][0], [1, 1, 1], q_heads=4)
+    assert plan.work.batch is not None and plan.work.batch.pages is not None
+    q = rng.standard_normal((3, 4, 1, 8)).astype(np.float32)
+    for cache, k, v in (caches[1], caches[0], caches[1]):
+        out = plan.run(q, cache)
+        want, _ = reference_attention(np.asarray(q, np.float64), list(k[:, :, :10]),
+                                      list(v[:, :, :10]), [1, 1, 1])
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    cache, k, v = caches[0]
+    cache.reorder([1, 2, 0])  # entries change, version counts: rows now hold 1, 2, 0
+    out = plan.run(q, cache)
+    want, _ = reference_attention(np.asarray(q, np.float64), list(k[[1, 2, 0], :, :10]),
+                                  list(v[[1, 2, 0], :, :10]), [1, 1, 1])
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -247,12 +332,13 @@ def test_paged_append_in_one_assignment(packed):
 
 
 def test_one_pass_and_write_are_the_host_time_kernels():
-    """The numpy backend declares the one pass and the append's moves as its kernels, so
+    """The numpy backend declares the one pass, its paged gather and the append's moves as its kernels, so
     the host-time benchmark gives its host work; no-op'd, a decode step computes nothing."""
     from gqakv.tools.host_time import step_host_time
 
     backend = gqakv.get_backend("numpy")
     assert set(backend.kernel_entries()) == {("gqakv_backends.numpy_batch", "attend_batch"),
+                                             ("gqakv_backends.numpy_batch", "gather_pages"),
                                              ("gqakv_backends.numpy_batch", "write_tokens")}
     host = step_host_time(backend, layers=2, batch=2, kv_heads=2, group=2, head_dim=8, rounds=1,
                           steps_per_round=1)

@@ -514,25 +514,29 @@ def test_numpy_paged_kernel_matches_contiguous(dtype, page_size, monkeypatch):
 
 # numba serves paged decode with its own kernels (tests/test_numba_storage.py) and hands
 # long chunks here (test_long_chunks_over_paged_and_quantized_take_the_numpy_paths there)
-@pytest.mark.parametrize("name", ["numpy"])
-def test_cpu_backends_route_paged_storage_to_the_page_table_kernel(name, monkeypatch):
-    from gqakv_backends import numpy_readers
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_cpu_backends_route_paged_storage_to_the_page_table_kernel(one_pass, monkeypatch):
+    """numpy reads pages through the page table: a small call's one pass gathers every
+    row's keys once (``numpy_batch.gather_pages``), the items read each row's pages
+    (``numpy_readers.Pages.read``)."""
+    from gqakv_backends import numpy_batch, numpy_readers
 
-    backend = gqakv.get_backend(name) if name == "numpy" else None
-    if backend is None:
-        b = [x for x in gqakv.list_backends() if x.name == name][0]
-        if b.unavailable_reason():
-            pytest.skip(b.unavailable_reason())
-        backend = b
+    backend = gqakv.get_backend("numpy")
+    if not one_pass:
+        monkeypatch.setattr(numpy_batch, "BATCH_MAX_SCORES", 0)
     calls = []
     real = numpy_readers.Pages.read
     monkeypatch.setattr(numpy_readers.Pages, "read",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+                        lambda *a, **k: calls.append("items") or real(*a, **k))
+    gather = numpy_batch.gather_pages
+    monkeypatch.setattr(numpy_batch, "gather_pages",
+                        lambda *a, **k: calls.append("one pass") or gather(*a, **k))
     cache = gqakv.PagedKVCache(2, 1, 40, 4, backend=backend, page_size=4)
     x = np.random.default_rng(0).standard_normal((2, 1, 9, 4)).astype(np.float32)
     cache.append(x, x, [9, 5])
     q = np.random.default_rng(1).standard_normal((2, 2, 1, 4)).astype(np.float32)
     out = gqakv.gqa_attention(q, cache, [1, 1])
-    assert calls == [1, 1]  # one item per row, each read through its page table
+    # one gather for the batch, or one item per row, each read through its page table
+    assert calls == (["one pass"] if one_pass else ["items", "items"])
     want, _ = reference_attention(q, [x[0], x[1, :, :5]], [x[0], x[1, :, :5]], [1, 1])
     np.testing.assert_allclose(out, want, atol=1e-5)
