@@ -30,6 +30,7 @@ scores the item kernel would compute; otherwise the items run.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 
 import numpy as np
@@ -259,13 +260,16 @@ _SCRATCH = threading.local()
 
 def _scratch(name: str, shape: tuple, dtype) -> np.ndarray:
     """A C-contiguous ``shape`` array of this thread's reused memory for ``name`` (not
-    zeroed, valid until this thread asks for ``name`` again)."""
-    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    buf = getattr(_SCRATCH, name, None)
-    if buf is None or buf.size < size:
-        buf = np.empty(size, np.uint8)
-        setattr(_SCRATCH, name, buf)
-    return buf[:size].view(dtype).reshape(shape)
+    zeroed, valid until this thread asks for ``name`` again); the same array object while
+    ``shape`` and ``dtype`` stay (every layer of a step asks for the same)."""
+    last = getattr(_SCRATCH, name, None)
+    if last is not None and last[0] == shape and last[1] == dtype:
+        return last[3]
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    memory = last[2] if last is not None and last[2].size >= size else np.empty(size, np.uint8)
+    array = memory[:size].view(dtype).reshape(shape)
+    setattr(_SCRATCH, name, (shape, dtype, memory, array))
+    return array
 
 
 def _gathered(plan: BatchPlan, store):
@@ -330,15 +334,34 @@ def append(store, k_new, v_new, inputs) -> None:
     if index is None:
         return
     rows, dst, src = index
-    if store.kind == PAGED:  # the table read per call: it is the layer's (one per step)
-        P = store.page_size
-        pages = store.page_table.entries[rows, dst // P]
-        if int(pages.min()) < 0:
-            bad = int(np.flatnonzero(pages < 0)[0])
-            raise RuntimeError(f"row {int(rows[bad])}'s slot {int(dst[bad])} is on no page (its "
-                               "table entry is -1): appends need their pages reserved first")
-        rows, dst = pages, dst % P
+    if store.kind == PAGED:
+        rows, dst = _paged_slots(store, rows, dst)
     write_tokens(store.k, store.v, k_new, v_new, rows, dst, src)
+
+
+#: The last paged append's ``(key, (pages, offsets))``: a step's layers share one page
+#: table, so they translate their slots once (``_paged_slots``).
+_last_paged: list = [(None, None)]
+
+
+def _paged_slots(store, rows, dst):
+    """(pages, offsets in them) of slots ``dst`` of ``rows`` by ``store``'s page table;
+    RuntimeError (nothing written) for a slot on no page. Kept for the next call with the
+    same index arrays, table entries and table version."""
+    table = store.page_table
+    key = (rows, dst, table.entries, table.version)
+    key_then, slots = _last_paged[0]  # one read: another thread may set it meanwhile
+    if key_then is not None and all(a is b for a, b in zip(key_then[:3], key[:3])) and key_then[3] == key[3]:
+        return slots
+    P = store.page_size
+    pages = table.entries[rows, dst // P]
+    if int(pages.min()) < 0:
+        bad = int(np.flatnonzero(pages < 0)[0])
+        raise RuntimeError(f"row {int(rows[bad])}'s slot {int(dst[bad])} is on no page (its "
+                           "table entry is -1): appends need their pages reserved first")
+    slots = (pages, dst % P)
+    _last_paged[0] = (key, slots)
+    return slots
 
 
 #: The last append's ``(inputs, index)``: a step's layers append by one ``AppendInputs``

@@ -446,7 +446,7 @@ SMOKE = {
     "PagedDecode": (("numpy", "4x4096", 16, "bfloat16"), {"CASES": {"4x4096": (2, 40)}}),
     "PagedFork": (("numpy",), {"L": 40, "ROWS": 3}),
     "QuantizedDecode": (("numpy", "4x4096", "int8"), {"CASES": {"4x4096": (2, 40)}}),
-    "StepHostTime": (("numba",), {"LAYERS": 2, "ROUNDS": 1}),
+    "StepHostTime": (("numba", "paged 16"), {"LAYERS": 2, "ROUNDS": 1}),
     "MixedBatch": (("numpy",), {"CASE": {"decoders": 3, "chunk": 8, "row_len": 24,
                                          "block_s": 0.001}, "ROUNDS": 1}),
     "SharedPrefix": (("numpy", "8 rows x 1024", "float32"),
@@ -600,6 +600,9 @@ def test_bench_host_time_reports_the_host_share(capsys):
     text = run_cli(capsys, ["bench", *TINY, "--host-time", "--backend", "numpy"]).out
     assert text.count("host time: 32-layer decode step") == 2 and text.count("us of host work per layer") == 2
     assert "caches cold (32 MiB read before each layer, untimed)" in text
+    text = run_cli(capsys, ["bench", *TINY, "--host-time", "--backend", "numpy", "--page-size", "16"]).out
+    assert text.count("16 live tokens, float32, pages of 16") == 2  # the step over pages
+    assert text.count("us of host work per layer") == 2
 
 
 def test_cold_host_time_leaves_the_sweeps_out():

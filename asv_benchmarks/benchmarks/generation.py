@@ -8,6 +8,7 @@ on two cores, mostly in the concatenation baseline.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -130,42 +131,47 @@ class StepHostTime:
     (``gqakv.tools.host_time``); the issue's target is 40 us per layer on numba and numpy. Also cold:
     32 MiB read before each layer (untimed), as a model's matmuls leave the caches (3.5x
     the tight loop's figure on numba, as SmolLM2's decode measures in place). Backends
-    that declare no kernel entries are skipped."""
+    that declare no kernel entries are skipped. Contiguous rows, and pages of 16 tokens (the
+    serving default)."""
 
-    params = [BACKENDS]
-    param_names = ["backend"]
+    params = [BACKENDS, ["contiguous", "paged 16"]]
+    param_names = ["backend", "storage"]
     timeout = 300
     LAYERS, ROUNDS = 32, 5
 
-    def setup(self, backend):
+    def setup(self, backend, storage):
         b = backend_or_skip(backend)
+        paged = {} if storage == "contiguous" else {"page_size": int(storage.split()[-1])}
         try:
             from gqakv.tools.host_time import step_host_time
         except ImportError:
             raise NotImplementedError("gqakv.tools.host_time does not exist in this commit") from None
         if not b.kernel_entries():
             raise NotImplementedError(f"{backend}: declares no kernel entries to exclude")
-        self.result = step_host_time(b, layers=self.LAYERS, rounds=self.ROUNDS)
+        if paged and "page_size" not in inspect.signature(step_host_time).parameters:
+            raise NotImplementedError("this commit's host_time has no paged step")
+        self.result = step_host_time(b, layers=self.LAYERS, rounds=self.ROUNDS, **paged)
         try:  # cold: the caches as a model's matmuls leave them (HOST_EVICT_BYTES read before each layer)
             from gqakv.tools.host_time import HOST_EVICT_BYTES
         except ImportError:
             self.cold = None
         else:
-            self.cold = step_host_time(b, layers=self.LAYERS, rounds=self.ROUNDS, evict_bytes=HOST_EVICT_BYTES)
+            self.cold = step_host_time(b, layers=self.LAYERS, rounds=self.ROUNDS,
+                                       evict_bytes=HOST_EVICT_BYTES, **paged)
 
-    def track_host_us_per_layer(self, backend):
+    def track_host_us_per_layer(self, backend, storage):
         return self.result["host_per_layer_us"]
 
     track_host_us_per_layer.unit = "us"
 
-    def track_host_us_per_layer_cold(self, backend):
+    def track_host_us_per_layer_cold(self, backend, storage):
         if self.cold is None:
             raise NotImplementedError("this commit's host_time has no cold measurement")
         return self.cold["host_per_layer_us"]
 
     track_host_us_per_layer_cold.unit = "us"
 
-    def track_kernel_share(self, backend):
+    def track_kernel_share(self, backend, storage):
         return self.result["kernel_share"]
 
     track_kernel_share.unit = "fraction"

@@ -612,7 +612,8 @@ def add_arguments(parser) -> None:
                         help="also time a 32-layer decode step (B=8, Hkv=8, G=4, d=64, 16 live "
                              "tokens) as it is and with the backend's kernels no-op'd: the host "
                              "time per layer, in a tight loop and with the caches cold (32 MiB "
-                             "read before each layer, as a model's matmuls leave them)")
+                             "read before each layer, as a model's matmuls leave them); with "
+                             "--page-size, over pages of that many tokens")
     parser.add_argument("--mixed-batch", action="store_true",
                         help="also time a mixed batch (1 row attending a 512-token prefill chunk, "
                              "31 decoding one token, rows of 2,048 tokens; Hkv=8, G=4, d=64): "
@@ -724,7 +725,8 @@ def run(args) -> int:
         from .host_time import HOST_EVICT_BYTES, step_host_time
 
         # as a tight loop leaves the caches, then cold as a model's matmuls leave them
-        host = [step_host_time(cache.backend), step_host_time(cache.backend, evict_bytes=HOST_EVICT_BYTES)]
+        host = [step_host_time(cache.backend, page_size=cfg.page_size),
+                step_host_time(cache.backend, evict_bytes=HOST_EVICT_BYTES, page_size=cfg.page_size)]
     mixed = None
     if args.mixed_batch:
         from .mixed_batch import mixed_batch_times
@@ -819,8 +821,9 @@ def _print_mixed_batch(m: dict) -> None:
 
 
 def _print_host_time(h: dict) -> None:
+    pages = f", pages of {h['page_size']}" if h.get("page_size") else ""
     shape = (f"{h['layers']}-layer decode step, B={h['batch']}, Hkv={h['kv_heads']}, G={h['group']}, "
-             f"d={h['head_dim']}, {h['live']} live tokens, {h['dtype']}")
+             f"d={h['head_dim']}, {h['live']} live tokens, {h['dtype']}{pages}")
     caches = (f", caches cold ({h['evict_bytes'] >> 20} MiB read before each layer, untimed)"
               if h["evict_bytes"] else "")
     if h["host_s"] is None:
