@@ -277,11 +277,15 @@ def route_copy(request: Request) -> Route:
     """The numba backend's append (``write_kv``) and row-copy (``copy_tokens``) decision:
     one compiled call for every row (``numba_kernels.write_tokens``, ``copy_rows``: a
     ``memmove`` per contiguous run) into contiguous, plain storage (a paged pool's pages
-    count as such rows for a copy) whose buffers suit it (``buffers`` None), else the
-    generic code (a paged append looks its pages up there; codes, scales and their copies
-    are computed there)."""
+    count as such rows for a copy) whose buffers suit it (``buffers`` None); else an
+    append takes the NumPy backend's decision (``numpy_backend.route_write``: plain pages
+    by one assignment through the page table, ``numpy_batch.append``), and a copy the
+    generic code (codes, scales and their copies are computed there)."""
     path = WRITE_PATH if request.op == "write_kv" else COPY_PATH
     why = path.rejection(request) or request.buffers
+    if why and request.op == "write_kv":  # plain pages: the NumPy backend's one assignment
+        fallback = _numpy.route_write(request)
+        return Route(fallback.impl, {path.name: why, **fallback.rejected})
     if why:
         return Route(GENERIC, {path.name: why})
     return Route(path.name, {GENERIC: f"{path.name} serves this call (kernels come first)"})
@@ -306,7 +310,8 @@ class NumbaBackend(NumpyBackend):
         "draft trees in the kernels (speculative verification: ancestors per chunk query)",
     })
 
-    fast_paths = (KERNEL_PATH, AMX_PATH, *_numpy.FAST_PATHS, WRITE_PATH, COPY_PATH)
+    fast_paths = (KERNEL_PATH, AMX_PATH, *_numpy.FAST_PATHS, WRITE_PATH, _numpy.WRITE_PATH,
+                  COPY_PATH)
     # The kernels are compute-bound at G = 4 (a shared call's tile does the rows'
     # arithmetic), so a shared-prefix group over 16-bit or 8-bit storage, whose reads cost
     # less, must save more of them. Measured 2026-12-05 (shared_prefix_times, Hkv 8, G 4,
@@ -351,9 +356,12 @@ class NumbaBackend(NumpyBackend):
         return split, "forced splits (attention_numba, 16-key pieces, 2 workers) + merge_attention"
 
     def kernel_entries(self) -> tuple[tuple[str, str], ...]:
+        """The compiled kernels, and the byte moves of an append into pages (the NumPy
+        backend's ``numpy_batch.write_tokens``, which this backend's route takes there)."""
         kernels = f"{__package__}.numba_kernels"
-        return tuple((kernels, name) for name in ("attention_items", "merge_pieces", "write_tokens",
-                                                  "copy_rows"))
+        return (*((kernels, name) for name in ("attention_items", "merge_pieces", "write_tokens",
+                                               "copy_rows")),
+                (f"{__package__}.numpy_batch", "write_tokens"))
 
     def thread_count(self) -> int | None:
         return default_workers()
@@ -391,8 +399,7 @@ class NumbaBackend(NumpyBackend):
             AMX: _amx_line(),
             **{impl: f"{why} (the numpy backend's)"
                for impl, why in super().implementations().items() if impl != GENERIC},
-            GENERIC: "paged or quantized appends, quantized row copies, attention over "
-                     "other codecs",
+            GENERIC: "quantized appends, quantized row copies, attention over other codecs",
         }
 
     def _attention_decision(self, q, k_buf, v_buf, store=None, features=frozenset(),
@@ -452,11 +459,16 @@ class NumbaBackend(NumpyBackend):
 
     def write_kv(self, store, k_new, v_new, inputs) -> None:
         """Contiguous, unquantized storage: every entry's tokens written by one compiled
-        call (``numba_kernels.write_tokens``) instead of a slice assignment per row; paged
-        and quantized storage: the NumPy path (pages to look up, codes to compute)."""
+        call (``numba_kernels.write_tokens``) instead of a slice assignment per row;
+        unquantized pages: one assignment through the page table (``numpy_batch.append``);
+        quantized storage: the generic per-row writes (codes to compute)."""
         route, bits = self._write_decision(store, k_new, v_new)
         if route.impl == GENERIC:  # the generic per-row writes (this backend's route says so)
             return Backend.write_kv(self, store, k_new, v_new, inputs)
+        if route.impl == _numpy.WRITE:  # plain pages: one assignment through the page table
+            from . import numpy_batch
+
+            return numpy_batch.append(store, k_new, v_new, inputs)
         assert bits is not None  # the route chose the kernel: its buffers were viewed
         _kernels().write_tokens(*bits, np.asarray(inputs.rows, dtype=np.int64),
                                 np.asarray(inputs.starts, dtype=np.int64),

@@ -349,18 +349,19 @@ def _paged_slots(store, rows, dst):
     RuntimeError (nothing written) for a slot on no page. Kept for the next call with the
     same index arrays, table entries and table version."""
     table = store.page_table
-    key = (rows, dst, table.entries, table.version)
+    entries, version = table.entries, table.version
     key_then, slots = _last_paged[0]  # one read: another thread may set it meanwhile
-    if key_then is not None and all(a is b for a, b in zip(key_then[:3], key[:3])) and key_then[3] == key[3]:
+    if (key_then is not None and key_then[0] is rows and key_then[1] is dst
+            and key_then[2] is entries and key_then[3] == version):
         return slots
     P = store.page_size
-    pages = table.entries[rows, dst // P]
+    pages = entries[rows, dst // P]
     if int(pages.min()) < 0:
         bad = int(np.flatnonzero(pages < 0)[0])
         raise RuntimeError(f"row {int(rows[bad])}'s slot {int(dst[bad])} is on no page (its "
                            "table entry is -1): appends need their pages reserved first")
     slots = (pages, dst % P)
-    _last_paged[0] = (key, slots)
+    _last_paged[0] = ((rows, dst, entries, version), slots)
     return slots
 
 

@@ -300,13 +300,20 @@ def test_append_in_one_assignment_matches_per_row_writes(packed, dtype):
                          codec="int8").impl == GENERIC
 
 
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_paged_append_in_one_assignment(packed):
+def test_paged_append_in_one_assignment(packed, backend):
     """Appends into 4-token pages (ragged, rows out of order, across page ends) land where
     the page table says: every row reads back what a contiguous cache got from the same
-    appends; a slot on no page raises before anything is written."""
+    appends; a slot on no page raises before anything is written. numba's paged appends
+    take the same route."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+        route = gqakv.get_backend("numba").route("write_kv", dtype="float32", head_dim=8,
+                                                 layout="paged", codec=None)
+        assert route.impl == WRITE
     rng = np.random.default_rng(13)
-    paged = gqakv.PagedKVCache(3, 2, 24, 8, page_size=4, dtype="float32", backend="numpy")
+    paged = gqakv.PagedKVCache(3, 2, 24, 8, page_size=4, dtype="float32", backend=backend)
     flat = gqakv.KVCache(3, 2, 24, 8, dtype="float32", backend="numpy")
     for n_new, rows in (([3, 6, 1], [1, 0, 2]), ([5, 0, 2], [2, 1, 0]), ([1, 1, 1], None)):
         total, B = sum(n_new), len(n_new)

@@ -339,7 +339,9 @@ def _cupy_store(f) -> Any:
 INTENDED = {
     "numpy": {"attention": _numpy_attention,
               "write_kv": lambda f: GENERIC if f["codec"] else "numpy write_tokens"},
-    "numba": {"attention": _numba_attention, "write_kv": _plain_contiguous("numba write_tokens"),
+    "numba": {"attention": _numba_attention,
+              "write_kv": lambda f: (GENERIC if f["codec"] else "numba write_tokens"
+                                     if f["layout"] == "contiguous" else "numpy write_tokens"),
               "copy_tokens": _plain_contiguous("numba copy_rows")},
     "cupy_emulated": {"attention": _cupy_store, "write_kv": _cupy_store,
                       "copy_tokens": _cupy_store},
