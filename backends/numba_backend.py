@@ -278,9 +278,9 @@ def route_copy(request: Request) -> Route:
     one compiled call for every row (``numba_kernels.write_tokens``, ``copy_rows``: a
     ``memmove`` per contiguous run) into contiguous, plain storage (a paged pool's pages
     count as such rows for a copy) whose buffers suit it (``buffers`` None); else an
-    append takes the NumPy backend's decision (``numpy_backend.route_write``: plain pages
-    by one assignment through the page table, ``numpy_batch.append``), and a copy the
-    generic code (codes, scales and their copies are computed there)."""
+    append takes the NumPy backend's decision (``numpy_backend.route_write``: pages and
+    the built-in codecs by one assignment per buffer, ``numpy_batch.append``), and a copy
+    the generic code (codes, scales and their copies are computed there)."""
     path = WRITE_PATH if request.op == "write_kv" else COPY_PATH
     why = path.rejection(request) or request.buffers
     if why and request.op == "write_kv":  # plain pages: the NumPy backend's one assignment
@@ -356,12 +356,14 @@ class NumbaBackend(NumpyBackend):
         return split, "forced splits (attention_numba, 16-key pieces, 2 workers) + merge_attention"
 
     def kernel_entries(self) -> tuple[tuple[str, str], ...]:
-        """The compiled kernels, and the byte moves of an append into pages (the NumPy
-        backend's ``numpy_batch.write_tokens``, which this backend's route takes there)."""
+        """The compiled kernels, and the appends this backend's route hands to the NumPy
+        backend (``numpy_batch.write_tokens`` into pages, ``write_coded`` of codes)."""
         kernels = f"{__package__}.numba_kernels"
         return (*((kernels, name) for name in ("attention_items", "merge_pieces", "write_tokens",
                                                "copy_rows")),
-                (f"{__package__}.numpy_batch", "write_tokens"))
+                (f"{__package__}.numpy_batch", "write_tokens"),
+                (f"{__package__}.numpy_batch", "write_coded"),
+                (f"{__package__}.numpy_batch", "write_rows"))
 
     def thread_count(self) -> int | None:
         return default_workers()
@@ -399,7 +401,7 @@ class NumbaBackend(NumpyBackend):
             AMX: _amx_line(),
             **{impl: f"{why} (the numpy backend's)"
                for impl, why in super().implementations().items() if impl != GENERIC},
-            GENERIC: "quantized appends, quantized row copies, attention over other codecs",
+            GENERIC: "quantized row copies, appends and attention in other codecs",
         }
 
     def _attention_decision(self, q, k_buf, v_buf, store=None, features=frozenset(),
@@ -460,12 +462,12 @@ class NumbaBackend(NumpyBackend):
     def write_kv(self, store, k_new, v_new, inputs) -> None:
         """Contiguous, unquantized storage: every entry's tokens written by one compiled
         call (``numba_kernels.write_tokens``) instead of a slice assignment per row;
-        unquantized pages: one assignment through the page table (``numpy_batch.append``);
-        quantized storage: the generic per-row writes (codes to compute)."""
+        pages and codecs: the NumPy backend's one assignment per buffer through the page
+        table, codes encoded for every token at once (``numpy_batch.append``)."""
         route, bits = self._write_decision(store, k_new, v_new)
         if route.impl == GENERIC:  # the generic per-row writes (this backend's route says so)
             return Backend.write_kv(self, store, k_new, v_new, inputs)
-        if route.impl == _numpy.WRITE:  # plain pages: one assignment through the page table
+        if route.impl == _numpy.WRITE:  # pages, codes: one assignment per buffer
             from . import numpy_batch
 
             return numpy_batch.append(store, k_new, v_new, inputs)

@@ -31,15 +31,20 @@ FAST_PATHS: tuple[FastPath, ...] = (
              frozenset({PLAIN_NAME, "int8", "float8_e4m3fn", *GROUPED}), BLAS_FEATURES,
              tokens=frozenset({PADDED, PACKED}), invariant=True),
 )
-WRITE_PATH = FastPath(WRITE, "write_kv", frozenset({CONTIGUOUS, PAGED}), frozenset({PLAIN_NAME}),
+#: Appends (``numpy_batch.append``): plain values by one assignment per buffer, and the
+#: built-in codecs' codes and scales by one encode of every new token and one assignment
+#: per part (each token is encoded from its own values alone, so the parts are those of
+#: the generic per-row writes, bit for bit).
+WRITE_PATH = FastPath(WRITE, "write_kv", frozenset({CONTIGUOUS, PAGED}),
+                      frozenset({PLAIN_NAME, "int8", "float8_e4m3fn", *GROUPED}),
                       tokens=frozenset({PADDED, PACKED}))
 
 
 @functools.lru_cache(maxsize=256)
 def route_write(request: Request) -> Route:
-    """The NumPy backend's append decision: ``numpy_batch.write_tokens`` into plain
-    storage, contiguous or paged, held in NumPy arrays (``buffers`` None), else the generic
-    per-row writes (codes and scales to compute)."""
+    """The NumPy backend's append decision: ``numpy_batch.append`` into storage,
+    contiguous or paged, of the codecs ``WRITE_PATH`` declares, held in NumPy arrays
+    (``buffers`` None), else the generic per-row writes."""
     why = WRITE_PATH.rejection(request) or request.buffers
     if why:
         return Route(GENERIC, {WRITE: why})
@@ -169,14 +174,15 @@ class NumpyBackend(Backend):
                   "plain or int8 / float8_e4m3fn (each block dequantized as read), every dtype "
                   "(float16/bfloat16 in float32); window, softcap, sinks, alibi, draft trees; "
                   "a small call as one pass over the whole batch (numpy_batch)",
-            WRITE: "appends to unquantized rows or pages, one assignment for every row",
-            GENERIC: "other appends, row copies, attention over other codecs",
+            WRITE: "appends to rows or pages (plain, or the built-in codecs' codes and "
+                   "scales, every token encoded at once), one assignment for every row",
+            GENERIC: "appends in other codecs, row copies, attention over other codecs",
         }
 
     def write_kv(self, store, k_new, v_new, inputs) -> None:
-        """Plain storage (contiguous or paged): every entry's tokens by one assignment per
-        buffer (``numpy_batch.append``); quantized storage: the generic per-row writes
-        (``route_write`` decides)."""
+        """Every entry's tokens by one assignment per buffer (``numpy_batch.append``;
+        codes and scales encoded for every token at once), contiguous or paged; other
+        codecs: the generic per-row writes (``route_write`` decides)."""
         from . import numpy_batch
 
         tokens = PACKED if k_new.ndim == 3 else PADDED
@@ -191,7 +197,9 @@ class NumpyBackend(Backend):
         host work around them."""
         return ((f"{__package__}.numpy_batch", "attend_batch"),
                 (f"{__package__}.numpy_batch", "gather_pages"),
-                (f"{__package__}.numpy_batch", "write_tokens"))
+                (f"{__package__}.numpy_batch", "write_tokens"),
+                (f"{__package__}.numpy_batch", "write_coded"),
+                (f"{__package__}.numpy_batch", "write_rows"))
 
     def plan_attention(self, store, inputs, params, q_shape):
         """The BLAS path's work items and their sharing among threads (``numpy_attention.

@@ -7,7 +7,9 @@ call overhead for 260K multiply-adds, and the append's per-row slice assignments
 0.1 ms. Here both are one set of NumPy calls over every row at once:
 
 - ``write_tokens``: every entry's new tokens land by one fancy-indexed assignment per
-  buffer (plain storage, contiguous rows or pages);
+  buffer (plain storage, contiguous rows or pages); ``write_coded``: the same for codes
+  and scales, every new token encoded by one call of the codec (both for appends of at
+  most ``WRITE_MAX_ROW_TOKENS`` per entry; longer ones are written row by row);
 - ``attend_batch``: the keys ``k0..k1`` that some query of the call sees, of every row
   side by side (a view where the rows are consecutive), one stacked matmul for the
   scores ``[B, Hkv, G * T, k1 - k0]``, the mask of each row's own causal window (built
@@ -324,19 +326,68 @@ def write_tokens(k_buf, v_buf, k_new, v_new, dst_rows, dst_slots, src) -> None:
         v_buf[dst_rows, :, dst_slots] = v_new[src[0]]
 
 
+def write_coded(k_parts, v_parts, codec, k_new, v_new, dst_rows, dst_slots, src) -> None:
+    """``write_tokens`` for a codec that stores codes and scales (the host-time benchmark's
+    kernel entry): the call's new tokens gathered ``[N, Hkv, d]``, encoded at once
+    (``codec.encode_keys`` / ``encode``: each token from its own values alone, so the
+    parts are those of per-row writes), each part into its buffer by one assignment.
+    ``k_parts`` / ``v_parts``: ``(codes, scales)`` buffers ``[rows, Hkv, max_len, ...]``
+    (paged: ``[num_pages, Hkv, P, ...]``)."""
+    if len(src) == 2:
+        e, t = src
+        k_tok, v_tok = k_new[e, :, t], v_new[e, :, t]
+    else:
+        k_tok, v_tok = k_new[src[0]], v_new[src[0]]
+    for parts, values in ((k_parts, codec.encode_keys(np, k_tok)), (v_parts, codec.encode(np, v_tok))):
+        for buf, value in zip(parts, values):
+            buf[dst_rows, :, dst_slots] = value
+
+
+#: Appends with more new tokens than this in some entry are written row by row
+#: (``write_rows``): one fancy-indexed assignment (and one encode) of every token pays for
+#: a decode step's rows but not for prefill chunks, whose slices copy faster and whose
+#: whole-call temporaries (over 128 KiB) are fresh mappings each time. numba backend, Hkv
+#: 8, d 128, float32 input, one assignment / row by row (2-core AMD EPYC, load 3, the
+#: median of 5): int8 B=8 n=1 0.12 / 0.58 ms, n=4 0.25 / 0.69, n=8 1.07 / 0.80, B=64
+#: n=1 1.5 / 6.6 (16-token pages), B=1 n=512 18.1 / 7.0; plain B=8 n=8 0.084 / 0.073
+#: (numpy), B=4 n=512 7.4 / 1.06.
+WRITE_MAX_ROW_TOKENS = 4
+
+
+def write_rows(store, k_new, v_new, inputs) -> None:
+    """An append written entry by entry (the host-time benchmark's kernel entry):
+    ``store.put`` of entry i's tokens (``[Hkv, n, d]``, a view of k_new / v_new) at its
+    row's slots (paged: page by page through the table; codes: encoded per entry)."""
+    rows, starts, n_new, offsets = inputs.rows, inputs.starts, inputs.n_new, inputs.offsets
+    for i, n in enumerate(n_new):
+        if n:
+            s = slice(int(offsets[i]), int(offsets[i]) + n) if offsets is not None else None
+            store.put(int(rows[i]), int(starts[i]),
+                      k_new[s].swapaxes(0, 1) if s is not None else k_new[i, :, :n],
+                      v_new[s].swapaxes(0, 1) if s is not None else v_new[i, :, :n])
+
+
 def append(store, k_new, v_new, inputs) -> None:
-    """Every entry's new tokens into ``store`` (plain storage without leading axes, NumPy
-    buffers: the backend's ``route_write``) by ``write_tokens``: entry i's first
-    ``n_new[i]`` tokens at slots ``starts[i]...`` of row ``rows[i]``; paged, slot j of a
-    row at offset j % P of the page its table names for j // P (reserved before: a slot
-    on no page raises RuntimeError, nothing written)."""
+    """Every entry's new tokens into ``store`` (storage without leading axes, NumPy
+    buffers, a codec ``route_write`` declares) by ``write_tokens`` (plain values) or
+    ``write_coded`` (codes and scales), or row by row (``write_rows``) when an entry has
+    more than ``WRITE_MAX_ROW_TOKENS``: entry i's first ``n_new[i]`` tokens at slots
+    ``starts[i]...`` of row ``rows[i]``; paged, slot j of a row at offset j % P of the
+    page its table names for j // P (reserved before: a slot on no page raises
+    RuntimeError, nothing written)."""
     index = _write_index(inputs)
     if index is None:
         return
+    if index is _BY_ROWS:
+        return write_rows(store, k_new, v_new, inputs)
     rows, dst, src = index
     if store.kind == PAGED:
         rows, dst = _paged_slots(store, rows, dst)
-    write_tokens(store.k, store.v, k_new, v_new, rows, dst, src)
+    if store.quantized:
+        write_coded((store.k, store.k_scale), (store.v, store.v_scale), store.codec, k_new,
+                    v_new, rows, dst, src)
+    else:
+        write_tokens(store.k, store.v, k_new, v_new, rows, dst, src)
 
 
 #: The last paged append's ``(key, (pages, offsets))``: a step's layers share one page
@@ -370,15 +421,22 @@ def _paged_slots(store, rows, dst):
 _last_append: list = [(None, None)]
 
 
+#: ``_write_index``'s answer for an append written row by row (``WRITE_MAX_ROW_TOKENS``).
+_BY_ROWS = ("by rows",)
+
+
 def _write_index(inputs):
-    """``(dst_rows, dst_slots, src)`` of ``write_tokens`` for ``inputs``, None for no token."""
+    """``(dst_rows, dst_slots, src)`` of ``write_tokens`` for ``inputs``, None for no token,
+    ``_BY_ROWS`` when an entry has more than ``WRITE_MAX_ROW_TOKENS``."""
     inputs_then, index = _last_append[0]  # one read: another thread may set it meanwhile
     if inputs_then is inputs:
         return index
     n = np.asarray(inputs.n_new, dtype=np.int64)
     count = int(n.sum())
     index = None
-    if count:
+    if count and int(n.max()) > WRITE_MAX_ROW_TOKENS:
+        index = _BY_ROWS
+    elif count:
         entry = np.repeat(np.arange(len(n)), n)
         slot = np.arange(count) - np.repeat(np.cumsum(n) - n, n)  # token index within its entry
         rows = np.asarray(inputs.rows, dtype=np.int64)[entry]

@@ -18,7 +18,6 @@ from gqakv_backends import numpy_batch
 from gqakv_backends.numpy_backend import WRITE
 
 from gqakv.core.inputs import validate_append
-from gqakv.dispatch.backend import GENERIC
 
 from .support.reference import reference_attention
 
@@ -267,37 +266,98 @@ def test_paged_plan_follows_the_table_it_runs_over():
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("longest", [numpy_batch.WRITE_MAX_ROW_TOKENS, numpy_batch.WRITE_MAX_ROW_TOKENS + 1])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_append_in_one_assignment_matches_per_row_writes(packed, dtype):
-    """``numpy write_tokens`` (the route of a contiguous plain append) writes what the
-    generic per-row writes do, ragged and with rows out of order; paged storage keeps the
-    generic writes."""
+def test_append_in_one_assignment_matches_per_row_writes(packed, dtype, longest, monkeypatch):
+    """``numpy write_tokens`` (the route of a plain append) writes what the generic per-row
+    writes do, ragged and with rows out of order: by one assignment when no entry has
+    more than ``WRITE_MAX_ROW_TOKENS`` new tokens, else row by row (``write_rows``)."""
     rng = np.random.default_rng(11)
     backend = gqakv.get_backend("numpy")
     one = gqakv.KVCache(4, 2, 16, 8, dtype=dtype, backend="numpy")
     other = gqakv.KVCache(4, 2, 16, 8, dtype=dtype, backend="numpy")
-    n_new, rows = [3, 0, 5], [2, 0, 1]
+    n_new, rows = [3, 0, longest], [2, 0, 1]
     for cache in (one, other):
         cache.append(np.ones((4, 2, 2, 8), one.k.dtype), np.ones((4, 2, 2, 8), one.k.dtype), [2, 1, 0, 2])
-    if packed:
-        k = rng.standard_normal((8, 2, 8)).astype(one.k.dtype)
-        v = rng.standard_normal((8, 2, 8)).astype(one.k.dtype)
-    else:
-        k = rng.standard_normal((3, 2, 5, 8)).astype(one.k.dtype)
-        v = rng.standard_normal((3, 2, 5, 8)).astype(one.k.dtype)
+    shape = (sum(n_new), 2, 8) if packed else (3, 2, longest, 8)
+    k = rng.standard_normal(shape).astype(one.k.dtype)
+    v = rng.standard_normal(shape).astype(one.k.dtype)
     tokens = "packed" if packed else "padded"
     assert backend.route("write_kv", dtype=dtype, head_dim=8, layout="contiguous", codec=None,
                          tokens=tokens).impl == WRITE
+    ran = []
+    for name in ("write_tokens", "write_rows"):
+        real = getattr(numpy_batch, name)
+        monkeypatch.setattr(numpy_batch, name, lambda *a, real=real, name=name: ran.append(name) or real(*a))
     one.append(k, v, n_new, rows=rows)
+    assert ran == ["write_tokens" if longest <= numpy_batch.WRITE_MAX_ROW_TOKENS else "write_rows"]
     gqakv.Backend.write_kv(backend, other.store, k, v, validate_append(other, k, v, n_new, rows))
     for r, L in enumerate(np.asarray(one.lens)):  # the written slots, bit for bit
         for a, b in ((one.k, other.k), (one.v, other.v)):
             np.testing.assert_array_equal(a[r, :, :L].view(np.uint8), b[r, :, :L].view(np.uint8))
-    assert np.asarray(one.lens).tolist() == [2 + 0, 1 + 5, 0 + 3, 2]  # rows 2, 0, 1 got 3, 0, 5
+    assert np.asarray(one.lens).tolist() == [2 + 0, 1 + longest, 0 + 3, 2]  # rows 2, 0, 1 got 3, 0, longest
     assert backend.route("write_kv", dtype=dtype, head_dim=8, layout="paged", codec=None).impl == WRITE
     assert backend.route("write_kv", dtype=dtype, head_dim=8, layout="contiguous",
-                         codec="int8").impl == GENERIC
+                         codec="int8").impl == WRITE  # codes: test_coded_append_* below
+
+
+CODECS = ["int8", "float8_e4m3fn", "int8_g32", "int4_g32", "int4_g64", "int4_g32_rotated"]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("kv_dtype", CODECS)
+def test_coded_append_matches_per_row_writes(kv_dtype, packed, layout, backend, monkeypatch):
+    """Codes and scales of every built-in codec, every new token encoded by one call and
+    written by one assignment per part (``numpy_batch.write_coded``, route ``numpy
+    write_tokens`` on numpy and numba): bit for bit what the generic per-row writes store
+    (the same appends into a second cache with ``numpy_batch.append`` swapped for them),
+    ragged, rows out of order, with tokens of every magnitude (zeros, 1e-30, 1e20), in two
+    appends (the second across page ends), then one written row by row."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    rng = np.random.default_rng(17)
+    d = 64
+    make = gqakv.PagedKVCache if layout == "paged" else gqakv.KVCache
+    paged = {"page_size": 4} if layout == "paged" else {}
+    one, other = (make(4, 2, 24, d, dtype="float32", kv_dtype=kv_dtype, backend=backend, **paged)
+                  for _ in range(2))
+    be = one.backend
+    assert be.route("write_kv", dtype="float32", head_dim=d, layout=layout, codec=kv_dtype,
+                    tokens="packed" if packed else "padded").impl == WRITE
+    appends = []
+    # two appends by one assignment, one row by row (an entry of 6 tokens)
+    for n_new, rows in (([3, 0, 4], [2, 0, 1]), ([4, 2, 1, 2], [1, 3, 0, 2]), ([1, 6], [0, 3])):
+        B, total = len(n_new), sum(n_new)
+        shape = (total, 2, d) if packed else (B, 2, max(n_new), d)
+        size = rng.choice([1e-30, 1.0, 1e20], shape[:-1])[..., None]
+        k = (rng.standard_normal(shape) * size).astype(np.float32)
+        v = rng.standard_normal(shape).astype(np.float32)
+        k[0] = 0.0  # tokens of zeros (scale 0)
+        appends.append((k, v, n_new, rows))
+    calls = []
+    real_coded = numpy_batch.write_coded
+    monkeypatch.setattr(numpy_batch, "write_coded", lambda *a: calls.append(1) or real_coded(*a))
+    for k, v, n_new, rows in appends:
+        one.append(k, v, n_new, rows=rows)
+    assert len(calls) == 2  # one encode-and-write per short append (the long one: by rows)
+    monkeypatch.setattr(numpy_batch, "append", lambda store, k, v, inputs:
+                        gqakv.Backend.write_kv(be, store, k, v, inputs))
+    for k, v, n_new, rows in appends:
+        other.append(k, v, n_new, rows=rows)
+    assert len(calls) == 2
+    assert np.array_equal(np.asarray(one.lens), np.asarray(other.lens))
+    if paged:
+        entries = np.asarray(one.store.page_table.entries)
+        np.testing.assert_array_equal(entries, np.asarray(other.store.page_table.entries))
+    for r, L in enumerate(np.asarray(one.lens)):  # the written slots (the rest is never set)
+        j = np.arange(L)
+        at = (entries[r, j // 4], slice(None), j % 4) if paged else (r, slice(None), j)
+        for a, b in zip(one.store.buffers, other.store.buffers):
+            np.testing.assert_array_equal(np.asarray(a)[at].view(np.uint8),
+                                          np.asarray(b)[at].view(np.uint8))
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])
@@ -346,7 +406,9 @@ def test_one_pass_and_write_are_the_host_time_kernels():
     backend = gqakv.get_backend("numpy")
     assert set(backend.kernel_entries()) == {("gqakv_backends.numpy_batch", "attend_batch"),
                                              ("gqakv_backends.numpy_batch", "gather_pages"),
-                                             ("gqakv_backends.numpy_batch", "write_tokens")}
+                                             ("gqakv_backends.numpy_batch", "write_tokens"),
+                                             ("gqakv_backends.numpy_batch", "write_coded"),
+                                             ("gqakv_backends.numpy_batch", "write_rows")}
     host = step_host_time(backend, layers=2, batch=2, kv_heads=2, group=2, head_dim=8, rounds=1,
                           steps_per_round=1)
     assert host["host_s"] is not None and 0 < host["host_s"]

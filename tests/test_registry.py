@@ -269,9 +269,10 @@ def test_cpu_routes_check_their_facts(name):
         assert backend.route("write_kv", dtype="float32").impl == "numba write_tokens"
         assert "kv_dtype='int8'" in backend.route("write_kv", codec="int8").rejected[
             "numba write_tokens"]
-        # plain pages: the NumPy backend's one assignment through the page table
+        # pages and codes: the NumPy backend's one assignment per buffer (through the table)
         paged = backend.route("write_kv", dtype="bfloat16", layout="paged")
         assert paged.impl == "numpy write_tokens" and "paged" in paged.rejected["numba write_tokens"]
-        assert backend.route("write_kv", layout="paged", codec="int8").impl == GENERIC
+        for layout in ("contiguous", "paged"):
+            assert backend.route("write_kv", layout=layout, codec="int4_g32").impl == "numpy write_tokens"
     gen = backend.route("attention", layout="paged", codec="int8")
     assert gen.impl == ("numpy BLAS" if name == "numpy" else "numba kernel")

@@ -42,7 +42,9 @@ GENERIC_ENTRIES = (("gqakv.ops.attention", "attention_array_api"),
 #: (A small call's one pass over the batch, ``numpy_batch.attention``, is the BLAS path too.)
 NUMPY_ENTRIES = (("gqakv_backends.numpy_attention", "attention_store", "numpy BLAS"),
                  ("gqakv_backends.numpy_batch", "attention", "numpy BLAS"),
-                 ("gqakv_backends.numpy_batch", "write_tokens", "numpy write_tokens"))
+                 ("gqakv_backends.numpy_batch", "write_tokens", "numpy write_tokens"),
+                 ("gqakv_backends.numpy_batch", "write_coded", "numpy write_tokens"),
+                 ("gqakv_backends.numpy_batch", "write_rows", "numpy write_tokens"))
 #: ... and of the numba backend's kernels (it also reaches the NumPy paths).
 NUMBA_ENTRIES = (("gqakv_backends.numba_kernels", "attention_items", "numba kernel"),
                  ("gqakv_backends.numba_kernels", "write_tokens", "numba write_tokens"),
@@ -318,6 +320,12 @@ def _numba_attention(f) -> Any:
     return _numba_blas(f)
 
 
+def _numpy_write(f):
+    # every built-in codec (codes encoded for every token at once); a codec registered
+    # elsewhere takes the generic per-row writes
+    return "numpy write_tokens" if f["codec"] in BLAS_CODECS else GENERIC
+
+
 def _plain_contiguous(impl):
     return lambda f: impl if f["layout"] == "contiguous" and not f["codec"] else GENERIC
 
@@ -338,10 +346,10 @@ def _cupy_store(f) -> Any:
 
 INTENDED = {
     "numpy": {"attention": _numpy_attention,
-              "write_kv": lambda f: GENERIC if f["codec"] else "numpy write_tokens"},
+              "write_kv": lambda f: _numpy_write(f)},
     "numba": {"attention": _numba_attention,
-              "write_kv": lambda f: (GENERIC if f["codec"] else "numba write_tokens"
-                                     if f["layout"] == "contiguous" else "numpy write_tokens"),
+              "write_kv": lambda f: ("numba write_tokens" if f["layout"] == "contiguous"
+                                     and not f["codec"] else _numpy_write(f)),
               "copy_tokens": _plain_contiguous("numba copy_rows")},
     "cupy_emulated": {"attention": _cupy_store, "write_kv": _cupy_store,
                       "copy_tokens": _cupy_store},
