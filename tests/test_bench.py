@@ -600,8 +600,9 @@ def test_bench_host_time_reports_the_host_share(capsys):
     text = run_cli(capsys, ["bench", *TINY, "--host-time", "--backend", "numpy"]).out
     assert text.count("host time: 32-layer decode step") == 2 and text.count("us of host work per layer") == 2
     assert "caches cold (32 MiB read before each layer, untimed)" in text
-    text = run_cli(capsys, ["bench", *TINY, "--host-time", "--backend", "numpy", "--page-size", "16"]).out
-    assert text.count("16 live tokens, float32, pages of 16") == 2  # the step over pages
+    text = run_cli(capsys, ["bench", *TINY, "--host-time", "--backend", "numpy", "--page-size", "16",
+                            "--kv-dtype", "int8"]).out
+    assert text.count("16 live tokens, float32, pages of 16, kv_dtype int8") == 2  # as stored
     assert text.count("us of host work per layer") == 2
 
 

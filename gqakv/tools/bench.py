@@ -612,8 +612,8 @@ def add_arguments(parser) -> None:
                         help="also time a 32-layer decode step (B=8, Hkv=8, G=4, d=64, 16 live "
                              "tokens) as it is and with the backend's kernels no-op'd: the host "
                              "time per layer, in a tight loop and with the caches cold (32 MiB "
-                             "read before each layer, as a model's matmuls leave them); with "
-                             "--page-size, over pages of that many tokens")
+                             "read before each layer, as a model's matmuls leave them); over "
+                             "--page-size pages and in --kv-dtype codes when given")
     parser.add_argument("--mixed-batch", action="store_true",
                         help="also time a mixed batch (1 row attending a 512-token prefill chunk, "
                              "31 decoding one token, rows of 2,048 tokens; Hkv=8, G=4, d=64): "
@@ -725,8 +725,9 @@ def run(args) -> int:
         from .host_time import HOST_EVICT_BYTES, step_host_time
 
         # as a tight loop leaves the caches, then cold as a model's matmuls leave them
-        host = [step_host_time(cache.backend, page_size=cfg.page_size),
-                step_host_time(cache.backend, evict_bytes=HOST_EVICT_BYTES, page_size=cfg.page_size)]
+        host = [step_host_time(cache.backend, page_size=cfg.page_size, kv_dtype=cfg.kv_dtype),
+                step_host_time(cache.backend, evict_bytes=HOST_EVICT_BYTES,
+                               page_size=cfg.page_size, kv_dtype=cfg.kv_dtype)]
     mixed = None
     if args.mixed_batch:
         from .mixed_batch import mixed_batch_times
@@ -821,7 +822,8 @@ def _print_mixed_batch(m: dict) -> None:
 
 
 def _print_host_time(h: dict) -> None:
-    pages = f", pages of {h['page_size']}" if h.get("page_size") else ""
+    pages = (f", pages of {h['page_size']}" if h.get("page_size") else "") + (
+        f", kv_dtype {h['kv_dtype']}" if h.get("kv_dtype") else "")
     shape = (f"{h['layers']}-layer decode step, B={h['batch']}, Hkv={h['kv_heads']}, G={h['group']}, "
              f"d={h['head_dim']}, {h['live']} live tokens, {h['dtype']}{pages}")
     caches = (f", caches cold ({h['evict_bytes'] >> 20} MiB read before each layer, untimed)"

@@ -55,15 +55,17 @@ def kernels_as_no_ops(backend):
 def step_host_time(backend, *, layers: int = 32, batch: int = 8, kv_heads: int = 8,
                    group: int = 4, head_dim: int = 64, live: int = 16, dtype: str = "float32",
                    rounds: int = 7, steps_per_round: int = 3, evict_bytes: int = 0,
-                   page_size: int | None = None) -> dict:
+                   page_size: int | None = None, kv_dtype: str | None = None) -> dict:
     """Median seconds of one decode step (``step_s``), of the same step with the kernels
     no-op'd (``host_s``, None when the backend declares no kernel entries), and the host
     time per layer (``host_per_layer_us``), over rows holding ``live`` tokens.
     ``evict_bytes``: read a buffer of this many bytes before every layer (not timed), so
     that each layer's host work starts with the caches as a model's matmuls leave them.
-    ``page_size``: the cache in pages of this many tokens (None: contiguous rows)."""
+    ``page_size``: the cache in pages of this many tokens (None: contiguous rows);
+    ``kv_dtype``: its codec (None: values stored as ``dtype``)."""
     cache = ModelKVCache(layers, batch, kv_heads, live + rounds * steps_per_round * 2 + 8,
-                         head_dim, dtype=dtype, backend=backend, page_size=page_size)
+                         head_dim, dtype=dtype, backend=backend, page_size=page_size,
+                         kv_dtype=kv_dtype)
     rng = np.random.default_rng(0)
     x = backend.from_numpy(rng.standard_normal((batch, kv_heads, live, head_dim)), dtype)
     with cache.step([live] * batch) as step:
@@ -109,7 +111,7 @@ def step_host_time(backend, *, layers: int = 32, batch: int = 8, kv_heads: int =
     host_s = float(np.median(host)) if host else None
     return {"layers": layers, "batch": batch, "kv_heads": kv_heads, "group": group,
             "head_dim": head_dim, "live": live, "dtype": dtype, "evict_bytes": int(evict_bytes),
-            "page_size": None if page_size is None else int(page_size),
+            "page_size": None if page_size is None else int(page_size), "kv_dtype": kv_dtype,
             "step_s": step_s, "host_s": host_s,
             "host_per_layer_us": None if host_s is None else host_s / layers * 1e6,
             "kernel_share": None if host_s is None else max(0.0, 1 - host_s / step_s)}
