@@ -357,8 +357,18 @@ WRITE_MAX_ROW_TOKENS = 4
 def write_rows(store, k_new, v_new, inputs) -> None:
     """An append written entry by entry (the host-time benchmark's kernel entry):
     ``store.put`` of entry i's tokens (``[Hkv, n, d]``, a view of k_new / v_new) at its
-    row's slots (paged: page by page through the table; codes: encoded per entry)."""
+    row's slots (paged: page by page through the table, every page checked first; codes:
+    encoded per entry)."""
     rows, starts, n_new, offsets = inputs.rows, inputs.starts, inputs.n_new, inputs.offsets
+    if store.kind == PAGED:  # every slot on a page before anything is written
+        P, entries = store.page_size, store.page_table.entries
+        for i, n in enumerate(n_new):
+            r, s0 = int(rows[i]), int(starts[i])
+            pages = entries[r, s0 // P:(s0 + n - 1) // P + 1] if n else entries[r, :0]
+            if pages.size and int(pages.min()) < 0:
+                first = s0 // P + int(np.argmax(pages < 0))  # the first page missing
+                raise RuntimeError(f"row {r}'s slot {max(first * P, s0)} is on no page (its "
+                                   "table entry is -1): appends need their pages reserved first")
     for i, n in enumerate(n_new):
         if n:
             s = slice(int(offsets[i]), int(offsets[i]) + n) if offsets is not None else None

@@ -396,6 +396,12 @@ def test_paged_append_in_one_assignment(packed, backend):
     with pytest.raises(RuntimeError, match="row 1's slot 20 is on no page"):
         numpy_batch.append(paged.store, x, x, far)
     np.testing.assert_array_equal(paged.k, before)
+    long = AppendInputs(rows=np.array([0, 1]), starts=np.array([int(paged.lens[0]), 18]),
+                        n_new=np.array([1, 5]))  # row 1's slots 18..22: on no page
+    x = np.ones((2, 2, 5, 8), np.float32)
+    with pytest.raises(RuntimeError, match="row 1's slot 18 is on no page"):
+        numpy_batch.append(paged.store, x, x, long)  # (row by row: more than 4 tokens)
+    np.testing.assert_array_equal(paged.k, before)
 
 
 def test_one_pass_and_write_are_the_host_time_kernels():
