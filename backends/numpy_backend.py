@@ -192,11 +192,12 @@ class NumpyBackend(Backend):
             super().write_kv(store, k_new, v_new, inputs)
 
     def kernel_entries(self) -> tuple[tuple[str, str], ...]:
-        """The one-pass batch's arithmetic, its gather of paged keys and the append's byte
-        moves (``numpy_batch``); the item kernel's NumPy calls are not separable from the
+        """The one-pass batch's arithmetic, its gather of paged keys, its decoding of codes
+        and the append's byte moves (``numpy_batch``); the item kernel's NumPy calls are not separable from the
         host work around them."""
         return ((f"{__package__}.numpy_batch", "attend_batch"),
                 (f"{__package__}.numpy_batch", "gather_pages"),
+                (f"{__package__}.numpy_batch", "decode_values"),
                 (f"{__package__}.numpy_batch", "write_tokens"),
                 (f"{__package__}.numpy_batch", "write_coded"),
                 (f"{__package__}.numpy_batch", "write_rows"))

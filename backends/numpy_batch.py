@@ -18,7 +18,8 @@ call overhead for 260K multiply-adds, and the append's per-row slice assignments
   thread's reused buffers ``[B, Hkv, k1 - k0, d]``: one ``np.take`` per pool through an
   index of pool rows built once per step (``PageIndex``), so no buffer is allocated per
   layer (fresh ones cost their page faults: a one-pass attempt that allocated them ran
-  slower than the items).
+  slower than the items); in codes, the codes and scales are read so and decoded at once
+  (``decode_values``) into reused float32 buffers.
 
 A row shorter than the longest (or whose window starts later) reads columns past its own
 keys: its scores there are masked, and its values there are read as zeros (such rows'
@@ -53,6 +54,13 @@ _QUIET = contextlib.nullcontext()
 #: a 16-query chunk over 256 keys (Hq 32, d 128, 2^17 scores) 1.02-1.08; B=4 L=2,048
 #: d=128 (2^18) 1.13.
 BATCH_MAX_SCORES = 1 << 17
+#: Over codes, at most this many scores (and ``BATCH_MAX_SCORES``): the one pass decodes
+#: every key of the call into float32 buffers, which outgrow the caches where the items
+#: decode block by block. numpy backend, one thread, one pass / items (2-core AMD EPYC,
+#: load about 1; B=8 Hkv=8 G=4 d=64 unless named): int8 L=16 0.36, L=128 (2^15 scores)
+#: 0.75, e4m3 L=128 0.85, int8_g32 L=128 (pages of 16) 0.66; L=256 (2^16) int8 0.88,
+#: int4_g32 0.84, e4m3 1.11; L=512 int8 1.24, B=1 d=128 1.18.
+BATCH_MAX_CODED_SCORES = 1 << 15
 #: The padded scores at most this many times the items' own (rows of unequal length pad
 #: to the longest; padded query slots count too).
 BATCH_MAX_WASTE = 2
@@ -77,7 +85,7 @@ def _page_index(store, rows, k0: int, k1: int, ranges) -> PageIndex | None:
     or on a page outside the pool (the items raise those errors) or the pools are not
     C-contiguous."""
     table = store.page_table
-    if not (store.k.flags.c_contiguous and store.v.flags.c_contiguous):
+    if not all(buf.flags.c_contiguous for buf in store.buffers):
         return None
     P, Hkv = store.page_size, store.kv_heads
     keys = np.arange(k0, k1)
@@ -122,11 +130,12 @@ class BatchPlan:
 
 
 def plan_batch(store, inputs, params, q_shape) -> BatchPlan | None:
-    """The batch's ``BatchPlan`` when one pass serves it (plain storage without leading
-    axes, contiguous or paged in C-contiguous pools; no ALiBi, draft tree or
-    batch-invariant mode; packed queries only when every entry has as many; scores within
-    ``BATCH_MAX_SCORES`` and ``BATCH_MAX_WASTE``), else None (the items run)."""
-    if (store.kind not in (CONTIGUOUS, PAGED) or store.quantized or store.leading
+    """The batch's ``BatchPlan`` when one pass serves it (storage without leading axes,
+    contiguous or paged in C-contiguous pools, plain or in the codes the BLAS path reads;
+    no ALiBi, draft tree or batch-invariant mode; packed queries only when every entry has
+    as many; scores within ``BATCH_MAX_SCORES`` (codes: ``BATCH_MAX_CODED_SCORES``) and
+    ``BATCH_MAX_WASTE``), else None (the items run)."""
+    if (store.kind not in (CONTIGUOUS, PAGED) or store.leading
             or not isinstance(store.k, np.ndarray) or params.alibi_slopes is not None
             or getattr(inputs, "tree", None) is not None or inputs.invariant):
         return None
@@ -147,7 +156,8 @@ def plan_batch(store, inputs, params, q_shape) -> BatchPlan | None:
     k0, k1 = min(s[0] for s in live), max(s[1] for s in live)
     own = sum(int(n_new[i]) * (s[1] - s[0]) for i, s in enumerate(spans) if s is not None)
     padded = B * T * (k1 - k0)
-    if padded * int(q_shape[1]) > BATCH_MAX_SCORES or padded > BATCH_MAX_WASTE * own:
+    limit = min(BATCH_MAX_SCORES, BATCH_MAX_CODED_SCORES) if store.quantized else BATCH_MAX_SCORES
+    if padded * int(q_shape[1]) > limit or padded > BATCH_MAX_WASTE * own:
         return None  # (q_shape[1]: Hq in both layouts)
     hidden = np.zeros((B, 1, 1, T, k1 - k0), dtype=bool)
     for i, span in enumerate(spans):
@@ -187,17 +197,7 @@ def attention(plan: BatchPlan, q, store, params, *, return_lse: bool):
     acc = np.float64 if q.dtype == np.float64 else np.float32
     out = np.zeros(q.shape, dtype=q.dtype)
     lse = np.full(q.shape[:-1], -np.inf, dtype=acc) if return_lse else None
-    if plan.pages is not None:
-        k, v = _gathered(plan, store)
-    else:
-        k = store.k[plan.rows, :, plan.k0:plan.k1]
-        v = store.v[plan.rows, :, plan.k0:plan.k1]
-    if plan.ranges is not None and plan.pages is None:  # columns past a row's own keys:
-        # zeros, never what they hold
-        v_own = np.zeros(v.shape, dtype=v.dtype)
-        for i, (lo, hi) in enumerate(plan.ranges):
-            v_own[i, :, lo - plan.k0:hi - plan.k0] = v[i, :, lo - plan.k0:hi - plan.k0]
-        v = v_own
+    k, v = _keys_and_values(plan, store)
     if plan.packed:  # [B * T, Hq, d] as [B, Hq, T, d] (views)
         B = q.shape[0] // plan.T
         q4 = q.reshape(B, plan.T, *q.shape[1:]).swapaxes(1, 2)
@@ -274,10 +274,9 @@ def _scratch(name: str, shape: tuple, dtype) -> np.ndarray:
     return array
 
 
-def _gathered(plan: BatchPlan, store):
-    """The keys and values ``plan`` reads from a paged store, ``[B, Hkv, k1 - k0, d]``
-    each in this thread's scratch buffers (``gather_pages``), the index rebuilt first if the
-    page table changed since it was planned."""
+def _current_index(plan: BatchPlan, store) -> PageIndex:
+    """``plan``'s ``PageIndex``, rebuilt first if ``store``'s page table is another or
+    changed since it was planned."""
     table, index = store.page_table, plan.pages
     assert index is not None
     if index.stamp[0] is not table.entries or index.stamp[1] != table.version:
@@ -287,28 +286,63 @@ def _gathered(plan: BatchPlan, store):
             raise RuntimeError("a key the batch reads is no longer on a page of its row "
                                "(the page table changed since the step was planned)")
         index = plan.pages = fresh
-    shape = (*index.rows.shape, store.k.shape[-1])
-    k = _scratch("k", shape, store.k.dtype)
-    v = _scratch("v", shape, store.v.dtype)
-    gather_pages(store.k, store.v, index.rows, plan.ranges, plan.k0, k, v)
+    return index
+
+
+def _keys_and_values(plan: BatchPlan, store):
+    """The keys and values ``plan`` reads, ``[B, Hkv, k1 - k0, d]`` each, values outside
+    an entry's own keys zero: of contiguous plain rows, views (a copy where values are
+    zeroed); over pages, gathered into this thread's scratch buffers (``gather_pages``);
+    in codes, their codes and scales read so (views or gathered), then decoded into
+    float32 scratch buffers (``decode_values``)."""
+    k0, k1, ranges = plan.k0, plan.k1, plan.ranges
+    index = None if plan.pages is None else _current_index(plan, store)
+    if index is None:  # contiguous rows: views (or, for rows out of order, copies)
+        parts = [buf[plan.rows, :, k0:k1] for buf in store.buffers]
+    else:
+        parts = [_scratch(f"part{i}", (*index.rows.shape, *buf.shape[3:]), buf.dtype)
+                 for i, buf in enumerate(store.buffers)]
+        gather_pages(store.buffers, index.rows, parts)
+    if store.quantized:  # parts: K codes, V codes, K scales, V scales
+        shape = (*parts[0].shape[:3], store.head_dim)
+        k, v = _scratch("k", shape, np.float32), _scratch("v", shape, np.float32)
+        decode_values(store.codec, parts, k, v)
+    else:
+        k, v = parts
+    if ranges is not None:
+        if index is None and not store.quantized:  # the cache's own values: zeroed in a copy
+            v = v.copy()
+        _zero_outside(v, ranges, k0)
     return k, v
 
 
-def gather_pages(k_pool, v_pool, index, ranges, k0: int, k_out, v_out) -> None:
-    """Paged keys and values side by side (the host-time benchmark's kernel entry): pool
-    rows ``index`` (``[B, Hkv, K]`` into the pools seen as ``[num_pages * Hkv * P, d]``)
-    into ``k_out`` / ``v_out`` ``[B, Hkv, K, d]``; then, where ``ranges`` (``[(lo, hi)]``
-    per entry, or None) leaves columns outside an entry's own keys ``lo - k0 .. hi - k0``,
-    its values there are zeroed (what those pool rows hold is never read as a value)."""
-    d = k_pool.shape[-1]
-    # mode "clip": the index is checked when built (``_page_index``), and "raise" would
-    # gather into a temporary and copy it to out
-    np.take(k_pool.reshape(-1, d), index, axis=0, out=k_out, mode="clip")
-    np.take(v_pool.reshape(-1, d), index, axis=0, out=v_out, mode="clip")
-    if ranges is not None:
-        for i, (lo, hi) in enumerate(ranges):
-            v_out[i, :, :lo - k0] = 0
-            v_out[i, :, hi - k0:] = 0
+def _zero_outside(v, ranges, k0: int) -> None:
+    """Zero ``v`` ``[B, Hkv, K, d]`` (keys from ``k0``) outside each entry's own keys
+    ``ranges[i]`` (``(lo, hi)``): what those slots hold is never read as a value (it may
+    be NaN, and p = 0 times NaN is NaN)."""
+    for i, (lo, hi) in enumerate(ranges):
+        v[i, :, :lo - k0] = 0
+        v[i, :, hi - k0:] = 0
+
+
+def gather_pages(pools, index, outs) -> None:
+    """Paged parts side by side (the host-time benchmark's kernel entry): rows ``index``
+    (``[B, Hkv, K]`` into each pool ``[num_pages, Hkv, P, *tail]`` seen as ``[num_pages *
+    Hkv * P, *tail]``) into each out ``[B, Hkv, K, *tail]``."""
+    for pool, out in zip(pools, outs):
+        # mode "clip": the index is checked when built (``_page_index``), and "raise" would
+        # gather into a temporary and copy it to out
+        np.take(pool.reshape(-1, *pool.shape[3:]), index, axis=0, out=out, mode="clip")
+
+
+def decode_values(codec, parts, k_out, v_out) -> None:
+    """Codes to values (the host-time benchmark's kernel entry): ``parts`` (K codes, V
+    codes, K scales, V scales, ``[B, Hkv, K, ...]``) decoded by ``codec`` into the float32
+    ``k_out`` / ``v_out`` ``[B, Hkv, K, d]`` (``dequantize_into``: the values the items'
+    blocks hold)."""
+    kc, vc, ks, vs = parts
+    codec.dequantize_into(kc, ks, k_out)
+    codec.dequantize_into(vc, vs, v_out)
 
 
 def write_tokens(k_buf, v_buf, k_new, v_new, dst_rows, dst_slots, src) -> None:

@@ -24,20 +24,31 @@ from .support.reference import reference_attention
 TOL = {"float64": 1e-10, "float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
 
 
-def _filled(rng, B, hkv, d, dtype, max_len, page_size=None):
-    """An empty numpy KVCache of ``B`` rows (a PagedKVCache with ``page_size``) with NaN in
-    every slot (every page of the pool), and float64 K/V ``[B, hkv, max_len, d]`` holding
-    values the cache's dtype stores exactly."""
+def _filled(rng, B, hkv, d, dtype, max_len, page_size=None, kv_dtype=None):
+    """An empty numpy KVCache of ``B`` rows (a PagedKVCache with ``page_size``; in
+    ``kv_dtype`` codes if given) with NaN in every slot (every page of the pool; codes:
+    random codes with NaN scales), and float64 K/V ``[B, hkv, max_len, d]`` holding
+    values the cache's dtype stores exactly (codes: the values appended, not what the
+    cache holds: read that back with ``live_kv``)."""
+    coded = {} if kv_dtype is None else {"kv_dtype": kv_dtype}
     if page_size is None:
-        cache = gqakv.KVCache(B, hkv, max_len, d, dtype=dtype, backend="numpy")
+        cache = gqakv.KVCache(B, hkv, max_len, d, dtype=dtype, backend="numpy", **coded)
     else:
         cache = gqakv.PagedKVCache(B, hkv, max_len, d, page_size=page_size, dtype=dtype,
-                                   backend="numpy")
-    cache.k[...] = np.nan
-    cache.v[...] = np.nan
+                                   backend="numpy", **coded)
+    if kv_dtype is None:
+        cache.k[...] = np.nan
+        cache.v[...] = np.nan
+    else:
+        store = cache.store
+        for buf in (store.k, store.v):
+            buf[...] = rng.integers(0, 256, buf.shape).astype(buf.dtype)
+        store.k_scale[...] = np.nan
+        store.v_scale[...] = np.nan
     k = rng.standard_normal((B, hkv, max_len, d))
     v = rng.standard_normal((B, hkv, max_len, d))
-    k, v = (np.asarray(x.astype(cache.k.dtype), dtype=np.float64) for x in (k, v))  # stored values
+    dt = np.float32 if kv_dtype is not None else cache.k.dtype
+    k, v = (np.asarray(x.astype(dt), dtype=np.float64) for x in (k, v))  # stored values
     return cache, k, v
 
 
@@ -73,28 +84,63 @@ def test_one_pass_matches_reference(seed, dtype, layout):
         if one_pass:
             break
     assert one_pass, "no draw took the one pass over the batch"
+    _check_against_reference(case, out, lse, TOL[dtype])
+
+
+CODES = ["int8", "float8_e4m3fn", "int8_g32", "int4_g64", "int4_g32_rotated"]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("kv_dtype", CODES)
+@pytest.mark.parametrize("seed", range(4))
+def test_one_pass_over_codes_matches_reference(seed, kv_dtype, layout):
+    """The one pass over codes and scales (read as views, or gathered from pages) decoded
+    at once: the float64 reference over the values the cache holds (``live_kv``: decoded,
+    and unrotated for a rotating codec), with random codes and NaN scales in every slot
+    past a row's length."""
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(50):
+        dtype = str(rng.choice(["float32", "float16", "bfloat16"]))
+        case = _ragged_case(rng, dtype, paged=layout == "paged", kv_dtype=kv_dtype)
+        out, lse, one_pass = _attend(*case[:4], **case[-1])
+        if one_pass:
+            break
+    assert one_pass, "no draw took the one pass over the batch"
+    _check_against_reference(case, out, lse, TOL[dtype], held=True)
+
+
+def _check_against_reference(case, out, lse, tol, held=False):
+    """``out`` / ``lse`` of ``case`` against the float64 reference over the K/V appended
+    (``held``: over what the cache holds, ``live_kv``), padding exactly 0."""
     cache, q, n_new, rows, k, v, lens, variant = case
-    want, want_lse = reference_attention(np.asarray(q, dtype=np.float64),
-                                         [k[r, :, :L] for r, L in zip(rows, lens)],
-                                         [v[r, :, :L] for r, L in zip(rows, lens)], n_new,
+    if held:
+        kv = [cache.live_kv(int(r)) for r in rows]
+        keys = [np.asarray(a, dtype=np.float64) for a, _ in kv]
+        values = [np.asarray(b, dtype=np.float64) for _, b in kv]
+    else:
+        keys = [k[r, :, :L] for r, L in zip(rows, lens)]
+        values = [v[r, :, :L] for r, L in zip(rows, lens)]
+    want, want_lse = reference_attention(np.asarray(q, dtype=np.float64), keys, values, n_new,
                                          **variant)
     out64 = np.asarray(out, dtype=np.float64)
     assert np.isfinite(out64).all()
-    np.testing.assert_allclose(out64, want, atol=TOL[dtype], rtol=TOL[dtype])
+    np.testing.assert_allclose(out64, want, atol=tol, rtol=tol)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     fin = np.isfinite(want_lse)
-    np.testing.assert_allclose(lse[fin], want_lse[fin], atol=TOL[dtype], rtol=TOL[dtype])
+    np.testing.assert_allclose(lse[fin], want_lse[fin], atol=tol, rtol=tol)
     for b, n in enumerate(n_new):
         assert not out64[b, :, n:].any()  # padded queries are exactly 0
 
 
-def _ragged_case(rng, dtype, paged=False):
+def _ragged_case(rng, dtype, paged=False, kv_dtype=None):
     """A cache of 1-5 rows, NaN past each row's length, a call over some of them in random
     order (ragged lengths and chunks, empty entries, padded slots) and a random variant:
     ``(cache, q, n_new, rows, k, v, lens, variant)``, k / v the float64 truth. ``paged``:
     pages of 1-8 tokens, the rows written a few tokens at a time in turn, so that each
     row's pages lie scattered through the pool among the other rows'."""
     hkv, G, d = int(rng.choice([1, 2, 3])), int(rng.integers(1, 5)), int(rng.choice([4, 8, 16]))
+    if kv_dtype is not None:
+        d = 64  # a multiple of every codec's group
     rows_total = int(rng.integers(1, 6))
     B = int(rng.integers(1, rows_total + 1))
     rows = rng.permutation(rows_total)[:B]
@@ -103,15 +149,17 @@ def _ragged_case(rng, dtype, paged=False):
     n_new[int(rng.integers(0, B))] = max(1, int(n_new.max()))  # some query in the call
     T = int(n_new.max()) + int(rng.integers(0, 2))  # padded slots past the longest chunk too
     page_size = int(rng.choice([1, 2, 3, 4, 8])) if paged else None
-    cache, k, v = _filled(rng, rows_total, hkv, d, dtype, max_len=40, page_size=page_size)
+    cache, k, v = _filled(rng, rows_total, hkv, d, dtype, max_len=40, page_size=page_size,
+                          kv_dtype=kv_dtype)
     full = np.zeros(rows_total, dtype=np.int64)
     full[rows] = past + n_new
+    dt = gqakv.get_backend("numpy").from_numpy(np.zeros(1), dtype).dtype  # q's, K/V's
     while (left := full - np.asarray(cache.lens)).any():  # each row's tokens, through the API
         r = int(rng.choice(np.flatnonzero(left)))
         s, n = int(cache.lens[r]), min(int(left[r]), int(rng.integers(1, 6)))
-        cache.append(k[r:r + 1, :, s:s + n].astype(cache.k.dtype),
-                     v[r:r + 1, :, s:s + n].astype(cache.k.dtype), [n], rows=[r])
-    q = rng.standard_normal((B, hkv * G, T, d)).astype(cache.k.dtype)
+        cache.append(k[r:r + 1, :, s:s + n].astype(dt), v[r:r + 1, :, s:s + n].astype(dt), [n],
+                     rows=[r])
+    q = rng.standard_normal((B, hkv * G, T, d)).astype(dt)
     return cache, q, n_new, rows, k, v, full[rows], _variant(rng, hkv * G)
 
 
@@ -132,8 +180,9 @@ def test_packed_equal_chunks_take_the_one_pass():
 
 
 def test_what_the_items_keep():
-    """ALiBi, draft trees, batch-invariant mode, quantized storage, packed
-    chunks of unequal length, calls over ``BATCH_MAX_SCORES`` and calls that would pad
+    """ALiBi, draft trees, batch-invariant mode, packed
+    chunks of unequal length, calls over ``BATCH_MAX_SCORES`` (codes:
+    ``BATCH_MAX_CODED_SCORES``) and calls that would pad
     more than ``BATCH_MAX_WASTE`` times their own scores run the items."""
     rng = np.random.default_rng(5)
 
@@ -167,7 +216,12 @@ def test_what_the_items_keep():
     assert planned(paged, [1, 1]).pages is not None  # pages: gathered (test_paged_* below)
     coded = gqakv.KVCache(2, 2, 64, 8, kv_dtype="int8", backend="numpy")
     coded.append(np.ones((2, 2, 5, 8), np.float32), np.ones((2, 2, 5, 8), np.float32), [5, 5])
-    assert planned(coded, [1, 1]) is None
+    assert planned(coded, [1, 1]) is not None  # codes: decoded at once (test_one_pass_over_codes_*)
+    wide = gqakv.KVCache(1, 2, 4200, 8, kv_dtype="int8", backend="numpy")
+    wide.append(np.ones((1, 2, 1024, 8), np.float32), np.ones((1, 2, 1024, 8), np.float32), [1024])
+    assert planned(wide, [8]) is not None  # 4 heads x 8 queries x 1,024 keys: 2^15
+    wide.append(np.ones((1, 2, 1, 8), np.float32), np.ones((1, 2, 1, 8), np.float32), [1])
+    assert planned(wide, [8]) is None  # one key more: BATCH_MAX_CODED_SCORES
     # numba: its kernels take small calls, and a chunk its BLAS path takes keeps the items
     pytest.importorskip("numba")
     chunk = gqakv.KVCache(1, 2, 300, 8, dtype="float32", backend="numba")
@@ -191,23 +245,27 @@ def test_nan_past_a_short_row_stays_out():
     np.testing.assert_allclose(out, want, atol=1e-12)
 
 
-def test_gather_zeroes_values_outside_each_entrys_keys():
-    """``gather_pages`` copies the indexed pool rows, and where an entry's own keys end
-    (or start later) its values are 0 whatever those pool rows hold (NaN here), so that
-    p = 0 there adds nothing."""
+def test_gather_copies_the_indexed_pool_rows_and_values_outside_are_zeroed():
+    """``gather_pages`` copies the indexed rows of each pool (values, codes or scales of
+    any trailing shape); ``_zero_outside`` then zeroes an entry's values outside its own
+    keys whatever they held (NaN here), so that p = 0 there adds nothing."""
     pool_k = np.full((3, 2, 4, 8), np.nan, dtype=np.float32)  # [num_pages, Hkv, P, d]
-    pool_v = np.full((3, 2, 4, 8), np.nan, dtype=np.float32)
-    pool_k[1], pool_v[1] = 1.0, 2.0
-    pool_k[1, 1, 2], pool_v[1, 1, 2] = 5.0, 7.0
+    pool_s = np.arange(3 * 2 * 4, dtype=np.float32).reshape(3, 2, 4)  # per-token scales
+    pool_k[1] = 1.0
+    pool_k[1, 1, 2] = 5.0
     rows = (1 * 2 + np.arange(2)[None, :, None]) * 4 + np.arange(4)[None, None, :]  # page 1
-    index = np.concatenate([rows, np.zeros_like(rows)])  # entry 1 reads NaN rows outside
+    index = np.concatenate([rows, np.zeros_like(rows)])  # entry 1 reads NaN rows
     k_out = np.empty((2, 2, 4, 8), np.float32)
-    v_out = np.empty((2, 2, 4, 8), np.float32)
-    numpy_batch.gather_pages(pool_k, pool_v, index, [(10, 14), (11, 13)], 10, k_out, v_out)
+    s_out = np.empty((2, 2, 4), np.float32)
+    numpy_batch.gather_pages((pool_k, pool_s), index, (k_out, s_out))
     np.testing.assert_array_equal(k_out[0], pool_k[1])
-    np.testing.assert_array_equal(v_out[0], pool_v[1])
-    assert not v_out[1, :, 0].any() and not v_out[1, :, 3].any()  # outside keys 11..12
-    assert np.isnan(v_out[1, :, 1:3]).all()  # the rows it was told to read, as they are
+    np.testing.assert_array_equal(s_out[0], pool_s[1])
+    np.testing.assert_array_equal(s_out[1], np.zeros((2, 4)))  # pool row 0's scale: 0
+    assert np.isnan(k_out[1]).all()
+    numpy_batch._zero_outside(k_out, [(10, 14), (11, 13)], 10)
+    np.testing.assert_array_equal(k_out[0], pool_k[1])  # its own keys: all of them
+    assert not k_out[1, :, 0].any() and not k_out[1, :, 3].any()  # outside keys 11..12
+    assert np.isnan(k_out[1, :, 1:3]).all()  # its own keys, as they are
 
 
 def test_paged_window_reads_no_released_page():
@@ -412,6 +470,7 @@ def test_one_pass_and_write_are_the_host_time_kernels():
     backend = gqakv.get_backend("numpy")
     assert set(backend.kernel_entries()) == {("gqakv_backends.numpy_batch", "attend_batch"),
                                              ("gqakv_backends.numpy_batch", "gather_pages"),
+                                             ("gqakv_backends.numpy_batch", "decode_values"),
                                              ("gqakv_backends.numpy_batch", "write_tokens"),
                                              ("gqakv_backends.numpy_batch", "write_coded"),
                                              ("gqakv_backends.numpy_batch", "write_rows")}
