@@ -125,21 +125,40 @@ def test_paged_and_quantized_lines_exist():
     assert PAGED_LINES | QUANT_LINES | PAGED_QUANT_LINES <= set(selftest.FAMILIES)
 
 
+def _second_page_first(table):
+    """``table`` with each row's first page replaced by its second (rows of two or more)."""
+    bad = table.copy()
+    two = (bad >= 0).sum(axis=1) >= 2
+    bad[two, 0] = table[two, 1]
+    return bad
+
+
 def test_a_broken_paged_read_fails_only_the_paged_lines(capsys, monkeypatch):
-    """The NumPy paged reader reading a row's second page in place of its first (a swap
-    would not do: attention over all of a row's keys does not depend on their order);
-    every other family but the paged quantized ones (the same reader) runs on contiguous
-    storage and must still pass."""
-    from gqakv_backends import numpy_readers
+    """The NumPy paged readers (the items' ``numpy_readers.Pages`` and the one pass's page
+    index, ``numpy_batch._page_index``) reading a row's second page in place of its first
+    (a swap would not do: attention over all of a row's keys does not depend on their
+    order); every other family but the paged quantized ones (the same readers) runs on
+    contiguous storage and must still pass."""
+    from types import SimpleNamespace
+
+    from gqakv_backends import numpy_batch, numpy_readers
 
     original = numpy_readers.Pages.__init__
 
     def wrong_first_page(self, arrays, rows, table, page_size, gather=None):
-        bad = table.copy()
-        two = (bad >= 0).sum(axis=1) >= 2
-        bad[two, 0] = table[two, 1]
-        original(self, arrays, rows, bad, page_size, gather)
+        original(self, arrays, rows, _second_page_first(table), page_size, gather)
     monkeypatch.setattr(numpy_readers.Pages, "__init__", wrong_first_page)
+    index_of = numpy_batch._page_index
+
+    def wrong_first_index(store, rows, k0, k1, ranges):
+        table = store.page_table
+        bad = SimpleNamespace(entries=_second_page_first(table.entries), version=table.version)
+        index = index_of(SimpleNamespace(page_table=bad, buffers=store.buffers, k=store.k,
+                                         page_size=store.page_size, kv_heads=store.kv_heads),
+                         rows, k0, k1, ranges)
+        return None if index is None else numpy_batch.PageIndex((table.entries, table.version),
+                                                                index.rows)
+    monkeypatch.setattr(numpy_batch, "_page_index", wrong_first_index)
     status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "7")
     assert status == 1, out
     dtypes = set(gqakv.get_backend("numpy").dtypes)
@@ -152,7 +171,8 @@ def test_a_broken_paged_read_fails_only_the_paged_lines(capsys, monkeypatch):
 
 
 def test_a_broken_dequantization_fails_only_the_quantized_lines(capsys, monkeypatch):
-    """The NumPy 8-bit reader dequantizing each token with its neighbour's scale."""
+    """The NumPy 8-bit reader (and the one pass's ``decode_values``) dequantizing each
+    token with its neighbour's scale."""
     from gqakv_backends import numpy_readers
 
     original = numpy_readers.Coded.__init__
@@ -166,6 +186,14 @@ def test_a_broken_dequantization_fails_only_the_quantized_lines(capsys, monkeypa
 
     monkeypatch.setattr(numpy_readers.Coded, "__init__",
                         lambda self, base, codec: original(self, base, Shifted(codec)))
+    from gqakv_backends import numpy_batch
+
+    decode = numpy_batch.decode_values  # the one pass's decoding, broken alike
+
+    def shifted(codec, parts, k_out, v_out):
+        kc, vc, ks, vs = parts
+        decode(codec, (kc, vc, np.roll(ks, 1, axis=2), np.roll(vs, 1, axis=2)), k_out, v_out)
+    monkeypatch.setattr(numpy_batch, "decode_values", shifted)
     status, out = run_selftest(capsys, "--backend", "numpy", "--quick", "--seed", "8")
     assert status == 1, out
     dtypes = set(gqakv.get_backend("numpy").dtypes) - {"float64"}  # float64: SKIP
