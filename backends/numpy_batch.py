@@ -306,7 +306,10 @@ def _keys_and_values(plan: BatchPlan, store):
     if store.quantized:  # parts: K codes, V codes, K scales, V scales
         shape = (*parts[0].shape[:3], store.head_dim)
         k, v = _scratch("k", shape, np.float32), _scratch("v", shape, np.float32)
-        decode_values(store.codec, parts, k, v)
+        # slots past an entry's own keys hold anything (codes with NaN or huge scales): their
+        # values are zeroed and their scores masked below, so their decoding makes no warning
+        with np.errstate(invalid="ignore", over="ignore") if ranges is not None else _QUIET:
+            decode_values(store.codec, parts, k, v)
     else:
         k, v = parts
     if ranges is not None:
