@@ -283,7 +283,7 @@ def route_copy(request: Request) -> Route:
     the generic code (codes, scales and their copies are computed there)."""
     path = WRITE_PATH if request.op == "write_kv" else COPY_PATH
     why = path.rejection(request) or request.buffers
-    if why and request.op == "write_kv":  # plain pages: the NumPy backend's one assignment
+    if why and request.op == "write_kv":  # pages, codes: the NumPy backend's appends
         fallback = _numpy.route_write(request)
         return Route(fallback.impl, {path.name: why, **fallback.rejected})
     if why:
@@ -357,7 +357,8 @@ class NumbaBackend(NumpyBackend):
 
     def kernel_entries(self) -> tuple[tuple[str, str], ...]:
         """The compiled kernels, and the appends this backend's route hands to the NumPy
-        backend (``numpy_batch.write_tokens`` into pages, ``write_coded`` of codes)."""
+        backend (``numpy_batch.write_tokens`` into pages, ``write_coded`` of codes,
+        ``write_rows`` of long chunks)."""
         kernels = f"{__package__}.numba_kernels"
         return (*((kernels, name) for name in ("attention_items", "merge_pieces", "write_tokens",
                                                "copy_rows")),
@@ -462,12 +463,13 @@ class NumbaBackend(NumpyBackend):
     def write_kv(self, store, k_new, v_new, inputs) -> None:
         """Contiguous, unquantized storage: every entry's tokens written by one compiled
         call (``numba_kernels.write_tokens``) instead of a slice assignment per row;
-        pages and codecs: the NumPy backend's one assignment per buffer through the page
-        table, codes encoded for every token at once (``numpy_batch.append``)."""
+        pages and codecs: the NumPy backend's appends (``numpy_batch.append``: one
+        assignment per buffer through the page table, codes encoded for every token at
+        once; chunks of more than ``WRITE_MAX_ROW_TOKENS`` row by row)."""
         route, bits = self._write_decision(store, k_new, v_new)
         if route.impl == GENERIC:  # the generic per-row writes (this backend's route says so)
             return Backend.write_kv(self, store, k_new, v_new, inputs)
-        if route.impl == _numpy.WRITE:  # pages, codes: one assignment per buffer
+        if route.impl == _numpy.WRITE:  # pages, codes: the NumPy backend's appends
             from . import numpy_batch
 
             return numpy_batch.append(store, k_new, v_new, inputs)

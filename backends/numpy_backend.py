@@ -181,8 +181,9 @@ class NumpyBackend(Backend):
 
     def write_kv(self, store, k_new, v_new, inputs) -> None:
         """Every entry's tokens by one assignment per buffer (``numpy_batch.append``;
-        codes and scales encoded for every token at once), contiguous or paged; other
-        codecs: the generic per-row writes (``route_write`` decides)."""
+        codes and scales encoded for every token at once; chunks of more than
+        ``WRITE_MAX_ROW_TOKENS`` row by row), contiguous or paged; other codecs: the
+        generic per-row writes (``route_write`` decides)."""
         from . import numpy_batch
 
         tokens = PACKED if k_new.ndim == 3 else PADDED
@@ -193,8 +194,8 @@ class NumpyBackend(Backend):
 
     def kernel_entries(self) -> tuple[tuple[str, str], ...]:
         """The one-pass batch's arithmetic, its gather of paged keys, its decoding of codes
-        and the append's byte moves (``numpy_batch``); the item kernel's NumPy calls are not separable from the
-        host work around them."""
+        and the append's byte moves and encoding (``numpy_batch``); the item kernel's NumPy
+        calls are not separable from the host work around them."""
         return ((f"{__package__}.numpy_batch", "attend_batch"),
                 (f"{__package__}.numpy_batch", "gather_pages"),
                 (f"{__package__}.numpy_batch", "decode_values"),
