@@ -57,6 +57,14 @@ from gqakv.ops.merge import SoftmaxState
 from . import amx
 from .numba_kernels import bfloat16_parts, score, softmax_block
 from .numpy_readers import MIN_BLOCK_KEYS, Coded, Pages, Plain, _converted_keys
+from .scratch import thread_buffer
+
+
+def _scratch(name: str, shape: tuple, dtype) -> np.ndarray:
+    """This thread's reused memory for the items' buffer ``name`` (``scratch.thread_buffer``):
+    a prefill walks hundreds of items per thread, and fresh buffers of a few MiB each
+    would be faulted in and zeroed by the kernel every time."""
+    return thread_buffer(f"amx {name}", shape, dtype)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 #: Rows and keys are padded to multiples of this (a block of 2 x 2 tiles).
@@ -72,23 +80,6 @@ MIN_ITEM_WORK = 1 << 22
 
 def _round_up(x: int) -> int:
     return -(-x // TILE_BLOCK) * TILE_BLOCK
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(name: str, shape: tuple, dtype) -> np.ndarray:
-    """A C-contiguous ``shape`` array of this thread's reused memory for ``name`` (not
-    zeroed): a prefill walks hundreds of items per thread, and fresh buffers of a few MiB
-    each would be faulted in and zeroed by the kernel every time."""
-    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    pool = getattr(_SCRATCH, "pool", None)
-    if pool is None:
-        pool = _SCRATCH.pool = {}
-    buf = pool.get(name)
-    if buf is None or buf.size < size:
-        buf = pool[name] = np.empty(size, np.uint8)
-    return buf[:size].view(dtype).reshape(shape)
 
 
 def _pitch(n: int, itemsize: int) -> int:

@@ -33,15 +33,16 @@ scores the item kernel would compute; otherwise the items run.
 from __future__ import annotations
 
 import contextlib
-import math
-import threading
 
 import numpy as np
 
 from gqakv.core.semantics import block_keys, transform_scores, visible_mask
 from gqakv.storage.store import CONTIGUOUS, PAGED
 
+from gqakv.ops.cache_ops import write_kv_array_api
+
 from .cpu_plan import THIN_QUERIES, _threads
+from .scratch import thread_buffer
 
 _QUIET = contextlib.nullcontext()
 
@@ -257,23 +258,6 @@ def attend_batch(q, k, v, hidden, empty, params, acc, out, lse) -> None:
             lse[...] = (shift + np.log(total)).reshape(B, Hq, T)
 
 
-_SCRATCH = threading.local()
-
-
-def _scratch(name: str, shape: tuple, dtype) -> np.ndarray:
-    """A C-contiguous ``shape`` array of this thread's reused memory for ``name`` (not
-    zeroed, valid until this thread asks for ``name`` again); the same array object while
-    ``shape`` and ``dtype`` stay (every layer of a step asks for the same)."""
-    last = getattr(_SCRATCH, name, None)
-    if last is not None and last[0] == shape and last[1] == dtype:
-        return last[3]
-    size = math.prod(shape) * np.dtype(dtype).itemsize
-    memory = last[2] if last is not None and last[2].size >= size else np.empty(size, np.uint8)
-    array = memory[:size].view(dtype).reshape(shape)
-    setattr(_SCRATCH, name, (shape, dtype, memory, array))
-    return array
-
-
 def _current_index(plan: BatchPlan, store) -> PageIndex:
     """``plan``'s ``PageIndex``, rebuilt first if ``store``'s page table is another or
     changed since it was planned."""
@@ -300,12 +284,12 @@ def _keys_and_values(plan: BatchPlan, store):
     if index is None:  # contiguous rows: views (or, for rows out of order, copies)
         parts = [buf[plan.rows, :, k0:k1] for buf in store.buffers]
     else:
-        parts = [_scratch(f"part{i}", (*index.rows.shape, *buf.shape[3:]), buf.dtype)
+        parts = [thread_buffer(f"batch part {i}", (*index.rows.shape, *buf.shape[3:]), buf.dtype)
                  for i, buf in enumerate(store.buffers)]
         gather_pages(store.buffers, index.rows, parts)
     if store.quantized:  # parts: K codes, V codes, K scales, V scales
         shape = (*parts[0].shape[:3], store.head_dim)
-        k, v = _scratch("k", shape, np.float32), _scratch("v", shape, np.float32)
+        k, v = thread_buffer("batch k", shape, np.float32), thread_buffer("batch v", shape, np.float32)
         # slots past an entry's own keys hold anything (codes with NaN or huge scales): their
         # values are zeroed and their scores masked below, so their decoding makes no warning
         with np.errstate(invalid="ignore", over="ignore") if ranges is not None else _QUIET:
@@ -392,26 +376,11 @@ WRITE_MAX_ROW_TOKENS = 4
 
 
 def write_rows(store, k_new, v_new, inputs) -> None:
-    """An append written entry by entry (the host-time benchmark's kernel entry):
-    ``store.put`` of entry i's tokens (``[Hkv, n, d]``, a view of k_new / v_new) at its
-    row's slots (paged: page by page through the table, every page checked first; codes:
-    encoded per entry)."""
-    rows, starts, n_new, offsets = inputs.rows, inputs.starts, inputs.n_new, inputs.offsets
-    if store.kind == PAGED:  # every slot on a page before anything is written
-        P, entries = store.page_size, store.page_table.entries
-        for i, n in enumerate(n_new):
-            r, s0 = int(rows[i]), int(starts[i])
-            pages = entries[r, s0 // P:(s0 + n - 1) // P + 1] if n else entries[r, :0]
-            if pages.size and int(pages.min()) < 0:
-                first = s0 // P + int(np.argmax(pages < 0))  # the first page missing
-                raise RuntimeError(f"row {r}'s slot {max(first * P, s0)} is on no page (its "
-                                   "table entry is -1): appends need their pages reserved first")
-    for i, n in enumerate(n_new):
-        if n:
-            s = slice(int(offsets[i]), int(offsets[i]) + n) if offsets is not None else None
-            store.put(int(rows[i]), int(starts[i]),
-                      k_new[s].swapaxes(0, 1) if s is not None else k_new[i, :, :n],
-                      v_new[s].swapaxes(0, 1) if s is not None else v_new[i, :, :n])
+    """An append written entry by entry (the host-time benchmark's kernel entry): the
+    generic per-row writes (``write_kv_array_api``: ``store.put`` of each entry's tokens,
+    page by page through the table; codes encoded per entry)."""
+    write_kv_array_api(store, k_new, v_new, inputs.rows, inputs.starts, inputs.n_new,
+                       inputs.offsets)
 
 
 def append(store, k_new, v_new, inputs) -> None:
@@ -425,11 +394,11 @@ def append(store, k_new, v_new, inputs) -> None:
     index = _write_index(inputs)
     if index is None:
         return
-    if index is _BY_ROWS:
-        return write_rows(store, k_new, v_new, inputs)
-    rows, dst, src = index
-    if store.kind == PAGED:
+    rows, dst, src, by_rows = index
+    if store.kind == PAGED:  # raises, before anything is written, for a slot on no page
         rows, dst = _paged_slots(store, rows, dst)
+    if by_rows:
+        return write_rows(store, k_new, v_new, inputs)
     if store.quantized:
         write_coded((store.k, store.k_scale), (store.v, store.v_scale), store.codec, k_new,
                     v_new, rows, dst, src)
@@ -468,22 +437,17 @@ def _paged_slots(store, rows, dst):
 _last_append: list = [(None, None)]
 
 
-#: ``_write_index``'s answer for an append written row by row (``WRITE_MAX_ROW_TOKENS``).
-_BY_ROWS = ("by rows",)
-
-
 def _write_index(inputs):
-    """``(dst_rows, dst_slots, src)`` of ``write_tokens`` for ``inputs``, None for no token,
-    ``_BY_ROWS`` when an entry has more than ``WRITE_MAX_ROW_TOKENS``."""
+    """``(dst_rows, dst_slots, src, by_rows)`` of ``write_tokens`` for ``inputs`` (``by_rows``:
+    an entry has more than ``WRITE_MAX_ROW_TOKENS``, so ``write_rows`` writes it; the slots
+    still serve the page check), None for no token."""
     inputs_then, index = _last_append[0]  # one read: another thread may set it meanwhile
     if inputs_then is inputs:
         return index
     n = np.asarray(inputs.n_new, dtype=np.int64)
     count = int(n.sum())
     index = None
-    if count and int(n.max()) > WRITE_MAX_ROW_TOKENS:
-        index = _BY_ROWS
-    elif count:
+    if count:
         entry = np.repeat(np.arange(len(n)), n)
         slot = np.arange(count) - np.repeat(np.cumsum(n) - n, n)  # token index within its entry
         rows = np.asarray(inputs.rows, dtype=np.int64)[entry]
@@ -492,6 +456,6 @@ def _write_index(inputs):
             src: tuple = (entry, slot)
         else:
             src = (np.asarray(inputs.offsets, dtype=np.int64)[entry] + slot,)
-        index = (rows, dst, src)
+        index = (rows, dst, src, int(n.max()) > WRITE_MAX_ROW_TOKENS)
     _last_append[0] = (inputs, index)
     return index
