@@ -40,8 +40,9 @@ the mask, one max and rescale per block and the exponentials, then O += P V
 accumulators in registers for the whole run, vector IR in ``_pv_rows``; else four
 values into four rows per pass with the loop over d vectorized); both walk
 the block one storage run at a time and prefetch the rows ``PREFETCH_BYTES`` ahead
-(``prefetch_ahead``: contiguous rows, and paged rows within their page, ``page_rows``;
-float32 pages read heads together compile without it). Over pages small enough
+into every cache level, float32 rows by the CPU's plan (``float32_prefetch``: on AMD
+Zen 8 KB ahead into L2) (``prefetch_ahead``: contiguous rows, and paged rows within
+their page, ``page_rows``; float32 pages read heads together compile without it). Over pages small enough
 (``numba_backend.together_page_limit``: 32 tokens at d = 128, within a key block), whose
 KV heads lie heads-major in each page, an item's heads (up to
 ``PAGED_TILE_ROWS`` tile rows) are attended in one pass, each storage run read for every
@@ -110,6 +111,50 @@ _NEG_INF = np.float32(-np.inf)
 PREFETCH_BYTES = 2 << 10
 
 
+def float32_prefetch(cpu: str) -> tuple[int, int, bool]:
+    """``(bytes ahead, locality, small pages)`` of the prefetches over rows of float32 on
+    the CPU LLVM calls ``cpu``; rows of 16 and 8 bits keep ``PREFETCH_BYTES`` into every
+    level. Locality is ``llvm.prefetch``'s: 3 every cache level (``prefetcht0``), 1 the
+    outer ones (``prefetcht2``, L2 on down). ``small pages``: whether float32 pages whose
+    heads are read together (``heads_per_pass``) are prefetched too.
+
+    On AMD Zen (``znver*``) float32 rows are prefetched 8 KB ahead into L2 only. One
+    core's float32 decode there read 12.5 GB/s against 27 GB/s for a plain sum over the
+    same rows (2026-12-07): each prefetch into L1 holds one of the few L1 miss buffers
+    for the whole trip to memory, so a core keeps too few lines in flight, while L2 has
+    more. Two threads, the Llama-3.1-8B layer, kernel copies alternating call by call in
+    one process (load about 1), time / the 2 KB into-L1 kernels': decode B=4 L=4,096
+    float32 0.67 at 8 KB into L2 (0.68 at 16 KB, 0.67 at 32 KB; 2 KB into L1 plus 8 or
+    16 KB into L2 0.69-0.70), 256-token pages 0.82, 16-token pages (not prefetched
+    before) 0.70; bfloat16 0.98, and int8 codes 1.15-1.29 with any far prefetch (their
+    dequantizing, not memory, bounds them), so narrower rows keep the near one. Other
+    CPUs keep 2 KB into L1 and no prefetch over small float32 pages (both measured on the
+    Xeon, above and at ``prefetch_ahead``; there an L2 prefetch 8-32 KB ahead beside the
+    near one did not pay, the performance guide)."""
+    if cpu.startswith("znver"):
+        return 8 << 10, 1, True
+    return PREFETCH_BYTES, 3, False
+
+
+def _target_cpu() -> str:
+    """The CPU numba compiles for: ``NUMBA_CPU_NAME`` where set, else the host's."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    return config.CPU_NAME or llvm.get_host_cpu_name()
+
+
+#: ``float32_prefetch`` of the CPU the kernels are compiled for (numba's cache keeps a
+#: kernel per CPU name and features, so a cached kernel was built with this plan).
+FLOAT32_PREFETCH_BYTES, FLOAT32_PREFETCH_LOCALITY, FLOAT32_SMALL_PAGE_PREFETCH = \
+    float32_prefetch(_target_cpu())
+
+
+def _prefetch_locality(stored) -> int:
+    """``llvm.prefetch``'s locality for rows whose elements are numba type ``stored``."""
+    return FLOAT32_PREFETCH_LOCALITY if stored == types.float32 else 3
+
+
 @intrinsic
 def _prefetch_row(typingctx, rows, i):
     """Start loading row i of a [n, d] view (d contiguous) into the cache: one
@@ -132,11 +177,12 @@ def _prefetch_row(typingctx, rows, i):
         nbytes = builder.mul(builder.extract_value(arr.shape, 1),
                              context.get_constant(types.intp, itemsize))
         line = context.get_constant(types.intp, 64)
+        locality = ir.Constant(i32, _prefetch_locality(aryty.dtype))
         with cgutils.for_range_slice(builder, context.get_constant(types.intp, 0), nbytes,
                                      line) as (offset, _):
-            # read (0), keep in all cache levels (3), data cache (1)
+            # read (0), the locality of the rows' element type, data cache (1)
             builder.call(prefetch, [builder.gep(base, [offset]), ir.Constant(i32, 0),
-                                    ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                                    locality, ir.Constant(i32, 1)])
         return context.get_dummy_value()
 
     return types.none(rows, i), codegen
@@ -602,7 +648,8 @@ def _pv_rows(R: int):
                             context, builder, v_ty, v_arr, [ahead_row, zero], wraparound=False), i8p)
                         with cgutils.for_range_slice(builder, zero, row_bytes, const(64)) as (at, _):
                             builder.call(prefetch, [builder.gep(base, [at]), ir.Constant(i32, 0),
-                                                    ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                                                    ir.Constant(i32, _prefetch_locality(code)),
+                                                    ir.Constant(i32, 1)])
                     factor_ = None
                     if scaled:
                         factor_ = builder.load(cgutils.get_item_pointer(
@@ -1160,21 +1207,38 @@ def _kv_heads(buf):
 
 def prefetch_ahead(buf):
     """How many rows ahead of the one being read the kernels prefetch in a layout
-    (overloaded below): ``PREFETCH_BYTES`` of rows for contiguous rows (quantized: of
+    (overloaded below): ``prefetch_bytes`` of rows for contiguous rows (quantized: of
     codes) and for paged layouts within a page (``page_rows``: one head's slice of a large
     page, the whole page in address order where its heads are read together), except
-    float32 pages read heads together: 0, a constant the compiler folds, so no prefetch
-    code is left in their kernels. Measured 2026-12-05 (alternating processes, B=4
+    float32 pages read heads together where the CPU's plan says so
+    (``float32_prefetch``): 0, a constant the compiler folds, so no prefetch code is left
+    in their kernels. Measured with 2 KB into every level on the Xeon 2026-12-05 (alternating processes, B=4
     L=4,096 and B=1 L=32,768, load 1.0-1.5): 256-token pages float32 / bfloat16 paged /
     contiguous 1.24 / 1.41-1.45 -> 1.10-1.12 / 1.12-1.18; 16-token pages bfloat16
     1.18-1.30 -> 1.14-1.19, float32 1.28-1.40 -> 1.37-1.43 (left without)."""
     raise NotImplementedError
 
 
+def prefetch_bytes(rows):
+    """How many bytes ahead rows of this array's element type are prefetched (overloaded
+    below, a constant of the type): ``FLOAT32_PREFETCH_BYTES`` for float32, else
+    ``PREFETCH_BYTES``."""
+    raise NotImplementedError
+
+
+@overload(prefetch_bytes, inline="always", jit_options={"cache": True})
+def _prefetch_bytes(rows):
+    if isinstance(rows, types.Array):
+        ahead = FLOAT32_PREFETCH_BYTES if rows.dtype == types.float32 else PREFETCH_BYTES
+        return lambda rows: ahead
+    return None
+
+
 @njit(cache=True, inline="always")
 def _row_prefetch(rows):
-    """``PREFETCH_BYTES`` in rows of an array [..., d] (at least 1)."""
-    return max(1, PREFETCH_BYTES // (rows.shape[-1] * rows.itemsize))
+    """The prefetch distance in rows of an array [..., d] (at least 1):
+    ``prefetch_bytes`` of them."""
+    return max(1, prefetch_bytes(rows) // (rows.shape[-1] * rows.itemsize))
 
 
 @overload(prefetch_ahead, inline="always", jit_options={"cache": True})
@@ -1183,8 +1247,9 @@ def _prefetch_ahead(buf):
         return lambda buf: _row_prefetch(buf)
     if _is(buf, Quantized) or _is(buf, Grouped):
         return lambda buf: _row_prefetch(buf.codes)
-    if _is(buf, Paged) and not _one_head(buf) and buf.types[0].dtype.bitwidth > 16:
-        return lambda buf: 0  # float32 small pages: measured 1.03-1.06x slower with it
+    if (_is(buf, Paged) and not _one_head(buf) and buf.types[0].dtype.bitwidth > 16
+            and not FLOAT32_SMALL_PAGE_PREFETCH):
+        return lambda buf: 0  # float32 small pages, 2 KB into L1: 1.03-1.06x slower with it
     if _is(buf, Paged):
         return lambda buf: _row_prefetch(buf.pool)
     if _is(buf, PagedQuantized) or _is(buf, PagedGrouped):

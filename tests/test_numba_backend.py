@@ -242,6 +242,20 @@ def test_threads_follow_gqakv_num_threads(monkeypatch):
     assert default_workers() == numba.config.NUMBA_NUM_THREADS
 
 
+def test_float32_prefetch_plan_follows_the_cpu_numba_compiles_for():
+    """AMD Zen prefetches float32 rows far ahead into L2 (small pages too); every other CPU
+    keeps the near prefetch into L1 it was measured with; the kernels' constants are the
+    plan of the CPU numba targets."""
+    near = (nk.PREFETCH_BYTES, 3, False)
+    for cpu in ("znver3", "znver4", "znver5"):
+        ahead, locality, small_pages = nk.float32_prefetch(cpu)
+        assert ahead > nk.PREFETCH_BYTES and locality == 1 and small_pages
+    for cpu in ("sapphirerapids", "skylake-avx512", "haswell", "generic", ""):
+        assert nk.float32_prefetch(cpu) == near
+    assert (nk.FLOAT32_PREFETCH_BYTES, nk.FLOAT32_PREFETCH_LOCALITY,
+            nk.FLOAT32_SMALL_PAGE_PREFETCH) == nk.float32_prefetch(nk._target_cpu())
+
+
 def test_chunks_run_on_one_thread_below_their_multiply_add_floor():
     """A prefill chunk (a row of more than KERNEL_MAX_QUERIES queries) stays on one thread
     below CHUNK_PARALLEL_MIN_MACS multiply-adds, even past PARALLEL_MIN_WORK products;
