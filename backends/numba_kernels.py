@@ -42,7 +42,8 @@ values into four rows per pass with the loop over d vectorized); both walk
 the block one storage run at a time and prefetch the rows ``PREFETCH_BYTES`` ahead
 into every cache level, float32 rows by the CPU's plan (``float32_prefetch``: on AMD
 Zen 8 KB ahead into L2) (``prefetch_ahead``: contiguous rows, and paged rows within
-their page, ``page_rows``; float32 pages read heads together compile without it). Over pages small enough
+their page, ``page_rows``; float32 pages read heads together compile without it except
+under that plan). Over pages small enough
 (``numba_backend.together_page_limit``: 32 tokens at d = 128, within a key block), whose
 KV heads lie heads-major in each page, an item's heads (up to
 ``PAGED_TILE_ROWS`` tile rows) are attended in one pass, each storage run read for every
@@ -124,10 +125,11 @@ def float32_prefetch(cpu: str) -> tuple[int, int, bool]:
     for the whole trip to memory, so a core keeps too few lines in flight, while L2 has
     more. Two threads, the Llama-3.1-8B layer, kernel copies alternating call by call in
     one process (load about 1), time / the 2 KB into-L1 kernels': decode B=4 L=4,096
-    float32 0.67 at 8 KB into L2 (0.68 at 16 KB, 0.67 at 32 KB; 2 KB into L1 plus 8 or
-    16 KB into L2 0.69-0.70), 256-token pages 0.82, 16-token pages (not prefetched
-    before) 0.70; bfloat16 0.98, and int8 codes 1.15-1.29 with any far prefetch (their
-    dequantizing, not memory, bounds them), so narrower rows keep the near one. Other
+    float32 0.67-0.89 at 8 KB into L2 (0.68-0.84 at 16 KB, 0.78 at 32 KB; 2 KB into L1
+    plus more into L2 0.69-0.70), 256-token pages 0.82-0.91, 16-token pages (not
+    prefetched before) 0.70-0.91; bfloat16 0.94-1.00, and int8 codes 1.15-1.29 with any
+    far prefetch (their dequantizing, not memory, bounds them), so narrower rows keep the
+    near one (the performance guide has the table). Other
     CPUs keep 2 KB into L1 and no prefetch over small float32 pages (both measured on the
     Xeon, above and at ``prefetch_ahead``; there an L2 prefetch 8-32 KB ahead beside the
     near one did not pay, the performance guide)."""
