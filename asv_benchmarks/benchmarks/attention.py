@@ -49,9 +49,11 @@ class Decode:
         self._call()
 
     def track_x_read_bound(self, backend, size):
-        """Step time / the time BLAS's matrix-vector product takes to stream as many bytes as
-        the step's live K/V, calls interleaved so that load from elsewhere on the machine
-        slows both: 1.0 is the bound, 1.43 is 70% of it."""
+        """Step time / the time a parallel read (``common.reader``: numba's sum, else BLAS's
+        matrix-vector product) takes to stream as many bytes as the step's live K/V, calls
+        interleaved so that load from elsewhere on the machine slows both: 1.0 is the bound,
+        1.43 is 70% of it. Until 2026-12-07 the read was BLAS's, whose spinning workers
+        slowed the step after it (``common.reader``), so earlier values are higher."""
         return ratio(self._call, reader(live_kv_bytes(self.cache)), self.backend, repeats=9)
 
     track_x_read_bound.unit = "x read-bound time"

@@ -147,11 +147,50 @@ def read_bandwidth() -> float:
 
 
 def reader(nbytes: int):
-    """A call that streams ``nbytes`` from memory as fast as this machine reads: BLAS's threaded
-    matrix-vector product over a ``[n, 128]`` float32 matrix (gqakv.tools.bench's best reader)."""
-    matrix = np.ones((max(1, nbytes // 512), 128), dtype=np.float32)
-    x = np.ones(128, dtype=np.float32)
-    return lambda: matrix @ x
+    """A call that streams ``nbytes`` from memory as fast as this machine reads and leaves no
+    threads spinning after it: numba's parallel sum over a float32 array where numba imports
+    (on the threads numba's kernels use), else BLAS's threaded matrix-vector product over a
+    ``[n, 128]`` float32 matrix (gqakv.tools.bench's best reader).
+
+    Not BLAS where it can be helped: OpenBLAS's workers spin for about 0.1 s after each
+    call (the performance guide, "Threads shared with the model's BLAS"), so a step timed
+    right after it shared its cores with them. On the 2-core AMD EPYC a float32 decode (B=4
+    L=4,096) took 13.8 ms interleaved with the product and 6.2-7.0 ms interleaved with the
+    numba sum, which also read faster (36 GB/s against 25-30; 2026-12-07)."""
+    total = _parallel_sum()
+    if total is None:
+        matrix = np.ones((max(1, nbytes // 512), 128), dtype=np.float32)
+        x = np.ones(128, dtype=np.float32)
+        return lambda: matrix @ x
+    parts = 64  # a few per thread, so that threads that start late still finish level
+    a = np.ones((parts, max(16, nbytes // 4 // parts)), dtype=np.float32)
+    total(a)  # compile here, not in the first timed call
+    return lambda: total(a)
+
+
+_sum = []
+
+
+def _parallel_sum():
+    """numba's parallel sum of a [parts, n] float32 array (one prange index per part,
+    vectorized within it), compiled once per process; None where numba does not import."""
+    if not _sum:
+        try:
+            from numba import njit, prange
+        except ImportError:
+            _sum.append(None)
+        else:
+            @njit(parallel=True, fastmath=True)
+            def total(a):
+                sums = np.zeros(a.shape[0], np.float32)
+                for p in prange(a.shape[0]):
+                    acc = np.float32(0.0)
+                    for i in range(a.shape[1]):
+                        acc += a[p, i]
+                    sums[p] = acc
+                return sums.sum()
+            _sum.append(total)
+    return _sum[0]
 
 
 def matmul(flops: float, n: int = 1024):
