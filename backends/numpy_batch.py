@@ -37,9 +37,8 @@ import contextlib
 import numpy as np
 
 from gqakv.core.semantics import block_keys, transform_scores, visible_mask
-from gqakv.storage.store import CONTIGUOUS, PAGED
-
 from gqakv.ops.cache_ops import write_kv_array_api
+from gqakv.storage.store import CONTIGUOUS, PAGED
 
 from .cpu_plan import THIN_QUERIES, _threads
 from .scratch import thread_buffer

@@ -17,6 +17,7 @@ baseline at full length) to the parameters; the default suite fits in minutes.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -168,29 +169,25 @@ def reader(nbytes: int):
     return lambda: total(a)
 
 
-_sum = []
-
-
+@functools.cache
 def _parallel_sum():
     """numba's parallel sum of a [parts, n] float32 array (one prange index per part,
     vectorized within it), compiled once per process; None where numba does not import."""
-    if not _sum:
-        try:
-            from numba import njit, prange
-        except ImportError:
-            _sum.append(None)
-        else:
-            @njit(parallel=True, fastmath=True)
-            def total(a):
-                sums = np.zeros(a.shape[0], np.float32)
-                for p in prange(a.shape[0]):
-                    acc = np.float32(0.0)
-                    for i in range(a.shape[1]):
-                        acc += a[p, i]
-                    sums[p] = acc
-                return sums.sum()
-            _sum.append(total)
-    return _sum[0]
+    try:
+        from numba import njit, prange
+    except ImportError:
+        return None
+
+    @njit(parallel=True, fastmath=True)
+    def total(a):
+        sums = np.zeros(a.shape[0], np.float32)
+        for p in prange(a.shape[0]):
+            acc = np.float32(0.0)
+            for i in range(a.shape[1]):
+                acc += a[p, i]
+            sums[p] = acc
+        return sums.sum()
+    return total
 
 
 def matmul(flops: float, n: int = 1024):
