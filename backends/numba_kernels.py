@@ -43,7 +43,8 @@ the block one storage run at a time and prefetch the rows ``PREFETCH_BYTES`` ahe
 into every cache level, float32 rows by the CPU's plan (``float32_prefetch``: on AMD
 Zen 8 KB ahead into L2) (``prefetch_ahead``: contiguous rows, and paged rows within
 their page, ``page_rows``; float32 pages read heads together compile without it except
-under that plan). Over pages small enough
+under that plan), and on AMD Zen contiguous 16-bit rows also 16 KB farther into L2
+(``far_ahead``, ``far_prefetch_16``). Over pages small enough
 (``numba_backend.together_page_limit``: 32 tokens at d = 128, within a key block), whose
 KV heads lie heads-major in each page, an item's heads (up to
 ``PAGED_TILE_ROWS`` tile rows) are attended in one pass, each storage run read for every
@@ -152,6 +153,43 @@ FLOAT32_PREFETCH_BYTES, FLOAT32_PREFETCH_LOCALITY, FLOAT32_SMALL_PAGE_PREFETCH =
     float32_prefetch(_target_cpu())
 
 
+def far_prefetch_16(cpu: str) -> int:
+    """How many bytes past the near prefetch (``PREFETCH_BYTES`` into every level) rows
+    of 16-bit elements (float16 and bfloat16 bits) of contiguous layouts are also
+    prefetched into L2 only (``prefetcht2``) on the CPU LLVM calls ``cpu``; 0: none
+    (``far_ahead``).
+
+    On AMD Zen (``znver*``) 16 KB: there a near prefetch alone keeps too few lines in
+    flight (``float32_prefetch``), and the far one starts most of the trip to memory
+    early. Two threads, the Llama-3.1-8B layer, kernel copies alternating call by call in
+    one process over one cache with a read probe in the same rounds (2026-12-07, load
+    below 1), median time against the near prefetch alone: bfloat16 B=4 L=4,096
+    0.83-0.94, B=1 L=32,768 0.94, B=32 L=1,024 0.92, float16 B=4 L=4,096 0.93 (far
+    distances of 14-32 KB alike; the far one without the near one 0.94). Not paged
+    layouts: at 256-token pages every far variant was slower (1.05-1.10 with the near
+    one, 1.22 alone); not int8 or e4m3 codes, which their conversion, not memory, bounds
+    (a far prefetch cost them 1.15-1.29x for float32's plan). Other CPUs: none (on the
+    Xeon an L2 prefetch 8-32 KB ahead beside the near one did not pay for float32 rows;
+    16-bit rows not measured there)."""
+    return 16 << 10 if cpu.startswith("znver") else 0
+
+
+#: ``far_prefetch_16`` of the CPU the kernels are compiled for.
+FAR_PREFETCH_16_BYTES = far_prefetch_16(_target_cpu())
+
+
+def _emit_row_prefetches(context, builder, base, nbytes, locality):
+    """IR: one ``llvm.prefetch`` (read, ``locality``, data cache) per 64-byte line of the
+    ``nbytes`` (intp) bytes from ``base`` (an i8 pointer)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+    prefetch = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+    with cgutils.for_range_slice(builder, context.get_constant(types.intp, 0), nbytes,
+                                 context.get_constant(types.intp, 64)) as (offset, _):
+        builder.call(prefetch, [builder.gep(base, [offset]), ir.Constant(i32, 0),
+                                ir.Constant(i32, locality), ir.Constant(i32, 1)])
+
+
 def _prefetch_locality(stored) -> int:
     """``llvm.prefetch``'s locality for rows whose elements are numba type ``stored``."""
     return FLOAT32_PREFETCH_LOCALITY if stored == types.float32 else 3
@@ -160,8 +198,14 @@ def _prefetch_locality(stored) -> int:
 @intrinsic
 def _prefetch_row(typingctx, rows, i):
     """Start loading row i of a [n, d] view (d contiguous) into the cache: one
-    ``llvm.prefetch`` per 64-byte line (kept in every cache level). A hint, never a
-    fault; callers stay inside the view so that no load is wasted on other rows."""
+    ``llvm.prefetch`` per 64-byte line, into the levels the rows' element type is
+    prefetched into (``_prefetch_locality``). A hint, never a fault; callers stay inside
+    the view so that no load is wasted on other rows."""
+    return _prefetch_row_ir(rows, i, near=True)
+
+
+def _prefetch_row_ir(rows, i, near: bool):
+    """The typing and codegen of ``_prefetch_row`` (``near``) and ``_prefetch_row_l2``."""
     if not (isinstance(rows, types.Array) and rows.ndim == 2 and isinstance(i, types.Integer)):
         return None
 
@@ -170,24 +214,22 @@ def _prefetch_row(typingctx, rows, i):
         arr = context.make_array(aryty)(context, builder, args[0])
         at = [context.cast(builder, args[1], ity, types.intp), context.get_constant(types.intp, 0)]
         ptr = cgutils.get_item_pointer(context, builder, aryty, arr, at, wraparound=False)
-        i8p = ir.IntType(8).as_pointer()
-        base = builder.bitcast(ptr, i8p)
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        prefetch = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
         itemsize = context.get_abi_sizeof(context.get_data_type(aryty.dtype))
         nbytes = builder.mul(builder.extract_value(arr.shape, 1),
                              context.get_constant(types.intp, itemsize))
-        line = context.get_constant(types.intp, 64)
-        locality = ir.Constant(i32, _prefetch_locality(aryty.dtype))
-        with cgutils.for_range_slice(builder, context.get_constant(types.intp, 0), nbytes,
-                                     line) as (offset, _):
-            # read (0), the locality of the rows' element type, data cache (1)
-            builder.call(prefetch, [builder.gep(base, [offset]), ir.Constant(i32, 0),
-                                    locality, ir.Constant(i32, 1)])
+        locality = _prefetch_locality(aryty.dtype) if near else 1
+        _emit_row_prefetches(context, builder, builder.bitcast(ptr, ir.IntType(8).as_pointer()),
+                             nbytes, locality)
         return context.get_dummy_value()
 
     return types.none(rows, i), codegen
+
+
+@intrinsic
+def _prefetch_row_l2(typingctx, rows, i):
+    """``_prefetch_row`` into the outer cache levels only (``prefetcht2``): the far
+    prefetch (``far_ahead``)."""
+    return _prefetch_row_ir(rows, i, near=False)
 
 
 # -- bits ----------------------------------------------------------------------------------
@@ -561,7 +603,7 @@ _dots_4x2, _dots_3x2, _dots_2x2, _dots_1x2 = (_dots_rows(r) for r in (4, 3, 2, 1
 
 
 def _pv_rows(R: int):
-    """An intrinsic ``(acc, rr, s, o, vrows, vscales, n, ahead)``: for the ``R`` rows from
+    """An intrinsic ``(acc, rr, s, o, vrows, vscales, n, ahead, far)``: for the ``R`` rows from
     ``rr``, ``acc[rr + i, :] += sum_jj p_ij * value jj`` over the run's ``n`` values
     (``p_ij = s[rr + i, o + jj]`` times value jj's scale, ``vscales`` [n] float32 or None),
     the values rows of ``vrows`` (a [n, >= d] array of a ``decode`` element type, rows of
@@ -577,12 +619,13 @@ def _pv_rows(R: int):
     every few keys: 27-28 against 33-40 ns per key for one thread's whole ``_attend``
     (bfloat16, float32 or int8, G = 4, d = 128, an L2-resident row). ``ahead`` > 0: the
     first pass also prefetches value row jj + ahead at step jj (inside the view), as
-    ``_prefetch_row``. Vectors are as wide as the target's registers (``_vector_lanes``):
+    ``_prefetch_row``, and ``far`` > 0 row jj + far into L2 (``far_ahead``).
+    Vectors are as wide as the target's registers (``_vector_lanes``):
     passes of four 16-lane vectors a row with AVX-512 (32 registers), of two 8-lane ones
     with AVX2 (16), so the accumulators never spill."""
 
     @intrinsic
-    def pv(typingctx, acc, rr, s, o, vrows, vscales, n, ahead):
+    def pv(typingctx, acc, rr, s, o, vrows, vscales, n, ahead, far):
         if not (isinstance(acc, types.Array) and acc.ndim == 2 and acc.dtype == types.float32
                 and isinstance(s, types.Array) and s.ndim == 2 and s.dtype == types.float32
                 and isinstance(vrows, types.Array) and vrows.ndim == 2
@@ -590,7 +633,7 @@ def _pv_rows(R: int):
                 and (isinstance(vscales, types.NoneType)
                      or (isinstance(vscales, types.Array) and vscales.ndim in (1, 2)
                          and vscales.dtype == types.float32))
-                and all(isinstance(x, types.Integer) for x in (rr, o, n, ahead))):
+                and all(isinstance(x, types.Integer) for x in (rr, o, n, ahead, far))):
             return None
         code = vrows.dtype
         grouped = _is_grouped_scales(vscales)
@@ -599,7 +642,7 @@ def _pv_rows(R: int):
         scaled = isinstance(vscales, types.Array) and not grouped
 
         def codegen(context, builder, signature, args):
-            acc_ty, rr_ty, s_ty, o_ty, v_ty, sc_ty, n_ty, ah_ty = signature.args
+            acc_ty, rr_ty, s_ty, o_ty, v_ty, sc_ty, n_ty, ah_ty, far_ty = signature.args
             lanes = _vector_lanes(context)
             V = 4 if lanes == 16 else 2  # vectors a row per pass: R x V accumulators
             intp = lambda x, ty: context.cast(builder, x, ty, types.intp)  # noqa: E731
@@ -615,12 +658,9 @@ def _pv_rows(R: int):
             sc_arr = (context.make_array(sc_ty)(context, builder, args[5])
                       if scaled or grouped else None)
             rr_, o_, n_ = intp(args[1], rr_ty), intp(args[3], o_ty), intp(args[6], n_ty)
-            ahead_ = intp(args[7], ah_ty)
+            ahead_, far_ = intp(args[7], ah_ty), intp(args[8], far_ty)
             fmuladd = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fmuladd.v{lanes}f32")
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                "llvm.prefetch.p0i8")
             nrows = builder.extract_value(v_arr.shape, 0)
             row_bytes = builder.mul(builder.extract_value(v_arr.shape, 1),
                                     const(context.get_abi_sizeof(stored)))
@@ -648,10 +688,16 @@ def _pv_rows(R: int):
                     with builder.if_then(wanted, likely=True):
                         base = builder.bitcast(cgutils.get_item_pointer(
                             context, builder, v_ty, v_arr, [ahead_row, zero], wraparound=False), i8p)
-                        with cgutils.for_range_slice(builder, zero, row_bytes, const(64)) as (at, _):
-                            builder.call(prefetch, [builder.gep(base, [at]), ir.Constant(i32, 0),
-                                                    ir.Constant(i32, _prefetch_locality(code)),
-                                                    ir.Constant(i32, 1)])
+                        _emit_row_prefetches(context, builder, base, row_bytes,
+                                             _prefetch_locality(code))
+                    far_row = builder.add(jj, far_)
+                    wanted_far = builder.and_(first, builder.and_(
+                        builder.icmp_signed(">", far_, zero),
+                        builder.icmp_signed("<", far_row, nrows)))
+                    with builder.if_then(wanted_far, likely=True):
+                        base = builder.bitcast(cgutils.get_item_pointer(
+                            context, builder, v_ty, v_arr, [far_row, zero], wraparound=False), i8p)
+                        _emit_row_prefetches(context, builder, base, row_bytes, 1)
                     factor_ = None
                     if scaled:
                         factor_ = builder.load(cgutils.get_item_pointer(
@@ -701,7 +747,7 @@ def _pv_rows(R: int):
                 one_pass(c0, 1)
             return context.get_dummy_value()
 
-        return types.none(acc, rr, s, o, vrows, vscales, n, ahead), codegen
+        return types.none(acc, rr, s, o, vrows, vscales, n, ahead, far), codegen
 
     return pv
 
@@ -1259,6 +1305,28 @@ def _prefetch_ahead(buf):
     return None
 
 
+def far_ahead(buf):
+    """How many rows ahead of the one being read the kernels also prefetch into L2 in a
+    layout (overloaded below; 0: none, a constant the compiler folds): contiguous rows
+    of 16-bit elements where the CPU's plan has a far prefetch (``far_prefetch_16``:
+    ``PREFETCH_BYTES`` plus that many bytes of rows), else 0 (paged and quantized
+    layouts, float32 rows)."""
+    raise NotImplementedError
+
+
+@overload(far_ahead, inline="always", jit_options={"cache": True})
+def _far_ahead(buf):
+    if isinstance(buf, types.Array):
+        if FAR_PREFETCH_16_BYTES and buf.dtype in (types.int16, types.uint16):
+            ahead = PREFETCH_BYTES + FAR_PREFETCH_16_BYTES
+            return lambda buf: max(1, ahead // (buf.shape[-1] * buf.itemsize))
+        return lambda buf: 0
+    if (_is(buf, Paged) or _is(buf, Quantized) or _is(buf, Grouped) or _is(buf, PagedQuantized)
+            or _is(buf, PagedGrouped)):
+        return lambda buf: 0
+    return None
+
+
 #: Most tile rows (KV heads x G x queries) one pass of the kernel holds when it reads the
 #: KV heads of a page together (``heads_per_pass``): the rows of a decode over every KV
 #: head of Llama-3.1-8B (8 x 4), and of one head's tile of an 8-query chunk. Though its
@@ -1505,7 +1573,7 @@ def _dequantize_block(src, dst, b, width, scale):
 GROUPED_REGISTER_ROWS = {types.int8: 8, types.uint8: 4}
 
 
-def run_dots(qt, r0, r1, rows, scales, n, s, o, ahead, scratch):
+def run_dots(qt, r0, r1, rows, scales, n, s, o, ahead, far, scratch):
     """``_block_dots`` over a storage run (``key_run``: ``rows``, ``scales``) as its layout
     is best read (overloaded by the run's scales, ``_run_overload``): in place for every
     layout (``decode`` and ``factor``, grouped codes decoded in registers,
@@ -1516,7 +1584,7 @@ def run_dots(qt, r0, r1, rows, scales, n, s, o, ahead, scratch):
     raise NotImplementedError
 
 
-def run_accumulate(acc, r0, r1, rows, scales, n, s, o, ahead, scratch):
+def run_accumulate(acc, r0, r1, rows, scales, n, s, o, ahead, far, scratch):
     """``_accumulate`` over a storage run of values (as ``run_dots``' arguments), read as
     ``run_dots`` reads keys."""
     raise NotImplementedError
@@ -1524,29 +1592,30 @@ def run_accumulate(acc, r0, r1, rows, scales, n, s, o, ahead, scratch):
 
 def _run_overload(step):
     """The overload of ``run_dots`` / ``run_accumulate`` around ``step(x, r0, r1, rows,
-    scales, n, s, o, ahead)`` (x: qt or acc)."""
-    def typed(x, r0, r1, rows, scales, n, s, o, ahead, scratch):
+    scales, n, s, o, ahead, far)`` (x: qt or acc)."""
+    def typed(x, r0, r1, rows, scales, n, s, o, ahead, far, scratch):
         if not _is_grouped_scales(scales):
-            return lambda x, r0, r1, rows, scales, n, s, o, ahead, scratch: \
-                step(x, r0, r1, rows, scales, n, s, o, ahead)
+            return lambda x, r0, r1, rows, scales, n, s, o, ahead, far, scratch: \
+                step(x, r0, r1, rows, scales, n, s, o, ahead, far)
         most = GROUPED_REGISTER_ROWS[rows.dtype]
 
-        def grouped(x, r0, r1, rows, scales, n, s, o, ahead, scratch):
+        def grouped(x, r0, r1, rows, scales, n, s, o, ahead, far, scratch):
             if r1 - r0 <= most:
-                step(x, r0, r1, rows, scales, n, s, o, ahead)
+                step(x, r0, r1, rows, scales, n, s, o, ahead, far)
             else:
                 dequantize_rows(rows, scales, n, scratch, ahead)
-                step(x, r0, r1, scratch, None, n, s, o, 0)
+                step(x, r0, r1, scratch, None, n, s, o, 0, 0)
         return grouped
     return typed
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
+def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead, far):
     """s[rr, o + jj] = qt[rr] . key jj of a run (``key_run``: rows krows [n, d], scales
     kscales), for r0 <= rr < r1 and jj < n: raw dot products, times a quantized key's scale.
 
-    ``ahead`` (``prefetch_ahead``): prefetch distance in rows, 0 for none.
+    ``ahead`` (``prefetch_ahead``): prefetch distance in rows, 0 for none; ``far``
+    (``far_ahead``): the same into L2 only, farther ahead, 0 for none.
 
     Two keys against four query rows per pass over d: eight accumulators in registers,
     each key element loaded and converted once per four rows; a tile's last three or two
@@ -1570,6 +1639,9 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
         if ahead > 0 and jj + ahead + 1 < krows.shape[0]:  # rows stored right after
             _prefetch_row(krows, jj + ahead)
             _prefetch_row(krows, jj + ahead + 1)
+        if far > 0 and jj + far + 1 < krows.shape[0]:
+            _prefetch_row_l2(krows, jj + far)
+            _prefetch_row_l2(krows, jj + far + 1)
         rr = r0
         while rr + 4 <= r1:
             if in_vectors:
@@ -1691,10 +1763,11 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def _accumulate(acc, r0, r1, s, o, vrows, vscales, n, ahead):
+def _accumulate(acc, r0, r1, s, o, vrows, vscales, n, ahead, far):
     """acc[rr] += sum_jj s[rr, o + jj] * value jj of a run (``key_run``: rows vrows
     [n, d], scales vscales), for r0 <= rr < r1 and jj < n (a quantized value's scale multiplies
-    its p here; s itself is not changed). ``ahead``: as ``_block_dots``'.
+    its p here; s itself is not changed). ``ahead``, ``far``: as ``_block_dots``' (``far``
+    taken only where d is a multiple of 16, by ``_pv_rows``).
 
     Where d is a multiple of 16 (every head dim the models use), up to four rows at a
     time through ``_pv_rows``: their accumulators in registers for the whole run, each
@@ -1707,15 +1780,16 @@ def _accumulate(acc, r0, r1, s, o, vrows, vscales, n, ahead):
     if acc.shape[1] % 16 == 0:  # accumulators in registers for the run (_pv_rows)
         rr = r0
         while rr + 4 <= r1:
-            _pv_4(acc, rr, s, o, vrows, vscales, n, ahead if rr == r0 else 0)
+            first = rr == r0  # the pass that prefetches
+            _pv_4(acc, rr, s, o, vrows, vscales, n, ahead if first else 0, far if first else 0)
             rr += 4
-        left_ahead = ahead if rr == r0 else 0
+        left_ahead, left_far = (ahead, far) if rr == r0 else (0, 0)
         if r1 - rr == 3:
-            _pv_3(acc, rr, s, o, vrows, vscales, n, left_ahead)
+            _pv_3(acc, rr, s, o, vrows, vscales, n, left_ahead, left_far)
         elif r1 - rr == 2:
-            _pv_2(acc, rr, s, o, vrows, vscales, n, left_ahead)
+            _pv_2(acc, rr, s, o, vrows, vscales, n, left_ahead, left_far)
         elif r1 - rr == 1:
-            _pv_1(acc, rr, s, o, vrows, vscales, n, left_ahead)
+            _pv_1(acc, rr, s, o, vrows, vscales, n, left_ahead, left_far)
         return
     rr = r0
     while rr + 4 <= r1:
@@ -1742,9 +1816,9 @@ def _accumulate(acc, r0, r1, s, o, vrows, vscales, n, ahead):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def _accumulate_run(acc, r0, r1, rows, scales, n, s, o, ahead):
+def _accumulate_run(acc, r0, r1, rows, scales, n, s, o, ahead, far):
     """``_accumulate`` with ``run_dots``' order of arguments (``_run_overload``)."""
-    _accumulate(acc, r0, r1, s, o, rows, scales, n, ahead)
+    _accumulate(acc, r0, r1, s, o, rows, scales, n, ahead, far)
 
 
 overload(run_dots, inline="always", jit_options={"cache": True})(_run_overload(_block_dots))
@@ -1944,6 +2018,7 @@ def _attend(qt, k_buf, v_buf, r, h0, nh, start, t0, nq, G, j0, j1, scale, softca
     R = nq * G  # rows of one head's tile
     RT = nh * R
     kahead, vahead = prefetch_ahead(k_buf), prefetch_ahead(v_buf)  # 0: none
+    kfar, vfar = far_ahead(k_buf), far_ahead(v_buf)  # 0: none
     for rr in range(RT):
         m[rr] = _NEG_INF
         l[rr] = 0.0
@@ -1956,7 +2031,8 @@ def _attend(qt, k_buf, v_buf, r, h0, nh, start, t0, nq, G, j0, j1, scale, softca
             w = n - o
             for hh in range(nh):  # one run's length for every head (the same pages)
                 krun, kscales_run, w = key_run(k_buf, r, h0 + hh, js + o, w)
-                run_dots(qt, hh * R, hh * R + R, krun, kscales_run, w, s, o, kahead, scratch)
+                run_dots(qt, hh * R, hh * R + R, krun, kscales_run, w, s, o, kahead, kfar,
+                         scratch)
             o += w
         for rr in range(RT):
             if m[rr] != m[rr]:  # NaN already: nothing can change it
@@ -2008,7 +2084,8 @@ def _attend(qt, k_buf, v_buf, r, h0, nh, start, t0, nq, G, j0, j1, scale, softca
             w = n - o
             for hh in range(nh):
                 vrun, vscales_run, w = key_run(v_buf, r, h0 + hh, js + o, w)
-                run_accumulate(acc, hh * R, hh * R + R, vrun, vscales_run, w, s, o, vahead, scratch)
+                run_accumulate(acc, hh * R, hh * R + R, vrun, vscales_run, w, s, o, vahead,
+                               vfar, scratch)
             o += w
 
 

@@ -256,6 +256,32 @@ def test_float32_prefetch_plan_follows_the_cpu_numba_compiles_for():
             nk.FLOAT32_SMALL_PAGE_PREFETCH) == nk.float32_prefetch(nk._target_cpu())
 
 
+def test_far_prefetch_plan_follows_the_cpu_and_reaches_only_contiguous_16_bit_rows():
+    """AMD Zen also prefetches 16-bit rows far ahead into L2, every other CPU does not;
+    the kernels' constant is the plan of the CPU numba targets, and only contiguous
+    float16 / bfloat16 rows take it (``far_ahead``: paged, quantized and float32 0)."""
+    for cpu in ("znver3", "znver4", "znver5"):
+        assert nk.far_prefetch_16(cpu) > nk.PREFETCH_BYTES
+    for cpu in ("sapphirerapids", "skylake-avx512", "haswell", "generic", ""):
+        assert nk.far_prefetch_16(cpu) == 0
+    assert nk.FAR_PREFETCH_16_BYTES == nk.far_prefetch_16(nk._target_cpu())
+
+    @numba.njit
+    def rows_ahead(buf):
+        return nk.far_ahead(buf)
+
+    d = 128
+    far = nk.FAR_PREFETCH_16_BYTES
+    want = (nk.PREFETCH_BYTES + far) // (2 * d) if far else 0
+    for bits in (np.int16, np.uint16):
+        assert rows_ahead(np.zeros((1, 2, 8, d), bits)) == want
+    assert rows_ahead(np.zeros((1, 2, 8, d), np.float32)) == 0
+    table = np.zeros((1, 1), np.int32)
+    assert rows_ahead(nk.paged(np.zeros((1, 2, 16, d), np.int16), table, False)) == 0
+    codes, scales = np.zeros((1, 2, 8, d), np.int8), np.ones((1, 2, 8), np.float32)
+    assert rows_ahead(nk.Quantized(codes, scales)) == 0
+
+
 def test_chunks_run_on_one_thread_below_their_multiply_add_floor():
     """A prefill chunk (a row of more than KERNEL_MAX_QUERIES queries) stays on one thread
     below CHUNK_PARALLEL_MIN_MACS multiply-adds, even past PARALLEL_MIN_WORK products;

@@ -1,7 +1,8 @@
 """``numba_kernels._dots_4x2`` against float64 dot products, for every stored element type
 the kernels decode and head dims from one vector to several, and grouped codes decoded in
 registers against the float32 rows ``dequantize_rows`` writes (``check_grouped``: the
-dots and the P V sums bit for bit); run in-process by
+dots and the P V sums bit for bit), and a block's passes with near and far prefetches
+against the same without (``check_prefetches``: bit for bit); run in-process by
 tests/test_numba_backend.py and, for the 8-lane (AVX2) form, in a process whose numba
 target is Haswell (``python -m tests.support.dots_check``; prints "ok" and the lanes the dots used)."""
 
@@ -25,11 +26,19 @@ def _grouped_passes(qt, r1, codes, scales, s, acc, decoded):
     decoded in registers (s[0], acc[0]) and from the rows ``dequantize_rows`` writes into
     ``decoded`` (s[1], acc[1]); each as ``_attend`` runs a block's dots, then its P V."""
     n = codes.shape[0]
-    nk._block_dots(qt, 0, r1, codes, scales, n, s[0], 0, 0)
-    nk._accumulate(acc[0], 0, r1, s[0], 0, codes, scales, n, 0)
+    nk._block_dots(qt, 0, r1, codes, scales, n, s[0], 0, 0, 0)
+    nk._accumulate(acc[0], 0, r1, s[0], 0, codes, scales, n, 0, 0)
     nk.dequantize_rows(codes, scales, n, decoded, 0)
-    nk._block_dots(qt, 0, r1, decoded, None, n, s[1], 0, 0)
-    nk._accumulate(acc[1], 0, r1, s[1], 0, decoded, None, n, 0)
+    nk._block_dots(qt, 0, r1, decoded, None, n, s[1], 0, 0, 0)
+    nk._accumulate(acc[1], 0, r1, s[1], 0, decoded, None, n, 0, 0)
+
+
+@njit(fastmath=nk.FASTMATH, cache=False)
+def _prefetching_passes(qt, r1, rows, n, s, acc, ahead, far):
+    """A block's dots, then its P V, over the first n of ``rows`` with the given near and
+    far prefetch distances (``prefetch_ahead``, ``far_ahead``)."""
+    nk._block_dots(qt, 0, r1, rows, None, n, s, 0, ahead, far)
+    nk._accumulate(acc, 0, r1, s, 0, rows, None, n, ahead, far)
 
 
 def stored(name: str, x: np.ndarray):
@@ -61,6 +70,30 @@ def check(seed: int = 0) -> None:
                 # float32 products summed in float32 over d <= 256 terms
                 assert err < 1e-6, f"d={d} {name} rows {rr}.. keys {j0},{j1}: error {err:.3g}"
     check_grouped(seed)
+    check_prefetches(seed)
+
+
+def check_prefetches(seed: int = 0) -> None:
+    """Prefetching changes no bit: a block's dots and P V over 16-bit and float32 rows
+    with near and far prefetches (distances inside the rows, at their end and past it:
+    the far one is skipped there) equal the same passes without any."""
+    rng = np.random.default_rng(seed)
+    for name in ("float32", "float16", "bfloat16"):
+        for d, r1 in ((128, 4), (64, 3), (32, 1)):
+            n = 40
+            bits, _ = stored(name, rng.standard_normal((n + 8, d)))
+            qt = rng.standard_normal((4, d)).astype(np.float32)
+            start = rng.standard_normal((4, d)).astype(np.float32)
+            results = []
+            for ahead, far in ((0, 0), (2, 5), (2, n - 1), (3, n + 20)):
+                s = np.zeros((4, n), np.float32)
+                acc = start.copy()
+                _prefetching_passes(qt, r1, bits, n, s, acc, ahead, far)
+                results.append((s, acc))
+            for (s, acc), ahead_far in zip(results[1:], ((2, 5), (2, n - 1), (3, n + 20))):
+                what = f"{name} d={d} rows {r1}, prefetch {ahead_far}"
+                assert np.array_equal(s.view(np.uint32), results[0][0].view(np.uint32)), what
+                assert np.array_equal(acc.view(np.uint32), results[0][1].view(np.uint32)), what
 
 
 def check_grouped(seed: int = 0) -> None:
