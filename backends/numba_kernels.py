@@ -160,17 +160,19 @@ def far_prefetch_16(cpu: str) -> int:
     (``far_ahead``).
 
     On AMD Zen (``znver*``) 16 KB: there a near prefetch alone keeps too few lines in
-    flight (``float32_prefetch``), and the far one starts most of the trip to memory
-    early. Two threads, the Llama-3.1-8B layer, kernel copies alternating call by call in
-    one process over one cache with a read probe in the same rounds (2026-12-07, load
-    below 1), median time against the near prefetch alone: bfloat16 B=4 L=4,096
-    0.83-0.94, B=1 L=32,768 0.94, B=32 L=1,024 0.92, float16 B=4 L=4,096 0.93 (far
-    distances of 14-32 KB alike; the far one without the near one 0.94). Not paged
-    layouts: at 256-token pages every far variant was slower (1.05-1.10 with the near
-    one, 1.22 alone); not int8 or e4m3 codes, which their conversion, not memory, bounds
-    (a far prefetch cost them 1.15-1.29x for float32's plan). Other CPUs: none (on the
-    Xeon an L2 prefetch 8-32 KB ahead beside the near one did not pay for float32 rows;
-    16-bit rows not measured there)."""
+    flight (``float32_prefetch``). A small gain, measured with kernel copies alternating
+    call by call in one process over one cache, two threads, the Llama-3.1-8B layer, a
+    read probe in the same rounds (2026-12-07, load 0-1.5; median time against the near
+    prefetch alone, several runs): bfloat16 B=4 L=4,096 0.88-0.97, float16 B=4 L=4,096
+    0.92-0.93 and B=1 L=32,768 0.93; bfloat16 B=1 L=32,768 0.94-1.05 and B=32 L=1,024
+    0.99-1.05 (0.96 where the far row may lie past the view), within this method's
+    spread (two copies of one kernel differed by up to 4%, unchanged paged and int8
+    kernels by 3-7%). 14-32 KB alike. Not paged layouts:
+    at 256-token pages every far variant was slower (1.05-1.10 with the near one, 1.22
+    alone); not int8 or e4m3 codes, which their conversion, not memory, bounds (a far
+    prefetch cost them 1.15-1.29x for float32's plan). Other CPUs: none (on the Xeon an
+    L2 prefetch 8-32 KB ahead beside the near one did not pay for float32 rows; 16-bit
+    rows not measured there)."""
     return 16 << 10 if cpu.startswith("znver") else 0
 
 
