@@ -683,23 +683,16 @@ def _pv_rows(R: int):
                               for v in range(vectors)]
                 first = builder.icmp_signed("==", c0, zero)  # the pass that prefetches
                 with cgutils.for_range_slice(builder, zero, n_, const(1)) as (jj, _):
-                    ahead_row = builder.add(jj, ahead_)
-                    wanted = builder.and_(first, builder.and_(
-                        builder.icmp_signed(">", ahead_, zero),
-                        builder.icmp_signed("<", ahead_row, nrows)))
-                    with builder.if_then(wanted, likely=True):
-                        base = builder.bitcast(cgutils.get_item_pointer(
-                            context, builder, v_ty, v_arr, [ahead_row, zero], wraparound=False), i8p)
-                        _emit_row_prefetches(context, builder, base, row_bytes,
-                                             _prefetch_locality(code))
-                    far_row = builder.add(jj, far_)
-                    wanted_far = builder.and_(first, builder.and_(
-                        builder.icmp_signed(">", far_, zero),
-                        builder.icmp_signed("<", far_row, nrows)))
-                    with builder.if_then(wanted_far, likely=True):
-                        base = builder.bitcast(cgutils.get_item_pointer(
-                            context, builder, v_ty, v_arr, [far_row, zero], wraparound=False), i8p)
-                        _emit_row_prefetches(context, builder, base, row_bytes, 1)
+                    # the near prefetch, then the far one into L2 (each: 0 for none)
+                    for rows_ahead, locality in ((ahead_, _prefetch_locality(code)), (far_, 1)):
+                        pf_row = builder.add(jj, rows_ahead)
+                        wanted = builder.and_(first, builder.and_(
+                            builder.icmp_signed(">", rows_ahead, zero),
+                            builder.icmp_signed("<", pf_row, nrows)))
+                        with builder.if_then(wanted, likely=True):
+                            base = builder.bitcast(cgutils.get_item_pointer(
+                                context, builder, v_ty, v_arr, [pf_row, zero], wraparound=False), i8p)
+                            _emit_row_prefetches(context, builder, base, row_bytes, locality)
                     factor_ = None
                     if scaled:
                         factor_ = builder.load(cgutils.get_item_pointer(
