@@ -1278,10 +1278,16 @@ def _prefetch_bytes(rows):
 
 
 @njit(cache=True, inline="always")
+def _rows_in(rows, nbytes):
+    """How many rows of an array [..., d] ``nbytes`` bytes span (at least 1)."""
+    return max(1, nbytes // (rows.shape[-1] * rows.itemsize))
+
+
+@njit(cache=True, inline="always")
 def _row_prefetch(rows):
     """The prefetch distance in rows of an array [..., d] (at least 1):
     ``prefetch_bytes`` of them."""
-    return max(1, prefetch_bytes(rows) // (rows.shape[-1] * rows.itemsize))
+    return _rows_in(rows, prefetch_bytes(rows))
 
 
 @overload(prefetch_ahead, inline="always", jit_options={"cache": True})
@@ -1314,7 +1320,7 @@ def _far_ahead(buf):
     if isinstance(buf, types.Array):
         if FAR_PREFETCH_16_BYTES and buf.dtype in (types.int16, types.uint16):
             ahead = PREFETCH_BYTES + FAR_PREFETCH_16_BYTES
-            return lambda buf: max(1, ahead // (buf.shape[-1] * buf.itemsize))
+            return lambda buf: _rows_in(buf, ahead)
         return lambda buf: 0
     if (_is(buf, Paged) or _is(buf, Quantized) or _is(buf, Grouped) or _is(buf, PagedQuantized)
             or _is(buf, PagedGrouped)):
