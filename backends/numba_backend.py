@@ -971,11 +971,11 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
         n_new = np.asarray(n_new, dtype=np.int64)
         o_part = np.empty((work.n_part, d), dtype=np.float32)
         ml_part = np.empty((work.n_part, 2), dtype=np.float32)
-        q32 = np.ascontiguousarray(q, dtype=np.float32)
-        q4, o4, lse3 = q32, o, lse
+        qk = _kernel_queries(q, k_buf, nk)
+        q4, o4, lse3 = qk, o, lse
         if len(shape) == 3:  # packed [N, Hq, d] as [N, Hq, 1, d] (numba_kernels.query_slot)
             N, Hq = shape[:2]
-            q4, o4, lse3 = q32.reshape(N, Hq, 1, d), o.reshape(N, Hq, 1, d), lse.reshape(N, Hq, 1)
+            q4, o4, lse3 = qk.reshape(N, Hq, 1, d), o.reshape(N, Hq, 1, d), lse.reshape(N, Hq, 1)
         at = _PADDED_OFFSETS if offsets is None else np.asarray(offsets, dtype=np.int64)
         # BLAS held at one thread while numba's threads run (one worker: the calling
         # thread alone, nothing to share the cores with)
@@ -987,6 +987,23 @@ def run_numba(work: NumbaWork, q, k_buf, v_buf, rows, lens, n_new, *, return_lse
             _run_items(nk, work, q4, k_buf, v_buf, rows, lens, n_new, o4, lse3, o_part, ml_part,
                        at)
     return _hand_back(q, o, lse, out, lse_out, return_lse)
+
+
+def _kernel_queries(q, k_buf, nk):
+    """q (C-contiguous) as the kernels take it: bfloat16 bits (int16) where the keys are
+    plain bfloat16 (an int16 array, or a ``Paged`` pool of them) and q holds bfloat16
+    values (bfloat16, or float32 whose low 16 bits are all zero), so the dots run on
+    bfloat16 pair products (``numba_kernels._dots_rows``: each product exact, as the
+    float32 route's); else float32."""
+    keys = k_buf.pool if isinstance(k_buf, nk.Paged) else k_buf
+    if isinstance(keys, np.ndarray) and keys.dtype == np.int16:
+        if _dtype_name(q.dtype) == "bfloat16":
+            return np.ascontiguousarray(q).view(np.int16)
+        if q.dtype == np.float32:
+            bits = np.ascontiguousarray(q).view(np.uint32)
+            if not (bits & np.uint32(0xFFFF)).any():
+                return (bits >> np.uint32(16)).astype(np.int16)
+    return np.ascontiguousarray(q, dtype=np.float32)
 
 
 def _set_threads(n: int) -> None:

@@ -194,6 +194,39 @@ def test_padded_queries_and_empty_rows_are_exact():
 
 # -- routing, threads, availability -----------------------------------------------------------
 
+def test_bfloat16_queries_reach_the_pair_product_dots_exactly_over_plain_bfloat16_keys():
+    """``_kernel_queries``: q reaches the kernels as bfloat16 bits (int16: the dots' pair
+    products, ``numba_kernels._dots_rows``) exactly where the keys are plain bfloat16
+    (an int16 array or a ``Paged`` pool of them) and q holds bfloat16 values (bfloat16,
+    or float32 whose low 16 bits are zero); everywhere else float32. Both carry q's
+    values, and float32 queries holding bfloat16 values give the bfloat16 queries' lse
+    bit for bit (the same route)."""
+    from gqakv_backends.numba_backend import _kernel_queries
+
+    rng = np.random.default_rng(31)
+    qb = rng.standard_normal((2, 4, 3, 32)).astype(DTYPES["bfloat16"])
+    held = qb.astype(np.float32)
+    loose = held + np.float32(1e-3)  # not bfloat16 values any more
+    assert (loose.view(np.uint32) & 0xFFFF).any()
+    bf16_keys = np.zeros((2, 2, 8, 32), np.int16)
+    paged = nk.paged(np.zeros((3, 2, 16, 32), np.int16), np.zeros((2, 1), np.int32), False)
+    quantized = nk.Quantized(np.zeros((2, 2, 8, 32), np.int8), np.ones((2, 2, 8), np.float32))
+    for q, keys, int16 in ((qb, bf16_keys, True), (held, bf16_keys, True), (qb, paged, True),
+                           (loose, bf16_keys, False), (qb, np.zeros((2, 2, 8, 32), np.uint16), False),
+                           (qb, np.zeros((2, 2, 8, 32), np.float32), False), (qb, quantized, False),
+                           (held.astype(np.float16), bf16_keys, False)):
+        got = _kernel_queries(q, keys, nk)
+        assert got.dtype == (np.int16 if int16 else np.float32), (q.dtype, type(keys))
+        assert got.flags.c_contiguous and got.shape == q.shape
+        as32 = got.view(DTYPES["bfloat16"]).astype(np.float32) if int16 else got
+        np.testing.assert_array_equal(as32, q.astype(np.float32))
+    lens, n_new = [40, 9], [3, 1]
+    _, k, v = _case(rng, lens, n_new, 2, 2, 32, DTYPES["bfloat16"])
+    _, lse_b = _run(qb, k, v, lens, n_new)
+    _, lse_f = _run(held, k, v, lens, n_new)
+    np.testing.assert_array_equal(lse_b.view(np.uint32), lse_f.view(np.uint32))
+
+
 def test_route_names_the_implementation_and_the_reason():
     b = NumbaBackend()
     f32 = np.zeros((1, 2, 8, 4), np.float32)

@@ -1,7 +1,8 @@
 """``numba_kernels._dots_4x2`` against float64 dot products, for every stored element type
 the kernels decode and head dims from one vector to several, and grouped codes decoded in
 registers against the float32 rows ``dequantize_rows`` writes (``check_grouped``: the
-dots and the P V sums bit for bit), and a block's passes with near and far prefetches
+dots and the P V sums bit for bit), bfloat16 queries over bfloat16 keys
+(``check_bfloat16_queries``: pair products where the target has them), and a block's passes with near and far prefetches
 against the same without (``check_prefetches``: bit for bit); run in-process by
 tests/test_numba_backend.py and, for the 8-lane (AVX2) form, in a process whose numba
 target is Haswell (``python -m tests.support.dots_check``; prints "ok" and the lanes the dots used)."""
@@ -18,6 +19,12 @@ from gqakv_backends import numba_kernels as nk
 @njit(fastmath=nk.FASTMATH, cache=False)
 def _dots(qt, rr, krows, j0, j1):
     return nk._dots_4x2(qt, rr, krows, None, j0, j1)
+
+
+@njit(fastmath=nk.FASTMATH, cache=False)
+def _tile_dots(qt, r0, r1, krows, s):
+    """s[r0:r1, :n] = the dots of tile rows r0..r1 with all n keys (``_block_dots``)."""
+    nk._block_dots(qt, r0, r1, krows, None, krows.shape[0], s, 0, 0, 0)
 
 
 @njit(fastmath=nk.FASTMATH, cache=False)
@@ -71,6 +78,38 @@ def check(seed: int = 0) -> None:
                 assert err < 1e-6, f"d={d} {name} rows {rr}.. keys {j0},{j1}: error {err:.3g}"
     check_grouped(seed)
     check_prefetches(seed)
+    check_bfloat16_queries(seed)
+
+
+def check_bfloat16_queries(seed: int = 0) -> None:
+    """Queries as bfloat16 bits (int16) over bfloat16 keys: the dots equal float64 ones to
+    float32 rounding (every product is exact) for head dims of one 16-column vector to
+    eight 32-column pairs, d = 48 and 80 (a last 16 columns widened) and d = 40 (the
+    scalar loops); a row's dots are the same bits whichever rows share its pass (4, 3, 2
+    or 1; d a multiple of 16, as ``_dots_rows`` promises); and the pair products (``vdpbf16ps``) are compiled in exactly where the
+    target has them (``_has_bf16_dots``)."""
+    from numba.core.registry import cpu_target
+
+    rng = np.random.default_rng(seed)
+    n = 7  # odd: the last key has no partner
+    for d in (16, 32, 40, 48, 80, 128, 256):
+        qt, q = stored("bfloat16", rng.standard_normal((4, d)))
+        keys, k = stored("bfloat16", rng.standard_normal((n, d)))
+        qt, q = stored("bfloat16", q * np.array([[1.0], [1e4], [1e-3], [1.0]]))  # rows of very different sizes
+        want = q @ k.T
+        full = np.zeros((4, n), np.float32)
+        _tile_dots(qt, 0, 4, keys, full)
+        err = np.abs(full - want).max(axis=1) / np.abs(want).max(axis=1)
+        assert err.max() < 1e-6, f"d={d}: relative errors by row {err}"
+        for r0, r1 in ((0, 3), (1, 3), (3, 4), (0, 2), (2, 3)) if d % 16 == 0 else ():
+            part = np.zeros((4, n), np.float32)
+            _tile_dots(qt, r0, r1, keys, part)
+            assert np.array_equal(part[r0:r1].view(np.uint32), full[r0:r1].view(np.uint32)), \
+                f"d={d}: rows {r0}..{r1} in their own pass differ from the pass of four"
+    _dots(qt, 0, keys, 0, 1)  # d = 256, every row of a pass of four
+    asm = "".join(_dots.inspect_asm().values())
+    has = nk._has_bf16_dots(cpu_target.target_context)
+    assert ("vdpbf16ps" in asm) == has, f"vdpbf16ps compiled in: {'vdpbf16ps' in asm}, target has it: {has}"
 
 
 def check_prefetches(seed: int = 0) -> None:
