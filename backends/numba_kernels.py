@@ -289,7 +289,7 @@ def _like(ty, element):
     return ir.VectorType(element, ty.count) if isinstance(ty, ir.VectorType) else element
 
 
-def _emit_to_float32(builder, raw, code):
+def _emit_to_float32(builder, raw, code, nan_bits: bool = True):
     """IR: stored elements ``raw`` (a scalar or a vector of the stored integer type, or of
     float) -> float32, by ``code``, the stored element's numba type (``decode``'s table):
     float32 as is, uint16 float16 bits (``_half_bits_to_float32``), int16 bfloat16 bits,
@@ -307,8 +307,12 @@ def _emit_to_float32(builder, raw, code):
     if code == types.uint16:
         # LLVM's ``fpext half`` is exact but the hardware quiets a signaling NaN (sets
         # float32 bit 22): where the result is NaN and the float16 quiet bit (bit 9) was
-        # clear, bit 22 is cleared again (a test and a masked AND per vector).
+        # clear, bit 22 is cleared again (a test and a masked AND per vector), unless
+        # ``nan_bits`` is False: for values only multiplied and summed, where any NaN
+        # gives NaN whatever its bits (the dots and P V; 4 of a vector's 5 operations).
         f = builder.fpext(builder.bitcast(raw, f16), f32)
+        if not nan_bits:
+            return f
         is_nan = builder.fcmp_unordered("uno", f, f)
         was_signaling = builder.icmp_unsigned("==", builder.and_(raw, _splat(i16, 0x0200)),
                                               _splat(i16, 0))
@@ -635,7 +639,8 @@ def _dots_rows(R: int):
                 with cgutils.for_range_slice(builder, widened_from, d, intp(lanes)) as (c, _):
                     columns(c, [_emit_to_float32(builder, builder.load(
                         builder.bitcast(builder.gep(k, [c]), vk.as_pointer()),
-                        align=context.get_abi_sizeof(stored)), code) for k in k_rows])
+                        align=context.get_abi_sizeof(stored)), code, nan_bits=False)
+                        for k in k_rows])
             pad = ir.Constant(vf, [-0.0] * lanes)  # x + -0.0 is x: the tree's adds fold
             vals = [builder.load(accs[j, i]) if i < R else pad for j in range(2) for i in range(4)]
 
@@ -784,7 +789,7 @@ def _pv_rows(R: int):
                                                            wraparound=False)
                             raw = builder.load(builder.bitcast(ptr, vk.as_pointer()),
                                                align=context.get_abi_sizeof(stored))
-                            x = _emit_to_float32(builder, raw, code)
+                            x = _emit_to_float32(builder, raw, code, nan_bits=False)
                         for i in range(R):
                             slot = accs[i][v]
                             builder.store(builder.call(fmuladd, [ps[i], x, builder.load(slot)]), slot)

@@ -162,8 +162,14 @@ def test_nan_scores_make_their_queries_nan_and_no_others(dtype):
     hkv, G, d = 2, 3, 16
     q, k, v = _case(rng, lens, n_new, hkv, G, d, DTYPES[dtype])
     q[0, 4, 1] = np.nan  # entry 0, query head 4 (KV head 1), second query of the chunk
-    k[2, 0, 20, 5] = np.nan  # a live key of entry 2, KV head 0: its 3 query heads see it
-    want, want_lse = _reference(q, np.nan_to_num(k, nan=0.0), v, lens, n_new)
+    # a live key of entry 2, KV head 0 (its 3 query heads see it): a signaling NaN, which
+    # the dots widen without restoring its bits (any NaN gives NaN)
+    signaling = {"float32": (np.uint32, 0x7F800001), "float16": (np.uint16, 0x7C01),
+                 "bfloat16": (np.uint16, 0x7F81)}[dtype]
+    k[2, 0, 20, 5] = 0.0
+    want, want_lse = _reference(q, k, v, lens, n_new)  # the NaN key as 0: the other queries' result
+    k.view(signaling[0])[2, 0, 20, 5] = signaling[1]
+    assert np.isnan(k[2, 0, 20, 5])
     bad = np.zeros(want_lse.shape, bool)
     bad[0, 4, 1] = True
     bad[2, :G, 0] = True
