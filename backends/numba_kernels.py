@@ -1686,9 +1686,10 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead, far):
     at a time go through ``_dots_4x2`` where d is a multiple of 16, which addresses the
     rows without making views of them (each view counts a reference on the buffer: two
     atomic operations on a counter the threads share, per key); so do the last three,
-    two or one rows (``_dots_rows``). Where d is not a multiple of 16 the passes take views
-    indexed by the loop counter alone (no negative-index fix-up), so their loop over d
-    compiles to plain vector loads and FMAs.
+    two or one rows (``_dots_rows``). Where d is not a multiple of 16 (no model's head dim)
+    the passes take views indexed by the loop counter alone (no negative-index fix-up), so
+    their loop over d compiles to plain vector loads and FMAs: four rows a pass, the last
+    rows one at a time; queries as bfloat16 bits are widened there (``decode``).
     """
     _prefer_512_bit_vectors()
     d = qt.shape[1]
@@ -1765,53 +1766,7 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead, far):
             if two:
                 s[rr, o + jj + 1] = b0 * f1
             rr += 1
-        elif r1 - rr == 3:  # d off multiples of 16: the loops below
-            k0, k1 = krows[jj], krows[j1]
-            q0, q1, q2 = qt[rr], qt[rr + 1], qt[rr + 2]
-            a0 = np.float32(0.0)
-            a1 = np.float32(0.0)
-            a2 = np.float32(0.0)
-            b0 = np.float32(0.0)
-            b1 = np.float32(0.0)
-            b2 = np.float32(0.0)
-            for c in range(d):
-                x = decode(k0[c])
-                y = decode(k1[c])
-                a0 += decode(q0[c]) * x
-                a1 += decode(q1[c]) * x
-                a2 += decode(q2[c]) * x
-                b0 += decode(q0[c]) * y
-                b1 += decode(q1[c]) * y
-                b2 += decode(q2[c]) * y
-            s[rr, o + jj] = a0 * f0
-            s[rr + 1, o + jj] = a1 * f0
-            s[rr + 2, o + jj] = a2 * f0
-            if two:
-                s[rr, o + jj + 1] = b0 * f1
-                s[rr + 1, o + jj + 1] = b1 * f1
-                s[rr + 2, o + jj + 1] = b2 * f1
-            rr += 3
-        elif r1 - rr == 2:  # G = 2, 6, ...
-            k0, k1 = krows[jj], krows[j1]
-            q0, q1 = qt[rr], qt[rr + 1]
-            a0 = np.float32(0.0)
-            a1 = np.float32(0.0)
-            b0 = np.float32(0.0)
-            b1 = np.float32(0.0)
-            for c in range(d):
-                x = decode(k0[c])
-                y = decode(k1[c])
-                a0 += decode(q0[c]) * x
-                a1 += decode(q1[c]) * x
-                b0 += decode(q0[c]) * y
-                b1 += decode(q1[c]) * y
-            s[rr, o + jj] = a0 * f0
-            s[rr + 1, o + jj] = a1 * f0
-            if two:
-                s[rr, o + jj + 1] = b0 * f1
-                s[rr + 1, o + jj + 1] = b1 * f1
-            rr += 2
-        if rr < r1:  # one row left (G = 1, 5, ...)
+        while rr < r1:  # d off multiples of 16: the last rows one at a time
             k0, k1 = krows[jj], krows[j1]
             q0 = qt[rr]
             a0 = np.float32(0.0)
@@ -1822,6 +1777,7 @@ def _block_dots(qt, r0, r1, krows, kscales, n, s, o, ahead, far):
             s[rr, o + jj] = a0 * f0
             if two:
                 s[rr, o + jj + 1] = b0 * f1
+            rr += 1
         jj += 2
 
 
