@@ -76,6 +76,14 @@ _TILE = "x86_amx"
 _SHAPE = "i16 16, i16 64"  # every tile: 16 rows of 64 bytes
 
 
+def holds_bfloat16(q) -> bool:
+    """Whether ``q`` is float32 holding bfloat16 values only (the low 16 bits of every
+    element zero: bfloat16 queries widened by a caller, as the shared-prefix plan's
+    parts are), which bfloat16 products (the tiles, ``vdpbf16ps``) multiply exactly as
+    they are."""
+    return q.dtype == np.float32 and not (q.view(np.uint32) & np.uint32(0xFFFF)).any()
+
+
 def _load(name: str, ptr: str, stride: str) -> str:
     return f"  %{name} = call {_TILE} @llvm.x86.tileloadd64.internal({_SHAPE}, ptr %{ptr}, i64 %{stride})\n"
 

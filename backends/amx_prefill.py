@@ -55,6 +55,7 @@ from numba.extending import intrinsic
 from gqakv.ops.merge import SoftmaxState
 
 from . import amx
+from .amx import holds_bfloat16
 from .numba_kernels import bfloat16_parts, score, softmax_block
 from .numpy_readers import MIN_BLOCK_KEYS, Coded, Pages, Plain, _converted_keys
 from .scratch import thread_buffer
@@ -383,13 +384,6 @@ def _code_values(reader):
     if scales.ndim != codes.ndim - 1 or codes.dtype.itemsize != 1:
         return None
     return _code_table(reader.codec.kernel_tag)
-
-
-def holds_bfloat16(q) -> bool:
-    """Whether ``q`` is float32 holding bfloat16 values only (the low 16 bits of every
-    element zero: bfloat16 queries widened by a caller, as the shared-prefix plan's
-    parts are), which the tiles multiply exactly as they are."""
-    return q.dtype == np.float32 and not (q.view(np.uint32) & np.uint32(0xFFFF)).any()
 
 
 def declines(q, reader, params, tree) -> str | None:

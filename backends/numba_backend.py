@@ -999,10 +999,8 @@ def _kernel_queries(q, k_buf, nk):
     if isinstance(keys, np.ndarray) and keys.dtype == np.int16:
         if _dtype_name(q.dtype) == "bfloat16":
             return np.ascontiguousarray(q).view(np.int16)
-        if q.dtype == np.float32:
-            bits = np.ascontiguousarray(q).view(np.uint32)
-            if not (bits & np.uint32(0xFFFF)).any():
-                return (bits >> np.uint32(16)).astype(np.int16)
+        if amx.holds_bfloat16(q):
+            return (np.ascontiguousarray(q).view(np.uint32) >> np.uint32(16)).astype(np.int16)
     return np.ascontiguousarray(q, dtype=np.float32)
 
 

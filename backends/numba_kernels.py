@@ -486,11 +486,15 @@ def _tree_order(lanes):
     return [last.index(v) for v in range(8)]
 
 
+def _target_features(context) -> str:
+    """The CPU features numba's target compiles for (LLVM's "+avx512f,-amx-bf16,..." list)."""
+    return str(getattr(context.codegen(), "_tm_features", ""))
+
+
 def _vector_lanes(context) -> int:
     """float32 lanes of the widest vector register numba's target has: 16 with AVX-512,
     else 8 (AVX2; a 16-lane vector there is two registers and its shuffles cross them)."""
-    features = str(getattr(context.codegen(), "_tm_features", ""))
-    return 16 if "+avx512f" in features else 8
+    return 16 if "+avx512f" in _target_features(context) else 8
 
 
 class _BFloat16(ir.types._BaseFloatType):
@@ -509,7 +513,7 @@ _BFloat16._create_instance()
 def _has_bf16_dots(context) -> bool:
     """Whether numba's target CPU has AVX-512 BF16 dot products (``vdpbf16ps``: AMD Zen 4
     and later, Intel Cooper Lake and Sapphire Rapids and later)."""
-    features = str(getattr(context.codegen(), "_tm_features", ""))
+    features = _target_features(context)
     return "+avx512f" in features and "+avx512bf16" in features
 
 
@@ -2015,7 +2019,8 @@ def _attend(qt, k_buf, v_buf, r, h0, nh, start, t0, nq, G, j0, j1, scale, softca
     """Online softmax of the tiles of KV heads h0 .. h0 + nh - 1 of row r (queries
     t0..t0+nq) over keys j0:j1, one tile of nq * G rows per head.
 
-    qt: [nh * nq * G, d] float32 (or bfloat16 bits as int16: ``_dots_rows``), row (hh * nq + t) * G + g is query t0 + t of query head
+    qt: [nh * nq * G, d] float32 (or bfloat16 bits as int16: ``_dots_rows``), row
+    (hh * nq + t) * G + g is query t0 + t of query head
     (h0 + hh) * G + g; acc: [>= nh * nq * G, d], m, l: [>= nh * nq * G] are reset here and
     hold the unnormalized output, running max and sum on return; s: [>= nh * nq * G,
     key_block] scratch. Per storage run (a page, when paged) the heads are read one after
@@ -2126,7 +2131,8 @@ def attention_items(q, k_buf, v_buf, rows, lens, n_new, items, run_starts, part_
     """Every item of the plan; runs of items go to threads (one prange index per run).
 
     q: [B, Hq, T, d] float32, or bfloat16 bits (int16) over bfloat16 keys (the dots'
-    pair products, ``_dots_rows``); out float32 alike and lse [B, Hq, T]; or packed [N, Hq, 1, d] with
+    pair products, ``_dots_rows``); out float32 alike and lse [B, Hq, T]; or packed
+    [N, Hq, 1, d] with
     ``offsets`` [B] (entry i's first query's row; empty: padded; ``query_slot``);
     k_buf, v_buf: the layout (``key_run``): arrays
     [rows_total, Hkv, max_len, d], a ``Paged`` pool and table, or ``Quantized`` codes and

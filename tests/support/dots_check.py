@@ -2,8 +2,9 @@
 the kernels decode and head dims from one vector to several, and grouped codes decoded in
 registers against the float32 rows ``dequantize_rows`` writes (``check_grouped``: the
 dots and the P V sums bit for bit), bfloat16 queries over bfloat16 keys
-(``check_bfloat16_queries``: pair products where the target has them), and a block's passes with near and far prefetches
-against the same without (``check_prefetches``: bit for bit); run in-process by
+(``check_bfloat16_queries``: pair products where the target has them), and a block's
+passes with near and far prefetches against the same without (``check_prefetches``: bit
+for bit); run in-process by
 tests/test_numba_backend.py and, for the 8-lane (AVX2) form, in a process whose numba
 target is Haswell (``python -m tests.support.dots_check``; prints "ok" and the lanes the dots used)."""
 
@@ -86,16 +87,17 @@ def check_bfloat16_queries(seed: int = 0) -> None:
     float32 rounding (every product is exact) for head dims of one 16-column vector to
     eight 32-column pairs, d = 48 and 80 (a last 16 columns widened) and d = 40 (the
     scalar loops), in passes of 4, 3, 2 or 1 rows; a row's dots are the same bits
-    whichever rows share its pass (d a multiple of 16, as ``_dots_rows`` promises); and the pair products (``vdpbf16ps``) are compiled in exactly where the
-    target has them (``_has_bf16_dots``)."""
+    whichever rows share its pass (d a multiple of 16, as ``_dots_rows`` promises); and
+    the pair products (``vdpbf16ps``) are compiled in exactly where the target has them
+    (``_has_bf16_dots``)."""
     from numba.core.registry import cpu_target
 
     rng = np.random.default_rng(seed)
     n = 7  # odd: the last key has no partner
     for d in (16, 32, 40, 48, 80, 128, 256):
-        qt, q = stored("bfloat16", rng.standard_normal((4, d)))
+        sizes = np.array([[1.0], [1e4], [1e-3], [1.0]])  # rows of very different sizes
+        qt, q = stored("bfloat16", rng.standard_normal((4, d)) * sizes)
         keys, k = stored("bfloat16", rng.standard_normal((n, d)))
-        qt, q = stored("bfloat16", q * np.array([[1.0], [1e4], [1e-3], [1.0]]))  # rows of very different sizes
         want = q @ k.T
         full = np.zeros((4, n), np.float32)
         _tile_dots(qt, 0, 4, keys, full)
